@@ -1,0 +1,42 @@
+"""headlab: multi-head attention, what it costs, efficient ways to compute it, and instruments
+that show what each head does.
+
+    >>> import torch, headlab
+    >>> q = k = v = torch.randn(1, 4, 16, 8)          # (batch, heads, seq, head_dim)
+    >>> headlab.attention(q, k, v, causal=True).shape
+    torch.Size([1, 4, 16, 8])
+    >>> est = headlab.costs.estimate(headlab.costs.AttentionShape(heads=32, q_len=4096, layers=32, dtype="float16"), "reference")
+    >>> est.attention_weights_bytes
+    34359738368
+"""
+
+from importlib import import_module as _import_module
+
+from headlab import errors
+from headlab.attention import masks
+from headlab import attention  # a callable package: headlab.attention(q, k, v, ...)
+from headlab.attention.core import attention_weights, backends
+from headlab.attention.module import MultiHeadAttention
+
+__version__ = "0.1.0"
+
+__all__ = ["MultiHeadAttention", "attention", "attention_weights", "backends", "costs", "errors", "masks"]
+
+# Heavier layers load on first use, so `import headlab` stays quick.
+_LAZY = {
+    "costs": "headlab.costs",
+    "testing": "headlab.testing",
+    # added by the statistics, models and interpretability work:
+    "attention_stats": ("headlab.attention.stats", "attention_stats"),
+    "load": ("headlab.models", "load"),
+    "capture": ("headlab.interpret.capture", "capture"),
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        target = _LAZY[name]
+        obj = _import_module(target) if isinstance(target, str) else getattr(_import_module(target[0]), target[1])
+        globals()[name] = obj
+        return obj
+    raise AttributeError(f"module 'headlab' has no attribute {name!r}")

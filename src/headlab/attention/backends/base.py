@@ -1,0 +1,153 @@
+"""The backend interface and registry.
+
+A backend is one way of computing attention. Each declares what it supports as data
+(:class:`Capabilities`) and answers ``supports(spec) -> (ok, reason)`` for a concrete call;
+``backend="auto"`` picks the preferred exact backend that supports the call.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import torch
+
+from headlab.attention.masks import MaskFn
+from headlab.attention.spec import AttentionSpec
+from headlab.errors import BackendUnsupportedError, UnknownBackendError
+
+ALL_FLOATS = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a backend can do. Each field is a yes/no a user asks before choosing it."""
+
+    dtypes: frozenset = ALL_FLOATS  # input dtypes accepted
+    bool_mask: bool = True  # boolean tensor masks
+    mask_fn: bool = True  # headlab.masks mask functions
+    causal: bool = True  # causal=True
+    gqa: bool = True  # grouped-query heads without copying K/V per query head
+    dropout: bool = True  # dropout_p > 0
+    grad: bool = True  # backward pass
+    returns_weights: bool = False  # can return the (B, H, Lq, Lk) weights
+    exact: bool = True  # exact softmax attention (False: an approximation)
+    materializes: bool = False  # holds an n x n map in memory
+    devices: frozenset = field(default_factory=lambda: frozenset({"cpu", "cuda"}))
+
+    def as_dict(self) -> dict:
+        return {
+            "dtypes": sorted(str(d).removeprefix("torch.") for d in self.dtypes),
+            "bool_mask": self.bool_mask,
+            "mask_fn": self.mask_fn,
+            "causal": self.causal,
+            "gqa": self.gqa,
+            "dropout": self.dropout,
+            "grad": self.grad,
+            "returns_weights": self.returns_weights,
+            "exact": self.exact,
+            "materializes": self.materializes,
+            "devices": sorted(self.devices),
+        }
+
+
+class Backend:
+    """Base class. Subclasses set ``name``, ``summary``, ``capabilities`` and ``priority`` and
+    implement :meth:`forward`."""
+
+    name: ClassVar[str]
+    summary: ClassVar[str]
+    capabilities: ClassVar[Capabilities]
+    # auto picks the exact backend with the lowest priority that supports the call
+    priority: ClassVar[int] = 100
+    # suggested when this backend refuses a call
+    alternative: ClassVar[str | None] = None
+
+    def supports(self, spec: AttentionSpec) -> tuple[bool, str]:
+        c = self.capabilities
+        if spec.dtype not in c.dtypes:
+            return False, f"dtype {str(spec.dtype).removeprefix('torch.')} is not supported"
+        if spec.device.type not in c.devices:
+            return False, f"device {spec.device.type} is not supported"
+        if spec.mask_kind == "bool" and not c.bool_mask:
+            return False, "boolean tensor masks are not supported"
+        if spec.mask_kind == "function" and not c.mask_fn:
+            return False, "mask functions are not supported"
+        if spec.causal and not c.causal:
+            return False, "causal=True is not supported"
+        if spec.dropout_p > 0 and not c.dropout:
+            return False, "dropout is not supported"
+        if spec.requires_grad and not c.grad:
+            return False, "gradients are not supported"
+        if spec.need_weights and not c.returns_weights:
+            return False, "returning attention weights is not supported"
+        return True, ""
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        spec: AttentionSpec,
+        *,
+        mask: torch.Tensor | MaskFn | None,
+        scale: float,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Return ``(out (B, H, Lq, v_dim), weights (B, H, Lq, Lk) or None)``."""
+        raise NotImplementedError
+
+    def check_memory(self, spec: AttentionSpec) -> None:
+        """Refuse before allocating when the call cannot fit (materialising backends override)."""
+
+    def __repr__(self) -> str:
+        return f"<headlab backend {self.name!r}>"
+
+
+_REGISTRY: dict[str, Backend] = {}
+
+
+def register(backend_cls: type[Backend]) -> type[Backend]:
+    """Class decorator: add a backend to the registry under ``backend_cls.name``."""
+    _REGISTRY[backend_cls.name] = backend_cls()
+    return backend_cls
+
+
+def names() -> list[str]:
+    return list(_REGISTRY)
+
+
+def get(name: str | Backend) -> Backend:
+    """The backend registered as ``name`` (a :class:`Backend` instance passes through)."""
+    if isinstance(name, Backend):
+        return name
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise UnknownBackendError(
+            f"unknown backend {name!r}; known backends: {', '.join(['auto', *_REGISTRY])}"
+        ) from None
+
+
+def choose(spec: AttentionSpec) -> Backend:
+    """The backend ``backend="auto"`` uses for ``spec``: the exact one with the lowest priority."""
+    reasons = []
+    for b in sorted(_REGISTRY.values(), key=lambda b: b.priority):
+        if not b.capabilities.exact:
+            continue
+        ok, why = b.supports(spec)
+        if ok:
+            return b
+        reasons.append(f"{b.name}: {why}")
+    raise BackendUnsupportedError("no backend supports this call (" + "; ".join(reasons) + ")")
+
+
+def require(backend: Backend, spec: AttentionSpec) -> None:
+    ok, why = backend.supports(spec)
+    if not ok:
+        alt = None
+        for b in sorted(_REGISTRY.values(), key=lambda b: b.priority):
+            if b is not backend and b.capabilities.exact and b.supports(spec)[0]:
+                alt = b.name
+                break
+        hint = f"; use backend={alt!r}" if alt else ""
+        raise BackendUnsupportedError(f"backend {backend.name!r} cannot serve this call: {why}{hint}")

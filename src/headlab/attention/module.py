@@ -1,0 +1,228 @@
+"""``MultiHeadAttention``: the module, from the equations (Vaswani et al. 2017).
+
+    head_h = softmax(Q W_Q^h (K W_K^h)^T / sqrt(d_k) + M) V W_V^h
+    MHA(Q, K, V) = Concat(head_1, ..., head_H) W^O
+
+Weights live in four ``nn.Linear`` layers laid out like Hugging Face's (``q_proj``, ``k_proj``,
+``v_proj``, ``out_proj``); the per-head matrices of the equations are views into them
+(:attr:`MultiHeadAttention.W_Q` ...), so editing a view edits the layer.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from headlab.attention.core import _attention
+from headlab.attention.masks import MaskFn, as_mask
+from headlab.errors import ConfigError, MaskError, ShapeError
+
+
+class MultiHeadAttention(nn.Module):
+    """Multi-head attention, batch first: inputs ``(batch, seq, embed)``.
+
+    Args:
+        embed_dim: model width E; ``head_dim = embed_dim // num_heads``.
+        num_heads: query heads H.
+        num_kv_heads: key/value heads (grouped-query attention; 1 = multi-query); default H.
+        kdim, vdim: widths of the key and value inputs for cross-attention; default E.
+        bias: biases on the four projections.
+        dropout: dropout on attention probabilities while training.
+        backend: attention backend (``"auto"``, ``"sdpa"``, ``"reference"``, ...).
+
+    ``head_gate`` (shape ``(H,)``, default ones) multiplies each head's output before W^O;
+    set an entry to 0 to ablate a head, or call ``head_gate.requires_grad_(True)`` to take
+    gradients with respect to the gates (head importance).
+
+    Example:
+        >>> import torch, headlab
+        >>> mha = headlab.MultiHeadAttention(32, 4, num_kv_heads=2)
+        >>> x = torch.randn(2, 7, 32)
+        >>> out, w = mha(x, causal=True, need_weights=True)
+        >>> out.shape, w.shape
+        (torch.Size([2, 7, 32]), torch.Size([2, 4, 7, 7]))
+        >>> mha.W_Q.shape, mha.W_O.shape     # (H, E, d), (H, d, E)
+        (torch.Size([4, 32, 8]), torch.Size([4, 8, 32]))
+    """
+
+    def __init__(
+        self,
+        embed_dim: int,
+        num_heads: int,
+        *,
+        num_kv_heads: int | None = None,
+        kdim: int | None = None,
+        vdim: int | None = None,
+        bias: bool = True,
+        dropout: float = 0.0,
+        backend: str = "auto",
+        device=None,
+        dtype=None,
+    ) -> None:
+        super().__init__()
+        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        if embed_dim <= 0 or num_heads <= 0 or num_kv_heads <= 0:
+            raise ConfigError(f"embed_dim, num_heads and num_kv_heads must be positive, got {embed_dim}, {num_heads}, {num_kv_heads}")
+        if embed_dim % num_heads:
+            raise ConfigError(f"embed_dim={embed_dim} is not divisible by num_heads={num_heads}")
+        if num_heads % num_kv_heads:
+            raise ConfigError(f"num_heads={num_heads} must be a multiple of num_kv_heads={num_kv_heads}")
+        if not 0.0 <= dropout < 1.0:
+            raise ConfigError(f"dropout must be in [0, 1), got {dropout}")
+        fk = {"device": device, "dtype": dtype}
+        self.embed_dim = embed_dim
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = embed_dim // num_heads
+        self.kdim = kdim or embed_dim
+        self.vdim = vdim or embed_dim
+        self.dropout = dropout
+        self.backend = backend
+        d = self.head_dim
+        self.q_proj = nn.Linear(embed_dim, num_heads * d, bias=bias, **fk)
+        self.k_proj = nn.Linear(self.kdim, num_kv_heads * d, bias=bias, **fk)
+        self.v_proj = nn.Linear(self.vdim, num_kv_heads * d, bias=bias, **fk)
+        self.out_proj = nn.Linear(num_heads * d, embed_dim, bias=bias, **fk)
+        self.register_buffer("head_gate", torch.ones(num_heads, **fk), persistent=False)
+
+    # -- per-head views of the equations' matrices ---------------------------------------------
+    @property
+    def W_Q(self) -> torch.Tensor:
+        """``(H, E, d)``: ``x @ W_Q[h]`` is head h's query."""
+        return self.q_proj.weight.view(self.num_heads, self.head_dim, self.embed_dim).transpose(1, 2)
+
+    @property
+    def W_K(self) -> torch.Tensor:
+        """``(H_kv, kdim, d)``."""
+        return self.k_proj.weight.view(self.num_kv_heads, self.head_dim, self.kdim).transpose(1, 2)
+
+    @property
+    def W_V(self) -> torch.Tensor:
+        """``(H_kv, vdim, d)``."""
+        return self.v_proj.weight.view(self.num_kv_heads, self.head_dim, self.vdim).transpose(1, 2)
+
+    @property
+    def W_O(self) -> torch.Tensor:
+        """``(H, d, E)``: row block h of W^O, head h's share of the output projection."""
+        return self.out_proj.weight.t().view(self.num_heads, self.head_dim, self.embed_dim)
+
+    def head_weights(self, h: int) -> dict[str, torch.Tensor]:
+        """Head ``h``'s W_Q, W_K, W_V (of its kv head) and W_O blocks."""
+        if not 0 <= h < self.num_heads:
+            raise ConfigError(f"head index {h} out of range: the module has {self.num_heads} heads")
+        g = h // (self.num_heads // self.num_kv_heads)
+        return {"W_Q": self.W_Q[h], "W_K": self.W_K[g], "W_V": self.W_V[g], "W_O": self.W_O[h]}
+
+    # -- forward ---------------------------------------------------------------------------------
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor | None = None,
+        value: torch.Tensor | None = None,
+        *,
+        key_padding_mask: torch.Tensor | None = None,
+        mask=None,
+        causal: bool = False,
+        need_weights: bool = False,
+        backend: str | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Attend from ``query`` to ``key``/``value`` (self-attention when they are omitted).
+
+        Args:
+            query: ``(B, Lq, E)``; key ``(B, Lk, kdim)``; value ``(B, Lk, vdim)``.
+            key_padding_mask: ``(B, Lk)`` bool, **True = padding** (ignored key), as in
+                ``torch.nn.MultiheadAttention``.
+            mask: boolean ``(Lq, Lk)`` / ``(B, H, Lq, Lk)``, **True = may attend** (as in
+                ``headlab.attention`` and SDPA; note torch's MHA ``attn_mask`` is the opposite),
+                or a mask function.
+            causal: query i sees keys 0..i.
+            need_weights: also return per-head weights ``(B, H, Lq, Lk)`` (uses the reference backend).
+
+        Returns:
+            ``(out (B, Lq, E), weights or None)``.
+        """
+        key = query if key is None else key
+        value = key if value is None else value
+        for name, t in (("query", query), ("key", key), ("value", value)):
+            if t.dim() != 3:
+                raise ShapeError(f"{name} must be (batch, seq, features), got shape {tuple(t.shape)}")
+        B, Lq, _ = query.shape
+        Lk = key.shape[1]
+        H, Hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        q = self.q_proj(query).view(B, Lq, H, d).transpose(1, 2)  # (B, H, Lq, d)
+        k = self.k_proj(key).view(B, Lk, Hkv, d).transpose(1, 2)  # (B, Hkv, Lk, d)
+        v = self.v_proj(value).view(B, Lk, Hkv, d).transpose(1, 2)  # (B, Hkv, Lk, d)
+        full_mask = _combine_masks(mask, key_padding_mask, B, Lk)
+        z, weights = _attention(
+            q, k, v, mask=full_mask, causal=causal, scale=None,
+            dropout_p=self.dropout if self.training else 0.0,
+            backend=backend or self.backend if not need_weights else "reference",
+            need_weights=need_weights,
+        )  # z: (B, H, Lq, d)
+        z = z * self.head_gate.view(1, H, 1, 1).to(z.dtype)
+        out = self.out_proj(z.transpose(1, 2).reshape(B, Lq, H * d))  # (B, Lq, E)
+        return out, weights
+
+    # -- interop ---------------------------------------------------------------------------------
+    @classmethod
+    def from_torch(cls, m: nn.MultiheadAttention, *, backend: str = "auto") -> MultiHeadAttention:
+        """Copy a ``torch.nn.MultiheadAttention`` (batch_first or not; the copy is batch first).
+
+        ``add_bias_kv`` and ``add_zero_attn`` have no counterpart in the equations and are refused.
+        """
+        if not isinstance(m, nn.MultiheadAttention):
+            raise ConfigError(f"from_torch expects torch.nn.MultiheadAttention, got {type(m).__name__}")
+        if m.bias_k is not None or m.add_zero_attn:
+            raise ConfigError("from_torch: add_bias_kv / add_zero_attn are not supported; build the module without them")
+        E = m.embed_dim
+        has_bias = m.in_proj_bias is not None
+        w = m.in_proj_weight if m._qkv_same_embed_dim else None
+        p = next(m.parameters())
+        new = cls(E, m.num_heads, kdim=m.kdim, vdim=m.vdim, bias=has_bias, dropout=m.dropout,
+                  backend=backend, device=p.device, dtype=p.dtype)
+        with torch.no_grad():
+            if w is not None:
+                new.q_proj.weight.copy_(w[:E])
+                new.k_proj.weight.copy_(w[E:2 * E])
+                new.v_proj.weight.copy_(w[2 * E:])
+            else:
+                new.q_proj.weight.copy_(m.q_proj_weight)
+                new.k_proj.weight.copy_(m.k_proj_weight)
+                new.v_proj.weight.copy_(m.v_proj_weight)
+            if has_bias:
+                new.q_proj.bias.copy_(m.in_proj_bias[:E])
+                new.k_proj.bias.copy_(m.in_proj_bias[E:2 * E])
+                new.v_proj.bias.copy_(m.in_proj_bias[2 * E:])
+            new.out_proj.weight.copy_(m.out_proj.weight)
+            if m.out_proj.bias is not None and new.out_proj.bias is not None:
+                new.out_proj.bias.copy_(m.out_proj.bias)
+        return new
+
+    def extra_repr(self) -> str:
+        return (f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, "
+                f"head_dim={self.head_dim}, backend={self.backend!r}")
+
+
+def _combine_masks(mask, key_padding_mask, batch: int, kv_len: int):
+    if key_padding_mask is None:
+        return mask
+    if key_padding_mask.dtype != torch.bool:
+        raise MaskError(
+            f"key_padding_mask must be bool (True = padding), got {key_padding_mask.dtype}; "
+            "convert a 0/1 attention mask with `key_padding_mask = attention_mask == 0`"
+        )
+    if tuple(key_padding_mask.shape) != (batch, kv_len):
+        raise MaskError(f"key_padding_mask must have shape (batch, kv_len) = {(batch, kv_len)}, got {tuple(key_padding_mask.shape)}")
+    keep = ~key_padding_mask.view(batch, 1, 1, kv_len)  # True = may attend
+    if mask is None:
+        return keep
+    if isinstance(mask, torch.Tensor):
+        if mask.dtype != torch.bool:
+            raise MaskError(f"mask must be bool (True = may attend), got {mask.dtype}")
+        return keep & (mask if mask.dim() == 4 else mask.view((1,) * (4 - mask.dim()) + tuple(mask.shape)))
+    kpm = key_padding_mask
+
+    def fn(b, h, q, kv, lq, lk):
+        return ~kpm.to(kv.device)[b, kv]
+
+    return as_mask(mask) & MaskFn(fn, "key_padding", batch_dependent=True, batch_size=batch)

@@ -1,0 +1,31 @@
+"""Entry point of the ``headlab`` command: a table of commands, one module each."""
+
+from __future__ import annotations
+
+import sys
+from importlib import import_module
+
+from headlab.cli.app import app, err_console
+from headlab.errors import CLI_EXIT_CODE, HeadlabError
+
+# Each module registers its commands on the app when imported.
+COMMANDS = ["costs_cmd", "backends_cmd", "demo", "bench", "pattern", "analyze"]
+for _name in COMMANDS:
+    try:
+        import_module(f"headlab.cli.{_name}")
+    except ModuleNotFoundError as _e:  # a command module not written yet
+        if _e.name != f"headlab.cli.{_name}":
+            raise
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Run the CLI. A headlab error becomes one line on stderr and exit code 2."""
+    try:
+        app(args=argv, prog_name="headlab")
+    except HeadlabError as e:
+        err_console.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
+        sys.exit(CLI_EXIT_CODE)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,169 @@
+"""The cost model's vocabulary: a shape, a cost, hardware, and the formula registry."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import torch
+
+from headlab.attention.masks import MaskFn
+from headlab.attention.spec import AttentionSpec
+from headlab.errors import ConfigError, CostModelError
+
+_DTYPES = {
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+    "float64": torch.float64, "fp64": torch.float64, "double": torch.float64,
+}
+
+
+def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    try:
+        return _DTYPES[str(dtype).lower().removeprefix("torch.")]
+    except KeyError:
+        raise ConfigError(f"unknown dtype {dtype!r}; use one of float16, bfloat16, float32, float64") from None
+
+
+@dataclass(frozen=True)
+class AttentionShape:
+    """One attention workload: a stack of ``layers`` identical attention calls.
+
+    >>> AttentionShape(heads=32, q_len=4096, layers=32, dtype="float16").kv_len
+    4096
+    """
+
+    heads: int = 8  # query heads H
+    q_len: int = 1024  # query positions
+    batch: int = 1
+    kv_heads: int | None = None  # key/value heads (GQA); default H
+    kv_len: int | None = None  # key positions; default q_len
+    head_dim: int = 128  # of q and k (128 = 4096-wide model with 32 heads)
+    v_dim: int | None = None  # of v; default head_dim
+    layers: int = 1  # identical attention calls in sequence (one per transformer layer)
+    dtype: str | torch.dtype = "float32"
+    causal: bool = False  # torch's is_causal
+    mask: MaskFn | None = None  # a mask function; sparse costs count the tiles its block map visits
+    dropout_p: float = 0.0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "dtype", parse_dtype(self.dtype))
+        if self.kv_heads is None:
+            object.__setattr__(self, "kv_heads", self.heads)
+        if self.kv_len is None:
+            object.__setattr__(self, "kv_len", self.q_len)
+        if self.v_dim is None:
+            object.__setattr__(self, "v_dim", self.head_dim)
+        for name in ("heads", "q_len", "batch", "kv_heads", "kv_len", "head_dim", "v_dim", "layers"):
+            val = getattr(self, name)
+            if not isinstance(val, int) or val <= 0:
+                raise ConfigError(f"{name} must be a positive integer, got {val!r}")
+        if self.heads % self.kv_heads:
+            raise ConfigError(f"heads={self.heads} must be a multiple of kv_heads={self.kv_heads}")
+
+    @property
+    def itemsize(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+    def spec(self, *, requires_grad: bool = False, device: str = "cpu") -> AttentionSpec:
+        """The :class:`AttentionSpec` of one layer's call (what backends' memory formulas read)."""
+        kind = "function" if self.mask is not None else "none"
+        return AttentionSpec(
+            batch=self.batch, heads=self.heads, kv_heads=self.kv_heads, q_len=self.q_len, kv_len=self.kv_len,
+            head_dim=self.head_dim, v_dim=self.v_dim, dtype=self.dtype, device=torch.device(device),
+            causal=self.causal, mask_kind=kind, dropout_p=self.dropout_p, requires_grad=requires_grad,
+        )
+
+    def visible_pairs(self) -> int:
+        """(query, key) pairs that are not masked out by ``causal``, per (batch, head)."""
+        lq, lk = self.q_len, self.kv_len
+        if not self.causal:
+            return lq * lk
+        full_rows = max(0, lq - lk)  # rows i >= lk see every key
+        m = min(lq, lk)
+        return m * (m + 1) // 2 + full_rows * lk
+
+    def io_bytes(self) -> int:
+        """Bytes of q, k, v and the output of one layer."""
+        b, s = self.batch, self.itemsize
+        return s * b * (self.heads * self.q_len * (self.head_dim + self.v_dim)
+                        + self.kv_heads * self.kv_len * (self.head_dim + self.v_dim))
+
+
+@dataclass(frozen=True)
+class AttentionCost:
+    """Predicted cost of an :class:`AttentionShape` on one backend. Totals are over all layers,
+    except ``working_set_bytes``, the peak transient of one layer's forward call."""
+
+    backend: str
+    forward_flops: int  # multiply-adds x2 of the matmuls the backend executes, all layers
+    backward_flops: int  # the same for the backward pass (recomputation included)
+    attention_weights_bytes: int  # bytes of attention maps materialised, all layers (0: never held)
+    working_set_bytes: int  # peak extra memory of one layer's forward call
+    bytes_moved: int  # bytes read and written from main memory in the forward pass, all layers
+    saved_for_backward_bytes: int  # what autograd keeps between forward and backward, all layers
+    notes: str = ""
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """A machine, described by the user: peak FLOP/s and memory bandwidth (bytes/s)."""
+
+    name: str
+    peak_flops: float  # per second, at the dtype of interest
+    bandwidth: float  # bytes per second
+    memory_bytes: int | None = None
+
+    def seconds(self, cost: AttentionCost, *, backward: bool = False) -> float:
+        """Roofline lower bound: the slower of compute and memory traffic."""
+        flops = cost.forward_flops + (cost.backward_flops if backward else 0)
+        moved = cost.bytes_moved * (3 if backward else 1)
+        return max(flops / self.peak_flops, moved / self.bandwidth)
+
+
+CostFormula = Callable[[AttentionShape], AttentionCost]
+_FORMULAS: dict[str, CostFormula] = {}
+
+
+def register_cost(backend: str) -> Callable[[CostFormula], CostFormula]:
+    """Decorator: ``@register_cost("tiled") def tiled_cost(shape) -> AttentionCost``."""
+
+    def deco(fn: CostFormula) -> CostFormula:
+        _FORMULAS[backend] = fn
+        return fn
+
+    return deco
+
+
+def estimate(shape: AttentionShape, backend: str) -> AttentionCost:
+    """Predicted cost of ``shape`` on ``backend``.
+
+    Raises :class:`~headlab.errors.CostModelError` for a backend without a formula (never zero).
+    """
+    from headlab.attention import backends as _b
+
+    name = backend if isinstance(backend, str) else backend.name
+    if name not in _FORMULAS:
+        if name not in _b.names():
+            _b.get(name)  # raises UnknownBackendError listing the known ones
+        raise CostModelError(f"backend {name!r} has no cost formula; known formulas: {', '.join(_FORMULAS)}")
+    return _FORMULAS[name](shape)
+
+
+def estimate_all(shape: AttentionShape) -> dict[str, AttentionCost]:
+    """Costs for every registered backend (each must have a formula)."""
+    from headlab.attention import backends as _b
+
+    return {name: estimate(shape, name) for name in _b.names()}
+
+
+def formulas() -> list[str]:
+    return list(_FORMULAS)
+
+
