@@ -16,19 +16,20 @@ def list_backends(as_json: bool = typer.Option(False, "--json", help="print JSON
     if as_json:
         print_json(rows)
         return
-    t = Table(title="attention backends (auto prefers the first exact one that supports a call)")
-    cols = ["name", "exact", "materializes", "returns_weights", "causal", "bool_mask", "mask_fn", "gqa",
-            "dropout", "grad", "dtypes", "summary"]
-    for c in cols:
-        t.add_column(c.replace("_", " "))
+    # one column per backend, one row per capability: stays readable as backends are added
+    t = Table(title="attention backends (auto uses the first exact one, left to right, that supports a call)")
+    t.add_column("capability")
+    for r in rows:
+        t.add_column(r["name"], justify="center")
+    caps = ["exact", "materializes", "returns_weights", "causal", "bool_mask", "mask_fn", "gqa", "dropout", "grad"]
 
     def cell(v):
         if isinstance(v, bool):
             return "[green]yes[/]" if v else "[red]no[/]"
-        if isinstance(v, list):
-            return ", ".join(v)
-        return str(v)
+        return ", ".join(x.replace("float", "f").replace("bf", "bf") for x in v) if isinstance(v, list) else str(v)
 
-    for r in rows:
-        t.add_row(*(cell(r[c]) for c in cols))
+    for c in [*caps, "dtypes"]:
+        t.add_row(c.replace("_", " "), *(cell(r[c]) for r in rows))
     console.print(t)
+    for r in rows:
+        console.print(f"[bold]{r['name']}[/]: {r['summary']}", highlight=False)

@@ -35,11 +35,13 @@ def memory(
     t = Table(title=(f"attention cost: batch {shape.batch}, {shape.heads} heads ({shape.kv_heads} kv), "
                      f"{shape.q_len}x{shape.kv_len}, head dim {shape.head_dim}, {shape.layers} layers, "
                      f"{str(shape.dtype).removeprefix('torch.')}{', causal' if causal else ''}"))
-    for col, just in (("backend", "left"), ("weights materialised\n(all layers)", "right"),
-                      ("working set\n(one layer)", "right"), ("forward FLOPs", "right"),
-                      ("backward FLOPs", "right"), ("notes", "left")):
-        t.add_column(col, justify=just)
+    for col, just in (("backend", "left"), ("weights held\n(all layers)", "right"),
+                      ("working set\n(one layer)", "right"), ("forward", "right"), ("backward", "right")):
+        t.add_column(col, justify=just, no_wrap=True)
     for name, c in table.items():
         t.add_row(name, human_bytes(c.attention_weights_bytes), human_bytes(c.working_set_bytes),
-                  human_flops(c.forward_flops), human_flops(c.backward_flops), c.notes)
+                  human_flops(c.forward_flops), human_flops(c.backward_flops))
     console.print(t)
+    for name, c in table.items():
+        if c.notes:
+            console.print(f"  {name}: {c.notes}", highlight=False)

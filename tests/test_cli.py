@@ -1,0 +1,95 @@
+"""The command line: --help of every command, `memory` and `backends`, the error rule (one line, exit 2)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from typer.testing import CliRunner
+
+from headlab.cli.app import app
+from headlab.cli.main import main
+
+runner = CliRunner()
+
+
+def run_main(args, capsys):
+    """Run the real entry point (with its error handling); return (exit code, stdout, stderr)."""
+    try:
+        main(args)
+        code = 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def _commands(typer_app, prefix=()):
+    import typer.main
+
+    group = typer.main.get_command(typer_app)
+    stack = [(prefix, group)]
+    while stack:
+        path, cmd = stack.pop()
+        yield path
+        for name, sub in getattr(cmd, "commands", {}).items():
+            stack.append((path + (name,), sub))
+
+
+def test_every_command_has_help():
+    paths = list(_commands(app))
+    assert ("memory",) in paths and ("backends",) in paths
+    for path in paths:
+        res = runner.invoke(app, [*path, "--help"])
+        assert res.exit_code == 0, (path, res.output)
+        assert "Usage" in res.output
+
+
+def test_memory_json_reproduces_the_seed(capsys):
+    code, out, _ = run_main(["memory", "--seq-len", "4096", "--heads", "32", "--layers", "32",
+                             "--dtype", "float16", "--json"], capsys)
+    assert code == 0
+    data = json.loads(out)
+    assert data["reference"]["attention_weights_bytes"] == 34_359_738_368
+    for name, entry in data.items():
+        for key in ("attention_weights_bytes", "working_set_bytes", "forward_flops"):
+            assert key in entry, (name, key)
+
+
+def test_memory_table_in_human_units(capsys):
+    code, out, _ = run_main(["memory", "--seq-len", "4096", "--heads", "32", "--layers", "32", "--dtype", "float16"],
+                            capsys)
+    assert code == 0
+    assert "32.0 GiB" in out and "TFLOP" in out
+
+
+def test_backends_lists_the_registry(capsys):
+    code, out, _ = run_main(["backends", "--json"], capsys)
+    assert code == 0
+    rows = json.loads(out)
+    names = [r["name"] for r in rows]
+    assert names[0] == "sdpa" and "reference" in names
+    ref = next(r for r in rows if r["name"] == "reference")
+    assert ref["returns_weights"] and "float64" in ref["dtypes"]
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["memory", "--dtype", "int8"], "unknown dtype 'int8'"),
+    (["memory", "--heads", "6", "--kv-heads", "4"], "multiple of kv_heads"),
+    (["memory", "--seq-len", "0"], "must be a positive integer"),
+])
+def test_errors_are_one_line_and_exit_2(args, needle, capsys):
+    code, out, err = run_main(args, capsys)
+    assert code == 2
+    assert needle in err
+    assert len(err.strip().splitlines()) == 1, err
+    assert "Traceback" not in err
+
+
+def test_console_script_exit_code():
+    res = subprocess.run([sys.executable, "-m", "headlab.cli.main", "memory", "--dtype", "int8"],
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2
+    assert res.stderr.strip().startswith("error:")
