@@ -80,7 +80,7 @@ class ReferenceBackend(Backend):
 def _alternative(spec: AttentionSpec) -> str:
     from headlab.attention.backends import base
 
-    for name in ("tiled", "sdpa"):
+    for name in ("sdpa", "tiled"):
         if name in base.names():
             b = base.get(name)
             if b.supports(spec.with_(need_weights=False))[0]:
