@@ -1,0 +1,94 @@
+"""Running a stock Hugging Face model on a headlab backend, through transformers' ``AttentionInterface``.
+
+Importing this module registers one attention implementation, ``"headlab"``, in transformers v5:
+
+- ``AttentionInterface["headlab"]`` = :func:`headlab_attention_forward`, called by every supported
+  attention module exactly like ``sdpa_attention_forward``: ``(module, query (B, H, Lq, d),
+  key (B, Hkv, Lk, d), value, attention_mask, dropout=, scaling=, **kwargs)``, returning
+  ``(out (B, Lq, H, d), weights or None)``;
+- ``AttentionMaskInterface["headlab"]`` = transformers' ``sdpa_mask``: the model builds a boolean
+  ``(B, 1, Lq, Lk)`` mask (True = may attend), or None when the pattern is plain causal or full,
+  in which case the module's ``is_causal`` decides, as for SDPA.
+
+The model switches to it by setting ``config._attn_implementation = "headlab"`` (which is what
+:meth:`ModelAdapter.use_backend` does, and undoes). Which headlab backend serves each layer is kept
+on the module (:class:`~headlab.models.base.LayerState`), so two models can run on different backends.
+
+Conventions kept from Hugging Face: the module's ``scaling`` (GPT-2's per-layer scaling included),
+dropout only when the module is training, grouped-query heads read without copying K/V (query head h
+reads kv head ``h // (H // Hkv)``, the layout of ``repeat_kv``). Additive float masks (what the
+eager path builds, or a user's 4-D mask) are converted to boolean: 0 = may attend, the dtype's minimum
+or ``-inf`` = may not; any other value is a bias headlab's backends cannot add, and is refused.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from headlab.errors import BackendUnsupportedError
+from headlab.models.base import run_attention
+
+IMPLEMENTATION = "headlab"
+
+
+def hf_mask_to_bool(mask: torch.Tensor | None) -> torch.Tensor | None:
+    """A Hugging Face attention mask as a headlab boolean mask (True = may attend).
+
+    Args:
+        mask: None; boolean ``(B, 1|H, Lq, Lk)`` (True = may attend, what ``sdpa_mask`` builds); or an
+            additive float mask of that shape (0 = may attend, ``finfo.min`` / ``-inf`` = may not).
+
+        >>> import torch
+        >>> m = torch.tensor([[[[0.0, torch.finfo(torch.float32).min]]]])
+        >>> hf_mask_to_bool(m)
+        tensor([[[[ True, False]]]])
+    """
+    if mask is None or mask.dtype == torch.bool:
+        return mask
+    if not mask.is_floating_point():
+        raise BackendUnsupportedError(f"attention mask of dtype {mask.dtype}: expected bool or an additive float mask")
+    blocked = mask <= torch.finfo(mask.dtype).min / 2  # finfo.min and -inf
+    if bool(((mask != 0) & ~blocked).any()):
+        raise BackendUnsupportedError(
+            "the attention mask carries an additive bias (values other than 0 and -inf); headlab backends take "
+            "boolean masks only: run this model with attn_implementation='eager' instead of a headlab backend")
+    return ~blocked
+
+
+def headlab_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The attention function registered as ``"headlab"``; same calling convention as transformers' SDPA one.
+
+    Returns ``(out (B, Lq, H, d), weights (B, H, Lq, Lk) or None)``; the weights are computed when the
+    caller asks for ``output_attentions`` or a capture asks for this layer's pattern.
+    """
+    for unsupported in ("softcap", "position_bias", "s_aux"):
+        if kwargs.get(unsupported) is not None:
+            raise BackendUnsupportedError(
+                f"{type(module).__name__} passes {unsupported!r} to its attention function, which headlab backends "
+                "do not implement; run this model with attn_implementation='eager'")
+    q_len = query.shape[2]
+    mask = hf_mask_to_bool(attention_mask)
+    is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    # as in transformers' SDPA path: a missing mask means "plain causal" for a causal module
+    causal = bool(q_len > 1 and mask is None and is_causal)
+    if causal and key.shape[2] > q_len:  # prefill into an empty static cache: drop the unused slots
+        key, value = key[:, :, :q_len], value[:, :, :q_len]
+    out, weights = run_attention(module, query, key, value, mask, causal=causal, scale=scaling, dropout_p=dropout,
+                                 need_weights=bool(kwargs.get("output_attentions", False)))  # out: (B, H, Lq, d)
+    return out.transpose(1, 2).contiguous(), weights  # (B, Lq, H, d)
+
+
+AttentionInterface.register(IMPLEMENTATION, headlab_attention_forward)
+AttentionMaskInterface.register(IMPLEMENTATION, sdpa_mask)
