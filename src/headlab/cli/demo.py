@@ -1,26 +1,29 @@
-"""``headlab demo``: a first look (replaced by the real-model report once that lands)."""
+"""``headlab demo``: the main job on a default sentence with the default model (``make demo``)."""
 
 from __future__ import annotations
 
-import torch
+from pathlib import Path
+
 import typer
 
-import headlab
-from headlab import costs
-from headlab.cli.app import app, console, human_bytes
+from headlab.cli.analyze import render_summary, step_printer
+from headlab.cli.app import app, console
+from headlab.interpret.report import analyze
+
+DEMO_TEXT = ("The model reads the sentence once, and each head decides which earlier or later words "
+             "matter for the word it is looking at.")
 
 
 @app.command()
-def demo(out: str = typer.Option("headlab-report", "--out", help="report folder")) -> None:
-    """A first look: the seed text's cost, and attention computed two ways."""
-    seed = costs.AttentionShape(heads=32, q_len=4096, layers=32, dtype="float16")
-    for name, c in costs.estimate_all(seed).items():
-        console.print(f"{name:>10}: attention weights {human_bytes(c.attention_weights_bytes)}, "
-                      f"working set {human_bytes(c.working_set_bytes)}")
-    g = torch.Generator().manual_seed(0)
-    q = torch.randn(1, 4, 64, 32, generator=g)
-    k = torch.randn(1, 2, 64, 32, generator=g)
-    v = torch.randn(1, 2, 64, 32, generator=g)
-    ref = headlab.attention(q, k, v, causal=True, backend="reference")
-    fast = headlab.attention(q, k, v, causal=True)
-    console.print(f"auto vs reference, 4 query heads / 2 kv heads, causal: max |diff| = {(ref - fast).abs().max():.2e}")
+def demo(
+    out: Path = typer.Option(Path("headlab-report"), "--out", "-o", help="report folder"),
+    model: str = typer.Option("minilm", "--model", "-m", help="a known model name or a local model folder"),
+) -> None:
+    """Analyse a default sentence with the bundled default model (all-MiniLM-L6-v2) and write the report.
+
+    Runs `headlab analyze` with --force: a previous report in the folder is replaced (other files are kept).
+    """
+    console.print(f"headlab demo: analysing {DEMO_TEXT!r} with {model}", highlight=False, soft_wrap=True)
+    r = analyze(DEMO_TEXT, model=model, out_dir=out, force=True, progress=step_printer())
+    render_summary(r)
+    console.print(f"open {r.html.resolve()} in a browser", highlight=False, soft_wrap=True)

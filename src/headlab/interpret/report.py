@@ -1,0 +1,379 @@
+"""The main job: :func:`analyze` a text with a model and write a report folder::
+
+    from headlab.interpret.report import analyze
+    r = analyze("The cat sat on the mat.", out_dir="report")   # loads the default model, MiniLM
+    r.html, r.pngs[0], r.interesting()                        # report.html, layer_00.png, [(label, record)]
+
+The folder holds
+
+- ``report.html``: one self-contained page (no network: CSS, script and data inline). Pick a layer
+  and head in the grid, see its heatmap, hover a token to see where it attends (its row) and what
+  attends to it (its column); the per-head table sits underneath.
+- ``layer_00.png`` ... : one picture per layer, a grid of every head's map with token labels.
+- ``heads.csv`` and ``heads.json``: the per-head table (:class:`~headlab.interpret.head_labels.HeadRecord`:
+  entropy, mean attended distance, mass on [CLS] / [SEP] or the first token for decoders, the most
+  attended token, pattern labels with their evidence). ``heads.json`` also carries the tokens, the
+  model, the mode and the thresholds.
+
+Long inputs. Up to ``max_full_tokens`` tokens (default :data:`MAX_FULL_TOKENS` = 256) every map is
+captured and drawn. Beyond it the table comes from the streaming statistics
+(:func:`headlab.attention_stats`, run inside each layer's forward with the model's own mask and
+scale: memory linear in the length, no ``n x n`` map held), and maps are drawn only for chosen heads (``heads=[(layer, head), ...]``, or by
+default the :data:`DRAWN_HEADS` heads whose rows most often point at a fixed offset); the report,
+the JSON and the command line say so. Why 256: the page embeds 2 bytes per map cell, so all 72 maps
+of MiniLM at 256 tokens already make a 12 MB page, and token labels stop being readable long before.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from headlab.errors import InputError
+from headlab.interpret.head_labels import (
+    HeadRecord,
+    LabelThresholds,
+    head_records,
+    row_stats_from_attention_stats,
+    row_stats_from_maps,
+)
+
+MAX_FULL_TOKENS = 256  # above this many tokens: streaming statistics, maps for chosen heads only
+DRAWN_HEADS = 4  # heads drawn by default in the streaming mode
+MAX_EMBEDDED_BYTES = 64 << 20  # refuse a page whose maps alone would exceed this (choose fewer heads)
+REPORT_FILES = ("report.html", "heads.csv", "heads.json")
+_PNG_GLOB = "layer_*.png"
+DECODER_FAMILIES = ("gpt2", "llama")
+_STREAM_STATS = ("entropy", "max_weight", "argmax", "mean_distance", "key_mass", "received")
+
+Progress = Callable[[str], None]
+
+
+@dataclass
+class ReportResult:
+    """What :func:`analyze` wrote and found."""
+
+    out_dir: Path
+    html: Path
+    csv: Path
+    json: Path
+    pngs: list[Path]
+    records: list[HeadRecord]  # one per (layer, head), layer-major
+    tokens: list[str]
+    mode: str  # "full" (every map captured and drawn) or "streaming" (statistics; chosen heads drawn)
+    drawn: list[tuple[int, int]]  # heads whose maps are in the page and the pictures
+    model: str
+    family: str
+    n_layers: int
+    n_heads: int
+    notes: list[str] = field(default_factory=list)  # what the reader must know (long input, truncation)
+
+    def record(self, layer: int, head: int) -> HeadRecord:
+        return self.records[layer * self.n_heads + head]
+
+    def interesting(self) -> list[tuple[str, HeadRecord]]:
+        """The clearest example of each pattern label, as ``(label, record)``."""
+        return interesting_heads(self.records)
+
+
+# ---- small pure helpers ---------------------------------------------------------------------------
+
+
+def interesting_heads(records: Sequence[HeadRecord]) -> list[tuple[str, HeadRecord]]:
+    """For each label some head carries, the head with the strongest evidence for it.
+
+    Strength: the argmax share for positional labels, the sink mass for separator-sink, the
+    normalised entropy for broad.
+    """
+    strength = {
+        "previous-token": lambda r: r.prev_share, "next-token": lambda r: r.next_share,
+        "self": lambda r: r.self_share, "broad": lambda r: r.norm_entropy,
+        "separator-sink": lambda r: r.mass_first + (r.mass_sep or 0.0),
+    }
+    out = []
+    for label, key in strength.items():
+        carriers = [r for r in records if label in r.labels]
+        if carriers:
+            out.append((label, max(carriers, key=key)))
+    return out
+
+
+def parse_heads(spec: str | Sequence[tuple[int, int]] | None, n_layers: int, n_heads: int) -> list[tuple[int, int]] | None:
+    """``"0.3,2.5"`` -> ``[(0, 3), (2, 5)]``, checked against the model's shape.
+
+    >>> parse_heads("0.3, 2.5", 6, 12)
+    [(0, 3), (2, 5)]
+    >>> parse_heads("6.0", 6, 12)
+    Traceback (most recent call last):
+    ...
+    headlab.errors.InputError: head 6.0 does not exist: the model has layers 0..5 and heads 0..11
+    """
+    if spec is None:
+        return None
+    items: list[tuple[int, int]] = []
+    if isinstance(spec, str):
+        for part in filter(None, (p.strip() for p in spec.split(","))):
+            try:
+                layer, head = (int(x) for x in part.split("."))
+            except ValueError:
+                raise InputError(f"cannot read head {part!r}: write LAYER.HEAD, e.g. --heads 0.3,2.5") from None
+            items.append((layer, head))
+    else:
+        items = [(int(a), int(b)) for a, b in spec]
+    if not items:
+        raise InputError("no heads given: write LAYER.HEAD pairs, e.g. --heads 0.3,2.5")
+    for layer, head in items:
+        if not (0 <= layer < n_layers and 0 <= head < n_heads):
+            raise InputError(f"head {layer}.{head} does not exist: the model has layers 0..{n_layers - 1} "
+                             f"and heads 0..{n_heads - 1}")
+    return list(dict.fromkeys(items))
+
+
+def default_drawn_heads(records: Sequence[HeadRecord], count: int = DRAWN_HEADS) -> list[tuple[int, int]]:
+    """The ``count`` heads whose rows most often point at a fixed offset (previous, next, self):
+    the patterns still readable on a long map. Ties go to the lower normalised entropy."""
+    ranked = sorted(records, key=lambda r: (-max(r.prev_share, r.next_share, r.self_share), r.norm_entropy))
+    return sorted((r.layer, r.head) for r in ranked[:count])
+
+
+def prepare_out_dir(out_dir: str | os.PathLike, *, force: bool) -> Path:
+    """Check (before any work) that ``out_dir`` can take a report; with ``force``, remove the files
+    a previous report left there (only those: ``report.html``, ``heads.csv``, ``heads.json``,
+    ``layer_*.png``)."""
+    path = Path(out_dir).expanduser()
+    if path.exists() and not path.is_dir():
+        raise InputError(f"the output path {str(path)!r} is a file; give a folder (it is created if missing)")
+    if path.is_dir() and any(path.iterdir()):
+        if not force:
+            raise InputError(f"the output folder {str(path)!r} exists and is not empty; choose another with --out, "
+                             "or pass --force to write into it (previous report files are replaced)")
+        for name in REPORT_FILES:
+            (path / name).unlink(missing_ok=True)
+        for png in path.glob(_PNG_GLOB):
+            png.unlink()
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def write_csv(records: Sequence[HeadRecord], path: str | os.PathLike) -> Path:
+    """The per-head table as CSV: one row per head, the columns of :class:`HeadRecord`
+    (``labels`` joined by ``;``, ``evidence`` by `` | ``, ``None`` as an empty cell)."""
+    path = Path(path)
+    with path.open("w", newline="", encoding="utf-8") as f:
+        w = csv.DictWriter(f, fieldnames=HeadRecord.columns())
+        w.writeheader()
+        for r in records:
+            d = r.as_dict()
+            d["labels"] = ";".join(r.labels)
+            d["evidence"] = " | ".join(r.evidence)
+            w.writerow({k: ("" if v is None else v) for k, v in d.items()})
+    return path
+
+
+def write_json(records: Sequence[HeadRecord], path: str | os.PathLike, **meta) -> Path:
+    """The per-head table as JSON: ``{**meta, "heads": [record, ...]}``."""
+    path = Path(path)
+    path.write_text(json.dumps({**meta, "heads": [r.as_dict() for r in records]}, indent=1, ensure_ascii=False),
+                    encoding="utf-8")
+    return path
+
+
+# ---- the job --------------------------------------------------------------------------------------
+
+
+def _is_causal(loaded) -> bool:
+    if loaded.family in DECODER_FAMILIES:
+        return True
+    cfg = getattr(loaded.model, "config", None)
+    return bool(getattr(cfg, "causal", False) or getattr(cfg, "is_decoder", False))
+
+
+def _separator_positions(loaded, ids: Sequence[int], causal: bool) -> list[int] | None:
+    """Positions of [SEP] (or the tokenizer's separator) for encoders; ``None`` for decoders."""
+    if causal:
+        return None
+    sep = getattr(loaded.tokenizer, "sep_token_id", None)
+    return [i for i, t in enumerate(ids) if sep is not None and t == sep and i != 0]
+
+
+
+def _full_maps(loaded, inputs, tokens, *, sinks, seps, causal, backend, thresholds):
+    """Every map captured: the table from the maps, and every map to draw."""
+    import headlab
+
+    n_layers = loaded.adapter.n_layers
+    cache = headlab.capture(loaded, inputs, sites=["blocks.*.attn.pattern"], backend=backend)
+    layer_maps = [cache[f"blocks.{i}.attn.pattern"][0].float().cpu().numpy() for i in range(n_layers)]  # (H, L, L)
+    rows = [row_stats_from_maps(m, sink_positions=sinks, causal=causal) for m in layer_maps]
+    records = head_records(rows, tokens, separator_positions=seps, thresholds=thresholds)
+    return records, {(i, h): m[h] for i, m in enumerate(layer_maps) for h in range(m.shape[0])}
+
+
+def _streaming(loaded, inputs, tokens, *, sinks, seps, causal, backend, thresholds, chosen):
+    """No map held: the table from streaming statistics, maps only for the chosen heads."""
+    import headlab
+
+    adapter, n = loaded.adapter, len(tokens)
+    # The statistics run inside each layer's forward, with the model's own mask and scale.
+    cache = headlab.capture(loaded, inputs, sites=["blocks.*.attn.stats", "blocks.*.attn.q", "blocks.*.attn.k"],
+                            backend=backend, stats_kwargs={"key_positions": sinks, "stats": list(_STREAM_STATS)})
+    rows = [row_stats_from_attention_stats(cache[f"blocks.{i}.attn.stats"], sink_positions=sinks, causal=causal)
+            for i in range(adapter.n_layers)]
+    records = head_records(rows, tokens, separator_positions=seps, thresholds=thresholds)
+    drawn = chosen or default_drawn_heads(records)
+    size = len(drawn) * n * n * 2
+    if size > MAX_EMBEDDED_BYTES:
+        fits = MAX_EMBEDDED_BYTES // (2 * n * n)
+        raise InputError(f"drawing {len(drawn)} heads at {n} tokens embeds {size / 2**20:.0f} MiB of maps "
+                         f"(limit {MAX_EMBEDDED_BYTES >> 20} MiB); " + (
+                             f"choose at most {fits} with --heads" if fits else
+                             "no map this long fits: shorten the text (the table alone is in heads.csv)"))
+    group = max(1, adapter.n_heads // adapter.n_kv_heads)  # query head h reads kv head h // group
+    maps = {}
+    for layer, h in drawn:
+        q = cache[f"blocks.{layer}.attn.q"][:, h:h + 1]  # (1, 1, L, d)
+        k = cache[f"blocks.{layer}.attn.k"][:, h // group:h // group + 1]  # (1, 1, L, d)
+        maps[(layer, h)] = headlab.attention_weights(q, k, causal=causal)[0, 0].float().cpu().numpy()  # (L, L)
+    return records, maps
+
+
+def analyze(
+    text: str,
+    *,
+    model="minilm",
+    out_dir: str | os.PathLike,
+    backend: str | None = None,
+    force: bool = False,
+    max_full_tokens: int = MAX_FULL_TOKENS,
+    heads: str | Sequence[tuple[int, int]] | None = None,
+    truncate: bool = False,
+    thresholds: LabelThresholds = LabelThresholds(),
+    progress: Progress | None = None,
+) -> ReportResult:
+    """Analyse every attention head of ``model`` on ``text`` and write the report folder.
+
+    Args:
+        text: the input; must not be empty.
+        model: a known name (``"minilm"``), a local model folder, or an already loaded
+            :class:`~headlab.models.loader.LoadedModel` (tests reuse one).
+        out_dir: the report folder; created if missing; refused if it exists and is not empty,
+            unless ``force``.
+        backend: the attention backend the model runs on for long inputs (``None``: the model's
+            own). Short inputs capture every map, and a captured layer runs on the reference
+            computation whatever the backend.
+        force: write into a non-empty folder (replacing a previous report's files).
+        max_full_tokens: longest input whose maps are all captured and drawn; longer inputs use the
+            streaming statistics and draw only ``heads``.
+        heads: the heads to draw for long inputs (``"0.3,2.5"`` or pairs); with a short input, the
+            ones listed first in the page. Default: :func:`default_drawn_heads`.
+        truncate: for text longer than the model's positions, keep the first positions and say so
+            in the notes (default: :class:`~headlab.errors.InputError`).
+        thresholds: when a pattern label is given (see :mod:`headlab.interpret.head_labels`).
+        progress: called with a short message before each step.
+
+    Returns:
+        A :class:`ReportResult`.
+    """
+    import headlab
+    from headlab.attention import backends as _backends
+    from headlab.interpret.report_figures import LayerGrid
+    from headlab.interpret.report_html import render_html
+
+    say = progress or (lambda msg: None)
+    if not isinstance(text, str) or not text.strip():
+        raise InputError("the text is empty (or only whitespace): give at least one word to analyse")
+    if max_full_tokens < 1:
+        raise InputError(f"max_full_tokens must be at least 1, got {max_full_tokens}")
+    if backend is not None and backend != "auto":
+        _backends.get(backend)  # UnknownBackendError naming the registered ones, before any work
+    out = prepare_out_dir(out_dir, force=force)
+
+    if isinstance(model, str | os.PathLike):
+        say(f"loading model {os.fspath(model)}")
+        loaded = headlab.load(model)
+    else:
+        loaded = model
+    adapter = loaded.adapter
+    n_layers, n_heads = adapter.n_layers, adapter.n_heads
+    chosen = parse_heads(heads, n_layers, n_heads)
+
+    notes: list[str] = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        inputs = loaded.encode(text, truncate=truncate)
+    notes += [str(w.message) for w in caught if issubclass(w.category, UserWarning)]
+    ids = inputs["input_ids"][0].tolist()
+    tokens = (loaded.tokenizer.convert_ids_to_tokens(ids) if loaded.tokenizer is not None else [str(i) for i in ids])
+    n = len(tokens)
+    causal = _is_causal(loaded)
+    seps = _separator_positions(loaded, ids, causal)
+    sinks = [0] + (seps or [])
+    mode = "full" if n <= max_full_tokens else "streaming"
+
+    if mode == "full":
+        say(f"capturing attention maps: {n} tokens, {n_layers} layers x {n_heads} heads")
+        records, maps = _full_maps(loaded, inputs, tokens, sinks=sinks, seps=seps, causal=causal,
+                                   backend=backend, thresholds=thresholds)
+        drawn = list(maps)
+    else:
+        say(f"{n} tokens > {max_full_tokens}: streaming statistics, no n x n maps")
+        records, maps = _streaming(loaded, inputs, tokens, sinks=sinks, seps=seps, causal=causal, backend=backend,
+                                   thresholds=thresholds, chosen=chosen)
+        drawn = list(maps)
+        notes.append(f"long input: {n} tokens > {max_full_tokens}, so the table comes from streaming statistics "
+                     f"(no {n} x {n} map held) and maps are drawn only for heads "
+                     f"{', '.join(f'{a}.{b}' for a, b in drawn)}" + ("" if chosen else " (chosen automatically: "
+                     "the heads whose rows most often point at a fixed offset; pick others with --heads)"))
+    drawn_set = set(drawn)
+    picks = [*(chosen or []), *((r.layer, r.head) for _, r in interesting_heads(records))]
+    initial = next((d for d in picks if d in drawn_set), min(drawn))
+
+    say("writing the table")
+    csv_path = write_csv(records, out / "heads.csv")
+    json_path = write_json(
+        records, out / "heads.json", headlab_version=headlab.__version__, model=loaded.name, family=loaded.family,
+        text=text, tokens=tokens, causal=causal, separator_positions=seps, mode=mode, max_full_tokens=max_full_tokens,
+        backend=backend, drawn_heads=[f"{a}.{b}" for a, b in drawn], notes=notes,
+        thresholds={"positional": thresholds.positional, "sink": thresholds.sink, "broad": thresholds.broad},
+        n_layers=n_layers, n_heads=n_heads)
+
+    pngs: list[Path] = []
+    titles = {(r.layer, r.head): ", ".join(r.labels) for r in records}
+    grid: LayerGrid | None = None
+    for layer in range(n_layers):
+        hs = [h for (l_, h) in sorted(drawn) if l_ == layer]
+        if not hs:
+            continue
+        say(f"drawing layer {layer + 1}/{n_layers}")
+        if grid is None or grid.n_maps != len(hs):  # the same tokens on every layer: reuse the figure
+            grid = LayerGrid(tokens, len(hs))
+        maps_l = np.stack([maps[(layer, h)] for h in hs])  # (len(hs), L, L)
+        pngs.append(grid.draw(maps_l, out / f"layer_{layer:02d}.png", layer=layer, head_ids=hs,
+                              titles=[titles[(layer, h)] for h in hs]))
+
+    say("writing the page")
+    first_label = "mass first token" if causal else "mass [CLS]"
+    summary = [f"model: {loaded.name} ({loaded.family}, {n_layers} layers x {n_heads} heads"
+               f"{', causal' if causal else ''})", f"{n} tokens: {text if len(text) <= 300 else text[:297] + '...'}"]
+    page = render_html(
+        title=f"headlab analyze: {loaded.name}", tokens=tokens, records=records,
+        maps={d: maps[d] for d in drawn}, n_layers=n_layers, n_heads=n_heads, summary_lines=summary,
+        banner=" ".join(notes) or None, first_label=first_label, initial=initial,
+        undrawn_note=(f"Long input ({n} tokens): only the statistics of this head were computed. "
+                      "Draw it with --heads LAYER.HEAD." if mode == "streaming" else ""))
+    html_path = out / "report.html"
+    html_path.write_text(page, encoding="utf-8")
+    return ReportResult(out_dir=out, html=html_path, csv=csv_path, json=json_path, pngs=pngs, records=records,
+                        tokens=tokens, mode=mode, drawn=drawn, model=loaded.name, family=loaded.family,
+                        n_layers=n_layers, n_heads=n_heads, notes=notes)
+
+
+__all__ = ["DRAWN_HEADS", "MAX_FULL_TOKENS", "ReportResult", "analyze", "default_drawn_heads", "interesting_heads",
+           "parse_heads", "prepare_out_dir", "write_csv", "write_json"]

@@ -1,0 +1,104 @@
+"""The report page in a real headless Chromium: it draws a heatmap, reacts to a hover, logs nothing.
+
+The page checks itself when opened with ``#selftest`` (see :mod:`headlab.interpret.report_html`):
+every drawn head paints its heatmap (a pixel of its largest weight has that weight's colour), a
+synthetic hover on a token colours both token strips with the right row and column and outlines
+the row on the heatmap, and a hover on the heatmap moves the focus. The result and any script
+error are written into the DOM, which ``chromium --dump-dom`` returns; Chromium's own console log
+(``--enable-logging=stderr``) must show no message at all. Skipped, with the reason, when no
+Chromium is installed (``.ci/run`` installs Debian's ``chromium``).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+
+from headlab.interpret.head_labels import head_records, row_stats_from_maps
+from headlab.interpret.report_html import render_html
+
+pytestmark = pytest.mark.browser
+
+BROWSERS = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable", "chrome")
+
+
+def find_browser() -> str | None:
+    """``$HEADLAB_CHROMIUM`` or the first Chromium-like browser on PATH."""
+    env = os.environ.get("HEADLAB_CHROMIUM")
+    if env:
+        return env
+    return next((p for p in map(shutil.which, BROWSERS) if p), None)
+
+
+@pytest.fixture(scope="module")
+def browser():
+    path = find_browser()
+    if path is None:
+        pytest.skip(f"no headless Chromium found (looked for {', '.join(BROWSERS)} on PATH and $HEADLAB_CHROMIUM); "
+                    "install one, e.g. `apt-get install chromium`, to run the browser test")
+    return path
+
+
+def open_page(browser: str, page: str, tmp_path, name: str = "report.html") -> tuple[str, list[str]]:
+    """Load ``page#selftest`` headless; return (the DOM after scripts ran, console lines)."""
+    path = tmp_path / name
+    path.write_text(page, encoding="utf-8")
+    cmd = [browser, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+           "--disable-background-networking", "--disable-component-update", "--disable-sync", "--no-first-run",
+           "--disable-extensions", "--enable-logging=stderr", "--v=0", f"--user-data-dir={tmp_path / 'profile'}",
+           "--window-size=1400,1200", "--virtual-time-budget=3000", "--dump-dom", f"{path.as_uri()}#selftest"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    console = [ln for ln in proc.stderr.splitlines() if ":CONSOLE" in ln]
+    return proc.stdout, console
+
+
+def selftest_result(dom: str) -> tuple[str | None, str]:
+    m = re.search(r'<pre id="selftest-result" data-status="(\w+)"[^>]*>(.*?)</pre>', dom, re.S)
+    return (m.group(1), m.group(2)) if m else (None, "")
+
+
+def _page(n_layers=2, n_heads=3, drawn=None, tokens=("[CLS]", "the", "cat", "sat", "on", "<mat>", "[SEP]")):
+    rng = np.random.default_rng(0)
+    n = len(tokens)
+    layers = []
+    for _ in range(n_layers):
+        S = rng.normal(size=(n_heads, n, n)) * 2
+        S[0] += 8 * np.eye(n, k=-1)  # head 0 is a previous-token head
+        P = np.exp(S - S.max(-1, keepdims=True))
+        layers.append(P / P.sum(-1, keepdims=True))  # (H, n, n)
+    recs = head_records([row_stats_from_maps(P, sink_positions=[0, n - 1]) for P in layers], list(tokens),
+                        separator_positions=[n - 1])
+    drawn = drawn or [(i, h) for i in range(n_layers) for h in range(n_heads)]
+    return render_html(title="browser test", tokens=list(tokens), records=recs,
+                       maps={d: layers[d[0]][d[1]] for d in drawn}, n_layers=n_layers, n_heads=n_heads,
+                       undrawn_note="statistics only")
+
+
+def test_page_draws_and_reacts_to_hover(browser, tmp_path):
+    dom, console = open_page(browser, _page(), tmp_path)
+    status, detail = selftest_result(dom)
+    assert status == "pass", detail or dom[-2000:]
+    assert 'data-checked-heads="6"' in dom
+    assert 'class="selftest-error"' not in dom and console == []
+    assert re.search(r'<body[^>]*data-focus-token="6"', dom)  # the last hover (on the heatmap) moved the focus
+
+
+def test_page_with_undrawn_heads(browser, tmp_path):
+    # the long-input page: only chosen heads carry maps; the others show their statistics and a note
+    dom, console = open_page(browser, _page(drawn=[(1, 0), (0, 2)]), tmp_path)
+    status, detail = selftest_result(dom)
+    assert status == "pass", detail
+    assert 'data-checked-heads="2"' in dom and console == []
+
+
+def test_a_broken_page_is_caught(browser, tmp_path):
+    # the harness must fail when the page breaks: a script error after load shows in the DOM and console
+    page = _page().replace("</body>", "<script>window.setTimeout(function () { missingFunction(); }, 0);</script></body>")
+    dom, console = open_page(browser, page, tmp_path)
+    assert 'class="selftest-error"' in dom and "missingFunction" in dom
+    assert any("missingFunction" in ln for ln in console)
