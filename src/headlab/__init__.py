@@ -30,6 +30,7 @@ _LAZY = {
     "attention_stats": ("headlab.attention.stats", "attention_stats"),
     "load": ("headlab.models", "load"),
     "capture": ("headlab.interpret.capture", "capture"),
+    "analyze": ("headlab.interpret.report", "analyze"),
 }
 
 
