@@ -91,6 +91,6 @@ def linear_cost_for(shape: AttentionShape, backend: _lin.LinearBackend) -> Atten
 
 
 @register_cost("linear")
-def _registered_linear_cost(shape: AttentionShape) -> AttentionCost:
-    """The registered ``"linear"`` backend: elu + 1 (head_dim features)."""
-    return linear_cost(shape)
+def _registered_linear_cost(shape: AttentionShape, backend: _lin.LinearBackend | None = None) -> AttentionCost:
+    """The registered ``"linear"`` backend (elu + 1, head_dim features), or a configured instance."""
+    return linear_cost(shape) if backend is None else linear_cost_for(shape, backend)

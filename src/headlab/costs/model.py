@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
@@ -144,6 +145,8 @@ def register_cost(backend: str) -> Callable[[CostFormula], CostFormula]:
 def estimate(shape: AttentionShape, backend: str) -> AttentionCost:
     """Predicted cost of ``shape`` on ``backend``.
 
+    ``backend`` is a registered name or a configured backend object (``linear.from_string("favor:256")``);
+    formulas that take a ``backend`` argument then see the instance's configuration.
     Raises :class:`~headlab.errors.CostModelError` for a backend without a formula (never zero).
     """
     from headlab.attention import backends as _b
@@ -153,7 +156,10 @@ def estimate(shape: AttentionShape, backend: str) -> AttentionCost:
         if name not in _b.names():
             _b.get(name)  # raises UnknownBackendError listing the known ones
         raise CostModelError(f"backend {name!r} has no cost formula; known formulas: {', '.join(_FORMULAS)}")
-    return _FORMULAS[name](shape)
+    formula = _FORMULAS[name]
+    if not isinstance(backend, str) and "backend" in inspect.signature(formula).parameters:
+        return formula(shape, backend=backend)
+    return formula(shape)
 
 
 def estimate_all(shape: AttentionShape) -> dict[str, AttentionCost]:

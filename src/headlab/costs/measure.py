@@ -1,0 +1,341 @@
+"""Measured cost: wall time and peak memory of running attention, for the CLI, the benchmarks and
+the checks of the cost model against reality.
+
+* :func:`time_call` - median seconds of a call, after warm-up.
+* :func:`peak_memory_growth` - peak extra resident bytes of a call, measured in a fresh process
+  (a process that already ran something keeps freed memory in its allocator, so its resident
+  size says little about the next call).
+* :func:`bench_attention` - both, for attention backends over sequence lengths, with the ratio
+  to torch's ``scaled_dot_product_attention`` timed in the same run, interleaved.
+
+    >>> from headlab.costs.measure import time_call
+    >>> time_call(lambda: sum(range(100)), repeats=3, warmup=1) < 1.0
+    True
+"""
+
+from __future__ import annotations
+
+
+import multiprocessing
+import os
+import resource
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from headlab.errors import BackendUnsupportedError, ConfigError, HeadlabError, MemoryBudgetError
+
+__all__ = ["bench_attention", "peak_memory_growth", "rss_bytes", "time_call"]
+
+
+def time_call(fn: Callable[[], Any], *, repeats: int = 5, warmup: int = 1) -> float:
+    """Median wall-clock seconds of ``fn()`` over ``repeats`` runs, after ``warmup`` runs."""
+    if repeats < 1 or warmup < 0:
+        raise ConfigError(f"repeats must be >= 1 and warmup >= 0, got repeats={repeats}, warmup={warmup}")
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+# ------------------------------------------------------------------------------------------
+# Peak memory in a fresh process
+# ------------------------------------------------------------------------------------------
+
+def _status_kib(field: str) -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+def rss_bytes() -> int:
+    """Current resident set size of this process in bytes (Linux ``/proc``; else the peak)."""
+    kib = _status_kib("VmRSS")
+    if kib is not None:
+        return kib * 1024
+    return _maxrss_bytes()
+
+
+def _maxrss_bytes() -> int:
+    r = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(r) if sys.platform == "darwin" else int(r) * 1024  # bytes on macOS, KiB on Linux
+
+
+def _reset_peak() -> bool:
+    """Reset the kernel's resident high-water mark of this process (Linux >= 4.0)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _peak_bytes(reset_ok: bool) -> int:
+    if reset_ok:
+        kib = _status_kib("VmHWM")
+        if kib is not None:
+            return kib * 1024
+    return _maxrss_bytes()
+
+
+def _child(conn, setup, run, args) -> None:
+    try:
+        torch.set_num_threads(int(os.environ.get("HEADLAB_BENCH_THREADS", torch.get_num_threads())))
+        state = setup(*args) if setup is not None else None
+        base = rss_bytes()
+        reset_ok = _reset_peak()
+        result = run(state) if setup is not None else run(*args)
+        peak = _peak_bytes(reset_ok)
+        conn.send(("ok", max(0, peak - base), result if isinstance(result, (int, float, str, type(None))) else None))
+    except HeadlabError as e:
+        conn.send(("refused", type(e).__name__, str(e)))
+    except BaseException as e:  # noqa: BLE001 - reported to the parent, never swallowed
+        conn.send(("error", type(e).__name__, str(e)))
+    finally:
+        conn.close()
+
+
+def _context():
+    methods = multiprocessing.get_all_start_methods()
+    if "forkserver" in methods:
+        ctx = multiprocessing.get_context("forkserver")
+        ctx.set_forkserver_preload(["torch", "headlab.costs.measure"])
+        return ctx
+    return multiprocessing.get_context("spawn")
+
+
+def peak_memory_growth(run: Callable, *args, setup: Callable | None = None, timeout: float = 600.0) -> int:
+    """Peak extra resident bytes of ``run`` in a fresh process.
+
+    With ``setup``, the child calls ``state = setup(*args)`` first (allocating inputs), takes its
+    resident size as the baseline, then measures ``run(state)``; without, ``run(*args)``.
+    Both must be importable module-level functions (they are sent to the child by name).
+    Raises the child's :class:`~headlab.errors.HeadlabError` refusal as
+    :class:`~headlab.errors.MemoryBudgetError` / :class:`~headlab.errors.BackendUnsupportedError`
+    and any other failure as ``RuntimeError``.
+    """
+    ctx = _context()
+    parent, child = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_child, args=(child, setup, run, args), daemon=True)
+    proc.start()
+    child.close()
+    try:
+        if not parent.poll(timeout):
+            proc.kill()
+            raise RuntimeError(f"memory measurement did not finish within {timeout:.0f} s")
+        kind, a, b = parent.recv()
+    except EOFError:
+        proc.join()
+        raise RuntimeError(f"memory measurement process died (exit code {proc.exitcode}); "
+                           "it was probably killed for using too much memory") from None
+    finally:
+        proc.join(timeout=10)
+    if kind == "ok":
+        return int(a)
+    if kind == "refused":
+        cls = MemoryBudgetError if a == "MemoryBudgetError" else BackendUnsupportedError
+        if cls is MemoryBudgetError:
+            raise MemoryBudgetError(b, estimate_bytes=0, available_bytes=0, alternative=None)
+        raise cls(b)
+    raise RuntimeError(f"memory measurement failed: {a}: {b}")
+
+
+# ------------------------------------------------------------------------------------------
+# Attention benchmarks
+# ------------------------------------------------------------------------------------------
+
+def _inputs(cfg: dict, requires_grad: bool):
+    gen = torch.Generator().manual_seed(cfg["seed"])
+    dtype = cfg["dtype"]
+    B, H, L, D = cfg["batch"], cfg["heads"], cfg["seq_len"], cfg["head_dim"]
+    q, k, v = (torch.randn(B, H, L, D, generator=gen).to(dtype).requires_grad_(requires_grad) for _ in range(3))
+    return q, k, v
+
+
+def _call(cfg: dict, backend, q, k, v, grad_out=None):
+    from headlab.attention.core import attention
+
+    out = attention(q, k, v, mask=cfg.get("mask"), causal=cfg["causal"], backend=backend)
+    if grad_out is not None:
+        out.backward(grad_out)
+        for t in (q, k, v):
+            t.grad = None
+    return out
+
+
+def _mem_setup(cfg: dict, backend):
+    # one tiny call first: one-time initialisation (kernels, thread pools) is not the call's cost
+    _call({**cfg, "seq_len": 16, "mask": None}, backend, *_inputs({**cfg, "seq_len": 16}, cfg["backward"]),
+          torch.ones(cfg["batch"], cfg["heads"], 16, cfg["head_dim"], dtype=cfg["dtype"]) if cfg["backward"] else None)
+    q, k, v = _inputs(cfg, cfg["backward"])
+    grad_out = torch.ones_like(q) if cfg["backward"] else None
+    return cfg, backend, q, k, v, grad_out
+
+
+def _mem_run(state) -> None:
+    cfg, backend, q, k, v, grad_out = state
+    _call(cfg, backend, q, k, v, grad_out)
+
+
+def _refusal(cfg: dict, backend) -> str | None:
+    """Why ``backend`` would refuse the call (memory guard, unsupported feature), or None."""
+    from headlab.attention.core import resolve_backend
+    from headlab.attention.spec import validate
+
+    meta = torch.empty(0)
+    shape = (cfg["batch"], cfg["heads"], cfg["seq_len"], cfg["head_dim"])
+    q = meta.new_empty(shape, dtype=cfg["dtype"]).requires_grad_(cfg["backward"])
+    try:
+        with torch.set_grad_enabled(cfg["backward"]):
+            spec, _ = validate(q, q, q, mask=cfg.get("mask"), causal=cfg["causal"])
+            resolve_backend(backend, spec).check_memory(spec)
+    except (MemoryBudgetError, BackendUnsupportedError) as e:
+        return str(e)
+    return None
+
+
+def _backend_name(b) -> str:
+    return b if isinstance(b, str) else getattr(b, "name", str(b))
+
+
+def bench_attention(
+    seq_lens: Sequence[int],
+    backends: Sequence,
+    *,
+    causal: bool = False,
+    backward: bool = False,
+    dtype: str | torch.dtype = "float32",
+    batch: int = 1,
+    heads: int = 8,
+    head_dim: int = 64,
+    pattern=None,
+    feature_map: str | None = None,
+    repeats: int = 3,
+    warmup: int = 1,
+    memory: bool = True,
+    seed: int = 0,
+    progress: Callable[[str], None] | None = None,
+) -> list[dict]:
+    """Time (and measure the peak memory of) attention backends over sequence lengths.
+
+    For each length, the backends and torch's SDPA (the peer, timed even when not listed) run
+    interleaved, ``repeats`` rounds after ``warmup``; the median is reported with its ratio to
+    SDPA's median. Peak extra memory of one call (forward, or forward + backward) is measured
+    in a fresh process per row (``memory=False`` skips it). A backend refused by the memory
+    guard or lacking a feature gives a row with ``status="skipped"`` and the reason.
+
+    Args:
+        seq_lens: query (= key) lengths.
+        backends: backend names or objects.
+        pattern: a mask function (e.g. from :func:`headlab.masks.from_string`) applied to every call.
+        feature_map: text for :func:`headlab.attention.backends.linear.from_string`; the
+            configured linear backend replaces ``"linear"`` in ``backends`` (or is added).
+        progress: called with a short description before each measurement (for progress bars).
+
+    Returns:
+        One dict per (seq_len, backend): ``seq_len, backend, status, reason, median_s,
+        ratio_to_sdpa, sdpa_median_s, peak_extra_bytes, causal, backward, dtype, batch, heads,
+        head_dim, pattern``.
+    """
+    from headlab.costs.model import parse_dtype
+
+    dtype = parse_dtype(dtype)
+    if not seq_lens:
+        raise ConfigError("seq_lens is empty; give at least one sequence length, e.g. [1024, 2048]")
+    if any((not isinstance(n, int)) or n <= 0 for n in seq_lens):
+        raise ConfigError(f"sequence lengths must be positive integers, got {list(seq_lens)}")
+    backends = list(backends)
+    if feature_map is not None:
+        linear_backend = _linear_from_string(feature_map)
+        if "linear" in backends:
+            backends[backends.index("linear")] = linear_backend
+        else:
+            backends.append(linear_backend)
+    from headlab.attention import backends as _registry
+
+    for b in backends:
+        _registry.get(b)  # UnknownBackendError listing the known names
+    rows: list[dict] = []
+    for L in seq_lens:
+        cfg = {"seq_len": L, "batch": batch, "heads": heads, "head_dim": head_dim, "dtype": dtype,
+               "causal": causal, "backward": backward, "mask": pattern, "seed": seed}
+        peers = ["sdpa"] if "sdpa" not in backends else []
+        todo = backends + peers
+        reasons = {_backend_name(b): _refusal(cfg, b) for b in todo}
+        runnable = [b for b in todo if reasons[_backend_name(b)] is None]
+        # timing: interleaved rounds over the runnable backends
+        q, k, v = _inputs(cfg, backward)
+        grad_out = torch.ones_like(q) if backward else None
+        times: dict[str, list[float]] = {_backend_name(b): [] for b in runnable}
+        errors: dict[str, str] = {}
+        for rnd in range(warmup + repeats):
+            for b in runnable:
+                name = _backend_name(b)
+                if name in errors:
+                    continue
+                if progress is not None:
+                    progress(f"{name} @ {L}: time {rnd + 1}/{warmup + repeats}")
+                try:
+                    t0 = time.perf_counter()
+                    _call(cfg, b, q, k, v, grad_out)
+                    dt = time.perf_counter() - t0
+                except (MemoryBudgetError, BackendUnsupportedError) as e:
+                    errors[name] = str(e)
+                    continue
+                if rnd >= warmup:
+                    times[name].append(dt)
+        del q, k, v, grad_out
+        sdpa_t = statistics.median(times["sdpa"]) if times.get("sdpa") else None
+        for b in backends:
+            name = _backend_name(b)
+            row = {"seq_len": L, "backend": name, "status": "ok", "reason": "", "median_s": None,
+                   "ratio_to_sdpa": None, "sdpa_median_s": sdpa_t, "peak_extra_bytes": None,
+                   "causal": causal, "backward": backward, "dtype": str(dtype).removeprefix("torch."),
+                   "batch": batch, "heads": heads, "head_dim": head_dim,
+                   "pattern": getattr(pattern, "name", None)}
+            why = reasons.get(name) or errors.get(name)
+            if why:
+                row.update(status="skipped", reason=why)
+                rows.append(row)
+                continue
+            med = statistics.median(times[name])
+            row["median_s"] = med
+            row["ratio_to_sdpa"] = med / sdpa_t if sdpa_t else None
+            if memory:
+                if progress is not None:
+                    progress(f"{name} @ {L}: peak memory (fresh process)")
+                try:
+                    row["peak_extra_bytes"] = peak_memory_growth(_mem_run, cfg, b, setup=_mem_setup)
+                except (MemoryBudgetError, BackendUnsupportedError) as e:
+                    row.update(status="skipped", reason=str(e))
+                except RuntimeError as e:  # e.g. a backend object that cannot be sent to a child
+                    row["reason"] = f"memory not measured: {e}"
+            rows.append(row)
+    return rows
+
+
+def _linear_from_string(text: str):
+    try:
+        from headlab.attention.backends.linear import from_string
+    except ImportError:
+        raise ConfigError(
+            f"--feature-map {text!r} needs headlab.attention.backends.linear.from_string, which this install "
+            "does not have yet; drop --feature-map or update headlab"
+        ) from None
+    return from_string(text)
+
+
