@@ -1,0 +1,262 @@
+"""attention_stats: every statistic against the one read off the materialised float64 map."""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+import headlab
+from headlab import masks
+from headlab.attention.spec import dense_mask, validate
+from headlab.attention.stats import SDPA_STATS, STATS, AttentionStats, attention_stats
+from headlab.errors import (BackendUnsupportedError, ConfigError, DTypeError, HeadlabError, MaskError,
+                            ShapeError)
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    batch: int = 2
+    heads: int = 4
+    kv_heads: int = 4
+    q_len: int = 37
+    kv_len: int = 53
+    head_dim: int = 16
+    mask: str = "none"  # none | bool | bool-keys | dead-rows | fn-causal-padding | fn-lower-right | fn-plain
+    causal: bool = False
+    dtype: torch.dtype = torch.float32
+    block_k: int = 64
+    block_q: int | None = None
+    cache_bytes: int | None = None  # None: the default
+    per_batch_keys: bool = False
+
+
+CASES = [
+    Case("plain"),
+    Case("causal-odd-gqa", batch=1, heads=4, kv_heads=2, q_len=113, kv_len=203, head_dim=32, causal=True),
+    Case("odd-113x203", batch=1, q_len=113, kv_len=203, head_dim=24, block_q=16),
+    Case("odd-no-cache", batch=1, q_len=113, kv_len=203, head_dim=24, block_q=32, cache_bytes=0, causal=True),
+    Case("bool-mask", q_len=113, kv_len=203, mask="bool", per_batch_keys=True),
+    Case("bool-keys-broadcast", mask="bool-keys", heads=6, kv_heads=2),
+    Case("dead-rows-causal", mask="dead-rows", causal=True, q_len=70, kv_len=70, block_q=16, block_k=16),
+    Case("fn-causal-padding", q_len=60, kv_len=60, mask="fn-causal-padding", block_q=16, block_k=16,
+         per_batch_keys=True),
+    Case("fn-lower-right-gqa", heads=8, kv_heads=2, q_len=20, kv_len=90, mask="fn-lower-right", block_k=32),
+    Case("fn-plain-callable-causal", q_len=45, kv_len=45, mask="fn-plain", causal=True, block_q=16, block_k=16),
+    Case("causal-q-longer", batch=1, q_len=90, kv_len=41, causal=True, block_k=16),
+    Case("stream-dead-rows-gqa", heads=6, kv_heads=3, mask="dead-rows", causal=True, q_len=70, kv_len=70,
+         block_q=16, block_k=16, cache_bytes=0),
+    Case("stream-fn-causal-padding", q_len=60, kv_len=60, mask="fn-causal-padding", block_q=16, block_k=16,
+         cache_bytes=0, per_batch_keys=True),
+    Case("f64-plain", dtype=torch.float64),
+    Case("f64-bool-gqa", heads=4, kv_heads=1, q_len=113, kv_len=203, mask="bool", dtype=torch.float64),
+    Case("f64-fn-causal-padding", q_len=60, kv_len=60, mask="fn-causal-padding", dtype=torch.float64,
+         block_q=16, block_k=16),
+    Case("f64-stream-bool", q_len=113, kv_len=203, mask="bool", dtype=torch.float64, block_q=32, cache_bytes=0),
+    Case("f16-inputs-causal", q_len=50, kv_len=50, causal=True, dtype=torch.float16),
+]
+
+
+def _make_mask(case: Case, g: torch.Generator):
+    B, Lq, Lk = case.batch, case.q_len, case.kv_len
+    if case.mask == "none":
+        return None
+    if case.mask == "bool":
+        m = torch.rand(B, 1, Lq, Lk, generator=g) > 0.4
+        m[:, :, 3] = False  # a fully masked row
+        return m
+    if case.mask == "bool-keys":
+        m = torch.ones(B, 1, 1, Lk, dtype=torch.bool)
+        m[0, ..., Lk - 7:] = False
+        return m
+    if case.mask == "dead-rows":
+        m = torch.ones(B, 1, Lq, Lk, dtype=torch.bool)
+        m[:, :, 10:30] = False  # whole query chunks that see nothing
+        m[1, :, 40:, :5] = False  # with causal: rows 40..44 see keys 5..i only
+        m[1, :, 41] = False
+        return m
+    if case.mask == "fn-causal-padding":
+        return masks.causal() & masks.padding([Lk - 9, 0][:B])  # batch 1 sees nothing at all
+    if case.mask == "fn-lower-right":
+        return masks.causal_lower_right() & masks.padding([Lk, Lk - 30][:B])
+    if case.mask == "fn-plain":
+        def band(b, h, q, kv):  # a plain function: each head its own window, batch 1 shifted
+            return (q - kv).abs() <= (h + 2 + 3 * b)
+        return band
+    raise AssertionError(case.mask)
+
+
+def _inputs(case: Case):
+    g = torch.Generator().manual_seed(zlib.crc32(case.name.encode()))
+    q = torch.randn(case.batch, case.heads, case.q_len, case.head_dim, generator=g) * 1.5
+    k = torch.randn(case.batch, case.kv_heads, case.kv_len, case.head_dim, generator=g) * 1.5
+    v = torch.randn(case.batch, case.kv_heads, case.kv_len, 8, generator=g)
+    mask = _make_mask(case, g)
+    q, k, v = q.to(case.dtype), k.to(case.dtype), v.to(case.dtype)
+    kp = (torch.tensor([[0, 5, case.kv_len - 1], [2, 2, 9]][:case.batch]) if case.per_batch_keys
+          else [0, case.kv_len // 2])
+    rows = [0, 3, case.q_len - 1]
+    return q, k, v, mask, kp, rows
+
+
+def _reference(case: Case, q, k, v, mask, kp, rows) -> dict:
+    """Statistics read off the materialised float64 map."""
+    q64, k64, v64 = q.double(), k.double(), v.double()
+    w = headlab.attention_weights(q64, k64, mask=mask, causal=case.causal)  # (B, H, Lq, Lk)
+    B, H, Lq, Lk = w.shape
+    spec, norm = validate(q64, k64, v64, mask=mask, causal=case.causal)
+    vis = dense_mask(spec, norm)
+    s = torch.matmul(q64, k64.repeat_interleave(spec.group, 1).transpose(-1, -2)) * spec.head_dim ** -0.5
+    if vis is not None:
+        s = s.masked_fill(~vis, float("-inf"))
+    dead = torch.isneginf(s).all(-1)  # (B, H, Lq)
+    dist = (torch.arange(Lq)[:, None] - torch.arange(Lk)[None, :]).abs().double()
+    kp_t = torch.as_tensor(kp)
+    if kp_t.dim() == 2:
+        key_mass = torch.gather(w, 3, kp_t.view(B, 1, 1, -1).expand(B, H, Lq, -1))
+    else:
+        key_mass = w[..., kp_t]
+    return {
+        "lse": torch.logsumexp(s, -1),
+        "entropy": -torch.special.xlogy(w, w).sum(-1),
+        "max_weight": w.max(-1).values,
+        "mean_distance": (w * dist).sum(-1),
+        "key_mass": key_mass,
+        "received": w.sum(-2),
+        "rows": w[:, :, rows],
+        "output": torch.matmul(w, v64.repeat_interleave(spec.group, 1)),
+        "w": w,
+        "dead": dead,
+    }
+
+
+def _check(case: Case, st: AttentionStats, ref: dict, names) -> None:
+    tol = 1e-10 if case.dtype == torch.float64 else 1e-5
+    want_dtype = torch.float64 if case.dtype == torch.float64 else torch.float32
+    for name in names:
+        got = getattr(st, name)
+        assert got is not None, name
+        if name == "argmax":
+            continue
+        assert got.dtype == want_dtype, (name, got.dtype)
+        assert not torch.isnan(got).any(), name
+        exp = ref[name].to(got.dtype)
+        if name == "lse":  # -inf for dead rows on both sides
+            assert torch.equal(torch.isneginf(got), ref["dead"]), name
+            got, exp = got.masked_fill(ref["dead"], 0), exp.masked_fill(ref["dead"], 0)
+        torch.testing.assert_close(got, exp, atol=tol, rtol=tol, msg=lambda m, n=name: f"{case.name}/{n}: {m}")
+    assert torch.equal(st.visible, ~ref["dead"])
+    if "argmax" in names:
+        a = st.argmax
+        assert torch.equal(a == -1, ref["dead"])
+        picked = ref["w"].gather(3, a.clamp_min(0).unsqueeze(-1)).squeeze(-1).masked_fill(ref["dead"], 0)
+        torch.testing.assert_close(picked, ref["max_weight"], atol=tol, rtol=tol)  # the key really is a max
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_tiled_matches_materialised_map(case: Case):
+    q, k, v, mask, kp, rows = _inputs(case)
+    extra = {} if case.cache_bytes is None else {"cache_bytes": case.cache_bytes}
+    st = attention_stats(q, k, v, mask=mask, causal=case.causal, key_positions=kp, query_rows=rows,
+                         block_k=case.block_k, block_q=case.block_q, **extra)
+    ref = _reference(case, q, k, v, mask, kp, rows)
+    assert st.computed() == list(STATS)
+    _check(case, st, ref, list(STATS) + ["output"])
+    # dead rows: the documented values, exactly
+    dead = ref["dead"]
+    if dead.any():
+        assert bool((st.entropy[dead] == 0).all() and (st.max_weight[dead] == 0).all())
+        assert bool((st.mean_distance[dead] == 0).all() and (st.key_mass[dead] == 0).all())
+        assert bool((st.output[dead] == 0).all())
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_sdpa_matches_materialised_map(case: Case):
+    q, k, v, mask, kp, rows = _inputs(case)
+    st = attention_stats(q, k, v, mask=mask, causal=case.causal, key_positions=kp, query_rows=rows, method="sdpa")
+    ref = _reference(case, q, k, v, mask, kp, rows)
+    assert st.computed() == list(SDPA_STATS) and st.method == "sdpa"
+    _check(case, st, ref, list(SDPA_STATS))
+    tol = 1e-10 if case.dtype == torch.float64 else 1e-5
+    torch.testing.assert_close(st.output, ref["output"].to(st.output.dtype), atol=tol, rtol=tol)
+
+
+def test_subset_and_defaults():
+    q, k = torch.randn(1, 2, 30, 8), torch.randn(1, 2, 30, 8)
+    st = attention_stats(q, k, stats=["entropy"], causal=True)
+    assert st.computed() == ["entropy"] and st.output is None and st.received is None
+    assert attention_stats(q, k, stats="argmax").computed() == ["argmax"]  # pass 1 only
+    full = attention_stats(q, k)
+    for cache in (0, 1 << 20):  # a subset equals the same statistics computed with all the others
+        part = attention_stats(q, k, stats=["lse", "argmax", "max_weight"], cache_bytes=cache)
+        for name in ("lse", "argmax", "max_weight"):
+            torch.testing.assert_close(getattr(part, name), getattr(full, name), atol=1e-6, rtol=1e-6)
+    assert "key_mass" not in full.computed() and "rows" not in full.computed()
+    means = full.head_means()
+    assert means["entropy"].shape == (1, 2)
+    assert full.nbytes() > 0 and set(full.as_dict()) >= {"lse", "entropy", "received", "visible"}
+
+
+def test_fp32_over_longer_rows_keeps_mass():
+    """Column sums add up to the number of visible rows; rows sum to one."""
+    q, k = torch.randn(1, 3, 300, 16), torch.randn(1, 3, 257, 16)
+    st = attention_stats(q, k, causal=True, query_rows=list(range(0, 300, 7)), block_k=64, block_q=32)
+    torch.testing.assert_close(st.received.sum(-1), torch.full((1, 3), 300.0), rtol=1e-5, atol=1e-3)
+    torch.testing.assert_close(st.rows.sum(-1), torch.ones(1, 3, len(range(0, 300, 7))), atol=1e-5, rtol=0)
+
+
+BAD_INPUTS = [
+    ("unknown stat", dict(stats=["bogus"]), ConfigError),
+    ("unknown method", dict(method="flash"), ConfigError),
+    ("sdpa max", dict(method="sdpa", stats=["max_weight"]), BackendUnsupportedError),
+    ("sdpa argmax", dict(method="sdpa", stats="argmax"), BackendUnsupportedError),
+    ("key_mass needs positions", dict(stats=["key_mass"]), ConfigError),
+    ("rows needs query_rows", dict(stats=["rows"]), ConfigError),
+    ("position out of range", dict(key_positions=[0, 99]), ConfigError),
+    ("negative row", dict(query_rows=[-1]), ConfigError),
+    ("float positions", dict(key_positions=torch.tensor([0.0, 1.0])), DTypeError),
+    ("empty positions", dict(key_positions=[]), ConfigError),
+    ("per-batch positions, wrong batch", dict(key_positions=torch.zeros(3, 2, dtype=torch.long)), ShapeError),
+    ("2-d query rows", dict(query_rows=torch.zeros(2, 2, dtype=torch.long)), ShapeError),
+    ("block_k zero", dict(block_k=0), ConfigError),
+    ("block_q negative", dict(block_q=-4), ConfigError),
+    ("cache negative", dict(cache_bytes=-1), ConfigError),
+    ("float mask", dict(mask=torch.zeros(10, 12)), MaskError),
+    ("mask shape", dict(mask=torch.ones(7, 7, dtype=torch.bool)), MaskError),
+    ("padding batch", dict(mask=masks.padding([3, 4, 5])), MaskError),
+]
+
+
+@pytest.mark.parametrize("name,kwargs,exc", BAD_INPUTS, ids=[b[0] for b in BAD_INPUTS])
+def test_bad_input_raises_typed_errors(name, kwargs, exc):
+    q, k = torch.randn(2, 4, 10, 8), torch.randn(2, 2, 12, 8)
+    with pytest.raises(exc) as info:
+        attention_stats(q, k, **kwargs)
+    assert isinstance(info.value, HeadlabError) and str(info.value)
+
+
+BAD_TENSORS = [
+    ("3-d q", lambda: (torch.randn(4, 10, 8), torch.randn(1, 4, 10, 8), None), ShapeError),
+    ("head dims differ", lambda: (torch.randn(1, 4, 10, 8), torch.randn(1, 4, 10, 6), None), ShapeError),
+    ("heads not multiple", lambda: (torch.randn(1, 4, 10, 8), torch.randn(1, 3, 10, 8), None), ShapeError),
+    ("int q", lambda: (torch.ones(1, 2, 3, 4, dtype=torch.long), torch.randn(1, 2, 3, 4), None), DTypeError),
+    ("v length differs", lambda: (torch.randn(1, 2, 5, 4), torch.randn(1, 2, 6, 4), torch.randn(1, 2, 7, 4)),
+     ShapeError),
+    ("dtypes differ", lambda: (torch.randn(1, 2, 5, 4), torch.randn(1, 2, 6, 4).double(), None), DTypeError),
+]
+
+
+@pytest.mark.parametrize("name,make,exc", BAD_TENSORS, ids=[b[0] for b in BAD_TENSORS])
+def test_bad_tensors_raise_typed_errors(name, make, exc):
+    q, k, v = make()
+    with pytest.raises(exc):
+        attention_stats(q, k, v)
+    with pytest.raises(exc):
+        attention_stats(q, k, v, method="sdpa")
+
+
+def test_lazy_export():
+    assert headlab.attention_stats is attention_stats
