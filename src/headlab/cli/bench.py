@@ -1,0 +1,86 @@
+"""``headlab bench attention``: time and peak memory of attention backends, with the ratio to SDPA."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import typer
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from headlab.cli.app import bench_app, console, err_console, human_bytes
+from headlab.costs.measure import bench_attention
+from headlab.errors import ConfigError
+
+
+def _ints(text: str, what: str) -> list[int]:
+    try:
+        vals = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ConfigError(f"{what} must be comma-separated integers like 1024,2048, got {text!r}") from None
+    if not vals or any(v <= 0 for v in vals):
+        raise ConfigError(f"{what} must be positive integers like 1024,2048, got {text!r}")
+    return vals
+
+
+def _pattern(text: str | None):
+    if text is None:
+        return None
+    try:
+        from headlab.masks import from_string
+    except ImportError:
+        raise ConfigError(f"--pattern {text!r} needs headlab.masks.from_string, which this install does not have "
+                          "yet; drop --pattern") from None
+    return from_string(text)
+
+
+@bench_app.command("attention")
+def attention_cmd(
+    seq_lens: str = typer.Option("1024,2048,4096,8192", "--seq-lens", help="comma-separated sequence lengths"),
+    backends: str = typer.Option("sdpa,tiled,reference", "--backends", help="comma-separated backend names"),
+    causal: bool = typer.Option(False, "--causal", help="causal attention (torch's is_causal)"),
+    backward: bool = typer.Option(False, "--backward", help="time forward + backward"),
+    json_file: Path = typer.Option(None, "--json", help="also write the rows to this JSON file"),
+    pattern: str = typer.Option(None, "--pattern", help="a mask pattern, e.g. sliding_window:256"),
+    feature_map: str = typer.Option(None, "--feature-map", help="linear attention feature map, e.g. favor:256"),
+    heads: int = typer.Option(8, "--heads"),
+    head_dim: int = typer.Option(64, "--head-dim"),
+    batch: int = typer.Option(1, "--batch"),
+    dtype: str = typer.Option("float32", "--dtype"),
+    repeats: int = typer.Option(3, "--repeats", help="timed rounds (backends interleaved), after one warm-up"),
+    memory: bool = typer.Option(True, "--memory/--no-memory", help="measure peak memory in a fresh process per row"),
+) -> None:
+    """Median time, peak extra memory and ratio to SDPA for each backend and sequence length.
+
+    Example: headlab bench attention --seq-lens 1024,2048,4096 --backends sdpa,tiled,reference --causal
+    """
+    lens = _ints(seq_lens, "--seq-lens")
+    names = [b.strip() for b in backends.split(",") if b.strip()]
+    if not names:
+        raise ConfigError("--backends is empty; give names like sdpa,tiled")
+    mask = _pattern(pattern)
+    with Progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(), console=err_console,
+                  transient=True) as bar:
+        task = bar.add_task("benchmark", total=None)
+        rows = bench_attention(lens, names, causal=causal, backward=backward, dtype=dtype, batch=batch,
+                               heads=heads, head_dim=head_dim, pattern=mask, feature_map=feature_map,
+                               repeats=repeats, memory=memory,
+                               progress=lambda text: bar.update(task, description=text, advance=1))
+    title = (f"attention {'forward + backward' if backward else 'forward'}: batch {batch}, {heads} heads, "
+             f"head dim {head_dim}, {dtype}{', causal' if causal else ''}{f', pattern {pattern}' if pattern else ''}")
+    t = Table(title=title)
+    for col, just in (("seq len", "right"), ("backend", "left"), ("median time", "right"),
+                      ("peak extra memory", "right"), ("ratio to sdpa", "right"), ("note", "left")):
+        t.add_column(col, justify=just)
+    for r in rows:
+        if r["status"] == "skipped":
+            t.add_row(str(r["seq_len"]), r["backend"], "-", "-", "-", f"[yellow]skipped:[/] {r['reason']}")
+            continue
+        mem = human_bytes(r["peak_extra_bytes"]) if r["peak_extra_bytes"] is not None else "-"
+        ratio = f"{r['ratio_to_sdpa']:.2f}x" if r["ratio_to_sdpa"] is not None else "-"
+        t.add_row(str(r["seq_len"]), r["backend"], f"{r['median_s'] * 1e3:.1f} ms", mem, ratio, r["reason"])
+    console.print(t)
+    if json_file is not None:
+        json_file.write_text(json.dumps(rows, indent=2, default=str) + "\n")
+        console.print(f"wrote {json_file}")

@@ -1,0 +1,79 @@
+"""Cost formula of the ``tiled`` backend: only the tiles the kernel visits are counted.
+
+Per visited score entry (a query row x key column inside a non-empty tile) the kernel runs
+
+* forward: ``s = [q*scale | -m] @ [k | 1]^T`` (``D + 1`` multiply-adds) and
+  ``acc += P @ [v | 1]`` (``Dv + 1``): ``2 * (D + Dv + 2)`` FLOPs;
+* backward (recomputation included): the score matmul again (``D + 1``), ``dV += P^T dO``
+  (``Dv``), ``dP - D = [dO | -D] @ [v | 1]^T`` (``Dv + 1``), ``dQ += dS K`` and
+  ``dK += dS^T Q`` (``D`` each): ``2 * (3D + 2Dv + 2)`` FLOPs, about 2.5x the forward.
+
+The visited tiles come from the same :func:`~headlab.attention.backends.tiled.tile_states` the
+kernel walks, so causal attention counts about half the tiles and a sliding window far fewer;
+``FlopCounterMode`` on the kernel measures exactly these numbers (tests/test_tiled.py).
+
+    >>> from headlab import costs
+    >>> full = costs.estimate(costs.AttentionShape(heads=8, q_len=4096, head_dim=64), "tiled")
+    >>> causal = costs.estimate(costs.AttentionShape(heads=8, q_len=4096, head_dim=64, causal=True), "tiled")
+    >>> full.attention_weights_bytes, round(causal.forward_flops / full.forward_flops, 3)
+    (0, 0.562)
+    >>> round(full.backward_flops / full.forward_flops, 2)
+    2.48
+"""
+
+from __future__ import annotations
+
+import torch
+
+from headlab.attention.backends import tiled as _tiled
+from headlab.costs.model import AttentionCost, AttentionShape, register_cost
+
+
+def visited_pairs(shape: AttentionShape, block_q: int = _tiled.BLOCK_Q, block_k: int = _tiled.BLOCK_K) -> int:
+    """Score entries inside visited tiles, per (batch, head): edge tiles at their real size.
+
+    >>> visited_pairs(AttentionShape(q_len=1000, causal=True), 256, 512)
+    750144
+    """
+    spec = shape.spec()
+    states = _tiled.tile_states(spec, shape.mask, block_q, block_k)
+    n_qb, n_kb = states.shape
+    qs = torch.full((n_qb,), block_q, dtype=torch.int64)
+    qs[-1] = shape.q_len - block_q * (n_qb - 1)
+    ks = torch.full((n_kb,), block_k, dtype=torch.int64)
+    ks[-1] = shape.kv_len - block_k * (n_kb - 1)
+    area = qs[:, None] * ks[None, :]
+    return int((area * (states != 0)).sum())
+
+
+def tiled_flops(shape: AttentionShape, block_q: int = _tiled.BLOCK_Q, block_k: int = _tiled.BLOCK_K) -> tuple[int, int]:
+    """``(forward, backward)`` matmul FLOPs of one layer, as the kernel executes them."""
+    pairs = visited_pairs(shape, block_q, block_k) * shape.batch * shape.heads
+    d, dv = shape.head_dim, shape.v_dim
+    return 2 * pairs * (d + dv + 2), 2 * pairs * (3 * d + 2 * dv + 2)
+
+
+@register_cost("tiled")
+def tiled_cost(shape: AttentionShape, block_q: int = _tiled.BLOCK_Q, block_k: int = _tiled.BLOCK_K) -> AttentionCost:
+    L = shape.layers
+    spec = shape.spec()
+    fwd, bwd = tiled_flops(shape, block_q, block_k)
+    c = 8 if shape.dtype == torch.float64 else 4  # compute dtype
+    pairs = visited_pairs(shape, block_q, block_k) * shape.batch * shape.heads
+    n_qb = -(-shape.q_len // block_q)
+    kv_bytes = shape.batch * shape.kv_heads * shape.kv_len * (shape.head_dim + shape.v_dim) * c
+    # inputs and output once, K and V once per query block, and four passes over every visited
+    # tile (the matmul writes S, exp_ reads and writes it, the value matmul reads it): the tiles
+    # of a pure-PyTorch kernel are larger than a core's L2, so each pass is traffic.
+    moved = shape.io_bytes() + (n_qb - 1) * kv_bytes + 4 * pairs * c
+    saved = shape.io_bytes() + shape.batch * shape.heads * shape.q_len * (shape.v_dim + 1) * c  # q,k,v,out; lse
+    return AttentionCost(
+        backend="tiled",
+        forward_flops=L * fwd,
+        backward_flops=L * bwd,
+        attention_weights_bytes=0,
+        working_set_bytes=_tiled.working_set_bytes(spec, block_q, block_k, backward=False),
+        bytes_moved=L * moved,
+        saved_for_backward_bytes=L * saved,
+        notes=f"online softmax over {block_q}x{block_k} tiles; backward recomputes P",
+    )
