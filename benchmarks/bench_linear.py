@@ -38,6 +38,7 @@ import headlab
 from headlab import costs
 from headlab.attention.backends.linear import LinearBackend
 from headlab.costs.linear import linear_cost_for
+from headlab.costs.measure import run_with_peak
 
 B, H, D = 1, 8, 64
 RESULTS = Path(__file__).resolve().parent / "results" / "linear.json"
@@ -51,35 +52,6 @@ def _use_mmap_for_large_allocations() -> None:
         libc.mallopt(-1, 256 * 1024)  # M_TRIM_THRESHOLD
     except OSError:
         pass
-
-
-def _rss_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    return 0
-
-
-def _reset_peak() -> bool:
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
-def _run_once(fn) -> tuple[float, int | None]:
-    """(seconds, peak extra bytes or None)."""
-    can = _reset_peak()
-    base = _rss_kib("VmRSS")
-    t0 = time.perf_counter()
-    out = fn()
-    dt = time.perf_counter() - t0
-    peak = (_rss_kib("VmHWM") - base) * 1024 if can else None
-    del out
-    return dt, peak
 
 
 def variants():
@@ -141,7 +113,7 @@ def main(argv=None) -> int:
         peaks = {name: None for name, *_ in vs}
         for rep in range(args.repeats):
             for name, _, fn, _ in vs:
-                dt, peak = _run_once(lambda: fn(q, k, v))
+                dt, peak = run_with_peak(lambda: fn(q, k, v))
                 times[name].append(dt)
                 if rep == 0:
                     peaks[name] = peak

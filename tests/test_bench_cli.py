@@ -55,8 +55,30 @@ def test_memory_guard_refusal_is_a_skipped_row(tmp_path, capsys, monkeypatch):
     assert "skipped" in out
 
 
+def test_pattern_and_feature_map(tmp_path, capsys):
+    """--pattern reaches every backend (and the memory-measuring process); --feature-map configures linear."""
+    path = tmp_path / "rows.json"
+    code, out, _ = _run(["bench", "attention", "--seq-lens", "256", "--backends", "sdpa,sparse,tiled",
+                         "--pattern", "sliding_window:16&causal", "--repeats", "1", "--heads", "2",
+                         "--head-dim", "16", "--json", str(path)], capsys)
+    assert code == 0, out
+    rows = json.loads(path.read_text())
+    assert {r["backend"] for r in rows} == {"sdpa", "sparse", "tiled"}
+    for r in rows:
+        assert r["status"] == "ok" and r["pattern"] == "sliding_window:16&causal", r
+        assert r["peak_extra_bytes"] is not None, r
+    code, out, _ = _run(["bench", "attention", "--seq-lens", "128", "--backends", "sdpa,linear",
+                         "--feature-map", "favor:32", "--repeats", "1", "--heads", "2", "--head-dim", "16",
+                         "--no-memory", "--json", str(path)], capsys)
+    assert code == 0, out
+    rows = {r["backend"]: r for r in json.loads(path.read_text())}
+    assert rows["linear"]["status"] == "ok" and rows["linear"]["median_s"] > 0
+
+
 BAD = [
     ("letters in --seq-lens", ["--seq-lens", "64,x"], "--seq-lens"),
+    ("unknown pattern", ["--seq-lens", "64", "--pattern", "zigzag:3"], "zigzag"),
+    ("bad feature map", ["--seq-lens", "64", "--backends", "sdpa,linear", "--feature-map", "favor:0"], "num_features=0"),
     ("unknown backend", ["--seq-lens", "64", "--backends", "sdpa,nope"], "unknown backend"),
 ]
 

@@ -59,12 +59,12 @@ def attention_cmd(
     names = [b.strip() for b in backends.split(",") if b.strip()]
     if not names:
         raise ConfigError("--backends is empty; give names like sdpa,tiled")
-    mask = _pattern(pattern)
+    _pattern(pattern)  # a bad spec fails here, before any timing
     with Progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(), console=err_console,
                   transient=True) as bar:
         task = bar.add_task("benchmark", total=None)
         rows = bench_attention(lens, names, causal=causal, backward=backward, dtype=dtype, batch=batch,
-                               heads=heads, head_dim=head_dim, pattern=mask, feature_map=feature_map,
+                               heads=heads, head_dim=head_dim, pattern=pattern, feature_map=feature_map,
                                repeats=repeats, memory=memory,
                                progress=lambda text: bar.update(task, description=text, advance=1))
     title = (f"attention {'forward + backward' if backward else 'forward'}: batch {batch}, {heads} heads, "

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 
 import multiprocessing
+import pickle
 import os
 import resource
 import statistics
@@ -90,6 +91,23 @@ def _peak_bytes(reset_ok: bool) -> int:
         if kib is not None:
             return kib * 1024
     return _maxrss_bytes()
+
+
+def run_with_peak(fn: Callable[[], Any]) -> tuple[float, int | None]:
+    """Run ``fn()`` once in this process: ``(seconds, peak extra resident bytes)``.
+
+    The peak is the resident high-water mark during the call minus the resident size before it
+    (None where the kernel cannot reset the mark). Cheaper than :func:`peak_memory_growth`, but it
+    shares the process with everything already allocated.
+    """
+    reset_ok = _reset_peak()
+    base = rss_bytes()
+    t0 = time.perf_counter()
+    out = fn()
+    seconds = time.perf_counter() - t0
+    peak = _peak_bytes(True) - base if reset_ok else None
+    del out
+    return seconds, peak
 
 
 def _child(conn, setup, run, args) -> None:
@@ -178,8 +196,13 @@ def _call(cfg: dict, backend, q, k, v, grad_out=None):
 
 
 def _mem_setup(cfg: dict, backend):
+    if isinstance(cfg.get("mask"), str):
+        from headlab.attention.masks import from_string
+
+        cfg = {**cfg, "mask": from_string(cfg["mask"])}
     # one tiny call first: one-time initialisation (kernels, thread pools) is not the call's cost
-    _call({**cfg, "seq_len": 16, "mask": None}, backend, *_inputs({**cfg, "seq_len": 16}, cfg["backward"]),
+    warm_mask = cfg.get("mask") if not isinstance(cfg.get("mask"), torch.Tensor) else None  # functions fit any length
+    _call({**cfg, "seq_len": 16, "mask": warm_mask}, backend, *_inputs({**cfg, "seq_len": 16}, cfg["backward"]),
           torch.ones(cfg["batch"], cfg["heads"], 16, cfg["head_dim"], dtype=cfg["dtype"]) if cfg["backward"] else None)
     q, k, v = _inputs(cfg, cfg["backward"])
     grad_out = torch.ones_like(q) if cfg["backward"] else None
@@ -241,7 +264,9 @@ def bench_attention(
     Args:
         seq_lens: query (= key) lengths.
         backends: backend names or objects.
-        pattern: a mask function (e.g. from :func:`headlab.masks.from_string`) applied to every call.
+        pattern: a mask applied to every call: text for :func:`headlab.masks.from_string`
+            (``"sliding_window:256"``; preferred: it can be sent to the memory-measuring process)
+            or a mask function.
         feature_map: text for :func:`headlab.attention.backends.linear.from_string`; the
             configured linear backend replaces ``"linear"`` in ``backends`` (or is added).
         progress: called with a short description before each measurement (for progress bars).
@@ -258,6 +283,11 @@ def bench_attention(
         raise ConfigError("seq_lens is empty; give at least one sequence length, e.g. [1024, 2048]")
     if any((not isinstance(n, int)) or n <= 0 for n in seq_lens):
         raise ConfigError(f"sequence lengths must be positive integers, got {list(seq_lens)}")
+    pattern_text = None
+    if isinstance(pattern, str):  # text travels to the fresh processes that measure memory
+        from headlab.attention.masks import from_string
+
+        pattern_text, pattern = pattern, from_string(pattern)
     backends = list(backends)
     if feature_map is not None:
         linear_backend = _linear_from_string(feature_map)
@@ -306,7 +336,7 @@ def bench_attention(
                    "ratio_to_sdpa": None, "sdpa_median_s": sdpa_t, "peak_extra_bytes": None,
                    "causal": causal, "backward": backward, "dtype": str(dtype).removeprefix("torch."),
                    "batch": batch, "heads": heads, "head_dim": head_dim,
-                   "pattern": getattr(pattern, "name", None)}
+                   "pattern": pattern_text or getattr(pattern, "name", None)}
             why = reasons.get(name) or errors.get(name)
             if why:
                 row.update(status="skipped", reason=why)
@@ -319,11 +349,13 @@ def bench_attention(
                 if progress is not None:
                     progress(f"{name} @ {L}: peak memory (fresh process)")
                 try:
-                    row["peak_extra_bytes"] = peak_memory_growth(_mem_run, cfg, b, setup=_mem_setup)
+                    child_cfg = cfg if pattern_text is None else {**cfg, "mask": pattern_text}
+                    row["peak_extra_bytes"] = peak_memory_growth(_mem_run, child_cfg, b, setup=_mem_setup)
                 except (MemoryBudgetError, BackendUnsupportedError) as e:
                     row.update(status="skipped", reason=str(e))
-                except RuntimeError as e:  # e.g. a backend object that cannot be sent to a child
-                    row["reason"] = f"memory not measured: {e}"
+                except (RuntimeError, AttributeError, TypeError, pickle.PicklingError) as e:
+                    # a mask function or backend object that cannot be sent to a fresh process
+                    row["reason"] = f"memory not measured ({e}); pass the pattern as text"
             rows.append(row)
     return rows
 

@@ -44,6 +44,7 @@ float64. A query row that sees no key returns zeros and gets zero gradients.
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -250,6 +251,44 @@ def _mask_tile(s: torch.Tensor, p: _Plan, i0, i1, j0, j1) -> None:
     s.view(p.B, p.Hkv, rows, cols).masked_fill_(~vis, float("-inf"))
 
 
+
+# ------------------------------------------------------------------------------------------
+# Query blocks in parallel threads
+# ------------------------------------------------------------------------------------------
+
+def _block_order(p: _Plan) -> list[int]:
+    """Query blocks, the most expensive first (most visited tiles), for dynamic scheduling."""
+    work = [sum(1 for s in row if s != EMPTY) for row in p.states]
+    return sorted(range(p.n_qb), key=lambda qb: -work[qb])
+
+
+def _run_blocks(block, p: _Plan) -> None:
+    """Call ``block(qb)`` for every query block. With more than one torch thread and more than
+    one block, the blocks run in a pool of ``torch.get_num_threads()`` Python threads, each
+    running single-threaded torch ops (torch releases the GIL inside ops): one parallel region
+    per op costs a barrier, and at this tile size that barrier dominates."""
+    n = torch.get_num_threads()
+    order = _block_order(p)
+    if n <= 1 or len(order) <= 1 or _THREADED_OFF:
+        for qb in order:
+            block(qb)
+        return
+
+    def worker(qb: int) -> None:
+        torch.set_num_threads(1)
+        block(qb)
+
+    torch.set_num_threads(1)
+    try:
+        with ThreadPoolExecutor(max_workers=min(n, len(order))) as pool:
+            for f in [pool.submit(worker, qb) for qb in order]:
+                f.result()
+    finally:
+        torch.set_num_threads(n)
+
+
+_THREADED_OFF = False
+
 # ------------------------------------------------------------------------------------------
 # Forward
 # ------------------------------------------------------------------------------------------
@@ -335,12 +374,15 @@ def _forward(q, k, v, p: _Plan) -> tuple[torch.Tensor, torch.Tensor]:
     BHkv = p.B * p.Hkv
     out = torch.empty(BHkv, p.Lq * p.G, p.Dv, dtype=p.cdtype, device=q.device)
     lse = torch.empty(BHkv, p.Lq * p.G, dtype=p.cdtype, device=q.device)
-    for qb in range(p.n_qb):
+
+    def block(qb: int) -> None:
         i0, i1 = p.q_rows(qb)
         r0, r1 = i0 * p.G, i1 * p.G
         args = (qs[:, r0:r1], kt, vaug, p, qb, out[:, r0:r1], lse[:, r0:r1])
         if not _forward_block_fast(*args):
             _forward_block_exact(*args)
+
+    _run_blocks(block, p)
     return out, lse
 
 
