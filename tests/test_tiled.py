@@ -253,3 +253,49 @@ def test_memory_at_16k_tokens_in_a_fresh_process():
            "causal": False, "backward": True, "mask": None, "seed": 0}
     grew = peak_memory_growth(_mem_run, cfg, "tiled", setup=_mem_setup)
     assert grew < 0.05 * 8 * 2**30, grew
+
+
+# Work units of the threaded forward: one head per unit (UNIT_ELEMS=1), so every mask path that
+# slices the flattened (batch, kv head) axis runs; per-head masks, window functions, causal, GQA.
+UNIT_CASES = [
+    Case("per-head bool mask + causal, 1 head/unit", 2, 4, 4, 96, 150, 40, causal=True, mask="bool"),
+    Case("window fn, GQA, 1 head/unit", 2, 4, 2, 113, 203, 64, mask="window"),
+    Case("causal 1023x1024, 1 head/unit", 1, 2, 2, 1023, 1024, 64, causal=True, blocks=(128, 256)),
+]
+
+
+@pytest.mark.parametrize("case", UNIT_CASES, ids=[c.name for c in UNIT_CASES])
+def test_threaded_head_units_match_serial_and_reference(case: Case, monkeypatch):
+    q, k, v, mask = case.build()
+    if case.mask == "bool":  # (B, 1, Lq, Lk) -> a different mask per head
+        g = torch.Generator().manual_seed(3)
+        mask = mask.expand(case.B, case.H, case.Lq, case.Lk) & (torch.rand(case.B, case.H, case.Lq, case.Lk, generator=g) > 0.2)
+    monkeypatch.setattr(tiled, "UNIT_ELEMS", 1)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        report = compare_backend(TiledBackend(*case.blocks), q, k, v, mask=mask, causal=case.causal)
+        assert report.ok, report.failures()
+        assert torch.get_num_threads() == 2  # restored after the pool
+        out = tiled_attention(q, k, v, mask=mask, causal=case.causal, block_q=case.blocks[0], block_k=case.blocks[1])
+        monkeypatch.setattr(tiled, "_THREADED_OFF", True)
+        serial = tiled_attention(q, k, v, mask=mask, causal=case.causal, block_q=case.blocks[0], block_k=case.blocks[1])
+    finally:
+        torch.set_num_threads(threads)
+    torch.testing.assert_close(out, serial, rtol=0, atol=1e-6)
+
+
+def test_threaded_forward_under_inference_mode_and_no_grad():
+    q, k, v = (torch.randn(1, 4, 300, 32) for _ in range(3))
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with torch.inference_mode():
+            a = tiled_attention(q, k, v, causal=True, block_q=64, block_k=64)
+        with torch.no_grad():
+            b = tiled_attention(q, k, v, causal=True, block_q=64, block_k=64)
+    finally:
+        torch.set_num_threads(threads)
+    torch.testing.assert_close(a, ref, rtol=0, atol=1e-5)
+    torch.testing.assert_close(b, ref, rtol=0, atol=1e-5)

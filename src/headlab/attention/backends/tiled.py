@@ -22,11 +22,18 @@ tile serves a whole group and K/V are never copied per query head::
 
 Speed (docs/tiled.md has the measurements): the running maximum is taken exactly on the first
 key tile of each query block and then kept ("stale"): later tiles compute
-``exp(q k^T * scale - m)`` with ``-m`` folded into the matmul (``baddbmm``), and the row sums
-come out of the value matmul through a column of ones appended to V. That leaves one
-element-wise pass (``exp_``) per tile. Because the softmax is shift invariant this is exact as
-long as nothing overflows; a query block whose result is not finite (a later tile 88 logits
-above the first one) or has an empty row is recomputed with the textbook per-tile rescaling.
+``exp2(log2(e) * scale * q k^T - m)`` with ``-m`` folded into the matmul (an extra query column
+against a row of ones in K^T), and the row sums come out of the value matmul through a column of
+ones appended to V. That leaves one element-wise pass (``exp2_``) per tile. Because the softmax
+is shift invariant this is exact as long as nothing overflows; a query block whose result is not
+finite (a later tile 88 logits above the first one) or has an empty row is recomputed with the
+textbook per-tile rescaling. Under ``causal`` a key tile stops at its query block's end, and only
+the columns past the block's first query are masked. The forward runs its work units (a query
+block x a few heads) in a pool of ``torch.get_num_threads()`` Python threads with single-threaded
+torch ops inside (torch releases the GIL in its ops), each reusing one score-tile buffer; torch's
+thread count is set to 1 for the duration of the call and restored after (other threads of the
+process that run torch ops meanwhile run them single-threaded too). The backward runs serially
+with torch's own intra-op threads.
 
 Float16/bfloat16 inputs are computed in float32 (accumulation in float32); float64 stays
 float64. A query row that sees no key returns zeros and gets zero gradients.
@@ -44,8 +51,9 @@ float64. A query row that sees no key returns zeros and gets zero gradients.
 
 from __future__ import annotations
 
+import threading
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -88,6 +96,7 @@ class _Plan:
     dropout_p: float
     seed: int
     cdtype: torch.dtype  # compute dtype: float64 for float64 inputs, else float32
+    _hidden: dict = field(default_factory=dict, repr=False)  # hidden() per tile (causal only)
 
     @property
     def n_qb(self) -> int:
@@ -98,9 +107,26 @@ class _Plan:
         i0 = qb * self.block_q
         return i0, min(self.Lq, i0 + self.block_q)
 
-    def k_cols(self, kb: int) -> tuple[int, int]:
+    def k_cols(self, kb: int, i1: int | None = None) -> tuple[int, int]:
+        """Key positions [j0, j1) of key tile ``kb``; under ``causal``, for the query block
+        ending at ``i1``, cut at ``i1`` (no row of the block sees a key at or past it)."""
         j0 = kb * self.block_k
-        return j0, min(self.Lk, j0 + self.block_k)
+        j1 = min(self.Lk, j0 + self.block_k)
+        if self.causal and i1 is not None:
+            j1 = min(j1, i1)
+        return j0, j1
+
+    def hidden(self, i0: int, i1: int, j0: int, j1: int, device) -> torch.Tensor:
+        """``~visible(...)``, kept per tile when it is the same for every (batch, head) (causal
+        without a mask): every head's unit of the tile reuses it."""
+        if self.mask is not None or not self.causal:
+            return ~self.visible(i0, i1, j0, j1, device)
+        key = (i0, i1, j0, j1, str(device))
+        hid = self._hidden.get(key)
+        if hid is None:
+            hid = ~self.visible(i0, i1, j0, j1, device)
+            self._hidden[key] = hid
+        return hid
 
     def visible(self, i0: int, i1: int, j0: int, j1: int, device) -> torch.Tensor:
         """Bool ``(Bm, Hm', (i1-i0)*G, j1-j0)`` (broadcastable to the tile viewed as
@@ -223,32 +249,52 @@ def _from_rows(x: torch.Tensor, p: _Plan) -> torch.Tensor:
     return x.view(p.B, p.Hkv, p.Lq, p.G, E).transpose(2, 3).reshape(p.B, p.H, p.Lq, E)
 
 
-def _prepare(q, k, v, p: _Plan):
+def _prepare(q, k, v, p: _Plan, q_factor: float = 1.0, with_q: bool = True):
     """Scaled query rows with a free last column ``(BHkv, Lq*G, D+1)``, K^T with a row of ones
     ``(BHkv, D+1, Lk)`` and V with a column of ones ``(BHkv, Lk, Dv+1)``, in the compute dtype.
 
     Writing ``-m`` (a per-row shift) into the query's last column makes one matmul return
     ``scale * q k^T - m``; the ones column of V makes the value matmul return the row sums too.
+    ``q_factor`` multiplies the scale (the forward passes ``log2(e)`` to work in base 2).
+    Without ``with_q`` the query is left to the caller (``None``; see :func:`_query_block`).
     """
     BHkv = p.B * p.Hkv
-    qa = torch.empty(BHkv, p.Lq * p.G, p.D + 1, dtype=p.cdtype, device=q.device)  # (BHkv, Lq*G, D+1)
-    qa[..., : p.D] = _to_rows(q, p)
-    qa[..., : p.D].mul_(p.scale)
-    qa[..., p.D] = 0.0
-    ka = torch.empty(BHkv, p.D + 1, p.Lk, dtype=p.cdtype, device=k.device)  # (BHkv, D+1, Lk)
-    ka[:, : p.D] = k.reshape(BHkv, p.Lk, p.D).transpose(1, 2)
-    ka[:, p.D] = 1.0
+    qa = None
+    if with_q:
+        qa = torch.empty(BHkv, p.Lq * p.G, p.D + 1, dtype=p.cdtype, device=q.device)  # (BHkv, Lq*G, D+1)
+        qa[..., : p.D] = _to_rows(q, p)
+        qa[..., : p.D].mul_(p.scale * q_factor)
+        qa[..., p.D] = 0.0
+    # K is stored as rows [k | 1] (BHkv, Lk, D+1) and used through its transposed view, so key
+    # tiles are sliced without a power-of-two leading dimension (measured neutral, docs/tiled.md).
+    ka = torch.empty(BHkv, p.Lk, p.D + 1, dtype=p.cdtype, device=k.device)  # (BHkv, Lk, D+1)
+    ka[..., : p.D] = k.reshape(BHkv, p.Lk, p.D)
+    ka[..., p.D] = 1.0
+    ka = ka.transpose(1, 2)  # (BHkv, D+1, Lk) view
     vaug = torch.empty(BHkv, p.Lk, p.Dv + 1, dtype=p.cdtype, device=v.device)  # (BHkv, Lk, Dv+1)
     vaug[..., : p.Dv] = v.reshape(BHkv, p.Lk, p.Dv)
     vaug[..., p.Dv] = 1.0
     return qa, ka, vaug
 
 
-def _mask_tile(s: torch.Tensor, p: _Plan, i0, i1, j0, j1) -> None:
-    """Set the invisible entries of a partial score tile ``(BHkv, rows, cols)`` to -inf, in place."""
-    rows, cols = s.shape[1], s.shape[2]
-    vis = p.visible(i0, i1, j0, j1, s.device)
-    s.view(p.B, p.Hkv, rows, cols).masked_fill_(~vis, float("-inf"))
+def _mask_tile(s: torch.Tensor, p: _Plan, i0, i1, j0, j1, h0: int = 0) -> None:
+    """Set the invisible entries of a partial score tile ``(n, rows, cols)`` to -inf, in place;
+    ``s`` holds the flattened (batch, kv head) slices ``[h0, h0 + n)`` of ``(B*Hkv, ...)``."""
+    n, rows, cols = s.shape
+    if p.mask is None and p.causal and i0 >= j0:  # keys j <= i0 are seen by every row: skip them
+        c0 = min(cols, i0 + 1 - j0)
+        s, j0 = s[:, :, c0:], j0 + c0
+        cols = s.shape[2]
+        if cols == 0:
+            return
+    hid = p.hidden(i0, i1, j0, j1, s.device)  # (Bm, Hm', rows, cols)
+    if hid.shape[0] == 1 and hid.shape[1] == 1:
+        s.masked_fill_(hid[0, 0], float("-inf"))  # same for every (batch, head): broadcast
+    elif n == p.B * p.Hkv:
+        s.view(p.B, p.Hkv, rows, cols).masked_fill_(hid, float("-inf"))
+    else:  # a slice of the flattened (batch, kv head) axis
+        hid = hid.expand(p.B, p.Hkv, rows, cols).reshape(p.B * p.Hkv, rows, cols)[h0:h0 + n]
+        s.masked_fill_(hid, float("-inf"))
 
 
 
@@ -256,32 +302,51 @@ def _mask_tile(s: torch.Tensor, p: _Plan, i0, i1, j0, j1) -> None:
 # Query blocks in parallel threads
 # ------------------------------------------------------------------------------------------
 
-def _block_order(p: _Plan) -> list[int]:
-    """Query blocks, the most expensive first (most visited tiles), for dynamic scheduling."""
+# Work unit of the forward: one query block x as many flattened (batch, kv head) slices as keep
+# its score tile near this many entries (2 MiB in float32). Measured at 4,096 tokens, 2 threads,
+# 256x512 tiles (docs/tiled.md): 1 head per unit pays Python overhead per op, all 8 heads (8 MiB
+# tile) fall out of cache; 2 to 4 heads were fastest.
+UNIT_ELEMS = 1 << 19
+
+
+def _head_chunk(p: _Plan) -> int:
+    return max(1, UNIT_ELEMS // (p.block_q * p.G * p.block_k))
+
+
+def _units(p: _Plan, chunk: int) -> list[tuple[int, int, int]]:
+    """``(qb, h0, h1)`` work units, the most expensive first (most visited tiles), so that a
+    dynamic schedule ends with the cheap ones."""
+    BHkv = p.B * p.Hkv
     work = [sum(1 for s in row if s != EMPTY) for row in p.states]
-    return sorted(range(p.n_qb), key=lambda qb: -work[qb])
+    order = sorted(range(p.n_qb), key=lambda qb: -work[qb])
+    return [(qb, h0, min(BHkv, h0 + chunk)) for qb in order for h0 in range(0, BHkv, chunk)]
 
 
-def _run_blocks(block, p: _Plan) -> None:
-    """Call ``block(qb)`` for every query block. With more than one torch thread and more than
-    one block, the blocks run in a pool of ``torch.get_num_threads()`` Python threads, each
-    running single-threaded torch ops (torch releases the GIL inside ops): one parallel region
-    per op costs a barrier, and at this tile size that barrier dominates."""
+def _run_blocks(block, p: _Plan, chunk: int) -> None:
+    """Call ``block(qb, h0, h1)`` for every work unit. With more than one torch thread and more
+    than one unit, the units run in a pool of ``torch.get_num_threads()`` Python threads, each
+    running single-threaded torch ops (torch releases the GIL inside ops). This replaces one
+    OpenMP parallel region (and its barrier) per medium-sized op by one per call, and lets each
+    thread keep a small tile in its own core's cache. torch's thread count is restored after."""
     n = torch.get_num_threads()
-    order = _block_order(p)
-    if n <= 1 or len(order) <= 1 or _THREADED_OFF:
-        for qb in order:
-            block(qb)
+    units = _units(p, chunk)
+    # dispatch modes (FlopCounterMode, profilers) are thread-local: keep their ops in this thread
+    if n <= 1 or len(units) <= 1 or _THREADED_OFF or torch._C._len_torch_dispatch_stack() > 0:
+        for u in units:
+            block(*u)
         return
 
-    def worker(qb: int) -> None:
-        torch.set_num_threads(1)
-        block(qb)
+    inference = torch.is_inference_mode_enabled()  # thread-local, like grad mode: carry it over
+
+    def worker(u) -> None:
+        torch.set_num_threads(1)  # this thread's ops run single-threaded
+        with torch.inference_mode(inference), torch.no_grad():  # the forward records nothing
+            block(*u)
 
     torch.set_num_threads(1)
     try:
-        with ThreadPoolExecutor(max_workers=min(n, len(order))) as pool:
-            for f in [pool.submit(worker, qb) for qb in order]:
+        with ThreadPoolExecutor(max_workers=min(n, len(units))) as pool:
+            for f in [pool.submit(worker, u) for u in units]:
                 f.result()
     finally:
         torch.set_num_threads(n)
@@ -293,9 +358,17 @@ _THREADED_OFF = False
 # Forward
 # ------------------------------------------------------------------------------------------
 
-def _forward_block_fast(qb_rows, kt, vaug, p: _Plan, qb: int, out_rows, lse_rows) -> bool:
-    """One query block with the stale maximum. Writes ``out_rows (BHkv, r, Dv)`` and
-    ``lse_rows (BHkv, r)``; returns False when the block must be recomputed exactly."""
+_LOG2E = 1.4426950408889634
+_LN2 = 0.6931471805599453
+
+
+def _forward_block_fast(qb_rows, kt, vaug, p: _Plan, qb: int, out_rows, lse_rows, h0: int = 0, sbuf=None) -> bool:
+    """One query block with the stale maximum, in base 2 (``qb_rows`` carries
+    ``scale * log2(e)``; ``exp2`` is cheaper than ``exp``). Writes ``out_rows (n, r, Dv)`` and
+    ``lse_rows (n, r)`` (natural log); returns False when the block must be recomputed exactly.
+    ``h0``: first flattened (batch, kv head) index of these rows (for masks). ``sbuf``: a flat
+    scratch tensor of at least ``n * r * block_k`` entries for the score tile (reused: a fresh
+    multi-MiB tensor per tile costs page faults that made the score matmul twice as slow)."""
     i0, i1 = p.q_rows(qb)
     BHkv, r, _ = qb_rows.shape
     Dv = p.Dv
@@ -304,16 +377,17 @@ def _forward_block_fast(qb_rows, kt, vaug, p: _Plan, qb: int, out_rows, lse_rows
     for kb, state in enumerate(p.states[qb]):
         if state == EMPTY:
             continue
-        j0, j1 = p.k_cols(kb)
-        s = torch.bmm(qb_rows, kt[:, :, j0:j1])  # (BHkv, r, c) = scale * q k^T - m (last q column)
+        j0, j1 = p.k_cols(kb, i1)
+        s = torch.bmm(qb_rows, kt[:, :, j0:j1],  # (n, r, c) = log2(e) scale q k^T - m (last q column)
+                      out=None if sbuf is None else sbuf[: BHkv * r * (j1 - j0)].view(BHkv, r, j1 - j0))
         if state == PARTIAL:
-            _mask_tile(s, p, i0, i1, j0, j1)
+            _mask_tile(s, p, i0, i1, j0, j1, h0)
         if negm is None:  # first visited tile: its exact row maximum becomes the shift m
             negm = s.amax(-1, keepdim=True).neg_()  # (BHkv, r, 1)
             negm.masked_fill_(torch.isinf(negm), 0.0)  # a row empty in this tile: shift 0
             s.add_(negm)
             qb_rows[..., -1:] = negm
-        s.exp_()
+        s.exp2_()
         if p.dropout_p > 0:
             acc[..., Dv] += s.sum(-1)
             s.masked_fill_(~p.keep(qb, kb, s.shape, s.device), 0.0)
@@ -329,12 +403,13 @@ def _forward_block_fast(qb_rows, kt, vaug, p: _Plan, qb: int, out_rows, lse_rows
     if not bool(torch.isfinite(acc).all()) or bool((l <= 0).any()):
         return False
     out_rows.copy_(acc[..., :Dv] / l.unsqueeze(-1))
-    lse_rows.copy_(torch.log(l) - negm.squeeze(-1))
+    lse_rows.copy_(torch.log(l) - negm.squeeze(-1) * _LN2)
     return True
 
 
-def _forward_block_exact(qb_rows, kt, vaug, p: _Plan, qb: int, out_rows, lse_rows) -> None:
-    """One query block with the textbook online softmax: exact max per tile and rescaling."""
+def _forward_block_exact(qb_rows, kt, vaug, p: _Plan, qb: int, out_rows, lse_rows, h0: int = 0) -> None:
+    """One query block with the textbook online softmax: exact max per tile and rescaling
+    (base 2, like :func:`_forward_block_fast`)."""
     i0, i1 = p.q_rows(qb)
     BHkv, r, _ = qb_rows.shape
     Dv = p.Dv
@@ -345,14 +420,14 @@ def _forward_block_exact(qb_rows, kt, vaug, p: _Plan, qb: int, out_rows, lse_row
     for kb, state in enumerate(p.states[qb]):
         if state == EMPTY:
             continue
-        j0, j1 = p.k_cols(kb)
-        s = torch.bmm(qb_rows, kt[:, :, j0:j1])  # (BHkv, r, c)
+        j0, j1 = p.k_cols(kb, i1)
+        s = torch.bmm(qb_rows, kt[:, :, j0:j1])  # (n, r, c), base 2
         if state == PARTIAL:
-            _mask_tile(s, p, i0, i1, j0, j1)
+            _mask_tile(s, p, i0, i1, j0, j1, h0)
         m_new = torch.maximum(m, s.amax(-1, keepdim=True))
         m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)  # rows with no key yet
-        alpha = torch.exp(m - m_safe)  # exp(-inf) = 0 for rows that had nothing
-        s.sub_(m_safe).exp_()
+        alpha = torch.exp2(m - m_safe)  # exp2(-inf) = 0 for rows that had nothing
+        s.sub_(m_safe).exp2_()
         l.mul_(alpha).add_(s.sum(-1, keepdim=True))
         acc.mul_(alpha)
         if p.dropout_p > 0:
@@ -364,25 +439,53 @@ def _forward_block_exact(qb_rows, kt, vaug, p: _Plan, qb: int, out_rows, lse_row
     dead = l <= 0  # (BHkv, r, 1): rows that see no key
     l_safe = torch.where(dead, torch.ones_like(l), l)
     out_rows.copy_((acc / l_safe).masked_fill_(dead, 0.0))
-    lse = torch.where(torch.isinf(m), torch.zeros_like(m), m) + torch.log(l_safe)
+    lse = torch.where(torch.isinf(m), torch.zeros_like(m), m) * _LN2 + torch.log(l_safe)
     lse_rows.copy_(lse.masked_fill(dead, float("inf")).squeeze(-1))
+
+
+def _query_block(qg, p: _Plan, qb: int, h0: int, h1: int, buf: torch.Tensor, factor: float) -> torch.Tensor:
+    """Rows ``[h0, h1)`` of query block ``qb`` in the layout of :func:`_prepare`'s query,
+    ``(n, r, D+1)`` = ``[factor * scale * q | 0]``, written into the flat scratch ``buf`` (in the
+    worker thread: no separate pass over the whole query before the pool starts).
+    ``qg``: the query viewed as ``(B*Hkv, G, Lq, D)``."""
+    i0, i1 = p.q_rows(qb)
+    n, nq = h1 - h0, i1 - i0
+    rows = buf[: n * nq * p.G * (p.D + 1)].view(n, nq * p.G, p.D + 1)  # (n, r, D+1)
+    src = qg[h0:h1, :, i0:i1].transpose(1, 2)  # (n, nq, G, D)
+    rows.view(n, nq, p.G, p.D + 1)[..., : p.D].copy_(src)
+    rows[..., : p.D].mul_(p.scale * factor)
+    rows[..., p.D] = 0.0
+    return rows
 
 
 def _forward(q, k, v, p: _Plan) -> tuple[torch.Tensor, torch.Tensor]:
     """``out (BHkv, Lq*G, Dv)`` and internal ``lse (BHkv, Lq*G)`` (+inf on rows with no key)."""
-    qs, kt, vaug = _prepare(q, k, v, p)  # qs' last column (the shift) is written per block
+    _, kt, vaug = _prepare(q, k, v, p, _LOG2E, with_q=False)  # query blocks: built per unit
     BHkv = p.B * p.Hkv
     out = torch.empty(BHkv, p.Lq * p.G, p.Dv, dtype=p.cdtype, device=q.device)
     lse = torch.empty(BHkv, p.Lq * p.G, dtype=p.cdtype, device=q.device)
+    qg = q.reshape(BHkv, p.G, p.Lq, p.D)  # (B, H, Lq, D) -> (B*Hkv, G, Lq, D), a view when contiguous
 
-    def block(qb: int) -> None:
+    chunk = _head_chunk(p) if p.dropout_p == 0 else BHkv
+    scratch: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # per worker thread: score tile, query block
+
+    def block(qb: int, h0: int, h1: int) -> None:
         i0, i1 = p.q_rows(qb)
         r0, r1 = i0 * p.G, i1 * p.G
-        args = (qs[:, r0:r1], kt, vaug, p, qb, out[:, r0:r1], lse[:, r0:r1])
-        if not _forward_block_fast(*args):
+        bufs = scratch.get(threading.get_ident())
+        if bufs is None:
+            rows = min(chunk, BHkv) * min(p.block_q, p.Lq) * p.G
+            bufs = (torch.empty(rows * min(p.block_k, p.Lk), dtype=p.cdtype, device=q.device),
+                    torch.empty(rows * (p.D + 1), dtype=p.cdtype, device=q.device))
+            scratch[threading.get_ident()] = bufs
+        sbuf, qbuf = bufs
+        qb_rows = _query_block(qg, p, qb, h0, h1, qbuf, _LOG2E)  # its last column: the shift, per block
+        args = (qb_rows, kt[h0:h1], vaug[h0:h1], p, qb, out[h0:h1, r0:r1], lse[h0:h1, r0:r1], h0)
+        if not _forward_block_fast(*args, sbuf=sbuf):
             _forward_block_exact(*args)
 
-    _run_blocks(block, p)
+    # dropout draws one keep-mask per whole tile (the backward regenerates it): no head split
+    _run_blocks(block, p, chunk)
     return out, lse
 
 
@@ -418,7 +521,7 @@ def _backward(q, k, v, out, lse, dout, p: _Plan):
         for kb, state in enumerate(p.states[qb]):
             if state == EMPTY:
                 continue
-            j0, j1 = p.k_cols(kb)
+            j0, j1 = p.k_cols(kb, i1)
             s = torch.bmm(qb_rows, kt[:, :, j0:j1])  # (BHkv, r, c) = scale q k^T - lse
             if state == PARTIAL:
                 _mask_tile(s, p, i0, i1, j0, j1)
@@ -522,7 +625,7 @@ def working_set_bytes(spec: AttentionSpec, block_q: int = BLOCK_Q, block_k: int 
                       *, backward: bool | None = None) -> int:
     """Peak extra bytes of one call, all O(n) except the tile: the scaled query copy, K and V in
     the compute dtype (V with a ones column), output and log-sum-exp, the score tile and its
-    mask, the accumulator; with ``backward`` (default: ``spec.requires_grad``) the
+    mask (under ``causal`` the diagonal tiles' masks, kept for the call), the accumulator; with ``backward`` (default: ``spec.requires_grad``) the
     recomputation's dO copy, dq/dk/dv accumulators and a second tile (dS)."""
     c = 8 if spec.dtype == torch.float64 else 4
     B, H, Hkv, Lq, Lk, D, Dv = spec.batch, spec.heads, spec.kv_heads, spec.q_len, spec.kv_len, spec.head_dim, spec.v_dim
@@ -534,7 +637,8 @@ def working_set_bytes(spec: AttentionSpec, block_q: int = BLOCK_Q, block_k: int 
            + kcopy + B * Hkv * Lk * (Dv + 1) * c  # K, [V | 1]
            + B * H * Lq * (Dv + 1) * c  # out + lse
            + tile + B * Hkv * rows * cols  # scores and the bool mask of a partial tile
-           + B * Hkv * rows * (Dv + 1) * c)  # accumulator
+           + B * Hkv * rows * (Dv + 1) * c  # accumulator
+           + (Lq * min(block_q, Lq) if spec.causal else 0))  # kept causal masks of diagonal tiles
     if backward is None:
         backward = spec.requires_grad
     if not backward:
