@@ -168,3 +168,27 @@ def test_memory_does_not_grow_quadratically():
     # stays far below one n x n map per head
     assert biggest[1] <= 6 * biggest[0]
     assert biggest[1] < 4096 * 4096 * 4 / 4
+
+
+def test_threaded_forward_equals_serial(monkeypatch):
+    """The forward's units run in a thread pool when torch has more than one thread; the result
+    must equal the serial result (each unit writes disjoint rows) and the reference. Covers the
+    strided-view path (a pure sliding window: consecutive key blocks, evenly spaced heads) and
+    the gathered path (a global token breaks the consecutive blocks), with GQA and an odd length."""
+    q, k, v = _qkv(1, 6, 2, 1100, 1100, 32)
+    n = torch.get_num_threads()
+    for mask in (masks.sliding_window(200), masks.sliding_window(200) | masks.global_tokens([3])):
+        views = [u[-1] is not None for u in sp._units(sp.plan_for(mask, 1, 6, 2, 1100, 1100))]
+        assert len(views) > 1 and all(views) == (mask.name == masks.sliding_window(200).name)
+        torch.set_num_threads(2)
+        try:
+            monkeypatch.setattr(sp, "_THREADED", True)
+            threaded = headlab.attention(q, k, v, mask=mask, backend="sparse")
+            assert torch.get_num_threads() == 2  # restored after the pool
+            monkeypatch.setattr(sp, "_THREADED", False)
+            serial = headlab.attention(q, k, v, mask=mask, backend="sparse")
+        finally:
+            torch.set_num_threads(n)
+        torch.testing.assert_close(threaded, serial, atol=1e-6, rtol=1e-5)
+        ref = headlab.attention(q, k, v, mask=mask, backend="reference")
+        torch.testing.assert_close(threaded, ref, atol=2e-5, rtol=1e-4)
