@@ -47,11 +47,11 @@ from __future__ import annotations
 
 import threading
 import weakref
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
 
+from headlab.attention.backends._threads import run_units
 from headlab.attention.backends.base import Backend, Capabilities, register
 from headlab.attention.blocks import EMPTY, PARTIAL, BlockMap
 from headlab.attention.guard import check_fits
@@ -361,30 +361,8 @@ def _units(plan: SparsePlan) -> list[tuple[_Group, int, int, int, int, tuple | N
 
 
 def _run_units(fn, units: list) -> None:
-    """Call ``fn(unit)`` for every unit. With more than one torch thread, the units run in a pool
-    of ``torch.get_num_threads()`` Python threads, each running single-threaded torch ops (torch
-    releases the GIL inside ops): one OpenMP region and barrier per call instead of one per
-    medium-sized op. torch's thread count is restored after. Under a dispatch mode
-    (FlopCounterMode, profilers: thread-local) the units run serially in this thread."""
-    n = torch.get_num_threads()
-    if n <= 1 or len(units) <= 1 or not _THREADED or torch._C._len_torch_dispatch_stack() > 0:
-        for u in units:
-            fn(u)
-        return
-    inference = torch.is_inference_mode_enabled()  # thread-local, like grad mode: carry it over
-
-    def worker(u) -> None:
-        torch.set_num_threads(1)  # this thread's ops run single-threaded
-        with torch.inference_mode(inference), torch.no_grad():  # the forward records nothing
-            fn(u)
-
-    torch.set_num_threads(1)
-    try:
-        with ThreadPoolExecutor(max_workers=min(n, len(units))) as pool:
-            for f in [pool.submit(worker, u) for u in units]:
-                f.result()
-    finally:
-        torch.set_num_threads(n)
+    """Call ``fn(unit)`` for every unit, on all cores (see :mod:`headlab.attention.backends._threads`)."""
+    run_units(fn, units, threaded=_THREADED)
 
 
 def _forward(plan: SparsePlan, mask: MaskFn, q, k, v, scale):

@@ -52,11 +52,11 @@ float64. A query row that sees no key returns zeros and gets zero gradients.
 from __future__ import annotations
 
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
 
+from headlab.attention.backends._threads import run_units
 from headlab.attention.backends.base import Backend, Capabilities, register
 from headlab.attention.blocks import EMPTY, FULL, PARTIAL
 from headlab.attention.guard import check_fits
@@ -328,28 +328,7 @@ def _run_blocks(block, p: _Plan, chunk: int) -> None:
     running single-threaded torch ops (torch releases the GIL inside ops). This replaces one
     OpenMP parallel region (and its barrier) per medium-sized op by one per call, and lets each
     thread keep a small tile in its own core's cache. torch's thread count is restored after."""
-    n = torch.get_num_threads()
-    units = _units(p, chunk)
-    # dispatch modes (FlopCounterMode, profilers) are thread-local: keep their ops in this thread
-    if n <= 1 or len(units) <= 1 or _THREADED_OFF or torch._C._len_torch_dispatch_stack() > 0:
-        for u in units:
-            block(*u)
-        return
-
-    inference = torch.is_inference_mode_enabled()  # thread-local, like grad mode: carry it over
-
-    def worker(u) -> None:
-        torch.set_num_threads(1)  # this thread's ops run single-threaded
-        with torch.inference_mode(inference), torch.no_grad():  # the forward records nothing
-            block(*u)
-
-    torch.set_num_threads(1)
-    try:
-        with ThreadPoolExecutor(max_workers=min(n, len(units))) as pool:
-            for f in [pool.submit(worker, u) for u in units]:
-                f.result()
-    finally:
-        torch.set_num_threads(n)
+    run_units(lambda u: block(*u), _units(p, chunk), threaded=not _THREADED_OFF)
 
 
 _THREADED_OFF = False
