@@ -10,22 +10,11 @@ import pytest
 from typer.testing import CliRunner
 
 import headlab
-from headlab.cli.app import app
-from headlab.cli.main import main
+from headlab.cli.main import app  # importing main registers every command
 from headlab.errors import CLI_EXIT_CODE
+from headlab.testing import run_cli as run_main
 
 TEXT = "The cat sat on the mat because it was tired."
-
-
-def run_main(args, capsys):
-    """The real entry point with its error rule; returns (exit code, stdout, stderr)."""
-    try:
-        main([str(a) for a in args])
-        code = 0
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-    out = capsys.readouterr()
-    return code, out.out, out.err
 
 
 @pytest.fixture(scope="module")

@@ -6,17 +6,7 @@ import json
 
 import pytest
 
-from headlab.cli.main import main
-
-
-def _run(argv, capsys):
-    code = 0
-    try:
-        main(argv)
-    except SystemExit as e:
-        code = e.code or 0
-    out = capsys.readouterr()
-    return code, out.out, out.err
+from headlab.testing import run_cli as _run
 
 
 def test_help(capsys):

@@ -9,21 +9,10 @@ import sys
 import pytest
 from typer.testing import CliRunner
 
-from headlab.cli.app import app
-from headlab.cli.main import main
+from headlab.cli.main import app  # importing main registers every command
+from headlab.testing import run_cli as run_main
 
 runner = CliRunner()
-
-
-def run_main(args, capsys):
-    """Run the real entry point (with its error handling); return (exit code, stdout, stderr)."""
-    try:
-        main(args)
-        code = 0
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-    out = capsys.readouterr()
-    return code, out.out, out.err
 
 
 def _commands(typer_app, prefix=()):

@@ -8,6 +8,7 @@ import torch
 from headlab import masks
 from headlab.attention.blocks import BlockMap, _classify_dense
 from headlab.errors import ConfigError, MaskError
+from headlab.testing import run_cli as _cli
 
 
 def _dense_state(m, lq, lk, bq, bk, batch=1, heads=1):
@@ -206,17 +207,6 @@ def test_block_map_uses_closed_form_fast():
 
 
 # -- the `headlab pattern` command ------------------------------------------------------------
-
-def _cli(args, capsys):
-    from headlab.cli.main import main
-
-    code = 0
-    try:
-        main(args)
-    except SystemExit as e:
-        code = e.code or 0
-    out = capsys.readouterr()
-    return code, out.out, out.err
 
 
 def test_cli_pattern_help(capsys):
