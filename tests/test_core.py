@@ -191,6 +191,23 @@ def test_auto_choice_and_explicit_refusal():
         headlab.attention(q, k, v, backend="flashy")
 
 
+def test_auto_passes_over_a_backend_that_would_not_fit(monkeypatch):
+    """sdpa must materialise a mask function as an n x n boolean mask; when that does not fit,
+    auto takes the next exact backend that skips empty tiles instead."""
+    q = k = v = torch.randn(1, 2, 2048, 8)
+    mask = masks.causal() & masks.padding([1500])
+    monkeypatch.setenv("HEADLAB_MEMORY_LIMIT", str(3 << 20))  # 3 MiB: the 4 MiB boolean mask does not fit
+    from headlab.attention import backends
+    from headlab.attention.spec import validate
+
+    spec, _ = validate(q, k, v, mask=mask)
+    chosen = backends.choose(spec)
+    assert chosen.name != "sdpa" and chosen.capabilities.exact and not chosen.capabilities.materializes
+    out = headlab.attention(q, k, v, mask=mask)
+    monkeypatch.delenv("HEADLAB_MEMORY_LIMIT")
+    torch.testing.assert_close(out, headlab.attention(q, k, v, mask=mask, backend="sdpa"), atol=2e-6, rtol=1e-5)
+
+
 BAD_INPUTS = [
     ("head_dim_mismatch", lambda: (torch.randn(1, 2, 4, 8), torch.randn(1, 2, 4, 6), torch.randn(1, 2, 4, 6)), {},
      ShapeError, "same head_dim"),

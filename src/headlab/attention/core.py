@@ -37,7 +37,8 @@ def attention(
             when ``q_len != kv_len``; see :func:`headlab.masks.causal_lower_right` for the other).
         scale: defaults to ``1/sqrt(head_dim)``.
         dropout_p: dropout on the attention probabilities (uses torch's RNG).
-        backend: ``"auto"`` (the fastest exact backend that supports the call), a registered
+        backend: ``"auto"`` (the fastest exact backend that supports the call and fits in
+            memory), a registered
             name (``headlab.backends()`` lists them) or a backend object.
 
     Returns:
@@ -59,8 +60,9 @@ def attention(
 
 def _attention(q, k, v, *, mask, causal, scale, dropout_p, backend, need_weights):
     spec, norm_mask = validate(q, k, v, mask=mask, causal=causal, dropout_p=dropout_p, need_weights=need_weights)
-    chosen = resolve_backend(backend, spec)
-    chosen.check_memory(spec)
+    chosen = resolve_backend(backend, spec)  # auto has already checked memory
+    if not (isinstance(backend, str) and backend == "auto"):
+        chosen.check_memory(spec)
     scale = default_scale(spec.head_dim) if scale is None else float(scale)
     return chosen.forward(q, k, v, spec, mask=norm_mask, scale=scale)
 

@@ -14,7 +14,7 @@ import torch
 
 from headlab.attention.masks import MaskFn
 from headlab.attention.spec import AttentionSpec
-from headlab.errors import BackendUnsupportedError, UnknownBackendError
+from headlab.errors import BackendUnsupportedError, MemoryBudgetError, UnknownBackendError
 
 ALL_FLOATS = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
 
@@ -129,15 +129,26 @@ def get(name: str | Backend) -> Backend:
 
 
 def choose(spec: AttentionSpec) -> Backend:
-    """The backend ``backend="auto"`` uses for ``spec``: the exact one with the lowest priority."""
+    """The backend ``backend="auto"`` uses for ``spec``: the exact one with the lowest priority
+    that supports the call and fits in memory (a backend refused by the memory guard is passed
+    over; when none fits, the first refusal is raised)."""
     reasons = []
+    refused: MemoryBudgetError | None = None
     for b in sorted(_REGISTRY.values(), key=lambda b: b.priority):
         if not b.capabilities.exact:
             continue
         ok, why = b.supports(spec)
-        if ok:
-            return b
-        reasons.append(f"{b.name}: {why}")
+        if not ok:
+            reasons.append(f"{b.name}: {why}")
+            continue
+        try:
+            b.check_memory(spec)
+        except MemoryBudgetError as e:
+            refused = refused or e
+            continue
+        return b
+    if refused is not None:
+        raise refused
     raise BackendUnsupportedError("no backend supports this call (" + "; ".join(reasons) + ")")
 
 
