@@ -38,8 +38,7 @@ def attention(
         scale: defaults to ``1/sqrt(head_dim)``.
         dropout_p: dropout on the attention probabilities (uses torch's RNG).
         backend: ``"auto"`` (the fastest exact backend that supports the call and fits in
-            memory), a registered
-            name (``headlab.backends()`` lists them) or a backend object.
+            memory), a registered name (``headlab.backends()`` lists them) or a backend object.
 
     Returns:
         ``(batch, heads, q_len, v_dim)``. A query row that can see no key is all zeros.
