@@ -54,6 +54,20 @@ def test_memory_table_in_human_units(capsys):
     assert "32.0 GiB" in out and "TFLOP" in out
 
 
+def test_memory_with_a_pattern_counts_the_visited_tiles(capsys):
+    code, out, _ = run_main(["memory", "--seq-len", "4096", "--heads", "8", "--head-dim", "64", "--dtype", "float32",
+                             "--pattern", "sliding_window:256", "--json"], capsys)
+    assert code == 0
+    data = json.loads(out)
+    from headlab import costs, masks
+
+    shape = costs.AttentionShape(heads=8, q_len=4096, head_dim=64, mask=masks.sliding_window(256))
+    assert data["sparse"]["forward_flops"] == costs.estimate(shape, "sparse").forward_flops
+    assert data["sparse"]["forward_flops"] < data["sdpa"]["forward_flops"] / 5
+    # sdpa materialises the (head-independent) pattern once: 4096^2 booleans, not 8 x that
+    assert 4096**2 <= data["sdpa"]["working_set_bytes"] < 2 * 4096**2
+
+
 def test_backends_lists_the_registry(capsys):
     code, out, _ = run_main(["backends", "--json"], capsys)
     assert code == 0

@@ -38,7 +38,7 @@ class AttentionSpec:
     device: torch.device
     causal: bool = False  # torch's is_causal: top-left aligned
     mask_kind: MaskKind = "none"
-    mask_shape: tuple[int, ...] | None = None  # broadcastable shape of a boolean mask (4-D)
+    mask_shape: tuple[int, ...] | None = None  # 4-D shape of the boolean mask (as a mask function materialises)
     dropout_p: float = 0.0
     requires_grad: bool = False
     need_weights: bool = False
@@ -73,13 +73,18 @@ def materialized_bytes(spec: AttentionSpec, dtype: torch.dtype | None = None) ->
 
 def mask_numel(spec: AttentionSpec) -> int:
     """Entries of the boolean mask a materialising backend builds (0 when there is none)."""
-    if spec.mask_kind == "bool" and spec.mask_shape is not None:
+    if spec.mask_kind in ("bool", "function") and spec.mask_shape is not None:
         return math.prod(spec.mask_shape)
     if spec.mask_kind == "function":
         return spec.weights_numel
     if spec.causal:
         return spec.q_len * spec.kv_len
     return 0
+
+
+def function_mask_shape(mask: MaskFn, batch: int, heads: int, q_len: int, kv_len: int) -> tuple[int, int, int, int]:
+    """Shape of ``mask.dense(...)``: batch and head dims are 1 unless the mask depends on them."""
+    return (batch if mask.batch_dependent else 1, heads if mask.head_dependent else 1, q_len, kv_len)
 
 
 def _check_tensor(name: str, t, ndim: int = 4) -> None:
@@ -176,7 +181,8 @@ def validate(
     spec = AttentionSpec(
         batch=B, heads=H, kv_heads=Hkv, q_len=Lq, kv_len=Lk, head_dim=D, v_dim=Dv,
         dtype=q.dtype, device=q.device, causal=bool(causal), mask_kind=kind,
-        mask_shape=tuple(norm.shape) if isinstance(norm, torch.Tensor) else None,
+        mask_shape=tuple(norm.shape) if isinstance(norm, torch.Tensor) else (
+            function_mask_shape(norm, B, H, Lq, Lk) if isinstance(norm, MaskFn) else None),
         dropout_p=float(dropout_p),
         requires_grad=torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad),
         need_weights=need_weights,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import typer
 from rich.table import Table
 
-from headlab import costs
+from headlab import costs, masks
 from headlab.cli.app import app, console, human_bytes, human_flops, print_json
 
 
@@ -20,21 +20,27 @@ def memory(
     kv_len: int = typer.Option(None, "--kv-len", help="key positions; default --seq-len"),
     head_dim: int = typer.Option(128, "--head-dim"),
     causal: bool = typer.Option(False, "--causal"),
+    pattern: str = typer.Option(None, "--pattern", help="a sparse pattern, e.g. sliding_window:256 (see headlab pattern)"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object, an entry per backend"),
 ) -> None:
     """Predicted memory and FLOPs of attention for a shape, for every backend.
 
     Example (the seed text's 32 GB): headlab memory --seq-len 4096 --heads 32 --layers 32 --dtype float16
+
+    With --pattern every backend is costed for that mask; the sparse backend counts exactly the tiles
+    of the pattern's block map that it visits.
     """
     shape = costs.AttentionShape(heads=heads, q_len=seq_len, batch=batch, kv_heads=kv_heads, kv_len=kv_len,
-                                 head_dim=head_dim, layers=layers, dtype=dtype, causal=causal)
+                                 head_dim=head_dim, layers=layers, dtype=dtype, causal=causal,
+                                 mask=masks.from_string(pattern) if pattern else None)
     table = costs.estimate_all(shape)
     if as_json:
         print_json({name: c.as_dict() for name, c in table.items()})
         return
     t = Table(title=(f"attention cost: batch {shape.batch}, {shape.heads} heads ({shape.kv_heads} kv), "
                      f"{shape.q_len}x{shape.kv_len}, head dim {shape.head_dim}, {shape.layers} layers, "
-                     f"{str(shape.dtype).removeprefix('torch.')}{', causal' if causal else ''}"))
+                     f"{str(shape.dtype).removeprefix('torch.')}{', causal' if causal else ''}"
+                     f"{f', pattern {pattern}' if pattern else ''}"))
     for col, just in (("backend", "left"), ("weights held\n(all layers)", "right"),
                       ("working set\n(one layer)", "right"), ("forward", "right"), ("backward", "right")):
         t.add_column(col, justify=just, no_wrap=True)

@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from headlab.attention.masks import MaskFn
-from headlab.attention.spec import AttentionSpec
+from headlab.attention.spec import AttentionSpec, function_mask_shape
 from headlab.errors import ConfigError, CostModelError
 
 _DTYPES = {
@@ -72,10 +72,13 @@ class AttentionShape:
     def spec(self, *, requires_grad: bool = False, device: str = "cpu") -> AttentionSpec:
         """The :class:`AttentionSpec` of one layer's call (what backends' memory formulas read)."""
         kind = "function" if self.mask is not None else "none"
+        mask_shape = (function_mask_shape(self.mask, self.batch, self.heads, self.q_len, self.kv_len)
+                      if self.mask is not None else None)
         return AttentionSpec(
             batch=self.batch, heads=self.heads, kv_heads=self.kv_heads, q_len=self.q_len, kv_len=self.kv_len,
             head_dim=self.head_dim, v_dim=self.v_dim, dtype=self.dtype, device=torch.device(device),
-            causal=self.causal, mask_kind=kind, dropout_p=self.dropout_p, requires_grad=requires_grad,
+            causal=self.causal, mask_kind=kind, mask_shape=mask_shape, dropout_p=self.dropout_p,
+            requires_grad=requires_grad,
         )
 
     def visible_pairs(self) -> int:
