@@ -34,6 +34,7 @@ def main(argv=None) -> None:
     ap.add_argument("--seq-lens", default="16384")
     ap.add_argument("--backend", default="tiled")
     ap.add_argument("--causal", action="store_true")
+    ap.add_argument("--name", default="bench_tiled_memory", help="results/<name>.json")
     args = ap.parse_args(argv)
     B, H, D = 1, 8, 64
     rows = []
@@ -56,7 +57,7 @@ def main(argv=None) -> None:
         rows.append(row)
         print(f"{L:>6} {human_bytes(grew):>11} {human_bytes(predicted):>10} {human_bytes(weights):>12} "
               f"{100 * grew / weights:>6.2f}% {secs:>8.1f}", flush=True)
-    path = write_json("bench_tiled_memory", {"backend": args.backend, "causal": args.causal, "rows": rows,
+    path = write_json(args.name, {"backend": args.backend, "causal": args.causal, "rows": rows,
                                               "bound": "peak extra < 5% of the materialised weights"})
     print(f"wrote {path}")
 

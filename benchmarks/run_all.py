@@ -17,13 +17,15 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 
-# (script, full arguments, quick arguments)
+# (script, full arguments, quick arguments); quick runs write *_tmp.json (ignored by git), so they never
+# replace the committed full results
+_TMP = HERE / "results"
 BENCHMARKS = [
-    ("bench_attention.py", [], ["--seq-lens", "1024,2048", "--repeats", "3"]),
-    ("bench_tiled_memory.py", ["--seq-lens", "4096,8192,16384"], ["--seq-lens", "4096"]),
-    ("bench_sparse.py", [], ["--lengths", "1024,2048,4096", "--reps", "3"]),
-    ("bench_linear.py", [], ["--lengths", "1024,2048,4096", "--repeats", "3"]),
-    ("bench_seed_stats.py", [], ["--layers", "2", "--compare-layers", "1"]),
+    ("bench_attention.py", [], ["--seq-lens", "1024,2048", "--repeats", "3", "--name", "bench_attention_tmp"]),
+    ("bench_tiled_memory.py", ["--seq-lens", "4096,16384"], ["--seq-lens", "4096", "--name", "bench_tiled_memory_tmp"]),
+    ("bench_sparse.py", [], ["--lengths", "1024,2048,4096", "--reps", "3", "--out", str(_TMP / "sparse_tmp.json")]),
+    ("bench_linear.py", [], ["--lengths", "1024,2048,4096", "--repeats", "3", "--out", str(_TMP / "linear_tmp.json")]),
+    ("bench_seed_stats.py", [], ["--layers", "2", "--compare-layers", "1", "--json", str(_TMP / "seed_stats_tmp.json")]),
 ]
 
 
