@@ -77,7 +77,8 @@ def _table(records: Sequence[HeadRecord], first_label: str) -> str:
             ("mass_sep", "mass [SEP]", 3), ("top_token", "most attended", None),
             ("top_content_token", "most attended word", None), ("labels", "labels", None)]
     out = ['<table class="stats"><thead><tr>']
-    out += [f"<th>{html.escape(title)}</th>" for _, title, _ in cols]
+    # text columns are left-aligned, headers included, so each header sits over its values
+    out += [f"<th{'' if digits is not None else ' class=text'}>{html.escape(title)}</th>" for _, title, digits in cols]
     out.append("</tr></thead><tbody>")
     for r in records:
         out.append(f'<tr data-layer="{r.layer}" data-head="{r.head}" title="{html.escape("; ".join(r.evidence))}">')
