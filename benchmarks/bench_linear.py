@@ -27,7 +27,6 @@ import math
 import os
 import platform
 import sys
-import time
 from datetime import datetime, timezone
 from pathlib import Path
 
