@@ -54,7 +54,7 @@ class ReferenceBackend(Backend):
         Hkv, Lk, Dv, G = spec.kv_heads, spec.kv_len, spec.v_dim, spec.group
         qg = q.reshape(B, Hkv, G * Lq, D)  # (B, Hkv, G*Lq, D): heads sharing a kv head stacked
         s = torch.matmul(qg, k.transpose(-1, -2)).view(B, H, Lq, Lk)  # (B, H, Lq, Lk)
-        s = s * scale if s.requires_grad else s.mul_(scale)
+        s.mul_(scale)  # in place: matmul saves its inputs, not its output
         visible = dense_mask(spec, mask)
         dead = None
         if visible is not None:
