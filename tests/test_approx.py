@@ -9,8 +9,8 @@ import headlab
 from headlab import masks
 from headlab.attention.backends.linear import LinearBackend
 from headlab.errors import ConfigError
-from headlab.interpret import approx
-from headlab.interpret.approx import compare, compare_model, feature_sweep
+from headlab.interpret.fidelity import approx
+from headlab.interpret.fidelity.approx import compare, compare_model, feature_sweep
 
 
 def _qkv(B, H, Hkv, Lq, Lk, D, seed=0, spread=1.0):

@@ -1,6 +1,6 @@
 """The report page in a real headless Chromium: it draws a heatmap, reacts to a hover, logs nothing.
 
-The page checks itself when opened with ``#selftest`` (see :mod:`headlab.interpret.report_html`):
+The page checks itself when opened with ``#selftest`` (see :mod:`headlab.interpret.report.html`):
 every drawn head paints its heatmap (a pixel of its largest weight has that weight's colour), a
 synthetic hover on a token colours both token strips with the right row and column and outlines
 the row on the heatmap, and a hover on the heatmap moves the focus. The result and any script
@@ -19,8 +19,8 @@ import subprocess
 import numpy as np
 import pytest
 
-from headlab.interpret.head_labels import head_records, row_stats_from_maps
-from headlab.interpret.report_html import render_html
+from headlab.interpret.heads.labels import head_records, row_stats_from_maps
+from headlab.interpret.report.html import render_html
 
 pytestmark = pytest.mark.browser
 

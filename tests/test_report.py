@@ -14,14 +14,14 @@ import pytest
 
 import headlab
 from headlab.errors import InputError, ModelError, ShapeError, UnknownBackendError
-from headlab.interpret.head_labels import (
+from headlab.interpret.heads.labels import (
     LabelThresholds,
     head_records,
     row_stats_from_attention_stats,
     row_stats_from_maps,
 )
-from headlab.interpret.report import analyze, default_drawn_heads, parse_heads, write_csv, write_json
-from headlab.interpret.report_html import render_html
+from headlab.interpret.report.job import analyze, default_drawn_heads, parse_heads, write_csv, write_json
+from headlab.interpret.report.html import render_html
 
 TEXT = "The cat sat on the mat because it was tired."
 

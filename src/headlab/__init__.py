@@ -30,7 +30,7 @@ _LAZY = {
     "attention_stats": ("headlab.attention.stats", "attention_stats"),
     "load": ("headlab.models", "load"),
     "capture": ("headlab.interpret.capture", "capture"),
-    "analyze": ("headlab.interpret.report", "analyze"),
+    "analyze": ("headlab.interpret.report.job", "analyze"),
 }
 
 

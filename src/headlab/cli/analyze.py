@@ -8,7 +8,7 @@ from pathlib import Path
 import typer
 
 from headlab.cli.app import app, console, err_console, print_json
-from headlab.interpret.report import MAX_FULL_TOKENS, ReportResult, analyze as run_analyze
+from headlab.interpret.report.job import MAX_FULL_TOKENS, ReportResult, analyze as run_analyze
 
 
 def step_printer():

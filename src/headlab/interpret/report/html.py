@@ -24,7 +24,7 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from headlab.errors import ShapeError
-from headlab.interpret.head_labels import HeadRecord
+from headlab.interpret.heads.labels import HeadRecord
 
 _TAGS = {"previous-token": "P", "next-token": "N", "self": "S", "separator-sink": "K", "broad": "B"}
 
@@ -43,7 +43,7 @@ def encode_map(P) -> str:
 
 
 def _asset(name: str) -> str:
-    return resources.files("headlab.interpret").joinpath("assets", name).read_text(encoding="utf-8")
+    return resources.files("headlab.interpret.report").joinpath("assets", name).read_text(encoding="utf-8")
 
 
 def _inline_json(obj) -> str:
@@ -116,7 +116,7 @@ def render_html(*, title: str, tokens: Sequence[str], records: Sequence[HeadReco
 
     Example:
         >>> import numpy as np
-        >>> from headlab.interpret.head_labels import row_stats_from_maps, head_records
+        >>> from headlab.interpret.heads.labels import row_stats_from_maps, head_records
         >>> P = np.full((1, 2, 2), 0.5)
         >>> recs = head_records([row_stats_from_maps(P, sink_positions=[0])], ["a", "b"], separator_positions=None)
         >>> page = render_html(title="t", tokens=["a", "b"], records=recs, maps={(0, 0): P[0]}, n_layers=1, n_heads=1)

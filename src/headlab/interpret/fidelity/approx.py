@@ -23,7 +23,7 @@ part of the problem and the baseline keeps it. ``exact_mask=`` overrides either 
 
     >>> import torch
     >>> from headlab import masks
-    >>> from headlab.interpret.approx import compare
+    >>> from headlab.interpret.fidelity.approx import compare
     >>> q, k, v = (torch.randn(1, 2, 64, 16, generator=torch.Generator().manual_seed(i)) for i in range(3))
     >>> window = masks.as_mask(lambda b, h, qi, ki: (qi - ki).abs() <= 4)     # a sliding window of 9 keys
     >>> r = compare(q, k, v, backend="sdpa", mask=window)

@@ -1,6 +1,6 @@
 """The main job: :func:`analyze` a text with a model and write a report folder::
 
-    from headlab.interpret.report import analyze
+    from headlab.interpret.report.job import analyze
     r = analyze("The cat sat on the mat.", out_dir="report")   # loads the default model, MiniLM
     r.html, r.pngs[0], r.interesting()                        # report.html, layer_00.png, [(label, record)]
 
@@ -10,7 +10,7 @@ The folder holds
   and head in the grid, see its heatmap, hover a token to see where it attends (its row) and what
   attends to it (its column); the per-head table sits underneath.
 - ``layer_00.png`` ... : one picture per layer, a grid of every head's map with token labels.
-- ``heads.csv`` and ``heads.json``: the per-head table (:class:`~headlab.interpret.head_labels.HeadRecord`:
+- ``heads.csv`` and ``heads.json``: the per-head table (:class:`~headlab.interpret.heads.labels.HeadRecord`:
   entropy, mean attended distance, mass on [CLS] / [SEP] or the first token for decoders, the most
   attended token, pattern labels with their evidence). ``heads.json`` also carries the tokens, the
   model, the mode and the thresholds.
@@ -37,7 +37,7 @@ from pathlib import Path
 import numpy as np
 
 from headlab.errors import InputError
-from headlab.interpret.head_labels import (
+from headlab.interpret.heads.labels import (
     HeadRecord,
     LabelThresholds,
     head_records,
@@ -275,7 +275,7 @@ def analyze(
             ones listed first in the page. Default: :func:`default_drawn_heads`.
         truncate: for text longer than the model's positions, keep the first positions and say so
             in the notes (default: :class:`~headlab.errors.InputError`).
-        thresholds: when a pattern label is given (see :mod:`headlab.interpret.head_labels`).
+        thresholds: when a pattern label is given (see :mod:`headlab.interpret.heads.labels`).
         progress: called with a short message before each step.
 
     Returns:
@@ -283,8 +283,8 @@ def analyze(
     """
     import headlab
     from headlab.attention import backends as _backends
-    from headlab.interpret.report_figures import LayerGrid
-    from headlab.interpret.report_html import render_html
+    from headlab.interpret.report.figures import LayerGrid
+    from headlab.interpret.report.html import render_html
 
     say = progress or (lambda msg: None)
     if not isinstance(text, str) or not text.strip():

@@ -1,0 +1,1 @@
+"""How far an approximate backend (linear, sparse) strays from exact attention: :mod:`.approx`."""

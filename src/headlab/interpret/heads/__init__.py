@@ -1,0 +1,1 @@
+"""What each head does and whether it matters: pattern labels (:mod:`.labels`)."""
