@@ -11,7 +11,7 @@ Names load lazily so that ``import headlab.models`` does not import transformers
 from importlib import import_module as _import_module
 
 __all__ = ["KNOWN_MODELS", "LoadedModel", "ModelAdapter", "Transformer", "TransformerConfig",
-           "TruncationWarning", "adapt", "load"]
+           "TruncationWarning", "adapt", "cache_dir", "load"]
 
 _LAZY = {
     "load": "headlab.models.loader",
@@ -20,6 +20,7 @@ _LAZY = {
     "KNOWN_MODELS": "headlab.models.loader",
     "TruncationWarning": "headlab.models.loader",
     "ModelAdapter": "headlab.models.base",
+    "cache_dir": "headlab.models.cache",
     "Transformer": "headlab.models.transformer",
     "TransformerConfig": "headlab.models.transformer",
 }

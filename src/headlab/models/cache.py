@@ -1,0 +1,28 @@
+"""Where headlab keeps files it derives once and reuses: :func:`cache_dir`.
+
+``$HEADLAB_CACHE`` when set, else ``$XDG_CACHE_HOME/headlab``, else ``~/.cache/headlab``. Nothing in
+it is downloaded: it holds what headlab computed from installed packages or a user's own runs (a
+dequantised model, a fine-tuned classifier), each in a sub-folder named after what it holds.
+
+    >>> import os
+    >>> os.environ["HEADLAB_CACHE"] = "/tmp/hl-cache-doctest"
+    >>> str(cache_dir("minilm-sst2"))
+    '/tmp/hl-cache-doctest/minilm-sst2'
+    >>> del os.environ["HEADLAB_CACHE"]
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def cache_dir(*parts: str) -> Path:
+    """The cache folder (or a path inside it, ``cache_dir("smollm2")``); created on first write, not here."""
+    root = os.environ.get("HEADLAB_CACHE")
+    if root:
+        base = Path(root).expanduser()
+    else:
+        xdg = os.environ.get("XDG_CACHE_HOME")
+        base = (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "headlab"
+    return base.joinpath(*parts)
