@@ -26,6 +26,7 @@ from torch import nn
 
 from headlab.errors import InputError, ModelError, UnsupportedArchitectureError
 from headlab.models.base import ModelAdapter
+from headlab.models.cache import cache_dir
 
 
 class TruncationWarning(UserWarning):
@@ -179,7 +180,7 @@ def _load_hf(path: Path, name: str, *, device, dtype) -> LoadedModel:
     import transformers
     from transformers import AutoConfig, AutoModel, AutoTokenizer
 
-    from headlab.models.hf import supported_model_types, unsupported_message
+    from headlab.models.hf import max_positions, supported_model_types, unsupported_message
 
     try:
         config = AutoConfig.from_pretrained(path, local_files_only=True)
@@ -220,13 +221,3 @@ def _load_hf(path: Path, name: str, *, device, dtype) -> LoadedModel:
         tokenizer.padding_side = "right"
     adapter = adapt(model)
     return LoadedModel(model, tokenizer, adapter, name, adapter.family, max_positions(config))
-
-
-def max_positions(config) -> int:
-    """The longest input a Hugging Face config allows, in tokens (RoBERTa reserves pad_token_id + 1 slots)."""
-    n = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
-    if n is None:
-        raise ModelError(f"cannot tell the maximum positions of a {config.model_type} config")
-    if config.model_type == "roberta":
-        n -= (config.pad_token_id or 0) + 1
-    return int(n)
