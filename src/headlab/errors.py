@@ -79,3 +79,7 @@ class UnsupportedArchitectureError(ModelError):
 
 class InputError(HeadlabError, ValueError):
     """Bad user input to a job: empty text, text too long, an output folder in the way."""
+
+
+class DistributedError(HeadlabError, RuntimeError):
+    """Ranks that disagree (shapes, dtypes, options) or a peer that failed or timed out."""
