@@ -16,6 +16,12 @@ import torch.distributed as dist
 from headlab.errors import DistributedError
 
 _DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
+_SENT = [0]  # bytes this process has sent in ring shifts (what the cost model predicts)
+
+
+def bytes_sent() -> int:
+    """Bytes this process has sent round the ring so far (all calls); compare with :func:`headlab.costs.ring.ring_cost`."""
+    return _SENT[0]
 
 
 def world(group=None) -> tuple[int, int]:
@@ -92,6 +98,7 @@ class Ring:
                 dist.P2POp(dist.irecv, recv, self._global(self.prev), self.group, tag),
             ])
         self.sent_bytes += send.numel() * send.element_size()
+        _SENT[0] += send.numel() * send.element_size()
         return recv, reqs
 
     def start_pair(self, a: torch.Tensor, b: torch.Tensor, tag: int = 0):
