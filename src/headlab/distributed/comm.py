@@ -46,7 +46,7 @@ def talking(what: str, rank: int, peer: int | None = None):
             "(init_process_group(timeout=...))") from e
 
 
-def agree(rank: int, world_size: int, group, **facts: int | str | torch.dtype) -> None:
+def agree(rank: int, world_size: int, group, *, device=None, **facts: int | str | torch.dtype) -> None:
     """Check that every rank passes the same facts (dtype, head counts, shard lengths...), with one small
     all-gather; a mismatch raises the same DistributedError on every rank, naming what differs."""
     names = list(facts)
@@ -58,11 +58,11 @@ def agree(rank: int, world_size: int, group, **facts: int | str | torch.dtype) -
             codes.append(sum(ord(c) * 31 ** i for i, c in enumerate(value)) % (2**31))
         else:
             codes.append(int(value))
-    mine = torch.tensor(codes, dtype=torch.int64)
+    mine = torch.tensor(codes, dtype=torch.int64, device=device)  # on the tensors' device (NCCL needs the GPU)
     everyone = [torch.empty_like(mine) for _ in range(world_size)]
     with talking("the agreement all-gather", rank):
         dist.all_gather(everyone, mine, group=group)
-    table = torch.stack(everyone)  # (world, facts)
+    table = torch.stack(everyone).cpu()  # (world, facts)
     differ = [i for i in range(len(names)) if bool((table[:, i] != table[0, i]).any())]
     if differ:
         def show(i, r):

@@ -59,9 +59,10 @@ class _RingAttention(torch.autograd.Function):
         n = q.shape[2] * ring.world_size
         ct = tile_dtype(q.dtype)
         B, H, nq, _ = q.shape
-        m = torch.full((B, H, nq), -math.inf, dtype=ct)  # the rank's online softmax over every key it is sent
-        l = torch.zeros(B, H, nq, dtype=torch.float64)
-        acc = torch.zeros(B, H, nq, v.shape[-1], dtype=ct)
+        # the rank's online softmax over every key it is sent: running max, normaliser, accumulator
+        m = torch.full((B, H, nq), -math.inf, dtype=ct, device=q.device)
+        l = torch.zeros(B, H, nq, dtype=torch.float64, device=q.device)
+        acc = torch.zeros(B, H, nq, v.shape[-1], dtype=ct, device=q.device)
         kk, vv = k, v
         for step in range(ring.world_size):
             src = (ring.rank - step) % ring.world_size
@@ -83,13 +84,14 @@ class _RingAttention(torch.autograd.Function):
         n = q.shape[2] * ring.world_size
         ct = out.dtype
         D = (dout.to(ct) * out).sum(-1)  # (B, H, n/W), from the unrounded output
-        dq = torch.zeros(q.shape, dtype=ct)
+        dq = torch.zeros(q.shape, dtype=ct, device=q.device)
         kk, vv = k, v
         travelling = None  # the dK | dV accumulators of the block this rank holds, arriving from behind
         for step in range(ring.world_size):
             src = (ring.rank - step) % ring.world_size
             pending = ring.start_pair(kk, vv) if step < ring.world_size - 1 else None
-            mk, mv = torch.zeros(k.shape, dtype=ct), torch.zeros(v.shape, dtype=ct)  # this rank's share for src
+            # this rank's share of src's dK | dV
+            mk, mv = torch.zeros(k.shape, dtype=ct, device=k.device), torch.zeros(v.shape, dtype=ct, device=v.device)
             for qs, ks, pair in _pairs(n, ring.rank, src, ring.world_size, layout, causal, mask):
                 pair_backward(q[:, :, qs], kk[:, :, ks], vv[:, :, ks], dout[:, :, qs], m[:, :, qs], inv_l[:, :, qs],
                               D[:, :, qs], pair, scale, dq[:, :, qs], mk[:, :, ks], mv[:, :, ks])  # views: in place
@@ -157,7 +159,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal:
     if world_size == 1:
         log.debug("ring_attention with world size 1: running the local kernel")
         return attention(q, k, v, mask=mask, causal=causal, scale=scale, backend="tiled")
-    comm.agree(rank, world_size, group, dtype=q.dtype, batch=q.shape[0], heads=q.shape[1], kv_heads=k.shape[1],
+    comm.agree(rank, world_size, group, device=q.device, dtype=q.dtype, batch=q.shape[0], heads=q.shape[1], kv_heads=k.shape[1],
                shard=q.shape[2], head_dim=q.shape[3], v_dim=v.shape[3], layout=layout, causal=int(causal),
                masked=int(mask is not None))
     chunks(q.shape[2] * world_size, rank=rank, world_size=world_size, layout=layout)  # the shard splits evenly

@@ -68,19 +68,20 @@ def ring_attention_stats(q: torch.Tensor, k: torch.Tensor, *, causal: bool = Fal
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     if world_size == 1:
         return attention_stats(q, k, mask=mask, causal=causal, scale=scale, stats=sorted(want))
-    comm.agree(rank, world_size, group, dtype=q.dtype, batch=q.shape[0], heads=q.shape[1], kv_heads=k.shape[1],
+    comm.agree(rank, world_size, group, device=q.device, dtype=q.dtype, batch=q.shape[0], heads=q.shape[1], kv_heads=k.shape[1],
                shard=q.shape[2], head_dim=q.shape[3], layout=layout, causal=int(causal), masked=int(mask is not None))
     n = q.shape[2] * world_size
     ring = comm.Ring(rank, world_size, group)
     B, H, nq, _ = q.shape
     ct = torch.float64  # the statistics' accumulators
-    st = {name: torch.zeros(B, H, nq, dtype=ct) for name in ("l", "a", "c")}
-    st["m"] = torch.full((B, H, nq), -math.inf, dtype=ct)
-    st["best"] = torch.full((B, H, nq), -math.inf, dtype=ct)
-    st["arg"] = torch.full((B, H, nq), -1, dtype=torch.int64)
+    st = {name: torch.zeros(B, H, nq, dtype=ct, device=q.device) for name in ("l", "a", "c")}
+    st["m"] = torch.full((B, H, nq), -math.inf, dtype=ct, device=q.device)
+    st["best"] = torch.full((B, H, nq), -math.inf, dtype=ct, device=q.device)
+    st["arg"] = torch.full((B, H, nq), -1, dtype=torch.int64, device=q.device)
 
     def global_positions(r):
-        return torch.cat([torch.arange(s, s + ln) for s, ln in chunks(n, rank=r, world_size=world_size, layout=layout)])
+        pieces = chunks(n, rank=r, world_size=world_size, layout=layout)
+        return torch.cat([torch.arange(s, s + ln, device=q.device) for s, ln in pieces])
 
     qpos_all = global_positions(rank)
     kk = k.contiguous()
@@ -124,7 +125,7 @@ def _received(q, k, m, inv_l, n, rank, world_size, layout, causal, mask, scale, 
     for step in range(world_size):
         src = (rank - step) % world_size
         pending = ring.start(kk) if step < world_size - 1 else None
-        mine = torch.zeros(B, H, k.shape[2], dtype=ct)
+        mine = torch.zeros(B, H, k.shape[2], dtype=ct, device=q.device)
         for qs, ks, pair in _pairs(n, rank, src, world_size, layout, causal, mask):
             col, mq, iq = mine[:, :, ks], m[:, :, qs], inv_l[:, :, qs]
             for r0, r1, c0, c1, S, _seen in score_tiles(q[:, :, qs], kk[:, :, ks], pair, scale, tile_dtype(q.dtype)):
