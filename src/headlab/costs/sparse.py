@@ -31,7 +31,7 @@ from headlab.units import human_bytes
 def visited_tiles(shape: AttentionShape) -> int:
     """Tiles the sparse kernel computes for one layer, summed over batch and query heads
     (counted in closed form for the built-in patterns: see :mod:`headlab.costs.visits`)."""
-    return visits.tiles(shape, _sparse.BLOCK_Q, _sparse.BLOCK_K) * shape.batch * shape.heads
+    return visits.tiles(shape, _sparse.BLOCK_Q, _sparse.BLOCK_K)
 
 
 @register_cost("sparse")

@@ -7,7 +7,7 @@ BigBird, ``fixed``, strides wider than a tile) are counted on the block map itse
 most :data:`MAP_BUDGET` tiles, and refused above that with the size the map would take.
 
     >>> from headlab import costs
-    >>> shape = costs.AttentionShape(q_len=10**12, causal=True)
+    >>> shape = costs.AttentionShape(heads=1, q_len=10**12, causal=True)
     >>> tiles(shape, 128, 128) == (7812500000 * 7812500001) // 2
     True
 """
@@ -62,17 +62,17 @@ def _closed_form(shape: AttentionShape, block_q: int, block_k: int, causal_cut: 
 
 
 def tiles(shape: AttentionShape, block_q: int, block_k: int) -> int:
-    """Non-empty tiles of one slice's block map of ``shape.mask`` (ANDed with causal when set):
-    the tiles the sparse kernel computes for each (batch, query head)."""
+    """Non-empty tiles of the block map of ``shape.mask`` (ANDed with causal when set), summed over
+    every (batch, query head): the tiles the sparse kernel computes."""
     found = _closed_form(shape, block_q, block_k, causal_cut=False)
     if found is not None:
-        return found[0]
+        return found[0] * shape.batch * shape.heads
     from headlab.attention.backends import sparse as _sparse
     from headlab.attention.masks import full
 
     mask = _sparse.effective_mask(shape.mask, shape.causal) or full()
     bm = _sparse.block_map(mask, shape.q_len, shape.kv_len, shape.batch, shape.heads, block_q, block_k)
-    return _sparse.visited_tiles(bm, shape.batch, shape.heads) // (shape.batch * shape.heads)
+    return _sparse.visited_tiles(bm, shape.batch, shape.heads)
 
 
 def pairs(shape: AttentionShape, block_q: int, block_k: int) -> int:
