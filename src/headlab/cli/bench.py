@@ -25,10 +25,13 @@ def _ints(text: str, what: str) -> list[int]:
     return vals
 
 
-def _short(reason: str, width: int = 48) -> str:
-    """The first clause of a skip reason, cut to ``width`` characters (the full text goes below the table)."""
-    first = reason.split(";")[0].strip()
-    return first if len(first) <= width else first[:width - 3].rstrip() + "..."
+def _gist(reason: str) -> str:
+    """A few words before a reason printed under the table (the table cell holds only its number)."""
+    if "needs about" in reason:
+        return "skipped, does not fit in memory"
+    if "memory not measured" in reason:
+        return "memory not measured"
+    return "skipped, not supported"
 
 
 @bench_app.command("attention")
@@ -74,20 +77,23 @@ def attention_cmd(
     for col, just in (("seq len", "right"), ("backend", "left"), ("median time", "right"),
                       ("peak extra memory", "right"), ("time / sdpa", "right"), ("note", "left")):
         t.add_column(col, justify=just)
-    skipped: dict[str, int] = {}  # full reason -> its number under the table
+    notes: dict[str, int] = {}  # full reason -> its number under the table
     for r in rows:
+        note = ""
+        if r["reason"]:
+            k = notes.setdefault(r["reason"], len(notes) + 1)
+            note = f"[{k}]"
         if r["status"] == "skipped":
-            k = skipped.setdefault(r["reason"], len(skipped) + 1)
-            t.add_row(str(r["seq_len"]), r["backend"], "-", "-", "-", f"[yellow]skipped [{k}]:[/] {_short(r['reason'])}")
+            t.add_row(str(r["seq_len"]), r["backend"], "-", "-", "-", f"[yellow]skipped[/] {note}")
             continue
         mem = human_bytes(r["peak_extra_bytes"]) if r["peak_extra_bytes"] is not None else "-"
         ratio = f"{r['ratio_to_sdpa']:.2f}" if r["ratio_to_sdpa"] is not None else "-"
-        t.add_row(str(r["seq_len"]), r["backend"], f"{r['median_s'] * 1e3:.1f} ms", mem, ratio, r["reason"])
+        t.add_row(str(r["seq_len"]), r["backend"], f"{r['median_s'] * 1e3:.1f} ms", mem, ratio, note)
     console.print(t)
     console.print("time / sdpa: median time over torch SDPA's median in the same run (below 1: faster than SDPA)",
                   highlight=False, soft_wrap=True)
-    for reason, k in skipped.items():
-        console.print(f"[yellow][{k}][/] {reason}", highlight=False, soft_wrap=True)
+    for reason, k in notes.items():
+        console.print(f"[yellow]\\[{k}] {_gist(reason)}:[/] {reason}", highlight=False, soft_wrap=True)
     if json_file is not None:
         json_file.write_text(json.dumps(rows, indent=2, default=str) + "\n")
         console.print(f"wrote {json_file}")
