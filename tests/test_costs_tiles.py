@@ -28,6 +28,7 @@ PATTERNS = [
     "strided:4", "strided:4:causal=false", "strided:1",
     "global_tokens:0,5,6,7,30", "global_tokens:2",
     "documents:10,7,30,30",
+    "fixed:3:1", "fixed:4:2:causal=false", "fixed:5:5",
 ]
 # ... and combinations with & | ~
 COMBOS = [
@@ -36,6 +37,7 @@ COMBOS = [
     "documents:10,7,30,30&causal", "documents:10,7,30,30&~sliding_window:2",
     "dilated_window:2:3|causal_lower_right", "~global_tokens:0,1,2,3,9", "strided:3&~causal",
     "~(strided:3&sliding_window:5)|global_tokens:40",
+    "fixed:3:1|sliding_window:4", "fixed:4:1&~causal", "fixed:3:2:causal=false&global_tokens:0,20",
 ]
 LENGTHS = [(77, 77), (64, 64), (100, 77), (77, 100), (1, 5), (5, 1)]
 TILES = [(4, 4), (8, 16), (16, 8), (3, 5), (7, 7)]
@@ -93,9 +95,9 @@ def test_cost_formulas_read_the_closed_form(spec):
         assert costs.tiled.visited_pairs(shape) == pairs
 
 
-@pytest.mark.parametrize("mask", [masks.fixed(16, 2), masks.global_tokens(list(range(0, 900, 50))),
+@pytest.mark.parametrize("mask", [masks.fixed(200, 2), masks.global_tokens(list(range(0, 900, 50))),
                                   masks.strided(300), masks.bigbird(64), masks.padding([700, 1000])],
-                         ids=["fixed", "many-globals", "wide-stride", "bigbird", "padding"])
+                         ids=["wide-fixed", "many-globals", "wide-stride", "bigbird", "padding"])
 def test_patterns_without_closed_form_are_counted_on_the_map(mask):
     for causal in (False, True):
         shape = costs.AttentionShape(heads=1, batch=mask.batch_size or 1, q_len=1000, mask=mask, causal=causal)
@@ -107,7 +109,7 @@ def test_patterns_without_closed_form_are_counted_on_the_map(mask):
 
 
 def test_a_map_too_large_to_count_is_refused_with_its_size():
-    fixed = masks.fixed(16, 2)
+    fixed = masks.fixed(1000, 2)
     with pytest.raises(CostModelError, match="tiles of 128x128"):
         costs.estimate(costs.AttentionShape(q_len=10**9, mask=fixed), "sparse")
 
@@ -140,7 +142,8 @@ def test_a_trillion_tokens_without_maps_under_a_memory_cap():
     specs = ["none", "causal", "causal_lower_right", "sliding_window:256", "sliding_window:256:causal",
              "dilated_window:128:2", "strided:64", "global_tokens:0,1,5000",
              f"documents:{6 * 10**11},{4 * 10**11}", "sliding_window:128|global_tokens:0,1",
-             f"documents:{5 * 10**11},{5 * 10**11}&causal", "~sliding_window:4"]
+             f"documents:{5 * 10**11},{5 * 10**11}&causal", "~sliding_window:4", "fixed:64:4",
+             "fixed:100:3:causal=false"]
     res = subprocess.run([sys.executable, "-c", _BIG, *specs], capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
     assert res.stdout.strip() == f"ok {len(specs)}"

@@ -135,6 +135,56 @@ def _union_all(row: Row, sets):
     return out
 
 
+# -- the Sparse Transformer's fixed pattern ------------------------------------------------------
+
+@dataclass(frozen=True)
+class Fixed:
+    """``fixed(s, c)``: same block of ``s`` positions, or a key among the last ``c`` of its block.
+
+    A key tile at least ``s`` wide holds a summary key, so it is visible wherever causality allows
+    (and everywhere without ``causal``). A narrower tile (the last one) is decided per block row:
+    it holds a summary key, or a query and a key of one block (the diagonal, under ``causal``).
+    """
+
+    s: int
+    c: int
+    causal: bool
+
+    def _summaries(self, a: int, b: int) -> int:
+        """Summary keys in ``[a, b]``."""
+        s, c = self.s, self.c
+
+        def below(x):  # summary keys < x
+            return (x // s) * c + max(0, x % s - (s - c))
+
+        return below(b + 1) - below(a)
+
+    def sets(self, row: Row, need_full: bool):
+        if need_full:
+            raise Unsupported("full tiles of the fixed pattern (under ~)")
+        g = row.grid
+        if row.wid >= self.s:
+            return (_band_sets(row, 0, None)[0] if self.causal else row.all()), None
+        if row.j0.b != g.n_kb - 1:
+            raise Unsupported(f"fixed stride {self.s} wider than the key tiles ({g.block_k})")
+        ks, ke = row.j0.b * g.block_k, g.kv_len - 1
+        qs = row.row * g.block_q
+        qe = qs + row.hgt - 1
+        if self.causal:  # summary keys at or before every row, the diagonal, or one block across the edge
+            seen = qe >= ks and (ke >= qs or self._summaries(ks, ke) > 0 or ke // self.s == qs // self.s)
+        else:
+            seen = self._summaries(ks, ke) > 0 or (qs // self.s <= ke // self.s and ks // self.s <= qe // self.s)
+        return (row.all() if seen else []), None
+
+    def breaks(self, g: Grid):
+        # rows where the last key tile's answer can change: near the block edges around it
+        ks = (g.n_kb - 1) * g.block_k
+        out = []
+        for x in (ks, g.kv_len - 1, (ks // self.s) * self.s, ((g.kv_len - 1) // self.s) * self.s + self.s - 1):
+            out += [x // g.block_q + d for d in (-1, 0, 1, 2)]
+        return [b for b in out if b >= 0]
+
+
 # -- patterns constant over runs of rows ------------------------------------------------------
 
 def _runs(sorted_pos: list[int], n: int):
@@ -265,7 +315,7 @@ def _leaf(name: str, args: str):
         s = nums[0]
         return Offset(((-s, s),) if "non-causal" in flags else ((0, s),), strided=s)
     if name == "fixed" and len(nums) == 2:
-        raise Unsupported("fixed: summary columns are periodic, not a band")
+        return Fixed(nums[0], nums[1], causal="non-causal" not in flags)
     if name == "global_tokens" and args:
         return Global(tuple(sorted(set(_ints(args)))))
     if name == "documents" and args:
