@@ -1,6 +1,6 @@
 """Closed-form tile counts (costs/tilecount.py, costs/patterns.py) against the block maps the kernels walk.
 
-The independent computation is the block map itself: ``mask.block_map(...)`` (the sparse kernel's
+The independent computation is the block map itself: ``sparse.block_map(...)`` (the sparse kernel's
 map, ``mask & causal`` under causal) and ``tiled.tile_states(...)`` (the tiled kernel's), whose
 non-empty tiles are counted and, for the tiled kernel, weighted by their area with the causal cut.
 """
@@ -46,7 +46,7 @@ TILES = [(4, 4), (8, 16), (16, 8), (3, 5), (7, 7)]
 def _block_map_counts(mask, lq, lk, bq, bk, causal):
     """(non-empty tiles of the sparse kernel's map, entries inside the tiled kernel's visited tiles)."""
     eff = _sparse.effective_mask(mask, causal)
-    tiles = int((eff.block_map(lq, lk, bq, bk).state != 0).sum())
+    tiles = int((_sparse.block_map(eff, lq, lk, 1, 1, bq, bk).state != 0).sum())
     shape = costs.AttentionShape(heads=1, q_len=lq, kv_len=lk, mask=mask, causal=causal)
     st = _tiled.tile_states(shape.spec(), mask, bq, bk)
     nq, nk = st.shape
@@ -104,7 +104,7 @@ def test_patterns_without_closed_form_are_counted_on_the_map(mask):
         with pytest.raises(Unsupported):
             count_tiles(Grid(1000, 1000, 128, 128), visits._tree(shape))
         eff = _sparse.effective_mask(mask, causal)
-        bm = eff.block_map(1000, 1000, 128, 128, batch=shape.batch)
+        bm = _sparse.block_map(eff, 1000, 1000, shape.batch, 1, 128, 128)
         assert costs.sparse.visited_tiles(shape) == int((bm.state != 0).sum()) * shape.batch // bm.state.shape[0]
 
 
