@@ -158,3 +158,22 @@ def test_trillion_causal_counts_are_the_triangle():
     n = 10**12
     pairs = visits.pairs(shape, 256, 512)
     assert n * (n + 1) // 2 <= pairs <= n * (n + 1) // 2 + n * 256
+
+
+def test_long_index_lists_are_read_from_the_pattern_when_it_shows_them():
+    """A name shows at most 8 entries; a public ``lengths`` / ``indices`` attribute gives the rest."""
+    lengths = [7, 30, 1, 12, 5, 60, 9, 9, 40, 27]
+    docs = masks.documents(lengths)
+    shape = costs.AttentionShape(heads=1, q_len=200, mask=docs, causal=True)
+    assert "..." in docs.name
+    if getattr(docs, "lengths", None) is None:
+        with pytest.raises(Unsupported):
+            visits._tree(shape)
+        docs.lengths = list(lengths)  # what a pattern object with public attributes carries
+    got = count_tiles(Grid(200, 200, 16, 16), visits._tree(shape), causal_cut=True)
+    assert got == _block_map_counts(docs, 200, 200, 16, 16, True)
+    glob = masks.global_tokens(list(range(3, 200, 17)))
+    if getattr(glob, "indices", None) is None:
+        glob.indices = list(range(3, 200, 17))
+    shape = costs.AttentionShape(heads=1, q_len=200, mask=glob)
+    assert count_tiles(Grid(200, 200, 16, 8), visits._tree(shape)) == _block_map_counts(glob, 200, 200, 16, 8, False)

@@ -346,10 +346,27 @@ def _parse(text: str):
     return _leaf(m.group(1), m.group(2) or "")
 
 
+def _listed(mask, attr: str) -> list[int] | None:
+    """A pattern's full index list from a public attribute, where the pattern object has one
+    (its name shows at most 8 entries)."""
+    val = getattr(mask, attr, None)
+    if val is None:
+        return None
+    try:
+        return [int(x) for x in (val.flatten().tolist() if hasattr(val, "flatten") else val)]
+    except (TypeError, ValueError):
+        return None
+
+
 def structure(mask):
     """The tile-count tree of ``mask`` (None: no mask, every tile), or raise ``Unsupported``."""
     if mask is None:
         return Offset(((None, None),))
     if getattr(mask, "batch_dependent", False) or getattr(mask, "head_dependent", False):
         raise Unsupported("a mask that changes with the batch or head index")
-    return _parse(str(mask.name))
+    name = str(mask.name)
+    if "..." in name and name.startswith("global_tokens(") and _listed(mask, "indices"):
+        return Global(tuple(sorted(set(_listed(mask, "indices")))))
+    if "..." in name and name.startswith("documents(") and _listed(mask, "lengths"):
+        return _leaf("documents", ",".join(map(str, _listed(mask, "lengths"))))
+    return _parse(name)
