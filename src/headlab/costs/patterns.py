@@ -17,8 +17,9 @@ from __future__ import annotations
 import re
 from bisect import bisect_right
 from dataclasses import dataclass
+from functools import lru_cache
 
-from headlab.costs.tilecount import Grid, Row, Unsupported
+from headlab.costs.tilecount import Grid, Lin, Row, Unsupported
 
 __all__ = ["structure"]
 
@@ -200,6 +201,24 @@ def _runs(sorted_pos: list[int], n: int):
     return out
 
 
+@lru_cache(maxsize=64)
+def _global_cols(indices: tuple, kv_len: int, bk: int, wid: int, ja: int, jb: int):
+    """Key tiles in ``[ja, jb]`` (each ``wid`` wide) holding a global key / only global keys, as
+    constant intervals (the same for every block row: computed once per tile class)."""
+    ne: list[list[int]] = []
+    full: list[list[int]] = []
+    for a, b in _runs(list(indices), kv_len):
+        for out, lo, hi in ((ne, max(ja, a // bk), min(jb, b // bk)),
+                            (full, max(ja, -(-a // bk)), min(jb, (b - wid + 1) // bk))):
+            if lo > hi:
+                continue
+            if out and lo <= out[-1][1] + 1:
+                out[-1][1] = max(out[-1][1], hi)
+            else:
+                out.append([lo, hi])
+    return [(Lin(0, a), Lin(0, b)) for a, b in ne], [(Lin(0, a), Lin(0, b)) for a, b in full]
+
+
 @dataclass(frozen=True)
 class Global:
     """``global_tokens(indices)``: global rows see every key, every row sees global columns."""
@@ -207,14 +226,8 @@ class Global:
     indices: tuple  # sorted, unique, >= 0
 
     def _cols(self, row: Row):
-        g, bk, wid = row.grid, row.grid.block_k, row.wid
-        ja, jb = row.j0.b, row.j1.b  # a column class is a constant range
-        ne, full = [], []
-        for a, b in _runs(list(self.indices), g.kv_len):
-            ne.append((row.const(max(ja, a // bk)), row.const(min(jb, b // bk))))
-            # tiles J in [ja, jb] with [J bk, J bk + wid - 1] inside [a, b]
-            full.append((row.const(max(ja, -(-a // bk))), row.const(min(jb, (b - wid + 1) // bk))))
-        return row.run.norm(ne), row.run.norm(full)
+        g = row.grid
+        return _global_cols(self.indices, g.kv_len, g.block_k, row.wid, row.j0.b, row.j1.b)
 
     def sets(self, row: Row, need_full: bool):
         g = row.grid

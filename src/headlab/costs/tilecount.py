@@ -131,7 +131,10 @@ class Run:
     # -- sets of key tiles: sorted lists of disjoint, non-empty closed intervals (lo, hi) --------
     def norm(self, ivs) -> list[tuple[Lin, Lin]]:
         ivs = [iv for iv in ivs if self.le(iv[0], iv[1])]
-        ivs.sort(key=cmp_to_key(lambda p, q: 0 if p[0] == q[0] else (-1 if self.le(p[0], q[0]) else 1)))
+        if len({lo.a for lo, _ in ivs}) <= 1:  # starts of one slope keep their order on every row
+            ivs.sort(key=lambda iv: iv[0].b)
+        elif not all(self.le(p[0], q[0]) for p, q in zip(ivs, ivs[1:])):
+            ivs.sort(key=cmp_to_key(lambda p, q: 0 if p[0] == q[0] else (-1 if self.le(p[0], q[0]) else 1)))
         out: list[tuple[Lin, Lin]] = []
         for lo, hi in ivs:
             if out and self.le(lo, out[-1][1]):  # overlaps the previous one: merge
@@ -156,10 +159,9 @@ class Run:
 
     @staticmethod
     def count(xs) -> Poly:
-        total = Poly()
-        for lo, hi in xs:
-            total = total + Poly.of(hi) - Poly.of(lo) + Poly((1,))
-        return total
+        a = sum(hi.a - lo.a for lo, hi in xs)
+        b = sum(hi.b - lo.b + 1 for lo, hi in xs)
+        return Poly((b, a))
 
 
 @dataclass(frozen=True)
