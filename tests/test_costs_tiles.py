@@ -38,6 +38,7 @@ COMBOS = [
     "dilated_window:2:3|causal_lower_right", "~global_tokens:0,1,2,3,9", "strided:3&~causal",
     "~(strided:3&sliding_window:5)|global_tokens:40",
     "fixed:3:1|sliding_window:4", "fixed:4:1&~causal", "fixed:3:2:causal=false&global_tokens:0,20",
+    "~strided:1|causal_lower_right", "~(strided:1:causal=false&strided:1)",
 ]
 LENGTHS = [(77, 77), (64, 64), (100, 77), (77, 100), (1, 5), (5, 1)]
 TILES = [(4, 4), (8, 16), (16, 8), (3, 5), (7, 7)]
@@ -80,6 +81,46 @@ def test_closed_form_equals_block_map(spec):
                 assert got == _block_map_counts(mask, lq, lk, bq, bk, causal), (spec, lq, lk, bq, bk, causal)
                 checked += 1
     assert checked >= 10, f"{spec}: only {checked} cases had a closed form"
+
+
+def _random_spec(rng, depth: int) -> str:
+    leaves = [
+        "full", "causal", "causal_lower_right", f"sliding_window:{rng.randint(1, 30)}",
+        f"sliding_window:{rng.randint(1, 30)}:causal", f"dilated_window:{rng.randint(1, 5)}:{rng.randint(1, 4)}",
+        f"strided:{rng.randint(1, 6)}", f"strided:{rng.randint(1, 6)}:causal=false", f"fixed:{rng.randint(1, 6)}:1",
+        f"fixed:{rng.randint(2, 6)}:2:causal=false",
+        "global_tokens:" + ",".join(str(rng.randint(0, 90)) for _ in range(rng.randint(1, 5))),
+    ]
+    if depth == 0 or rng.random() < 0.3:
+        return rng.choice(leaves)
+    op = rng.choice("&|~")
+    if op == "~":
+        return f"~({_random_spec(rng, depth - 1)})"
+    return f"({_random_spec(rng, depth - 1)}){op}({_random_spec(rng, depth - 1)})"
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_random_combinations_equal_block_map(seed):
+    """A seeded fuzz over nested & | ~ of every pattern, lengths, tile sizes, causal or not."""
+    import random
+
+    rng = random.Random(seed)
+    checked = 0
+    for _ in range(60):
+        spec = _random_spec(rng, 3)
+        lq, lk = rng.randint(1, 90), rng.randint(1, 90)
+        lk = lq if rng.random() < 0.5 else lk
+        bq, bk = rng.randint(1, 12), rng.randint(1, 12)
+        causal = rng.random() < 0.5
+        mask = masks.from_string(spec)
+        shape = costs.AttentionShape(heads=1, q_len=lq, kv_len=lk, mask=mask, causal=causal)
+        try:
+            got = count_tiles(Grid(lq, lk, bq, bk), visits._tree(shape), causal_cut=causal)
+        except Unsupported:
+            continue
+        assert got == _block_map_counts(mask, lq, lk, bq, bk, causal), (spec, lq, lk, bq, bk, causal)
+        checked += 1
+    assert checked >= 30
 
 
 @pytest.mark.parametrize("spec", [None, "sliding_window:256", "sliding_window:128|global_tokens:0",

@@ -115,9 +115,9 @@ class Offset:
                 raise Unsupported(f"stride {s} is wider than a tile's offsets ({span})")
             # every tile that reaches past the local band holds a multiple of the stride
             causal = bands[0][0] == 0  # strided(s): d >= 0; strided(s, non-causal): every d
-            ne, _ = _band_sets(row, 0 if causal else None, None)
+            ne, full = _band_sets(row, 0 if causal else None, None)
             if s == 1:  # every offset (every offset >= 0) is a multiple of 1
-                return ne, ne
+                return ne, full
             if span == 1 and need_full:
                 raise Unsupported("full tiles of a strided pattern on 1x1 tiles")
             # a tile holding two consecutive offsets beyond the local band holds a hidden one
