@@ -174,29 +174,20 @@ def prepare_out_dir(out_dir: str | os.PathLike, *, force: bool) -> Path:
 
 
 def backend_provenance(backend: str | None, mode: str) -> tuple[dict, str | None]:
-    """What computed what: ``({"model_backend", "model_backend_exact", "statistics"}, warning or None)``.
-
-    Maps (full mode) are captured on the reference computation; streaming statistics are exact softmax
-    statistics of the q and k the model produced on its backend. An approximate backend (linear) changes
-    those q and k from the second layer on, and the model's outputs: the report then says so.
-    """
+    """What computed what: ``{"model_backend", "model_backend_exact", "statistics"}`` and a warning
+    when the backend is approximate (it changes the q and k of later layers and the outputs)."""
     from headlab.attention import backends as _backends
 
     name = backend or "auto"
-    exact = True if name == "auto" else bool(_backends.get(name).capabilities.exact)
+    exact = name == "auto" or bool(_backends.get(name).capabilities.exact)
     stats = ("attention maps captured on the reference computation (exact softmax)" if mode == "full" else
              f"exact softmax statistics (streaming) of the q and k computed while the model ran on {name!r}")
-    info = {"model_backend": name, "model_backend_exact": exact, "statistics": stats}
-    warning = None
-    if not exact:
-        warning = (f"backend {name!r} is approximate (not softmax attention): the model ran on it, so the q and k "
-                   "of every layer after the first, and the model's outputs, differ from the exact model; "
-                   f"this report shows {stats}")
-        if mode == "full":
-            warning = (f"backend {name!r} is approximate, but capturing every map runs each layer on the "
-                       "reference computation: the maps and the table are those of the exact model, and "
-                       f"{name!r} was not used")
-    return info, warning
+    warning = None if exact else (
+        f"backend {name!r} is approximate, but capturing every map runs each layer on the reference computation: "
+        f"the maps and the table are those of the exact model, and {name!r} was not used" if mode == "full" else
+        f"backend {name!r} is approximate (not softmax attention): the model ran on it, so the q and k of every "
+        f"layer after the first, and the model's outputs, differ from the exact model; this report shows {stats}")
+    return {"model_backend": name, "model_backend_exact": exact, "statistics": stats}, warning
 
 
 def write_csv(records: Sequence[HeadRecord], path: str | os.PathLike) -> Path:
