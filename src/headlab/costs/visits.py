@@ -24,9 +24,9 @@ from headlab.units import human_bytes
 
 __all__ = ["MAP_BUDGET", "pairs", "plan_tiles", "tiles"]
 
-# Block maps counted directly up to this many tiles per (batch, head) slice (int8 each, plus the
-# counting's temporaries: about 10 bytes a tile).
-MAP_BUDGET = 1 << 22
+# Block maps counted directly up to this many tiles per (batch, head) slice: a pattern's block
+# classifier takes a few int64 temporaries per tile (about 30 bytes), so about 60 MiB at most.
+MAP_BUDGET = 1 << 21
 
 _CAUSAL = Offset(((0, None),))
 
@@ -46,7 +46,7 @@ def _refuse(shape: AttentionShape, block_q: int, block_k: int, why: Exception) -
     name = getattr(shape.mask, "name", "the mask")
     return CostModelError(
         f"the tiles of {name} at {shape.q_len}x{shape.kv_len} have no closed form here ({why}) and its block "
-        f"map would have {n:,} tiles of {block_q}x{block_k} (about {human_bytes(10 * n)} to count); headlab "
+        f"map would have {n:,} tiles of {block_q}x{block_k} (about {human_bytes(30 * n)} to count); headlab "
         f"counts maps of up to {MAP_BUDGET:,} tiles: use a shorter length, or a built-in pattern "
         "(sliding_window, dilated_window, strided, global_tokens, documents, causal, and & | ~ of them)")
 

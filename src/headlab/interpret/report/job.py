@@ -28,8 +28,8 @@ from __future__ import annotations
 
 import csv
 import json
-import tempfile
 import os
+import tempfile
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
