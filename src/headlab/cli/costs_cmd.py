@@ -5,8 +5,11 @@ from __future__ import annotations
 import typer
 from rich.table import Table
 
-from headlab import costs, masks
+from headlab import costs
+from headlab.attention import backends as _backends
+from headlab.attention.masks import from_string
 from headlab.cli.app import app, console, human_bytes, human_flops, print_json
+from headlab.errors import CostModelError
 
 
 @app.command()
@@ -27,27 +30,37 @@ def memory(
 
     Example (the seed text's 32 GB): headlab memory --seq-len 4096 --heads 32 --layers 32 --dtype float16
 
-    With --pattern every backend is costed for that mask; the sparse backend counts exactly the tiles
-    of the pattern's block map that it visits.
+    With --pattern every backend is costed for that mask; the tiled and sparse backends count exactly the
+    tiles of the pattern's block map they visit, in closed form for the built-in patterns (any length).
     """
     shape = costs.AttentionShape(heads=heads, q_len=seq_len, batch=batch, kv_heads=kv_heads, kv_len=kv_len,
                                  head_dim=head_dim, layers=layers, dtype=dtype, causal=causal,
-                                 mask=masks.from_string(pattern) if pattern else None)
-    table = costs.estimate_all(shape)
+                                 mask=from_string(pattern) if pattern is not None else None)
+    table, refused = {}, {}
+    for name in _backends.names():
+        try:
+            table[name] = costs.estimate(shape, name)
+        except CostModelError as e:  # a pattern whose tiles cannot be counted at this length
+            refused[name] = str(e)
     if as_json:
-        print_json({name: c.as_dict() for name, c in table.items()})
+        print_json({**{name: c.as_dict() for name, c in table.items()},
+                    **{name: {"backend": name, "refused": why} for name, why in refused.items()}})
         return
     t = Table(title=(f"attention cost: batch {shape.batch}, {shape.heads} heads ({shape.kv_heads} kv), "
                      f"{shape.q_len}x{shape.kv_len}, head dim {shape.head_dim}, {shape.layers} layers, "
                      f"{str(shape.dtype).removeprefix('torch.')}{', causal' if causal else ''}"
-                     f"{f', pattern {pattern}' if pattern else ''}"))
+                     f"{f', pattern {pattern}' if pattern is not None else ''}"))
     for col, just in (("backend", "left"), ("weights held\n(all layers)", "right"),
                       ("working set\n(one layer)", "right"), ("forward", "right"), ("backward", "right")):
         t.add_column(col, justify=just, no_wrap=True)
     for name, c in table.items():
         t.add_row(name, human_bytes(c.attention_weights_bytes), human_bytes(c.working_set_bytes),
                   human_flops(c.forward_flops), human_flops(c.backward_flops))
+    for name in refused:
+        t.add_row(name, "-", "-", "-", "-")
     console.print(t)
     for name, c in table.items():
         if c.notes:
             console.print(f"  {name}: {c.notes}", highlight=False)
+    for name, why in refused.items():
+        console.print(f"  [yellow]{name}: not predicted:[/] {why}", highlight=False)
