@@ -131,3 +131,27 @@ def test_memory_at_a_trillion_tokens(capsys):
     # offsets 0..256 reach the diagonal tile and the two left of it: 3 a row, rows 0 and 1 have 1 and 2
     assert table["sparse"]["notes"].startswith(f"{32 * (3 * n_b - 3):,} of")
     assert "block map alone would take" in table["sparse"]["notes"]
+
+
+def test_memory_with_ranks_costs_ring_attention(capsys):
+    code, out, _ = run_main(["memory", "--seq-len", "1000000", "--heads", "32", "--head-dim", "128", "--dtype",
+                             "bfloat16", "--causal", "--ranks", "64", "--ring", "--link-bandwidth", "50e9",
+                             "--peak-flops", "395e12", "--json"], capsys)
+    assert code == 0
+    ring = json.loads(out)["ring"]
+    block = 32 * 15625 * 256 * 2  # kv heads x shard x (d + dv) x bytes: one K/V block
+    assert ring["shard_len"] == 15625 and ring["sent_forward_bytes"] == 63 * block
+    assert ring["sent_backward_bytes"] == 63 * block + 64 * 32 * 15625 * 256 * 4  # + dK/dV accumulators in float32
+    assert 0.9 < ring["compute_to_communication_forward"] < 1.1
+    code, out, _ = run_main(["memory", "--seq-len", "4096", "--ranks", "4"], capsys)
+    assert code == 0 and "ring attention on 4 ranks" in out
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--ring"], "give --ranks"),
+    (["--ranks", "0"], "at least 1"),
+    (["--ranks", "2", "--link-bandwidth", "1e9"], "both --link-bandwidth and --peak-flops"),
+])
+def test_memory_ring_bad_input(args, message, capsys):
+    code, _, err = run_main(["memory", *args], capsys)
+    assert code == 2 and message in err and err.count("\n") == 1

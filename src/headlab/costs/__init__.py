@@ -23,6 +23,7 @@ from headlab.costs.model import (
     parse_dtype,
     register_cost,
 )
+from headlab.costs.ring import RingCost, ring_cost
 
-__all__ = ["AttentionCost", "AttentionShape", "Hardware", "estimate", "estimate_all", "formulas",
-           "parse_dtype", "register_cost"]
+__all__ = ["AttentionCost", "AttentionShape", "Hardware", "RingCost", "estimate", "estimate_all", "formulas",
+           "parse_dtype", "register_cost", "ring_cost"]
