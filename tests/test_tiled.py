@@ -13,7 +13,10 @@ import headlab
 from headlab import costs, masks
 from headlab.attention import backends
 from headlab.attention.backends import tiled
+from headlab.attention.backends import _threads
 from headlab.attention.backends.tiled import TiledBackend, tiled_attention
+from headlab.attention.backends.tiled import forward as tiled_forward
+from headlab.attention.backends.tiled.plan import make_plan
 from headlab.attention.spec import validate
 from headlab.errors import ConfigError
 from headlab.testing import compare_backend
@@ -157,7 +160,7 @@ def test_dropout_is_the_reference_with_the_regenerated_mask():
     assert torch.equal(out, tiled_attention(q, k, v, causal=True, dropout_p=p, seed=11, block_q=16, block_k=16))
     assert not torch.equal(out, tiled_attention(q, k, v, causal=True, dropout_p=p, seed=12, block_q=16, block_k=16))
     spec, m = validate(q, k, v, causal=True, dropout_p=p)
-    plan = tiled._make_plan(spec, m, D ** -0.5, p, 11, 16, 16)
+    plan = make_plan(spec, m, D ** -0.5, p, 11, 16, 16)
     keep = torch.ones(B * H, L, L, dtype=torch.bool)  # rows of the (B*Hkv, Lq*G, Lk) layout, G = 1
     for qb in range(plan.n_qb):
         i0, i1 = plan.q_rows(qb)
@@ -270,7 +273,7 @@ def test_threaded_head_units_match_serial_and_reference(case: Case, monkeypatch)
     if case.mask == "bool":  # (B, 1, Lq, Lk) -> a different mask per head
         g = torch.Generator().manual_seed(3)
         mask = mask.expand(case.B, case.H, case.Lq, case.Lk) & (torch.rand(case.B, case.H, case.Lq, case.Lk, generator=g) > 0.2)
-    monkeypatch.setattr(tiled, "UNIT_ELEMS", 1)
+    monkeypatch.setattr(tiled_forward, "UNIT_ELEMS", 1)
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
@@ -278,7 +281,7 @@ def test_threaded_head_units_match_serial_and_reference(case: Case, monkeypatch)
         assert report.ok, report.failures()
         assert torch.get_num_threads() == 2  # restored after the pool
         out = tiled_attention(q, k, v, mask=mask, causal=case.causal, block_q=case.blocks[0], block_k=case.blocks[1])
-        monkeypatch.setattr(tiled, "_THREADED_OFF", True)
+        monkeypatch.setattr(_threads, "THREADED", False)
         serial = tiled_attention(q, k, v, mask=mask, causal=case.causal, block_q=case.blocks[0], block_k=case.blocks[1])
     finally:
         torch.set_num_threads(threads)

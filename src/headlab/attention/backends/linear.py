@@ -63,7 +63,6 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -147,6 +146,18 @@ class LinearState:
     position: int = 0
 
 
+def _mix_seed(*parts: int) -> int:
+    """One 63-bit seed from several integers (splitmix64 over each in turn): nearby inputs give
+    unrelated streams, the same inputs the same stream."""
+    x = 0
+    for part in parts:
+        x = (x ^ (int(part) & 0xFFFFFFFFFFFFFFFF)) + 0x9E3779B97F4A7C15 & 0xFFFFFFFFFFFFFFFF
+        x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9 & 0xFFFFFFFFFFFFFFFF
+        x = (x ^ (x >> 27)) * 0x94D049BB133111EB & 0xFFFFFFFFFFFFFFFF
+        x ^= x >> 31
+    return x >> 1
+
+
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """Features and sums run in float32 for half inputs (sums of n positive terms overflow fp16)."""
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
@@ -195,7 +206,8 @@ class LinearBackend(Backend):
 
     name = "linear"
     summary = "linear attention phi(q)(phi(k)^T v): elu+1 (default), relu, FAVOR+; approximate"
-    capabilities = Capabilities(dropout=False, returns_weights=False, exact=False, materializes=False)
+    capabilities = Capabilities(dropout=False, returns_weights=False, exact=False, materializes=False,
+                                additive_mask=False, returns_lse=False)
     priority = 900
     alternative = "sdpa"
 
@@ -226,8 +238,7 @@ class LinearBackend(Backend):
             raise ConfigError(f"feature map {self.config.feature_map!r} has no random projection; use 'favor'")
         w = self._proj.get(head_dim)
         if w is None:
-            state = np.random.SeedSequence([self.config.seed, self._draw, head_dim]).generate_state(2)
-            gen = torch.Generator().manual_seed(int(state[0]) << 31 | int(state[1]) >> 1)
+            gen = torch.Generator().manual_seed(_mix_seed(self.config.seed, self._draw, head_dim))
             w = feature_maps.orthogonal_gaussian(self.config.num_features, head_dim, gen)
             self._proj[head_dim] = w
         key = (head_dim, str(device), dtype)
@@ -281,7 +292,7 @@ class LinearBackend(Backend):
                    what=f"backend 'linear' at {spec.q_len}x{spec.kv_len}", device=spec.device,
                    alternative=None)
 
-    def forward(self, q, k, v, spec, *, mask, scale):
+    def forward(self, q, k, v, spec, *, mask, scale, score_mod=None):
         self._maybe_redraw()
         key_mask = _key_mask(spec, mask)  # (Bm, Hm, Lk) or None
         cdt = _compute_dtype(q.dtype)
@@ -297,7 +308,7 @@ class LinearBackend(Backend):
             out = _causal(fq, fk, v_, group, self.config.chunk_size)
         else:
             out = _noncausal(fq, fk, v_, group)
-        return out.to(q.dtype), None
+        return out.to(q.dtype), None, None
 
     def _features(self, q: torch.Tensor, k: torch.Tensor, scale: float,
                   key_mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
