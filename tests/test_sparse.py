@@ -9,7 +9,9 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import headlab
 from headlab import costs, masks
+from headlab.attention.backends import _threads
 from headlab.attention.backends import sparse as sp
+from headlab.attention.backends.sparse import kernel as sp_kernel
 from headlab.errors import BackendUnsupportedError
 from headlab.testing import compare_backend
 
@@ -178,14 +180,14 @@ def test_threaded_forward_equals_serial(monkeypatch):
     q, k, v = _qkv(1, 6, 2, 1100, 1100, 32)
     n = torch.get_num_threads()
     for mask in (masks.sliding_window(200), masks.sliding_window(200) | masks.global_tokens([3])):
-        views = [u[-1] is not None for u in sp._units(sp.plan_for(mask, 1, 6, 2, 1100, 1100))]
+        views = [u[-1] is not None for u in sp_kernel._units(sp.plan_for(mask, 1, 6, 2, 1100, 1100))]
         assert len(views) > 1 and all(views) == (mask.name == masks.sliding_window(200).name)
         torch.set_num_threads(2)
         try:
-            monkeypatch.setattr(sp, "_THREADED", True)
+            monkeypatch.setattr(_threads, "THREADED", True)
             threaded = headlab.attention(q, k, v, mask=mask, backend="sparse")
             assert torch.get_num_threads() == 2  # restored after the pool
-            monkeypatch.setattr(sp, "_THREADED", False)
+            monkeypatch.setattr(_threads, "THREADED", False)
             serial = headlab.attention(q, k, v, mask=mask, backend="sparse")
         finally:
             torch.set_num_threads(n)

@@ -60,7 +60,8 @@ def _forward(plan: SparsePlan, mask: MaskFn, q, k, v, scale, score_mod=None):
     n_items = q_flat.shape[0]
     d, dv = q_flat.shape[-1], v_flat.shape[-1]
     out_flat = q.new_zeros(n_items, plan.rows, dv)
-    lse_flat = q.new_full((n_items, plan.rows, 1), float("inf"))  # +inf: the row sees no key
+    ml_flat = q.new_zeros(n_items, plan.rows, 2)  # per row [m, log l]; lse = m + log l
+    ml_flat[..., 1] = float("inf")  # log l = +inf: the row sees no key
     for grp in plan.groups:
         _hidden(plan, grp, mask, dev)  # evaluate the partial-tile masks here, not in the workers
     units = _units(plan)
@@ -96,22 +97,23 @@ def _forward(plan: SparsePlan, mask: MaskFn, q, k, v, scale, score_mod=None):
         dead = den == 0  # (n, rows, 1): rows that see no key (a NaN row is not dead: NaN propagates)
         den.masked_fill_(dead, 1.0)
         o = torch.bmm(p, vg.view(n, kr, dv), out=bufs[4][: n * plan.rows * dv].view(n, plan.rows, dv)).div_(den)
-        lse = m.add_(den.log_())  # natural log-sum-exp, from the scores the backward recomputes
-        lse.masked_fill_(dead, float("inf"))  # backward: exp(s - inf) = 0
+        logl = den.log_().masked_fill_(dead, float("inf"))  # backward: exp(s - m - inf) = 0
         out_flat.index_copy_(0, items, o)
-        lse_flat.index_copy_(0, items, lse)
+        ml_flat.index_copy_(0, items, torch.cat([m, logl], -1))
 
     _threads.run_units(unit, units)
-    return out_flat, lse_flat
+    return out_flat, ml_flat
 
 
-def _backward(plan: SparsePlan, mask: MaskFn, q, k, v, out_flat, lse_flat, dout, scale, score_mod=None):
+def _backward(plan: SparsePlan, mask: MaskFn, q, k, v, out_flat, ml_flat, dout, scale, score_mod=None):
+    """Each item's gathered keys are every key its rows see, so ``D = rowsum(P * dP)`` is taken
+    from the chunk itself (the softmax's own backward), and ``P = exp((S - m) - log l)`` from the
+    forward's shift ``m`` and ``log l`` (``S - m`` is exact near the maximum)."""
     dev = q.device
     q_flat = _to_flat(q, plan, plan.block_q, plan.n_qb)
     k_flat = _to_flat(k, plan, plan.block_k, plan.n_kb)
     v_flat = _to_flat(v, plan, plan.block_k, plan.n_kb)
     do_flat = _to_flat(dout, plan, plan.block_q, plan.n_qb)
-    delta = (do_flat * out_flat).sum(-1, keepdim=True)  # (items, rows, 1): D_i = rowsum(dO * O)
     dq_flat = torch.zeros_like(q_flat)
     dk_flat = torch.zeros_like(k_flat)
     dv_flat = torch.zeros_like(v_flat)
@@ -121,12 +123,14 @@ def _backward(plan: SparsePlan, mask: MaskFn, q, k, v, out_flat, lse_flat, dout,
             s, items, kv, qg, kg, _, back = _scores(plan, grp, c0, c1, q_flat, k_flat, scale, mask, dev,
                                                     score_mod=score_mod, vjp=True)
             n = len(items)
-            p = s.sub_(lse_flat.index_select(0, items)).exp_()  # (n, rows, k * bk)
+            ml = ml_flat.index_select(0, items)  # (n, rows, 2)
+            p = s.sub_(ml[..., :1]).sub_(ml[..., 1:]).exp_()  # (n, rows, k * bk)
             dog = do_flat.index_select(0, items)  # (n, rows, dv)
             vg = v_flat.index_select(0, kv).view(n, grp.k * bk, -1)
             dv_flat.index_add_(0, kv, torch.bmm(p.transpose(1, 2), dog).view(n * grp.k, bk, -1))
             dp = torch.bmm(dog, vg.transpose(1, 2))  # (n, rows, k * bk)
-            ds = p.mul_(dp.sub_(delta.index_select(0, items)))  # dS = P * (dP - D), in place
+            delta = (p * dp).sum(-1, keepdim=True)  # (n, rows, 1): D = rowsum(P * dP)
+            ds = p.mul_(dp.sub_(delta))  # dS = P * (dP - D), in place
             if back is not None:
                 ds = back(ds)  # through the score_mod
             dq_flat.index_copy_(0, items, torch.bmm(ds, kg).mul_(scale))
@@ -139,22 +143,22 @@ def _backward(plan: SparsePlan, mask: MaskFn, q, k, v, out_flat, lse_flat, dout,
 
 
 class SparseAttention(torch.autograd.Function):
-    """Saves q, k, v, the flat output and log-sum-exp: O(n d), nothing n x n. Returns the output
+    """Saves q, k, v and the per-row shift and log-normaliser: O(n d), nothing n x n. Returns the output
     ``(B, H, Lq, Dv)`` and the lse ``(B, H, Lq)`` (+inf on rows that see no key)."""
 
     @staticmethod
     def forward(ctx, q, k, v, plan, mask, scale, score_mod):
-        out_flat, lse_flat = _forward(plan, mask, q, k, v, scale, score_mod)
-        ctx.save_for_backward(q, k, v, out_flat, lse_flat)
+        out_flat, ml_flat = _forward(plan, mask, q, k, v, scale, score_mod)
+        ctx.save_for_backward(q, k, v, ml_flat)
         ctx.plan, ctx.mask, ctx.scale, ctx.score_mod = plan, mask, scale, score_mod
-        lse = _from_flat(lse_flat, plan).squeeze(-1)
+        lse = _from_flat(ml_flat[..., :1] + ml_flat[..., 1:], plan).squeeze(-1)
         ctx.mark_non_differentiable(lse)
         return _from_flat(out_flat, plan), lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        q, k, v, out_flat, lse_flat = ctx.saved_tensors
-        dq, dk, dv = _backward(ctx.plan, ctx.mask, q, k, v, out_flat, lse_flat,
+        q, k, v, ml_flat = ctx.saved_tensors
+        dq, dk, dv = _backward(ctx.plan, ctx.mask, q, k, v, None, ml_flat,
                                dout.to(q.dtype).contiguous(), ctx.scale, ctx.score_mod)
         return dq, dk, dv, None, None, None, None
 

@@ -38,9 +38,10 @@ def units(p: Plan, chunk: int) -> list[tuple[int, int, int]]:
     return [(qb, h0, min(BHkv, h0 + chunk)) for qb in order for h0 in range(0, BHkv, chunk)]
 
 
-def forward_block_fast(qb_rows, kt, vaug, p: Plan, qb: int, out_rows, lse_rows, h0: int = 0, sbuf=None) -> bool:
-    """One query block with the stale maximum. Writes ``out_rows (n, r, Dv)`` and ``lse_rows
-    (n, r)``; returns False when the block must be recomputed exactly (not finite, or a row
+def forward_block_fast(qb_rows, kt, vaug, p: Plan, qb: int, out_rows, ml_rows, h0: int = 0, sbuf=None) -> bool:
+    """One query block with the stale maximum. Writes ``out_rows (n, r, Dv)`` and ``ml_rows
+    (n, r, 2)`` (the shift ``m`` and ``log l``: the log-sum-exp is their sum, kept apart so that
+    the backward's ``(S - m) - log l`` is exact where it matters); returns False when the block must be recomputed exactly (not finite, or a row
     without keys). ``h0``: first flattened (batch, kv head) index of these rows (for masks).
     ``sbuf``: a flat scratch tensor of at least ``n * r * block_k`` entries for the score tile
     (reused: a fresh multi-MiB tensor per tile costs page faults that made the score matmul
@@ -73,20 +74,22 @@ def forward_block_fast(qb_rows, kt, vaug, p: Plan, qb: int, out_rows, lse_rows, 
         del s
     if negm is None:  # every tile of the block is empty
         out_rows.zero_()
-        lse_rows.fill_(float("inf"))
+        ml_rows[..., 0] = 0.0
+        ml_rows[..., 1] = float("inf")
         return True
     l = acc[..., Dv]
     if not bool(torch.isfinite(acc).all()) or bool((l <= 0).any()):
         return False
     out_rows.copy_(acc[..., :Dv] / l.unsqueeze(-1))
-    lse_rows.copy_(torch.log(l) - negm.squeeze(-1))
+    ml_rows[..., 0] = negm.squeeze(-1).neg()
+    ml_rows[..., 1] = torch.log(l)
     return True
 
 
-def forward_block_exact(qb_rows, kt, vaug, p: Plan, qb: int, out_rows, lse_rows, h0: int = 0) -> None:
+def forward_block_exact(qb_rows, kt, vaug, p: Plan, qb: int, out_rows, ml_rows, h0: int = 0) -> None:
     """One query block with the textbook online softmax: exact maximum per tile and rescaling.
     Also the path of score modifications and additive masks (element-wise work on raw scores).
-    A row that sees no key gets zeros and ``lse = +inf``; a NaN score propagates (issue 9)."""
+    A row that sees no key gets zeros and ``log l = +inf``; a NaN score propagates."""
     i0, i1 = p.q_rows(qb)
     BHkv, r, _ = qb_rows.shape
     Dv = p.Dv
@@ -118,16 +121,17 @@ def forward_block_exact(qb_rows, kt, vaug, p: Plan, qb: int, out_rows, lse_rows,
     dead = l == 0  # (BHkv, r, 1): rows that see no key (NaN rows are not dead: NaN propagates)
     l_safe = torch.where(dead, torch.ones_like(l), l)
     out_rows.copy_((acc / l_safe).masked_fill_(dead, 0.0))
-    lse = torch.where(torch.isinf(m) & (m < 0), torch.zeros_like(m), m) + torch.log(l_safe)
-    lse_rows.copy_(lse.masked_fill(dead, float("inf")).squeeze(-1))
+    ml_rows[..., 0] = torch.where(torch.isinf(m) & (m < 0), torch.zeros_like(m), m).squeeze(-1)
+    ml_rows[..., 1] = torch.log(l_safe).masked_fill_(dead, float("inf")).squeeze(-1)
 
 
 def forward(q, k, v, p: Plan) -> tuple[torch.Tensor, torch.Tensor]:
-    """``out (BHkv, Lq*G, Dv)`` and internal ``lse (BHkv, Lq*G)`` (+inf on rows with no key)."""
+    """``out (BHkv, Lq*G, Dv)`` and ``ml (BHkv, Lq*G, 2)``: per row the shift ``m`` and ``log l``
+    (``lse = m + log l``; ``log l = +inf`` on rows with no key)."""
     kt, vaug = prepare_kv(k, v, p)
     BHkv = p.B * p.Hkv
     out = torch.empty(BHkv, p.Lq * p.G, p.Dv, dtype=p.cdtype, device=q.device)
-    lse = torch.empty(BHkv, p.Lq * p.G, dtype=p.cdtype, device=q.device)
+    ml = torch.empty(BHkv, p.Lq * p.G, 2, dtype=p.cdtype, device=q.device)
     qg = q.reshape(BHkv, p.G, p.Lq, p.D)  # (B, H, Lq, D) -> (B*Hkv, G, Lq, D), a view when contiguous
     # dropout draws one keep-mask per whole tile (the backward regenerates it): no head split
     chunk = head_chunk(p) if p.dropout_p == 0 else BHkv
@@ -144,9 +148,9 @@ def forward(q, k, v, p: Plan) -> tuple[torch.Tensor, torch.Tensor]:
             scratch[threading.get_ident()] = bufs
         sbuf, qbuf = bufs
         qb_rows = query_block(qg, p, qb, h0, h1, qbuf)  # its last column: the shift, per block
-        args = (qb_rows, kt[h0:h1], vaug[h0:h1], p, qb, out[h0:h1, r0:r1], lse[h0:h1, r0:r1], h0)
+        args = (qb_rows, kt[h0:h1], vaug[h0:h1], p, qb, out[h0:h1, r0:r1], ml[h0:h1, r0:r1], h0)
         if p.elementwise or not forward_block_fast(*args, sbuf=sbuf):
             forward_block_exact(*args)
 
     _threads.run_units(lambda u: block(*u), units(p, chunk))
-    return out, lse
+    return out, ml
