@@ -75,7 +75,7 @@ CASES = [
     Case("two_keys_causal_lr", batch=1, heads=2, kv_heads=2, q_len=200, kv_len=2, scale=8.0, mask="fn_lower_right"),
     Case("lq1_bigbird", batch=2, heads=8, kv_heads=2, q_len=1, kv_len=491, head_dim=32, scale=2.0,
          mask="bigbird_lr"),
-    Case("lq1_decode", batch=4, heads=8, kv_heads=2, q_len=1, kv_len=203, head_dim=59, scale=2.0),
+    Case("lq1_decode", batch=4, heads=8, kv_heads=8, q_len=1, kv_len=203, head_dim=59, scale=2.0),
     Case("causal_1023x1024", batch=1, heads=1, kv_heads=1, q_len=1023, kv_len=1024, head_dim=64, causal=True),
     Case("dense_1023x1024", batch=1, heads=1, kv_heads=1, q_len=1023, kv_len=1024, head_dim=64),
     Case("d111_512x256", batch=1, heads=2, kv_heads=2, q_len=512, kv_len=256, head_dim=111),

@@ -260,3 +260,45 @@ def test_bad_tensors_raise_typed_errors(name, make, exc):
 
 def test_lazy_export():
     assert headlab.attention_stats is attention_stats
+
+
+def _local_heads(n: int, d: int = 32, beta: float = 5.0):
+    """Causal heads whose rows put nearly all mass on their own key: mean distances of about 10
+    at positions up to ``n`` (where ``i * mass - sum_j P_ij j`` in float32 loses the answer)."""
+    g = torch.Generator().manual_seed(7)
+    k = torch.randn(1, 1, n, d, generator=g)
+    q = beta * k + 0.1 * torch.randn(1, 1, n, d, generator=g)
+    return q, k
+
+
+def _mean_distance_float64(q, k, chunk: int = 1024) -> torch.Tensor:
+    """sum_j P_ij |i - j| read off the float64 map, a row chunk at a time (causal)."""
+    q64, k64 = q.double()[0, 0], k.double()[0, 0]
+    n, d = q64.shape
+    out = torch.empty(n, dtype=torch.float64)
+    cols = torch.arange(n)
+    for r0 in range(0, n, chunk):
+        rows = torch.arange(r0, min(n, r0 + chunk))
+        s = (q64[rows] @ k64.T) * d ** -0.5
+        s = s.masked_fill(cols[None, :] > rows[:, None], float("-inf"))
+        p = torch.softmax(s, -1)
+        out[rows] = (p * (rows[:, None] - cols[None, :]).abs().double()).sum(-1)
+    return out
+
+
+@pytest.mark.parametrize("method", ["tiled", "sdpa"])
+def test_mean_distance_keeps_1e5_at_2048_tokens(method):
+    q, k = _local_heads(2048)
+    st = attention_stats(q, k, causal=True, stats=["mean_distance"], method=method)
+    ref = _mean_distance_float64(q, k)
+    assert 1 < float(ref[1000:].mean()) < 100  # local heads: small distances far from the start
+    torch.testing.assert_close(st.mean_distance[0, 0].double(), ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["tiled", "sdpa"])
+def test_mean_distance_keeps_1e5_at_16384_tokens(method):
+    """docs/stats.md's promise at the length where float32 positions cancelled worst."""
+    q, k = _local_heads(16384)
+    st = attention_stats(q, k, causal=True, stats=["mean_distance"], method=method)
+    torch.testing.assert_close(st.mean_distance[0, 0].double(), _mean_distance_float64(q, k), atol=1e-5, rtol=1e-5)
