@@ -28,7 +28,7 @@ PATTERN_CASES = [
     ("fixed", masks.fixed(8, 2), 53, 53, 1),
     ("fixed_noncausal", masks.fixed(5, 1, causal=False), 31, 44, 1),
     ("fixed_c_eq_l", masks.fixed(4, 4), 19, 19, 1),
-    ("global", masks.global_tokens([0, 17, 30, 99]), 33, 41, 1),
+    ("global", masks.global_tokens([0, 17, 30, 40]), 33, 41, 1),
     ("bigbird", masks.bigbird(4, 3, 1, 2, seed=3), 45, 45, 1),
     ("bigbird_rect", masks.bigbird(5, 1, 0, 1, seed=1), 23, 38, 1),
     ("bigbird_block_gt_seq", masks.bigbird(64, 3, 2, 2), 20, 20, 1),
@@ -143,6 +143,8 @@ BAD_INPUT = [
     (lambda: masks.bigbird(8, 3, 1, -2), ConfigError, "random_blocks"),
     (lambda: masks.global_tokens([]), ConfigError, "at least one"),
     (lambda: masks.global_tokens([-1]), ConfigError, ">= 0"),
+    (lambda: masks.global_tokens([99]).dense(q_len=16), MaskError, "index 99 is outside the sequence"),
+    (lambda: block_map(masks.global_tokens([3, 16]), 16, 16, 4, 4), MaskError, "indices must be < 16"),
     (lambda: masks.documents([3, 0]), ConfigError, ">= 1"),
     (lambda: masks.documents([]), ConfigError, "at least one"),
     (lambda: masks.block_layout(torch.ones(2, 2), 0), MaskError, "boolean"),
@@ -246,7 +248,7 @@ def test_cli_pattern_png(tmp_path, capsys):
 
 
 CLI_ERRORS = [
-    (["pattern", "banana"], "known patterns: sliding_window"),
+    (["pattern", "banana"], "known patterns: full, causal"),
     (["pattern", "sliding_window"], "needs --window"),
     (["pattern", "sliding_window", "--window", "0"], "positive"),
     (["pattern", "strided", "--stride", "-2"], "positive"),

@@ -61,11 +61,14 @@ def available_memory(device: torch.device | str = "cpu") -> int:
 def human_bytes(n: float) -> str:
     """``34359738368 -> '32.0 GiB'``."""
     n = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
-        if abs(n) < 1024 or unit == "PiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+    unit = "B"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024:
+            break
         n /= 1024
-    raise AssertionError("unreachable")
+    else:
+        unit = "PiB"
+    return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
 
 
 def check_fits(estimate_bytes: int, *, what: str, device: torch.device | str = "cpu", alternative: str | None) -> None:

@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from headlab.attention import backends as _backends
-from headlab.attention.core import _attention
+from headlab.attention.core import attention_with_weights as _attention
 from headlab.errors import ConfigError
 
 SITE_KINDS = ("q", "k", "v", "pattern", "z", "head_out", "stats")

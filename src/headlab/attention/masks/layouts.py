@@ -27,8 +27,9 @@ def _index_set(name: str, indices) -> torch.Tensor:
 def global_tokens(indices: Sequence[int] | torch.Tensor) -> MaskFn:
     """Longformer's global tokens: they see every key and every query sees them.
 
-    Use it with ``|``: ``sliding_window(256) | global_tokens([0])``. Indices beyond the
-    sequence are ignored.
+    Use it with ``|``: ``sliding_window(256) | global_tokens([0])``. An index at or beyond the
+    sequence (``max(q_len, kv_len)``) is a :class:`~headlab.errors.MaskError` when the mask is
+    evaluated (an out-of-range index would silently give no global token).
 
         >>> from headlab import masks
         >>> masks.global_tokens([0]).dense(q_len=4)[0, 0].int()
@@ -38,6 +39,12 @@ def global_tokens(indices: Sequence[int] | torch.Tensor) -> MaskFn:
                 [1, 0, 0, 0]], dtype=torch.int32)
     """
     idx = _index_set("global_tokens", indices)
+    top = int(idx.max())
+
+    def check(lq, lk):
+        if top >= max(lq, lk):
+            raise MaskError(f"global_tokens index {top} is outside the sequence (q_len={lq}, kv_len={lk}); "
+                            f"indices must be < {max(lq, lk)}")
 
     def flags(n, device):
         f = torch.zeros(n, dtype=torch.bool, device=device)
@@ -46,11 +53,13 @@ def global_tokens(indices: Sequence[int] | torch.Tensor) -> MaskFn:
         return f
 
     def fn(b, h, q, kv, lq, lk):
+        check(lq, lk)
         n = max(lq, lk, int(q.max()) + 1, int(kv.max()) + 1)
         f = flags(n, q.device)
         return f[q] | f[kv]
 
     def blocks(lq, lk, bq, bk, device):
+        check(lq, lk)
         cq, ck = _prefix(flags(lq, device)), _prefix(flags(lk, device))
         qs, qe = _block_bounds(lq, bq, device)
         ks, ke = _block_bounds(lk, bk, device)

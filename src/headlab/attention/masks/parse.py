@@ -11,7 +11,7 @@ from headlab.attention.masks.layouts import bigbird, documents, global_tokens
 from headlab.attention.masks.patterns import dilated_window, fixed, sliding_window, strided
 from headlab.errors import ConfigError
 
-__all__ = ["from_string", "pattern_names"]
+__all__ = ["from_string", "pattern", "pattern_names"]
 
 _PATTERNS: dict[str, Callable[..., MaskFn]] = {
     "full": full,
@@ -31,6 +31,20 @@ _PATTERNS: dict[str, Callable[..., MaskFn]] = {
 def pattern_names() -> list[str]:
     """Names :func:`from_string` understands (``block_layout`` needs a tensor, so it is not one)."""
     return list(_PATTERNS)
+
+
+def pattern(name: str) -> Callable[..., MaskFn]:
+    """The constructor of the pattern called ``name`` (the one table the text form and the CLI read).
+
+        >>> from headlab import masks
+        >>> masks.pattern("sliding_window") is masks.sliding_window
+        True
+    """
+    try:
+        return _PATTERNS[name]
+    except (KeyError, TypeError):
+        raise ConfigError(f"unknown mask pattern {name!r}; known patterns: {', '.join(_PATTERNS)} "
+                          "(or a spec such as 'sliding_window:4&causal')") from None
 
 
 def _parse_arg(text: str, spec: str):

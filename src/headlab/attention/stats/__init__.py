@@ -26,13 +26,12 @@ and a zero output row, and adds nothing to ``received``; no statistic is ever Na
 Two ways of computing them (``method``):
 
 * ``"tiled"`` (default): query chunks of ``block_q`` rows; pass 1 walks the key tiles with the
-  online softmax (REFERENCES.md section 2) for ``lse``, ``max_weight`` and ``argmax``; pass 2 turns
+  online softmax (Milakov & Gimelshein 2018; Dao et al. 2022) for ``lse``, ``max_weight`` and ``argmax``; pass 2 turns
   each score tile into probabilities ``P = exp(S - lse)`` and accumulates entropy, distance, column
   sums and the output. Score tiles of one query chunk are kept between the passes when they fit
   ``cache_bytes`` (default 64 MiB), otherwise recomputed. Tiles a mask leaves empty are skipped
   (the call's tile states from :mod:`headlab.attention.visibility`). Supports every statistic.
-* ``"sdpa"``: torch's fused CPU flash kernel delivers what an identity allows (REFERENCES.md
-  section 3): ``lse`` from the kernel itself, ``entropy = lse - scale * q . (P K)`` with
+* ``"sdpa"``: torch's fused CPU flash kernel delivers what an identity allows: ``lse`` from the kernel itself, ``entropy = lse - scale * q . (P K)`` with
   ``P K`` = attention with ``V := K``, ``mean_distance`` from attention with ``V := positions``
   (plus a second, causal call for the keys left of each query when the call is not causal),
   ``received`` = gradient of ``sum(out)`` with respect to ``V``, from the kernel's fused backward.
@@ -123,7 +122,7 @@ def attention_stats(
         block_q: query rows per chunk; default chooses it so that one ``(B, H, block_q, block_k)``
             tile is about 16 MiB.
         method: ``"tiled"`` (every statistic) or ``"sdpa"`` (torch's fused kernel through the
-            identities of REFERENCES.md section 3; no ``max_weight`` / ``argmax``). See the module
+            entropy / received-mass identities; no ``max_weight`` / ``argmax``). See the module
             docstring.
         cache_bytes: method ``"tiled"`` keeps a query chunk's score tiles between its two passes
             when they take at most this many bytes (0: always recompute them).

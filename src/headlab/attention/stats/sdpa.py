@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import torch
 
-from headlab.attention.masks import MaskFn
 from headlab.attention.spec import AttentionSpec
 from headlab.attention.visibility import visible
 from headlab.errors import BackendUnsupportedError

@@ -4,7 +4,7 @@ row sums from the value matmul) and the exact per-tile rescaling it falls back t
 Both work in natural-log units, with the same scaled query as the backward (``scale * q``,
 rounded once), so the log-sum-exp they save gives back exactly the forward's probabilities when
 the backward recomputes ``P = exp(scale q k^T - lse)``: converting an lse between base 2 and
-base e costs float32 gradients up to 10x their plain error at large logits (measured, issue 9).
+base e cost float32 gradients up to 10x their plain error at large logits (measured).
 Read :mod:`.textbook` first: it is the algorithm without the tricks.
 """
 
