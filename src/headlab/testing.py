@@ -65,7 +65,7 @@ class BackendReport:
         return out
 
 
-def plain_attention(q, k, v, *, mask=None, causal=False, scale=None, reorder_ops=True):
+def plain_attention(q, k, v, *, mask=None, causal=False, scale=None, reorder_ops=True, score_mod=None):
     """``softmax(q (k * scale)^T + M) v`` materialised in the input dtype with plain torch ops,
     GQA by repeating K/V; rows that see no key are zeros. With ``reorder_ops`` (the default) the
     scale goes on K (flash-attention's ``reorder_ops``) and each dot product sums its head_dim
@@ -80,6 +80,10 @@ def plain_attention(q, k, v, *, mask=None, causal=False, scale=None, reorder_ops
         s = q.flip(-1) @ (kk * scale).flip(-1).transpose(-1, -2)  # (B, H, Lq, Lk)
     else:
         s = (q * scale) @ kk.transpose(-1, -2)
+    if score_mod is not None:
+        B, H, Lq, Lk = s.shape
+        s = score_mod(s, torch.arange(B).view(B, 1, 1, 1), torch.arange(H).view(1, H, 1, 1),
+                      torch.arange(Lq).view(1, 1, Lq, 1), torch.arange(Lk).view(1, 1, 1, Lk))
     bias = additive_bias(spec, norm, dtype=s.dtype)
     if bias is not None:
         s = s + bias
@@ -124,6 +128,7 @@ def compare_backend(
     out_factor: float = 2.0,
     grad_factor: float = 3.0,
     mean_factor: float | None = None,
+    score_mod=None,
 ) -> BackendReport:
     """Run ``backend``, the float64 reference and the plain same-precision implementation on one
     case; report errors and bounds (see the module docstring).
@@ -141,12 +146,13 @@ def compare_backend(
     def call(be, dt):
         def fn(qq, kk, vv):
             out, _ = attention_with_weights(qq, kk, vv, mask=mask_as(dt), causal=causal, scale=scale,
-                                            backend=be, need_weights=False)
+                                            backend=be, need_weights=False, score_mod=score_mod)
             return out
         return fn
 
     ref = _run(call("reference", torch.float64), q.double(), k.double(), v.double(), grad_out, grads)
-    plain = _run(lambda a, b, c: plain_attention(a, b, c, mask=mask_as(q.dtype), causal=causal, scale=scale),
+    plain = _run(lambda a, b, c: plain_attention(a, b, c, mask=mask_as(q.dtype), causal=causal, scale=scale,
+                                                 score_mod=score_mod),
                  q, k, v, grad_out, grads)
     test = _run(call(backend, q.dtype), q, k, v, grad_out, grads)
     name = backend if isinstance(backend, str) else getattr(backend, "name", str(backend))

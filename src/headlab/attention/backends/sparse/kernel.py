@@ -85,8 +85,8 @@ def _forward(plan: SparsePlan, mask: MaskFn, q, k, v, scale, score_mod=None):
                 q.new_empty(max_s * plan.rows * plan.block_k), q.new_empty(max_n * plan.rows * d),
                 q.new_empty(max_s * plan.block_k * d), q.new_empty(max_s * plan.block_k * dv),
                 q.new_empty(max_n * plan.rows * dv))
-        s, items, kv, _, _, _ = _scores(plan, grp, c0, c1, q_flat, k_flat, scale, mask, dev, r0, r1, bufs[:3], kg,
-                                        score_mod=score_mod)
+        s, items, kv, _, _, hidden_rows = _scores(plan, grp, c0, c1, q_flat, k_flat, scale, mask, dev, r0, r1,
+                                                  bufs[:3], kg, score_mod=score_mod)
         n = len(items)
         m = s.amax(-1, keepdim=True)  # (n, rows, 1)
         m.masked_fill_(torch.isneginf(m), 0.0)  # a row that sees no key: exp gives zeros, not NaN
@@ -95,6 +95,10 @@ def _forward(plan: SparsePlan, mask: MaskFn, q, k, v, scale, score_mod=None):
         if vg is None:
             vg = torch.index_select(v_flat, 0, kv, out=bufs[3][: n * kr * dv].view(n * grp.k, plan.block_k, dv))
         dead = den == 0  # (n, rows, 1): rows that see no key (a NaN row is not dead: NaN propagates)
+        if hidden_rows is not None:  # rows the mask hides entirely, also when a NaN sits under the mask
+            dead |= hidden_rows
+            p.masked_fill_(hidden_rows, 0.0)
+            m.masked_fill_(hidden_rows, 0.0)
         den.masked_fill_(dead, 1.0)
         o = torch.bmm(p, vg.view(n, kr, dv), out=bufs[4][: n * plan.rows * dv].view(n, plan.rows, dv)).div_(den)
         logl = den.log_().masked_fill_(dead, float("inf"))  # backward: exp(s - m - inf) = 0
