@@ -208,3 +208,57 @@ def test_dropout_is_applied_and_scaled():
         # uniform weights 1/64; dropout keeps ~half of them scaled by 2: rows average to ~1
         assert 0.7 < out.mean().item() < 1.3
         assert out.std().item() > 0.05
+
+
+def _imports(path):
+    import ast
+
+    tree = ast.parse(path.read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            yield from (a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            yield node.module
+
+
+def test_the_mechanism_imports_nothing_above_it_and_has_no_cycle():
+    """attention/ never imports the package root nor costs/models/interpret/cli, and its modules
+    import each other without a cycle (masks never import the block map back)."""
+    from pathlib import Path
+
+    root = Path(headlab.__file__).parent
+    graph = {}
+    for f in sorted((root / "attention").rglob("*.py")):
+        mod = ".".join(("headlab",) + f.relative_to(root).with_suffix("").parts).removesuffix(".__init__")
+        deps = set()
+        for name in _imports(f):
+            assert name != "headlab", f"{mod} imports the package root"
+            assert not name.startswith(("headlab.costs", "headlab.models", "headlab.interpret", "headlab.cli")), \
+                f"{mod} imports {name}, a higher layer"
+            if name.startswith("headlab.attention"):
+                deps.add(name)
+        graph[mod] = deps
+    assert not any(d.startswith("headlab.attention.blocks") for m, ds in graph.items()
+                   if m.startswith("headlab.attention.masks") for d in ds)
+
+    def owner(dep):  # a module or the package that holds it
+        while dep not in graph and "." in dep:
+            dep = dep.rsplit(".", 1)[0]
+        return dep
+
+    state: dict[str, int] = {}
+
+    def visit(m, stack):
+        state[m] = 1
+        for d in graph.get(m, ()):
+            d = owner(d)
+            if d == m or d not in graph or m.startswith(d + "."):
+                continue  # a package's own __init__ re-exporting its rooms is not a cycle
+            assert state.get(d) != 1, "import cycle: " + " -> ".join(stack + [d])
+            if d not in state:
+                visit(d, stack + [d])
+        state[m] = 2
+
+    for m in graph:
+        if m not in state:
+            visit(m, [m])
