@@ -33,6 +33,7 @@ class Case:
     causal: bool = False
     # None | "random" | "dead_rows" | "key_padding" | "fn" | "fn_lower_right" | "window" | "bigbird"
     # | "dilated" | "global" | "documents" | "layout_empty_rows" | "plain_fn" | "additive"
+    # | "random_dead_row" | "dead_chunks" | "fn_dead_batch" | "fn_lower_right_padding"
     mask: str | None = None
     scale: float | None = None  # None: 1/sqrt(head_dim)
     noncontiguous: bool = False
@@ -79,7 +80,19 @@ CASES = [
     Case("causal_1023x1024", batch=1, heads=1, kv_heads=1, q_len=1023, kv_len=1024, head_dim=64, causal=True),
     Case("dense_1023x1024", batch=1, heads=1, kv_heads=1, q_len=1023, kv_len=1024, head_dim=64),
     Case("d111_512x256", batch=1, heads=2, kv_heads=2, q_len=512, kv_len=256, head_dim=111),
+    # the statistics' cases (tests/test_stats.py adds tile sizes and caches to these)
+    Case("plain_37x53", q_len=37, kv_len=53),
+    Case("causal_odd_gqa", batch=1, heads=4, kv_heads=2, q_len=113, kv_len=203, head_dim=32, causal=True),
+    Case("random_dead_row_113x203", q_len=113, kv_len=203, mask="random_dead_row"),
+    Case("key_padding_gqa3", heads=6, kv_heads=2, q_len=37, kv_len=53, mask="key_padding"),
+    Case("dead_chunks_causal", q_len=70, kv_len=70, mask="dead_chunks", causal=True),
+    Case("dead_chunks_gqa", heads=6, kv_heads=3, q_len=70, kv_len=70, mask="dead_chunks", causal=True),
+    Case("fn_dead_batch", q_len=60, kv_len=60, mask="fn_dead_batch"),
+    Case("fn_lower_right_padding", heads=8, kv_heads=2, q_len=20, kv_len=90, mask="fn_lower_right_padding"),
     Case("float64", dtype=torch.float64, q_len=50, kv_len=60, causal=True),
+    Case("float64_random_mqa", dtype=torch.float64, heads=4, kv_heads=1, q_len=113, kv_len=203,
+         mask="random_dead_row"),
+    Case("float64_fn_dead_batch", dtype=torch.float64, q_len=60, kv_len=60, mask="fn_dead_batch"),
     Case("float64_window", dtype=torch.float64, batch=1, heads=2, kv_heads=2, q_len=150, kv_len=150, mask="window"),
     Case("bfloat16", dtype=torch.bfloat16, q_len=64, kv_len=80),
     Case("bfloat16_masked", dtype=torch.bfloat16, q_len=33, kv_len=33, mask="dead_rows"),
@@ -108,6 +121,20 @@ def make_mask(c: Case, g: torch.Generator):
         m[:, :, 3] = False  # query 3 sees nothing in every head
         m[0, min(1, H - 1), 7] = False
         return m
+    if c.mask == "random_dead_row":
+        m = torch.rand(B, 1, Lq, Lk, generator=g) > 0.4
+        m[:, :, 3] = False  # a fully masked row
+        return m
+    if c.mask == "dead_chunks":
+        m = torch.ones(B, 1, Lq, Lk, dtype=torch.bool)
+        m[:, :, 10:30] = False  # whole query chunks that see nothing
+        m[-1, :, 40:, :5] = False  # with causal: rows 40.. see keys 5..i only
+        m[-1, :, 41] = False
+        return m
+    if c.mask == "fn_dead_batch":
+        return masks.causal() & masks.padding([Lk - 9, 0][:B])  # batch 1 sees nothing at all
+    if c.mask == "fn_lower_right_padding":
+        return masks.causal_lower_right() & masks.padding([Lk, Lk - 30][:B])
     if c.mask == "key_padding":
         lengths = torch.tensor([Lk, Lk - 5])[:B]
         return (torch.arange(Lk)[None, :] < lengths[:, None]).view(B, 1, 1, Lk)

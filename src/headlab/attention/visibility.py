@@ -30,7 +30,8 @@ from headlab.attention.blocks import block_map
 from headlab.attention.masks import MaskFn, causal as _causal
 from headlab.attention.states import EMPTY, FULL, PARTIAL
 
-__all__ = ["additive_bias", "causal_tri", "eval_mask", "is_additive", "tensor_states", "tile_states", "visible"]
+__all__ = ["additive_bias", "causal_tri", "eval_mask", "is_additive", "pairs", "tensor_states", "tile_states",
+           "visible"]
 
 Index = tuple[int, int] | torch.Tensor | None  # a range [i0, i1), explicit positions, or everything
 
@@ -70,6 +71,15 @@ def eval_mask(mask: MaskFn, batch: int, heads: int, q_len: int, kv_len: int,
     kv = cols.view(bm, 1, 1, -1) if per_batch else cols.view(1, 1, 1, -1)
     out = mask.evaluate(b, h, q, kv, q_len, kv_len)
     return torch.broadcast_to(out, (bm, hm, q.shape[2], kv.shape[-1]))
+
+
+def pairs(mask: MaskFn, b, h, q_idx, kv_idx, q_len: int, kv_len: int) -> torch.Tensor:
+    """Visibility of explicit ``(b, h, q_idx, kv_idx)`` index tensors (broadcast together), as a
+    gathering kernel asks for it: the mask function, and ``kv_idx < kv_len`` (key positions a
+    padded tile adds past the sequence are hidden). Query positions past ``q_len`` are clamped to
+    the last row (their outputs are discarded)."""
+    m = mask.evaluate(b, h, q_idx.clamp(max=q_len - 1), kv_idx.clamp(max=kv_len - 1), q_len, kv_len)
+    return m & (kv_idx < kv_len)
 
 
 def _tensor_at(t: torch.Tensor, spec, rows: Index, cols: Index) -> torch.Tensor:

@@ -110,7 +110,7 @@ def _chunked_with_distance(fwd, qp, kp, vp, pos, vis, spec, scale, ct):
         vp[..., D] = pos - r0  # positions relative to the chunk: small values, no cancellation
         rows = torch.arange(r0, r1, device=dev)
         tri = (rows[:, None] >= cols[None, :]).view(1, 1, r1 - r0, Lk)  # keys j <= i
-        vis_c = None if vis is None else vis[:, :, r0:r1]
+        vis_c = None if vis is None else (vis[:, :, r0:r1] if vis.shape[2] != 1 else vis)  # (Bm, Hm, n or 1, Lk)
         if spec.causal:
             vis_c = tri if vis_c is None else vis_c & tri
         qc = qp[:, :, r0:r1]

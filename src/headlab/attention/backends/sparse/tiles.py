@@ -7,6 +7,7 @@ import torch
 
 from headlab.attention.backends.sparse.plan import SparsePlan, _Group
 from headlab.attention.masks import MaskFn
+from headlab.attention.visibility import pairs
 
 # Score entries computed at once (per chunk); bounds the working set to a few such buffers.
 CHUNK_ELEMENTS = 1 << 20
@@ -27,16 +28,14 @@ def _hidden(plan: SparsePlan, grp: _Group, mask: MaskFn, device):
         kv = grp.slots[ci, cs][:, None, None] * bk + torch.arange(bk)[None, None, :]  # (P, 1, bk)
         b = grp.need_bh[:, 0].view(-1, 1, 1)
         h = grp.need_bh[:, 1].view(-1, 1, 1)
-        # padded rows / columns are clamped to real positions (their rows are discarded; their
-        # columns are hidden by the range test)
+        # padded rows / columns: the visibility module clamps rows and hides columns past the end
         hidden = torch.zeros(len(grp.qb), bq, grp.k, bk, dtype=torch.bool, device=device)
         step = max(1, CHUNK_ELEMENTS // (bq * bk))  # tiles evaluated at once: bounds the index temporaries
         for t0 in range(0, len(ci), step):
             sl = slice(t0, t0 + step)
-            m = mask.evaluate(b[sl].to(device), h[sl].to(device), q[sl].clamp(max=plan.q_len - 1).to(device),
-                              kv[sl].clamp(max=plan.kv_len - 1).to(device), plan.q_len, plan.kv_len)
-            m = torch.broadcast_to(m, (len(ci[sl]), bq, bk)) & (kv[sl] < plan.kv_len).to(device)
-            hidden[ci[sl].to(device), :, cs[sl].to(device), :] = ~m
+            m = pairs(mask, b[sl].to(device), h[sl].to(device), q[sl].to(device), kv[sl].to(device),
+                      plan.q_len, plan.kv_len)
+            hidden[ci[sl].to(device), :, cs[sl].to(device), :] = ~torch.broadcast_to(m, (len(ci[sl]), bq, bk))
         dead = hidden.view(len(grp.qb), bq, grp.k * bk).all(-1)  # (n0, bq): rows that see no gathered key
         # additive biases (0 or -inf) of the slot columns that hold partial tiles: adding a float
         # tile is several times faster than masked_fill_ with a bool one
