@@ -19,7 +19,7 @@ cost model and the diagnostics read it from here:
             [1, 1, 0],
             [1, 1, 1]], dtype=torch.int32)
     >>> tile_states(spec, m, 2, 2).tolist()
-    [[1, 0], [2, 1]]
+    [[1, 0], [2, 2]]
 """
 
 from __future__ import annotations
