@@ -22,7 +22,7 @@ _sys.modules[__name__ + ".masks"] = masks
 from headlab.attention.core import attention_weights, backends
 from headlab.attention.module import MultiHeadAttention
 
-__version__ = "0.1.0"
+from headlab._version import __version__
 
 __all__ = ["MultiHeadAttention", "attention", "attention_weights", "backends", "costs", "errors", "masks"]
 
