@@ -37,6 +37,9 @@ class MaskFn:
             sizes (a padding mask knows its batch size); checked against the call.
         blocks: optional exact-or-conservative block classifier used instead of evaluating
             every element when compiling a block map (patterns with closed forms provide it).
+        check: optional ``check(q_len, kv_len)`` run when this mask itself is evaluated or
+            compiled (not when it is part of a composition): a pattern that would be silently
+            empty at a length raises there.
     """
 
     def __init__(
@@ -49,6 +52,7 @@ class MaskFn:
         batch_size: int | None = None,
         num_heads: int | None = None,
         blocks: _BlockHint | None = None,
+        check: Callable[[int, int], None] | None = None,
     ) -> None:
         self._fn = fn
         self.name = name
@@ -57,6 +61,7 @@ class MaskFn:
         self.batch_size = batch_size
         self.num_heads = num_heads
         self._blocks = blocks
+        self._check = check
 
     def __repr__(self) -> str:
         return f"MaskFn({self.name})"
@@ -71,6 +76,8 @@ class MaskFn:
         return self.evaluate(b, h, q_idx, kv_idx, q_len, kv_len)
 
     def evaluate(self, b, h, q_idx, kv_idx, q_len: int, kv_len: int) -> torch.Tensor:
+        if self._check is not None:
+            self._check(q_len, kv_len)
         out = self._fn(b, h, q_idx, kv_idx, q_len, kv_len)
         out = torch.as_tensor(out)
         if out.dtype != torch.bool:
@@ -131,6 +138,8 @@ class MaskFn:
     def block_hint(self, q_len: int, kv_len: int, block_q: int, block_k: int, device) -> torch.Tensor | None:
         """Block states ``(Bm, Hm, n_q_blocks, n_kv_blocks)`` from the closed-form classifier, or None
         when there is none (:func:`headlab.attention.blocks.block_map` then evaluates the mask)."""
+        if self._check is not None:
+            self._check(q_len, kv_len)
         if self._blocks is None:
             return None
         return self._blocks(q_len, kv_len, block_q, block_k, device)

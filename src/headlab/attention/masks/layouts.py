@@ -27,9 +27,10 @@ def _index_set(name: str, indices) -> torch.Tensor:
 def global_tokens(indices: Sequence[int] | torch.Tensor) -> MaskFn:
     """Longformer's global tokens: they see every key and every query sees them.
 
-    Use it with ``|``: ``sliding_window(256) | global_tokens([0])``. An index at or beyond the
-    sequence (``max(q_len, kv_len)``) is a :class:`~headlab.errors.MaskError` when the mask is
-    evaluated (an out-of-range index would silently give no global token).
+    Use it with ``|``: ``sliding_window(256) | global_tokens([0])``. Indices at or beyond the
+    sequence (``max(q_len, kv_len)``) are ignored, so one pattern serves several lengths; used on
+    its own with no index inside the sequence it would silently be empty, and evaluating it
+    raises :class:`~headlab.errors.MaskError` instead (inside a composition it adds nothing).
 
         >>> from headlab import masks
         >>> masks.global_tokens([0]).dense(q_len=4)[0, 0].int()
@@ -39,12 +40,13 @@ def global_tokens(indices: Sequence[int] | torch.Tensor) -> MaskFn:
                 [1, 0, 0, 0]], dtype=torch.int32)
     """
     idx = _index_set("global_tokens", indices)
-    top = int(idx.max())
+    low = int(idx.min())
 
     def check(lq, lk):
-        if top >= max(lq, lk):
-            raise MaskError(f"global_tokens index {top} is outside the sequence (q_len={lq}, kv_len={lk}); "
-                            f"indices must be < {max(lq, lk)}")
+        if low >= max(lq, lk):
+            shown = idx.tolist() if idx.numel() <= 8 else idx[:8].tolist() + ["..."]
+            raise MaskError(f"global_tokens {shown}: every index is outside the sequence (q_len={lq}, kv_len={lk}), "
+                            f"so no token would be global; indices must be < {max(lq, lk)}")
 
     def flags(n, device):
         f = torch.zeros(n, dtype=torch.bool, device=device)
@@ -53,13 +55,11 @@ def global_tokens(indices: Sequence[int] | torch.Tensor) -> MaskFn:
         return f
 
     def fn(b, h, q, kv, lq, lk):
-        check(lq, lk)
         n = max(lq, lk, int(q.max()) + 1, int(kv.max()) + 1)
         f = flags(n, q.device)
         return f[q] | f[kv]
 
     def blocks(lq, lk, bq, bk, device):
-        check(lq, lk)
         cq, ck = _prefix(flags(lq, device)), _prefix(flags(lk, device))
         qs, qe = _block_bounds(lq, bq, device)
         ks, ke = _block_bounds(lk, bk, device)
@@ -70,7 +70,7 @@ def global_tokens(indices: Sequence[int] | torch.Tensor) -> MaskFn:
         return state.view(1, 1, *state.shape)
 
     shown = idx.tolist() if idx.numel() <= 8 else idx[:8].tolist() + ["..."]
-    return MaskFn(fn, f"global_tokens({shown})", blocks=blocks)
+    return MaskFn(fn, f"global_tokens({shown})", blocks=blocks, check=check)
 
 
 def _layout_mask(get_layout, bq_: int, bk_: int, name: str, *, heads: int | None = None) -> MaskFn:
