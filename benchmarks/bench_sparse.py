@@ -60,13 +60,14 @@ def measure_memory(backend: str, n: int) -> int:
     code = f"""
 import torch, headlab, torch.nn.functional as F
 from headlab import masks
+from headlab.attention.blocks import block_map
 torch.set_num_threads({torch.get_num_threads()})
 g = torch.Generator().manual_seed(0)
 q, k, v = (torch.randn({B}, {H}, 64, {D}, generator=g) for _ in range(3))
 m = masks.sliding_window({WINDOW})
 F.scaled_dot_product_attention(q, k, v); headlab.attention(q, k, v, mask=m, backend="sparse")  # warm code paths
 q, k, v = (torch.randn({B}, {H}, {n}, {D}, generator=g) for _ in range(3))
-m.block_map({n}, {n}, 128, 128)
+block_map(m, {n}, {n}, 128, 128)
 def status(key):
     for line in open('/proc/self/status'):
         if line.startswith(key):
