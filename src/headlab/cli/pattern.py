@@ -7,7 +7,7 @@ import inspect
 import typer
 from rich.text import Text
 
-from headlab import masks
+from headlab.attention import masks
 from headlab.attention.backends import sparse as _sparse
 from headlab.attention.blocks import block_map
 from headlab.attention.states import EMPTY, FULL
