@@ -202,10 +202,15 @@ def test_stack_of_a_partial_capture_is_a_site_error():
 
 def _gemma2():  # soft-capped scores, a sliding window on alternate layers, GQA, query_pre_attn_scalar scaling
     torch.manual_seed(0)
-    return transformers.Gemma2ForCausalLM(transformers.Gemma2Config(
+    m = transformers.Gemma2ForCausalLM(transformers.Gemma2Config(
         vocab_size=V, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-        intermediate_size=64, max_position_embeddings=64, sliding_window=4, attn_logit_softcapping=5.0,
+        intermediate_size=64, max_position_embeddings=64, sliding_window=4, attn_logit_softcapping=2.0,
         final_logit_softcapping=None, query_pre_attn_scalar=16, attn_implementation="eager")).eval()
+    with torch.no_grad():  # scores of a few units, so that the cap at 2 bends them
+        for layer in m.model.layers:
+            layer.self_attn.q_proj.weight.mul_(8)
+            layer.self_attn.k_proj.weight.mul_(8)
+    return m
 
 
 @pytest.mark.parametrize("backend", ["reference", "tiled", "auto"])
