@@ -72,3 +72,7 @@ class UnsupportedArchitectureError(ModelError):
 
 class InputError(HeadlabError, ValueError):
     """Bad user input to a job: empty text, text too long, an output folder in the way."""
+
+
+class TreebankError(InputError):
+    """A treebank file that cannot be read as CoNLL-U (says which line and why), or holds no sentence."""
