@@ -60,15 +60,16 @@ def js_sums(att: torch.Tensor, *, chunk: int = 16) -> torch.Tensor:
     """``(K, K)``: the sum over query rows of ``JS(att[i, row], att[j, row])`` for one sentence.
 
     Args:
-        att: ``(K, t, t)`` one sentence's attention over its real tokens only (no padding).
+        att: ``(K, r, t)`` r query rows of one sentence's attention over its t real tokens (no padding).
     """
     K = att.shape[0]
-    P = att.double().reshape(K, -1)  # rows concatenated: JS is a sum over rows of per-row terms
+    P = att.float().reshape(K, -1)  # rows concatenated: JS is a sum over rows of per-row terms
     h = -torch.special.xlogy(P, P).sum(-1)  # (K,) sum over rows of each row's entropy
     out = torch.empty(K, K, dtype=torch.float64)
     for i in range(0, K, chunk):
-        M = (P[i:i + chunk, None, :] + P[None, :, :]) / 2  # (c, K, t*t)
-        out[i:i + chunk] = -torch.special.xlogy(M, M).sum(-1) - (h[i:i + chunk, None] + h[None, :]) / 2
+        M = (P[i:i + chunk, None, :] + P[None, :, :]) * 0.5  # (c, K, t*t)
+        hm = -torch.special.xlogy(M, M).sum(-1)
+        out[i:i + chunk] = (hm - (h[i:i + chunk, None] + h[None, :]) * 0.5).double()
     return out.clamp_(min=0.0)
 
 
