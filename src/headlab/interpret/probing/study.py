@@ -156,31 +156,44 @@ def _gradient_test(chosen, sentences, causal: bool, budget: int, backend, say) -
     kind = _loss_kind(chosen.model)
     L, H = chosen.adapter.n_layers, chosen.adapter.n_heads
     items, _ = al.align_sentences(chosen.tokenizer, sentences, max_positions=chosen.max_positions)
-    pad = chosen.tokenizer.pad_token_id if chosen.tokenizer.pad_token_id is not None else 0
     sums = [torch.zeros(L * H, dtype=torch.float64) for _ in range(2)]
     counts = [0.0, 0.0]
     batches = _batches(items, L * H * 4, budget)  # autograd keeps activations: smaller batches
     done = 0
-    for group in batches:
-        b = al.make_batch(group, {}, pad)
-        cache = capture(chosen, {"input_ids": b.input_ids, "attention_mask": b.attention_mask},
-                        "blocks.*.attn.pattern", grads=True, scalar=_loss_fn(kind, b.input_ids, b.attention_mask),
-                        backend=backend)
-        g = torch.stack([cache.grads[f"blocks.{i}.attn.pattern"] for i in range(L)])  # (L, B, H, T, T)
-        g = g.permute(1, 0, 2, 3, 4).reshape(len(group), L * H, *g.shape[-2:])
-        valid = b.attention_mask.bool()
-        sink = b.sep.clone() if not causal else torch.zeros_like(valid)
-        if causal or not sink.any():
-            sink[:, 0] = True
-        s_sink, n_sink, s_other, n_other = grad_sums(g, valid, sink, causal=causal)
-        sums[0] += s_sink
-        sums[1] += s_other
-        counts[0] += n_sink
-        counts[1] += n_other
-        done += len(group)
-        say("gradients", done, len(items))
+    params = [p for p in chosen.model.parameters() if p.requires_grad]
+    for p in params:  # only d loss / d attention is wanted: no weight gradients (half the backward)
+        p.requires_grad_(False)
+    try:
+        for group in batches:
+            done = _gradient_batch(chosen, group, kind, causal, backend, sums, counts, done)
+            say("gradients", done, len(items))
+    finally:
+        for p in params:
+            p.requires_grad_(True)
     return {"grad_sep": (sums[0] / max(counts[0], 1)).reshape(L, H).numpy(),
             "grad_other": (sums[1] / max(counts[1], 1)).reshape(L, H).numpy()}
+
+
+def _gradient_batch(chosen, group, kind, causal, backend, sums, counts, done) -> int:
+    """One batch of the gradient test: add its |d loss / d attention| sums into ``sums``, ``counts``."""
+    L = chosen.adapter.n_layers
+    pad = chosen.tokenizer.pad_token_id if chosen.tokenizer.pad_token_id is not None else 0
+    b = al.make_batch(group, {}, pad)
+    cache = capture(chosen, {"input_ids": b.input_ids, "attention_mask": b.attention_mask},
+                    "blocks.*.attn.pattern", grads=True, scalar=_loss_fn(kind, b.input_ids, b.attention_mask),
+                    backend=backend)
+    g = torch.stack([cache.grads[f"blocks.{i}.attn.pattern"] for i in range(L)])  # (L, B, H, T, T)
+    g = g.permute(1, 0, 2, 3, 4).reshape(len(group), -1, *g.shape[-2:])  # (B, K, T, T)
+    valid = b.attention_mask.bool()
+    sink = b.sep.clone() if not causal else torch.zeros_like(valid)
+    if causal or not sink.any():  # decoders (and encoders without [SEP]): the first token is the sink
+        sink[:, 0] = True
+    s_sink, n_sink, s_other, n_other = grad_sums(g, valid, sink, causal=causal)
+    sums[0] += s_sink
+    sums[1] += s_other
+    counts[0] += n_sink
+    counts[1] += n_other
+    return done + len(group)
 
 
 def probe(
@@ -275,7 +288,9 @@ def probe(
                 for k, a in enumerate(group):
                     if id(a) in map_ids:
                         t = a.n_tokens
-                        rows = np.unique(np.linspace(0, t - 1, min(t, rows_each)).round().astype(int))
+                        # evenly spaced from the last row back (a decoder's first row is all on token 0)
+                        rows = np.unique(np.linspace(t - 1, 0, min(t, rows_each) + 1)[:min(t, rows_each)].round()
+                                         .astype(int))
                         js += js_sums(att[k, :, rows, :t])
                         js_rows += len(rows)
                         in_map += 1
