@@ -3,7 +3,8 @@
 Every tokenizer family reports, for each token, the characters of the text it covers: WordPiece
 (``##`` continuations), byte-level BPE with a leading-space marker (GPT-2, Llama 3, SmolLM2: ``Ġcat``
 covers `` cat``) and SentencePiece (``▁cat``). Spans are trimmed of white space, and a token belongs
-to every word whose characters it overlaps, so the marker never matters. Special tokens ([CLS],
+to every word whose characters it overlaps, so the marker never matters; a token that is a marker
+alone (``▁``, ``Ġ``) belongs to no word. Special tokens ([CLS],
 [SEP], BOS, EOS: the tokenizer's ``special_tokens_mask``) belong to no word and are kept aside.
 
 Word-level attention, as Clark et al. (2019, section 4.1) merge split words: attention *to* a word
@@ -93,6 +94,18 @@ def token_word_matrix(text: str, offsets: Sequence[tuple[int, int]], special: Se
     return (words[:, None, 0] < tok[None, :, 1]) & (tok[None, :, 0] < words[:, None, 1]) & nonempty[None, :]
 
 
+_MARKERS = "\u2581\u0120 \t\n"  # SentencePiece's ▁, byte-level BPE's Ġ, white space
+
+
+def _blank(tokenizer, token_id: int, cache: dict[int, bool]) -> bool:
+    """A token that is only a space marker (``▁`` or ``Ġ`` alone) covers no word's characters, whatever
+    its offsets say (a SentencePiece tokenizer maps a prepended ``▁`` onto the first character)."""
+    if token_id not in cache:
+        piece = tokenizer.convert_ids_to_tokens(token_id)
+        cache[token_id] = isinstance(piece, str) and piece != "" and not piece.strip(_MARKERS)
+    return cache[token_id]
+
+
 def align_sentences(tokenizer, sentences: Sequence[Sentence], *, max_positions: int | None = None):
     """Tokenise and align every sentence; returns ``(aligned, skipped)`` with ``skipped`` a list of
     ``(sent_id, reason)`` (too long for the model, a word that gets no token)."""
@@ -102,13 +115,15 @@ def align_sentences(tokenizer, sentences: Sequence[Sentence], *, max_positions: 
     sep_ids = {i for i in (getattr(tokenizer, "sep_token_id", None), getattr(tokenizer, "eos_token_id", None))
                if i is not None}
     aligned, skipped = [], []
+    blank_ids: dict[int, bool] = {}
     for k, s in enumerate(sentences):
         ids = np.asarray(enc["input_ids"][k], dtype=np.int64)
         if max_positions is not None and len(ids) > max_positions:
             skipped.append((s.sent_id, f"{len(ids)} tokens, more than the model's {max_positions} positions"))
             continue
         special = np.asarray(enc["special_tokens_mask"][k], dtype=bool)
-        a_to = token_word_matrix(s.text, enc["offset_mapping"][k], special, s.spans)
+        blank = np.asarray([_blank(tokenizer, int(i), blank_ids) for i in ids], dtype=bool)
+        a_to = token_word_matrix(s.text, enc["offset_mapping"][k], special | blank, s.spans)
         empty = np.flatnonzero(~a_to.any(1))
         if len(empty):
             w = int(empty[0])

@@ -213,8 +213,10 @@ class ProbeResult:
 
     @property
     def per_layer(self) -> list[LayerMeasures]:
-        m = {k: np.nanmean(v, axis=1) if not np.isnan(v).all() else np.full(self.n_layers, np.nan)
-             for k, v in self.per_head.items()}
+        m = {}
+        for k in MEASURES:
+            v = np.asarray(self.per_head.get(k, np.full((self.n_layers, self.n_heads), np.nan)), dtype=float)
+            m[k] = np.full(self.n_layers, np.nan) if np.isnan(v).all() else np.nanmean(v, axis=1)
         return [LayerMeasures(i, *(_f(m[k][i]) for k in MEASURES)) for i in range(self.n_layers)]
 
     # ---- export -----------------------------------------------------------------------------------

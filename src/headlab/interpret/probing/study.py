@@ -240,14 +240,14 @@ def probe(
 
     t0 = time.perf_counter()
     say = progress or (lambda stage, done, total: None)
-    if not isinstance(loaded, LoadedModel):
-        loaded = load(loaded)
-    al.check_fast(loaded.tokenizer, loaded.name)
     for name, v in (("head_map_sentences", head_map_sentences), ("grad_sentences", grad_sentences)):
         if v < 0:
             raise InputError(f"{name} must be 0 or more, got {v}")
-    tb = read_treebank(treebank_path, fold_subtypes=fold_subtypes, limit=limit)
+    tb = read_treebank(treebank_path, fold_subtypes=fold_subtypes, limit=limit)  # bad input first, then the model
     names = choose_relations(tb, relations)
+    if not isinstance(loaded, LoadedModel):
+        loaded = load(loaded)
+    al.check_fast(loaded.tokenizer, loaded.name)
     rel_index = {r: i for i, r in enumerate(names)}
     chosen, grad_note = (resolve_loss_model(loaded, loss_model) if grad_sentences else
                          (None, "gradient test not run (grad_sentences=0)"))

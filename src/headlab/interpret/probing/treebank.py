@@ -131,6 +131,7 @@ def _blocks(path: str):
     except IsADirectoryError:
         raise TreebankError(f"{path!r} is a folder; give a CoNLL-U file (.conllu)") from None
     block: list[tuple[int, str]] = []
+    lineno = 0
     with fh:
         try:
             for lineno, raw in enumerate(fh, 1):
