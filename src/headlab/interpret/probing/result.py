@@ -46,6 +46,7 @@ class RelationRow:
     count: int  # cases of this relation and direction
     baseline_offset: int
     baseline_accuracy: float
+    visible: float  # share of the cases a causal model can see (1.0 for an encoder)
 
 
 @dataclass(frozen=True)
@@ -149,10 +150,11 @@ class ProbeResult:
         for r, name in enumerate(self.relation_names):
             for d, direction in enumerate(DIRECTIONS):
                 off, base, cnt = int(self.baseline_offset[d, r]), float(self.baseline_accuracy[d, r]), int(self.count[d, r])
+                vis = self._visible(d, r) if self.causal else 1.0
                 for layer in range(self.n_layers):
                     for h in range(self.n_heads):
                         rows.append(RelationRow(name, direction, layer, h, float(self.accuracy[d, layer, h, r]),
-                                                cnt, off, base))
+                                                cnt, off, base, vis))
         return rows
 
     @property
