@@ -460,3 +460,9 @@ def test_cli_errors_exit_2(tmp_path, capsys, content, args, match):
 def test_cli_missing_file_exit_2(tmp_path, capsys):
     code, _, err = run_cli(["probe", "--treebank", tmp_path / "none.conllu"], capsys)
     assert code == 2 and "no such treebank file" in err
+
+
+def test_sentences_longer_than_the_positions_are_skipped_and_counted(treebank):
+    aligned, skipped = al.align_sentences(wordpiece(), read_treebank(treebank).sentences, max_positions=10)
+    assert [a.sentence.sent_id for a in aligned] == ["s2"]
+    assert skipped == [("s1", "16 tokens, more than the model's 10 positions")]

@@ -31,7 +31,7 @@ BATCH_BYTES = 192 << 20  # the captured maps of one batch (float32, every layer 
 MAX_BATCH = 256
 HEAD_MAP_SENTENCES = 100
 HEAD_MAP_BUDGET = 100_000_000  # K^2 * t * rows elements over the head-map sentences (the JS cost)
-GRAD_SENTENCES = 100
+GRAD_SENTENCES = 50
 _DECODERS = ("gpt2", "llama")
 
 
