@@ -466,3 +466,41 @@ def test_sentences_longer_than_the_positions_are_skipped_and_counted(treebank):
     aligned, skipped = al.align_sentences(wordpiece(), read_treebank(treebank).sentences, max_positions=10)
     assert [a.sentence.sent_id for a in aligned] == ["s2"]
     assert skipped == [("s1", "16 tokens, more than the model's 10 positions")]
+
+
+def test_gradient_test_equals_autograd_through_hf_attentions(treebank):
+    """|d loss / d attention| on the first token (the decoder's sink) against the rest, per head, equals
+    autograd through Hugging Face's own eager attention weights, sentence by sentence."""
+    loaded = tiny_llama()
+    r = probe(loaded, treebank, head_map_sentences=0, grad_sentences=2)
+    aligned, _ = al.align_sentences(loaded.tokenizer, read_treebank(treebank).sentences)
+    L, H = loaded.adapter.n_layers, loaded.adapter.n_heads
+    sums, counts = np.zeros((2, L * H)), np.zeros(2)
+    for a in aligned:
+        ids = torch.from_numpy(a.ids)[None]
+        out = loaded.model(input_ids=ids, output_attentions=True)
+        loss = torch.nn.functional.cross_entropy(out.logits[0, :-1], ids[0, 1:])
+        grads = torch.autograd.grad(loss, out.attentions)
+        g = torch.cat(grads, 1)[0].abs().double().numpy()  # (L*H, T, T)
+        T = g.shape[-1]
+        causal = np.tril(np.ones((T, T), dtype=bool))
+        sink = causal.copy()
+        sink[:, 1:] = False
+        other = causal & ~sink
+        sums[0] += g[:, sink].sum(-1)
+        sums[1] += g[:, other].sum(-1)
+        counts += (sink.sum(), other.sum())
+    np.testing.assert_allclose(r.per_head["grad_sep"].ravel(), sums[0] / counts[0], rtol=1e-4)
+    np.testing.assert_allclose(r.per_head["grad_other"].ravel(), sums[1] / counts[1], rtol=1e-4)
+
+
+def test_classifier_loss_model_for_a_bare_encoder(treebank):
+    loaded = tiny_bert()
+    torch.manual_seed(1)
+    clf = transformers.BertForSequenceClassification(loaded.model.config)
+    clf_loaded = _loaded(clf, loaded.tokenizer, "bert")
+    r = probe(loaded, treebank, head_map_sentences=0, grad_sentences=2, loss_model=clf_loaded)
+    assert "own predicted label" in r.grad_note
+    assert np.isfinite(r.per_head["grad_sep"]).all() and (r.per_head["grad_other"] > 0).all()
+    with pytest.raises(ModelError, match="no LM or classification head"):
+        probe(loaded, treebank, grad_sentences=2, loss_model=loaded)
