@@ -2,6 +2,7 @@
 
     nice -n 5 .venv/bin/python benchmarks/bench_probe_ewt.py                      # minilm and smollm2, 2,001 sentences
     nice -n 5 .venv/bin/python benchmarks/bench_probe_ewt.py --models minilm --limit 200 --out /tmp/probe
+    nice -n 5 .venv/bin/python benchmarks/bench_probe_ewt.py --models minilm --keep smollm2 --out /tmp/probe
 
 For each relation: the best head of each model with its accuracy and the best fixed-offset baseline,
 beside Clark et al.'s BERT-base figures (2019, "What Does BERT Look At? An Analysis of BERT's
@@ -16,13 +17,14 @@ Writes benchmarks/results/probe_ewt.json.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import write_json  # noqa: E402
+from _common import RESULTS, write_json  # noqa: E402
 
 import headlab  # noqa: E402
 from headlab.interpret.probing.render import CLARK_TABLE1, prepare_out_dir, write_outputs  # noqa: E402
@@ -96,6 +98,8 @@ def main() -> None:
     ap.add_argument("--models", default="minilm,smollm2")
     ap.add_argument("--limit", type=int, default=None, help="sentences (default: all 2,001)")
     ap.add_argument("--out", type=Path, default=None, help="also write each model's CSV/JSON/PNGs/HTML here")
+    ap.add_argument("--keep", default="", help="models not rerun: keep their entries from the existing "
+                    "probe_ewt.json and their results from --out/NAME/relations.json (e.g. --keep smollm2)")
     args = ap.parse_args()
     if not DEV.is_file():
         sys.exit(f"needs the EWT dev set at {DEV}")
@@ -107,6 +111,15 @@ def main() -> None:
         print(f"{name}: {e['sentences']} sentences ({e['tokens']} tokens, {e['skipped']} skipped) in "
               f"{e['probe_wall_s']:.0f} s wall, {e['probe_cpu_s']:.0f} s CPU (load {e['load_s']:.0f} s; "
               f"1-min load average {e['load_avg_1min_after']:.1f}); under 5 min: {e['under_5_min']}", flush=True)
+    kept = {}
+    for name in [m.strip() for m in args.keep.split(",") if m.strip()]:
+        if args.out is None:
+            sys.exit("--keep needs --out (where the kept model's relations.json is)")
+        from headlab.interpret.probing.result import ProbeResult
+
+        results[name] = ProbeResult.load(args.out / name / "relations.json")
+        kept[name] = json.loads((RESULTS / "probe_ewt.json").read_text())["models"][name]
+    entries.update(kept)
     print()
     print("\n".join(table(results)))
     print("\nClark et al. 2019, Table 1 (BERT-base, PTB/SD): best head, its accuracy vs the best offset baseline (%).")
