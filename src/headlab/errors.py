@@ -83,3 +83,7 @@ class InputError(HeadlabError, ValueError):
 
 class TreebankError(InputError):
     """A treebank file that cannot be read as CoNLL-U (says which line and why), or holds no sentence."""
+
+
+class DistributedError(HeadlabError, RuntimeError):
+    """Ranks that disagree (shapes, dtypes, options) or a peer that failed or timed out."""
