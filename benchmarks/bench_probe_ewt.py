@@ -67,6 +67,7 @@ def run(name: str, limit: int | None, out: Path | None) -> tuple[dict, object]:
         "best_heads": [{**b.__dict__, "margin": round(b.margin, 4)} for b in r.best_heads],
         "per_layer": [x.__dict__ for x in r.per_layer],
         "heads_beating_baseline": len(r.heads_beating_baseline()),
+        "heads_beating_baseline_by_10_points_on_100_cases": len(r.heads_beating_baseline(min_margin=0.1, min_count=100)),
     }
     return entry, r
 

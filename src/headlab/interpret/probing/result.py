@@ -197,16 +197,22 @@ class ProbeResult:
             return DIRECTIONS[int(np.argmax([self._visible(d, r) for d in range(2)]))]
         return DIRECTIONS[int(np.argmax(self.accuracy[:, :, :, r].reshape(2, -1).max(1)))]
 
-    def heads_beating_baseline(self) -> dict[tuple[int, int], list[BestHead]]:
-        """Heads more accurate than the baseline on at least one relation with ``min_count`` cases:
-        ``{(layer, head): [one BestHead-shaped record per relation and direction it beats]}``."""
+    def heads_beating_baseline(self, *, min_margin: float = 0.0,
+                               min_count: int | None = None) -> dict[tuple[int, int], list[BestHead]]:
+        """Heads more accurate than the baseline (by more than ``min_margin``) on at least one relation
+        with ``min_count`` cases (default :attr:`min_count`):
+        ``{(layer, head): [one BestHead-shaped record per relation and direction it beats]}``.
+
+        With many rare relations whose baselines are weak, almost every head beats some baseline by a
+        little; ``min_margin=0.1, min_count=100`` asks for clear wins on common relations."""
         out: dict[tuple[int, int], list[BestHead]] = {}
+        need = self.min_count if min_count is None else min_count
         for r, name in enumerate(self.relation_names):
             for d, direction in enumerate(DIRECTIONS):
-                if self.count[d, r] < self.min_count:
+                if self.count[d, r] < need:
                     continue
                 base = self.baseline_accuracy[d, r]
-                for layer, h in zip(*np.nonzero(self.accuracy[d, :, :, r] > base)):
+                for layer, h in zip(*np.nonzero(self.accuracy[d, :, :, r] > base + min_margin)):
                     out.setdefault((int(layer), int(h)), []).append(BestHead(
                         name, direction, int(layer), int(h), float(self.accuracy[d, layer, h, r]),
                         int(self.baseline_offset[d, r]), float(base), int(self.count[d, r]),
