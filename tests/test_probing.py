@@ -414,6 +414,7 @@ def test_head_annotations_from_result_and_file(tmp_path):
     r = ProbeResult("m", "bert", False, "t", 1, 2, 5, 20, ["det"], acc, np.full((2, 1), 50.0), np.zeros((2, 1)),
                     np.full((2, 1), 0.41), np.ones((2, 1), dtype=int), {})
     assert head_annotations(r) == {(0, 1): "det head: 78% vs offset baseline 41%"}
+    assert head_annotations(r, min_margin=0.4) == {}
     assert list(r.heads_beating_baseline()) == [(0, 1)]
     assert r.heads_beating_baseline(min_margin=0.4) == {} and r.heads_beating_baseline(min_count=51) == {}
     path = r.save_json(tmp_path / "relations.json")

@@ -315,15 +315,17 @@ class ProbeResult:
         return path
 
 
-def head_annotations(result_or_path: ProbeResult | str | os.PathLike) -> dict[tuple[int, int], str]:
+def head_annotations(result_or_path: ProbeResult | str | os.PathLike, *,
+                     min_margin: float = 0.01) -> dict[tuple[int, int], str]:
     """Labels for ``headlab analyze --probe``: ``{(layer, head): "det head: 78% vs offset baseline 41%"}``
-    for the best head of each relation (``min_count`` cases or more) that beats its baseline; a head
-    that is best at several joins them with ``"; "``. A ``head->dep`` finding says so in brackets.
+    for the best head of each relation (``min_count`` cases or more) that beats its baseline by more
+    than ``min_margin`` (default one point, so that no label reads "51% vs 51%"); a head that is best
+    at several joins them with ``"; "``. A ``head->dep`` finding says so in brackets.
     """
     r = result_or_path if isinstance(result_or_path, ProbeResult) else ProbeResult.load(result_or_path)
     out: dict[tuple[int, int], list[str]] = {}
     for b in r.best_heads:
-        if b.count < r.min_count or b.margin <= 0:
+        if b.count < r.min_count or b.margin <= min_margin:
             continue
         tag = "" if b.direction == "dep->head" else " (head->dep)"
         out.setdefault((b.layer, b.head), []).append(
