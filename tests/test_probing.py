@@ -495,6 +495,7 @@ def test_gradient_test_equals_autograd_through_hf_attentions(treebank):
         counts += (sink.sum(), other.sum())
     np.testing.assert_allclose(r.per_head["grad_sep"].ravel(), sums[0] / counts[0], rtol=1e-4)
     np.testing.assert_allclose(r.per_head["grad_other"].ravel(), sums[1] / counts[1], rtol=1e-4)
+    np.testing.assert_allclose(r.per_head["grad_first"], r.per_head["grad_sep"], rtol=1e-6)  # decoder: the same sink
 
 
 def test_classifier_loss_model_for_a_bare_encoder(treebank):
@@ -505,5 +506,6 @@ def test_classifier_loss_model_for_a_bare_encoder(treebank):
     r = probe(loaded, treebank, head_map_sentences=0, grad_sentences=2, loss_model=clf_loaded)
     assert "own predicted label" in r.grad_note
     assert np.isfinite(r.per_head["grad_sep"]).all() and (r.per_head["grad_other"] > 0).all()
+    assert (r.per_head["grad_first"] > 0).all()
     with pytest.raises(ModelError, match="no LM or classification head"):
         probe(loaded, treebank, grad_sentences=2, loss_model=loaded)

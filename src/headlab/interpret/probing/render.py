@@ -162,14 +162,16 @@ def render_html(r: ProbeResult, heatmap: Path, head_map: Path) -> str:
             f'{vis_head}<th class="text">Clark et al. BERT-base (Table 1)</th></tr></thead><tbody>'
             + "".join(rows) + "</tbody></table>")
     first = "first token" if r.causal else "[CLS]"
-    heads_ = ["layer", first, "[SEP]", "punct", "next", "prev", "self", "entropy", "|grad| [SEP]", "|grad| other"]
+    heads_ = ["layer", first, "[SEP]", "punct", "next", "prev", "self", "entropy", "|grad| [SEP]", "|grad| other",
+              f"|grad| {first}"]
     if r.causal:
         heads_[8] = "|grad| first"
     layer_rows = "".join(
         "<tr>" + "".join(f"<td>{v}</td>" for v in (
             x.layer, _pct(x.to_first), _pct(x.to_sep), _pct(x.to_punct), _pct(x.to_next), _pct(x.to_prev),
             _pct(x.to_self), f"{x.entropy:.2f}", "" if x.grad_sep is None else f"{x.grad_sep:.2e}",
-            "" if x.grad_other is None else f"{x.grad_other:.2e}")) + "</tr>" for x in r.per_layer)
+            "" if x.grad_other is None else f"{x.grad_other:.2e}",
+            "" if x.grad_first is None else f"{x.grad_first:.2e}")) + "</tr>" for x in r.per_layer)
     layers = ('<table class="stats"><thead><tr>' + "".join(f"<th>{e(h)}</th>" for h in heads_) +
               f"</tr></thead><tbody>{layer_rows}</tbody></table>")
     skipped = "".join(f"<li>{e(s.sent_id)}: {e(s.reason)}</li>" for s in r.skipped[:200])

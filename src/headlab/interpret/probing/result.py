@@ -31,6 +31,7 @@ MEASURES = {
     "entropy": "mean entropy of a token's attention distribution, in nats",
     "grad_sep": "mean |d loss / d attention| on attention to [SEP] (decoders: to the first token)",
     "grad_other": "mean |d loss / d attention| on attention to every other token",
+    "grad_first": "mean |d loss / d attention| on attention to the first token ([CLS]; decoders: = grad_sep)",
 }
 
 
@@ -94,6 +95,7 @@ class LayerMeasures:
     entropy: float
     grad_sep: float | None
     grad_other: float | None
+    grad_first: float | None
 
 
 def _f(x) -> float | None:

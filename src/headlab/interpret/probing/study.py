@@ -156,8 +156,8 @@ def _gradient_test(chosen, sentences, causal: bool, budget: int, backend, say) -
     kind = _loss_kind(chosen.model)
     L, H = chosen.adapter.n_layers, chosen.adapter.n_heads
     items, _ = al.align_sentences(chosen.tokenizer, sentences, max_positions=chosen.max_positions)
-    sums = [torch.zeros(L * H, dtype=torch.float64) for _ in range(2)]
-    counts = [0.0, 0.0]
+    sums = [torch.zeros(L * H, dtype=torch.float64) for _ in range(3)]
+    counts = [0.0, 0.0, 0.0]
     batches = _batches(items, L * H * 4, budget)  # autograd keeps activations: smaller batches
     done = 0
     params = [p for p in chosen.model.parameters() if p.requires_grad]
@@ -171,7 +171,8 @@ def _gradient_test(chosen, sentences, causal: bool, budget: int, backend, say) -
         for p in params:
             p.requires_grad_(True)
     return {"grad_sep": (sums[0] / max(counts[0], 1)).reshape(L, H).numpy(),
-            "grad_other": (sums[1] / max(counts[1], 1)).reshape(L, H).numpy()}
+            "grad_other": (sums[1] / max(counts[1], 1)).reshape(L, H).numpy(),
+            "grad_first": (sums[2] / max(counts[2], 1)).reshape(L, H).numpy()}
 
 
 def _gradient_batch(chosen, group, kind, causal, backend, sums, counts, done) -> int:
@@ -193,6 +194,11 @@ def _gradient_batch(chosen, group, kind, causal, backend, sums, counts, done) ->
     sums[1] += s_other
     counts[0] += n_sink
     counts[1] += n_other
+    first = torch.zeros_like(valid)
+    first[:, 0] = True  # [CLS] (an encoder's other sink) or a decoder's first token
+    s_first, n_first, _, _ = grad_sums(g, valid, first, causal=causal)
+    sums[2] += s_first
+    counts[2] += n_first
     return done + len(group)
 
 
