@@ -96,6 +96,21 @@ def test_ring_equals_single_process(world_results, case):
         _rule(f"{case} {name}", g, r64, rp, 3)
 
 
+@pytest.mark.parametrize("case", ["full-contiguous-gqa", "causal-zigzag-bf16"])
+def test_bytes_sent_equal_the_cost_model(world_results, case):
+    from headlab.costs import AttentionShape
+    from headlab.costs.ring import ring_cost
+
+    world, results = world_results
+    (q, k, v, _do), kw = ring_worker.full_inputs(case, world)
+    shape = AttentionShape(batch=q.shape[0], heads=q.shape[1], kv_heads=k.shape[1], q_len=q.shape[2],
+                           head_dim=q.shape[3], dtype=q.dtype, causal=kw["causal"])
+    pred = ring_cost(shape, ranks=world)
+    for r in results:
+        assert r[case]["sent_forward"] == pred.sent_forward_bytes
+        assert r[case]["sent_backward"] == pred.sent_backward_bytes
+
+
 @pytest.mark.parametrize("case", ["causal-zigzag-gqa", "window-causal-zigzag", "documents-zigzag",
                                   "full-contiguous-gqa"])
 def test_ring_statistics_equal_single_process(world_results, case):

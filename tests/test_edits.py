@@ -176,7 +176,7 @@ def test_registry_derives_types_messages_and_positions():
     from headlab.models.hf import FAMILIES, max_positions, supported_model_types, unsupported_message
 
     assert [f.family for f in FAMILIES] == ["bert", "gpt2", "llama"]
-    assert set(supported_model_types()) == {"bert", "roberta", "gpt2", "llama", "mistral", "qwen2"}
+    assert set(supported_model_types()) == {"bert", "roberta", "gpt2", "llama", "mistral", "qwen2", "gemma2"}
     msg = unsupported_message("t5")
     assert "'t5'" in msg and all(t in msg for t in supported_model_types())
     cfg = transformers.RobertaConfig(max_position_embeddings=66, pad_token_id=1)
@@ -198,3 +198,38 @@ def test_stack_of_a_partial_capture_is_a_site_error():
     cache = headlab.capture(m, ids, "blocks.0.attn.z")
     with pytest.raises(SiteError, match="1 of 2 layers"):
         cache.stack("z")
+
+
+def _gemma2():  # soft-capped scores, a sliding window on alternate layers, GQA, query_pre_attn_scalar scaling
+    torch.manual_seed(0)
+    return transformers.Gemma2ForCausalLM(transformers.Gemma2Config(
+        vocab_size=V, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+        intermediate_size=64, max_position_embeddings=64, sliding_window=4, attn_logit_softcapping=5.0,
+        final_logit_softcapping=None, query_pre_attn_scalar=16, attn_implementation="eager")).eval()
+
+
+@pytest.mark.parametrize("backend", ["reference", "tiled", "auto"])
+def test_gemma2_soft_capping_runs_on_headlab_backends_and_equals_eager(backend):
+    m, ids = _gemma2(), _ids()
+    with torch.no_grad():
+        eager = m(ids, output_attentions=True)
+        a = adapt(m)
+        assert a.family == "llama" and a.n_kv_heads == 2
+        with a.use_backend(backend):
+            got = m(ids).logits
+    torch.testing.assert_close(got, eager.logits, atol=1e-5, rtol=1e-5)
+    cache = headlab.capture(m, ids, "blocks.*.attn.pattern")
+    for layer in range(2):  # the captured maps are the soft-capped (and, in layer 0, windowed) ones
+        torch.testing.assert_close(cache[f"blocks.{layer}.attn.pattern"], eager.attentions[layer], atol=1e-6, rtol=1e-5)
+    for layer in m.model.layers:  # without the cap the outputs differ: the cap is really applied
+        layer.self_attn.attn_logit_softcapping = None
+    with torch.no_grad(), a.use_backend(backend):
+        uncapped = m(ids).logits
+    assert (uncapped - eager.logits).abs().max() > 1e-3
+
+
+def test_statistics_of_a_soft_capped_model_are_refused_with_a_reason():
+    from headlab.errors import BackendUnsupportedError
+
+    with pytest.raises(BackendUnsupportedError, match="soft-capping"):
+        headlab.capture(_gemma2(), _ids(), "blocks.0.attn.stats")

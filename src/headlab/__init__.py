@@ -10,11 +10,15 @@ that show what each head does.
     34359738368
 """
 
+import sys as _sys
 from importlib import import_module as _import_module
 
 from headlab import errors
 from headlab.attention import masks
 from headlab import attention  # a callable package: headlab.attention(q, k, v, ...)
+
+# one module object: `import headlab.masks` finds this entry, so headlab.masks is headlab.attention.masks
+_sys.modules[__name__ + ".masks"] = masks
 from headlab.attention.core import attention_weights, backends
 from headlab.attention.module import MultiHeadAttention
 

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from headlab import masks
-from headlab.distributed import ring_attention, ring_attention_stats, shard
+from headlab.distributed import comm, ring_attention, ring_attention_stats, shard
 from headlab.errors import DistributedError
 
 # name -> (dtype, B, H, Hkv, chunk per 2W, d, causal, layout, mask spec)
@@ -82,10 +82,14 @@ def main() -> None:
             (q, k, v, do), kw = full_inputs(name, world)
             parts = [shard(t, rank=rank, world_size=world, layout=kw["layout"]) for t in (q, k, v, do)]
             qs, ks, vs, dos = (p.requires_grad_(True) if i < 3 else p for i, p in enumerate(parts))
+            sent0 = comm.bytes_sent()
             out = ring_attention(qs, ks, vs, **kw)
+            sent1 = comm.bytes_sent()
             dq, dk, dv = torch.autograd.grad(out, (qs, ks, vs), dos)
+            sent2 = comm.bytes_sent()
             st = ring_attention_stats(qs.detach(), ks.detach(), **kw)
             results[name] = {"out": out.detach(), "dq": dq, "dk": dk, "dv": dv,
+                             "sent_forward": sent1 - sent0, "sent_backward": sent2 - sent1,
                              **{f"stats.{k_}": getattr(st, k_) for k_ in ("lse", "entropy", "max_weight", "argmax",
                                                                          "mean_distance", "received")}}
     except Exception:  # noqa: BLE001  (reported to the test process, which shows it)

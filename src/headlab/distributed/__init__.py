@@ -6,6 +6,8 @@
 - :func:`ring_attention_stats`: per-head statistics (lse, entropy, max/argmax, mean distance, the
   mass each key receives) of the same computation, never holding a map.
 - :func:`shard`, :func:`unshard`, :func:`chunks`: cut a full tensor into a rank's shard and back.
+- :mod:`headlab.distributed.data`: data-parallel analysis under ``torchrun`` (split a dataset across
+  ranks, add up the per-example sums).
 
 Launch with ``torchrun`` (gloo on CPU, NCCL on GPUs); see docs/distributed.md.
 """

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from headlab.attention.stats import attention_stats
+from headlab.errors import BackendUnsupportedError
 from headlab.models.sites import site_name
 
 
@@ -31,6 +32,10 @@ class Probe:
         return t
 
     def record_stats(self, layer: int, q, k, *, mask, causal, scale, **score_kwargs) -> None:
+        if score_kwargs.get("score_mod") is not None:
+            raise BackendUnsupportedError(
+                f"layer {layer} modifies its scores ({score_kwargs['score_mod']!r}, e.g. Gemma 2's soft-capping), which "
+                "headlab.attention_stats does not apply; capture 'blocks.*.attn.pattern' for this model instead")
         self.call_args[layer] = {"mask": mask, "causal": causal, "scale": scale, **score_kwargs}
         with torch.no_grad():
             # contiguous: HF hands q/k over as transposed views, which attention_stats may .view()

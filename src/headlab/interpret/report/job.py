@@ -29,6 +29,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import tempfile
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -151,6 +152,10 @@ def prepare_out_dir(out_dir: str | os.PathLike, *, force: bool) -> Path:
     a previous report left there (only those: ``report.html``, ``heads.csv``, ``heads.json``,
     ``layer_*.png``)."""
     path = Path(out_dir).expanduser()
+    resolved = path.resolve()
+    if resolved.parts[1:2] in (("proc",), ("sys",)):
+        raise InputError(f"the output folder {str(path)!r} is under /{resolved.parts[1]}, a kernel filesystem that "
+                         "takes no files; choose a folder on disk with --out")
     if path.exists() and not path.is_dir():
         raise InputError(f"the output path {str(path)!r} is a file; give a folder (it is created if missing)")
     if path.is_dir() and any(path.iterdir()):
@@ -161,8 +166,31 @@ def prepare_out_dir(out_dir: str | os.PathLike, *, force: bool) -> Path:
             (path / name).unlink(missing_ok=True)
         for png in path.glob(_PNG_GLOB):
             png.unlink()
-    path.mkdir(parents=True, exist_ok=True)
+    try:  # can a file be written there? Found now, not after the computing
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as e:
+        raise InputError(f"cannot write the report into {str(path)!r}: {e.strerror or e}; "
+                         "choose a writable folder with --out") from None
     return path
+
+
+def backend_provenance(backend: str | None, mode: str) -> tuple[dict, str | None]:
+    """What computed what: ``{"model_backend", "model_backend_exact", "statistics"}`` and a warning
+    when the backend is approximate (it changes the q and k of later layers and the outputs)."""
+    from headlab.attention import backends as _backends
+
+    name = backend or "auto"
+    exact = name == "auto" or bool(_backends.get(name).capabilities.exact)
+    stats = ("attention maps captured on the reference computation (exact softmax)" if mode == "full" else
+             f"exact softmax statistics (streaming) of the q and k computed while the model ran on {name!r}")
+    warning = None if exact else (
+        f"backend {name!r} is approximate, but capturing every map runs each layer on the reference computation: "
+        f"the maps and the table are those of the exact model, and {name!r} was not used" if mode == "full" else
+        f"backend {name!r} is approximate (not softmax attention): the model ran on it, so the q and k of every "
+        f"layer after the first, and the model's outputs, differ from the exact model; this report shows {stats}")
+    return {"model_backend": name, "model_backend_exact": exact, "statistics": stats}, warning
 
 
 def write_csv(records: Sequence[HeadRecord], path: str | os.PathLike) -> Path:
@@ -332,6 +360,9 @@ def analyze(
                      f"(no {n} x {n} map held) and maps are drawn only for heads "
                      f"{', '.join(f'{a}.{b}' for a, b in drawn)}" + ("" if chosen else " (chosen automatically: "
                      "the heads whose rows most often point at a fixed offset; pick others with --heads)"))
+    provenance, approx_warning = backend_provenance(backend, mode)
+    if approx_warning:
+        notes.append(approx_warning)
     drawn_set = set(drawn)
     picks = [*(chosen or []), *((r.layer, r.head) for _, r in interesting_heads(records))]
     initial = next((d for d in picks if d in drawn_set), min(drawn))
@@ -341,7 +372,7 @@ def analyze(
     json_path = write_json(
         records, out / "heads.json", headlab_version=__version__, model=loaded.name, family=loaded.family,
         text=text, tokens=tokens, causal=causal, separator_positions=seps, mode=mode, max_full_tokens=max_full_tokens,
-        backend=backend, drawn_heads=[f"{a}.{b}" for a, b in drawn], notes=notes,
+        backend=backend, **provenance, drawn_heads=[f"{a}.{b}" for a, b in drawn], notes=notes,
         thresholds={"positional": thresholds.positional, "sink": thresholds.sink, "broad": thresholds.broad},
         n_layers=n_layers, n_heads=n_heads)
 
@@ -362,7 +393,9 @@ def analyze(
     say("writing the page")
     first_label = "mass first token" if causal else "mass [CLS]"
     summary = [f"model: {loaded.name} ({loaded.family}, {n_layers} layers x {n_heads} heads"
-               f"{', causal' if causal else ''})", f"{n} tokens: {text if len(text) <= 300 else text[:297] + '...'}"]
+               f"{', causal' if causal else ''})", f"backend: {provenance['model_backend']}"
+               f"{'' if provenance['model_backend_exact'] else ' (approximate)'}; shown: {provenance['statistics']}",
+               f"{n} tokens: {text if len(text) <= 300 else text[:297] + '...'}"]
     page = render_html(
         title=f"headlab analyze: {loaded.name}", tokens=tokens, records=records,
         maps={d: maps[d] for d in drawn}, n_layers=n_layers, n_heads=n_heads, summary_lines=summary,
@@ -377,4 +410,4 @@ def analyze(
 
 
 __all__ = ["DRAWN_HEADS", "MAX_FULL_TOKENS", "ReportResult", "analyze", "default_drawn_heads", "interesting_heads",
-           "parse_heads", "prepare_out_dir", "write_csv", "write_json"]
+           "backend_provenance", "parse_heads", "prepare_out_dir", "write_csv", "write_json"]

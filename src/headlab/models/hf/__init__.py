@@ -6,7 +6,7 @@ family     model types                         attention / W^O              q, k
 bert       bert (MiniLM), roberta              layer.attention.self /       query, key, value
                                                layer.attention.output.dense (nn.Linear)
 gpt2       gpt2                                h.attn / h.attn.c_proj       c_attn (Conv1D, fused)
-llama      llama, mistral, qwen2 (GQA)         layers.self_attn / o_proj    q_proj, k_proj, v_proj
+llama      llama, mistral, qwen2, gemma2 (GQA) layers.self_attn / o_proj    q_proj, k_proj, v_proj
 =========  ==================================  ==========================  =======================
 
 A family is one class in this package (``bert.py``, ``gpt2.py``, ``llama.py``) decorated with
@@ -15,7 +15,7 @@ unsupported architecture and the maximum positions are all read from the registe
 
     >>> from headlab.models.hf import supported_model_types
     >>> supported_model_types()
-    ['bert', 'roberta', 'gpt2', 'llama', 'mistral', 'qwen2']
+    ['bert', 'roberta', 'gpt2', 'llama', 'mistral', 'qwen2', 'gemma2']
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Llama-style decoders with grouped-query attention: Llama (SmolLM2 is one), Mistral, Qwen2."""
+"""Llama-style decoders with grouped-query attention: Llama (SmolLM2 is one), Mistral, Qwen2, Gemma 2."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ class LlamaAdapter(HFAdapter):
     """
 
     family = "llama"
-    model_types = ("llama", "mistral", "qwen2")
+    model_types = ("llama", "mistral", "qwen2", "gemma2")
     description = "Llama-style decoders with grouped-query attention"
     is_decoder = True
 
