@@ -35,6 +35,7 @@ _LAZY = {
     "load": ("headlab.models", "load"),
     "capture": ("headlab.interpret.capture", "capture"),
     "analyze": ("headlab.interpret.report.job", "analyze"),
+    "probe": ("headlab.interpret.probing", "probe"),
 }
 
 

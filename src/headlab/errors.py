@@ -81,5 +81,9 @@ class InputError(HeadlabError, ValueError):
     """Bad user input to a job: empty text, text too long, an output folder in the way."""
 
 
+class TreebankError(InputError):
+    """A treebank file that cannot be read as CoNLL-U (says which line and why), or holds no sentence."""
+
+
 class DistributedError(HeadlabError, RuntimeError):
     """Ranks that disagree (shapes, dtypes, options) or a peer that failed or timed out."""
