@@ -72,3 +72,7 @@ class UnsupportedArchitectureError(ModelError):
 
 class InputError(HeadlabError, ValueError):
     """Bad user input to a job: empty text, text too long, an output folder in the way."""
+
+
+class PruneError(HeadlabError, ValueError):
+    """A head pruning that is refused: a whole layer without the flag, or GQA groups that cannot stay exact."""
