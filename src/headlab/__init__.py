@@ -31,6 +31,9 @@ _LAZY = {
     "load": ("headlab.models", "load"),
     "capture": ("headlab.interpret.capture", "capture"),
     "analyze": ("headlab.interpret.report.job", "analyze"),
+    "head_importance": ("headlab.interpret.heads.importance", "head_importance"),
+    "ablate": ("headlab.interpret.heads.ablation", "ablate"),
+    "prune_heads": ("headlab.interpret.heads.prune", "prune_heads"),
 }
 
 
