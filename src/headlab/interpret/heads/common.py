@@ -345,3 +345,17 @@ def spearman(a: Sequence[float], b: Sequence[float]) -> float | None:
     if ra.std() == 0 or rb.std() == 0:
         return None
     return float(np.corrcoef(ra, rb)[0, 1])
+
+
+def token_ids_if_needed(loaded, texts: list[str]) -> list:
+    """For a model without a tokenizer, lines of space-separated integers become token-id lists."""
+    if loaded is not None and getattr(loaded, "tokenizer", None) is not None:
+        return texts
+    out = []
+    for i, t in enumerate(texts):
+        try:
+            out.append([int(x) for x in t.split()])
+        except ValueError:
+            raise InputError(f"this model has no tokenizer, so each example must be space-separated token ids; "
+                             f"example {i + 1} is {t[:40]!r}") from None
+    return out
