@@ -50,7 +50,6 @@ DRAWN_HEADS = 4  # heads drawn by default in the streaming mode
 MAX_EMBEDDED_BYTES = 64 << 20  # refuse a page whose maps alone would exceed this (choose fewer heads)
 REPORT_FILES = ("report.html", "heads.csv", "heads.json")
 _PNG_GLOB = "layer_*.png"
-DECODER_FAMILIES = ("gpt2", "llama")
 _STREAM_STATS = ("entropy", "max_weight", "argmax", "mean_distance", "key_mass", "received")
 
 Progress = Callable[[str], None]
@@ -189,10 +188,7 @@ def write_json(records: Sequence[HeadRecord], path: str | os.PathLike, **meta) -
 
 
 def _is_causal(loaded) -> bool:
-    if loaded.family in DECODER_FAMILIES:
-        return True
-    cfg = getattr(loaded.model, "config", None)
-    return bool(getattr(cfg, "causal", False) or getattr(cfg, "is_decoder", False))
+    return loaded.adapter.causal
 
 
 def _separator_positions(loaded, ids: Sequence[int], causal: bool) -> list[int] | None:
