@@ -137,7 +137,7 @@ def _max_positions(model: nn.Module) -> int:
     cfg = model.config
     if hasattr(cfg, "max_positions"):
         return int(cfg.max_positions)
-    from headlab.models.loader import max_positions
+    from headlab.models.hf.common import max_positions
 
     return max_positions(cfg)
 
@@ -165,12 +165,14 @@ def load_pruned(path: str | os.PathLike, *, device: str | torch.device = "cpu",
         model, max_pos = _build_hf(cfg, H, Hkv, man.get("class"))
     model = model.to(dtype).eval()
     template = adapt(model)
+    attn, outs = template.attn_modules, template.out_projs
+    template.close()
     local = [_LocalPlan(p) for p in plans]
-    _apply(model, man["family"], local, head_dim=template.head_dim)
+    _apply(man["family"], local, attn, outs, [(H, Hkv)] * template.n_layers, head_dim=template.head_dim)
     if man["family"] == "llama" and man.get("stock_hf"):
         model.config.num_attention_heads, model.config.num_key_value_heads = len(plans[0].q), len(plans[0].kv)
         model.config.head_dim = template.head_dim
-    adapter = pruned_adapter(template, model, local, plans)
+    adapter = pruned_adapter(template, model, local, plans, attn, outs)
     weights = path / WEIGHTS
     if not weights.is_file():
         raise ModelError(f"{path} has a pruning manifest but no {WEIGHTS}")
@@ -201,7 +203,7 @@ def _build_hf(cfg: dict, H: int, Hkv: int, class_name: str | None):
     import transformers
     from transformers import AutoConfig
 
-    from headlab.models.loader import max_positions
+    from headlab.models.hf.common import max_positions
 
     model_type = cfg.pop("model_type")
     if model_type == "llama" or "num_key_value_heads" in cfg:

@@ -44,7 +44,8 @@ import torch
 from torch import nn
 
 from headlab.errors import ConfigError, PruneError
-from headlab.models.base import LayerState, ModelAdapter, _head_out_hook
+from headlab.models.base import ModelAdapter
+from headlab.models.sites import LayerState, head_out_hook, visit
 
 FAMILIES = ("bert", "gpt2", "llama", "headlab")
 
@@ -165,8 +166,10 @@ def prune(adapter: ModelAdapter, heads: dict, *, allow_empty_layers: bool = Fals
         if note:
             notes.append(note)
     model = _stripped_copy(adapter.model)
+    attn, outs = same_modules(adapter, model)
     gates = adapter.gates.detach().clone()
-    new = _apply(model, adapter.family, [_LocalPlan(p) for p in plans], head_dim=adapter.head_dim)
+    counts = [(_layer_heads(adapter, i), _layer_kv_heads(adapter, i)) for i in range(adapter.n_layers)]
+    new = _apply(adapter.family, [_LocalPlan(p) for p in plans], attn, outs, counts, head_dim=adapter.head_dim)
     if adapter.family == "llama" and len({(len(p.q), len(p.kv)) for p in plans}) == 1:
         # every layer alike: the config can say it, and the model saves as a stock Hugging Face folder
         model.config.num_attention_heads, model.config.num_key_value_heads = len(plans[0].q), len(plans[0].kv)
@@ -174,7 +177,7 @@ def prune(adapter: ModelAdapter, heads: dict, *, allow_empty_layers: bool = Fals
     if base_plans:  # express the plans in the original model's indices again
         plans = [LayerPlan(q=tuple(b.q[i] for i in p.q), kv=tuple(b.kv[i] for i in p.kv),
                            zeroed=tuple(b.q[i] for i in p.zeroed)) for b, p in zip(base_plans, plans)]
-    pa = pruned_adapter(adapter, model, new, plans)
+    pa = pruned_adapter(adapter, model, new, plans, attn, outs)
     for layer, lp in enumerate(new):
         g = gates[layer, list(lp.plan.q)]
         g[[i for i, h in enumerate(lp.plan.q) if h in lp.plan.zeroed]] = 0.0
@@ -234,16 +237,21 @@ def _zero_out_block(op: nn.Module, family: str, local_heads: list[int], d: int) 
             op.weight[:, idx] = 0.0
 
 
-def _apply(model: nn.Module, family: str, plans: list[_LocalPlan], *, head_dim: int) -> list[_LocalPlan]:
-    """Cut every layer of the (already copied) ``model`` to its plan; returns the plans."""
-    from headlab.models.loader import adapt
+def same_modules(adapter: ModelAdapter, copy_of_model: nn.Module) -> tuple[list, list]:
+    """The attention modules and output projections of a deep copy, found by their names in the original."""
+    names = {id(m): n for n, m in adapter.model.named_modules()}
+    mods = dict(copy_of_model.named_modules())
+    return ([mods[names[id(m)]] for m in adapter.attn_modules], [mods[names[id(m)]] for m in adapter.out_projs])
 
-    tmp = adapt(model)  # the family adapter of the copy: where its modules are
+
+def _apply(family: str, plans: list[_LocalPlan], attn_modules: list, out_projs: list,
+           counts: list[tuple[int, int]], *, head_dim: int) -> list[_LocalPlan]:
+    """Cut every layer's modules to its plan, in place; ``counts[l]`` = (H_l, Hkv_l) before the cut."""
     d = head_dim
     for layer, lp in enumerate(plans):
         p = lp.plan
-        am, op = tmp.attn_modules[layer], tmp.out_projs[layer]
-        H, Hkv = _layer_heads(tmp, layer), _layer_kv_heads(tmp, layer)
+        am, op = attn_modules[layer], out_projs[layer]
+        H, Hkv = counts[layer]
         if len(p.q) == H and len(p.kv) == Hkv and not p.zeroed:
             continue
         q_idx, kv_idx = _rows(p.q, d), _rows(p.kv, d)
@@ -272,7 +280,6 @@ def _apply(model: nn.Module, family: str, plans: list[_LocalPlan], *, head_dim: 
             am.head_gate = am.head_gate[list(p.q)].clone()
             am.num_heads, am.num_kv_heads = len(p.q), len(p.kv)
         _zero_out_block(op, family, lp.zeroed_local, d)
-    tmp.close()
     return plans
 
 
@@ -338,6 +345,10 @@ class _PrunedMixin:
         lin = _proj(am, self.family, which)
         return None if lin.bias is None else lin.bias.view(n, d)
 
+    def _share_gates(self) -> None:  # headlab's Transformer: head_gate views of this layer's gates
+        for i, am in enumerate(self.attn_modules):
+            am.head_gate = self._gates[i, : self.layer_heads[i]]
+
     def __repr__(self) -> str:
         return (f"<Pruned {self.family} adapter: layers={self.n_layers} heads per layer={self.layer_heads} "
                 f"kv heads per layer={self.layer_kv_heads}>")
@@ -350,17 +361,12 @@ def _proj(am: nn.Module, family: str, which: str) -> nn.Module:
 
 
 def pruned_adapter(template: ModelAdapter, model: nn.Module, plans: list[_LocalPlan],
-                   original_plans: list[LayerPlan]) -> ModelAdapter:
+                   original_plans: list[LayerPlan], attn: list, outs: list) -> ModelAdapter:
     """An adapter for the cut ``model``, of the template's family class with per-layer counts."""
-    from headlab.models.loader import adapt
-
     fam_cls = type(template)
     if isinstance(template, _PrunedMixin):
         fam_cls = next(c for c in fam_cls.__mro__[1:] if not issubclass(c, _PrunedMixin))
     cls = type(f"Pruned{fam_cls.__name__}", (_PrunedMixin, fam_cls), {})
-    probe = adapt(model)  # find the modules the family way, then hand them over
-    attn, outs = probe.attn_modules, probe.out_projs
-    probe.close()
     q_counts = [len(p.plan.q) for p in plans]
     kv_counts = [len(p.plan.kv) for p in plans]
     pa = cls.__new__(cls)
@@ -374,7 +380,7 @@ def pruned_adapter(template: ModelAdapter, model: nn.Module, plans: list[_LocalP
     for i, op in enumerate(outs):
         op._headlab.n_heads = q_counts[i]
         pa._handles.append(op.register_forward_pre_hook(_pruned_gate_hook))
-        pa._handles.append(op.register_forward_hook(_head_out_hook))
+        pa._handles.append(op.register_forward_hook(head_out_hook))
     for key, value in vars(template).items():  # what the family's own __init__ set (e.g. causal)
         if not key.startswith("_") and key not in vars(pa):
             try:
@@ -412,10 +418,8 @@ def _pruned_gate_hook(module: nn.Module, args: tuple):
     H, d = state.n_heads, state.head_dim
     lead = x.shape[:-1]
     z = x.reshape(*lead, H, d).movedim(-2, -3)  # (B, L, H*d) -> (B, H, L, d)
-    probe = state.probe
-    if probe is not None:
-        z = probe.record(state.layer, "z", z)
+    z = visit(state, "z", z)
     g = state.adapter.gates[state.layer, :H].to(device=z.device, dtype=z.dtype).view(H, 1, 1)
     zg = z * g  # (B, H, L, d)
-    state.z_gated = zg if probe is not None and probe.wants(state.layer, "head_out") else None
+    state.z_gated = zg if state.wants("head_out") else None
     return (zg.movedim(-3, -2).reshape(*lead, H * d), *args[1:])
