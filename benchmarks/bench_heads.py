@@ -49,8 +49,9 @@ MICHEL = {"source": "Michel et al. 2019, Are Sixteen Heads Really Better than On
 
 
 def encoder(args) -> dict:
+    torch.set_num_threads(args.threads)
     clf = cache_dir("minilm-sst2")
-    texts, labels = read_texts(DATA / "sst2" / "validation.tsv")
+    texts, labels = read_texts(DATA / "sst2" / "validation.tsv", limit=args.n_encoder)
     if (clf / "config.json").is_file():
         loaded, loss = headlab.load(clf), "task"
     else:
@@ -59,7 +60,7 @@ def encoder(args) -> dict:
     sub_t, sub_l = texts[:n_abl], (labels[:n_abl] if labels else None)
     print(f"{loaded.name}: loss={loss}, {len(texts)} sentences (ablation on the first {n_abl})", flush=True)
     imp_small = importance_study(loaded, sub_t, sub_l, loss=loss, batch_size=16, confidence=False)
-    abl = ablate(loaded, sub_t, sub_l, kind="zero", loss=loss, k=16, keep_one=True, batch_size=16, max_rows=256,
+    abl = ablate(loaded, sub_t, sub_l, kind="zero", loss=loss, k=args.k, keep_one=True, batch_size=16, max_rows=256,
                  n_boot=1000, progress=True)
     # L x H single passes alone (same examples), for the speed comparison
     t0 = time.perf_counter()
@@ -87,12 +88,14 @@ def decoder(args) -> dict:
     test, _ = read_texts(DATA / "ud-english-ewt" / "en_ewt-ud-test.conllu")
     train = [t for t in train if len(t.split()) >= 5][: args.n_decoder]
     test = [t for t in test if len(t.split()) >= 5][: args.n_decoder_test]
+    torch.set_num_threads(args.threads)
     print(f"smollm2: importance on {len(train)} train sentences, curve on {len(test)} test sentences", flush=True)
     imp = importance_study(loaded, train, loss="lm", batch_size=8, confidence=True, progress=True)
     curve = pruning_curve(loaded, test, loss="lm", importance=imp.normalized, batch_size=16, progress=True)
     png = curve.plot(RESULTS / "heads_decoder_curve.png")
     order = order_heads(imp.normalized)
-    sav = measure_savings(loaded, order, batch_sizes=tuple(args.decoder_batches), seq=128, repeats=1, progress=True)
+    sav = measure_savings(loaded, order, batch_sizes=tuple(args.decoder_batches), seq=128, repeats=args.repeats,
+                         progress=True)
     return {"model": "smollm2", "n_importance": len(train), "n_test": len(test), "importance": imp.to_json(),
             "curve": curve.to_json(), "curve_png": str(png.relative_to(RESULTS.parent)), "savings": sav.to_json()}
 
@@ -114,13 +117,16 @@ def _table(res: dict) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--part", choices=["encoder", "decoder"], required=True)
+    ap.add_argument("--n-encoder", type=int, default=None, help="SST-2 sentences (default: all 872)")
     ap.add_argument("--n-ablate", type=int, default=256)
+    ap.add_argument("--k", type=int, default=16)
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--n-decoder", type=int, default=64)
     ap.add_argument("--n-decoder-test", type=int, default=64)
     ap.add_argument("--decoder-batches", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--tag", default="")
+    ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     args = ap.parse_args()
     res = encoder(args) if args.part == "encoder" else decoder(args)
     _table(res)

@@ -454,3 +454,26 @@ def test_cli_runs_end_to_end(tmp_path, saved_decoder, capsys):
     code, so, se = run_cli(["heads", "prune", "--model", str(saved_decoder), "--heads", "0.1,1.2", "--out", str(tmp_path / "pr")], capsys)
     assert code == 0, se
     assert headlab.load(tmp_path / "pr").adapter.layer_heads == [4, 4]  # GQA groups kept even: padded
+
+
+def test_uniform_kind_equals_a_uniform_pattern_edit():
+    # the z-side implementation (mean of visible values) against editing the pattern itself at its hook site
+    m, texts = _decoder(), _texts(4, lo=5, hi=8, seed=4)
+    res = ablate(m, texts, kind="uniform", loss="lm", heads=[(1, 2)], k=2, pairs=[], keep_one=False, n_boot=20)
+    a = adapt(m)
+
+    def uniform(p, site):
+        p = p.clone()
+        vis = torch.ones_like(p[:, 2]).tril()
+        p[:, 2] = vis / vis.sum(-1, keepdim=True)
+        return p
+
+    eff = []
+    for t in texts:
+        b = C.batches(None, a, [t], None, 1)[0]
+        with torch.no_grad():
+            base = C.per_example("lm", m(**b.inputs), b, {})
+            with a.hooks({"blocks.1.attn.pattern": uniform}):
+                edited = C.per_example("lm", m(**b.inputs), b, {})
+        eff.append(float(edited - base))
+    assert float(res.single[1, 2]) == pytest.approx(np.mean(eff), rel=1e-5, abs=1e-9)

@@ -306,7 +306,20 @@ def layer_head_counts(adapter: ModelAdapter) -> list[int]:
 
 @contextmanager
 def pre_hooks(adapter: ModelAdapter, fn) -> Iterator[None]:
-    """``fn(layer, z (B, H_l, L, d)) -> z`` applied to the input of every W^O (after the adapter's gates)."""
+    """``fn(layer, z (B, H_l, L, d)) -> z or None`` edits every layer's per-head outputs z.
+
+    Through the adapter's hook sites (``adapter.hooks({"blocks.L.attn.z": ...})``: before the gates,
+    on every backend); adapters without them get a pre-hook on W^O's input (after the gates)."""
+    if hasattr(adapter, "hooks"):
+        def site_fn(layer):
+            def edit(z, site):
+                new = fn(layer, z)
+                return z if new is None else new
+            return edit
+
+        with adapter.hooks({f"blocks.{layer}.attn.z": site_fn(layer) for layer in range(adapter.n_layers)}):
+            yield
+        return
     d = adapter.head_dim
     handles = []
 
