@@ -25,7 +25,6 @@ from headlab.interpret.heads.ablation import ablate, linear_cka
 from headlab.interpret.heads.importance import correlate, head_confidence, head_importance
 from headlab.models import adapt
 from headlab.models.transformer import Transformer, TransformerConfig
-from headlab.testing import run_cli
 
 transformers = pytest.importorskip("transformers")
 V = 40
@@ -251,8 +250,8 @@ def test_zero_ablation_equals_gate_zero_and_pairs_are_joint():
     assert float(res.keep_one[1, 0]) == pytest.approx(e_keep, rel=1e-6, abs=1e-10)
 
 
-def test_verdicts_tell_unused_from_redundant():
-    # a 1-layer model where head 1 is a copy of head 0 (same q, k, v, W_O halves), head 3 writes nothing
+def test_a_silent_head_is_unused_and_copies_have_cka_one():
+    # a 1-layer model where head 1 is a copy of head 0 (same q, k, v, W_O blocks), head 3 writes nothing
     torch.manual_seed(0)
     m = Transformer(TransformerConfig(vocab_size=V, d_model=32, n_layers=1, n_heads=4, causal=True)).double().eval()
     at = m.blocks[0].attn
@@ -267,8 +266,6 @@ def test_verdicts_tell_unused_from_redundant():
         at.out_proj.weight[:, :d] *= 1.0
         at.out_proj.weight[:, d:2 * d] = at.out_proj.weight[:, :d]
         at.out_proj.weight[:, 3 * d:] = 0.0
-    # a saturating readout makes the duplicated pair super-additive: losing one copy of a doubled signal
-    # costs little, losing both costs a lot. Use the cosine of the final hidden state (label-free).
     texts = _texts(40, 5, 12, seed=5)
     res = ablate(m, texts, kind="zero", loss="kl", k=4, n_boot=300, rel_tol=0.02)
     v3 = res.verdict_of(0, 3)
@@ -277,6 +274,27 @@ def test_verdicts_tell_unused_from_redundant():
     i, j = res.pair_heads.index((0, 0)), res.pair_heads.index((0, 1))
     assert res.cka[i, j] == pytest.approx(1.0, abs=1e-9)  # identical outputs
     assert float(linear_cka(torch.randn(50, 4), torch.randn(50, 4), torch.randn(4, 6), torch.randn(4, 6))) < 1
+
+
+def test_verdict_rule_on_known_effects():
+    from headlab.interpret.heads.ablation import _verdicts
+
+    heads = [(0, 0), (0, 1), (0, 2), (0, 3)]
+    single = torch.tensor([[0.001, 0.002, 0.5, 0.0]])
+    ci = torch.tensor([[[-0.01, 0.012], [-0.01, 0.014], [0.4, 0.6], [-0.001, 0.001]]])
+    pair_heads = [(0, 0), (0, 1), (0, 3)]
+    inter = torch.tensor([[float("nan"), 0.3, 0.0], [0.3, float("nan"), 0.001], [0.0, 0.001, float("nan")]])
+    inter_ci = torch.stack([inter - 0.05, inter + 0.05], -1)
+    cka = torch.full((3, 3), 0.9)
+    v = {(x.layer, x.head): x for x in _verdicts(heads, single, ci, pair_heads, inter, inter_ci, cka, thr=0.05)}
+    assert v[(0, 0)].label() == "redundant with 0.1" and "CKA(head_out)=0.90" in v[(0, 0)].evidence
+    assert v[(0, 1)].label() == "redundant with 0.0"
+    assert v[(0, 2)].verdict == "unique"
+    assert v[(0, 3)].verdict == "unused"
+    # an interaction above the threshold but with an interval reaching 0 is not evidence
+    inter_ci[0, 1, 0] = inter_ci[1, 0, 0] = -0.01
+    v = {(x.layer, x.head): x for x in _verdicts(heads, single, ci, pair_heads, inter, inter_ci, cka, thr=0.05)}
+    assert v[(0, 0)].verdict == "unused"
 
 
 def test_linear_cka_matches_the_direct_formula():
@@ -409,51 +427,6 @@ def test_bad_inputs_are_typed_errors():
     a = adapt(m)
     with pytest.raises(ConfigError, match="shape"):
         a.gates = torch.ones(3, 4)
-
-
-# -- CLI ----------------------------------------------------------------------------------------------------------
-@pytest.fixture()
-def saved_decoder(tmp_path):
-    path = tmp_path / "tiny"
-    _decoder(dtype=torch.float32).save(path)
-    return path
-
-
-def test_cli_help_and_errors(tmp_path, saved_decoder, capsys):
-    for sub in ("importance", "ablate", "prune"):
-        code, so, se = run_cli(["heads", sub, "--help"], capsys)
-        assert code == 0 and "--model" in so
-    data = tmp_path / "d.tsv"
-    data.write_text("sentence\tlabel\n")
-    code, so, se = run_cli(["heads", "importance", "--model", str(saved_decoder), "--data", str(data)], capsys)
-    assert code == 2 and "empty" in se
-    code, so, se = run_cli(["heads", "importance", "--model", str(saved_decoder), "--data", str(tmp_path / "missing.tsv")], capsys)
-    assert code == 2 and "does not exist" in se
-    ids = tmp_path / "ids.txt"
-    ids.write_text("1 2 3 4 5\n6 7 8 9\n")
-    code, so, se = run_cli(["heads", "importance", "--model", str(saved_decoder), "--data", str(ids), "--loss", "task"], capsys)
-    assert code == 2 and "labels" in se
-    code, so, se = run_cli(["heads", "prune", "--model", str(saved_decoder), "--heads", "0.0,0.1,0.2,0.3",
-                 "--out", str(tmp_path / "o")], capsys)
-    assert code == 2 and "allow-empty-layers" in se
-    code, so, se = run_cli(["heads", "prune", "--model", str(saved_decoder), "--heads", "0.9", "--out", str(tmp_path / "o")], capsys)
-    assert code == 2 and "out of range" in se
-
-
-def test_cli_runs_end_to_end(tmp_path, saved_decoder, capsys):
-    ids = tmp_path / "ids.txt"
-    ids.write_text("\n".join(" ".join(str(int(x)) for x in t) for t in _texts(6)) + "\n")
-    out = tmp_path / "imp"
-    code, so, se = run_cli(["heads", "importance", "--model", str(saved_decoder), "--data", str(ids), "--out", str(out), "--json"], capsys)
-    assert code == 0, se
-    js = json.loads((out / "importance.json").read_text())
-    assert len(js["importance"]) == 2 and (out / "heads.html").is_file()
-    code, so, se = run_cli(["heads", "ablate", "--model", str(saved_decoder), "--data", str(ids), "--out", str(tmp_path / "ab"),
-                 "--k", "3", "--boot", "50"], capsys)
-    assert code == 0, se
-    code, so, se = run_cli(["heads", "prune", "--model", str(saved_decoder), "--heads", "0.1,1.2", "--out", str(tmp_path / "pr")], capsys)
-    assert code == 0, se
-    assert headlab.load(tmp_path / "pr").adapter.layer_heads == [4, 4]  # GQA groups kept even: padded
 
 
 def test_uniform_kind_equals_a_uniform_pattern_edit():
