@@ -60,9 +60,12 @@ def encoder(args) -> dict:
     sub_t, sub_l = texts[:n_abl], (labels[:n_abl] if labels else None)
     print(f"{loaded.name}: loss={loss}, {len(texts)} sentences (ablation on the first {n_abl})", flush=True)
     imp_small = importance_study(loaded, sub_t, sub_l, loss=loss, batch_size=16, confidence=False)
+    partial = {"model": loaded.name, "loss": loss, "importance_small": imp_small.to_json()}
     abl = ablate(loaded, sub_t, sub_l, kind="zero", loss=loss, k=args.k, keep_one=True, batch_size=16, max_rows=256,
                  n_boot=1000, progress=True)
     # L x H single passes alone (same examples), for the speed comparison
+    partial["ablation"] = abl.to_json()
+    write_json(f"heads_encoder{args.tag}_partial", partial)
     t0 = time.perf_counter()
     ablate(loaded, sub_t, sub_l, kind="zero", loss=loss, keep_one=False, pairs=[], batch_size=16, max_rows=256,
            n_boot=10, cka=False)
@@ -72,7 +75,10 @@ def encoder(args) -> dict:
     curve = pruning_curve(loaded, texts, labels, loss=loss, importance=full.normalized, batch_size=32, progress=True)
     png = curve.plot(RESULTS / "heads_encoder_curve.png")
     order = order_heads(full.normalized)
-    sav = measure_savings(loaded, order, batch_sizes=tuple(args.batches), seq=128, repeats=args.repeats, progress=True)
+    partial.update(curve=curve.to_json(), single_ablation_seconds=t_single)
+    write_json(f"heads_encoder{args.tag}_partial", partial)
+    sav = measure_savings(loaded, order, batch_sizes=tuple(args.batches), seq=128, repeats=args.repeats,
+                          rounds=args.rounds, progress=True)
     return {"model": loaded.name, "loss": loss, "n_examples": len(texts), "n_ablation_examples": n_abl,
             "importance": full.to_json(), "ablation": abl.to_json(), "verdict_counts": abl.counts(),
             "importance_vs_ablation": {"importance_seconds": imp_small.seconds, "single_ablation_seconds": t_single,
@@ -94,8 +100,9 @@ def decoder(args) -> dict:
     curve = pruning_curve(loaded, test, loss="lm", importance=imp.normalized, batch_size=16, progress=True)
     png = curve.plot(RESULTS / "heads_decoder_curve.png")
     order = order_heads(imp.normalized)
+    write_json("heads_decoder_partial", {"importance": imp.to_json(), "curve": curve.to_json()})
     sav = measure_savings(loaded, order, batch_sizes=tuple(args.decoder_batches), seq=128, repeats=args.repeats,
-                         progress=True)
+                          rounds=args.rounds, progress=True)
     return {"model": "smollm2", "n_importance": len(train), "n_test": len(test), "importance": imp.to_json(),
             "curve": curve.to_json(), "curve_png": str(png.relative_to(RESULTS.parent)), "savings": sav.to_json()}
 
@@ -126,6 +133,7 @@ def main() -> None:
     ap.add_argument("--n-decoder-test", type=int, default=64)
     ap.add_argument("--decoder-batches", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--tag", default="")
+    ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     args = ap.parse_args()
     res = encoder(args) if args.part == "encoder" else decoder(args)

@@ -61,7 +61,7 @@ class Savings:
 
 
 def measure_savings(loaded, order: list[tuple[int, int]], *, fractions=(0.25, 0.5, 0.75), batch_sizes=(1, 16, 64),
-                    seq: int = 128, repeats: int = 3, gqa: str = "pad", progress: bool = False) -> Savings:
+                    seq: int = 128, repeats: int = 3, rounds: int = 2, gqa: str = "pad", progress: bool = False) -> Savings:
     """Throughput of the physically pruned model against the unpruned one (see the module docstring)."""
     adapter, ld = C.resolve(loaded)
     model = adapter.model
@@ -88,7 +88,7 @@ def measure_savings(loaded, order: list[tuple[int, int]], *, fractions=(0.25, 0.
                 ids = torch.randint(0, vocab, (B, seq), generator=gen)
                 inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
                 t_base, t_pruned = [], []
-                for _ in range(2):  # alternate, so drifts of a shared machine hit both
+                for _ in range(rounds):  # alternate, so drifts of a shared machine hit both
                     t_base.append(_time(model, inputs, repeats))
                     t_pruned.append(_time(p.model, inputs, repeats))
                 tb, tp = min(t_base), min(t_pruned)
@@ -104,5 +104,5 @@ def measure_savings(loaded, order: list[tuple[int, int]], *, fractions=(0.25, 0.
                 bar.advance(task)
             del p
     out.notes.append(f"forward pass only, no grad, the model's own attention path; sequence {seq}; median of "
-                     f"{repeats} runs after a warm-up, best of 2 alternating rounds; examples/s = batch / time")
+                     f"{repeats} runs after a warm-up, best of {rounds} alternating rounds; examples/s = batch / time")
     return out
