@@ -450,3 +450,11 @@ def test_uniform_kind_equals_a_uniform_pattern_edit():
                 edited = C.per_example("lm", m(**b.inputs), b, {})
         eff.append(float(edited - base))
     assert float(res.single[1, 2]) == pytest.approx(np.mean(eff), rel=1e-5, abs=1e-9)
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "tiled"])
+def test_importance_on_fused_backends_equals_reference(backend):
+    m, texts = _decoder(dtype=torch.float32), _texts(4)
+    ref = head_importance(m, texts, loss="lm", backend="reference")
+    got = head_importance(m, texts, loss="lm", backend=backend)
+    assert torch.allclose(got, ref, rtol=1e-3, atol=1e-6)
