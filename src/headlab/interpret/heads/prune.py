@@ -5,9 +5,9 @@ ascending importance (normalised per layer by default, as they do), remove 0%, 1
 them (gates at 0: the same model the physical pruning gives, to 1e-5) and measure the metric at
 each step: accuracy for a classifier with labels, perplexity for a decoder, else the loss. With
 ``recompute=True`` importance is computed again, on the pruned model, before each step.
-"X% of heads are prunable within 1 point" is the largest step whose metric stays within ``within``
-points of the unpruned one (accuracy in percentage points, perplexity in its own units, a loss
-within ``within`` percent).
+"X% of heads are prunable within 1 point" is the largest step before the metric first leaves
+``within`` points of the unpruned one (:func:`bound`: accuracy in percentage points, perplexity in
+its own units, the cosine distance in points of cosine similarity, other losses in percent).
 
 :func:`prune_heads` (from :mod:`headlab.models.pruned`) removes heads physically; measured
 savings are in :mod:`headlab.interpret.heads.savings`.
@@ -80,6 +80,17 @@ class PruningCurve:
     higher_is_better: bool
     notes: list[str] = field(default_factory=list)
 
+    @classmethod
+    def from_json(cls, d: dict) -> PruningCurve:
+        return cls(d["model"], d["metric"], d["loss"], d["recompute"], d["fractions"], d["values"], d["losses"],
+                   [[tuple(h) for h in r] for r in d["removed"]], d["within"],
+                   prunable_share(d["metric"], d["loss"], d["fractions"], d["values"], d["within"]),
+                   d["higher_is_better"], d.get("notes", []))
+
+    def share_within(self, within: float) -> float:
+        """The prunable share at another tolerance (same units as ``within``)."""
+        return prunable_share(self.metric, self.loss, self.fractions, self.values, within)
+
     def summary(self) -> str:
         return (f"{100 * self.prunable_share:.0f}% of heads prunable within {self.within:g} "
                 f"{'point' if self.within == 1 else 'points'} of the unpruned {self.metric} "
@@ -90,7 +101,8 @@ class PruningCurve:
                 "recompute": self.recompute, "fractions": self.fractions, "values": self.values,
                 "losses": self.losses, "removed": [[list(h) for h in r] for r in self.removed],
                 "within": self.within, "prunable_share": self.prunable_share, "summary": self.summary(),
-                "higher_is_better": self.higher_is_better, "notes": self.notes}
+                "higher_is_better": self.higher_is_better, "notes": self.notes,
+                "prunable_share_within": {str(w): self.share_within(w) for w in (1, 2, 5, 10)}}
 
     def plot(self, path: str | Path) -> Path:
         """A PNG of the metric against the share of heads removed."""
@@ -103,10 +115,11 @@ class PruningCurve:
         xs = [100 * f for f in self.fractions]
         ys = [100 * v if self.metric == "accuracy" else v for v in self.values]
         ax.plot(xs, ys, "o-", color="#1f6feb")
-        base = ys[0]
-        band = self.within
-        lim = base - band if self.higher_is_better else base + band
-        ax.axhline(lim, color="#999", ls="--", lw=1, label=f"within {self.within:g} of unpruned")
+        lim = bound(self.metric, self.loss, self.values[0], self.within)
+        lim = 100 * lim if self.metric == "accuracy" else lim
+        ax.axhline(lim, color="#999", ls="--", lw=1, label=f"within {self.within:g} point(s) of unpruned")
+        if self.metric == "perplexity":
+            ax.set_yscale("log")
         ax.set_xlabel("heads removed (%), ascending importance" + (" (recomputed)" if self.recompute else ""))
         ax.set_ylabel(self.metric + (" (%)" if self.metric == "accuracy" else ""))
         ax.set_title(f"{self.model}: {self.summary()}", fontsize=8)
@@ -117,6 +130,32 @@ class PruningCurve:
         fig.savefig(path)
         plt.close(fig)
         return path
+
+
+def bound(metric: str, loss: str, base: float, within: float) -> float:
+    """The worst metric value still "within ``within`` points" of ``base``.
+
+    accuracy: percentage points; perplexity: its own units; the cosine distance: points of cosine
+    similarity (0.01 each); other losses (task, lm, kl): ``within`` percent of the unpruned loss."""
+    if metric == "accuracy":
+        return base - within / 100
+    if metric == "perplexity":
+        return base + within
+    if loss == "cosine":
+        return base + within / 100
+    return base + abs(base) * within / 100
+
+
+def prunable_share(metric: str, loss: str, fractions, values, within: float) -> float:
+    """The largest share removed before the metric first leaves the bound."""
+    lim = bound(metric, loss, values[0], within)
+    share = 0.0
+    for f, v in zip(fractions, values):
+        if (v >= lim) if metric == "accuracy" else (v <= lim):
+            share = f
+        else:
+            break
+    return share
 
 
 def _fmt(metric: str, v: float) -> str:
@@ -179,21 +218,7 @@ def pruning_curve(loaded, texts, labels=None, *, loss: C.Loss = "auto", importan
     finally:
         adapter.gates = saved
     higher = metric == "accuracy"
-    base = values[0]
-
-    def ok(v):
-        if metric == "accuracy":
-            return v >= base - within / 100
-        if metric == "perplexity":
-            return v <= base + within
-        return v <= base + abs(base) * within / 100 if base else v <= within / 100
-
-    share = 0.0
-    for f, v in zip(fractions, values):
-        if ok(v):
-            share = f
-        else:
-            break
+    share = prunable_share(metric, loss, fractions, values, within)
     name = ld.name if ld is not None else type(adapter.model).__name__
     notes = [f"ranked by {'normalised ' if normalize else ''}importance (loss={loss}); heads removed by gates, "
              "which equal physical removal to 1e-5"]
