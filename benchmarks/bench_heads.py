@@ -107,6 +107,23 @@ def decoder(args) -> dict:
             "curve": curve.to_json(), "curve_png": str(png.relative_to(RESULTS.parent)), "savings": sav.to_json()}
 
 
+def encoder_savings(args) -> dict:
+    """Re-measure only the savings of the encoder part, ranking by the saved importance."""
+    import json
+
+    torch.set_num_threads(args.threads)
+    path = RESULTS / "heads_encoder.json"
+    res = json.loads(path.read_text())
+    loaded = headlab.load(res["model"]) if res["model"] == "minilm" else headlab.load(cache_dir("minilm-sst2"))
+    order = order_heads(torch.tensor([[float("nan") if x is None else x for x in r]
+                                      for r in res["importance"]["normalized"]]))
+    sav = measure_savings(loaded, order, batch_sizes=tuple(args.batches), seq=128, repeats=args.repeats,
+                          rounds=args.rounds, progress=True)
+    res["savings"] = sav.to_json()
+    res["savings_threads"] = args.threads
+    return res
+
+
 def _table(res: dict) -> None:
     if "importance_vs_ablation" in res:
         iv = res["importance_vs_ablation"]
@@ -118,12 +135,12 @@ def _table(res: dict) -> None:
     for r in res["savings"]["rows"]:
         print(f"{100 * r['fraction_removed']:7.0f}% {r['batch']:6d} {r['unpruned_examples_per_s']:14.1f} "
               f"{r['pruned_examples_per_s']:12.1f} {r['throughput_gain_pct']:+6.1f}% {r['params']:11,d} "
-              f"{r['kv_cache_bytes_per_token'] or '-':>9}")
+              f"{r['kv_cache_bytes_per_token'] or '-':>9} {r.get('cpu_time_gain_pct', float('nan')):+8.1f}% cpu")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--part", choices=["encoder", "decoder"], required=True)
+    ap.add_argument("--part", choices=["encoder", "decoder", "encoder-savings"], required=True)
     ap.add_argument("--n-encoder", type=int, default=None, help="SST-2 sentences (default: all 872)")
     ap.add_argument("--n-ablate", type=int, default=256)
     ap.add_argument("--k", type=int, default=16)
@@ -136,9 +153,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     args = ap.parse_args()
-    res = encoder(args) if args.part == "encoder" else decoder(args)
+    res = {"encoder": encoder, "decoder": decoder, "encoder-savings": encoder_savings}[args.part](args)
     _table(res)
-    path = write_json(f"heads_{args.part}{args.tag}", res)
+    path = write_json(f"heads_{args.part.split('-')[0]}{args.tag}", res)
     print(f"wrote {path}")
 
 
