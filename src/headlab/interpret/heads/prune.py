@@ -93,7 +93,8 @@ class PruningCurve:
 
     def summary(self) -> str:
         return (f"{100 * self.prunable_share:.0f}% of heads prunable within {self.within:g} "
-                f"{'point' if self.within == 1 else 'points'} of the unpruned {self.metric} "
+                f"{'point' if self.within == 1 else 'points'} of the unpruned "
+                f"{'cosine distance' if self.loss == 'cosine' else self.metric} "
                 f"({_fmt(self.metric, self.values[0])})")
 
     def to_json(self) -> dict:
