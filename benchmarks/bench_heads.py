@@ -107,14 +107,18 @@ def decoder(args) -> dict:
             "curve": curve.to_json(), "curve_png": str(png.relative_to(RESULTS.parent)), "savings": sav.to_json()}
 
 
-def encoder_savings(args) -> dict:
-    """Re-measure only the savings of the encoder part, ranking by the saved importance."""
+def encoder_savings(args, part: str = "encoder") -> dict:
+    """Re-measure only the savings of a part, ranking by the importance saved in its JSON."""
     import json
 
     torch.set_num_threads(args.threads)
-    path = RESULTS / "heads_encoder.json"
+    path = RESULTS / f"heads_{part}.json"
     res = json.loads(path.read_text())
-    loaded = headlab.load(res["model"]) if res["model"] == "minilm" else headlab.load(cache_dir("minilm-sst2"))
+    if part == "decoder":
+        loaded = headlab.load("smollm2")
+        args.batches = args.decoder_batches
+    else:
+        loaded = headlab.load(res["model"]) if res["model"] == "minilm" else headlab.load(cache_dir("minilm-sst2"))
     order = order_heads(torch.tensor([[float("nan") if x is None else x for x in r]
                                       for r in res["importance"]["normalized"]]))
     sav = measure_savings(loaded, order, batch_sizes=tuple(args.batches), seq=128, repeats=args.repeats,
@@ -140,7 +144,7 @@ def _table(res: dict) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--part", choices=["encoder", "decoder", "encoder-savings"], required=True)
+    ap.add_argument("--part", choices=["encoder", "decoder", "encoder-savings", "decoder-savings"], required=True)
     ap.add_argument("--n-encoder", type=int, default=None, help="SST-2 sentences (default: all 872)")
     ap.add_argument("--n-ablate", type=int, default=256)
     ap.add_argument("--k", type=int, default=16)
@@ -153,7 +157,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     args = ap.parse_args()
-    res = {"encoder": encoder, "decoder": decoder, "encoder-savings": encoder_savings}[args.part](args)
+    res = {"encoder": encoder, "decoder": decoder, "encoder-savings": encoder_savings,
+           "decoder-savings": lambda a: encoder_savings(a, "decoder")}[args.part](args)
     _table(res)
     path = write_json(f"heads_{args.part.split('-')[0]}{args.tag}", res)
     print(f"wrote {path}")
