@@ -83,3 +83,7 @@ class InputError(HeadlabError, ValueError):
 
 class PruneError(HeadlabError, ValueError):
     """A head pruning that is refused: a whole layer without the flag, or GQA groups that cannot stay exact."""
+
+
+class DistributedError(HeadlabError, RuntimeError):
+    """Ranks that disagree (shapes, dtypes, options) or a peer that failed or timed out."""

@@ -20,10 +20,15 @@ class ActivationCache(Mapping):
         outputs: what the model returned.
         scalar: the value of ``scalar(outputs)`` with ``grads=True``, else None.
         adapter: the model's :class:`~headlab.models.base.ModelAdapter`.
+        call_args: ``{layer: {"mask", "causal", "scale"}}``, what each layer whose ``stats`` were captured
+            passed to its attention (the model's own mask and scale), so a map for one head can be
+            recomputed exactly as the model computed it.
     """
 
-    def __init__(self, data: dict, grads: dict, outputs, scalar, adapter: ModelAdapter) -> None:
+    def __init__(self, data: dict, grads: dict, outputs, scalar, adapter: ModelAdapter,
+                 call_args: dict | None = None) -> None:
         self._data = data
+        self.call_args = call_args or {}
         self.grads = grads
         self.outputs = outputs
         self.scalar = scalar

@@ -17,6 +17,7 @@ class Probe:
         self.stats_kwargs = stats_kwargs
         self.live: dict[str, torch.Tensor] = {}  # tensors in the graph (grads mode)
         self.data: dict[str, object] = {}
+        self.call_args: dict[int, dict] = {}  # layer -> the mask, causal flag and scale its attention used
 
     def wants(self, layer: int, kind: str) -> bool:
         return kind in self.wanted.get(layer, ())
@@ -30,6 +31,7 @@ class Probe:
         return t
 
     def record_stats(self, layer: int, q, k, *, mask, causal, scale, **score_kwargs) -> None:
+        self.call_args[layer] = {"mask": mask, "causal": causal, "scale": scale, **score_kwargs}
         with torch.no_grad():
             # contiguous: HF hands q/k over as transposed views, which attention_stats may .view()
             self.data[site_name(layer, "stats")] = attention_stats(

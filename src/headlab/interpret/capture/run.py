@@ -103,4 +103,4 @@ def capture(
             got = torch.autograd.grad(value.reshape(()), [probe.live[n] for n in names], allow_unused=True)
             grad_map = {n: (torch.zeros_like(probe.live[n]) if g is None else g.detach()) for n, g in zip(names, got)}
             value = value.detach()
-    return ActivationCache(probe.data, grad_map, outputs, value, adapter)
+    return ActivationCache(probe.data, grad_map, outputs, value, adapter, probe.call_args)
