@@ -36,6 +36,9 @@ _LAZY = {
     "capture": ("headlab.interpret.capture", "capture"),
     "analyze": ("headlab.interpret.report.job", "analyze"),
     "probe": ("headlab.interpret.probing", "probe"),
+    "head_importance": ("headlab.interpret.heads.importance", "head_importance"),
+    "ablate": ("headlab.interpret.heads.ablation", "ablate"),
+    "prune_heads": ("headlab.interpret.heads.prune", "prune_heads"),
 }
 
 

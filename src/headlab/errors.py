@@ -85,5 +85,9 @@ class TreebankError(InputError):
     """A treebank file that cannot be read as CoNLL-U (says which line and why), or holds no sentence."""
 
 
+class PruneError(HeadlabError, ValueError):
+    """A head pruning that is refused: a whole layer without the flag, or GQA groups that cannot stay exact."""
+
+
 class DistributedError(HeadlabError, RuntimeError):
     """Ranks that disagree (shapes, dtypes, options) or a peer that failed or timed out."""

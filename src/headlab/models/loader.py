@@ -147,6 +147,10 @@ def load(name_or_path: str | os.PathLike = "minilm", *, device: str | torch.devi
             raise ModelError(f"{raw!r} is a file; give a model folder (with config.json) or one of: {', '.join(known_names())}")
     from headlab.models.transformer import CONFIG_FILE, Transformer
 
+    if (path / "headlab_pruned.json").is_file():  # a model saved by headlab.prune_heads(...).save(path)
+        from headlab.models.pruned import load_pruned
+
+        return load_pruned(path, device=device, dtype=dtype)
     if (path / CONFIG_FILE).is_file():
         model = Transformer.load(path, device=device).to(dtype)
         adapter = adapt(model)

@@ -1,0 +1,342 @@
+"""Which heads matter, measured: single, joint and keep-one-per-layer ablation, with verdicts.
+
+``E(S)`` is the mean over examples of ``L_S(x) - L(x)``: the increase of the loss (see
+:mod:`headlab.interpret.heads.common`) when the heads in S are ablated (kind: :mod:`.edits`).
+
+- single effects ``E(h)`` for every head (or ``heads=``);
+- joint effects ``E(h, g)`` for every pair among the ``k`` heads with the smallest single effect
+  (k = 16: 120 pairs), or ``pairs=``; the interaction ``I(h, g) = E(h, g) - E(h) - E(g)``;
+- keep-one-per-layer: each layer reduced to one head h (all its other heads ablated), Michel et
+  al.'s "a layer with a single head";
+- 95% bootstrap intervals over examples (``n_boot`` resamples of the examples, the same for every
+  quantity, so interactions are paired), and a *noise floor*: the median half-width of the single
+  effects' intervals, the smallest effect this set can tell from sampling noise. The threshold a
+  verdict uses is ``max(noise floor, rel_tol * scale)``, with scale the unablated loss (task, lm)
+  or the largest single effect (kl, cosine, whose unablated value is 0).
+
+Verdicts, per head (evidence and thresholds with each):
+
+==================  ==========================================================================
+unique              a clear single effect: the interval's lower end above 0 and E(h) above the
+                    threshold (or, with the sign reversed, ablating it clearly *lowers* the loss,
+                    which the evidence says: Kovaleva et al. 2019 saw such heads)
+redundant with g    no clear single effect, but an interaction with partner g whose interval's
+                    lower end is above 0 and whose value is above the threshold: removing both
+                    costs more than the two alone. The strongest such g is named, with the linear
+                    CKA of the two heads' outputs head_out over the set
+unused              no clear single effect and no such interaction with any of the k partners
+untested            no clear single effect, but not among the k heads whose pairs were measured
+==================  ==========================================================================
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from headlab.errors import ConfigError, InputError
+from headlab.interpret.heads import common as C
+from headlab.interpret.heads.edits import KINDS, Runner, mean_z
+
+
+@dataclass
+class Verdict:
+    layer: int
+    head: int
+    verdict: str  # unique / redundant / unused / untested
+    partner: tuple[int, int] | None  # the g of "redundant with g"
+    evidence: str
+
+    def label(self) -> str:
+        return f"redundant with {self.partner[0]}.{self.partner[1]}" if self.verdict == "redundant" else self.verdict
+
+
+@dataclass
+class AblationResult:
+    """Every measured effect, its interval, and the verdicts. Grids are ``(n_layers, H)``."""
+
+    model: str
+    kind: str
+    mean_over: str | None  # for kind="mean": "token" or "position"
+    loss: str
+    n_examples: int
+    baseline: float  # mean unablated loss
+    baseline_accuracy: float | None
+    single: torch.Tensor  # (n_layers, H) E(h); NaN where not measured
+    single_ci: torch.Tensor  # (n_layers, H, 2)
+    keep_one: torch.Tensor | None  # (n_layers, H): E(all heads of the layer but h)
+    keep_one_ci: torch.Tensor | None
+    pair_heads: list[tuple[int, int]]  # the k heads whose pairs were measured
+    pair_effect: torch.Tensor  # (k, k) E(h, g); NaN on the diagonal / unmeasured
+    interaction: torch.Tensor  # (k, k) E(h, g) - E(h) - E(g)
+    interaction_ci: torch.Tensor  # (k, k, 2)
+    cka: torch.Tensor | None  # (k, k) linear CKA of head_out
+    noise_floor: float
+    threshold: float
+    thresholds: dict
+    verdicts: list[Verdict]
+    seconds: dict = field(default_factory=dict)  # per phase
+    notes: list[str] = field(default_factory=list)
+
+    def counts(self) -> dict[str, int]:
+        out = {"unique": 0, "redundant": 0, "unused": 0, "untested": 0}
+        for v in self.verdicts:
+            out[v.verdict] += 1
+        return out
+
+    def verdict_of(self, layer: int, head: int) -> Verdict | None:
+        return next((v for v in self.verdicts if (v.layer, v.head) == (layer, head)), None)
+
+    def to_json(self) -> dict:
+        def arr(t):
+            return None if t is None else np.where(np.isnan(t.numpy()), None, np.round(t.numpy(), 8)).tolist()
+
+        return {"kind_of_result": "head_ablation", "model": self.model, "kind": self.kind,
+                "mean_over": self.mean_over, "loss": self.loss, "n_examples": self.n_examples,
+                "baseline": self.baseline, "baseline_accuracy": self.baseline_accuracy,
+                "single": arr(self.single), "single_ci": arr(self.single_ci), "keep_one": arr(self.keep_one),
+                "keep_one_ci": arr(self.keep_one_ci), "pair_heads": [list(p) for p in self.pair_heads],
+                "pair_effect": arr(self.pair_effect), "interaction": arr(self.interaction),
+                "interaction_ci": arr(self.interaction_ci), "cka": arr(self.cka), "noise_floor": self.noise_floor,
+                "threshold": self.threshold, "thresholds": self.thresholds, "counts": self.counts(),
+                "verdicts": [{"layer": v.layer, "head": v.head, "verdict": v.verdict, "label": v.label(),
+                              "partner": list(v.partner) if v.partner else None, "evidence": v.evidence}
+                             for v in self.verdicts], "seconds": self.seconds, "notes": self.notes}
+
+
+def _check_heads(adapter, heads, counts) -> list[tuple[int, int]]:
+    if heads is None:
+        return [(l, h) for l in range(adapter.n_layers) for h in range(counts[l])]
+    out = []
+    for item in heads:
+        try:
+            l, h = (int(x) for x in item)
+        except (TypeError, ValueError):
+            raise ConfigError(f"heads must be (layer, head) pairs, got {item!r}") from None
+        if not 0 <= l < adapter.n_layers or not 0 <= h < counts[l]:
+            raise ConfigError(f"head ({l}, {h}) out of range: {adapter.n_layers} layers, layer {l if 0 <= l < adapter.n_layers else '?'} "
+                              f"has {counts[l] if 0 <= l < adapter.n_layers else '?'} heads")
+        out.append((l, h))
+    return out
+
+
+def _masks(adapter, configs: list[list[tuple[int, int]]]) -> torch.Tensor:
+    m = torch.zeros(len(configs), adapter.n_layers, adapter.n_heads, dtype=torch.bool)
+    for i, cfg in enumerate(configs):
+        for l, h in cfg:
+            m[i, l, h] = True
+    return m
+
+
+def _boot(d: np.ndarray, counts: np.ndarray, alpha: float) -> tuple[np.ndarray, np.ndarray]:
+    """Mean of each row of ``d (C, N)`` and its percentile interval from resample ``counts (n_boot, N)``."""
+    means = d.mean(-1)
+    boots = d @ counts.T / d.shape[1]  # (C, n_boot)
+    lo, hi = np.percentile(boots, [100 * alpha / 2, 100 * (1 - alpha / 2)], axis=1)
+    return means, np.stack([lo, hi], -1)
+
+
+def linear_cka(zx: torch.Tensor, zy: torch.Tensor, wx: torch.Tensor, wy: torch.Tensor) -> float:
+    """Linear CKA of ``X = zx @ wx`` and ``Y = zy @ wy`` (``z (N, d)``, ``w (d, E)``), without forming X, Y.
+
+    CKA(X, Y) = |Xc^T Yc|_F^2 / (|Xc^T Xc|_F |Yc^T Yc|_F), Xc = X centred over the N rows; with
+    X = Z A: |Xc^T Yc|_F^2 = tr(M^T P_x M P_y), M = Zc_x^T Zc_y (d x d), P = A A^T (d x d)."""
+    zx, zy = zx.double() - zx.double().mean(0), zy.double() - zy.double().mean(0)
+    px, py = wx.double() @ wx.double().T, wy.double() @ wy.double().T
+
+    def hs(a, pa, b, pb):
+        m = a.T @ b
+        return torch.trace(m.T @ pa @ m @ pb)
+
+    num = hs(zx, px, zy, py)
+    den = torch.sqrt(hs(zx, px, zx, px) * hs(zy, py, zy, py))
+    return float(num / den) if float(den) > 0 else float("nan")
+
+
+def ablate(loaded, texts, labels=None, *, kind: str = "zero", loss: C.Loss = "auto", heads=None, pairs=None,
+           k: int = 16, keep_one: bool = True, mean_over: str = "token", batch_size: int = 16,
+           max_rows: int = 128, n_boot: int = 1000, alpha: float = 0.05, rel_tol: float = 0.01,
+           cka: bool = True, max_cka_tokens: int = 4096, seed: int = 0, backend: str = "auto",
+           max_length: int | None = None, progress: bool = False) -> AblationResult:
+    """Single, pairwise and keep-one-per-layer ablation effects with intervals and verdicts.
+
+    Args:
+        loaded: a LoadedModel, a model or an adapter. texts, labels: as :func:`headlab.head_importance`.
+        kind: ``"zero"``, ``"mean"``, ``"resample"`` or ``"uniform"`` (see :mod:`.edits`).
+        heads: (layer, head) pairs to ablate singly (default: every head).
+        pairs: explicit ((l, h), (l2, g)) pairs (default: every pair among the ``k`` lowest single effects).
+        keep_one: also measure each layer reduced to one head.
+        mean_over: for ``kind="mean"``: ``"token"`` (one mean vector per head) or ``"position"``.
+        max_rows: rows per forward (configurations x examples batched together).
+        n_boot, alpha: bootstrap resamples and interval level; rel_tol: see the module docstring.
+    """
+    adapter, ld = C.resolve(loaded)
+    if kind not in KINDS:
+        raise ConfigError(f"unknown ablation kind {kind!r}; use one of {', '.join(KINDS)}")
+    loss = C.choose_loss(adapter, loss, labels)
+    C.check_data(texts, labels, loss)
+    if kind == "resample" and len(texts) < 2:
+        raise InputError("kind='resample' takes each head's output from another example: give at least 2 texts")
+    if not isinstance(k, int) or k < 2:
+        raise ConfigError(f"k (heads whose pairs are measured) must be an integer >= 2, got {k!r}")
+    counts_h = C.layer_head_counts(adapter)
+    single_heads = _check_heads(adapter, heads, counts_h)
+    data = C.batches(ld, adapter, texts, labels, batch_size, max_length=max_length, min_size=2)
+    N = len(texts)
+    rng = np.random.default_rng(seed)
+    boot = rng.multinomial(N, np.full(N, 1.0 / N), size=n_boot).astype(np.float64)  # (n_boot, N)
+    means = mean_z(adapter, data, over=mean_over, backend=backend) if kind == "mean" else None
+    runner = Runner(adapter, kind=kind, loss=loss, backend=backend, means=means, max_rows=max_rows,
+                    causal=C.is_causal(adapter))
+    L, H = adapter.n_layers, adapter.n_heads
+    configs = [[hd] for hd in single_heads]
+    keep_cfg = [[(l, g) for g in range(counts_h[l]) if g != h] for l in range(L) for h in range(counts_h[l])] \
+        if keep_one else []
+    seconds: dict[str, float] = {}
+    t0 = time.perf_counter()
+    d_all, base, acc = _measure(runner, data, _masks(adapter, configs + keep_cfg), N, progress, "single + keep-one"
+                                if keep_one else "single ablations")
+    seconds["single_and_keep_one"] = time.perf_counter() - t0
+    d_single, d_keep = d_all[: len(configs)], d_all[len(configs):]
+    e_single, ci_single = _boot(d_single, boot, alpha)
+    single = torch.full((L, H), float("nan"))
+    single_ci = torch.full((L, H, 2), float("nan"))
+    for i, (l, h) in enumerate(single_heads):
+        single[l, h] = float(e_single[i])
+        single_ci[l, h] = torch.from_numpy(ci_single[i])
+    keep_t = keep_ci_t = None
+    if keep_one:
+        e_keep, ci_keep = _boot(d_keep, boot, alpha)
+        keep_t, keep_ci_t = torch.full((L, H), float("nan")), torch.full((L, H, 2), float("nan"))
+        idx = [(l, h) for l in range(L) for h in range(counts_h[l])]
+        for i, (l, h) in enumerate(idx):
+            keep_t[l, h], keep_ci_t[l, h] = float(e_keep[i]), torch.from_numpy(ci_keep[i])
+    # the noise floor and the threshold
+    half = (ci_single[:, 1] - ci_single[:, 0]) / 2
+    floor = float(np.median(half)) if len(half) else 0.0
+    scale = abs(float(base.mean())) if loss in ("task", "lm") else float(np.max(np.abs(e_single), initial=0.0))
+    threshold = max(floor, rel_tol * scale)
+    # pairs among the k lowest single effects
+    row_of = {hd: i for i, hd in enumerate(single_heads)}
+    if pairs is None:
+        order = np.argsort(e_single, kind="stable")
+        pair_heads = [single_heads[i] for i in order[: min(k, len(single_heads))]]
+        pair_list = list(itertools.combinations(pair_heads, 2))
+    else:
+        pair_list = [tuple(tuple(int(x) for x in p) for p in pr) for pr in pairs]
+        for a, b in pair_list:
+            if a not in row_of or b not in row_of:
+                raise ConfigError(f"pair {a}, {b}: both heads must be among the single ablations (heads=)")
+        pair_heads = sorted({h for pr in pair_list for h in pr})
+    K = len(pair_heads)
+    pos = {hd: i for i, hd in enumerate(pair_heads)}
+    pair_eff = torch.full((K, K), float("nan"))
+    inter = torch.full((K, K), float("nan"))
+    inter_ci = torch.full((K, K, 2), float("nan"))
+    t1 = time.perf_counter()
+    zs_for_cka: dict = {}
+    if pair_list:
+        d_pair, _, _ = _measure(runner, data, _masks(adapter, [list(p) for p in pair_list]), N, progress,
+                                f"joint ablations ({len(pair_list)} pairs)",
+                                cka_heads=pair_heads if cka else None, cka_store=zs_for_cka,
+                                max_cka_tokens=max_cka_tokens)
+        d_int = d_pair - np.stack([d_single[row_of[a]] + d_single[row_of[b]] for a, b in pair_list])
+        e_pair, _ = _boot(d_pair, boot, alpha)
+        e_int, ci_int = _boot(d_int, boot, alpha)
+        for i, (a, b) in enumerate(pair_list):
+            for x, y in ((a, b), (b, a)):
+                pair_eff[pos[x], pos[y]] = float(e_pair[i])
+                inter[pos[x], pos[y]] = float(e_int[i])
+                inter_ci[pos[x], pos[y]] = torch.from_numpy(ci_int[i])
+    seconds["pairs"] = time.perf_counter() - t1
+    cka_t = None
+    if cka and K and zs_for_cka:
+        cka_t = torch.full((K, K), float("nan"))
+        for (a, b) in pair_list:
+            v = linear_cka(zs_for_cka[a], zs_for_cka[b], adapter.W_O(a[0])[a[1]].detach(),
+                           adapter.W_O(b[0])[b[1]].detach())
+            cka_t[pos[a], pos[b]] = cka_t[pos[b], pos[a]] = v
+    verdicts = _verdicts(single_heads, single, single_ci, pair_heads, inter, inter_ci, cka_t, threshold)
+    thresholds = {"threshold": threshold, "noise_floor": floor, "rel_tol": rel_tol, "scale": scale,
+                  "interval": f"{100 * (1 - alpha):.0f}% bootstrap over examples, {n_boot} resamples",
+                  "clear_single": "CI lower end > 0 and E(h) > threshold (or CI upper end < 0 and -E(h) > threshold)",
+                  "redundant": "I(h, g) = E(h,g) - E(h) - E(g): CI lower end > 0 and I > threshold"}
+    name = ld.name if ld is not None else type(adapter.model).__name__
+    notes = [f"kind={kind}" + (f" (mean over {mean_over}s of the set)" if kind == "mean" else "") +
+             f"; effects are increases of the {loss} loss, averaged over {N} examples"]
+    return AblationResult(name, kind, mean_over if kind == "mean" else None, loss, N, float(base.mean()),
+                          None if acc is None else float(acc.mean()), single, single_ci, keep_t, keep_ci_t,
+                          pair_heads, pair_eff, inter, inter_ci, cka_t, floor, threshold, thresholds, verdicts,
+                          seconds, notes)
+
+
+def _measure(runner: Runner, data, masks: torch.Tensor, N: int, progress: bool, label: str, *, cka_heads=None,
+             cka_store=None, max_cka_tokens: int = 4096):
+    """``(d (n_configs, N) effects per example, baseline (N,), accuracy (N,) or None)``."""
+    d = np.zeros((masks.shape[0], N))
+    base = np.zeros(N)
+    acc = None
+    with C.progress_bar(progress) as bar:
+        task = bar.add_task(label, total=masks.shape[0] * len(data))
+        for b in data:
+            clean = runner.clean(b, keep_z=runner.kind == "resample" or cka_heads is not None)
+            if cka_heads is not None:
+                _collect(cka_store, cka_heads, clean["z"], b.mask, max_cka_tokens)
+            lc = runner.run(b, clean, masks, bar, task)  # (C, B)
+            idx = b.index.numpy()
+            d[:, idx] = (lc - clean["loss"][None]).double().cpu().numpy()
+            base[idx] = clean["loss"].double().cpu().numpy()
+            if clean["acc"] is not None:
+                acc = np.zeros(N) if acc is None else acc
+                acc[idx] = clean["acc"].cpu().numpy()
+    return d, base, acc
+
+
+def _collect(store: dict, heads, zs: dict, mask: torch.Tensor, cap: int) -> None:
+    """Append z_h at real tokens ``(n, d)`` for the CKA, up to ``cap`` tokens per head."""
+    for (l, h) in heads:
+        have = store.get((l, h))
+        if have is not None and have.shape[0] >= cap:
+            continue
+        z = zs[l][:, h][mask]  # (n, d)
+        new = z if have is None else torch.cat([have, z], 0)
+        store[(l, h)] = new[:cap]
+
+
+def _verdicts(single_heads, single, single_ci, pair_heads, inter, inter_ci, cka, thr) -> list[Verdict]:
+    pos = {hd: i for i, hd in enumerate(pair_heads)}
+    out = []
+    for (l, h) in single_heads:
+        e = float(single[l, h])
+        lo, hi = (float(x) for x in single_ci[l, h])
+        if (lo > 0 and e > thr) or (hi < 0 and -e > thr):
+            sign = "" if e > 0 else " (ablating it lowers the loss)"
+            out.append(Verdict(l, h, "unique", None,
+                               f"E={e:.4g} [{lo:.4g}, {hi:.4g}] beyond the threshold {thr:.3g}{sign}"))
+            continue
+        if (l, h) not in pos:
+            out.append(Verdict(l, h, "untested", None,
+                               f"E={e:.4g} [{lo:.4g}, {hi:.4g}] within the threshold {thr:.3g}; "
+                               "not among the heads whose pairs were measured"))
+            continue
+        i = pos[(l, h)]
+        row = inter[i].clone()
+        row_lo = inter_ci[i, :, 0]
+        ok = (row_lo > 0) & (row > thr)
+        if bool(ok.any()):
+            j = int(torch.where(ok, row, torch.full_like(row, -float("inf"))).argmax())
+            g = pair_heads[j]
+            sim = f", CKA(head_out)={float(cka[i, j]):.2f}" if cka is not None else ""
+            out.append(Verdict(l, h, "redundant", g,
+                               f"E={e:.4g} alone; with {g[0]}.{g[1]}: I={float(row[j]):.4g} "
+                               f"[{float(inter_ci[i, j, 0]):.4g}, {float(inter_ci[i, j, 1]):.4g}] > {thr:.3g}{sim}"))
+        else:
+            best = float(torch.nan_to_num(row, nan=-float("inf")).max()) if len(row) else float("nan")
+            out.append(Verdict(l, h, "unused", None,
+                               f"E={e:.4g} [{lo:.4g}, {hi:.4g}] within {thr:.3g}; largest interaction with the "
+                               f"{len(pair_heads) - 1} partners {best:.4g}, none clearly above {thr:.3g}"))
+    return out

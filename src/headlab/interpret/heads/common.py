@@ -1,0 +1,374 @@
+"""What importance, ablation and pruning share: data in, batches, the per-example losses, progress.
+
+Texts come as a list of strings (with a :class:`~headlab.models.loader.LoadedModel` that has a
+tokenizer) or as token-id sequences (lists or 1-D tensors, for headlab's own models); a file
+(:func:`read_texts`) as a TSV with a header (``sentence<TAB>label``, SST-2's layout), a CoNLL-U
+file (its ``# text =`` lines) or plain text (one example per line).
+
+Losses, per example (``loss=``):
+
+=========  ======================================================================================
+task       cross-entropy of a classifier's ``logits (B, C)`` against gold ``labels``
+lm         next-token NLL of a decoder's ``logits (B, L, V)``, mean over the real tokens
+kl         KL(p_0 || p) from the unpruned model's output distribution (a classifier's, or every
+           next-token distribution of a decoder, averaged over real tokens); no labels needed
+cosine     1 - cos(e, e_0) of a sentence encoder's pooled embedding (mean of ``last_hidden_state``
+           over real tokens, as sentence-transformers pools MiniLM); no labels needed
+=========  ======================================================================================
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from headlab.errors import ConfigError, InputError
+from headlab.models.base import ModelAdapter
+
+Loss = Literal["auto", "task", "lm", "kl", "cosine"]
+LOSSES = ("task", "lm", "kl", "cosine")
+
+
+def resolve(target):
+    """``(adapter, loaded or None)`` from a LoadedModel, a model or an adapter."""
+    from headlab.models.loader import LoadedModel, adapt
+
+    if isinstance(target, LoadedModel):
+        return target.adapter, target
+    if isinstance(target, ModelAdapter):
+        return target, None
+    if isinstance(target, nn.Module):
+        return adapt(target), None
+    raise ConfigError(f"expected a LoadedModel (headlab.load), a model or an adapter, got {type(target).__name__}")
+
+
+def is_causal(adapter: ModelAdapter) -> bool:
+    """Decoder (each token sees only the past) or encoder."""
+    c = getattr(adapter, "causal", None)
+    if isinstance(c, bool):
+        return c
+    if adapter.family == "headlab":
+        return bool(adapter.model.config.causal)
+    return adapter.family in ("gpt2", "llama")
+
+
+def read_texts(path: str | Path, *, limit: int | None = None) -> tuple[list[str], list[int] | None]:
+    """``(texts, labels or None)`` from a TSV with a header, a CoNLL-U file or a plain text file."""
+    path = Path(path)
+    if not path.is_file():
+        raise InputError(f"data file {path} does not exist (give a .tsv with a 'sentence' column, a .conllu or a .txt)")
+    texts: list[str] = []
+    labels: list[int] | None = None
+    if path.suffix == ".conllu":
+        for line in path.read_text(encoding="utf-8").splitlines():
+            if line.startswith("# text ="):
+                texts.append(line.split("=", 1)[1].strip())
+    elif path.suffix == ".tsv":
+        with path.open(encoding="utf-8", newline="") as f:
+            rows = list(csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE))
+        if not rows:
+            raise InputError(f"{path} is empty")
+        head = [h.strip().lower() for h in rows[0]]
+        ti = head.index("sentence") if "sentence" in head else (head.index("text") if "text" in head else 0)
+        li = head.index("label") if "label" in head else None
+        labels = [] if li is not None else None
+        for r in rows[1:]:
+            if len(r) <= ti or not r[ti].strip():
+                continue
+            texts.append(r[ti].strip())
+            if labels is not None:
+                try:
+                    labels.append(int(r[li]))
+                except (ValueError, IndexError):
+                    raise InputError(f"{path}: label {r[li] if len(r) > li else ''!r} is not an integer") from None
+    else:
+        texts = [ln.strip() for ln in path.read_text(encoding="utf-8").splitlines() if ln.strip()]
+    if limit is not None:
+        texts = texts[:limit]
+        labels = labels[:limit] if labels is not None else None
+    if not texts:
+        raise InputError(f"{path} holds no examples (an empty dataset)")
+    return texts, labels
+
+
+@dataclass
+class Batch:
+    inputs: dict  # input_ids (B, L), attention_mask (B, L)
+    labels: torch.Tensor | None  # (B,) or None
+    index: torch.Tensor  # (B,) positions of these examples in the dataset
+
+    @property
+    def size(self) -> int:
+        return int(self.inputs["input_ids"].shape[0])
+
+    @property
+    def mask(self) -> torch.Tensor:
+        return self.inputs["attention_mask"].bool()  # (B, L)
+
+
+def check_data(texts, labels, loss: str) -> None:
+    if texts is None or len(texts) == 0:
+        raise InputError("no examples: pass at least one text (an empty dataset)")
+    if loss == "task" and labels is None:
+        raise InputError("loss='task' needs gold labels (labels=..., or a 'label' column in the data file); "
+                         "without labels use loss='kl' (classifiers, decoders) or 'cosine' (sentence encoders)")
+    if labels is not None and len(labels) != len(texts):
+        raise InputError(f"{len(texts)} texts but {len(labels)} labels")
+
+
+def batches(loaded, adapter: ModelAdapter, texts, labels, batch_size: int, *, max_length: int | None = None,
+            min_size: int = 1) -> list[Batch]:
+    """Consecutive batches (a tail smaller than ``min_size`` joins the batch before it)."""
+    if not isinstance(batch_size, int) or batch_size <= 0:
+        raise ConfigError(f"batch_size must be a positive integer, got {batch_size!r}")
+    n = len(texts)
+    bounds = list(range(0, n, batch_size))
+    spans = [(s, min(s + batch_size, n)) for s in bounds]
+    if len(spans) > 1 and spans[-1][1] - spans[-1][0] < min_size:
+        spans[-2:] = [(spans[-2][0], spans[-1][1])]
+    device = next(adapter.model.parameters()).device
+    out = []
+    for s, e in spans:
+        chunk = texts[s:e]
+        if all(isinstance(t, str) for t in chunk):
+            if loaded is None or loaded.tokenizer is None:
+                raise InputError("text inputs need a LoadedModel with a tokenizer (headlab.load); "
+                                 "for headlab's own models pass token-id sequences")
+            enc = loaded.encode(list(chunk), max_length=max_length, truncate=max_length is not None)
+        else:
+            seqs = [torch.as_tensor(t, dtype=torch.long).reshape(-1) for t in chunk]
+            if any(len(q) == 0 for q in seqs):
+                raise InputError("an empty token sequence; every example needs at least one token")
+            L = max(len(q) for q in seqs)
+            ids = torch.zeros(len(seqs), L, dtype=torch.long)
+            att = torch.zeros(len(seqs), L, dtype=torch.long)
+            for i, q in enumerate(seqs):
+                ids[i, : len(q)], att[i, : len(q)] = q, 1
+            enc = {"input_ids": ids.to(device), "attention_mask": att.to(device)}
+        lab = None if labels is None else torch.as_tensor(list(labels[s:e]), dtype=torch.long, device=device)
+        out.append(Batch(enc, lab, torch.arange(s, e)))
+    return out
+
+
+def choose_loss(adapter: ModelAdapter, loss: str, labels) -> str:
+    if loss == "auto":
+        if labels is not None:
+            return "task"
+        if is_causal(adapter):
+            return "lm"
+        return "kl" if _has_task_head(adapter) else "cosine"
+    if loss not in LOSSES:
+        raise ConfigError(f"unknown loss {loss!r}; use one of {', '.join(LOSSES)} (or 'auto')")
+    if loss == "lm" and not is_causal(adapter):
+        raise ConfigError("loss='lm' (next-token NLL) needs a decoder; this model is an encoder: use 'task', 'kl' "
+                          "or 'cosine'")
+    return loss
+
+
+def _has_task_head(adapter: ModelAdapter) -> bool:
+    return adapter.family == "headlab" or type(adapter.model).__name__.endswith(("ForSequenceClassification",
+                                                                                  "LMHeadModel", "ForCausalLM"))
+
+
+def logits_of(out) -> torch.Tensor:
+    lg = getattr(out, "logits", None)
+    if lg is None:
+        raise ConfigError(f"the model returns no logits ({type(out).__name__}); for a sentence encoder use loss='cosine'")
+    return lg
+
+
+def pooled(out, mask: torch.Tensor) -> torch.Tensor:
+    """Mean of ``last_hidden_state (B, L, E)`` over real tokens: ``(B, E)``."""
+    h = getattr(out, "last_hidden_state", None)
+    if h is None:
+        raise ConfigError(f"loss='cosine' needs a sentence encoder's last_hidden_state; {type(out).__name__} has none "
+                          "(use loss='kl' for a classifier or decoder)")
+    m = mask.to(h.dtype).unsqueeze(-1)  # (B, L, 1)
+    return (h * m).sum(1) / m.sum(1).clamp_min(1.0)
+
+
+def reference(loss: str, out, batch: Batch, *, generator: torch.Generator | None = None) -> dict:
+    """What a label-free loss compares with, from the unpruned model's output on ``batch``."""
+    if loss == "kl":
+        lp = F.log_softmax(up(logits_of(out)), -1).detach()
+        ref = {"logp": lp}
+        if generator is not None:  # own-sample labels for the importance surrogate
+            flat = lp.exp().reshape(-1, lp.shape[-1])
+            ref["sample"] = torch.multinomial(flat.cpu(), 1, generator=generator).view(lp.shape[:-1]).to(lp.device)
+        return ref
+    if loss == "cosine":
+        e = up(pooled(out, batch.mask)).detach()
+        ref = {"emb": e}
+        if generator is not None:  # a random unit direction orthogonal to e_0, per example
+            u = torch.randn(e.shape, generator=generator).to(e)
+            en = e / e.norm(dim=-1, keepdim=True).clamp_min(1e-12)
+            u = u - (u * en).sum(-1, keepdim=True) * en
+            ref["dir"] = u / u.norm(dim=-1, keepdim=True).clamp_min(1e-12)
+        return ref
+    return {}
+
+
+def up(x: torch.Tensor) -> torch.Tensor:
+    """float16/bfloat16 -> float32; float32 and float64 stay."""
+    return x if x.dtype in (torch.float32, torch.float64) else x.float()
+
+
+def _token_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    m = mask.to(x.dtype)
+    return (x * m).sum(-1) / m.sum(-1).clamp_min(1.0)
+
+
+def per_example(loss: str, out, batch: Batch, ref: dict, *, surrogate: bool = False) -> torch.Tensor:
+    """``(B,)`` loss of every example. ``surrogate=True``: the first-order forms head_importance
+    differentiates for the label-free losses (see :func:`headlab.head_importance`)."""
+    if loss == "task":
+        lg = logits_of(out)
+        if lg.dim() != 2:
+            raise ConfigError(f"loss='task' needs a classifier's logits (B, classes); got shape {tuple(lg.shape)}")
+        if batch.labels is None:
+            raise InputError("loss='task' needs gold labels")
+        if int(batch.labels.max()) >= lg.shape[-1] or int(batch.labels.min()) < 0:
+            raise InputError(f"labels must lie in 0..{lg.shape[-1] - 1} (the classifier's classes)")
+        return F.cross_entropy(up(lg), batch.labels, reduction="none")
+    if loss == "lm":
+        lg = up(logits_of(out))
+        ids, mask = batch.inputs["input_ids"], batch.mask
+        nll = F.cross_entropy(lg[:, :-1].transpose(1, 2), ids[:, 1:], reduction="none")  # (B, L-1)
+        return _token_mean(nll, mask[:, 1:] & mask[:, :-1])
+    if loss == "kl":
+        lp = F.log_softmax(up(logits_of(out)), -1)
+        if surrogate:  # -log p(y*) with y* drawn from the unpruned distribution
+            val = -lp.gather(-1, ref["sample"].unsqueeze(-1)).squeeze(-1)
+        else:
+            p0 = ref["logp"].exp()
+            val = (p0 * (ref["logp"] - lp)).sum(-1)
+        if val.dim() == 2:  # per token (decoders): mean over real tokens
+            return _token_mean(val, batch.mask)
+        return val
+    if loss == "cosine":
+        e = up(pooled(out, batch.mask))
+        e0 = ref["emb"]
+        if surrogate:  # u . e / |e_0| with u a unit direction orthogonal to e_0
+            return (ref["dir"] * e).sum(-1) / e0.norm(dim=-1).clamp_min(1e-12)
+        return 1.0 - F.cosine_similarity(e, e0, dim=-1)
+    raise ConfigError(f"unknown loss {loss!r}")
+
+
+def accuracy(out, batch: Batch) -> torch.Tensor | None:
+    """``(B,)`` 1.0 where a classifier's argmax equals the gold label (None without labels/classifier)."""
+    lg = getattr(out, "logits", None)
+    if batch.labels is None or lg is None or lg.dim() != 2:
+        return None
+    return (lg.argmax(-1) == batch.labels).float()
+
+
+def progress_bar(enabled: bool):
+    """A rich progress bar on stderr (or a silent stand-in)."""
+    if not enabled:
+        return _Silent()
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                    console=Console(stderr=True), transient=False)
+
+
+class _Silent:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def add_task(self, *a, **k):
+        return 0
+
+    def advance(self, *a, **k):
+        pass
+
+    def update(self, *a, **k):
+        pass
+
+
+def layer_head_counts(adapter: ModelAdapter) -> list[int]:
+    """Query heads of every layer (a pruned model's layers may differ)."""
+    return list(getattr(adapter, "layer_heads", None) or [adapter.n_heads] * adapter.n_layers)
+
+
+@contextmanager
+def pre_hooks(adapter: ModelAdapter, fn) -> Iterator[None]:
+    """``fn(layer, z (B, H_l, L, d)) -> z or None`` edits every layer's per-head outputs z.
+
+    Through the adapter's hook sites (``adapter.hooks({"blocks.L.attn.z": ...})``: before the gates,
+    on every backend); adapters without them get a pre-hook on W^O's input (after the gates)."""
+    if hasattr(adapter, "hooks"):
+        def site_fn(layer):
+            def edit(z, site):
+                new = fn(layer, z)
+                return z if new is None else new
+            return edit
+
+        with adapter.hooks({f"blocks.{layer}.attn.z": site_fn(layer) for layer in range(adapter.n_layers)}):
+            yield
+        return
+    d = adapter.head_dim
+    handles = []
+
+    def make(layer):
+        def hook(module, args):
+            x = args[0]
+            lead = x.shape[:-1]
+            H = x.shape[-1] // d
+            z = x.reshape(*lead, H, d).movedim(-2, -3)  # (B, L, H*d) -> (B, H, L, d)
+            z2 = fn(layer, z)
+            if z2 is None or z2 is z:
+                return None
+            return (z2.movedim(-3, -2).reshape(*lead, H * d), *args[1:])
+        return hook
+
+    try:
+        for layer, op in enumerate(adapter.out_projs):
+            handles.append(op.register_forward_pre_hook(make(layer)))
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def safe_float(x) -> float | None:
+    x = float(x)
+    return None if math.isnan(x) or math.isinf(x) else x
+
+
+def spearman(a: Sequence[float], b: Sequence[float]) -> float | None:
+    """Spearman's rank correlation (ties get their average rank), or None when either side is constant."""
+    import numpy as np
+    from scipy.stats import rankdata
+
+    ra, rb = rankdata(np.asarray(a, dtype=float)), rankdata(np.asarray(b, dtype=float))
+    if ra.std() == 0 or rb.std() == 0:
+        return None
+    return float(np.corrcoef(ra, rb)[0, 1])
+
+
+def token_ids_if_needed(loaded, texts: list[str]) -> list:
+    """For a model without a tokenizer, lines of space-separated integers become token-id lists."""
+    if loaded is not None and getattr(loaded, "tokenizer", None) is not None:
+        return texts
+    out = []
+    for i, t in enumerate(texts):
+        try:
+            out.append([int(x) for x in t.split()])
+        except ValueError:
+            raise InputError(f"this model has no tokenizer, so each example must be space-separated token ids; "
+                             f"example {i + 1} is {t[:40]!r}") from None
+    return out

@@ -1,0 +1,217 @@
+"""The ablation engine: many ablation configurations of one batch in one forward.
+
+A configuration is a boolean ``(n_layers, H)`` mask of the heads it ablates. ``C`` configurations
+of a batch of ``B`` examples run as one forward of ``C * B`` rows (the batch repeated), and a
+pre-hook on every W^O replaces, in the rows of configuration c, the per-head output z_h of each
+head c ablates. Replacements (``kind``):
+
+==========  ================================================================================
+zero        z_h = 0 (the same as gate 0)
+mean        z_h = the mean of z_h over the reference set: over every real token (``"token"``) or
+            per position (``"position"``; positions no reference text reaches use the token mean)
+resample    z_h = z_h of another example of the set, from the unablated run: example b takes the
+            next example of its batch (cyclically), position by position; where the donor is
+            shorter, its last real position
+uniform     the head's attention pattern replaced by uniform weights over the keys it may see
+            (real tokens, and only the past for decoders): z_h(i) = mean_{j visible} v_kv(h)(j),
+            from the values of this very forward (so earlier ablations propagate)
+==========  ================================================================================
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+
+from headlab.errors import ConfigError
+from headlab.interpret.heads import common as C
+
+KINDS = ("zero", "mean", "resample", "uniform")
+
+
+def _v_module(adapter, layer: int):
+    am = adapter.attn_modules[layer]
+    fam = adapter.family
+    if fam == "bert":
+        return am.value, None
+    if fam == "gpt2":
+        return am.c_attn, am  # V is the last third of c_attn's output
+    return am.v_proj, None
+
+
+@contextmanager
+def value_hooks(adapter, store: dict):
+    """Record every layer's values ``(rows, L, Hkv_l * d)`` into ``store[layer]`` during a forward."""
+    handles = []
+
+    def make(layer, gpt2_attn):
+        def hook(module, args, out):
+            if gpt2_attn is not None:
+                w = gpt2_attn.split_size
+                kv = out.shape[-1] - 2 * w  # V width (equal to w: GPT-2 has no GQA)
+                out = out[..., 2 * w: 2 * w + kv]
+            store[layer] = out
+        return hook
+
+    try:
+        for layer in range(adapter.n_layers):
+            mod, gpt2_attn = _v_module(adapter, layer)
+            handles.append(mod.register_forward_hook(make(layer, gpt2_attn)))
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def mean_z(adapter, data, *, over: str, backend: str) -> dict:
+    """Reference means of z per layer: ``{"token": [ (H_l, d) ], "position": [ (H_l, Lmax, d) ]}``."""
+    if over not in ("token", "position"):
+        raise ConfigError(f"mean_over must be 'token' or 'position', got {over!r}")
+    L = adapter.n_layers
+    tok_sum = [None] * L
+    pos_sum = [None] * L
+    pos_cnt = None
+    n_tok = 0.0
+
+    def fn(layer, z):  # (B, H, Lq, d)
+        m = current["mask"].to(z.dtype)  # (B, Lq)
+        s = (z * m[:, None, :, None]).sum((0, 2))  # (H, d)
+        tok_sum[layer] = s if tok_sum[layer] is None else tok_sum[layer] + s
+        if over == "position":
+            p = (z * m[:, None, :, None]).sum(0)  # (H, Lq, d)
+            prev = pos_sum[layer]
+            if prev is None:
+                pos_sum[layer] = p
+            else:
+                n = max(prev.shape[1], p.shape[1])
+                pos_sum[layer] = _pad_len(prev, n) + _pad_len(p, n)
+        return None
+
+    current: dict = {}
+    with torch.no_grad(), adapter.use_backend(backend), C.pre_hooks(adapter, fn):
+        for b in data:
+            current["mask"] = b.mask
+            adapter.forward(b.inputs)
+            n_tok += float(b.mask.sum())
+            c = b.mask.to(torch.float64).sum(0)  # (Lq,)
+            pos_cnt = c if pos_cnt is None else _pad1(pos_cnt, max(len(pos_cnt), len(c))) + _pad1(c, max(len(pos_cnt), len(c)))
+    token = [s / max(n_tok, 1.0) for s in tok_sum]
+    out = {"token": token}
+    if over == "position":
+        out["position"] = [ps / pos_cnt.clamp_min(1.0).to(ps.dtype)[None, :, None] for ps in pos_sum]
+        out["position_count"] = pos_cnt
+    return out
+
+
+def _pad_len(t: torch.Tensor, n: int) -> torch.Tensor:  # (H, L, d) -> (H, n, d)
+    return torch.nn.functional.pad(t, (0, 0, 0, n - t.shape[1]))
+
+
+def _pad1(t: torch.Tensor, n: int) -> torch.Tensor:
+    return torch.nn.functional.pad(t, (0, n - t.shape[0]))
+
+
+class Runner:
+    """Runs configurations on batches: ``clean(batch)`` then ``run(batch, masks)``."""
+
+    def __init__(self, adapter, *, kind: str, loss: str, backend: str, means: dict | None, max_rows: int,
+                 causal: bool) -> None:
+        if kind not in KINDS:
+            raise ConfigError(f"unknown ablation kind {kind!r}; use one of {', '.join(KINDS)}")
+        self.adapter, self.kind, self.loss, self.backend = adapter, kind, loss, backend
+        self.means, self.max_rows, self.causal = means, max_rows, causal
+        self.counts = C.layer_head_counts(adapter)
+
+    # -- the unablated pass ---------------------------------------------------------------------------------------
+    def clean(self, b: C.Batch, *, keep_z: bool = False) -> dict:
+        """Baseline per-example loss (and accuracy), the label-free reference, z of every layer if asked."""
+        zs: dict[int, torch.Tensor] = {}
+
+        def fn(layer, z):
+            if keep_z:
+                zs[layer] = z.detach()
+            return None
+
+        with torch.no_grad(), self.adapter.use_backend(self.backend), C.pre_hooks(self.adapter, fn):
+            out = self.adapter.forward(b.inputs)
+        ref = C.reference(self.loss, out, b)
+        loss0 = C.per_example(self.loss, out, b, ref)
+        return {"ref": ref, "loss": loss0, "acc": C.accuracy(out, b), "z": zs}
+
+    # -- ablated passes ---------------------------------------------------------------------------------------------
+    def run(self, b: C.Batch, clean: dict, masks: torch.Tensor, bar=None, task=None) -> torch.Tensor:
+        """Per-example loss ``(n_configs, B)`` with each configuration's heads ablated.
+
+        ``masks``: bool ``(n_configs, n_layers, H)``."""
+        B = b.size
+        per = max(1, self.max_rows // B)
+        out = []
+        for s in range(0, masks.shape[0], per):
+            out.append(self._run_chunk(b, clean, masks[s:s + per]))
+            if bar is not None:
+                bar.advance(task, int(min(per, masks.shape[0] - s)))
+        return torch.cat(out, 0)
+
+    def _run_chunk(self, b: C.Batch, clean: dict, masks: torch.Tensor) -> torch.Tensor:
+        c, B = masks.shape[0], b.size
+        rep = {k: v.repeat(c, *([1] * (v.dim() - 1))) for k, v in b.inputs.items()}  # (c*B, L)
+        rb = C.Batch(rep, None if b.labels is None else b.labels.repeat(c), b.index.repeat(c))
+        values: dict[int, torch.Tensor] = {}
+        mask = b.mask  # (B, Lq)
+        lens = mask.sum(-1)  # (B,)
+
+        def fn(layer, z):  # z (c*B, H, Lq, d)
+            H = z.shape[1]
+            m = masks[:, layer, :H]  # (c, H)
+            if not bool(m.any()):
+                return None
+            z5 = z.view(c, B, H, *z.shape[2:])  # (c, B, H, Lq, d)
+            r = self._replacement(layer, z5, clean, values, mask, lens)
+            return torch.where(m[:, None, :, None, None].to(z.device), r, z5).reshape(z.shape)
+
+        ctx = value_hooks(self.adapter, values) if self.kind == "uniform" else _null()
+        with torch.no_grad(), self.adapter.use_backend(self.backend), ctx, C.pre_hooks(self.adapter, fn):
+            out = self.adapter.forward(rep)
+        ref = {k: v.repeat(c, *([1] * (v.dim() - 1))) for k, v in clean["ref"].items()}
+        return C.per_example(self.loss, out, rb, ref).view(c, B)
+
+    def _replacement(self, layer, z5, clean, values, mask, lens) -> torch.Tensor:
+        c, B, H, Lq, d = z5.shape
+        if self.kind == "zero":
+            return torch.zeros((), dtype=z5.dtype, device=z5.device)
+        if self.kind == "mean":
+            tok = self.means["token"][layer][:H].to(z5.dtype)  # (H, d)
+            if "position" not in self.means:
+                return tok[None, None, :, None, :]
+            pos = self.means["position"][layer][:H].to(z5.dtype)  # (H, Lmax, d)
+            cnt = self.means["position_count"]
+            n = min(Lq, pos.shape[1])
+            r = tok[:, None, :].expand(H, Lq, d).clone()
+            seen = (cnt[:n] > 0).to(z5.device)
+            r[:, :n][:, seen] = pos[:, :n][:, seen]
+            return r[None, None]
+        if self.kind == "resample":
+            zc = clean["z"][layer]  # (B, H, Lq, d) from the unablated run
+            donor = (torch.arange(B, device=zc.device) + 1) % B  # (B,)
+            pos = torch.arange(Lq, device=zc.device)[None, :].expand(B, Lq)
+            pos = torch.minimum(pos, (lens[donor] - 1).clamp_min(0)[:, None])  # (B, Lq)
+            r = zc[donor]  # (B, H, Lq, d)
+            r = torch.gather(r, 2, pos[:, None, :, None].expand(B, H, Lq, d))
+            return r[None]
+        # uniform: mean of the visible values
+        v = values[layer]  # (c*B, Lk, Hkv*d)
+        Hkv = v.shape[-1] // d
+        v = v.view(c, B, v.shape[1], Hkv, d)
+        vis = mask[:, None, :].expand(B, Lq, mask.shape[1])  # (B, Lq, Lk) real keys
+        if self.causal:
+            vis = vis & torch.ones(Lq, mask.shape[1], dtype=torch.bool, device=mask.device).tril()[None]
+        w = vis.to(v.dtype)
+        w = w / w.sum(-1, keepdim=True).clamp_min(1.0)
+        u = torch.einsum("bij,cbjkd->cbkid", w, v)  # (c, B, Hkv, Lq, d)
+        return u.repeat_interleave(H // Hkv, dim=2)  # query head h reads kv head h // (H // Hkv)
+
+
+@contextmanager
+def _null():
+    yield

@@ -1,0 +1,224 @@
+"""Head importance (Michel et al. 2019) and confidence (Voita et al. 2019), with their rank agreement.
+
+Michel et al. gate each head's output with ``xi_h`` (here the per-head output z_h before W^O, which
+is what :attr:`ModelAdapter.gates` multiplies) and score a head by the expected absolute derivative
+of the loss, per example::
+
+    I_h = E_x | dL(x) / d xi_h |          evaluated at xi = 1
+
+(the absolute value of each example's derivative, not of the mean derivative). With
+``normalize=True`` each layer is divided by its L2 norm, as in the paper.
+
+One forward and one backward per batch give every head of every layer for every example: each
+example gets its own copy of the gates, ``xi (B, n_layers, H)`` applied by a hook on the input of
+every W^O, so that ``d sum_b L(x_b) / d xi[b]`` is example b's own derivative.
+
+Label-free losses. KL(p_0 || p) and the cosine distance to the unpruned embedding are both at their
+minimum at xi = 1: their derivative there is exactly zero. ``head_importance`` therefore
+differentiates first-order forms whose *squared* derivative, in expectation, is the second
+derivative (the curvature) of the label-free loss:
+
+- ``kl``: ``-log p(y* | x)`` with ``y*`` drawn from the unpruned distribution (per token for a
+  decoder); ``E_y* (d log p(y*) / d xi)^2`` is the Fisher information, ``d^2 KL / d xi^2`` at xi = 1;
+- ``cosine``: ``u . e(x) / |e_0(x)|`` with ``u`` a random unit vector orthogonal to ``e_0``;
+  ``E_u (u . de/dxi)^2 / |e_0|^2 = |P_perp de/dxi|^2 / (|e_0|^2 (D - 1))``, proportional to
+  ``d^2 (1 - cos) / d xi^2``.
+
+Draws come from ``seed``; the measured effect of removing a head (:func:`headlab.ablate`) is the
+check that the ranking means something, and :func:`importance_study` reports the rank correlation.
+
+Confidence (Voita et al.): the mean over real tokens of each query row's largest attention weight,
+from the streaming statistics (:func:`headlab.attention_stats`, capture site ``stats``): no map held.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from headlab.errors import ConfigError
+from headlab.interpret.heads import common as C
+
+
+def _gates_hook(adapter, holder: dict):
+    """Per-example gates: z_h of example b is multiplied by ``holder['xi'][b, layer, h]``."""
+
+    def fn(layer, z):  # z (B, H_l, L, d)
+        xi = holder.get("xi")
+        if xi is None:
+            return None
+        g = xi[:, layer, : z.shape[1]].to(z.dtype)  # (B, H_l)
+        return z * g[:, :, None, None]
+
+    return C.pre_hooks(adapter, fn)
+
+
+def head_importance(loaded, texts, labels=None, *, loss: C.Loss = "auto", batch_size: int = 16,
+                    normalize: bool = False, backend: str = "auto", seed: int = 0, max_length: int | None = None,
+                    progress: bool = False) -> torch.Tensor:
+    """Michel et al.'s ``I_h = E_x |dL(x)/d xi_h|`` for every head: ``(n_layers, H)``.
+
+    Args:
+        loaded: a :class:`~headlab.models.loader.LoadedModel`, a model or an adapter.
+        texts: strings (needs a tokenizer) or token-id sequences.
+        labels: gold class ids for ``loss="task"``.
+        loss: ``"task"``, ``"lm"``, ``"kl"``, ``"cosine"`` or ``"auto"`` (task with labels, lm for
+            decoders, kl for classifiers, cosine for sentence encoders). See the module docstring.
+        batch_size: examples per forward + backward.
+        normalize: divide each layer by its L2 norm (Michel et al.).
+        backend: the attention backend (one with a backward: ``sdpa``, ``tiled``, ``reference``).
+        seed: draws of the label-free surrogates.
+
+    The adapter's own gates stay as they are (a head gated to 0 scores 0).
+
+        >>> import torch
+        >>> from headlab.models.transformer import Transformer, TransformerConfig
+        >>> m = Transformer(TransformerConfig(vocab_size=40, d_model=32, n_layers=2, n_heads=4, causal=True)).eval()
+        >>> texts = [torch.randint(0, 40, (9,)) for _ in range(6)]
+        >>> head_importance(m, texts, loss="lm", batch_size=3).shape
+        torch.Size([2, 4])
+    """
+    return _importance(loaded, texts, labels, loss=loss, batch_size=batch_size, normalize=normalize,
+                       backend=backend, seed=seed, max_length=max_length, progress=progress)[0]
+
+
+def _importance(loaded, texts, labels, *, loss, batch_size, normalize, backend, seed, max_length, progress):
+    adapter, ld = C.resolve(loaded)
+    loss = C.choose_loss(adapter, loss, labels)
+    C.check_data(texts, labels, loss)
+    data = C.batches(ld, adapter, texts, labels, batch_size, max_length=max_length)
+    gen = torch.Generator().manual_seed(seed)
+    L, H = adapter.n_layers, adapter.n_heads
+    total = torch.zeros(L, H, dtype=torch.float64)
+    holder: dict = {}
+    was_training = adapter.model.training
+    adapter.model.eval()
+    t0 = time.perf_counter()
+    try:
+        with adapter.use_backend(backend), _gates_hook(adapter, holder), C.progress_bar(progress) as bar:
+            task = bar.add_task(f"importance ({loss})", total=len(data))
+            for b in data:
+                ref = {}
+                if loss in ("kl", "cosine"):
+                    holder["xi"] = None
+                    with torch.no_grad():
+                        ref = C.reference(loss, adapter.forward(b.inputs), b, generator=gen)
+                xi = torch.ones(b.size, L, H, dtype=torch.float32, device=b.inputs["input_ids"].device,
+                                requires_grad=True)
+                holder["xi"] = xi
+                with torch.enable_grad():
+                    per = C.per_example(loss, adapter.forward(b.inputs), b, ref, surrogate=True)  # (B,)
+                    (grad,) = torch.autograd.grad(per.sum(), xi, allow_unused=True)
+                if grad is not None:
+                    total += grad.detach().abs().sum(0).double().cpu()
+                bar.advance(task)
+    finally:
+        holder.clear()
+        adapter.model.train(was_training)
+    imp = (total / len(texts)).float()
+    counts = C.layer_head_counts(adapter)
+    for layer, n in enumerate(counts):
+        imp[layer, n:] = float("nan")  # a pruned model's missing heads
+    if normalize:
+        norms = torch.nan_to_num(imp).norm(dim=-1, keepdim=True)
+        imp = imp / norms.clamp_min(1e-20)
+    return imp, loss, time.perf_counter() - t0
+
+
+def head_confidence(loaded, texts, *, batch_size: int = 16, max_length: int | None = None,
+                    progress: bool = False) -> torch.Tensor:
+    """Voita et al.'s confidence: mean over real query tokens of ``max_j P_ij``, ``(n_layers, H)``.
+
+    Computed from streaming statistics (``stats`` site, ``max_weight``, tiled method): no
+    ``n x n`` map is ever held."""
+    from headlab.interpret.capture import capture
+
+    adapter, ld = C.resolve(loaded)
+    C.check_data(texts, None, "cosine")
+    data = C.batches(ld, adapter, texts, None, batch_size, max_length=max_length)
+    L, H = adapter.n_layers, adapter.n_heads
+    total = torch.zeros(L, H, dtype=torch.float64)
+    count = 0.0
+    with C.progress_bar(progress) as bar:
+        task = bar.add_task("confidence", total=len(data))
+        for b in data:
+            cache = capture(adapter, b.inputs, "blocks.*.attn.stats",
+                            stats_kwargs={"stats": ["max_weight"], "method": "tiled"})
+            m = b.mask.to(torch.float64)  # (B, L) real query rows
+            for layer in range(L):
+                mw = cache[f"blocks.{layer}.attn.stats"].max_weight.double()  # (B, H_l, L)
+                total[layer, : mw.shape[1]] += (mw * m[:, None, :]).sum((0, 2)).cpu()
+            count += float(m.sum())
+            bar.advance(task)
+    conf = (total / max(count, 1.0)).float()
+    for layer, n in enumerate(C.layer_head_counts(adapter)):
+        conf[layer, n:] = float("nan")
+    return conf
+
+
+@dataclass
+class ImportanceResult:
+    """Importance (raw and normalised), confidence, and their rank agreement with ablation effects."""
+
+    model: str
+    loss: str
+    n_examples: int
+    importance: torch.Tensor  # (n_layers, H) E_x |dL/dxi|
+    normalized: torch.Tensor  # (n_layers, H) each layer / its L2 norm
+    confidence: torch.Tensor | None  # (n_layers, H) mean max attention weight
+    seconds: float  # wall time of the importance pass (all batches, one backward each)
+    correlations: dict[str, float | None] = field(default_factory=dict)  # Spearman, e.g. importance~ablation
+    notes: list[str] = field(default_factory=list)
+
+    def ranking(self, ascending: bool = True) -> list[tuple[int, int]]:
+        """(layer, head) by importance (ascending: the first to prune first)."""
+        flat = [(float(self.importance[l, h]), l, h) for l in range(self.importance.shape[0])
+                for h in range(self.importance.shape[1]) if not torch.isnan(self.importance[l, h])]
+        flat.sort(reverse=not ascending)
+        return [(l, h) for _, l, h in flat]
+
+    def to_json(self) -> dict:
+        def grid(t):
+            return None if t is None else [[C.safe_float(x) for x in row] for row in t.tolist()]
+
+        return {"kind": "head_importance", "model": self.model, "loss": self.loss, "n_examples": self.n_examples,
+                "importance": grid(self.importance), "normalized": grid(self.normalized),
+                "confidence": grid(self.confidence), "seconds": self.seconds,
+                "correlations": self.correlations, "notes": self.notes}
+
+
+def correlate(**grids: torch.Tensor | None) -> dict[str, float | None]:
+    """Spearman rank correlation of every pair of ``(n_layers, H)`` grids, over the heads all of them have."""
+    named = {k: v for k, v in grids.items() if v is not None}
+    out: dict[str, float | None] = {}
+    keys = list(named)
+    for i, a in enumerate(keys):
+        for b in keys[i + 1:]:
+            x, y = named[a].flatten(), named[b].flatten()
+            ok = ~(torch.isnan(x) | torch.isnan(y))
+            out[f"{a}~{b}"] = C.spearman(x[ok].tolist(), y[ok].tolist()) if int(ok.sum()) > 2 else None
+    return out
+
+
+def importance_study(loaded, texts, labels=None, *, loss: C.Loss = "auto", batch_size: int = 16,
+                     backend: str = "auto", seed: int = 0, confidence: bool = True, single_effects=None,
+                     max_length: int | None = None, progress: bool = False) -> ImportanceResult:
+    """Importance, normalised importance, confidence, and Spearman correlations between them and
+    ``single_effects`` (an ``(n_layers, H)`` grid from :func:`headlab.ablate`), when given."""
+    if single_effects is not None and not isinstance(single_effects, torch.Tensor):
+        raise ConfigError("single_effects must be an (n_layers, H) tensor, e.g. ablate(...).single")
+    imp, used, secs = _importance(loaded, texts, labels, loss=loss, batch_size=batch_size, normalize=False,
+                                  backend=backend, seed=seed, max_length=max_length, progress=progress)
+    norms = torch.nan_to_num(imp).norm(dim=-1, keepdim=True).clamp_min(1e-20)
+    conf = head_confidence(loaded, texts, batch_size=batch_size, max_length=max_length,
+                           progress=progress) if confidence else None
+    _, ld = C.resolve(loaded)
+    name = ld.name if ld is not None else type(C.resolve(loaded)[0].model).__name__
+    notes = []
+    if used in ("kl", "cosine"):
+        notes.append(f"loss={used}: its derivative is zero at the unpruned model; importance uses the first-order "
+                     "surrogate whose squared derivative estimates its curvature (see headlab.head_importance)")
+    return ImportanceResult(name, used, len(texts), imp, imp / norms, conf, secs,
+                            correlate(importance=imp, confidence=conf, ablation=single_effects), notes)

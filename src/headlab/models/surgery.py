@@ -1,0 +1,425 @@
+"""Physical head removal: :func:`prune` slices W_Q, W_K, W_V, W_O (and their biases) layer by layer.
+
+The pruned model really computes less (its projections are smaller) and equals the gated model
+(the original with ``gates[l, h] = 0`` for every removed head) to float precision. Families, read
+through the adapter only (``adapter.family``, ``adapter.attn_modules``, ``adapter.out_projs``)::
+
+    family   q / k / v                         W^O                      per-module counts updated
+    bert     attn.query / key / value          out_proj (Linear)        num_attention_heads, all_head_size
+    gpt2     attn.c_attn (Conv1D, [Q | K | V])  attn.c_proj (Conv1D)     num_heads, split_size
+    llama    attn.q_proj / k_proj / v_proj     attn.o_proj              num_key_value_groups
+    headlab  attn.q_proj / k_proj / v_proj     attn.out_proj            num_heads, num_kv_heads, head_gate
+
+Grouped-query attention (``Hkv < H``, ``G = H // Hkv`` query heads per KV head, query head h reads
+KV head ``h // G``): a KV head goes only when every query head of its group has gone. The kernels
+need every surviving group of a layer to hold the same number of query heads. When a pruning
+leaves groups uneven, ``gqa="pad"`` (default) keeps each group at the size of the largest one by
+retaining some of its removed heads with their W^O block set to zero (exact: they add nothing,
+they still cost their Q projection), and says which in :attr:`PruneResult.notes`; ``gqa="strict"``
+refuses with :class:`~headlab.errors.PruneError`.
+
+Pruning every head of a layer is refused unless ``allow_empty_layers=True``: the layer's attention
+then outputs only W^O's bias (one zero-output head is kept so the module still runs).
+
+    >>> import torch
+    >>> from headlab.models import adapt
+    >>> from headlab.models.transformer import Transformer, TransformerConfig
+    >>> m = Transformer(TransformerConfig(vocab_size=50, d_model=32, n_layers=2, n_heads=4)).eval()
+    >>> r = prune(adapt(m), {0: [1, 2], 1: [3]})
+    >>> [len(k) for k in r.kept], r.model.blocks[0].attn.q_proj.weight.shape
+    ([2, 3], torch.Size([16, 32]))
+    >>> a = adapt(m); a.gates[0, [1, 2]] = 0; a.gates[1, 3] = 0
+    >>> ids = torch.randint(0, 50, (2, 9))
+    >>> torch.allclose(m(ids).logits, r.model(ids).logits, atol=1e-5)
+    True
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+from torch import nn
+
+from headlab.errors import ConfigError, PruneError
+from headlab.models.base import ModelAdapter
+from headlab.models.sites import LayerState, head_out_hook, visit
+
+FAMILIES = ("bert", "gpt2", "llama", "headlab")
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    """What one layer keeps, in original head indices (ascending)."""
+
+    q: tuple[int, ...]  # query heads kept, zero-output padding included
+    kv: tuple[int, ...]  # KV heads kept (== q without GQA)
+    zeroed: tuple[int, ...] = ()  # removed heads retained with W^O = 0 (GQA padding, or an emptied layer)
+
+    @property
+    def live(self) -> tuple[int, ...]:
+        """Query heads that still contribute."""
+        return tuple(h for h in self.q if h not in self.zeroed)
+
+
+@dataclass
+class PruneResult:
+    """A physically pruned copy: ``model``, its ``adapter``, the ``plans`` per layer and ``notes``."""
+
+    model: nn.Module
+    adapter: ModelAdapter
+    plans: list[LayerPlan]
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def kept(self) -> list[tuple[int, ...]]:
+        return [p.live for p in self.plans]
+
+    @property
+    def uniform(self) -> bool:
+        """Every layer keeps the same number of query and KV heads (a plain HF config can say it)."""
+        return len({(len(p.q), len(p.kv)) for p in self.plans}) == 1
+
+
+def check_heads(adapter: ModelAdapter, heads: dict) -> dict[int, list[int]]:
+    """Validate ``{layer: [head, ...]}``: ints in range, no duplicates. Returns a clean copy."""
+    if not isinstance(heads, dict):
+        raise ConfigError(f"heads to prune must be a dict {{layer: [head, ...]}}, got {type(heads).__name__}")
+    clean: dict[int, list[int]] = {}
+    for layer, hs in heads.items():
+        if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < adapter.n_layers:
+            raise ConfigError(f"layer {layer!r} out of range: the model has {adapter.n_layers} layers "
+                              f"(0..{adapter.n_layers - 1})")
+        hs = [hs] if isinstance(hs, int) else list(hs)
+        n = _layer_heads(adapter, layer)
+        for h in hs:
+            if isinstance(h, bool) or not isinstance(h, int) or not 0 <= h < n:
+                raise ConfigError(f"head {h!r} of layer {layer} out of range: that layer has {n} heads (0..{n - 1})")
+        if len(set(hs)) != len(hs):
+            raise ConfigError(f"layer {layer}: head listed twice in {hs}")
+        clean[layer] = sorted(hs)
+    return clean
+
+
+def plan_layer(H: int, Hkv: int, removed: list[int], *, layer: int, allow_empty_layers: bool,
+               gqa: Literal["pad", "strict"]) -> tuple[LayerPlan, str | None]:
+    """The kept heads of one layer with ``H`` query and ``Hkv`` KV heads after removing ``removed``."""
+    G = H // Hkv
+    kept = [h for h in range(H) if h not in set(removed)]
+    if not kept:
+        if not allow_empty_layers:
+            raise PruneError(f"pruning every head of layer {layer} ({H} heads): the layer's attention would output "
+                             "only W^O's bias; pass allow_empty_layers=True (CLI --allow-empty-layers) if you mean it")
+        return LayerPlan(q=(0,), kv=(0,), zeroed=(0,)), (
+            f"layer {layer}: every head pruned; its attention now outputs only W^O's bias "
+            "(head 0 kept with W^O = 0 so that the module still runs)")
+    groups: dict[int, list[int]] = {}
+    for h in kept:
+        groups.setdefault(h // G, []).append(h)
+    sizes = {g: len(v) for g, v in groups.items()}
+    target = max(sizes.values())
+    zeroed: list[int] = []
+    note = None
+    if len(set(sizes.values())) > 1:
+        if gqa == "strict":
+            raise PruneError(
+                f"layer {layer}: grouped-query attention with {G} query heads per KV head; this pruning leaves "
+                f"groups of {[sizes[g] for g in sorted(sizes)]} query heads (KV heads {sorted(sizes)}), which the "
+                "kernels cannot run exactly; prune whole groups, or use gqa='pad' (keeps the removed heads a "
+                "group needs, with W^O = 0)")
+        for g, members in groups.items():
+            spare = [h for h in range(g * G, (g + 1) * G) if h not in members]
+            zeroed += spare[: target - len(members)]
+        note = (f"layer {layer}: uneven GQA groups {[sizes[g] for g in sorted(sizes)]}; kept {len(zeroed)} removed "
+                f"head(s) {sorted(zeroed)} as zero-output padding (W^O = 0) so that every group holds {target}")
+    q = tuple(sorted(kept + zeroed))
+    return LayerPlan(q=q, kv=tuple(sorted(groups)), zeroed=tuple(sorted(zeroed))), note
+
+
+def prune(adapter: ModelAdapter, heads: dict, *, allow_empty_layers: bool = False,
+          gqa: Literal["pad", "strict"] = "pad") -> PruneResult:
+    """A physically pruned deep copy of ``adapter.model`` (the input is left untouched).
+
+    Args:
+        adapter: the model's adapter (``headlab.models.adapt(model)`` or ``loaded.adapter``).
+        heads: ``{layer: [head, ...]}`` in the model's current head indices.
+        allow_empty_layers: allow removing every head of a layer (its attention then outputs b_O only).
+        gqa: ``"pad"`` or ``"strict"``; see the module docstring.
+
+    The copy's gates are the input's gates at the kept heads, so it equals the gated original.
+    """
+    if adapter.family not in FAMILIES:
+        raise ConfigError(f"no surgery for family {adapter.family!r}; supported: {', '.join(FAMILIES)}")
+    if gqa not in ("pad", "strict"):
+        raise ConfigError(f"gqa must be 'pad' or 'strict', got {gqa!r}")
+    heads = check_heads(adapter, heads)
+    base_plans = getattr(adapter, "plans", None)  # pruning an already pruned model: compose
+    plans, notes = [], []
+    for layer in range(adapter.n_layers):
+        H, Hkv = _layer_heads(adapter, layer), _layer_kv_heads(adapter, layer)
+        already_zero = list(base_plans[layer].zeroed_local) if base_plans else []
+        plan, note = plan_layer(H, Hkv, sorted(set(heads.get(layer, [])) | set(already_zero)), layer=layer,
+                                allow_empty_layers=allow_empty_layers, gqa=gqa)
+        plans.append(plan)
+        if note:
+            notes.append(note)
+    model = _stripped_copy(adapter.model)
+    attn, outs = same_modules(adapter, model)
+    gates = adapter.gates.detach().clone()
+    counts = [(_layer_heads(adapter, i), _layer_kv_heads(adapter, i)) for i in range(adapter.n_layers)]
+    new = _apply(adapter.family, [_LocalPlan(p) for p in plans], attn, outs, counts, head_dim=adapter.head_dim)
+    if adapter.family == "llama" and len({(len(p.q), len(p.kv)) for p in plans}) == 1:
+        # every layer alike: the config can say it, and the model saves as a stock Hugging Face folder
+        model.config.num_attention_heads, model.config.num_key_value_heads = len(plans[0].q), len(plans[0].kv)
+        model.config.head_dim = adapter.head_dim
+    if base_plans:  # express the plans in the original model's indices again
+        plans = [LayerPlan(q=tuple(b.q[i] for i in p.q), kv=tuple(b.kv[i] for i in p.kv),
+                           zeroed=tuple(b.q[i] for i in p.zeroed)) for b, p in zip(base_plans, plans)]
+    pa = pruned_adapter(adapter, model, new, plans, attn, outs)
+    for layer, lp in enumerate(new):
+        g = gates[layer, list(lp.plan.q)]
+        g[[i for i, h in enumerate(lp.plan.q) if h in lp.plan.zeroed]] = 0.0
+        pa.gates[layer, : len(g)] = g
+    return PruneResult(model, pa, plans, notes)
+
+
+# -- the structural edit ---------------------------------------------------------------------------------------
+@dataclass
+class _LocalPlan:
+    plan: LayerPlan  # in the indices of the model being cut
+
+    @property
+    def zeroed_local(self) -> list[int]:
+        return [i for i, h in enumerate(self.plan.q) if h in self.plan.zeroed]
+
+
+def _rows(heads, d: int) -> torch.Tensor:
+    """Feature indices of ``heads`` in a ``(heads * d)`` axis."""
+    return torch.tensor([h * d + i for h in heads for i in range(d)], dtype=torch.long)
+
+
+def _cut_linear(lin: nn.Linear, *, out_idx=None, in_idx=None) -> None:
+    """Keep the output rows ``out_idx`` or the input columns ``in_idx`` of an ``nn.Linear``, in place."""
+    w = lin.weight.data
+    if out_idx is not None:
+        lin.weight = nn.Parameter(w[out_idx.to(w.device)].clone(), requires_grad=lin.weight.requires_grad)
+        if lin.bias is not None:
+            lin.bias = nn.Parameter(lin.bias.data[out_idx.to(w.device)].clone(), requires_grad=lin.bias.requires_grad)
+        lin.out_features = len(out_idx)
+    if in_idx is not None:
+        lin.weight = nn.Parameter(w[:, in_idx.to(w.device)].clone(), requires_grad=lin.weight.requires_grad)
+        lin.in_features = len(in_idx)
+
+
+def _cut_conv1d(conv: nn.Module, *, out_idx=None, in_idx=None) -> None:
+    """GPT-2's Conv1D stores ``weight (in, out)``."""
+    w = conv.weight.data
+    if out_idx is not None:
+        conv.weight = nn.Parameter(w[:, out_idx.to(w.device)].clone(), requires_grad=conv.weight.requires_grad)
+        conv.bias = nn.Parameter(conv.bias.data[out_idx.to(w.device)].clone(), requires_grad=conv.bias.requires_grad)
+        conv.nf = len(out_idx)
+    if in_idx is not None:
+        conv.weight = nn.Parameter(w[in_idx.to(w.device)].clone(), requires_grad=conv.weight.requires_grad)
+        conv.nx = len(in_idx)
+
+
+def _zero_out_block(op: nn.Module, family: str, local_heads: list[int], d: int) -> None:
+    """Set the W^O block of ``local_heads`` (indices in the cut layer) to zero."""
+    if not local_heads:
+        return
+    idx = _rows(local_heads, d).to(op.weight.device)
+    with torch.no_grad():
+        if family == "gpt2":
+            op.weight[idx] = 0.0
+        else:
+            op.weight[:, idx] = 0.0
+
+
+def same_modules(adapter: ModelAdapter, copy_of_model: nn.Module) -> tuple[list, list]:
+    """The attention modules and output projections of a deep copy, found by their names in the original."""
+    names = {id(m): n for n, m in adapter.model.named_modules()}
+    mods = dict(copy_of_model.named_modules())
+    return ([mods[names[id(m)]] for m in adapter.attn_modules], [mods[names[id(m)]] for m in adapter.out_projs])
+
+
+def _apply(family: str, plans: list[_LocalPlan], attn_modules: list, out_projs: list,
+           counts: list[tuple[int, int]], *, head_dim: int) -> list[_LocalPlan]:
+    """Cut every layer's modules to its plan, in place; ``counts[l]`` = (H_l, Hkv_l) before the cut."""
+    d = head_dim
+    for layer, lp in enumerate(plans):
+        p = lp.plan
+        am, op = attn_modules[layer], out_projs[layer]
+        H, Hkv = counts[layer]
+        if len(p.q) == H and len(p.kv) == Hkv and not p.zeroed:
+            continue
+        q_idx, kv_idx = _rows(p.q, d), _rows(p.kv, d)
+        if family == "bert":
+            _cut_linear(am.query, out_idx=q_idx)
+            _cut_linear(am.key, out_idx=kv_idx)
+            _cut_linear(am.value, out_idx=kv_idx)
+            _cut_linear(op, in_idx=q_idx)
+            am.num_attention_heads, am.all_head_size = len(p.q), len(p.q) * d
+        elif family == "gpt2":
+            width = am.split_size
+            _cut_conv1d(am.c_attn, out_idx=torch.cat([q_idx, width + kv_idx, 2 * width + kv_idx]))
+            _cut_conv1d(op, in_idx=q_idx)
+            am.num_heads, am.split_size = len(p.q), len(p.q) * d
+        elif family == "llama":
+            _cut_linear(am.q_proj, out_idx=q_idx)
+            _cut_linear(am.k_proj, out_idx=kv_idx)
+            _cut_linear(am.v_proj, out_idx=kv_idx)
+            _cut_linear(op, in_idx=q_idx)
+            am.num_key_value_groups = len(p.q) // len(p.kv)
+        else:  # headlab
+            _cut_linear(am.q_proj, out_idx=q_idx)
+            _cut_linear(am.k_proj, out_idx=kv_idx)
+            _cut_linear(am.v_proj, out_idx=kv_idx)
+            _cut_linear(op, in_idx=q_idx)
+            am.head_gate = am.head_gate[list(p.q)].clone()
+            am.num_heads, am.num_kv_heads = len(p.q), len(p.kv)
+        _zero_out_block(op, family, lp.zeroed_local, d)
+    return plans
+
+
+def _stripped_copy(model: nn.Module) -> nn.Module:
+    """A deep copy without headlab's adapter, layer states and hooks (the copy gets its own)."""
+    new = copy.deepcopy(model)
+    for m in new.modules():
+        for hooks in (m._forward_pre_hooks, m._forward_hooks):
+            for key in [k for k, fn in hooks.items() if getattr(fn, "__module__", "").startswith("headlab.models")]:
+                del hooks[key]
+        if hasattr(m, "_headlab"):
+            del m._headlab
+    if hasattr(new, "_headlab_adapter"):
+        del new._headlab_adapter
+    return new
+
+
+# -- the adapter of a pruned model: per-layer head counts ------------------------------------------------------
+def _layer_heads(adapter: ModelAdapter, layer: int) -> int:
+    counts = getattr(adapter, "layer_heads", None)
+    return counts[layer] if counts is not None else adapter.n_heads
+
+
+def _layer_kv_heads(adapter: ModelAdapter, layer: int) -> int:
+    counts = getattr(adapter, "layer_kv_heads", None)
+    return counts[layer] if counts is not None else adapter.n_kv_heads
+
+
+class _PrunedMixin:
+    """Per-layer head counts on top of a family adapter (placed first in the MRO).
+
+    ``n_heads`` is the largest count of any layer; ``gates`` is ``(n_layers, n_heads)`` and the
+    entries past a layer's count are ignored. ``layer_heads[l]``, ``layer_kv_heads[l]``: the counts;
+    ``plans[l]``: the original head indices each layer keeps."""
+
+    layer_heads: list[int]
+    layer_kv_heads: list[int]
+    plans: list
+
+    def _weights(self, layer, which):
+        n = self.layer_heads[layer] if which in "qo" else self.layer_kv_heads[layer]
+        d, am, op = self.head_dim, self.attn_modules[layer], self.out_projs[layer]
+        if self.family == "gpt2":
+            width = am.split_size
+            if which == "o":
+                return op.weight.view(n, d, op.weight.shape[1])
+            i = "qkv".index(which)
+            w = am.c_attn.weight[:, i * width: i * width + n * d]  # (E, n*d)
+            return w.reshape(w.shape[0], n, d).transpose(0, 1)
+        if which == "o":
+            return op.weight.t().reshape(n, d, op.weight.shape[0])
+        lin = _proj(am, self.family, which)
+        return lin.weight.view(n, d, lin.weight.shape[1]).transpose(1, 2)
+
+    def _bias(self, layer, which):
+        n = self.layer_heads[layer] if which in "qo" else self.layer_kv_heads[layer]
+        d, am, op = self.head_dim, self.attn_modules[layer], self.out_projs[layer]
+        if which == "o":
+            return op.bias
+        if self.family == "gpt2":
+            i, width = "qkv".index(which), am.split_size
+            return am.c_attn.bias[i * width: i * width + n * d].view(n, d)
+        lin = _proj(am, self.family, which)
+        return None if lin.bias is None else lin.bias.view(n, d)
+
+    def _share_gates(self) -> None:  # headlab's Transformer: head_gate views of this layer's gates
+        for i, am in enumerate(self.attn_modules):
+            am.head_gate = self._gates[i, : self.layer_heads[i]]
+
+    def __repr__(self) -> str:
+        return (f"<Pruned {self.family} adapter: layers={self.n_layers} heads per layer={self.layer_heads} "
+                f"kv heads per layer={self.layer_kv_heads}>")
+
+
+def _proj(am: nn.Module, family: str, which: str) -> nn.Module:
+    if family == "bert":
+        return getattr(am, {"q": "query", "k": "key", "v": "value"}[which])
+    return getattr(am, f"{which}_proj")
+
+
+def pruned_adapter(template: ModelAdapter, model: nn.Module, plans: list[_LocalPlan],
+                   original_plans: list[LayerPlan], attn: list, outs: list) -> ModelAdapter:
+    """An adapter for the cut ``model``, of the template's family class with per-layer counts."""
+    fam_cls = type(template)
+    if isinstance(template, _PrunedMixin):
+        fam_cls = next(c for c in fam_cls.__mro__[1:] if not issubclass(c, _PrunedMixin))
+    cls = type(f"Pruned{fam_cls.__name__}", (_PrunedMixin, fam_cls), {})
+    q_counts = [len(p.plan.q) for p in plans]
+    kv_counts = [len(p.plan.kv) for p in plans]
+    pa = cls.__new__(cls)
+    pa.layer_heads, pa.layer_kv_heads, pa.plans = q_counts, kv_counts, [_Plan(p.plan, o) for p, o in
+                                                                         zip(plans, original_plans)]
+    ModelAdapter.__init__(pa, model, n_layers=template.n_layers, n_heads=max(q_counts), n_kv_heads=max(kv_counts),
+                          head_dim=template.head_dim, d_model=template.d_model, attn_modules=attn, out_projs=outs)
+    for h in pa._handles:  # the base gate hook assumes one head count: use the per-layer one
+        h.remove()
+    pa._handles = []
+    for i, op in enumerate(outs):
+        op._headlab.n_heads = q_counts[i]
+        pa._handles.append(op.register_forward_pre_hook(_pruned_gate_hook))
+        pa._handles.append(op.register_forward_hook(head_out_hook))
+    for key, value in vars(template).items():  # what the family's own __init__ set (e.g. causal)
+        if not key.startswith("_") and key not in vars(pa):
+            try:
+                setattr(pa, key, value)
+            except AttributeError:  # a read-only property in the class: it computes itself
+                pass
+    model._headlab_adapter = pa
+    return pa
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """A layer's plan in the original indices, with the local indices of its zero-output heads."""
+
+    local: LayerPlan
+    original: LayerPlan
+
+    @property
+    def zeroed_local(self) -> list[int]:
+        return [i for i, h in enumerate(self.local.q) if h in self.local.zeroed]
+
+    @property
+    def q(self):
+        return self.original.q
+
+    @property
+    def kv(self):
+        return self.original.kv
+
+
+def _pruned_gate_hook(module: nn.Module, args: tuple):
+    """As the base gate hook, with this layer's own head count (``gates[l, :n_l]``)."""
+    x = args[0]
+    state: LayerState = module._headlab
+    H, d = state.n_heads, state.head_dim
+    lead = x.shape[:-1]
+    z = x.reshape(*lead, H, d).movedim(-2, -3)  # (B, L, H*d) -> (B, H, L, d)
+    z = visit(state, "z", z)
+    g = state.adapter.gates[state.layer, :H].to(device=z.device, dtype=z.dtype).view(H, 1, 1)
+    zg = z * g  # (B, H, L, d)
+    state.z_gated = zg if state.wants("head_out") else None
+    return (zg.movedim(-3, -2).reshape(*lead, H * d), *args[1:])
