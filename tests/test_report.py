@@ -419,3 +419,27 @@ def test_streaming_pictures_are_what_the_model_computed(arch, minilm, tmp_path):
     data = json.loads(parse_page(stream.html.read_text(encoding="utf-8")).data)
     full_data = json.loads(parse_page(full.html.read_text(encoding="utf-8")).data)
     assert _close_b64(data["maps"]["1.1"], full_data["maps"]["1.1"])
+
+
+def test_other_studies_annotate_heads(minilm, tmp_path):
+    from headlab.errors import InputError
+    from headlab.interpret.report.annotations import study_annotations
+
+    heads_file = tmp_path / "importance.json"
+    grid = [[float(l * 12 + h) for h in range(12)] for l in range(6)]
+    heads_file.write_text(json.dumps({"importance": grid, "verdicts": [{"layer": 5, "head": 11, "label": "unique"}]}))
+    notes = study_annotations(heads=heads_file)
+    assert notes[(5, 11)] == ["importance 71 (rank 1/72); unique"]
+    r = analyze(TEXT, model=minilm, out_dir=tmp_path / "a", annotations={**notes, (0, 2): "det head: 78% vs 41%"})
+    rec = {(x["layer"], x["head"]): x for x in json.loads(r.json.read_text())["heads"]}
+    assert rec[(0, 2)]["notes"] == ["det head: 78% vs 41%"] and rec[(5, 11)]["notes"][0].startswith("importance 71")
+    page = r.html.read_text(encoding="utf-8")
+    assert "other studies" in page and "det head: 78% vs 41%" in page
+    with pytest.raises(InputError, match="does not have"):
+        analyze(TEXT, model=minilm, out_dir=tmp_path / "b", annotations={(9, 0): "x"})
+    with pytest.raises(InputError, match="no such file"):
+        study_annotations(probe=tmp_path / "missing.json")
+    bad = tmp_path / "bad.json"
+    bad.write_text("[1, 2]")
+    with pytest.raises(InputError, match="not a headlab heads result"):
+        study_annotations(heads=bad)

@@ -9,7 +9,9 @@ import typer
 
 from headlab.cli.app import app, console, err_console, print_json
 from headlab.errors import InputError
-from headlab.interpret.report.job import MAX_FULL_TOKENS, ReportResult, analyze as run_analyze
+from headlab.interpret.report.annotations import study_annotations
+from headlab.interpret.report.job import MAX_FULL_TOKENS, ReportResult
+from headlab.interpret.report.job import analyze as run_analyze
 
 
 def step_printer():
@@ -68,6 +70,9 @@ def analyze_cmd(
     max_full_tokens: int = typer.Option(MAX_FULL_TOKENS, "--max-full-tokens",
                                         help="longer inputs use streaming statistics and draw only chosen heads"),
     truncate: bool = typer.Option(False, "--truncate", help="cut text longer than the model's positions (warned)"),
+    probe: Path = typer.Option(None, "--probe", help="label heads with a `headlab probe` result (relations.json)"),
+    heads_result: Path = typer.Option(None, "--heads-result",
+                                      help="show importance and verdicts from `headlab heads` (importance.json, ablation.json)"),
     as_json: bool = typer.Option(False, "--json", help="print the summary as JSON"),
 ) -> None:
     """Write a report on every attention head: per-layer pictures, an interactive page, a per-head table.
@@ -77,8 +82,10 @@ def analyze_cmd(
     TEXT must be valid UTF-8: other bytes (Latin-1 text, say) are refused with their position.
     """
     check_utf8(text)
+    notes = study_annotations(probe=probe, heads=heads_result)  # read before any model work
     r = run_analyze(text, model=model, out_dir=out, backend=backend, force=force, heads=heads,
-                    max_full_tokens=max_full_tokens, truncate=truncate, progress=step_printer())
+                    max_full_tokens=max_full_tokens, truncate=truncate, progress=step_printer(),
+                    annotations=notes or None)
     if as_json:
         print_json({"out_dir": r.out_dir, "html": r.html, "csv": r.csv, "json": r.json, "pngs": r.pngs,
                     "mode": r.mode, "tokens": len(r.tokens), "drawn": [f"{a}.{b}" for a, b in r.drawn],

@@ -188,10 +188,11 @@ class HeadRecord:
     self_share: float  # share of rows whose argmax is i
     labels: tuple[str, ...] = ()
     evidence: tuple[str, ...] = field(default=())  # one sentence per label, same order
+    notes: tuple[str, ...] = field(default=())  # findings of other studies about this head (probe, importance...)
 
     def as_dict(self) -> dict:
         d = asdict(self)
-        d["labels"], d["evidence"] = list(self.labels), list(self.evidence)
+        d["labels"], d["evidence"], d["notes"] = list(self.labels), list(self.evidence), list(self.notes)
         return d
 
     @classmethod

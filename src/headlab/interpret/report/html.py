@@ -62,6 +62,8 @@ def _picker(records: Sequence[HeadRecord], n_layers: int, n_heads: int, drawn: s
             r = by[(layer, h)]
             tags = "".join(_TAGS[label] for label in r.labels)
             tip = f"layer {layer}, head {h}: " + ("; ".join(r.evidence) if r.evidence else "no label")
+            if r.notes:
+                tip += "; " + "; ".join(r.notes)
             cls = "" if (layer, h) in drawn else ' class="undrawn"'
             out.append(f'<td><button type="button"{cls} data-layer="{layer}" data-head="{h}" '
                        f'title="{html.escape(tip)}">{layer}.{h}<span class="tags">{tags or "&nbsp;"}</span>'
@@ -76,6 +78,8 @@ def _table(records: Sequence[HeadRecord], first_label: str) -> str:
             ("mean_distance", "mean distance", 2), ("confidence", "confidence", 3), ("mass_first", first_label, 3),
             ("mass_sep", "mass [SEP]", 3), ("top_token", "most attended", None),
             ("top_content_token", "most attended word", None), ("labels", "labels", None)]
+    if any(r.notes for r in records):
+        cols.append(("notes", "other studies", None))
     out = ['<table class="stats"><thead><tr>']
     # text columns are left-aligned, headers included, so each header sits over its values
     out += [f"<th{'' if digits is not None else ' class=text'}>{html.escape(title)}</th>" for _, title, digits in cols]
@@ -84,8 +88,8 @@ def _table(records: Sequence[HeadRecord], first_label: str) -> str:
         out.append(f'<tr data-layer="{r.layer}" data-head="{r.head}" title="{html.escape("; ".join(r.evidence))}">')
         for name, _, digits in cols:
             v = getattr(r, name)
-            if name == "labels":
-                out.append(f'<td class="text">{html.escape(", ".join(v))}</td>')
+            if name in ("labels", "notes"):
+                out.append(f'<td class="text">{html.escape(("; " if name == "notes" else ", ").join(v))}</td>')
             elif digits is None:
                 out.append(f'<td class="text">{html.escape("" if v is None else str(v))}</td>')
             else:

@@ -31,8 +31,8 @@ import json
 import os
 import tempfile
 import warnings
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -273,6 +273,12 @@ def _streaming(loaded, inputs, tokens, *, sinks, seps, causal, backend, threshol
     return records, maps
 
 
+def _notes(value) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    return (value,) if isinstance(value, str) else tuple(value)
+
+
 def analyze(
     text: str,
     *,
@@ -285,6 +291,7 @@ def analyze(
     truncate: bool = False,
     thresholds: LabelThresholds = LabelThresholds(),
     progress: Progress | None = None,
+    annotations: Mapping[tuple[int, int], str | Sequence[str]] | None = None,
 ) -> ReportResult:
     """Analyse every attention head of ``model`` on ``text`` and write the report folder.
 
@@ -306,6 +313,9 @@ def analyze(
             in the notes (default: :class:`~headlab.errors.InputError`).
         thresholds: when a pattern label is given (see :mod:`headlab.interpret.heads.labels`).
         progress: called with a short message before each step.
+        annotations: findings of other studies per head, ``{(layer, head): text}`` (see
+            :func:`~headlab.interpret.report.annotations.study_annotations`: a probe's relation heads, importance ranks and ablation
+            verdicts); shown in the table, the head panel and ``heads.json`` (``notes``).
 
     Returns:
         A :class:`ReportResult`.
@@ -332,6 +342,10 @@ def analyze(
     adapter = loaded.adapter
     n_layers, n_heads = adapter.n_layers, adapter.n_heads
     chosen = parse_heads(heads, n_layers, n_heads)
+    for layer, head in (annotations or {}):
+        if not (0 <= layer < n_layers and 0 <= head < n_heads):
+            raise InputError(f"an annotation names head {layer}.{head}, which {loaded.name} does not have "
+                             f"(layers 0..{n_layers - 1}, heads 0..{n_heads - 1}): was the study run on another model?")
 
     notes: list[str] = []
     with warnings.catch_warnings(record=True) as caught:
@@ -360,6 +374,8 @@ def analyze(
                      f"(no {n} x {n} map held) and maps are drawn only for heads "
                      f"{', '.join(f'{a}.{b}' for a, b in drawn)}" + ("" if chosen else " (chosen automatically: "
                      "the heads whose rows most often point at a fixed offset; pick others with --heads)"))
+    if annotations:
+        records = [replace(r, notes=_notes(annotations.get((r.layer, r.head)))) for r in records]
     provenance, approx_warning = backend_provenance(backend, mode)
     if approx_warning:
         notes.append(approx_warning)

@@ -173,6 +173,7 @@
       ["most attended", "'" + r.top_token + "' #" + r.top_token_pos + " (" + fmt(r.top_token_share, 2) + " per row)"],
       ["argmax at -1 / +1 / 0", fmt(r.prev_share, 2) + " / " + fmt(r.next_share, 2) + " / " + fmt(r.self_share, 2)]
     ];
+    if (r.notes && r.notes.length) rows.push(["other studies", r.notes.join("; ")]);
     el.textContent = "";
     var dl = document.createElement("dl");
     rows.forEach(function (p) {
