@@ -15,10 +15,10 @@ __all__ = ["KNOWN_MODELS", "LoadedModel", "ModelAdapter", "Transformer", "Transf
 
 _LAZY = {
     "load": "headlab.models.loader",
-    "adapt": "headlab.models.loader",
-    "LoadedModel": "headlab.models.loader",
+    "adapt": "headlab.models.loaded",
+    "LoadedModel": "headlab.models.loaded",
     "KNOWN_MODELS": "headlab.models.loader",
-    "TruncationWarning": "headlab.models.loader",
+    "TruncationWarning": "headlab.models.loaded",
     "ModelAdapter": "headlab.models.base",
     "cache_dir": "headlab.models.cache",
     "Transformer": "headlab.models.transformer",

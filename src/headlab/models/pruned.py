@@ -34,7 +34,7 @@ from torch import nn
 
 from headlab.errors import InputError, ModelError
 from headlab.models.base import ModelAdapter
-from headlab.models.loader import LoadedModel, adapt
+from headlab.models.loaded import LoadedModel, adapt, resolve
 from headlab.models.surgery import LayerPlan, PruneResult, _apply, _LocalPlan, prune, pruned_adapter
 
 MANIFEST = "headlab_pruned.json"
@@ -94,16 +94,6 @@ class PrunedModel(LoadedModel):
         return path
 
 
-def _resolve(target) -> tuple[ModelAdapter, LoadedModel | None]:
-    if isinstance(target, LoadedModel):
-        return target.adapter, target
-    if isinstance(target, ModelAdapter):
-        return target, None
-    if isinstance(target, nn.Module):
-        return adapt(target), None
-    raise ModelError(f"expected a LoadedModel (headlab.load), a model or an adapter, got {type(target).__name__}")
-
-
 def _original_heads(adapter: ModelAdapter, loaded) -> tuple[int, int]:
     if isinstance(loaded, PrunedModel):
         return loaded.original_heads
@@ -123,7 +113,7 @@ def prune_heads(loaded, heads: dict, *, allow_empty_layers: bool = False, gqa: s
         ConfigError: a layer or head out of range. PruneError: a whole layer without the flag, or
         uneven GQA groups with ``gqa="strict"``.
     """
-    adapter, ld = _resolve(loaded)
+    adapter, ld = resolve(loaded)
     r: PruneResult = prune(adapter, heads, allow_empty_layers=allow_empty_layers, gqa=gqa)
     name = ld.name if ld is not None else type(adapter.model).__name__
     max_pos = ld.max_positions if ld is not None else _max_positions(r.model)

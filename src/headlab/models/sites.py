@@ -186,7 +186,8 @@ def gate_hook(module: nn.Module, args: tuple):
     lead = x.shape[:-1]
     z = x.reshape(*lead, H, d).movedim(-2, -3)  # (B, L, H*d) -> (B, H, L, d)
     z = visit(state, "z", z)
-    g = state.adapter.gates[state.layer].to(device=z.device, dtype=z.dtype).view(H, 1, 1)
+    # a physically pruned layer keeps fewer heads than the widest one: its gates are gates[l, :H]
+    g = state.adapter.gates[state.layer, :H].to(device=z.device, dtype=z.dtype).view(H, 1, 1)
     zg = z * g  # (B, H, L, d)
     state.z_gated = zg if state.wants("head_out") else None
     return (zg.movedim(-3, -2).reshape(*lead, H * d), *args[1:])  # (B, L, H*d)

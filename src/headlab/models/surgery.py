@@ -45,7 +45,7 @@ from torch import nn
 
 from headlab.errors import ConfigError, PruneError
 from headlab.models.base import ModelAdapter
-from headlab.models.sites import LayerState, head_out_hook, visit
+from headlab.models.sites import gate_hook, head_out_hook
 
 FAMILIES = ("bert", "gpt2", "llama", "headlab")
 
@@ -379,7 +379,7 @@ def pruned_adapter(template: ModelAdapter, model: nn.Module, plans: list[_LocalP
     pa._handles = []
     for i, op in enumerate(outs):
         op._headlab.n_heads = q_counts[i]
-        pa._handles.append(op.register_forward_pre_hook(_pruned_gate_hook))
+        pa._handles.append(op.register_forward_pre_hook(gate_hook))
         pa._handles.append(op.register_forward_hook(head_out_hook))
     for key, value in vars(template).items():  # what the family's own __init__ set (e.g. causal)
         if not key.startswith("_") and key not in vars(pa):
@@ -409,17 +409,3 @@ class _Plan:
     @property
     def kv(self):
         return self.original.kv
-
-
-def _pruned_gate_hook(module: nn.Module, args: tuple):
-    """As the base gate hook, with this layer's own head count (``gates[l, :n_l]``)."""
-    x = args[0]
-    state: LayerState = module._headlab
-    H, d = state.n_heads, state.head_dim
-    lead = x.shape[:-1]
-    z = x.reshape(*lead, H, d).movedim(-2, -3)  # (B, L, H*d) -> (B, H, L, d)
-    z = visit(state, "z", z)
-    g = state.adapter.gates[state.layer, :H].to(device=z.device, dtype=z.dtype).view(H, 1, 1)
-    zg = z * g  # (B, H, L, d)
-    state.z_gated = zg if state.wants("head_out") else None
-    return (zg.movedim(-3, -2).reshape(*lead, H * d), *args[1:])

@@ -12,20 +12,8 @@ from headlab.errors import ConfigError, InputError
 from headlab.interpret.capture.cache import ActivationCache
 from headlab.interpret.capture.probe import Probe
 from headlab.models.base import ModelAdapter
+from headlab.models.loader import resolve
 from headlab.models.sites import SITE_KINDS, match_sites
-
-
-def _resolve(target) -> tuple[ModelAdapter, object | None]:
-    """(adapter, LoadedModel or None) from a LoadedModel, an adapter or a model."""
-    from headlab.models.loader import LoadedModel, adapt
-
-    if isinstance(target, LoadedModel):
-        return target.adapter, target
-    if isinstance(target, ModelAdapter):
-        return target, None
-    if isinstance(target, nn.Module):
-        return adapt(target), None
-    raise ConfigError(f"capture needs a model, a LoadedModel (headlab.load) or a ModelAdapter, got {type(target).__name__}")
 
 
 def _select(adapter: ModelAdapter, sites: str | Sequence[str] | None) -> dict[int, set[str]]:
@@ -80,7 +68,7 @@ def capture(
     Returns:
         :class:`ActivationCache`; tensors are detached.
     """
-    adapter, loaded = _resolve(model_or_loaded_or_adapter)
+    adapter, loaded = resolve(model_or_loaded_or_adapter)
     wanted = _select(adapter, sites)
     if grads and scalar is None:
         raise ConfigError("grads=True needs scalar=, a function of the model outputs returning a 0-dim tensor, "

@@ -40,6 +40,7 @@ import torch
 
 from headlab.errors import ConfigError, InputError
 from headlab.interpret.heads import common as C
+from headlab.models.loader import resolve
 from headlab.interpret.heads.edits import KINDS, Runner, mean_z
 
 
@@ -174,7 +175,7 @@ def ablate(loaded, texts, labels=None, *, kind: str = "zero", loss: C.Loss = "au
         max_rows: rows per forward (configurations x examples batched together).
         n_boot, alpha: bootstrap resamples and interval level; rel_tol: see the module docstring.
     """
-    adapter, ld = C.resolve(loaded)
+    adapter, ld = resolve(loaded)
     if kind not in KINDS:
         raise ConfigError(f"unknown ablation kind {kind!r}; use one of {', '.join(KINDS)}")
     loss = C.choose_loss(adapter, loss, labels)

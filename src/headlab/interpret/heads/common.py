@@ -29,7 +29,6 @@ from typing import Literal
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from headlab.errors import ConfigError, InputError
 from headlab.models.base import ModelAdapter
@@ -38,27 +37,9 @@ Loss = Literal["auto", "task", "lm", "kl", "cosine"]
 LOSSES = ("task", "lm", "kl", "cosine")
 
 
-def resolve(target):
-    """``(adapter, loaded or None)`` from a LoadedModel, a model or an adapter."""
-    from headlab.models.loader import LoadedModel, adapt
-
-    if isinstance(target, LoadedModel):
-        return target.adapter, target
-    if isinstance(target, ModelAdapter):
-        return target, None
-    if isinstance(target, nn.Module):
-        return adapt(target), None
-    raise ConfigError(f"expected a LoadedModel (headlab.load), a model or an adapter, got {type(target).__name__}")
-
-
 def is_causal(adapter: ModelAdapter) -> bool:
     """Decoder (each token sees only the past) or encoder."""
-    c = getattr(adapter, "causal", None)
-    if isinstance(c, bool):
-        return c
-    if adapter.family == "headlab":
-        return bool(adapter.model.config.causal)
-    return adapter.family in ("gpt2", "llama")
+    return adapter.causal
 
 
 def read_texts(path: str | Path, *, limit: int | None = None) -> tuple[list[str], list[int] | None]:

@@ -40,6 +40,7 @@ import torch
 
 from headlab.errors import ConfigError
 from headlab.interpret.heads import common as C
+from headlab.models.loader import resolve
 
 
 def _gates_hook(adapter, holder: dict):
@@ -85,7 +86,7 @@ def head_importance(loaded, texts, labels=None, *, loss: C.Loss = "auto", batch_
 
 
 def _importance(loaded, texts, labels, *, loss, batch_size, normalize, backend, seed, max_length, progress):
-    adapter, ld = C.resolve(loaded)
+    adapter, ld = resolve(loaded)
     loss = C.choose_loss(adapter, loss, labels)
     C.check_data(texts, labels, loss)
     data = C.batches(ld, adapter, texts, labels, batch_size, max_length=max_length)
@@ -135,7 +136,7 @@ def head_confidence(loaded, texts, *, batch_size: int = 16, max_length: int | No
     ``n x n`` map is ever held."""
     from headlab.interpret.capture import capture
 
-    adapter, ld = C.resolve(loaded)
+    adapter, ld = resolve(loaded)
     C.check_data(texts, None, "cosine")
     data = C.batches(ld, adapter, texts, None, batch_size, max_length=max_length)
     L, H = adapter.n_layers, adapter.n_heads
@@ -214,8 +215,8 @@ def importance_study(loaded, texts, labels=None, *, loss: C.Loss = "auto", batch
     norms = torch.nan_to_num(imp).norm(dim=-1, keepdim=True).clamp_min(1e-20)
     conf = head_confidence(loaded, texts, batch_size=batch_size, max_length=max_length,
                            progress=progress) if confidence else None
-    _, ld = C.resolve(loaded)
-    name = ld.name if ld is not None else type(C.resolve(loaded)[0].model).__name__
+    _, ld = resolve(loaded)
+    name = ld.name if ld is not None else type(resolve(loaded)[0].model).__name__
     notes = []
     if used in ("kl", "cosine"):
         notes.append(f"loss={used}: its derivative is zero at the unpruned model; importance uses the first-order "

@@ -23,6 +23,7 @@ import torch
 
 from headlab.errors import ConfigError
 from headlab.interpret.heads import common as C
+from headlab.models.loader import resolve
 from headlab.interpret.heads.importance import _importance
 from headlab.models.pruned import PrunedModel, prune_heads
 
@@ -171,7 +172,7 @@ def pruning_curve(loaded, texts, labels=None, *, loss: C.Loss = "auto", importan
 
     ``importance``: an ``(n_layers, H)`` grid to rank by (default: :func:`headlab.head_importance`
     on the same texts with ``loss``, normalised per layer when ``normalize``)."""
-    adapter, ld = C.resolve(loaded)
+    adapter, ld = resolve(loaded)
     loss = C.choose_loss(adapter, loss, labels)
     C.check_data(texts, labels, loss)
     if not 0 < step <= 1 or not 0 < max_fraction <= 1:

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from headlab.interpret.heads import common as C
+from headlab.models.loader import resolve
 from headlab.models.pruned import prune_heads
 
 
@@ -65,7 +66,7 @@ class Savings:
 def measure_savings(loaded, order: list[tuple[int, int]], *, fractions=(0.25, 0.5, 0.75), batch_sizes=(1, 16, 64),
                     seq: int = 128, repeats: int = 3, rounds: int = 2, gqa: str = "pad", progress: bool = False) -> Savings:
     """Throughput of the physically pruned model against the unpruned one (see the module docstring)."""
-    adapter, ld = C.resolve(loaded)
+    adapter, ld = resolve(loaded)
     model = adapter.model
     vocab = model.get_input_embeddings().weight.shape[0] if hasattr(model, "get_input_embeddings") else \
         model.config.vocab_size
