@@ -31,6 +31,9 @@ _LAZY = {
     "load": ("headlab.models", "load"),
     "capture": ("headlab.interpret.capture", "capture"),
     "analyze": ("headlab.interpret.report.job", "analyze"),
+    "attention_norms": ("headlab.interpret.flow.norms", "attention_norms"),
+    "rollout": ("headlab.interpret.flow.rollout", "rollout"),
+    "attention_flow": ("headlab.interpret.flow.maxflow", "attention_flow"),
 }
 
 
