@@ -383,3 +383,22 @@ def test_cli_runs_each_method(capsys, tmp_path):
         assert json.loads((tmp_path / f"{method}.json").read_text()) == payload
     assert abs(sum(payload_flow := json.loads((tmp_path / "flow.json").read_text())["flow"]) - 1) < 1e-9
     assert len(payload_flow) == 9
+
+
+def test_head_annotations_from_result_and_file(capsys, tmp_path):
+    from headlab.interpret.flow.annotations import head_annotations
+
+    m = _decoder()
+    r = attention_norms(m, _ids(m), stream=True, key_positions=[0])
+    notes = head_annotations(r)
+    assert len(notes) == 3 * 4
+    w = float(r.summaries[2].key_weight[1, :, 0].mean())
+    assert notes[(2, 1)].startswith(f"first token: weight {w:.2f}")
+    code, _, err = run_cli(["flow", "The cat sat.", "--method", "norms", "--out", tmp_path], capsys)
+    assert code == 0, err
+    from_file = head_annotations(tmp_path / "norms.json")
+    assert len(from_file) == 6 * 12
+    with pytest.raises(InputError):
+        head_annotations(tmp_path / "missing.json")
+    with pytest.raises(InputError):
+        head_annotations(attention_norms(m, _ids(m)))

@@ -26,8 +26,9 @@ same graph, for comparison.
     >>> import numpy as np
     >>> from headlab.interpret.flow.maxflow import flow_values
     >>> A = np.full((2, 3, 3), 1 / 3)                   # two layers, three tokens, uniform rows
-    >>> flow_values(A, source=0, source_layer=2).values.round(6).tolist()
-    [0.333333, 0.333333, 0.333333]
+    >>> fv = flow_values(A, source=0, source_layer=2)   # every input node can take the whole unit of flow
+    >>> fv.values.round(6).tolist(), fv.gap < 1e-6
+    ([1.0, 1.0, 1.0], True)
 """
 
 from __future__ import annotations
