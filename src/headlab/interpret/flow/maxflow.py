@@ -174,7 +174,7 @@ def _scipy(A, source, S, n, sinks, progress, tol=1e-6):
             if upper - lower > tol and len(group) > 1:
                 upper, lower = _solve_group(src, dst, cap, N, u, [v])[0]
             vals[v] = upper
-            gap = max(gap, upper - lower)
+            gap = max(gap, float(upper - lower))
         if progress is not None:
             progress(len(group))
     return vals, gap
