@@ -402,3 +402,21 @@ def test_head_annotations_from_result_and_file(capsys, tmp_path):
         head_annotations(tmp_path / "missing.json")
     with pytest.raises(InputError):
         head_annotations(attention_norms(m, _ids(m)))
+
+
+@pytest.mark.slow  # two analyze runs that draw every head of MiniLM
+def test_analyze_flow_section(tmp_path):
+    from headlab.interpret.report.job import analyze
+
+    lm = headlab.load("minilm")
+    r = analyze("The cat sat on the mat.", model=lm, out_dir=tmp_path / "full", flow=True)
+    names = sorted(p.name for p in r.out_dir.iterdir())
+    assert "rollout.png" in names and "rollout.json" in names and "norms_layer_00.png" in names
+    rows = json.loads((r.out_dir / "rollout.json").read_text())["rows"]
+    want = headlab.rollout(lm, "The cat sat on the mat.").maps[-1][0]
+    np.testing.assert_allclose(rows["0"], want.numpy(), atol=1e-6)
+    assert any("norm maps" in n for n in r.notes)
+    s = analyze("The cat sat on the mat.", model=lm, out_dir=tmp_path / "long", flow=True, max_full_tokens=4)
+    assert any("rows of the first and last token only" in n for n in s.notes)
+    rows = json.loads((s.out_dir / "rollout.json").read_text())["rows"]
+    np.testing.assert_allclose(rows["0"], want.numpy(), atol=1e-5)

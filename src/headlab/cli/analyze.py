@@ -55,13 +55,14 @@ def analyze_cmd(
                                         help="longer inputs use streaming statistics and draw only chosen heads"),
     truncate: bool = typer.Option(False, "--truncate", help="cut text longer than the model's positions (warned)"),
     as_json: bool = typer.Option(False, "--json", help="print the summary as JSON"),
+    flow: bool = typer.Option(False, "--flow", help="also draw norm maps beside the weight maps and the rollout"),
 ) -> None:
     """Write a report on every attention head: per-layer pictures, an interactive page, a per-head table.
 
     Example: headlab analyze "The cat sat on the mat because it was tired." --out cat-report
     """
     r = run_analyze(text, model=model, out_dir=out, backend=backend, force=force, heads=heads,
-                    max_full_tokens=max_full_tokens, truncate=truncate, progress=step_printer())
+                    max_full_tokens=max_full_tokens, truncate=truncate, progress=step_printer(), flow=flow)
     if as_json:
         print_json({"out_dir": r.out_dir, "html": r.html, "csv": r.csv, "json": r.json, "pngs": r.pngs,
                     "mode": r.mode, "tokens": len(r.tokens), "drawn": [f"{a}.{b}" for a, b in r.drawn],
