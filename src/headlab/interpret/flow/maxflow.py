@@ -9,8 +9,8 @@ flow values to sum 1.
 
 The paper's own code runs networkx's pure-Python Edmonds-Karp once per (output, input) pair. Here
 all sinks of one source share one graph in compressed sparse form and each flow is solved by
-scipy's compiled Dinic on **integer** capacities ``floor(c * scale)`` (``scale`` = 2^29, or 2^26 when
-eight sinks are solved as disjoint copies in one call, for small graphs; a sink whose certificate is
+scipy's compiled Dinic on **integer** capacities ``floor(c * scale)`` (``scale`` = 2^29 / k when
+k = 8 or 4 sinks are solved as disjoint copies in one call, for small graphs; a sink whose certificate is
 looser than 1e-6 there is solved again alone). That is exact up to a bound that every call checks
 (a certificate, not a hope):
 
@@ -123,7 +123,8 @@ def _edges(A: np.ndarray, S: int, n: int):
 def _batch(n: int, S: int) -> int:
     """Sinks solved together as disjoint copies of the graph (one solver call): small graphs only, where
     the call's fixed cost dominates."""
-    return 8 if S * n * n <= 200_000 else 1
+    edges = S * n * n
+    return 8 if edges <= 5_000 else 4 if edges <= 200_000 else 1
 
 
 def _solve_group(src, dst, cap, N, u, group):
