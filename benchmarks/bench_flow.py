@@ -53,6 +53,7 @@ def main(argv=None) -> None:
     ap.add_argument("--lens", default="16,32,64")
     ap.add_argument("--long", type=int, default=256, help="length timed end to end on 2 threads (0: skip)")
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--name", default="flow", help="results/<name>.json")
     ap.add_argument("--nx-sinks", type=int, default=16,
                     help="networkx solves at most this many input nodes (evenly spaced); its time for all n is "
                          "extrapolated (per-sink time x n) and labelled so")
@@ -99,7 +100,7 @@ def main(argv=None) -> None:
                 "certificate_gap": res.gap, "flow_sum": float(res.flow.sum())}
         print(f"{args.long} tokens, all {args.long} input nodes for [CLS], 2 threads: {wall:.1f} s wall, "
               f"{cpu:.1f} s CPU end to end (solver {res.seconds:.1f} s wall), certificate gap {res.gap:.1e}")
-    path = write_json("flow", {"model": "all-MiniLM-L6-v2", "source": "[CLS] at the last layer",
+    path = write_json(args.name, {"model": "all-MiniLM-L6-v2", "source": "[CLS] at the last layer",
                                "paper_algorithm": "networkx maximum_flow_value, edmonds_karp, one call per input node",
                                "rows": rows, "long": long})
     print(f"wrote {path}")

@@ -9,7 +9,7 @@ flow values to sum 1.
 
 The paper's own code runs networkx's pure-Python Edmonds-Karp once per (output, input) pair. Here
 all sinks of one source share one graph in compressed sparse form and each flow is solved by
-scipy's compiled Dinic on **integer** capacities ``floor(c * scale)`` (``scale`` = 2^29 / k when
+scipy's compiled Dinic on **integer** capacities ``floor(c * scale)`` (``scale`` = 2^30 / k when
 k = 8 or 4 sinks are solved as disjoint copies in one call, for small graphs; a sink whose certificate is
 looser than 1e-6 there is solved again alone). That is exact up to a bound that every call checks
 (a certificate, not a hope):
@@ -133,11 +133,11 @@ def _solve_group(src, dst, cap, N, u, group):
     from scipy.sparse.csgraph import breadth_first_order, maximum_flow
 
     m = len(group)
-    scale = float(2 ** 29 // m)
+    scale = float(2 ** 30 // m)
     icap = np.floor(cap * scale).astype(np.int32)
     off = (np.arange(m) * N)[:, None]
     s_star, t_star = m * N, m * N + 1
-    big = np.int32(2 * scale)  # never saturated: a copy's flow is at most 1 * scale
+    big = np.int32(2 ** 31 - 1)  # never saturated: a copy's flow is at most 1 * scale, all of them 2^30
     r = np.concatenate([(src + off).ravel(), np.full(m, s_star), np.asarray(group) + off.ravel()])
     c = np.concatenate([(dst + off).ravel(), u + off.ravel(), np.full(m, t_star)])
     d = np.concatenate([np.tile(icap, m), np.full(2 * m, big, dtype=np.int32)])
@@ -160,7 +160,7 @@ def _solve_group(src, dst, cap, N, u, group):
 def _scipy(A, source, S, n, sinks, progress, tol=1e-6):
     """Disjoint copies of the graph, one per sink of a batch, joined by a super source and a super sink:
     a maximum flow of the union is a maximum flow of every copy. Integer capacities ``floor(c * scale)``
-    with ``scale = 2^29 / k`` keep every flow of k copies below 2^31 (scipy solves in int32). A sink whose
+    with ``scale = 2^30 / k`` keep the flow of all k copies within 2^30 (scipy solves in int32). A sink whose
     certificate gap exceeds ``tol`` in a batch is solved again alone, at the finer scale."""
     src, dst, cap = _edges(A, S, n)
     N = (S + 1) * n
