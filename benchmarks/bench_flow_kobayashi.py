@@ -60,7 +60,7 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     if not DATA.is_file():
         raise SystemExit(f"{DATA} not found (the UD English-EWT dev set)")
-    torch.set_num_threads(2)
+    torch.set_num_threads(1)  # one thread: on a shared machine a second one mostly spins
     lm = headlab.load("minilm")
     texts = sentences(DATA, args.sentences)
     L = lm.adapter.n_layers

@@ -105,7 +105,7 @@ def main(argv=None) -> None:
     if not (Path(args.model) / "config.json").is_file():
         raise SystemExit(f"no classifier at {args.model} (config.json missing): train it with "
                          "benchmarks/models/minilm_sst2.py first; this study is not run")
-    torch.set_num_threads(2)
+    torch.set_num_threads(1)  # one thread: on a shared machine a second one mostly spins
     lm = headlab.load(args.model)
     texts = load_sentences(args.limit)
     L = lm.adapter.n_layers
@@ -124,22 +124,28 @@ def main(argv=None) -> None:
                 if np.ptp(x) == 0:
                     continue
                 corr[m][l].append(spearmanr(x, blank[inner]).statistic)
-        if (i + 1) % 100 == 0:
+        if (i + 1) % 50 == 0:
             print(f"  {i + 1}/{len(texts)} sentences, {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+            _save(args, corr, i + 1, len(texts), skipped, time.perf_counter() - t0)  # partial results survive
     secs = time.perf_counter() - t0
-    table = {m: [float(np.mean(v)) if v else None for v in corr[m]] for m in METHODS}
-    spread = {m: [float(np.std(v)) if v else None for v in corr[m]] for m in METHODS}
+    table, spread = _save(args, corr, len(texts), len(texts), skipped, secs)
     print(f"MiniLM SST-2 classifier, {len(texts) - skipped} of {len(texts)} validation sentences ({secs:.0f} s): "
           "mean Spearman with blank-out importance, [CLS] at each layer")
     print(f"{'layer':>5} " + " ".join(f"{m:>13}" for m in METHODS))
     for l in range(L):
         print(f"{l + 1:>5} " + " ".join(f"{table[m][l]:>13.3f}" for m in METHODS))
-    print(f"paper, layer 6: " + ", ".join(f"{k} {v}" for k, v in PAPER_L6.items()))
-    path = write_json("flow_sst2", {"model": args.model, "sentences": len(texts), "skipped": skipped,
-                                    "spearman_mean": table, "spearman_std": spread, "seconds": secs,
-                                    "paper_layer6": PAPER_L6,
-                                    "paper": "Abnar and Zuidema 2020, Quantifying Attention Flow in Transformers, ACL"})
-    print(f"wrote {path}")
+    print("paper, layer 6: " + ", ".join(f"{k} {v}" for k, v in PAPER_L6.items()))
+    print("wrote benchmarks/results/flow_sst2.json")
+
+
+def _save(args, corr, done: int, total: int, skipped: int, secs: float):
+    table = {m: [float(np.mean(v)) if v else None for v in corr[m]] for m in METHODS}
+    spread = {m: [float(np.std(v)) if v else None for v in corr[m]] for m in METHODS}
+    write_json("flow_sst2", {"model": args.model, "sentences_done": done, "sentences_total": total,
+                             "skipped": skipped, "spearman_mean": table, "spearman_std": spread, "seconds": secs,
+                             "paper_layer6": PAPER_L6,
+                             "paper": "Abnar and Zuidema 2020, Quantifying Attention Flow in Transformers, ACL"})
+    return table, spread
 
 
 if __name__ == "__main__":
