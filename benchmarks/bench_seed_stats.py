@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 import headlab
-from headlab.attention.guard import human_bytes
+from headlab.units import human_bytes
 from headlab.attention.stats import SDPA_STATS, attention_stats
 from headlab.costs import AttentionShape, estimate
 
@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> dict:
             "mass_on_first_token": float(st.key_mass[..., 0].mean()),
         })
         print(f"  layer {layer + 1:2d}/{L}: statistics {t_stats:7.2f} s, sdpa forward {t_sdpa:6.2f} s "
-              f"(x{t_stats / t_sdpa:4.1f}), peak RSS {human_bytes(peak_rss_bytes())}", flush=True)
+              f"(time / sdpa {t_stats / t_sdpa:4.1f}), peak RSS {human_bytes(peak_rss_bytes())}", flush=True)
     wall = time.perf_counter() - t_start
     peak = peak_rss_bytes()
     kept_bytes = sum(s.nbytes() for s in kept)
@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"{'  of which growth during the run':34s}{growth:16,d}    {human_bytes(growth)}")
     print(f"{'statistics kept (all layers)':34s}{kept_bytes:16,d}    {human_bytes(kept_bytes)}")
     print(f"time: {wall:.0f} s in all; statistics {result['stats_total_s']:.0f} s, sdpa forward "
-          f"{result['sdpa_forward_total_s']:.0f} s; median ratio x{result['ratio_to_sdpa_median']:.2f}")
+          f"{result['sdpa_forward_total_s']:.0f} s; median time / sdpa {result['ratio_to_sdpa_median']:.2f}")
     if comparison:
         print(f"methods on {', '.join(SDPA_STATS)} ({comparison['layers']} layers, median per layer): "
               f"tiled {comparison['tiled_s']:.2f} s, sdpa {comparison['sdpa_method_s']:.2f} s, "

@@ -60,13 +60,14 @@ def measure_memory(backend: str, n: int) -> int:
     code = f"""
 import torch, headlab, torch.nn.functional as F
 from headlab import masks
+from headlab.attention.blocks import block_map
 torch.set_num_threads({torch.get_num_threads()})
 g = torch.Generator().manual_seed(0)
 q, k, v = (torch.randn({B}, {H}, 64, {D}, generator=g) for _ in range(3))
 m = masks.sliding_window({WINDOW})
 F.scaled_dot_product_attention(q, k, v); headlab.attention(q, k, v, mask=m, backend="sparse")  # warm code paths
 q, k, v = (torch.randn({B}, {H}, {n}, {D}, generator=g) for _ in range(3))
-m.block_map({n}, {n}, 128, 128)
+block_map(m, {n}, {n}, 128, 128)
 def status(key):
     for line in open('/proc/self/status'):
         if line.startswith(key):
@@ -152,11 +153,11 @@ def run(lengths: list[int], reps: int, backward: bool, memory: bool) -> dict:
 
 def _line(r: dict) -> str:
     s = (f"n={r['seq_len']:>6}  sdpa {r['sdpa_fwd_s'] * 1e3:9.1f} ms  sparse {r['sparse_fwd_s'] * 1e3:8.1f} ms  "
-         f"speedup {r['speedup_fwd']:5.2f}x (FLOP ratio {r['predicted_speedup']:5.1f}x)  "
+         f"time/sdpa {1 / r['speedup_fwd']:6.3f} (FLOPs/sdpa's {1 / r['predicted_speedup']:6.3f})  "
          f"FLOPs pred {r['predicted_flops_sparse'] / 1e9:7.2f} G / counted {r['measured_flops_sparse'] / 1e9:7.2f} G  "
          f"sparse {r['sparse_gflops_per_s']:5.1f} GFLOP/s vs sdpa {r['sdpa_gflops_per_s']:5.1f}")
     if "speedup_fwd_bwd" in r:
-        s += f"  fwd+bwd speedup {r['speedup_fwd_bwd']:.2f}x"
+        s += f"  fwd+bwd time/sdpa {1 / r['speedup_fwd_bwd']:.3f}"
     if "sparse_peak_bytes" in r:
         s += f"  peak MiB sdpa {r['sdpa_peak_bytes'] / 2**20:.0f} sparse {r['sparse_peak_bytes'] / 2**20:.0f}"
     return s

@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import write_json  # noqa: E402
 
 from headlab.attention.backends.tiled import working_set_bytes  # noqa: E402
-from headlab.attention.guard import human_bytes  # noqa: E402
+from headlab.units import human_bytes  # noqa: E402
 from headlab.attention.spec import AttentionSpec  # noqa: E402
 from headlab.costs.measure import _mem_run, _mem_setup, peak_memory_growth  # noqa: E402
 

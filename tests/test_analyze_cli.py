@@ -88,6 +88,12 @@ def _unsupported(tmp_path):
     return d
 
 
+def _a_file(tmp_path):
+    f = tmp_path / "report.txt"
+    f.write_text("x")
+    return f
+
+
 def _busy(tmp_path):
     d = tmp_path / "busy"
     d.mkdir()
@@ -104,12 +110,20 @@ BAD_CLI = [
     BadCli("busy output folder", ("analyze", TEXT, "--out", _busy), "not empty"),
     BadCli("unknown backend", ("analyze", TEXT, "--backend", "warp"), "warp"),
     BadCli("bad heads", ("analyze", TEXT, "--heads", "7.0"), "does not exist"),
+    BadCli("out under /proc", ("analyze", TEXT, "--out", "/proc/headlab-report"), "under /proc"),
+    BadCli("out under /sys", ("analyze", TEXT, "--out", "/sys/kernel/headlab-report"), "under /sys"),
+    BadCli("out is a file", ("analyze", TEXT, "--out", _a_file), "is a file"),
+    # bytes that are not UTF-8 reach Python's argv as surrogate escapes (b"caf\xe9 \xff")
+    BadCli("not UTF-8", ("analyze", "caf\udce9 \udcff"), "not valid UTF-8: byte 0xe9 at byte 3 of 6"),
+    BadCli("bad memory limit", ("analyze", TEXT), "HEADLAB_MEMORY_LIMIT='10 GiBs'"),
 ]
 
 
 @pytest.mark.parametrize("case", BAD_CLI, ids=lambda c: c.name)
 def test_bad_input_is_one_line_exit_2(case, cached_load, tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)  # the default --out lands here
+    if case.name == "bad memory limit":
+        monkeypatch.setenv("HEADLAB_MEMORY_LIMIT", "10 GiBs")
     args = [a(tmp_path) if callable(a) else a for a in case.args]
     if "--out" not in args:
         args += ["--out", tmp_path / "out"]
@@ -119,3 +133,66 @@ def test_bad_input_is_one_line_exit_2(case, cached_load, tmp_path, capsys, monke
     assert len(errors) == 1 and stderr.rstrip().endswith(errors[0]), stderr  # one line, the last
     assert case.match in errors[0]
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+
+
+def test_not_utf8_from_a_real_command_line(tmp_path):
+    """The bytes as a shell passes them, through the console script: one line, exit 2, nothing loaded."""
+    import subprocess
+    import sys
+
+    res = subprocess.run([sys.executable, "-m", "headlab.cli.main", "analyze", b"caf\xe9 \xff", "--out",
+                          str(tmp_path / "out")], capture_output=True, text=True, timeout=120)
+    assert res.returncode == CLI_EXIT_CODE
+    assert res.stderr.strip().splitlines() == [
+        "error: the text is not valid UTF-8: byte 0xe9 at byte 3 of 6; convert it first, e.g. iconv -f latin1 -t utf-8"]
+    assert not (tmp_path / "out").exists()
+
+
+def test_unwritable_out_dir_is_refused_before_loading(cached_load, tmp_path, capsys, monkeypatch):
+    """A folder that takes no file is found by writing one there, before the model is loaded."""
+    import tempfile
+
+    loads = []
+    monkeypatch.setattr(headlab, "load", lambda *a, **k: loads.append(a))
+
+    def refuse(*a, **k):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(tempfile, "TemporaryFile", refuse)  # what a read-only folder does, also for root
+    code, _, stderr = run_main(["analyze", TEXT, "--out", tmp_path / "ro"], capsys)
+    assert code == CLI_EXIT_CODE and not loads
+    assert stderr.strip().splitlines() == [f"error: cannot write the report into '{tmp_path / 'ro'}': Permission "
+                                           "denied; choose a writable folder with --out"]
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "geteuid") or __import__("os").geteuid() == 0,
+                    reason="root writes into read-only folders; the refusal is tested with a refusing probe above")
+def test_read_only_out_dir(cached_load, tmp_path, capsys):
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o555)
+    try:
+        code, _, stderr = run_main(["analyze", TEXT, "--out", ro], capsys)
+    finally:
+        ro.chmod(0o755)
+    assert code == CLI_EXIT_CODE and "cannot write the report" in stderr
+
+
+def test_approximate_backend_is_named_in_the_report(cached_load, tmp_path, capsys):
+    """--backend linear: heads.json and the page say which backend ran and what the table shows."""
+    out = tmp_path / "lin"
+    code, stdout, stderr = run_main(["analyze", TEXT, "--out", out, "--backend", "linear", "--max-full-tokens", "4",
+                                     "--heads", "0.2"], capsys)
+    assert code == 0, stderr
+    js = json.loads((out / "heads.json").read_text())
+    assert js["backend"] == "linear" and js["model_backend"] == "linear" and js["model_backend_exact"] is False
+    assert "streaming" in js["statistics"] and "'linear'" in js["statistics"]
+    assert any("is approximate" in n for n in js["notes"])
+    assert "note: backend 'linear' is approximate" in stdout
+    page = (out / "report.html").read_text()
+    assert "backend: linear (approximate)" in page and "is approximate (not softmax attention)" in page
+    # short input: every map is captured on the reference computation, and the report says linear was not used
+    code, stdout, _ = run_main(["analyze", TEXT, "--out", tmp_path / "lin2", "--backend", "linear"], capsys)
+    assert code == 0 and "was not used" in stdout
+    js = json.loads((tmp_path / "lin2" / "heads.json").read_text())
+    assert js["model_backend_exact"] is False and "reference computation" in js["statistics"]

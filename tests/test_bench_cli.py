@@ -22,7 +22,7 @@ def test_tiny_run_table_and_json(tmp_path, capsys):
                          "--causal", "--backward", "--repeats", "1", "--heads", "2", "--head-dim", "16",
                          "--json", str(path)], capsys)
     assert code == 0, out
-    assert "ratio to sdpa" in out and "tiled" in out
+    assert "time / sdpa" in out and "tiled" in out
     rows = json.loads(path.read_text())
     assert [(r["seq_len"], r["backend"]) for r in rows] == [
         (64, "sdpa"), (64, "tiled"), (64, "reference"), (128, "sdpa"), (128, "tiled"), (128, "reference")]
@@ -70,12 +70,51 @@ BAD = [
     ("unknown pattern", ["--seq-lens", "64", "--pattern", "zigzag:3"], "zigzag"),
     ("bad feature map", ["--seq-lens", "64", "--backends", "sdpa,linear", "--feature-map", "favor:0"], "num_features=0"),
     ("unknown backend", ["--seq-lens", "64", "--backends", "sdpa,nope"], "unknown backend"),
+    ("zero repeats", ["--seq-lens", "64", "--repeats", "0"], "repeats must be an integer >= 1, got 0"),
+    ("zero heads", ["--seq-lens", "64", "--heads", "0"], "heads must be an integer >= 1, got 0"),
+    ("zero batch", ["--seq-lens", "64", "--batch", "0"], "batch must be an integer >= 1"),
+    ("json in a missing folder", ["--seq-lens", "64", "--json", "/nonexistent/dir/x.json"], "does not exist"),
+    ("json under /proc", ["--seq-lens", "64", "--json", "/proc/headlab-x.json"], "cannot be written"),
+    ("empty pattern", ["--seq-lens", "64", "--pattern", ""], "non-empty"),
 ]
 
 
 @pytest.mark.parametrize("name,args,needle", BAD, ids=[b[0] for b in BAD])
-def test_bad_argument_exit_2_one_line(name, args, needle, capsys):
+def test_bad_argument_exit_2_one_line(name, args, needle, capsys, monkeypatch):
+    import headlab.costs.measure as measure
+
+    ran = []
+    monkeypatch.setattr(measure, "_call", lambda *a, **k: ran.append(a))
     code, _, err = _run(["bench", "attention", "--no-memory", "--repeats", "1", *args], capsys)
+    assert not ran  # refused before anything was timed
     assert code == 2
     lines = [ln for ln in err.strip().splitlines() if ln.strip()]
     assert len(lines) == 1 and needle in lines[0], err
+
+
+def test_guard_refusals_known_before_anything_runs(capsys, monkeypatch):
+    """200,000 tokens on the reference backend: refused up front, and no hidden SDPA baseline is run."""
+    import headlab.costs.measure as measure
+
+    ran = []
+    monkeypatch.setattr(measure, "_call", lambda *a, **k: ran.append(a))
+    code, out, err = _run(["bench", "attention", "--seq-lens", "200000", "--backends", "reference", "--no-memory"],
+                          capsys)
+    assert code == 0, err
+    assert ran == []
+    assert "skipped [1]" in out and "[1] skipped, does not fit in memory: backend 'reference'" in out
+
+
+def test_long_skip_reasons_are_short_in_the_table(capsys, monkeypatch):
+    monkeypatch.setenv("HEADLAB_MEMORY_LIMIT", "3M")
+    monkeypatch.setenv("COLUMNS", "100")
+    code, out, _ = _run(["bench", "attention", "--seq-lens", "512,1024", "--backends", "sdpa,reference",
+                         "--repeats", "1", "--no-memory", "--heads", "2", "--head-dim", "16"], capsys)
+    assert code == 0
+    table = out[:out.index("time / sdpa: ")]
+    rows = [ln for ln in table.splitlines() if "reference" in ln or "skipped" in ln]
+    assert len(rows) == 2, table  # one line per refused row: the reason does not wrap in its cell
+    below = out[out.index("time / sdpa: "):]
+    assert "[1] skipped, does not fit in memory: backend 'reference' at 512x512" in below
+    assert "[2] skipped, does not fit in memory: backend 'reference' at 1024x1024" in below
+    assert "use backend='sdpa'" in below  # the full reason, once, under the table

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import headlab
-from headlab.errors import ConfigError, HeadlabError, MaskError
+from headlab.errors import BackendUnsupportedError, ConfigError, HeadlabError, MaskError, ShapeError
 
 # (name, torch MHA kwargs, kind of call)
 MHA_CASES = [
@@ -129,3 +129,54 @@ def test_module_errors():
         mha(torch.randn(1, 3, 16), key_padding_mask=torch.zeros(1, 4, dtype=torch.bool))
     with pytest.raises(HeadlabError, match="add_bias_kv"):
         headlab.MultiHeadAttention.from_torch(nn.MultiheadAttention(16, 2, add_bias_kv=True))
+
+
+@pytest.mark.parametrize("kind", ["bool", "float", "per_head"])
+def test_torch_attn_mask_keyword_has_torchs_meaning(kind):
+    """Ported code passes torch's attn_mask (bool True = NOT allowed; float added): same output."""
+    torch.manual_seed(3)
+    m = nn.MultiheadAttention(32, 4, batch_first=True).eval()
+    ours = headlab.MultiHeadAttention.from_torch(m).eval()
+    x = torch.randn(2, 9, 32)
+    if kind == "bool":
+        am = torch.rand(9, 9) > 0.7
+        am.fill_diagonal_(False)  # every query keeps a key
+    elif kind == "float":
+        am = torch.randn(9, 9)
+    else:
+        am = torch.rand(2 * 4, 9, 9) > 0.7
+        am[:, range(9), range(9)] = False
+    want, w_want = m(x, x, x, attn_mask=am, need_weights=True, average_attn_weights=False)
+    got, w = ours(x, attn_mask=am, need_weights=True)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(w, w_want, atol=1e-5, rtol=1e-5)
+    with pytest.raises(MaskError, match="not both"):
+        ours(x, attn_mask=am, mask=torch.ones(9, 9, dtype=torch.bool))
+    with pytest.raises(MaskError, match="torch's shape"):
+        ours(x, attn_mask=torch.zeros(3, 9, 9, dtype=torch.bool))
+
+
+def test_wrong_width_says_which_dimension():
+    mha = headlab.MultiHeadAttention(512, 8)
+    with pytest.raises(ShapeError, match=r"query has 256 features .* expects embed_dim=512"):
+        mha(torch.randn(2, 10, 256))
+    cross = headlab.MultiHeadAttention(16, 2, kdim=6, vdim=5)
+    with pytest.raises(ShapeError, match="key has 16 features .* kdim=6"):
+        cross(torch.randn(1, 3, 16), torch.randn(1, 4, 16), torch.randn(1, 4, 5))
+
+
+def test_weights_never_silently_replace_an_explicit_backend():
+    mha = headlab.MultiHeadAttention(16, 2)
+    x = torch.randn(1, 5, 16)
+    _, w = mha(x, need_weights=True)  # auto: the reference backend materialises them
+    assert w.shape == (1, 2, 5, 5)
+    with pytest.raises(BackendUnsupportedError, match="backend 'sdpa' does not"):
+        mha(x, need_weights=True, backend="sdpa")
+    pinned = headlab.MultiHeadAttention(16, 2, backend="tiled")
+    with pytest.raises(BackendUnsupportedError, match="backend 'tiled' does not"):
+        pinned(x, need_weights=True)
+    _, w = pinned(x, need_weights=True, backend="reference")  # the call's backend wins over the module's
+    assert w is not None
+    out_call, _ = pinned(x, backend="sdpa")
+    out_mod, _ = pinned(x)
+    torch.testing.assert_close(out_call, out_mod, atol=1e-6, rtol=1e-5)

@@ -9,7 +9,9 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import headlab
 from headlab import costs, masks
+from headlab.attention.backends import _threads
 from headlab.attention.backends import sparse as sp
+from headlab.attention.backends.sparse import kernel as sp_kernel
 from headlab.errors import BackendUnsupportedError
 from headlab.testing import compare_backend
 
@@ -29,30 +31,8 @@ def _empty_rows_layout():
     return masks.block_layout(lay, 32)
 
 
-# (id, (batch, heads, kv_heads, q_len, kv_len, head_dim, v_dim), mask, causal)
-CASES = [
-    ("window_113x203_gqa", (1, 4, 2, 113, 203, 40, 24), masks.sliding_window(37), False),
-    ("window_causal_1000", (1, 2, 1, 1000, 1000, 32, 32), masks.sliding_window(100, causal=True), False),
-    ("dilated", (2, 2, 2, 300, 300, 16, 16), masks.dilated_window(20, 3), False),
-    ("strided", (1, 2, 2, 333, 333, 24, 24), masks.strided(40), False),
-    ("fixed", (1, 2, 1, 290, 290, 24, 24), masks.fixed(64, 8), False),
-    ("window_or_global", (1, 2, 2, 257, 257, 16, 16), masks.sliding_window(16) | masks.global_tokens([0, 200]),
-     False),
-    ("bigbird_gqa", (1, 6, 2, 400, 400, 16, 16), masks.bigbird(32, 3, 1, 2, seed=1), False),
-    ("layout_per_head_empty_rows", (1, 2, 2, 128, 128, 16, 16), _empty_rows_layout(), False),
-    ("documents_causal", (1, 2, 2, 350, 350, 16, 16), masks.documents([100, 7, 150, 93]), True),
-    ("padding_batch", (3, 2, 1, 150, 150, 16, 16), masks.padding([150, 70, 0]), True),
-    ("causal_only", (1, 2, 2, 203, 113, 59, 59), None, True),
-    ("causal_lower_right", (1, 2, 2, 77, 300, 16, 16), masks.causal_lower_right(), False),
-]
-
-
-@pytest.mark.parametrize("name, dims, mask, causal", CASES, ids=[c[0] for c in CASES])
-def test_matches_reference_under_flash_rule(name, dims, mask, causal):
-    b, h, hkv, lq, lk, d, dv = dims
-    q, k, v = _qkv(b, h, hkv, lq, lk, d, dv)
-    report = compare_backend("sparse", q, k, v, mask=mask, causal=causal)
-    assert report.ok, report.failures()
+# The FlashAttention rule on the shared case table (tests/cases.py) runs in tests/test_core.py
+# for every backend, sparse included (what it cannot serve is skipped with its reason).
 
 
 def test_fully_masked_rows_are_zero_with_zero_grads():
@@ -178,14 +158,14 @@ def test_threaded_forward_equals_serial(monkeypatch):
     q, k, v = _qkv(1, 6, 2, 1100, 1100, 32)
     n = torch.get_num_threads()
     for mask in (masks.sliding_window(200), masks.sliding_window(200) | masks.global_tokens([3])):
-        views = [u[-1] is not None for u in sp._units(sp.plan_for(mask, 1, 6, 2, 1100, 1100))]
+        views = [u[-1] is not None for u in sp_kernel._units(sp.plan_for(mask, 1, 6, 2, 1100, 1100))]
         assert len(views) > 1 and all(views) == (mask.name == masks.sliding_window(200).name)
         torch.set_num_threads(2)
         try:
-            monkeypatch.setattr(sp, "_THREADED", True)
+            monkeypatch.setattr(_threads, "THREADED", True)
             threaded = headlab.attention(q, k, v, mask=mask, backend="sparse")
             assert torch.get_num_threads() == 2  # restored after the pool
-            monkeypatch.setattr(sp, "_THREADED", False)
+            monkeypatch.setattr(_threads, "THREADED", False)
             serial = headlab.attention(q, k, v, mask=mask, backend="sparse")
         finally:
             torch.set_num_threads(n)

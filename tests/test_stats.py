@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import zlib
 from dataclasses import dataclass
 
 import pytest
@@ -12,104 +11,66 @@ import headlab
 from headlab import masks
 from headlab.attention.spec import dense_mask, validate
 from headlab.attention.stats import SDPA_STATS, STATS, AttentionStats, attention_stats
+from cases import BY_NAME, Case, make_inputs
 from headlab.errors import (BackendUnsupportedError, ConfigError, DTypeError, HeadlabError, MaskError,
                             ShapeError)
 
 
 @dataclass(frozen=True)
-class Case:
-    name: str
-    batch: int = 2
-    heads: int = 4
-    kv_heads: int = 4
-    q_len: int = 37
-    kv_len: int = 53
-    head_dim: int = 16
-    mask: str = "none"  # none | bool | bool-keys | dead-rows | fn-causal-padding | fn-lower-right | fn-plain
-    causal: bool = False
-    dtype: torch.dtype = torch.float32
+class Run:
+    """A case of the shared table (tests/cases.py) with the statistics' own knobs."""
+
+    case: Case
     block_k: int = 64
     block_q: int | None = None
     cache_bytes: int | None = None  # None: the default
     per_batch_keys: bool = False
 
+    @property
+    def name(self) -> str:
+        return f"{self.case.name} bq={self.block_q} bk={self.block_k} cache={self.cache_bytes}"
 
-CASES = [
-    Case("plain"),
-    Case("causal-odd-gqa", batch=1, heads=4, kv_heads=2, q_len=113, kv_len=203, head_dim=32, causal=True),
-    Case("odd-113x203", batch=1, q_len=113, kv_len=203, head_dim=24, block_q=16),
-    Case("odd-no-cache", batch=1, q_len=113, kv_len=203, head_dim=24, block_q=32, cache_bytes=0, causal=True),
-    Case("bool-mask", q_len=113, kv_len=203, mask="bool", per_batch_keys=True),
-    Case("bool-keys-broadcast", mask="bool-keys", heads=6, kv_heads=2),
-    Case("dead-rows-causal", mask="dead-rows", causal=True, q_len=70, kv_len=70, block_q=16, block_k=16),
-    Case("fn-causal-padding", q_len=60, kv_len=60, mask="fn-causal-padding", block_q=16, block_k=16,
-         per_batch_keys=True),
-    Case("fn-lower-right-gqa", heads=8, kv_heads=2, q_len=20, kv_len=90, mask="fn-lower-right", block_k=32),
-    Case("fn-plain-callable-causal", q_len=45, kv_len=45, mask="fn-plain", causal=True, block_q=16, block_k=16),
-    Case("causal-q-longer", batch=1, q_len=90, kv_len=41, causal=True, block_k=16),
-    Case("stream-dead-rows-gqa", heads=6, kv_heads=3, mask="dead-rows", causal=True, q_len=70, kv_len=70,
-         block_q=16, block_k=16, cache_bytes=0),
-    Case("stream-fn-causal-padding", q_len=60, kv_len=60, mask="fn-causal-padding", block_q=16, block_k=16,
-         cache_bytes=0, per_batch_keys=True),
-    Case("f64-plain", dtype=torch.float64),
-    Case("f64-bool-gqa", heads=4, kv_heads=1, q_len=113, kv_len=203, mask="bool", dtype=torch.float64),
-    Case("f64-fn-causal-padding", q_len=60, kv_len=60, mask="fn-causal-padding", dtype=torch.float64,
-         block_q=16, block_k=16),
-    Case("f64-stream-bool", q_len=113, kv_len=203, mask="bool", dtype=torch.float64, block_q=32, cache_bytes=0),
-    Case("f16-inputs-causal", q_len=50, kv_len=50, causal=True, dtype=torch.float16),
+
+RUNS = [
+    Run(BY_NAME["plain_37x53"]),
+    Run(BY_NAME["causal_odd_gqa"]),
+    Run(BY_NAME["odd_cross"], block_q=16),
+    Run(BY_NAME["causal_odd_gqa"], block_q=32, cache_bytes=0),
+    Run(BY_NAME["random_dead_row_113x203"], per_batch_keys=True),
+    Run(BY_NAME["key_padding_gqa3"]),
+    Run(BY_NAME["dead_chunks_causal"], block_q=16, block_k=16),
+    Run(BY_NAME["fn_dead_batch"], block_q=16, block_k=16, per_batch_keys=True),
+    Run(BY_NAME["fn_lower_right_padding"], block_k=32),
+    Run(BY_NAME["plain_fn_causal"], block_q=16, block_k=16),
+    Run(BY_NAME["longer_q"], block_k=16),
+    Run(BY_NAME["dead_chunks_gqa"], block_q=16, block_k=16, cache_bytes=0),
+    Run(BY_NAME["fn_dead_batch"], block_q=16, block_k=16, cache_bytes=0, per_batch_keys=True),
+    Run(BY_NAME["float64"]),
+    Run(BY_NAME["float64_random_mqa"]),
+    Run(BY_NAME["float64_fn_dead_batch"], block_q=16, block_k=16),
+    Run(BY_NAME["float64_random_mqa"], block_q=32, cache_bytes=0),
+    Run(BY_NAME["float16"]),
+    Run(BY_NAME["window_113x203_gqa"], block_q=32, block_k=64),
 ]
 
 
-def _make_mask(case: Case, g: torch.Generator):
-    B, Lq, Lk = case.batch, case.q_len, case.kv_len
-    if case.mask == "none":
-        return None
-    if case.mask == "bool":
-        m = torch.rand(B, 1, Lq, Lk, generator=g) > 0.4
-        m[:, :, 3] = False  # a fully masked row
-        return m
-    if case.mask == "bool-keys":
-        m = torch.ones(B, 1, 1, Lk, dtype=torch.bool)
-        m[0, ..., Lk - 7:] = False
-        return m
-    if case.mask == "dead-rows":
-        m = torch.ones(B, 1, Lq, Lk, dtype=torch.bool)
-        m[:, :, 10:30] = False  # whole query chunks that see nothing
-        m[1, :, 40:, :5] = False  # with causal: rows 40..44 see keys 5..i only
-        m[1, :, 41] = False
-        return m
-    if case.mask == "fn-causal-padding":
-        return masks.causal() & masks.padding([Lk - 9, 0][:B])  # batch 1 sees nothing at all
-    if case.mask == "fn-lower-right":
-        return masks.causal_lower_right() & masks.padding([Lk, Lk - 30][:B])
-    if case.mask == "fn-plain":
-        def band(b, h, q, kv):  # a plain function: each head its own window, batch 1 shifted
-            return (q - kv).abs() <= (h + 2 + 3 * b)
-        return band
-    raise AssertionError(case.mask)
-
-
-def _inputs(case: Case):
-    g = torch.Generator().manual_seed(zlib.crc32(case.name.encode()))
-    q = torch.randn(case.batch, case.heads, case.q_len, case.head_dim, generator=g) * 1.5
-    k = torch.randn(case.batch, case.kv_heads, case.kv_len, case.head_dim, generator=g) * 1.5
-    v = torch.randn(case.batch, case.kv_heads, case.kv_len, 8, generator=g)
-    mask = _make_mask(case, g)
-    q, k, v = q.to(case.dtype), k.to(case.dtype), v.to(case.dtype)
-    kp = (torch.tensor([[0, 5, case.kv_len - 1], [2, 2, 9]][:case.batch]) if case.per_batch_keys
+def _inputs(run: Run):
+    case = run.case
+    q, k, v, mask = make_inputs(case)
+    kp = (torch.tensor([[0, 5, case.kv_len - 1], [2, 2, 9]][:case.batch]) if run.per_batch_keys
           else [0, case.kv_len // 2])
-    rows = [0, 3, case.q_len - 1]
+    rows = [0, min(3, case.q_len - 1), case.q_len - 1]
     return q, k, v, mask, kp, rows
 
 
 def _reference(case: Case, q, k, v, mask, kp, rows) -> dict:
     """Statistics read off the materialised float64 map."""
     q64, k64, v64 = q.double(), k.double(), v.double()
-    w = headlab.attention_weights(q64, k64, mask=mask, causal=case.causal)  # (B, H, Lq, Lk)
+    w = headlab.attention_weights(q64, k64, mask=mask, causal=case.causal, scale=case.scale)  # (B, H, Lq, Lk)
     B, H, Lq, Lk = w.shape
     spec, norm = validate(q64, k64, v64, mask=mask, causal=case.causal)
     vis = dense_mask(spec, norm)
-    s = torch.matmul(q64, k64.repeat_interleave(spec.group, 1).transpose(-1, -2)) * spec.head_dim ** -0.5
+    s = torch.matmul(q64, k64.repeat_interleave(spec.group, 1).transpose(-1, -2)) * (case.scale or spec.head_dim ** -0.5)
     if vis is not None:
         s = s.masked_fill(~vis, float("-inf"))
     dead = torch.isneginf(s).all(-1)  # (B, H, Lq)
@@ -156,12 +117,13 @@ def _check(case: Case, st: AttentionStats, ref: dict, names) -> None:
         torch.testing.assert_close(picked, ref["max_weight"], atol=tol, rtol=tol)  # the key really is a max
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
-def test_tiled_matches_materialised_map(case: Case):
-    q, k, v, mask, kp, rows = _inputs(case)
-    extra = {} if case.cache_bytes is None else {"cache_bytes": case.cache_bytes}
-    st = attention_stats(q, k, v, mask=mask, causal=case.causal, key_positions=kp, query_rows=rows,
-                         block_k=case.block_k, block_q=case.block_q, **extra)
+@pytest.mark.parametrize("run", RUNS, ids=lambda r: r.name)
+def test_tiled_matches_materialised_map(run: Run):
+    case = run.case
+    q, k, v, mask, kp, rows = _inputs(run)
+    extra = {} if run.cache_bytes is None else {"cache_bytes": run.cache_bytes}
+    st = attention_stats(q, k, v, mask=mask, causal=case.causal, scale=case.scale, key_positions=kp,
+                         query_rows=rows, block_k=run.block_k, block_q=run.block_q, **extra)
     ref = _reference(case, q, k, v, mask, kp, rows)
     assert st.computed() == list(STATS)
     _check(case, st, ref, list(STATS) + ["output"])
@@ -173,10 +135,12 @@ def test_tiled_matches_materialised_map(case: Case):
         assert bool((st.output[dead] == 0).all())
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
-def test_sdpa_matches_materialised_map(case: Case):
-    q, k, v, mask, kp, rows = _inputs(case)
-    st = attention_stats(q, k, v, mask=mask, causal=case.causal, key_positions=kp, query_rows=rows, method="sdpa")
+@pytest.mark.parametrize("run", [r for r in RUNS if r.cache_bytes is None and r.block_q is None], ids=lambda r: r.name)
+def test_sdpa_matches_materialised_map(run: Run):
+    case = run.case
+    q, k, v, mask, kp, rows = _inputs(run)
+    st = attention_stats(q, k, v, mask=mask, causal=case.causal, scale=case.scale, key_positions=kp,
+                         query_rows=rows, method="sdpa")
     ref = _reference(case, q, k, v, mask, kp, rows)
     assert st.computed() == list(SDPA_STATS) and st.method == "sdpa"
     _check(case, st, ref, list(SDPA_STATS))
@@ -260,3 +224,45 @@ def test_bad_tensors_raise_typed_errors(name, make, exc):
 
 def test_lazy_export():
     assert headlab.attention_stats is attention_stats
+
+
+def _local_heads(n: int, d: int = 32, beta: float = 5.0):
+    """Causal heads whose rows put nearly all mass on their own key: mean distances of about 10
+    at positions up to ``n`` (where ``i * mass - sum_j P_ij j`` in float32 loses the answer)."""
+    g = torch.Generator().manual_seed(7)
+    k = torch.randn(1, 1, n, d, generator=g)
+    q = beta * k + 0.1 * torch.randn(1, 1, n, d, generator=g)
+    return q, k
+
+
+def _mean_distance_float64(q, k, chunk: int = 1024) -> torch.Tensor:
+    """sum_j P_ij |i - j| read off the float64 map, a row chunk at a time (causal)."""
+    q64, k64 = q.double()[0, 0], k.double()[0, 0]
+    n, d = q64.shape
+    out = torch.empty(n, dtype=torch.float64)
+    cols = torch.arange(n)
+    for r0 in range(0, n, chunk):
+        rows = torch.arange(r0, min(n, r0 + chunk))
+        s = (q64[rows] @ k64.T) * d ** -0.5
+        s = s.masked_fill(cols[None, :] > rows[:, None], float("-inf"))
+        p = torch.softmax(s, -1)
+        out[rows] = (p * (rows[:, None] - cols[None, :]).abs().double()).sum(-1)
+    return out
+
+
+@pytest.mark.parametrize("method", ["tiled", "sdpa"])
+def test_mean_distance_keeps_1e5_at_2048_tokens(method):
+    q, k = _local_heads(2048)
+    st = attention_stats(q, k, causal=True, stats=["mean_distance"], method=method)
+    ref = _mean_distance_float64(q, k)
+    assert 1 < float(ref[1000:].mean()) < 100  # local heads: small distances far from the start
+    torch.testing.assert_close(st.mean_distance[0, 0].double(), ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["tiled", "sdpa"])
+def test_mean_distance_keeps_1e5_at_16384_tokens(method):
+    """docs/stats.md's promise at the length where float32 positions cancelled worst."""
+    q, k = _local_heads(16384)
+    st = attention_stats(q, k, causal=True, stats=["mean_distance"], method=method)
+    torch.testing.assert_close(st.mean_distance[0, 0].double(), _mean_distance_float64(q, k), atol=1e-5, rtol=1e-5)

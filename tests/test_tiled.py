@@ -3,8 +3,6 @@ gradients (gradcheck), masks, fully masked rows, dropout, the tiles it skips, an
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
@@ -13,82 +11,48 @@ import headlab
 from headlab import costs, masks
 from headlab.attention import backends
 from headlab.attention.backends import tiled
-from headlab.attention.backends.tiled import TiledBackend, tiled_attention
+from headlab.attention.backends import _threads
+from headlab.attention.backends.tiled import TiledBackend, flash_attention_textbook, tiled_attention
+from headlab.attention.backends.tiled import forward as tiled_forward
+from headlab.attention.backends.tiled.plan import make_plan
 from headlab.attention.spec import validate
 from headlab.errors import ConfigError
 from headlab.testing import compare_backend
+from cases import BY_NAME, make_inputs
 
 
-def _window(w: int):
-    def fn(b, h, q, kv):  # a plain function: headlab wraps it (batch/head dependent, no hint)
-        return (q - kv).abs() <= w
-    return fn
-
-
-def _random_mask(B, Lq, Lk, dead_rows=(3, 40)):
-    g = torch.Generator().manual_seed(1)
-    m = torch.rand(B, 1, Lq, Lk, generator=g) > 0.6
-    m[..., : Lk // 3] = False  # whole empty tiles for the block map to skip
-    for r in dead_rows:
-        if r < Lq:
-            m[:, :, r] = False  # rows that see no key
-    return m
-
-
-@dataclass(frozen=True)
-class Case:
-    name: str
-    B: int
-    H: int
-    Hkv: int
-    Lq: int
-    Lk: int
-    D: int
-    causal: bool = False
-    dtype: torch.dtype = torch.float32
-    mask: str | None = None  # None, "bool", "padding", "window", "lower_right"
-    blocks: tuple[int, int] = (32, 64)
-
-    def build(self):
-        g = torch.Generator().manual_seed(0)
-        q = torch.randn(self.B, self.H, self.Lq, self.D, generator=g).to(self.dtype)
-        k = torch.randn(self.B, self.Hkv, self.Lk, self.D, generator=g).to(self.dtype)
-        v = torch.randn(self.B, self.Hkv, self.Lk, self.D, generator=g).to(self.dtype)
-        mask = {
-            None: None,
-            "bool": _random_mask(self.B, self.Lq, self.Lk) if self.mask == "bool" else None,
-            "padding": masks.padding([self.Lk // 2, self.Lk][: self.B]),
-            "window": _window(17),
-            "lower_right": masks.causal_lower_right(),
-        }[self.mask]
-        return q, k, v, mask
-
-
-CASES = [
-    Case("113x203 d59", 1, 2, 2, 113, 203, 59),
-    Case("113x203 d40 causal", 1, 2, 2, 113, 203, 40, causal=True),
-    Case("1023x1024 d64 causal", 1, 1, 1, 1023, 1024, 64, causal=True, blocks=(256, 512)),
-    Case("1023x1024 d64", 1, 1, 1, 1023, 1024, 64, blocks=(128, 256)),
-    Case("512x256 d111", 1, 2, 2, 512, 256, 111, blocks=(64, 96)),
-    Case("512x256 d128 causal", 1, 2, 2, 512, 256, 128, causal=True, blocks=(128, 64)),
-    Case("GQA 8q/2kv causal", 2, 8, 2, 77, 130, 64, causal=True, blocks=(16, 32)),
-    Case("MQA 4q/1kv d40", 1, 4, 1, 113, 203, 40, blocks=(32, 32)),
-    Case("bool mask, dead rows", 2, 4, 4, 96, 150, 40, mask="bool"),
-    Case("bool mask + causal + GQA", 2, 4, 2, 96, 150, 40, causal=True, mask="bool"),
-    Case("padding mask fn", 2, 2, 2, 113, 203, 59, mask="padding"),
-    Case("window fn (no hint) causal", 1, 2, 2, 113, 203, 64, causal=True, mask="window"),
-    Case("lower-right causal, dead rows", 1, 2, 2, 203, 113, 40, mask="lower_right"),
-    Case("float16 113x203 d59", 1, 2, 2, 113, 203, 59, dtype=torch.float16),
-    Case("bfloat16 causal d64", 1, 2, 2, 113, 203, 64, causal=True, dtype=torch.bfloat16),
-    Case("float64 GQA causal", 1, 4, 2, 113, 203, 40, causal=True, dtype=torch.float64),
+# Tile shapes that break the shared cases (tests/cases.py) in every way: tiles smaller than the
+# sequence, not dividing it, taller than wide and the reverse; the core test runs the default tile.
+TILINGS = [
+    ("odd_cross", (32, 64)), ("longer_q", (32, 32)), ("causal_rect", (8, 16)), ("gqa4_causal", (16, 32)),
+    ("gqa8_mqa", (32, 32)), ("random_mask", (16, 16)), ("fully_masked_rows", (8, 8)), ("key_padding", (4, 8)),
+    ("mask_fn", (16, 8)), ("mask_fn_lower_right", (4, 8)), ("plain_fn_causal", (16, 16)),
+    ("window_113x203_gqa", (32, 64)), ("bigbird_gqa", (64, 128)), ("documents_causal", (64, 32)),
+    ("additive_float_mask", (16, 16)), ("scale_16_window", (64, 64)), ("few_keys_many_rows", (64, 2)),
+    ("lq1_bigbird", (1, 64)), ("float16", (16, 32)), ("bfloat16", (32, 16)), ("float64", (16, 16)),
+    ("causal_1023x1024", (256, 512)), ("dense_1023x1024", (128, 256)), ("d111_512x256", (64, 96)),
 ]
 
 
-@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
-def test_flash_error_rule(case: Case):
-    q, k, v, mask = case.build()
-    report = compare_backend(TiledBackend(*case.blocks), q, k, v, mask=mask, causal=case.causal)
+@pytest.mark.parametrize("name,blocks", TILINGS, ids=[f"{n} {b[0]}x{b[1]}" for n, b in TILINGS])
+def test_flash_error_rule_small_tiles(name, blocks):
+    case = BY_NAME[name]
+    q, k, v, mask = make_inputs(case)
+    report = compare_backend(TiledBackend(*blocks), q, k, v, mask=mask, causal=case.causal, scale=case.scale)
     assert report.ok, report.failures()
+
+
+def test_textbook_flash_attention_is_the_fast_path():
+    """The 30-line textbook FlashAttention (docs/tiled.md) computes what the fast forward computes."""
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(2, 3, 113, 24, generator=g, dtype=torch.float64) for _ in range(3))
+    for causal in (False, True):
+        out, lse = flash_attention_textbook(q, k, v, causal=causal, block_q=16, block_k=32)
+        fast, fast_lse = tiled_attention(q, k, v, causal=causal, block_q=16, block_k=32, return_lse=True)
+        torch.testing.assert_close(out, fast, rtol=0, atol=1e-12)
+        torch.testing.assert_close(lse, fast_lse, rtol=0, atol=1e-12)
+        torch.testing.assert_close(out, headlab.attention(q, k, v, causal=causal, backend="reference"),
+                                   rtol=0, atol=1e-12)
 
 
 def test_fully_masked_rows_zero_output_zero_grads():
@@ -157,7 +121,7 @@ def test_dropout_is_the_reference_with_the_regenerated_mask():
     assert torch.equal(out, tiled_attention(q, k, v, causal=True, dropout_p=p, seed=11, block_q=16, block_k=16))
     assert not torch.equal(out, tiled_attention(q, k, v, causal=True, dropout_p=p, seed=12, block_q=16, block_k=16))
     spec, m = validate(q, k, v, causal=True, dropout_p=p)
-    plan = tiled._make_plan(spec, m, D ** -0.5, p, 11, 16, 16)
+    plan = make_plan(spec, m, D ** -0.5, p, 11, 16, 16)
     keep = torch.ones(B * H, L, L, dtype=torch.bool)  # rows of the (B*Hkv, Lq*G, Lk) layout, G = 1
     for qb in range(plan.n_qb):
         i0, i1 = plan.q_rows(qb)
@@ -257,29 +221,24 @@ def test_memory_at_16k_tokens_in_a_fresh_process():
 
 # Work units of the threaded forward: one head per unit (UNIT_ELEMS=1), so every mask path that
 # slices the flattened (batch, kv head) axis runs; per-head masks, window functions, causal, GQA.
-UNIT_CASES = [
-    Case("per-head bool mask + causal, 1 head/unit", 2, 4, 4, 96, 150, 40, causal=True, mask="bool"),
-    Case("window fn, GQA, 1 head/unit", 2, 4, 2, 113, 203, 64, mask="window"),
-    Case("causal 1023x1024, 1 head/unit", 1, 2, 2, 1023, 1024, 64, causal=True, blocks=(128, 256)),
-]
+UNIT_CASES = [("fully_masked_rows", (8, 16)), ("plain_fn_causal", (16, 16)), ("window_113x203_gqa", (32, 64)),
+              ("causal_1023x1024", (128, 256)), ("additive_float_mask", (16, 16))]
 
 
-@pytest.mark.parametrize("case", UNIT_CASES, ids=[c.name for c in UNIT_CASES])
-def test_threaded_head_units_match_serial_and_reference(case: Case, monkeypatch):
-    q, k, v, mask = case.build()
-    if case.mask == "bool":  # (B, 1, Lq, Lk) -> a different mask per head
-        g = torch.Generator().manual_seed(3)
-        mask = mask.expand(case.B, case.H, case.Lq, case.Lk) & (torch.rand(case.B, case.H, case.Lq, case.Lk, generator=g) > 0.2)
-    monkeypatch.setattr(tiled, "UNIT_ELEMS", 1)
+@pytest.mark.parametrize("name,blocks", UNIT_CASES, ids=[n for n, _ in UNIT_CASES])
+def test_threaded_head_units_match_serial_and_reference(name, blocks, monkeypatch):
+    case = BY_NAME[name]
+    q, k, v, mask = make_inputs(case)
+    monkeypatch.setattr(tiled_forward, "UNIT_ELEMS", 1)
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        report = compare_backend(TiledBackend(*case.blocks), q, k, v, mask=mask, causal=case.causal)
+        report = compare_backend(TiledBackend(*blocks), q, k, v, mask=mask, causal=case.causal)
         assert report.ok, report.failures()
         assert torch.get_num_threads() == 2  # restored after the pool
-        out = tiled_attention(q, k, v, mask=mask, causal=case.causal, block_q=case.blocks[0], block_k=case.blocks[1])
-        monkeypatch.setattr(tiled, "_THREADED_OFF", True)
-        serial = tiled_attention(q, k, v, mask=mask, causal=case.causal, block_q=case.blocks[0], block_k=case.blocks[1])
+        out = tiled_attention(q, k, v, mask=mask, causal=case.causal, block_q=blocks[0], block_k=blocks[1])
+        monkeypatch.setattr(_threads, "THREADED", False)
+        serial = tiled_attention(q, k, v, mask=mask, causal=case.causal, block_q=blocks[0], block_k=blocks[1])
     finally:
         torch.set_num_threads(threads)
     torch.testing.assert_close(out, serial, rtol=0, atol=1e-6)

@@ -10,15 +10,19 @@ that show what each head does.
     34359738368
 """
 
+import sys as _sys
 from importlib import import_module as _import_module
 
 from headlab import errors
 from headlab.attention import masks
 from headlab import attention  # a callable package: headlab.attention(q, k, v, ...)
+
+# one module object: `import headlab.masks` finds this entry, so headlab.masks is headlab.attention.masks
+_sys.modules[__name__ + ".masks"] = masks
 from headlab.attention.core import attention_weights, backends
 from headlab.attention.module import MultiHeadAttention
 
-__version__ = "0.1.0"
+from headlab._version import __version__
 
 __all__ = ["MultiHeadAttention", "attention", "attention_weights", "backends", "costs", "errors", "masks"]
 
@@ -31,6 +35,7 @@ _LAZY = {
     "load": ("headlab.models", "load"),
     "capture": ("headlab.interpret.capture", "capture"),
     "analyze": ("headlab.interpret.report.job", "analyze"),
+    "probe": ("headlab.interpret.probing", "probe"),
     "attention_norms": ("headlab.interpret.flow.norms", "attention_norms"),
     "rollout": ("headlab.interpret.flow.rollout", "rollout"),
     "attention_flow": ("headlab.interpret.flow.maxflow", "attention_flow"),

@@ -10,7 +10,7 @@ The tiled and sparse backends walk the same map, and the cost model counts its t
 predicted FLOPs are exactly the tiles the kernel visits.
 
     >>> from headlab import masks
-    >>> bm = masks.causal().block_map(q_len=5, kv_len=5, block_q=2, block_k=2)
+    >>> bm = block_map(masks.causal(), q_len=5, kv_len=5, block_q=2, block_k=2)
     >>> bm.state[0, 0].tolist()
     [[1, 0, 0], [2, 1, 0], [2, 2, 2]]
     >>> bm.visited_tiles(), bm.num_tiles
@@ -19,17 +19,15 @@ predicted FLOPs are exactly the tiles the kernel visits.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
+from headlab.attention.states import EMPTY, FULL, PARTIAL
 from headlab.errors import ConfigError
 
-if TYPE_CHECKING:
-    from headlab.attention.masks import MaskFn
-
-EMPTY, PARTIAL, FULL = 0, 1, 2
+__all__ = ["EMPTY", "FULL", "PARTIAL", "BlockMap", "block_map"]
 
 # rows of the dense mask evaluated at once when no closed form exists: bounds memory to
 # about _ROW_BUDGET * kv_len booleans per (batch, head) the mask depends on.
@@ -81,7 +79,7 @@ class BlockMap:
 
     @staticmethod
     def from_mask(
-        mask: MaskFn,
+        mask,
         q_len: int,
         kv_len: int,
         block_q: int,
@@ -124,3 +122,26 @@ def _classify_dense(mask, q_len, kv_len, block_q, block_k, batch, heads, device)
         all_b = all_t.reshape(shape).all(dim=5).all(dim=3)
         out[:, :, qb0:qb1] = torch.where(all_b, FULL, torch.where(any_b, PARTIAL, EMPTY)).to(torch.int8)
     return out
+
+
+_CACHE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # mask -> {shape key: BlockMap}
+
+
+def block_map(mask, q_len: int, kv_len: int, block_q: int = 128, block_k: int = 128, *, batch: int = 1,
+              heads: int = 1, device: torch.device | str | None = None) -> BlockMap:
+    """Compile a mask function (:class:`headlab.masks.MaskFn`) to a :class:`BlockMap`, cached per
+    (mask, shape): from its closed-form classifier when it has one, else by dense evaluation in
+    row chunks (memory bounded by about ``2**22 * kv_len`` booleans per distinct (batch, head))."""
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    key = (q_len, kv_len, block_q, block_k, batch if mask.batch_dependent else 1,
+           heads if mask.head_dependent else 1, str(device))
+    cache = _CACHE.get(mask)
+    if cache is None:
+        cache = _CACHE[mask] = {}
+    cached = cache.get(key)
+    if cached is None:
+        if len(cache) > 16:
+            cache.clear()
+        cached = cache[key] = BlockMap.from_mask(mask, q_len, kv_len, block_q, block_k, batch=batch, heads=heads,
+                                                 device=device)
+    return cached

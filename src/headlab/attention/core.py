@@ -1,4 +1,4 @@
-"""The functional core: :func:`attention` and :func:`attention_weights`."""
+"""The functional core: :func:`attention`, :func:`attention_with_weights` and :func:`attention_weights`."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import torch
 
 from headlab.attention import backends as _backends
 from headlab.attention.masks import MaskFn
-from headlab.attention.spec import AttentionSpec, default_scale, validate
+from headlab.attention.score_mods import as_score_mod
+from headlab.attention.spec import AttentionSpec, check_scale, validate
 
 MaskLike = torch.Tensor | MaskFn | Callable | None
 
@@ -23,8 +24,10 @@ def attention(
     scale: float | None = None,
     dropout_p: float = 0.0,
     backend: str | _backends.Backend = "auto",
-) -> torch.Tensor:
-    """Multi-head scaled dot-product attention: ``softmax(q k^T * scale + M) v`` per head.
+    score_mod: Callable | None = None,
+    return_lse: bool = False,
+):
+    """Multi-head scaled dot-product attention: ``softmax(score_mod(q k^T * scale) + M) v`` per head.
 
     Args:
         q: ``(batch, heads, q_len, head_dim)``.
@@ -32,16 +35,28 @@ def attention(
             (query head ``h`` reads kv head ``h // (heads // kv_heads)``).
         v: ``(batch, kv_heads, kv_len, v_dim)``.
         mask: boolean tensor broadcastable to ``(batch, heads, q_len, kv_len)``, True = may
-            attend; or a mask function from :mod:`headlab.masks` (or any ``f(b, h, q_idx, kv_idx)``).
+            attend; an additive float tensor (torch SDPA's float masks: added to the scaled
+            scores, ``-inf`` = hidden); or a mask function from :mod:`headlab.masks` (or any
+            ``f(b, h, q_idx, kv_idx) -> bool``).
         causal: exactly torch's ``is_causal``: query ``i`` sees keys ``0..i`` (top-left aligned
             when ``q_len != kv_len``; see :func:`headlab.masks.causal_lower_right` for the other).
-        scale: defaults to ``1/sqrt(head_dim)``.
-        dropout_p: dropout on the attention probabilities (uses torch's RNG).
+        scale: defaults to ``1/sqrt(head_dim)``; must be finite (else :class:`~headlab.errors.ConfigError`).
+        dropout_p: dropout on the attention probabilities (uses torch's RNG), in ``[0, 1)``.
         backend: ``"auto"`` (the fastest exact backend that supports the call and fits in
             memory), a registered name (``headlab.backends()`` lists them) or a backend object.
+        score_mod: FlexAttention's ``score_mod(score, b, h, q_idx, kv_idx) -> score``, applied to
+            the scaled scores before the mask (ready ones: ``headlab.masks.alibi``, ``softcap``,
+            ``relative_bias``); served by ``reference``, ``tiled`` and ``sparse``.
+        return_lse: also return the log-sum-exp ``(batch, heads, q_len)`` of the scores a row
+            attends over (natural log, float32 at least; ``-inf`` for a row that sees no key).
 
     Returns:
-        ``(batch, heads, q_len, v_dim)``. A query row that can see no key is all zeros.
+        ``(batch, heads, q_len, v_dim)``, or ``(out, lse)`` with ``return_lse``.
+
+    Non-finite values: a query row that can see no key is all zeros (zero gradients too); every
+    other non-finite value propagates as in torch: a NaN or inf in ``q_i`` makes row ``i`` NaN,
+    one in a key or value that a row sees makes that row non-finite. A non-finite ``scale`` is
+    refused.
 
     Example:
         >>> import torch, headlab
@@ -51,19 +66,49 @@ def attention(
         torch.Size([2, 8, 10, 16])
         >>> torch.allclose(out, headlab.attention(q, k, v, causal=True, backend="reference"), atol=1e-5)
         True
+        >>> out, lse = headlab.attention(q, k, v, causal=True, return_lse=True)
+        >>> lse.shape
+        torch.Size([2, 8, 10])
     """
-    out, _ = _attention(q, k, v, mask=mask, causal=causal, scale=scale, dropout_p=dropout_p,
-                        backend=backend, need_weights=False)
-    return out
+    out, _, lse = _run(q, k, v, mask=mask, causal=causal, scale=scale, dropout_p=dropout_p, backend=backend,
+                       need_weights=False, need_lse=return_lse, score_mod=score_mod)
+    return (out, lse) if return_lse else out
 
 
-def _attention(q, k, v, *, mask, causal, scale, dropout_p, backend, need_weights):
-    spec, norm_mask = validate(q, k, v, mask=mask, causal=causal, dropout_p=dropout_p, need_weights=need_weights)
+def attention_with_weights(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    mask: MaskLike = None,
+    causal: bool = False,
+    scale: float | None = None,
+    dropout_p: float = 0.0,
+    backend: str | _backends.Backend = "auto",
+    need_weights: bool = True,
+    score_mod: Callable | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`attention` that can also return the weights: ``(out, weights (B, H, Lq, Lk) or None)``.
+
+    With ``need_weights`` the backend must return weights (``reference`` does; ``auto`` picks it);
+    the model adapters and :class:`~headlab.attention.module.MultiHeadAttention` call this."""
+    out, weights, _ = _run(q, k, v, mask=mask, causal=causal, scale=scale, dropout_p=dropout_p, backend=backend,
+                           need_weights=need_weights, need_lse=False, score_mod=score_mod)
+    return out, weights
+
+
+def _run(q, k, v, *, mask, causal, scale, dropout_p, backend, need_weights, need_lse, score_mod):
+    spec, norm_mask = validate(q, k, v, mask=mask, causal=causal, dropout_p=dropout_p, need_weights=need_weights,
+                               need_lse=need_lse, score_mod=score_mod)
+    scale = check_scale(scale, spec.head_dim)
     chosen = resolve_backend(backend, spec)  # auto has already checked memory
     if not (isinstance(backend, str) and backend == "auto"):
         chosen.check_memory(spec)
-    scale = default_scale(spec.head_dim) if scale is None else float(scale)
-    return chosen.forward(q, k, v, spec, mask=norm_mask, scale=scale)
+    mod = as_score_mod(score_mod) if score_mod is not None else None
+    out, weights, lse = chosen.forward(q, k, v, spec, mask=norm_mask, scale=scale, score_mod=mod)
+    if need_lse and lse is not None:
+        lse = lse.to(torch.promote_types(lse.dtype, torch.float32)).detach()
+    return out, weights, lse
 
 
 def resolve_backend(backend: str | _backends.Backend, spec: AttentionSpec) -> _backends.Backend:
@@ -82,6 +127,7 @@ def attention_weights(
     mask: MaskLike = None,
     causal: bool = False,
     scale: float | None = None,
+    score_mod: Callable | None = None,
 ) -> torch.Tensor:
     """The materialised attention weights ``(batch, heads, q_len, kv_len)``.
 
@@ -96,8 +142,8 @@ def attention_weights(
         True
     """
     v = k.new_zeros(k.shape[:-1] + (1,))  # (B, Hkv, Lk, 1): the output is discarded
-    _, weights = _attention(q, k, v, mask=mask, causal=causal, scale=scale, dropout_p=0.0,
-                            backend="reference", need_weights=True)
+    _, weights = attention_with_weights(q, k, v, mask=mask, causal=causal, scale=scale, backend="reference",
+                                        need_weights=True, score_mod=score_mod)
     return weights
 
 

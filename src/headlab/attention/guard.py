@@ -6,7 +6,10 @@ import os
 
 import torch
 
-from headlab.errors import MemoryBudgetError
+from headlab.errors import ConfigError, MemoryBudgetError
+from headlab.units import human_bytes, parse_bytes
+
+__all__ = ["HEADROOM", "available_memory", "check_fits", "human_bytes", "memory_limit_override"]
 
 # Keep this share of available memory free for everything else in the process.
 HEADROOM = 0.9
@@ -33,12 +36,13 @@ def _cgroup_limit() -> int | None:
 def available_memory(device: torch.device | str = "cpu") -> int:
     """Bytes that can still be allocated on ``device`` (host RAM for the CPU).
 
-    The environment variable ``HEADLAB_MEMORY_LIMIT`` (bytes) overrides the reading, for tests
-    and for users who want to leave room for other work.
+    The environment variable ``HEADLAB_MEMORY_LIMIT`` (bytes, or a size such as ``10GiB``, ``512M``,
+    ``1.5G``: see :func:`memory_limit_override`) overrides the reading, for tests and for users who
+    want to leave room for other work.
     """
-    override = os.environ.get("HEADLAB_MEMORY_LIMIT")
-    if override:
-        return int(float(override))
+    override = memory_limit_override()
+    if override is not None:
+        return override
     device = torch.device(device)
     if device.type == "cuda":
         free, _total = torch.cuda.mem_get_info(device)
@@ -58,14 +62,17 @@ def available_memory(device: torch.device | str = "cpu") -> int:
     return min(avail, limit) if limit is not None else avail
 
 
-def human_bytes(n: float) -> str:
-    """``34359738368 -> '32.0 GiB'``."""
-    n = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
-        if abs(n) < 1024 or unit == "PiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
+def memory_limit_override() -> int | None:
+    """``HEADLAB_MEMORY_LIMIT`` in bytes (None when unset or empty); a value that is not a size
+    raises :class:`~headlab.errors.ConfigError` naming the variable."""
+    raw = os.environ.get("HEADLAB_MEMORY_LIMIT", "")
+    if not raw.strip():
+        return None
+    n = parse_bytes(raw)
+    if n is None:
+        raise ConfigError(f"HEADLAB_MEMORY_LIMIT={raw!r} is not a size; give bytes (17179869184) or a size "
+                          "such as 16GiB, 512M, 1.5G (powers of 1024), or unset it")
+    return n
 
 
 def check_fits(estimate_bytes: int, *, what: str, device: torch.device | str = "cpu", alternative: str | None) -> None:

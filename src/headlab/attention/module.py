@@ -13,9 +13,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from headlab.attention.core import _attention
+from headlab.attention import backends as _backends
+from headlab.attention.core import attention_with_weights
 from headlab.attention.masks import MaskFn, as_mask
-from headlab.errors import ConfigError, MaskError, ShapeError
+from headlab.errors import BackendUnsupportedError, ConfigError, MaskError, ShapeError
 
 
 class MultiHeadAttention(nn.Module):
@@ -122,6 +123,7 @@ class MultiHeadAttention(nn.Module):
         *,
         key_padding_mask: torch.Tensor | None = None,
         mask=None,
+        attn_mask: torch.Tensor | None = None,
         causal: bool = False,
         need_weights: bool = False,
         backend: str | None = None,
@@ -133,31 +135,53 @@ class MultiHeadAttention(nn.Module):
             key_padding_mask: ``(B, Lk)`` bool, **True = padding** (ignored key), as in
                 ``torch.nn.MultiheadAttention``.
             mask: boolean ``(Lq, Lk)`` / ``(B, H, Lq, Lk)``, **True = may attend** (as in
-                ``headlab.attention`` and SDPA; note torch's MHA ``attn_mask`` is the opposite),
-                or a mask function.
+                ``headlab.attention`` and SDPA), an additive float mask, or a mask function.
+            attn_mask: ``torch.nn.MultiheadAttention``'s keyword with torch's meaning, so that ported
+                code is right: boolean **True = NOT allowed to attend**, or a float mask added to the
+                scores; ``(Lq, Lk)`` or ``(B * H, Lq, Lk)``. Give ``mask`` or ``attn_mask``, not both.
             causal: query i sees keys 0..i.
-            need_weights: also return per-head weights ``(B, H, Lq, Lk)`` (uses the reference backend).
+            need_weights: also return per-head weights ``(B, H, Lq, Lk)``. Only the ``reference``
+                backend materialises them: with ``backend`` left to ``"auto"`` (here or on the module)
+                the call runs on ``reference``; an explicit backend that cannot return weights is
+                refused with :class:`~headlab.errors.BackendUnsupportedError` (never replaced silently).
+            backend: this call's backend; ``None`` = the module's ``backend``.
 
         Returns:
             ``(out (B, Lq, E), weights or None)``.
         """
         key = query if key is None else key
         value = key if value is None else value
-        for name, t in (("query", query), ("key", key), ("value", value)):
-            if t.dim() != 3:
-                raise ShapeError(f"{name} must be (batch, seq, features), got shape {tuple(t.shape)}")
+        widths = (("query", query, self.embed_dim, "embed_dim"), ("key", key, self.kdim, "kdim"),
+                  ("value", value, self.vdim, "vdim"))
+        for name, t, width, arg in widths:
+            if not isinstance(t, torch.Tensor) or t.dim() != 3:
+                raise ShapeError(f"{name} must be (batch, seq, features), got "
+                                 f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
+            if t.shape[-1] != width:
+                raise ShapeError(f"{name} has {t.shape[-1]} features in its last dimension (shape {tuple(t.shape)}) "
+                                 f"but the module expects {arg}={width}; the input must be (batch, seq, {width})")
+        if key.shape[:2] != value.shape[:2] or key.shape[0] != query.shape[0]:
+            raise ShapeError(f"query {tuple(query.shape)}, key {tuple(key.shape)} and value {tuple(value.shape)} must "
+                             "share the batch size, and key and value the sequence length")
         B, Lq, _ = query.shape
         Lk = key.shape[1]
         H, Hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         q = self.q_proj(query).view(B, Lq, H, d).transpose(1, 2)  # (B, H, Lq, d)
         k = self.k_proj(key).view(B, Lk, Hkv, d).transpose(1, 2)  # (B, Hkv, Lk, d)
         v = self.v_proj(value).view(B, Lk, Hkv, d).transpose(1, 2)  # (B, Hkv, Lk, d)
+        if attn_mask is not None:
+            if mask is not None:
+                raise MaskError("give either mask= (headlab's: True = may attend) or attn_mask= (torch's: True = "
+                                "masked out), not both")
+            mask = _from_torch_attn_mask(attn_mask, B, H, Lq, Lk)
         full_mask = _combine_masks(mask, key_padding_mask, B, Lk)
-        z, weights = _attention(
+        chosen = self.backend if backend is None else backend
+        if need_weights:
+            chosen = _weights_backend(chosen)
+        z, weights = attention_with_weights(
             q, k, v, mask=full_mask, causal=causal, scale=None,
             dropout_p=self.dropout if self.training else 0.0,
-            backend=backend or self.backend if not need_weights else "reference",
-            need_weights=need_weights,
+            backend=chosen, need_weights=need_weights,
         )  # z: (B, H, Lq, d)
         z = z * self.head_gate.view(1, H, 1, 1).to(z.dtype)
         out = self.out_proj(z.transpose(1, 2).reshape(B, Lq, H * d))  # (B, Lq, E)
@@ -203,6 +227,38 @@ class MultiHeadAttention(nn.Module):
                 f"head_dim={self.head_dim}, backend={self.backend!r}")
 
 
+def _weights_backend(backend):
+    """The backend of a call that returns weights: ``auto`` means ``reference``; an explicit backend
+    must be able to return them (it is refused, not replaced)."""
+    if isinstance(backend, str) and backend == "auto":
+        return "reference"
+    b = _backends.get(backend)
+    if not b.capabilities.returns_weights:
+        raise BackendUnsupportedError(
+            f"need_weights=True needs a backend that materialises the weights, but backend {b.name!r} does not; "
+            "use backend='reference' (or 'auto') for this call, or need_weights=False")
+    return b
+
+
+def _from_torch_attn_mask(attn_mask: torch.Tensor, batch: int, heads: int, q_len: int, kv_len: int):
+    """torch.nn.MultiheadAttention's ``attn_mask`` (bool True = masked out, or additive float;
+    ``(Lq, Lk)`` or ``(B * H, Lq, Lk)``) as headlab's mask (bool True = may attend, or additive)."""
+    if not isinstance(attn_mask, torch.Tensor):
+        raise MaskError(f"attn_mask must be a tensor, got {type(attn_mask).__name__}")
+    if attn_mask.dim() == 2 and tuple(attn_mask.shape) == (q_len, kv_len):
+        m = attn_mask
+    elif attn_mask.dim() == 3 and tuple(attn_mask.shape) == (batch * heads, q_len, kv_len):
+        m = attn_mask.view(batch, heads, q_len, kv_len)
+    else:
+        raise MaskError(f"attn_mask must have torch's shape (L, S) = {(q_len, kv_len)} or (N * num_heads, L, S) = "
+                        f"{(batch * heads, q_len, kv_len)}, got {tuple(attn_mask.shape)}")
+    if m.dtype == torch.bool:
+        return ~m
+    if m.is_floating_point():
+        return m
+    raise MaskError(f"attn_mask must be bool (True = masked out, torch's meaning) or float (added), got {m.dtype}")
+
+
 def _combine_masks(mask, key_padding_mask, batch: int, kv_len: int):
     if key_padding_mask is None:
         return mask
@@ -217,9 +273,12 @@ def _combine_masks(mask, key_padding_mask, batch: int, kv_len: int):
     if mask is None:
         return keep
     if isinstance(mask, torch.Tensor):
+        m4 = mask if mask.dim() == 4 else mask.view((1,) * (4 - mask.dim()) + tuple(mask.shape))
+        if mask.is_floating_point():  # additive: padding keys get -inf
+            return m4.masked_fill(~keep, float("-inf"))
         if mask.dtype != torch.bool:
-            raise MaskError(f"mask must be bool (True = may attend), got {mask.dtype}")
-        return keep & (mask if mask.dim() == 4 else mask.view((1,) * (4 - mask.dim()) + tuple(mask.shape)))
+            raise MaskError(f"mask must be bool (True = may attend) or an additive float mask, got {mask.dtype}")
+        return keep & m4
     kpm = key_padding_mask
 
     def fn(b, h, q, kv, lq, lk):

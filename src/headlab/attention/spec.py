@@ -15,10 +15,12 @@ from typing import Literal
 
 import torch
 
+from headlab.attention import visibility
 from headlab.attention.masks import MaskFn, as_mask
-from headlab.errors import DeviceError, DTypeError, MaskError, ShapeError
+from headlab.attention.score_mods import as_score_mod
+from headlab.errors import ConfigError, DeviceError, DTypeError, MaskError, ShapeError
 
-MaskKind = Literal["none", "bool", "function"]
+MaskKind = Literal["none", "bool", "additive", "function"]
 
 FLOATING = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -37,11 +39,13 @@ class AttentionSpec:
     dtype: torch.dtype
     device: torch.device
     causal: bool = False  # torch's is_causal: top-left aligned
-    mask_kind: MaskKind = "none"
-    mask_shape: tuple[int, ...] | None = None  # 4-D shape of the boolean mask (as a mask function materialises)
+    mask_kind: MaskKind = "none"  # "additive": a float tensor added to the scores (-inf = hidden)
+    mask_shape: tuple[int, ...] | None = None  # 4-D shape of the tensor mask (as a mask function materialises)
     dropout_p: float = 0.0
     requires_grad: bool = False
     need_weights: bool = False
+    need_lse: bool = False  # the caller asked for the log-sum-exp (return_lse=True)
+    score_mod: bool = False  # a FlexAttention-style score_mod changes the scores
 
     @property
     def group(self) -> int:
@@ -71,9 +75,22 @@ def materialized_bytes(spec: AttentionSpec, dtype: torch.dtype | None = None) ->
     return spec.weights_numel * itemsize
 
 
+def check_scale(scale, head_dim: int) -> float:
+    """The softmax scale: ``1/sqrt(head_dim)`` by default; a non-finite scale is a ConfigError."""
+    if scale is None:
+        return default_scale(head_dim)
+    try:
+        s = float(scale)
+    except (TypeError, ValueError):
+        raise ConfigError(f"scale must be a number, got {scale!r}") from None
+    if not math.isfinite(s):
+        raise ConfigError(f"scale must be a finite number, got {s}; leave it None for 1/sqrt(head_dim)")
+    return s
+
+
 def mask_numel(spec: AttentionSpec) -> int:
     """Entries of the boolean mask a materialising backend builds (0 when there is none)."""
-    if spec.mask_kind in ("bool", "function") and spec.mask_shape is not None:
+    if spec.mask_kind in ("bool", "additive", "function") and spec.mask_shape is not None:
         return math.prod(spec.mask_shape)
     if spec.mask_kind == "function":
         return spec.weights_numel
@@ -98,14 +115,15 @@ def _check_tensor(name: str, t, ndim: int = 4) -> None:
 
 
 def normalize_mask(mask, spec_shape: tuple[int, int, int, int]) -> torch.Tensor | MaskFn | None:
-    """Turn a user mask into a 4-D boolean tensor broadcastable to (B, H, Lq, Lk), or a MaskFn."""
+    """Turn a user mask into a 4-D tensor broadcastable to (B, H, Lq, Lk) (boolean, True = may
+    attend; or floating, added to the scores as torch SDPA's float masks), or a MaskFn."""
     if mask is None:
         return None
     if isinstance(mask, torch.Tensor):
-        if mask.dtype != torch.bool:
+        if mask.dtype != torch.bool and not mask.is_floating_point():
             raise MaskError(
-                f"mask must be a boolean tensor (True = may attend), got dtype {mask.dtype}; "
-                "for an additive float mask use `mask = float_mask == 0`"
+                f"mask must be a boolean tensor (True = may attend) or an additive float tensor, got dtype "
+                f"{mask.dtype}; a 0/1 Hugging Face attention_mask (1 = keep) becomes `mask = attention_mask.bool()`"
             )
         if mask.dim() > 4:
             raise MaskError(f"mask has {mask.dim()} dims {tuple(mask.shape)}; at most 4 (batch, heads, q_len, kv_len)")
@@ -132,8 +150,10 @@ def validate(
     causal: bool = False,
     dropout_p: float = 0.0,
     need_weights: bool = False,
+    need_lse: bool = False,
+    score_mod=None,
 ) -> tuple[AttentionSpec, torch.Tensor | MaskFn | None]:
-    """Check q, k, v and the mask; return the spec and the normalised mask."""
+    """Check q, k, v, the mask and the options; return the spec and the normalised mask."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         _check_tensor(name, t)
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -170,14 +190,17 @@ def validate(
         )
     if min(B, H, Lq, Lk, D, Dv) == 0:
         raise ShapeError(f"empty dimension in q {tuple(q.shape)}, k {tuple(k.shape)} or v {tuple(v.shape)}")
-    if not 0.0 <= dropout_p < 1.0:
-        raise ShapeError(f"dropout_p must be in [0, 1), got {dropout_p}")
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, int | float) or not 0.0 <= dropout_p < 1.0:
+        raise ConfigError(f"dropout_p must be a number in [0, 1), got {dropout_p!r}")
+    if score_mod is not None:
+        as_score_mod(score_mod)  # refuses what is not callable
     norm = normalize_mask(mask, (B, H, Lq, Lk))
     if isinstance(norm, torch.Tensor) and norm.device != q.device:
         raise DeviceError(f"mask is on {norm.device} but q is on {q.device}; move it with mask.to(q.device)")
     if isinstance(norm, MaskFn):
         norm.check_sizes(B, H)
-    kind: MaskKind = "none" if norm is None else ("bool" if isinstance(norm, torch.Tensor) else "function")
+    kind: MaskKind = ("none" if norm is None else "function" if isinstance(norm, MaskFn)
+                      else "additive" if norm.is_floating_point() else "bool")
     spec = AttentionSpec(
         batch=B, heads=H, kv_heads=Hkv, q_len=Lq, kv_len=Lk, head_dim=D, v_dim=Dv,
         dtype=q.dtype, device=q.device, causal=bool(causal), mask_kind=kind,
@@ -185,20 +208,12 @@ def validate(
             function_mask_shape(norm, B, H, Lq, Lk) if isinstance(norm, MaskFn) else None),
         dropout_p=float(dropout_p),
         requires_grad=torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad),
-        need_weights=need_weights,
+        need_weights=need_weights, need_lse=bool(need_lse), score_mod=score_mod is not None,
     )
     return spec, norm
 
 
 def dense_mask(spec: AttentionSpec, mask: torch.Tensor | MaskFn | None) -> torch.Tensor | None:
-    """The combined visibility (mask AND causal) as a 4-D bool tensor broadcastable to the map, or None."""
-    out = None
-    if isinstance(mask, MaskFn):
-        out = mask.dense(spec.batch, spec.heads, spec.q_len, spec.kv_len, device=spec.device)
-    elif isinstance(mask, torch.Tensor):
-        out = mask
-    if spec.causal:
-        tri = torch.ones(spec.q_len, spec.kv_len, dtype=torch.bool, device=spec.device).tril_().view(
-            1, 1, spec.q_len, spec.kv_len)
-        out = tri if out is None else (out & tri)
-    return out
+    """The combined visibility (mask AND causal) as a 4-D bool tensor broadcastable to the map, or
+    None (:func:`headlab.attention.visibility.visible` over every pair)."""
+    return visibility.visible(spec, mask)

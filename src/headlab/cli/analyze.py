@@ -8,6 +8,7 @@ from pathlib import Path
 import typer
 
 from headlab.cli.app import app, console, err_console, print_json
+from headlab.errors import InputError
 from headlab.interpret.report.job import MAX_FULL_TOKENS, ReportResult, analyze as run_analyze
 
 
@@ -43,6 +44,19 @@ def render_summary(r: ReportResult) -> None:
         console.print("no head passes a pattern threshold on this text (see heads.csv for the numbers)", soft_wrap=True)
 
 
+def check_utf8(text: str) -> str:
+    """Refuse text that arrived as bytes that are not UTF-8 (Python hands them over as surrogate escapes)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raw = text.encode("utf-8", "surrogateescape")
+        bad = text[e.start:e.end].encode("utf-8", "surrogateescape")
+        pos = len(text[:e.start].encode("utf-8", "surrogateescape"))
+        raise InputError(f"the text is not valid UTF-8: byte 0x{bad[0]:02x} at byte {pos} of {len(raw)}; "
+                         "convert it first, e.g. iconv -f latin1 -t utf-8") from None
+    return text
+
+
 @app.command("analyze")
 def analyze_cmd(
     text: str = typer.Argument(..., help="the text to analyse (quote it)"),
@@ -60,7 +74,10 @@ def analyze_cmd(
     """Write a report on every attention head: per-layer pictures, an interactive page, a per-head table.
 
     Example: headlab analyze "The cat sat on the mat because it was tired." --out cat-report
+
+    TEXT must be valid UTF-8: other bytes (Latin-1 text, say) are refused with their position.
     """
+    check_utf8(text)
     r = run_analyze(text, model=model, out_dir=out, backend=backend, force=force, heads=heads,
                     max_full_tokens=max_full_tokens, truncate=truncate, progress=step_printer(), flow=flow)
     if as_json:

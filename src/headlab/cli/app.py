@@ -7,12 +7,16 @@ Commands live one module each in this package and register on :data:`app` (or a 
 from __future__ import annotations
 
 import json
+import os
 import sys
+import tempfile
+from pathlib import Path
 
 import typer
 from rich.console import Console
 
-from headlab.attention.guard import human_bytes
+from headlab.errors import InputError
+from headlab.units import human_bytes, human_flops
 
 app = typer.Typer(
     name="headlab",
@@ -28,12 +32,25 @@ console = Console()
 err_console = Console(stderr=True)
 
 
-def human_flops(n: float) -> str:
-    """``8.8e12 -> '8.80 TFLOP'``."""
-    for unit, scale in (("PFLOP", 1e15), ("TFLOP", 1e12), ("GFLOP", 1e9), ("MFLOP", 1e6), ("kFLOP", 1e3)):
-        if n >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{n:.0f} FLOP"
+def check_output_file(path: Path, option: str) -> Path:
+    """Refuse, before any work, an output file that cannot be written: its folder must exist and
+    take a file (tried for real: permissions, read-only mounts, /proc)."""
+    path = Path(path).expanduser()
+    parent = path.parent if str(path.parent) else Path(".")
+    if path.is_dir():
+        raise InputError(f"{option} {str(path)!r} is a folder; give a file name such as results.json")
+    if not parent.is_dir():
+        raise InputError(f"{option} {str(path)!r}: the folder {str(parent)!r} does not exist; create it first "
+                         "(nothing has been computed yet)")
+    try:
+        with tempfile.TemporaryFile(dir=parent):
+            pass
+        if path.exists() and not os.access(path, os.W_OK):
+            raise PermissionError(13, "Permission denied")
+    except OSError as e:
+        raise InputError(f"{option} {str(path)!r} cannot be written: {e.strerror or e} "
+                         "(nothing has been computed yet)") from None
+    return path
 
 
 def print_json(obj) -> None:
@@ -41,4 +58,5 @@ def print_json(obj) -> None:
     sys.stdout.write(json.dumps(obj, indent=2, default=str) + "\n")
 
 
-__all__ = ["app", "bench_app", "console", "err_console", "human_bytes", "human_flops", "print_json"]
+__all__ = ["app", "bench_app", "check_output_file", "console", "err_console", "human_bytes", "human_flops",
+           "print_json"]

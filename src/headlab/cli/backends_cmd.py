@@ -5,14 +5,14 @@ from __future__ import annotations
 import typer
 from rich.table import Table
 
-import headlab
+from headlab.attention.core import backends as registered_backends
 from headlab.cli.app import app, console, print_json
 
 
 @app.command("backends")
 def list_backends(as_json: bool = typer.Option(False, "--json", help="print JSON")) -> None:
     """List attention backends with their capabilities, in the order backend='auto' prefers them."""
-    rows = headlab.backends()
+    rows = registered_backends()
     if as_json:
         print_json(rows)
         return
@@ -21,7 +21,8 @@ def list_backends(as_json: bool = typer.Option(False, "--json", help="print JSON
     t.add_column("capability")
     for r in rows:
         t.add_column(r["name"], justify="center")
-    caps = ["exact", "materializes", "returns_weights", "causal", "bool_mask", "mask_fn", "gqa", "dropout", "grad"]
+    caps = ["exact", "materializes", "returns_weights", "returns_lse", "causal", "bool_mask", "additive_mask",
+            "mask_fn", "score_mod", "gqa", "dropout", "grad"]
 
     def cell(v):
         if isinstance(v, bool):

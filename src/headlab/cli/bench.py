@@ -9,8 +9,9 @@ import typer
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from headlab.cli.app import bench_app, console, err_console, human_bytes
-from headlab.costs.measure import bench_attention
+from headlab.attention.masks import from_string
+from headlab.cli.app import bench_app, check_output_file, console, err_console, human_bytes
+from headlab.costs.measure import bench_attention, check_counts
 from headlab.errors import ConfigError
 
 
@@ -24,15 +25,13 @@ def _ints(text: str, what: str) -> list[int]:
     return vals
 
 
-def _pattern(text: str | None):
-    if text is None:
-        return None
-    try:
-        from headlab.masks import from_string
-    except ImportError:
-        raise ConfigError(f"--pattern {text!r} needs headlab.masks.from_string, which this install does not have "
-                          "yet; drop --pattern") from None
-    return from_string(text)
+def _gist(reason: str) -> str:
+    """A few words before a reason printed under the table (the table cell holds only its number)."""
+    if "needs about" in reason:
+        return "skipped, does not fit in memory"
+    if "memory not measured" in reason:
+        return "memory not measured"
+    return "skipped, not supported"
 
 
 @bench_app.command("attention")
@@ -51,7 +50,8 @@ def attention_cmd(
     repeats: int = typer.Option(3, "--repeats", help="timed rounds (backends interleaved), after one warm-up"),
     memory: bool = typer.Option(True, "--memory/--no-memory", help="measure peak memory in a fresh process per row"),
 ) -> None:
-    """Median time, peak extra memory and ratio to SDPA for each backend and sequence length.
+    """Median time, peak extra memory and time / sdpa (torch SDPA timed in the same run) for each
+    backend and sequence length. Calls the memory guard refuses are listed as skipped before anything runs.
 
     Example: headlab bench attention --seq-lens 1024,2048,4096 --backends sdpa,tiled,reference --causal
     """
@@ -59,7 +59,11 @@ def attention_cmd(
     names = [b.strip() for b in backends.split(",") if b.strip()]
     if not names:
         raise ConfigError("--backends is empty; give names like sdpa,tiled")
-    _pattern(pattern)  # a bad spec fails here, before any timing
+    check_counts(repeats=repeats, batch=batch, heads=heads, head_dim=head_dim)
+    if pattern is not None:
+        from_string(pattern)  # a bad spec fails here, before any timing
+    if json_file is not None:
+        check_output_file(json_file, "--json")  # before the run, so no result is lost
     with Progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(), console=err_console,
                   transient=True) as bar:
         task = bar.add_task("benchmark", total=None)
@@ -71,16 +75,25 @@ def attention_cmd(
              f"head dim {head_dim}, {dtype}{', causal' if causal else ''}{f', pattern {pattern}' if pattern else ''}")
     t = Table(title=title)
     for col, just in (("seq len", "right"), ("backend", "left"), ("median time", "right"),
-                      ("peak extra memory", "right"), ("ratio to sdpa", "right"), ("note", "left")):
+                      ("peak extra memory", "right"), ("time / sdpa", "right"), ("note", "left")):
         t.add_column(col, justify=just)
+    notes: dict[str, int] = {}  # full reason -> its number under the table
     for r in rows:
+        note = ""
+        if r["reason"]:
+            k = notes.setdefault(r["reason"], len(notes) + 1)
+            note = f"[{k}]"
         if r["status"] == "skipped":
-            t.add_row(str(r["seq_len"]), r["backend"], "-", "-", "-", f"[yellow]skipped:[/] {r['reason']}")
+            t.add_row(str(r["seq_len"]), r["backend"], "-", "-", "-", f"[yellow]skipped[/] {note}")
             continue
         mem = human_bytes(r["peak_extra_bytes"]) if r["peak_extra_bytes"] is not None else "-"
-        ratio = f"{r['ratio_to_sdpa']:.2f}x" if r["ratio_to_sdpa"] is not None else "-"
-        t.add_row(str(r["seq_len"]), r["backend"], f"{r['median_s'] * 1e3:.1f} ms", mem, ratio, r["reason"])
+        ratio = f"{r['ratio_to_sdpa']:.2f}" if r["ratio_to_sdpa"] is not None else "-"
+        t.add_row(str(r["seq_len"]), r["backend"], f"{r['median_s'] * 1e3:.1f} ms", mem, ratio, note)
     console.print(t)
+    console.print("time / sdpa: median time over torch SDPA's median in the same run (below 1: faster than SDPA)",
+                  highlight=False, soft_wrap=True)
+    for reason, k in notes.items():
+        console.print(f"[yellow]\\[{k}] {_gist(reason)}:[/] {reason}", highlight=False, soft_wrap=True)
     if json_file is not None:
         json_file.write_text(json.dumps(rows, indent=2, default=str) + "\n")
         console.print(f"wrote {json_file}")

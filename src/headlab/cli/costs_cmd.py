@@ -5,8 +5,11 @@ from __future__ import annotations
 import typer
 from rich.table import Table
 
-from headlab import costs, masks
+from headlab import costs
+from headlab.attention import backends as _backends
+from headlab.attention.masks import from_string
 from headlab.cli.app import app, console, human_bytes, human_flops, print_json
+from headlab.errors import ConfigError, CostModelError
 
 
 @app.command()
@@ -21,33 +24,89 @@ def memory(
     head_dim: int = typer.Option(128, "--head-dim"),
     causal: bool = typer.Option(False, "--causal"),
     pattern: str = typer.Option(None, "--pattern", help="a sparse pattern, e.g. sliding_window:256 (see headlab pattern)"),
+    ranks: int = typer.Option(None, "--ranks", help="also cost ring attention with the sequence sharded over R ranks"),
+    ring: bool = typer.Option(False, "--ring", help="ring attention (the sequence-parallel strategy --ranks costs; implied)"),
+    link_bandwidth: float = typer.Option(None, "--link-bandwidth", help="bytes/s between ranks, e.g. 50e9, for the "
+                                         "compute-to-communication ratio"),
+    peak_flops: float = typer.Option(None, "--peak-flops", help="FLOP/s one rank sustains, e.g. 395e12, for that ratio"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object, an entry per backend"),
 ) -> None:
     """Predicted memory and FLOPs of attention for a shape, for every backend.
 
     Example (the seed text's 32 GB): headlab memory --seq-len 4096 --heads 32 --layers 32 --dtype float16
 
-    With --pattern every backend is costed for that mask; the sparse backend counts exactly the tiles
-    of the pattern's block map that it visits.
+    With --pattern every backend is costed for that mask; the tiled and sparse backends count exactly the
+    tiles of the pattern's block map they visit, in closed form for the built-in patterns (any length).
     """
+    if ring and ranks is None:
+        raise ConfigError("--ring costs attention sharded over ranks: give --ranks R too")
+    if ranks is not None and ranks < 1:
+        raise ConfigError(f"--ranks must be at least 1, got {ranks}")
+    if (link_bandwidth is None) != (peak_flops is None):
+        raise ConfigError("the compute-to-communication ratio needs both --link-bandwidth and --peak-flops")
+    for name, val in (("--link-bandwidth", link_bandwidth), ("--peak-flops", peak_flops)):
+        if val is not None and not val > 0:
+            raise ConfigError(f"{name} must be a positive number, got {val}")
     shape = costs.AttentionShape(heads=heads, q_len=seq_len, batch=batch, kv_heads=kv_heads, kv_len=kv_len,
                                  head_dim=head_dim, layers=layers, dtype=dtype, causal=causal,
-                                 mask=masks.from_string(pattern) if pattern else None)
-    table = costs.estimate_all(shape)
+                                 mask=from_string(pattern) if pattern is not None else None)
+    table, refused = {}, {}
+    for name in _backends.names():
+        try:
+            table[name] = costs.estimate(shape, name)
+        except CostModelError as e:  # a pattern whose tiles cannot be counted at this length
+            refused[name] = str(e)
+    plan = _ring_plan(shape, ranks, link_bandwidth, peak_flops) if ranks is not None else None
     if as_json:
-        print_json({name: c.as_dict() for name, c in table.items()})
+        print_json({**{name: c.as_dict() for name, c in table.items()},
+                    **{name: {"backend": name, "refused": why} for name, why in refused.items()},
+                    **({"ring": plan} if plan is not None else {})})
         return
     t = Table(title=(f"attention cost: batch {shape.batch}, {shape.heads} heads ({shape.kv_heads} kv), "
                      f"{shape.q_len}x{shape.kv_len}, head dim {shape.head_dim}, {shape.layers} layers, "
                      f"{str(shape.dtype).removeprefix('torch.')}{', causal' if causal else ''}"
-                     f"{f', pattern {pattern}' if pattern else ''}"))
+                     f"{f', pattern {pattern}' if pattern is not None else ''}"))
     for col, just in (("backend", "left"), ("weights held\n(all layers)", "right"),
                       ("working set\n(one layer)", "right"), ("forward", "right"), ("backward", "right")):
         t.add_column(col, justify=just, no_wrap=True)
     for name, c in table.items():
         t.add_row(name, human_bytes(c.attention_weights_bytes), human_bytes(c.working_set_bytes),
                   human_flops(c.forward_flops), human_flops(c.backward_flops))
+    for name in refused:
+        t.add_row(name, "-", "-", "-", "-")
     console.print(t)
     for name, c in table.items():
         if c.notes:
             console.print(f"  {name}: {c.notes}", highlight=False)
+    for name, why in refused.items():
+        console.print(f"  [yellow]{name}: not predicted:[/] {why}", highlight=False)
+    if plan is not None:
+        _print_ring(plan)
+
+
+def _ring_plan(shape, ranks: int, link_bandwidth: float | None, peak_flops: float | None) -> dict:
+    from headlab.costs.ring import ring_cost
+
+    c = ring_cost(shape, ranks)
+    plan = c.as_dict()
+    if link_bandwidth is not None:
+        hw = costs.Hardware("per rank", peak_flops=peak_flops, bandwidth=link_bandwidth)
+        plan["link_bandwidth"] = link_bandwidth
+        plan["peak_flops"] = peak_flops
+        plan["compute_to_communication_forward"] = c.compute_to_communication(hw, link_bandwidth)
+        plan["compute_to_communication_backward"] = c.compute_to_communication(hw, link_bandwidth, backward=True)
+    return plan
+
+
+def _print_ring(plan: dict) -> None:
+    t = Table(title=f"ring attention on {plan['ranks']} ranks ({plan['shard_len']} positions each), per rank and layer")
+    for col in ("shard", "working set", "sent fwd", "sent bwd", "fwd FLOP", "bwd FLOP"):
+        t.add_column(col, justify="right", no_wrap=True)
+    t.add_row(human_bytes(plan["shard_bytes"]), human_bytes(plan["working_set_bytes"]),
+              human_bytes(plan["sent_forward_bytes"]), human_bytes(plan["sent_backward_bytes"]),
+              human_flops(plan["forward_flops_per_rank"]), human_flops(plan["backward_flops_per_rank"]))
+    console.print(t)
+    if "compute_to_communication_forward" in plan:
+        console.print(f"  compute / communication per step: forward {plan['compute_to_communication_forward']:.2f}, "
+                      f"backward {plan['compute_to_communication_backward']:.2f} (above 1: the transfer hides "
+                      "behind the work)", highlight=False)

@@ -5,22 +5,24 @@ from __future__ import annotations
 import sys
 from importlib import import_module
 
+from headlab.attention.guard import memory_limit_override
 from headlab.cli.app import app, err_console
 from headlab.errors import CLI_EXIT_CODE, HeadlabError
 
 # Each module registers its commands on the app when imported.
-COMMANDS = ["costs_cmd", "backends_cmd", "demo", "bench", "pattern", "analyze", "flow"]
+COMMANDS = ["costs_cmd", "backends_cmd", "demo", "bench", "pattern", "analyze", "probe", "flow"]
 for _name in COMMANDS:
-    try:
-        import_module(f"headlab.cli.{_name}")
-    except ModuleNotFoundError as _e:  # a command module not written yet
-        if _e.name != f"headlab.cli.{_name}":
-            raise
+    import_module(f"headlab.cli.{_name}")
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Run the CLI. A headlab error becomes one line on stderr and exit code 2."""
+    """Run the CLI. A headlab error becomes one line on stderr and exit code 2.
+
+    The environment is read first (``HEADLAB_MEMORY_LIMIT``), so a bad value stops the command
+    before any work.
+    """
     try:
+        memory_limit_override()
         app(args=argv, prog_name="headlab")
     except HeadlabError as e:
         err_console.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)

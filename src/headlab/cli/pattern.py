@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import inspect
+
 import typer
 from rich.text import Text
 
-from headlab import masks
+from headlab.attention import masks
 from headlab.attention.backends import sparse as _sparse
+from headlab.attention.blocks import block_map
+from headlab.attention.states import EMPTY, FULL
 from headlab.cli.app import app, console, print_json
 from headlab.errors import ConfigError
 
@@ -24,52 +28,49 @@ def _ints(text: str | None, what: str) -> list[int] | None:
         raise ConfigError(f"{what} must be comma-separated integers such as 0,5,9; got {text!r}") from None
 
 
+# CLI option of each constructor parameter (the constructors and their names: headlab.masks)
+_OPTION = {"window": "--window", "dilation": "--dilation", "stride": "--stride", "summary": "--summary",
+           "block": "--block", "window_blocks": "--window-blocks", "global_blocks": "--global",
+           "indices": "--global (token indices, e.g. 0,5)", "random_blocks": "--random", "seed": "--seed",
+           "lengths": "--lengths (e.g. 10,12,10)"}
+
+
 def build(name: str, *, window=None, dilation=2, stride=None, summary=1, block=None, window_blocks=3,
           global_=None, random=2, seed=0, causal=False, lengths=None) -> masks.MaskFn:
     """The mask for ``name`` from the command's options, or a :func:`headlab.masks.from_string` spec.
 
-    ``strided`` and ``fixed`` are causal as in the paper (``--causal`` changes nothing); their
-    two-sided forms are reachable as specs, e.g. ``strided:8:causal=false``. For the other
-    patterns ``--causal`` ANDs :func:`headlab.masks.causal`. ``global_`` is the raw ``--global``
-    text: a block count for ``bigbird``, a list of token indices for ``global_tokens``.
+    The constructor comes from :func:`headlab.masks.pattern` and receives the options named like
+    its parameters. ``strided`` and ``fixed`` are causal as in the paper (``--causal`` changes
+    nothing); their two-sided forms are reachable as specs, e.g. ``strided:8:causal=false``. For
+    the other patterns ``--causal`` is their ``causal`` parameter or ANDs :func:`headlab.masks.causal`.
+    ``global_`` is the raw ``--global`` text: a block count for ``bigbird``, token indices for
+    ``global_tokens``.
     """
-
-    def need(value, flag):
-        if value is None:
-            raise ConfigError(f"pattern {name!r} needs {flag}")
-        return value
-
-    def causal_if(m):
-        return m & masks.causal() if causal else m
-
-    if name == "sliding_window":
-        return masks.sliding_window(need(window, "--window"), causal=causal)
-    if name == "dilated_window":
-        return masks.dilated_window(need(window, "--window"), dilation, causal=causal)
-    if name == "strided":
-        return masks.strided(need(stride, "--stride"))
-    if name == "fixed":
-        return masks.fixed(need(stride, "--stride"), summary)
-    if name == "bigbird":
-        g = 2 if global_ is None else _ints(global_, "--global")
-        if isinstance(g, list) and len(g) != 1:
-            raise ConfigError(f"bigbird --global is a number of global blocks, got {global_!r}")
-        return causal_if(masks.bigbird(need(block, "--block"), window_blocks, g if isinstance(g, int) else g[0],
-                                       random, seed))
-    if name == "global_tokens":
-        return causal_if(masks.global_tokens(need(_ints(global_, "--global"), "--global (token indices, e.g. 0,5)")))
-    if name == "documents":
-        return causal_if(masks.documents(need(_ints(lengths, "--lengths"), "--lengths (e.g. 10,12,10)")))
-    if name in ("causal", "full", "causal_lower_right"):
-        return causal_if(masks.from_string(name))
     if any(c in name for c in ":&|~()"):
-        return causal_if(masks.from_string(name))
-    raise ConfigError(f"unknown pattern {name!r}; known patterns: {', '.join(KNOWN)} "
-                      "(or a spec such as 'sliding_window:4&causal')")
-
-
-KNOWN = ["sliding_window", "dilated_window", "strided", "fixed", "global_tokens", "bigbird", "documents",
-         "causal", "causal_lower_right", "full"]
+        m = masks.from_string(name)
+        return m & masks.causal() if causal else m
+    ctor = masks.pattern(name)  # unknown names: a ConfigError listing the known ones
+    g = _ints(global_, "--global")
+    if g is not None and "global_blocks" in inspect.signature(ctor).parameters and len(g) != 1:
+        raise ConfigError(f"{name} --global is a number of global blocks, got {global_!r}")
+    given = {"window": window, "dilation": dilation, "stride": stride, "summary": summary, "block": block,
+             "window_blocks": window_blocks, "global_blocks": None if g is None else g[0], "indices": g,
+             "random_blocks": random, "seed": seed, "lengths": _ints(lengths, "--lengths")}
+    kwargs = {}
+    params = inspect.signature(ctor).parameters
+    for p in params.values():
+        if p.name == "causal":
+            continue
+        value = given.get(p.name)
+        if value is None:
+            if p.default is inspect.Parameter.empty:
+                raise ConfigError(f"pattern {name!r} needs {_OPTION.get(p.name, '--' + p.name)}")
+            continue
+        kwargs[p.name] = value
+    if "causal" in params:
+        return ctor(**kwargs, causal=causal or params["causal"].default)
+    m = ctor(**kwargs)
+    return m & masks.causal() if causal else m
 
 
 def _render(dense, max_cells: int) -> Text:
@@ -94,7 +95,8 @@ def _render(dense, max_cells: int) -> Text:
 
 @app.command("pattern")
 def pattern(
-    name: str = typer.Argument(..., help=f"one of {', '.join(KNOWN)}, or a mask spec like 'sliding_window:4&causal'"),
+    name: str = typer.Argument(..., help=f"one of {', '.join(masks.pattern_names())}, or a mask spec like "
+                                         "'sliding_window:4&causal'"),
     seq_len: int = typer.Option(32, "--seq-len", "-n", help="positions (queries = keys)"),
     window: int = typer.Option(None, "--window", help="sliding/dilated window: keys on each side"),
     dilation: int = typer.Option(2, "--dilation", help="dilated_window: step between keys"),
@@ -129,13 +131,13 @@ def pattern(
     dense = m.dense(heads=heads, q_len=seq_len)
     dense = dense[0, min(head, dense.shape[1] - 1)]  # (seq_len, seq_len) of the chosen head
     tile = tile or max(1, min(_sparse.BLOCK_Q, seq_len // 8))
-    bm = m.block_map(seq_len, seq_len, tile, tile, heads=heads)
+    bm = block_map(m, seq_len, seq_len, tile, tile, heads=heads)
     state = bm.state[0, min(head, bm.state.shape[1] - 1)]
     pairs = float(dense.float().mean())
-    tiles = float((state != 0).float().mean())
-    full_t = float((state == 2).float().mean())
+    tiles = float((state != EMPTY).float().mean())
+    full_t = float((state == FULL).float().mean())
     info = {"pattern": m.name, "seq_len": seq_len, "visible_pairs": int(dense.sum()), "pair_density": pairs,
-            "tile": tile, "visited_tiles": int((state != 0).sum()), "tiles": int(state.numel()),
+            "tile": tile, "visited_tiles": int((state != EMPTY).sum()), "tiles": int(state.numel()),
             "tile_density": tiles, "full_tile_share": full_t,
             "rows_without_keys": int((~dense.any(-1)).sum())}
     if as_json:

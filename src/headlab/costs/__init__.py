@@ -12,9 +12,7 @@ Each backend's formula lives in a file of this package and registers itself with
 :func:`register_cost`; a backend without one is an error, never a zero.
 """
 
-from importlib import import_module as _import_module
-
-from headlab.costs import dense  # noqa: F401  (registers reference and sdpa)
+from headlab.costs import dense, linear, sparse, tiled  # noqa: F401  (each registers its formulas)
 from headlab.costs.model import (
     AttentionCost,
     AttentionShape,
@@ -25,14 +23,7 @@ from headlab.costs.model import (
     parse_dtype,
     register_cost,
 )
+from headlab.costs.ring import RingCost, ring_cost
 
-__all__ = ["AttentionCost", "AttentionShape", "Hardware", "estimate", "estimate_all", "formulas",
-           "parse_dtype", "register_cost"]
-
-# Formulas contributed by later work register themselves here, one module each.
-for _mod in ("tiled", "sparse", "linear"):
-    try:
-        _import_module(f"headlab.costs.{_mod}")
-    except ModuleNotFoundError as _e:
-        if _e.name != f"headlab.costs.{_mod}":
-            raise
+__all__ = ["AttentionCost", "AttentionShape", "Hardware", "RingCost", "estimate", "estimate_all", "formulas",
+           "parse_dtype", "register_cost", "ring_cost"]

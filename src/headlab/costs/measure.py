@@ -30,7 +30,7 @@ import torch
 
 from headlab.errors import BackendUnsupportedError, ConfigError, HeadlabError, MemoryBudgetError
 
-__all__ = ["bench_attention", "peak_memory_growth", "rss_bytes", "time_call"]
+__all__ = ["bench_attention", "check_counts", "peak_memory_growth", "rss_bytes", "time_call"]
 
 
 def time_call(fn: Callable[[], Any], *, repeats: int = 5, warmup: int = 1) -> float:
@@ -235,6 +235,14 @@ def _backend_name(b) -> str:
     return b if isinstance(b, str) else getattr(b, "name", str(b))
 
 
+def check_counts(**counts: int) -> None:
+    """Refuse a count below its least value (``warmup`` >= 0, everything else >= 1), by name."""
+    for what, val in counts.items():
+        least = 0 if what == "warmup" else 1
+        if isinstance(val, bool) or not isinstance(val, int) or val < least:
+            raise ConfigError(f"{what} must be an integer >= {least}, got {val!r}")
+
+
 def bench_attention(
     seq_lens: Sequence[int],
     backends: Sequence,
@@ -279,6 +287,7 @@ def bench_attention(
     from headlab.costs.model import parse_dtype
 
     dtype = parse_dtype(dtype)
+    check_counts(repeats=repeats, warmup=warmup, batch=batch, heads=heads, head_dim=head_dim)
     if not seq_lens:
         raise ConfigError("seq_lens is empty; give at least one sequence length, e.g. [1024, 2048]")
     if any((not isinstance(n, int)) or n <= 0 for n in seq_lens):
@@ -300,13 +309,17 @@ def bench_attention(
     for b in backends:
         _registry.get(b)  # UnknownBackendError listing the known names
     rows: list[dict] = []
+    cfgs = {L: {"seq_len": L, "batch": batch, "heads": heads, "head_dim": head_dim, "dtype": dtype,
+                "causal": causal, "backward": backward, "mask": pattern, "seed": seed} for L in seq_lens}
+    # every refusal (memory guard, missing feature) is known before anything runs
+    refusals = {L: {_backend_name(b): _refusal(cfgs[L], b) for b in [*backends, "sdpa"]} for L in seq_lens}
     for L in seq_lens:
-        cfg = {"seq_len": L, "batch": batch, "heads": heads, "head_dim": head_dim, "dtype": dtype,
-               "causal": causal, "backward": backward, "mask": pattern, "seed": seed}
-        peers = ["sdpa"] if "sdpa" not in backends else []
-        todo = backends + peers
-        reasons = {_backend_name(b): _refusal(cfg, b) for b in todo}
-        runnable = [b for b in todo if reasons[_backend_name(b)] is None]
+        cfg = cfgs[L]
+        reasons = refusals[L]
+        mine = [b for b in backends if reasons[_backend_name(b)] is None]
+        # torch's SDPA is timed beside them for the ratio, unless nothing listed runs at this length
+        peers = ["sdpa"] if "sdpa" not in backends and mine else []
+        runnable = mine + [b for b in peers if reasons["sdpa"] is None]
         # timing: interleaved rounds over the runnable backends
         q, k, v = _inputs(cfg, backward)
         grad_out = torch.ones_like(q) if backward else None
@@ -318,7 +331,9 @@ def bench_attention(
                 if name in errors:
                     continue
                 if progress is not None:
-                    progress(f"{name} @ {L}: time {rnd + 1}/{warmup + repeats}")
+                    role = " (peer, for the ratio)" if b in peers else ""
+                    progress(f"{name}{role} @ {L}: {'warm-up' if rnd < warmup else 'time'} "
+                             f"{rnd + 1}/{warmup + repeats}")
                 try:
                     t0 = time.perf_counter()
                     _call(cfg, b, q, k, v, grad_out)
@@ -361,13 +376,8 @@ def bench_attention(
 
 
 def _linear_from_string(text: str):
-    try:
-        from headlab.attention.backends.linear import from_string
-    except ImportError:
-        raise ConfigError(
-            f"--feature-map {text!r} needs headlab.attention.backends.linear.from_string, which this install "
-            "does not have yet; drop --feature-map or update headlab"
-        ) from None
+    from headlab.attention.backends.linear import from_string
+
     return from_string(text)
 
 

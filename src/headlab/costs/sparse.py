@@ -23,17 +23,15 @@ tile (the ``full`` pattern).
 from __future__ import annotations
 
 from headlab.attention.backends import sparse as _sparse
-from headlab.attention.masks import full
+from headlab.costs import visits
 from headlab.costs.model import AttentionCost, AttentionShape, register_cost
-
-_FULL = full()
+from headlab.units import human_bytes
 
 
 def visited_tiles(shape: AttentionShape) -> int:
-    """Tiles the sparse kernel computes for one layer, summed over batch and query heads."""
-    mask = _sparse.effective_mask(shape.mask, shape.causal) or _FULL
-    bm = _sparse.block_map(mask, shape.q_len, shape.kv_len, shape.batch, shape.heads)
-    return _sparse.visited_tiles(bm, shape.batch, shape.heads)
+    """Tiles the sparse kernel computes for one layer, summed over batch and query heads
+    (counted in closed form for the built-in patterns: see :mod:`headlab.costs.visits`)."""
+    return visits.tiles(shape, _sparse.BLOCK_Q, _sparse.BLOCK_K)
 
 
 @register_cost("sparse")
@@ -49,7 +47,10 @@ def sparse_cost(shape: AttentionShape) -> AttentionCost:
     # K and V blocks are read once per visited tile; q, out once; the n x n map never exists
     moved = shape.io_bytes() + tiles * bk * (d + dv) * s
     lse = shape.batch * shape.heads * shape.q_len * 4
-    note = f"{tiles} of {n_tiles} tiles of {bq}x{bk} visited ({tiles / max(1, n_tiles):.1%})"
+    note = f"{tiles:,} of {n_tiles:,} tiles of {bq}x{bk} visited ({tiles / max(1, n_tiles):.1%})"
+    plan = visits.plan_tiles(shape, bq, bk)  # the kernel's block map: one int8 state per tile
+    if plan > visits.MAP_BUDGET:
+        note += f"; the kernel's block map alone would take {human_bytes(plan)}"
     if shape.mask is None and not shape.causal:
         note += "; backend refuses calls without a mask or causal=True (figures for the full pattern)"
     return AttentionCost(

@@ -26,31 +26,20 @@ from __future__ import annotations
 import torch
 
 from headlab.attention.backends import tiled as _tiled
+from headlab.costs import visits
 from headlab.costs.model import AttentionCost, AttentionShape, register_cost
+from headlab.units import human_bytes
 
 
 def visited_pairs(shape: AttentionShape, block_q: int = _tiled.BLOCK_Q, block_k: int = _tiled.BLOCK_K) -> int:
     """Score entries inside visited tiles, per (batch, head): edge tiles at their real size;
     under ``causal`` a tile's key range stops at its query block's end (the kernel cuts it there).
+    Counted in closed form for the built-in patterns (:mod:`headlab.costs.visits`).
 
     >>> visited_pairs(AttentionShape(q_len=1000, causal=True), 256, 512)
     625216
     """
-    spec = shape.spec()
-    states = _tiled.tile_states(spec, shape.mask, block_q, block_k)
-    n_qb, n_kb = states.shape
-    qs = torch.full((n_qb,), block_q, dtype=torch.int64)
-    qs[-1] = shape.q_len - block_q * (n_qb - 1)
-    ks = torch.full((n_kb,), block_k, dtype=torch.int64)
-    ks[-1] = shape.kv_len - block_k * (n_kb - 1)
-    if shape.causal:  # key tile [j0, j1) cut at the query block's end i1 (top-left causal)
-        i1 = torch.cumsum(qs, 0)
-        j0 = torch.arange(n_kb, dtype=torch.int64) * block_k
-        ks = (torch.minimum(j0[None, :] + ks[None, :], i1[:, None]) - j0[None, :]).clamp(min=0)
-        area = qs[:, None] * ks
-    else:
-        area = qs[:, None] * ks[None, :]
-    return int((area * (states != 0)).sum())
+    return visits.pairs(shape, block_q, block_k)
 
 
 def tiled_flops(shape: AttentionShape, block_q: int = _tiled.BLOCK_Q, block_k: int = _tiled.BLOCK_K) -> tuple[int, int]:
@@ -64,9 +53,11 @@ def tiled_flops(shape: AttentionShape, block_q: int = _tiled.BLOCK_Q, block_k: i
 def tiled_cost(shape: AttentionShape, block_q: int = _tiled.BLOCK_Q, block_k: int = _tiled.BLOCK_K) -> AttentionCost:
     L = shape.layers
     spec = shape.spec()
-    fwd, bwd = tiled_flops(shape, block_q, block_k)
-    c = 8 if shape.dtype == torch.float64 else 4  # compute dtype
+    plan = visits.plan_tiles(shape, block_q, block_k)  # the kernel's list of tile states
     pairs = visited_pairs(shape, block_q, block_k) * shape.batch * shape.heads
+    d, dv = shape.head_dim, shape.v_dim
+    fwd, bwd = 2 * pairs * (d + dv + 2), 2 * pairs * (3 * d + 2 * dv + 2)
+    c = 8 if shape.dtype == torch.float64 else 4  # compute dtype
     n_qb = -(-shape.q_len // block_q)
     kv_bytes = shape.batch * shape.kv_heads * shape.kv_len * (shape.head_dim + shape.v_dim) * c
     # inputs and output once, K and V once per query block, and four passes over every visited
@@ -82,5 +73,6 @@ def tiled_cost(shape: AttentionShape, block_q: int = _tiled.BLOCK_Q, block_k: in
         working_set_bytes=_tiled.working_set_bytes(spec, block_q, block_k, backward=False),
         bytes_moved=L * moved,
         saved_for_backward_bytes=L * saved,
-        notes=f"online softmax over {block_q}x{block_k} tiles; backward recomputes P",
+        notes=f"online softmax over {block_q}x{block_k} tiles; backward recomputes P"
+              + (f"; the kernel's tile plan alone would take {human_bytes(plan)}" if plan > visits.MAP_BUDGET else ""),
     )

@@ -17,16 +17,20 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 
-def run_units(fn: Callable, units: Sequence, *, threaded: bool = True) -> None:
+# Tests switch it off (monkeypatch) to compare the threaded forwards with the serial ones.
+THREADED = True
+
+
+def run_units(fn: Callable, units: Sequence) -> None:
     """Call ``fn(unit)`` for every unit, in a thread pool when that can help.
 
     The units run serially in the calling thread when there is one torch thread or one unit,
-    when ``threaded`` is False, or under a dispatch mode (``FlopCounterMode``, profilers), which
+    when :data:`THREADED` is False, or under a dispatch mode (``FlopCounterMode``, profilers), which
     only sees its own thread. Grad mode and inference mode are thread-local: the workers run
     under ``no_grad`` and carry the caller's inference mode over.
     """
     n = torch.get_num_threads()
-    if n <= 1 or len(units) <= 1 or not threaded or torch._C._len_torch_dispatch_stack() > 0:
+    if n <= 1 or len(units) <= 1 or not THREADED or torch._C._len_torch_dispatch_stack() > 0:
         for u in units:
             fn(u)
         return

@@ -25,12 +25,15 @@ class Capabilities:
 
     dtypes: frozenset = ALL_FLOATS  # input dtypes accepted
     bool_mask: bool = True  # boolean tensor masks
+    additive_mask: bool = True  # additive float tensor masks (torch SDPA's float attn_mask)
     mask_fn: bool = True  # headlab.masks mask functions
     causal: bool = True  # causal=True
     gqa: bool = True  # grouped-query heads without copying K/V per query head
     dropout: bool = True  # dropout_p > 0
     grad: bool = True  # backward pass
     returns_weights: bool = False  # can return the (B, H, Lq, Lk) weights
+    returns_lse: bool = True  # can return the log-sum-exp (B, H, Lq) (return_lse=True)
+    score_mod: bool = False  # FlexAttention-style score_mod(score, b, h, q_idx, kv_idx)
     exact: bool = True  # exact softmax attention (False: an approximation)
     materializes: bool = False  # holds an n x n map in memory
     devices: frozenset = field(default_factory=lambda: frozenset({"cpu", "cuda"}))
@@ -39,12 +42,15 @@ class Capabilities:
         return {
             "dtypes": sorted(str(d).removeprefix("torch.") for d in self.dtypes),
             "bool_mask": self.bool_mask,
+            "additive_mask": self.additive_mask,
             "mask_fn": self.mask_fn,
             "causal": self.causal,
             "gqa": self.gqa,
             "dropout": self.dropout,
             "grad": self.grad,
             "returns_weights": self.returns_weights,
+            "returns_lse": self.returns_lse,
+            "score_mod": self.score_mod,
             "exact": self.exact,
             "materializes": self.materializes,
             "devices": sorted(self.devices),
@@ -71,8 +77,14 @@ class Backend:
             return False, f"device {spec.device.type} is not supported"
         if spec.mask_kind == "bool" and not c.bool_mask:
             return False, "boolean tensor masks are not supported"
+        if spec.mask_kind == "additive" and not c.additive_mask:
+            return False, "additive float masks are not supported"
         if spec.mask_kind == "function" and not c.mask_fn:
             return False, "mask functions are not supported"
+        if spec.score_mod and not c.score_mod:
+            return False, "score_mod is not supported"
+        if spec.need_lse and not c.returns_lse:
+            return False, "returning the log-sum-exp is not supported"
         if spec.causal and not c.causal:
             return False, "causal=True is not supported"
         if spec.dropout_p > 0 and not c.dropout:
@@ -92,8 +104,11 @@ class Backend:
         *,
         mask: torch.Tensor | MaskFn | None,
         scale: float,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Return ``(out (B, H, Lq, v_dim), weights (B, H, Lq, Lk) or None)``."""
+        score_mod=None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """Return ``(out (B, H, Lq, v_dim), weights (B, H, Lq, Lk) or None, lse (B, H, Lq) or None)``:
+        weights when ``spec.need_weights``; the natural-log log-sum-exp (``-inf`` on rows that see
+        no key) when ``spec.need_lse`` (a backend may return it always)."""
         raise NotImplementedError
 
     def check_memory(self, spec: AttentionSpec) -> None:

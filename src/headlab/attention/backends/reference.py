@@ -7,7 +7,9 @@
 
 Grouped-query heads are computed without copying K/V: the G query heads that share a kv head
 are stacked along the sequence axis, ``(B, Hkv, G*Lq, D) @ (B, Hkv, D, Lk)``.
-A query row that sees no key outputs zeros (its weights are zeros too).
+A query row that sees no key outputs zeros (its weights are zeros too); NaN propagates (a NaN in
+``q_i`` makes row ``i`` NaN). An additive float mask is added to the scaled scores; a score_mod
+(FlexAttention's) is applied before the mask.
 Works in any floating dtype, float64 included; it computes in the input dtype, so a float16
 call is the "plain implementation in the same precision" of the FlashAttention error rule.
 """
@@ -16,9 +18,10 @@ from __future__ import annotations
 
 import torch
 
-from headlab.attention.backends.base import Backend, Capabilities, register
+from headlab.attention.backends.base import Backend, Capabilities, get, names, register
 from headlab.attention.guard import check_fits
 from headlab.attention.spec import AttentionSpec, dense_mask, mask_numel, materialized_bytes
+from headlab.attention.visibility import additive_bias, is_additive
 
 
 def working_set_bytes(spec: AttentionSpec) -> int:
@@ -40,7 +43,7 @@ def working_set_bytes(spec: AttentionSpec) -> int:
 class ReferenceBackend(Backend):
     name = "reference"
     summary = "plain materialised softmax(QK^T)V; any dtype incl. float64; the oracle"
-    capabilities = Capabilities(returns_weights=True, materializes=True)
+    capabilities = Capabilities(returns_weights=True, materializes=True, score_mod=True)
     priority = 1000
     alternative = "sdpa"
 
@@ -49,21 +52,36 @@ class ReferenceBackend(Backend):
                    f"({spec.batch}x{spec.heads} maps, {str(spec.dtype).removeprefix('torch.')})",
                    device=spec.device, alternative=_alternative(spec))
 
-    def forward(self, q, k, v, spec, *, mask, scale):
+    def forward(self, q, k, v, spec, *, mask, scale, score_mod=None):
         B, H, Lq, D = q.shape
         Hkv, Lk, Dv, G = spec.kv_heads, spec.kv_len, spec.v_dim, spec.group
         qg = q.reshape(B, Hkv, G * Lq, D)  # (B, Hkv, G*Lq, D): heads sharing a kv head stacked
         s = torch.matmul(qg, k.transpose(-1, -2)).view(B, H, Lq, Lk)  # (B, H, Lq, Lk)
         s.mul_(scale)  # in place: matmul saves its inputs, not its output
-        visible = dense_mask(spec, mask)
-        dead = None
-        if visible is not None:
-            s = s.masked_fill(~visible, float("-inf"))
-            dead = ~visible.any(dim=-1, keepdim=True)  # (B?, H?, Lq, 1): rows that see no key
-            if bool(dead.any()):
-                s = s.masked_fill(dead, 0.0)  # finite row; its output is zeroed below
-            else:
-                dead = None
+        if score_mod is not None:
+            dev = s.device
+            s = score_mod(s, torch.arange(B, device=dev).view(B, 1, 1, 1), torch.arange(H, device=dev).view(1, H, 1, 1),
+                          torch.arange(Lq, device=dev).view(1, 1, Lq, 1), torch.arange(Lk, device=dev).view(1, 1, 1, Lk))
+        if is_additive(mask):
+            s = s + additive_bias(spec, mask, dtype=s.dtype)  # float mask and causal, -inf = hidden
+            dead = torch.isneginf(s).all(-1, keepdim=True)  # (B, H, Lq, 1): rows that see no key
+        else:
+            visible = dense_mask(spec, mask)
+            dead = None
+            if visible is not None:
+                s = s.masked_fill(~visible, float("-inf"))
+                dead = ~visible.any(dim=-1, keepdim=True)  # (B?, H?, Lq, 1): rows that see no key
+            if score_mod is not None:
+                dead = torch.isneginf(s).all(-1, keepdim=True)  # a score_mod may hide entries too
+        if dead is not None and bool(dead.any()):
+            s = s.masked_fill(dead, 0.0)  # finite row; its output is zeroed below
+        else:
+            dead = None
+        lse = None
+        if spec.need_lse:
+            lse = torch.logsumexp(s, dim=-1)  # (B, H, Lq)
+            if dead is not None:
+                lse = lse.masked_fill(dead.squeeze(-1), float("-inf"))
         p = torch.softmax(s, dim=-1)  # (B, H, Lq, Lk)
         del s
         weights = p
@@ -74,15 +92,11 @@ class ReferenceBackend(Backend):
             out = out.masked_fill(dead, 0.0)
             if spec.need_weights:
                 weights = weights.masked_fill(dead, 0.0)
-        return out, (weights if spec.need_weights else None)
+        return out, (weights if spec.need_weights else None), lse
 
 
 def _alternative(spec: AttentionSpec) -> str:
-    from headlab.attention.backends import base
-
     for name in ("sdpa", "tiled"):
-        if name in base.names():
-            b = base.get(name)
-            if b.supports(spec.with_(need_weights=False))[0]:
-                return name
+        if name in names() and get(name).supports(spec.with_(need_weights=False))[0]:
+            return name
     return "sdpa"

@@ -44,7 +44,9 @@ import torch
 
 from headlab.attention import backends as _backends
 from headlab.attention.core import attention as _attention_fn
-from headlab.attention.masks import MaskFn
+from headlab.attention.backends.linear import FEATURE_MAP_ALIASES
+from headlab.attention.backends.linear import from_string as linear_from_string
+from headlab.attention.visibility import visible
 from headlab.attention.spec import default_scale, normalize_mask, validate
 from headlab.errors import ConfigError
 
@@ -122,11 +124,9 @@ class ApproxReport:
 
 
 def _resolve(backend) -> _backends.Backend:
-    if isinstance(backend, str) and backend not in _backends.names() and backend.split(":")[0].lower() in (
-            "favor", "favor+", "performer", "elu", "elu+1", "relu"):
-        from headlab.attention.backends.linear import from_string
-
-        return from_string(backend)
+    if (isinstance(backend, str) and backend not in _backends.names()
+            and backend.split(":")[0].lower() in FEATURE_MAP_ALIASES):
+        return linear_from_string(backend)
     return _backends.get(backend)
 
 
@@ -137,16 +137,7 @@ def _label(be: _backends.Backend) -> str:
 
 def _visibility(mask, spec, rows: torch.Tensor) -> torch.Tensor | None:
     """Visible keys of the chosen query rows: bool broadcastable to (B, H, len(rows), Lk), or None."""
-    out = None
-    if isinstance(mask, MaskFn):
-        out = mask.dense(spec.batch, spec.heads, q_len=spec.q_len, kv_len=spec.kv_len, rows=rows, device=spec.device)
-    elif isinstance(mask, torch.Tensor):
-        out = mask[:, :, rows] if mask.shape[2] == spec.q_len and spec.q_len > 1 else mask
-    if spec.causal:
-        tri = (rows.view(-1, 1) >= torch.arange(spec.kv_len, device=spec.device).view(1, -1)).view(
-            1, 1, -1, spec.kv_len)
-        out = tri if out is None else out & tri
-    return out
+    return visible(spec, mask, rows.to(spec.device), None)
 
 
 def _exact_rows(q, k, rows, visible, scale) -> torch.Tensor:

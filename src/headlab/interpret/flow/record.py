@@ -8,7 +8,7 @@ What is recorded for layer ``l`` (``n`` tokens, ``E`` residual width, ``H`` quer
     norm_in  (n, E)      post-LN blocks: the LayerNorm's input x + Attn(x) + b_O            [residual mode]
     pattern  (H, n, n)   the attention weights                                             [maps]
     q, k     (H, n, d)   queries and keys as the scores see them (k repeated per query head) [streaming]
-    lse      (H, n)      log-sum-exp of each query's scores (headlab.attention_stats, method "sdpa": the fused kernel's own lse) [streaming]
+    lse      (H, n)      log-sum-exp of each query's scores (headlab.attention_stats, tiled: O(n) memory) [streaming]
 
 The attention's input comes from a forward pre-hook on ``adapter.attn_modules[l]`` and the norm's
 input from one on the norm module (:func:`~headlab.interpret.flow.blocks.layer_norms`); the hooks
@@ -176,7 +176,7 @@ def record(target, inputs, layers=None, *, maps: bool, residual: bool = False, b
     sites = [site_name(l, kind) for l in chosen for kind in kinds]
     store: dict = {}
     with _hooks(adapter, chosen, store, residual):
-        cache = capture(adapter, model_inputs, sites, backend=backend, stats_kwargs={"stats": ["lse"], "method": "sdpa"})
+        cache = capture(adapter, model_inputs, sites, backend=backend, stats_kwargs={"stats": ["lse"]})
     n = int(store[chosen[0]]["x"].shape[0])
     rec = Recording(adapter, n, is_causal(adapter), [_scale(adapter, l) for l in range(adapter.n_layers)], tokens)
     G = adapter.n_heads // adapter.n_kv_heads

@@ -29,14 +29,19 @@ from __future__ import annotations
 import csv
 import json
 import os
+import tempfile
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+import torch
 
+from headlab._version import __version__
+from headlab.attention.core import attention_weights
 from headlab.errors import InputError
+from headlab.interpret.capture import capture
 from headlab.interpret.heads.labels import (
     HeadRecord,
     LabelThresholds,
@@ -50,7 +55,6 @@ DRAWN_HEADS = 4  # heads drawn by default in the streaming mode
 MAX_EMBEDDED_BYTES = 64 << 20  # refuse a page whose maps alone would exceed this (choose fewer heads)
 REPORT_FILES = ("report.html", "heads.csv", "heads.json")
 _PNG_GLOB = "layer_*.png"
-DECODER_FAMILIES = ("gpt2", "llama")
 _STREAM_STATS = ("entropy", "max_weight", "argmax", "mean_distance", "key_mass", "received")
 
 Progress = Callable[[str], None]
@@ -148,6 +152,10 @@ def prepare_out_dir(out_dir: str | os.PathLike, *, force: bool) -> Path:
     a previous report left there (only those: ``report.html``, ``heads.csv``, ``heads.json``,
     ``layer_*.png``)."""
     path = Path(out_dir).expanduser()
+    resolved = path.resolve()
+    if resolved.parts[1:2] in (("proc",), ("sys",)):
+        raise InputError(f"the output folder {str(path)!r} is under /{resolved.parts[1]}, a kernel filesystem that "
+                         "takes no files; choose a folder on disk with --out")
     if path.exists() and not path.is_dir():
         raise InputError(f"the output path {str(path)!r} is a file; give a folder (it is created if missing)")
     if path.is_dir() and any(path.iterdir()):
@@ -158,8 +166,31 @@ def prepare_out_dir(out_dir: str | os.PathLike, *, force: bool) -> Path:
             (path / name).unlink(missing_ok=True)
         for png in path.glob(_PNG_GLOB):
             png.unlink()
-    path.mkdir(parents=True, exist_ok=True)
+    try:  # can a file be written there? Found now, not after the computing
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as e:
+        raise InputError(f"cannot write the report into {str(path)!r}: {e.strerror or e}; "
+                         "choose a writable folder with --out") from None
     return path
+
+
+def backend_provenance(backend: str | None, mode: str) -> tuple[dict, str | None]:
+    """What computed what: ``{"model_backend", "model_backend_exact", "statistics"}`` and a warning
+    when the backend is approximate (it changes the q and k of later layers and the outputs)."""
+    from headlab.attention import backends as _backends
+
+    name = backend or "auto"
+    exact = name == "auto" or bool(_backends.get(name).capabilities.exact)
+    stats = ("attention maps captured on the reference computation (exact softmax)" if mode == "full" else
+             f"exact softmax statistics (streaming) of the q and k computed while the model ran on {name!r}")
+    warning = None if exact else (
+        f"backend {name!r} is approximate, but capturing every map runs each layer on the reference computation: "
+        f"the maps and the table are those of the exact model, and {name!r} was not used" if mode == "full" else
+        f"backend {name!r} is approximate (not softmax attention): the model ran on it, so the q and k of every "
+        f"layer after the first, and the model's outputs, differ from the exact model; this report shows {stats}")
+    return {"model_backend": name, "model_backend_exact": exact, "statistics": stats}, warning
 
 
 def write_csv(records: Sequence[HeadRecord], path: str | os.PathLike) -> Path:
@@ -189,10 +220,7 @@ def write_json(records: Sequence[HeadRecord], path: str | os.PathLike, **meta) -
 
 
 def _is_causal(loaded) -> bool:
-    if loaded.family in DECODER_FAMILIES:
-        return True
-    cfg = getattr(loaded.model, "config", None)
-    return bool(getattr(cfg, "causal", False) or getattr(cfg, "is_decoder", False))
+    return loaded.adapter.causal
 
 
 def _separator_positions(loaded, ids: Sequence[int], causal: bool) -> list[int] | None:
@@ -206,10 +234,8 @@ def _separator_positions(loaded, ids: Sequence[int], causal: bool) -> list[int] 
 
 def _full_maps(loaded, inputs, tokens, *, sinks, seps, causal, backend, thresholds):
     """Every map captured: the table from the maps, and every map to draw."""
-    import headlab
-
     n_layers = loaded.adapter.n_layers
-    cache = headlab.capture(loaded, inputs, sites=["blocks.*.attn.pattern"], backend=backend)
+    cache = capture(loaded, inputs, sites=["blocks.*.attn.pattern"], backend=backend)
     layer_maps = [cache[f"blocks.{i}.attn.pattern"][0].float().cpu().numpy() for i in range(n_layers)]  # (H, L, L)
     rows = [row_stats_from_maps(m, sink_positions=sinks, causal=causal) for m in layer_maps]
     records = head_records(rows, tokens, separator_positions=seps, thresholds=thresholds)
@@ -218,11 +244,9 @@ def _full_maps(loaded, inputs, tokens, *, sinks, seps, causal, backend, threshol
 
 def _streaming(loaded, inputs, tokens, *, sinks, seps, causal, backend, thresholds, chosen):
     """No map held: the table from streaming statistics, maps only for the chosen heads."""
-    import headlab
-
     adapter, n = loaded.adapter, len(tokens)
     # The statistics run inside each layer's forward, with the model's own mask and scale.
-    cache = headlab.capture(loaded, inputs, sites=["blocks.*.attn.stats", "blocks.*.attn.q", "blocks.*.attn.k"],
+    cache = capture(loaded, inputs, sites=["blocks.*.attn.stats", "blocks.*.attn.q", "blocks.*.attn.k"],
                             backend=backend, stats_kwargs={"key_positions": sinks, "stats": list(_STREAM_STATS)})
     rows = [row_stats_from_attention_stats(cache[f"blocks.{i}.attn.stats"], sink_positions=sinks, causal=causal)
             for i in range(adapter.n_layers)]
@@ -240,7 +264,12 @@ def _streaming(loaded, inputs, tokens, *, sinks, seps, causal, backend, threshol
     for layer, h in drawn:
         q = cache[f"blocks.{layer}.attn.q"][:, h:h + 1]  # (1, 1, L, d)
         k = cache[f"blocks.{layer}.attn.k"][:, h // group:h // group + 1]  # (1, 1, L, d)
-        maps[(layer, h)] = headlab.attention_weights(q, k, causal=causal)[0, 0].float().cpu().numpy()  # (L, L)
+        call = cache.call_args[layer]  # the layer's own mask (e.g. a sliding window) and scale
+        mask = call["mask"]
+        if isinstance(mask, torch.Tensor) and mask.dim() == 4 and mask.shape[1] > 1:
+            mask = mask[:, h:h + 1]  # (B, 1, Lq, Lk): a per-head mask, this head's slice
+        w = attention_weights(q, k, mask=mask, causal=call["causal"], scale=call["scale"])  # (1, 1, L, L)
+        maps[(layer, h)] = w[0, 0].float().cpu().numpy()
     return records, maps
 
 
@@ -283,10 +312,10 @@ def analyze(
     Returns:
         A :class:`ReportResult`.
     """
-    import headlab
     from headlab.attention import backends as _backends
     from headlab.interpret.report.figures import LayerGrid
     from headlab.interpret.report.html import render_html
+    from headlab.models.loader import load
 
     say = progress or (lambda msg: None)
     if not isinstance(text, str) or not text.strip():
@@ -299,7 +328,7 @@ def analyze(
 
     if isinstance(model, str | os.PathLike):
         say(f"loading model {os.fspath(model)}")
-        loaded = headlab.load(model)
+        loaded = load(model)
     else:
         loaded = model
     adapter = loaded.adapter
@@ -333,6 +362,9 @@ def analyze(
                      f"(no {n} x {n} map held) and maps are drawn only for heads "
                      f"{', '.join(f'{a}.{b}' for a, b in drawn)}" + ("" if chosen else " (chosen automatically: "
                      "the heads whose rows most often point at a fixed offset; pick others with --heads)"))
+    provenance, approx_warning = backend_provenance(backend, mode)
+    if approx_warning:
+        notes.append(approx_warning)
     drawn_set = set(drawn)
     picks = [*(chosen or []), *((r.layer, r.head) for _, r in interesting_heads(records))]
     initial = next((d for d in picks if d in drawn_set), min(drawn))
@@ -345,9 +377,9 @@ def analyze(
     say("writing the table")
     csv_path = write_csv(records, out / "heads.csv")
     json_path = write_json(
-        records, out / "heads.json", headlab_version=headlab.__version__, model=loaded.name, family=loaded.family,
+        records, out / "heads.json", headlab_version=__version__, model=loaded.name, family=loaded.family,
         text=text, tokens=tokens, causal=causal, separator_positions=seps, mode=mode, max_full_tokens=max_full_tokens,
-        backend=backend, drawn_heads=[f"{a}.{b}" for a, b in drawn], notes=notes,
+        backend=backend, **provenance, drawn_heads=[f"{a}.{b}" for a, b in drawn], notes=notes,
         thresholds={"positional": thresholds.positional, "sink": thresholds.sink, "broad": thresholds.broad},
         n_layers=n_layers, n_heads=n_heads)
 
@@ -368,7 +400,9 @@ def analyze(
     say("writing the page")
     first_label = "mass first token" if causal else "mass [CLS]"
     summary = [f"model: {loaded.name} ({loaded.family}, {n_layers} layers x {n_heads} heads"
-               f"{', causal' if causal else ''})", f"{n} tokens: {text if len(text) <= 300 else text[:297] + '...'}"]
+               f"{', causal' if causal else ''})", f"backend: {provenance['model_backend']}"
+               f"{'' if provenance['model_backend_exact'] else ' (approximate)'}; shown: {provenance['statistics']}",
+               f"{n} tokens: {text if len(text) <= 300 else text[:297] + '...'}"]
     page = render_html(
         title=f"headlab analyze: {loaded.name}", tokens=tokens, records=records,
         maps={d: maps[d] for d in drawn}, n_layers=n_layers, n_heads=n_heads, summary_lines=summary,
@@ -383,4 +417,4 @@ def analyze(
 
 
 __all__ = ["DRAWN_HEADS", "MAX_FULL_TOKENS", "ReportResult", "analyze", "default_drawn_heads", "interesting_heads",
-           "parse_heads", "prepare_out_dir", "write_csv", "write_json"]
+           "backend_provenance", "parse_heads", "prepare_out_dir", "write_csv", "write_json"]

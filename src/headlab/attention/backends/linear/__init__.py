@@ -60,122 +60,21 @@ one token at a time, and equals the causal parallel form.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Literal
 
-import numpy as np
 import torch
-import torch.nn.functional as F
 
 from headlab.attention import feature_maps
 from headlab.attention.backends.base import Backend, Capabilities, register
 from headlab.attention.guard import check_fits
-from headlab.attention.masks import MaskFn
 from headlab.attention.spec import AttentionSpec, default_scale, validate
+from headlab.attention.backends.linear.compute import _causal, _exp_minus, _key_mask, _noncausal
+from headlab.attention.backends.linear.config import (DEFAULT_CHUNK, DEFAULT_FAVOR_FEATURES, FEATURE_MAP_ALIASES,
+                                                      LinearConfig, LinearState, _compute_dtype, _mix_seed,
+                                                      working_set_bytes)
 from headlab.errors import BackendUnsupportedError, ConfigError, ShapeError
 
-FeatureMapName = Literal["elu", "relu", "favor"]
-
-_ALIASES = {"elu": "elu", "elu+1": "elu", "linear": "elu", "relu": "relu",
-            "favor": "favor", "favor+": "favor", "performer": "favor"}
-DEFAULT_FAVOR_FEATURES = 256
-DEFAULT_CHUNK = 64
-
-__all__ = ["LinearBackend", "LinearConfig", "LinearState", "from_string", "working_set_bytes"]
-
-
-@dataclass(frozen=True)
-class LinearConfig:
-    """How a :class:`LinearBackend` computes. Validated on construction."""
-
-    feature_map: FeatureMapName = "elu"  # elu + 1 is Katharopoulos et al.'s map and the default
-    num_features: int | None = None  # FAVOR+ random features m; elu/relu have head_dim features
-    seed: int = 0  # FAVOR+ draw; the same seed gives the same projection on every machine
-    chunk_size: int = DEFAULT_CHUNK  # causal chunk C: memory O(n (F + C)) when C >= d_v
-    redraw_every: int = 0  # FAVOR+ in training mode: new features every N calls (0: never)
-
-    def __post_init__(self) -> None:
-        fm = _ALIASES.get(str(self.feature_map).lower())
-        if fm is None:
-            raise ConfigError(f"unknown feature map {self.feature_map!r}; use one of elu, relu, favor")
-        object.__setattr__(self, "feature_map", fm)
-        if fm == "favor":
-            m = DEFAULT_FAVOR_FEATURES if self.num_features is None else self.num_features
-            if isinstance(m, bool) or not isinstance(m, int) or m <= 0:
-                raise ConfigError(
-                    f"FAVOR+ needs a positive whole number of random features, got num_features={m!r}; "
-                    f"try num_features={DEFAULT_FAVOR_FEATURES} (more features: smaller error, more time)"
-                )
-            object.__setattr__(self, "num_features", m)
-        elif self.num_features is not None:
-            raise ConfigError(
-                f"feature map {fm!r} has head_dim features; num_features={self.num_features!r} applies to "
-                "favor only (e.g. LinearBackend('favor', num_features=256))"
-            )
-        for name in ("chunk_size",):
-            val = getattr(self, name)
-            if isinstance(val, bool) or not isinstance(val, int) or val <= 0:
-                raise ConfigError(f"{name} must be a positive integer, got {val!r}")
-        if isinstance(self.redraw_every, bool) or not isinstance(self.redraw_every, int) or self.redraw_every < 0:
-            raise ConfigError(f"redraw_every must be an integer >= 0 (0: never), got {self.redraw_every!r}")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
-            raise ConfigError(f"seed must be an integer, got {self.seed!r}")
-
-    def label(self) -> str:
-        if self.feature_map == "favor":
-            return f"favor:{self.num_features} seed={self.seed}"
-        return self.feature_map
-
-    def features(self, head_dim: int) -> int:
-        """Number of features F for a head dim: ``head_dim`` for elu/relu, ``num_features`` for favor."""
-        return self.num_features if self.feature_map == "favor" else head_dim
-
-
-@dataclass
-class LinearState:
-    """Recurrent state of causal linear attention, per (batch, kv head).
-
-    ``kv = sum_j phi(k_j) v_j^T * exp(-offset)`` ``(B, Hkv, F, d_v)``,
-    ``z = sum_j phi(k_j) * exp(-offset)`` ``(B, Hkv, F)``; ``offset`` ``(B, Hkv)`` is a running
-    maximum of FAVOR+ key exponents kept out of the sums so they cannot overflow (zeros for
-    elu/relu; it cancels in the output). ``position`` counts the tokens seen.
-    """
-
-    kv: torch.Tensor
-    z: torch.Tensor
-    offset: torch.Tensor
-    position: int = 0
-
-
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Features and sums run in float32 for half inputs (sums of n positive terms overflow fp16)."""
-    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
-
-
-def working_set_bytes(spec: AttentionSpec, num_features: int | None = None,
-                      chunk_size: int = DEFAULT_CHUNK) -> int:
-    """Peak extra bytes of one forward call (no grad), output included.
-
-    Non-causal: the features of q and k, the ``F x d_v`` state and the output. Causal (chunk C,
-    N = n / C chunks, E = d_v + 1): features, v with its ones column, and the larger of the prefix
-    phase (chunk states, their running sums and the exclusive prefix: ``3 N F E``) and the block
-    phase (prefix, ``n x C`` blocks, two ``n x E`` partial outputs). No term grows as ``n^2`` or
-    ``n F d_v``. Measured peaks agree within a few percent (``benchmarks/bench_linear.py``)."""
-    Fn = num_features or spec.head_dim
-    s = torch.empty((), dtype=_compute_dtype(spec.dtype)).element_size()
-    B, H, Hk, Lq, Lk, Dv = spec.batch, spec.heads, spec.kv_heads, spec.q_len, spec.kv_len, spec.v_dim
-    E = Dv + 1
-    if not spec.causal:
-        total = B * (H * Lq + Hk * Lk) * Fn  # features (FAVOR+ exponentiates its projections in place)
-        total += B * Hk * Fn * E + B * H * Lq * E  # states, output and its denominator
-        return total * s
-    C = min(chunk_size, Lq)
-    N = -(-Lq // C)
-    L = N * C
-    total = B * (H + Hk) * L * Fn + B * Hk * L * E  # features, v with its ones column (padded to L)
-    states = B * Hk * N * Fn * E
-    total += max(3 * states, states + B * H * L * C + 2 * B * H * L * E)
-    return total * s
+__all__ = ["DEFAULT_CHUNK", "DEFAULT_FAVOR_FEATURES", "FEATURE_MAP_ALIASES", "LinearBackend", "LinearConfig",
+           "LinearState", "from_string", "working_set_bytes"]
 
 
 @register
@@ -195,7 +94,8 @@ class LinearBackend(Backend):
 
     name = "linear"
     summary = "linear attention phi(q)(phi(k)^T v): elu+1 (default), relu, FAVOR+; approximate"
-    capabilities = Capabilities(dropout=False, returns_weights=False, exact=False, materializes=False)
+    capabilities = Capabilities(dropout=False, returns_weights=False, exact=False, materializes=False,
+                                additive_mask=False, returns_lse=False)
     priority = 900
     alternative = "sdpa"
 
@@ -226,8 +126,7 @@ class LinearBackend(Backend):
             raise ConfigError(f"feature map {self.config.feature_map!r} has no random projection; use 'favor'")
         w = self._proj.get(head_dim)
         if w is None:
-            state = np.random.SeedSequence([self.config.seed, self._draw, head_dim]).generate_state(2)
-            gen = torch.Generator().manual_seed(int(state[0]) << 31 | int(state[1]) >> 1)
+            gen = torch.Generator().manual_seed(_mix_seed(self.config.seed, self._draw, head_dim))
             w = feature_maps.orthogonal_gaussian(self.config.num_features, head_dim, gen)
             self._proj[head_dim] = w
         key = (head_dim, str(device), dtype)
@@ -281,7 +180,7 @@ class LinearBackend(Backend):
                    what=f"backend 'linear' at {spec.q_len}x{spec.kv_len}", device=spec.device,
                    alternative=None)
 
-    def forward(self, q, k, v, spec, *, mask, scale):
+    def forward(self, q, k, v, spec, *, mask, scale, score_mod=None):
         self._maybe_redraw()
         key_mask = _key_mask(spec, mask)  # (Bm, Hm, Lk) or None
         cdt = _compute_dtype(q.dtype)
@@ -297,7 +196,7 @@ class LinearBackend(Backend):
             out = _causal(fq, fk, v_, group, self.config.chunk_size)
         else:
             out = _noncausal(fq, fk, v_, group)
-        return out.to(q.dtype), None
+        return out.to(q.dtype), None, None
 
     def _features(self, q: torch.Tensor, k: torch.Tensor, scale: float,
                   key_mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -433,95 +332,6 @@ class LinearBackend(Backend):
 
 # -- the two computations --------------------------------------------------------------------
 
-def _exp_minus(x: torch.Tensor, shift: torch.Tensor, hide: torch.Tensor | None = None) -> torch.Tensor:
-    """``exp(x - shift)``, 0 where ``hide``; in place when autograd does not need ``x``.
-
-    Hidden entries are set to -inf before ``exp`` (not zeroed after), so a large hidden
-    exponent cannot overflow into ``inf * 0 = nan`` in the backward pass."""
-    if x.requires_grad or shift.requires_grad:
-        y = x - shift
-        return torch.exp(y if hide is None else y.masked_fill(hide, float("-inf")))
-    x = x.sub_(shift)
-    return (x if hide is None else x.masked_fill_(hide, float("-inf"))).exp_()
-
-
-def _normalise(o: torch.Tensor) -> torch.Tensor:
-    """``(..., Dv + 1)`` numerator with the denominator last -> ``(..., Dv)``; 0/0 rows -> 0."""
-    num, den = o[..., :-1], o[..., -1:]
-    return num / torch.where(den > 0, den, torch.ones_like(den))
-
-
-def _with_ones(v: torch.Tensor) -> torch.Tensor:
-    return torch.cat([v, v.new_ones(v.shape[:-1] + (1,))], dim=-1)  # (B, Hk, Lk, Dv + 1)
-
-
-def _noncausal(fq: torch.Tensor, fk: torch.Tensor, v: torch.Tensor, group: int) -> torch.Tensor:
-    B, H, Lq, Fn = fq.shape
-    Hk = fk.shape[1]
-    kv = torch.matmul(fk.transpose(-1, -2), v)  # (B, Hk, F, Dv): the whole state
-    z = fk.sum(dim=-2, keepdim=True).transpose(-1, -2)  # (B, Hk, F, 1): the normaliser's state
-    fqg = fq.reshape(B, Hk, group * Lq, Fn)  # (B, Hk, G*Lq, F): heads of a group stacked
-    num = torch.matmul(fqg, kv).view(B, H, Lq, -1)  # (B, H, Lq, Dv)
-    den = torch.matmul(fqg, z).view(B, H, Lq, 1)  # (B, H, Lq, 1)
-    den = torch.where(den > 0, den, torch.ones_like(den))  # 0 only when the numerator is 0 too
-    return num / den if num.requires_grad else num.div_(den)
-
-
-def _causal(fq: torch.Tensor, fk: torch.Tensor, v: torch.Tensor, group: int, chunk: int) -> torch.Tensor:
-    B, H, Lq, Fn = fq.shape
-    Hk = fk.shape[1]
-    Lk = min(fk.shape[2], Lq)  # top-left causal: keys at positions >= Lq are never visible
-    fk = fk[:, :, :Lk]  # (B, Hk, Lk, F)
-    v1 = _with_ones(v[:, :, :Lk])  # (B, Hk, Lk, E)
-    E = v1.shape[-1]
-    C = min(chunk, Lq)
-    N = -(-Lq // C)
-    L = N * C
-    if L > Lq:
-        fq = F.pad(fq, (0, 0, 0, L - Lq))  # (B, H, L, F)
-    if L > Lk:
-        fk = F.pad(fk, (0, 0, 0, L - Lk))  # (B, Hk, L, F): zero features see nothing
-        v1 = F.pad(v1, (0, 0, 0, L - Lk))  # (B, Hk, L, E)
-    fkc = fk.view(B, Hk, N, C, Fn)  # (B, Hk, N, C, F)
-    vc = v1.view(B, Hk, N, C, E)  # (B, Hk, N, C, E)
-    chunk_kv = torch.matmul(fkc.transpose(-1, -2), vc)  # (B, Hk, N, F, E): each chunk's state
-    prefix = F.pad(chunk_kv.cumsum(dim=2)[:, :, :-1], (0, 0, 0, 0, 1, 0))  # (B, Hk, N, F, E): chunks before
-    del chunk_kv
-    # the G query heads sharing a kv head are stacked inside each chunk: (B, Hk, N, G*C, F)
-    fqc = fq.view(B, Hk, group, N, C, Fn).transpose(2, 3).reshape(B, Hk, N, group * C, Fn)
-    out = torch.matmul(fqc, prefix)  # (B, Hk, N, G*C, E): what earlier chunks contribute
-    scores = torch.matmul(fqc, fkc.transpose(-1, -2))  # (B, Hk, N, G*C, C)
-    tri = torch.ones(C, C, dtype=torch.bool, device=fq.device).tril_().repeat(group, 1)  # (G*C, C)
-    scores.masked_fill_(~tri, 0.0)  # in place: matmul's backward does not need its own output
-    out = torch.matmul(scores, vc).add_(out)  # (B, Hk, N, G*C, E): plus the masked block of its own chunk
-    out = out.view(B, Hk, N, group, C, E).transpose(2, 3).reshape(B, H, L, E)[:, :, :Lq]  # (B, H, Lq, E)
-    return _normalise(out)
-
-
-def _key_mask(spec: AttentionSpec, mask: torch.Tensor | MaskFn | None) -> torch.Tensor | None:
-    """The key padding as ``(Bm, Hm, Lk)`` bool, or None. Refuses masks that depend on the query."""
-    if mask is None:
-        return None
-    if isinstance(mask, torch.Tensor):
-        return mask[:, :, 0, :]  # supports() checked: (Bm, Hm, 1, Lk)
-    dev = spec.device
-    bm = spec.batch if mask.batch_dependent else 1
-    hm = spec.heads if mask.head_dependent else 1
-    b = torch.arange(bm, device=dev).view(bm, 1, 1, 1)
-    h = torch.arange(hm, device=dev).view(1, hm, 1, 1)
-    probe = torch.tensor([0, spec.q_len - 1], device=dev).view(1, 1, 2, 1)  # two queries: does it look?
-    kv = torch.arange(spec.kv_len, device=dev).view(1, 1, 1, spec.kv_len)
-    out = mask.evaluate(b, h, probe, kv, spec.q_len, spec.kv_len)
-    out = out.view((1,) * (4 - out.dim()) + tuple(out.shape))
-    if out.shape[2] != 1:
-        raise BackendUnsupportedError(
-            f"backend 'linear' cannot serve this call: mask function {mask.name!r} depends on the query position; "
-            "linear attention takes only key padding masks (headlab.masks.padding(lengths), or a boolean mask of "
-            "shape (batch, 1, 1, kv_len)) and causal=True; use backend='sdpa' for exact attention with this mask"
-        )
-    return torch.broadcast_to(out, (out.shape[0], out.shape[1], 1, spec.kv_len))[:, :, 0, :]
-
-
 def from_string(text: str) -> LinearBackend:
     """A configured backend from a short string: ``"elu"``, ``"relu"``, ``"favor"``, ``"favor:256"``.
 
@@ -531,7 +341,7 @@ def from_string(text: str) -> LinearBackend:
         (128, 'elu')
     """
     parts = str(text).strip().lower().split(":")
-    fm = _ALIASES.get(parts[0])
+    fm = FEATURE_MAP_ALIASES.get(parts[0])
     if fm is None or len(parts) > 3 or (fm != "favor" and len(parts) > 1):
         raise ConfigError(
             f"cannot read feature map {text!r}; use 'elu', 'relu', 'favor' or "

@@ -19,6 +19,8 @@ dropout only when the module is training, grouped-query heads read without copyi
 reads kv head ``h // (H // Hkv)``, the layout of ``repeat_kv``). Additive float masks (what the
 eager path builds, or a user's 4-D mask) are converted to boolean: 0 = may attend, the dtype's minimum
 or ``-inf`` = may not; any other value is a bias headlab's backends cannot add, and is refused.
+Gemma 2's ``softcap`` (``attn_logit_softcapping``) becomes the score_mod ``headlab.masks.softcap(c)``,
+which the reference, tiled and sparse backends apply (``auto`` then picks tiled: sdpa cannot).
 """
 
 from __future__ import annotations
@@ -27,8 +29,9 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from headlab.errors import BackendUnsupportedError
-from headlab.models.base import run_attention
+from headlab.attention.score_mods import softcap
+from headlab.errors import BackendUnsupportedError, MaskError
+from headlab.models.sites import run_attention
 
 IMPLEMENTATION = "headlab"
 
@@ -48,7 +51,7 @@ def hf_mask_to_bool(mask: torch.Tensor | None) -> torch.Tensor | None:
     if mask is None or mask.dtype == torch.bool:
         return mask
     if not mask.is_floating_point():
-        raise BackendUnsupportedError(f"attention mask of dtype {mask.dtype}: expected bool or an additive float mask")
+        raise MaskError(f"attention mask of dtype {mask.dtype}: expected a boolean mask (True = may attend) or an additive float mask (0 or -inf)")
     blocked = mask <= torch.finfo(mask.dtype).min / 2  # finfo.min and -inf
     if bool(((mask != 0) & ~blocked).any()):
         raise BackendUnsupportedError(
@@ -73,7 +76,7 @@ def headlab_attention_forward(
     Returns ``(out (B, Lq, H, d), weights (B, H, Lq, Lk) or None)``; the weights are computed when the
     caller asks for ``output_attentions`` or a capture asks for this layer's pattern.
     """
-    for unsupported in ("softcap", "position_bias", "s_aux"):
+    for unsupported in ("position_bias", "s_aux"):
         if kwargs.get(unsupported) is not None:
             raise BackendUnsupportedError(
                 f"{type(module).__name__} passes {unsupported!r} to its attention function, which headlab backends "
@@ -85,8 +88,12 @@ def headlab_attention_forward(
     causal = bool(q_len > 1 and mask is None and is_causal)
     if causal and key.shape[2] > q_len:  # prefill into an empty static cache: drop the unused slots
         key, value = key[:, :, :q_len], value[:, :, :q_len]
+    # Gemma 2's tanh soft-capping of the scores, as a FlexAttention-style score_mod (reference, tiled, sparse)
+    cap = kwargs.get("softcap")
+    extra = {"score_mod": softcap(cap)} if cap is not None else None
     out, weights = run_attention(module, query, key, value, mask, causal=causal, scale=scaling, dropout_p=dropout,
-                                 need_weights=bool(kwargs.get("output_attentions", False)))  # out: (B, H, Lq, d)
+                                 need_weights=bool(kwargs.get("output_attentions", False)),
+                                 score_kwargs=extra)  # out: (B, H, Lq, d)
     return out.transpose(1, 2).contiguous(), weights  # (B, Lq, H, d)
 
 

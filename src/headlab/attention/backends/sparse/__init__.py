@@ -1,0 +1,127 @@
+"""``"sparse"``: exact block-sparse attention that visits only the tiles a mask leaves non-empty.
+
+The mask (a :mod:`headlab.masks` function, ANDed with ``causal`` when asked) is compiled to a
+:class:`~headlab.attention.blocks.BlockMap` of ``BLOCK_Q x BLOCK_K`` tiles. Only non-empty tiles
+are computed; FULL tiles skip the element-wise mask, PARTIAL tiles apply it (the mask is
+evaluated once per partial tile and cached with the plan). Compute and memory are proportional
+to the visited tiles, forward and backward; nothing ``n x n`` is held or saved.
+
+How the CPU kernel batches the work: a *work item* is one query block of one (batch, head
+group). Items that visit the same number ``k`` of key blocks form a group; for a chunk of a
+group the visited key blocks are gathered into ``(items, k * BLOCK_K, d)`` and the whole chunk
+runs as three batched matmuls with a direct softmax over the gathered keys (all keys of a row
+are in the chunk, so no online rescaling is needed). Chunks are sized to bound memory.
+
+    item rows   (G * BLOCK_Q query rows when the mask is the same for every head: the G query
+                 heads that share a kv head are stacked, so K/V are never copied per query head)
+    S = Q_item (K_gathered)^T * scale      (items, rows, k * BLOCK_K)
+    S[not visible] = -inf                  only when the group has partial tiles
+    P = exp(S - rowmax);  O = P V / rowsum;  lse = rowmax + log(rowsum)
+
+The forward splits the groups into *units* of about ``UNIT_ELEMS`` scores (a few head copies x
+items) and runs them in a pool of ``torch.get_num_threads()`` Python threads, each running
+single-threaded torch ops with its own reused scratch buffers (torch's thread count is restored
+afterwards; under a dispatch mode such as FlopCounterMode the units run serially in the calling
+thread). Scores are in natural-log units throughout (the backward recomputes ``P = exp(S - lse)``
+from the same scaled query, so the probabilities match the forward's), partial tiles get an additive 0/-inf bias (much faster than a bool
+``masked_fill_``), and when an item's key blocks are consecutive (sliding windows) the keys and
+values are read as strided views instead of gathered copies.
+
+Backward (a custom autograd function) recomputes ``P = exp(S - lse)`` per chunk from q, k and
+the saved log-sum-exp, and scatters ``dK = dS^T Q``, ``dV = P^T dO`` into the key blocks.
+A query row that sees no key returns zeros and gets zero gradients.
+
+Exact with respect to the masked softmax (tested against the reference backend under the
+FlashAttention error rule). ``auto`` never picks it over ``sdpa``: use ``backend="sparse"``.
+
+    >>> import torch, headlab
+    >>> from headlab import masks
+    >>> q, k, v = (torch.randn(1, 4, 300, 16) for _ in range(3))
+    >>> out = headlab.attention(q, k, v, mask=masks.sliding_window(32), backend="sparse")
+    >>> ref = headlab.attention(q, k, v, mask=masks.sliding_window(32), backend="reference")
+    >>> torch.allclose(out, ref, atol=1e-5)
+    True
+"""
+
+from __future__ import annotations
+
+import torch
+
+from headlab.attention.backends.base import Backend, Capabilities, register
+from headlab.attention.backends.sparse.kernel import SparseAttention
+from headlab.attention.backends.sparse.plan import (BLOCK_K, BLOCK_Q, SparsePlan, block_map, effective_mask,
+                                                    plan_for, visited_tiles)
+from headlab.attention.backends.sparse.tiles import CHUNK_ELEMENTS
+from headlab.attention.guard import check_fits
+from headlab.attention.masks import MaskFn
+from headlab.attention.spec import AttentionSpec, check_scale, validate
+from headlab.errors import BackendUnsupportedError
+
+
+def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: MaskFn, *,
+                     causal: bool = False, scale: float | None = None) -> torch.Tensor:
+    """Block-sparse exact attention; same conventions as :func:`headlab.attention`.
+
+    Args:
+        q: ``(batch, heads, q_len, head_dim)``; k: ``(batch, kv_heads, kv_len, head_dim)``;
+            v: ``(batch, kv_heads, kv_len, v_dim)``.
+        mask: a :mod:`headlab.masks` function (``None`` allowed when ``causal``).
+
+    Returns ``(batch, heads, q_len, v_dim)`` in q's dtype (float16/bfloat16 compute in float32).
+    """
+    spec, norm = validate(q, k, v, mask=mask, causal=causal)
+    backend = SparseBackend()
+    ok, why = backend.supports(spec)
+    if not ok:
+        raise BackendUnsupportedError(f"sparse_attention cannot serve this call: {why}")
+    out, _, _ = backend.forward(q, k, v, spec, mask=norm, scale=check_scale(scale, spec.head_dim))
+    return out
+
+
+def working_set_bytes(spec: AttentionSpec) -> int:
+    """Peak extra bytes of one forward call: a few chunk buffers plus O(n d) flat copies."""
+    acc = 8 if spec.dtype == torch.float64 else 4
+    chunk = 3 * CHUNK_ELEMENTS * acc  # scores/probabilities, gathered K and V (bounded by the chunk)
+    flat = spec.batch * (spec.heads * (spec.q_len + BLOCK_Q) * (spec.head_dim + spec.v_dim + 1)
+                         + spec.kv_heads * (spec.kv_len + BLOCK_K) * (spec.head_dim + spec.v_dim)) * acc
+    return chunk + flat
+
+
+@register
+class SparseBackend(Backend):
+    name = "sparse"
+    summary = "block-sparse exact attention: visits only non-empty tiles of the mask's block map"
+    capabilities = Capabilities(bool_mask=False, additive_mask=False, dropout=False, returns_weights=False,
+                                exact=True, materializes=False, score_mod=True)
+    priority = 50  # exact, but auto prefers sdpa for dense calls: ask for it by name
+    alternative = "sdpa"
+
+    def supports(self, spec: AttentionSpec) -> tuple[bool, str]:
+        if spec.mask_kind == "additive":
+            return False, "additive float tensor masks are not supported (tensor masks cannot skip tiles)"
+        if spec.mask_kind == "bool":
+            return False, ("boolean tensor masks are not supported (pass a headlab.masks function, e.g. "
+                           "masks.block_layout(layout, block), so tiles can be skipped)")
+        ok, why = super().supports(spec)
+        if not ok:
+            return ok, why
+        if spec.mask_kind != "function" and not spec.causal:
+            return False, "needs a mask function or causal=True (without one every tile is visited)"
+        return True, ""
+
+    def check_memory(self, spec: AttentionSpec) -> None:
+        check_fits(working_set_bytes(spec), what=f"backend 'sparse' at {spec.q_len}x{spec.kv_len}",
+                   device=spec.device, alternative="sdpa")
+
+    def forward(self, q, k, v, spec, *, mask, scale, score_mod=None):
+        eff = effective_mask(mask, spec.causal)
+        plan = plan_for(eff, spec.batch, spec.heads, spec.kv_heads, spec.q_len, spec.kv_len)
+        dtype = q.dtype
+        if dtype in (torch.float16, torch.bfloat16):  # accumulate in float32
+            q, k, v = q.float(), k.float(), v.float()
+        out, lse = SparseAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), plan, eff, scale, score_mod)
+        return out.to(dtype), None, lse.masked_fill(torch.isposinf(lse), float("-inf"))
+
+
+__all__ = ["BLOCK_K", "BLOCK_Q", "SparseBackend", "SparsePlan", "block_map", "effective_mask", "plan_for",
+           "sparse_attention", "visited_tiles", "working_set_bytes"]

@@ -1,0 +1,117 @@
+"""The tiled backward pass and the autograd function that joins it to the forward.
+
+Per tile, from q, k, v, the saved output ``O`` and log-sum-exp (natural log, from the same
+scaled query as the forward)::
+
+    S  = scale q k^T  (then score_mod, then the mask)      P  = exp((S - m) - log l)
+    dV += P^T dO                                           dP - D = [dO | -D] @ [V | 1]^T
+    dS = P * (dP - D),  D = rowsum(dO * O)  (O unrounded, in the compute dtype)
+    dS_raw = dS * d score_mod / d S   (autograd through the score_mod, when there is one)
+    dQ += dS_raw K * scale                                 dK += dS_raw^T (scale q)
+
+``(S - m) - log l`` are separate subtractions, not an extra matmul column: the shift stays out of
+the dot product's accumulation, and ``S - m`` is exact for the scores near the maximum (the lse
+rounded once as ``m + log l`` would cost ``eps * |lse|`` on every probability). When one tile
+holds a row's every key, ``D = rowsum(P * dP)`` is taken from that tile (the softmax's own form).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from headlab.attention.backends.tiled.forward import forward
+from headlab.attention.backends.tiled.plan import (Plan, from_rows, index_grid, mask_tile, prepare_kv,
+                                                   scaled_query, to_rows)
+from headlab.attention.states import EMPTY, PARTIAL
+
+
+def _score_mod_vjp(p: Plan, s_raw, i0, i1, j0, j1):
+    """``(score_mod(s_raw), vjp)``, where ``vjp(ds)`` gives ``ds * d score_mod / d s_raw``."""
+    b, h, qi, kv = index_grid(p, i0, i1, j0, j1, 0, s_raw.shape[0], s_raw.device)
+    if getattr(p.score_mod, "additive", False):  # score + bias: the derivative is 1
+        return p.score_mod(s_raw, b, h, qi, kv), lambda ds: ds
+    with torch.enable_grad():
+        x = s_raw.detach().requires_grad_(True)
+        y = p.score_mod(x, b, h, qi, kv)
+    return y.detach().clone(), lambda ds: torch.autograd.grad(y, x, ds)[0]
+
+
+def backward(q, k, v, out, ml, dout, p: Plan):
+    """Gradients ``dq (B, H, Lq, D)``, ``dk (B, Hkv, Lk, D)``, ``dv (B, Hkv, Lk, Dv)`` from the
+    forward's ``ml (BHkv, Lq*G, 2)`` = ``[m, log l]``."""
+    qs = scaled_query(q, p)  # (BHkv, Lq*G, D+1): [scale q | 0], rounded as in the forward
+    kt, vaug = prepare_kv(k, v, p)
+    BHkv, Dv = p.B * p.Hkv, p.Dv
+    do = to_rows(dout, p).to(p.cdtype)  # (BHkv, Lq*G, Dv)
+    # dO augmented with -D, D = rowsum(dO * O): then [dO | -D] @ [V | 1]^T = dO V^T - D
+    doaug = torch.empty(BHkv, p.Lq * p.G, Dv + 1, dtype=p.cdtype, device=q.device)
+    doaug[..., :Dv] = do
+    doaug[..., Dv] = -(do * out).sum(-1)
+    m_all, logl_all = ml[..., :1], ml[..., 1:]  # (BHkv, Lq*G, 1) each; log l = +inf: the row sees no key
+    dq = torch.zeros(BHkv, p.Lq * p.G, p.D, dtype=p.cdtype, device=q.device)
+    dk = torch.zeros(BHkv, p.Lk, p.D, dtype=p.cdtype, device=q.device)
+    dv = torch.zeros(BHkv, p.Lk, Dv, dtype=p.cdtype, device=q.device)
+    k_rows = kt[:, : p.D].transpose(1, 2)  # (BHkv, Lk, D)
+    keep_scale = 1.0 / (1.0 - p.dropout_p) if p.dropout_p > 0 else 1.0
+    for qb in range(p.n_qb):
+        i0, i1 = p.q_rows(qb)
+        r0, r1 = i0 * p.G, i1 * p.G
+        qb_rows, do_b, doaug_b = qs[:, r0:r1], do[:, r0:r1], doaug[:, r0:r1]
+        m_b, logl_b = m_all[:, r0:r1], logl_all[:, r0:r1]
+        # one visited tile holds the whole row: D = rowsum(P * dP) from the tile itself, as the
+        # softmax's own backward computes it (exact zero gradient for a row that sees one key)
+        single = sum(1 for st in p.states[qb] if st != EMPTY) == 1 and p.dropout_p == 0
+        if single:
+            doaug_b = doaug_b.clone()
+            doaug_b[..., Dv] = 0.0
+        qb_scaled = qb_rows[..., : p.D]  # (BHkv, r, D): scale * q
+        dq_b = dq[:, r0:r1]
+        for kb, state in enumerate(p.states[qb]):
+            if state == EMPTY:
+                continue
+            j0, j1 = p.k_cols(kb, i1)
+            s = torch.bmm(qb_rows, kt[:, :, j0:j1])  # (BHkv, r, c) = scale q k^T
+            vjp = None
+            if p.score_mod is not None:
+                s, vjp = _score_mod_vjp(p, s, i0, i1, j0, j1)
+            if state == PARTIAL:
+                mask_tile(s, p, i0, i1, j0, j1)
+            prob = s.sub_(m_b).sub_(logl_b).exp_()  # P = exp((S - m) - log l): S - m exact near the max
+            if p.dropout_p > 0:
+                keep = p.keep(qb, kb, prob.shape, prob.device)
+                dv[:, j0:j1].baddbmm_(prob.masked_fill(~keep, 0.0).transpose(1, 2), do_b, alpha=keep_scale)
+                ds = torch.bmm(do_b, vaug[:, j0:j1, :Dv].transpose(1, 2))  # dO V^T
+                ds.masked_fill_(~keep, 0.0).mul_(keep_scale).add_(doaug_b[..., Dv:]).mul_(prob)
+            else:
+                dv[:, j0:j1].baddbmm_(prob.transpose(1, 2), do_b)  # dV += P^T dO
+                ds = torch.bmm(doaug_b, vaug[:, j0:j1].transpose(1, 2))  # dO V^T - D
+                if single:
+                    ds.sub_((ds * prob).sum(-1, keepdim=True))  # D = rowsum(P * dP)
+                ds.mul_(prob)  # dS = P * (dP - D)
+            if vjp is not None:
+                ds = vjp(ds)
+            dq_b.baddbmm_(ds, k_rows[:, j0:j1])  # dQ += dS K   (scale applied at the end)
+            dk[:, j0:j1].baddbmm_(ds.transpose(1, 2), qb_scaled)  # dK += dS^T (scale Q)
+            del s, prob, ds
+    dq.mul_(p.scale)
+    return from_rows(dq, p), dk.view(p.B, p.Hkv, p.Lk, p.D), dv.view(p.B, p.Hkv, p.Lk, Dv)
+
+
+class TiledAttention(torch.autograd.Function):
+    """Saves q, k, v, the output and the log-sum-exp: O(n) memory, nothing n x n."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, plan: Plan):
+        out, ml = forward(q, k, v, plan)
+        ctx.save_for_backward(q, k, v, out, ml)
+        ctx.plan = plan
+        lse = ml[..., 0] + ml[..., 1]  # (BHkv, Lq*G), +inf on rows that see no key
+        ctx.mark_non_differentiable(lse)
+        return from_rows(out, plan).to(q.dtype), lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, k, v, out, ml = ctx.saved_tensors
+        p = ctx.plan
+        dq, dk, dv = backward(q, k, v, out, ml, dout, p)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None

@@ -1,0 +1,322 @@
+"""Mask algebra: :class:`MaskFn` (a composable ``f(b, h, q_idx, kv_idx) -> bool``), :func:`as_mask`,
+and the basic masks ``full``, ``causal``, ``causal_lower_right``, ``padding``.
+
+A mask carries an optional closed-form *block classifier* (tile states EMPTY / PARTIAL / FULL,
+:mod:`headlab.attention.states`); :func:`headlab.attention.blocks.block_map` compiles a mask to a
+block map with it (or by dense evaluation when there is none). Masks never import the block map.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from headlab.attention.states import EMPTY, FULL, PARTIAL
+from headlab.errors import ConfigError, MaskError
+
+# fn(b, h, q_idx, kv_idx, q_len, kv_len) -> bool tensor broadcastable to the index shapes
+_Inner = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, int], torch.Tensor]
+# blocks(q_len, kv_len, block_q, block_k, device) -> int8 (Bm, Hm, n_qb, n_kb) of EMPTY/PARTIAL/FULL
+_BlockHint = Callable[[int, int, int, int, torch.device], torch.Tensor]
+
+__all__ = ["MaskFn", "as_mask", "causal", "causal_lower_right", "full", "padding"]
+
+
+class MaskFn:
+    """A composable mask function ``f(b, h, q_idx, kv_idx) -> bool``.
+
+    Args:
+        fn: ``fn(b, h, q_idx, kv_idx, q_len, kv_len) -> bool tensor``; the index tensors are
+            broadcastable (for example ``b: (B,1,1,1)``, ``h: (1,H,1,1)``, ``q_idx: (1,1,Lq,1)``,
+            ``kv_idx: (1,1,1,Lk)``).
+        name: shown in ``repr`` and in error messages.
+        batch_dependent / head_dependent: whether the answer changes with ``b`` / ``h``; when
+            False, dense and block evaluation is done once and broadcast.
+        batch_size / num_heads: the sizes the mask was built for, when it was built for fixed
+            sizes (a padding mask knows its batch size); checked against the call.
+        blocks: optional exact-or-conservative block classifier used instead of evaluating
+            every element when compiling a block map (patterns with closed forms provide it).
+        check: optional ``check(q_len, kv_len)`` run when this mask itself is evaluated or
+            compiled (not when it is part of a composition): a pattern that would be silently
+            empty at a length raises there.
+    """
+
+    def __init__(
+        self,
+        fn: _Inner,
+        name: str = "mask",
+        *,
+        batch_dependent: bool = False,
+        head_dependent: bool = False,
+        batch_size: int | None = None,
+        num_heads: int | None = None,
+        blocks: _BlockHint | None = None,
+        check: Callable[[int, int], None] | None = None,
+    ) -> None:
+        self._fn = fn
+        self.name = name
+        self.batch_dependent = batch_dependent
+        self.head_dependent = head_dependent
+        self.batch_size = batch_size
+        self.num_heads = num_heads
+        self._blocks = blocks
+        self._check = check
+
+    def __repr__(self) -> str:
+        return f"MaskFn({self.name})"
+
+    # -- evaluation ---------------------------------------------------------------------
+    def __call__(self, b, h, q_idx, kv_idx, q_len: int | None = None, kv_len: int | None = None):
+        """Evaluate like a FlexAttention ``mask_mod``. Lengths default to the index extents."""
+        if q_len is None:
+            q_len = int(torch.as_tensor(q_idx).max()) + 1
+        if kv_len is None:
+            kv_len = int(torch.as_tensor(kv_idx).max()) + 1
+        return self.evaluate(b, h, q_idx, kv_idx, q_len, kv_len)
+
+    def evaluate(self, b, h, q_idx, kv_idx, q_len: int, kv_len: int) -> torch.Tensor:
+        if self._check is not None:
+            self._check(q_len, kv_len)
+        out = self._fn(b, h, q_idx, kv_idx, q_len, kv_len)
+        out = torch.as_tensor(out)
+        if out.dtype != torch.bool:
+            raise MaskError(
+                f"mask function {self.name!r} returned dtype {out.dtype}, expected torch.bool; "
+                "build it from comparisons such as `q_idx >= kv_idx`"
+            )
+        return out
+
+    def check_sizes(self, batch: int, heads: int) -> None:
+        if self.batch_size is not None and self.batch_size not in (1, batch):
+            raise MaskError(
+                f"mask {self.name!r} was built for batch size {self.batch_size} but the call has batch {batch}; "
+                "build the mask for this batch"
+            )
+        if self.num_heads is not None and self.num_heads not in (1, heads):
+            raise MaskError(
+                f"mask {self.name!r} was built for {self.num_heads} heads but the call has {heads} query heads"
+            )
+
+    def _index_grid(self, batch, heads, q_rows: torch.Tensor, kv_len: int, device):
+        bm = batch if self.batch_dependent else 1
+        hm = heads if self.head_dependent else 1
+        b = torch.arange(bm, device=device).view(bm, 1, 1, 1)
+        h = torch.arange(hm, device=device).view(1, hm, 1, 1)
+        q = q_rows.to(device).view(1, 1, -1, 1)
+        kv = torch.arange(kv_len, device=device).view(1, 1, 1, kv_len)
+        return b, h, q, kv, bm, hm
+
+    def dense(
+        self,
+        batch: int = 1,
+        heads: int = 1,
+        q_len: int = 1,
+        kv_len: int | None = None,
+        *,
+        device: torch.device | str | None = None,
+        rows: torch.Tensor | None = None,
+        expand: bool = False,
+    ) -> torch.Tensor:
+        """Materialise as a bool tensor ``(Bm, Hm, q_len, kv_len)``.
+
+        ``Bm`` is 1 unless the mask depends on the batch index (likewise ``Hm``); pass
+        ``expand=True`` to broadcast to ``(batch, heads, q_len, kv_len)``. ``rows`` selects a
+        subset of query positions (then the third dim is ``len(rows)``).
+        """
+        kv_len = q_len if kv_len is None else kv_len
+        self.check_sizes(batch, heads)
+        device = torch.device(device) if device is not None else torch.device("cpu")
+        q_rows = torch.arange(q_len, device=device) if rows is None else rows
+        b, h, q, kv, bm, hm = self._index_grid(batch, heads, q_rows, kv_len, device)
+        out = self.evaluate(b, h, q, kv, q_len, kv_len)
+        out = torch.broadcast_to(out, (bm, hm, q.shape[2], kv_len))
+        if expand:
+            out = out.expand(batch, heads, q.shape[2], kv_len)
+        return out
+
+    def block_hint(self, q_len: int, kv_len: int, block_q: int, block_k: int, device) -> torch.Tensor | None:
+        """Block states ``(Bm, Hm, n_q_blocks, n_kv_blocks)`` from the closed-form classifier, or None
+        when there is none (:func:`headlab.attention.blocks.block_map` then evaluates the mask)."""
+        if self._check is not None:
+            self._check(q_len, kv_len)
+        if self._blocks is None:
+            return None
+        return self._blocks(q_len, kv_len, block_q, block_k, device)
+
+    # -- composition ----------------------------------------------------------------------
+    def _combine(self, other: MaskFn, op: str) -> MaskFn:
+        other = as_mask(other)
+        f, g = self._fn, other._fn
+        if op == "&":
+            def fn(b, h, q, kv, lq, lk):
+                return f(b, h, q, kv, lq, lk) & g(b, h, q, kv, lq, lk)
+        else:
+            def fn(b, h, q, kv, lq, lk):
+                return f(b, h, q, kv, lq, lk) | g(b, h, q, kv, lq, lk)
+        blocks = None
+        if self._blocks is not None and other._blocks is not None:
+            bf, bg = self._blocks, other._blocks
+            reduce = torch.minimum if op == "&" else torch.maximum  # EMPTY < PARTIAL < FULL
+
+            def blocks(lq, lk, bq, bk, device):
+                return reduce(bf(lq, lk, bq, bk, device), bg(lq, lk, bq, bk, device))
+        return MaskFn(
+            fn,
+            f"({self.name} {op} {other.name})",
+            batch_dependent=self.batch_dependent or other.batch_dependent,
+            head_dependent=self.head_dependent or other.head_dependent,
+            batch_size=self.batch_size or other.batch_size,
+            num_heads=self.num_heads or other.num_heads,
+            blocks=blocks,
+        )
+
+    def __and__(self, other) -> MaskFn:
+        return self._combine(other, "&")
+
+    def __or__(self, other) -> MaskFn:
+        return self._combine(other, "|")
+
+    def __rand__(self, other) -> MaskFn:
+        return as_mask(other)._combine(self, "&")
+
+    def __ror__(self, other) -> MaskFn:
+        return as_mask(other)._combine(self, "|")
+
+    def __invert__(self) -> MaskFn:
+        f = self._fn
+
+        def fn(b, h, q, kv, lq, lk):
+            return ~f(b, h, q, kv, lq, lk)
+
+        blocks = None
+        if self._blocks is not None:
+            bf = self._blocks
+
+            def blocks(lq, lk, bq, bk, device):
+                return FULL - bf(lq, lk, bq, bk, device)  # FULL <-> EMPTY, PARTIAL stays
+
+        return MaskFn(fn, f"~{self.name}", batch_dependent=self.batch_dependent,
+                      head_dependent=self.head_dependent, batch_size=self.batch_size,
+                      num_heads=self.num_heads, blocks=blocks)
+
+
+def as_mask(f) -> MaskFn:
+    """Wrap a plain ``f(b, h, q_idx, kv_idx) -> bool tensor`` as a :class:`MaskFn`.
+
+    The function is assumed to depend on ``b`` and ``h`` (the safe choice); build a
+    :class:`MaskFn` directly to declare otherwise.
+    """
+    if isinstance(f, MaskFn):
+        return f
+    if not callable(f):
+        raise MaskError(
+            f"expected a mask function f(b, h, q_idx, kv_idx) -> bool or a headlab.masks mask, got {type(f).__name__}"
+        )
+    name = getattr(f, "__name__", "mask")
+
+    def fn(b, h, q, kv, lq, lk):
+        return f(b, h, q, kv)
+
+    return MaskFn(fn, name, batch_dependent=True, head_dependent=True)
+
+
+# -- block classifiers with closed forms ----------------------------------------------------
+
+def _block_bounds(n: int, block: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    start = torch.arange(0, n, block, device=device)
+    end = torch.clamp(start + block, max=n) - 1  # inclusive
+    return start, end
+
+
+def _diagonal_blocks(offset: int):
+    """Blocks of ``q_idx + offset >= kv_idx``."""
+
+    def blocks(lq, lk, bq, bk, device):
+        qs, qe = _block_bounds(lq, bq, device)
+        ks, ke = _block_bounds(lk, bk, device)
+        full = (qs[:, None] + offset) >= ke[None, :]
+        any_ = (qe[:, None] + offset) >= ks[None, :]
+        state = torch.where(full, FULL, torch.where(any_, PARTIAL, EMPTY)).to(torch.int8)
+        return state.view(1, 1, *state.shape)
+
+    return blocks
+
+
+# -- the masks ------------------------------------------------------------------------------
+
+def full() -> MaskFn:
+    """Every query sees every key (the identity of ``&``)."""
+
+    def fn(b, h, q, kv, lq, lk):
+        return torch.ones((), dtype=torch.bool, device=q.device).expand(torch.broadcast_shapes(q.shape, kv.shape))
+
+    def blocks(lq, lk, bq, bk, device):
+        return torch.full((1, 1, -(-lq // bq), -(-lk // bk)), FULL, dtype=torch.int8, device=device)
+
+    return MaskFn(fn, "full", blocks=blocks)
+
+
+def causal() -> MaskFn:
+    """Query i sees keys 0..i: exactly torch's ``is_causal=True`` (top-left aligned)."""
+
+    def fn(b, h, q, kv, lq, lk):
+        return q >= kv
+
+    return MaskFn(fn, "causal", blocks=lambda lq, lk, bq, bk, d: _diagonal_blocks(0)(lq, lk, bq, bk, d))
+
+
+def causal_lower_right() -> MaskFn:
+    """Query i sees keys 0..i + (kv_len - q_len): the last query sees every key (KV-cache decoding)."""
+
+    def fn(b, h, q, kv, lq, lk):
+        return q + (lk - lq) >= kv
+
+    def blocks(lq, lk, bq, bk, device):
+        return _diagonal_blocks(lk - lq)(lq, lk, bq, bk, device)
+
+    return MaskFn(fn, "causal_lower_right", blocks=blocks)
+
+
+def padding(lengths: Sequence[int] | torch.Tensor) -> MaskFn:
+    """Keys at positions ``>= lengths[b]`` are padding and are never attended to.
+
+    Args:
+        lengths: valid key length per batch element, shape ``(batch,)``.
+    """
+    lengths_t = torch.as_tensor(lengths, dtype=torch.long).flatten()
+    if lengths_t.numel() == 0:
+        raise ConfigError("padding(lengths) needs one length per batch element; got an empty list")
+    if bool((lengths_t < 0).any()):
+        raise ConfigError(f"padding lengths must be >= 0, got {lengths_t.tolist()}")
+
+    def fn(b, h, q, kv, lq, lk):
+        return kv < lengths_t.to(kv.device)[b]
+
+    return MaskFn(fn, f"padding({lengths_t.tolist()})", batch_dependent=True, batch_size=lengths_t.numel())
+
+
+
+# -- argument checks shared by the patterns -------------------------------------------------
+
+def _positive(name: str, value, what: str = "a positive integer") -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{name} must be {what}, got {value!r}")
+    if value <= 0:
+        raise ConfigError(f"{name} must be {what}, got {value}; a pattern needs at least one position")
+    return value
+
+
+def _nonneg(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{name} must be an integer >= 0, got {value!r}")
+    if value < 0:
+        raise ConfigError(f"{name} must be >= 0, got {value}")
+    return value
+
+
+def _prefix(flags: torch.Tensor) -> torch.Tensor:
+    """``out[i] = flags[:i].sum()`` (length ``len(flags) + 1``) for interval counts."""
+    return torch.nn.functional.pad(torch.cumsum(flags.to(torch.long), 0), (1, 0))
+
+

@@ -1,0 +1,71 @@
+"""``headlab probe --treebank FILE.conllu``: which heads track which dependency relations (Clark et al. 2019)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from headlab.cli.app import app, console, err_console, print_json
+from headlab.interpret.probing.render import prepare_out_dir, write_outputs
+from headlab.interpret.probing.study import probe as run_probe
+
+
+def _bar():
+    progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                        console=err_console, transient=True)
+    tasks: dict[str, int] = {}
+
+    def say(stage: str, done: int, total: int) -> None:
+        if stage not in tasks:
+            tasks[stage] = progress.add_task(stage, total=total)
+        progress.update(tasks[stage], completed=done, total=total)
+
+    return progress, say
+
+
+@app.command("probe")
+def probe_cmd(
+    treebank: Path = typer.Option(..., "--treebank", "-t", help="a CoNLL-U file with gold trees (e.g. UD English-EWT dev)"),
+    model: str = typer.Option("minilm", "--model", "-m", help="a known model name (minilm) or a local model folder"),
+    limit: int = typer.Option(None, "--limit", "-n", help="read at most N sentences from the top of the file"),
+    relations: str = typer.Option(None, "--relations", "-r", help="study only these, e.g. det,nsubj,obj"),
+    fold_subtypes: bool = typer.Option(False, "--fold-subtypes", help="count nmod:poss as nmod, obl:tmod as obl, ..."),
+    out: Path = typer.Option(None, "--out", "-o", help="write relations.csv/.json, two PNGs and probe.html here"),
+    force: bool = typer.Option(False, "--force", help="write into a non-empty --out folder"),
+    loss_model: str = typer.Option("auto", "--loss-model",
+                                   help="model whose loss the [SEP] gradient test uses ('auto', 'none' or a folder)"),
+    as_json: bool = typer.Option(False, "--json", help="print the best head per relation as JSON"),
+) -> None:
+    """Score every head on every dependency relation of a treebank against the best fixed-offset baseline.
+
+    Example: headlab probe --treebank en_ewt-ud-dev.conllu --limit 200 --out probe-minilm
+    """
+    if not treebank.is_file():
+        from headlab.errors import TreebankError
+
+        raise TreebankError(f"no such treebank file: {str(treebank)!r}; give a CoNLL-U file (.conllu)")
+    out_dir = prepare_out_dir(out, force=force) if out is not None else None
+    progress, say = _bar()
+    with progress:
+        r = run_probe(model, treebank, limit=limit, relations=relations, fold_subtypes=fold_subtypes,
+                      loss_model=None if loss_model.lower() == "none" else loss_model, progress=say)
+    files = write_outputs(r, out_dir) if out_dir is not None else []
+    if as_json:
+        print_json(r.summary())
+        return
+    console.print(f"{r.model} ({r.family}{', causal' if r.causal else ''}): {r.sentences} sentences, {r.tokens} tokens, "
+                  f"{len(r.skipped)} skipped, {r.seconds:.1f} s", highlight=False, soft_wrap=True)
+    console.print(f"{'relation':<14} {'direction':<10} {'head':>6} {'acc %':>6} {'offset':>6} {'base %':>6} {'count':>6}",
+                  highlight=False)
+    for b in r.best_heads:
+        if b.count < r.min_count:
+            continue
+        mark = "*" if b.margin > 0 else " "
+        console.print(f"{b.relation:<14} {b.direction:<10} {f'{b.layer}-{b.head}':>6} {100 * b.accuracy:6.1f} "
+                      f"{b.baseline_offset:+6d} {100 * b.baseline_accuracy:6.1f} {b.count:6d} {mark}", highlight=False)
+    for note in r.notes:
+        console.print(f"[yellow]note:[/] {note}", highlight=False, soft_wrap=True)
+    if files:
+        console.print(f"[bold]wrote:[/] {', '.join(str(f) for f in files)}", highlight=False, soft_wrap=True)

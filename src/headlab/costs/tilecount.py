@@ -1,0 +1,276 @@
+"""Counting the tiles a kernel visits without building its block map.
+
+A block map has ``ceil(q_len / block_q) x ceil(kv_len / block_k)`` tiles: 3.8 * 10^9 for a causal
+10^7-token call in 128 x 128 tiles, 6 * 10^19 at 10^12 tokens. The cost model needs only how many
+tiles are visited (and, for the tiled backend, how many score entries they hold), and for the
+built-in patterns that number has a closed form. This module computes it.
+
+The idea, in three steps:
+
+1. Tile ``(I, J)`` covers query rows ``[I bq, I bq + hgt)`` and key columns ``[J bk, J bk + wid)``.
+   For a pattern that depends only on the offset ``d = q_idx - kv_idx`` (causal, windows, strided)
+   the tile sees the offsets ``[I bq - J bk - (wid - 1), I bq - J bk + (hgt - 1)]``, so the key tiles
+   it visits in block row ``I`` form an interval ``J in [floor((I bq + c1) / bk), floor((I bq + c2) / bk)]``.
+   Global tokens and documents give intervals that are constant over runs of rows.
+2. Rows are split by residue ``I = P m + r`` with ``P = bk / gcd(bq, bk)``: then every
+   ``floor((I bq + c) / bk)`` is exactly affine in ``m`` (``m bq / gcd + floor((r bq + c) / bk)``), and
+   every interval endpoint is an affine function :class:`Lin` of ``m``.
+3. ``&``, ``|`` and ``~`` of interval sets only compare endpoints. Each comparison of two affine
+   functions keeps its outcome up to a row it can compute; the count of one row, evaluated
+   symbolically, is then a polynomial in ``m`` valid up to the first such row, and is summed over
+   that run in closed form. A pattern takes a handful of runs, so any length costs microseconds.
+
+A pattern this module cannot describe raises :class:`Unsupported`; the caller falls back to the
+block map. Correctness is checked against block maps for every built-in pattern and combination on
+small lengths (``tests/test_costs.py``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from fractions import Fraction
+from functools import cmp_to_key
+from math import gcd
+
+__all__ = ["Grid", "Lin", "Unsupported", "count_tiles"]
+
+
+class Unsupported(Exception):
+    """This pattern (or this tile class of it) has no closed form here; use the block map."""
+
+
+@dataclass(frozen=True)
+class Lin:
+    """``a * m + b`` over integers: an interval endpoint within one residue class of rows."""
+
+    a: int
+    b: int
+
+    def at(self, m: int) -> int:
+        return self.a * m + self.b
+
+    def __add__(self, k: int) -> Lin:
+        return Lin(self.a, self.b + k)
+
+    def __sub__(self, k: int) -> Lin:
+        return Lin(self.a, self.b - k)
+
+
+class Poly:
+    """A polynomial in ``m`` with rational coefficients (degree <= 2 is all the counts need)."""
+
+    def __init__(self, coeffs=(0,)):
+        self.c = [Fraction(x) for x in coeffs]
+
+    @staticmethod
+    def of(x: Lin | int) -> Poly:
+        return Poly((x.b, x.a)) if isinstance(x, Lin) else Poly((x,))
+
+    def __add__(self, o: Poly) -> Poly:
+        n = max(len(self.c), len(o.c))
+        return Poly([(self.c[i] if i < len(self.c) else 0) + (o.c[i] if i < len(o.c) else 0) for i in range(n)])
+
+    def __mul__(self, o: Poly | int | Fraction) -> Poly:
+        if not isinstance(o, Poly):
+            return Poly([x * o for x in self.c])
+        out = [Fraction(0)] * (len(self.c) + len(o.c) - 1)
+        for i, x in enumerate(self.c):
+            for j, y in enumerate(o.c):
+                out[i + j] += x * y
+        return Poly(out)
+
+    def __neg__(self) -> Poly:
+        return self * -1
+
+    def __sub__(self, o: Poly) -> Poly:
+        return self + (-o)
+
+    def sum_over(self, m0: int, m1: int) -> Fraction:
+        """``sum_{m = m0}^{m1 - 1} p(m)``."""
+
+        def s(n: int, k: int) -> Fraction:  # sum_{m=0}^{n-1} m^k
+            if k == 0:
+                return Fraction(n)
+            if k == 1:
+                return Fraction(n * (n - 1), 2)
+            if k == 2:
+                return Fraction((n - 1) * n * (2 * n - 1), 6)
+            if k == 3:
+                return Fraction((n * (n - 1)) ** 2, 4)
+            raise AssertionError(f"degree {k} is not needed by any count")
+
+        return sum((c * (s(m1, k) - s(m0, k)) for k, c in enumerate(self.c) if c), Fraction(0))
+
+
+class Run:
+    """Evaluation at row ``m0`` that remembers how far its comparisons keep their outcome."""
+
+    def __init__(self, m0: int, limit: int):
+        self.m0 = m0
+        self.limit = limit  # exclusive: every comparison made holds for m in [m0, limit)
+
+    def le(self, x: Lin, y: Lin) -> bool:
+        """``x <= y`` at ``m0``, shrinking ``limit`` to the first row where the answer changes."""
+        a, b = y.a - x.a, y.b - x.b  # y - x = a m + b
+        res = a * self.m0 + b >= 0
+        if res and a < 0:  # becomes negative at the first m with a m + b < 0
+            flip = b // (-a) + 1
+        elif not res and a > 0:  # becomes >= 0 at ceil(-b / a)
+            flip = -(b // a)
+        else:
+            return res
+        self.limit = min(self.limit, max(flip, self.m0 + 1))
+        return res
+
+    def max(self, x: Lin, y: Lin) -> Lin:
+        return y if self.le(x, y) else x
+
+    def min(self, x: Lin, y: Lin) -> Lin:
+        return x if self.le(x, y) else y
+
+    # -- sets of key tiles: sorted lists of disjoint, non-empty closed intervals (lo, hi) --------
+    def norm(self, ivs) -> list[tuple[Lin, Lin]]:
+        ivs = [iv for iv in ivs if self.le(iv[0], iv[1])]
+        if len({lo.a for lo, _ in ivs}) <= 1:  # starts of one slope keep their order on every row
+            ivs.sort(key=lambda iv: iv[0].b)
+        elif not all(self.le(p[0], q[0]) for p, q in zip(ivs, ivs[1:])):
+            ivs.sort(key=cmp_to_key(lambda p, q: 0 if p[0] == q[0] else (-1 if self.le(p[0], q[0]) else 1)))
+        out: list[tuple[Lin, Lin]] = []
+        for lo, hi in ivs:
+            if out and self.le(lo, out[-1][1]):  # overlaps the previous one: merge
+                out[-1] = (out[-1][0], self.max(out[-1][1], hi))
+            else:
+                out.append((lo, hi))
+        return out
+
+    def inter(self, xs, ys):
+        return self.norm([(self.max(a, c), self.min(b, d)) for a, b in xs for c, d in ys])
+
+    def union(self, xs, ys):
+        return self.norm([*xs, *ys])
+
+    def complement(self, xs, j0: Lin, j1: Lin):
+        out, start = [], j0
+        for lo, hi in xs:
+            out.append((start, lo - 1))
+            start = hi + 1
+        out.append((start, j1))
+        return self.norm(out)
+
+    @staticmethod
+    def count(xs) -> Poly:
+        a = sum(hi.a - lo.a for lo, hi in xs)
+        b = sum(hi.b - lo.b + 1 for lo, hi in xs)
+        return Poly((b, a))
+
+
+@dataclass(frozen=True)
+class Grid:
+    """The tile grid of one call: lengths and tile sizes."""
+
+    q_len: int
+    kv_len: int
+    block_q: int
+    block_k: int
+
+    @property
+    def n_qb(self) -> int:
+        return -(-self.q_len // self.block_q)
+
+    @property
+    def n_kb(self) -> int:
+        return -(-self.kv_len // self.block_k)
+
+
+@dataclass
+class Row:
+    """One tile class of one residue class of block rows, as the patterns see it."""
+
+    grid: Grid
+    run: Run
+    P: int  # rows per residue period
+    r: int  # residue: I = P m + r
+    hgt: int  # query rows per tile in this class
+    wid: int  # key columns per tile in this class
+    j0: Lin  # first key tile of the class
+    j1: Lin  # last key tile of the class
+
+    @property
+    def row(self) -> int:
+        """The actual block row being evaluated (the run's first)."""
+        return self.P * self.run.m0 + self.r
+
+    def band(self, c: int) -> Lin:
+        """``floor((I * block_q + c) / block_k)`` as an affine function of ``m``."""
+        g = self.grid
+        return Lin(g.block_q // gcd(g.block_q, g.block_k), (self.r * g.block_q + c) // g.block_k)
+
+    def qs(self) -> Lin:
+        """First query position of the tile row."""
+        return Lin(self.P * self.grid.block_q, self.r * self.grid.block_q)
+
+    def const(self, k: int) -> Lin:
+        return Lin(0, k)
+
+    def all(self):
+        return [(self.j0, self.j1)]
+
+
+def count_tiles(grid: Grid, tree, *, causal_cut: bool = False) -> tuple[int, int]:
+    """``(visited tiles, score entries inside them)`` of a pattern tree on ``grid``, per slice.
+
+    ``tree`` is built by :mod:`headlab.costs.patterns` (its leaves give the tiles each block row
+    visits; ``&``, ``|``, ``~`` combine them like block-map states: min, max, complement).
+    ``causal_cut``: a tile's key range stops at its query block's end (the tiled kernel under
+    ``causal=True``), so the entries of the diagonal tiles are counted cut.
+    Raises :class:`Unsupported` where a leaf has no closed form.
+    """
+    g = grid
+    n_qb, n_kb = g.n_qb, g.n_kb
+    hq = g.q_len - (n_qb - 1) * g.block_q
+    wk = g.kv_len - (n_kb - 1) * g.block_k
+    P = g.block_k // gcd(g.block_q, g.block_k)
+    row_classes = [(0, n_qb - 2, g.block_q), (n_qb - 1, n_qb - 1, hq)]
+    col_classes = [(0, n_kb - 2, g.block_k), (n_kb - 1, n_kb - 1, wk)]
+    breaks = sorted(set(tree.breaks(g)))
+    tiles, pairs = Fraction(0), Fraction(0)
+    for ia, ib, hgt in row_classes:
+        if ib < ia:
+            continue
+        for ja, jb, wid in col_classes:
+            if jb < ja:
+                continue
+            for r in range(P):
+                m_lo, m_hi = -((r - ia) // P), (ib - r) // P + 1  # rows I = P m + r in [ia, ib]
+                if m_hi <= m_lo:
+                    continue
+                cuts = sorted({m_lo, m_hi, *(-((r - b) // P) for b in breaks if m_lo < -((r - b) // P) < m_hi)})
+                for s, e in zip(cuts, cuts[1:]):
+                    while s < e:
+                        run = Run(s, e)
+                        row = Row(g, run, P, r, hgt, wid, Lin(0, ja), Lin(0, jb))
+                        nonempty, _ = tree.sets(row, need_full=False)
+                        n = Run.count(nonempty)
+                        if causal_cut:
+                            area = _cut_area(row, nonempty)
+                        else:
+                            area = n * (hgt * wid)
+                        tiles += n.sum_over(s, run.limit)
+                        pairs += area.sum_over(s, run.limit)
+                        s = run.limit
+    return int(tiles), int(pairs)
+
+
+def _cut_area(row: Row, tiles) -> Poly:
+    """Score entries of ``tiles`` in one block row when key tiles stop at the row's last query."""
+    run, hgt, wid, bk = row.run, row.hgt, row.wid, row.grid.block_k
+    # key tiles from jc on end after the row's last query qe = qs + hgt - 1: width qe + 1 - J bk
+    jc = row.band(hgt - wid + bk)
+    whole = run.inter(tiles, [(row.j0, jc - 1)])
+    cut = run.inter(tiles, [(jc, row.j1)])
+    area = Run.count(whole) * wid
+    qe1 = Poly.of(row.qs()) + Poly((hgt,))  # qe + 1
+    for lo, hi in cut:
+        n = Poly.of(hi) - Poly.of(lo) + Poly((1,))
+        area = area + n * qe1 - (Poly.of(lo) + Poly.of(hi)) * n * Fraction(bk, 2)
+    return area * hgt
