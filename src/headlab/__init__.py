@@ -39,6 +39,9 @@ _LAZY = {
     "head_importance": ("headlab.interpret.heads.importance", "head_importance"),
     "ablate": ("headlab.interpret.heads.ablation", "ablate"),
     "prune_heads": ("headlab.interpret.heads.prune", "prune_heads"),
+    "attention_norms": ("headlab.interpret.flow.norms", "attention_norms"),
+    "rollout": ("headlab.interpret.flow.rollout", "rollout"),
+    "attention_flow": ("headlab.interpret.flow.maxflow", "attention_flow"),
 }
 
 

@@ -74,6 +74,7 @@ def analyze_cmd(
     heads_result: Path = typer.Option(None, "--heads-result",
                                       help="show importance and verdicts from `headlab heads` (importance.json, ablation.json)"),
     as_json: bool = typer.Option(False, "--json", help="print the summary as JSON"),
+    flow: bool = typer.Option(False, "--flow", help="also draw norm maps beside the weight maps and the rollout"),
 ) -> None:
     """Write a report on every attention head: per-layer pictures, an interactive page, a per-head table.
 
@@ -85,7 +86,7 @@ def analyze_cmd(
     notes = study_annotations(probe=probe, heads=heads_result)  # read before any model work
     r = run_analyze(text, model=model, out_dir=out, backend=backend, force=force, heads=heads,
                     max_full_tokens=max_full_tokens, truncate=truncate, progress=step_printer(),
-                    annotations=notes or None)
+                    annotations=notes or None, flow=flow)
     if as_json:
         print_json({"out_dir": r.out_dir, "html": r.html, "csv": r.csv, "json": r.json, "pngs": r.pngs,
                     "mode": r.mode, "tokens": len(r.tokens), "drawn": [f"{a}.{b}" for a, b in r.drawn],

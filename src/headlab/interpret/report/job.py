@@ -292,6 +292,7 @@ def analyze(
     thresholds: LabelThresholds = LabelThresholds(),
     progress: Progress | None = None,
     annotations: Mapping[tuple[int, int], str | Sequence[str]] | None = None,
+    flow: bool = False,
 ) -> ReportResult:
     """Analyse every attention head of ``model`` on ``text`` and write the report folder.
 
@@ -314,8 +315,10 @@ def analyze(
         thresholds: when a pattern label is given (see :mod:`headlab.interpret.heads.labels`).
         progress: called with a short message before each step.
         annotations: findings of other studies per head, ``{(layer, head): text}`` (see
-            :func:`~headlab.interpret.report.annotations.study_annotations`: a probe's relation heads, importance ranks and ablation
-            verdicts); shown in the table, the head panel and ``heads.json`` (``notes``).
+            :func:`~headlab.interpret.report.annotations.study_annotations`: a probe's relation heads,
+            importance ranks and ablation verdicts); shown in the table, the head panel and
+            ``heads.json`` (``notes``).
+        flow: also draw each drawn head's norm map and the rollout (:mod:`headlab.interpret.report.flow_section`).
 
     Returns:
         A :class:`ReportResult`.
@@ -382,6 +385,11 @@ def analyze(
     drawn_set = set(drawn)
     picks = [*(chosen or []), *((r.layer, r.head) for _, r in interesting_heads(records))]
     initial = next((d for d in picks if d in drawn_set), min(drawn))
+
+    if flow:  # the flow room's view: norm maps beside the weight maps, a rollout view
+        from headlab.interpret.report.flow_section import write_flow_section
+
+        notes += write_flow_section(loaded, inputs, tokens, out, mode=mode, drawn=drawn, say=say)
 
     say("writing the table")
     csv_path = write_csv(records, out / "heads.csv")

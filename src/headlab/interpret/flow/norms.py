@@ -1,0 +1,214 @@
+"""Value-aware attention norms (Kobayashi et al. 2020; residual mode: Kobayashi et al. 2021):
+:func:`attention_norms`.
+
+A weight alpha_ij says how much query i looks at key j; what reaches i is ``alpha_ij f_h(x_j)``, whose
+size also depends on the value vector and on W^O. Per head the norm map is
+``||alpha^h_ij f_h(x_j)|| = alpha^h_ij ||f_h(x_j)||``; per layer ``||sum_h alpha^h_ij f_h(x_j)||``, from
+the per-token Gram matrices (:mod:`headlab.interpret.flow.gram`, which also says exactly what the
+residual mode includes).
+
+Three ways to read them:
+
+* maps (default): ``per_head[l]`` ``(H, n, n)`` and ``layer[l]`` ``(n, n)``;
+* ``rows=[i, ...]``: exact rows for chosen queries, ``row_per_head[l]`` ``(H, R, n)``, ``row_layer[l]``
+  ``(R, n)``, in ``O(R n)`` memory;
+* ``stream=True``: the per-query and per-key summaries (:class:`NormSummary`) in O(n) memory, one
+  pass over key tiles per layer; e.g. ``sum_i ||alpha_ij f(x_j)|| = ||f(x_j)|| sum_i alpha_ij``.
+
+    >>> import torch, headlab
+    >>> from headlab.models.transformer import Transformer, TransformerConfig
+    >>> m = Transformer(TransformerConfig(vocab_size=50, d_model=32, n_layers=2, n_heads=4, causal=True)).eval()
+    >>> ids = torch.randint(0, 50, (1, 12))
+    >>> r = headlab.attention_norms(m, ids)
+    >>> r.per_head[1].shape, r.layer[1].shape
+    (torch.Size([4, 12, 12]), torch.Size([12, 12]))
+    >>> s = headlab.attention_norms(m, ids, stream=True, key_positions=[0])
+    >>> torch.allclose(s.summaries[1].received_norm, r.per_head[1].sum(1), atol=1e-5)
+    True
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+from headlab.errors import ConfigError
+from headlab.interpret.flow.gram import NormGram, gram, head_tile, layer_tile
+from headlab.interpret.flow.record import Recording, record
+from headlab.interpret.flow.tiles import prob_tiles
+
+Mode = Literal["attention", "residual"]
+_STREAM_BLOCK = 512
+
+
+@dataclass
+class NormSummary:
+    """Per-query / per-key summaries of one layer's weight and norm maps (``M`` chosen keys).
+
+    Per head (H rows): ``received_weight`` sum_i alpha_ij and ``received_norm`` sum_i ||alpha_ij f(x_j)||
+    ``(H, n)``; ``key_weight`` alpha_ij and ``key_norm_share`` ||alpha_ij f(x_j)|| / sum_j' ||alpha_ij' f(x_j')||
+    at the chosen keys ``(H, n, M)``; ``mean_distance_weight`` sum_j alpha_ij |i - j| and
+    ``mean_distance_norm`` (the same, weighted by the norms, normalised) ``(H, n)``.
+    The layer map: ``received`` ``(n,)``, ``key_share`` ``(n, M)``, ``mean_distance`` ``(n,)``.
+    """
+
+    key_positions: list[int]
+    received_weight: torch.Tensor
+    received_norm: torch.Tensor
+    key_weight: torch.Tensor
+    key_norm_share: torch.Tensor
+    mean_distance_weight: torch.Tensor
+    mean_distance_norm: torch.Tensor
+    received: torch.Tensor
+    key_share: torch.Tensor
+    mean_distance: torch.Tensor
+
+    def to_json(self) -> dict:
+        out = {"key_positions": self.key_positions}
+        for k, v in self.__dict__.items():
+            if isinstance(v, torch.Tensor):
+                out[k] = v.tolist()
+        return out
+
+
+@dataclass
+class NormsResult:
+    """What :func:`attention_norms` returns; dicts are keyed by layer."""
+
+    mode: str
+    layers: list[int]
+    n: int
+    tokens: list[str] | None
+    per_head: dict[int, torch.Tensor] = field(default_factory=dict)  # (H, n, n)
+    layer: dict[int, torch.Tensor] = field(default_factory=dict)  # (n, n)
+    rows: list[int] | None = None
+    row_per_head: dict[int, torch.Tensor] = field(default_factory=dict)  # (H, R, n)
+    row_layer: dict[int, torch.Tensor] = field(default_factory=dict)  # (R, n)
+    summaries: dict[int, NormSummary] = field(default_factory=dict)
+    weights: dict[int, torch.Tensor] = field(default_factory=dict)  # (H, n, n) the attention maps (maps mode)
+
+    def to_json(self) -> dict:
+        d = {"mode": self.mode, "layers": self.layers, "n": self.n, "tokens": self.tokens, "rows": self.rows}
+        for name in ("per_head", "layer", "row_per_head", "row_layer"):
+            got = getattr(self, name)
+            if got:
+                d[name] = {str(l): t.tolist() for l, t in got.items()}
+        if self.summaries:
+            d["summaries"] = {str(l): s.to_json() for l, s in self.summaries.items()}
+        return d
+
+
+def maps_from_pattern(pattern: torch.Tensor, ng: NormGram) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(per_head (H, n, n), layer (n, n))`` from the weights ``pattern (H, n, n)``."""
+    p = pattern.to(ng.G.dtype)
+    n = p.shape[-1]
+    pos = torch.arange(n, device=p.device)
+    return head_tile(p, pos, 0, n, ng), layer_tile(p, pos, 0, n, ng)
+
+
+def _check_positions(name: str, value, n: int) -> list[int]:
+    vals = [value] if isinstance(value, int) else list(value)
+    if not vals:
+        raise ConfigError(f"{name} is empty; give at least one token position")
+    out = []
+    for v in vals:
+        if not isinstance(v, int) or isinstance(v, bool) or not -n <= v < n:
+            raise ConfigError(f"{name}: position {v!r} out of range for {n} tokens (0..{n - 1}, negatives count from the end)")
+        out.append(v % n)
+    return out
+
+
+def summarise(q, k, lse, ng: NormGram, *, scale: float, causal: bool, key_positions: list[int],
+              block: int = _STREAM_BLOCK) -> NormSummary:
+    """One pass over the probability tiles of one layer: every :class:`NormSummary` field, O(n) memory."""
+    H, n, _ = q.shape
+    ct = torch.float64 if q.dtype == torch.float64 else torch.float32
+    dev = q.device
+    z = lambda *s: torch.zeros(*s, dtype=ct, device=dev)  # noqa: E731
+    M = len(key_positions)
+    kp = torch.tensor(key_positions, device=dev)
+    rec_w, rec_n, rec_l = z(H, n), z(H, n), z(n)
+    key_w, key_n, key_l = z(H, n, M), z(H, n, M), z(n, M)
+    row_n, row_l = z(H, n), z(n)  # sum_j of the norm maps
+    dist_w, dist_n, dist_l = z(H, n), z(H, n), z(n)
+    jpos = torch.arange(n, device=dev, dtype=ct)
+    for r0, r1, c0, c1, p in prob_tiles(q, k, lse, scale=scale, causal=causal, block=block):
+        qpos = torch.arange(r0, r1, device=dev)
+        d = (qpos.view(-1, 1).to(ct) - jpos[c0:c1].view(1, -1)).abs_()  # (bq, bk)
+        hn = head_tile(p, qpos, c0, c1, ng)  # (H, bq, bk)
+        ln = layer_tile(p, qpos, c0, c1, ng)  # (bq, bk)
+        rec_w[:, c0:c1] += p.sum(1)
+        rec_n[:, c0:c1] += hn.sum(1)
+        rec_l[c0:c1] += ln.sum(0)
+        row_n[:, r0:r1] += hn.sum(-1)
+        row_l[r0:r1] += ln.sum(-1)
+        dist_w[:, r0:r1] += (p * d).sum(-1)
+        dist_n[:, r0:r1] += (hn * d).sum(-1)
+        dist_l[r0:r1] += (ln * d).sum(-1)
+        inside = ((kp >= c0) & (kp < c1)).nonzero(as_tuple=True)[0]
+        if inside.numel():
+            cols = kp[inside] - c0
+            key_w[:, r0:r1, inside] = p[:, :, cols]
+            key_n[:, r0:r1, inside] = hn[:, :, cols]
+            key_l[r0:r1, inside] = ln[:, cols]
+    safe = lambda t: torch.where(t > 0, t, torch.ones((), dtype=ct))  # noqa: E731
+    return NormSummary(key_positions, rec_w, rec_n, key_w, key_n / safe(row_n).unsqueeze(-1), dist_w,
+                       dist_n / safe(row_n), rec_l, key_l / safe(row_l).unsqueeze(-1), dist_l / safe(row_l))
+
+
+def _rows(q, k, lse, ng, positions, *, scale, causal):
+    pos = torch.tensor(positions, device=q.device)
+    qs, ls = q[:, pos], lse[:, pos]
+    heads, layer = [], []
+    for _, _, c0, c1, p in prob_tiles(qs, k, ls, scale=scale, causal=causal, block=1 << 30, q_pos=pos):
+        heads.append(head_tile(p, pos, c0, c1, ng))
+        layer.append(layer_tile(p, pos, c0, c1, ng))
+    return torch.cat(heads, -1), torch.cat(layer, -1)
+
+
+def attention_norms(loaded, text_or_inputs, *, layers=None, mode: Mode = "attention", backend="auto",
+                    rows=None, stream: bool = False, key_positions=None) -> NormsResult:
+    """Norm maps ``||alpha f(x)||`` of every head and of each layer, for one input.
+
+    Args:
+        loaded: a :class:`~headlab.models.loader.LoadedModel`, a model adapter or a supported model.
+        text_or_inputs: one text (with a LoadedModel), an ``input_ids`` tensor ``(1, n)`` or a dict.
+        layers: layer indices (default all; negatives count from the end).
+        mode: ``"attention"`` (Kobayashi et al. 2020: attention and W^O) or ``"residual"`` (2021: with
+            the residual and the layer norm's linear part; see :mod:`headlab.interpret.flow.gram`).
+        backend: the exact backend the model runs on (an approximate one is refused).
+        rows: query positions: exact rows of the maps without the maps.
+        stream: compute :class:`NormSummary` per layer in O(n) memory instead of the maps.
+        key_positions: the chosen keys of the summaries (default the first and the last token).
+
+    Returns:
+        :class:`NormsResult`.
+    """
+    if mode not in ("attention", "residual"):
+        raise ConfigError(f"unknown mode {mode!r}; use 'attention' (Kobayashi et al. 2020) or 'residual' (2021)")
+    streaming = bool(stream) or rows is not None
+    rec: Recording = record(loaded, text_or_inputs, layers, maps=not streaming, residual=mode == "residual",
+                            backend=backend)
+    n = rec.n
+    row_pos = _check_positions("rows", rows, n) if rows is not None else None
+    kpos = _check_positions("key_positions", key_positions if key_positions is not None else [0, n - 1], n)
+    res = NormsResult(mode, sorted(rec.layers), n, rec.tokens, rows=row_pos)
+    with torch.no_grad():
+        for l, lr in rec.layers.items():
+            ng = gram(rec.adapter, l, lr, mode)
+            if not streaming:
+                res.weights[l] = lr.pattern
+                res.per_head[l], res.layer[l] = maps_from_pattern(lr.pattern, ng)
+                continue
+            if row_pos is not None:
+                res.row_per_head[l], res.row_layer[l] = _rows(lr.q, lr.k, lr.lse, ng, row_pos,
+                                                              scale=rec.scale[l], causal=rec.causal)
+            if stream:
+                res.summaries[l] = summarise(lr.q, lr.k, lr.lse, ng, scale=rec.scale[l], causal=rec.causal,
+                                             key_positions=kpos)
+    return res
+
+
+__all__ = ["NormSummary", "NormsResult", "attention_norms", "maps_from_pattern", "summarise"]
