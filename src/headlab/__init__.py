@@ -31,6 +31,7 @@ _LAZY = {
     "load": ("headlab.models", "load"),
     "capture": ("headlab.interpret.capture", "capture"),
     "analyze": ("headlab.interpret.report.job", "analyze"),
+    "explain": ("headlab.interpret.saliency", "explain"),
 }
 
 
