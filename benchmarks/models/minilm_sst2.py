@@ -169,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"training {len(tr_ids):,} sentences, {steps:,} steps of {args.batch_size}, lr {args.lr}, "
           f"seed {args.seed}, {args.threads} threads -> {out}", flush=True)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     step, running, history = 0, None, []
     columns = (TextColumn("[bold]SST-2"), BarColumn(), MofNCompleteColumn(), TextColumn("loss {task.fields[loss]}"),
                TimeElapsedColumn(), TimeRemainingColumn())
@@ -196,10 +196,12 @@ def main(argv: list[str] | None = None) -> int:
                     history.append({"step": step, "validation_accuracy": acc, "seconds": time.perf_counter() - t0})
                     bar.console.print(f"step {step}: validation accuracy {acc:.4f}")
     train_s = time.perf_counter() - t0
+    cpu_s = time.process_time() - c0
     acc = evaluate(model, va_ids, va_y, tok.pad_token_id)
     total_s = time.perf_counter() - t0
     print(f"validation accuracy {acc:.4f} ({len(va_ids)} sentences); training {train_s / 60:.1f} min, "
-          f"with evaluation {total_s / 60:.1f} min", flush=True)
+          f"with evaluation {total_s / 60:.1f} min; CPU time {cpu_s / 60:.1f} min "
+          f"(= {cpu_s / 60 / args.threads:.1f} min on {args.threads} dedicated cores)", flush=True)
 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
@@ -208,7 +210,8 @@ def main(argv: list[str] | None = None) -> int:
     model.save_pretrained(tmp, safe_serialization=True)
     tok.save_pretrained(tmp)
     record = {"validation_accuracy": acc, "validation_sentences": len(va_ids), "train_sentences": len(tr_ids),
-              "train_seconds": round(train_s, 1), "total_seconds": round(total_s, 1), "seed": args.seed,
+              "train_seconds": round(train_s, 1), "train_cpu_seconds": round(cpu_s, 1),
+              "load_avg_1min": os.getloadavg()[0], "total_seconds": round(total_s, 1), "seed": args.seed,
               "steps": steps, "epochs": args.epochs, "lr": args.lr, "batch_size": args.batch_size,
               "warmup": args.warmup, "weight_decay": args.weight_decay, "threads": args.threads,
               "torch": torch.__version__, "transformers": transformers.__version__, "base": str(src),
