@@ -9,7 +9,7 @@ from headlab.cli.app import app, err_console
 from headlab.errors import CLI_EXIT_CODE, HeadlabError
 
 # Each module registers its commands on the app when imported.
-COMMANDS = ["costs_cmd", "backends_cmd", "demo", "bench", "pattern", "analyze"]
+COMMANDS = ["costs_cmd", "backends_cmd", "demo", "bench", "pattern", "analyze", "explain"]
 for _name in COMMANDS:
     try:
         import_module(f"headlab.cli.{_name}")

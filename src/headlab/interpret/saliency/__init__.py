@@ -7,5 +7,6 @@
 """
 
 from headlab.interpret.saliency.explanation import METHODS, CompletenessWarning, Explanation, explain
+from headlab.interpret.saliency.study import StudyOptions, StudyResult, read_dataset, study
 
-__all__ = ["METHODS", "CompletenessWarning", "Explanation", "explain"]
+__all__ = ["METHODS", "CompletenessWarning", "Explanation", "StudyOptions", "StudyResult", "explain", "read_dataset", "study"]
