@@ -133,14 +133,12 @@ def test_integrated_gradients_completeness_and_a_direct_riemann_sum(clf):
     assert sum(ex.scores["integrated_gradients"]) == pytest.approx(y_x - y_b, rel=1e-3)
     assert ex.completeness_gap < 1e-3 and ex.y_baseline == pytest.approx(y_b)
     assert all(ex.scores["integrated_gradients"][i] == 0 for i in range(len(ids[0])) if special[i])
-    # a direct midpoint Riemann sum with many steps, from Hugging Face's own inputs_embeds path
-    m = 400
-    total = torch.zeros_like(e[0])
-    for k in range(m):
-        x = (b + (k + 0.5) / m * (e - b)).requires_grad_(True)
-        (g,) = torch.autograd.grad(_y_from_embeds(clf, x, mask, ex.target).sum(), [x])
-        total += g[0] / m
-    direct = ((e - b)[0] * total).sum(-1)
+    # a direct midpoint Riemann sum with many steps (one batch), from Hugging Face's own inputs_embeds path
+    m = 300
+    a = ((torch.arange(m, dtype=e.dtype) + 0.5) / m).view(m, 1, 1)
+    x = (b + a * (e - b)).requires_grad_(True)  # (m, L, E)
+    (g,) = torch.autograd.grad(_y_from_embeds(clf, x, mask.expand(m, -1), ex.target).sum(), [x])
+    direct = ((e - b)[0] * g.mean(0)).sum(-1)
     np.testing.assert_allclose(ex.scores["integrated_gradients"], direct.numpy(), rtol=1e-3, atol=1e-6)
 
 
@@ -164,7 +162,8 @@ def test_leave_one_out_by_direct_removal(clf, mode):
     ex = explain(clf, TEXT, methods=("leave_one_out",), loo=mode)
     tok = clf.tokenizer
     ids = _enc(clf)["input_ids"][0].tolist()
-    p0 = torch.softmax(clf.model(input_ids=torch.tensor([ids])).logits[0], -1)
+    with torch.no_grad():
+        p0 = torch.softmax(clf.model(input_ids=torch.tensor([ids])).logits[0], -1)
     for t, s in enumerate(ex.special):
         if s:
             assert ex.scores["leave_one_out"][t] == 0
@@ -174,7 +173,8 @@ def test_leave_one_out_by_direct_removal(clf, mode):
         else:
             row = list(ids)
             row[t] = tok.mask_token_id if mode == "mask" else tok.unk_token_id
-        p = torch.softmax(clf.model(input_ids=torch.tensor([row])).logits[0], -1)
+        with torch.no_grad():
+            p = torch.softmax(clf.model(input_ids=torch.tensor([row])).logits[0], -1)
         assert ex.scores["leave_one_out"][t] == pytest.approx(0.5 * float((p - p0).abs().sum()), rel=1e-5, abs=1e-7)
 
 
@@ -327,3 +327,174 @@ def test_completeness_warning_with_too_few_steps(clf):
     with pytest.warns(CompletenessWarning, match="completeness gap"):
         ex = explain(clf, TEXT, methods=("integrated_gradients",), ig_steps=1)
     assert ex.completeness_gap > 0.01 and ex.notes
+
+
+# -- ERASER, counterfactual attention, the study ---------------------------------------------------------------
+def test_eraser_by_direct_deletion(clf):
+    from headlab.interpret.saliency.faithfulness import AOPC_BINS, eraser
+
+    ex = explain(clf, TEXT, methods=("attention", "integrated_gradients"), ig_steps=8)
+    enc = _enc(clf)
+    obj, _ = make_objective(clf, enc, None, None)
+    got = eraser(obj, enc["input_ids"], enc["attention_mask"], ex.special, ex.scores)
+    ids = enc["input_ids"][0].tolist()
+    keep = [i for i, s in enumerate(ex.special) if not s]
+
+    def p_target(row):
+        with torch.no_grad():
+            return float(torch.softmax(clf.model(input_ids=torch.tensor([row])).logits[0], -1)[ex.target])
+
+    p0 = p_target(ids)
+    for m in ex.scores:
+        order = sorted(keep, key=lambda i: ex.scores[m][i], reverse=True)
+        for k in AOPC_BINS:
+            top = set(order[:max(1, math.ceil(k * len(keep) / 100))])
+            without = [t for i, t in enumerate(ids) if i not in top]
+            only = [t for i, t in enumerate(ids) if i in top or ex.special[i]]
+            assert got[m].comprehensiveness[k] == pytest.approx(p0 - p_target(without), abs=1e-9)
+            assert got[m].sufficiency[k] == pytest.approx(p0 - p_target(only), abs=1e-9)
+        assert got[m].aopc_comprehensiveness == pytest.approx(np.mean([got[m].comprehensiveness[k] for k in AOPC_BINS]))
+    assert "random" in got
+
+
+def test_permutation_and_adversarial_attention(clf):
+    from scipy.spatial.distance import jensenshannon
+
+    from headlab.interpret.saliency.counterfactual import adversarial_attention, permutation_test
+    from headlab.interpret.saliency.occlusion import tvd
+
+    ex = explain(clf, TEXT, methods=("attention",))
+    enc = _enc(clf)
+    ids, mask = enc["input_ids"], enc["attention_mask"]
+    obj, _ = make_objective(clf, enc, None, None)
+    row = ex.attention_layers[-1]
+    uniform = torch.full_like(row, 1.0 / row.shape[-1])
+    # permuting a uniform row changes nothing, but replacing the row by it does
+    flat = permutation_test(obj, ids, mask, uniform, n=5)
+    with torch.no_grad():
+        with edited_pattern(obj, 1, replace_row(0, uniform[None])):
+            p_u = obj.y_and_probs(ids, mask)[1]
+        p0 = obj.y_and_probs(ids, mask)[1]
+    assert flat.median_tvd == pytest.approx(float(tvd(p_u, p0)), abs=1e-9)
+    perm = permutation_test(obj, ids, mask, row, n=20)
+    assert len(perm.tvds) == 20 and perm.median_tvd == pytest.approx(float(np.median(perm.tvds)))
+    assert perm.max_attention == pytest.approx(max(ex.scores["attention"]))
+    adv = adversarial_attention(obj, ids, mask, row, budget=0.01, steps=10, restarts=2)
+    with edited_pattern(obj, 1, replace_row(0, adv.row[None])):
+        p_adv = obj.y_and_probs(ids, mask)[1]
+    assert float(tvd(p_adv, p0)) <= 0.01 + 1e-9 and adv.tvd == pytest.approx(float(tvd(p_adv, p0)), abs=1e-6)
+    orig, new = row.mean(0).numpy(), adv.row.mean(0).numpy()
+    assert adv.max_jsd == pytest.approx(jensenshannon(orig, new) ** 2, rel=1e-6)  # scipy: sqrt(JSD), natural log
+    assert adv.max_jsd > 0
+
+
+def _tsv(tmp_path, body, name="d.tsv"):
+    p = tmp_path / name
+    p.write_text(body, encoding="utf-8")
+    return p
+
+
+def test_dataset_errors_name_the_problem(tmp_path):
+    from headlab.interpret.saliency import read_dataset
+
+    with pytest.raises(InputError, match="no column label.*header has"):
+        read_dataset(_tsv(tmp_path, "sentence\tscore\na film\t1\n"))
+    with pytest.raises(InputError, match="no column sentence"):
+        read_dataset(_tsv(tmp_path, "words\tlabel\na film\t1\n"))
+    with pytest.raises(InputError, match="line 3: empty row"):
+        read_dataset(_tsv(tmp_path, "sentence\tlabel\na film\t1\n\t\nfine\t0\n"))
+    with pytest.raises(InputError, match="line 2: label 'x'"):
+        read_dataset(_tsv(tmp_path, "sentence\tlabel\na film\tx\n"))
+    with pytest.raises(InputError, match="no dataset file"):
+        read_dataset(tmp_path / "missing.tsv")
+    rows = read_dataset(_tsv(tmp_path, "sentence\tlabel\na film\t1\nbad\t0\n"))
+    assert [(r.line, r.text, r.label) for r in rows] == [(2, "a film", 1), (3, "bad", 0)]
+
+
+def test_study_tables_and_resume(clf, tmp_path):
+    from headlab.interpret.saliency import StudyOptions, study
+
+    data = _tsv(tmp_path, "sentence\tlabel\na gripping film\t1\na dull , tired film\t0\n")
+    opts = StudyOptions(methods=("attention", "gradient", "integrated_gradients"), ig_steps=4, permutations=6,
+                        adversarial_steps=2, bootstrap=50)
+    r = study(clf, data, tmp_path / "out", limit=1, options=opts, progress=False)
+    assert r.instances == 1 and (tmp_path / "out" / "tau_hist.png").is_file()
+    lines = (tmp_path / "out" / "instances.jsonl").read_text().splitlines()
+    assert len(lines) == 1
+    r2 = study(clf, data, tmp_path / "out", options=opts, progress=False)  # resumes: only line 3 is new
+    assert r2.instances == 2 and len((tmp_path / "out" / "instances.jsonl").read_text().splitlines()) == 2
+    recs = [__import__("json").loads(x) for x in (tmp_path / "out" / "instances.jsonl").read_text().splitlines()]
+    taus = [x["tau"]["attention|gradient"][0] for x in recs]
+    assert r2.tables["kendall"]["gradient"]["mean"] == pytest.approx(np.mean([t for t in taus if t is not None]))
+    acc = np.mean([x["pred"] == x["label"] for x in recs])
+    assert r2.tables["accuracy"] == pytest.approx(acc)
+    f = r2.tables["faithfulness"]["integrated_gradients"]["comprehensiveness@20"]
+    vals = [x["eraser"]["integrated_gradients"]["comprehensiveness"]["20"] for x in recs]
+    assert f["mean"] == pytest.approx(np.mean(vals)) and f["lo"] <= f["mean"] <= f["hi"]
+
+
+# -- the command line --------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def clf_dir(clf, tmp_path_factory):
+    d = tmp_path_factory.mktemp("clf")
+    clf.model.float().save_pretrained(d)
+    clf.model.double()
+    clf.tokenizer.save_pretrained(d)
+    return d
+
+
+def test_cli_help_and_errors(clf_dir, tmp_path, capsys):
+    from headlab.testing import run_cli
+
+    code, out, _ = run_cli(["explain", "--help"], capsys)
+    assert code == 0 and "--dataset" in out and "--compare-to" in out
+    cases = [
+        (["explain", TEXT, "--model", clf_dir, "--methods", "gradient,integratedgradients"], "known methods"),
+        (["explain", TEXT, "--model", clf_dir, "--target", "7"], "out of range"),
+        (["explain", TEXT, "--model", clf_dir, "--ig-steps", "0"], "ig_steps"),
+        (["explain", "--model", clf_dir], "no text"),
+        (["explain", "--dataset", _tsv(tmp_path, "text\tscore\nx\t1\n"), "--model", clf_dir, "--out", tmp_path / "o"],
+         "no column label"),
+        (["explain", TEXT, "--model", tmp_path / "nothing-here"], "unknown model"),
+    ]
+    for args, msg in cases:
+        code, _, err = run_cli(args, capsys)
+        assert code == 2 and msg in err and len(err.strip().splitlines()) <= 3, (args, err)
+
+
+def test_cli_json_and_html(clf_dir, tmp_path, capsys):
+    import json
+
+    from headlab.testing import run_cli
+
+    code, out, _ = run_cli(["explain", TEXT, "--model", clf_dir, "--methods", "attention,gradient,leave_one_out",
+                            "--json", "--out", tmp_path / "ex"], capsys)
+    assert code == 0
+    j = json.loads(out)
+    assert set(j) >= {"tokens", "target", "probs", "scores", "agreement", "completeness_gap"}
+    assert list(j["scores"]) == ["attention", "gradient", "leave_one_out"] and len(j["tokens"]) == len(j["scores"]["gradient"])
+    page = (tmp_path / "ex" / "explanation.html").read_text()
+    assert "<link" not in page and "src=" not in page and page.count('class="panel"') == 3
+    assert (tmp_path / "ex" / "explanation.png").stat().st_size > 1000
+    code, out, _ = run_cli(["explain", TEXT, "--model", clf_dir, "--methods", "gradient,grad_x_input"], capsys)
+    assert code == 0 and "grad*input" in out and "Kendall" in out
+
+
+@pytest.mark.browser
+def test_explanation_page_in_a_headless_browser(clf, tmp_path):
+    import shutil
+    import subprocess
+
+    from headlab.interpret.saliency.html import write_explanation
+
+    browser = next((p for p in map(shutil.which, ("chromium", "chromium-browser", "google-chrome")) if p), None)
+    if browser is None:
+        pytest.skip("no headless Chromium on PATH (apt-get install chromium) for the browser test")
+    ex = explain(clf, TEXT, ig_steps=8)
+    page = write_explanation(ex, tmp_path / "ex")["html"]
+    cmd = [browser, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--no-first-run",
+           "--disable-extensions", "--enable-logging=stderr", "--v=0", f"--user-data-dir={tmp_path / 'profile'}",
+           "--virtual-time-budget=2000", "--dump-dom", f"{page.as_uri()}#selftest"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert '<pre id="selftest">selftest: pass</pre>' in proc.stdout, proc.stdout[-2000:]
+    assert not [ln for ln in proc.stderr.splitlines() if ":CONSOLE" in ln]

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from headlab.interpret.saliency.attention import edited_pattern, replace_row
@@ -69,7 +70,7 @@ def permutation_test(objective: Objective, input_ids: torch.Tensor, attention_ma
                 o = objective.forward(ids, m)
             out.append(_change(objective, o, m, p0, y0[0]))
     tvds = torch.cat(out).float()
-    return PermutationResult(float(tvds.median()), float(row.mean(0).max()), tvds.tolist())
+    return PermutationResult(float(np.median(tvds.numpy())), float(row.mean(0).max()), tvds.tolist())
 
 
 @dataclass
@@ -78,6 +79,7 @@ class AdversarialResult:
     tvd: float  # the output change of that row
     steps: int
     restarts: int
+    row: torch.Tensor  # (H, L) the adversarial rows (every head) that reach max_jsd
 
 
 def adversarial_attention(objective: Objective, input_ids: torch.Tensor, attention_mask: torch.Tensor,
@@ -97,21 +99,22 @@ def adversarial_attention(objective: Objective, input_ids: torch.Tensor, attenti
     theta = (torch.log(row.detach().double().clamp_min(1e-12))[None] + scale * noise).requires_grad_(True)
     opt = torch.optim.Adam([theta], lr=lr)
     ids, m = input_ids.expand(restarts, L), attention_mask.expand(restarts, L)
-    best, best_tvd = 0.0, 0.0
+    best, best_tvd, best_row = 0.0, 0.0, row.detach().clone()
     for _ in range(steps + 1):
         new = torch.softmax(theta, -1)  # (R, H, L)
         with torch.enable_grad(), edited_pattern(objective, layer, replace_row(c, new)):
             out = objective.forward(ids, m)
             change = _change(objective, out, m, p0, y0[0]).double()  # (R,)
         div = jsd(new.mean(1), orig[None])  # (R,)
-        ok = change <= budget
+        d, ch = div.detach(), change.detach()
+        ok = ch <= budget
         if bool(ok.any()):
-            i = int(torch.where(ok, div, torch.full_like(div, -1.0)).argmax())
-            if float(div[i]) > best:
-                best, best_tvd = float(div[i]), float(change[i])
+            i = int(torch.where(ok, d, torch.full_like(d, -1.0)).argmax())
+            if float(d[i]) > best:
+                best, best_tvd, best_row = float(d[i]), float(ch[i]), new[i].detach().clone()
         loss = (-div + penalty * torch.relu(change - budget)).sum()
         opt.zero_grad()
         (g,) = torch.autograd.grad(loss, [theta])
         theta.grad = g
         opt.step()
-    return AdversarialResult(best, best_tvd, steps, restarts)
+    return AdversarialResult(best, best_tvd, steps, restarts, best_row)

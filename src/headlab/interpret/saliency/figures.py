@@ -41,7 +41,7 @@ def explanation_png(ex, path: str | Path) -> Path:
     keep = ex.keep()
     grid = np.stack([normalised(ex.scores[m], keep) for m in methods])  # (M, L)
     L = len(ex.tokens)
-    fig = _figure(min(2 + 0.45 * L, 30), 1 + 0.5 * len(methods))
+    fig = _figure(min(max(6.0, 2 + 0.45 * L), 30), 1.2 + 0.5 * len(methods))
     ax = fig.add_subplot(1, 1, 1)
     ax.imshow(grid, cmap="RdBu_r", vmin=-1, vmax=1, aspect="auto")
     for j, s in enumerate(ex.special):
@@ -50,7 +50,7 @@ def explanation_png(ex, path: str | Path) -> Path:
     ax.set_xticks(range(L), ex.tokens, rotation=60, ha="right", fontsize=8)
     ax.set_yticks(range(len(methods)), methods, fontsize=8)
     what = f"class {ex.target_label or ex.target}" if ex.kind == "classifier" else ex.kind
-    ax.set_title(f"saliency of {what} (each row scaled to its largest |score|)", fontsize=9)
+    ax.set_title(f"{what}; rows scaled to max |score|", fontsize=9)
     fig.tight_layout()
     fig.savefig(path)
     return Path(path)

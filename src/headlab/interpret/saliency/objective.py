@@ -114,7 +114,10 @@ class Objective:
         """``(B, C)`` output distribution, or None for similarity."""
         if self.kind == "similarity":
             return None
-        return torch.softmax(self.logits(outputs, attention_mask).float(), dim=-1)
+        logits = self.logits(outputs, attention_mask)
+        if logits.dtype in (torch.float16, torch.bfloat16):
+            logits = logits.float()
+        return torch.softmax(logits, dim=-1)
 
     def y(self, input_ids, attention_mask, embeds=None) -> torch.Tensor:
         return self.value(self.forward(input_ids, attention_mask, embeds), attention_mask)
