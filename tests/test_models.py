@@ -47,6 +47,13 @@ def _llama():  # grouped-query attention: 4 query heads share 2 kv heads
         intermediate_size=64, max_position_embeddings=64, attn_implementation="eager"))
 
 
+def _smollm2_layout():  # SmolLM2-135M's head layout (9 query heads on 3 kv heads), tiny widths
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=V, hidden_size=72, num_hidden_layers=LAYERS, num_attention_heads=9, num_key_value_heads=3,
+        head_dim=8, intermediate_size=64, max_position_embeddings=64, tie_word_embeddings=True,
+        attn_implementation="eager"))
+
+
 def _mistral():  # GQA and a sliding window shorter than the input
     return transformers.MistralForCausalLM(transformers.MistralConfig(
         vocab_size=V, hidden_size=E, num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=1,
@@ -74,6 +81,7 @@ FAMILY_CASES = {
     "roberta": (_roberta, "bert", "last_hidden_state", False),
     "gpt2": (_gpt2, "gpt2", "logits", False),
     "llama": (_llama, "llama", "logits", True),
+    "smollm2-layout": (_smollm2_layout, "llama", "logits", True),
     "mistral": (_mistral, "llama", "logits", True),
     "qwen2": (_qwen2, "llama", "logits", True),
     "headlab-encoder": (_headlab_encoder, "headlab", "logits", False),

@@ -393,3 +393,29 @@ def test_decoder_from_a_local_folder(minilm, tmp_path):
     data = json.loads(parse_page(stream.html.read_text(encoding="utf-8")).data)
     full_data = json.loads(parse_page(full.html.read_text(encoding="utf-8")).data)
     assert _close_b64(data["maps"]["1.3"], full_data["maps"]["1.3"])
+
+
+@pytest.mark.parametrize("arch", ["mistral-sliding-window", "gpt2-layer-scaling"])
+def test_streaming_pictures_are_what_the_model_computed(arch, minilm, tmp_path):
+    """Drawn maps in streaming mode use the layer's own mask and scale (a sliding window, GPT-2's
+    scale_attn_by_inverse_layer_idx), so they equal the full maps the model computed."""
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    V = len(minilm.tokenizer)
+    if arch.startswith("mistral"):
+        model = transformers.MistralForCausalLM(transformers.MistralConfig(
+            vocab_size=V, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            intermediate_size=64, max_position_embeddings=64, sliding_window=3))
+    else:
+        model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+            vocab_size=V, n_positions=64, n_embd=32, n_layer=2, n_head=4, scale_attn_by_inverse_layer_idx=True))
+    folder = tmp_path / arch
+    model.save_pretrained(folder)
+    minilm.tokenizer.save_pretrained(folder)
+    full = analyze(TEXT, model=str(folder), out_dir=tmp_path / "full")
+    stream = analyze(TEXT, model=str(folder), out_dir=tmp_path / "stream", max_full_tokens=3, heads="1.1")
+    data = json.loads(parse_page(stream.html.read_text(encoding="utf-8")).data)
+    full_data = json.loads(parse_page(full.html.read_text(encoding="utf-8")).data)
+    assert _close_b64(data["maps"]["1.1"], full_data["maps"]["1.1"])

@@ -18,7 +18,7 @@ from headlab import attention  # a callable package: headlab.attention(q, k, v, 
 from headlab.attention.core import attention_weights, backends
 from headlab.attention.module import MultiHeadAttention
 
-__version__ = "0.1.0"
+from headlab._version import __version__
 
 __all__ = ["MultiHeadAttention", "attention", "attention_weights", "backends", "costs", "errors", "masks"]
 

@@ -62,6 +62,13 @@ class ConfigError(HeadlabError, ValueError):
     """An invalid configuration value (sizes, counts, options)."""
 
 
+class SiteError(ConfigError, KeyError):
+    """A hook site that does not exist, was not captured, or cannot be edited."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0]) if self.args else ""
+
+
 class ModelError(HeadlabError, ValueError):
     """A model that cannot be found, loaded or understood."""
 
@@ -72,3 +79,7 @@ class UnsupportedArchitectureError(ModelError):
 
 class InputError(HeadlabError, ValueError):
     """Bad user input to a job: empty text, text too long, an output folder in the way."""
+
+
+class DistributedError(HeadlabError, RuntimeError):
+    """Ranks that disagree (shapes, dtypes, options) or a peer that failed or timed out."""

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from headlab.attention.core import _attention
+from headlab.attention.core import attention_with_weights
 
 # absolute floors by dtype: below these, differences are rounding noise of the dtype itself
 _ATOL = {torch.float64: 1e-10, torch.float32: 1e-6, torch.bfloat16: 1e-3, torch.float16: 1e-4}
@@ -46,7 +46,7 @@ class BackendReport:
 
 def _run(backend, q, k, v, grad_out, *, mask, causal, scale, grads: bool):
     q, k, v = (t.detach().clone().requires_grad_(grads) for t in (q, k, v))
-    out, _ = _attention(q, k, v, mask=mask, causal=causal, scale=scale, dropout_p=0.0,
+    out, _ = attention_with_weights(q, k, v, mask=mask, causal=causal, scale=scale, dropout_p=0.0,
                         backend=backend, need_weights=False)
     res = {"out": out.detach()}
     if grads:

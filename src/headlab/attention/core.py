@@ -52,12 +52,17 @@ def attention(
         >>> torch.allclose(out, headlab.attention(q, k, v, causal=True, backend="reference"), atol=1e-5)
         True
     """
-    out, _ = _attention(q, k, v, mask=mask, causal=causal, scale=scale, dropout_p=dropout_p,
+    out, _ = attention_with_weights(q, k, v, mask=mask, causal=causal, scale=scale, dropout_p=dropout_p,
                         backend=backend, need_weights=False)
     return out
 
 
-def _attention(q, k, v, *, mask, causal, scale, dropout_p, backend, need_weights):
+def attention_with_weights(q, k, v, *, mask, causal, scale, dropout_p, backend, need_weights):
+    """:func:`attention` that can also return the weights: ``(out, weights (B, H, Lq, Lk) or None)``.
+
+    Every argument is keyword-only and required (the layers above choose each one). ``need_weights=True``
+    needs a backend that materialises the map (``"reference"``).
+    """
     spec, norm_mask = validate(q, k, v, mask=mask, causal=causal, dropout_p=dropout_p, need_weights=need_weights)
     chosen = resolve_backend(backend, spec)  # auto has already checked memory
     if not (isinstance(backend, str) and backend == "auto"):
@@ -96,7 +101,7 @@ def attention_weights(
         True
     """
     v = k.new_zeros(k.shape[:-1] + (1,))  # (B, Hkv, Lk, 1): the output is discarded
-    _, weights = _attention(q, k, v, mask=mask, causal=causal, scale=scale, dropout_p=0.0,
+    _, weights = attention_with_weights(q, k, v, mask=mask, causal=causal, scale=scale, dropout_p=0.0,
                             backend="reference", need_weights=True)
     return weights
 

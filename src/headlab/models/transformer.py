@@ -34,7 +34,8 @@ from torch import nn
 
 from headlab.attention.module import MultiHeadAttention
 from headlab.errors import ConfigError, ModelError, ShapeError
-from headlab.models.base import ModelAdapter, run_attention
+from headlab.models.base import ModelAdapter
+from headlab.models.sites import run_attention, state_of
 
 CONFIG_FILE = "headlab_config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -89,7 +90,11 @@ class TransformerConfig:
 
 class Attention(MultiHeadAttention):
     """:class:`~headlab.MultiHeadAttention` whose attention call goes through the adapter's
-    :func:`~headlab.models.base.run_attention` (so backends, capture and gates work as for HF models)."""
+    :func:`~headlab.models.sites.run_attention` (so backends, capture and gates work as for HF models).
+
+    One gate per head: once the model is adapted, ``head_gate`` is a view of the adapter's
+    ``gates[layer]`` and the adapter's W^O pre-hook applies it; before that, this module applies it.
+    """
 
     def forward(self, x: torch.Tensor, *, key_mask: torch.Tensor | None = None, causal: bool = False,
                 need_weights: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -102,7 +107,8 @@ class Attention(MultiHeadAttention):
         mask = None if key_mask is None else key_mask.view(B, 1, 1, L)  # (B, 1, 1, L)
         z, w = run_attention(self, q, k, v, mask, causal=causal, scale=None,
                              dropout_p=self.dropout if self.training else 0.0, need_weights=need_weights)
-        z = z * self.head_gate.view(1, H, 1, 1).to(z.dtype)  # (B, H, L, d)
+        if state_of(self.out_proj) is None:  # not adapted: the module's own gate (the adapter's hook does it otherwise)
+            z = z * self.head_gate.view(1, H, 1, 1).to(z.dtype)  # (B, H, L, d)
         return self.out_proj(z.transpose(1, 2).reshape(B, L, H * d)), w  # (B, L, E)
 
 
@@ -210,6 +216,26 @@ class TransformerAdapter(ModelAdapter):
         super().__init__(model, n_layers=cfg.n_layers, n_heads=cfg.n_heads, n_kv_heads=cfg.kv_heads,
                          head_dim=cfg.head_dim, d_model=cfg.d_model, attn_modules=[b.attn for b in model.blocks],
                          out_projs=[b.attn.out_proj for b in model.blocks])
+        self._gates = torch.stack([b.attn.head_gate.detach() for b in model.blocks]).float()
+        self._share_gates()
+
+    @property
+    def causal(self) -> bool:
+        return self.model.config.causal
+
+    def _share_gates(self) -> None:
+        """Make every block's ``attn.head_gate`` a view of ``gates[layer]``: one gate per head."""
+        for i, am in enumerate(self.attn_modules):
+            am.head_gate = self._gates[i]
+
+    @ModelAdapter.gates.setter
+    def gates(self, value: torch.Tensor) -> None:
+        ModelAdapter.gates.fset(self, value)
+        self._share_gates()
+
+    def reset_gates(self) -> None:
+        super().reset_gates()
+        self._share_gates()
 
     def _weights(self, layer, which):
         return getattr(self.attn_modules[layer], f"W_{which.upper()}")

@@ -35,8 +35,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+import torch
 
+from headlab._version import __version__
+from headlab.attention.core import attention_weights
 from headlab.errors import InputError
+from headlab.interpret.capture import capture
 from headlab.interpret.heads.labels import (
     HeadRecord,
     LabelThresholds,
@@ -50,7 +54,6 @@ DRAWN_HEADS = 4  # heads drawn by default in the streaming mode
 MAX_EMBEDDED_BYTES = 64 << 20  # refuse a page whose maps alone would exceed this (choose fewer heads)
 REPORT_FILES = ("report.html", "heads.csv", "heads.json")
 _PNG_GLOB = "layer_*.png"
-DECODER_FAMILIES = ("gpt2", "llama")
 _STREAM_STATS = ("entropy", "max_weight", "argmax", "mean_distance", "key_mass", "received")
 
 Progress = Callable[[str], None]
@@ -189,10 +192,7 @@ def write_json(records: Sequence[HeadRecord], path: str | os.PathLike, **meta) -
 
 
 def _is_causal(loaded) -> bool:
-    if loaded.family in DECODER_FAMILIES:
-        return True
-    cfg = getattr(loaded.model, "config", None)
-    return bool(getattr(cfg, "causal", False) or getattr(cfg, "is_decoder", False))
+    return loaded.adapter.causal
 
 
 def _separator_positions(loaded, ids: Sequence[int], causal: bool) -> list[int] | None:
@@ -206,10 +206,8 @@ def _separator_positions(loaded, ids: Sequence[int], causal: bool) -> list[int] 
 
 def _full_maps(loaded, inputs, tokens, *, sinks, seps, causal, backend, thresholds):
     """Every map captured: the table from the maps, and every map to draw."""
-    import headlab
-
     n_layers = loaded.adapter.n_layers
-    cache = headlab.capture(loaded, inputs, sites=["blocks.*.attn.pattern"], backend=backend)
+    cache = capture(loaded, inputs, sites=["blocks.*.attn.pattern"], backend=backend)
     layer_maps = [cache[f"blocks.{i}.attn.pattern"][0].float().cpu().numpy() for i in range(n_layers)]  # (H, L, L)
     rows = [row_stats_from_maps(m, sink_positions=sinks, causal=causal) for m in layer_maps]
     records = head_records(rows, tokens, separator_positions=seps, thresholds=thresholds)
@@ -218,11 +216,9 @@ def _full_maps(loaded, inputs, tokens, *, sinks, seps, causal, backend, threshol
 
 def _streaming(loaded, inputs, tokens, *, sinks, seps, causal, backend, thresholds, chosen):
     """No map held: the table from streaming statistics, maps only for the chosen heads."""
-    import headlab
-
     adapter, n = loaded.adapter, len(tokens)
     # The statistics run inside each layer's forward, with the model's own mask and scale.
-    cache = headlab.capture(loaded, inputs, sites=["blocks.*.attn.stats", "blocks.*.attn.q", "blocks.*.attn.k"],
+    cache = capture(loaded, inputs, sites=["blocks.*.attn.stats", "blocks.*.attn.q", "blocks.*.attn.k"],
                             backend=backend, stats_kwargs={"key_positions": sinks, "stats": list(_STREAM_STATS)})
     rows = [row_stats_from_attention_stats(cache[f"blocks.{i}.attn.stats"], sink_positions=sinks, causal=causal)
             for i in range(adapter.n_layers)]
@@ -240,7 +236,12 @@ def _streaming(loaded, inputs, tokens, *, sinks, seps, causal, backend, threshol
     for layer, h in drawn:
         q = cache[f"blocks.{layer}.attn.q"][:, h:h + 1]  # (1, 1, L, d)
         k = cache[f"blocks.{layer}.attn.k"][:, h // group:h // group + 1]  # (1, 1, L, d)
-        maps[(layer, h)] = headlab.attention_weights(q, k, causal=causal)[0, 0].float().cpu().numpy()  # (L, L)
+        call = cache.call_args[layer]  # the layer's own mask (e.g. a sliding window) and scale
+        mask = call["mask"]
+        if isinstance(mask, torch.Tensor) and mask.dim() == 4 and mask.shape[1] > 1:
+            mask = mask[:, h:h + 1]  # (B, 1, Lq, Lk): a per-head mask, this head's slice
+        w = attention_weights(q, k, mask=mask, causal=call["causal"], scale=call["scale"])  # (1, 1, L, L)
+        maps[(layer, h)] = w[0, 0].float().cpu().numpy()
     return records, maps
 
 
@@ -281,10 +282,10 @@ def analyze(
     Returns:
         A :class:`ReportResult`.
     """
-    import headlab
     from headlab.attention import backends as _backends
     from headlab.interpret.report.figures import LayerGrid
     from headlab.interpret.report.html import render_html
+    from headlab.models.loader import load
 
     say = progress or (lambda msg: None)
     if not isinstance(text, str) or not text.strip():
@@ -297,7 +298,7 @@ def analyze(
 
     if isinstance(model, str | os.PathLike):
         say(f"loading model {os.fspath(model)}")
-        loaded = headlab.load(model)
+        loaded = load(model)
     else:
         loaded = model
     adapter = loaded.adapter
@@ -338,7 +339,7 @@ def analyze(
     say("writing the table")
     csv_path = write_csv(records, out / "heads.csv")
     json_path = write_json(
-        records, out / "heads.json", headlab_version=headlab.__version__, model=loaded.name, family=loaded.family,
+        records, out / "heads.json", headlab_version=__version__, model=loaded.name, family=loaded.family,
         text=text, tokens=tokens, causal=causal, separator_positions=seps, mode=mode, max_full_tokens=max_full_tokens,
         backend=backend, drawn_heads=[f"{a}.{b}" for a, b in drawn], notes=notes,
         thresholds={"positional": thresholds.positional, "sink": thresholds.sink, "broad": thresholds.broad},

@@ -27,8 +27,8 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from headlab.errors import BackendUnsupportedError
-from headlab.models.base import run_attention
+from headlab.errors import BackendUnsupportedError, MaskError
+from headlab.models.sites import run_attention
 
 IMPLEMENTATION = "headlab"
 
@@ -48,7 +48,7 @@ def hf_mask_to_bool(mask: torch.Tensor | None) -> torch.Tensor | None:
     if mask is None or mask.dtype == torch.bool:
         return mask
     if not mask.is_floating_point():
-        raise BackendUnsupportedError(f"attention mask of dtype {mask.dtype}: expected bool or an additive float mask")
+        raise MaskError(f"attention mask of dtype {mask.dtype}: expected a boolean mask (True = may attend) or an additive float mask (0 or -inf)")
     blocked = mask <= torch.finfo(mask.dtype).min / 2  # finfo.min and -inf
     if bool(((mask != 0) & ~blocked).any()):
         raise BackendUnsupportedError(

@@ -1,0 +1,94 @@
+"""Cost of ring attention (:func:`headlab.distributed.ring_attention`) on R ranks: :func:`ring_cost`.
+
+Per layer, each rank holds ``n / R`` positions of q, k, v and the output. In each of R steps it
+computes its queries against one K/V block while the next block travels (sent to ``rank + 1``); the
+backward pass sends the K/V blocks round once more and the dK/dV accumulators R times (the last
+send takes them home). The zigzag layout gives every rank the same share of visible pairs, so the
+compute per rank is ``visible pairs / R``. Hardware is an argument: a :class:`~headlab.costs.Hardware`
+for the compute rate and a link bandwidth in bytes per second.
+
+    >>> from headlab.costs import AttentionShape
+    >>> c = ring_cost(AttentionShape(heads=32, q_len=1_000_000, head_dim=128, dtype="bfloat16", causal=True), ranks=64)
+    >>> c.steps, c.shard_len, round(c.sent_forward_bytes / 2**30, 2)   # GiB sent per rank per layer
+    (64, 15625, 15.02)
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+
+from headlab.costs.model import AttentionShape, Hardware
+from headlab.errors import ConfigError
+
+TILE = 512  # query x key tile of the ring kernels (headlab.distributed.kernels.TILE)
+
+
+def _tile_itemsize(dtype: torch.dtype) -> int:
+    return 8 if dtype == torch.float64 else 4  # tiles in float32 (float64 for float64 inputs)
+
+
+@dataclass(frozen=True)
+class RingCost:
+    """Predicted per-rank cost of one layer of ring attention (and the totals over ``layers``)."""
+
+    ranks: int
+    steps: int  # ring steps per pass (= ranks)
+    shard_len: int  # positions per rank
+    forward_flops_per_rank: int  # one layer
+    backward_flops_per_rank: int  # one layer (recomputation included)
+    sent_forward_bytes: int  # bytes one rank sends in one layer's forward
+    sent_backward_bytes: int  # ... in one layer's backward (K/V again, plus the dK/dV accumulators)
+    shard_bytes: int  # this rank's q, k, v and output of one layer
+    working_set_bytes: int  # peak extra memory of one layer's forward on one rank (incoming block, state, a tile)
+    layers: int
+
+    @property
+    def sent_bytes_all_layers(self) -> int:
+        return (self.sent_forward_bytes + self.sent_backward_bytes) * self.layers
+
+    def compute_to_communication(self, hardware: Hardware, link_bandwidth: float, *, backward: bool = False) -> float:
+        """One step's compute time over one step's transfer time at ``link_bandwidth`` bytes/s (above 1: the
+        transfer hides behind the work). With ``backward``, the backward step (recomputation, and the
+        K/V block plus the dK/dV accumulators on the wire)."""
+        if link_bandwidth <= 0:
+            raise ConfigError(f"link_bandwidth must be positive bytes/s, got {link_bandwidth}")
+        if self.steps == 1:
+            return float("inf")  # nothing is sent
+        if backward:
+            flops, sent = self.backward_flops_per_rank, self.sent_backward_bytes
+        else:
+            flops, sent = self.forward_flops_per_rank, self.sent_forward_bytes
+        compute = flops / self.steps / hardware.peak_flops
+        transfer = sent / (self.steps - 1) / link_bandwidth
+        return compute / transfer
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "sent_bytes_all_layers": self.sent_bytes_all_layers}
+
+
+def ring_cost(shape: AttentionShape, ranks: int) -> RingCost:
+    """Per-rank cost of ``shape`` (self-attention, ``q_len == kv_len``) on ``ranks`` ranks."""
+    if not isinstance(ranks, int) or ranks < 1:
+        raise ConfigError(f"ranks must be a positive integer, got {ranks!r}")
+    if shape.q_len != shape.kv_len:
+        raise ConfigError(f"ring attention shards one sequence: q_len ({shape.q_len}) must equal kv_len ({shape.kv_len})")
+    n, R = shape.q_len, ranks
+    local = n // R
+    B, H, Hkv, d, dv, s = shape.batch, shape.heads, shape.kv_heads, shape.head_dim, shape.v_dim, shape.itemsize
+    ts = _tile_itemsize(shape.dtype)
+    pairs = shape.visible_pairs() * B * H  # visible (query, key) pairs of one layer, all heads
+    per_rank = pairs // R
+    fwd = 2 * per_rank * (d + dv)  # S = q k^T (2d per pair) and P V (2dv)
+    bwd = 2 * per_rank * (2 * d + 2 * dv + d)  # S again, dP = dO V^T, dV, dQ, dK
+    block = B * Hkv * local * (d + dv) * s  # one K/V block
+    acc_block = B * Hkv * local * (d + dv) * ts  # the dK/dV accumulators travel in the tile precision
+    working = block + B * H * local * (ts + 8 + dv * ts) + 3 * B * H * TILE * TILE * ts
+    return RingCost(
+        ranks=R, steps=R, shard_len=local,
+        forward_flops_per_rank=fwd, backward_flops_per_rank=bwd,
+        sent_forward_bytes=(R - 1) * block, sent_backward_bytes=(R - 1) * block + R * acc_block,
+        shard_bytes=B * local * s * (H * (d + dv) + Hkv * (d + dv)),
+        working_set_bytes=working, layers=shape.layers,
+    )

@@ -1,0 +1,167 @@
+"""Ring attention: exact attention over a sequence sharded across ranks (Liu et al. 2023).
+
+Each of W ranks holds a shard of q, k and v along the sequence. The K/V shards travel round the ring
+in W steps (each rank sends to ``rank + 1`` and receives from ``rank - 1`` while it computes on the
+shard it holds); every key tile that arrives continues the rank's online softmax (running maximum,
+normaliser and accumulator), which is the exact merge of partial results by their log-sum-exps. The backward
+pass goes round again: dQ stays local, and dK/dV accumulators travel with the K/V shard they belong
+to, arriving back at their owner after the last step. Nothing ``n x n`` is held; each rank's memory is
+O(n / W) plus one tile.
+
+    # torchrun --nproc-per-node 2 my_script.py
+    out = headlab.distributed.ring_attention(q_shard, k_shard, v_shard, causal=True, layout="zigzag")
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import torch
+
+from headlab.attention.core import attention
+from headlab.distributed import comm
+from headlab.distributed.kernels import pair_backward, pair_update, relation, tile_dtype
+from headlab.distributed.layout import Layout, check_layout, chunks
+from headlab.errors import ConfigError, DTypeError, ShapeError
+
+log = logging.getLogger("headlab.distributed")
+
+
+def finish_state(m, l, acc):
+    """``(out, lse, inv_l)`` from the online-softmax state; rows that saw no key give zeros and ``lse = -inf``."""
+    seen = l > 0
+    l_safe = torch.where(seen, l, torch.ones_like(l))
+    inv_l = torch.where(seen, 1.0 / l_safe, torch.zeros_like(l))
+    lse = torch.where(seen, m.double() + torch.log(l_safe), torch.full_like(l, -math.inf))
+    out = acc * inv_l.to(acc.dtype).unsqueeze(-1)
+    return out, lse, inv_l.to(acc.dtype)
+
+
+def _pairs(n: int, rank: int, src: int, world_size: int, layout: str, causal: bool, mask):
+    """(query slice, key slice, Pair) for this rank's query chunks against ``src``'s key chunks."""
+    out = []
+    q_off = 0
+    for q0, ql in chunks(n, rank=rank, world_size=world_size, layout=layout):
+        k_off = 0
+        for k0, kl in chunks(n, rank=src, world_size=world_size, layout=layout):
+            p = relation(q0, ql, k0, kl, causal=causal, mask=mask, n=n)
+            if p.kind != "skip":
+                out.append((slice(q_off, q_off + ql), slice(k_off, k_off + kl), p))
+            k_off += kl
+        q_off += ql
+    return out
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, causal, mask, scale, layout, ring):
+        n = q.shape[2] * ring.world_size
+        ct = tile_dtype(q.dtype)
+        B, H, nq, _ = q.shape
+        # the rank's online softmax over every key it is sent: running max, normaliser, accumulator
+        m = torch.full((B, H, nq), -math.inf, dtype=ct, device=q.device)
+        l = torch.zeros(B, H, nq, dtype=torch.float64, device=q.device)
+        acc = torch.zeros(B, H, nq, v.shape[-1], dtype=ct, device=q.device)
+        kk, vv = k, v
+        for step in range(ring.world_size):
+            src = (ring.rank - step) % ring.world_size
+            pending = ring.start_pair(kk, vv) if step < ring.world_size - 1 else None  # overlaps the compute
+            for qs, ks, pair in _pairs(n, ring.rank, src, ring.world_size, layout, causal, mask):
+                pair_update(q[:, :, qs], kk[:, :, ks], vv[:, :, ks], pair, scale, m[:, :, qs], l[:, :, qs],
+                            acc[:, :, qs])
+            if pending is not None:
+                kk, vv = ring.finish_pair(pending)
+        out, _lse, inv_l = finish_state(m, l, acc)
+        ctx.save_for_backward(q, k, v, out, m, inv_l)
+        ctx.args = (causal, mask, scale, layout, ring)
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, m, inv_l = ctx.saved_tensors
+        causal, mask, scale, layout, ring = ctx.args
+        n = q.shape[2] * ring.world_size
+        ct = out.dtype
+        D = (dout.to(ct) * out).sum(-1)  # (B, H, n/W), from the unrounded output
+        dq = torch.zeros(q.shape, dtype=ct, device=q.device)
+        kk, vv = k, v
+        travelling = None  # the dK | dV accumulators of the block this rank holds, arriving from behind
+        for step in range(ring.world_size):
+            src = (ring.rank - step) % ring.world_size
+            pending = ring.start_pair(kk, vv) if step < ring.world_size - 1 else None
+            # this rank's share of src's dK | dV
+            mk, mv = torch.zeros(k.shape, dtype=ct, device=k.device), torch.zeros(v.shape, dtype=ct, device=v.device)
+            for qs, ks, pair in _pairs(n, ring.rank, src, ring.world_size, layout, causal, mask):
+                pair_backward(q[:, :, qs], kk[:, :, ks], vv[:, :, ks], dout[:, :, qs], m[:, :, qs], inv_l[:, :, qs],
+                              D[:, :, qs], pair, scale, dq[:, :, qs], mk[:, :, ks], mv[:, :, ks])  # views: in place
+            if travelling is not None:
+                ak, av = ring.finish_pair(travelling)
+                mk += ak
+                mv += av
+            travelling = ring.start_pair(mk, mv, tag=2)  # on with their block; the last send takes them home
+            if pending is not None:
+                kk, vv = ring.finish_pair(pending)
+        dk, dv = ring.finish_pair(travelling)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
+
+
+def check_inputs(q, k, v, *, dropout_p: float, layout: str) -> None:
+    check_layout(layout)
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            raise ShapeError(f"{name} must be a (batch, heads, seq_shard, head_dim) tensor, got "
+                             f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
+        if not t.is_floating_point():
+            raise DTypeError(f"{name} has dtype {t.dtype}; ring attention needs floating tensors")
+    if q.dtype != k.dtype or k.dtype != v.dtype:
+        raise DTypeError(f"q, k, v have dtypes {q.dtype}, {k.dtype}, {v.dtype}; give one dtype")
+    if q.shape[0] != k.shape[0] or k.shape[:3] != v.shape[:3] or q.shape[-1] != k.shape[-1]:
+        raise ShapeError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not fit: batch, kv heads, "
+                         "shard length and head_dim must agree (q's heads a multiple of k's)")
+    if q.shape[1] % k.shape[1]:
+        raise ShapeError(f"{q.shape[1]} query heads cannot share {k.shape[1]} kv heads (not a multiple)")
+    if q.shape[2] != k.shape[2]:
+        raise ShapeError(f"q's shard has {q.shape[2]} positions and k's {k.shape[2]}: ring attention is self-attention "
+                         "over one sharded sequence, so every shard of q, k and v has the same length")
+    if dropout_p:
+        raise ConfigError(f"dropout_p={dropout_p}: ring attention does not implement dropout (the keep-masks would have "
+                          "to be drawn identically on every rank); use dropout_p=0, or headlab.attention on one process")
+
+
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False, mask=None,
+                   scale: float | None = None, layout: Layout = "contiguous", group=None,
+                   dropout_p: float = 0.0) -> torch.Tensor:
+    """Exact attention over a sequence sharded along dim 2; returns this rank's output shard.
+
+    Args:
+        q: this rank's shard ``(B, H, n / W, d)``; k, v: ``(B, Hkv, n / W, d | dv)`` (query head h reads
+            kv head ``h // (H // Hkv)``). Cut a full tensor with :func:`headlab.distributed.shard`.
+        causal: causal attention over *global* positions (torch's ``is_causal``).
+        mask: a mask function ``f(b, h, q_idx, kv_idx) -> bool`` of global positions (``headlab.masks``:
+            sliding windows, documents...), combined with ``causal``; tensors are not accepted (shard
+            the rule, not the map).
+        scale: defaults to ``1/sqrt(d)``.
+        layout: ``"contiguous"`` or ``"zigzag"`` (balanced causal work); see :mod:`headlab.distributed.layout`.
+        group: the process group (default: the world). With world size 1 the local kernel runs.
+        dropout_p: must be 0 (refused otherwise).
+
+    Differentiable: the backward goes round the ring again (dK and dV travel back to their owner).
+    Before any work the ranks check, with one small all-gather, that they agree on shapes, dtype,
+    layout and options; a mismatch is a :class:`~headlab.errors.DistributedError` on every rank.
+    """
+    check_inputs(q, k, v, dropout_p=dropout_p, layout=layout)
+    if mask is not None and (isinstance(mask, torch.Tensor) or not callable(mask)):
+        raise ConfigError("ring attention takes masks as functions of global positions (headlab.masks, or "
+                          "f(b, h, q_idx, kv_idx) -> bool); a tensor mask would have to be sharded in two dims")
+    rank, world_size = comm.world(group)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    if world_size == 1:
+        log.debug("ring_attention with world size 1: running the local kernel")
+        return attention(q, k, v, mask=mask, causal=causal, scale=scale, backend="tiled")
+    comm.agree(rank, world_size, group, device=q.device, dtype=q.dtype, batch=q.shape[0], heads=q.shape[1], kv_heads=k.shape[1],
+               shard=q.shape[2], head_dim=q.shape[3], v_dim=v.shape[3], layout=layout, causal=int(causal),
+               masked=int(mask is not None))
+    chunks(q.shape[2] * world_size, rank=rank, world_size=world_size, layout=layout)  # the shard splits evenly
+    ring = comm.Ring(rank, world_size, group)
+    return _RingAttention.apply(q, k, v, causal, mask, scale, layout, ring)
