@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
     from headlab.models import cache_dir
-    from headlab.models.loader import _minilm_dir
+    from headlab.models.bundled import minilm_dir as _minilm_dir
 
     out = (args.out or cache_dir("minilm-sst2")).expanduser()
     if (out / "config.json").is_file() and not args.force:

@@ -8,8 +8,8 @@ captured with :func:`headlab.capture` (which runs the captured layers on the ref
 only place the map exists; every other computation keeps the backend you chose).
 
 :func:`edited_pattern` runs one layer from an edited attention map, ``fn(weights (B, H, Lq, Lk)) ->
-weights``: the layer computes its map on the reference path, ``fn`` changes it, and the output is
-``fn(weights) @ V``, so gradients flow into whatever ``fn`` closed over. The permutation test and
+weights``, through the adapter's edit hooks: the layer computes its map on the reference path, ``fn``
+changes it, and the output is ``fn(weights) @ V``, so gradients flow into whatever ``fn`` closed over. The permutation test and
 the adversarial search of Jain and Wallace 2019 (:mod:`~headlab.interpret.saliency.counterfactual`)
 are built on it.
 """
@@ -18,14 +18,11 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-from dataclasses import replace
-
 import torch
 
-from headlab.attention import backends as _backends
-from headlab.attention.backends.base import Backend, Capabilities
 from headlab.interpret.capture import capture
 from headlab.interpret.saliency.objective import Objective
+from headlab.models.sites import site_name
 
 
 def attention_rows(objective: Objective, input_ids: torch.Tensor, attention_mask: torch.Tensor,
@@ -40,39 +37,16 @@ def attention_rows(objective: Objective, input_ids: torch.Tensor, attention_mask
     return torch.stack([p[0, :, c, :] for p in got])  # (layers, H, L)
 
 
-class _EditedPattern(Backend):
-    """The reference computation with ``fn`` applied to the weights before they meet V (one layer only)."""
-
-    name = "reference+edit"
-    summary = "reference attention from an edited map (headlab saliency)"
-    capabilities = Capabilities(returns_weights=True, materializes=True)
-    priority = 10_000
-
-    def __init__(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
-        self.fn = fn
-
-    def forward(self, q, k, v, spec, *, mask, scale):
-        ref = _backends.get("reference")
-        _, w = ref.forward(q, k, v, replace(spec, need_weights=True), mask=mask, scale=scale)  # (B, H, Lq, Lk)
-        w = self.fn(w)
-        B, H, Lq, Lk = w.shape
-        out = torch.matmul(w.reshape(B, spec.kv_heads, spec.group * Lq, Lk), v)  # (B, Hkv, G*Lq, Dv)
-        return out.view(B, H, Lq, spec.v_dim), (w if spec.need_weights else None)
-
-
 @contextlib.contextmanager
 def edited_pattern(objective: Objective, layer: int, fn: Callable[[torch.Tensor], torch.Tensor]) -> Iterator[None]:
-    """Inside the block, attention layer ``layer`` runs from ``fn(its weights)``; the others keep their backend."""
+    """Inside the block, attention layer ``layer`` runs from ``fn(its weights)``; the others keep their backend.
+
+    Built on ``adapter.hooks({"blocks.{layer}.attn.pattern": ...})``, which runs that one layer on the
+    reference path and recomputes its output from the edited map (so gradients reach what ``fn`` uses).
+    """
     adapter = objective.loaded.adapter
-    chosen = adapter.backend or "auto"
-    with adapter.use_backend(chosen):
-        state = adapter.attn_modules[layer]._headlab
-        saved = state.backend
-        state.backend = _EditedPattern(fn)
-        try:
-            yield
-        finally:
-            state.backend = saved
+    with adapter.hooks({site_name(layer, "pattern"): lambda w, site: fn(w)}):
+        yield
 
 
 def replace_row(position: int, new_row: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
