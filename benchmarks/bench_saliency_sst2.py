@@ -57,6 +57,7 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--adversarial-steps", type=int, default=20)
     ap.add_argument("--no-counterfactual", action="store_true")
+    ap.add_argument("--max-minutes", type=float, default=None, help="stop starting new sentences after this long")
     args = ap.parse_args(argv)
     if not (Path(args.model).expanduser() / "config.json").is_file():
         raise SystemExit(f"no classifier at {args.model}: run benchmarks/models/minilm_sst2.py first")
@@ -69,7 +70,8 @@ def main(argv=None) -> int:
     opts = StudyOptions(backend=args.backend, adversarial_steps=args.adversarial_steps,
                         counterfactual=not args.no_counterfactual)
     t0 = time.perf_counter()
-    r = study(args.model, args.dataset, args.out, limit=args.limit, options=opts)
+    r = study(args.model, args.dataset, args.out, limit=args.limit, options=opts,
+              max_seconds=None if args.max_minutes is None else 60 * args.max_minutes)
     seconds = time.perf_counter() - t0
     render_study(r)
     tb = r.tables

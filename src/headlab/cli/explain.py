@@ -106,6 +106,7 @@ def explain_cmd(
     dataset: Path = typer.Option(None, "--dataset", help="TSV (sentence, label): run the corpus study instead"),
     limit: int = typer.Option(None, "--limit", help="with --dataset: only the first N rows"),
     no_counterfactual: bool = typer.Option(False, "--no-counterfactual", help="with --dataset: skip permutation and adversarial tests"),
+    max_minutes: float = typer.Option(None, "--max-minutes", help="with --dataset: stop starting new rows after this long (rerun resumes)"),
     out: Path = typer.Option(None, "--out", "-o", help="folder for the HTML page + PNG (or the study's files)"),
     as_json: bool = typer.Option(False, "--json", help="print the result as JSON"),
 ) -> None:
@@ -121,7 +122,8 @@ def explain_cmd(
             raise InputError("--dataset needs --out DIR (where the per-instance lines and tables go; reruns resume)")
         opts = StudyOptions(methods=tuple(m.strip() for m in methods.split(",") if m.strip()), ig_steps=ig_steps,
                             backend=backend, loo=loo, counterfactual=not no_counterfactual)
-        r = study(model, dataset, out, limit=limit, options=opts, progress=not as_json)
+        r = study(model, dataset, out, limit=limit, options=opts, progress=not as_json,
+                  max_seconds=None if max_minutes is None else 60 * max_minutes)
         if as_json:
             print_json(r.to_json())
         else:

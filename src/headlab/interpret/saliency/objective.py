@@ -91,15 +91,27 @@ class Objective:
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, embeds: torch.Tensor | None = None):
         """Model outputs on ``input_ids (B, L)``; with ``embeds (B, L, E)`` they replace the word embeddings."""
         kw = {"input_ids": input_ids, "attention_mask": attention_mask}
+        if self.kind == "next_token" and self._keeps_logits() and bool(attention_mask.all()):
+            kw["logits_to_keep"] = 1  # only the last position's logits: (B, 1, V), not (B, L, V)
         if embeds is None:
             return self.loaded.adapter.forward(kw)
         with embedding_override(self.model, embeds):
             return self.loaded.adapter.forward(kw)
 
+    def _keeps_logits(self) -> bool:
+        import inspect
+
+        try:
+            return "logits_to_keep" in inspect.signature(self.model.forward).parameters
+        except (TypeError, ValueError):
+            return False
+
     def logits(self, outputs, attention_mask: torch.Tensor) -> torch.Tensor:
         """``(B, C)``: the class logits, or the next-token logits at each row's last real token."""
         if self.kind == "classifier":
             return outputs.logits
+        if outputs.logits.shape[1] == 1:  # computed with logits_to_keep=1 (no padding)
+            return outputs.logits[:, -1]
         last = attention_mask.long().sum(-1) - 1  # (B,) right padding
         return outputs.logits[torch.arange(len(last), device=last.device), last]  # (B, V)
 

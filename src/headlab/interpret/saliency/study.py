@@ -20,6 +20,7 @@ import csv
 import hashlib
 import json
 import os
+import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -171,7 +172,8 @@ def load_records(path: Path) -> list[dict]:
 
 
 def study(loaded_or_path, dataset: str | os.PathLike, out: str | os.PathLike, *, limit: int | None = None,
-          options: StudyOptions | None = None, progress: bool = True, figures: bool = True) -> StudyResult:
+          options: StudyOptions | None = None, progress: bool = True, figures: bool = True,
+          max_seconds: float | None = None) -> StudyResult:
     """Run the study (see the module docstring) and return the corpus tables.
 
     Args:
@@ -182,6 +184,8 @@ def study(loaded_or_path, dataset: str | os.PathLike, out: str | os.PathLike, *,
         limit: only the first ``limit`` rows.
         options: :class:`StudyOptions`.
         progress: a rich progress bar on stderr.
+        max_seconds: stop starting new instances after this long (the tables cover what is done;
+            a rerun resumes). The result's ``skipped`` says how many rows were left.
     """
     from headlab.interpret.saliency.tables import summarize
 
@@ -197,8 +201,13 @@ def study(loaded_or_path, dataset: str | os.PathLike, out: str | os.PathLike, *,
     done = {r.get("key") for r in load_records(jsonl)}
     todo = [r for r in rows if r.key not in done]
     skipped: list[str] = []
+    t0 = time.perf_counter()
     with open(jsonl, "a", encoding="utf-8") as f, _bar(progress, len(rows), len(rows) - len(todo)) as advance:
-        for r in todo:
+        for j, r in enumerate(todo):
+            if max_seconds is not None and time.perf_counter() - t0 > max_seconds:
+                skipped.append(f"time budget of {max_seconds:.0f} s reached: {len(todo) - j} of {len(rows)} rows "
+                               "not run yet (run again to resume)")
+                break
             try:
                 rec = instance(loaded, r, opts)
             except InputError as e:  # e.g. a sentence longer than the model's positions
