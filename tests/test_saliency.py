@@ -507,3 +507,21 @@ def test_explanation_page_in_a_headless_browser(clf, tmp_path):
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert '<pre id="selftest">selftest: pass</pre>' in proc.stdout, proc.stdout[-2000:]
     assert not [ln for ln in proc.stderr.splitlines() if ":CONSOLE" in ln]
+
+
+def test_head_annotations_rank_each_head_against_ig(clf, tmp_path):
+    from headlab.interpret.saliency.annotations import head_annotations, head_taus
+    from headlab.interpret.saliency.html import write_explanation
+
+    ex = explain(clf, TEXT, methods=("attention", "integrated_gradients"), ig_steps=8)
+    taus = head_taus(ex)
+    assert set(taus) == {(l, h) for l in range(2) for h in range(4)}
+    keep = [i for i, s in enumerate(ex.special) if not s]
+    row = np.asarray(ex.attention_head(1, 2))[keep]
+    ig = np.abs(np.asarray(ex.scores["integrated_gradients"]))[keep]
+    assert taus[(1, 2)][0] == pytest.approx(_kendall_tau_b(row, ig))
+    write_explanation(ex, tmp_path / "ex")
+    notes = head_annotations(tmp_path / "ex")
+    assert notes[(1, 2)].startswith("tau with IG") and notes == head_annotations(ex)
+    with pytest.raises(InputError, match="needs an explanation"):
+        head_annotations(explain(clf, TEXT, methods=("gradient",)))

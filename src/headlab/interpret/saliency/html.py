@@ -115,5 +115,5 @@ def write_explanation(ex, out_dir: str | Path) -> dict[str, Path]:
     paths = {"html": out / "explanation.html", "png": out / "explanation.png", "json": out / "explanation.json"}
     paths["html"].write_text(render_explanation_html(ex), encoding="utf-8")
     explanation_png(ex, paths["png"])
-    paths["json"].write_text(json.dumps(ex.to_json(), indent=2) + "\n", encoding="utf-8")
+    paths["json"].write_text(json.dumps(ex.to_json(heads=True)) + "\n", encoding="utf-8")
     return paths
