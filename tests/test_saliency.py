@@ -525,3 +525,12 @@ def test_head_annotations_rank_each_head_against_ig(clf, tmp_path):
     assert notes[(1, 2)].startswith("tau with IG") and notes == head_annotations(ex)
     with pytest.raises(InputError, match="needs an explanation"):
         head_annotations(explain(clf, TEXT, methods=("gradient",)))
+
+
+def test_analyze_report_gains_the_saliency_strip(clf, tmp_path):
+    from headlab.interpret.report.job import analyze
+
+    r = analyze(TEXT, model=clf, out_dir=tmp_path / "rep")
+    assert (tmp_path / "rep" / "saliency.png").is_file() and (tmp_path / "rep" / "saliency.html").is_file()
+    assert any("saliency" in n for n in r.notes)
+    assert all(rec.evidence and rec.evidence[-1].startswith("tau with IG") for rec in r.records)

@@ -332,6 +332,11 @@ def analyze(
                      f"(no {n} x {n} map held) and maps are drawn only for heads "
                      f"{', '.join(f'{a}.{b}' for a, b in drawn)}" + ("" if chosen else " (chosen automatically: "
                      "the heads whose rows most often point at a fixed offset; pick others with --heads)"))
+    if mode == "full":  # the saliency strip and per-head tau with IG, for models with a head
+        from headlab.interpret.report.saliency_section import saliency_section
+
+        records, more = saliency_section(loaded, text, out, backend, records)
+        notes += more
     drawn_set = set(drawn)
     picks = [*(chosen or []), *((r.layer, r.head) for _, r in interesting_heads(records))]
     initial = next((d for d in picks if d in drawn_set), min(drawn))
