@@ -77,7 +77,7 @@ def main(argv=None) -> int:
                          "ig_steps": args.ig_steps if method == "integrated_gradients" else None})
             print(f"  {backend:<7} {method:<22} peak {peak / 1e9:6.2f} GB  ({peak / eager:.3f} of eager's weights)  "
                   f"{rows[-1]['wall_s']:.0f} s", flush=True)
-    path = write_json(f"saliency_long_{args.tokens}", {"rows": rows})
+    path = write_json(f"saliency_long_{args.tokens}_{args.methods.replace(',', '+')}", {"rows": rows})
     print(f"wrote {path}")
     return 0
 

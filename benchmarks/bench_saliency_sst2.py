@@ -34,14 +34,11 @@ DATA = next((p for p in (Path(__file__).resolve().parents[2] / "shared" / "data"
 # retrieve verbatim are None and say so, rather than quoted from memory.
 JAIN_WALLACE_SST = {
     "source": "Jain and Wallace 2019, 'Attention is not Explanation', NAACL-HLT, pp. 3543-3556",
-    "kendall_gradient": {"value": None, "where": "Table 2, SST row, gradient (BiLSTM): mean +- std and share "
-                         "significant; not retrievable here"},
-    "kendall_loo": {"value": None, "where": "Table 2, SST row, leave-one-out (BiLSTM); not retrievable here"},
-    "adversarial_jsd_max": {"value": 0.69, "where": "section 4.2.2 / Figure 8: JSD is bounded by ln 2 = 0.69, "
-                            "and for SST most adversarial attention distributions reach close to it (the "
-                            "authors' NAACL slides: 'Result for Adversarial Attention 0.69')"},
-    "tvd_budget": {"value": 0.01, "where": "section 4.2.2: epsilon = 0.01 on the output TVD"},
-    "permutations": {"value": 100, "where": "section 4.2.1: median output change over 100 permutations"},
+    "kendall_gradient": {"value": None, "where": "Table 2 (SST, gradient vs attention, BiLSTM): the search tool "
+                         "returned no text of the table, so no value is quoted"},
+    "kendall_loo": {"value": None, "where": "Table 2 (SST, leave-one-out vs attention, BiLSTM): not retrieved"},
+    "adversarial_jsd_max": {"value": 0.69, "where": "the authors' NAACL 2019 slides, 'Result for Adversarial "
+                            "Attention 0.69' (slideplayer.com/17114161); ln 2 = 0.693 is the largest JSD possible"},
 }
 
 
