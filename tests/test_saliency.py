@@ -389,7 +389,7 @@ def test_permutation_and_adversarial_attention(clf):
     assert len(perm.tvds) == 20 and perm.median_tvd == pytest.approx(float(np.median(perm.tvds)))
     assert perm.max_attention == pytest.approx(max(ex.scores["attention"]))
     adv = adversarial_attention(obj, ids, mask, row, budget=0.01, steps=10, restarts=2)
-    with edited_pattern(obj, 1, replace_row(0, adv.row[None])):
+    with torch.no_grad(), edited_pattern(obj, 1, replace_row(0, adv.row[None])):
         p_adv = obj.y_and_probs(ids, mask)[1]
     assert float(tvd(p_adv, p0)) <= 0.01 + 1e-9 and adv.tvd == pytest.approx(float(tvd(p_adv, p0)), abs=1e-6)
     orig, new = row.mean(0).numpy(), adv.row.mean(0).numpy()
