@@ -42,6 +42,7 @@ _LAZY = {
     "attention_norms": ("headlab.interpret.flow.norms", "attention_norms"),
     "rollout": ("headlab.interpret.flow.rollout", "rollout"),
     "attention_flow": ("headlab.interpret.flow.maxflow", "attention_flow"),
+    "explain": ("headlab.interpret.saliency", "explain"),
 }
 
 

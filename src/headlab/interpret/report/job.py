@@ -382,6 +382,11 @@ def analyze(
     provenance, approx_warning = backend_provenance(backend, mode)
     if approx_warning:
         notes.append(approx_warning)
+    if mode == "full":  # the saliency strip and per-head tau with IG, for models with a head
+        from headlab.interpret.report.saliency_section import saliency_section
+
+        records, more = saliency_section(loaded, text, out, backend, records)
+        notes += more
     drawn_set = set(drawn)
     picks = [*(chosen or []), *((r.layer, r.head) for _, r in interesting_heads(records))]
     initial = next((d for d in picks if d in drawn_set), min(drawn))

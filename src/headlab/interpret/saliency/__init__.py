@@ -1,0 +1,12 @@
+"""Attention versus saliency (Jain and Wallace 2019), with faithfulness measured.
+
+- :func:`explain` (``headlab.explain``): attention, gradient, grad x input, integrated gradients and
+  leave-one-out for one prediction, and their agreement (:mod:`.explanation`);
+- :func:`study` : the same over a labelled dataset, with Jain and Wallace's corpus tables and the
+  ERASER faithfulness measures (:mod:`.study`, :mod:`.faithfulness`, :mod:`.counterfactual`).
+"""
+
+from headlab.interpret.saliency.explanation import METHODS, CompletenessWarning, Explanation, explain
+from headlab.interpret.saliency.study import StudyOptions, StudyResult, read_dataset, study
+
+__all__ = ["METHODS", "CompletenessWarning", "Explanation", "StudyOptions", "StudyResult", "explain", "read_dataset", "study"]

@@ -1,0 +1,259 @@
+"""The corpus study: every method over a labelled dataset, Jain and Wallace's tables, ERASER faithfulness.
+
+    result = study(loaded_or_path, "validation.tsv", "out/")     # resumable; see :func:`study`
+
+Per instance (one JSON line in ``out/instances.jsonl``, appended as soon as it is done, so an
+interrupted run resumes where it stopped): the tokens, label, prediction, every method's scores,
+Kendall tau (and p) of attention with each other method, the completeness gap, the permutation
+test, the adversarial-attention search (:mod:`.counterfactual`) and the ERASER measures
+(:mod:`.faithfulness`). The corpus tables (:mod:`.tables`) are computed from those lines and
+written to ``out/study.json``, with figures (``tau_hist.png``, ``permutation.png``,
+``adversarial.png``).
+
+The dataset is a TSV file with a header: a text column (``sentence`` or ``text``) and a ``label``
+column (an integer class). It is checked completely before the first model call.
+"""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import json
+import os
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from headlab.errors import InputError
+from headlab.interpret.saliency.counterfactual import adversarial_attention, permutation_test
+from headlab.interpret.saliency.explanation import METHODS, check_options, explain, resolve_model
+from headlab.interpret.saliency.faithfulness import eraser
+from headlab.interpret.saliency.objective import make_objective
+
+TEXT_COLUMNS = ("sentence", "text")
+INSTANCES = "instances.jsonl"
+
+
+@dataclass
+class Row:
+    line: int  # 1-based line in the file (the header is line 1)
+    text: str
+    label: int | None
+
+    @property
+    def key(self) -> str:
+        return f"{self.line}:{hashlib.sha1(self.text.encode()).hexdigest()[:12]}"
+
+
+def read_dataset(path: str | os.PathLike, limit: int | None = None) -> list[Row]:
+    """The rows of a TSV dataset; :class:`~headlab.errors.InputError` naming the file and line when it is malformed."""
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise InputError(f"no dataset file {p}: give a TSV file with a header row (columns sentence, label)")
+    rows: list[Row] = []
+    with open(p, newline="", encoding="utf-8") as f:
+        reader = csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE)
+        header = next(reader, None)
+        if not header:
+            raise InputError(f"{p} is empty: it needs a header row with columns sentence (or text) and label")
+        header = [h.strip() for h in header]
+        text_col = next((c for c in TEXT_COLUMNS if c in header), None)
+        if text_col is None or "label" not in header:
+            missing = [n for n, ok in (("sentence (or text)", text_col), ("label", "label" in header)) if not ok]
+            raise InputError(f"{p}: no column {' and '.join(missing)}; the header has {header}. "
+                             "The dataset needs a text column named sentence or text and an integer label column")
+        ti, li = header.index(text_col), header.index("label")
+        for n, rec in enumerate(reader, start=2):
+            if not rec or not any(c.strip() for c in rec):
+                raise InputError(f"{p} line {n}: empty row; remove it (every row needs a {text_col} and a label)")
+            if len(rec) <= max(ti, li):
+                raise InputError(f"{p} line {n}: {len(rec)} field(s) for a header of {len(header)}; "
+                                 "is a tab missing?")
+            text, label = rec[ti].strip(), rec[li].strip()
+            if not text:
+                raise InputError(f"{p} line {n}: the {text_col} is empty")
+            try:
+                lab = int(label)
+            except ValueError:
+                raise InputError(f"{p} line {n}: label {label!r} is not an integer class") from None
+            rows.append(Row(n, text, lab))
+            if limit and len(rows) >= limit:
+                break
+    if not rows:
+        raise InputError(f"{p} has a header but no rows")
+    return rows
+
+
+@dataclass
+class StudyOptions:
+    """How the study runs (all but ``limit`` recorded with the results)."""
+
+    methods: tuple = METHODS
+    ig_steps: int = 50
+    backend: str = "auto"
+    loo: str = "delete"
+    permutations: int = 100  # Jain and Wallace's count
+    adversarial_steps: int = 20  # Adam steps of the adversarial search
+    adversarial_restarts: int = 2  # rows searched in parallel
+    tvd_budget: float = 0.01  # the output change an adversarial row may cause
+    bootstrap: int = 1000  # resamples for the confidence intervals
+    seed: int = 0
+    counterfactual: bool = True  # run the permutation and adversarial tests
+
+    def to_json(self) -> dict:
+        return {k: (list(v) if isinstance(v, tuple) else v) for k, v in self.__dict__.items()}
+
+
+@dataclass
+class StudyResult:
+    """The corpus tables (see :mod:`.tables`) and where the files are."""
+
+    tables: dict
+    out: Path
+    instances: int
+    skipped: list[str] = field(default_factory=list)
+    files: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict:
+        return {"instances": self.instances, "out": str(self.out), "skipped": self.skipped, "files": self.files,
+                **self.tables}
+
+
+def instance(loaded, row: Row, opts: StudyOptions) -> dict:
+    """Everything measured on one row (a JSON-ready dict)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the gap is recorded per instance and summarised
+        ex = explain(loaded, row.text, methods=opts.methods, ig_steps=opts.ig_steps, backend=opts.backend,
+                     loo=opts.loo, warn=False)
+    agr = ex.agreement()
+    rec = {"key": row.key, "line": row.line, "label": row.label, "pred": ex.target, "probs": ex.probs,
+           "tokens": ex.tokens, "special": ex.special, "scores": ex.scores,
+           "completeness_gap": ex.completeness_gap,
+           "tau": {f"{p.a}|{p.b}": [p.kendall_tau, p.kendall_p] for p in agr.pairs.values()}}
+    enc = loaded.encode(row.text)
+    ids, mask = enc["input_ids"], enc["attention_mask"]
+    adapter = loaded.adapter
+    with adapter.use_backend(opts.backend):
+        obj, _ = make_objective(loaded, enc, ex.target, None)
+        rec["eraser"] = {m: f.to_json() for m, f in
+                         eraser(obj, ids, mask, ex.special, ex.scores, seed=opts.seed + row.line).items()}
+        if opts.counterfactual and ex.attention_layers is not None:
+            row_att = ex.attention_layers[-1].to(ids.device)  # (H, L)
+            perm = permutation_test(obj, ids, mask, row_att, n=opts.permutations, seed=opts.seed + row.line)
+            rec["permutation"] = {"median_tvd": perm.median_tvd, "max_attention": perm.max_attention}
+            adv = adversarial_attention(obj, ids, mask, row_att, budget=opts.tvd_budget, steps=opts.adversarial_steps,
+                                        restarts=opts.adversarial_restarts, seed=opts.seed + row.line)
+            rec["adversarial"] = {"max_jsd": adv.max_jsd, "tvd": adv.tvd}
+    return _clean(rec)
+
+
+def _clean(x):
+    if isinstance(x, float):
+        return x if x == x and x not in (float("inf"), float("-inf")) else None
+    if isinstance(x, dict):
+        return {k: _clean(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_clean(v) for v in x]
+    return x
+
+
+def load_records(path: Path) -> list[dict]:
+    """The JSON lines written so far (a torn last line, from an interrupted run, is dropped)."""
+    if not path.is_file():
+        return []
+    out = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return out
+
+
+def study(loaded_or_path, dataset: str | os.PathLike, out: str | os.PathLike, *, limit: int | None = None,
+          options: StudyOptions | None = None, progress: bool = True, figures: bool = True,
+          max_seconds: float | None = None) -> StudyResult:
+    """Run the study (see the module docstring) and return the corpus tables.
+
+    Args:
+        loaded_or_path: a LoadedModel or a model name/folder (a classifier; decoders explain their next token).
+        dataset: TSV with columns ``sentence`` (or ``text``) and ``label``.
+        out: folder for ``instances.jsonl``, ``study.json`` and the figures (created; an existing
+            ``instances.jsonl`` is resumed: rows already there are skipped).
+        limit: only the first ``limit`` rows.
+        options: :class:`StudyOptions`.
+        progress: a rich progress bar on stderr.
+        max_seconds: stop starting new instances after this long (the tables cover what is done;
+            a rerun resumes). The result's ``skipped`` says how many rows were left.
+    """
+    from headlab.interpret.saliency.tables import summarize
+
+    opts = options or StudyOptions()
+    opts.methods = tuple(check_options(opts.methods, opts.ig_steps, opts.backend, opts.loo))
+    rows = read_dataset(dataset, limit)
+    outdir = Path(out).expanduser()
+    if outdir.exists() and not outdir.is_dir():
+        raise InputError(f"--out {outdir} is a file; give a folder")
+    loaded = resolve_model(loaded_or_path)
+    outdir.mkdir(parents=True, exist_ok=True)
+    jsonl = outdir / INSTANCES
+    done = {r.get("key") for r in load_records(jsonl)}
+    todo = [r for r in rows if r.key not in done]
+    skipped: list[str] = []
+    t0 = time.perf_counter()
+    with open(jsonl, "a", encoding="utf-8") as f, _bar(progress, len(rows), len(rows) - len(todo)) as advance:
+        for j, r in enumerate(todo):
+            if max_seconds is not None and time.perf_counter() - t0 > max_seconds:
+                skipped.append(f"time budget of {max_seconds:.0f} s reached: {len(todo) - j} of {len(rows)} rows "
+                               "not run yet (run again to resume)")
+                break
+            try:
+                rec = instance(loaded, r, opts)
+            except InputError as e:  # e.g. a sentence longer than the model's positions
+                skipped.append(f"line {r.line}: {e}")
+                advance()
+                continue
+            f.write(json.dumps(rec) + "\n")
+            f.flush()
+            advance()
+    keys = {r.key for r in rows}
+    records = [r for r in load_records(jsonl) if r.get("key") in keys]
+    tables = summarize(records, opts)
+    tables["options"] = opts.to_json()
+    tables["model"] = loaded.name
+    tables["dataset"] = str(dataset)
+    files = [INSTANCES, "study.json"]
+    if figures and records:
+        from headlab.interpret.saliency.figures import study_figures
+
+        files += study_figures(records, tables, outdir)
+    result = StudyResult(tables, outdir, len(records), skipped, files)
+    (outdir / "study.json").write_text(json.dumps(result.to_json(), indent=2) + "\n", encoding="utf-8")
+    return result
+
+
+class _bar:
+    """A rich progress bar (or nothing); ``with _bar(...) as advance: advance()``."""
+
+    def __init__(self, enabled: bool, total: int, done: int) -> None:
+        self.enabled, self.total, self.done = enabled, total, done
+        self.progress = None
+
+    def __enter__(self):
+        if not self.enabled:
+            return lambda: None
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+        self.progress = Progress(TextColumn("[bold]explain"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                                 TimeRemainingColumn(), console=Console(stderr=True), transient=False)
+        self.progress.__enter__()
+        task = self.progress.add_task("study", total=self.total, completed=self.done)
+        return lambda: self.progress.update(task, advance=1)
+
+    def __exit__(self, *exc):
+        if self.progress is not None:
+            self.progress.__exit__(*exc)
+        return False
+
