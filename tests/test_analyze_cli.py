@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 import headlab
 from headlab.cli.main import app  # importing main registers every command
 from headlab.errors import CLI_EXIT_CODE
-from headlab.testing import run_cli as run_main
+from conftest import run_cli as run_main
 
 TEXT = "The cat sat on the mat because it was tired."
 

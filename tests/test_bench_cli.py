@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from headlab.testing import run_cli as _run
+from conftest import run_cli as _run
 
 
 def test_help(capsys):

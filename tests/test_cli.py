@@ -10,7 +10,7 @@ import pytest
 from typer.testing import CliRunner
 
 from headlab.cli.main import app  # importing main registers every command
-from headlab.testing import run_cli as run_main
+from conftest import run_cli as run_main
 
 runner = CliRunner()
 

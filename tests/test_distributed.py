@@ -169,3 +169,23 @@ def test_single_process_falls_back_and_bad_input_is_refused():
     with pytest.raises(ConfigError, match="layout"):
         ring_attention(q, q, q, layout="spiral")
     assert issubclass(DistributedError, RuntimeError)
+
+
+def test_data_parallel_importance_equals_one_process(tmp_path):
+    """head_importance (and confidence) under 2 ranks: each takes half the examples, the sums are added."""
+    import importance_worker
+
+    port = _free_port()
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
+    script = WORKER.parent / "importance_worker.py"
+    procs = [subprocess.Popen([sys.executable, str(script), str(r), "2", str(port), str(tmp_path)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for r in range(2)]
+    logs = [p.communicate(timeout=240)[0].decode(errors="replace") for p in procs]
+    assert all(p.returncode == 0 for p in procs), logs
+    got = torch.load(tmp_path / "importance.pt")
+    from headlab.interpret.heads.importance import head_confidence, head_importance
+
+    m, texts = importance_worker.setup()
+    torch.testing.assert_close(got["importance"], head_importance(m, texts, loss="lm", batch_size=2),
+                               atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(got["confidence"], head_confidence(m, texts, batch_size=2), atol=1e-6, rtol=1e-5)

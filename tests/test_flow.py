@@ -21,7 +21,7 @@ from headlab.interpret.flow.record import record
 from headlab.interpret.flow.gram import gram
 from headlab.interpret.flow.tiles import prob_tiles, weighted_colsum
 from headlab.models.transformer import Transformer, TransformerConfig
-from headlab.testing import run_cli
+from conftest import run_cli
 
 transformers = pytest.importorskip("transformers")
 

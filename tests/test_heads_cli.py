@@ -9,7 +9,7 @@ import torch
 
 import headlab
 from headlab.models.transformer import Transformer, TransformerConfig
-from headlab.testing import run_cli
+from conftest import run_cli
 
 V = 40
 

@@ -1,6 +1,6 @@
 """The house's structure, read from the source with ``ast``: imports point one way and never in a circle.
 
-Layers, lowest first: ``attention`` <- ``costs`` <- ``models`` <- ``interpret`` <- ``cli``. A module may
+Layers, lowest first: ``attention`` <- ``distributed`` <- ``costs`` <- ``models`` <- ``interpret`` <- ``cli``. A module may
 import its own layer and the layers below it, never one above (function-level imports included: a
 lazy import is still a dependency). Inside ``interpret``, ``capture`` is at the bottom and ``report``
 at the top: nothing but ``report`` itself and ``cli`` imports ``report``. ``errors`` and ``_version``
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "headlab"
-LAYERS = ["attention", "costs", "models", "interpret", "cli"]
+LAYERS = ["attention", "distributed", "costs", "models", "interpret", "cli"]
 BASE = {"errors", "_version", "units"}  # importable from every layer
 MAX_LINES = 460  # "no source file above about 450 lines"
 

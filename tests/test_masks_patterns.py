@@ -8,7 +8,7 @@ import torch
 from headlab import masks
 from headlab.attention.blocks import BlockMap, _classify_dense, block_map
 from headlab.errors import ConfigError, MaskError
-from headlab.testing import run_cli as _cli
+from conftest import run_cli as _cli
 
 
 def _dense_state(m, lq, lk, bq, bk, batch=1, heads=1):

@@ -16,7 +16,7 @@ from headlab.interpret.probing.measures import classical_mds, js_sums
 from headlab.interpret.probing.result import ProbeResult, head_annotations
 from headlab.interpret.probing.study import probe
 from headlab.interpret.probing.treebank import read_treebank
-from headlab.testing import run_cli
+from conftest import run_cli
 
 transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")

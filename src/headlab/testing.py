@@ -173,20 +173,4 @@ def compare_backend(
     return report
 
 
-def run_cli(args, capsys) -> tuple[int, str, str]:
-    """Run the ``headlab`` command's real entry point (with its error rule) inside a pytest test.
-
-    ``capsys`` is pytest's fixture. Returns ``(exit code, stdout, stderr)``.
-    """
-    from headlab.cli.main import main
-
-    try:
-        main([str(a) for a in args])
-        code = 0
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-    out = capsys.readouterr()
-    return code, out.out, out.err
-
-
-__all__ = ["BackendReport", "compare_backend", "flash_floor", "plain_attention", "run_cli"]
+__all__ = ["BackendReport", "compare_backend", "flash_floor", "plain_attention"]

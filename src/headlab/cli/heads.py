@@ -67,14 +67,22 @@ def importance_cmd(model: str = MODEL, data: Path = DATA, loss: str = LOSS, out:
                    confidence: bool = typer.Option(True, "--confidence/--no-confidence",
                                                    help="also Voita's confidence (streaming statistics)"),
                    as_json: bool = JSON) -> None:
-    """Michel et al.'s importance E|dL/dxi| of every head (one backward per batch), and confidence."""
+    """Michel et al.'s importance E|dL/dxi| of every head (one backward per batch), and confidence.
+
+    Data-parallel with torchrun: `torchrun --nproc-per-node 2 -m headlab heads importance ...` splits the
+    examples across the processes and adds their sums; rank 0 shows the progress and writes the output.
+    """
+    from headlab.distributed.data import init_from_env, is_main
     from headlab.interpret.heads.importance import importance_study
     from headlab.interpret.heads.page import render_page
 
-    out = _out_dir(out)
+    init_from_env()
+    out = _out_dir(out) if is_main() else None
     loaded, texts, labels = _load(model, data, limit)
     r = importance_study(loaded, texts, labels, loss=loss, batch_size=batch_size, backend=backend,
                          confidence=confidence, progress=True)
+    if not is_main():
+        return
     if out is not None:
         (out / "importance.json").write_text(json.dumps(r.to_json(), indent=1) + "\n")
         (out / "heads.html").write_text(render_page(title=f"head importance: {r.model}", importance=r))

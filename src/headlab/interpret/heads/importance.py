@@ -40,6 +40,8 @@ import torch
 
 from headlab.errors import ConfigError
 from headlab.interpret.heads import common as C
+from headlab.distributed.comm import world
+from headlab.distributed.data import all_reduce_sum, is_main, shard_indices
 from headlab.models.loader import resolve
 
 
@@ -72,7 +74,10 @@ def head_importance(loaded, texts, labels=None, *, loss: C.Loss = "auto", batch_
         backend: the attention backend (one with a backward: ``sdpa``, ``tiled``, ``reference``).
         seed: draws of the label-free surrogates.
 
-    The adapter's own gates stay as they are (a head gated to 0 scores 0).
+    The adapter's own gates stay as they are (a head gated to 0 scores 0). Under ``torchrun`` (a
+    process group from :func:`headlab.distributed.data.init_from_env`) each rank takes every W-th
+    example and the sums are added across ranks: the result equals one process's (exactly for the
+    ``task`` and ``lm`` losses; the ``kl``/``cosine`` surrogates draw per rank, so equal in expectation).
 
         >>> import torch
         >>> from headlab.models.transformer import Transformer, TransformerConfig
@@ -89,8 +94,12 @@ def _importance(loaded, texts, labels, *, loss, batch_size, normalize, backend, 
     adapter, ld = resolve(loaded)
     loss = C.choose_loss(adapter, loss, labels)
     C.check_data(texts, labels, loss)
-    data = C.batches(ld, adapter, texts, labels, batch_size, max_length=max_length)
-    gen = torch.Generator().manual_seed(seed)
+    # under torchrun each rank takes every W-th example and the sums are added (identity on one process)
+    mine = shard_indices(len(texts))
+    data = C.batches(ld, adapter, [texts[i] for i in mine], None if labels is None else [labels[i] for i in mine],
+                     batch_size, max_length=max_length) if mine else []
+    progress = progress and is_main()
+    gen = torch.Generator().manual_seed(seed + world()[0])
     L, H = adapter.n_layers, adapter.n_heads
     total = torch.zeros(L, H, dtype=torch.float64)
     holder: dict = {}
@@ -118,6 +127,7 @@ def _importance(loaded, texts, labels, *, loss, batch_size, normalize, backend, 
     finally:
         holder.clear()
         adapter.model.train(was_training)
+    total = all_reduce_sum(total)
     imp = (total / len(texts)).float()
     counts = C.layer_head_counts(adapter)
     for layer, n in enumerate(counts):
@@ -138,7 +148,9 @@ def head_confidence(loaded, texts, *, batch_size: int = 16, max_length: int | No
 
     adapter, ld = resolve(loaded)
     C.check_data(texts, None, "cosine")
-    data = C.batches(ld, adapter, texts, None, batch_size, max_length=max_length)
+    mine = shard_indices(len(texts))  # data-parallel under torchrun, as in head_importance
+    data = C.batches(ld, adapter, [texts[i] for i in mine], None, batch_size, max_length=max_length) if mine else []
+    progress = progress and is_main()
     L, H = adapter.n_layers, adapter.n_heads
     total = torch.zeros(L, H, dtype=torch.float64)
     count = 0.0
@@ -153,6 +165,8 @@ def head_confidence(loaded, texts, *, batch_size: int = 16, max_length: int | No
                 total[layer, : mw.shape[1]] += (mw * m[:, None, :]).sum((0, 2)).cpu()
             count += float(m.sum())
             bar.advance(task)
+    summed = all_reduce_sum(torch.cat([total.flatten(), torch.tensor([count], dtype=torch.float64)]))
+    total, count = summed[:-1].view(L, H), float(summed[-1])
     conf = (total / max(count, 1.0)).float()
     for layer, n in enumerate(C.layer_head_counts(adapter)):
         conf[layer, n:] = float("nan")
