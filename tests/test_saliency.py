@@ -453,7 +453,7 @@ def clf_dir(clf, tmp_path_factory):
 
 
 def test_cli_help_and_errors(clf_dir, tmp_path, capsys):
-    from headlab.testing import run_cli
+    from conftest import run_cli
 
     code, out, _ = run_cli(["explain", "--help"], capsys)
     assert code == 0 and "--dataset" in out and "--compare-to" in out
@@ -474,7 +474,7 @@ def test_cli_help_and_errors(clf_dir, tmp_path, capsys):
 def test_cli_json_and_html(clf_dir, tmp_path, capsys):
     import json
 
-    from headlab.testing import run_cli
+    from conftest import run_cli
 
     code, out, _ = run_cli(["explain", TEXT, "--model", clf_dir, "--methods", "attention,gradient,leave_one_out",
                             "--json", "--out", tmp_path / "ex"], capsys)
