@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from headlab.attention import backends as _backends
-from headlab.errors import ConfigError
+from headlab.errors import ConfigError, UnsupportedArchitectureError
 from headlab.models.sites import (
     EDITABLE_KINDS,
     SITE_KINDS,
@@ -90,6 +90,13 @@ class ModelAdapter:
     def causal(self) -> bool:
         """True when each token attends only to itself and earlier tokens (a decoder)."""
         return self.is_decoder
+
+    def attention_norm(self, layer: int) -> tuple[str, nn.Module, str]:
+        """``(layout, norm module, kind)`` of the normalisation around block ``layer``'s attention:
+        layout ``"post"`` (the norm reads ``x + Attn(x)``, BERT) or ``"pre"`` (the norm makes the
+        attention's input, GPT-2 / Llama); kind ``"layernorm"`` or ``"rmsnorm"``."""
+        raise UnsupportedArchitectureError(
+            f"the {self.family!r} adapter does not say where its block's normalisation is (attention_norm)")
 
     # -- per-head weights: families override the _w/_b accessors -----------------------------------
     def W_Q(self, layer: int) -> torch.Tensor:

@@ -237,6 +237,9 @@ class TransformerAdapter(ModelAdapter):
         super().reset_gates()
         self._share_gates()
 
+    def attention_norm(self, layer):
+        return "pre", self.model.blocks[self._check_layer(layer)].ln1, "layernorm"
+
     def _weights(self, layer, which):
         return getattr(self.attn_modules[layer], f"W_{which.upper()}")
 

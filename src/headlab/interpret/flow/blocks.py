@@ -23,7 +23,10 @@ from torch import nn
 
 from headlab.errors import UnsupportedArchitectureError
 
-SUPPORTED_FAMILIES = ("bert", "gpt2", "llama", "headlab")
+def _supported() -> list[str]:
+    from headlab.models.hf import FAMILIES
+
+    return [fam.family for fam in FAMILIES] + ["headlab"]
 
 
 @dataclass(frozen=True)
@@ -40,34 +43,24 @@ class BlockNorms:
 
 
 def layer_norms(adapter, layer: int) -> BlockNorms:
-    """The norm module of block ``layer`` of ``adapter``'s model (see the table in the module docstring).
+    """The norm module around block ``layer``'s attention, as the adapter describes it
+    (:meth:`~headlab.models.base.ModelAdapter.attention_norm`).
 
-    Raises :class:`~headlab.errors.UnsupportedArchitectureError` for another family, naming the supported ones.
+    Raises :class:`~headlab.errors.UnsupportedArchitectureError` for a family whose adapter does not say,
+    naming the supported ones.
     """
-    family = getattr(adapter, "family", "?")
-    model = adapter.model
-    if family == "bert":
-        return BlockNorms("post", model.base_model.encoder.layer[layer].attention.output.LayerNorm, "layernorm")
-    if family == "gpt2":
-        return BlockNorms("pre", model.base_model.h[layer].ln_1, "layernorm")
-    if family == "llama":
-        return BlockNorms("pre", model.base_model.layers[layer].input_layernorm, "rmsnorm")
-    if family == "headlab":
-        return BlockNorms("pre", model.blocks[layer].ln1, "layernorm")
-    raise UnsupportedArchitectureError(
-        f"the residual-aware norms do not know the block structure of family {family!r}; "
-        f"supported: {', '.join(SUPPORTED_FAMILIES)} (use mode='attention' for the attention-only norms)")
+    try:
+        layout, norm, kind = adapter.attention_norm(layer)
+    except UnsupportedArchitectureError:
+        raise UnsupportedArchitectureError(
+            f"the residual-aware norms do not know the block structure of family {adapter.family!r}; "
+            f"supported: {', '.join(_supported())} (use mode='attention' for the attention-only norms)") from None
+    return BlockNorms(layout, norm, kind)
 
 
 def is_causal(adapter) -> bool:
-    """Whether the model's self-attention is causal (``adapter.causal`` when the adapter has it)."""
-    c = getattr(adapter, "causal", None)
-    if isinstance(c, bool):
-        return c
-    family = getattr(adapter, "family", "?")
-    if family == "headlab":
-        return bool(adapter.model.config.causal)
-    return family in ("gpt2", "llama")
+    """Whether the model's self-attention is causal."""
+    return adapter.causal
 
 
 def norm_eps(norm: nn.Module) -> float:
@@ -77,4 +70,4 @@ def norm_eps(norm: nn.Module) -> float:
     return 1e-5
 
 
-__all__ = ["SUPPORTED_FAMILIES", "BlockNorms", "is_causal", "layer_norms", "norm_eps"]
+__all__ = ["BlockNorms", "is_causal", "layer_norms", "norm_eps"]

@@ -30,38 +30,17 @@ from headlab.interpret.heads import common as C
 KINDS = ("zero", "mean", "resample", "uniform")
 
 
-def _v_module(adapter, layer: int):
-    am = adapter.attn_modules[layer]
-    fam = adapter.family
-    if fam == "bert":
-        return am.value, None
-    if fam == "gpt2":
-        return am.c_attn, am  # V is the last third of c_attn's output
-    return am.v_proj, None
-
-
 @contextmanager
 def value_hooks(adapter, store: dict):
-    """Record every layer's values ``(rows, L, Hkv_l * d)`` into ``store[layer]`` during a forward."""
-    handles = []
+    """Record every layer's values ``(rows, L, Hkv_l * d)`` into ``store[layer]`` during a forward
+    (through the adapter's ``v`` site, so on every family and backend alike)."""
 
-    def make(layer, gpt2_attn):
-        def hook(module, args, out):
-            if gpt2_attn is not None:
-                w = gpt2_attn.split_size
-                kv = out.shape[-1] - 2 * w  # V width (equal to w: GPT-2 has no GQA)
-                out = out[..., 2 * w: 2 * w + kv]
-            store[layer] = out
-        return hook
+    def record(v, site):  # v: (B, Hkv, L, d)
+        store[int(site.split(".")[1])] = v.transpose(1, 2).reshape(v.shape[0], v.shape[2], -1)
+        return v
 
-    try:
-        for layer in range(adapter.n_layers):
-            mod, gpt2_attn = _v_module(adapter, layer)
-            handles.append(mod.register_forward_hook(make(layer, gpt2_attn)))
+    with adapter.hooks({"blocks.*.attn.v": record}):
         yield
-    finally:
-        for h in handles:
-            h.remove()
 
 
 def mean_z(adapter, data, *, over: str, backend: str) -> dict:

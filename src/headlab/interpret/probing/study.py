@@ -32,15 +32,10 @@ MAX_BATCH = 256
 HEAD_MAP_SENTENCES = 100
 HEAD_MAP_BUDGET = 100_000_000  # K^2 * t * rows elements over the head-map sentences (the JS cost)
 GRAD_SENTENCES = 50
-_DECODERS = ("gpt2", "llama")
 
 
 def _is_causal(loaded) -> bool:
-    c = getattr(loaded.adapter, "causal", None)
-    if isinstance(c, bool):
-        return c
-    cfg = getattr(loaded.model, "config", None)
-    return loaded.family in _DECODERS or bool(getattr(cfg, "causal", False) or getattr(cfg, "is_decoder", False))
+    return loaded.adapter.causal
 
 
 def _batches(items: Sequence[al.Aligned], K: int, budget: int) -> list[list[al.Aligned]]:

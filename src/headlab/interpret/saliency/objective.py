@@ -58,12 +58,7 @@ def embedding_override(model: nn.Module, embeds: torch.Tensor) -> Iterator[None]
 
 
 def is_causal(loaded: LoadedModel) -> bool:
-    causal = getattr(loaded.adapter, "causal", None)
-    if causal is not None:
-        return bool(causal)
-    if loaded.family == "headlab":
-        return bool(loaded.model.config.causal)
-    return loaded.family in ("gpt2", "llama")
+    return loaded.adapter.causal
 
 
 @dataclass

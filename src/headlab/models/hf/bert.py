@@ -32,6 +32,9 @@ class BertAdapter(HFAdapter):
             n -= (config.pad_token_id or 0) + 1
         return n
 
+    def attention_norm(self, layer):
+        return "post", self.model.base_model.encoder.layer[self._check_layer(layer)].attention.output.LayerNorm, "layernorm"
+
     def _weights(self, layer, which):
         if which == "o":
             return split_linear_out(self.out_projs[layer].weight, self.n_heads, self.head_dim)

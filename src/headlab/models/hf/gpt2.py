@@ -24,6 +24,9 @@ class GPT2Adapter(HFAdapter):
                          d_model=cfg.hidden_size, attn_modules=[b.attn for b in blocks],
                          out_projs=[b.attn.c_proj for b in blocks])
 
+    def attention_norm(self, layer):
+        return "pre", self.model.base_model.h[self._check_layer(layer)].ln_1, "layernorm"
+
     def _weights(self, layer, which):
         E, H, d = self.d_model, self.n_heads, self.head_dim
         if which == "o":

@@ -30,6 +30,9 @@ class LlamaAdapter(HFAdapter):
                          d_model=cfg.hidden_size, attn_modules=[l.self_attn for l in layers],
                          out_projs=[l.self_attn.o_proj for l in layers])
 
+    def attention_norm(self, layer):
+        return "pre", self.model.base_model.layers[self._check_layer(layer)].input_layernorm, "rmsnorm"
+
     def _weights(self, layer, which):
         am = self.attn_modules[layer]
         if which == "o":
