@@ -266,3 +266,19 @@ def test_mean_distance_keeps_1e5_at_16384_tokens(method):
     q, k = _local_heads(16384)
     st = attention_stats(q, k, causal=True, stats=["mean_distance"], method=method)
     torch.testing.assert_close(st.mean_distance[0, 0].double(), _mean_distance_float64(q, k), atol=1e-5, rtol=1e-5)
+
+
+def test_sdpa_method_builds_no_mask_for_plain_causal(monkeypatch):
+    """Causal alone runs on the fused kernel's is_causal: no (Lq, Lk) visibility tensor is built
+    (that n x n triangle is what the statistics exist to avoid)."""
+    import headlab.attention.stats.sdpa as sdpa_stats
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("visibility materialised for a plain causal call")
+
+    q = torch.randn(1, 2, 300, 16)
+    ref = attention_stats(q, q, causal=True, method="tiled", stats=["lse", "entropy", "mean_distance"])
+    monkeypatch.setattr(sdpa_stats, "visible", refuse)
+    got = attention_stats(q, q, causal=True, method="sdpa", stats=["lse", "entropy", "mean_distance"])
+    for name in ("lse", "entropy", "mean_distance"):
+        torch.testing.assert_close(getattr(got, name), getattr(ref, name), atol=1e-5, rtol=1e-5)

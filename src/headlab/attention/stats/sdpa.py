@@ -48,11 +48,9 @@ def _sdpa(q, k, v, spec: AttentionSpec, mask, scale: float, want: set[str], ct: 
     vp = torch.cat([kx, pos.view(1, 1, Lk, 1).expand(B, H, Lk, 1)], -1)  # (B, H, Lk, D+1): [K, j]
     del kx
 
-    vis = visible(spec, mask)  # (Bm, Hm, Lq, Lk) bool or None (causal alone needs no mask)
-    if mask is None:
-        vis = None
-    elif spec.causal:
-        vis = vis & torch.ones(Lq, Lk, dtype=torch.bool, device=dev).tril_()
+    # (Bm, Hm, Lq, Lk) bool, causal included; None without a mask: causal alone is the kernel's is_causal,
+    # and building its n x n triangle here would cost what the statistics exist to avoid
+    vis = visible(spec, mask) if mask is not None else None
     is_causal = spec.causal and vis is None
     attn_mask = None if vis is None else torch.zeros(vis.shape, dtype=ct, device=dev).masked_fill_(~vis, float("-inf"))
     visible_rows = None if vis is None else vis.any(-1)  # (B?, H?, Lq) bool, None = every row sees a key
