@@ -127,6 +127,20 @@ def _classify_dense(mask, q_len, kv_len, block_q, block_k, batch, heads, device)
 _CACHE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # mask -> {shape key: BlockMap}
 
 
+def cached_per_mask(store: weakref.WeakKeyDictionary, mask, key, build, limit: int):
+    """``build()`` once per ``(mask, key)``: ``store`` maps each mask (weakly) to at most ``limit``
+    shapes, and is emptied for that mask when it would hold more."""
+    cache = store.get(mask)
+    if cache is None:
+        cache = store[mask] = {}
+    value = cache.get(key)
+    if value is None:
+        if len(cache) > limit:
+            cache.clear()
+        value = cache[key] = build()
+    return value
+
+
 def block_map(mask, q_len: int, kv_len: int, block_q: int = 128, block_k: int = 128, *, batch: int = 1,
               heads: int = 1, device: torch.device | str | None = None) -> BlockMap:
     """Compile a mask function (:class:`headlab.masks.MaskFn`) to a :class:`BlockMap`, cached per
@@ -135,13 +149,5 @@ def block_map(mask, q_len: int, kv_len: int, block_q: int = 128, block_k: int = 
     device = torch.device(device) if device is not None else torch.device("cpu")
     key = (q_len, kv_len, block_q, block_k, batch if mask.batch_dependent else 1,
            heads if mask.head_dependent else 1, str(device))
-    cache = _CACHE.get(mask)
-    if cache is None:
-        cache = _CACHE[mask] = {}
-    cached = cache.get(key)
-    if cached is None:
-        if len(cache) > 16:
-            cache.clear()
-        cached = cache[key] = BlockMap.from_mask(mask, q_len, kv_len, block_q, block_k, batch=batch, heads=heads,
-                                                 device=device)
-    return cached
+    return cached_per_mask(_CACHE, mask, key, lambda: BlockMap.from_mask(
+        mask, q_len, kv_len, block_q, block_k, batch=batch, heads=heads, device=device), limit=16)

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from headlab.attention.blocks import BlockMap
+from headlab.attention.blocks import BlockMap, cached_per_mask
 from headlab.attention.blocks import block_map as _compile
 from headlab.attention.masks import MaskFn, causal
 from headlab.attention.states import EMPTY, PARTIAL
@@ -99,15 +99,7 @@ def plan_for(mask: MaskFn, batch: int, heads: int, kv_heads: int, q_len: int, kv
              block_q: int | None = None, block_k: int | None = None) -> SparsePlan:
     """Group the visited tiles of ``mask`` into batched work (cached on the mask object)."""
     key = (batch, heads, kv_heads, q_len, kv_len, block_q or BLOCK_Q, block_k or BLOCK_K)
-    cache = _PLANS.get(mask)
-    if cache is None:
-        cache = _PLANS[mask] = {}
-    plan = cache.get(key)
-    if plan is None:
-        if len(cache) > 8:
-            cache.clear()
-        plan = cache[key] = _build_plan(mask, *key)
-    return plan
+    return cached_per_mask(_PLANS, mask, key, lambda: _build_plan(mask, *key), limit=8)
 
 
 def _build_plan(mask, B, H, Hkv, Lq, Lk, bq, bk) -> SparsePlan:
