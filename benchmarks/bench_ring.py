@@ -71,26 +71,24 @@ def worker(rank: int, world: int, port: int, n: int, repeats: int) -> dict:
         small = [t[:, :, : 2 * 2 * 128].detach() for t in (q, k, v)]
         (ring_attention(*small, causal=True, layout="zigzag") if world > 1 else
          attention(*small, causal=True, backend="tiled"))
-    times_f, times_fb, peaks_f, peaks_fb = [], [], [], []
-    sent0 = comm.bytes_sent()
-    sent_fwd = sent_both = 0
-    for i in range(repeats):
-        if world > 1:
-            dist.barrier()
-        with torch.no_grad():
-            seconds, peak = run_with_peak(fwd)
-        times_f.append(seconds)
-        peaks_f.append(peak)
-        if i == 0:
-            sent_fwd = comm.bytes_sent() - sent0
+    runs = {"fwd": ([], [], []), "fwd_bwd": ([], [], [])}  # times, peaks, bytes sent (first run)
+
+    def measure(name, fn, grad):
         if world > 1:
             dist.barrier()
         before = comm.bytes_sent()
-        seconds, peak = run_with_peak(fwd_bwd)
-        times_fb.append(seconds)
-        peaks_fb.append(peak)
-        if i == 0:
-            sent_both = comm.bytes_sent() - before
+        with torch.set_grad_enabled(grad):
+            seconds, peak = run_with_peak(fn)
+        times, peaks, sent = runs[name]
+        times.append(seconds)
+        peaks.append(peak)
+        sent.append(comm.bytes_sent() - before)
+
+    for _ in range(repeats):
+        measure("fwd", fwd, False)
+        measure("fwd_bwd", fwd_bwd, True)
+    (times_f, peaks_f, sent_f), (times_fb, peaks_fb, sent_fb) = runs["fwd"], runs["fwd_bwd"]
+    sent_fwd, sent_both = sent_f[0], sent_fb[0]
     if world > 1:
         dist.destroy_process_group()
     return {"rank": rank, "forward_s": statistics.median(times_f), "fwd_bwd_s": statistics.median(times_fb),
