@@ -154,3 +154,28 @@ def test_stats_without_pattern_never_materialises(monkeypatch):
     monkeypatch.setattr(type(ref), "forward", lambda *a, **k: pytest.fail("a map was materialised"))
     cache = headlab.capture(m, _ids(), "blocks.*.attn.stats", backend="sdpa")
     assert cache["blocks.1.attn.stats"].entropy.shape == (2, 4, L)
+
+
+@pytest.mark.parametrize("make", [_bert, _decoder], ids=["bert_padded", "decoder_gqa"])
+def test_stats_capture_runs_attention_once_and_keeps_the_outputs(make, monkeypatch):
+    """Capturing statistics takes each layer's output from the statistics' own pass: the model's
+    outputs are those of the uncaptured model, and no second attention call runs."""
+    import headlab.models.sites as sites
+
+    m = make()
+    ids = _ids()
+    inputs = {"input_ids": ids, "attention_mask": torch.ones(2, L, dtype=torch.long)} if make is _bert else ids
+    if make is _bert:
+        inputs["attention_mask"][1, 4:] = 0
+    with torch.no_grad():
+        plain = headlab.capture(m, inputs, "blocks.1.attn.head_out", backend="sdpa")
+    calls = []
+    real = sites.attention_with_weights
+    monkeypatch.setattr(sites, "attention_with_weights", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    cache = headlab.capture(m, inputs, ["blocks.*.attn.stats", "blocks.1.attn.head_out"], backend="sdpa")
+    assert calls == []  # every layer's output came from attention_stats
+    assert cache["blocks.0.attn.stats"].output is None  # the output is not kept in the cache
+    torch.testing.assert_close(cache["blocks.1.attn.head_out"], plain["blocks.1.attn.head_out"], atol=1e-5, rtol=1e-5)
+    out_a = cache.outputs.last_hidden_state if make is _bert else cache.outputs.logits
+    out_b = plain.outputs.last_hidden_state if make is _bert else plain.outputs.logits
+    torch.testing.assert_close(out_a, out_b, atol=1e-5, rtol=1e-5)

@@ -282,3 +282,67 @@ def test_sdpa_method_builds_no_mask_for_plain_causal(monkeypatch):
     got = attention_stats(q, q, causal=True, method="sdpa", stats=["lse", "entropy", "mean_distance"])
     for name in ("lse", "entropy", "mean_distance"):
         torch.testing.assert_close(getattr(got, name), getattr(ref, name), atol=1e-5, rtol=1e-5)
+
+
+# -- the compiled one-pass kernel (csrc/fused_stats.cpp) and the PyTorch one-pass path it stands beside -------
+
+def _native_cases():
+    g = torch.Generator().manual_seed(11)
+    B, H, Hkv, Lq, Lk, D = 2, 4, 2, 300, 300, 16
+    q = torch.randn(B, H, Lq, D, generator=g) * 2
+    k = torch.randn(B, Hkv, Lk, D, generator=g)
+    v = torch.randn(B, Hkv, Lk, 24, generator=g)
+    pad = torch.ones(B, 1, 1, Lk, dtype=torch.bool)
+    pad[1, ..., 170:] = False
+    dead = torch.ones(B, 1, 1, Lk, dtype=torch.bool)
+    dead[0] = False  # batch 0 sees nothing at all
+    return {"plain_gqa": (q, k, v, None, False), "causal_gqa": (q, k, v, None, True),
+            "key_padding": (q, k, v, pad, False), "padding_causal": (q, k, v, pad, True),
+            "dead_batch": (q, k, v, dead, False), "cross_causal": (q[:, :, :130], k, v, None, True)}
+
+
+@pytest.mark.parametrize("name", list(_native_cases()))
+@pytest.mark.parametrize("path", ["native", "torch"])
+def test_one_pass_paths_match_the_float64_map(name, path, monkeypatch):
+    """Both one-pass paths against the statistics read off the float64 map (the compiled kernel
+    takes no mask, causal and key padding; everything else runs on the PyTorch path)."""
+    from headlab.attention.stats import native
+
+    if path == "native" and native.kernel() is None:
+        pytest.skip(f"the native kernel is not available here: {native.error()}")
+    calls = []
+    if path == "torch":
+        monkeypatch.setattr(native, "kernel", lambda: None)
+    else:
+        real = native.native_stats
+        monkeypatch.setattr(native, "native_stats", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    q, k, v, mask, causal = _native_cases()[name]
+    st = attention_stats(q, k, v, mask=mask, causal=causal, key_positions=[0, 7], query_rows=[0, 129])
+    assert (calls == [1]) == (path == "native")
+    w = headlab.attention_weights(q.double(), k.double(), mask=mask, causal=causal)  # (B, H, Lq, Lk)
+    dead = (w.sum(-1) == 0) | torch.isnan(w.sum(-1))
+    w = torch.nan_to_num(w)
+    Lq, Lk = w.shape[-2:]
+    dist = (torch.arange(Lq)[:, None] - torch.arange(Lk)[None, :]).abs().double()
+    ref = {"entropy": -torch.special.xlogy(w, w).sum(-1), "max_weight": w.amax(-1), "mean_distance": (w * dist).sum(-1),
+           "received": w.sum(-2), "output": w @ v.double().repeat_interleave(2, 1)}
+    for key, exp in ref.items():
+        torch.testing.assert_close(getattr(st, key).double(), exp, atol=2e-5, rtol=2e-5, msg=lambda m, n=key: f"{n}: {m}")
+    assert torch.equal(st.visible, ~dead)
+    assert torch.equal(st.argmax == -1, dead)
+    picked = w.gather(3, st.argmax.clamp_min(0).unsqueeze(-1)).squeeze(-1)
+    torch.testing.assert_close(picked, ref["max_weight"], atol=1e-6, rtol=1e-6)
+    assert bool(torch.isneginf(st.lse[dead]).all())
+
+
+def test_native_kernel_keeps_nan():
+    """A NaN in the input gives NaN statistics on that row, never a plausible number."""
+    from headlab.attention.stats import native
+
+    if native.kernel() is None:
+        pytest.skip(f"the native kernel is not available here: {native.error()}")
+    q, k = torch.randn(1, 2, 40, 8), torch.randn(1, 2, 40, 8)
+    q[0, 1, 5, 3] = float("nan")  # one query row
+    st = attention_stats(q, k, k)
+    assert torch.isnan(st.entropy[0, 1, 5]) and torch.isnan(st.output[0, 1, 5]).all()
+    assert torch.isfinite(st.entropy[0, 0]).all() and torch.isfinite(st.entropy[0, 1, :5]).all()

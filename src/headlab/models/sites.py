@@ -120,6 +120,10 @@ def _pattern_times_v(p: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     return out.reshape(B, H, Lq, v.shape[-1])
 
 
+# Backends that compute exact attention: a layer capturing statistics may take its output from them.
+_EXACT = ("auto", "sdpa", "reference", "tiled")
+
+
 def run_attention(
     module: nn.Module,
     q: torch.Tensor,
@@ -160,10 +164,17 @@ def run_attention(
         q = visit(state, "q", q)  # (B, H, Lq, d)
         k = visit(state, "k", k)  # (B, Hkv, Lk, d)
         v = visit(state, "v", v)  # (B, Hkv, Lk, d)
-        if probe is not None and probe.wants(state.layer, "stats"):
-            probe.record_stats(state.layer, q, k, mask=mask, causal=causal, scale=scale, **extra)
         edit_pattern = bool(state.edits.get("pattern"))
         need_weights = need_weights or state.wants("pattern")
+        if probe is not None and probe.wants(state.layer, "stats"):
+            # the statistics' own pass gives the exact output too: no second attention call, unless
+            # the layer needs weights, dropout, gradients, or a backend that is not exact attention
+            reuse = (not need_weights and dropout_p == 0 and not probe.grads and backend in _EXACT
+                     and not torch.is_grad_enabled())
+            st = probe.record_stats(state.layer, q, k, v if reuse else None, mask=mask, causal=causal, scale=scale,
+                                    **extra)
+            if reuse:
+                return st.output.to(v.dtype), None
     if need_weights:
         out, weights = attention_with_weights(q, k, v, mask=mask, causal=causal, scale=scale, dropout_p=dropout_p,
                                               backend="reference", need_weights=True, **extra)

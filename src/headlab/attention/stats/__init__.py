@@ -25,12 +25,16 @@ and a zero output row, and adds nothing to ``received``; no statistic is ever Na
 
 Two ways of computing them (``method``):
 
-* ``"tiled"`` (default): query chunks of ``block_q`` rows; pass 1 walks the key tiles with the
-  online softmax (Milakov & Gimelshein 2018; Dao et al. 2022) for ``lse``, ``max_weight`` and ``argmax``; pass 2 turns
-  each score tile into probabilities ``P = exp(S - lse)`` and accumulates entropy, distance, column
-  sums and the output. Score tiles of one query chunk are kept between the passes when they fit
-  ``cache_bytes`` (default 64 MiB), otherwise recomputed. Tiles a mask leaves empty are skipped
-  (the call's tile states from :mod:`headlab.attention.visibility`). Supports every statistic.
+* ``"tiled"`` (default): one pass over the key tiles per block of query rows: the maximum,
+  ``exp`` and the row sums of the online softmax (Milakov & Gimelshein 2018; Dao et al. 2022),
+  with entropy, mean distance, argmax, the column sums and the output accumulated in the same pass
+  (``H_i = log l_i - sum_j e_ij t_ij / l_i`` with ``t = S - m``; see :mod:`.fused`). Three kernels
+  compute it: a compiled C++ one (:mod:`.native`, built on first use with torch's own
+  ``cpp_extension``; float32 on the CPU with no mask, ``causal`` or a key-padding mask), a
+  PyTorch one (:mod:`.fused`, every mask and dtype), and, when a row of keys is too long for one
+  unit or ``block_q`` / ``cache_bytes=0`` asks for it, two passes that recompute the score tiles
+  (:mod:`.tiled`). Tiles a mask leaves empty are skipped (the call's tile states from
+  :mod:`headlab.attention.visibility`). Supports every statistic.
 * ``"sdpa"``: torch's fused CPU flash kernel delivers what an identity allows: ``lse`` from the kernel itself, ``entropy = lse - scale * q . (P K)`` with
   ``P K`` = attention with ``V := K``, ``mean_distance`` from attention with ``V := positions``
   (plus a second, causal call for the keys left of each query when the call is not causal),
@@ -77,6 +81,8 @@ from headlab.attention.spec import check_scale, validate
 from headlab.attention.stats.exact import _probs_at
 from headlab.attention.stats.result import SDPA_STATS, STATS, AttentionStats, Method, _index_tensor, _wanted
 from headlab.attention.stats.sdpa import _sdpa
+from headlab.attention.stats import native
+from headlab.attention.stats.fused import _fused, fits
 from headlab.attention.stats.tiled import DEFAULT_CACHE_BYTES, _auto_block_q, _tiled
 from headlab.errors import ConfigError, MaskError
 
@@ -119,13 +125,13 @@ def attention_stats(
             separator moves with padding). Gives ``key_mass`` ``(B, H, Lq, M)``.
         query_rows: ``(R,)`` query positions whose full weight rows are returned (``rows``).
         block_k: key tile width.
-        block_q: query rows per chunk; default chooses it so that one ``(B, H, block_q, block_k)``
-            tile is about 16 MiB.
+        block_q: query rows per chunk of the two-pass kernel; given, it selects that kernel
+            (default: the one-pass kernels, which choose their own blocks).
         method: ``"tiled"`` (every statistic) or ``"sdpa"`` (torch's fused kernel through the
             entropy / received-mass identities; no ``max_weight`` / ``argmax``). See the module
             docstring.
-        cache_bytes: method ``"tiled"`` keeps a query chunk's score tiles between its two passes
-            when they take at most this many bytes (0: always recompute them).
+        cache_bytes: method ``"tiled"`` runs the one-pass kernels when two of their smallest units
+            (16 query rows x every key) fit this many bytes; 0 selects the two-pass kernel.
 
     Returns:
         :class:`AttentionStats`; fully masked query rows follow the rule in the module docstring.
@@ -163,8 +169,16 @@ def attention_stats(
 
     with torch.no_grad():
         if method == "tiled":
-            bq = block_q or _auto_block_q(spec, block_k, cache_bytes, 8 if ct == torch.float64 else 4)
-            res = _tiled(q, k, v, spec, norm_mask, scale, want, ct, bq, block_k, cache_bytes)
+            itemsize = 8 if ct == torch.float64 else 4
+            mod = native.kernel() if (block_q is None and cache_bytes > 0 and native.usable(spec, norm_mask, ct)) \
+                else None
+            if mod is not None:
+                res = native.native_stats(mod, q, k, v, spec, norm_mask, scale, want)
+            elif block_q is None and fits(spec, cache_bytes, itemsize):
+                res = _fused(q, k, v, spec, norm_mask, scale, want, ct, block_k)
+            else:
+                bq = block_q or _auto_block_q(spec, block_k, itemsize)
+                res = _tiled(q, k, v, spec, norm_mask, scale, want, ct, bq, block_k)
             res["visible"] = ~torch.isneginf(res["lse"])
         else:
             res = _sdpa(q, k, v, spec, norm_mask, scale, want, ct)

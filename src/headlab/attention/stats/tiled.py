@@ -1,5 +1,6 @@
-"""Method ``"tiled"`` of :func:`~headlab.attention.stats.attention_stats`: query chunks over key
-tiles, two passes (online softmax, then probabilities), tiles the visibility leaves empty skipped.
+"""Method ``"tiled"`` of :func:`~headlab.attention.stats.attention_stats` for rows too long for
+the one-pass kernel (:mod:`.fused`), or ``cache_bytes=0``: query chunks over key tiles, two
+passes (online softmax, then probabilities recomputed), tiles the visibility leaves empty skipped.
 
 Precision: ``mean_distance`` sums ``P_ij |i - j|`` directly on every tile (no ``i * mass -
 sum_j P_ij j`` cancellation) into float64 accumulators; the docs promise 1e-5 at 16,384 tokens."""
@@ -12,7 +13,7 @@ from headlab.attention.spec import AttentionSpec
 from headlab.attention.states import EMPTY, FULL
 from headlab.attention.visibility import tile_states, visible
 
-# Score tiles of one query chunk kept between pass 1 and pass 2 when they fit this many bytes.
+# The one-pass kernel (:mod:`.fused`) runs when two of its smallest units fit this many bytes.
 DEFAULT_CACHE_BYTES = 64 << 20
 # The automatic query chunk keeps one (B, H, block_q, block_k) tile near this many bytes.
 _TILE_BYTES = 16 << 20
@@ -36,31 +37,20 @@ class _Tiles:
         return False, visible(self.spec, self.mask, (r0, r1), (c0, c1))
 
 
-def _auto_block_q(spec: AttentionSpec, block_k: int, cache_bytes: int, itemsize: int) -> int:
-    """Query rows per chunk: a power of two that keeps one (B, H, block_q, block_k) tile near 16 MiB
-    and, when possible, the chunk's whole row of score tiles within ``cache_bytes``."""
+def _auto_block_q(spec: AttentionSpec, block_k: int, itemsize: int) -> int:
+    """Query rows per chunk: a power of two that keeps one (B, H, block_q, block_k) tile near 16 MiB."""
     per_row = spec.batch * spec.heads * min(block_k, spec.kv_len) * itemsize
     bq = max(16, _TILE_BYTES // max(1, per_row))
-    slab_rows = cache_bytes // max(1, spec.batch * spec.heads * spec.kv_len * itemsize)
-    if slab_rows >= 16:
-        bq = min(bq, slab_rows)
     bq = 1 << (bq.bit_length() - 1)
     return min(bq, 1024, max(16, 1 << (spec.q_len - 1).bit_length()))
 
 
-# A finite stand-in for -inf in cached score tiles: exp(NEG - m) is exactly 0 and 0 * (NEG - m)
-# is 0, not NaN, so masked entries drop out of every sum without a clamp.
-_NEG = -1e30
-
-
 def _tiled(q, k, v, spec: AttentionSpec, mask, scale: float, want: set[str], ct: torch.dtype,
-           block_q: int, block_k: int, cache_bytes: int):
+           block_q: int, block_k: int):
     B, H, Lq, D = q.shape
     Hkv, G, Lk = spec.kv_heads, spec.group, spec.kv_len
     dev = q.device
-    itemsize = torch.empty((), dtype=ct).element_size()
     vis_of = _Tiles(spec, mask, block_q, block_k)
-    need_p2 = bool(want & {"entropy", "mean_distance", "received"}) or v is not None
 
     acc = {
         "lse": torch.empty(B, H, Lq, dtype=ct, device=dev),
@@ -71,7 +61,6 @@ def _tiled(q, k, v, spec: AttentionSpec, mask, scale: float, want: set[str], ct:
         "argmax": torch.empty(B, H, Lq, dtype=torch.long, device=dev) if "argmax" in want else None,
         "output": torch.zeros(B, H, Lq, v.shape[-1], dtype=ct, device=dev) if v is not None else None,
     }
-    kpos = torch.arange(Lk, device=dev, dtype=ct)
 
     for r0 in range(0, Lq, block_q):
         r1 = min(Lq, r0 + block_q)
@@ -91,9 +80,7 @@ def _tiled(q, k, v, spec: AttentionSpec, mask, scale: float, want: set[str], ct:
                 s.masked_fill_(~vis, fill)
             return s
 
-        slab = B * H * n * sum(c1 - c0 for c0, c1, _ in tiles) * itemsize
-        chunk = _chunk_cached if (need_p2 and slab <= cache_bytes) else _chunk_streamed
-        chunk(acc, tiles, scores, r0, r1, v, kpos, ct)
+        _chunk_streamed(acc, tiles, scores, r0, r1, v, ct)
     return acc
 
 
@@ -105,76 +92,6 @@ def _distance_tile(p: torch.Tensor, r0: int, r1: int, c0: int, c1: int) -> torch
     return (p * dist.to(p.dtype)).sum(-1, dtype=torch.float64)
 
 
-def _chunk_cached(acc, tiles, scores, r0, r1, v, kpos, ct):
-    """One query chunk whose score tiles all fit in memory: one matmul and one exp per score.
-
-    With m the row max, t = S - m, e = exp(t) and l = sum_j e_ij:
-    lse = m + log l, max weight = 1 / l, entropy = log l - sum_j e_ij t_ij / l,
-    mean distance = sum_j e_ij |i - j| / l, received_j = sum_i e_ij / l_i, output = (e V) / l.
-    """
-    cached = []
-    m = None
-    a = None
-    for c0, c1, vis in tiles:
-        s = scores(c0, c1, vis, _NEG)
-        cached.append(s)
-        if acc["argmax"] is not None:
-            tmax, targ = s.max(dim=-1)  # (B, H, n)
-            a = targ + c0 if a is None else torch.where(tmax > m, targ + c0, a)
-        else:
-            tmax = s.amax(dim=-1)
-        m = tmax if m is None else torch.maximum(m, tmax)
-    if not tiles:  # nothing visible for the whole chunk
-        _write_dead(acc, r0, r1)
-        return
-    B, H, n = m.shape
-    dead = m < _NEG / 2  # (B, H, n): rows that see no key
-    m = m.masked_fill(dead, 0.0)
-    l = torch.zeros_like(m)
-    u = torch.zeros_like(m) if acc["entropy"] is not None else None
-    dsum = torch.zeros(m.shape, dtype=torch.float64, device=m.device) if acc["mean_distance"] is not None else None
-    out = None
-    for idx, (c0, c1, _vis) in enumerate(tiles):
-        t = cached[idx].sub_(m.unsqueeze(-1))  # (B, H, n, w): S - m, <= 0
-        e = torch.exp(t)
-        e2 = e.view(B * H * n, c1 - c0)
-        ls = torch.mv(e2, torch.ones(c1 - c0, dtype=ct, device=e.device)).view(B, H, n)
-        l += ls
-        if u is not None:  # row-wise dot products sum_j e_ij t_ij as a batch of (1 x w) @ (w x 1)
-            u += torch.bmm(e.view(B * H * n, 1, c1 - c0), t.view(B * H * n, c1 - c0, 1)).view(B, H, n)
-        del t
-        if dsum is not None:
-            dsum += _distance_tile(e, r0, r1, c0, c1)
-        if v is not None:
-            Hkv = v.shape[1]
-            vt = v[:, :, c0:c1].to(ct)  # (B, Hkv, w, Dv)
-            pv = torch.matmul(e.view(B, Hkv, -1, c1 - c0), vt).view(B, H, n, -1)  # (B, H, n, Dv)
-            out = pv if out is None else out.add_(pv)
-        cached[idx] = e
-    l = l.masked_fill(dead, 1.0)
-    inv_l = (1.0 / l).masked_fill_(dead, 0.0)  # (B, H, n)
-    log_l = torch.log(l)
-    acc["lse"][:, :, r0:r1] = (m + log_l).masked_fill_(dead, float("-inf"))
-    if acc["max_weight"] is not None:
-        acc["max_weight"][:, :, r0:r1] = inv_l
-    if acc["argmax"] is not None:
-        acc["argmax"][:, :, r0:r1] = a.masked_fill(dead, -1)
-    if u is not None:
-        acc["entropy"][:, :, r0:r1] = (log_l - u * inv_l).masked_fill_(dead, 0.0)
-    if dsum is not None:
-        acc["mean_distance"][:, :, r0:r1] = (dsum * inv_l.double()).to(inv_l.dtype)
-    if out is not None:
-        acc["output"][:, :, r0:r1] = out * inv_l.unsqueeze(-1)
-    if acc["received"] is not None:
-        rec = acc["received"]
-        for idx, (c0, c1, _vis) in enumerate(tiles):
-            e = cached[idx]  # (B, H, n, w)
-            for b in range(B):  # one matrix-vector product per head: e^T (1 / l), faster than bmm here
-                for h in range(H):
-                    rec[b, h, c0:c1].addmv_(e[b, h].t(), inv_l[b, h])
-            cached[idx] = None
-
-
 def _write_dead(acc, r0, r1):
     acc["lse"][:, :, r0:r1] = float("-inf")
     for name in ("max_weight", "entropy", "mean_distance", "output"):
@@ -184,7 +101,7 @@ def _write_dead(acc, r0, r1):
         acc["argmax"][:, :, r0:r1] = -1
 
 
-def _chunk_streamed(acc, tiles, scores, r0, r1, v, kpos, ct):
+def _chunk_streamed(acc, tiles, scores, r0, r1, v, ct):
     """One query chunk, recomputing score tiles: pass 1 is the online softmax over the key tiles
     (lse, running max and argmax); pass 2 recomputes each tile as P = exp(S - lse)."""
     if not tiles:

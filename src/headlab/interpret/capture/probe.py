@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from headlab.attention.stats import attention_stats
@@ -31,7 +33,10 @@ class Probe:
             self.data[name] = t.detach()
         return t
 
-    def record_stats(self, layer: int, q, k, *, mask, causal, scale, **score_kwargs) -> None:
+    def record_stats(self, layer: int, q, k, v=None, *, mask, causal, scale, **score_kwargs):
+        """Record ``blocks.{layer}.attn.stats``; with ``v``, the statistics' pass also computes the
+        attention output (returned in the stats' ``output``, which the layer then uses instead of
+        running attention a second time). Returns the :class:`AttentionStats`."""
         if score_kwargs.get("score_mod") is not None:
             raise BackendUnsupportedError(
                 f"layer {layer} modifies its scores ({score_kwargs['score_mod']!r}, e.g. Gemma 2's soft-capping), which "
@@ -39,6 +44,8 @@ class Probe:
         self.call_args[layer] = {"mask": mask, "causal": causal, "scale": scale, **score_kwargs}
         with torch.no_grad():
             # contiguous: HF hands q/k over as transposed views, which attention_stats may .view()
-            self.data[site_name(layer, "stats")] = attention_stats(
-                q.detach().contiguous(), k.detach().contiguous(), mask=mask, causal=causal, scale=scale,
-                **score_kwargs, **self.stats_kwargs)
+            st = attention_stats(
+                q.detach().contiguous(), k.detach().contiguous(), None if v is None else v.detach().contiguous(),
+                mask=mask, causal=causal, scale=scale, **score_kwargs, **self.stats_kwargs)
+        self.data[site_name(layer, "stats")] = st if v is None else dataclasses.replace(st, output=None)
+        return st

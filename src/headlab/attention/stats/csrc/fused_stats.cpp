@@ -1,0 +1,285 @@
+// One-pass attention statistics on the CPU: for each (query head, block of query rows), one
+// matmul for the scores, one fused pass per score row (maximum, then exp, row sum, sum e*t,
+// sum e*|i-j| and, when asked, the column sums), and one matmul for the output. The
+// pure-PyTorch path (headlab/attention/stats/fused.py) computes the same quantities and is the
+// reference in tests; this file is compiled on first use by torch.utils.cpp_extension.
+//
+// Inputs (float32, contiguous): q (BH, Lq, D) pre-scaled; k (BHkv, Lk, D); v (BHkv, Lk, Dv) or
+// an empty tensor; key_bias (Bb, Lk) additive 0 / -1e30 (Bb = 1 or the batch), or empty. Query
+// head bh reads kv head bh / group; bh / heads is its batch element. causal: key j <= query i.
+// Outputs: lse, max_weight, entropy, mean_distance (BH, Lq) float32, argmax (BH, Lq) int64,
+// out (BH, Lq, Dv), received (BH, Lk). A row that sees no key: lse -inf, argmax -1, zeros.
+
+#include <torch/extension.h>
+#include <ATen/cpu/vec/vec.h>
+
+#include <cmath>
+#include <limits>
+#include <vector>
+
+using Vec = at::vec::Vectorized<float>;
+
+// BLAS's sgemm (column-major), as exported by libtorch_cpu (MKL or OpenBLAS): called directly,
+// without a tensor and a dispatch per score chunk.
+extern "C" void sgemm_(const char* transa, const char* transb, const int* m, const int* n, const int* k,
+                       const float* alpha, const float* a, const int* lda, const float* b, const int* ldb,
+                       const float* beta, float* c, const int* ldc);
+
+
+namespace {
+
+constexpr int64_t kChunk = 256;  // partial sums in float over this many keys, then into double
+
+struct Flags {
+  bool entropy, distance, received, argmax, output;
+};
+
+inline float hsum(const Vec& v) {
+  alignas(64) float a[Vec::size()];
+  v.store(a);
+  float t = 0.f;
+  for (int64_t i = 0; i < Vec::size(); ++i) t += a[i];
+  return t;
+}
+
+inline float hmax(const Vec& v) {
+  alignas(64) float a[Vec::size()];
+  v.store(a);
+  float t = a[0];
+  for (int64_t i = 1; i < Vec::size(); ++i) t = (std::isnan(t) || a[i] > t || std::isnan(a[i])) ? (std::isnan(t) ? t : a[i]) : t;
+  return t;
+}
+
+// max over s[0, n) (NaN propagates)
+inline float row_max(const float* s, int64_t n) {
+  int64_t j = 0;
+  Vec vm(-std::numeric_limits<float>::infinity());
+  for (; j + Vec::size() <= n; j += Vec::size()) vm = at::vec::maximum(vm, Vec::loadu(s + j));
+  float m = hmax(vm);
+  for (; j < n; ++j) m = (std::isnan(m) || std::isnan(s[j])) ? NAN : std::max(m, s[j]);
+  return m;
+}
+
+// e = exp(s - m) in place over [0, n); returns sum e, sum e * (s - m), sum e * |i - (j0 + j)|
+inline void row_exp(float* s, int64_t n, float m, int64_t i, int64_t j0, const Flags& f,
+                    double& l, double& u, double& md) {
+  const Vec vmx(m);
+  l = u = md = 0.0;
+  alignas(64) float iota[Vec::size()];
+  for (int64_t t = 0; t < Vec::size(); ++t) iota[t] = static_cast<float>(t);
+  const Vec viota = Vec::loadu(iota);
+  for (int64_t c = 0; c < n; c += kChunk) {
+    const int64_t ce = std::min(n, c + kChunk);
+    Vec vl(0.f), vu(0.f), vd(0.f);
+    int64_t j = c;
+    for (; j + Vec::size() <= ce; j += Vec::size()) {
+      Vec t = Vec::loadu(s + j) - vmx;
+      Vec e = t.exp_u20();
+      e.store(s + j);
+      vl = vl + e;
+      if (f.entropy) vu = at::vec::fmadd(e, t, vu);
+      if (f.distance) {
+        Vec dist = (viota + Vec(static_cast<float>(j0 + j - i))).abs();
+        vd = at::vec::fmadd(e, dist, vd);
+      }
+    }
+    float sl = hsum(vl);
+    float su = f.entropy ? hsum(vu) : 0.f;
+    float sd = f.distance ? hsum(vd) : 0.f;
+    for (; j < ce; ++j) {
+      float t = s[j] - m;
+      float e = std::exp(t);
+      s[j] = e;
+      sl += e;
+      su += e * t;
+      sd += e * static_cast<float>(std::abs(j0 + j - i));
+    }
+    l += sl;
+    u += su;
+    md += sd;
+  }
+}
+
+inline int64_t first_equal(const float* s, int64_t n, float m) {
+  int64_t j = 0;
+  const Vec vm(m);
+  for (; j + Vec::size() <= n; j += Vec::size()) {
+    Vec hit = (Vec::loadu(s + j) == vm);
+    alignas(64) float h[Vec::size()];
+    hit.store(h);
+    for (int64_t t = 0; t < Vec::size(); ++t)
+      if (h[t] != 0.f) return j + t;
+  }
+  for (; j < n; ++j)
+    if (s[j] == m) return j;
+  return -1;
+}
+
+}  // namespace
+
+void fused_stats(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor key_bias, int64_t heads,
+                 int64_t group, bool causal, bool want_entropy, bool want_distance, bool want_received,
+                 bool want_argmax, int64_t block_q, int64_t block_k, int64_t unit_begin, int64_t unit_end,
+                 torch::Tensor lse, torch::Tensor mw, torch::Tensor ent, torch::Tensor md, torch::Tensor arg,
+                 torch::Tensor out, torch::Tensor rec_t) {
+  TORCH_CHECK(q.dtype() == torch::kFloat32 && k.dtype() == torch::kFloat32, "fused_stats: float32 only");
+  TORCH_CHECK(q.is_contiguous() && k.is_contiguous(), "fused_stats: contiguous inputs");
+  const int64_t Lq = q.size(1), Lk = k.size(1);
+  const bool has_v = v.numel() > 0, has_bias = key_bias.numel() > 0;
+  TORCH_CHECK(!has_v || v.is_contiguous(), "fused_stats: contiguous v");
+  const int64_t Dv = has_v ? v.size(2) : 0;
+  const Flags f{want_entropy, want_distance, want_received, want_argmax, has_v};
+  const int64_t n_qb = (Lq + block_q - 1) / block_q;
+  const int64_t n_kc = (Lk + block_k - 1) / block_k;
+  const int64_t D = q.size(2);
+  const float* qd = q.data_ptr<float>();
+  const float* kd = k.data_ptr<float>();
+  const float* vd = has_v ? v.data_ptr<float>() : nullptr;
+  const float* bd = has_bias ? key_bias.data_ptr<float>() : nullptr;
+  const int64_t Bb = has_bias ? key_bias.size(0) : 1;
+  float *lsed = lse.data_ptr<float>(), *mwd = mw.data_ptr<float>(), *entd = ent.data_ptr<float>();
+  float *mdd = md.data_ptr<float>(), *recd = want_received ? rec_t.data_ptr<float>() : nullptr;
+  float* outd = has_v ? out.data_ptr<float>() : nullptr;
+  int64_t* argd = arg.data_ptr<int64_t>();
+  const float ninf = -std::numeric_limits<float>::infinity();
+  const float fnan = std::numeric_limits<float>::quiet_NaN();
+
+  {
+    const int64_t begin = unit_begin, end = unit_end;
+    // scratch per thread: one score chunk, the output accumulator, per-row running values, and
+    // (for the column sums) every chunk's exp of the block with the shift it was taken at
+    std::vector<float> sbuf(block_q * block_k), acc(block_q * std::max<int64_t>(Dv, 1));
+    std::vector<float> m(block_q), store(want_received ? block_q * Lk : 0), m_at(want_received ? block_q * n_kc : 0);
+    std::vector<double> l(block_q), u(block_q), dsum(block_q);
+    std::vector<int64_t> a(block_q);
+    std::vector<char> bad(block_q);
+    for (int64_t unit = begin; unit < end; ++unit) {
+      const int64_t bh = unit / n_qb, qb = unit % n_qb;
+      const int64_t i0 = qb * block_q, i1 = std::min(Lq, i0 + block_q), n = i1 - i0;
+      const int64_t kvh = bh / group, b = bh / heads;
+      const int64_t w = causal ? std::min(Lk, i1) : Lk;  // keys [0, w) hold every visible one
+      const float* bias = has_bias ? bd + (Bb > 1 ? b : 0) * Lk : nullptr;
+      std::fill(m.begin(), m.begin() + n, ninf);
+      std::fill(l.begin(), l.begin() + n, 0.0);
+      std::fill(u.begin(), u.begin() + n, 0.0);
+      std::fill(dsum.begin(), dsum.begin() + n, 0.0);
+      std::fill(a.begin(), a.begin() + n, int64_t(-1));
+      std::fill(bad.begin(), bad.begin() + n, 0);
+      if (has_v) std::fill(acc.begin(), acc.begin() + n * Dv, 0.f);
+      const float* qrow = qd + (bh * Lq + i0) * D;
+      for (int64_t c0 = 0, ci = 0; c0 < w; c0 += block_k, ++ci) {
+        const int64_t c1 = std::min(w, c0 + block_k), bw = c1 - c0;
+        float* s = sbuf.data();
+        {  // S = Q K_c^T (n, bw), row-major: column-major S^T = K_c Q^T
+          const int M = bw, N = n, K = D, ld = D;
+          const float one = 1.f, zero = 0.f;
+          sgemm_("T", "N", &M, &N, &K, &one, kd + (kvh * Lk + c0) * D, &ld, qrow, &ld, &zero, s, &M);
+        }
+        for (int64_t r = 0; r < n; ++r) {
+          const int64_t i = i0 + r;
+          float* row = s + r * bw;
+          const int64_t wr = causal ? std::max<int64_t>(0, std::min(bw, i + 1 - c0)) : bw;  // visible prefix
+          if (bias) {
+            int64_t j = 0;
+            for (; j + Vec::size() <= wr; j += Vec::size())
+              (Vec::loadu(row + j) + Vec::loadu(bias + c0 + j)).store(row + j);
+            for (; j < wr; ++j) row[j] += bias[c0 + j];
+          }
+          const float cm = wr > 0 ? row_max(row, wr) : ninf;
+          if (want_received) m_at[r * n_kc + ci] = m[r];
+          if (std::isnan(cm)) bad[r] = 1;
+          if (bad[r] || cm <= -1e29f) {  // nothing visible in this chunk (or a NaN row): no mass
+            std::fill(row, row + bw, 0.f);
+            continue;
+          }
+          if (cm > m[r]) {  // a new maximum: rescale what the row holds so far
+            if (m[r] == ninf) {
+              l[r] = u[r] = dsum[r] = 0.0;
+            } else {
+              const double d = static_cast<double>(cm) - m[r], alpha = std::exp(-d);
+              u[r] = alpha * (u[r] - l[r] * d);
+              l[r] *= alpha;
+              dsum[r] *= alpha;
+              if (has_v) {
+                const Vec va(static_cast<float>(alpha));
+                float* ar = acc.data() + r * Dv;
+                int64_t c = 0;
+                for (; c + Vec::size() <= Dv; c += Vec::size()) (Vec::loadu(ar + c) * va).store(ar + c);
+                for (; c < Dv; ++c) ar[c] *= static_cast<float>(alpha);
+              }
+            }
+            m[r] = cm;
+            if (f.argmax) a[r] = c0 + first_equal(row, wr, cm);
+          }
+          if (want_received) m_at[r * n_kc + ci] = m[r];
+          double lc, uc, dc;
+          row_exp(row, wr, m[r], i, c0, f, lc, uc, dc);
+          std::fill(row + wr, row + bw, 0.f);  // hidden by causal
+          l[r] += lc;
+          u[r] += uc;
+          dsum[r] += dc;
+        }
+        if (has_v) {  // acc += E_c V_c (n, Dv): column-major acc^T += V_c^T E_c^T
+          const int M = Dv, N = n, K = bw;
+          const float one = 1.f;
+          sgemm_("N", "N", &M, &N, &K, &one, vd + (kvh * Lk + c0) * Dv, &M, s, &K, &one, acc.data(), &M);
+        }
+        if (want_received) {
+          for (int64_t r = 0; r < n; ++r) std::copy(s + r * bw, s + (r + 1) * bw, store.data() + r * Lk + c0);
+        }
+      }
+      for (int64_t r = 0; r < n; ++r) {
+        const int64_t o = bh * Lq + i0 + r;
+        float* dst = has_v ? outd + o * Dv : nullptr;
+        if (bad[r]) {
+          lsed[o] = mwd[o] = entd[o] = mdd[o] = fnan;
+          argd[o] = -1;
+          if (has_v) std::fill(dst, dst + Dv, fnan);
+          continue;
+        }
+        if (m[r] == ninf) {  // sees no key
+          lsed[o] = ninf; mwd[o] = 0.f; entd[o] = 0.f; mdd[o] = 0.f; argd[o] = -1;
+          if (has_v) std::fill(dst, dst + Dv, 0.f);
+          continue;
+        }
+        const double il = 1.0 / l[r];
+        lsed[o] = static_cast<float>(m[r] + std::log(l[r]));
+        mwd[o] = static_cast<float>(il);
+        entd[o] = static_cast<float>(std::log(l[r]) - u[r] * il);
+        mdd[o] = static_cast<float>(dsum[r] * il);
+        argd[o] = a[r];
+        if (has_v) {
+          const Vec vi(static_cast<float>(il));
+          const float* src = acc.data() + r * Dv;
+          int64_t c = 0;
+          for (; c + Vec::size() <= Dv; c += Vec::size()) (Vec::loadu(src + c) * vi).store(dst + c);
+          for (; c < Dv; ++c) dst[c] = src[c] * static_cast<float>(il);
+        }
+      }
+      if (want_received && w > 0) {  // sum_i P_ij = sum_i e_ij exp(m_at - m_i) / l_i, chunk by chunk
+        float* rec = recd + bh * Lk;
+        for (int64_t r = 0; r < n; ++r) {
+          if (bad[r] || m[r] == ninf) continue;
+          const float* row = store.data() + r * Lk;
+          for (int64_t c0 = 0, ci = 0; c0 < w; c0 += block_k, ++ci) {
+            const int64_t c1 = std::min(w, c0 + block_k);
+            const float ma = m_at[r * n_kc + ci];
+            if (ma == ninf) continue;  // the chunk held nothing of this row
+            const float fac = static_cast<float>(std::exp(static_cast<double>(ma) - m[r]) / l[r]);
+            const Vec vf(fac);
+            int64_t j = c0;
+            for (; j + Vec::size() <= c1; j += Vec::size())
+              at::vec::fmadd(Vec::loadu(row + j), vf, Vec::loadu(rec + j)).store(rec + j);
+            for (; j < c1; ++j) rec[j] += row[j] * fac;
+          }
+        }
+      }
+    }
+  }
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  // the GIL is released: a pool of Python threads runs disjoint unit ranges at once
+  m.def("fused_stats", &fused_stats, "one-pass attention statistics (CPU, float32), units [begin, end)",
+        py::call_guard<py::gil_scoped_release>());
+}

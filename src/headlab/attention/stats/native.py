@@ -1,0 +1,141 @@
+"""The compiled one-pass statistics kernel (``csrc/fused_stats.cpp``), built on first use.
+
+:func:`kernel` compiles the C++ file with torch's own ``torch.utils.cpp_extension`` (once per
+machine: the build is cached under ``~/.cache/torch_extensions``; about 30 s on 2 cores) and
+returns the module, or None when it cannot (no compiler, ``HEADLAB_NATIVE=0``): the pure-PyTorch
+one-pass path (:mod:`.fused`) then computes the same statistics, and is the reference the tests
+compare the kernel with. The kernel takes float32 inputs on the CPU with no mask, ``causal``, or
+a key-padding mask (one visibility per (batch, key)); every other call runs on :mod:`.fused`.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+from pathlib import Path
+
+import torch
+
+from headlab.attention.backends import _threads
+from headlab.attention.spec import AttentionSpec
+
+_SOURCE = Path(__file__).resolve().parent / "csrc" / "fused_stats.cpp"
+_LOCK = threading.Lock()
+_STATE: dict = {}
+# A finite stand-in for -inf in the key bias: exp(NEG - m) is 0 and 0 * (NEG - m) is 0, not NaN.
+NEG = -1e30
+# Longest key range the kernel holds in one score block (block_q x Lk floats per thread).
+MAX_KEYS = 1 << 18
+
+
+def kernel():
+    """The compiled module, or None (see the module docstring); the error is in :func:`error`."""
+    with _LOCK:
+        if "module" in _STATE:
+            return _STATE["module"]
+        mod = None
+        if os.environ.get("HEADLAB_NATIVE", "1") != "0":
+            try:
+                from torch.utils.cpp_extension import load
+
+                cap = torch.backends.cpu.get_cpu_capability()
+                flags = ["-O3", "-march=native"]
+                if cap in ("AVX2", "AVX512"):
+                    flags += [f"-DCPU_CAPABILITY={cap}", f"-DCPU_CAPABILITY_{cap}"]
+                build = Path(os.environ.get("TORCH_EXTENSIONS_DIR", Path.home() / ".cache" / "torch_extensions"))
+                if not any(build.glob("*/headlab_fused_stats/*.so")):
+                    print("headlab: compiling the native statistics kernel (once per machine, about 30 s)",
+                          file=sys.stderr, flush=True)
+                mod = load(name="headlab_fused_stats", sources=[str(_SOURCE)], extra_cflags=flags, verbose=False)
+            except Exception as exc:  # no compiler, no ninja, a build error: the PyTorch path stands in
+                _STATE["error"] = f"{type(exc).__name__}: {exc}"
+        else:
+            _STATE["error"] = "disabled by HEADLAB_NATIVE=0"
+        _STATE["module"] = mod
+        return mod
+
+
+def error() -> str | None:
+    """Why :func:`kernel` returned None (after a call), else None."""
+    return _STATE.get("error")
+
+
+def key_bias(spec: AttentionSpec, mask) -> torch.Tensor | None | bool:
+    """The mask as a ``(Bb, Lk)`` additive bias (0 / NEG) when it is a key-padding mask (a bool
+    tensor of shape ``(Bb, 1, 1, Lk)``), None without a mask, False when the kernel cannot take it."""
+    if mask is None:
+        return None
+    if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool or mask.dim() != 4:
+        return False
+    if mask.shape[1] != 1 or mask.shape[2] != 1 or mask.shape[3] != spec.kv_len:
+        return False
+    vis = mask[:, 0, 0]  # (Bb, Lk)
+    return torch.zeros(vis.shape, dtype=torch.float32, device=vis.device).masked_fill_(~vis, NEG).contiguous()
+
+
+def usable(spec: AttentionSpec, mask, ct: torch.dtype) -> bool:
+    """Whether the kernel takes this call (the module itself is not loaded here)."""
+    return (ct == torch.float32 and spec.device.type == "cpu" and 0 < spec.kv_len <= MAX_KEYS
+            and key_bias(spec, mask) is not False)
+
+
+# Query rows per unit and keys per chunk: a 256 KiB score chunk stays in L2 beside its key and value chunks.
+BLOCK_Q, BLOCK_K = 128, 512
+
+
+def block_rows(kv_len: int) -> int:
+    """Query rows per unit: BLOCK_Q, fewer when the column sums' store (rows x keys) would pass 16 MiB."""
+    r = max(16, min(BLOCK_Q, (1 << 22) // max(1, kv_len)))
+    return 1 << (r.bit_length() - 1)
+
+
+def native_stats(mod, q, k, v, spec: AttentionSpec, mask, scale: float, want: set[str]) -> dict:
+    """Every statistic in ``want`` (and the output with ``v``) from the kernel, as :mod:`.fused` returns them.
+
+    The work units (query head x block of rows) are split into ranges run by the thread pool of
+    :mod:`headlab.attention.backends._threads` (the kernel releases the GIL; each range runs its
+    small matmuls on one thread), each thread adding its column sums into its own buffer."""
+    B, H, Lq, D = q.shape
+    Hkv, Lk = spec.kv_heads, spec.kv_len
+    BH = B * H
+    qs = (q.to(torch.float32) * scale).reshape(BH, Lq, D).contiguous()
+    kc = k.to(torch.float32).reshape(B * Hkv, Lk, D).contiguous()
+    vc = v.to(torch.float32).reshape(B * Hkv, Lk, v.shape[-1]).contiguous() if v is not None else qs.new_empty(0)
+    bias = key_bias(spec, mask)
+    bias = qs.new_empty(0) if bias is None else bias
+    bq = block_rows(Lk)
+    n_units = BH * (-(-Lq // bq))
+    outs = [qs.new_empty(BH, Lq) for _ in range(4)] + [torch.empty(BH, Lq, dtype=torch.long)]
+    out = qs.new_empty(BH, Lq, v.shape[-1]) if v is not None else qs.new_empty(0)
+    want_rec = "received" in want
+    recs: dict[int, torch.Tensor] = {}
+    threads = max(1, torch.get_num_threads())
+    step = max(1, -(-n_units // (4 * threads)))  # a few ranges per thread: the causal ones differ in cost
+    ranges = [(u, min(n_units, u + step)) for u in range(0, n_units, step)]
+
+    def run(rng) -> None:
+        rec = qs.new_empty(0)
+        if want_rec:
+            rec = recs.get(threading.get_ident())
+            if rec is None:
+                rec = recs[threading.get_ident()] = qs.new_zeros(BH, Lk)
+        mod.fused_stats(qs, kc, vc, bias, H, spec.group, bool(spec.causal), "entropy" in want,
+                        "mean_distance" in want, want_rec, "argmax" in want, bq, BLOCK_K, rng[0], rng[1],
+                        *outs, out, rec)
+
+    _threads.run_units(run, ranges)
+    lse, mw, ent, md, arg = outs
+    shape = (B, H, Lq)
+    res = {"lse": lse.view(shape)}
+    for name, t in (("max_weight", mw), ("entropy", ent), ("mean_distance", md), ("argmax", arg)):
+        if name in want:
+            res[name] = t.view(shape)
+    if v is not None:
+        res["output"] = out.view(B, H, Lq, -1)
+    if want_rec:
+        tot = None
+        for rec in recs.values():
+            tot = rec if tot is None else tot.add_(rec)
+        res["received"] = tot.view(B, H, Lk)
+    return res
