@@ -284,7 +284,7 @@ def test_sdpa_method_builds_no_mask_for_plain_causal(monkeypatch):
         torch.testing.assert_close(getattr(got, name), getattr(ref, name), atol=1e-5, rtol=1e-5)
 
 
-# -- the compiled one-pass kernel (csrc/fused_stats.cpp) and the PyTorch one-pass path it stands beside -------
+# -- the compiled one-pass kernel (backends/csrc/onepass.cpp) and the PyTorch one-pass path it stands beside -------
 
 def _native_cases():
     g = torch.Generator().manual_seed(11)
@@ -306,7 +306,7 @@ def _native_cases():
 def test_one_pass_paths_match_the_float64_map(name, path, monkeypatch):
     """Both one-pass paths against the statistics read off the float64 map (the compiled kernel
     takes no mask, causal and key padding; everything else runs on the PyTorch path)."""
-    from headlab.attention.stats import native
+    from headlab.attention.backends import native
 
     if path == "native" and native.kernel() is None:
         pytest.skip(f"the native kernel is not available here: {native.error()}")
@@ -337,7 +337,7 @@ def test_one_pass_paths_match_the_float64_map(name, path, monkeypatch):
 
 def test_native_kernel_keeps_nan():
     """A NaN in the input gives NaN statistics on that row, never a plausible number."""
-    from headlab.attention.stats import native
+    from headlab.attention.backends import native
 
     if native.kernel() is None:
         pytest.skip(f"the native kernel is not available here: {native.error()}")

@@ -29,7 +29,7 @@ Two ways of computing them (``method``):
   ``exp`` and the row sums of the online softmax (Milakov & Gimelshein 2018; Dao et al. 2022),
   with entropy, mean distance, argmax, the column sums and the output accumulated in the same pass
   (``H_i = log l_i - sum_j e_ij t_ij / l_i`` with ``t = S - m``; see :mod:`.fused`). Three kernels
-  compute it: a compiled C++ one (:mod:`.native`, built on first use with torch's own
+  compute it: a compiled C++ one (:mod:`headlab.attention.backends.native`, built on first use with torch's own
   ``cpp_extension``; float32 on the CPU with no mask, ``causal`` or a key-padding mask), a
   PyTorch one (:mod:`.fused`, every mask and dtype), and, when a row of keys is too long for one
   unit or ``block_q`` / ``cache_bytes=0`` asks for it, two passes that recompute the score tiles
@@ -81,7 +81,7 @@ from headlab.attention.spec import check_scale, validate
 from headlab.attention.stats.exact import _probs_at
 from headlab.attention.stats.result import SDPA_STATS, STATS, AttentionStats, Method, _index_tensor, _wanted
 from headlab.attention.stats.sdpa import _sdpa
-from headlab.attention.stats import native
+from headlab.attention.backends import native
 from headlab.attention.stats.fused import _fused, fits
 from headlab.attention.stats.tiled import DEFAULT_CACHE_BYTES, _auto_block_q, _tiled
 from headlab.errors import ConfigError, MaskError

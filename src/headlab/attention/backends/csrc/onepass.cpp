@@ -1,19 +1,24 @@
-// One-pass attention statistics on the CPU: for each (query head, block of query rows), one
+// One-pass attention (output, log-sum-exp and statistics) on the CPU: for each (query head, block of query rows), one
 // matmul for the scores, one fused pass per score row (maximum, then exp, row sum, sum e*t,
 // sum e*|i-j| and, when asked, the column sums), and one matmul for the output. The
-// pure-PyTorch path (headlab/attention/stats/fused.py) computes the same quantities and is the
-// reference in tests; this file is compiled on first use by torch.utils.cpp_extension.
+// pure-PyTorch paths (headlab/attention/stats/fused.py, the tiled backend) compute the same
+// quantities and are the reference in tests; this file is compiled on first use by
+// torch.utils.cpp_extension (headlab/attention/backends/native.py).
 //
 // Inputs (float32, contiguous): q (BH, Lq, D) pre-scaled; k (BHkv, Lk, D); v (BHkv, Lk, Dv) or
 // an empty tensor; key_bias (Bb, Lk) additive 0 / -1e30 (Bb = 1 or the batch), or empty. Query
 // head bh reads kv head bh / group; bh / heads is its batch element. causal: key j <= query i.
 // Outputs: lse, max_weight, entropy, mean_distance (BH, Lq) float32, argmax (BH, Lq) int64,
-// out (BH, Lq, Dv), received (BH, Lk). A row that sees no key: lse -inf, argmax -1, zeros.
+// out (BH, Lq, Dv), received (BH, Lk) (added to), shift (BH, Lq) the row maximum (or empty).
+// A row that sees no key: lse -inf, argmax -1, zeros. Units [unit_begin, unit_end) of the
+// flattened (query head, block of block_q rows) are computed; the GIL is released meanwhile.
 
 #include <torch/extension.h>
 #include <ATen/cpu/vec/vec.h>
 
+#include <atomic>
 #include <cmath>
+#include <thread>
 #include <limits>
 #include <vector>
 
@@ -24,6 +29,8 @@ using Vec = at::vec::Vectorized<float>;
 extern "C" void sgemm_(const char* transa, const char* transb, const int* m, const int* n, const int* k,
                        const float* alpha, const float* a, const int* lda, const float* b, const int* ldb,
                        const float* beta, float* c, const int* ldc);
+// MKL's C interface: BLAS threads for calls from this thread; weak: a build without MKL lacks it
+extern "C" int MKL_Set_Num_Threads_Local(int nt) __attribute__((weak));
 
 
 namespace {
@@ -117,16 +124,16 @@ inline int64_t first_equal(const float* s, int64_t n, float m) {
 
 }  // namespace
 
-void fused_stats(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor key_bias, int64_t heads,
+void onepass(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor key_bias, int64_t heads,
                  int64_t group, bool causal, bool want_entropy, bool want_distance, bool want_received,
                  bool want_argmax, int64_t block_q, int64_t block_k, int64_t unit_begin, int64_t unit_end,
                  torch::Tensor lse, torch::Tensor mw, torch::Tensor ent, torch::Tensor md, torch::Tensor arg,
-                 torch::Tensor out, torch::Tensor rec_t) {
-  TORCH_CHECK(q.dtype() == torch::kFloat32 && k.dtype() == torch::kFloat32, "fused_stats: float32 only");
-  TORCH_CHECK(q.is_contiguous() && k.is_contiguous(), "fused_stats: contiguous inputs");
+                 torch::Tensor out, torch::Tensor rec_t, torch::Tensor shift, int64_t threads) {
+  TORCH_CHECK(q.dtype() == torch::kFloat32 && k.dtype() == torch::kFloat32, "onepass: float32 only");
+  TORCH_CHECK(q.is_contiguous() && k.is_contiguous(), "onepass: contiguous inputs");
   const int64_t Lq = q.size(1), Lk = k.size(1);
   const bool has_v = v.numel() > 0, has_bias = key_bias.numel() > 0;
-  TORCH_CHECK(!has_v || v.is_contiguous(), "fused_stats: contiguous v");
+  TORCH_CHECK(!has_v || v.is_contiguous(), "onepass: contiguous v");
   const int64_t Dv = has_v ? v.size(2) : 0;
   const Flags f{want_entropy, want_distance, want_received, want_argmax, has_v};
   const int64_t n_qb = (Lq + block_q - 1) / block_q;
@@ -141,11 +148,12 @@ void fused_stats(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tenso
   float *mdd = md.data_ptr<float>(), *recd = want_received ? rec_t.data_ptr<float>() : nullptr;
   float* outd = has_v ? out.data_ptr<float>() : nullptr;
   int64_t* argd = arg.data_ptr<int64_t>();
+  float* shd = shift.numel() > 0 ? shift.data_ptr<float>() : nullptr;  // the row maximum m (0 without a key)
   const float ninf = -std::numeric_limits<float>::infinity();
   const float fnan = std::numeric_limits<float>::quiet_NaN();
 
-  {
-    const int64_t begin = unit_begin, end = unit_end;
+  // one chunk of units [begin, end) on the calling thread, column sums into recd (BH, Lk)
+  auto work = [&](int64_t begin, int64_t end, float* recd) {
     // scratch per thread: one score chunk, the output accumulator, per-row running values, and
     // (for the column sums) every chunk's exp of the block with the shift it was taken at
     std::vector<float> sbuf(block_q * block_k), acc(block_q * std::max<int64_t>(Dv, 1));
@@ -231,6 +239,7 @@ void fused_stats(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tenso
       for (int64_t r = 0; r < n; ++r) {
         const int64_t o = bh * Lq + i0 + r;
         float* dst = has_v ? outd + o * Dv : nullptr;
+        if (shd) shd[o] = (bad[r] || m[r] == ninf) ? 0.f : m[r];
         if (bad[r]) {
           lsed[o] = mwd[o] = entd[o] = mdd[o] = fnan;
           argd[o] = -1;
@@ -275,11 +284,44 @@ void fused_stats(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tenso
         }
       }
     }
+  };
+
+  // Threads of our own, each taking chunks of units from a shared counter and running its small
+  // matmuls single-threaded (MKL_Set_Num_Threads_Local): inside an OpenMP region MKL started
+  // threads of its own (1.5x slower, erratic), and a pool of Python threads beside torch's
+  // spinning OpenMP workers cost 2-3x at 1,024 tokens.
+  const int64_t n_units = unit_end - unit_begin;
+  const int nt = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, n_units)));
+  const int64_t step = std::max<int64_t>(1, n_units / (4 * nt));
+  std::atomic<int64_t> next{unit_begin};
+  const int64_t BH = q.size(0);
+  std::vector<std::vector<float>> recs(want_received && nt > 1 ? nt : 0);
+  auto worker = [&](int t) {
+    if (MKL_Set_Num_Threads_Local) MKL_Set_Num_Threads_Local(1);
+    float* rd = recd;
+    if (!recs.empty()) {
+      recs[t].assign(BH * Lk, 0.f);
+      rd = recs[t].data();
+    }
+    for (;;) {
+      const int64_t u0 = next.fetch_add(step);
+      if (u0 >= unit_end) break;
+      work(u0, std::min(unit_end, u0 + step), rd);
+    }
+  };
+  if (nt == 1) {
+    worker(0);
+  } else {
+    std::vector<std::thread> pool;
+    for (int t = 0; t < nt; ++t) pool.emplace_back(worker, t);
+    for (auto& th : pool) th.join();
+    for (auto& r : recs)
+      for (int64_t j = 0; j < BH * Lk; ++j) recd[j] += r[j];
   }
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  // the GIL is released: a pool of Python threads runs disjoint unit ranges at once
-  m.def("fused_stats", &fused_stats, "one-pass attention statistics (CPU, float32), units [begin, end)",
+  // the GIL is released while the kernel's threads run
+  m.def("onepass", &onepass, "one-pass attention statistics (CPU, float32), units [begin, end)",
         py::call_guard<py::gil_scoped_release>());
 }

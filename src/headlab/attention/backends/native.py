@@ -1,11 +1,14 @@
-"""The compiled one-pass statistics kernel (``csrc/fused_stats.cpp``), built on first use.
+"""The compiled one-pass attention kernel (``csrc/onepass.cpp``), built on first use: the output,
+the log-sum-exp and every per-query statistic of :func:`headlab.attention_stats` in one pass.
 
 :func:`kernel` compiles the C++ file with torch's own ``torch.utils.cpp_extension`` (once per
 machine: the build is cached under ``~/.cache/torch_extensions``; about 30 s on 2 cores) and
 returns the module, or None when it cannot (no compiler, ``HEADLAB_NATIVE=0``): the pure-PyTorch
-one-pass path (:mod:`.fused`) then computes the same statistics, and is the reference the tests
-compare the kernel with. The kernel takes float32 inputs on the CPU with no mask, ``causal``, or
-a key-padding mask (one visibility per (batch, key)); every other call runs on :mod:`.fused`.
+paths (:mod:`headlab.attention.stats.fused`, the tiled backend's own loop) then compute the same
+results, and are what the tests compare the kernel with. The kernel takes float32 inputs on the
+CPU with no mask, ``causal``, or a key-padding mask (one visibility per (batch, key)); every other
+call runs on the PyTorch paths. Users: the statistics (method ``"tiled"``) and the tiled backend's
+forward at its default tile sizes.
 """
 
 from __future__ import annotations
@@ -17,10 +20,9 @@ from pathlib import Path
 
 import torch
 
-from headlab.attention.backends import _threads
 from headlab.attention.spec import AttentionSpec
 
-_SOURCE = Path(__file__).resolve().parent / "csrc" / "fused_stats.cpp"
+_SOURCE = Path(__file__).resolve().parent / "csrc" / "onepass.cpp"
 _LOCK = threading.Lock()
 _STATE: dict = {}
 # A finite stand-in for -inf in the key bias: exp(NEG - m) is 0 and 0 * (NEG - m) is 0, not NaN.
@@ -44,10 +46,10 @@ def kernel():
                 if cap in ("AVX2", "AVX512"):
                     flags += [f"-DCPU_CAPABILITY={cap}", f"-DCPU_CAPABILITY_{cap}"]
                 build = Path(os.environ.get("TORCH_EXTENSIONS_DIR", Path.home() / ".cache" / "torch_extensions"))
-                if not any(build.glob("*/headlab_fused_stats/*.so")):
-                    print("headlab: compiling the native statistics kernel (once per machine, about 30 s)",
+                if not any(build.glob("*/headlab_onepass/*.so")):
+                    print("headlab: compiling the native attention kernel (once per machine, about 30 s)",
                           file=sys.stderr, flush=True)
-                mod = load(name="headlab_fused_stats", sources=[str(_SOURCE)], extra_cflags=flags, verbose=False)
+                mod = load(name="headlab_onepass", sources=[str(_SOURCE)], extra_cflags=flags, verbose=False)
             except Exception as exc:  # no compiler, no ninja, a build error: the PyTorch path stands in
                 _STATE["error"] = f"{type(exc).__name__}: {exc}"
         else:
@@ -90,12 +92,12 @@ def block_rows(kv_len: int) -> int:
     return 1 << (r.bit_length() - 1)
 
 
-def native_stats(mod, q, k, v, spec: AttentionSpec, mask, scale: float, want: set[str]) -> dict:
+def native_stats(mod, q, k, v, spec: AttentionSpec, mask, scale: float, want: set[str], *,
+                 shift: bool = False) -> dict:
     """Every statistic in ``want`` (and the output with ``v``) from the kernel, as :mod:`.fused` returns them.
 
-    The work units (query head x block of rows) are split into ranges run by the thread pool of
-    :mod:`headlab.attention.backends._threads` (the kernel releases the GIL; each range runs its
-    small matmuls on one thread), each thread adding its column sums into its own buffer."""
+    The kernel runs its work units (query head x block of rows) on ``torch.get_num_threads()``
+    threads of its own, each running its small matmuls single-threaded, with the GIL released."""
     B, H, Lq, D = q.shape
     Hkv, Lk = spec.kv_heads, spec.kv_len
     BH = B * H
@@ -109,22 +111,10 @@ def native_stats(mod, q, k, v, spec: AttentionSpec, mask, scale: float, want: se
     outs = [qs.new_empty(BH, Lq) for _ in range(4)] + [torch.empty(BH, Lq, dtype=torch.long)]
     out = qs.new_empty(BH, Lq, v.shape[-1]) if v is not None else qs.new_empty(0)
     want_rec = "received" in want
-    recs: dict[int, torch.Tensor] = {}
-    threads = max(1, torch.get_num_threads())
-    step = max(1, -(-n_units // (4 * threads)))  # a few ranges per thread: the causal ones differ in cost
-    ranges = [(u, min(n_units, u + step)) for u in range(0, n_units, step)]
-
-    def run(rng) -> None:
-        rec = qs.new_empty(0)
-        if want_rec:
-            rec = recs.get(threading.get_ident())
-            if rec is None:
-                rec = recs[threading.get_ident()] = qs.new_zeros(BH, Lk)
-        mod.fused_stats(qs, kc, vc, bias, H, spec.group, bool(spec.causal), "entropy" in want,
-                        "mean_distance" in want, want_rec, "argmax" in want, bq, BLOCK_K, rng[0], rng[1],
-                        *outs, out, rec)
-
-    _threads.run_units(run, ranges)
+    sh = qs.new_empty(BH, Lq) if shift else qs.new_empty(0)
+    rec = qs.new_zeros(BH, Lk) if want_rec else qs.new_empty(0)
+    mod.onepass(qs, kc, vc, bias, H, spec.group, bool(spec.causal), "entropy" in want, "mean_distance" in want,
+                want_rec, "argmax" in want, bq, BLOCK_K, 0, n_units, *outs, out, rec, sh, torch.get_num_threads())
     lse, mw, ent, md, arg = outs
     shape = (B, H, Lq)
     res = {"lse": lse.view(shape)}
@@ -133,9 +123,8 @@ def native_stats(mod, q, k, v, spec: AttentionSpec, mask, scale: float, want: se
             res[name] = t.view(shape)
     if v is not None:
         res["output"] = out.view(B, H, Lq, -1)
+    if shift:
+        res["shift"], res["max_weight"] = sh.view(shape), mw.view(shape)
     if want_rec:
-        tot = None
-        for rec in recs.values():
-            tot = rec if tot is None else tot.add_(rec)
-        res["received"] = tot.view(B, H, Lk)
+        res["received"] = rec.view(B, H, Lk)
     return res
