@@ -298,7 +298,11 @@ def _native_cases():
     dead[0] = False  # batch 0 sees nothing at all
     return {"plain_gqa": (q, k, v, None, False), "causal_gqa": (q, k, v, None, True),
             "key_padding": (q, k, v, pad, False), "padding_causal": (q, k, v, pad, True),
-            "dead_batch": (q, k, v, dead, False), "cross_causal": (q[:, :, :130], k, v, None, True)}
+            "dead_batch": (q, k, v, dead, False), "cross_causal": (q[:, :, :130], k, v, None, True),
+            "window_37": (q, k, v, masks.sliding_window(37), False),
+            "window_600_causal": (q, k, v, masks.sliding_window(600, causal=True), False),
+            "window_20_and_causal": (q, k, v, masks.sliding_window(20), True),
+            "causal_fn_cross": (q[:, :, :130], k, v, masks.causal(), False)}
 
 
 @pytest.mark.parametrize("name", list(_native_cases()))

@@ -6,7 +6,8 @@ machine: the build is cached under ``~/.cache/torch_extensions``; about 30 s on 
 returns the module, or None when it cannot (no compiler, ``HEADLAB_NATIVE=0``): the pure-PyTorch
 paths (:mod:`headlab.attention.stats.fused`, the tiled backend's own loop) then compute the same
 results, and are what the tests compare the kernel with. The kernel takes float32 inputs on the
-CPU with no mask, ``causal``, or a key-padding mask (one visibility per (batch, key)); every other
+CPU with no mask, ``causal``, a plain sliding window, or a key-padding mask (one visibility per
+(batch, key)); every other
 call runs on the PyTorch paths. Users: the statistics (method ``"tiled"``) and the tiled backend's
 forward at its default tile sizes.
 """
@@ -14,12 +15,14 @@ forward at its default tile sizes.
 from __future__ import annotations
 
 import os
+import re
 import sys
 import threading
 from pathlib import Path
 
 import torch
 
+from headlab.attention.masks import MaskFn
 from headlab.attention.spec import AttentionSpec
 
 _SOURCE = Path(__file__).resolve().parent / "csrc" / "onepass.cpp"
@@ -63,10 +66,29 @@ def error() -> str | None:
     return _STATE.get("error")
 
 
+_WINDOW = re.compile(r"^sliding_window\((\d+)(, causal)?\)$")
+
+
+def window(mask) -> tuple[int, int] | None:
+    """``(before, after)`` when the mask is a plain :func:`headlab.masks.causal` or
+    :func:`headlab.masks.sliding_window` (query ``i`` sees keys ``i - before .. i + after``; -1:
+    unbounded), else None. Read from the mask's name, as the cost model reads patterns."""
+    if not isinstance(mask, MaskFn):
+        return None
+    if mask.name == "causal":
+        return (-1, 0)
+    hit = _WINDOW.match(mask.name)
+    if hit is None:
+        return None
+    w = int(hit.group(1))
+    return (w, 0 if hit.group(2) else w)
+
+
 def key_bias(spec: AttentionSpec, mask) -> torch.Tensor | None | bool:
     """The mask as a ``(Bb, Lk)`` additive bias (0 / NEG) when it is a key-padding mask (a bool
-    tensor of shape ``(Bb, 1, 1, Lk)``), None without a mask, False when the kernel cannot take it."""
-    if mask is None:
+    tensor of shape ``(Bb, 1, 1, Lk)``), None without a mask (or a window, see :func:`window`),
+    False when the kernel cannot take it."""
+    if mask is None or window(mask) is not None:
         return None
     if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool or mask.dim() != 4:
         return False
@@ -77,7 +99,11 @@ def key_bias(spec: AttentionSpec, mask) -> torch.Tensor | None | bool:
 
 
 def usable(spec: AttentionSpec, mask, ct: torch.dtype) -> bool:
-    """Whether the kernel takes this call (the module itself is not loaded here)."""
+    """Whether the kernel takes this call (the module itself is not loaded here). Never under a
+    dispatch mode (``FlopCounterMode``, profilers): they cannot see inside the kernel, so those
+    calls run on the PyTorch paths, whose every matmul they count."""
+    if torch._C._len_torch_dispatch_stack() > 0:
+        return False
     return (ct == torch.float32 and spec.device.type == "cpu" and 0 < spec.kv_len <= MAX_KEYS
             and key_bias(spec, mask) is not False)
 
@@ -114,7 +140,8 @@ def native_stats(mod, q, k, v, spec: AttentionSpec, mask, scale: float, want: se
     sh = qs.new_empty(BH, Lq) if shift else qs.new_empty(0)
     rec = qs.new_zeros(BH, Lk) if want_rec else qs.new_empty(0)
     mod.onepass(qs, kc, vc, bias, H, spec.group, bool(spec.causal), "entropy" in want, "mean_distance" in want,
-                want_rec, "argmax" in want, bq, BLOCK_K, 0, n_units, *outs, out, rec, sh, torch.get_num_threads())
+                want_rec, "argmax" in want, bq, BLOCK_K, 0, n_units, *outs, out, rec, sh, torch.get_num_threads(),
+                *(window(mask) or (-1, -1)))
     lse, mw, ent, md, arg = outs
     shape = (B, H, Lq)
     res = {"lse": lse.view(shape)}

@@ -128,7 +128,8 @@ void onepass(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor ke
                  int64_t group, bool causal, bool want_entropy, bool want_distance, bool want_received,
                  bool want_argmax, int64_t block_q, int64_t block_k, int64_t unit_begin, int64_t unit_end,
                  torch::Tensor lse, torch::Tensor mw, torch::Tensor ent, torch::Tensor md, torch::Tensor arg,
-                 torch::Tensor out, torch::Tensor rec_t, torch::Tensor shift, int64_t threads) {
+                 torch::Tensor out, torch::Tensor rec_t, torch::Tensor shift, int64_t threads,
+             int64_t win_lo, int64_t win_hi) {
   TORCH_CHECK(q.dtype() == torch::kFloat32 && k.dtype() == torch::kFloat32, "onepass: float32 only");
   TORCH_CHECK(q.is_contiguous() && k.is_contiguous(), "onepass: contiguous inputs");
   const int64_t Lq = q.size(1), Lk = k.size(1);
@@ -165,7 +166,10 @@ void onepass(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor ke
       const int64_t bh = unit / n_qb, qb = unit % n_qb;
       const int64_t i0 = qb * block_q, i1 = std::min(Lq, i0 + block_q), n = i1 - i0;
       const int64_t kvh = bh / group, b = bh / heads;
-      const int64_t w = causal ? std::min(Lk, i1) : Lk;  // keys [0, w) hold every visible one
+      // keys [cs, w) hold every visible one: causal (j <= i) and a window (i - win_lo <= j <= i + win_hi)
+      int64_t w = causal ? std::min(Lk, i1) : Lk;
+      if (win_hi >= 0) w = std::min(w, i1 - 1 + win_hi + 1);
+      const int64_t cs = win_lo >= 0 ? std::min(w, std::max<int64_t>(0, i0 - win_lo)) : 0;
       const float* bias = has_bias ? bd + (Bb > 1 ? b : 0) * Lk : nullptr;
       std::fill(m.begin(), m.begin() + n, ninf);
       std::fill(l.begin(), l.begin() + n, 0.0);
@@ -175,7 +179,7 @@ void onepass(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor ke
       std::fill(bad.begin(), bad.begin() + n, 0);
       if (has_v) std::fill(acc.begin(), acc.begin() + n * Dv, 0.f);
       const float* qrow = qd + (bh * Lq + i0) * D;
-      for (int64_t c0 = 0, ci = 0; c0 < w; c0 += block_k, ++ci) {
+      for (int64_t c0 = cs, ci = 0; c0 < w; c0 += block_k, ++ci) {
         const int64_t c1 = std::min(w, c0 + block_k), bw = c1 - c0;
         float* s = sbuf.data();
         {  // S = Q K_c^T (n, bw), row-major: column-major S^T = K_c Q^T
@@ -185,19 +189,25 @@ void onepass(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor ke
         }
         for (int64_t r = 0; r < n; ++r) {
           const int64_t i = i0 + r;
-          float* row = s + r * bw;
-          const int64_t wr = causal ? std::max<int64_t>(0, std::min(bw, i + 1 - c0)) : bw;  // visible prefix
+          float* const full = s + r * bw;
+          int64_t hi = causal ? std::min(bw, i + 1 - c0) : bw;  // visible: [lo, hi) of the chunk
+          if (win_hi >= 0) hi = std::min(hi, i + win_hi + 1 - c0);
+          const int64_t lo = win_lo >= 0 ? std::min(bw, std::max<int64_t>(0, i - win_lo - c0)) : 0;
+          hi = std::max(hi, lo);
+          const int64_t wr = hi - lo;
+          float* row = full + lo;  // the visible part
+          std::fill(full, row, 0.f);  // hidden by the window: no mass
           if (bias) {
             int64_t j = 0;
             for (; j + Vec::size() <= wr; j += Vec::size())
-              (Vec::loadu(row + j) + Vec::loadu(bias + c0 + j)).store(row + j);
-            for (; j < wr; ++j) row[j] += bias[c0 + j];
+              (Vec::loadu(row + j) + Vec::loadu(bias + c0 + lo + j)).store(row + j);
+            for (; j < wr; ++j) row[j] += bias[c0 + lo + j];
           }
           const float cm = wr > 0 ? row_max(row, wr) : ninf;
           if (want_received) m_at[r * n_kc + ci] = m[r];
           if (std::isnan(cm)) bad[r] = 1;
           if (bad[r] || cm <= -1e29f) {  // nothing visible in this chunk (or a NaN row): no mass
-            std::fill(row, row + bw, 0.f);
+            std::fill(full, full + bw, 0.f);
             continue;
           }
           if (cm > m[r]) {  // a new maximum: rescale what the row holds so far
@@ -217,12 +227,12 @@ void onepass(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor ke
               }
             }
             m[r] = cm;
-            if (f.argmax) a[r] = c0 + first_equal(row, wr, cm);
+            if (f.argmax) a[r] = c0 + lo + first_equal(row, wr, cm);
           }
           if (want_received) m_at[r * n_kc + ci] = m[r];
           double lc, uc, dc;
-          row_exp(row, wr, m[r], i, c0, f, lc, uc, dc);
-          std::fill(row + wr, row + bw, 0.f);  // hidden by causal
+          row_exp(row, wr, m[r], i, c0 + lo, f, lc, uc, dc);
+          std::fill(row + wr, full + bw, 0.f);  // hidden by causal or the window
           l[r] += lc;
           u[r] += uc;
           dsum[r] += dc;
@@ -265,12 +275,12 @@ void onepass(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor ke
           for (; c < Dv; ++c) dst[c] = src[c] * static_cast<float>(il);
         }
       }
-      if (want_received && w > 0) {  // sum_i P_ij = sum_i e_ij exp(m_at - m_i) / l_i, chunk by chunk
+      if (want_received && w > cs) {  // sum_i P_ij = sum_i e_ij exp(m_at - m_i) / l_i, chunk by chunk
         float* rec = recd + bh * Lk;
         for (int64_t r = 0; r < n; ++r) {
           if (bad[r] || m[r] == ninf) continue;
           const float* row = store.data() + r * Lk;
-          for (int64_t c0 = 0, ci = 0; c0 < w; c0 += block_k, ++ci) {
+          for (int64_t c0 = cs, ci = 0; c0 < w; c0 += block_k, ++ci) {
             const int64_t c1 = std::min(w, c0 + block_k);
             const float ma = m_at[r * n_kc + ci];
             if (ma == ninf) continue;  // the chunk held nothing of this row

@@ -119,7 +119,8 @@ class SparseBackend(Backend):
         dtype = q.dtype
         if dtype in (torch.float16, torch.bfloat16):  # accumulate in float32
             q, k, v = q.float(), k.float(), v.float()
-        out, lse = SparseAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), plan, eff, scale, score_mod)
+        out, lse = SparseAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), plan, eff, scale, score_mod,
+                                         spec)
         return out.to(dtype), None, lse.masked_fill(torch.isposinf(lse), float("-inf"))
 
 

@@ -109,6 +109,25 @@ def _forward(plan: SparsePlan, mask: MaskFn, q, k, v, scale, score_mod=None):
     return out_flat, ml_flat
 
 
+def _native_forward(q, k, v, plan: SparsePlan, mask, scale, score_mod, spec):
+    """The compiled one-pass kernel for masks it walks itself (a plain sliding window or causal:
+    :func:`headlab.attention.backends.native.window`), float32 on the CPU: ``(out (B, H, Lq, Dv),
+    ml_flat)`` in this kernel's layout (the backward recomputes from it), or None."""
+    from headlab.attention.backends import native  # lazy: native imports the thread pool of this package
+
+    if spec is None or score_mod is not None or q.dtype != torch.float32 or native.window(mask) is None \
+            or not native.usable(spec, mask, torch.float32):
+        return None
+    mod = native.kernel()
+    if mod is None:
+        return None
+    res = native.native_stats(mod, q, k, v, spec, mask, scale, {"lse"}, shift=True)
+    dead = torch.isneginf(res["lse"])  # (B, H, Lq)
+    log_l = torch.log(res["max_weight"]).neg_().masked_fill_(dead, float("inf"))  # log l = -log(1 / l)
+    ml = torch.stack([res["shift"], log_l], -1)  # (B, H, Lq, 2)
+    return res["output"], _to_flat(ml, plan, plan.block_q, plan.n_qb)
+
+
 def _backward(plan: SparsePlan, mask: MaskFn, q, k, v, out_flat, ml_flat, dout, scale, score_mod=None):
     """Each item's gathered keys are every key its rows see, so ``D = rowsum(P * dP)`` is taken
     from the chunk itself (the softmax's own backward), and ``P = exp((S - m) - log l)`` from the
@@ -151,19 +170,24 @@ class SparseAttention(torch.autograd.Function):
     ``(B, H, Lq, Dv)`` and the lse ``(B, H, Lq)`` (+inf on rows that see no key)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, plan, mask, scale, score_mod):
-        out_flat, ml_flat = _forward(plan, mask, q, k, v, scale, score_mod)
+    def forward(ctx, q, k, v, plan, mask, scale, score_mod, spec=None):
+        got = _native_forward(q, k, v, plan, mask, scale, score_mod, spec)
+        if got is not None:
+            out, ml_flat = got
+        else:
+            out_flat, ml_flat = _forward(plan, mask, q, k, v, scale, score_mod)
+            out = _from_flat(out_flat, plan)
         ctx.save_for_backward(q, k, v, ml_flat)
         ctx.plan, ctx.mask, ctx.scale, ctx.score_mod = plan, mask, scale, score_mod
         lse = _from_flat(ml_flat[..., :1] + ml_flat[..., 1:], plan).squeeze(-1)
         ctx.mark_non_differentiable(lse)
-        return _from_flat(out_flat, plan), lse
+        return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
         q, k, v, ml_flat = ctx.saved_tensors
         dq, dk, dv = _backward(ctx.plan, ctx.mask, q, k, v, None, ml_flat,
                                dout.to(q.dtype).contiguous(), ctx.scale, ctx.score_mod)
-        return dq, dk, dv, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None
 
 
