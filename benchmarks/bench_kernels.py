@@ -11,8 +11,9 @@ Rows (batch 1, float32; the goal of each row in the last column):
   the same q, k, v (4,096 tokens; "all" = lse, entropy, max weight, argmax, mean distance, received);
 * ``capture ...``: MiniLM (the bundled all-MiniLM-L6-v2) at 512 tokens capturing every layer's
   ``blocks.*.attn.stats`` against the stock model on SDPA (``headlab.models.load``);
-* ``sparse ...``: sliding window 256 (``|i - j| <= 256``) against ``torch.compile(flex_attention)``
-  with the same block mask (compile time reported apart), and fwd+bwd against dense SDPA fwd+bwd;
+* ``sparse ...``: sliding window 256 (``|i - j| <= 256``), its causal half, BigBird and documents
+  against ``torch.compile(flex_attention)`` with the same mask (compile time reported apart), and
+  the window's fwd+bwd against dense SDPA fwd+bwd;
 * ``tiled ...``: ``headlab.attention(backend="tiled")`` against SDPA (8 heads, head dim 64).
 
 Writes ``benchmarks/results/kernels.json``; ``run_all.py`` runs it and prints the table.
@@ -122,6 +123,16 @@ def sparse_rows(reps: int, lengths: list[int]):
         r["flex_first_call_s"] = compile_s
         yield f"sparse window 256 fwd vs compiled Flex, {n}", r, "< 1.0"
     n = 8192
+    q, k, v = qkv(8, n, 64)
+    for label, other in (("causal window 256", masks.sliding_window(window, causal=True)),
+                         ("BigBird block 128", masks.bigbird(128)),
+                         ("documents 4 x 2048", masks.documents([2048] * 4))):
+        dense = other.dense(q_len=n)[0, 0]  # (n, n) bool: Flex reads the same mask from it
+        bm = create_block_mask(lambda b, h, qi, ki, dense=dense: dense[qi, ki], None, None, n, n, device="cpu")
+        compiled(q, k, v, block_mask=bm)
+        r = pair(lambda: compiled(q, k, v, block_mask=bm),
+                 lambda: headlab.attention(q, k, v, mask=other, backend="sparse"), reps)
+        yield f"sparse {label} fwd vs compiled Flex, {n}", r, "< 1.0"
     q, k, v = qkv(8, n, 64, grad=True)
     r = pair(fwd_bwd(lambda a, b, c: F.scaled_dot_product_attention(a, b, c), q, k, v),
              fwd_bwd(lambda a, b, c: headlab.attention(a, b, c, mask=mask, backend="sparse"), q, k, v), reps)

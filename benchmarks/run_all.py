@@ -26,6 +26,8 @@ BENCHMARKS = [
     ("bench_sparse.py", [], ["--lengths", "1024,2048,4096", "--reps", "3", "--out", str(_TMP / "sparse_tmp.json")]),
     ("bench_linear.py", [], ["--lengths", "1024,2048,4096", "--repeats", "3", "--out", str(_TMP / "linear_tmp.json")]),
     ("bench_seed_stats.py", [], ["--layers", "2", "--compare-layers", "1", "--json", str(_TMP / "seed_stats_tmp.json")]),
+    ("bench_kernels.py", [], ["--reps", "3", "--sparse-lengths", "4096", "--tiled-lengths", "1024,2048",
+                              "--name", "kernels_tmp"]),
 ]
 
 
@@ -46,9 +48,23 @@ def main() -> int:
         print(f"=== {script}: exit {rc} after {time.perf_counter() - t0:.0f} s", flush=True)
         if rc:
             failed.append(script)
+    _kernel_table(HERE / "results" / ("kernels_tmp.json" if args.quick else "kernels.json"))
     if failed:
         print("failed: " + ", ".join(failed), file=sys.stderr)
     return 1 if failed else 0
+
+
+def _kernel_table(path: Path) -> None:
+    """The kernel speed table (bench_kernels.py): each row's ratio to its peer and its goal."""
+    if not path.exists():
+        return
+    import json
+
+    rows = json.loads(path.read_text())["rows"]
+    print(f"\nkernel speed ({path.name}; ratio = headlab time / peer time, measured in the same run)")
+    print(f"{'row':52s} {'now':>6s}  goal")
+    for r in rows:
+        print(f"{r['row']:52s} {r['ratio']:6.2f}  {r['goal']}")
 
 
 if __name__ == "__main__":
