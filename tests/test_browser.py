@@ -1,7 +1,8 @@
 """The report page in a real headless Chromium: it draws a heatmap, reacts to a hover, logs nothing.
 
 The page checks itself when opened with ``#selftest`` (see :mod:`headlab.interpret.report.html`):
-every drawn head paints its heatmap (a pixel of its largest weight has that weight's colour), a
+every drawn head paints its heatmap (a pixel of its largest weight has that weight's colour) and, when the
+page carries them, its norm map and the rollout view; a
 synthetic hover on a token colours both token strips with the right row and column and outlines
 the row on the heatmap, and a hover on the heatmap moves the focus. The result and any script
 error are written into the DOM, which ``chromium --dump-dom`` returns; Chromium's own console log
@@ -20,7 +21,7 @@ import numpy as np
 import pytest
 
 from headlab.interpret.heads.labels import head_records, row_stats_from_maps
-from headlab.interpret.report.html import render_html
+from headlab.interpret.report.html import encode_map, render_html
 
 pytestmark = pytest.mark.browser
 
@@ -62,7 +63,8 @@ def selftest_result(dom: str) -> tuple[str | None, str]:
     return (m.group(1), m.group(2)) if m else (None, "")
 
 
-def _page(n_layers=2, n_heads=3, drawn=None, tokens=("[CLS]", "the", "cat", "sat", "on", "<mat>", "[SEP]")):
+def _page(n_layers=2, n_heads=3, drawn=None, tokens=("[CLS]", "the", "cat", "sat", "on", "<mat>", "[SEP]"),
+          flow=None):
     rng = np.random.default_rng(0)
     n = len(tokens)
     layers = []
@@ -74,9 +76,19 @@ def _page(n_layers=2, n_heads=3, drawn=None, tokens=("[CLS]", "the", "cat", "sat
     recs = head_records([row_stats_from_maps(P, sink_positions=[0, n - 1]) for P in layers], list(tokens),
                         separator_positions=[n - 1])
     drawn = drawn or [(i, h) for i in range(n_layers) for h in range(n_heads)]
+    data = None
+    if flow is not None:  # norm maps (value norms per drawn head) and a rollout map ("map") or two rows ("rows")
+        R = np.eye(n)
+        for P in layers:
+            A = 0.5 * P.mean(0) + 0.5 * np.eye(n)
+            R = A @ R
+        roll = {"layer": n_layers - 1, "note": "test rollout", "rows": {"0": R[0].tolist(), str(n - 1): R[-1].tolist()}}
+        if flow == "map":
+            roll["map"] = encode_map(R)
+        data = {"value_norms": {f"{l}.{h}": rng.uniform(0.1, 3.0, n).tolist() for l, h in drawn}, "rollout": roll}
     return render_html(title="browser test", tokens=list(tokens), records=recs,
                        maps={d: layers[d[0]][d[1]] for d in drawn}, n_layers=n_layers, n_heads=n_heads,
-                       undrawn_note="statistics only")
+                       undrawn_note="statistics only", flow=data)
 
 
 def test_page_draws_and_reacts_to_hover(browser, tmp_path):
@@ -94,6 +106,19 @@ def test_page_with_undrawn_heads(browser, tmp_path):
     status, detail = selftest_result(dom)
     assert status == "pass", detail
     assert 'data-checked-heads="2"' in dom and console == []
+
+
+@pytest.mark.parametrize("rollout", ["map", "rows"])
+def test_page_with_norm_maps_and_rollout(browser, tmp_path, rollout):
+    # every drawn head's norm map paints (its largest row share has that share's colour, rows sum to 1); the
+    # rollout map paints and the hovered token's row reaches its strip, or the rows given are shown
+    drawn = None if rollout == "map" else [(1, 0), (0, 2)]
+    dom, console = open_page(browser, _page(drawn=drawn, flow=rollout), tmp_path)
+    status, detail = selftest_result(dom)
+    assert status == "pass", detail or dom[-2000:]
+    k = 6 if rollout == "map" else 2
+    assert f'data-checked-heads="{k}" data-checked-norms="{k}"' in dom and console == []
+    assert f'data-rollout="{"map" if rollout == "map" else "rows-2"}"' in dom
 
 
 def test_a_broken_page_is_caught(browser, tmp_path):

@@ -74,7 +74,8 @@ def analyze_cmd(
     heads_result: Path = typer.Option(None, "--heads-result",
                                       help="show importance and verdicts from `headlab heads` (importance.json, ablation.json)"),
     as_json: bool = typer.Option(False, "--json", help="print the summary as JSON"),
-    flow: bool = typer.Option(False, "--flow", help="also draw norm maps beside the weight maps and the rollout"),
+    flow: bool = typer.Option(False, "--flow", help="also write the norm maps and the rollout beside the page "
+                                                      "(norms_layer_*.png, rollout.png, rollout.json); the page always shows them"),
 ) -> None:
     """Write a report on every attention head: per-layer pictures, an interactive page, a per-head table.
 

@@ -9,13 +9,14 @@ from rich.table import Table
 
 from headlab.cli.app import app, console, err_console, print_json
 from headlab.errors import InputError
-from headlab.interpret.saliency import METHODS, StudyOptions, explain, study
+from headlab.interpret.saliency import DEFAULT_METHODS, METHODS, StudyOptions, explain, study
 from headlab.interpret.saliency.html import write_explanation
 from headlab.interpret.saliency.tables import fmt, fmt_ci
 
 
 SHORT = {"attention": "attention", "gradient": "gradient", "grad_x_input": "grad*input",
-         "integrated_gradients": "IG", "leave_one_out": "LOO"}
+         "integrated_gradients": "IG", "leave_one_out": "LOO", "rollout": "rollout", "norm_rollout": "norm roll",
+         "attention_flow": "flow", "attention_norm": "norm"}
 
 
 def render_explanation(ex) -> None:
@@ -96,7 +97,8 @@ def render_study(r) -> None:
 def explain_cmd(
     text: str = typer.Argument(None, help="the text whose prediction to explain (omit with --dataset)"),
     model: str = typer.Option(..., "--model", "-m", help="a model folder (e.g. the SST-2 classifier) or known name"),
-    methods: str = typer.Option(",".join(METHODS), "--methods", help="comma-separated: " + ", ".join(METHODS)),
+    methods: str = typer.Option(",".join(DEFAULT_METHODS), "--methods",
+                                help="comma-separated, of: " + ", ".join(METHODS) + " (default: all but attention_flow)"),
     target: int = typer.Option(None, "--target", help="class (or next-token id) to explain; default the prediction"),
     ig_steps: int = typer.Option(50, "--ig-steps", help="integrated-gradients steps"),
     backend: str = typer.Option("auto", "--backend", help="attention backend for every pass (sdpa, tiled, ...)"),
@@ -110,9 +112,11 @@ def explain_cmd(
     out: Path = typer.Option(None, "--out", "-o", help="folder for the HTML page + PNG (or the study's files)"),
     as_json: bool = typer.Option(False, "--json", help="print the result as JSON"),
 ) -> None:
-    """Attention versus gradient, grad x input, integrated gradients and leave-one-out (Jain and Wallace 2019).
+    """Attention versus gradient, grad x input, integrated gradients and leave-one-out (Jain and Wallace 2019),
+    rollout, norm-based rollout, attention flow and the norm map (Abnar and Zuidema 2020; Kobayashi et al. 2020).
 
     Examples: headlab explain "a gripping , funny film" --model ~/.cache/headlab/minilm-sst2 --out ex/
+              headlab explain "a gripping , funny film" --model PATH --methods rollout,attention_flow,gradient
               headlab explain --dataset validation.tsv --model ~/.cache/headlab/minilm-sst2 --out study/
     """
     if dataset is not None:

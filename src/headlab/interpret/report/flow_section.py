@@ -1,62 +1,135 @@
 """The flow part of ``headlab analyze``: each drawn head's norm map beside its weight map, and a rollout view.
 
-Writes into the report folder
+:func:`flow_view` computes what the page shows (always, when the model's adapter gives its per-head
+``W_V`` and ``W_O``):
 
-- ``norms_layer_00.png`` ...: for the heads whose weight maps are drawn, their norm maps
-  ``||alpha_ij f_h(x_j)||`` (Kobayashi et al. 2020), each row divided by its sum so that they read on
-  the weight maps' 0..1 scale (full mode only: they need the maps);
-- ``rollout.png`` (full mode): the rollout through the last layer (Abnar and Zuidema 2020);
-- ``rollout.json``: the rollout rows of the first and the last token (streaming mode: rows only,
-  computed top-down without any n x n map).
+- per drawn head, the value norms ``||f_h(x_j)||`` ``(n,)`` (:func:`~headlab.interpret.flow.norms.value_norms`).
+  A head's norm map (Kobayashi et al. 2020) is ``||alpha_ij f_h(x_j)|| = alpha_ij ||f_h(x_j)||``, so the
+  page multiplies the weight map it already holds by these n numbers: no second n x n map travels;
+- the rollout through the last layer (Abnar and Zuidema 2020; :func:`~headlab.interpret.flow.rollout.rollout`):
+  the full ``(n, n)`` map in full mode; past the full-map length (streaming mode) only the rows of the
+  first and the last token, computed top-down without any n x n map, and the page says so.
 
-Returns the notes the report shows.
+:func:`write_flow_files` (``analyze --flow``) writes the same beside the page: ``norms_layer_00.png`` ...
+(each drawn head's norm map, rows divided by their sums to read on the weight maps' 0..1 scale),
+``rollout.png`` (full mode) and ``rollout.json`` (the rows of the first and the last token).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import json
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
-from headlab.interpret.flow.norms import attention_norms
+from headlab.errors import HeadlabError
+from headlab.interpret.flow.norms import value_norms
 from headlab.interpret.flow.rollout import rollout
 from headlab.interpret.report.figures import LayerGrid
+from headlab.interpret.report.html import encode_map
 
 
-def write_flow_section(loaded, inputs, tokens: list[str], out: Path, *, mode: str,
-                       drawn: Sequence[tuple[int, int]], say: Callable[[str], None] | None = None) -> list[str]:
-    """Draw the norm maps and the rollout view into ``out``; return notes for the page."""
-    import json
+@dataclass
+class FlowView:
+    """What the page's flow part shows; ``skipped`` says why there is nothing (then every field is empty)."""
 
+    mode: str  # "full" or "streaming"
+    value_norms: dict[tuple[int, int], np.ndarray] = field(default_factory=dict)  # (layer, head) -> (n,)
+    rollout_map: np.ndarray | None = None  # (n, n), full mode
+    rollout_rows: dict[int, np.ndarray] = field(default_factory=dict)  # token position -> (n,)
+    rollout_layer: int = -1
+    note: str = ""  # shown in the page's rollout section
+    skipped: str | None = None
+
+    def norm_map(self, layer: int, head: int, weights) -> np.ndarray:
+        """``||alpha_ij f_h(x_j)||`` ``(n, n)`` from the head's weights ``(n, n)``."""
+        return np.asarray(weights, dtype=np.float64) * self.value_norms[(layer, head)][None, :]
+
+    def page_data(self) -> dict | None:
+        """The JSON the page reads (``None`` when skipped); the rollout map goes as uint16 like the weight maps."""
+        if self.skipped is not None:
+            return None
+        num = lambda a: [float(f"{v:.7g}") for v in np.asarray(a, dtype=np.float64)]  # noqa: E731
+        roll = {"layer": self.rollout_layer, "note": self.note,
+                "rows": {str(p): num(r) for p, r in self.rollout_rows.items()}}
+        if self.rollout_map is not None:
+            roll["map"] = encode_map(self.rollout_map)
+        return {"value_norms": {f"{l}.{h}": num(v) for (l, h), v in self.value_norms.items()}, "rollout": roll}
+
+
+def _exact(backend) -> bool:
+    from headlab.attention import backends as _backends
+
+    return backend in (None, "auto") or bool(_backends.get(backend).capabilities.exact)
+
+
+def flow_view(loaded, inputs, n: int, *, mode: str, drawn: Sequence[tuple[int, int]], backend=None,
+              max_full_tokens: int | None = None, say: Callable[[str], None] | None = None) -> FlowView:
+    """Value norms of the drawn heads and the rollout view for one input (see the module docstring).
+
+    Full mode captures every map on the exact computation, so the norms and the rollout do too, whatever
+    ``backend``; in streaming mode the drawn maps come from the model as run on ``backend``, and an
+    approximate one leaves this view out (``skipped`` says so).
+    """
     say = say or (lambda _m: None)
-    n = len(tokens)
-    notes = []
-    if mode == "full":
-        say("norm maps and rollout")
-        res = attention_norms(loaded, inputs)
-        grid = None
-        for layer in sorted({l for l, _ in drawn}):
-            hs = [h for (l_, h) in sorted(drawn) if l_ == layer]
-            maps = res.per_head[layer][hs].float().numpy()  # (len(hs), n, n)
-            maps = maps / np.maximum(maps.sum(-1, keepdims=True), 1e-30)
-            if grid is None or grid.n_maps != len(hs):
-                grid = LayerGrid(tokens, len(hs))
-            grid.draw(maps, out / f"norms_layer_{layer:02d}.png", layer=layer, head_ids=hs,
-                      titles=["norm ||alpha f(x)||, rows normalised"] * len(hs))
-        roll = rollout(loaded, inputs)
-        LayerGrid(tokens, 1).draw(roll.maps[-1:].numpy(), out / "rollout.png", layer=roll.layer,
+    view = FlowView(mode)
+    if mode != "full" and not _exact(backend):
+        view.skipped = (f"norm maps and rollout are left out: backend {backend!r} is approximate, and they are "
+                        "defined on exact softmax attention")
+        return view
+    exact = backend if mode != "full" and backend is not None else "auto"
+    layers = sorted({l for l, _ in drawn})
+    try:
+        say("norm maps (value norms of the drawn heads) and rollout")
+        norms = value_norms(loaded, inputs, layers=layers, backend=exact)
+        view.value_norms = {(l, h): norms[l][h].double().cpu().numpy() for l, h in drawn}
+        if mode == "full":
+            roll = rollout(loaded, inputs, backend=exact)
+            view.rollout_map = roll.maps[-1].double().cpu().numpy()
+            view.rollout_rows = {p: view.rollout_map[p] for p in sorted({0, n - 1})}
+            view.note = "rollout through the last layer: row i says how much of each input token reaches token i"
+        else:
+            roll = rollout(loaded, inputs, rows=sorted({0, n - 1}), backend=exact)
+            view.rollout_rows = {p: r.double().cpu().numpy() for p, r in zip(roll.row_positions, roll.rows)}
+            limit = f" > {max_full_tokens}" if max_full_tokens is not None else ""
+            view.note = (f"rollout rows only: {n} tokens{limit} is past the full-map length, so only the rows of "
+                         "the first and the last token are computed (top-down, without any n x n map)")
+        view.rollout_layer = roll.layer
+    except (HeadlabError, NotImplementedError) as e:  # e.g. an adapter that does not give W_V / W_O
+        return FlowView(mode, skipped=f"norm maps and rollout are left out: {e}")
+    return view
+
+
+def write_flow_files(view: FlowView, maps: Mapping[tuple[int, int], object], tokens: list[str], out: Path, *,
+                     say: Callable[[str], None] | None = None) -> list[str]:
+    """``analyze --flow``: the norm maps and the rollout as PNGs and ``rollout.json`` in ``out``; returns notes."""
+    say = say or (lambda _m: None)
+    if view.skipped is not None:
+        return [view.skipped]
+    say("drawing the norm maps and the rollout")
+    drawn = sorted(view.value_norms)
+    grid = None
+    for layer in sorted({l for l, _ in drawn}):
+        hs = [h for (l_, h) in drawn if l_ == layer]
+        N = np.stack([view.norm_map(layer, h, maps[(layer, h)]) for h in hs])  # (len(hs), n, n)
+        N = N / np.maximum(N.sum(-1, keepdims=True), 1e-30)
+        if grid is None or grid.n_maps != len(hs):
+            grid = LayerGrid(tokens, len(hs))
+        grid.draw(N, out / f"norms_layer_{layer:02d}.png", layer=layer, head_ids=hs,
+                  titles=["norm ||alpha f(x)||, rows normalised"] * len(hs))
+    if view.rollout_map is not None:
+        LayerGrid(tokens, 1).draw(view.rollout_map[None], out / "rollout.png", layer=view.rollout_layer,
                                   titles=["rollout through the last layer"])
-        rows = roll.maps[-1][[0, n - 1]]
-        notes.append("norm maps (norms_layer_*.png) beside the weight maps, and the rollout (rollout.png)")
+        notes = ["norm maps (norms_layer_*.png) beside the weight maps, and the rollout (rollout.png)"]
     else:
-        say("rollout rows (top-down, no n x n map)")
-        rows = rollout(loaded, inputs, rows=[0, n - 1]).rows
-        notes.append(f"rollout: rows of the first and last token only ({n} tokens is past the full-map length; "
-                     "rollout.json), computed top-down without n x n maps; norm maps are not drawn")
-    (out / "rollout.json").write_text(json.dumps({"tokens": tokens, "rows": {"0": rows[0].tolist(),
-                                                                             str(n - 1): rows[1].tolist()}}) + "\n")
+        n = len(tokens)
+        notes = [f"rollout: rows of the first and last token only ({n} tokens is past the full-map length; "
+                 "rollout.json), computed top-down without n x n maps; norm maps of the drawn heads in norms_layer_*.png"]
+    (out / "rollout.json").write_text(json.dumps({"tokens": tokens, "rows": {str(p): r.tolist() for p, r in
+                                                                             view.rollout_rows.items()}}) + "\n")
     return notes
 
 
-__all__ = ["write_flow_section"]
+__all__ = ["FlowView", "flow_view", "write_flow_files"]

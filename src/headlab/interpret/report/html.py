@@ -1,9 +1,11 @@
-"""The report's single self-contained HTML page: pick a layer and head, see its heatmap, hover a
-token to see where it attends and what attends to it.
+"""The report's single self-contained HTML page: pick a layer and head, see its heatmap and its norm
+map, hover a token to see where it attends and what attends to it, and the rollout of the input.
 
 No network and no libraries: the page is the template ``assets/report.html`` with the CSS, the
 script and the data written inline. Maps travel as base64 little-endian ``uint16`` (weight =
-value / 65535, so a readout is exact to 1.5e-5), one per drawn ``"layer.head"``.
+value / 65535, so a readout is exact to 1.5e-5), one per drawn ``"layer.head"``. A head's norm map
+is its weight map times the value norms ``||f_h(x_j)||`` (``flow.value_norms``, one per key), drawn
+with each row divided by its sum; the rollout map travels like a weight map.
 
 Opening the page with ``#selftest`` after its address makes it check itself (every drawn head
 paints its heatmap; a synthetic hover reaches both token strips and the heatmap) and write
@@ -99,10 +101,21 @@ def _table(records: Sequence[HeadRecord], first_label: str) -> str:
     return "".join(out)
 
 
+def _check_flow(flow: Mapping | None, n: int) -> dict | None:
+    """The flow part of the page data, its lengths checked against the ``n`` tokens."""
+    if flow is None:
+        return None
+    rows = [*flow.get("value_norms", {}).values(), *flow.get("rollout", {}).get("rows", {}).values()]
+    for r in rows:
+        if len(r) != n:
+            raise ShapeError(f"a norm or rollout row of the page has {len(r)} values for {n} tokens; pass one per token.")
+    return dict(flow)
+
+
 def render_html(*, title: str, tokens: Sequence[str], records: Sequence[HeadRecord], maps: Mapping[tuple[int, int], object],
                 n_layers: int, n_heads: int, summary_lines: Sequence[str] = (), banner: str | None = None,
                 first_label: str = "mass [CLS]", undrawn_note: str = "",
-                initial: tuple[int, int] | None = None) -> str:
+                initial: tuple[int, int] | None = None, flow: Mapping | None = None) -> str:
     """The whole page as one string.
 
     Args:
@@ -117,6 +130,10 @@ def render_html(*, title: str, tokens: Sequence[str], records: Sequence[HeadReco
         first_label: the name of the first-token column ("mass [CLS]" or "mass first token").
         undrawn_note: shown when a head without a map is picked.
         initial: the (layer, head) shown first (default: the first drawn head).
+        flow: the norm maps and the rollout view, as
+            :meth:`~headlab.interpret.report.flow_section.FlowView.page_data` gives them:
+            ``{"value_norms": {"layer.head": [||f_h(x_j)|| for j]}, "rollout": {"layer", "note",
+            "rows": {"pos": [n floats]}, "map": base64 (full mode)}}``; ``None`` leaves both out.
 
     Example:
         >>> import numpy as np
@@ -142,7 +159,7 @@ def render_html(*, title: str, tokens: Sequence[str], records: Sequence[HeadReco
     data = {
         "tokens": list(tokens), "records": [r.as_dict() for r in records], "maps": encoded,
         "n_layers": n_layers, "n_heads": n_heads, "initial": list(first), "first_label": first_label,
-        "undrawn_note": undrawn_note,
+        "undrawn_note": undrawn_note, "flow": _check_flow(flow, n),
     }
     summary = "".join(f"<p>{html.escape(line)}</p>" for line in summary_lines)
     if banner:

@@ -7,8 +7,9 @@
 The folder holds
 
 - ``report.html``: one self-contained page (no network: CSS, script and data inline). Pick a layer
-  and head in the grid, see its heatmap, hover a token to see where it attends (its row) and what
-  attends to it (its column); the per-head table sits underneath.
+  and head in the grid, see its heatmap and beside it its norm map ``||alpha_ij f_h(x_j)||``, hover a
+  token to see where it attends (its row) and what attends to it (its column); under them the rollout
+  (full map, or past the full-map length the first and last token's rows); the per-head table last.
 - ``layer_00.png`` ... : one picture per layer, a grid of every head's map with token labels.
 - ``heads.csv`` and ``heads.json``: the per-head table (:class:`~headlab.interpret.heads.labels.HeadRecord`:
   entropy, mean attended distance, mass on [CLS] / [SEP] or the first token for decoders, the most
@@ -318,7 +319,8 @@ def analyze(
             :func:`~headlab.interpret.report.annotations.study_annotations`: a probe's relation heads,
             importance ranks and ablation verdicts); shown in the table, the head panel and
             ``heads.json`` (``notes``).
-        flow: also draw each drawn head's norm map and the rollout (:mod:`headlab.interpret.report.flow_section`).
+        flow: also write the norm maps and the rollout beside the page as PNGs and ``rollout.json``
+            (the page shows them either way; :mod:`headlab.interpret.report.flow_section`).
 
     Returns:
         A :class:`ReportResult`.
@@ -391,10 +393,11 @@ def analyze(
     picks = [*(chosen or []), *((r.layer, r.head) for _, r in interesting_heads(records))]
     initial = next((d for d in picks if d in drawn_set), min(drawn))
 
-    if flow:  # the flow room's view: norm maps beside the weight maps, a rollout view
-        from headlab.interpret.report.flow_section import write_flow_section
+    from headlab.interpret.report.flow_section import flow_view, write_flow_files
 
-        notes += write_flow_section(loaded, inputs, tokens, out, mode=mode, drawn=drawn, say=say)
+    view = flow_view(loaded, inputs, n, mode=mode, drawn=drawn, backend=backend, max_full_tokens=max_full_tokens,
+                     say=say)  # the page's norm maps beside the weight maps, and its rollout view
+    notes += [view.skipped] if view.skipped else (write_flow_files(view, maps, tokens, out, say=say) if flow else [])
 
     say("writing the table")
     csv_path = write_csv(records, out / "heads.csv")
@@ -428,7 +431,7 @@ def analyze(
     page = render_html(
         title=f"headlab analyze: {loaded.name}", tokens=tokens, records=records,
         maps={d: maps[d] for d in drawn}, n_layers=n_layers, n_heads=n_heads, summary_lines=summary,
-        banner=" ".join(notes) or None, first_label=first_label, initial=initial,
+        banner=" ".join(notes) or None, first_label=first_label, initial=initial, flow=view.page_data(),
         undrawn_note=(f"Long input ({n} tokens): only the statistics of this head were computed. "
                       "Draw it with --heads LAYER.HEAD." if mode == "streaming" else ""))
     html_path = out / "report.html"

@@ -1,4 +1,4 @@
-"""``headlab.explain``: five explanations of one prediction, side by side, and how much they agree.
+"""``headlab.explain``: nine explanations of one prediction, side by side, and how much they agree.
 
     >>> import headlab                                                    # doctest: +SKIP
     >>> ex = headlab.explain("~/.cache/headlab/minilm-sst2", "a gripping , funny film")  # doctest: +SKIP
@@ -18,12 +18,19 @@ logit of the target next token at the last position, the target being the predic
   Gauss-Legendre points; :attr:`Explanation.completeness_gap` is ``|sum_t IG_t - (y(x) - y(b))| /
   |y(x) - y(b)|`` and a :class:`CompletenessWarning` is raised above 1%;
 - ``leave_one_out``: ``TVD(p(x), p(x without t))`` with t deleted (``loo="delete"``) or replaced by
-  the mask (``"mask"``) or unk (``"unk"``) token.
+  the mask (``"mask"``) or unk (``"unk"``) token;
+- ``rollout``, ``norm_rollout``, ``attention_flow``, ``attention_norm``: the classification
+  position's row of the attention rollout, of the norm-based rollout, the attention flow from it at
+  the last layer, and its row of the last layer's norm map (:mod:`.propagation`).
+
+:data:`DEFAULT_METHODS` is every method but ``attention_flow``, which solves one max-flow per token
+(about 12 s of CPU at 256 tokens on MiniLM): ask for it by name.
 
 Special tokens are reported (their scores are in the lists) but left out of rankings and
 agreement unless ``include_special=True``. Everything runs on ``backend`` (``"sdpa"``, ``"tiled"``
 with its own backward, ...); only the attention method, which needs the map, runs its captured
-layers on the reference path. A model with no head explains the cosine similarity of its
+layers on the reference path, and the flow methods run on the exact model when ``backend`` is
+approximate (the notes say so). A model with no head explains the cosine similarity of its
 mean-pooled embedding to ``compare_to``.
 """
 
@@ -45,9 +52,13 @@ from headlab.interpret.saliency.gradients import gradient_scores
 from headlab.interpret.saliency.integrated import default_baseline, integrated_gradients, quadrature
 from headlab.interpret.saliency.objective import Objective, baseline_id, make_objective, special_mask
 from headlab.interpret.saliency.occlusion import leave_one_out, replacement_id
+from headlab.interpret.saliency.propagation import FLOW_METHODS, exact_backend, flow_score
 from headlab.models.loader import LoadedModel
 
-METHODS = ("attention", "gradient", "grad_x_input", "integrated_gradients", "leave_one_out")
+# every known method, in the order tables list them
+METHODS = ("attention", "gradient", "grad_x_input", "integrated_gradients", "leave_one_out", *FLOW_METHODS)
+# what runs unless methods= says otherwise: all but attention flow (one max-flow per token: slow on long inputs)
+DEFAULT_METHODS = tuple(m for m in METHODS if m != "attention_flow")
 COMPLETENESS_TOLERANCE = 0.01
 
 
@@ -166,7 +177,7 @@ def check_options(methods, ig_steps: int, backend, loo: str) -> list[str]:
     return methods
 
 
-def explain(loaded_or_path, text: str, target: int | None = None, methods=METHODS, ig_steps: int = 50,
+def explain(loaded_or_path, text: str, target: int | None = None, methods=DEFAULT_METHODS, ig_steps: int = 50,
             backend: str = "auto", *, loo: str = "delete", compare_to: str | None = None,
             truncate: bool = False, ig_method: str = "gausslegendre", ig_batch_size: int | None = None,
             attention_layers: str = "auto", warn: bool = True) -> Explanation:
@@ -176,7 +187,9 @@ def explain(loaded_or_path, text: str, target: int | None = None, methods=METHOD
         loaded_or_path: a :class:`~headlab.models.loader.LoadedModel` or a name/folder for :func:`headlab.load`.
         text: the input (one text).
         target: the class (or next-token id) to explain; default the predicted one.
-        methods: any of ``attention, gradient, grad_x_input, integrated_gradients, leave_one_out``.
+        methods: any of :data:`METHODS` (``attention, gradient, grad_x_input, integrated_gradients,
+            leave_one_out, rollout, norm_rollout, attention_flow, attention_norm``); default
+            :data:`DEFAULT_METHODS` (all but ``attention_flow``).
         ig_steps: quadrature points for IG (>= 1). backend: the attention backend for every pass.
         loo: ``"delete"`` (Jain and Wallace), ``"mask"`` or ``"unk"``.
         compare_to: for a model with no head, explain ``cos(pool(text), pool(compare_to))``.
@@ -231,4 +244,11 @@ def explain(loaded_or_path, text: str, target: int | None = None, methods=METHOD
                         warnings.warn(note, CompletenessWarning, stacklevel=2)
             elif m == "leave_one_out":
                 ex.scores[m] = leave_one_out(objective, ids, mask, special, loo).tolist()
+            elif m in FLOW_METHODS:
+                exact, note = exact_backend(backend)
+                if note and note not in ex.notes:
+                    ex.notes.append(note)
+                ex.scores[m], more = flow_score(loaded, enc, ex.position, m, exact)
+                if more:
+                    ex.notes.append(more)
     return ex

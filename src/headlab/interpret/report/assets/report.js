@@ -25,31 +25,51 @@
   var cache = {};
   var state = { layer: D.initial[0], head: D.initial[1], focus: -1 };
 
+  function decodeMap(b64) {
+    var bin = atob(b64);
+    var bytes = new Uint8Array(bin.length);
+    for (var i = 0; i < bin.length; i++) bytes[i] = bin.charCodeAt(i);
+    var u16 = new Uint16Array(bytes.buffer);
+    var w = new Float32Array(u16.length);
+    for (var j = 0; j < u16.length; j++) w[j] = u16[j] / 65535;
+    return w;
+  }
   function decode(key) {
     if (!(key in D.maps)) return null;
-    if (!cache[key]) {
-      var bin = atob(D.maps[key]);
-      var bytes = new Uint8Array(bin.length);
-      for (var i = 0; i < bin.length; i++) bytes[i] = bin.charCodeAt(i);
-      var u16 = new Uint16Array(bytes.buffer);
-      var w = new Float32Array(u16.length);
-      for (var j = 0; j < u16.length; j++) w[j] = u16[j] / 65535;
-      cache[key] = w;
-    }
+    if (!cache[key]) cache[key] = decodeMap(D.maps[key]);
     return cache[key];
   }
   function current() { return decode(state.layer + "." + state.head); }
   function weight(P, q, k) { return P[q * n + k]; }
 
-  // ---- heatmap on a canvas: labels on the left (queries) and top (keys)
-  var canvas = document.getElementById("heatmap");
-  var ctx = canvas.getContext("2d", { willReadFrequently: true });  // the self-test reads pixels back
-  var cell = Math.max(1, Math.min(26, Math.floor(720 / n)));
-  var labelEvery = Math.max(1, Math.ceil(9 / cell));
-  var margin = cell >= 5 ? 96 : 8;
-  var size = margin + cell * n + 2;
-  canvas.width = size; canvas.height = size;
+  // ---- norm maps: ||a_ij f_h(x_j)|| = a_ij ||f_h(x_j)||, the weight map times one value norm per key
+  var F = D.flow, vnorms = F ? F.value_norms : {}, normCache = {};
+  function normOf(key) {
+    if (!(key in vnorms) || !decode(key)) return null;
+    if (!normCache[key]) {
+      var P = decode(key), v = vnorms[key], raw = new Float32Array(n * n), share = new Float32Array(n * n);
+      for (var q = 0; q < n; q++) {
+        var s = 0;
+        for (var k = 0; k < n; k++) { raw[q * n + k] = P[q * n + k] * v[k]; s += raw[q * n + k]; }
+        for (var k2 = 0; k2 < n; k2++) share[q * n + k2] = s > 0 ? raw[q * n + k2] / s : 0;
+      }
+      normCache[key] = { raw: raw, share: share };
+    }
+    return normCache[key];
+  }
+  function currentNorm() { return normOf(state.layer + "." + state.head); }
 
+  // ---- the rollout: a full map (shown divided by its largest value) or chosen rows
+  var R = F ? F.rollout : null, rollRaw = null, rollShown = null, rollMax = 0;
+  if (R && R.map) {
+    rollRaw = decodeMap(R.map);
+    for (var ri = 0; ri < rollRaw.length; ri++) rollMax = Math.max(rollMax, rollRaw[ri]);
+    rollShown = new Float32Array(rollRaw.length);
+    for (var rj = 0; rj < rollRaw.length; rj++) rollShown[rj] = rollMax > 0 ? rollRaw[rj] / rollMax : 0;
+  }
+
+  // ---- heatmaps on canvases: labels on the left (queries) and top (keys); each painted once into an
+  // offscreen canvas, then copied and outlined on every focus change
   function color(w) {  // viridis-like ramp, 0 -> dark purple, 1 -> yellow
     var stops = [[68, 1, 84], [59, 82, 139], [33, 145, 140], [94, 201, 98], [253, 231, 37]];
     var x = Math.max(0, Math.min(1, w)) * (stops.length - 1), i = Math.min(stops.length - 2, Math.floor(x)), f = x - i;
@@ -59,56 +79,171 @@
   }
   function short(t) { return t.length > 12 ? t.slice(0, 11) + "\u2026" : t; }
 
-  function drawHeatmap() {
-    ctx.clearRect(0, 0, size, size);
-    ctx.fillStyle = "#ffffff"; ctx.fillRect(0, 0, size, size);
-    var P = current();
-    var note = document.getElementById("heatmap-note");
-    if (!P) {
-      ctx.fillStyle = "#5b6475"; ctx.font = "13px sans-serif";
-      ctx.fillText("map not drawn for this head", 12, 24);
-      note.textContent = D.undrawn_note;
-      return;
+  function Panel(id, budget) {
+    this.canvas = document.getElementById(id);
+    this.ctx = this.canvas.getContext("2d", { willReadFrequently: true });  // the self-test reads pixels back
+    this.cell = Math.max(1, Math.min(26, Math.floor(budget / n)));
+    this.labelEvery = Math.max(1, Math.ceil(9 / this.cell));
+    this.margin = this.cell >= 5 ? 96 : 8;
+    this.size = this.margin + this.cell * n + 2;
+    this.canvas.width = this.size; this.canvas.height = this.size;
+    this.base = document.createElement("canvas");
+    this.base.width = this.size; this.base.height = this.size;
+    this.key = null; this.filled = false;
+  }
+  Panel.prototype.paintBase = function (M, empty) {
+    var g = this.base.getContext("2d"), size = this.size, m = this.margin, c = this.cell;
+    g.fillStyle = "#ffffff"; g.fillRect(0, 0, size, size);
+    if (!M) {
+      g.fillStyle = "#5b6475"; g.font = "13px sans-serif";
+      g.fillText(empty, 12, 24);
+      return false;
     }
-    note.textContent = "";
     for (var q = 0; q < n; q++)
       for (var k = 0; k < n; k++) {
-        ctx.fillStyle = color(weight(P, q, k));
-        ctx.fillRect(margin + k * cell, margin + q * cell, cell, cell);
+        g.fillStyle = color(M[q * n + k]);
+        g.fillRect(m + k * c, m + q * c, c, c);
       }
-    if (margin > 8) {
-      ctx.fillStyle = "#1d2330";
-      ctx.font = Math.min(12, Math.max(8, cell - 2)) + "px sans-serif";
-      ctx.textBaseline = "middle";
-      for (var i = 0; i < n; i += labelEvery) {
-        ctx.textAlign = "right";
-        ctx.fillText(short(tokens[i]), margin - 4, margin + (i + 0.5) * cell);
-        ctx.save();
-        ctx.translate(margin + (i + 0.5) * cell, margin - 4);
-        ctx.rotate(-Math.PI / 2);
-        ctx.textAlign = "left";
-        ctx.fillText(short(tokens[i]), 0, 0);
-        ctx.restore();
+    if (m > 8) {
+      g.fillStyle = "#1d2330";
+      g.font = Math.min(12, Math.max(8, c - 2)) + "px sans-serif";
+      g.textBaseline = "middle";
+      for (var i = 0; i < n; i += this.labelEvery) {
+        g.textAlign = "right";
+        g.fillText(short(tokens[i]), m - 4, m + (i + 0.5) * c);
+        g.save();
+        g.translate(m + (i + 0.5) * c, m - 4);
+        g.rotate(-Math.PI / 2);
+        g.textAlign = "left";
+        g.fillText(short(tokens[i]), 0, 0);
+        g.restore();
       }
     }
-    if (state.focus >= 0) {
+    return true;
+  };
+  Panel.prototype.show = function (M, key, empty) {
+    if (this.key !== key) { this.filled = this.paintBase(M, empty); this.key = key; }
+    var ctx = this.ctx, m = this.margin, c = this.cell;
+    ctx.imageSmoothingEnabled = false;
+    ctx.clearRect(0, 0, this.size, this.size);
+    ctx.drawImage(this.base, 0, 0);
+    if (this.filled && state.focus >= 0) {
       ctx.lineWidth = 2;
       ctx.strokeStyle = "rgb(25,113,194)";
-      ctx.strokeRect(margin, margin + state.focus * cell, n * cell, cell);
+      ctx.strokeRect(m, m + state.focus * c, n * c, c);
       ctx.strokeStyle = "rgb(232,89,12)";
-      ctx.strokeRect(margin + state.focus * cell, margin, cell, n * cell);
+      ctx.strokeRect(m + state.focus * c, m, c, n * c);
     }
+  };
+  Panel.prototype.hover = function (readout) {  // readout(q, k) -> text, or null off the map
+    var self = this;
+    this.canvas.addEventListener("mousemove", function (e) {
+      var r = self.canvas.getBoundingClientRect();
+      var x = (e.clientX - r.left) * self.canvas.width / r.width - self.margin;
+      var y = (e.clientY - r.top) * self.canvas.height / r.height - self.margin;
+      var k = Math.floor(x / self.cell), q = Math.floor(y / self.cell);
+      if (k < 0 || q < 0 || k >= n || q >= n) return;
+      var text = readout(q, k);
+      if (text === null) return;
+      setFocus(q);
+    });
+  };
+
+  var heat = new Panel("heatmap", F ? 460 : 720), canvas = heat.canvas, ctx = heat.ctx;
+  var cell = heat.cell, margin = heat.margin;
+  var normPanel = null, rollPanel = null;
+  if (F) {
+    document.getElementById("normmap-box").hidden = false;
+    normPanel = new Panel("normmap", 460);
+    document.getElementById("rollout-section").hidden = false;
+    document.getElementById("rollout-layer").textContent = String(R.layer);
+    document.getElementById("rollout-note").textContent = R.note +
+      (rollRaw ? " (colour: the value divided by the largest, " + rollMax.toFixed(3) + ")" : "");
+    if (rollRaw) { document.getElementById("rolloutmap").hidden = false; rollPanel = new Panel("rolloutmap", 560); }
   }
 
-  canvas.addEventListener("mousemove", function (e) {
-    var r = canvas.getBoundingClientRect();
-    var x = (e.clientX - r.left) * canvas.width / r.width - margin, y = (e.clientY - r.top) * canvas.height / r.height - margin;
-    var k = Math.floor(x / cell), q = Math.floor(y / cell), P = current();
-    var out = document.getElementById("cell-readout");
-    if (!P || k < 0 || q < 0 || k >= n || q >= n) { return; }
-    out.textContent = "query " + q + " '" + tokens[q] + "' \u2192 key " + k + " '" + tokens[k] + "': " + weight(P, q, k).toFixed(4);
-    setFocus(q);
+  function drawHeatmap() {
+    var key = state.layer + "." + state.head, P = current();
+    document.getElementById("heatmap-note").textContent = P ? "" : D.undrawn_note;
+    heat.show(P, P ? "w" + key : "none", "map not drawn for this head");
+    if (normPanel) {
+      var N = currentNorm();
+      normPanel.show(N ? N.share : null, N ? "n" + key : "none", "no norm map for this head");
+    }
+    if (rollPanel) rollPanel.show(rollShown, "rollout", "");
+  }
+
+  heat.hover(function (q, k) {
+    var P = current();
+    if (!P) return null;
+    document.getElementById("cell-readout").textContent = "query " + q + " '" + tokens[q] + "' \u2192 key " + k +
+      " '" + tokens[k] + "': " + weight(P, q, k).toFixed(4);
+    return "";
   });
+  if (normPanel) normPanel.hover(function (q, k) {
+    var N = currentNorm(), P = current();
+    if (!N) return null;
+    document.getElementById("norm-readout").textContent = "query " + q + " '" + tokens[q] + "' \u2190 key " + k +
+      " '" + tokens[k] + "': norm " + N.raw[q * n + k].toPrecision(4) + " (" + (100 * N.share[q * n + k]).toFixed(1) +
+      "% of the row; weight " + weight(P, q, k).toFixed(4) + ")";
+    return "";
+  });
+  if (rollPanel) rollPanel.hover(function (q, k) {
+    document.getElementById("rollout-readout").textContent = "token " + q + " '" + tokens[q] + "' at layer " + R.layer +
+      " \u2190 input token " + k + " '" + tokens[k] + "': " + rollRaw[q * n + k].toFixed(4);
+    return "";
+  });
+
+  // ---- rollout rows: the focused token's row (full map) or the rows computed (past the full-map length)
+  var rollStrips = [];
+  function rolloutStrip(title, values) {
+    var box = document.getElementById("rollout-rows");
+    var p = document.createElement("p"); p.className = "strip-title"; p.textContent = title; box.appendChild(p);
+    var el = document.createElement("div"); el.className = "strip rollout-row"; box.appendChild(el);
+    var spans = [];
+    for (var i = 0; i < n; i++) {
+      var s = document.createElement("span");
+      s.className = "tok"; s.textContent = tokens[i]; s.dataset.index = String(i);
+      el.appendChild(s); el.appendChild(document.createTextNode(" ")); spans.push(s);
+    }
+    var strip = { title: p, spans: spans, values: values };
+    rollStrips.push(strip);
+    paintRolloutStrip(strip, values);
+    return strip;
+  }
+  function paintRolloutStrip(strip, values) {
+    strip.values = values;
+    var mx = 0;
+    for (var i = 0; i < n; i++) mx = Math.max(mx, values ? values[i] : 0);
+    for (var j = 0; j < n; j++) {
+      var v = values ? values[j] : 0, a = mx > 0 ? v / mx : 0;
+      strip.spans[j].style.backgroundColor = "rgba(47,158,68," + a.toFixed(3) + ")";
+      strip.spans[j].style.color = a > 0.55 ? "#fff" : "";
+      strip.spans[j].dataset.value = v.toPrecision(6);
+      strip.spans[j].title = j + ": " + tokens[j] + " " + v.toFixed(4);
+    }
+  }
+  var focusStrip = null;
+  if (R) {
+    var readout = document.createElement("p");
+    readout.id = "rollout-readout"; readout.className = "readout";
+    if (rollRaw) {
+      focusStrip = rolloutStrip("how much of each input token reaches the hovered token (its rollout row)", null);
+    } else {
+      Object.keys(R.rows).forEach(function (pos) {
+        rolloutStrip("rollout row of token " + pos + " '" + tokens[Number(pos)] + "' (what reaches it from each input token)",
+                     R.rows[pos]);
+      });
+    }
+    document.getElementById("rollout-rows").appendChild(readout);
+  }
+  function paintRollout() {
+    if (!focusStrip) return;
+    var f = state.focus;
+    focusStrip.title.textContent = f >= 0 ? "rollout row of '" + tokens[f] + "': how much of each input token reaches it"
+      : "how much of each input token reaches the hovered token (its rollout row)";
+    paintRolloutStrip(focusStrip, f >= 0 ? rollRaw.subarray(f * n, (f + 1) * n) : null);
+  }
 
   // ---- token strips
   function buildStrip(id) {
@@ -155,6 +290,7 @@
     state.focus = i;
     document.body.dataset.focusToken = String(i);
     paintStrips();
+    paintRollout();
     drawHeatmap();
   }
 
@@ -209,22 +345,50 @@
   select(state.layer, state.head);
   setFocus(Math.min(1, n - 1));
 
-  // ---- self test (#selftest): every drawn head paints, a hover reaches both strips and the heatmap
-  function inkAt(x, y) { return ctx.getImageData(x, y, 1, 1).data; }
+  // ---- self test (#selftest): every drawn head paints its weight and norm maps, a hover reaches both
+  // strips and the heatmap, the rollout paints (its map or its rows)
+  function inkAt(x, y, c) { return (c || ctx).getImageData(x, y, 1, 1).data; }
+  function checkPixel(panel, M, what, problems) {  // the largest cell of M has M's colour on the panel
+    var arg = 0;
+    for (var i = 0; i < n * n; i++) if (M[i] > M[arg]) arg = i;
+    var q = Math.floor(arg / n), k = arg % n, c = panel.cell, m = panel.margin;
+    var px = inkAt(m + k * c + Math.floor(c / 2), m + q * c + Math.floor(c / 2), panel.ctx);
+    var want = color(M[arg]).match(/\d+/g).map(Number);
+    if (Math.abs(px[0] - want[0]) + Math.abs(px[1] - want[1]) + Math.abs(px[2] - want[2]) > 12)
+      problems.push(what + " pixel " + Array.prototype.slice.call(px, 0, 3) + " != " + want);
+  }
+  function checkRows(M, what, problems) {  // every row that has any mass sums to 1
+    for (var q = 0; q < n; q++) {
+      var s = 0;
+      for (var k = 0; k < n; k++) s += M[q * n + k];
+      if (s > 0 && Math.abs(s - 1) > 0.01) { problems.push(what + " row " + q + " sums to " + s); return; }
+    }
+  }
   function selftest() {
-    var problems = [];
+    var problems = [], norms = 0;
     var keys = Object.keys(D.maps);
     setFocus(-1);
     if (!keys.length) problems.push("no maps embedded");
     keys.forEach(function (key) {
       var lh = key.split(".").map(Number);
       select(lh[0], lh[1]);
-      var P = current(), argq = 0, argk = 0;
-      for (var i = 0; i < n * n; i++) if (P[i] > P[argq * n + argk]) { argq = Math.floor(i / n); argk = i % n; }
-      var px = inkAt(margin + argk * cell + Math.floor(cell / 2), margin + argq * cell + Math.floor(cell / 2));
-      var want = color(P[argq * n + argk]).match(/\d+/g).map(Number);
-      if (Math.abs(px[0] - want[0]) + Math.abs(px[1] - want[1]) + Math.abs(px[2] - want[2]) > 12)
-        problems.push(key + ": heatmap pixel " + Array.prototype.slice.call(px, 0, 3) + " != " + want);
+      checkPixel(heat, current(), key + ": heatmap", problems);
+      var N = currentNorm();
+      if (N) {
+        norms += 1;
+        checkPixel(normPanel, N.share, key + ": norm map", problems);
+        checkRows(N.share, key + ": norm map", problems);
+      } else if (F) problems.push(key + ": no norm map");
+    });
+    if (rollPanel) {
+      checkPixel(rollPanel, rollShown, "rollout map", problems);
+      checkRows(rollRaw, "rollout map", problems);
+    }
+    rollStrips.forEach(function (st, i) {
+      if (!st.values) return;
+      var s = 0;
+      st.spans.forEach(function (sp) { s += Number(sp.dataset.value); });
+      if (Math.abs(s - 1) > 0.01) problems.push("rollout row " + i + " sums to " + s);
     });
     var undrawn = D.records.filter(function (r) { return !((r.layer + "." + r.head) in D.maps); })[0];
     if (undrawn) {  // a head with statistics only: its info shows and the page says why there is no map
@@ -255,12 +419,17 @@
     }));
     if (document.body.dataset.focusToken !== String(n - 1)) problems.push("heatmap hover did not move the focus");
     if (document.getElementById("cell-readout").textContent.indexOf("key 0") < 0) problems.push("no cell readout");
+    if (focusStrip && Math.abs(Number(focusStrip.spans[0].dataset.value) - rollRaw[(n - 1) * n]) > 1e-4)
+      problems.push("the rollout strip does not show the hovered token's row");
     problems = problems.concat(errors);
     var out = document.createElement("pre");
     out.id = "selftest-result";
     out.dataset.status = problems.length ? "fail" : "pass";
     out.dataset.checkedHeads = String(keys.length);
-    out.textContent = problems.length ? problems.join("\n") : "selftest pass: " + keys.length + " heads drawn, hover ok";
+    out.dataset.checkedNorms = String(norms);
+    out.dataset.rollout = rollPanel ? "map" : (rollStrips.length ? "rows-" + rollStrips.length : "none");
+    out.textContent = problems.length ? problems.join("\n") : "selftest pass: " + keys.length + " heads drawn, " +
+      norms + " norm maps, rollout " + out.dataset.rollout + ", hover ok";
     document.body.appendChild(out);
   }
   if (location.hash === "#selftest") {
