@@ -440,6 +440,12 @@ def test_study_tables_and_resume(clf, tmp_path):
     f = r2.tables["faithfulness"]["integrated_gradients"]["comprehensiveness@20"]
     vals = [x["eraser"]["integrated_gradients"]["comprehensiveness"]["20"] for x in recs]
     assert f["mean"] == pytest.approx(np.mean(vals)) and f["lo"] <= f["mean"] <= f["hi"]
+    # resuming with one more method redoes both rows instead of mixing records of two method sets
+    more = StudyOptions(methods=opts.methods + ("grad_x_input",), ig_steps=4, permutations=6, adversarial_steps=2,
+                        bootstrap=50)
+    r3 = study(clf, data, tmp_path / "out", options=more, progress=False)
+    assert r3.instances == 2 and len((tmp_path / "out" / "instances.jsonl").read_text().splitlines()) == 4
+    assert "grad_x_input" in r3.tables["kendall"]
 
 
 # -- the command line --------------------------------------------------------------------------------------------

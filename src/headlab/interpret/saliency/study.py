@@ -198,7 +198,9 @@ def study(loaded_or_path, dataset: str | os.PathLike, out: str | os.PathLike, *,
     loaded = resolve_model(loaded_or_path)
     outdir.mkdir(parents=True, exist_ok=True)
     jsonl = outdir / INSTANCES
-    done = {r.get("key") for r in load_records(jsonl)}
+    # a row is done when its record has every asked method (a resumed run with more methods redoes
+    # the rows it has only some of: the tables never mix instances explained by different methods)
+    done = {r.get("key") for r in load_records(jsonl) if set(opts.methods) <= set(r.get("scores", {}))}
     todo = [r for r in rows if r.key not in done]
     skipped: list[str] = []
     t0 = time.perf_counter()
@@ -218,7 +220,8 @@ def study(loaded_or_path, dataset: str | os.PathLike, out: str | os.PathLike, *,
             f.flush()
             advance()
     keys = {r.key for r in rows}
-    records = [r for r in load_records(jsonl) if r.get("key") in keys]
+    latest = {r.get("key"): r for r in load_records(jsonl)}  # the last record of a key supersedes earlier ones
+    records = [r for key, r in latest.items() if key in keys and set(opts.methods) <= set(r.get("scores", {}))]
     tables = summarize(records, opts)
     tables["options"] = opts.to_json()
     tables["model"] = loaded.name
