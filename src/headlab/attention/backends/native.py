@@ -155,3 +155,24 @@ def native_stats(mod, q, k, v, spec: AttentionSpec, mask, scale: float, want: se
     if want_rec:
         res["received"] = rec.view(B, H, Lk)
     return res
+
+
+def native_backward(mod, q, k, v, out, dout, shift, log_l, spec: AttentionSpec, mask, scale: float):
+    """Gradients of the kernel's forward: ``dq (B, H, Lq, D)``, ``dk``, ``dv`` ``(B, Hkv, Lk, .)``
+    in float32, from the forward's output and its per-row ``shift`` and ``log_l`` ``(B, H, Lq)``
+    (``log l = +inf`` on rows that see no key). Same masks as the forward."""
+    B, H, Lq, D = q.shape
+    Hkv, Lk, Dv = spec.kv_heads, spec.kv_len, v.shape[-1]
+    f32 = torch.float32
+    qs = (q.to(f32) * scale).reshape(B * H, Lq, D).contiguous()
+    kc = k.to(f32).reshape(B * Hkv, Lk, D).contiguous()
+    vc = v.to(f32).reshape(B * Hkv, Lk, Dv).contiguous()
+    do = dout.to(f32).reshape(B * H, Lq, Dv).contiguous()
+    delta = (do * out.to(f32).reshape(B * H, Lq, Dv)).sum(-1)  # (BH, Lq): rowsum(dO * O)
+    bias = key_bias(spec, mask)
+    bias = qs.new_empty(0) if bias is None else bias
+    dq, dk, dv = torch.zeros_like(qs), torch.zeros_like(kc), torch.zeros_like(vc)
+    mod.onepass_backward(qs, kc, vc, bias, H, spec.group, bool(spec.causal), do,
+                         shift.to(f32).reshape(B * H, Lq).contiguous(), log_l.to(f32).reshape(B * H, Lq).contiguous(),
+                         delta, BLOCK_Q, BLOCK_K, dq, dk, dv, torch.get_num_threads(), *(window(mask) or (-1, -1)))
+    return dq.mul_(scale).view(B, H, Lq, D), dk.view(B, Hkv, Lk, D), dv.view(B, Hkv, Lk, Dv)

@@ -330,8 +330,126 @@ void onepass(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor ke
   }
 }
 
+// The backward of the one-pass forward, FlashAttention-2 style, for the masks the forward walks
+// (none, causal, a window, key padding). Inputs as the forward's, plus dout (BH, Lq, Dv), the
+// forward's shift m and log l per row (BH, Lq) (log l = +inf: the row sees no key) and
+// delta = rowsum(dout * out) (BH, Lq). Per tile, with P = exp((S - m) - log l):
+//   dV += P^T dO,  dP = dO V^T,  dS = P * (dP - delta),  dQ += dS K,  dK += dS^T (scale q)
+// Work units are kv heads (their query heads' dQ rows and their own dK, dV belong to no other unit).
+// q is pre-scaled; dq is returned for the pre-scaled q (the caller multiplies by scale).
+void onepass_backward(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor key_bias, int64_t heads,
+                      int64_t group, bool causal, torch::Tensor dout, torch::Tensor shift, torch::Tensor logl,
+                      torch::Tensor delta, int64_t block_q, int64_t block_k, torch::Tensor dq, torch::Tensor dk,
+                      torch::Tensor dv, int64_t threads, int64_t win_lo, int64_t win_hi) {
+  const int64_t Lq = q.size(1), Lk = k.size(1), D = q.size(2), Dv = v.size(2), BHkv = k.size(0);
+  const bool has_bias = key_bias.numel() > 0;
+  const float *qd = q.data_ptr<float>(), *kd = k.data_ptr<float>(), *vd = v.data_ptr<float>();
+  const float *dod = dout.data_ptr<float>(), *md = shift.data_ptr<float>(), *ld = logl.data_ptr<float>();
+  const float* ded = delta.data_ptr<float>();
+  const float* bd = has_bias ? key_bias.data_ptr<float>() : nullptr;
+  const int64_t Bb = has_bias ? key_bias.size(0) : 1;
+  float *dqd = dq.data_ptr<float>(), *dkd = dk.data_ptr<float>(), *dvd = dv.data_ptr<float>();
+  const int64_t n_qb = (Lq + block_q - 1) / block_q;
+
+  auto work = [&](int64_t kvh) {
+    std::vector<float> p(block_q * block_k), dp(block_q * block_k);
+    const int64_t hk = kvh % (heads / group);  // kv head within its batch element
+    const int64_t b = kvh / (heads / group);
+    const float* bias = has_bias ? bd + (Bb > 1 ? b : 0) * Lk : nullptr;
+    const float* K = kd + kvh * Lk * D;
+    const float* V = vd + kvh * Lk * Dv;
+    float* dK = dkd + kvh * Lk * D;
+    float* dV = dvd + kvh * Lk * Dv;
+    for (int64_t g = 0; g < group; ++g) {
+      const int64_t bh = b * heads + hk * group + g;
+      for (int64_t qb = 0; qb < n_qb; ++qb) {
+        const int64_t i0 = qb * block_q, i1 = std::min(Lq, i0 + block_q), n = i1 - i0;
+        int64_t w = causal ? std::min(Lk, i1) : Lk;
+        if (win_hi >= 0) w = std::min(w, i1 + win_hi);
+        const int64_t cs = win_lo >= 0 ? std::min(w, std::max<int64_t>(0, i0 - win_lo)) : 0;
+        const float* Q = qd + (bh * Lq + i0) * D;
+        const float* dO = dod + (bh * Lq + i0) * Dv;
+        float* dQ = dqd + (bh * Lq + i0) * D;
+        for (int64_t c0 = cs; c0 < w; c0 += block_k) {
+          const int64_t c1 = std::min(w, c0 + block_k), bw = c1 - c0;
+          const float one = 1.f, zero = 0.f;
+          {  // S = Q K_c^T (n, bw)
+            const int M = bw, N = n, Kd = D, ldk = D;
+            sgemm_("T", "N", &M, &N, &Kd, &one, K + c0 * D, &ldk, Q, &ldk, &zero, p.data(), &M);
+          }
+          {  // dP = dO V_c^T (n, bw)
+            const int M = bw, N = n, Kd = Dv, ldv = Dv;
+            sgemm_("T", "N", &M, &N, &Kd, &one, V + c0 * Dv, &ldv, dO, &ldv, &zero, dp.data(), &M);
+          }
+          for (int64_t r = 0; r < n; ++r) {
+            const int64_t i = i0 + r, o = bh * Lq + i;
+            float* pr = p.data() + r * bw;
+            float* dr = dp.data() + r * bw;
+            int64_t hi = causal ? std::min(bw, i + 1 - c0) : bw;
+            if (win_hi >= 0) hi = std::min(hi, i + win_hi + 1 - c0);
+            const int64_t lo = win_lo >= 0 ? std::min(bw, std::max<int64_t>(0, i - win_lo - c0)) : 0;
+            hi = std::max(hi, lo);
+            const float m = md[o], ll = ld[o], de = ded[o];
+            if (std::isinf(ll) && ll > 0) hi = lo;  // the row sees no key: no gradient
+            std::fill(pr, pr + lo, 0.f);
+            std::fill(dr, dr + lo, 0.f);
+            const Vec vm(m), vl(ll), vde(de);
+            int64_t j = lo;
+            for (; j + Vec::size() <= hi; j += Vec::size()) {
+              Vec sv = Vec::loadu(pr + j);
+              if (bias) sv = sv + Vec::loadu(bias + c0 + j);
+              Vec pv = ((sv - vm) - vl).exp_u20();
+              pv.store(pr + j);
+              (pv * (Vec::loadu(dr + j) - vde)).store(dr + j);  // dS
+            }
+            for (; j < hi; ++j) {
+              float sv = pr[j] + (bias ? bias[c0 + j] : 0.f);
+              float pv = std::exp((sv - m) - ll);
+              pr[j] = pv;
+              dr[j] = pv * (dr[j] - de);
+            }
+            std::fill(pr + hi, pr + bw, 0.f);
+            std::fill(dr + hi, dr + bw, 0.f);
+          }
+          {  // dV_c += P^T dO: column-major dV_c^T (Dv, bw) += dO^T (Dv, n) P (n, bw)
+            const int M = Dv, N = bw, Kd = n;
+            sgemm_("N", "T", &M, &N, &Kd, &one, dO, &M, p.data(), &N, &one, dV + c0 * Dv, &M);
+          }
+          {  // dK_c += dS^T Q: dK_c^T (D, bw) += Q^T (D, n) dS (n, bw)
+            const int M = D, N = bw, Kd = n;
+            sgemm_("N", "T", &M, &N, &Kd, &one, Q, &M, dp.data(), &N, &one, dK + c0 * D, &M);
+          }
+          {  // dQ += dS K_c: dQ^T (D, n) += K_c^T (D, bw) dS^T (bw, n)
+            const int M = D, N = n, Kd = bw;
+            sgemm_("N", "N", &M, &N, &Kd, &one, K + c0 * D, &M, dp.data(), &Kd, &one, dQ, &M);
+          }
+        }
+      }
+    }
+  };
+  const int nt = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, BHkv)));
+  std::atomic<int64_t> next{0};
+  auto worker = [&]() {
+    if (MKL_Set_Num_Threads_Local) MKL_Set_Num_Threads_Local(1);
+    for (;;) {
+      const int64_t u = next.fetch_add(1);
+      if (u >= BHkv) break;
+      work(u);
+    }
+  };
+  if (nt == 1) {
+    worker();
+  } else {
+    std::vector<std::thread> pool;
+    for (int t = 0; t < nt; ++t) pool.emplace_back(worker);
+    for (auto& th : pool) th.join();
+  }
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // the GIL is released while the kernel's threads run
   m.def("onepass", &onepass, "one-pass attention statistics (CPU, float32), units [begin, end)",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("onepass_backward", &onepass_backward, "its backward (CPU, float32)",
         py::call_guard<py::gil_scoped_release>());
 }

@@ -177,15 +177,23 @@ class SparseAttention(torch.autograd.Function):
         else:
             out_flat, ml_flat = _forward(plan, mask, q, k, v, scale, score_mod)
             out = _from_flat(out_flat, plan)
-        ctx.save_for_backward(q, k, v, ml_flat)
-        ctx.plan, ctx.mask, ctx.scale, ctx.score_mod = plan, mask, scale, score_mod
+        ctx.save_for_backward(q, k, v, ml_flat, out if got is not None else out.new_empty(0))
+        ctx.plan, ctx.mask, ctx.scale, ctx.score_mod, ctx.spec = plan, mask, scale, score_mod, spec
+        ctx.native = got is not None
         lse = _from_flat(ml_flat[..., :1] + ml_flat[..., 1:], plan).squeeze(-1)
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        q, k, v, ml_flat = ctx.saved_tensors
+        q, k, v, ml_flat, out = ctx.saved_tensors
+        if ctx.native:  # the compiled kernel's own backward, from the same m and log l
+            from headlab.attention.backends import native
+
+            ml = _from_flat(ml_flat, ctx.plan)  # (B, H, Lq, 2)
+            dq, dk, dv = native.native_backward(native.kernel(), q, k, v, out, dout, ml[..., 0], ml[..., 1],
+                                                ctx.spec, ctx.mask, ctx.scale)
+            return dq, dk, dv, None, None, None, None, None
         dq, dk, dv = _backward(ctx.plan, ctx.mask, q, k, v, None, ml_flat,
                                dout.to(q.dtype).contiguous(), ctx.scale, ctx.score_mod)
         return dq, dk, dv, None, None, None, None, None

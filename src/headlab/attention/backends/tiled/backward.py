@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from headlab.attention.backends.tiled.forward import forward
+from headlab.attention.backends.tiled.forward import forward, native_forward
 from headlab.attention.backends.tiled.plan import (Plan, from_rows, index_grid, mask_tile, prepare_kv,
                                                    scaled_query, to_rows)
 from headlab.attention.states import EMPTY, PARTIAL
@@ -102,7 +102,9 @@ class TiledAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, plan: Plan):
-        out, ml = forward(q, k, v, plan)
+        got = native_forward(q, k, v, plan)  # the compiled kernel, when it takes the call
+        ctx.native = got is not None
+        out, ml = got if got is not None else forward(q, k, v, plan)
         ctx.save_for_backward(q, k, v, out, ml)
         ctx.plan = plan
         lse = ml[..., 0] + ml[..., 1]  # (BHkv, Lq*G), +inf on rows that see no key
@@ -113,5 +115,12 @@ class TiledAttention(torch.autograd.Function):
     def backward(ctx, dout, _dlse):
         q, k, v, out, ml = ctx.saved_tensors
         p = ctx.plan
-        dq, dk, dv = backward(q, k, v, out, ml, dout, p)
+        if ctx.native:  # the compiled kernel's own backward, from the same m and log l
+            from headlab.attention.backends import native
+
+            ml4 = from_rows(ml, p)  # (B, H, Lq, 2)
+            dq, dk, dv = native.native_backward(native.kernel(), q, k, v, from_rows(out, p), dout, ml4[..., 0],
+                                                ml4[..., 1], p.spec, p.mask, p.scale)
+        else:
+            dq, dk, dv = backward(q, k, v, out, ml, dout, p)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
