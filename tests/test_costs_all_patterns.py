@@ -24,10 +24,11 @@ from headlab.attention.backends import sparse as _sparse
 from headlab.attention.backends import tiled as _tiled
 from headlab.costs import streamed, visits
 from headlab.costs.diagonals import count_diagonal
+from headlab.costs.doccount import count_documents
 from headlab.costs.fixedcount import count_fixed
 from headlab.costs.floorsum import floor_sums
 from headlab.costs.layoutcount import count_layout
-from headlab.costs.tilecount import Grid, Unsupported
+from headlab.costs.tilecount import Grid, Unsupported, count_tiles
 from headlab.errors import CountTooLargeError, MaskError
 
 
@@ -206,6 +207,30 @@ def test_layout_counter_cells_wider_and_narrower_than_tiles():
         assert count_layout(Grid(lq, lk, bq, bk), tree, causal_cut=causal) == kernel_counts(mask, lq, lk, bq, bk, causal)
 
 
+def test_documents_counter_with_bands():
+    """Documents alone, with causal, with (causal) sliding windows: against the maps, and at long
+    lengths against the interval counter (exact Python integers past int64)."""
+    rng = random.Random(4)
+    for _ in range(120):
+        n = rng.randint(1, 160)
+        cut = sorted(rng.sample(range(1, n), min(n - 1, rng.randint(0, 12)))) if n > 1 else []
+        mask = masks.documents([b - a for a, b in zip([0, *cut], [*cut, n])])
+        extra = rng.choice([None, masks.causal(), masks.sliding_window(rng.randint(1, 30)),
+                            masks.sliding_window(rng.randint(1, 30), causal=True), masks.causal_lower_right()])
+        mask = mask if extra is None else mask & extra
+        bq, bk, causal = rng.randint(1, 12), rng.randint(1, 12), rng.random() < 0.5
+        tree = visits._tree(costs.AttentionShape(heads=1, q_len=n, mask=mask, causal=causal))
+        assert count_documents(Grid(n, n, bq, bk), tree, causal_cut=causal) == kernel_counts(mask, n, n, bq, bk, causal)
+    for n, k in ((10**12, 2), (10**12, 300), (10**9 + 7, 50)):
+        cut = sorted(rng.sample(range(1, n), k - 1))
+        mask = masks.documents([b - a for a, b in zip([0, *cut], [*cut, n])]) & masks.sliding_window(1000)
+        for causal in (False, True):
+            tree = visits._tree(costs.AttentionShape(heads=1, q_len=n, mask=mask, causal=causal))
+            for bq, bk in ((128, 128), (256, 512)):
+                g = Grid(n, n, bq, bk)
+                assert count_documents(g, tree, causal_cut=causal) == count_tiles(g, tree, causal_cut=causal)
+
+
 def test_floor_sums_against_brute_force():
     rng = random.Random(0)
     for _ in range(3000):
@@ -250,6 +275,7 @@ AT_1E12 = {  # every built-in pattern, with arguments in tokens
     "block_layout": masks.block_layout(torch.rand(1000, 1000, generator=_LAYOUT) < 0.1, 10**9),
     "longformer": masks.dilated_window(64, 1000) | masks.global_tokens(list(range(64))),
     "documents & strided": masks.documents([5 * 10**11] * 2) & masks.strided(10**6),
+    "10^4 documents & causal": masks.documents([10**8] * 10**4) & masks.causal(),
     "~sliding_window": ~masks.sliding_window(4),
 }
 
@@ -264,15 +290,16 @@ def test_a_trillion_tokens_in_a_second_and_100_mib_without_maps(name, monkeypatc
     monkeypatch.setattr(_tiled, "tile_states", no_maps)
     for causal in (False, True):
         shape = costs.AttentionShape(q_len=N, mask=AT_1E12[name], causal=causal)
-        tracemalloc.start()
-        t = time.perf_counter()
+        t = time.process_time()  # CPU time of this process: other jobs on the machine do not count
         table = costs.estimate_all(shape)
-        elapsed = time.perf_counter() - t
+        elapsed = time.process_time() - t
+        tracemalloc.start()  # apart: tracing slows Python several times
+        costs.estimate_all(shape)
         peak = tracemalloc.get_traced_memory()[1]
         tracemalloc.stop()
         assert table["sparse"].forward_flops > 0 and table["tiled"].forward_flops > 0
         assert peak < 100 * 2**20, f"{name}: {peak / 2**20:.1f} MiB"
-        assert elapsed < 3.0, f"{name}: {elapsed:.2f} s (traced)"  # tracemalloc slows Python several times
+        assert elapsed < 1.0, f"{name}: {elapsed:.2f} s"
 
 
 def test_bigbird_at_a_trillion_tokens_is_refused_with_its_range(monkeypatch):

@@ -4,7 +4,9 @@ without building the block map they walk.
 Each (batch, head) slice of the mask is read as a tree (:mod:`headlab.costs.patterns`) and counted
 exactly by the first counter that reads it:
 
-1. :mod:`headlab.costs.layoutcount`: a block layout alone (or with causal), from its cells;
+1. :mod:`headlab.costs.layoutcount` and :mod:`headlab.costs.doccount`: a block layout, or packed
+   documents, alone or with causal (documents also with a sliding window), vectorised over cells or
+   documents;
 2. :mod:`headlab.costs.tilecount`: the key tiles of a block row are a few intervals moving
    linearly with the row (causal, windows, narrow strides and dilations, global tokens, documents,
    padding, block layouts, ``fixed`` with tiles at least a block wide) - milliseconds at any length;
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 from headlab.costs import streamed
 from headlab.costs.diagonals import count_diagonal
+from headlab.costs.doccount import count_documents
 from headlab.costs.fixedcount import count_fixed
 from headlab.costs.layoutcount import count_layout
 from headlab.costs.model import AttentionShape
@@ -38,7 +41,7 @@ __all__ = ["MAP_BUDGET", "pairs", "plan_tiles", "tiles"]
 # classifier's temporaries take about 30 bytes a tile: 60 MiB here).
 MAP_BUDGET = 1 << 21
 
-_COUNTERS = (count_layout, count_tiles, count_diagonal, count_fixed)  # the fast special cases first
+_COUNTERS = (count_layout, count_documents, count_tiles, count_diagonal, count_fixed)  # the fast special cases first
 
 
 def plan_tiles(shape: AttentionShape, block_q: int, block_k: int) -> int:
