@@ -28,6 +28,7 @@ from headlab.costs.tilecount import Grid, Unsupported
 __all__ = ["count_documents"]
 
 _BIG = 1 << 60
+_CHUNK = 1 << 14  # runs of rows counted at once (bounded temporaries)
 
 
 def _band(tree) -> tuple[int, int] | None:
@@ -162,10 +163,19 @@ def count_documents(grid: Grid, tree, *, causal_cut: bool = False) -> tuple[int,
     if band[0] > band[1]:
         return 0, 0
     r0, r1 = _runs(g, docs)
-    big = (g.n_qb + g.n_kb) * max(g.block_q, g.block_k)
-    dtype = np.int64 if big * max(g.n_qb, g.n_kb) < (1 << 61) else object  # exact: Python ints past int64
-    tiles, pairs = _count(g, docs, band, r0, r1, g.block_q, causal_cut, dtype)
     hq = g.q_len - (g.n_qb - 1) * g.block_q
     last = np.array([g.n_qb - 1], dtype=np.int64)
-    t, p = _count(g, docs, band, last, last + 1, hq, causal_cut, dtype)
+    tiles = pairs = 0
+    for k in range(0, len(r0), _CHUNK):
+        a, b = r0[k:k + _CHUNK], r1[k:k + _CHUNK]
+        t, p = _count(g, docs, band, a, b, g.block_q, causal_cut, _dtype(g, int((b - a).max())))
+        tiles, pairs = tiles + t, pairs + p
+    t, p = _count(g, docs, band, last, last + 1, hq, causal_cut, _dtype(g, 1))
     return tiles + t, pairs + p
+
+
+def _dtype(g: Grid, rows: int):
+    """int64 when every intermediate of a run of ``rows`` block rows fits (each is at most about
+    ``rows * (positions + bq * rows)``), else exact Python integers."""
+    big = rows * (g.q_len + g.kv_len + g.block_q * rows + g.n_kb) * 4
+    return np.int64 if big < (1 << 62) else object
