@@ -186,7 +186,8 @@ def test_a_trillion_tokens_without_maps_under_a_memory_cap():
              "dilated_window:128:2", "strided:64", "global_tokens:0,1,5000",
              f"documents:{6 * 10**11},{4 * 10**11}", "sliding_window:128|global_tokens:0,1",
              f"documents:{5 * 10**11},{5 * 10**11}&causal", "~sliding_window:4", "fixed:64:4",
-             "fixed:100:3:causal=false"]
+             "fixed:100:3:causal=false", "padding:700000000000", "dilated_window:64:1000", "strided:1000000",
+             "fixed:1000000:64", "dilated_window:64:1000|global_tokens:0"]
     res = subprocess.run([sys.executable, "-c", _BIG, *specs], capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
     assert res.stdout.strip() == f"ok {len(specs)}"

@@ -154,8 +154,11 @@ def structure(mask, b: int = 0, h: int = 0):
     leaf = _attr_leaf(mask, b, h)
     if leaf is not None:
         return leaf
+    if getattr(mask, "_blocks", None) is None:
+        raise Unsupported(f"{mask.name!r} is not a built-in pattern: a function of your own is evaluated "
+                          "element by element")
     if getattr(mask, "batch_dependent", False) or getattr(mask, "head_dependent", False):
-        raise Unsupported("a mask that changes with the batch or head index")
+        raise Unsupported(f"{mask.name!r} changes with the batch or head index in a way headlab cannot read")
     return _parse(str(mask.name))
 
 

@@ -5,7 +5,7 @@ own mask functions, and compositions the counters of this package cannot read ar
 kernel's own block map, computed by the same classifier
 (:func:`headlab.attention.blocks.block_rows`) a chunk of block rows at a time: memory stays at a
 chunk of about :data:`CHUNK` tile states (a few rows of the map, never all of it), and time grows with
-the number of tiles. A count estimated at more than :data:`STREAM_BUDGET` tile states (about a second)
+the number of tiles. A count estimated at more than :data:`STREAM_BUDGET` tile states (about half a second)
 is refused before it starts with :class:`~headlab.errors.CountTooLargeError`, which gives the
 estimate, the longest length counted exactly, and for BigBird the range its visited tiles lie in.
 """
@@ -28,7 +28,7 @@ from headlab.errors import CountTooLargeError
 
 __all__ = ["CHUNK", "STREAM_BUDGET", "pairs", "tiles", "work"]
 
-STREAM_BUDGET = 1 << 22  # tile states evaluated for one prediction, at most (about 0.3 s)
+STREAM_BUDGET = 1 << 22  # tile states evaluated for one prediction, at most (about half a second)
 CHUNK = 1 << 18  # tile states per chunk of block rows (a few MiB of temporaries)
 _CAUSAL_MASK = causal()
 
@@ -58,8 +58,8 @@ def work(shape: AttentionShape, block_q: int, block_k: int) -> int:
         bb = getattr(leaf, "bigbird", None)
         if bb is not None:  # one permutation of the key blocks drawn per block row
             extra += -(-shape.q_len // bb["block"]) * -(-shape.kv_len // bb["block"]) // 8
-        elif str(leaf.name).startswith("fixed("):  # its classifier works per query row
-            extra += tiles * block_q // 16
+        elif str(leaf.name).startswith("fixed("):  # its classifier works per query row: measured
+            extra += tiles * block_q * 3 // 2  # about 1.5 tile states of time per (query, key tile)
         elif getattr(leaf, "layout", None) is not None:
             extra += leaf.layout.numel() // 8
     return tiles + extra
@@ -82,7 +82,7 @@ def _check(shape: AttentionShape, block_q: int, block_k: int, why: Exception) ->
     bounds = _bigbird_bounds(shape, block_q, block_k)
     msg = (f"the tiles of {name} at {lq}x{lk} have no closed form here ({why}); counting them on the block "
            f"map row by row ({n_qb:,} x {n_kb:,} tiles of {block_q}x{block_k}) would evaluate about {w:,} tile "
-           f"states, more than the {STREAM_BUDGET:,} (about a second) headlab spends on one prediction")
+           f"states, more than the {STREAM_BUDGET:,} (about half a second) headlab spends on one prediction")
     if bounds is not None:
         msg += (f"; its window and global blocks alone visit {bounds[0]:,} to {bounds[1]:,} of the "
                 f"{n_qb * n_kb:,} tiles per (batch, head), and its random blocks add at most {bounds[2]:,}")
