@@ -339,6 +339,9 @@ def test_the_cost_model_refuses_what_the_mask_refuses():
     lay = masks.block_layout(torch.ones(4, 4, dtype=torch.bool), 10)
     with pytest.raises(MaskError, match="build the layout for this length"):
         costs.estimate(costs.AttentionShape(q_len=N, mask=lay), "tiled")
+    per_head = masks.block_layout(torch.ones(3, 4, 4, dtype=torch.bool), 10)
+    with pytest.raises(MaskError, match="built for 3 heads"):
+        costs.estimate(costs.AttentionShape(heads=6, q_len=40, mask=per_head), "sparse")
 
 
 def test_unsupported_is_what_the_counters_raise():

@@ -166,6 +166,7 @@ def slices(mask, batch: int, heads: int) -> list[tuple[int, Node]]:
     """``(how many (batch, query head) pairs, tree)`` for each distinct slice of ``mask``'s block map."""
     if mask is None:
         return [(batch * heads, structure(None))]
+    mask.check_sizes(batch, heads)  # a padding or per-head layout built for other sizes: the kernel's error
     bm = batch if mask.batch_dependent else 1
     hm = heads if mask.head_dependent else 1
     if bm * hm > MAX_SLICES:
