@@ -48,6 +48,20 @@ class CostModelError(HeadlabError, NotImplementedError):
     """A backend without a cost formula (an error, never a silent zero)."""
 
 
+class CountTooLargeError(CostModelError):
+    """A prediction refused because counting its tiles would cost more than the prediction is for:
+    ``work`` is the estimated number of tile states to evaluate, ``budget`` what headlab allows one
+    prediction, ``max_len`` about the longest sequence it counts exactly, and ``bounds`` (or None) a
+    ``(low, high)`` range of the visited tiles per (batch, head) where one can be given cheaply."""
+
+    def __init__(self, message: str, *, work: int, budget: int, max_len: int, bounds: tuple[int, int] | None = None):
+        super().__init__(message)
+        self.work = work
+        self.budget = budget
+        self.max_len = max_len
+        self.bounds = bounds
+
+
 class MemoryBudgetError(HeadlabError, MemoryError):
     """A request refused before allocation because its estimate exceeds available memory."""
 

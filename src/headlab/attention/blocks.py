@@ -27,7 +27,7 @@ import torch
 from headlab.attention.states import EMPTY, FULL, PARTIAL
 from headlab.errors import ConfigError
 
-__all__ = ["EMPTY", "FULL", "PARTIAL", "BlockMap", "block_map"]
+__all__ = ["EMPTY", "FULL", "PARTIAL", "BlockMap", "block_map", "block_rows"]
 
 # rows of the dense mask evaluated at once when no closed form exists: bounds memory to
 # about _ROW_BUDGET * kv_len booleans per (batch, head) the mask depends on.
@@ -99,17 +99,18 @@ class BlockMap:
                         _classify_dense(mask, q_len, kv_len, block_q, block_k, batch, heads, device))
 
 
-def _classify_dense(mask, q_len, kv_len, block_q, block_k, batch, heads, device) -> torch.Tensor:
-    """Evaluate the mask in row chunks of whole query blocks and reduce each tile to any/all."""
-    n_qb = -(-q_len // block_q)
+def _classify_dense(mask, q_len, kv_len, block_q, block_k, batch, heads, device, rows=None) -> torch.Tensor:
+    """Evaluate the mask in row chunks of whole query blocks and reduce each tile to any/all
+    (the tile rows ``[i0, i1)`` only, with ``rows``)."""
+    i0, i1 = rows if rows is not None else (0, -(-q_len // block_q))
     n_kb = -(-kv_len // block_k)
     bm = batch if mask.batch_dependent else 1
     hm = heads if mask.head_dependent else 1
     pad_k = n_kb * block_k - kv_len
     blocks_per_chunk = max(1, _ROW_BUDGET // max(1, kv_len * block_q * bm * hm))
-    out = torch.empty((bm, hm, n_qb, n_kb), dtype=torch.int8, device=device)
-    for qb0 in range(0, n_qb, blocks_per_chunk):
-        qb1 = min(n_qb, qb0 + blocks_per_chunk)
+    out = torch.empty((bm, hm, i1 - i0, n_kb), dtype=torch.int8, device=device)
+    for qb0 in range(i0, i1, blocks_per_chunk):
+        qb1 = min(i1, qb0 + blocks_per_chunk)
         r0, r1 = qb0 * block_q, min(q_len, qb1 * block_q)
         dense = mask.dense(batch, heads, q_len, kv_len, device=device, rows=torch.arange(r0, r1, device=device))
         dense = dense.expand(bm, hm, r1 - r0, kv_len)
@@ -120,8 +121,20 @@ def _classify_dense(mask, q_len, kv_len, block_q, block_k, batch, heads, device)
         shape = (bm, hm, qb1 - qb0, block_q, n_kb, block_k)
         any_b = any_t.reshape(shape).any(dim=5).any(dim=3)
         all_b = all_t.reshape(shape).all(dim=5).all(dim=3)
-        out[:, :, qb0:qb1] = torch.where(all_b, FULL, torch.where(any_b, PARTIAL, EMPTY)).to(torch.int8)
+        out[:, :, qb0 - i0:qb1 - i0] = torch.where(all_b, FULL, torch.where(any_b, PARTIAL, EMPTY)).to(torch.int8)
     return out
+
+
+def block_rows(mask, q_len: int, kv_len: int, block_q: int, block_k: int, i0: int, i1: int, *, batch: int = 1,
+               heads: int = 1, device: torch.device | str | None = None) -> torch.Tensor:
+    """The tile rows ``[i0, i1)`` of the block map of ``mask``, int8 ``(Bm, Hm, i1 - i0, n_kv_blocks)``,
+    computed by the same classifier as :func:`block_map` (or the same dense evaluation) but without
+    the other rows, so a map too large to hold can be walked a few rows at a time."""
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    hint = mask.block_hint(q_len, kv_len, block_q, block_k, device, rows=(i0, i1))
+    if hint is not None:
+        return hint.to(torch.int8)
+    return _classify_dense(mask, q_len, kv_len, block_q, block_k, batch, heads, device, rows=(i0, i1))
 
 
 _CACHE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # mask -> {shape key: BlockMap}

@@ -20,19 +20,22 @@ The idea, in three steps:
    symbolically, is then a polynomial in ``m`` valid up to the first such row, and is summed over
    that run in closed form. A pattern takes a handful of runs, so any length costs microseconds.
 
-A pattern this module cannot describe raises :class:`Unsupported`; the caller falls back to the
-block map. Correctness is checked against block maps for every built-in pattern and combination on
+A pattern this module cannot describe raises :class:`Unsupported`; the caller tries the next
+counter (:mod:`headlab.costs.visits`). Correctness is checked against block maps for every built-in pattern and combination on
 small lengths (``tests/test_costs.py``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from fractions import Fraction
 from functools import cmp_to_key
 from math import gcd
 
-__all__ = ["Grid", "Lin", "Unsupported", "count_tiles"]
+__all__ = ["WORK_BUDGET", "Grid", "Lin", "Unsupported", "count_tiles"]
+
+# Intervals handled for one count, at most (about a second): a pattern with thousands of separate
+# global tokens or documents is left to the next counter (or refused) rather than counted for minutes.
+WORK_BUDGET = 1 << 17
 
 
 class Unsupported(Exception):
@@ -57,10 +60,11 @@ class Lin:
 
 
 class Poly:
-    """A polynomial in ``m`` with rational coefficients (degree <= 2 is all the counts need)."""
+    """A polynomial in ``m`` with integer coefficients (degree <= 2 is all the counts need; the one
+    half in a cut tile's area is kept out by counting twice the area)."""
 
     def __init__(self, coeffs=(0,)):
-        self.c = [Fraction(x) for x in coeffs]
+        self.c = list(coeffs)
 
     @staticmethod
     def of(x: Lin | int) -> Poly:
@@ -70,10 +74,10 @@ class Poly:
         n = max(len(self.c), len(o.c))
         return Poly([(self.c[i] if i < len(self.c) else 0) + (o.c[i] if i < len(o.c) else 0) for i in range(n)])
 
-    def __mul__(self, o: Poly | int | Fraction) -> Poly:
+    def __mul__(self, o: Poly | int) -> Poly:
         if not isinstance(o, Poly):
             return Poly([x * o for x in self.c])
-        out = [Fraction(0)] * (len(self.c) + len(o.c) - 1)
+        out = [0] * (len(self.c) + len(o.c) - 1)
         for i, x in enumerate(self.c):
             for j, y in enumerate(o.c):
                 out[i + j] += x * y
@@ -85,21 +89,21 @@ class Poly:
     def __sub__(self, o: Poly) -> Poly:
         return self + (-o)
 
-    def sum_over(self, m0: int, m1: int) -> Fraction:
+    def sum_over(self, m0: int, m1: int) -> int:
         """``sum_{m = m0}^{m1 - 1} p(m)``."""
 
-        def s(n: int, k: int) -> Fraction:  # sum_{m=0}^{n-1} m^k
+        def s(n: int, k: int) -> int:  # sum_{m=0}^{n-1} m^k
             if k == 0:
-                return Fraction(n)
+                return n
             if k == 1:
-                return Fraction(n * (n - 1), 2)
+                return n * (n - 1) // 2
             if k == 2:
-                return Fraction((n - 1) * n * (2 * n - 1), 6)
+                return (n - 1) * n * (2 * n - 1) // 6
             if k == 3:
-                return Fraction((n * (n - 1)) ** 2, 4)
+                return (n * (n - 1)) ** 2 // 4
             raise AssertionError(f"degree {k} is not needed by any count")
 
-        return sum((c * (s(m1, k) - s(m0, k)) for k, c in enumerate(self.c) if c), Fraction(0))
+        return sum(c * (s(m1, k) - s(m0, k)) for k, c in enumerate(self.c) if c)
 
 
 class Run:
@@ -108,6 +112,7 @@ class Run:
     def __init__(self, m0: int, limit: int):
         self.m0 = m0
         self.limit = limit  # exclusive: every comparison made holds for m in [m0, limit)
+        self.work = 0  # intervals handled: what one evaluation costs
 
     def le(self, x: Lin, y: Lin) -> bool:
         """``x <= y`` at ``m0``, shrinking ``limit`` to the first row where the answer changes."""
@@ -130,6 +135,7 @@ class Run:
 
     # -- sets of key tiles: sorted lists of disjoint, non-empty closed intervals (lo, hi) --------
     def norm(self, ivs) -> list[tuple[Lin, Lin]]:
+        self.work += len(ivs)
         ivs = [iv for iv in ivs if self.le(iv[0], iv[1])]
         if len({lo.a for lo, _ in ivs}) <= 1:  # starts of one slope keep their order on every row
             ivs.sort(key=lambda iv: iv[0].b)
@@ -233,7 +239,10 @@ def count_tiles(grid: Grid, tree, *, causal_cut: bool = False) -> tuple[int, int
     row_classes = [(0, n_qb - 2, g.block_q), (n_qb - 1, n_qb - 1, hq)]
     col_classes = [(0, n_kb - 2, g.block_k), (n_kb - 1, n_kb - 1, wk)]
     breaks = sorted(set(tree.breaks(g)))
-    tiles, pairs = Fraction(0), Fraction(0)
+    if len(breaks) * P > WORK_BUDGET:  # at least one run of rows between two changes, per residue
+        raise Unsupported(f"{len(breaks) * P:,} runs of block rows to follow (the pattern changes "
+                          f"{len(breaks):,} times along the rows)")
+    tiles = pairs2 = work = 0  # pairs2: twice the score entries (a cut tile's area has a half in it)
     for ia, ib, hgt in row_classes:
         if ib < ia:
             continue
@@ -251,26 +260,27 @@ def count_tiles(grid: Grid, tree, *, causal_cut: bool = False) -> tuple[int, int
                         row = Row(g, run, P, r, hgt, wid, Lin(0, ja), Lin(0, jb))
                         nonempty, _ = tree.sets(row, need_full=False)
                         n = Run.count(nonempty)
-                        if causal_cut:
-                            area = _cut_area(row, nonempty)
-                        else:
-                            area = n * (hgt * wid)
+                        area2 = _cut_area2(row, nonempty) if causal_cut else n * (2 * hgt * wid)
                         tiles += n.sum_over(s, run.limit)
-                        pairs += area.sum_over(s, run.limit)
+                        pairs2 += area2.sum_over(s, run.limit)
                         s = run.limit
-    return int(tiles), int(pairs)
+                        work += run.work + len(nonempty) + 1
+                        if work > WORK_BUDGET:
+                            raise Unsupported(f"more than {WORK_BUDGET:,} intervals of key tiles to follow "
+                                              f"over {len(breaks):,} changes of the pattern along the rows")
+    return tiles, pairs2 // 2
 
 
-def _cut_area(row: Row, tiles) -> Poly:
-    """Score entries of ``tiles`` in one block row when key tiles stop at the row's last query."""
+def _cut_area2(row: Row, tiles) -> Poly:
+    """Twice the score entries of ``tiles`` in one block row when key tiles stop at the row's last query."""
     run, hgt, wid, bk = row.run, row.hgt, row.wid, row.grid.block_k
     # key tiles from jc on end after the row's last query qe = qs + hgt - 1: width qe + 1 - J bk
     jc = row.band(hgt - wid + bk)
     whole = run.inter(tiles, [(row.j0, jc - 1)])
     cut = run.inter(tiles, [(jc, row.j1)])
-    area = Run.count(whole) * wid
+    area = Run.count(whole) * (2 * wid)
     qe1 = Poly.of(row.qs()) + Poly((hgt,))  # qe + 1
-    for lo, hi in cut:
+    for lo, hi in cut:  # sum over J in [lo, hi] of qe + 1 - J bk, twice
         n = Poly.of(hi) - Poly.of(lo) + Poly((1,))
-        area = area + n * qe1 - (Poly.of(lo) + Poly.of(hi)) * n * Fraction(bk, 2)
+        area = area + n * qe1 * 2 - (Poly.of(lo) + Poly.of(hi)) * n * bk
     return area * hgt

@@ -1,10 +1,22 @@
-"""How many tiles (and score entries) the tiled and sparse kernels visit for a shape.
+"""How many tiles (and score entries) the tiled and sparse kernels visit for a shape, predicted
+without building the block map they walk.
 
-In closed form for the built-in patterns and their ``&`` / ``|`` / ``~`` combinations
-(:mod:`headlab.costs.tilecount`), whatever the length: the cost model predicts without building
-the block map the kernel would walk. Other masks (user functions, padding, block layouts,
-BigBird, ``fixed``, strides wider than a tile) are counted on the block map itself while it has at
-most :data:`MAP_BUDGET` tiles, and refused above that with the size the map would take.
+Each (batch, head) slice of the mask is read as a tree (:mod:`headlab.costs.patterns`) and counted
+exactly by the first counter that reads it:
+
+1. :mod:`headlab.costs.layoutcount` and :mod:`headlab.costs.doccount`: a block layout, or packed
+   documents, alone or with causal (documents also with a sliding window), vectorised over cells or
+   documents;
+2. :mod:`headlab.costs.tilecount`: the key tiles of a block row are a few intervals moving
+   linearly with the row (causal, windows, narrow strides and dilations, global tokens, documents,
+   padding, block layouts, ``fixed`` with tiles at least a block wide) - milliseconds at any length;
+3. :mod:`headlab.costs.diagonals`: offset patterns of any stride or dilation, also with global
+   tokens, documents, padding and small layouts, summed along diagonals with floor sums;
+4. :mod:`headlab.costs.fixedcount`: ``fixed`` with any stride (alone or with causal).
+
+A mask none of them reads (BigBird's random blocks, a user function, some compositions) is counted
+on the block map row by row (:mod:`headlab.costs.streamed`) while that takes about a second at most,
+and refused beyond with the estimate (:class:`~headlab.errors.CountTooLargeError`).
 
     >>> from headlab import costs
     >>> shape = costs.AttentionShape(heads=1, q_len=10**12, causal=True)
@@ -14,21 +26,22 @@ most :data:`MAP_BUDGET` tiles, and refused above that with the size the map woul
 
 from __future__ import annotations
 
-import torch
-
+from headlab.costs import streamed
+from headlab.costs.diagonals import count_diagonal
+from headlab.costs.doccount import count_documents
+from headlab.costs.fixedcount import count_fixed
+from headlab.costs.layoutcount import count_layout
 from headlab.costs.model import AttentionShape
-from headlab.costs.patterns import And, Offset, structure
+from headlab.costs.patterns import CAUSAL, And, Combine, slices, structure
 from headlab.costs.tilecount import Grid, Unsupported, count_tiles
-from headlab.errors import CostModelError
-from headlab.units import human_bytes
 
 __all__ = ["MAP_BUDGET", "pairs", "plan_tiles", "tiles"]
 
-# Block maps counted directly up to this many tiles per (batch, head) slice: a pattern's block
-# classifier takes a few int64 temporaries per tile (about 30 bytes), so about 60 MiB at most.
+# A kernel's block map above this many tiles is worth a note in the cost (its int8 states and the
+# classifier's temporaries take about 30 bytes a tile: 60 MiB here).
 MAP_BUDGET = 1 << 21
 
-_CAUSAL = Offset(((0, None),))
+_COUNTERS = (count_layout, count_documents, count_tiles, count_diagonal, count_fixed)  # the fast special cases first
 
 
 def plan_tiles(shape: AttentionShape, block_q: int, block_k: int) -> int:
@@ -37,62 +50,44 @@ def plan_tiles(shape: AttentionShape, block_q: int, block_k: int) -> int:
 
 
 def _tree(shape: AttentionShape):
+    """The tree of a mask with one slice, ANDed with causal when the call is causal."""
     tree = structure(shape.mask)
-    return And(tree, _CAUSAL) if shape.causal else tree
+    return And(tree, CAUSAL) if shape.causal else tree
 
 
-def _refuse(shape: AttentionShape, block_q: int, block_k: int, why: Exception) -> CostModelError:
-    n = plan_tiles(shape, block_q, block_k)
-    name = getattr(shape.mask, "name", "the mask")
-    return CostModelError(
-        f"the tiles of {name} at {shape.q_len}x{shape.kv_len} have no closed form here ({why}) and its block "
-        f"map would have {n:,} tiles of {block_q}x{block_k} (about {human_bytes(30 * n)} to count); headlab "
-        f"counts maps of up to {MAP_BUDGET:,} tiles: use a shorter length, or a built-in pattern "
-        "(sliding_window, dilated_window, strided, global_tokens, documents, causal, and & | ~ of them)")
-
-
-def _closed_form(shape: AttentionShape, block_q: int, block_k: int, causal_cut: bool) -> tuple[int, int] | None:
-    try:
-        tree = _tree(shape)
-        return count_tiles(Grid(shape.q_len, shape.kv_len, block_q, block_k), tree, causal_cut=causal_cut)
-    except Unsupported as e:
-        if plan_tiles(shape, block_q, block_k) > MAP_BUDGET:
-            raise _refuse(shape, block_q, block_k, e) from None
-        return None
+def exact(grid: Grid, tree, causal_cut: bool = False) -> tuple[int, int]:
+    """``(tiles, entries)`` of one tree by the first counter that reads it, or ``Unsupported``
+    with the reason of :func:`~headlab.costs.tilecount.count_tiles`, the general one."""
+    why = None
+    for counter in _COUNTERS:
+        try:
+            return counter(grid, tree, causal_cut=causal_cut)
+        except Unsupported as e:
+            why = e if counter is count_tiles else why
+    raise why
 
 
 def tiles(shape: AttentionShape, block_q: int, block_k: int) -> int:
     """Non-empty tiles of the block map of ``shape.mask`` (ANDed with causal when set), summed over
     every (batch, query head): the tiles the sparse kernel computes."""
-    found = _closed_form(shape, block_q, block_k, causal_cut=False)
-    if found is not None:
-        return found[0] * shape.batch * shape.heads
-    from headlab.attention.backends import sparse as _sparse
-    from headlab.attention.masks import full
-
-    mask = _sparse.effective_mask(shape.mask, shape.causal) or full()
-    bm = _sparse.block_map(mask, shape.q_len, shape.kv_len, shape.batch, shape.heads, block_q, block_k)
-    return _sparse.visited_tiles(bm, shape.batch, shape.heads)
+    grid = Grid(shape.q_len, shape.kv_len, block_q, block_k)
+    try:
+        total = 0
+        for n, tree in slices(shape.mask, shape.batch, shape.heads):
+            total += n * exact(grid, And(tree, CAUSAL) if shape.causal else tree)[0]
+        return total
+    except Unsupported as e:
+        return streamed.tiles(shape, block_q, block_k, e)
 
 
 def pairs(shape: AttentionShape, block_q: int, block_k: int) -> int:
-    """Score entries inside the tiles the tiled kernel visits, per (batch, head): edge tiles at their
-    real size; under ``causal`` a tile's key range stops at its query block's end, as the kernel cuts it."""
-    found = _closed_form(shape, block_q, block_k, causal_cut=shape.causal)
-    if found is not None:
-        return found[1]
-    from headlab.attention.backends import tiled as _tiled
-
-    states = _tiled.tile_states(shape.spec(), shape.mask, block_q, block_k)
-    n_qb, n_kb = states.shape
-    qs = torch.full((n_qb,), block_q, dtype=torch.int64)
-    qs[-1] = shape.q_len - block_q * (n_qb - 1)
-    ks = torch.full((n_kb,), block_k, dtype=torch.int64)
-    ks[-1] = shape.kv_len - block_k * (n_kb - 1)
-    if shape.causal:  # key tile [j0, j1) cut at the query block's end i1 (top-left causal)
-        i1 = torch.cumsum(qs, 0)
-        j0 = torch.arange(n_kb, dtype=torch.int64) * block_k
-        area = qs[:, None] * (torch.minimum(j0[None, :] + ks[None, :], i1[:, None]) - j0[None, :]).clamp(min=0)
-    else:
-        area = qs[:, None] * ks[None, :]
-    return int((area * (states != 0)).sum())
+    """Score entries inside the tiles the tiled kernel visits, per (batch, head): its tile states
+    combined over batch and heads, edge tiles at their real size; under ``causal`` a tile's key
+    range stops at its query block's end, as the kernel cuts it."""
+    grid = Grid(shape.q_len, shape.kv_len, block_q, block_k)
+    try:
+        trees = [tree for _, tree in slices(shape.mask, shape.batch, shape.heads)]
+        tree = trees[0] if len(trees) == 1 else Combine(tuple(trees))
+        return exact(grid, And(tree, CAUSAL) if shape.causal else tree, shape.causal)[1]
+    except Unsupported as e:
+        return streamed.pairs(shape, block_q, block_k, e)

@@ -8,6 +8,7 @@ block map with it (or by dense evaluation when there is none). Masks never impor
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Sequence
 
 import torch
@@ -17,8 +18,10 @@ from headlab.errors import ConfigError, MaskError
 
 # fn(b, h, q_idx, kv_idx, q_len, kv_len) -> bool tensor broadcastable to the index shapes
 _Inner = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, int], torch.Tensor]
-# blocks(q_len, kv_len, block_q, block_k, device) -> int8 (Bm, Hm, n_qb, n_kb) of EMPTY/PARTIAL/FULL
-_BlockHint = Callable[[int, int, int, int, torch.device], torch.Tensor]
+# blocks(q_len, kv_len, block_q, block_k, device[, rows=(i0, i1)]) -> int8 (Bm, Hm, n_qb, n_kb) of
+# EMPTY/PARTIAL/FULL; with ``rows``, only the tile rows [i0, i1): (Bm, Hm, i1 - i0, n_kb)
+_BlockHint = Callable[..., torch.Tensor]
+Rows = tuple[int, int] | None
 
 __all__ = ["MaskFn", "as_mask", "causal", "causal_lower_right", "full", "padding"]
 
@@ -37,6 +40,8 @@ class MaskFn:
             sizes (a padding mask knows its batch size); checked against the call.
         blocks: optional exact-or-conservative block classifier used instead of evaluating
             every element when compiling a block map (patterns with closed forms provide it).
+            One that takes a ``rows=(i0, i1)`` keyword answers for those tile rows alone, so a
+            map can be streamed a few rows at a time (every built-in classifier does).
         check: optional ``check(q_len, kv_len)`` run when this mask itself is evaluated or
             compiled (not when it is part of a composition): a pattern that would be silently
             empty at a length raises there.
@@ -61,7 +66,9 @@ class MaskFn:
         self.batch_size = batch_size
         self.num_heads = num_heads
         self._blocks = blocks
+        self._blocks_rows = blocks is not None and "rows" in inspect.signature(blocks).parameters
         self._check = check
+        self.parts: tuple = ()  # ("&" | "|", a, b) or ("~", a) for a composition: what the cost model reads
 
     def __repr__(self) -> str:
         return f"MaskFn({self.name})"
@@ -135,14 +142,23 @@ class MaskFn:
             out = out.expand(batch, heads, q.shape[2], kv_len)
         return out
 
-    def block_hint(self, q_len: int, kv_len: int, block_q: int, block_k: int, device) -> torch.Tensor | None:
+    def block_hint(self, q_len: int, kv_len: int, block_q: int, block_k: int, device,
+                   rows: Rows = None) -> torch.Tensor | None:
         """Block states ``(Bm, Hm, n_q_blocks, n_kv_blocks)`` from the closed-form classifier, or None
-        when there is none (:func:`headlab.attention.blocks.block_map` then evaluates the mask)."""
+        when there is none (:func:`headlab.attention.blocks.block_map` then evaluates the mask).
+        ``rows=(i0, i1)``: only tile rows ``[i0, i1)``, ``(Bm, Hm, i1 - i0, n_kv_blocks)``."""
         if self._check is not None:
             self._check(q_len, kv_len)
+        return self._hint(q_len, kv_len, block_q, block_k, device, rows)
+
+    def _hint(self, lq, lk, bq, bk, device, rows: Rows):
         if self._blocks is None:
             return None
-        return self._blocks(q_len, kv_len, block_q, block_k, device)
+        if rows is None:
+            return self._blocks(lq, lk, bq, bk, device)
+        if self._blocks_rows:
+            return self._blocks(lq, lk, bq, bk, device, rows=rows)
+        return self._blocks(lq, lk, bq, bk, device)[:, :, rows[0]:rows[1]]  # a classifier without rows=
 
     # -- composition ----------------------------------------------------------------------
     def _combine(self, other: MaskFn, op: str) -> MaskFn:
@@ -156,12 +172,12 @@ class MaskFn:
                 return f(b, h, q, kv, lq, lk) | g(b, h, q, kv, lq, lk)
         blocks = None
         if self._blocks is not None and other._blocks is not None:
-            bf, bg = self._blocks, other._blocks
+            a, c = self, other
             reduce = torch.minimum if op == "&" else torch.maximum  # EMPTY < PARTIAL < FULL
 
-            def blocks(lq, lk, bq, bk, device):
-                return reduce(bf(lq, lk, bq, bk, device), bg(lq, lk, bq, bk, device))
-        return MaskFn(
+            def blocks(lq, lk, bq, bk, device, rows=None):
+                return reduce(a._hint(lq, lk, bq, bk, device, rows), c._hint(lq, lk, bq, bk, device, rows))
+        out = MaskFn(
             fn,
             f"({self.name} {op} {other.name})",
             batch_dependent=self.batch_dependent or other.batch_dependent,
@@ -170,6 +186,8 @@ class MaskFn:
             num_heads=self.num_heads or other.num_heads,
             blocks=blocks,
         )
+        out.parts = (op, self, other)
+        return out
 
     def __and__(self, other) -> MaskFn:
         return self._combine(other, "&")
@@ -191,14 +209,16 @@ class MaskFn:
 
         blocks = None
         if self._blocks is not None:
-            bf = self._blocks
+            a = self
 
-            def blocks(lq, lk, bq, bk, device):
-                return FULL - bf(lq, lk, bq, bk, device)  # FULL <-> EMPTY, PARTIAL stays
+            def blocks(lq, lk, bq, bk, device, rows=None):
+                return FULL - a._hint(lq, lk, bq, bk, device, rows)  # FULL <-> EMPTY, PARTIAL stays
 
-        return MaskFn(fn, f"~{self.name}", batch_dependent=self.batch_dependent,
-                      head_dependent=self.head_dependent, batch_size=self.batch_size,
-                      num_heads=self.num_heads, blocks=blocks)
+        out = MaskFn(fn, f"~{self.name}", batch_dependent=self.batch_dependent,
+                     head_dependent=self.head_dependent, batch_size=self.batch_size,
+                     num_heads=self.num_heads, blocks=blocks)
+        out.parts = ("~", self)
+        return out
 
 
 def as_mask(f) -> MaskFn:
@@ -223,8 +243,10 @@ def as_mask(f) -> MaskFn:
 
 # -- block classifiers with closed forms ----------------------------------------------------
 
-def _block_bounds(n: int, block: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    start = torch.arange(0, n, block, device=device)
+def _block_bounds(n: int, block: int, device, rows: Rows = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """First and last position of every tile (of the tiles ``[i0, i1)`` with ``rows``)."""
+    i0, i1 = rows if rows is not None else (0, -(-n // block))
+    start = torch.arange(i0 * block, min(n, i1 * block), block, device=device)
     end = torch.clamp(start + block, max=n) - 1  # inclusive
     return start, end
 
@@ -232,8 +254,8 @@ def _block_bounds(n: int, block: int, device) -> tuple[torch.Tensor, torch.Tenso
 def _diagonal_blocks(offset: int):
     """Blocks of ``q_idx + offset >= kv_idx``."""
 
-    def blocks(lq, lk, bq, bk, device):
-        qs, qe = _block_bounds(lq, bq, device)
+    def blocks(lq, lk, bq, bk, device, rows=None):
+        qs, qe = _block_bounds(lq, bq, device, rows)
         ks, ke = _block_bounds(lk, bk, device)
         full = (qs[:, None] + offset) >= ke[None, :]
         any_ = (qe[:, None] + offset) >= ks[None, :]
@@ -251,8 +273,9 @@ def full() -> MaskFn:
     def fn(b, h, q, kv, lq, lk):
         return torch.ones((), dtype=torch.bool, device=q.device).expand(torch.broadcast_shapes(q.shape, kv.shape))
 
-    def blocks(lq, lk, bq, bk, device):
-        return torch.full((1, 1, -(-lq // bq), -(-lk // bk)), FULL, dtype=torch.int8, device=device)
+    def blocks(lq, lk, bq, bk, device, rows=None):
+        n_qb = -(-lq // bq) if rows is None else rows[1] - rows[0]
+        return torch.full((1, 1, n_qb, -(-lk // bk)), FULL, dtype=torch.int8, device=device)
 
     return MaskFn(fn, "full", blocks=blocks)
 
@@ -263,7 +286,7 @@ def causal() -> MaskFn:
     def fn(b, h, q, kv, lq, lk):
         return q >= kv
 
-    return MaskFn(fn, "causal", blocks=lambda lq, lk, bq, bk, d: _diagonal_blocks(0)(lq, lk, bq, bk, d))
+    return MaskFn(fn, "causal", blocks=_diagonal_blocks(0))
 
 
 def causal_lower_right() -> MaskFn:
@@ -272,8 +295,8 @@ def causal_lower_right() -> MaskFn:
     def fn(b, h, q, kv, lq, lk):
         return q + (lk - lq) >= kv
 
-    def blocks(lq, lk, bq, bk, device):
-        return _diagonal_blocks(lk - lq)(lq, lk, bq, bk, device)
+    def blocks(lq, lk, bq, bk, device, rows=None):
+        return _diagonal_blocks(lk - lq)(lq, lk, bq, bk, device, rows)
 
     return MaskFn(fn, "causal_lower_right", blocks=blocks)
 
@@ -293,7 +316,18 @@ def padding(lengths: Sequence[int] | torch.Tensor) -> MaskFn:
     def fn(b, h, q, kv, lq, lk):
         return kv < lengths_t.to(kv.device)[b]
 
-    return MaskFn(fn, f"padding({lengths_t.tolist()})", batch_dependent=True, batch_size=lengths_t.numel())
+    def blocks(lq, lk, bq, bk, device, rows=None):
+        # exact: a key tile is FULL when its last key is valid, EMPTY when its first is not (every row alike)
+        n_qb = -(-lq // bq) if rows is None else rows[1] - rows[0]
+        ks, ke = _block_bounds(lk, bk, device)
+        n = lengths_t.to(device)[:, None]
+        state = torch.where(ke[None, :] < n, FULL, torch.where(ks[None, :] < n, PARTIAL, EMPTY)).to(torch.int8)
+        return state[:, None, None, :].expand(-1, 1, n_qb, -1).contiguous()  # (B, 1, n_qb, n_kb)
+
+    m = MaskFn(fn, f"padding({lengths_t.tolist()})", batch_dependent=True, batch_size=lengths_t.numel(),
+               blocks=blocks)
+    m.lengths = lengths_t.tolist()  # the valid key length of each batch element (the cost model reads it)
+    return m
 
 
 

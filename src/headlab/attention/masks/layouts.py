@@ -59,9 +59,9 @@ def global_tokens(indices: Sequence[int] | torch.Tensor) -> MaskFn:
         f = flags(n, q.device)
         return f[q] | f[kv]
 
-    def blocks(lq, lk, bq, bk, device):
+    def blocks(lq, lk, bq, bk, device, rows=None):
         cq, ck = _prefix(flags(lq, device)), _prefix(flags(lk, device))
-        qs, qe = _block_bounds(lq, bq, device)
+        qs, qe = _block_bounds(lq, bq, device, rows)
         ks, ke = _block_bounds(lk, bk, device)
         nq, nk = cq[qe + 1] - cq[qs], ck[ke + 1] - ck[ks]  # global rows / columns per tile
         full = (nq == qe - qs + 1)[:, None] | (nk == ke - ks + 1)[None, :]
@@ -70,21 +70,23 @@ def global_tokens(indices: Sequence[int] | torch.Tensor) -> MaskFn:
         return state.view(1, 1, *state.shape)
 
     shown = idx.tolist() if idx.numel() <= 8 else idx[:8].tolist() + ["..."]
-    return MaskFn(fn, f"global_tokens({shown})", blocks=blocks, check=check)
+    m = MaskFn(fn, f"global_tokens({shown})", blocks=blocks, check=check)
+    m.indices = idx.tolist()  # every index, sorted (the name shows at most 8; the cost model reads this)
+    return m
 
 
 def _layout_mask(get_layout, bq_: int, bk_: int, name: str, *, heads: int | None = None) -> MaskFn:
     """A mask constant on ``bq_ x bk_`` cells: ``layout[(h,) q // bq_, kv // bk_]``.
 
-    ``get_layout(n_q_cells, n_kv_cells, device)`` returns bool ``(Hm, n_q_cells, n_kv_cells)``.
+    ``get_layout(n_q_cells, n_kv_cells, device, c0=0, c1=None)`` returns bool
+    ``(Hm, c1 - c0, n_kv_cells)``, the cell rows ``[c0, c1)`` (all of them by default).
     The block classifier is exact for any tile size: a tile is FULL when every cell it touches
-    is on and EMPTY when none is (2-D prefix sums over the cell layout).
+    is on and EMPTY when none is (2-D prefix sums over the cell rows the tiles touch).
     """
 
-    def cells(lq, lk, device):
+    def cells(lq, lk, device, c0=0, c1=None):
         nq, nk = -(-lq // bq_), -(-lk // bk_)
-        lay = get_layout(nq, nk, device)
-        return lay
+        return get_layout(nq, nk, device, c0, nq if c1 is None else c1)
 
     def fn(b, h, q, kv, lq, lk):
         lay = cells(lq, lk, q.device)
@@ -94,19 +96,23 @@ def _layout_mask(get_layout, bq_: int, bk_: int, name: str, *, heads: int | None
             return lay[0][qc, kc]
         return lay[h, qc, kc]
 
-    def blocks(lq, lk, bq, bk, device):
-        lay = cells(lq, lk, device).to(torch.long)  # (Hm, nq, nk)
-        cs = torch.nn.functional.pad(lay.cumsum(1).cumsum(2), (1, 0, 1, 0))  # (Hm, nq + 1, nk + 1)
-        qs, qe = _block_bounds(lq, bq, device)
+    def blocks(lq, lk, bq, bk, device, rows=None):
+        qs, qe = _block_bounds(lq, bq, device, rows)
         ks, ke = _block_bounds(lk, bk, device)
-        r0, r1 = (qs // bq_)[:, None], (qe // bq_ + 1)[:, None]  # cell rows touched by each tile
+        first = int(qs[0]) // bq_  # the cell rows these tiles touch: [first, last]
+        lay = cells(lq, lk, device, first, int(qe[-1]) // bq_ + 1).to(torch.long)  # (Hm, rows, nk)
+        cs = torch.nn.functional.pad(lay.cumsum(1).cumsum(2), (1, 0, 1, 0))  # (Hm, rows + 1, nk + 1)
+        r0, r1 = (qs // bq_ - first)[:, None], (qe // bq_ + 1 - first)[:, None]  # cell rows touched by each tile
         c0, c1 = (ks // bk_)[None, :], (ke // bk_ + 1)[None, :]
         on = cs[:, r1, c1] - cs[:, r0, c1] - cs[:, r1, c0] + cs[:, r0, c0]
         area = (r1 - r0) * (c1 - c0)
         state = torch.where(on == area, FULL, torch.where(on > 0, PARTIAL, EMPTY)).to(torch.int8)
         return state.unsqueeze(0)  # (1, Hm, n_qb, n_kb)
 
-    return MaskFn(fn, name, head_dependent=heads is not None and heads > 1, num_heads=heads, blocks=blocks)
+    m = MaskFn(fn, name, head_dependent=heads is not None and heads > 1, num_heads=heads, blocks=blocks)
+    m.cell = (bq_, bk_)  # positions per cell (rows, columns): the cost model reads it
+    m.cell_rows = cells  # cell_rows(q_len, kv_len, device, c0, c1) -> bool (Hm, c1 - c0, n_kv_cells)
+    return m
 
 
 def bigbird(block: int, window_blocks: int = 3, global_blocks: int = 2, random_blocks: int = 3,
@@ -144,25 +150,52 @@ def bigbird(block: int, window_blocks: int = 3, global_blocks: int = 2, random_b
     r = _nonneg("bigbird random_blocks", random_blocks)
     seed = int(seed)
     cache: dict[tuple, torch.Tensor] = {}
+    states: dict[tuple, dict[int, torch.Tensor]] = {}  # (nq, nk) -> {block row: generator state before it}
 
-    def get_layout(nq, nk, device):
+    def picks(nq, nk, c0, c1):
+        """The random key blocks of block rows ``[c0, c1)``, ``(c1 - c0, rr)``: one generator, seeded
+        per (seed, counts), draws a permutation per block row in order, so a later row needs every
+        earlier draw; the state before every 256th row is kept, so rows can be asked for in pieces."""
+        rr = min(r, nk)
+        marks = states.setdefault((nq, nk), {})
+        start = max((k for k in marks if k <= c0), default=0)
+        gen = torch.Generator()
+        if start in marks:
+            gen.set_state(marks[start])
+        else:
+            gen.manual_seed(seed * 1_000_003 + nq * 1009 + nk)
+        out = torch.empty((c1 - c0, rr), dtype=torch.long)
+        for i in range(start, c1):
+            if i % 256 == 0 and i not in marks and len(marks) < 4096:
+                marks[i] = gen.get_state()
+            row = torch.randperm(nk, generator=gen)[:rr]
+            if i >= c0:
+                out[i - c0] = row
+        return out
+
+    def layout_rows(nq, nk, c0, c1):
+        i = torch.arange(c0, c1)[:, None]
+        j = torch.arange(nk)[None, :]
+        lay = (i - j).abs() <= w // 2
+        lay = lay | (i < g) | (j < g)
+        if min(r, nk):
+            lay = lay.clone()
+            lay[torch.arange(c1 - c0)[:, None], picks(nq, nk, c0, c1)] = True
+        return lay.unsqueeze(0)
+
+    def get_layout(nq, nk, device, c0=0, c1=None):
+        c1 = nq if c1 is None else c1
+        if (c0, c1) != (0, nq):  # some block rows: drawn again, not kept (the cost model streams them)
+            return layout_rows(nq, nk, c0, c1).to(device)
         key = (nq, nk)
         lay = cache.get(key)
         if lay is None:
-            i = torch.arange(nq)[:, None]
-            j = torch.arange(nk)[None, :]
-            lay = (i - j).abs() <= w // 2
-            lay = lay | (i < g) | (j < g)
-            rr = min(r, nk)
-            if rr:
-                gen = torch.Generator().manual_seed(seed * 1_000_003 + nq * 1009 + nk)
-                picks = torch.stack([torch.randperm(nk, generator=gen)[:rr] for _ in range(nq)])  # (nq, rr)
-                lay = lay.clone()
-                lay[torch.arange(nq)[:, None], picks] = True
-            cache[key] = lay = lay.unsqueeze(0)
+            cache[key] = lay = layout_rows(nq, nk, 0, nq)
         return lay.to(device)
 
-    return _layout_mask(get_layout, bsz, bsz, f"bigbird({bsz}, {w}, {g}, {r}, seed={seed})")
+    m = _layout_mask(get_layout, bsz, bsz, f"bigbird({bsz}, {w}, {g}, {r}, seed={seed})")
+    m.bigbird = {"block": bsz, "window_blocks": w, "global_blocks": g, "random_blocks": r, "seed": seed}
+    return m
 
 
 def block_layout(layout: torch.Tensor, block: int | tuple[int, int]) -> MaskFn:
@@ -198,14 +231,16 @@ def block_layout(layout: torch.Tensor, block: int | tuple[int, int]) -> MaskFn:
     lay3 = lay if lay.dim() == 3 else lay.unsqueeze(0)  # (Hm, nq, nk)
     heads = lay3.shape[0] if lay.dim() == 3 else None
 
-    def get_layout(nq, nk, device):
+    def get_layout(nq, nk, device, c0=0, c1=None):
         if lay3.shape[1:] != (nq, nk):
             raise MaskError(
                 f"block_layout has {lay3.shape[1]} x {lay3.shape[2]} blocks of {bq_} x {bk_} but the call needs "
                 f"{nq} x {nk} (ceil(q_len / {bq_}) x ceil(kv_len / {bk_})); build the layout for this length")
-        return lay3.to(device)
+        return lay3[:, c0:c1].to(device)
 
-    return _layout_mask(get_layout, bq_, bk_, f"block_layout({tuple(lay.shape)}, {bq_}x{bk_})", heads=heads)
+    m = _layout_mask(get_layout, bq_, bk_, f"block_layout({tuple(lay.shape)}, {bq_}x{bk_})", heads=heads)
+    m.layout = lay3  # bool (Hm, n_q_blocks, n_kv_blocks): the cost model counts tiles from it
+    return m
 
 
 def documents(lengths: Sequence[int] | torch.Tensor) -> MaskFn:
@@ -244,9 +279,9 @@ def documents(lengths: Sequence[int] | torch.Tensor) -> MaskFn:
         d = doc_ids(n, lq, lk, q.device)
         return d[q] == d[kv]
 
-    def blocks(lq, lk, bq, bk, device):
+    def blocks(lq, lk, bq, bk, device, rows=None):
         d = doc_ids(max(lq, lk), lq, lk, device)
-        qs, qe = _block_bounds(lq, bq, device)
+        qs, qe = _block_bounds(lq, bq, device, rows)
         ks, ke = _block_bounds(lk, bk, device)
         dq0, dq1, dk0, dk1 = d[qs][:, None], d[qe][:, None], d[ks][None, :], d[ke][None, :]
         any_ = (dq0 <= dk1) & (dk0 <= dq1)  # document ranges overlap (ids are sorted)
@@ -255,6 +290,8 @@ def documents(lengths: Sequence[int] | torch.Tensor) -> MaskFn:
         return state.view(1, 1, *state.shape)
 
     shown = lens.tolist() if lens.numel() <= 8 else lens[:8].tolist() + ["..."]
-    return MaskFn(fn, f"documents({shown})", blocks=blocks)
+    m = MaskFn(fn, f"documents({shown})", blocks=blocks)
+    m.lengths = lens.tolist()  # every document length (the name shows at most 8; the cost model reads this)
+    return m
 
 

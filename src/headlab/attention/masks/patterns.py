@@ -34,14 +34,15 @@ def _offset_blocks(visible_offset):
     ``visible_offset(delta, q_len, kv_len) -> bool`` is the mask as a function of the offset.
     """
 
-    def blocks(lq, lk, bq, bk, device):
-        deltas = torch.arange(-(lk - 1), lq, device=device)  # every offset a (q, kv) pair can have
+    def blocks(lq, lk, bq, bk, device, rows=None):
+        qs, qe = _block_bounds(lq, bq, device, rows)
+        ks, ke = _block_bounds(lk, bk, device)
+        d0 = int(qs[0]) - (lk - 1) if len(qs) else 0  # the smallest offset these rows can have
+        deltas = torch.arange(d0, int(qe[-1]) + 1 if len(qe) else 0, device=device)  # every offset they see
         vis = visible_offset(deltas, lq, lk).to(torch.long)
         cs = torch.nn.functional.pad(torch.cumsum(vis, 0), (1, 0))  # cs[i] = visible offsets below index i
-        qs, qe = _block_bounds(lq, bq, device)
-        ks, ke = _block_bounds(lk, bk, device)
-        lo = (qs[:, None] - ke[None, :]) + (lk - 1)  # index of the smallest offset in the tile
-        hi = (qe[:, None] - ks[None, :]) + (lk - 1)
+        lo = (qs[:, None] - ke[None, :]) - d0  # index of the smallest offset in the tile
+        hi = (qe[:, None] - ks[None, :]) - d0
         count = cs[hi + 1] - cs[lo]
         state = torch.where(count == hi - lo + 1, FULL, torch.where(count > 0, PARTIAL, EMPTY)).to(torch.int8)
         return state.view(1, 1, *state.shape)
@@ -168,10 +169,11 @@ def fixed(stride: int, summary: int = 1, causal: bool = True) -> MaskFn:
         m = ((q // s) == (kv // s)) | ((kv % s) >= s - c)
         return (m & (kv <= q)) if causal else m
 
-    def blocks(lq, lk, bq, bk, device):
+    def blocks(lq, lk, bq, bk, device, rows=None):
         # Exact: per query row, count visible keys of every key tile with interval arithmetic,
         # then a tile is FULL when each of its rows sees all its keys, EMPTY when none sees any.
-        qi = torch.arange(lq, device=device)
+        i0, i1 = rows if rows is not None else (0, -(-lq // bq))
+        qi = torch.arange(i0 * bq, min(lq, i1 * bq), device=device)
         ks, ke = _block_bounds(lk, bk, device)
         summ = _prefix(torch.arange(lk, device=device) % s >= s - c)  # (lk + 1,)
         hi_cap = qi[:, None] if causal else torch.full_like(qi[:, None], lk - 1)
@@ -190,8 +192,8 @@ def fixed(stride: int, summary: int = 1, causal: bool = True) -> MaskFn:
         n_both = torch.where(b_hi >= b_lo, count_in(b_lo, b_hi), 0)
         seen = n_block + n_summ - n_both  # (lq, n_kb) keys of each tile each row sees
         size = (ke - ks + 1)[None, :]
-        nqb = -(-lq // bq)
-        pad = nqb * bq - lq
+        nqb = i1 - i0
+        pad = nqb * bq - len(qi)
         row_full = torch.nn.functional.pad((seen == size).to(torch.int8), (0, 0, 0, pad), value=1)
         row_any = torch.nn.functional.pad((seen > 0).to(torch.int8), (0, 0, 0, pad), value=0)
         full = row_full.view(nqb, bq, -1).amin(1) > 0
