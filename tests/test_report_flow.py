@@ -108,7 +108,7 @@ def test_long_input_page_has_rollout_rows_and_says_so(bert, tmp_path):
     maps, vnorms, _ = _reference(bert)
     want = _rollout(maps)
     for pos, row in flow["rollout"]["rows"].items():
-        np.testing.assert_allclose(row, want[int(pos)], rtol=1e-6, atol=1e-9)
+        np.testing.assert_allclose(row, want[int(pos)], rtol=1e-5, atol=1e-7)  # float32 kernels
     assert set(flow["value_norms"]) == {"1.2", "0.3"}  # the drawn heads only
     np.testing.assert_allclose(flow["value_norms"]["1.2"], vnorms[1][2], rtol=1e-6)
 
