@@ -45,7 +45,7 @@ def kernel():
                 from torch.utils.cpp_extension import load
 
                 cap = torch.backends.cpu.get_cpu_capability()
-                flags = ["-O3", "-march=native"]
+                flags = ["-O3", "-march=native", "-fopenmp"]
                 if cap in ("AVX2", "AVX512"):
                     flags += [f"-DCPU_CAPABILITY={cap}", f"-DCPU_CAPABILITY_{cap}"]
                 build = Path(os.environ.get("TORCH_EXTENSIONS_DIR", Path.home() / ".cache" / "torch_extensions"))
@@ -122,12 +122,12 @@ def native_stats(mod, q, k, v, spec: AttentionSpec, mask, scale: float, want: se
                  shift: bool = False) -> dict:
     """Every statistic in ``want`` (and the output with ``v``) from the kernel, as :mod:`.fused` returns them.
 
-    The kernel runs its work units (query head x block of rows) on ``torch.get_num_threads()``
-    threads of its own, each running its small matmuls single-threaded, with the GIL released."""
+    The kernel runs its work units (query head x block of rows) on torch's OpenMP threads
+    (``torch.get_num_threads()``), BLAS sequential inside, with the GIL released."""
     B, H, Lq, D = q.shape
     Hkv, Lk = spec.kv_heads, spec.kv_len
     BH = B * H
-    qs = (q.to(torch.float32) * scale).reshape(BH, Lq, D).contiguous()
+    qs = q.to(torch.float32).reshape(BH, Lq, D).contiguous()  # the kernel's matmul applies the scale
     kc = k.to(torch.float32).reshape(B * Hkv, Lk, D).contiguous()
     vc = v.to(torch.float32).reshape(B * Hkv, Lk, v.shape[-1]).contiguous() if v is not None else qs.new_empty(0)
     bias = key_bias(spec, mask)
@@ -141,7 +141,7 @@ def native_stats(mod, q, k, v, spec: AttentionSpec, mask, scale: float, want: se
     rec = qs.new_zeros(BH, Lk) if want_rec else qs.new_empty(0)
     mod.onepass(qs, kc, vc, bias, H, spec.group, bool(spec.causal), "entropy" in want, "mean_distance" in want,
                 want_rec, "argmax" in want, bq, BLOCK_K, 0, n_units, *outs, out, rec, sh, torch.get_num_threads(),
-                *(window(mask) or (-1, -1)))
+                *(window(mask) or (-1, -1)), float(scale))
     lse, mw, ent, md, arg = outs
     shape = (B, H, Lq)
     res = {"lse": lse.view(shape)}
@@ -164,7 +164,7 @@ def native_backward(mod, q, k, v, out, dout, shift, log_l, spec: AttentionSpec, 
     B, H, Lq, D = q.shape
     Hkv, Lk, Dv = spec.kv_heads, spec.kv_len, v.shape[-1]
     f32 = torch.float32
-    qs = (q.to(f32) * scale).reshape(B * H, Lq, D).contiguous()
+    qs = q.to(f32).reshape(B * H, Lq, D).contiguous()
     kc = k.to(f32).reshape(B * Hkv, Lk, D).contiguous()
     vc = v.to(f32).reshape(B * Hkv, Lk, Dv).contiguous()
     do = dout.to(f32).reshape(B * H, Lq, Dv).contiguous()
@@ -174,5 +174,6 @@ def native_backward(mod, q, k, v, out, dout, shift, log_l, spec: AttentionSpec, 
     dq, dk, dv = torch.zeros_like(qs), torch.zeros_like(kc), torch.zeros_like(vc)
     mod.onepass_backward(qs, kc, vc, bias, H, spec.group, bool(spec.causal), do,
                          shift.to(f32).reshape(B * H, Lq).contiguous(), log_l.to(f32).reshape(B * H, Lq).contiguous(),
-                         delta, BLOCK_Q, BLOCK_K, dq, dk, dv, torch.get_num_threads(), *(window(mask) or (-1, -1)))
-    return dq.mul_(scale).view(B, H, Lq, D), dk.view(B, Hkv, Lk, D), dv.view(B, Hkv, Lk, Dv)
+                         delta, BLOCK_Q, BLOCK_K, dq, dk, dv, torch.get_num_threads(), *(window(mask) or (-1, -1)),
+                         float(scale))
+    return dq.view(B, H, Lq, D), dk.view(B, Hkv, Lk, D), dv.view(B, Hkv, Lk, Dv)

@@ -5,7 +5,7 @@
 // quantities and are the reference in tests; this file is compiled on first use by
 // torch.utils.cpp_extension (headlab/attention/backends/native.py).
 //
-// Inputs (float32, contiguous): q (BH, Lq, D) pre-scaled; k (BHkv, Lk, D); v (BHkv, Lk, Dv) or
+// Inputs (float32, contiguous): q (BH, Lq, D) (scores are scale * q k^T, the scale applied in the matmul); k (BHkv, Lk, D); v (BHkv, Lk, Dv) or
 // an empty tensor; key_bias (Bb, Lk) additive 0 / -1e30 (Bb = 1 or the batch), or empty. Query
 // head bh reads kv head bh / group; bh / heads is its batch element. causal: key j <= query i.
 // Outputs: lse, max_weight, entropy, mean_distance (BH, Lq) float32, argmax (BH, Lq) int64,
@@ -14,11 +14,11 @@
 // flattened (query head, block of block_q rows) are computed; the GIL is released meanwhile.
 
 #include <torch/extension.h>
+#include <omp.h>
 #include <ATen/cpu/vec/vec.h>
 
 #include <atomic>
 #include <cmath>
-#include <thread>
 #include <limits>
 #include <vector>
 
@@ -29,8 +29,6 @@ using Vec = at::vec::Vectorized<float>;
 extern "C" void sgemm_(const char* transa, const char* transb, const int* m, const int* n, const int* k,
                        const float* alpha, const float* a, const int* lda, const float* b, const int* ldb,
                        const float* beta, float* c, const int* ldc);
-// MKL's C interface: BLAS threads for calls from this thread; weak: a build without MKL lacks it
-extern "C" int MKL_Set_Num_Threads_Local(int nt) __attribute__((weak));
 
 
 namespace {
@@ -129,7 +127,8 @@ void onepass(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor ke
                  bool want_argmax, int64_t block_q, int64_t block_k, int64_t unit_begin, int64_t unit_end,
                  torch::Tensor lse, torch::Tensor mw, torch::Tensor ent, torch::Tensor md, torch::Tensor arg,
                  torch::Tensor out, torch::Tensor rec_t, torch::Tensor shift, int64_t threads,
-             int64_t win_lo, int64_t win_hi) {
+             int64_t win_lo, int64_t win_hi, double scale) {
+  const float alpha = static_cast<float>(scale);
   TORCH_CHECK(q.dtype() == torch::kFloat32 && k.dtype() == torch::kFloat32, "onepass: float32 only");
   TORCH_CHECK(q.is_contiguous() && k.is_contiguous(), "onepass: contiguous inputs");
   const int64_t Lq = q.size(1), Lk = k.size(1);
@@ -185,7 +184,7 @@ void onepass(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor ke
         {  // S = Q K_c^T (n, bw), row-major: column-major S^T = K_c Q^T
           const int M = bw, N = n, K = D, ld = D;
           const float one = 1.f, zero = 0.f;
-          sgemm_("T", "N", &M, &N, &K, &one, kd + (kvh * Lk + c0) * D, &ld, qrow, &ld, &zero, s, &M);
+          sgemm_("T", "N", &M, &N, &K, &alpha, kd + (kvh * Lk + c0) * D, &ld, qrow, &ld, &zero, s, &M);
         }
         for (int64_t r = 0; r < n; ++r) {
           const int64_t i = i0 + r;
@@ -214,16 +213,16 @@ void onepass(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor ke
             if (m[r] == ninf) {
               l[r] = u[r] = dsum[r] = 0.0;
             } else {
-              const double d = static_cast<double>(cm) - m[r], alpha = std::exp(-d);
-              u[r] = alpha * (u[r] - l[r] * d);
-              l[r] *= alpha;
-              dsum[r] *= alpha;
+              const double d = static_cast<double>(cm) - m[r], resc = std::exp(-d);
+              u[r] = resc * (u[r] - l[r] * d);
+              l[r] *= resc;
+              dsum[r] *= resc;
               if (has_v) {
-                const Vec va(static_cast<float>(alpha));
+                const Vec va(static_cast<float>(resc));
                 float* ar = acc.data() + r * Dv;
                 int64_t c = 0;
                 for (; c + Vec::size() <= Dv; c += Vec::size()) (Vec::loadu(ar + c) * va).store(ar + c);
-                for (; c < Dv; ++c) ar[c] *= static_cast<float>(alpha);
+                for (; c < Dv; ++c) ar[c] *= static_cast<float>(resc);
               }
             }
             m[r] = cm;
@@ -296,10 +295,11 @@ void onepass(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor ke
     }
   };
 
-  // Threads of our own, each taking chunks of units from a shared counter and running its small
-  // matmuls single-threaded (MKL_Set_Num_Threads_Local): inside an OpenMP region MKL started
-  // threads of its own (1.5x slower, erratic), and a pool of Python threads beside torch's
-  // spinning OpenMP workers cost 2-3x at 1,024 tokens.
+  // torch's own OpenMP team (libgomp, loaded by torch), each thread taking chunks of units from a
+  // shared counter; BLAS runs sequentially inside the parallel region. Measured against the
+  // alternatives: threads of our own, or a pool of Python threads, competed with torch's spinning
+  // OpenMP workers (1.4x slower at 1,024 tokens); ATen's mm inside at::parallel_for started
+  // threads of its own (1.5x slower, erratic).
   const int64_t n_units = unit_end - unit_begin;
   const int nt = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, n_units)));
   const int64_t step = std::max<int64_t>(1, n_units / (4 * nt));
@@ -307,7 +307,6 @@ void onepass(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor ke
   const int64_t BH = q.size(0);
   std::vector<std::vector<float>> recs(want_received && nt > 1 ? nt : 0);
   auto worker = [&](int t) {
-    if (MKL_Set_Num_Threads_Local) MKL_Set_Num_Threads_Local(1);
     float* rd = recd;
     if (!recs.empty()) {
       recs[t].assign(BH * Lk, 0.f);
@@ -322,9 +321,10 @@ void onepass(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor ke
   if (nt == 1) {
     worker(0);
   } else {
-    std::vector<std::thread> pool;
-    for (int t = 0; t < nt; ++t) pool.emplace_back(worker, t);
-    for (auto& th : pool) th.join();
+#pragma omp parallel num_threads(nt)
+    worker(omp_get_thread_num());
+  }
+  if (nt > 1) {
     for (auto& r : recs)
       for (int64_t j = 0; j < BH * Lk; ++j) recd[j] += r[j];
   }
@@ -336,11 +336,12 @@ void onepass(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor ke
 // delta = rowsum(dout * out) (BH, Lq). Per tile, with P = exp((S - m) - log l):
 //   dV += P^T dO,  dP = dO V^T,  dS = P * (dP - delta),  dQ += dS K,  dK += dS^T (scale q)
 // Work units are kv heads (their query heads' dQ rows and their own dK, dV belong to no other unit).
-// q is pre-scaled; dq is returned for the pre-scaled q (the caller multiplies by scale).
+// Scores are scale * q k^T with the scale applied in the matmul, exactly as in the forward.
 void onepass_backward(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor key_bias, int64_t heads,
                       int64_t group, bool causal, torch::Tensor dout, torch::Tensor shift, torch::Tensor logl,
                       torch::Tensor delta, int64_t block_q, int64_t block_k, torch::Tensor dq, torch::Tensor dk,
-                      torch::Tensor dv, int64_t threads, int64_t win_lo, int64_t win_hi) {
+                      torch::Tensor dv, int64_t threads, int64_t win_lo, int64_t win_hi, double scale) {
+  const float alpha = static_cast<float>(scale);
   const int64_t Lq = q.size(1), Lk = k.size(1), D = q.size(2), Dv = v.size(2), BHkv = k.size(0);
   const bool has_bias = key_bias.numel() > 0;
   const float *qd = q.data_ptr<float>(), *kd = k.data_ptr<float>(), *vd = v.data_ptr<float>();
@@ -375,7 +376,7 @@ void onepass_backward(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::
           const float one = 1.f, zero = 0.f;
           {  // S = Q K_c^T (n, bw)
             const int M = bw, N = n, Kd = D, ldk = D;
-            sgemm_("T", "N", &M, &N, &Kd, &one, K + c0 * D, &ldk, Q, &ldk, &zero, p.data(), &M);
+            sgemm_("T", "N", &M, &N, &Kd, &alpha, K + c0 * D, &ldk, Q, &ldk, &zero, p.data(), &M);
           }
           {  // dP = dO V_c^T (n, bw)
             const int M = bw, N = n, Kd = Dv, ldv = Dv;
@@ -417,11 +418,11 @@ void onepass_backward(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::
           }
           {  // dK_c += dS^T Q: dK_c^T (D, bw) += Q^T (D, n) dS (n, bw)
             const int M = D, N = bw, Kd = n;
-            sgemm_("N", "T", &M, &N, &Kd, &one, Q, &M, dp.data(), &N, &one, dK + c0 * D, &M);
+            sgemm_("N", "T", &M, &N, &Kd, &alpha, Q, &M, dp.data(), &N, &one, dK + c0 * D, &M);
           }
           {  // dQ += dS K_c: dQ^T (D, n) += K_c^T (D, bw) dS^T (bw, n)
             const int M = D, N = n, Kd = bw;
-            sgemm_("N", "N", &M, &N, &Kd, &one, K + c0 * D, &M, dp.data(), &Kd, &one, dQ, &M);
+            sgemm_("N", "N", &M, &N, &Kd, &alpha, K + c0 * D, &M, dp.data(), &Kd, &one, dQ, &M);
           }
         }
       }
@@ -430,7 +431,6 @@ void onepass_backward(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::
   const int nt = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, BHkv)));
   std::atomic<int64_t> next{0};
   auto worker = [&]() {
-    if (MKL_Set_Num_Threads_Local) MKL_Set_Num_Threads_Local(1);
     for (;;) {
       const int64_t u = next.fetch_add(1);
       if (u >= BHkv) break;
@@ -440,14 +440,13 @@ void onepass_backward(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::
   if (nt == 1) {
     worker();
   } else {
-    std::vector<std::thread> pool;
-    for (int t = 0; t < nt; ++t) pool.emplace_back(worker);
-    for (auto& th : pool) th.join();
+#pragma omp parallel num_threads(nt)
+    worker();
   }
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  // the GIL is released while the kernel's threads run
+  // the GIL is released while the kernel's OpenMP threads run
   m.def("onepass", &onepass, "one-pass attention statistics (CPU, float32), units [begin, end)",
         py::call_guard<py::gil_scoped_release>());
   m.def("onepass_backward", &onepass_backward, "its backward (CPU, float32)",
