@@ -113,6 +113,17 @@ def usable(spec: AttentionSpec, mask, ct: torch.dtype) -> bool:
 BLOCK_Q, BLOCK_K = 256, 512
 
 
+def unit_rows(mask, kv_len: int) -> int:
+    """Query rows per unit for this call: 64 under a window bounded on both sides (a block computes
+    its whole span, ``rows + 2 w`` keys for ``2 w + 1`` visible: 256 rows wasted a third of the
+    matmul work at w = 256; 64 rows measured 0.087-0.093 of dense SDPA's forward + backward at 8,192
+    tokens, against 0.10), else :func:`block_rows`."""
+    win = window(mask)
+    if win is not None and win[0] >= 0 and win[1] >= 0:
+        return min(64, block_rows(kv_len))
+    return block_rows(kv_len)
+
+
 def block_rows(kv_len: int) -> int:
     """Query rows per unit: BLOCK_Q, fewer when the column sums' store (rows x keys) would pass 16 MiB."""
     r = max(16, min(BLOCK_Q, (1 << 22) // max(1, kv_len)))
@@ -133,7 +144,7 @@ def native_stats(mod, q, k, v, spec: AttentionSpec, mask, scale: float, want: se
     vc = v.to(torch.float32).reshape(B * Hkv, Lk, v.shape[-1]).contiguous() if v is not None else qs.new_empty(0)
     bias = key_bias(spec, mask)
     bias = qs.new_empty(0) if bias is None else bias
-    bq = block_rows(Lk)
+    bq = unit_rows(mask, Lk)
     n_units = BH * (-(-Lq // bq))
     outs = [qs.new_empty(BH, Lq) for _ in range(4)] + [torch.empty(BH, Lq, dtype=torch.long)]
     out = qs.new_empty(BH, Lq, v.shape[-1]) if v is not None else qs.new_empty(0)
@@ -175,6 +186,6 @@ def native_backward(mod, q, k, v, out, dout, shift, log_l, spec: AttentionSpec, 
     dq, dk, dv = torch.zeros_like(qs), torch.zeros_like(kc), torch.zeros_like(vc)
     mod.onepass_backward(qs, kc, vc, bias, H, spec.group, bool(spec.causal), do,
                          shift.to(f32).reshape(B * H, Lq).contiguous(), log_l.to(f32).reshape(B * H, Lq).contiguous(),
-                         delta, BLOCK_Q, BLOCK_K, dq, dk, dv, torch.get_num_threads(), *(window(mask) or (-1, -1)),
+                         delta, unit_rows(mask, Lk), BLOCK_K, dq, dk, dv, torch.get_num_threads(), *(window(mask) or (-1, -1)),
                          float(scale))
     return dq.view(B, H, Lq, D), dk.view(B, Hkv, Lk, D), dv.view(B, Hkv, Lk, Dv)
