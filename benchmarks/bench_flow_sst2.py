@@ -14,6 +14,9 @@ For each sentence (/work/shared/data/sst2/validation.tsv) and its predicted clas
 * raw attention at layer l: the [CLS] row of the mean-of-heads attention of layer l;
 * rollout, norm-based rollout: the [CLS] row of the rollout through layer l;
 * attention flow: the normalised max-flow from the [CLS] node at the output of layer l to each input node;
+* raw_max, rollout_max: the paper's own protocol (``max(axis=0)`` in ``samiraabnar/attention_flow``):
+  for each input token, the maximum over all output positions of the raw map / the rollout through layer l
+  (for the flow that protocol needs one max-flow per output token, n times the work; not run);
 * gradient x input: ``sum_d (dp(c)/de_t)_d e_t,d`` at the word embeddings (one value per layer: it does
   not depend on the layer).
 
@@ -47,7 +50,7 @@ from headlab.interpret.flow.rollout import augment, layer_matrices, rollout_maps
 from headlab.models import cache_dir  # noqa: E402
 
 DATA = Path("/work/shared/data/sst2/validation.tsv")
-METHODS = ("raw", "rollout", "flow", "norm_rollout", "grad_x_input")
+METHODS = ("raw", "rollout", "flow", "norm_rollout", "grad_x_input", "raw_max", "rollout_max")
 PAPER_L6 = {"raw": 0.29, "rollout": 0.71, "flow": 0.70}
 
 
@@ -85,7 +88,8 @@ def scores(lm, text: str) -> tuple[dict, np.ndarray]:
     with torch.no_grad():
         A = layer_matrices(rec, "mean")  # (L, n, n)
         Ah = augment(A)
-        roll = rollout_maps(Ah)[:, 0]  # (L, n)
+        roll_all = rollout_maps(Ah)  # (L, n, n)
+        roll = roll_all[:, 0]  # (L, n): the [CLS] row
         nroll = rollout_maps(augment(layer_matrices(rec, "norm")))[:, 0]
     L = A.shape[0]
     flow = np.zeros((L, n))
@@ -93,7 +97,9 @@ def scores(lm, text: str) -> tuple[dict, np.ndarray]:
         v = flow_values(Ah[: l + 1], 0, l + 1).values
         flow[l] = v / v.sum()
     out = {"raw": A[:, 0].numpy(), "rollout": roll.numpy(), "flow": flow, "norm_rollout": nroll.numpy(),
-           "grad_x_input": np.tile(gxi, (L, 1))}
+           "grad_x_input": np.tile(gxi, (L, 1)),
+           # the paper's protocol (their correlation script): each input token's maximum over all output positions
+           "raw_max": A.amax(1).numpy(), "rollout_max": roll_all.amax(1).numpy()}
     return out, blank
 
 

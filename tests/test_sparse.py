@@ -61,10 +61,10 @@ def test_registration_and_refusals():
     row = {r["name"]: r for r in headlab.backends()}["sparse"]
     assert row["exact"] and not row["materializes"] and row["priority"] == 50
     q, k, v = _qkv(1, 2, 2, 16, 16, 8)
-    with pytest.raises(BackendUnsupportedError, match="needs a mask function or causal"):
+    with pytest.raises(BackendUnsupportedError, match="needs a mask"):
         headlab.attention(q, k, v, backend="sparse")
-    with pytest.raises(BackendUnsupportedError, match="boolean tensor masks"):
-        headlab.attention(q, k, v, mask=torch.ones(16, 16, dtype=torch.bool), backend="sparse")
+    with pytest.raises(BackendUnsupportedError, match="additive float tensor masks"):
+        headlab.attention(q, k, v, mask=torch.zeros(16, 16), backend="sparse")
     with pytest.raises(BackendUnsupportedError, match="dropout"):
         headlab.attention(q, k, v, causal=True, dropout_p=0.1, backend="sparse")
     # auto keeps preferring sdpa for a masked call
@@ -72,6 +72,29 @@ def test_registration_and_refusals():
     from headlab.attention.spec import validate
     spec, _ = validate(q, k, v, mask=masks.sliding_window(2))
     assert resolve_backend("auto", spec).name != "sparse"
+
+
+def test_bool_tensor_masks_skip_their_empty_tiles(monkeypatch):
+    """A boolean tensor mask runs as a mask function reading it: the plan visits only the tiles it
+    leaves non-empty, and the result (and gradients) equal the reference's."""
+    from headlab.attention.backends.sparse import tensor_mask
+
+    g = torch.Generator().manual_seed(3)
+    B, H, Hkv, L = 2, 4, 2, 300
+    q, k, v = (torch.randn(B, h, L, 16, generator=g, dtype=torch.float64, requires_grad=True) for h in (H, Hkv, Hkv))
+    band = (torch.arange(L)[:, None] - torch.arange(L)[None, :]).abs() <= 40  # (L, L)
+    mask = band.expand(B, 1, L, L).clone()
+    mask[1, ..., 250:] = False  # batch 1: padded keys
+    ref = headlab.attention(q, k, v, mask=mask, backend="reference")
+    got = headlab.attention(q, k, v, mask=mask, backend="sparse")
+    torch.testing.assert_close(got, ref, atol=1e-10, rtol=1e-10)
+    do = torch.randn_like(ref)
+    for a, b in zip(torch.autograd.grad(got, (q, k, v), do), torch.autograd.grad(ref, (q, k, v), do)):
+        torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-10)
+    fn = tensor_mask(mask)
+    plan = sp.plan_for(fn, B, H, Hkv, L, L)
+    bm = sp.block_map(fn, L, L, B, H)
+    assert plan.tiles == sp.visited_tiles(bm, B, H) < bm.num_tiles * B * H  # the band's empty tiles are skipped
 
 
 def _kernel_flops(fn) -> int:

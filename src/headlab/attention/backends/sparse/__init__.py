@@ -78,6 +78,22 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Ma
     return out
 
 
+def tensor_mask(t: torch.Tensor) -> MaskFn:
+    """A boolean tensor mask ``(Bm, Hm, Lq or 1, Lk or 1)`` (True = may attend) as a mask function
+    reading it, so that the block map skips the tiles it leaves empty. Positions past its last row
+    or column (a kernel's padded tiles) read the last one; the kernel hides padded keys itself."""
+    Bm, Hm, Q, K = t.shape
+
+    def read(b, h, q_idx, kv_idx, q_len, kv_len):
+        def at(idx, n):
+            idx = torch.as_tensor(idx, device=t.device)
+            return idx.clamp(0, n - 1) if n > 1 else torch.zeros_like(idx)
+        return t[at(b, Bm), at(h, Hm), at(q_idx, Q), at(kv_idx, K)]
+
+    return MaskFn(read, f"tensor_mask{tuple(t.shape)}", batch_dependent=Bm > 1, head_dependent=Hm > 1,
+                  batch_size=Bm if Bm > 1 else None, num_heads=Hm if Hm > 1 else None)
+
+
 def working_set_bytes(spec: AttentionSpec) -> int:
     """Peak extra bytes of one forward call: a few chunk buffers plus O(n d) flat copies."""
     acc = 8 if spec.dtype == torch.float64 else 4
@@ -91,22 +107,20 @@ def working_set_bytes(spec: AttentionSpec) -> int:
 class SparseBackend(Backend):
     name = "sparse"
     summary = "block-sparse exact attention: visits only non-empty tiles of the mask's block map"
-    capabilities = Capabilities(bool_mask=False, additive_mask=False, dropout=False, returns_weights=False,
+    capabilities = Capabilities(bool_mask=True, additive_mask=False, dropout=False, returns_weights=False,
                                 exact=True, materializes=False, score_mod=True)
     priority = 50  # exact, but auto prefers sdpa for dense calls: ask for it by name
     alternative = "sdpa"
 
     def supports(self, spec: AttentionSpec) -> tuple[bool, str]:
         if spec.mask_kind == "additive":
-            return False, "additive float tensor masks are not supported (tensor masks cannot skip tiles)"
-        if spec.mask_kind == "bool":
-            return False, ("boolean tensor masks are not supported (pass a headlab.masks function, e.g. "
-                           "masks.block_layout(layout, block), so tiles can be skipped)")
+            return False, ("additive float tensor masks are not supported (their values would be added on every "
+                           "tile); use backend='tiled', or a score_mod for the bias with a mask function")
         ok, why = super().supports(spec)
         if not ok:
             return ok, why
-        if spec.mask_kind != "function" and not spec.causal:
-            return False, "needs a mask function or causal=True (without one every tile is visited)"
+        if spec.mask_kind not in ("function", "bool") and not spec.causal:
+            return False, "needs a mask (a function or a bool tensor) or causal=True (without one every tile is visited)"
         return True, ""
 
     def check_memory(self, spec: AttentionSpec) -> None:
@@ -114,6 +128,8 @@ class SparseBackend(Backend):
                    device=spec.device, alternative="sdpa")
 
     def forward(self, q, k, v, spec, *, mask, scale, score_mod=None):
+        if isinstance(mask, torch.Tensor):  # a bool tensor: its block map skips the tiles it leaves empty
+            mask = tensor_mask(mask)
         eff = effective_mask(mask, spec.causal)
         plan = plan_for(eff, spec.batch, spec.heads, spec.kv_heads, spec.q_len, spec.kv_len)
         dtype = q.dtype
@@ -125,4 +141,4 @@ class SparseBackend(Backend):
 
 
 __all__ = ["BLOCK_K", "BLOCK_Q", "SparseBackend", "SparsePlan", "block_map", "effective_mask", "plan_for",
-           "sparse_attention", "visited_tiles", "working_set_bytes"]
+           "sparse_attention", "tensor_mask", "visited_tiles", "working_set_bytes"]
