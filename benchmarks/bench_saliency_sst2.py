@@ -55,6 +55,9 @@ def main(argv=None) -> int:
     ap.add_argument("--adversarial-steps", type=int, default=20)
     ap.add_argument("--no-counterfactual", action="store_true")
     ap.add_argument("--max-minutes", type=float, default=None, help="stop starting new sentences after this long")
+    ap.add_argument("--methods", default="attention,gradient,grad_x_input,integrated_gradients,leave_one_out",
+                    help="comma-separated explain methods (default: the study's five, so that a resumed run "
+                         "continues the same records; rollout, norm_rollout, attention_norm, attention_flow too)")
     args = ap.parse_args(argv)
     if not (Path(args.model).expanduser() / "config.json").is_file():
         raise SystemExit(f"no classifier at {args.model}: run benchmarks/models/minilm_sst2.py first")
@@ -65,7 +68,8 @@ def main(argv=None) -> int:
     from headlab.interpret.saliency import StudyOptions, study
 
     opts = StudyOptions(backend=args.backend, adversarial_steps=args.adversarial_steps,
-                        counterfactual=not args.no_counterfactual)
+                        counterfactual=not args.no_counterfactual,
+                        methods=tuple(m.strip() for m in args.methods.split(",") if m.strip()))
     t0 = time.perf_counter()
     r = study(args.model, args.dataset, args.out, limit=args.limit, options=opts,
               max_seconds=None if args.max_minutes is None else 60 * args.max_minutes)
