@@ -169,6 +169,15 @@ def native_stats(mod, q, k, v, spec: AttentionSpec, mask, scale: float, want: se
     return res
 
 
+def forward_with_shift(mod, q, k, v, spec: AttentionSpec, mask, scale: float):
+    """The output ``(B, H, Lq, Dv)`` and ``ml (B, H, Lq, 2)`` = ``[m, log l]`` per row (``m = 0``,
+    ``log l = +inf`` on rows that see no key): what the tiled and sparse backwards recompute from."""
+    res = native_stats(mod, q, k, v, spec, mask, scale, {"lse"}, shift=True)
+    dead = torch.isneginf(res["lse"])  # (B, H, Lq)
+    log_l = torch.log(res["max_weight"]).neg_().masked_fill_(dead, float("inf"))  # log l = -log(1 / l)
+    return res["output"], torch.stack([res["shift"], log_l], -1)
+
+
 def native_backward(mod, q, k, v, out, dout, shift, log_l, spec: AttentionSpec, mask, scale: float):
     """Gradients of the kernel's forward: ``dq (B, H, Lq, D)``, ``dk``, ``dv`` ``(B, Hkv, Lk, .)``
     in float32, from the forward's output and its per-row ``shift`` and ``log_l`` ``(B, H, Lq)``

@@ -121,11 +121,8 @@ def _native_forward(q, k, v, plan: SparsePlan, mask, scale, score_mod, spec):
     mod = native.kernel()
     if mod is None:
         return None
-    res = native.native_stats(mod, q, k, v, spec, mask, scale, {"lse"}, shift=True)
-    dead = torch.isneginf(res["lse"])  # (B, H, Lq)
-    log_l = torch.log(res["max_weight"]).neg_().masked_fill_(dead, float("inf"))  # log l = -log(1 / l)
-    ml = torch.stack([res["shift"], log_l], -1)  # (B, H, Lq, 2)
-    return res["output"], _to_flat(ml, plan, plan.block_q, plan.n_qb)
+    out, ml = native.forward_with_shift(mod, q, k, v, spec, mask, scale)  # (B, H, Lq, Dv), (B, H, Lq, 2)
+    return out, _to_flat(ml, plan, plan.block_q, plan.n_qb)
 
 
 def _backward(plan: SparsePlan, mask: MaskFn, q, k, v, out_flat, ml_flat, dout, scale, score_mod=None):

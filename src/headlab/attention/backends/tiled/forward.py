@@ -138,11 +138,8 @@ def native_forward(q, k, v, p: Plan):
     mod = native.kernel()
     if mod is None:
         return None
-    res = native.native_stats(mod, q, k, v, p.spec, p.mask, p.scale, {"lse"}, shift=True)
-    dead = torch.isneginf(res["lse"])  # (B, H, Lq)
-    log_l = torch.log(res["max_weight"]).neg_().masked_fill_(dead, float("inf"))  # log l = -log(1 / l)
-    ml = torch.stack([res["shift"], log_l], -1)  # (B, H, Lq, 2)
-    return to_rows(res["output"], p), to_rows(ml, p)
+    out, ml = native.forward_with_shift(mod, q, k, v, p.spec, p.mask, p.scale)  # (B, H, Lq, Dv), (B, H, Lq, 2)
+    return to_rows(out, p), to_rows(ml, p)
 
 
 def forward(q, k, v, p: Plan) -> tuple[torch.Tensor, torch.Tensor]:
