@@ -213,3 +213,21 @@ def test_sdpa_half_gqa_grads_accumulate_the_group_in_float32():
     assert rep.ok, rep.failures()
     ratio = rep.ratios()
     assert ratio["dk"] < 2.0 and ratio["dv"] < 2.0, ratio  # 2.3x and 3.2x when torch reduced the group
+
+
+@pytest.mark.parametrize("backend", ["tiled", "sparse"])
+def test_score_mod_tables_get_their_gradients(backend):
+    """A learned relative-bias table and ALiBi slopes given as tensors get the reference's gradients
+    (with q, k, v) on the tiled and sparse kernels, which add up each tile's vector-Jacobian product."""
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(2, 4, 130, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(2, 2, 130, 8, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    table = torch.randn(4, 9, generator=g, dtype=torch.float64, requires_grad=True)
+    slopes = torch.rand(4, generator=g, dtype=torch.float64, requires_grad=True)
+    for sm, t in ((masks.relative_bias(table), table), (masks.alibi(slopes), slopes)):
+        got, ref = ([torch.autograd.grad((o * o).sum(), (q, k, v, t)) for o in
+                     [headlab.attention(q, k, v, mask=masks.sliding_window(20), causal=True, score_mod=sm, backend=b)]][0]
+                    for b in (backend, "reference"))
+        for a, b in zip(got, ref):
+            torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-10)
+        assert float(got[3].abs().sum()) > 0

@@ -14,9 +14,10 @@ score is 1 (``additive``: a bias, so the backward pass needs no autograd through
     >>> out.shape
     torch.Size([1, 4, 6, 8])
 
-Supported by the ``reference``, ``tiled`` and ``sparse`` backends (forward and backward; a
-table or slopes given as tensors get no gradient on ``tiled`` / ``sparse``), see
-``headlab.backends()``.
+Supported by the ``reference``, ``tiled`` and ``sparse`` backends, forward and backward, see
+``headlab.backends()``. A table or slopes given as tensors that require grad (a learned relative
+bias) get their gradient on all three: a ScoreMod lists them in ``tensors``, and the tiled and
+sparse kernels add up each tile's vector-Jacobian product for them.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import torch
 
 from headlab.errors import ConfigError
 
-__all__ = ["ScoreMod", "alibi", "alibi_slopes", "as_score_mod", "relative_bias", "softcap"]
+__all__ = ["ScoreMod", "alibi", "alibi_slopes", "as_score_mod", "param_vjp", "relative_bias", "softcap"]
 
 
 class ScoreMod:
@@ -38,12 +39,19 @@ class ScoreMod:
         fn: the modification, written with broadcasting tensor operations.
         name: shown in ``repr``.
         additive: True when ``fn(s, ...) = s + bias(b, h, q_idx, kv_idx)`` (derivative 1).
+        tensors: the tensors ``fn`` reads that may require grad (their gradients are returned).
     """
 
-    def __init__(self, fn: Callable, name: str = "score_mod", *, additive: bool = False) -> None:
+    def __init__(self, fn: Callable, name: str = "score_mod", *, additive: bool = False,
+                 tensors: tuple[torch.Tensor, ...] = ()) -> None:
         self._fn = fn
         self.name = name
         self.additive = additive
+        self.tensors = tuple(tensors)  # the tensors fn reads that may need a gradient (a learned table)
+
+    def trainable(self) -> tuple[torch.Tensor, ...]:
+        """The tensors of :attr:`tensors` that require grad (the kernels return their gradients)."""
+        return tuple(t for t in self.tensors if t.requires_grad)
 
     def __call__(self, score, b, h, q_idx, kv_idx):
         out = self._fn(score, b, h, q_idx, kv_idx)
@@ -96,7 +104,7 @@ def alibi(slopes) -> ScoreMod:
     def fn(score, b, h, q, kv):
         return score + sl.to(score.device, score.dtype)[h] * (kv - q).to(score.dtype)
 
-    return ScoreMod(fn, f"alibi({sl.numel()} heads)", additive=True)
+    return ScoreMod(fn, f"alibi({sl.numel()} heads)", additive=True, tensors=(sl,))
 
 
 def softcap(cap: float) -> ScoreMod:
@@ -134,4 +142,21 @@ def relative_bias(table) -> ScoreMod:
         tt = t.to(score.device, score.dtype)
         return score + (tt[idx] if tt.dim() == 1 else tt[h, idx])
 
-    return ScoreMod(fn, f"relative_bias(R={R})", additive=True)
+    return ScoreMod(fn, f"relative_bias(R={R})", additive=True, tensors=(t,))
+
+
+def param_vjp(score_mod, s_raw, index, params, grads):
+    """``(score_mod(s_raw), vjp)`` through autograd, also for the trainable ``params``: each
+    ``vjp(ds)`` adds ``d <ds, score_mod> / d param`` to ``grads`` (a list, one entry per param)."""
+    with torch.enable_grad():
+        x = s_raw.detach().requires_grad_(True)
+        y = score_mod(x, *index)
+
+    def vjp(ds):
+        got = torch.autograd.grad(y, (x, *params), ds, allow_unused=True)
+        for i, g in enumerate(got[1:]):
+            if g is not None:
+                grads[i] = g if grads[i] is None else grads[i] + g
+        return got[0]
+
+    return y.detach().clone(), vjp

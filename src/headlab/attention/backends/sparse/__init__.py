@@ -135,8 +135,9 @@ class SparseBackend(Backend):
         dtype = q.dtype
         if dtype in (torch.float16, torch.bfloat16):  # accumulate in float32
             q, k, v = q.float(), k.float(), v.float()
+        params = score_mod.trainable() if hasattr(score_mod, "trainable") else ()
         out, lse = SparseAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), plan, eff, scale, score_mod,
-                                         spec)
+                                         spec, *params)
         return out.to(dtype), None, lse.masked_fill(torch.isposinf(lse), float("-inf"))
 
 

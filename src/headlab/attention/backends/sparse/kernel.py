@@ -125,10 +125,12 @@ def _native_forward(q, k, v, plan: SparsePlan, mask, scale, score_mod, spec):
     return out, _to_flat(ml, plan, plan.block_q, plan.n_qb)
 
 
-def _backward(plan: SparsePlan, mask: MaskFn, q, k, v, out_flat, ml_flat, dout, scale, score_mod=None):
+def _backward(plan: SparsePlan, mask: MaskFn, q, k, v, out_flat, ml_flat, dout, scale, score_mod=None, params=()):
     """Each item's gathered keys are every key its rows see, so ``D = rowsum(P * dP)`` is taken
     from the chunk itself (the softmax's own backward), and ``P = exp((S - m) - log l)`` from the
-    forward's shift ``m`` and ``log l`` (``S - m`` is exact near the maximum)."""
+    forward's shift ``m`` and ``log l`` (``S - m`` is exact near the maximum). Also returns the
+    gradients of the score_mod's trainable ``params`` (a list, None where one got none)."""
+    pgrads = [None] * len(params)
     dev = q.device
     q_flat = _to_flat(q, plan, plan.block_q, plan.n_qb)
     k_flat = _to_flat(k, plan, plan.block_k, plan.n_kb)
@@ -141,7 +143,7 @@ def _backward(plan: SparsePlan, mask: MaskFn, q, k, v, out_flat, ml_flat, dout, 
     for grp in plan.groups:
         for c0, c1 in _chunks(plan, grp):
             s, items, kv, qg, kg, _, back = _scores(plan, grp, c0, c1, q_flat, k_flat, scale, mask, dev,
-                                                    score_mod=score_mod, vjp=True)
+                                                    score_mod=score_mod, vjp=True, params=params, grads=pgrads)
             n = len(items)
             ml = ml_flat.index_select(0, items)  # (n, rows, 2)
             p = s.sub_(ml[..., :1]).sub_(ml[..., 1:]).exp_()  # (n, rows, k * bk)
@@ -159,7 +161,7 @@ def _backward(plan: SparsePlan, mask: MaskFn, q, k, v, out_flat, ml_flat, dout, 
     dq = _from_flat(dq_flat, plan)
     dk = dk_flat.view(B, Hkv, plan.n_kb * bk, -1)[:, :, : plan.kv_len]
     dv = dv_flat.view(B, Hkv, plan.n_kb * bk, -1)[:, :, : plan.kv_len]
-    return dq, dk, dv
+    return dq, dk, dv, pgrads
 
 
 class SparseAttention(torch.autograd.Function):
@@ -167,7 +169,7 @@ class SparseAttention(torch.autograd.Function):
     ``(B, H, Lq, Dv)`` and the lse ``(B, H, Lq)`` (+inf on rows that see no key)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, plan, mask, scale, score_mod, spec=None):
+    def forward(ctx, q, k, v, plan, mask, scale, score_mod, spec=None, *params):
         got = _native_forward(q, k, v, plan, mask, scale, score_mod, spec)
         if got is not None:
             out, ml_flat = got
@@ -177,6 +179,7 @@ class SparseAttention(torch.autograd.Function):
         ctx.save_for_backward(q, k, v, ml_flat, out if got is not None else out.new_empty(0))
         ctx.plan, ctx.mask, ctx.scale, ctx.score_mod, ctx.spec = plan, mask, scale, score_mod, spec
         ctx.native = got is not None
+        ctx.params = params  # the score_mod's trainable tensors (their gradients are returned)
         lse = _from_flat(ml_flat[..., :1] + ml_flat[..., 1:], plan).squeeze(-1)
         ctx.mark_non_differentiable(lse)
         return out, lse
@@ -190,9 +193,10 @@ class SparseAttention(torch.autograd.Function):
             ml = _from_flat(ml_flat, ctx.plan)  # (B, H, Lq, 2)
             dq, dk, dv = native.native_backward(native.kernel(), q, k, v, out, dout, ml[..., 0], ml[..., 1],
                                                 ctx.spec, ctx.mask, ctx.scale)
-            return dq, dk, dv, None, None, None, None, None
-        dq, dk, dv = _backward(ctx.plan, ctx.mask, q, k, v, None, ml_flat,
-                               dout.to(q.dtype).contiguous(), ctx.scale, ctx.score_mod)
-        return dq, dk, dv, None, None, None, None, None
+            return (dq, dk, dv, None, None, None, None, None, *([None] * len(ctx.params)))
+        dq, dk, dv, pgrads = _backward(ctx.plan, ctx.mask, q, k, v, None, ml_flat,
+                                       dout.to(q.dtype).contiguous(), ctx.scale, ctx.score_mod, ctx.params)
+        pg = tuple(None if g is None else g.to(t.dtype) for g, t in zip(pgrads, ctx.params))
+        return (dq, dk, dv, None, None, None, None, None, *pg)
 
 

@@ -7,6 +7,7 @@ import torch
 
 from headlab.attention.backends.sparse.plan import SparsePlan, _Group
 from headlab.attention.masks import MaskFn
+from headlab.attention.score_mods import param_vjp
 from headlab.attention.visibility import pairs
 
 # Score entries computed at once (per chunk); bounds the working set to a few such buffers.
@@ -73,13 +74,14 @@ def score_index(plan: SparsePlan, items: torch.Tensor, kv: torch.Tensor, k: int)
 
 
 def _scores(plan, grp, c0, c1, q_flat, k_flat, scale, mask, device, r0=0, r1=None, bufs=None, kg=None,
-            score_mod=None, vjp=False):
+            score_mod=None, vjp=False, params=(), grads=None):
     """Masked scores of a chunk ``(r * c, rows, k * block_k)`` (reps ``[r0, r1)`` of compact items
     ``[c0, c1)``), the gathered (scaled) q and k, the index tensors, the dead-row mask
     ``(r * c, rows, 1)`` or None, and (with ``vjp``) a function ``ds -> ds * d score_mod / d s``.
     ``bufs``: optional flat scratch tensors ``(scores, q, k)`` reused across chunks (a fresh
     multi-MiB tensor per chunk costs page faults). ``kg``: the keys ``(n, k * block_k, d)`` when
-    the caller has them as a view (no gather). ``score_mod`` is applied before the mask."""
+    the caller has them as a view (no gather). ``score_mod`` is applied before the mask; with ``vjp``
+    and trainable ``params``, the backward function also adds their gradients to ``grads``."""
     r1 = grp.items.shape[0] if r1 is None else r1
     items = grp.items[r0:r1, c0:c1].reshape(-1).to(device)  # (n,)
     kv = grp.kv[r0:r1, c0:c1].reshape(-1).to(device)  # (n * k,)
@@ -100,7 +102,10 @@ def _scores(plan, grp, c0, c1, q_flat, k_flat, scale, mask, device, r0=0, r1=Non
     back = None
     if score_mod is not None:
         b, h, qi, kvi = score_index(plan, items, kv, grp.k)
-        if getattr(score_mod, "additive", False) or not vjp:
+        if vjp and params:  # the score_mod's trainable tensors: their gradients are added to grads
+            s, back = param_vjp(score_mod, s, (b, h, qi, kvi), params, grads)
+            s = s.contiguous()
+        elif getattr(score_mod, "additive", False) or not vjp:
             s = score_mod(s, b, h, qi, kvi).contiguous()
             back = (lambda ds: ds) if vjp else None
         else:

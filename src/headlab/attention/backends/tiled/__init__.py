@@ -69,7 +69,8 @@ def _run(q, k, v, spec: AttentionSpec, mask, scale: float, dropout_p: float, see
     """``out (B, H, Lq, Dv)`` in q's dtype and ``lse (B, H, Lq)`` in the compute dtype (natural
     log, ``-inf`` on rows that see no key)."""
     plan = make_plan(spec, mask, scale, dropout_p, seed, block_q, block_k, score_mod)
-    out, lse = TiledAttention.apply(q, k, v, plan)
+    params = score_mod.trainable() if hasattr(score_mod, "trainable") else ()
+    out, lse = TiledAttention.apply(q, k, v, plan, *params)
     lse = from_rows(lse.unsqueeze(-1), plan).squeeze(-1)  # (B, H, Lq)
     return out, lse.masked_fill(torch.isinf(lse) & (lse > 0), float("-inf"))
 

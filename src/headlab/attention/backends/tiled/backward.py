@@ -22,12 +22,16 @@ import torch
 from headlab.attention.backends.tiled.forward import forward, native_forward
 from headlab.attention.backends.tiled.plan import (Plan, from_rows, index_grid, mask_tile, prepare_kv,
                                                    scaled_query, to_rows)
+from headlab.attention.score_mods import param_vjp
 from headlab.attention.states import EMPTY, PARTIAL
 
 
-def _score_mod_vjp(p: Plan, s_raw, i0, i1, j0, j1):
-    """``(score_mod(s_raw), vjp)``, where ``vjp(ds)`` gives ``ds * d score_mod / d s_raw``."""
+def _score_mod_vjp(p: Plan, s_raw, i0, i1, j0, j1, params=(), grads=None):
+    """``(score_mod(s_raw), vjp)``, where ``vjp(ds)`` gives ``ds * d score_mod / d s_raw`` and, for
+    the score_mod's trainable tensors ``params``, adds ``ds``'s vector-Jacobian product to ``grads``."""
     b, h, qi, kv = index_grid(p, i0, i1, j0, j1, 0, s_raw.shape[0], s_raw.device)
+    if params:
+        return param_vjp(p.score_mod, s_raw, (b, h, qi, kv), params, grads)
     if getattr(p.score_mod, "additive", False):  # score + bias: the derivative is 1
         return p.score_mod(s_raw, b, h, qi, kv), lambda ds: ds
     with torch.enable_grad():
@@ -36,9 +40,11 @@ def _score_mod_vjp(p: Plan, s_raw, i0, i1, j0, j1):
     return y.detach().clone(), lambda ds: torch.autograd.grad(y, x, ds)[0]
 
 
-def backward(q, k, v, out, ml, dout, p: Plan):
+def backward(q, k, v, out, ml, dout, p: Plan, params=()):
     """Gradients ``dq (B, H, Lq, D)``, ``dk (B, Hkv, Lk, D)``, ``dv (B, Hkv, Lk, Dv)`` from the
-    forward's ``ml (BHkv, Lq*G, 2)`` = ``[m, log l]``."""
+    forward's ``ml (BHkv, Lq*G, 2)`` = ``[m, log l]``, and those of the score_mod's trainable
+    ``params`` (a list, None where a tensor got no gradient)."""
+    pgrads = [None] * len(params)
     qs = scaled_query(q, p)  # (BHkv, Lq*G, D+1): [scale q | 0], rounded as in the forward
     kt, vaug = prepare_kv(k, v, p)
     BHkv, Dv = p.B * p.Hkv, p.Dv
@@ -73,7 +79,7 @@ def backward(q, k, v, out, ml, dout, p: Plan):
             s = torch.bmm(qb_rows, kt[:, :, j0:j1])  # (BHkv, r, c) = scale q k^T
             vjp = None
             if p.score_mod is not None:
-                s, vjp = _score_mod_vjp(p, s, i0, i1, j0, j1)
+                s, vjp = _score_mod_vjp(p, s, i0, i1, j0, j1, params, pgrads)
             if state == PARTIAL:
                 mask_tile(s, p, i0, i1, j0, j1)
             prob = s.sub_(m_b).sub_(logl_b).exp_()  # P = exp((S - m) - log l): S - m exact near the max
@@ -94,19 +100,19 @@ def backward(q, k, v, out, ml, dout, p: Plan):
             dk[:, j0:j1].baddbmm_(ds.transpose(1, 2), qb_scaled)  # dK += dS^T (scale Q)
             del s, prob, ds
     dq.mul_(p.scale)
-    return from_rows(dq, p), dk.view(p.B, p.Hkv, p.Lk, p.D), dv.view(p.B, p.Hkv, p.Lk, Dv)
+    return from_rows(dq, p), dk.view(p.B, p.Hkv, p.Lk, p.D), dv.view(p.B, p.Hkv, p.Lk, Dv), pgrads
 
 
 class TiledAttention(torch.autograd.Function):
     """Saves q, k, v, the output and the log-sum-exp: O(n) memory, nothing n x n."""
 
     @staticmethod
-    def forward(ctx, q, k, v, plan: Plan):
+    def forward(ctx, q, k, v, plan: Plan, *params):
         got = native_forward(q, k, v, plan)  # the compiled kernel, when it takes the call
         ctx.native = got is not None
         out, ml = got if got is not None else forward(q, k, v, plan)
         ctx.save_for_backward(q, k, v, out, ml)
-        ctx.plan = plan
+        ctx.plan, ctx.params = plan, params  # the score_mod's trainable tensors (their gradients are returned)
         lse = ml[..., 0] + ml[..., 1]  # (BHkv, Lq*G), +inf on rows that see no key
         ctx.mark_non_differentiable(lse)
         return from_rows(out, plan).to(q.dtype), lse
@@ -115,6 +121,7 @@ class TiledAttention(torch.autograd.Function):
     def backward(ctx, dout, _dlse):
         q, k, v, out, ml = ctx.saved_tensors
         p = ctx.plan
+        pgrads = [None] * len(ctx.params)
         if ctx.native:  # the compiled kernel's own backward, from the same m and log l
             from headlab.attention.backends import native
 
@@ -122,5 +129,6 @@ class TiledAttention(torch.autograd.Function):
             dq, dk, dv = native.native_backward(native.kernel(), q, k, v, from_rows(out, p), dout, ml4[..., 0],
                                                 ml4[..., 1], p.spec, p.mask, p.scale)
         else:
-            dq, dk, dv = backward(q, k, v, out, ml, dout, p)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
+            dq, dk, dv, pgrads = backward(q, k, v, out, ml, dout, p, ctx.params)
+        pg = tuple(None if g is None else g.to(t.dtype) for g, t in zip(pgrads, ctx.params))
+        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, *pg)
