@@ -17,6 +17,7 @@ of BERT-base's heads gives +17.5% examples per second at batch 16-64 (about +2% 
 40% of heads prunable without noticeable loss on MNLI (their figure 4).
 
     nice -n 5 .venv/bin/python benchmarks/bench_heads.py --part encoder
+    nice -n 5 .venv/bin/python benchmarks/bench_heads.py --part encoder-curve   # curve + savings, no ablation
     nice -n 5 .venv/bin/python benchmarks/bench_heads.py --part decoder
 """
 
@@ -88,6 +89,37 @@ def encoder(args) -> dict:
             "paper": MICHEL}
 
 
+def encoder_curve(args) -> dict:
+    """The SST-2 classifier's pruning curve and physical savings, ranked by importance on every
+    validation sentence; the ablation study (``--part encoder``) is not repeated: its verdicts are
+    read from ``heads_encoder_partial.json`` when that file holds the classifier's run."""
+    import json
+
+    torch.set_num_threads(args.threads)
+    clf = cache_dir("minilm-sst2")
+    if not (clf / "config.json").is_file():
+        raise SystemExit(f"no classifier at {clf}: train it with benchmarks/models/minilm_sst2.py first")
+    texts, labels = read_texts(DATA / "sst2" / "validation.tsv", limit=args.n_encoder)
+    loaded = headlab.load(clf)
+    print(f"{loaded.name}: task loss, {len(texts)} sentences", flush=True)
+    full = importance_study(loaded, texts, labels, loss="task", batch_size=32, progress=True)
+    curve = pruning_curve(loaded, texts, labels, loss="task", importance=full.normalized, batch_size=32, progress=True)
+    png = curve.plot(RESULTS / "heads_encoder_sst2_curve.png")
+    order = order_heads(full.normalized)
+    sav = measure_savings(loaded, order, batch_sizes=tuple(args.batches), seq=128, repeats=args.repeats,
+                          rounds=args.rounds, progress=True)
+    out = {"model": loaded.name, "loss": "task", "n_examples": len(texts), "importance": full.to_json(),
+           "curve": curve.to_json(), "curve_png": str(png.relative_to(RESULTS.parent)), "savings": sav.to_json(),
+           "savings_threads": args.threads, "paper": MICHEL}
+    part = RESULTS / "heads_encoder_partial.json"
+    if part.is_file():
+        prev = json.loads(part.read_text())
+        if prev.get("model") == loaded.name and "ablation" in prev:
+            out["ablation_from"] = str(part.relative_to(RESULTS.parent))
+            out["verdict_counts"] = prev["ablation"].get("counts")
+    return out
+
+
 def decoder(args) -> dict:
     loaded = headlab.load("smollm2")
     train, _ = read_texts(DATA / "ud-english-ewt" / "en_ewt-ud-train.conllu")
@@ -144,7 +176,8 @@ def _table(res: dict) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--part", choices=["encoder", "decoder", "encoder-savings", "decoder-savings"], required=True)
+    ap.add_argument("--part", choices=["encoder", "encoder-curve", "decoder", "encoder-savings", "decoder-savings"],
+                    required=True)
     ap.add_argument("--n-encoder", type=int, default=None, help="SST-2 sentences (default: all 872)")
     ap.add_argument("--n-ablate", type=int, default=256)
     ap.add_argument("--k", type=int, default=16)
@@ -157,10 +190,11 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     args = ap.parse_args()
-    res = {"encoder": encoder, "decoder": decoder, "encoder-savings": encoder_savings,
+    res = {"encoder": encoder, "encoder-curve": encoder_curve, "decoder": decoder, "encoder-savings": encoder_savings,
            "decoder-savings": lambda a: encoder_savings(a, "decoder")}[args.part](args)
     _table(res)
-    path = write_json(f"heads_{args.part.split('-')[0]}{args.tag}", res)
+    name = "heads_encoder_sst2" if args.part == "encoder-curve" else f"heads_{args.part.split('-')[0]}"
+    path = write_json(f"{name}{args.tag}", res)
     print(f"wrote {path}")
 
 
