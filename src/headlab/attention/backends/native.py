@@ -1,15 +1,16 @@
 """The compiled one-pass attention kernel (``csrc/onepass.cpp``), built on first use: the output,
-the log-sum-exp and every per-query statistic of :func:`headlab.attention_stats` in one pass.
+the log-sum-exp and every per-query statistic of :func:`headlab.attention_stats` in one pass, and
+its backward. See docs/native.md.
 
 :func:`kernel` compiles the C++ file with torch's own ``torch.utils.cpp_extension`` (once per
 machine: the build is cached under ``~/.cache/torch_extensions``; about 30 s on 2 cores) and
 returns the module, or None when it cannot (no compiler, ``HEADLAB_NATIVE=0``): the pure-PyTorch
-paths (:mod:`headlab.attention.stats.fused`, the tiled backend's own loop) then compute the same
-results, and are what the tests compare the kernel with. The kernel takes float32 inputs on the
-CPU with no mask, ``causal``, a plain sliding window, or a key-padding mask (one visibility per
-(batch, key)); every other
-call runs on the PyTorch paths. Users: the statistics (method ``"tiled"``) and the tiled backend's
-forward at its default tile sizes.
+paths (:mod:`headlab.attention.stats.fused`, the tiled and sparse backends' own loops) then compute
+the same results, and are what the tests compare the kernel with. The kernel takes float32 inputs
+on the CPU with no mask, ``causal``, a plain ``masks.causal()`` or ``masks.sliding_window``, or a
+key-padding mask (one visibility per (batch, key)); every other call runs on the PyTorch paths.
+Users: the statistics (method ``"tiled"``), the tiled backend at its default tile sizes and the
+sparse backend for plain windows, forward and backward.
 """
 
 from __future__ import annotations
