@@ -145,9 +145,11 @@ def relative_bias(table) -> ScoreMod:
     return ScoreMod(fn, f"relative_bias(R={R})", additive=True, tensors=(t,))
 
 
-def param_vjp(score_mod, s_raw, index, params, grads):
-    """``(score_mod(s_raw), vjp)`` through autograd, also for the trainable ``params``: each
-    ``vjp(ds)`` adds ``d <ds, score_mod> / d param`` to ``grads`` (a list, one entry per param)."""
+def param_vjp(score_mod, s_raw, index, params=(), grads=None):
+    """``(score_mod(s_raw), vjp)`` through autograd: ``vjp(ds)`` returns ``ds * d score_mod / d s_raw``
+    and adds ``d <ds, score_mod> / d param`` for the trainable ``params`` to ``grads`` (a list, one
+    entry per param). The tiled and sparse backwards call it for every score_mod that is not a
+    plain bias without trainable tensors."""
     with torch.enable_grad():
         x = s_raw.detach().requires_grad_(True)
         y = score_mod(x, *index)
@@ -157,6 +159,6 @@ def param_vjp(score_mod, s_raw, index, params, grads):
         for i, g in enumerate(got[1:]):
             if g is not None:
                 grads[i] = g if grads[i] is None else grads[i] + g
-        return got[0]
+        return got[0] if got[0] is not None else torch.zeros_like(x)  # a score_mod that ignores the score
 
     return y.detach().clone(), vjp

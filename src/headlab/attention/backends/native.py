@@ -3,7 +3,8 @@ the log-sum-exp and every per-query statistic of :func:`headlab.attention_stats`
 its backward. See docs/native.md.
 
 :func:`kernel` compiles the C++ file with torch's own ``torch.utils.cpp_extension`` (once per
-machine: the build is cached under ``~/.cache/torch_extensions``; about 30 s on 2 cores) and
+version of the C++ file: the build is cached under ``~/.cache/torch_extensions``, named by the
+file's hash; about 30 s on 2 cores) and
 returns the module, or None when it cannot (no compiler, ``HEADLAB_NATIVE=0``): the pure-PyTorch
 paths (:mod:`headlab.attention.stats.fused`, the tiled and sparse backends' own loops) then compute
 the same results, and are what the tests compare the kernel with. The kernel takes float32 inputs
@@ -15,6 +16,7 @@ sparse backend for plain windows, forward and backward.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import sys
@@ -49,11 +51,14 @@ def kernel():
                 flags = ["-O3", "-march=native", "-fopenmp"]
                 if cap in ("AVX2", "AVX512"):
                     flags += [f"-DCPU_CAPABILITY={cap}", f"-DCPU_CAPABILITY_{cap}"]
+                # one build per version of the source: two checkouts (or a test run beside an edit)
+                # never load each other's kernel, whose signature may differ
+                name = "headlab_onepass_" + hashlib.sha1(_SOURCE.read_bytes()).hexdigest()[:12]
                 build = Path(os.environ.get("TORCH_EXTENSIONS_DIR", Path.home() / ".cache" / "torch_extensions"))
-                if not any(build.glob("*/headlab_onepass/*.so")):
-                    print("headlab: compiling the native attention kernel (once per machine, about 30 s)",
+                if not any(build.glob(f"*/{name}/*.so")):
+                    print("headlab: compiling the native attention kernel (once per machine and kernel version, about 30 s)",
                           file=sys.stderr, flush=True)
-                mod = load(name="headlab_onepass", sources=[str(_SOURCE)], extra_cflags=flags, verbose=False)
+                mod = load(name=name, sources=[str(_SOURCE)], extra_cflags=flags, verbose=False)
             except Exception as exc:  # no compiler, no ninja, a build error: the PyTorch path stands in
                 _STATE["error"] = f"{type(exc).__name__}: {exc}"
         else:
@@ -85,16 +90,17 @@ def window(mask) -> tuple[int, int] | None:
     return (w, 0 if hit.group(2) else w)
 
 
-def key_bias(spec: AttentionSpec, mask) -> torch.Tensor | None | bool:
-    """The mask as a ``(Bb, Lk)`` additive bias (0 / NEG) when it is a key-padding mask (a bool
-    tensor of shape ``(Bb, 1, 1, Lk)``), None without a mask (or a window, see :func:`window`),
-    False when the kernel cannot take it."""
-    if mask is None or window(mask) is not None:
+def _key_padding(spec: AttentionSpec, mask) -> bool:
+    """Whether the mask is a key-padding mask: a bool tensor of shape ``(Bb, 1, 1, Lk)``."""
+    return (isinstance(mask, torch.Tensor) and mask.dtype == torch.bool and mask.dim() == 4
+            and tuple(mask.shape[1:]) == (1, 1, spec.kv_len))
+
+
+def key_bias(spec: AttentionSpec, mask) -> torch.Tensor | None:
+    """A key-padding mask (:func:`usable` checked it) as a ``(Bb, Lk)`` additive bias (0 / NEG);
+    None without a mask or under a window (see :func:`window`)."""
+    if not _key_padding(spec, mask):
         return None
-    if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool or mask.dim() != 4:
-        return False
-    if mask.shape[1] != 1 or mask.shape[2] != 1 or mask.shape[3] != spec.kv_len:
-        return False
     vis = mask[:, 0, 0]  # (Bb, Lk)
     return torch.zeros(vis.shape, dtype=torch.float32, device=vis.device).masked_fill_(~vis, NEG).contiguous()
 
@@ -106,7 +112,7 @@ def usable(spec: AttentionSpec, mask, ct: torch.dtype) -> bool:
     if torch._C._len_torch_dispatch_stack() > 0:
         return False
     return (ct == torch.float32 and spec.device.type == "cpu" and 0 < spec.kv_len <= MAX_KEYS
-            and key_bias(spec, mask) is not False)
+            and (mask is None or window(mask) is not None or _key_padding(spec, mask)))
 
 
 # Query rows per unit and keys per chunk: a 512 KiB score chunk stays in L2 beside its key and value
@@ -146,15 +152,14 @@ def native_stats(mod, q, k, v, spec: AttentionSpec, mask, scale: float, want: se
     bias = key_bias(spec, mask)
     bias = qs.new_empty(0) if bias is None else bias
     bq = unit_rows(mask, Lk)
-    n_units = BH * (-(-Lq // bq))
     outs = [qs.new_empty(BH, Lq) for _ in range(4)] + [torch.empty(BH, Lq, dtype=torch.long)]
     out = qs.new_empty(BH, Lq, v.shape[-1]) if v is not None else qs.new_empty(0)
     want_rec = "received" in want
     sh = qs.new_empty(BH, Lq) if shift else qs.new_empty(0)
     rec = qs.new_zeros(BH, Lk) if want_rec else qs.new_empty(0)
     mod.onepass(qs, kc, vc, bias, H, spec.group, bool(spec.causal), "entropy" in want, "mean_distance" in want,
-                want_rec, "argmax" in want, bq, BLOCK_K, 0, n_units, *outs, out, rec, sh, torch.get_num_threads(),
-                *(window(mask) or (-1, -1)), float(scale))
+                want_rec, "argmax" in want, bq, BLOCK_K, *outs, out, rec, sh, *(window(mask) or (-1, -1)),
+                float(scale))
     lse, mw, ent, md, arg = outs
     shape = (B, H, Lq)
     res = {"lse": lse.view(shape)}
@@ -196,6 +201,5 @@ def native_backward(mod, q, k, v, out, dout, shift, log_l, spec: AttentionSpec, 
     dq, dk, dv = torch.zeros_like(qs), torch.zeros_like(kc), torch.zeros_like(vc)
     mod.onepass_backward(qs, kc, vc, bias, H, spec.group, bool(spec.causal), do,
                          shift.to(f32).reshape(B * H, Lq).contiguous(), log_l.to(f32).reshape(B * H, Lq).contiguous(),
-                         delta, unit_rows(mask, Lk), BLOCK_K, dq, dk, dv, torch.get_num_threads(), *(window(mask) or (-1, -1)),
-                         float(scale))
+                         delta, unit_rows(mask, Lk), BLOCK_K, dq, dk, dv, *(window(mask) or (-1, -1)), float(scale))
     return dq.view(B, H, Lq, D), dk.view(B, Hkv, Lk, D), dv.view(B, Hkv, Lk, Dv)

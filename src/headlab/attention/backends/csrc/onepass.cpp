@@ -10,11 +10,12 @@
 // head bh reads kv head bh / group; bh / heads is its batch element. causal: key j <= query i.
 // Outputs: lse, max_weight, entropy, mean_distance (BH, Lq) float32, argmax (BH, Lq) int64,
 // out (BH, Lq, Dv), received (BH, Lk) (added to), shift (BH, Lq) the row maximum (or empty).
-// A row that sees no key: lse -inf, argmax -1, zeros. Units [unit_begin, unit_end) of the
-// flattened (query head, block of block_q rows) are computed; the GIL is released meanwhile.
+// A row that sees no key: lse -inf, argmax -1, zeros. Work units are the (query head, block of
+// block_q rows), on torch's OpenMP threads; the GIL is released meanwhile.
 
 #include <torch/extension.h>
 #include <omp.h>
+#include <ATen/Parallel.h>
 #include <ATen/cpu/vec/vec.h>
 
 #include <atomic>
@@ -36,8 +37,26 @@ namespace {
 constexpr int64_t kChunk = 256;  // partial sums in float over this many keys, then into double
 
 struct Flags {
-  bool entropy, distance, received, argmax, output;
+  bool entropy, distance, argmax;
 };
+
+// The keys [cs, w) that hold every key the rows [i0, i1) see: causal (j <= i) and a window
+// (i - win_lo <= j <= i + win_hi; -1 = unbounded).
+inline void unit_span(int64_t i0, int64_t i1, int64_t Lk, bool causal, int64_t win_lo, int64_t win_hi,
+                      int64_t& cs, int64_t& w) {
+  w = causal ? std::min(Lk, i1) : Lk;
+  if (win_hi >= 0) w = std::min(w, i1 + win_hi);
+  cs = win_lo >= 0 ? std::min(w, std::max<int64_t>(0, i0 - win_lo)) : 0;
+}
+
+// The columns [lo, hi) of the chunk [c0, c0 + bw) that row i sees (lo == hi: none).
+inline void row_range(int64_t i, int64_t c0, int64_t bw, bool causal, int64_t win_lo, int64_t win_hi,
+                      int64_t& lo, int64_t& hi) {
+  hi = causal ? std::min(bw, i + 1 - c0) : bw;
+  if (win_hi >= 0) hi = std::min(hi, i + win_hi + 1 - c0);
+  lo = win_lo >= 0 ? std::min(bw, std::max<int64_t>(0, i - win_lo - c0)) : 0;
+  hi = std::max(hi, lo);
+}
 
 inline float hsum(const Vec& v) {
   alignas(64) float a[Vec::size()];
@@ -51,7 +70,10 @@ inline float hmax(const Vec& v) {
   alignas(64) float a[Vec::size()];
   v.store(a);
   float t = a[0];
-  for (int64_t i = 1; i < Vec::size(); ++i) t = (std::isnan(t) || a[i] > t || std::isnan(a[i])) ? (std::isnan(t) ? t : a[i]) : t;
+  for (int64_t i = 0; i < Vec::size(); ++i) {
+    if (std::isnan(a[i])) return a[i];  // NaN propagates
+    t = std::max(t, a[i]);
+  }
   return t;
 }
 
@@ -124,10 +146,9 @@ inline int64_t first_equal(const float* s, int64_t n, float m) {
 
 void onepass(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor key_bias, int64_t heads,
                  int64_t group, bool causal, bool want_entropy, bool want_distance, bool want_received,
-                 bool want_argmax, int64_t block_q, int64_t block_k, int64_t unit_begin, int64_t unit_end,
-                 torch::Tensor lse, torch::Tensor mw, torch::Tensor ent, torch::Tensor md, torch::Tensor arg,
-                 torch::Tensor out, torch::Tensor rec_t, torch::Tensor shift, int64_t threads,
-             int64_t win_lo, int64_t win_hi, double scale) {
+                 bool want_argmax, int64_t block_q, int64_t block_k, torch::Tensor lse, torch::Tensor mw,
+                 torch::Tensor ent, torch::Tensor md, torch::Tensor arg, torch::Tensor out, torch::Tensor rec_t,
+                 torch::Tensor shift, int64_t win_lo, int64_t win_hi, double scale) {
   const float alpha = static_cast<float>(scale);
   TORCH_CHECK(q.dtype() == torch::kFloat32 && k.dtype() == torch::kFloat32, "onepass: float32 only");
   TORCH_CHECK(q.is_contiguous() && k.is_contiguous(), "onepass: contiguous inputs");
@@ -135,7 +156,7 @@ void onepass(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor ke
   const bool has_v = v.numel() > 0, has_bias = key_bias.numel() > 0;
   TORCH_CHECK(!has_v || v.is_contiguous(), "onepass: contiguous v");
   const int64_t Dv = has_v ? v.size(2) : 0;
-  const Flags f{want_entropy, want_distance, want_received, want_argmax, has_v};
+  const Flags f{want_entropy, want_distance, want_argmax};
   const int64_t n_qb = (Lq + block_q - 1) / block_q;
   const int64_t n_kc = (Lk + block_k - 1) / block_k;
   const int64_t D = q.size(2);
@@ -165,10 +186,8 @@ void onepass(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor ke
       const int64_t bh = unit / n_qb, qb = unit % n_qb;
       const int64_t i0 = qb * block_q, i1 = std::min(Lq, i0 + block_q), n = i1 - i0;
       const int64_t kvh = bh / group, b = bh / heads;
-      // keys [cs, w) hold every visible one: causal (j <= i) and a window (i - win_lo <= j <= i + win_hi)
-      int64_t w = causal ? std::min(Lk, i1) : Lk;
-      if (win_hi >= 0) w = std::min(w, i1 - 1 + win_hi + 1);
-      const int64_t cs = win_lo >= 0 ? std::min(w, std::max<int64_t>(0, i0 - win_lo)) : 0;
+      int64_t cs, w;
+      unit_span(i0, i1, Lk, causal, win_lo, win_hi, cs, w);
       const float* bias = has_bias ? bd + (Bb > 1 ? b : 0) * Lk : nullptr;
       std::fill(m.begin(), m.begin() + n, ninf);
       std::fill(l.begin(), l.begin() + n, 0.0);
@@ -189,10 +208,8 @@ void onepass(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor ke
         for (int64_t r = 0; r < n; ++r) {
           const int64_t i = i0 + r;
           float* const full = s + r * bw;
-          int64_t hi = causal ? std::min(bw, i + 1 - c0) : bw;  // visible: [lo, hi) of the chunk
-          if (win_hi >= 0) hi = std::min(hi, i + win_hi + 1 - c0);
-          const int64_t lo = win_lo >= 0 ? std::min(bw, std::max<int64_t>(0, i - win_lo - c0)) : 0;
-          hi = std::max(hi, lo);
+          int64_t lo, hi;  // visible: [lo, hi) of the chunk
+          row_range(i, c0, bw, causal, win_lo, win_hi, lo, hi);
           const int64_t wr = hi - lo;
           float* row = full + lo;  // the visible part
           std::fill(full, row, 0.f);  // hidden by the window: no mass
@@ -300,11 +317,10 @@ void onepass(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor ke
   // alternatives: threads of our own, or a pool of Python threads, competed with torch's spinning
   // OpenMP workers (1.4x slower at 1,024 tokens); ATen's mm inside at::parallel_for started
   // threads of its own (1.5x slower, erratic).
-  const int64_t n_units = unit_end - unit_begin;
-  const int nt = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, n_units)));
+  const int64_t BH = q.size(0), n_units = BH * n_qb;
+  const int nt = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n_units)));
   const int64_t step = std::max<int64_t>(1, n_units / (4 * nt));
-  std::atomic<int64_t> next{unit_begin};
-  const int64_t BH = q.size(0);
+  std::atomic<int64_t> next{0};
   std::vector<std::vector<float>> recs(want_received && nt > 1 ? nt : 0);
   auto worker = [&](int t) {
     float* rd = recd;
@@ -314,8 +330,8 @@ void onepass(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor ke
     }
     for (;;) {
       const int64_t u0 = next.fetch_add(step);
-      if (u0 >= unit_end) break;
-      work(u0, std::min(unit_end, u0 + step), rd);
+      if (u0 >= n_units) break;
+      work(u0, std::min(n_units, u0 + step), rd);
     }
   };
   if (nt == 1) {
@@ -340,7 +356,7 @@ void onepass(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor ke
 void onepass_backward(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor key_bias, int64_t heads,
                       int64_t group, bool causal, torch::Tensor dout, torch::Tensor shift, torch::Tensor logl,
                       torch::Tensor delta, int64_t block_q, int64_t block_k, torch::Tensor dq, torch::Tensor dk,
-                      torch::Tensor dv, int64_t threads, int64_t win_lo, int64_t win_hi, double scale) {
+                      torch::Tensor dv, int64_t win_lo, int64_t win_hi, double scale) {
   const float alpha = static_cast<float>(scale);
   const int64_t Lq = q.size(1), Lk = k.size(1), D = q.size(2), Dv = v.size(2), BHkv = k.size(0);
   const bool has_bias = key_bias.numel() > 0;
@@ -365,9 +381,8 @@ void onepass_backward(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::
       const int64_t bh = b * heads + hk * group + g;
       for (int64_t qb = 0; qb < n_qb; ++qb) {
         const int64_t i0 = qb * block_q, i1 = std::min(Lq, i0 + block_q), n = i1 - i0;
-        int64_t w = causal ? std::min(Lk, i1) : Lk;
-        if (win_hi >= 0) w = std::min(w, i1 + win_hi);
-        const int64_t cs = win_lo >= 0 ? std::min(w, std::max<int64_t>(0, i0 - win_lo)) : 0;
+        int64_t cs, w;
+        unit_span(i0, i1, Lk, causal, win_lo, win_hi, cs, w);
         const float* Q = qd + (bh * Lq + i0) * D;
         const float* dO = dod + (bh * Lq + i0) * Dv;
         float* dQ = dqd + (bh * Lq + i0) * D;
@@ -386,10 +401,8 @@ void onepass_backward(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::
             const int64_t i = i0 + r, o = bh * Lq + i;
             float* pr = p.data() + r * bw;
             float* dr = dp.data() + r * bw;
-            int64_t hi = causal ? std::min(bw, i + 1 - c0) : bw;
-            if (win_hi >= 0) hi = std::min(hi, i + win_hi + 1 - c0);
-            const int64_t lo = win_lo >= 0 ? std::min(bw, std::max<int64_t>(0, i - win_lo - c0)) : 0;
-            hi = std::max(hi, lo);
+            int64_t lo, hi;
+            row_range(i, c0, bw, causal, win_lo, win_hi, lo, hi);
             const float m = md[o], ll = ld[o], de = ded[o];
             if (std::isinf(ll) && ll > 0) hi = lo;  // the row sees no key: no gradient
             std::fill(pr, pr + lo, 0.f);
@@ -428,7 +441,7 @@ void onepass_backward(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::
       }
     }
   };
-  const int nt = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, BHkv)));
+  const int nt = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), BHkv)));
   std::atomic<int64_t> next{0};
   auto worker = [&]() {
     for (;;) {

@@ -102,20 +102,12 @@ def _scores(plan, grp, c0, c1, q_flat, k_flat, scale, mask, device, r0=0, r1=Non
     back = None
     if score_mod is not None:
         b, h, qi, kvi = score_index(plan, items, kv, grp.k)
-        if vjp and params:  # the score_mod's trainable tensors: their gradients are added to grads
-            s, back = param_vjp(score_mod, s, (b, h, qi, kvi), params, grads)
-            s = s.contiguous()
-        elif getattr(score_mod, "additive", False) or not vjp:
+        if not vjp or (not params and getattr(score_mod, "additive", False)):
             s = score_mod(s, b, h, qi, kvi).contiguous()
             back = (lambda ds: ds) if vjp else None
-        else:
-            with torch.enable_grad():
-                x = s.detach().requires_grad_(True)
-                y = score_mod(x, b, h, qi, kvi)
-            s = y.detach().clone().contiguous()
-
-            def back(ds, y=y, x=x):
-                return torch.autograd.grad(y, x, ds)[0]
+        else:  # through autograd; the score_mod's trainable tensors get their gradients in grads
+            s, back = param_vjp(score_mod, s, (b, h, qi, kvi), params, grads)
+            s = s.contiguous()
     hid = _hidden(plan, grp, mask, device)
     dead = None
     if hid is not None:

@@ -30,14 +30,9 @@ def _score_mod_vjp(p: Plan, s_raw, i0, i1, j0, j1, params=(), grads=None):
     """``(score_mod(s_raw), vjp)``, where ``vjp(ds)`` gives ``ds * d score_mod / d s_raw`` and, for
     the score_mod's trainable tensors ``params``, adds ``ds``'s vector-Jacobian product to ``grads``."""
     b, h, qi, kv = index_grid(p, i0, i1, j0, j1, 0, s_raw.shape[0], s_raw.device)
-    if params:
-        return param_vjp(p.score_mod, s_raw, (b, h, qi, kv), params, grads)
-    if getattr(p.score_mod, "additive", False):  # score + bias: the derivative is 1
+    if not params and getattr(p.score_mod, "additive", False):  # score + bias: the derivative is 1
         return p.score_mod(s_raw, b, h, qi, kv), lambda ds: ds
-    with torch.enable_grad():
-        x = s_raw.detach().requires_grad_(True)
-        y = p.score_mod(x, b, h, qi, kv)
-    return y.detach().clone(), lambda ds: torch.autograd.grad(y, x, ds)[0]
+    return param_vjp(p.score_mod, s_raw, (b, h, qi, kv), params, grads)
 
 
 def backward(q, k, v, out, ml, dout, p: Plan, params=()):
