@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/bench_sparse.py                      # lengths 512..16384
     .venv/bin/python benchmarks/bench_sparse.py --lengths 1024,4096 --reps 3 --backward
+    .venv/bin/python benchmarks/bench_sparse.py --lengths 4096 --no-memory --flex   # beside compiled FlexAttention
 
 Batch 1, 8 heads, head dim 64, float32, sliding window 256 (|i - j| <= 256, non-causal).
 Timings are interleaved (SDPA, sparse, SDPA, sparse, ...) and the median of each is kept, so a
@@ -171,12 +172,24 @@ def main() -> None:
     ap.add_argument("--backward", action="store_true", help="also time forward + backward")
     ap.add_argument("--no-memory", action="store_true", help="skip the subprocess memory measurement")
     ap.add_argument("--out", default=str(OUT))
+    ap.add_argument("--flex", action="store_true",
+                    help="also time torch.compile(flex_attention) with the same masks (sliding window at each "
+                         "length; causal window, BigBird, documents at 8,192), in this run: bench_kernels.py's rows")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     lengths = [int(x) for x in args.lengths.split(",")]
     result = run(lengths, args.reps, args.backward, not args.no_memory)
     print(f"crossover (sparse faster from here on): {result['crossover_seq_len']}")
+    if args.flex:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from bench_kernels import sparse_rows
+
+        result["flex"] = []
+        print(f"{'against compiled FlexAttention':52s} {'flex s':>9s} {'sparse s':>9s} {'ratio':>7s}")
+        for name, r, goal in sparse_rows(args.reps, [n for n in lengths if n >= 4096] or [4096]):
+            result["flex"].append({"row": name, "goal": goal, **r})
+            print(f"{name:52s} {r['peer_s']:9.4f} {r['ours_s']:9.4f} {r['ratio']:7.2f}", flush=True)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {args.out}")
