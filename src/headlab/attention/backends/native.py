@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import re
 import sys
 import threading
 from pathlib import Path
@@ -72,22 +71,16 @@ def error() -> str | None:
     return _STATE.get("error")
 
 
-_WINDOW = re.compile(r"^sliding_window\((\d+)(, causal)?\)$")
-
-
 def window(mask) -> tuple[int, int] | None:
     """``(before, after)`` when the mask is a plain :func:`headlab.masks.causal` or
     :func:`headlab.masks.sliding_window` (query ``i`` sees keys ``i - before .. i + after``; -1:
-    unbounded), else None. Read from the mask's name, as the cost model reads patterns."""
-    if not isinstance(mask, MaskFn):
+    unbounded), else None. Read from the mask's ``band`` (its visible offsets ``i - j``), which
+    those two constructors set; a composition has none."""
+    band = getattr(mask, "band", None) if isinstance(mask, MaskFn) else None
+    if band is None:
         return None
-    if mask.name == "causal":
-        return (-1, 0)
-    hit = _WINDOW.match(mask.name)
-    if hit is None:
-        return None
-    w = int(hit.group(1))
-    return (w, 0 if hit.group(2) else w)
+    lo, hi = band
+    return (-1 if hi is None else hi, -1 if lo is None else -lo)
 
 
 def _key_padding(spec: AttentionSpec, mask) -> bool:

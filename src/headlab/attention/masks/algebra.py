@@ -286,7 +286,9 @@ def causal() -> MaskFn:
     def fn(b, h, q, kv, lq, lk):
         return q >= kv
 
-    return MaskFn(fn, "causal", blocks=_diagonal_blocks(0))
+    m = MaskFn(fn, "causal", blocks=_diagonal_blocks(0))
+    m.band = (0, None)  # visible offsets i - j in [0, inf): kernels that walk a band read it
+    return m
 
 
 def causal_lower_right() -> MaskFn:

@@ -86,8 +86,11 @@ def sliding_window(window: int, causal: bool = False) -> MaskFn:
     """
     w = _positive("sliding_window window", window)
     if causal:
-        return _offset_mask(lambda d, lq, lk: (d >= 0) & (d <= w), f"sliding_window({w}, causal)")
-    return _offset_mask(lambda d, lq, lk: d.abs() <= w, f"sliding_window({w})")
+        m = _offset_mask(lambda d, lq, lk: (d >= 0) & (d <= w), f"sliding_window({w}, causal)")
+    else:
+        m = _offset_mask(lambda d, lq, lk: d.abs() <= w, f"sliding_window({w})")
+    m.band = (0, w) if causal else (-w, w)  # visible offsets i - j in [lo, hi]: kernels that walk a band read it
+    return m
 
 
 def dilated_window(window: int, dilation: int, causal: bool = False) -> MaskFn:
