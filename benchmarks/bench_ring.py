@@ -9,7 +9,10 @@ cores). Each configuration runs in fresh processes (gloo on 127.0.0.1). Reported
 forward and forward + backward time (median of the repeats; for the ring, the slowest rank), the
 ratio ring / single, the peak resident memory of each process during forward + backward (beyond
 what it held before the call, and with its inputs counted), and the bytes each rank sent against
-the cost model's prediction (headlab.costs.ring.ring_cost). Writes benchmarks/results/ring.json.
+the cost model's prediction (headlab.costs.ring.ring_cost). Each process first runs one full-size
+forward + backward whose time and peak are reported apart ("first call": it also holds what a
+process touches once, such as the allocator's growth and the backward's first use); the repeats
+after it are the steady state of a training step. Writes benchmarks/results/ring.json.
 """
 
 from __future__ import annotations
@@ -71,7 +74,7 @@ def worker(rank: int, world: int, port: int, n: int, repeats: int) -> dict:
         small = [t[:, :, : 2 * 2 * 128].detach() for t in (q, k, v)]
         (ring_attention(*small, causal=True, layout="zigzag") if world > 1 else
          attention(*small, causal=True, backend="tiled"))
-    runs = {"fwd": ([], [], []), "fwd_bwd": ([], [], [])}  # times, peaks, bytes sent (first run)
+    runs = {"first": ([], [], []), "fwd": ([], [], []), "fwd_bwd": ([], [], [])}  # times, peaks, bytes sent
 
     def measure(name, fn, grad):
         if world > 1:
@@ -84,6 +87,10 @@ def worker(rank: int, world: int, port: int, n: int, repeats: int) -> dict:
         peaks.append(peak)
         sent.append(comm.bytes_sent() - before)
 
+    # the first full-size forward + backward, apart: its peak also holds what a process touches once
+    # (allocator growth, the backward's first use); the repeats after it are the steady state a
+    # training step sees
+    measure("first", fwd_bwd, True)
     for _ in range(repeats):
         measure("fwd", fwd, False)
         measure("fwd_bwd", fwd_bwd, True)
@@ -93,6 +100,7 @@ def worker(rank: int, world: int, port: int, n: int, repeats: int) -> dict:
         dist.destroy_process_group()
     return {"rank": rank, "forward_s": statistics.median(times_f), "fwd_bwd_s": statistics.median(times_fb),
             "peak_extra_fwd": max(peaks_f), "peak_extra_fwd_bwd": max(peaks_fb), "input_bytes": input_bytes,
+            "first_call_s": runs["first"][0][0], "first_call_peak_extra": runs["first"][1][0],
             "rss_before_inputs": base, "sent_forward": sent_fwd, "sent_fwd_bwd": sent_both}
 
 
@@ -137,6 +145,8 @@ def main(argv=None) -> None:
         slow_fb = max(r["fwd_bwd_s"] for r in ring)
         peak_rank = max(r["peak_extra_fwd_bwd"] + r["input_bytes"] for r in ring)
         peak_single = single["peak_extra_fwd_bwd"] + single["input_bytes"]
+        first_rank = max(r["first_call_peak_extra"] + r["input_bytes"] for r in ring)
+        first_single = single["first_call_peak_extra"] + single["input_bytes"]
         sent = max(r["sent_fwd_bwd"] for r in ring)
         predicted = pred.sent_forward_bytes + pred.sent_backward_bytes
         row = {"seq_len": n, "single_forward_s": single["forward_s"], "ring_forward_s": slow_f,
@@ -144,13 +154,16 @@ def main(argv=None) -> None:
                "ring_fwd_bwd_s": slow_fb, "fwd_bwd_time_ratio": slow_fb / single["fwd_bwd_s"],
                "single_peak_bytes": peak_single, "ring_peak_bytes_per_rank": peak_rank,
                "memory_ratio": peak_rank / peak_single,
+               "first_call_single_peak_bytes": first_single, "first_call_ring_peak_bytes_per_rank": first_rank,
+               "first_call_memory_ratio": first_rank / first_single,
                "single_peak_extra_bytes": single["peak_extra_fwd_bwd"],
                "ring_peak_extra_bytes_per_rank": max(r["peak_extra_fwd_bwd"] for r in ring),
                "sent_bytes_per_rank": sent, "predicted_sent_bytes_per_rank": predicted,
                "sent_over_predicted": sent / predicted, "ranks": ring, "single": single}
         rows.append(row)
         print(f"{n:>7} tokens  fwd ring/single {row['forward_time_ratio']:.2f}  fwd+bwd {row['fwd_bwd_time_ratio']:.2f}  "
-              f"peak per rank {human_bytes(peak_rank)} vs {human_bytes(peak_single)} ({row['memory_ratio']:.2f})  "
+              f"peak per rank {human_bytes(peak_rank)} vs {human_bytes(peak_single)} ({row['memory_ratio']:.2f}; "
+              f"first call {row['first_call_memory_ratio']:.2f})  "
               f"sent {human_bytes(sent)} vs predicted {human_bytes(predicted)} ({row['sent_over_predicted']:.3f})",
               flush=True)
     write_json("ring", {"config": {"batch": B, "heads": H, "head_dim": D, "dtype": "float32", "causal": True,

@@ -30,13 +30,17 @@ DATA = next((p for p in (Path(__file__).resolve().parents[2] / "shared" / "data"
                          Path("/work/shared/data/sst2")) if (p / "validation.tsv").is_file()),
             Path("/work/shared/data/sst2"))
 
-# What Jain and Wallace 2019 publish for SST, with where it is. Values the search tool could not
-# retrieve verbatim are None and say so, rather than quoted from memory.
+# What Jain and Wallace 2019 publish for SST. Table 2 (Kendall tau between attention and each
+# importance measure, BiLSTM encoder, mean +- std per gold class, and the share of instances whose
+# correlation is significant) as transcribed in a public study note of the paper (16_appendix.md, found
+# with the search tool's code index); no primary copy of the paper was at hand to check it against.
+TABLE2 = "Table 2 (SST rows, BiLSTM), via a public study note of the paper; not checked against a primary copy"
 JAIN_WALLACE_SST = {
     "source": "Jain and Wallace 2019, 'Attention is not Explanation', NAACL-HLT, pp. 3543-3556",
-    "kendall_gradient": {"value": None, "where": "Table 2 (SST, gradient vs attention, BiLSTM): the search tool "
-                         "returned no text of the table, so no value is quoted"},
-    "kendall_loo": {"value": None, "where": "Table 2 (SST, leave-one-out vs attention, BiLSTM): not retrieved"},
+    "kendall_gradient": {"value": {"0": [0.40, 0.21, 0.59], "1": [0.38, 0.19, 0.58]},
+                         "fields": "class: [mean, std, significant share]", "where": TABLE2},
+    "kendall_loo": {"value": {"0": [0.34, 0.20, 0.47], "1": [0.33, 0.19, 0.47]},
+                    "fields": "class: [mean, std, significant share]", "where": TABLE2},
     "adversarial_jsd_max": {"value": 0.69, "where": "the authors' NAACL 2019 slides, 'Result for Adversarial "
                             "Attention 0.69' (slideplayer.com/17114161); ln 2 = 0.693 is the largest JSD possible"},
 }
@@ -78,12 +82,18 @@ def main(argv=None) -> int:
     tb = r.tables
     print("\nbeside Jain and Wallace 2019 (SST, BiLSTM + additive attention):")
     kt = tb.get("kendall", {})
+    print(f"  Kendall tau per predicted class (this model) beside J&W's per gold class; {TABLE2}")
     for m, key in (("gradient", "kendall_gradient"), ("leave_one_out", "kendall_loo")):
         ours = kt.get(m, {})
-        jw = JAIN_WALLACE_SST[key]
-        print(f"  Kendall tau attention vs {m:<14} this model: {ours.get('mean', float('nan')):.3f} +- "
-              f"{ours.get('std', float('nan')):.3f}, significant {ours.get('significant', float('nan')):.2f}"
-              f"   J&W: {jw['value'] if jw['value'] is not None else 'n/a'} ({jw['where']})")
+        jw = JAIN_WALLACE_SST[key]["value"]
+        for c in ("0", "1"):
+            o = ours.get("by_class", {}).get(c, {})
+            mean, std, sig = jw[c]
+            print(f"  attention vs {m:<14} class {c}: this model {o.get('mean', float('nan')):.2f} +- "
+                  f"{o.get('std', float('nan')):.2f}, significant {o.get('significant', float('nan')):.2f}"
+                  f"   J&W: {mean:.2f} +- {std:.2f}, significant {sig:.2f}")
+        print(f"  attention vs {m:<14} all:     this model {ours.get('mean', float('nan')):.2f} +- "
+              f"{ours.get('std', float('nan')):.2f}, significant {ours.get('significant', float('nan')):.2f}")
     adv = tb.get("adversarial")
     if adv:
         jw = JAIN_WALLACE_SST["adversarial_jsd_max"]

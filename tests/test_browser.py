@@ -127,3 +127,32 @@ def test_a_broken_page_is_caught(browser, tmp_path):
     dom, console = open_page(browser, page, tmp_path)
     assert 'class="selftest-error"' in dom and "missingFunction" in dom
     assert any("missingFunction" in ln for ln in console)
+
+
+def test_analyze_report_with_the_saliency_strip(browser, tmp_path):
+    # a classifier's report carries the saliency strip (one panel per method, shaded tokens, the agreement
+    # table); the page still checks itself and logs nothing
+    import torch
+
+    transformers = pytest.importorskip("transformers")
+    from headlab.interpret.report.job import analyze
+    from headlab.models.bundled import minilm_dir
+    from headlab.models.loader import LoadedModel, adapt
+
+    tok = transformers.AutoTokenizer.from_pretrained(minilm_dir(), local_files_only=True)
+    torch.manual_seed(0)
+    cfg = transformers.BertConfig(vocab_size=tok.vocab_size, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                  intermediate_size=64, max_position_embeddings=64, num_labels=2)
+    model = transformers.BertForSequenceClassification(cfg).eval()
+    adapter = adapt(model)
+    r = analyze("a gripping , funny film", model=LoadedModel(model, tok, adapter, "tiny-clf", adapter.family, 64),
+                out_dir=tmp_path / "rep")
+    page = r.html.read_text(encoding="utf-8")
+    panels = page.count('class="panel"')
+    assert panels >= 5 and 'id="saliency-section"' in page  # attention, gradient, grad x input, IG, LOO, ...
+    dom, console = open_page(browser, page, tmp_path)
+    status, detail = selftest_result(dom)
+    assert status == "pass", detail or dom[-2000:]
+    assert console == [] and 'class="selftest-error"' not in dom
+    shaded = re.findall(r'<span class="tok" data-i="\d+" style="background:rgba\(', dom.split('id="saliency-section"')[1])
+    assert len(shaded) == panels * 5  # the five non-special tokens of "a gripping , funny film" in every panel

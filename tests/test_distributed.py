@@ -171,17 +171,21 @@ def test_single_process_falls_back_and_bad_input_is_refused():
     assert issubclass(DistributedError, RuntimeError)
 
 
+def _two_ranks(worker: str, tmp_path, timeout: float) -> None:
+    """Run ``tests/workers/WORKER RANK 2 PORT TMP`` as two gloo ranks on 127.0.0.1; both must exit 0."""
+    port = _free_port()
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen([sys.executable, str(WORKER.parent / worker), str(r), "2", str(port), str(tmp_path)],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for r in range(2)]
+    logs = [p.communicate(timeout=timeout)[0].decode(errors="replace") for p in procs]
+    assert all(p.returncode == 0 for p in procs), [x[-3000:] for x in logs]
+
+
 def test_data_parallel_importance_equals_one_process(tmp_path):
     """head_importance (and confidence) under 2 ranks: each takes half the examples, the sums are added."""
     import importance_worker
 
-    port = _free_port()
-    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
-    script = WORKER.parent / "importance_worker.py"
-    procs = [subprocess.Popen([sys.executable, str(script), str(r), "2", str(port), str(tmp_path)], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for r in range(2)]
-    logs = [p.communicate(timeout=240)[0].decode(errors="replace") for p in procs]
-    assert all(p.returncode == 0 for p in procs), logs
+    _two_ranks("importance_worker.py", tmp_path, timeout=240)
     got = torch.load(tmp_path / "importance.pt")
     from headlab.interpret.heads.importance import head_confidence, head_importance
 
@@ -189,3 +193,51 @@ def test_data_parallel_importance_equals_one_process(tmp_path):
     torch.testing.assert_close(got["importance"], head_importance(m, texts, loss="lm", batch_size=2),
                                atol=1e-6, rtol=1e-5)
     torch.testing.assert_close(got["confidence"], head_confidence(m, texts, batch_size=2), atol=1e-6, rtol=1e-5)
+
+
+def test_data_parallel_probe_and_explain_study_equal_one_process(tmp_path):
+    """probe (hits, gold counts, surface measures, head map, gradient test) and the explain study under 2
+    ranks: the sentences are split, the sums added / the records gathered by rank 0; equal to one process."""
+    import json
+
+    import analysis_worker
+
+    pytest.importorskip("transformers")
+    (tmp_path / "tiny.conllu").write_text(analysis_worker.CONLLU, encoding="utf-8")
+    (tmp_path / "data.tsv").write_text(analysis_worker.TSV, encoding="utf-8")
+    _two_ranks("analysis_worker.py", tmp_path, timeout=300)
+
+    from headlab.interpret.probing import ProbeResult, probe
+    from headlab.interpret.saliency import study
+
+    torch.set_num_threads(1)
+    loaded = analysis_worker.setup()
+    one = probe(loaded, tmp_path / "tiny.conllu", head_map_sentences=3, grad_sentences=4)
+    one = ProbeResult.from_json(json.loads(json.dumps(one.to_json())))  # the rounding rank 0's file went through
+    two = ProbeResult.from_json(json.loads((tmp_path / "probe.json").read_text()))
+    assert two.sentences == one.sentences == 5 and two.tokens == one.tokens
+    np = pytest.importorskip("numpy")
+    np.testing.assert_allclose(two.accuracy, one.accuracy, atol=1e-6)  # the JSON keeps 6 digits
+    np.testing.assert_allclose(two.count, one.count)
+    np.testing.assert_allclose(two.baseline_accuracy, one.baseline_accuracy)
+    for name, v in one.per_head.items():
+        np.testing.assert_allclose(two.per_head[name], v, rtol=1e-5, atol=1e-9, err_msg=name)
+    assert "next-token" not in one.grad_note and np.isfinite(one.per_head["grad_sep"]).all()
+    np.testing.assert_allclose(np.abs(two.head_map), np.abs(one.head_map), atol=1e-5)  # MDS: up to sign
+
+    s1 = study(loaded, tmp_path / "data.tsv", tmp_path / "one", options=analysis_worker.study_options(),
+               progress=False, figures=False)
+    recs = {}
+    for name in ("study", "one"):
+        lines = (tmp_path / name / "instances.jsonl").read_text().splitlines()
+        recs[name] = {r["key"]: r for r in map(json.loads, lines)}
+    assert len(recs["study"]) == len(recs["one"]) == 5  # every row once, written by rank 0
+    for key, r in recs["one"].items():
+        got = recs["study"][key]
+        assert got["pred"] == r["pred"] and got["tokens"] == r["tokens"]
+        for m, scores in r["scores"].items():
+            np.testing.assert_allclose(got["scores"][m], scores, rtol=1e-9, atol=1e-12, err_msg=f"{key} {m}")
+        assert got["permutation"]["median_tvd"] == pytest.approx(r["permutation"]["median_tvd"], rel=1e-9, abs=1e-12)
+    tables = json.loads((tmp_path / "study" / "study.json").read_text())
+    assert tables["instances"] == s1.instances == 5
+    assert tables["kendall"]["gradient"]["mean"] == pytest.approx(s1.tables["kendall"]["gradient"]["mean"])

@@ -6,6 +6,8 @@ all with the bundled MiniLM tokenizer, in float64 so finite differences are shar
 
 from __future__ import annotations
 
+import re
+
 import itertools
 import math
 
@@ -533,10 +535,21 @@ def test_head_annotations_rank_each_head_against_ig(clf, tmp_path):
         head_annotations(explain(clf, TEXT, methods=("gradient",)))
 
 
-def test_analyze_report_gains_the_saliency_strip(clf, tmp_path):
+def test_analyze_report_gains_the_saliency_strip(clf, encoder, tmp_path):
     from headlab.interpret.report.job import analyze
 
     r = analyze(TEXT, model=clf, out_dir=tmp_path / "rep")
     assert (tmp_path / "rep" / "saliency.png").is_file() and (tmp_path / "rep" / "saliency.html").is_file()
     assert any("saliency" in n for n in r.notes)
     assert all(rec.evidence and rec.evidence[-1].startswith("tau with IG") for rec in r.records)
+    # the strip is inside the report itself: one panel per method, tokens shaded as on the explain page
+    page = (tmp_path / "rep" / "report.html").read_text()
+    section = page[page.index('<section id="saliency-section">'):]
+    section = section[:section.index("</section>")]
+    alone = (tmp_path / "rep" / "saliency.html").read_text()
+    methods = re.findall(r'data-method="([a-z_]+)"', alone)
+    assert methods and re.findall(r'data-method="([a-z_]+)"', section) == methods
+    assert section.count('class="tok"') == alone.count('class="tok"') > 0 and "Kendall tau" in section
+    analyze(TEXT, model=encoder, out_dir=tmp_path / "enc")  # no head to explain: no strip, no files
+    assert 'id="saliency-section"' not in (tmp_path / "enc" / "report.html").read_text()
+    assert not (tmp_path / "enc" / "saliency.html").exists()

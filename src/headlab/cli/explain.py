@@ -118,6 +118,8 @@ def explain_cmd(
     Examples: headlab explain "a gripping , funny film" --model ~/.cache/headlab/minilm-sst2 --out ex/
               headlab explain "a gripping , funny film" --model PATH --methods rollout,attention_flow,gradient
               headlab explain --dataset validation.tsv --model ~/.cache/headlab/minilm-sst2 --out study/
+              torchrun --nproc-per-node 2 -m headlab explain --dataset validation.tsv --model PATH --out study/
+              (data-parallel: each process explains every 2nd row; rank 0 writes the files and prints)
     """
     if dataset is not None:
         if text is not None:
@@ -126,8 +128,13 @@ def explain_cmd(
             raise InputError("--dataset needs --out DIR (where the per-instance lines and tables go; reruns resume)")
         opts = StudyOptions(methods=tuple(m.strip() for m in methods.split(",") if m.strip()), ig_steps=ig_steps,
                             backend=backend, loo=loo, counterfactual=not no_counterfactual)
+        from headlab.distributed.data import init_from_env
+
+        init_from_env()  # under torchrun: the rows are split across the processes; rank 0 writes and prints
         r = study(model, dataset, out, limit=limit, options=opts, progress=not as_json,
                   max_seconds=None if max_minutes is None else 60 * max_minutes)
+        if r is None:  # another rank than 0
+            return
         if as_json:
             print_json(r.to_json())
         else:

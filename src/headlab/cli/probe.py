@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import typer
@@ -41,16 +42,25 @@ def probe_cmd(
     """Score every head on every dependency relation of a treebank against the best fixed-offset baseline.
 
     Example: headlab probe --treebank en_ewt-ud-dev.conllu --limit 200 --out probe-minilm
+
+    Data-parallel with torchrun: `torchrun --nproc-per-node 2 -m headlab probe --treebank FILE ...` splits
+    the sentences across the processes and adds their sums; rank 0 shows the progress and writes the output.
     """
     if not treebank.is_file():
         from headlab.errors import TreebankError
 
         raise TreebankError(f"no such treebank file: {str(treebank)!r}; give a CoNLL-U file (.conllu)")
-    out_dir = prepare_out_dir(out, force=force) if out is not None else None
+    from headlab.distributed.data import init_from_env, is_main
+
+    init_from_env()  # under torchrun: the sentences are split across the processes, the sums added
+    main = is_main()
+    out_dir = prepare_out_dir(out, force=force) if out is not None and main else None
     progress, say = _bar()
-    with progress:
+    with progress if main else contextlib.nullcontext():
         r = run_probe(model, treebank, limit=limit, relations=relations, fold_subtypes=fold_subtypes,
                       loss_model=None if loss_model.lower() == "none" else loss_model, progress=say)
+    if not main:  # rank 0 writes and prints
+        return
     files = write_outputs(r, out_dir) if out_dir is not None else []
     if as_json:
         print_json(r.summary())

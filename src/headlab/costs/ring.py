@@ -20,11 +20,11 @@ from dataclasses import asdict, dataclass
 import torch
 
 from headlab.costs.model import AttentionShape, Hardware
+from headlab.distributed.layout import kv_heads_per_trip
+from headlab.distributed.ring import split_of
 from headlab.errors import ConfigError
 
 TILE = 512  # query x key tile of the ring kernels (headlab.distributed.kernels.TILE)
-
-
 def _tile_itemsize(dtype: torch.dtype) -> int:
     return 8 if dtype == torch.float64 else 4  # tiles in float32 (float64 for float64 inputs)
 
@@ -68,8 +68,10 @@ class RingCost:
         return {**asdict(self), "sent_bytes_all_layers": self.sent_bytes_all_layers}
 
 
-def ring_cost(shape: AttentionShape, ranks: int) -> RingCost:
-    """Per-rank cost of ``shape`` (self-attention, ``q_len == kv_len``) on ``ranks`` ranks."""
+def ring_cost(shape: AttentionShape, ranks: int, *, layout: str | None = None) -> RingCost:
+    """Per-rank cost of ``shape`` (self-attention, ``q_len == kv_len``) on ``ranks`` ranks, in ``layout``
+    (default: ``"zigzag"`` for causal attention, else ``"contiguous"``; it changes only the working set,
+    through how the shard is cut into trips: :func:`headlab.distributed.ring.trips`)."""
     if not isinstance(ranks, int) or ranks < 1:
         raise ConfigError(f"ranks must be a positive integer, got {ranks!r}")
     if shape.q_len != shape.kv_len:
@@ -82,9 +84,16 @@ def ring_cost(shape: AttentionShape, ranks: int) -> RingCost:
     per_rank = pairs // R
     fwd = 2 * per_rank * (d + dv)  # S = q k^T (2d per pair) and P V (2dv)
     bwd = 2 * per_rank * (2 * d + 2 * dv + d)  # S again, dP = dO V^T, dV, dQ, dK
-    block = B * Hkv * local * (d + dv) * s  # one K/V block
+    block = B * Hkv * local * (d + dv) * s  # one K/V block, every head
     acc_block = B * Hkv * local * (d + dv) * ts  # the dK/dV accumulators travel in the tile precision
-    working = block + B * H * local * (ts + 8 + dv * ts) + 3 * B * H * TILE * TILE * ts
+    # in flight at a time: one trip's K/V block (the heads go round a group at a time), the softmax
+    # state of every query row, and the tiles of one step
+    layout = layout or ("zigzag" if shape.causal else "contiguous")
+    if layout not in ("contiguous", "zigzag"):
+        raise ConfigError(f"layout must be 'contiguous' or 'zigzag', got {layout!r}")
+    split = split_of(n, R, layout) if n % (R * (2 if layout == "zigzag" else 1)) == 0 else 1
+    trip = block * kv_heads_per_trip(B, Hkv, local // split, d, s) // Hkv // split  # a trip carries 1/split
+    working = trip + B * H * local * (ts + 8 + dv * ts) + 3 * B * H * TILE * TILE * ts
     return RingCost(
         ranks=R, steps=R, shard_len=local,
         forward_flops_per_rank=fwd, backward_flops_per_rank=bwd,

@@ -55,3 +55,31 @@ def all_reduce_sum(t: torch.Tensor, group=None) -> torch.Tensor:
 def is_main(group=None) -> bool:
     """True on rank 0 (and outside torchrun): the rank that shows progress and writes output."""
     return world(group)[0] == 0
+
+
+def all_reduce_many(parts: list, group=None) -> list[torch.Tensor]:
+    """:func:`all_reduce_sum` of several arrays or tensors at once (one message): float64 sums, in order,
+    each of its input's shape."""
+    ts = [torch.as_tensor(p, dtype=torch.float64) for p in parts]
+    flat = all_reduce_sum(torch.cat([t.reshape(-1) for t in ts]) if ts else torch.zeros(0, dtype=torch.float64), group)
+    out, at = [], 0
+    for t in ts:
+        out.append(flat[at:at + t.numel()].view(t.shape))
+        at += t.numel()
+    return out
+
+
+def gather_objects(obj, group=None) -> list:
+    """Every rank's ``obj`` (picklable), in rank order, on every rank; ``[obj]`` with one rank."""
+    rank, size = world(group)
+    if size == 1:
+        return [obj]
+    got = [None] * size
+    with talking("gathering results from every rank", rank):
+        dist.all_gather_object(got, obj, group=group)
+    return got
+
+
+def any_rank(flag: bool, group=None) -> bool:
+    """True on every rank when ``flag`` is true on any (so that every rank takes the same branch)."""
+    return bool(all_reduce_sum(torch.tensor([float(bool(flag))], dtype=torch.float64), group)[0] > 0)

@@ -83,3 +83,13 @@ def unshard(shards: list[torch.Tensor], *, dim: int = 2, layout: Layout = "conti
             out[start // ln] = s.narrow(dim, offset, ln)
             offset += ln
     return torch.cat(out, dim=dim)
+
+
+MIN_BLOCK_BYTES = 1 << 20  # kv heads travel together until one K block reaches this (see kv_heads_per_trip)
+
+
+def kv_heads_per_trip(batch: int, kv_heads: int, block_len: int, head_dim: int, itemsize: int) -> int:
+    """How many kv heads go round the ring together (:func:`headlab.distributed.ring.trips`): as few as keep
+    one K block of ``block_len`` positions at ``MIN_BLOCK_BYTES`` or more, so one on long shards."""
+    per_head = max(1, batch * block_len * head_dim * itemsize)
+    return min(kv_heads, max(1, -(-MIN_BLOCK_BYTES // per_head)))

@@ -21,89 +21,192 @@ import torch
 
 from headlab.attention.core import attention
 from headlab.distributed import comm
-from headlab.distributed.kernels import pair_backward, pair_update, relation, tile_dtype
-from headlab.distributed.layout import Layout, check_layout, chunks
+from headlab.distributed.kernels import (native_module, native_pair_backward, native_pair_update, pair_backward,
+                                         pair_update, relation, tile_dtype)
+from headlab.distributed.layout import Layout, check_layout, chunks, kv_heads_per_trip
 from headlab.errors import ConfigError, DTypeError, ShapeError
 
 log = logging.getLogger("headlab.distributed")
 
 
 def finish_state(m, l, acc):
-    """``(out, lse, inv_l)`` from the online-softmax state; rows that saw no key give zeros and ``lse = -inf``."""
+    """``(out, lse, inv_l)`` from the online-softmax state; rows that saw no key give zeros and ``lse = -inf``.
+    ``out`` is ``acc`` itself, normalised in place (no second buffer of the output's size)."""
     seen = l > 0
     l_safe = torch.where(seen, l, torch.ones_like(l))
     inv_l = torch.where(seen, 1.0 / l_safe, torch.zeros_like(l))
     lse = torch.where(seen, m.double() + torch.log(l_safe), torch.full_like(l, -math.inf))
-    out = acc * inv_l.to(acc.dtype).unsqueeze(-1)
+    out = acc.mul_(inv_l.to(acc.dtype).unsqueeze(-1))
     return out, lse, inv_l.to(acc.dtype)
 
 
-def _pairs(n: int, rank: int, src: int, world_size: int, layout: str, causal: bool, mask):
-    """(query slice, key slice, Pair) for this rank's query chunks against ``src``'s key chunks."""
-    out = []
-    q_off = 0
-    for q0, ql in chunks(n, rank=rank, world_size=world_size, layout=layout):
-        k_off = 0
-        for k0, kl in chunks(n, rank=src, world_size=world_size, layout=layout):
-            p = relation(q0, ql, k0, kl, causal=causal, mask=mask, n=n)
-            if p.kind != "skip":
-                out.append((slice(q_off, q_off + ql), slice(k_off, k_off + kl), p))
-            k_off += kl
-        q_off += ql
+SPLIT = 2  # pieces per chunk of the layout: a trip carries piece t of every chunk (half a shard)
+
+
+def split_of(n: int, world_size: int, layout: str) -> int:
+    """Pieces per chunk: :data:`SPLIT` when the chunks divide evenly, else 1."""
+    cl = chunks(n, rank=0, world_size=world_size, layout=layout)[0][1]
+    return SPLIT if cl % SPLIT == 0 else 1
+
+
+def pieces(n: int, rank: int, world_size: int, layout: str, split: int) -> list[list[tuple[int, int, int]]]:
+    """``rank``'s shard as its chunks, each cut into ``split`` equal pieces ``(global start, length, offset in
+    the shard)``."""
+    out, off = [], 0
+    for c0, cl in chunks(n, rank=rank, world_size=world_size, layout=layout):
+        pl = cl // split
+        out.append([(c0 + t * pl, pl, off + t * pl) for t in range(split)])
+        off += cl
     return out
+
+
+def _pairs(n: int, rank: int, src: int, world_size: int, layout: str, causal: bool, mask, split: int = 1,
+           part: int = 0):
+    """(query slice of the shard, key slice of the trip's block, Pair) for every piece of this rank's queries
+    against the pieces ``part`` of ``src``'s chunks (the block a trip carries, in chunk order)."""
+    out = []
+    keys = [chunk[part] for chunk in pieces(n, src, world_size, layout, split)]
+    for chunk in pieces(n, rank, world_size, layout, split):
+        for q0, ql, q_off in chunk:
+            k_off = 0
+            for k0, kl, _ in keys:
+                p = relation(q0, ql, k0, kl, causal=causal, mask=mask, n=n)
+                if p.kind != "skip":
+                    out.append((slice(q_off, q_off + ql), slice(k_off, k_off + kl), p))
+                k_off += kl
+    return out
+
+
+def trips(k: torch.Tensor, heads: int, n: int, world_size: int, layout: str) -> list[tuple[slice, slice, int, list]]:
+    """``(query heads, kv heads, part, the part's slices of the shard)``: what goes round the ring, one trip
+    after the other.
+
+    The ring runs once per group of kv heads (with their query heads) and per part: trip ``t`` carries
+    piece ``t`` of every chunk of the layout (:func:`pieces`; half of each zigzag chunk, so every step
+    stays balanced across ranks as the whole zigzag shard is). What a rank holds in flight at a time
+    (the incoming K/V block, the dK/dV accumulators) is one trip's, not the whole shard's, which is
+    what lets a rank's memory fall as 1/W. Bytes sent are the same as one trip with everything. A
+    group holds as few kv heads as keep a K block at ``MIN_BLOCK_BYTES`` or more (one kv head on long
+    shards; :func:`headlab.distributed.layout.kv_heads_per_trip`)."""
+    B, Hkv, nk, d = k.shape
+    split = split_of(n, world_size, layout)
+    mine = pieces(n, 0, world_size, layout, split)  # every rank's pieces have these offsets and lengths
+    size = kv_heads_per_trip(B, Hkv, nk // split, d, k.element_size())
+    G = heads // Hkv
+    return [(slice(h0 * G, min(Hkv, h0 + size) * G), slice(h0, min(Hkv, h0 + size)), t,
+             [slice(chunk[t][2], chunk[t][2] + chunk[t][1]) for chunk in mine])
+            for h0 in range(0, Hkv, size) for t in range(split)]
+
+
+def _gather(t: torch.Tensor, where: list[slice]) -> torch.Tensor:
+    """The trip's block of this rank: the pieces ``where`` of ``t`` (B, h, shard, d) along dim 2 (a view for one)."""
+    return t[:, :, where[0]] if len(where) == 1 else torch.cat([t[:, :, w] for w in where], 2)
+
+
+def _scatter(dst: torch.Tensor, where: list[slice], block: torch.Tensor) -> None:
+    """Write a trip's block back into ``dst``'s pieces (the inverse of :func:`_gather`)."""
+    off = 0
+    for w in where:
+        ln = w.stop - w.start
+        dst[:, :, w] = block[:, :, off:off + ln]
+        off += ln
+
+
+def _ring_forward(q, k, v, causal, mask, scale, layout, ring, mod, m, l, acc, split: int, part: int) -> None:
+    """One trip round the ring (``k``, ``v``: this rank's block of the trip, see :func:`trips`): fold every
+    block into the state (m, l, acc), in place."""
+    n = q.shape[2] * ring.world_size
+    kk, vv = k, v
+    for step in range(ring.world_size):
+        src = (ring.rank - step) % ring.world_size
+        pending = ring.start_pair(kk, vv) if step < ring.world_size - 1 else None  # overlaps the compute
+        for qs, ks, pair in _pairs(n, ring.rank, src, ring.world_size, layout, causal, mask, split, part):
+            if mod is not None and pair.kind in ("full", "causal"):
+                native_pair_update(mod, q[:, :, qs], kk[:, :, ks], vv[:, :, ks], pair.kind == "causal", scale,
+                                   m[:, :, qs], l[:, :, qs], acc[:, :, qs])
+            else:
+                pair_update(q[:, :, qs], kk[:, :, ks], vv[:, :, ks], pair, scale, m[:, :, qs], l[:, :, qs],
+                            acc[:, :, qs])
+        if pending is not None:
+            kk, vv = ring.finish_pair(pending)
+
+
+def _ring_backward(q, k, v, out, dout, m, l, causal, mask, scale, layout, ring, mod, dq, split: int, part: int):
+    """One backward trip: adds into ``dq`` (tile precision) and returns this rank's ``(dk, dv)`` of the
+    trip's block.
+
+    The dK/dV accumulators travel with their block: at each step the accumulator of the block this
+    rank holds arrives from behind (with every earlier rank's share), this rank adds its own and sends
+    it on; the last send takes it home. It is received before the step's work rather than during it,
+    so a rank never holds more than one accumulator besides the one it is adding into (the K/V blocks
+    still travel during the work)."""
+    n = q.shape[2] * ring.world_size
+    ct = out.dtype
+    D = (dout.to(ct) * out).sum(-1)  # (B, H, n/W), from the unrounded output
+    seen = l > 0
+    inv_l = torch.where(seen, 1.0 / torch.where(seen, l, torch.ones_like(l)), torch.zeros_like(l)).to(ct)
+    log_l = torch.where(seen, torch.log(torch.where(seen, l, torch.ones_like(l))), torch.full_like(l, math.inf))
+    kk, vv = k, v
+    incoming = None  # the dK | dV accumulators of the block this rank will hold next, arriving from behind
+    for step in range(ring.world_size):
+        src = (ring.rank - step) % ring.world_size
+        pending = ring.start_pair(kk, vv) if step < ring.world_size - 1 else None
+        if incoming is None:  # this rank's own block: its accumulators start here
+            mk, mv = torch.zeros(k.shape, dtype=ct, device=k.device), torch.zeros(v.shape, dtype=ct, device=v.device)
+        else:
+            mk, mv = ring.finish_pair(incoming)  # src's accumulators, with the shares of the ranks before
+        for qs, ks, pair in _pairs(n, ring.rank, src, ring.world_size, layout, causal, mask, split, part):
+            if mod is not None and pair.kind in ("full", "causal"):
+                native_pair_backward(mod, q[:, :, qs], kk[:, :, ks], vv[:, :, ks], dout[:, :, qs], m[:, :, qs],
+                                     log_l[:, :, qs], D[:, :, qs], pair.kind == "causal", scale, dq[:, :, qs],
+                                     mk[:, :, ks], mv[:, :, ks])
+            else:
+                pair_backward(q[:, :, qs], kk[:, :, ks], vv[:, :, ks], dout[:, :, qs], m[:, :, qs], inv_l[:, :, qs],
+                              D[:, :, qs], pair, scale, dq[:, :, qs], mk[:, :, ks], mv[:, :, ks])  # views: in place
+        incoming = ring.start_pair(mk, mv, tag=2)  # on with their block; the last send takes them home
+        del mk, mv
+        if pending is not None:
+            kk, vv = ring.finish_pair(pending)
+    return ring.finish_pair(incoming)
 
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, causal, mask, scale, layout, ring):
-        n = q.shape[2] * ring.world_size
         ct = tile_dtype(q.dtype)
         B, H, nq, _ = q.shape
+        mod = native_module(q)
         # the rank's online softmax over every key it is sent: running max, normaliser, accumulator
         m = torch.full((B, H, nq), -math.inf, dtype=ct, device=q.device)
         l = torch.zeros(B, H, nq, dtype=torch.float64, device=q.device)
         acc = torch.zeros(B, H, nq, v.shape[-1], dtype=ct, device=q.device)
-        kk, vv = k, v
-        for step in range(ring.world_size):
-            src = (ring.rank - step) % ring.world_size
-            pending = ring.start_pair(kk, vv) if step < ring.world_size - 1 else None  # overlaps the compute
-            for qs, ks, pair in _pairs(n, ring.rank, src, ring.world_size, layout, causal, mask):
-                pair_update(q[:, :, qs], kk[:, :, ks], vv[:, :, ks], pair, scale, m[:, :, qs], l[:, :, qs],
-                            acc[:, :, qs])
-            if pending is not None:
-                kk, vv = ring.finish_pair(pending)
-        out, _lse, inv_l = finish_state(m, l, acc)
-        ctx.save_for_backward(q, k, v, out, m, inv_l)
+        n = nq * ring.world_size
+        split = split_of(n, ring.world_size, layout)
+        for qh, kh, part, where in trips(k, H, n, ring.world_size, layout):
+            _ring_forward(q[:, qh], _gather(k[:, kh], where), _gather(v[:, kh], where), causal, mask, scale, layout,
+                          ring, mod, m[:, qh], l[:, qh], acc[:, qh], split, part)
+        out, _lse, _inv_l = finish_state(m, l, acc)
+        ctx.save_for_backward(q, k, v, out, m, l)
         ctx.args = (causal, mask, scale, layout, ring)
         return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, m, inv_l = ctx.saved_tensors
+        q, k, v, out, m, l = ctx.saved_tensors
         causal, mask, scale, layout, ring = ctx.args
-        n = q.shape[2] * ring.world_size
+        mod = native_module(q)
         ct = out.dtype
-        D = (dout.to(ct) * out).sum(-1)  # (B, H, n/W), from the unrounded output
-        dq = torch.zeros(q.shape, dtype=ct, device=q.device)
-        kk, vv = k, v
-        travelling = None  # the dK | dV accumulators of the block this rank holds, arriving from behind
-        for step in range(ring.world_size):
-            src = (ring.rank - step) % ring.world_size
-            pending = ring.start_pair(kk, vv) if step < ring.world_size - 1 else None
-            # this rank's share of src's dK | dV
-            mk, mv = torch.zeros(k.shape, dtype=ct, device=k.device), torch.zeros(v.shape, dtype=ct, device=v.device)
-            for qs, ks, pair in _pairs(n, ring.rank, src, ring.world_size, layout, causal, mask):
-                pair_backward(q[:, :, qs], kk[:, :, ks], vv[:, :, ks], dout[:, :, qs], m[:, :, qs], inv_l[:, :, qs],
-                              D[:, :, qs], pair, scale, dq[:, :, qs], mk[:, :, ks], mv[:, :, ks])  # views: in place
-            if travelling is not None:
-                ak, av = ring.finish_pair(travelling)
-                mk += ak
-                mv += av
-            travelling = ring.start_pair(mk, mv, tag=2)  # on with their block; the last send takes them home
-            if pending is not None:
-                kk, vv = ring.finish_pair(pending)
-        dk, dv = ring.finish_pair(travelling)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
+        dq = torch.zeros(q.shape, dtype=ct, device=q.device)  # in the tile precision: every trip adds into it
+        dk, dv = torch.empty_like(k), torch.empty_like(v)
+        n = q.shape[2] * ring.world_size
+        split = split_of(n, ring.world_size, layout)
+        for qh, kh, part, where in trips(k, q.shape[1], n, ring.world_size, layout):
+            gk, gv = _ring_backward(q[:, qh], _gather(k[:, kh], where), _gather(v[:, kh], where), out[:, qh],
+                                    dout[:, qh], m[:, qh], l[:, qh], causal, mask, scale, layout, ring, mod, dq[:, qh],
+                                    split, part)
+            _scatter(dk[:, kh], where, gk)
+            _scatter(dv[:, kh], where, gv)
+        return dq.to(q.dtype), dk, dv, None, None, None, None, None
 
 
 def check_inputs(q, k, v, *, dropout_p: float, layout: str) -> None:

@@ -6,6 +6,10 @@ under ``batch_bytes``. Per batch, all heads of all layers at once: the maps ``(B
 and per-relation hits by ``scatter_add``; no Python loop over words or heads. The head map uses the
 first ``head_map_sentences`` sentences and the gradient test the first ``grad_sentences`` (a
 second pass with autograd on the loss model).
+
+Data-parallel under ``torchrun``: each rank takes every W-th sentence (of both passes), the sums
+(hits, gold counts, surface measures, Jensen-Shannon sums, gradients) are added across ranks with one
+all-reduce per pass, so every rank returns the single-process result; rank 0 shows progress.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
+from headlab.distributed.data import all_reduce_many, is_main, shard_indices
 from headlab.errors import InputError, ModelError
 from headlab.interpret.capture import capture
 from headlab.interpret.probing import align as al
@@ -32,6 +37,10 @@ MAX_BATCH = 256
 HEAD_MAP_SENTENCES = 100
 HEAD_MAP_BUDGET = 100_000_000  # K^2 * t * rows elements over the head-map sentences (the JS cost)
 GRAD_SENTENCES = 50
+
+
+def _silent(stage: str, done: int, total: int) -> None:
+    """The progress callback of ranks other than 0 (one bar, on rank 0)."""
 
 
 def _is_causal(loaded) -> bool:
@@ -151,6 +160,8 @@ def _gradient_test(chosen, sentences, causal: bool, budget: int, backend, say) -
     kind = _loss_kind(chosen.model)
     L, H = chosen.adapter.n_layers, chosen.adapter.n_heads
     items, _ = al.align_sentences(chosen.tokenizer, sentences, max_positions=chosen.max_positions)
+    total = len(items)
+    items = [items[i] for i in shard_indices(total)]  # data-parallel under torchrun, as the main pass
     sums = [torch.zeros(L * H, dtype=torch.float64) for _ in range(3)]
     counts = [0.0, 0.0, 0.0]
     batches = _batches(items, L * H * 4, budget)  # autograd keeps activations: smaller batches
@@ -165,9 +176,9 @@ def _gradient_test(chosen, sentences, causal: bool, budget: int, backend, say) -
     finally:
         for p in params:
             p.requires_grad_(True)
-    return {"grad_sep": (sums[0] / max(counts[0], 1)).reshape(L, H).numpy(),
-            "grad_other": (sums[1] / max(counts[1], 1)).reshape(L, H).numpy(),
-            "grad_first": (sums[2] / max(counts[2], 1)).reshape(L, H).numpy()}
+    *sums, counts = all_reduce_many([*sums, counts])
+    return {name: (sums[i] / max(float(counts[i]), 1.0)).reshape(L, H).numpy()
+            for i, name in enumerate(("grad_sep", "grad_other", "grad_first"))}
 
 
 def _gradient_batch(chosen, group, kind, causal, backend, sums, counts, done) -> int:
@@ -275,10 +286,14 @@ def probe(
     js_rows = 0.0
     notes: list[str] = []
     done, n_tokens, in_map = 0, 0, 0
-    say("sentences", 0, len(items))
+    # under torchrun each rank takes every W-th sentence and the sums are added (identity on one process)
+    mine = [items[i] for i in shard_indices(len(items))]
+    if not is_main():
+        say = _silent
+    say("sentences", 0, len(mine))
     try:
         with torch.inference_mode():
-            for group in _batches(items, K, batch_bytes):
+            for group in _batches(mine, K, batch_bytes):
                 b = al.make_batch(group, rel_index, pad)
                 att = _patterns(loaded, b, backend)  # (B, K, T, T)
                 valid = b.attention_mask.bool()
@@ -297,9 +312,19 @@ def probe(
                         in_map += 1
                 done += len(group)
                 n_tokens += int(valid.sum())
-                say("sentences", done, len(items))
+                say("sentences", done, len(mine))
     except KeyboardInterrupt:
         notes.append(f"interrupted after {done} of {len(items)} sentences: the figures cover those")
+    # the sums of every rank (one message; nothing changes on one process)
+    sums = all_reduce_many([correct, gold.count, gold.visible, gold.correct, js,
+                            *surface.sums.values(), [surface.n_query, surface.n_pairs, float(surface.any_sep),
+                                                     js_rows, done, n_tokens, in_map]])
+    correct, js = sums[0].float(), sums[4]
+    gold = GoldCounts(sums[1].numpy(), sums[2].numpy(), sums[3].numpy())
+    surface.sums = dict(zip(surface.sums, sums[5:-1]))
+    surface.n_query, surface.n_pairs, any_sep, js_rows, done, n_tokens, in_map = sums[-1].tolist()
+    surface.any_sep = any_sep > 0
+    done, n_tokens, in_map = int(done), int(n_tokens), int(in_map)
     if done == 0:
         raise KeyboardInterrupt
 

@@ -115,7 +115,8 @@ def _check_flow(flow: Mapping | None, n: int) -> dict | None:
 def render_html(*, title: str, tokens: Sequence[str], records: Sequence[HeadRecord], maps: Mapping[tuple[int, int], object],
                 n_layers: int, n_heads: int, summary_lines: Sequence[str] = (), banner: str | None = None,
                 first_label: str = "mass [CLS]", undrawn_note: str = "",
-                initial: tuple[int, int] | None = None, flow: Mapping | None = None) -> str:
+                initial: tuple[int, int] | None = None, flow: Mapping | None = None,
+                saliency: tuple[str, str] | None = None) -> str:
     """The whole page as one string.
 
     Args:
@@ -134,6 +135,9 @@ def render_html(*, title: str, tokens: Sequence[str], records: Sequence[HeadReco
             :meth:`~headlab.interpret.report.flow_section.FlowView.page_data` gives them:
             ``{"value_norms": {"layer.head": [||f_h(x_j)|| for j]}, "rollout": {"layer", "note",
             "rows": {"pos": [n floats]}, "map": base64 (full mode)}}``; ``None`` leaves both out.
+        saliency: ``(caption, fragment)``: the saliency strip for the model's own output, the panels of
+            :func:`headlab.interpret.saliency.html.explanation_fragment` (trusted HTML, built from
+            escaped tokens) under a plain-text caption; ``None`` leaves the section out.
 
     Example:
         >>> import numpy as np
@@ -172,6 +176,9 @@ def render_html(*, title: str, tokens: Sequence[str], records: Sequence[HeadReco
         "__HEADLAB_LAYER_OPTIONS__": "".join(f'<option value="{i}">{i}</option>' for i in range(n_layers)),
         "__HEADLAB_HEAD_OPTIONS__": "".join(f'<option value="{i}">{i}</option>' for i in range(n_heads)),
         "__HEADLAB_TABLE__": _table(records, first_label),
+        "__HEADLAB_SALIENCY__": "" if saliency is None else (
+            f'<section id="saliency-section"><h2>Saliency of the model\'s output</h2>'
+            f'<p class="hint">{html.escape(saliency[0])}</p>{saliency[1]}</section>'),
         "__HEADLAB_CSS__": _asset("report.css"),
         "__HEADLAB_DATA__": _inline_json(data),
         "__HEADLAB_JS__": _asset("report.js"),

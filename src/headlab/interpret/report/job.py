@@ -387,8 +387,10 @@ def analyze(
     if mode == "full":  # the saliency strip and per-head tau with IG, for models with a head
         from headlab.interpret.report.saliency_section import saliency_section
 
-        records, more = saliency_section(loaded, text, out, backend, records)
+        records, more, strip = saliency_section(loaded, text, out, backend, records)
         notes += more
+    else:
+        strip = None
     drawn_set = set(drawn)
     picks = [*(chosen or []), *((r.layer, r.head) for _, r in interesting_heads(records))]
     initial = next((d for d in picks if d in drawn_set), min(drawn))
@@ -431,7 +433,7 @@ def analyze(
     page = render_html(
         title=f"headlab analyze: {loaded.name}", tokens=tokens, records=records,
         maps={d: maps[d] for d in drawn}, n_layers=n_layers, n_heads=n_heads, summary_lines=summary,
-        banner=" ".join(notes) or None, first_label=first_label, initial=initial, flow=view.page_data(),
+        banner=" ".join(notes) or None, first_label=first_label, initial=initial, flow=view.page_data(), saliency=strip,
         undrawn_note=(f"Long input ({n} tokens): only the statistics of this head were computed. "
                       "Draw it with --heads LAYER.HEAD." if mode == "streaming" else ""))
     html_path = out / "report.html"

@@ -57,8 +57,10 @@ def _colour(v: float) -> str:
     return f"rgba({r},{g},{b},{min(1.0, abs(v)):.3f})"
 
 
-def render_explanation_html(ex) -> str:
-    """The page for an :class:`~headlab.interpret.saliency.explanation.Explanation` (a string)."""
+def explanation_fragment(ex) -> str:
+    """The method panels (tokens shaded) and the agreement table, without a page around them: the body of
+    :func:`render_explanation_html`, and what ``headlab analyze`` embeds in its report (the same classes:
+    ``.panel``, ``.tok``)."""
     keep = ex.keep()
     panels = []
     for m in ex.methods:
@@ -92,6 +94,11 @@ def render_explanation_html(ex) -> str:
             rows.append(f"<tr><th>{a}</th>{''.join(cells)}</tr>")
         agr_html = (f"<h2>Agreement: Kendall tau (p) over |scores| of the {agr.pairs and next(iter(agr.pairs.values())).n} "
                     f"non-special tokens</h2><table><tr><th></th>{head}</tr>{''.join(rows)}</table>")
+    return f"<div class='panels'>{''.join(panels)}</div>{agr_html}"
+
+
+def render_explanation_html(ex) -> str:
+    """The page for an :class:`~headlab.interpret.saliency.explanation.Explanation` (a string)."""
     what = (f"class {html.escape(str(ex.target_label or ex.target))} (logit {ex.y:.4g})" if ex.kind == "classifier"
             else f"next token {ex.target} (logit {ex.y:.4g})" if ex.kind == "next_token"
             else f"cosine similarity {ex.y:.4g}")
@@ -101,8 +108,8 @@ def render_explanation_html(ex) -> str:
     data = json.dumps({"tokens": ex.tokens, "scores": ex.scores}).replace("</", "<\\/")
     return (f"<!doctype html><html><head><meta charset='utf-8'><title>headlab explain</title><style>{_CSS}</style>"
             f"</head><body><h1>{html.escape(ex.text)}</h1><div class='meta'>explaining {what}{probs}{gap} "
-            f"&middot; backend {html.escape(ex.backend)}</div>{notes}<div class='panels'>{''.join(panels)}</div>"
-            f"{agr_html}<pre id='selftest'></pre><script type='application/json' id='data'>{data}</script>"
+            f"&middot; backend {html.escape(ex.backend)}</div>{notes}{explanation_fragment(ex)}"
+            f"<pre id='selftest'></pre><script type='application/json' id='data'>{data}</script>"
             f"<script>{_JS % {'n': len(ex.methods)}}</script></body></html>")
 
 

@@ -16,6 +16,7 @@ column (an integer class). It is checked completely before the first model call.
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import hashlib
 import json
@@ -25,6 +26,8 @@ import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from headlab.distributed.comm import world
+from headlab.distributed.data import any_rank, gather_objects
 from headlab.errors import InputError
 from headlab.interpret.saliency.counterfactual import adversarial_attention, permutation_test
 from headlab.interpret.saliency.explanation import DEFAULT_METHODS, check_options, explain, resolve_model
@@ -173,7 +176,7 @@ def load_records(path: Path) -> list[dict]:
 
 def study(loaded_or_path, dataset: str | os.PathLike, out: str | os.PathLike, *, limit: int | None = None,
           options: StudyOptions | None = None, progress: bool = True, figures: bool = True,
-          max_seconds: float | None = None) -> StudyResult:
+          max_seconds: float | None = None) -> StudyResult | None:
     """Run the study (see the module docstring) and return the corpus tables.
 
     Args:
@@ -186,6 +189,10 @@ def study(loaded_or_path, dataset: str | os.PathLike, out: str | os.PathLike, *,
         progress: a rich progress bar on stderr.
         max_seconds: stop starting new instances after this long (the tables cover what is done;
             a rerun resumes). The result's ``skipped`` says how many rows were left.
+
+    Data-parallel under ``torchrun`` (a process group from :func:`headlab.distributed.data.init_from_env`):
+    each rank explains every W-th row, rank 0 gathers the records, writes them and the tables and
+    returns the result; the other ranks return None.
     """
     from headlab.interpret.saliency.tables import summarize
 
@@ -201,24 +208,41 @@ def study(loaded_or_path, dataset: str | os.PathLike, out: str | os.PathLike, *,
     # a row is done when its record has every asked method (a resumed run with more methods redoes
     # the rows it has only some of: the tables never mix instances explained by different methods)
     done = {r.get("key") for r in load_records(jsonl) if set(opts.methods) <= set(r.get("scores", {}))}
+    done = gather_objects(done)[0]  # rank 0's file decides (other nodes may not see it)
     todo = [r for r in rows if r.key not in done]
     skipped: list[str] = []
     t0 = time.perf_counter()
-    with open(jsonl, "a", encoding="utf-8") as f, _bar(progress, len(rows), len(rows) - len(todo)) as advance:
-        for j, r in enumerate(todo):
-            if max_seconds is not None and time.perf_counter() - t0 > max_seconds:
-                skipped.append(f"time budget of {max_seconds:.0f} s reached: {len(todo) - j} of {len(rows)} rows "
+    # under torchrun each rank explains every W-th row of a round; rank 0 gathers the records and writes
+    # them (one file, resumable as with one process); rows are seeded by their line, so the records are
+    # the ones one process would write
+    rank, size = world()
+    main = rank == 0
+    with (open(jsonl, "a", encoding="utf-8") if main else contextlib.nullcontext()) as f, \
+            _bar(progress and main, len(rows), len(rows) - len(todo)) as advance:
+        for start in range(0, len(todo), size):
+            if any_rank(max_seconds is not None and time.perf_counter() - t0 > max_seconds):
+                skipped.append(f"time budget of {max_seconds:.0f} s reached: {len(todo) - start} of {len(rows)} rows "
                                "not run yet (run again to resume)")
                 break
-            try:
-                rec = instance(loaded, r, opts)
-            except InputError as e:  # e.g. a sentence longer than the model's positions
-                skipped.append(f"line {r.line}: {e}")
+            rec, why = None, None
+            if start + rank < len(todo):
+                r = todo[start + rank]
+                try:
+                    rec = instance(loaded, r, opts)
+                except InputError as e:  # e.g. a sentence longer than the model's positions
+                    why = f"line {r.line}: {e}"
+            for rec_j, why_j in gather_objects((rec, why)):
+                if not main or (rec_j is None and why_j is None):
+                    continue
+                if why_j is not None:
+                    skipped.append(why_j)
+                else:
+                    f.write(json.dumps(rec_j) + "\n")
                 advance()
-                continue
-            f.write(json.dumps(rec) + "\n")
-            f.flush()
-            advance()
+            if main:
+                f.flush()
+    if not main:
+        return None
     keys = {r.key for r in rows}
     latest = {r.get("key"): r for r in load_records(jsonl)}  # the last record of a key supersedes earlier ones
     records = [r for key, r in latest.items() if key in keys and set(opts.methods) <= set(r.get("scores", {}))]
