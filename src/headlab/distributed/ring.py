@@ -77,7 +77,19 @@ def _pairs(n: int, rank: int, src: int, world_size: int, layout: str, causal: bo
     return out
 
 
-def trips(k: torch.Tensor, heads: int, n: int, world_size: int, layout: str) -> list[tuple[slice, slice, int, list]]:
+def trip_kv_heads(k: torch.Tensor, n: int, world_size: int, layout: str) -> int:
+    """kv heads per trip for this rank: as few as keep a K block at ``MIN_BLOCK_BYTES``
+    (:func:`headlab.distributed.layout.kv_heads_per_trip`), but enough that the compiled kernel's
+    backward, whose work units are the (batch, kv head) pairs of a trip, has one per CPU thread. The
+    ranks agree on it before any work (it depends on each rank's thread count)."""
+    B, Hkv, nk, d = k.shape
+    size = kv_heads_per_trip(B, Hkv, nk // split_of(n, world_size, layout), d, k.element_size())
+    threads = torch.get_num_threads() if k.device.type == "cpu" else 1
+    return min(Hkv, max(size, -(-threads // B)))
+
+
+def trips(k: torch.Tensor, heads: int, n: int, world_size: int, layout: str,
+          size: int | None = None) -> list[tuple[slice, slice, int, list]]:
     """``(query heads, kv heads, part, the part's slices of the shard)``: what goes round the ring, one trip
     after the other.
 
@@ -86,12 +98,11 @@ def trips(k: torch.Tensor, heads: int, n: int, world_size: int, layout: str) -> 
     stays balanced across ranks as the whole zigzag shard is). What a rank holds in flight at a time
     (the incoming K/V block, the dK/dV accumulators) is one trip's, not the whole shard's, which is
     what lets a rank's memory fall as 1/W. Bytes sent are the same as one trip with everything. A
-    group holds as few kv heads as keep a K block at ``MIN_BLOCK_BYTES`` or more (one kv head on long
-    shards; :func:`headlab.distributed.layout.kv_heads_per_trip`)."""
-    B, Hkv, nk, d = k.shape
+    group holds ``size`` kv heads (default :func:`trip_kv_heads`: one on long shards and one thread)."""
+    Hkv = k.shape[1]
     split = split_of(n, world_size, layout)
     mine = pieces(n, 0, world_size, layout, split)  # every rank's pieces have these offsets and lengths
-    size = kv_heads_per_trip(B, Hkv, nk // split, d, k.element_size())
+    size = size or trip_kv_heads(k, n, world_size, layout)
     G = heads // Hkv
     return [(slice(h0 * G, min(Hkv, h0 + size) * G), slice(h0, min(Hkv, h0 + size)), t,
              [slice(chunk[t][2], chunk[t][2] + chunk[t][1]) for chunk in mine])
@@ -172,7 +183,7 @@ def _ring_backward(q, k, v, out, dout, m, l, causal, mask, scale, layout, ring, 
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, causal, mask, scale, layout, ring):
+    def forward(ctx, q, k, v, causal, mask, scale, layout, ring, size):
         ct = tile_dtype(q.dtype)
         B, H, nq, _ = q.shape
         mod = native_module(q)
@@ -182,31 +193,31 @@ class _RingAttention(torch.autograd.Function):
         acc = torch.zeros(B, H, nq, v.shape[-1], dtype=ct, device=q.device)
         n = nq * ring.world_size
         split = split_of(n, ring.world_size, layout)
-        for qh, kh, part, where in trips(k, H, n, ring.world_size, layout):
+        for qh, kh, part, where in trips(k, H, n, ring.world_size, layout, size):
             _ring_forward(q[:, qh], _gather(k[:, kh], where), _gather(v[:, kh], where), causal, mask, scale, layout,
                           ring, mod, m[:, qh], l[:, qh], acc[:, qh], split, part)
         out, _lse, _inv_l = finish_state(m, l, acc)
         ctx.save_for_backward(q, k, v, out, m, l)
-        ctx.args = (causal, mask, scale, layout, ring)
+        ctx.args = (causal, mask, scale, layout, ring, size)
         return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, m, l = ctx.saved_tensors
-        causal, mask, scale, layout, ring = ctx.args
+        causal, mask, scale, layout, ring, size = ctx.args
         mod = native_module(q)
         ct = out.dtype
         dq = torch.zeros(q.shape, dtype=ct, device=q.device)  # in the tile precision: every trip adds into it
         dk, dv = torch.empty_like(k), torch.empty_like(v)
         n = q.shape[2] * ring.world_size
         split = split_of(n, ring.world_size, layout)
-        for qh, kh, part, where in trips(k, q.shape[1], n, ring.world_size, layout):
+        for qh, kh, part, where in trips(k, q.shape[1], n, ring.world_size, layout, size):
             gk, gv = _ring_backward(q[:, qh], _gather(k[:, kh], where), _gather(v[:, kh], where), out[:, qh],
                                     dout[:, qh], m[:, qh], l[:, qh], causal, mask, scale, layout, ring, mod, dq[:, qh],
                                     split, part)
             _scatter(dk[:, kh], where, gk)
             _scatter(dv[:, kh], where, gv)
-        return dq.to(q.dtype), dk, dv, None, None, None, None, None
+        return dq.to(q.dtype), dk, dv, None, None, None, None, None, None
 
 
 def check_inputs(q, k, v, *, dropout_p: float, layout: str) -> None:
@@ -251,7 +262,8 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal:
 
     Differentiable: the backward goes round the ring again (dK and dV travel back to their owner).
     Before any work the ranks check, with one small all-gather, that they agree on shapes, dtype,
-    layout and options; a mismatch is a :class:`~headlab.errors.DistributedError` on every rank.
+    layout, options and torch's CPU thread count (which sets how many kv heads go round per trip, see
+    :func:`trip_kv_heads`); a mismatch is a :class:`~headlab.errors.DistributedError` on every rank.
     """
     check_inputs(q, k, v, dropout_p=dropout_p, layout=layout)
     if mask is not None and (isinstance(mask, torch.Tensor) or not callable(mask)):
@@ -264,7 +276,9 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal:
         return attention(q, k, v, mask=mask, causal=causal, scale=scale, backend="tiled")
     comm.agree(rank, world_size, group, device=q.device, dtype=q.dtype, batch=q.shape[0], heads=q.shape[1], kv_heads=k.shape[1],
                shard=q.shape[2], head_dim=q.shape[3], v_dim=v.shape[3], layout=layout, causal=int(causal),
-               masked=int(mask is not None))
-    chunks(q.shape[2] * world_size, rank=rank, world_size=world_size, layout=layout)  # the shard splits evenly
+               masked=int(mask is not None),
+               threads=torch.get_num_threads() if q.device.type == "cpu" else 1)  # they decide the trips
+    n = q.shape[2] * world_size
+    chunks(n, rank=rank, world_size=world_size, layout=layout)  # the shard splits evenly
     ring = comm.Ring(rank, world_size, group)
-    return _RingAttention.apply(q, k, v, causal, mask, scale, layout, ring)
+    return _RingAttention.apply(q, k, v, causal, mask, scale, layout, ring, trip_kv_heads(k, n, world_size, layout))
