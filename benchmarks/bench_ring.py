@@ -124,6 +124,7 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seq-lens", default="16384,32768")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--name", default="ring", help="results file benchmarks/results/NAME.json")
     ap.add_argument("--worker", nargs=5, metavar=("RANK", "WORLD", "PORT", "N", "REPEATS"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
@@ -166,7 +167,7 @@ def main(argv=None) -> None:
               f"first call {row['first_call_memory_ratio']:.2f})  "
               f"sent {human_bytes(sent)} vs predicted {human_bytes(predicted)} ({row['sent_over_predicted']:.3f})",
               flush=True)
-    write_json("ring", {"config": {"batch": B, "heads": H, "head_dim": D, "dtype": "float32", "causal": True,
+    write_json(args.name, {"config": {"batch": B, "heads": H, "head_dim": D, "dtype": "float32", "causal": True,
                                    "layout": "zigzag", "ranks": 2, "threads_per_rank": 1, "single_threads": 2,
                                    "repeats": args.repeats}, "rows": rows})
 

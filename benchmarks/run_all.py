@@ -28,6 +28,7 @@ BENCHMARKS = [
     ("bench_seed_stats.py", [], ["--layers", "2", "--compare-layers", "1", "--json", str(_TMP / "seed_stats_tmp.json")]),
     ("bench_kernels.py", [], ["--reps", "3", "--sparse-lengths", "4096", "--tiled-lengths", "1024,2048",
                               "--name", "kernels_tmp"]),
+    ("bench_ring.py", [], ["--seq-lens", "4096", "--repeats", "1", "--name", "ring_tmp"]),
 ]
 
 
