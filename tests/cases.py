@@ -198,3 +198,39 @@ def skip_unless_supported(backend: str, c: Case, q, k, v, mask, *, grads: bool =
     ok, why = supported(backend, c, q, k, v, mask, grads=grads)
     if not ok:
         pytest.skip(f"{backend} cannot serve {c.name}: {why}")
+
+
+def random_composition(rng, depth: int, leaves, p_leaf: float) -> str:
+    """A random mask spec: a leaf from ``leaves(rng)`` (drawn afresh at every node), or with probability
+    ``1 - p_leaf`` (while ``depth`` lasts) ``~(x)``, ``(x)&(y)`` or ``(x)|(y)`` of random compositions."""
+    options = leaves(rng)
+    if depth == 0 or rng.random() < p_leaf:
+        return rng.choice(options)
+    op = rng.choice("&|~")
+    if op == "~":
+        return f"~({random_composition(rng, depth - 1, leaves, p_leaf)})"
+    return f"({random_composition(rng, depth - 1, leaves, p_leaf)}){op}({random_composition(rng, depth - 1, leaves, p_leaf)})"
+
+
+def random_geometry(rng, max_tile: int, max_len: int = 90) -> tuple[int, int, int, int, bool]:
+    """``(q_len, kv_len, block_q, block_k, causal)`` for a fuzz case: lengths up to ``max_len`` (equal half
+    the time), tiles up to ``max_tile``, causal half the time."""
+    lq, lk = rng.randint(1, max_len), rng.randint(1, max_len)
+    lk = lq if rng.random() < 0.5 else lk
+    bq, bk = rng.randint(1, max_tile), rng.randint(1, max_tile)
+    return lq, lk, bq, bk, rng.random() < 0.5
+
+
+def visited_entries(states, lq: int, lk: int, bq: int, bk: int, causal: bool) -> int:
+    """Score entries inside the tiles a tiled kernel visits: ``states (n_qb, n_kb)`` non-zero where it
+    visits; under ``causal`` a key tile stops at its query block's end, element by element."""
+    nq, nk = states.shape
+    rows = torch.full((nq,), bq)
+    rows[-1] = lq - bq * (nq - 1)
+    cols = torch.full((nk,), bk)
+    cols[-1] = lk - bk * (nk - 1)
+    width = cols[None, :].expand(nq, nk)
+    if causal:
+        start = torch.arange(nk) * bk
+        width = (torch.minimum(start[None, :] + cols[None, :], torch.cumsum(rows, 0)[:, None]) - start[None, :]).clamp(min=0)
+    return int((rows[:, None] * width * (states != 0)).sum())

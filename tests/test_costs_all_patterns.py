@@ -31,23 +31,15 @@ from headlab.costs.layoutcount import count_layout
 from headlab.costs.tilecount import Grid, Unsupported, count_tiles
 from headlab.errors import CountTooLargeError, MaskError
 
+from cases import random_composition, random_geometry, visited_entries
+
 
 def kernel_counts(mask, lq, lk, bq, bk, causal, batch=1, heads=1):
     """(tiles the sparse kernel computes over batch x heads, entries the tiled kernel visits per slice)."""
     eff = _sparse.effective_mask(mask, causal) or masks.full()
     tiles = _sparse.visited_tiles(_sparse.block_map(eff, lq, lk, batch, heads, bq, bk), batch, heads)
     shape = costs.AttentionShape(heads=heads, batch=batch, q_len=lq, kv_len=lk, mask=mask, causal=causal)
-    st = _tiled.tile_states(shape.spec(), mask, bq, bk)
-    nq, nk = st.shape
-    rows = torch.full((nq,), bq)
-    rows[-1] = lq - bq * (nq - 1)
-    cols = torch.full((nk,), bk)
-    cols[-1] = lk - bk * (nk - 1)
-    width = cols[None, :].expand(nq, nk)
-    if causal:  # a key tile stops at its query block's end
-        start = torch.arange(nk) * bk
-        width = (torch.minimum(start[None, :] + cols[None, :], torch.cumsum(rows, 0)[:, None]) - start[None, :]).clamp(min=0)
-    return tiles, int((rows[:, None] * width * (st != 0)).sum())
+    return tiles, visited_entries(_tiled.tile_states(shape.spec(), mask, bq, bk), lq, lk, bq, bk, causal)
 
 
 def predicted(mask, lq, lk, bq, bk, causal, batch=1, heads=1):
@@ -143,19 +135,17 @@ def test_deterministic_patterns_never_walk_a_block_map(name, monkeypatch):
     predicted(make(lq, lk), lq, lk, 3, 5, False, batch, heads)
 
 
-def _offset_spec(rng, depth):
-    leaves = [f"strided:{rng.randint(1, 30)}", f"strided:{rng.randint(1, 30)}:causal=false",
+def _offset_leaves(rng) -> list[str]:
+    return [f"strided:{rng.randint(1, 30)}", f"strided:{rng.randint(1, 30)}:causal=false",
               f"dilated_window:{rng.randint(1, 4)}:{rng.randint(1, 25)}",
               f"dilated_window:{rng.randint(1, 4)}:{rng.randint(1, 25)}:causal",
               f"sliding_window:{rng.randint(1, 20)}", "causal", "causal_lower_right", "full",
               "global_tokens:" + ",".join(str(rng.randint(0, 90)) for _ in range(rng.randint(1, 3))),
               f"padding:{rng.randint(0, 90)}"]
-    if depth == 0 or rng.random() < 0.35:
-        return rng.choice(leaves)
-    op = rng.choice("&|~")
-    if op == "~":
-        return f"~({_offset_spec(rng, depth - 1)})"
-    return f"({_offset_spec(rng, depth - 1)}){op}({_offset_spec(rng, depth - 1)})"
+
+
+def _offset_spec(rng, depth):
+    return random_composition(rng, depth, _offset_leaves, 0.35)
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -166,10 +156,7 @@ def test_diagonal_counter_on_random_compositions(seed):
     checked = 0
     for _ in range(60):
         spec = _offset_spec(rng, 3)
-        lq, lk = rng.randint(1, 90), rng.randint(1, 90)
-        lk = lq if rng.random() < 0.5 else lk
-        bq, bk = rng.randint(1, 10), rng.randint(1, 10)
-        causal = rng.random() < 0.5
+        lq, lk, bq, bk, causal = random_geometry(rng, 10)
         mask = masks.from_string(spec)
         try:
             want = kernel_counts(mask, lq, lk, bq, bk, causal)

@@ -20,6 +20,8 @@ from headlab.costs import visits
 from headlab.costs.tilecount import Grid, Unsupported, count_tiles
 from headlab.errors import CostModelError, MaskError
 
+from cases import random_composition, random_geometry, visited_entries
+
 # every built-in pattern the parser knows (with arguments that exercise edge cases) ...
 PATTERNS = [
     "full", "causal", "causal_lower_right",
@@ -49,19 +51,7 @@ def _block_map_counts(mask, lq, lk, bq, bk, causal):
     eff = _sparse.effective_mask(mask, causal)
     tiles = int((_sparse.block_map(eff, lq, lk, 1, 1, bq, bk).state != 0).sum())
     shape = costs.AttentionShape(heads=1, q_len=lq, kv_len=lk, mask=mask, causal=causal)
-    st = _tiled.tile_states(shape.spec(), mask, bq, bk)
-    nq, nk = st.shape
-    rows = torch.full((nq,), bq)
-    rows[-1] = lq - bq * (nq - 1)
-    cols = torch.full((nk,), bk)
-    cols[-1] = lk - bk * (nk - 1)
-    if causal:  # the key range of a tile stops at its query block's end, element by element
-        end = torch.cumsum(rows, 0)
-        start = torch.arange(nk) * bk
-        width = (torch.minimum(start[None, :] + cols[None, :], end[:, None]) - start[None, :]).clamp(min=0)
-    else:
-        width = cols[None, :].expand(nq, nk)
-    return tiles, int((rows[:, None] * width * (st != 0)).sum())
+    return tiles, visited_entries(_tiled.tile_states(shape.spec(), mask, bq, bk), lq, lk, bq, bk, causal)
 
 
 @pytest.mark.parametrize("spec", PATTERNS + COMBOS)
@@ -83,20 +73,18 @@ def test_closed_form_equals_block_map(spec):
     assert checked >= 10, f"{spec}: only {checked} cases had a closed form"
 
 
-def _random_spec(rng, depth: int) -> str:
-    leaves = [
+def _tile_leaves(rng) -> list[str]:
+    return [
         "full", "causal", "causal_lower_right", f"sliding_window:{rng.randint(1, 30)}",
         f"sliding_window:{rng.randint(1, 30)}:causal", f"dilated_window:{rng.randint(1, 5)}:{rng.randint(1, 4)}",
         f"strided:{rng.randint(1, 6)}", f"strided:{rng.randint(1, 6)}:causal=false", f"fixed:{rng.randint(1, 6)}:1",
         f"fixed:{rng.randint(2, 6)}:2:causal=false",
         "global_tokens:" + ",".join(str(rng.randint(0, 90)) for _ in range(rng.randint(1, 5))),
     ]
-    if depth == 0 or rng.random() < 0.3:
-        return rng.choice(leaves)
-    op = rng.choice("&|~")
-    if op == "~":
-        return f"~({_random_spec(rng, depth - 1)})"
-    return f"({_random_spec(rng, depth - 1)}){op}({_random_spec(rng, depth - 1)})"
+
+
+def _random_spec(rng, depth: int) -> str:
+    return random_composition(rng, depth, _tile_leaves, 0.3)
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -108,10 +96,7 @@ def test_random_combinations_equal_block_map(seed):
     checked = 0
     for _ in range(60):
         spec = _random_spec(rng, 3)
-        lq, lk = rng.randint(1, 90), rng.randint(1, 90)
-        lk = lq if rng.random() < 0.5 else lk
-        bq, bk = rng.randint(1, 12), rng.randint(1, 12)
-        causal = rng.random() < 0.5
+        lq, lk, bq, bk, causal = random_geometry(rng, 12)
         mask = masks.from_string(spec)
         shape = costs.AttentionShape(heads=1, q_len=lq, kv_len=lk, mask=mask, causal=causal)
         try:

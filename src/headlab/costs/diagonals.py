@@ -32,7 +32,7 @@ from math import gcd, lcm
 
 from headlab.attention.states import EMPTY
 from headlab.costs.floorsum import floor_sums
-from headlab.costs.tilecount import Grid, Unsupported
+from headlab.costs.tilecount import Grid, Unsupported, rectangles
 
 __all__ = ["count_diagonal"]
 
@@ -181,12 +181,7 @@ def count_diagonal(grid: Grid, tree, *, causal_cut: bool = False) -> tuple[int, 
     if len(rows) * len(cols) > MAX_RECTS:
         raise Unsupported(f"{len(rows) * len(cols):,} rectangles of tiles between global tokens, documents, layouts")
     tiles = pairs = 0
-    for ia, ib, hgt in rows:
-        if ib < ia:
-            continue
-        for ja, jb, wid in cols:
-            if jb < ja:
-                continue
-            t, p = _rect(g, tree, ia, ib, ja, jb, hgt, wid, causal_cut)
-            tiles, pairs = tiles + t, pairs + p
+    for ia, ib, hgt, ja, jb, wid in rectangles(rows, cols):
+        t, p = _rect(g, tree, ia, ib, ja, jb, hgt, wid, causal_cut)
+        tiles, pairs = tiles + t, pairs + p
     return tiles, pairs

@@ -222,6 +222,17 @@ class Row:
         return [(self.j0, self.j1)]
 
 
+def rectangles(rows, cols):
+    """``(ia, ib, height, ja, jb, width)`` for every non-empty pair of a row class ``(ia, ib, height)``
+    (block rows ia..ib, each ``height`` queries) and a column class ``(ja, jb, width)``."""
+    for ia, ib, hgt in rows:
+        if ib < ia:
+            continue
+        for ja, jb, wid in cols:
+            if jb >= ja:
+                yield ia, ib, hgt, ja, jb, wid
+
+
 def count_tiles(grid: Grid, tree, *, causal_cut: bool = False) -> tuple[int, int]:
     """``(visited tiles, score entries inside them)`` of a pattern tree on ``grid``, per slice.
 
@@ -243,31 +254,26 @@ def count_tiles(grid: Grid, tree, *, causal_cut: bool = False) -> tuple[int, int
         raise Unsupported(f"{len(breaks) * P:,} runs of block rows to follow (the pattern changes "
                           f"{len(breaks):,} times along the rows)")
     tiles = pairs2 = work = 0  # pairs2: twice the score entries (a cut tile's area has a half in it)
-    for ia, ib, hgt in row_classes:
-        if ib < ia:
-            continue
-        for ja, jb, wid in col_classes:
-            if jb < ja:
+    for ia, ib, hgt, ja, jb, wid in rectangles(row_classes, col_classes):
+        for r in range(P):
+            m_lo, m_hi = -((r - ia) // P), (ib - r) // P + 1  # rows I = P m + r in [ia, ib]
+            if m_hi <= m_lo:
                 continue
-            for r in range(P):
-                m_lo, m_hi = -((r - ia) // P), (ib - r) // P + 1  # rows I = P m + r in [ia, ib]
-                if m_hi <= m_lo:
-                    continue
-                cuts = sorted({m_lo, m_hi, *(-((r - b) // P) for b in breaks if m_lo < -((r - b) // P) < m_hi)})
-                for s, e in zip(cuts, cuts[1:]):
-                    while s < e:
-                        run = Run(s, e)
-                        row = Row(g, run, P, r, hgt, wid, Lin(0, ja), Lin(0, jb))
-                        nonempty, _ = tree.sets(row, need_full=False)
-                        n = Run.count(nonempty)
-                        area2 = _cut_area2(row, nonempty) if causal_cut else n * (2 * hgt * wid)
-                        tiles += n.sum_over(s, run.limit)
-                        pairs2 += area2.sum_over(s, run.limit)
-                        s = run.limit
-                        work += run.work + len(nonempty) + 1
-                        if work > WORK_BUDGET:
-                            raise Unsupported(f"more than {WORK_BUDGET:,} intervals of key tiles to follow "
-                                              f"over {len(breaks):,} changes of the pattern along the rows")
+            cuts = sorted({m_lo, m_hi, *(-((r - b) // P) for b in breaks if m_lo < -((r - b) // P) < m_hi)})
+            for s, e in zip(cuts, cuts[1:]):
+                while s < e:
+                    run = Run(s, e)
+                    row = Row(g, run, P, r, hgt, wid, Lin(0, ja), Lin(0, jb))
+                    nonempty, _ = tree.sets(row, need_full=False)
+                    n = Run.count(nonempty)
+                    area2 = _cut_area2(row, nonempty) if causal_cut else n * (2 * hgt * wid)
+                    tiles += n.sum_over(s, run.limit)
+                    pairs2 += area2.sum_over(s, run.limit)
+                    s = run.limit
+                    work += run.work + len(nonempty) + 1
+                    if work > WORK_BUDGET:
+                        raise Unsupported(f"more than {WORK_BUDGET:,} intervals of key tiles to follow "
+                                          f"over {len(breaks):,} changes of the pattern along the rows")
     return tiles, pairs2 // 2
 
 

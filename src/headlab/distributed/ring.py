@@ -142,7 +142,8 @@ def _ring_forward(q, k, v, causal, mask, scale, layout, ring, mod, m, l, acc, sp
             kk, vv = ring.finish_pair(pending)
 
 
-def _ring_backward(q, k, v, out, dout, m, l, causal, mask, scale, layout, ring, mod, dq, split: int, part: int):
+def _ring_backward(q, k, v, dout, m, inv_l, log_l, D, causal, mask, scale, layout, ring, mod, dq, split: int,
+                   part: int):
     """One backward trip: adds into ``dq`` (tile precision) and returns this rank's ``(dk, dv)`` of the
     trip's block.
 
@@ -152,11 +153,7 @@ def _ring_backward(q, k, v, out, dout, m, l, causal, mask, scale, layout, ring, 
     so a rank never holds more than one accumulator besides the one it is adding into (the K/V blocks
     still travel during the work)."""
     n = q.shape[2] * ring.world_size
-    ct = out.dtype
-    D = (dout.to(ct) * out).sum(-1)  # (B, H, n/W), from the unrounded output
-    seen = l > 0
-    inv_l = torch.where(seen, 1.0 / torch.where(seen, l, torch.ones_like(l)), torch.zeros_like(l)).to(ct)
-    log_l = torch.where(seen, torch.log(torch.where(seen, l, torch.ones_like(l))), torch.full_like(l, math.inf))
+    ct = dq.dtype
     kk, vv = k, v
     incoming = None  # the dK | dV accumulators of the block this rank will hold next, arriving from behind
     for step in range(ring.world_size):
@@ -209,12 +206,17 @@ class _RingAttention(torch.autograd.Function):
         ct = out.dtype
         dq = torch.zeros(q.shape, dtype=ct, device=q.device)  # in the tile precision: every trip adds into it
         dk, dv = torch.empty_like(k), torch.empty_like(v)
+        D = (dout.to(ct) * out).sum(-1)  # (B, H, n/W), from the unrounded output
+        seen = l > 0
+        l_safe = torch.where(seen, l, torch.ones_like(l))
+        inv_l = torch.where(seen, 1.0 / l_safe, torch.zeros_like(l)).to(ct)  # the PyTorch tiles' P = e / l
+        log_l = torch.where(seen, torch.log(l_safe), torch.full_like(l, math.inf))  # the kernel's exp(s - m - log l)
         n = q.shape[2] * ring.world_size
         split = split_of(n, ring.world_size, layout)
         for qh, kh, part, where in trips(k, q.shape[1], n, ring.world_size, layout, size):
-            gk, gv = _ring_backward(q[:, qh], _gather(k[:, kh], where), _gather(v[:, kh], where), out[:, qh],
-                                    dout[:, qh], m[:, qh], l[:, qh], causal, mask, scale, layout, ring, mod, dq[:, qh],
-                                    split, part)
+            gk, gv = _ring_backward(q[:, qh], _gather(k[:, kh], where), _gather(v[:, kh], where), dout[:, qh],
+                                    m[:, qh], inv_l[:, qh], log_l[:, qh], D[:, qh], causal, mask, scale, layout, ring,
+                                    mod, dq[:, qh], split, part)
             _scatter(dk[:, kh], where, gk)
             _scatter(dv[:, kh], where, gv)
         return dq.to(q.dtype), dk, dv, None, None, None, None, None, None
