@@ -210,6 +210,39 @@ def test_dropout_is_applied_and_scaled():
         assert out.std().item() > 0.05
 
 
+# The sdpa backend over every head-dim / grouping / mask / dtype combination it claims: torch's CPU
+# flash op (taken for the log-sum-exp and for half-precision gradients of grouped heads) wants one
+# head size for q, k and v, so value head dims that differ must be routed, not passed through.
+SDPA_GRID = [
+    Case(f"{str(dt)[6:]}_d{d}v{dv}_g{g}_{mask or 'nomask'}{'_causal' if causal else ''}", heads=4, kv_heads=4 // g,
+         q_len=19, kv_len=27, head_dim=d, v_dim=dv, dtype=dt, mask=mask, causal=causal)
+    for dt in (torch.float32, torch.float16, torch.bfloat16)
+    for d, dv in ((16, 16), (24, 40), (59, 16))
+    for g in (1, 2, 4)
+    for mask, causal in ((None, False), (None, True), ("key_padding", False), ("additive", False), ("fn", False),
+                         ("dead_rows", True))
+]
+
+
+@pytest.mark.parametrize("case", SDPA_GRID, ids=lambda c: c.name)
+def test_sdpa_serves_every_head_dim_grouping_and_dtype(case):
+    """Outputs and gradients under the flash rule, and the log-sum-exp against float64."""
+    q, k, v, mask = make_inputs(case)
+    report = compare_backend("sdpa", q, k, v, mask=mask, causal=case.causal)
+    assert report.ok, report.failures()
+    m64 = mask.double() if isinstance(mask, torch.Tensor) and mask.is_floating_point() else mask
+    out, lse = headlab.attention(q.detach(), k.detach(), v.detach(), mask=mask, causal=case.causal, backend="sdpa",
+                                 return_lse=True)
+    ref, ref_lse = headlab.attention(q.detach().double(), k.detach().double(), v.detach().double(), mask=m64,
+                                     causal=case.causal, backend="reference", return_lse=True)
+    assert out.shape == ref.shape
+    tol = 1e-4 if case.dtype == torch.float32 else 5e-2
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse))
+    fin = torch.isfinite(ref_lse)
+    torch.testing.assert_close(lse[fin].double(), ref_lse[fin], atol=tol, rtol=tol)
+    torch.testing.assert_close(out.double(), ref, atol=tol * 10, rtol=tol * 10)
+
+
 def _imports(path):
     import ast
 

@@ -6,7 +6,9 @@ math path, which materialises the map: both are counted by the memory guard. Gro
 heads use ``enable_gqa``. Fully masked query rows come back as zeros. A call with a NaN or inf
 in q, k or v takes torch's math kernel, which propagates them (the flash kernel zeroes the row).
 ``return_lse=True`` (and half-precision gradients with grouped heads) go through the flash op
-that returns the log-sum-exp, with K/V expanded per query head.
+that returns the log-sum-exp, with K/V expanded per query head; that op wants one head size, so a
+value head dim that differs from the query/key one is met by zero-padding the smaller side (exact:
+zero columns add nothing to a score, and the padded output columns are sliced off).
 """
 
 from __future__ import annotations
@@ -119,15 +121,31 @@ def _flash_with_lse(q, k, v, attn_mask, spec, is_causal, scale):
         v = v.to(wide).repeat_interleave(G, dim=1).to(q.dtype)
     if attn_mask is not None and attn_mask.dtype == torch.bool:
         attn_mask = torch.zeros((), dtype=q.dtype, device=q.device).masked_fill(~attn_mask, float("-inf"))
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        q, k, v, 0.0, is_causal, attn_mask=attn_mask, scale=scale) if q.device.type == "cpu" else \
-        _cuda_with_lse(q, k, v, attn_mask, is_causal, scale)
+    if q.device.type == "cpu":
+        q, k, v, v_dim = _common_head_dim(q, k, v)
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, is_causal, attn_mask=attn_mask, scale=scale)
+        out = out[..., :v_dim]
+    else:
+        out, lse = _cuda_with_lse(q, k, v, attn_mask, is_causal, scale)
     lse = lse.float() if half else lse
     dead = _dead_rows(attn_mask)
     if dead is not None:
         out = out.masked_fill(dead, 0.0)
         lse = lse.masked_fill(dead.squeeze(-1).expand_as(lse), float("-inf"))
     return out, lse
+
+
+def _common_head_dim(q, k, v):
+    """torch's CPU flash op wants one head size for q, k and v. Zero columns change nothing:
+    padding q and k adds ``0 * 0`` to every score (the scale is passed explicitly), padding v adds
+    output columns that are sliced off. Returns the padded q, k, v and the true value head dim."""
+    D, Dv = q.shape[-1], v.shape[-1]
+    if D < Dv:
+        q, k = F.pad(q, (0, Dv - D)), F.pad(k, (0, Dv - D))
+    elif Dv < D:
+        v = F.pad(v, (0, D - Dv))
+    return q, k, v, Dv
 
 
 def _cuda_with_lse(q, k, v, attn_mask, is_causal, scale):
