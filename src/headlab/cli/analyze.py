@@ -10,7 +10,7 @@ import typer
 from headlab.cli.app import app, console, err_console, print_json
 from headlab.errors import InputError
 from headlab.interpret.report.annotations import study_annotations
-from headlab.interpret.report.job import MAX_FULL_TOKENS, ReportResult
+from headlab.interpret.report.job import MAX_FULL_TOKENS, ReportResult, heads_text
 from headlab.interpret.report.job import analyze as run_analyze
 
 
@@ -32,7 +32,7 @@ def render_summary(r: ReportResult) -> None:
     if r.pngs:
         span = r.pngs[0].name if len(r.pngs) == 1 else f"{r.pngs[0].name} .. {r.pngs[-1].name}"
         console.print(f"  {span:<24} attention maps, one picture per layer", highlight=False, soft_wrap=True)
-    console.print(f"{r.model} ({r.family}): {len(r.tokens)} tokens, {r.n_layers} layers x {r.n_heads} heads, "
+    console.print(f"{r.model} ({r.family}): {len(r.tokens)} tokens, {r.n_layers} layers x {heads_text(r.layer_heads)} heads, "
                   f"mode {r.mode}", highlight=False, soft_wrap=True)
     for note in r.notes:
         console.print(f"[yellow]note:[/] {note}", highlight=False, soft_wrap=True)

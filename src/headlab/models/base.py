@@ -87,6 +87,17 @@ class ModelAdapter:
             self._handles.append(op.register_forward_hook(head_out_hook))
 
     @property
+    def layer_heads(self) -> list[int]:
+        """Query heads of every layer: ``[n_heads] * n_layers`` unless the model was pruned (then
+        layers may differ, and ``n_heads`` is the largest count)."""
+        return [self.n_heads] * self.n_layers
+
+    @property
+    def layer_kv_heads(self) -> list[int]:
+        """Key/value heads of every layer (see :attr:`layer_heads`)."""
+        return [self.n_kv_heads] * self.n_layers
+
+    @property
     def causal(self) -> bool:
         """True when each token attends only to itself and earlier tokens (a decoder)."""
         return self.is_decoder

@@ -93,7 +93,7 @@ def check_heads(adapter: ModelAdapter, heads: dict) -> dict[int, list[int]]:
             raise ConfigError(f"layer {layer!r} out of range: the model has {adapter.n_layers} layers "
                               f"(0..{adapter.n_layers - 1})")
         hs = [hs] if isinstance(hs, int) else list(hs)
-        n = _layer_heads(adapter, layer)
+        n = adapter.layer_heads[layer]
         for h in hs:
             if isinstance(h, bool) or not isinstance(h, int) or not 0 <= h < n:
                 raise ConfigError(f"head {h!r} of layer {layer} out of range: that layer has {n} heads (0..{n - 1})")
@@ -158,7 +158,7 @@ def prune(adapter: ModelAdapter, heads: dict, *, allow_empty_layers: bool = Fals
     base_plans = getattr(adapter, "plans", None)  # pruning an already pruned model: compose
     plans, notes = [], []
     for layer in range(adapter.n_layers):
-        H, Hkv = _layer_heads(adapter, layer), _layer_kv_heads(adapter, layer)
+        H, Hkv = adapter.layer_heads[layer], adapter.layer_kv_heads[layer]
         already_zero = list(base_plans[layer].zeroed_local) if base_plans else []
         plan, note = plan_layer(H, Hkv, sorted(set(heads.get(layer, [])) | set(already_zero)), layer=layer,
                                 allow_empty_layers=allow_empty_layers, gqa=gqa)
@@ -168,7 +168,7 @@ def prune(adapter: ModelAdapter, heads: dict, *, allow_empty_layers: bool = Fals
     model = _stripped_copy(adapter.model)
     attn, outs = same_modules(adapter, model)
     gates = adapter.gates.detach().clone()
-    counts = [(_layer_heads(adapter, i), _layer_kv_heads(adapter, i)) for i in range(adapter.n_layers)]
+    counts = [(adapter.layer_heads[i], adapter.layer_kv_heads[i]) for i in range(adapter.n_layers)]
     new = _apply(adapter.family, [_LocalPlan(p) for p in plans], attn, outs, counts, head_dim=adapter.head_dim)
     if adapter.family == "llama" and len({(len(p.q), len(p.kv)) for p in plans}) == 1:
         # every layer alike: the config can say it, and the model saves as a stock Hugging Face folder
@@ -298,16 +298,6 @@ def _stripped_copy(model: nn.Module) -> nn.Module:
 
 
 # -- the adapter of a pruned model: per-layer head counts ------------------------------------------------------
-def _layer_heads(adapter: ModelAdapter, layer: int) -> int:
-    counts = getattr(adapter, "layer_heads", None)
-    return counts[layer] if counts is not None else adapter.n_heads
-
-
-def _layer_kv_heads(adapter: ModelAdapter, layer: int) -> int:
-    counts = getattr(adapter, "layer_kv_heads", None)
-    return counts[layer] if counts is not None else adapter.n_kv_heads
-
-
 class _PrunedMixin:
     """Per-layer head counts on top of a family adapter (placed first in the MRO).
 
@@ -315,12 +305,20 @@ class _PrunedMixin:
     entries past a layer's count are ignored. ``layer_heads[l]``, ``layer_kv_heads[l]``: the counts;
     ``plans[l]``: the original head indices each layer keeps."""
 
-    layer_heads: list[int]
-    layer_kv_heads: list[int]
+    _layer_heads: list[int]
+    _layer_kv_heads: list[int]
     plans: list
 
+    @property
+    def layer_heads(self) -> list[int]:
+        return list(self._layer_heads)
+
+    @property
+    def layer_kv_heads(self) -> list[int]:
+        return list(self._layer_kv_heads)
+
     def _weights(self, layer, which):
-        n = self.layer_heads[layer] if which in "qo" else self.layer_kv_heads[layer]
+        n = self._layer_heads[layer] if which in "qo" else self._layer_kv_heads[layer]
         d, am, op = self.head_dim, self.attn_modules[layer], self.out_projs[layer]
         if self.family == "gpt2":
             width = am.split_size
@@ -335,7 +333,7 @@ class _PrunedMixin:
         return lin.weight.view(n, d, lin.weight.shape[1]).transpose(1, 2)
 
     def _bias(self, layer, which):
-        n = self.layer_heads[layer] if which in "qo" else self.layer_kv_heads[layer]
+        n = self._layer_heads[layer] if which in "qo" else self._layer_kv_heads[layer]
         d, am, op = self.head_dim, self.attn_modules[layer], self.out_projs[layer]
         if which == "o":
             return op.bias
@@ -347,7 +345,7 @@ class _PrunedMixin:
 
     def _share_gates(self) -> None:  # headlab's Transformer: head_gate views of this layer's gates
         for i, am in enumerate(self.attn_modules):
-            am.head_gate = self._gates[i, : self.layer_heads[i]]
+            am.head_gate = self._gates[i, : self._layer_heads[i]]
 
     def __repr__(self) -> str:
         return (f"<Pruned {self.family} adapter: layers={self.n_layers} heads per layer={self.layer_heads} "
@@ -370,7 +368,7 @@ def pruned_adapter(template: ModelAdapter, model: nn.Module, plans: list[_LocalP
     q_counts = [len(p.plan.q) for p in plans]
     kv_counts = [len(p.plan.kv) for p in plans]
     pa = cls.__new__(cls)
-    pa.layer_heads, pa.layer_kv_heads, pa.plans = q_counts, kv_counts, [_Plan(p.plan, o) for p, o in
+    pa._layer_heads, pa._layer_kv_heads, pa.plans = q_counts, kv_counts, [_Plan(p.plan, o) for p, o in
                                                                          zip(plans, original_plans)]
     ModelAdapter.__init__(pa, model, n_layers=template.n_layers, n_heads=max(q_counts), n_kv_heads=max(kv_counts),
                           head_dim=template.head_dim, d_model=template.d_model, attn_modules=attn, out_projs=outs)

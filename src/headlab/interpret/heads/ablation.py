@@ -184,7 +184,7 @@ def ablate(loaded, texts, labels=None, *, kind: str = "zero", loss: C.Loss = "au
         raise InputError("kind='resample' takes each head's output from another example: give at least 2 texts")
     if not isinstance(k, int) or k < 2:
         raise ConfigError(f"k (heads whose pairs are measured) must be an integer >= 2, got {k!r}")
-    counts_h = C.layer_head_counts(adapter)
+    counts_h = adapter.layer_heads
     single_heads = _check_heads(adapter, heads, counts_h)
     data = C.batches(ld, adapter, texts, labels, batch_size, max_length=max_length, min_size=2)
     N = len(texts)

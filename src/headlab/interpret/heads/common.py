@@ -280,11 +280,6 @@ class _Silent:
         pass
 
 
-def layer_head_counts(adapter: ModelAdapter) -> list[int]:
-    """Query heads of every layer (a pruned model's layers may differ)."""
-    return list(getattr(adapter, "layer_heads", None) or [adapter.n_heads] * adapter.n_layers)
-
-
 @contextmanager
 def pre_hooks(adapter: ModelAdapter, fn) -> Iterator[None]:
     """``fn(layer, z (B, H_l, L, d)) -> z or None`` edits every layer's per-head outputs z.

@@ -100,7 +100,7 @@ class Runner:
             raise ConfigError(f"unknown ablation kind {kind!r}; use one of {', '.join(KINDS)}")
         self.adapter, self.kind, self.loss, self.backend = adapter, kind, loss, backend
         self.means, self.max_rows, self.causal = means, max_rows, causal
-        self.counts = C.layer_head_counts(adapter)
+        self.counts = adapter.layer_heads
 
     # -- the unablated pass ---------------------------------------------------------------------------------------
     def clean(self, b: C.Batch, *, keep_z: bool = False) -> dict:

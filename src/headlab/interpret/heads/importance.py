@@ -129,7 +129,7 @@ def _importance(loaded, texts, labels, *, loss, batch_size, normalize, backend, 
         adapter.model.train(was_training)
     total = all_reduce_sum(total)
     imp = (total / len(texts)).float()
-    counts = C.layer_head_counts(adapter)
+    counts = adapter.layer_heads
     for layer, n in enumerate(counts):
         imp[layer, n:] = float("nan")  # a pruned model's missing heads
     if normalize:
@@ -168,7 +168,7 @@ def head_confidence(loaded, texts, *, batch_size: int = 16, max_length: int | No
     summed = all_reduce_sum(torch.cat([total.flatten(), torch.tensor([count], dtype=torch.float64)]))
     total, count = summed[:-1].view(L, H), float(summed[-1])
     conf = (total / max(count, 1.0)).float()
-    for layer, n in enumerate(C.layer_head_counts(adapter)):
+    for layer, n in enumerate(adapter.layer_heads):
         conf[layer, n:] = float("nan")
     return conf
 

@@ -74,7 +74,7 @@ def heatmap_png(r: ProbeResult, path: str | os.PathLike) -> Path:
     for d, ax in enumerate(axes):
         acc = r.accuracy[d, :, :, :R].reshape(K, R).T  # (R, K)
         im = ax.imshow(acc, aspect="auto", cmap="viridis", vmin=0.0, vmax=1.0, interpolation="nearest")
-        best = acc.argmax(1)
+        best = np.nanargmax(acc, axis=1)  # NaN: a head a pruned layer lacks
         ax.scatter(best, np.arange(R), s=9, c="red", marker="o")
         labels = [f"{name}{' *' if acc[i, best[i]] > r.baseline_accuracy[d, i] else ''} ({int(r.count[d, i])})"
                   for i, name in enumerate(r.relation_names[:R])]

@@ -35,6 +35,11 @@ MEASURES = {
 }
 
 
+def _nan_to_none(x):
+    """Nested lists with NaN (a head a pruned layer lacks) as None, so the JSON stays standard."""
+    return [_nan_to_none(v) for v in x] if isinstance(x, list) else _f(x)
+
+
 @dataclass(frozen=True)
 class RelationRow:
     """One (relation, direction, layer, head) cell of the study."""
@@ -109,7 +114,7 @@ class ProbeResult:
     Arrays: ``accuracy (2, n_layers, n_heads, R)``, ``count``, ``visible``, ``baseline_accuracy``,
     ``baseline_offset`` ``(2, R)``; direction 0 is ``dep->head``, 1 ``head->dep``; ``relation_names``
     order the last axis (most frequent first). ``per_head[name]`` is ``(n_layers, n_heads)`` for each
-    name in :data:`MEASURES` (NaN where not measured). ``head_map`` is ``(n_layers * n_heads, 2)``
+    name in :data:`MEASURES` (NaN where not measured). ``head_map`` is ``(n_layers * n_heads, 2)``; a pruned model's missing heads are NaN everywhere
     (layer-major) or None.
     """
 
@@ -155,6 +160,8 @@ class ProbeResult:
                 vis = self._visible(d, r) if self.causal else 1.0
                 for layer in range(self.n_layers):
                     for h in range(self.n_heads):
+                        if np.isnan(self.accuracy[d, layer, h, r]):
+                            continue  # a head a pruned layer does not have
                         rows.append(RelationRow(name, direction, layer, h, float(self.accuracy[d, layer, h, r]),
                                                 cnt, off, base, vis))
         return rows
@@ -178,7 +185,7 @@ class ProbeResult:
                 if not self.count[d, r]:
                     continue
                 acc = self.accuracy[d, :, :, r]
-                layer, h = np.unravel_index(int(np.argmax(acc)), acc.shape)
+                layer, h = np.unravel_index(int(np.nanargmax(acc)), acc.shape)  # NaN: a pruned head
                 out.append(BestHead(name, direction, int(layer), int(h), float(acc[layer, h]),
                                     int(self.baseline_offset[d, r]), float(self.baseline_accuracy[d, r]),
                                     int(self.count[d, r]), self._visible(d, r) if self.causal else 1.0))
@@ -197,7 +204,7 @@ class ProbeResult:
         r = self._rel(relation)
         if self.causal:
             return DIRECTIONS[int(np.argmax([self._visible(d, r) for d in range(2)]))]
-        return DIRECTIONS[int(np.argmax(self.accuracy[:, :, :, r].reshape(2, -1).max(1)))]
+        return DIRECTIONS[int(np.argmax(np.nanmax(self.accuracy[:, :, :, r].reshape(2, -1), axis=1)))]
 
     def heads_beating_baseline(self, *, min_margin: float = 0.0,
                                min_count: int | None = None) -> dict[tuple[int, int], list[BestHead]]:
@@ -250,11 +257,11 @@ class ProbeResult:
             "best_heads": [{**asdict(b), "margin": round(b.margin, 6)} for b in self.best_heads],
             "baselines": [asdict(b) for b in self.baselines],
             "per_layer": [asdict(x) for x in self.per_layer],
-            "accuracy": np.round(self.accuracy, 6).tolist(), "count": self.count.tolist(),
+            "accuracy": _nan_to_none(np.round(self.accuracy, 6).tolist()), "count": self.count.tolist(),
             "visible": self.visible.tolist(), "baseline_accuracy": np.round(self.baseline_accuracy, 6).tolist(),
             "baseline_offset": self.baseline_offset.tolist(),
             "per_head": {k: [[_f(x) for x in row] for row in v.tolist()] for k, v in self.per_head.items()},
-            "head_map": None if self.head_map is None else np.round(self.head_map, 6).tolist(),
+            "head_map": None if self.head_map is None else _nan_to_none(np.round(self.head_map, 6).tolist()),
             "head_map_sentences": self.head_map_sentences,
         }
 

@@ -73,9 +73,23 @@ def _model_inputs(loaded, batch: al.Batch) -> dict:
 def _patterns(loaded, batch: al.Batch, backend) -> torch.Tensor:
     """``(B, K, T, T)``: every layer's maps, layer-major over K."""
     cache = capture(loaded, _model_inputs(loaded, batch), "blocks.*.attn.pattern", backend=backend)
-    att = cache.stack("pattern").float()  # (L, B, H, T, T)
-    L, B, H, T, _ = att.shape
-    return att.permute(1, 0, 2, 3, 4).reshape(B, L * H, T, T)
+    return torch.cat(cache.layer("pattern"), dim=1).float()  # (B, sum of H_l, T, T): layers may differ (pruned)
+
+
+def _on_grid(x: np.ndarray, counts: Sequence[int], axis: int = 0) -> np.ndarray:
+    """``x`` with one entry per real head (layer-major, ``sum(counts)`` along ``axis``) laid on the
+    ``(n_layers, max(counts))`` grid, NaN where a pruned layer has no such head.
+
+    >>> _on_grid(np.array([1., 2., 3.]), [1, 2]).tolist()
+    [[1.0, nan], [2.0, 3.0]]
+    """
+    x = np.moveaxis(np.asarray(x, dtype=float), axis, 0)
+    out = np.full((len(counts), max(counts), *x.shape[1:]), np.nan)
+    start = 0
+    for layer, n in enumerate(counts):
+        out[layer, :n] = x[start:start + n]
+        start += n
+    return np.moveaxis(out, (0, 1), (axis, axis + 1))
 
 
 def choose_relations(treebank: Treebank, relations: Sequence[str] | str | None) -> list[str]:
@@ -132,9 +146,9 @@ def resolve_loss_model(loaded, loss_model) -> tuple[object | None, str]:
     if kind is None:
         raise ModelError(f"loss_model {chosen.name} ({type(chosen.model).__name__}) has no LM or classification head, "
                          "so it defines no loss to differentiate")
-    if (chosen.adapter.n_layers, chosen.adapter.n_heads) != (loaded.adapter.n_layers, loaded.adapter.n_heads):
-        raise ModelError(f"loss_model {chosen.name} has {chosen.adapter.n_layers} x {chosen.adapter.n_heads} heads, "
-                         f"the probed model {loaded.adapter.n_layers} x {loaded.adapter.n_heads}; they must match")
+    if chosen.adapter.layer_heads != loaded.adapter.layer_heads:
+        raise ModelError(f"loss_model {chosen.name} has heads per layer {chosen.adapter.layer_heads}, "
+                         f"the probed model {loaded.adapter.layer_heads}; they must match")
     what = {"causal-lm": "next-token cross-entropy (the model's own LM loss)",
             "masked-lm": "masked-LM cross-entropy of every token, no token masked",
             "classifier": "cross-entropy of the classifier against its own predicted label (the treebank has no "
@@ -158,13 +172,14 @@ def _loss_fn(kind: str, ids: torch.Tensor, mask: torch.Tensor):
 
 def _gradient_test(chosen, sentences, causal: bool, budget: int, backend, say) -> dict[str, np.ndarray]:
     kind = _loss_kind(chosen.model)
-    L, H = chosen.adapter.n_layers, chosen.adapter.n_heads
+    heads = chosen.adapter.layer_heads
+    K = sum(heads)
     items, _ = al.align_sentences(chosen.tokenizer, sentences, max_positions=chosen.max_positions)
     total = len(items)
     items = [items[i] for i in shard_indices(total)]  # data-parallel under torchrun, as the main pass
-    sums = [torch.zeros(L * H, dtype=torch.float64) for _ in range(3)]
+    sums = [torch.zeros(K, dtype=torch.float64) for _ in range(3)]
     counts = [0.0, 0.0, 0.0]
-    batches = _batches(items, L * H * 4, budget)  # autograd keeps activations: smaller batches
+    batches = _batches(items, K * 4, budget)  # autograd keeps activations: smaller batches
     done = 0
     params = [p for p in chosen.model.parameters() if p.requires_grad]
     for p in params:  # only d loss / d attention is wanted: no weight gradients (half the backward)
@@ -177,7 +192,7 @@ def _gradient_test(chosen, sentences, causal: bool, budget: int, backend, say) -
         for p in params:
             p.requires_grad_(True)
     *sums, counts = all_reduce_many([*sums, counts])
-    return {name: (sums[i] / max(float(counts[i]), 1.0)).reshape(L, H).numpy()
+    return {name: _on_grid((sums[i] / max(float(counts[i]), 1.0)).numpy(), heads)
             for i, name in enumerate(("grad_sep", "grad_other", "grad_first"))}
 
 
@@ -189,8 +204,7 @@ def _gradient_batch(chosen, group, kind, causal, backend, sums, counts, done) ->
     cache = capture(chosen, {"input_ids": b.input_ids, "attention_mask": b.attention_mask},
                     "blocks.*.attn.pattern", grads=True, scalar=_loss_fn(kind, b.input_ids, b.attention_mask),
                     backend=backend)
-    g = torch.stack([cache.grads[f"blocks.{i}.attn.pattern"] for i in range(L)])  # (L, B, H, T, T)
-    g = g.permute(1, 0, 2, 3, 4).reshape(len(group), -1, *g.shape[-2:])  # (B, K, T, T)
+    g = torch.cat([cache.grads[f"blocks.{i}.attn.pattern"] for i in range(L)], dim=1)  # (B, K, T, T)
     valid = b.attention_mask.bool()
     sink = b.sep.clone() if not causal else torch.zeros_like(valid)
     if causal or not sink.any():  # decoders (and encoders without [SEP]): the first token is the sink
@@ -265,8 +279,8 @@ def probe(
                          (None, "gradient test not run (grad_sentences=0)"))
 
     adapter = loaded.adapter
-    L, H = adapter.n_layers, adapter.n_heads
-    K, R = L * H, len(names)
+    L, H, heads = adapter.n_layers, adapter.n_heads, adapter.layer_heads  # a pruned model's layers may differ
+    K, R = sum(heads), len(names)
     causal = _is_causal(loaded)
     items, align_skips = al.align_sentences(loaded.tokenizer, tb.sentences, max_positions=loaded.max_positions)
     skipped = list(tb.skipped) + [Skipped(i, why) for i, why in align_skips]
@@ -330,17 +344,17 @@ def probe(
 
     per_head = {k: np.full((L, H), np.nan) for k in MEASURES}
     for k, v in surface.means().items():
-        per_head[k] = v.reshape(L, H)
+        per_head[k] = _on_grid(v, heads)
     if chosen is not None and not notes:
         per_head.update(_gradient_test(chosen, [a.sentence for a in items[:grad_sentences]], causal,
                                        batch_bytes, backend, say))
         grad_note += f" ({min(grad_sentences, len(items))} sentences)"
     head_map = None
     if in_map >= 1 and js_rows:
-        head_map = classical_mds(np.sqrt((js / js_rows).numpy()))
+        head_map = _on_grid(classical_mds(np.sqrt((js / js_rows).numpy())), heads).reshape(L * H, 2)
 
     count = gold.count
-    acc = (correct.numpy() / np.maximum(count[:, None, :], 1)).reshape(2, L, H, R)
+    acc = _on_grid(correct.numpy() / np.maximum(count[:, None, :], 1), heads, axis=1)  # (2, L, H, R)
     base = gold.correct / np.maximum(count[:, None, :], 1)  # (2, O, R)
     best = base.argmax(1)
     offsets = np.asarray(OFFSETS)[best]

@@ -53,14 +53,28 @@ def _inline_json(obj) -> str:
     return json.dumps(obj, ensure_ascii=False).replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
 
 
-def _picker(records: Sequence[HeadRecord], n_layers: int, n_heads: int, drawn: set[tuple[int, int]]) -> str:
+def per_layer_counts(n_layers: int, n_heads: int | Sequence[int]) -> list[int]:
+    """Heads of every layer from one count or a count per layer (checked against ``n_layers``).
+
+    >>> per_layer_counts(2, 4), per_layer_counts(2, [3, 4])
+    ([4, 4], [3, 4])
+    """
+    if isinstance(n_heads, int):
+        return [n_heads] * n_layers
+    counts = [int(c) for c in n_heads]
+    if len(counts) != n_layers:
+        raise ShapeError(f"{len(counts)} head counts for {n_layers} layers; pass one per layer.")
+    return counts
+
+
+def _picker(records: Sequence[HeadRecord], counts: Sequence[int], drawn: set[tuple[int, int]]) -> str:
     by = {(r.layer, r.head): r for r in records}
     out = ['<table class="picker"><thead><tr><th></th>']
-    out += [f"<th>H{h}</th>" for h in range(n_heads)]
+    out += [f"<th>H{h}</th>" for h in range(max(counts))]
     out.append("</tr></thead><tbody>")
-    for layer in range(n_layers):
+    for layer, n_l in enumerate(counts):
         out.append(f"<tr><th>L{layer}</th>")
-        for h in range(n_heads):
+        for h in range(n_l):
             r = by[(layer, h)]
             tags = "".join(_TAGS[label] for label in r.labels)
             tip = f"layer {layer}, head {h}: " + ("; ".join(r.evidence) if r.evidence else "no label")
@@ -70,6 +84,7 @@ def _picker(records: Sequence[HeadRecord], n_layers: int, n_heads: int, drawn: s
             out.append(f'<td><button type="button"{cls} data-layer="{layer}" data-head="{h}" '
                        f'title="{html.escape(tip)}">{layer}.{h}<span class="tags">{tags or "&nbsp;"}</span>'
                        f"</button></td>")
+        out += ['<td class="removed" title="this layer has fewer heads (a pruned model)">&ndash;</td>'] * (max(counts) - n_l)
         out.append("</tr>")
     out.append("</tbody></table>")
     return "".join(out)
@@ -113,7 +128,7 @@ def _check_flow(flow: Mapping | None, n: int) -> dict | None:
 
 
 def render_html(*, title: str, tokens: Sequence[str], records: Sequence[HeadRecord], maps: Mapping[tuple[int, int], object],
-                n_layers: int, n_heads: int, summary_lines: Sequence[str] = (), banner: str | None = None,
+                n_layers: int, n_heads: int | Sequence[int], summary_lines: Sequence[str] = (), banner: str | None = None,
                 first_label: str = "mass [CLS]", undrawn_note: str = "",
                 initial: tuple[int, int] | None = None, flow: Mapping | None = None,
                 saliency: tuple[str, str] | None = None) -> str:
@@ -125,7 +140,8 @@ def render_html(*, title: str, tokens: Sequence[str], records: Sequence[HeadReco
         records: one :class:`HeadRecord` per (layer, head), every layer and head.
         maps: ``{(layer, head): (n, n) weights}`` for the heads to draw (all of them for short
             inputs; the chosen ones for long inputs).
-        n_layers, n_heads: the model's shape.
+        n_layers, n_heads: the model's shape; ``n_heads`` is one count for every layer or a count per
+            layer (a pruned model), and the records number their sum.
         summary_lines: plain-text lines under the heading (model, text, ...).
         banner: a highlighted note (the long-input notice), or ``None``.
         first_label: the name of the first-token column ("mass [CLS]" or "mass first token").
@@ -149,7 +165,8 @@ def render_html(*, title: str, tokens: Sequence[str], records: Sequence[HeadReco
         True
     """
     n = len(tokens)
-    if len(records) != n_layers * n_heads:
+    counts = per_layer_counts(n_layers, n_heads)
+    if len(records) != sum(counts):
         raise ShapeError(f"{len(records)} head records for {n_layers} layers x {n_heads} heads; pass one per head.")
     if not maps:
         raise ShapeError("no maps to draw: pass at least one (layer, head) map.")
@@ -162,7 +179,7 @@ def render_html(*, title: str, tokens: Sequence[str], records: Sequence[HeadReco
     first = initial if initial in maps else min(maps)
     data = {
         "tokens": list(tokens), "records": [r.as_dict() for r in records], "maps": encoded,
-        "n_layers": n_layers, "n_heads": n_heads, "initial": list(first), "first_label": first_label,
+        "n_layers": n_layers, "n_heads": max(counts), "layer_heads": counts, "initial": list(first), "first_label": first_label,
         "undrawn_note": undrawn_note, "flow": _check_flow(flow, n),
     }
     summary = "".join(f"<p>{html.escape(line)}</p>" for line in summary_lines)
@@ -172,9 +189,9 @@ def render_html(*, title: str, tokens: Sequence[str], records: Sequence[HeadReco
     parts = {
         "__HEADLAB_TITLE__": html.escape(title),
         "__HEADLAB_SUMMARY__": summary,
-        "__HEADLAB_PICKER__": _picker(records, n_layers, n_heads, drawn),
+        "__HEADLAB_PICKER__": _picker(records, counts, drawn),
         "__HEADLAB_LAYER_OPTIONS__": "".join(f'<option value="{i}">{i}</option>' for i in range(n_layers)),
-        "__HEADLAB_HEAD_OPTIONS__": "".join(f'<option value="{i}">{i}</option>' for i in range(n_heads)),
+        "__HEADLAB_HEAD_OPTIONS__": "".join(f'<option value="{i}">{i}</option>' for i in range(max(counts))),
         "__HEADLAB_TABLE__": _table(records, first_label),
         "__HEADLAB_SALIENCY__": "" if saliency is None else (
             f'<section id="saliency-section"><h2>Saliency of the model\'s output</h2>'
@@ -188,4 +205,4 @@ def render_html(*, title: str, tokens: Sequence[str], records: Sequence[HeadReco
     return re.sub("|".join(re.escape(k) for k in parts), lambda m: parts[m.group(0)], page)
 
 
-__all__ = ["encode_map", "render_html"]
+__all__ = ["encode_map", "per_layer_counts", "render_html"]

@@ -43,6 +43,7 @@ from headlab._version import __version__
 from headlab.attention.core import attention_weights
 from headlab.errors import InputError
 from headlab.interpret.capture import capture
+from headlab.interpret.report.html import per_layer_counts
 from headlab.interpret.heads.labels import (
     HeadRecord,
     LabelThresholds,
@@ -77,11 +78,19 @@ class ReportResult:
     model: str
     family: str
     n_layers: int
-    n_heads: int
+    n_heads: int  # the largest count of any layer (layers of a pruned model may have fewer)
     notes: list[str] = field(default_factory=list)  # what the reader must know (long input, truncation)
 
     def record(self, layer: int, head: int) -> HeadRecord:
-        return self.records[layer * self.n_heads + head]
+        for r in self.records:
+            if (r.layer, r.head) == (layer, head):
+                return r
+        raise InputError(f"no head {layer}.{head} in this report (heads per layer: {self.layer_heads})")
+
+    @property
+    def layer_heads(self) -> list[int]:
+        """Heads of every layer (they differ in a pruned model)."""
+        return [sum(r.layer == i for r in self.records) for i in range(self.n_layers)]
 
     def interesting(self) -> list[tuple[str, HeadRecord]]:
         """The clearest example of each pattern label, as ``(label, record)``."""
@@ -110,8 +119,10 @@ def interesting_heads(records: Sequence[HeadRecord]) -> list[tuple[str, HeadReco
     return out
 
 
-def parse_heads(spec: str | Sequence[tuple[int, int]] | None, n_layers: int, n_heads: int) -> list[tuple[int, int]] | None:
-    """``"0.3,2.5"`` -> ``[(0, 3), (2, 5)]``, checked against the model's shape.
+def parse_heads(spec: str | Sequence[tuple[int, int]] | None, n_layers: int,
+                n_heads: int | Sequence[int]) -> list[tuple[int, int]] | None:
+    """``"0.3,2.5"`` -> ``[(0, 3), (2, 5)]``, checked against the model's shape (``n_heads``: one
+    count, or a count per layer for a pruned model).
 
     >>> parse_heads("0.3, 2.5", 6, 12)
     [(0, 3), (2, 5)]
@@ -135,10 +146,20 @@ def parse_heads(spec: str | Sequence[tuple[int, int]] | None, n_layers: int, n_h
     if not items:
         raise InputError("no heads given: write LAYER.HEAD pairs, e.g. --heads 0.3,2.5")
     for layer, head in items:
-        if not (0 <= layer < n_layers and 0 <= head < n_heads):
-            raise InputError(f"head {layer}.{head} does not exist: the model has layers 0..{n_layers - 1} "
-                             f"and heads 0..{n_heads - 1}")
+        check_head(layer, head, n_layers, n_heads)
     return list(dict.fromkeys(items))
+
+
+def check_head(layer: int, head: int, n_layers: int, n_heads: int | Sequence[int], *, what: str = "head") -> None:
+    """:class:`~headlab.errors.InputError` unless head ``layer.head`` exists (``n_heads``: one
+    count or one per layer)."""
+    if not 0 <= layer < n_layers:
+        raise InputError(f"{what} {layer}.{head} does not exist: the model has layers 0..{n_layers - 1}")
+    counts = per_layer_counts(n_layers, n_heads)
+    if not 0 <= head < counts[layer]:
+        which = f"heads 0..{counts[layer] - 1}" if len(set(counts)) == 1 else \
+            f"heads 0..{counts[layer] - 1} in layer {layer} (a pruned model: heads per layer {counts})"
+        raise InputError(f"{what} {layer}.{head} does not exist: the model has layers 0..{n_layers - 1} and {which}")
 
 
 def default_drawn_heads(records: Sequence[HeadRecord], count: int = DRAWN_HEADS) -> list[tuple[int, int]]:
@@ -260,9 +281,10 @@ def _streaming(loaded, inputs, tokens, *, sinks, seps, causal, backend, threshol
                          f"(limit {MAX_EMBEDDED_BYTES >> 20} MiB); " + (
                              f"choose at most {fits} with --heads" if fits else
                              "no map this long fits: shorten the text (the table alone is in heads.csv)"))
-    group = max(1, adapter.n_heads // adapter.n_kv_heads)  # query head h reads kv head h // group
     maps = {}
     for layer, h in drawn:
+        # query head h reads kv head h // group (per layer: a pruned layer has its own counts)
+        group = max(1, adapter.layer_heads[layer] // adapter.layer_kv_heads[layer])
         q = cache[f"blocks.{layer}.attn.q"][:, h:h + 1]  # (1, 1, L, d)
         k = cache[f"blocks.{layer}.attn.k"][:, h // group:h // group + 1]  # (1, 1, L, d)
         call = cache.call_args[layer]  # the layer's own mask (e.g. a sliding window) and scale
@@ -272,6 +294,13 @@ def _streaming(loaded, inputs, tokens, *, sinks, seps, causal, backend, threshol
         w = attention_weights(q, k, mask=mask, causal=call["causal"], scale=call["scale"])  # (1, 1, L, L)
         maps[(layer, h)] = w[0, 0].float().cpu().numpy()
     return records, maps
+
+
+def heads_text(counts: Sequence[int]) -> str:
+    """``"12"``, or ``"11-12 (per layer: 11, 12, ...)"`` for a pruned model."""
+    if len(set(counts)) == 1:
+        return str(counts[0])
+    return f"{min(counts)}-{max(counts)} (per layer: {', '.join(map(str, counts))})"
 
 
 def _notes(value) -> tuple[str, ...]:
@@ -345,12 +374,13 @@ def analyze(
     else:
         loaded = model
     adapter = loaded.adapter
-    n_layers, n_heads = adapter.n_layers, adapter.n_heads
-    chosen = parse_heads(heads, n_layers, n_heads)
+    n_layers, n_heads, counts = adapter.n_layers, adapter.n_heads, adapter.layer_heads
+    chosen = parse_heads(heads, n_layers, counts)
     for layer, head in (annotations or {}):
-        if not (0 <= layer < n_layers and 0 <= head < n_heads):
-            raise InputError(f"an annotation names head {layer}.{head}, which {loaded.name} does not have "
-                             f"(layers 0..{n_layers - 1}, heads 0..{n_heads - 1}): was the study run on another model?")
+        try:
+            check_head(layer, head, n_layers, counts, what="an annotation names head")
+        except InputError as e:
+            raise InputError(f"{e} ({loaded.name}): was the study run on another model?") from None
 
     notes: list[str] = []
     with warnings.catch_warnings(record=True) as caught:
@@ -366,7 +396,7 @@ def analyze(
     mode = "full" if n <= max_full_tokens else "streaming"
 
     if mode == "full":
-        say(f"capturing attention maps: {n} tokens, {n_layers} layers x {n_heads} heads")
+        say(f"capturing attention maps: {n} tokens, {n_layers} layers x {heads_text(counts)} heads")
         records, maps = _full_maps(loaded, inputs, tokens, sinks=sinks, seps=seps, causal=causal,
                                    backend=backend, thresholds=thresholds)
         drawn = list(maps)
@@ -408,7 +438,7 @@ def analyze(
         text=text, tokens=tokens, causal=causal, separator_positions=seps, mode=mode, max_full_tokens=max_full_tokens,
         backend=backend, **provenance, drawn_heads=[f"{a}.{b}" for a, b in drawn], notes=notes,
         thresholds={"positional": thresholds.positional, "sink": thresholds.sink, "broad": thresholds.broad},
-        n_layers=n_layers, n_heads=n_heads)
+        n_layers=n_layers, n_heads=n_heads, layer_heads=counts)
 
     pngs: list[Path] = []
     titles = {(r.layer, r.head): ", ".join(r.labels) for r in records}
@@ -426,13 +456,13 @@ def analyze(
 
     say("writing the page")
     first_label = "mass first token" if causal else "mass [CLS]"
-    summary = [f"model: {loaded.name} ({loaded.family}, {n_layers} layers x {n_heads} heads"
+    summary = [f"model: {loaded.name} ({loaded.family}, {n_layers} layers x {heads_text(counts)} heads"
                f"{', causal' if causal else ''})", f"backend: {provenance['model_backend']}"
                f"{'' if provenance['model_backend_exact'] else ' (approximate)'}; shown: {provenance['statistics']}",
                f"{n} tokens: {text if len(text) <= 300 else text[:297] + '...'}"]
     page = render_html(
         title=f"headlab analyze: {loaded.name}", tokens=tokens, records=records,
-        maps={d: maps[d] for d in drawn}, n_layers=n_layers, n_heads=n_heads, summary_lines=summary,
+        maps={d: maps[d] for d in drawn}, n_layers=n_layers, n_heads=counts, summary_lines=summary,
         banner=" ".join(notes) or None, first_label=first_label, initial=initial, flow=view.page_data(), saliency=strip,
         undrawn_note=(f"Long input ({n} tokens): only the statistics of this head were computed. "
                       "Draw it with --heads LAYER.HEAD." if mode == "streaming" else ""))
@@ -443,5 +473,5 @@ def analyze(
                         n_layers=n_layers, n_heads=n_heads, notes=notes)
 
 
-__all__ = ["DRAWN_HEADS", "MAX_FULL_TOKENS", "ReportResult", "analyze", "default_drawn_heads", "interesting_heads",
-           "backend_provenance", "parse_heads", "prepare_out_dir", "write_csv", "write_json"]
+__all__ = ["DRAWN_HEADS", "MAX_FULL_TOKENS", "ReportResult", "analyze", "check_head", "default_drawn_heads",
+           "heads_text", "interesting_heads", "backend_provenance", "parse_heads", "prepare_out_dir", "write_csv", "write_json"]

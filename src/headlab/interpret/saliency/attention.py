@@ -26,15 +26,19 @@ from headlab.models.sites import site_name
 
 
 def attention_rows(objective: Objective, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                   layers: str = "all") -> torch.Tensor:
-    """``(n_layers, H, L)`` (``layers="all"``) or ``(1, H, L)`` (``"last"``): attention from the classification position."""
+                   layers: str = "all") -> torch.Tensor | list[torch.Tensor]:
+    """``(n_layers, H, L)`` (``layers="all"``) or ``(1, H, L)`` (``"last"``): attention from the classification position.
+
+    A pruned model whose layers keep different numbers of heads gets a list of ``(H_l, L)`` instead
+    (index it the same way: ``rows[layer][head]``)."""
     adapter = objective.loaded.adapter
     last = adapter.n_layers - 1
     sites = "blocks.*.attn.pattern" if layers == "all" else f"blocks.{last}.attn.pattern"
     cache = capture(adapter, {"input_ids": input_ids, "attention_mask": attention_mask}, sites)
     c = objective.position(attention_mask)
     got = cache.layer("pattern")  # [(1, H, L, L)] per captured layer
-    return torch.stack([p[0, :, c, :] for p in got])  # (layers, H, L)
+    rows = [p[0, :, c, :] for p in got]  # (H_l, L) per layer
+    return torch.stack(rows) if len({r.shape[0] for r in rows}) == 1 else rows  # (layers, H, L)
 
 
 @contextlib.contextmanager

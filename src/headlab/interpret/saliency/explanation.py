@@ -94,7 +94,9 @@ class Explanation:
     scores: dict[str, list[float]]
     completeness_gap: float | None = None
     y_baseline: float | None = None
-    attention_layers: torch.Tensor | None = None
+    # (layers, H, L): attention from the classification position; a list of (H_l, L) for a pruned
+    # model whose layers keep different numbers of heads
+    attention_layers: torch.Tensor | list[torch.Tensor] | None = None
     backend: str = "auto"
     ig_steps: int = 50
     loo: str = "delete"
@@ -135,7 +137,7 @@ class Explanation:
                "backend": self.backend, "ig_steps": self.ig_steps, "loo": self.loo, "position": self.position,
                "notes": self.notes}
         if heads and self.attention_layers is not None:
-            out["attention_layers"] = self.attention_layers.tolist()
+            out["attention_layers"] = [rows.tolist() for rows in self.attention_layers]
         return out
 
 

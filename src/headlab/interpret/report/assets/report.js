@@ -326,6 +326,8 @@
 
   var layerSel = document.getElementById("layer-select"), headSel = document.getElementById("head-select");
   function select(layer, head) {
+    var nh = D.layer_heads ? D.layer_heads[layer] : D.n_heads;  // a pruned layer may have fewer heads
+    if (head >= nh) head = nh - 1;
     state.layer = layer; state.head = head;
     layerSel.value = String(layer); headSel.value = String(head);
     document.querySelectorAll("[data-layer][data-head]").forEach(function (b) {

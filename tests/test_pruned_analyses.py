@@ -1,0 +1,138 @@
+"""A pruned model whose layers keep different numbers of heads, through every analysis and page.
+
+The yardstick is the gated original: a physically pruned model computes what the original computes
+with the removed heads' gates at zero, so every per-head result of the pruned model must equal the
+gated original's at the kept heads (in the original indices), and a removed head must be absent
+(not a zero, not a made-up number). Tiny random models with tokenizers (tests/test_probing.py's).
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+import headlab
+from headlab.errors import InputError
+from headlab.interpret.capture import capture
+from headlab.interpret.report.job import analyze
+from test_probing import CONLLU, tiny_bert, tiny_llama
+
+TEXT = "she reads her book on the mat"
+REMOVED = {0: [1]}  # layer 0 keeps heads 0, 2, 3 of 4; layer 1 keeps all four
+
+
+def _gated(loaded):
+    g = torch.ones(loaded.adapter.n_layers, loaded.adapter.n_heads)
+    for layer, hs in REMOVED.items():
+        g[layer, hs] = 0.0
+    loaded.adapter.gates = g
+    return loaded
+
+
+@pytest.fixture(scope="module", params=[tiny_bert, tiny_llama], ids=["bert", "llama"])
+def pair(request):
+    """(pruned, gated original); for the GQA llama the removed head's group is padded (gqa='pad')."""
+    original = request.param()
+    pruned = headlab.prune_heads(original, REMOVED)
+    return pruned, _gated(original)
+
+
+def _kept(layer, n):
+    return [h for h in range(n) if h not in REMOVED.get(layer, [])]
+
+
+def test_the_adapter_reports_per_layer_counts(pair):
+    pruned, original = pair
+    assert pruned.adapter.layer_heads[1] == 4 and original.adapter.layer_heads == [4, 4]
+    assert pruned.adapter.layer_heads[0] in (3, 4)  # 4 when a GQA group is padded with a zeroed head
+
+
+def test_patterns_equal_the_gated_original_at_the_kept_heads(pair):
+    pruned, original = pair
+    enc = pruned.encode(TEXT)
+    got = capture(pruned, enc, "blocks.*.attn.pattern").layer("pattern")
+    want = capture(original, enc, "blocks.*.attn.pattern").layer("pattern")
+    for layer, plan in enumerate(pruned.plans):
+        live = list(plan.q)  # the original index of each head the pruned layer holds
+        torch.testing.assert_close(got[layer], want[layer][:, live], atol=1e-5, rtol=1e-5)
+
+
+def test_analyze_full_and_streaming(pair, tmp_path):
+    pruned, _ = pair
+    counts = pruned.adapter.layer_heads
+    r = analyze(TEXT, model=pruned, out_dir=tmp_path / "full")
+    assert r.mode == "full" and len(r.records) == sum(counts) and r.layer_heads == counts
+    assert {(x.layer, x.head) for x in r.records} == {(i, h) for i, n in enumerate(counts) for h in range(n)}
+    page = r.html.read_text()
+    assert page.count('class="removed"') == sum(max(counts) - n for n in counts)
+    assert json.loads(r.json.read_text())["layer_heads"] == counts
+    if min(counts) < max(counts):
+        with pytest.raises(InputError, match=r"no head 0\.3"):
+            r.record(0, 3)
+        with pytest.raises(InputError, match=r"heads 0\.\.2 in layer 0"):
+            analyze(TEXT, model=pruned, out_dir=tmp_path / "bad", heads="0.3")
+    s = analyze(TEXT, model=pruned, out_dir=tmp_path / "streaming", max_full_tokens=2, heads="0.2,1.3")
+    assert s.mode == "streaming" and len(s.records) == sum(counts) and sorted(s.drawn) == [(0, 2), (1, 3)]
+    by = {(x.layer, x.head): x for x in r.records}
+    for x in s.records:  # the streaming statistics give the full maps' table
+        assert x.entropy == pytest.approx(by[(x.layer, x.head)].entropy, abs=1e-4)
+
+
+def test_explain_rows_per_layer(pair):
+    pruned, original = pair
+    kw = dict(methods=["attention"]) if pruned.family == "llama" else dict(methods=["attention"],
+                                                                           compare_to="a cat on the mat")
+    ex = headlab.explain(pruned, TEXT, **kw)
+    ref = headlab.explain(original, TEXT, **kw)
+    rows = ex.attention_layers
+    assert [len(r) for r in rows] == pruned.adapter.layer_heads
+    for layer, plan in enumerate(pruned.plans):
+        torch.testing.assert_close(torch.as_tensor(rows[layer]), ref.attention_layers[layer][list(plan.q)],
+                                   atol=1e-5, rtol=1e-5)
+    assert [len(r) for r in ex.to_json(heads=True)["attention_layers"]] == pruned.adapter.layer_heads
+
+
+def test_probe_is_the_gated_originals_at_kept_heads_and_nan_elsewhere(pair, tmp_path):
+    from headlab.interpret.probing.result import ProbeResult
+
+    pruned, original = pair
+    tb = tmp_path / "t.conllu"
+    tb.write_text(CONLLU)
+    got = headlab.probe(pruned, tb, head_map_sentences=2, grad_sentences=2)
+    want = headlab.probe(original, tb, head_map_sentences=2, grad_sentences=2)
+    for layer, plan in enumerate(pruned.plans):
+        n = len(plan.q)
+        np.testing.assert_allclose(got.accuracy[:, layer, :n], want.accuracy[:, layer, list(plan.q)], atol=1e-6)
+        assert np.isnan(got.accuracy[:, layer, n:]).all()
+        for k in ("grad_sep", "grad_other"):
+            np.testing.assert_allclose(got.per_head[k][layer, :n], want.per_head[k][layer, list(plan.q)],
+                                       rtol=1e-4, atol=1e-9)
+    assert all(not np.isnan(b.accuracy) for b in got.best_heads)
+    back = ProbeResult.from_json(json.loads(json.dumps(got.to_json(), allow_nan=False)))  # standard JSON
+    np.testing.assert_array_equal(np.isnan(back.accuracy), np.isnan(got.accuracy))
+    got.save_json(tmp_path / "r.json")
+
+
+def test_importance_is_the_gated_originals_at_kept_heads(pair):
+    pruned, original = pair
+    loss = "lm" if pruned.family == "llama" else "cosine"
+    got = headlab.head_importance(pruned, [TEXT, "her book"], loss=loss)
+    want = headlab.head_importance(original, [TEXT, "her book"], loss=loss)
+    for layer, plan in enumerate(pruned.plans):
+        n = len(plan.q)
+        torch.testing.assert_close(got[layer, :n], want[layer, list(plan.q)], rtol=1e-4, atol=1e-7)
+        assert torch.isnan(got[layer, n:]).all()
+
+
+def test_cli_analyze_and_probe_a_saved_pruned_model(pair, tmp_path, capsys):
+    from conftest import run_cli
+
+    pruned, _ = pair
+    pruned.save(tmp_path / "p")
+    code, out, err = run_cli(["analyze", TEXT, "--model", str(tmp_path / "p"), "--out", str(tmp_path / "r")], capsys)
+    assert code == 0, err
+    counts = pruned.adapter.layer_heads
+    assert f"heads ({sum(counts)} heads)" in out or f"({sum(counts)} heads)" in out
