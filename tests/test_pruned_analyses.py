@@ -21,12 +21,14 @@ from headlab.interpret.report.job import analyze
 from test_probing import CONLLU, tiny_bert, tiny_llama
 
 TEXT = "she reads her book on the mat"
-REMOVED = {0: [1]}  # layer 0 keeps heads 0, 2, 3 of 4; layer 1 keeps all four
+# layer 0 loses heads; layer 1 keeps all four. The GQA llama (4 query heads on 2 kv heads) loses a
+# whole group, so its layer 0 really is smaller (one head of a group would be padded, gqa="pad").
+REMOVED = {"bert": {0: [1]}, "llama": {0: [0, 1]}}
 
 
-def _gated(loaded):
+def _gated(loaded, removed):
     g = torch.ones(loaded.adapter.n_layers, loaded.adapter.n_heads)
-    for layer, hs in REMOVED.items():
+    for layer, hs in removed.items():
         g[layer, hs] = 0.0
     loaded.adapter.gates = g
     return loaded
@@ -34,20 +36,18 @@ def _gated(loaded):
 
 @pytest.fixture(scope="module", params=[tiny_bert, tiny_llama], ids=["bert", "llama"])
 def pair(request):
-    """(pruned, gated original); for the GQA llama the removed head's group is padded (gqa='pad')."""
+    """(pruned, gated original)."""
     original = request.param()
-    pruned = headlab.prune_heads(original, REMOVED)
-    return pruned, _gated(original)
-
-
-def _kept(layer, n):
-    return [h for h in range(n) if h not in REMOVED.get(layer, [])]
+    removed = REMOVED[original.family]
+    pruned = headlab.prune_heads(original, removed)
+    assert pruned.adapter.layer_heads == [4 - len(removed[0]), 4]
+    return pruned, _gated(original, removed)
 
 
 def test_the_adapter_reports_per_layer_counts(pair):
     pruned, original = pair
     assert pruned.adapter.layer_heads[1] == 4 and original.adapter.layer_heads == [4, 4]
-    assert pruned.adapter.layer_heads[0] in (3, 4)  # 4 when a GQA group is padded with a zeroed head
+    assert pruned.adapter.layer_kv_heads == ([3, 4] if pruned.family == "bert" else [1, 2])
 
 
 def test_patterns_equal_the_gated_original_at_the_kept_heads(pair):
@@ -69,13 +69,12 @@ def test_analyze_full_and_streaming(pair, tmp_path):
     page = r.html.read_text()
     assert page.count('class="removed"') == sum(max(counts) - n for n in counts)
     assert json.loads(r.json.read_text())["layer_heads"] == counts
-    if min(counts) < max(counts):
-        with pytest.raises(InputError, match=r"no head 0\.3"):
-            r.record(0, 3)
-        with pytest.raises(InputError, match=r"heads 0\.\.2 in layer 0"):
-            analyze(TEXT, model=pruned, out_dir=tmp_path / "bad", heads="0.3")
-    s = analyze(TEXT, model=pruned, out_dir=tmp_path / "streaming", max_full_tokens=2, heads="0.2,1.3")
-    assert s.mode == "streaming" and len(s.records) == sum(counts) and sorted(s.drawn) == [(0, 2), (1, 3)]
+    with pytest.raises(InputError, match=r"no head 0\.3"):
+        r.record(0, 3)
+    with pytest.raises(InputError, match=rf"heads 0\.\.{counts[0] - 1} in layer 0"):
+        analyze(TEXT, model=pruned, out_dir=tmp_path / "bad", heads="0.3")
+    s = analyze(TEXT, model=pruned, out_dir=tmp_path / "streaming", max_full_tokens=2, heads="0.1,1.3")
+    assert s.mode == "streaming" and len(s.records) == sum(counts) and sorted(s.drawn) == [(0, 1), (1, 3)]
     by = {(x.layer, x.head): x for x in r.records}
     for x in s.records:  # the streaming statistics give the full maps' table
         assert x.entropy == pytest.approx(by[(x.layer, x.head)].entropy, abs=1e-4)

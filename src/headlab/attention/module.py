@@ -183,6 +183,9 @@ class MultiHeadAttention(nn.Module):
             dropout_p=self.dropout if self.training else 0.0,
             backend=chosen, need_weights=need_weights,
         )  # z: (B, H, Lq, d)
+        if tuple(self.head_gate.shape) != (H,):
+            raise ShapeError(f"head_gate has shape {tuple(self.head_gate.shape)} but the module has {H} heads; "
+                             f"give one gate per head, e.g. torch.ones({H}) with 0 for each head to silence")
         z = z * self.head_gate.view(1, H, 1, 1).to(z.dtype)
         out = self.out_proj(z.transpose(1, 2).reshape(B, Lq, H * d))  # (B, Lq, E)
         return out, weights

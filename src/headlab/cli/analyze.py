@@ -7,7 +7,7 @@ from pathlib import Path
 
 import typer
 
-from headlab.cli.app import app, console, err_console, print_json
+from headlab.cli.app import app, check_heads_before_loading, console, err_console, print_json
 from headlab.errors import InputError
 from headlab.interpret.report.annotations import study_annotations
 from headlab.interpret.report.job import MAX_FULL_TOKENS, ReportResult, heads_text
@@ -85,6 +85,7 @@ def analyze_cmd(
     """
     check_utf8(text)
     notes = study_annotations(probe=probe, heads=heads_result)  # read before any model work
+    check_heads_before_loading(model, heads)
     r = run_analyze(text, model=model, out_dir=out, backend=backend, force=force, heads=heads,
                     max_full_tokens=max_full_tokens, truncate=truncate, progress=step_printer(),
                     annotations=notes or None, flow=flow)

@@ -28,17 +28,43 @@ app = typer.Typer(
 bench_app = typer.Typer(help="Benchmarks: time and memory of attention backends.", no_args_is_help=True)
 app.add_typer(bench_app, name="bench")
 
-console = Console()
-err_console = Console(stderr=True)
+def _piped_width(stream) -> int | None:
+    """Rich draws 80 columns when output is not a terminal, cutting table cells; piped output (a log,
+    a file, ``| less``) gets a wide page instead, unless ``COLUMNS`` says otherwise."""
+    return None if os.environ.get("COLUMNS") or stream.isatty() else 200
 
 
-def check_output_file(path: Path, option: str) -> Path:
+console = Console(width=_piped_width(sys.stdout))
+err_console = Console(stderr=True, width=_piped_width(sys.stderr))
+
+
+def check_heads_before_loading(model: str, heads: str | None, option: str = "--heads") -> None:
+    """``--heads LAYER.HEAD,...`` checked against the model's config files (no weights read), so a
+    head the model lacks stops the command before the load and the work."""
+    if heads is None:
+        return
+    from headlab.interpret.report.job import parse_heads
+    from headlab.models.loader import peek_layer_heads
+
+    counts = peek_layer_heads(model)
+    if counts is not None:
+        try:
+            parse_heads(heads, len(counts), counts)
+        except InputError as e:
+            raise InputError(f"{option} {heads} is out of range: {e}") from None
+
+
+def check_output_file(path: Path, option: str, *, force: bool = False) -> Path:
     """Refuse, before any work, an output file that cannot be written: its folder must exist and
-    take a file (tried for real: permissions, read-only mounts, /proc)."""
+    take a file (tried for real: permissions, read-only mounts, /proc); an existing file is kept
+    unless ``force`` (CLI: ``--force``)."""
     path = Path(path).expanduser()
     parent = path.parent if str(path.parent) else Path(".")
     if path.is_dir():
         raise InputError(f"{option} {str(path)!r} is a folder; give a file name such as results.json")
+    if path.exists() and not force:
+        raise InputError(f"{option} {str(path)!r} exists; choose another name, or pass --force to replace it "
+                         "(nothing has been computed yet)")
     if not parent.is_dir():
         raise InputError(f"{option} {str(path)!r}: the folder {str(parent)!r} does not exist; create it first "
                          "(nothing has been computed yet)")

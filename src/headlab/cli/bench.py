@@ -41,6 +41,7 @@ def attention_cmd(
     causal: bool = typer.Option(False, "--causal", help="causal attention (torch's is_causal)"),
     backward: bool = typer.Option(False, "--backward", help="time forward + backward"),
     json_file: Path = typer.Option(None, "--json", help="also write the rows to this JSON file"),
+    force: bool = typer.Option(False, "--force", help="replace the --json file if it exists"),
     pattern: str = typer.Option(None, "--pattern", help="a mask pattern, e.g. sliding_window:256"),
     feature_map: str = typer.Option(None, "--feature-map", help="linear attention feature map, e.g. favor:256"),
     heads: int = typer.Option(8, "--heads"),
@@ -63,7 +64,7 @@ def attention_cmd(
     if pattern is not None:
         from_string(pattern)  # a bad spec fails here, before any timing
     if json_file is not None:
-        check_output_file(json_file, "--json")  # before the run, so no result is lost
+        check_output_file(json_file, "--json", force=force)  # before the run, so no result is lost
     with Progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(), console=err_console,
                   transient=True) as bar:
         task = bar.add_task("benchmark", total=None)

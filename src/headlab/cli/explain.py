@@ -110,6 +110,7 @@ def explain_cmd(
     no_counterfactual: bool = typer.Option(False, "--no-counterfactual", help="with --dataset: skip permutation and adversarial tests"),
     max_minutes: float = typer.Option(None, "--max-minutes", help="with --dataset: stop starting new rows after this long (rerun resumes)"),
     out: Path = typer.Option(None, "--out", "-o", help="folder for the HTML page + PNG (or the study's files)"),
+    force: bool = typer.Option(False, "--force", help="write into a non-empty --out folder (one explanation)"),
     as_json: bool = typer.Option(False, "--json", help="print the result as JSON"),
 ) -> None:
     """Attention versus gradient, grad x input, integrated gradients and leave-one-out (Jain and Wallace 2019),
@@ -142,6 +143,10 @@ def explain_cmd(
         return
     if text is None:
         raise InputError("no text: give TEXT to explain, or --dataset FILE.tsv with --out DIR")
+    if out is not None:  # checked before the work: a non-empty folder is kept unless --force
+        from headlab.interpret.report.job import prepare_out_dir
+
+        prepare_out_dir(out, force=force)
     ex = explain(model, text, target=target, methods=methods, ig_steps=ig_steps, backend=backend, loo=loo,
                  compare_to=compare_to, truncate=truncate)
     paths = write_explanation(ex, out) if out is not None else None

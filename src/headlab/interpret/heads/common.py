@@ -59,7 +59,10 @@ def read_texts(path: str | Path, *, limit: int | None = None) -> tuple[list[str]
         if not rows:
             raise InputError(f"{path} is empty")
         head = [h.strip().lower() for h in rows[0]]
-        ti = head.index("sentence") if "sentence" in head else (head.index("text") if "text" in head else 0)
+        if "sentence" not in head and "text" not in head:
+            raise InputError(f"{path}: no 'sentence' or 'text' column; the header has {rows[0]}. Give a TSV whose "
+                             "header names the text column sentence (or text), with an optional integer label")
+        ti = head.index("sentence") if "sentence" in head else head.index("text")
         li = head.index("label") if "label" in head else None
         labels = [] if li is not None else None
         for r in rows[1:]:
@@ -142,7 +145,7 @@ def batches(loaded, adapter: ModelAdapter, texts, labels, batch_size: int, *, ma
 
 def choose_loss(adapter: ModelAdapter, loss: str, labels) -> str:
     if loss == "auto":
-        if labels is not None:
+        if labels is not None and _is_classifier(adapter):  # labels in a file meant for another model: not a task
             return "task"
         if is_causal(adapter):
             return "lm"
@@ -153,6 +156,10 @@ def choose_loss(adapter: ModelAdapter, loss: str, labels) -> str:
         raise ConfigError("loss='lm' (next-token NLL) needs a decoder; this model is an encoder: use 'task', 'kl' "
                           "or 'cosine'")
     return loss
+
+
+def _is_classifier(adapter: ModelAdapter) -> bool:
+    return type(adapter.model).__name__.endswith("ForSequenceClassification")
 
 
 def _has_task_head(adapter: ModelAdapter) -> bool:

@@ -139,7 +139,7 @@ def render_page(*, title: str, importance=None, ablation=None, curve=None, curve
             body.append(f"<h2>Pair interactions I(h, g) = E(h, g) - E(h) - E(g) ({k} lowest-effect heads)</h2>"
                         f'<table class="hm" data-grid="interaction"><tr><th></th>{hdr}</tr>{"".join(rows)}</table>'
                         f"<div class='note'>red: removing both costs more than the two alone (redundancy); "
-                        f"threshold {ablation.threshold:.3g}, noise floor {ablation.noise_floor:.3g}</div>")
+                        f"threshold {ablation.threshold:.3g}, noise floor {ablation.floor_text()}</div>")
         rows = []
         for v in ablation.verdicts:
             verdicts[f"{v.layer}.{v.head}"] = v.label()

@@ -150,16 +150,17 @@ def parse_heads(spec: str | Sequence[tuple[int, int]] | None, n_layers: int,
     return list(dict.fromkeys(items))
 
 
-def check_head(layer: int, head: int, n_layers: int, n_heads: int | Sequence[int], *, what: str = "head") -> None:
+def check_head(layer: int, head: int, n_layers: int, n_heads: int | Sequence[int]) -> None:
     """:class:`~headlab.errors.InputError` unless head ``layer.head`` exists (``n_heads``: one
     count or one per layer)."""
-    if not 0 <= layer < n_layers:
-        raise InputError(f"{what} {layer}.{head} does not exist: the model has layers 0..{n_layers - 1}")
     counts = per_layer_counts(n_layers, n_heads)
+    if not 0 <= layer < n_layers:
+        which = f" and heads 0..{counts[0] - 1}" if len(set(counts)) == 1 else ""
+        raise InputError(f"head {layer}.{head} does not exist: the model has layers 0..{n_layers - 1}{which}")
     if not 0 <= head < counts[layer]:
         which = f"heads 0..{counts[layer] - 1}" if len(set(counts)) == 1 else \
             f"heads 0..{counts[layer] - 1} in layer {layer} (a pruned model: heads per layer {counts})"
-        raise InputError(f"{what} {layer}.{head} does not exist: the model has layers 0..{n_layers - 1} and {which}")
+        raise InputError(f"head {layer}.{head} does not exist: the model has layers 0..{n_layers - 1} and {which}")
 
 
 def default_drawn_heads(records: Sequence[HeadRecord], count: int = DRAWN_HEADS) -> list[tuple[int, int]]:
@@ -377,10 +378,10 @@ def analyze(
     n_layers, n_heads, counts = adapter.n_layers, adapter.n_heads, adapter.layer_heads
     chosen = parse_heads(heads, n_layers, counts)
     for layer, head in (annotations or {}):
-        try:
-            check_head(layer, head, n_layers, counts, what="an annotation names head")
-        except InputError as e:
-            raise InputError(f"{e} ({loaded.name}): was the study run on another model?") from None
+        if not (0 <= layer < n_layers and 0 <= head < counts[layer]):
+            raise InputError(f"an annotation names head {layer}.{head}, which {loaded.name} does not have "
+                             f"(layers 0..{n_layers - 1}, heads per layer {heads_text(counts)}): was the study run "
+                             "on another model?")
 
     notes: list[str] = []
     with warnings.catch_warnings(record=True) as caught:
