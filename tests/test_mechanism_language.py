@@ -189,6 +189,40 @@ def test_non_finite_input_propagates_and_dead_rows_stay_zero(backend, bad):
         assert (o[0, :, 5] == 0).all()
 
 
+@pytest.mark.parametrize("backend", ["reference", "sdpa", "tiled", "sparse", "auto"])
+@pytest.mark.parametrize("where", ["k", "v"])
+@pytest.mark.parametrize("mask_kind", ["causal", "window", "bool", "additive", "none"])
+def test_a_bad_key_or_value_reaches_exactly_the_rows_that_read_it(backend, where, mask_kind):
+    """One rule on every exact backend: a NaN in key/value row j makes exactly the query rows that
+    can see j NaN (through GQA: every query head of that kv head); every other row equals the
+    computation on clean inputs (no 0 * NaN for a hidden key, no -inf + NaN)."""
+    B, H, Hkv, L = 2, 4, 2, 23
+    q, k, v = _qkv(b=B, h=H, hkv=Hkv, lq=L, lk=L, dtype=torch.float32)
+    tril = torch.ones(L, L, dtype=torch.bool).tril()
+    kw, vis = {
+        "causal": ({"causal": True}, tril),
+        "window": ({"mask": masks.sliding_window(3)}, masks.sliding_window(3).dense(1, 1, L, L)[0, 0]),
+        "bool": ({"mask": tril}, tril),
+        "additive": ({"mask": torch.zeros(L, L).masked_fill(~tril, float("-inf"))}, tril),
+        "none": ({}, torch.ones(L, L, dtype=torch.bool)),
+    }[mask_kind]
+    if backend == "sparse" and mask_kind in ("additive", "none"):
+        pytest.skip("sparse takes no additive float mask and wants a mask (its own refusals)")
+    clean = headlab.attention(q, k, v, backend=backend, **kw)
+    j = 11
+    bad = {"k": k, "v": v}[where].clone()
+    bad[1, 0, j, 2] = float("nan")
+    args = (q, bad, v) if where == "k" else (q, k, bad)
+    out = headlab.attention(*args, backend=backend, **kw)
+    reads = torch.zeros(B, H, L, dtype=torch.bool)
+    reads[1, :H // Hkv] = vis[:, j]  # kv head 0 serves query heads 0 and 1
+    assert torch.equal(torch.isnan(out).any(-1), reads)
+    torch.testing.assert_close(out[~reads], clean[~reads], atol=1e-6, rtol=1e-5)
+    if where == "k" and backend in ("reference", "auto"):
+        w = headlab.attention_weights(*args[:2], **kw)
+        assert torch.equal(torch.isnan(w).any(-1), reads)
+
+
 def test_nan_in_q_is_not_zeros_on_auto():
     q, k, v = _qkv(b=1, h=2, hkv=2, lq=16, lk=16, dtype=torch.float32)
     q[0, 1, 3, 0] = float("nan")

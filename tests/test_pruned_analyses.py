@@ -135,3 +135,48 @@ def test_cli_analyze_and_probe_a_saved_pruned_model(pair, tmp_path, capsys):
     assert code == 0, err
     counts = pruned.adapter.layer_heads
     assert f"heads ({sum(counts)} heads)" in out or f"({sum(counts)} heads)" in out
+
+
+# ---- the pages in a real headless Chromium (their own self-test; see tests/test_browser.py) --------
+
+
+@pytest.mark.browser
+def test_pruned_report_page_passes_its_selftest(pair, tmp_path):
+    from test_browser import find_browser, open_page, selftest_result
+
+    browser = find_browser()
+    if browser is None:
+        pytest.skip("no headless Chromium (apt-get install chromium)")
+    pruned, _ = pair
+    r = analyze(TEXT, model=pruned, out_dir=tmp_path / "r")
+    dom, console = open_page(browser, r.html.read_text(), tmp_path)
+    status, detail = selftest_result(dom)
+    assert status == "pass", detail
+    assert not console, console
+
+
+@pytest.mark.browser
+@pytest.mark.parametrize("fit", [1, 0])
+def test_a_long_input_embeds_what_fits_and_says_so(pair, tmp_path, monkeypatch, fit):
+    """The page holds at most MAX_EMBEDDED_BYTES of maps: it embeds the drawn heads that fit (none
+    at all past ~5,800 tokens at the real limit), says so, and every drawn head is in the PNGs."""
+    from headlab.interpret.report import job
+    from test_browser import find_browser, open_page, selftest_result
+
+    pruned, _ = pair
+    n = len(pruned.tokens(TEXT))
+    monkeypatch.setattr(job, "MAX_EMBEDDED_BYTES", fit * 2 * n * n + 1)
+    r = analyze(TEXT, model=pruned, out_dir=tmp_path / "r", max_full_tokens=2)
+    assert r.mode == "streaming" and len(r.drawn) == job.DRAWN_HEADS
+    assert any(f"it embeds {'none' if not fit else f'{r.drawn[0][0]}.{r.drawn[0][1]};'}" in x for x in r.notes), r.notes
+    page = r.html.read_text()
+    data = json.loads(page.split('id="headlab-data">')[1].split("</script>")[0])
+    assert len(data["maps"]) == fit
+    assert {p.name for p in r.pngs} == {f"layer_{layer:02d}.png" for layer, _ in r.drawn}
+    browser = find_browser()
+    if browser is None:
+        pytest.skip("no headless Chromium (apt-get install chromium)")
+    dom, console = open_page(browser, page, tmp_path)
+    status, detail = selftest_result(dom)
+    assert status == "pass", detail
+    assert not console, console

@@ -47,3 +47,27 @@ def test_backends_and_capture_match_eager(smol):
     cache = headlab.capture(smol, enc, "blocks.29.attn.pattern")
     torch.testing.assert_close(cache["blocks.29.attn.pattern"], eager.attentions[29], atol=1e-5, rtol=1e-5)
     assert float(eager.logits[0, -1].softmax(-1).max()) > 0.05  # a trained model, not random weights
+
+
+@pytest.mark.slow
+def test_analyze_a_long_input_with_default_options(smol, tmp_path):
+    """The path the README advertises: a few thousand tokens, no option. It finishes, embeds the
+    drawn maps that fit in the page and says so (the same rule on a tiny model runs in make test:
+    tests/test_pruned_analyses.py)."""
+    from pathlib import Path
+
+    from headlab.interpret.report.job import DRAWN_HEADS, analyze, embeddable
+
+    ud = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "ud-english-ewt" / "en_ewt-ud-dev.conllu"
+    if ud.is_file():
+        text = " ".join(ln.split("=", 1)[1].strip() for ln in ud.read_text().splitlines() if ln.startswith("# text ="))
+    else:  # no shared data beside the checkout: a repeated public-domain sentence
+        text = "It was the best of times, it was the worst of times, it was the age of wisdom. " * 200
+    text = text[:16000]
+    r = analyze(text, model=smol, out_dir=tmp_path / "r")
+    n = len(r.tokens)
+    assert 2500 < n < 5000 and r.mode == "streaming" and len(r.drawn) == DRAWN_HEADS
+    fits = embeddable(n, DRAWN_HEADS)
+    assert 0 < fits < DRAWN_HEADS
+    assert any(f"one map takes {2 * n * n / 2**20:.0f} MiB" in note for note in r.notes), r.notes
+    assert r.html.stat().st_size < 80 * 2**20

@@ -10,6 +10,7 @@ from headlab.attention import backends as _backends
 from headlab.attention.masks import MaskFn
 from headlab.attention.score_mods import as_score_mod
 from headlab.attention.spec import AttentionSpec, check_scale, validate
+from headlab.attention.visibility import visible
 
 MaskLike = torch.Tensor | MaskFn | Callable | None
 
@@ -54,8 +55,9 @@ def attention(
         ``(batch, heads, q_len, v_dim)``, or ``(out, lse)`` with ``return_lse``.
 
     Non-finite values: a query row that can see no key is all zeros (zero gradients too); every
-    other non-finite value propagates as in torch: a NaN or inf in ``q_i`` makes row ``i`` NaN,
-    one in a key or value that a row sees makes that row non-finite. A non-finite ``scale`` is
+    other non-finite value reaches exactly the rows that read it: a NaN or inf in ``q_i`` makes
+    row ``i`` non-finite, one in key or value row ``j`` makes every row that can see ``j`` NaN,
+    and rows that cannot see ``j`` stay finite (on every backend). A non-finite ``scale`` is
     refused.
 
     Example:
@@ -105,9 +107,53 @@ def _run(q, k, v, *, mask, causal, scale, dropout_p, backend, need_weights, need
     if not (isinstance(backend, str) and backend == "auto"):
         chosen.check_memory(spec)
     mod = as_score_mod(score_mod) if score_mod is not None else None
+    bad_k, bad_v = _nonfinite_rows(k), _nonfinite_rows(v)
+    if bad_k is not None or bad_v is not None:  # computed on finite stand-ins, then the readers are poisoned
+        k = k if bad_k is None else k.masked_fill(bad_k.unsqueeze(-1), 0.0)
+        v = v if bad_v is None else v.masked_fill(bad_v.unsqueeze(-1), 0.0)
     out, weights, lse = chosen.forward(q, k, v, spec, mask=norm_mask, scale=scale, score_mod=mod)
+    if bad_k is not None or bad_v is not None:
+        out, weights, lse = _poison_readers(spec, norm_mask, bad_k, bad_v, out, weights, lse)
     if need_lse and lse is not None:
         lse = lse.to(torch.promote_types(lse.dtype, torch.float32)).detach()
+    return out, weights, lse
+
+
+def _nonfinite_rows(t: torch.Tensor) -> torch.Tensor | None:
+    """``(B, Hkv, L)`` True where a key or value row holds a NaN or inf; None when all are finite."""
+    if not t.is_floating_point():
+        return None
+    bad = ~torch.isfinite(t).all(-1)
+    return bad if bool(bad.any()) else None
+
+
+def _poison_readers(spec, mask, bad_k, bad_v, out, weights, lse):
+    """The non-finite rule: a NaN or inf in key or value row ``j`` makes exactly the query rows that
+    can see ``j`` NaN (their output; for a key also their weights and log-sum-exp), and no other.
+
+    A backend computing ``P @ V`` would otherwise spread it to every row through ``0 * NaN`` for a
+    hidden key, and a NaN key score would reach rows whose mask hides it through ``-inf + NaN``.
+    The backends ran on zeros in place of the bad rows; only the bad key columns' visibility is
+    evaluated here (``q_len x`` the few bad keys), never the whole map."""
+    G = spec.group
+
+    def readers(bad):  # (B, H, Lq): rows that see some bad key
+        if bad is None:
+            return None
+        cols = torch.nonzero(bad.any(dim=(0, 1))).flatten()  # positions bad anywhere
+        at = bad[:, :, cols].repeat_interleave(G, dim=1).unsqueeze(2)  # (B, H, 1, C)
+        vis = visible(spec, mask, None, cols)  # broadcastable to (B, H, Lq, C), or None: all visible
+        hit = at if vis is None else (vis & at)
+        return hit.expand(spec.batch, spec.heads, spec.q_len, -1).any(-1)
+
+    rk, rv = readers(bad_k), readers(bad_v)
+    rows = rk if rv is None else (rv if rk is None else rk | rv)
+    out = out.masked_fill(rows.unsqueeze(-1), float("nan"))
+    if rk is not None:
+        if weights is not None:
+            weights = weights.masked_fill(rk.unsqueeze(-1), float("nan"))
+        if lse is not None:
+            lse = lse.masked_fill(rk, float("nan"))
     return out, weights, lse
 
 

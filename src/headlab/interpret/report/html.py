@@ -168,15 +168,16 @@ def render_html(*, title: str, tokens: Sequence[str], records: Sequence[HeadReco
     counts = per_layer_counts(n_layers, n_heads)
     if len(records) != sum(counts):
         raise ShapeError(f"{len(records)} head records for {n_layers} layers x {n_heads} heads; pass one per head.")
-    if not maps:
-        raise ShapeError("no maps to draw: pass at least one (layer, head) map.")
+    if not maps and not undrawn_note:
+        raise ShapeError("no maps to draw: pass at least one (layer, head) map, or an undrawn_note saying why none is.")
     encoded = {}
     for (layer, head), P in maps.items():
         shape = tuple(getattr(P, "shape", ()))
         if shape != (n, n):
             raise ShapeError(f"map of layer {layer} head {head} has shape {shape}; expected ({n}, {n}) for {n} tokens.")
         encoded[f"{layer}.{head}"] = encode_map(P)
-    first = initial if initial in maps else min(maps)
+    first = initial if initial in maps or not maps else min(maps)
+    first = first or (records[0].layer, records[0].head)
     data = {
         "tokens": list(tokens), "records": [r.as_dict() for r in records], "maps": encoded,
         "n_layers": n_layers, "n_heads": max(counts), "layer_heads": counts, "initial": list(first), "first_label": first_label,

@@ -54,7 +54,7 @@ from headlab.interpret.heads.labels import (
 
 MAX_FULL_TOKENS = 256  # above this many tokens: streaming statistics, maps for chosen heads only
 DRAWN_HEADS = 4  # heads drawn by default in the streaming mode
-MAX_EMBEDDED_BYTES = 64 << 20  # refuse a page whose maps alone would exceed this (choose fewer heads)
+MAX_EMBEDDED_BYTES = 64 << 20  # the page embeds at most this much of maps (2 bytes a weight); the rest are PNGs only
 REPORT_FILES = ("report.html", "heads.csv", "heads.json")
 _PNG_GLOB = "layer_*.png"
 _STREAM_STATS = ("entropy", "max_weight", "argmax", "mean_distance", "key_mass", "received")
@@ -275,13 +275,6 @@ def _streaming(loaded, inputs, tokens, *, sinks, seps, causal, backend, threshol
             for i in range(adapter.n_layers)]
     records = head_records(rows, tokens, separator_positions=seps, thresholds=thresholds)
     drawn = chosen or default_drawn_heads(records)
-    size = len(drawn) * n * n * 2
-    if size > MAX_EMBEDDED_BYTES:
-        fits = MAX_EMBEDDED_BYTES // (2 * n * n)
-        raise InputError(f"drawing {len(drawn)} heads at {n} tokens embeds {size / 2**20:.0f} MiB of maps "
-                         f"(limit {MAX_EMBEDDED_BYTES >> 20} MiB); " + (
-                             f"choose at most {fits} with --heads" if fits else
-                             "no map this long fits: shorten the text (the table alone is in heads.csv)"))
     maps = {}
     for layer, h in drawn:
         # query head h reads kv head h // group (per layer: a pruned layer has its own counts)
@@ -295,6 +288,16 @@ def _streaming(loaded, inputs, tokens, *, sinks, seps, causal, backend, threshol
         w = attention_weights(q, k, mask=mask, causal=call["causal"], scale=call["scale"])  # (1, 1, L, L)
         maps[(layer, h)] = w[0, 0].float().cpu().numpy()
     return records, maps
+
+
+def embeddable(n: int, count: int) -> int:
+    """How many of ``count`` maps of ``n`` tokens the page embeds: those that fit in
+    :data:`MAX_EMBEDDED_BYTES` at 2 bytes a weight (every drawn map is in the PNGs either way).
+
+    >>> embeddable(512, 72), embeddable(3500, 4), embeddable(8192, 4)
+    (72, 2, 0)
+    """
+    return min(count, MAX_EMBEDDED_BYTES // (2 * n * n))
 
 
 def heads_text(counts: Sequence[int]) -> str:
@@ -410,6 +413,14 @@ def analyze(
                      f"(no {n} x {n} map held) and maps are drawn only for heads "
                      f"{', '.join(f'{a}.{b}' for a, b in drawn)}" + ("" if chosen else " (chosen automatically: "
                      "the heads whose rows most often point at a fixed offset; pick others with --heads)"))
+        fits = embeddable(n, len(drawn))
+        if fits < len(drawn):
+            one = 2 * n * n / 2**20
+            notes.append(f"at {n} tokens one map takes {one:.0f} MiB in the page, which holds at most "
+                         f"{MAX_EMBEDDED_BYTES >> 20} MiB of maps: " + (
+                             f"it embeds {', '.join(f'{a}.{b}' for a, b in drawn[:fits])}; " if fits else
+                             "it embeds none (the table and the statistics are all there); ") +
+                         "every drawn head is in the layer PNGs")
     if annotations:
         records = [replace(r, notes=_notes(annotations.get((r.layer, r.head)))) for r in records]
     provenance, approx_warning = backend_provenance(backend, mode)
@@ -422,9 +433,10 @@ def analyze(
         notes += more
     else:
         strip = None
-    drawn_set = set(drawn)
+    embedded = drawn if mode == "full" else drawn[:embeddable(n, len(drawn))]  # maps the page carries
+    shown = set(embedded)
     picks = [*(chosen or []), *((r.layer, r.head) for _, r in interesting_heads(records))]
-    initial = next((d for d in picks if d in drawn_set), min(drawn))
+    initial = next((d for d in picks if d in shown), min(embedded or drawn))
 
     from headlab.interpret.report.flow_section import flow_view, write_flow_files
 
@@ -463,10 +475,12 @@ def analyze(
                f"{n} tokens: {text if len(text) <= 300 else text[:297] + '...'}"]
     page = render_html(
         title=f"headlab analyze: {loaded.name}", tokens=tokens, records=records,
-        maps={d: maps[d] for d in drawn}, n_layers=n_layers, n_heads=counts, summary_lines=summary,
+        maps={d: maps[d] for d in embedded}, n_layers=n_layers, n_heads=counts, summary_lines=summary,
         banner=" ".join(notes) or None, first_label=first_label, initial=initial, flow=view.page_data(), saliency=strip,
-        undrawn_note=(f"Long input ({n} tokens): only the statistics of this head were computed. "
-                      "Draw it with --heads LAYER.HEAD." if mode == "streaming" else ""))
+        undrawn_note=(f"Long input ({n} tokens): this head's map is not in the page"
+                      + (" (too large to embed; see the layer PNGs)." if embedded != drawn else
+                         "; only its statistics were computed. Draw it with --heads LAYER.HEAD.")
+                      if mode == "streaming" else ""))
     html_path = out / "report.html"
     html_path.write_text(page, encoding="utf-8")
     return ReportResult(out_dir=out, html=html_path, csv=csv_path, json=json_path, pngs=pngs, records=records,
