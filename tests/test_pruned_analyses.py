@@ -160,7 +160,7 @@ def test_pruned_report_page_passes_its_selftest(pair, tmp_path):
 def test_a_long_input_embeds_what_fits_and_says_so(pair, tmp_path, monkeypatch, fit):
     """The page holds at most MAX_EMBEDDED_BYTES of maps: it embeds the drawn heads that fit (none
     at all past ~5,800 tokens at the real limit), says so, and every drawn head is in the PNGs."""
-    from headlab.interpret.report import job
+    from headlab.interpret.report import selection as job
     from test_browser import find_browser, open_page, selftest_result
 
     pruned, _ = pair

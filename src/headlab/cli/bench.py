@@ -6,7 +6,9 @@ import json
 from pathlib import Path
 
 import typer
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, TextColumn, TimeElapsedColumn
+
+from headlab.progress import progress
 from rich.table import Table
 
 from headlab.attention.masks import from_string
@@ -65,7 +67,7 @@ def attention_cmd(
         from_string(pattern)  # a bad spec fails here, before any timing
     if json_file is not None:
         check_output_file(json_file, "--json", force=force)  # before the run, so no result is lost
-    with Progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(), console=err_console,
+    with progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(), console=err_console,
                   transient=True) as bar:
         task = bar.add_task("benchmark", total=None)
         rows = bench_attention(lens, names, causal=causal, backward=backward, dtype=dtype, batch=batch,

@@ -6,7 +6,9 @@ import json
 from pathlib import Path
 
 import typer
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
+
+from headlab.progress import progress
 from rich.table import Table
 
 from headlab.cli.app import app, console, err_console, print_json
@@ -87,9 +89,9 @@ def flow_cmd(
         from headlab.interpret.flow.maxflow import attention_flow
 
         source = row_pos[0] if row_pos else 0
-        with Progress(TextColumn("max flow"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+        with progress(TextColumn("max flow"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                       console=err_console, transient=True) as bar:
-            task = bar.add_task("flow", total=None)
+            task = bar.add_task("max flow", total=None)
             res = attention_flow(loaded, text, source=source, layer=layer, solver=solver,
                                  progress=lambda k: bar.update(task, advance=k))
         render = lambda: console.print(_table(  # noqa: E731

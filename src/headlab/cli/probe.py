@@ -6,16 +6,15 @@ import contextlib
 from pathlib import Path
 
 import typer
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from headlab.cli.app import app, console, err_console, print_json
+from headlab.progress import progress as make_progress
 from headlab.interpret.probing.render import prepare_out_dir, write_outputs
 from headlab.interpret.probing.study import probe as run_probe
 
 
 def _bar():
-    progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                        console=err_console, transient=True)
+    progress = make_progress(console=err_console, transient=True)
     tasks: dict[str, int] = {}
 
     def say(stage: str, done: int, total: int) -> None:

@@ -260,14 +260,13 @@ def accuracy(out, batch: Batch) -> torch.Tensor | None:
 
 
 def progress_bar(enabled: bool):
-    """A rich progress bar on stderr (or a silent stand-in)."""
+    """Progress on stderr (:func:`headlab.progress.progress`: a bar on a terminal, plain lines elsewhere),
+    or a silent stand-in."""
     if not enabled:
         return _Silent()
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from headlab.progress import progress
 
-    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                    console=Console(stderr=True), transient=False)
+    return progress()  # plain lines when stderr is not a terminal
 
 
 class _Silent:

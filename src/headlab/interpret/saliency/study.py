@@ -270,13 +270,14 @@ class _bar:
     def __enter__(self):
         if not self.enabled:
             return lambda: None
-        from rich.console import Console
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+        from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-        self.progress = Progress(TextColumn("[bold]explain"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                                 TimeRemainingColumn(), console=Console(stderr=True), transient=False)
+        from headlab.progress import progress
+
+        self.progress = progress(TextColumn("[bold]explain"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                                 TimeRemainingColumn())
         self.progress.__enter__()
-        task = self.progress.add_task("study", total=self.total, completed=self.done)
+        task = self.progress.add_task("explain", total=self.total, completed=self.done)
         return lambda: self.progress.update(task, advance=1)
 
     def __exit__(self, *exc):
