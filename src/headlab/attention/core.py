@@ -121,9 +121,9 @@ def _run(q, k, v, *, mask, causal, scale, dropout_p, backend, need_weights, need
 
 def _nonfinite_rows(t: torch.Tensor) -> torch.Tensor | None:
     """``(B, Hkv, L)`` True where a key or value row holds a NaN or inf; None when all are finite."""
-    if not t.is_floating_point():
+    if not t.is_floating_point() or bool(torch.isfinite(t.sum())):  # one reduction: a NaN or inf makes the sum so
         return None
-    bad = ~torch.isfinite(t).all(-1)
+    bad = ~torch.isfinite(t).all(-1)  # the sum overflowed or a row is bad: find the rows
     return bad if bool(bad.any()) else None
 
 

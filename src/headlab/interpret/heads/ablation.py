@@ -204,7 +204,10 @@ def ablate(loaded, texts, labels=None, *, kind: str = "zero", loss: C.Loss = "au
         raise ConfigError(f"k (heads whose pairs are measured) must be an integer >= 2, got {k!r}")
     counts_h = adapter.layer_heads
     single_heads = _check_heads(adapter, heads, counts_h)
-    data = C.batches(ld, adapter, texts, labels, batch_size, max_length=max_length, min_size=2)
+    # examples of similar length share a batch (little padding), except for resample, whose donor is
+    # the next example of the same batch
+    data = C.batches(ld, adapter, texts, labels, batch_size, max_length=max_length, min_size=2,
+                     by_length=kind != "resample")
     N = len(texts)
     rng = np.random.default_rng(seed)
     boot = rng.multinomial(N, np.full(N, 1.0 / N), size=n_boot).astype(np.float64)  # (n_boot, N)

@@ -110,11 +110,18 @@ def check_data(texts, labels, loss: str) -> None:
 
 
 def batches(loaded, adapter: ModelAdapter, texts, labels, batch_size: int, *, max_length: int | None = None,
-            min_size: int = 1) -> list[Batch]:
-    """Consecutive batches (a tail smaller than ``min_size`` joins the batch before it)."""
+            min_size: int = 1, by_length: bool = False) -> list[Batch]:
+    """Consecutive batches (a tail smaller than ``min_size`` joins the batch before it); with
+    ``by_length``, of examples sorted by token count, so a batch pads little (``Batch.index`` says
+    where each example came from; only for studies whose result per example ignores its batch)."""
     if not isinstance(batch_size, int) or batch_size <= 0:
         raise ConfigError(f"batch_size must be a positive integer, got {batch_size!r}")
     n = len(texts)
+    order = list(range(n))
+    if by_length and n > batch_size:
+        order = sorted(order, key=_token_counts(loaded, texts).__getitem__)
+        texts = [texts[i] for i in order]
+        labels = None if labels is None else [labels[i] for i in order]
     bounds = list(range(0, n, batch_size))
     spans = [(s, min(s + batch_size, n)) for s in bounds]
     if len(spans) > 1 and spans[-1][1] - spans[-1][0] < min_size:
@@ -139,8 +146,15 @@ def batches(loaded, adapter: ModelAdapter, texts, labels, batch_size: int, *, ma
                 ids[i, : len(q)], att[i, : len(q)] = q, 1
             enc = {"input_ids": ids.to(device), "attention_mask": att.to(device)}
         lab = None if labels is None else torch.as_tensor(list(labels[s:e]), dtype=torch.long, device=device)
-        out.append(Batch(enc, lab, torch.arange(s, e)))
+        out.append(Batch(enc, lab, torch.as_tensor(order[s:e], dtype=torch.long)))
     return out
+
+
+def _token_counts(loaded, texts) -> list[int]:
+    """Tokens of each example (strings through the model's tokenizer, special tokens included)."""
+    if all(isinstance(t, str) for t in texts) and loaded is not None and loaded.tokenizer is not None:
+        return [len(ids) for ids in loaded.tokenizer(list(texts))["input_ids"]]
+    return [len(t) if not isinstance(t, str) else 0 for t in texts]
 
 
 def choose_loss(adapter: ModelAdapter, loss: str, labels) -> str:

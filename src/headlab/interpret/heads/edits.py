@@ -26,6 +26,7 @@ import torch
 
 from headlab.errors import ConfigError
 from headlab.interpret.heads import common as C
+from headlab.models.fanout import blocks, fan_out
 
 KINDS = ("zero", "mean", "resample", "uniform")
 
@@ -125,17 +126,26 @@ class Runner:
         ``masks``: bool ``(n_configs, n_layers, H)``."""
         B = b.size
         per = max(1, self.max_rows // B)
-        out = []
+        # configurations sorted by their first edited layer, so a chunk shares the longest prefix of
+        # layers, which runs once per example (headlab.models.fanout); results come back in order
+        touched = masks.flatten(2).any(-1)  # (n_configs, n_layers)
+        first = touched.float().argmax(-1)  # (n_configs,); 0 for a configuration that edits nothing
+        order = torch.argsort(first, stable=True)
+        out = None
         for s in range(0, masks.shape[0], per):
-            out.append(self._run_chunk(b, clean, masks[s:s + per]))
+            idx = order[s:s + per]
+            got = self._run_chunk(b, clean, masks[idx], start=int(first[idx].min()))  # (chunk, B)
+            out = got.new_empty(masks.shape[0], B) if out is None else out
+            out[idx.to(got.device)] = got
             if bar is not None:
                 bar.advance(task, int(min(per, masks.shape[0] - s)))
-        return torch.cat(out, 0)
+        return out
 
-    def _run_chunk(self, b: C.Batch, clean: dict, masks: torch.Tensor) -> torch.Tensor:
+    def _run_chunk(self, b: C.Batch, clean: dict, masks: torch.Tensor, start: int = 0) -> torch.Tensor:
         c, B = masks.shape[0], b.size
         rep = {k: v.repeat(c, *([1] * (v.dim() - 1))) for k, v in b.inputs.items()}  # (c*B, L)
         rb = C.Batch(rep, None if b.labels is None else b.labels.repeat(c), b.index.repeat(c))
+        shared = start > 0 and blocks(self.adapter) is not None  # layers below `start` run once per example
         values: dict[int, torch.Tensor] = {}
         mask = b.mask  # (B, Lq)
         lens = mask.sum(-1)  # (B,)
@@ -150,8 +160,9 @@ class Runner:
             return torch.where(m[:, None, :, None, None].to(z.device), r, z5).reshape(z.shape)
 
         ctx = value_hooks(self.adapter, values) if self.kind == "uniform" else _null()
-        with torch.no_grad(), self.adapter.use_backend(self.backend), ctx, C.pre_hooks(self.adapter, fn):
-            out = self.adapter.forward(rep)
+        fan = fan_out(self.adapter, start, c) if shared else _null()
+        with torch.no_grad(), self.adapter.use_backend(self.backend), ctx, C.pre_hooks(self.adapter, fn), fan:
+            out = self.adapter.forward(b.inputs if shared else rep)
         ref = {k: v.repeat(c, *([1] * (v.dim() - 1))) for k, v in clean["ref"].items()}
         return C.per_example(self.loss, out, rb, ref).view(c, B)
 
