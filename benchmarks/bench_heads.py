@@ -13,6 +13,10 @@ Parts (``--part``):
   GQA-aware physical removal, KV-cache bytes per token and throughput.
 - ``decoder-ablation``: SmolLM2's importance against its 30 x 9 single zero-ablation passes on the
   same sentences (time and Spearman; ``heads_decoder_ablation.json``).
+- ``ablate-speed``: ``headlab heads ablate --limit 128`` on the SST-2 classifier (the command's
+  defaults: zero ablation, single + keep-one + 120 pairs, 1,000 resamples), timed beside the same
+  study with prefix sharing and length buckets switched off (the peer, in the same run); the goal is
+  2 minutes on 2 cores (``heads_ablate_speed.json``).
 
 Michel et al. 2019 (Are Sixteen Heads Really Better than One?, section 4.2 / Table 4): pruning 50%
 of BERT-base's heads gives +17.5% examples per second at batch 16-64 (about +2% at batch 1-4); about
@@ -22,6 +26,7 @@ of BERT-base's heads gives +17.5% examples per second at batch 16-64 (about +2% 
     nice -n 5 .venv/bin/python benchmarks/bench_heads.py --part encoder-curve   # curve + savings, no ablation
     nice -n 5 .venv/bin/python benchmarks/bench_heads.py --part decoder
     nice -n 5 .venv/bin/python benchmarks/bench_heads.py --part decoder-ablation   # importance vs 270 ablations
+    .venv/bin/python benchmarks/bench_heads.py --part ablate-speed   # nothing else running
 """
 
 from __future__ import annotations
@@ -192,6 +197,39 @@ def encoder_savings(args, part: str = "encoder") -> dict:
     return res
 
 
+def ablate_speed(args) -> dict:
+    """The CLI's ablation on 128 sentences, and the same without prefix sharing and length buckets."""
+    import headlab.interpret.heads.common as C
+    import headlab.interpret.heads.edits as E
+
+    torch.set_num_threads(args.threads)
+    clf = cache_dir("minilm-sst2")
+    if not (clf / "config.json").is_file():
+        raise SystemExit(f"no classifier at {clf}: headlab train-classifier --data {DATA / 'sst2'}")
+    loaded = headlab.load(clf)
+    texts, labels = read_texts(DATA / "sst2" / "validation.tsv", limit=128)
+    t0 = time.perf_counter()
+    fast = ablate(loaded, texts, labels, progress=True)  # the defaults of `headlab heads ablate`
+    t_fast = time.perf_counter() - t0
+    blocks, batches = E.blocks, C.batches
+    E.blocks = lambda adapter: None  # the peer: every configuration runs every layer on repeated inputs ...
+    C.batches = lambda *a, by_length=False, **k: batches(*a, **k)  # ... in consecutive batches
+    try:
+        t0 = time.perf_counter()
+        peer = ablate(loaded, texts, labels, progress=True)
+        t_peer = time.perf_counter() - t0
+    finally:
+        E.blocks, C.batches = blocks, batches
+    diff = float((fast.single - peer.single).abs().nan_to_num().max())
+    same = [v.label() for v in fast.verdicts] == [v.label() for v in peer.verdicts]
+    print(f"heads ablate --limit 128: {t_fast:.1f} s (goal 120 s); without prefix sharing and length buckets "
+          f"{t_peer:.1f} s: x{t_peer / t_fast:.2f}; max |single effect difference| {diff:.2e}, verdicts equal: {same}")
+    return {"model": loaded.name, "n_examples": len(texts), "seconds": t_fast, "peer_seconds": t_peer,
+            "speedup_x": t_peer / t_fast, "goal_seconds": 120, "max_single_effect_difference": diff,
+            "verdicts_equal": same, "verdict_counts": fast.counts(), "threads": args.threads,
+            "phases": fast.seconds, "peer_phases": peer.seconds}
+
+
 def _table(res: dict) -> None:
     if "importance_vs_ablation" in res:
         iv = res["importance_vs_ablation"]
@@ -212,7 +250,7 @@ def _table(res: dict) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--part", choices=["encoder", "encoder-curve", "decoder", "decoder-ablation", "encoder-savings",
-                                       "decoder-savings"],
+                                       "decoder-savings", "ablate-speed"],
                     required=True)
     ap.add_argument("--n-encoder", type=int, default=None, help="SST-2 sentences (default: all 872)")
     ap.add_argument("--n-ablate", type=int, default=256)
@@ -228,9 +266,11 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     args = ap.parse_args()
     res = {"encoder": encoder, "encoder-curve": encoder_curve, "decoder": decoder, "encoder-savings": encoder_savings,
-           "decoder-savings": lambda a: encoder_savings(a, "decoder"), "decoder-ablation": decoder_ablation}[args.part](args)
+           "decoder-savings": lambda a: encoder_savings(a, "decoder"), "decoder-ablation": decoder_ablation,
+           "ablate-speed": ablate_speed}[args.part](args)
     _table(res)
-    name = {"encoder-curve": "heads_encoder_sst2", "decoder-ablation": "heads_decoder_ablation"}.get(
+    name = {"encoder-curve": "heads_encoder_sst2", "decoder-ablation": "heads_decoder_ablation",
+            "ablate-speed": "heads_ablate_speed"}.get(
         args.part, f"heads_{args.part.split('-')[0]}")
     path = write_json(f"{name}{args.tag}", res)
     print(f"wrote {path}")

@@ -16,8 +16,11 @@ _BYTE_UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
 
 
 def human_bytes(n: float) -> str:
-    """``34359738368 -> '32.0 GiB'`` (powers of 1024)."""
+    """``34359738368 -> '32.0 GiB'`` (powers of 1024); past 1024 of the largest unit in powers of ten,
+    so a table keeps its columns: ``human_bytes(2**80) -> '1.21e+24 B'``."""
     n = float(n)
+    if abs(n) >= 1024 ** len(_BYTE_UNITS):
+        return f"{n:.2e} B"
     unit = _BYTE_UNITS[0]
     for unit in _BYTE_UNITS:
         if abs(n) < 1024 or unit == _BYTE_UNITS[-1]:

@@ -41,7 +41,7 @@ import torch
 
 from headlab._version import __version__
 from headlab.attention.core import attention_weights
-from headlab.errors import InputError
+from headlab.errors import InputError, MemoryBudgetError
 from headlab.interpret.capture import capture
 from headlab.interpret.report.selection import (  # noqa: F401  (public here too)
     DRAWN_HEADS,
@@ -321,8 +321,16 @@ def analyze(
 
     if mode == "full":
         say(f"capturing attention maps: {n} tokens, {n_layers} layers x {heads_text(counts)} heads")
-        records, maps = _full_maps(loaded, inputs, tokens, sinks=sinks, seps=seps, causal=causal,
-                                   backend=backend, thresholds=thresholds)
+        try:
+            records, maps = _full_maps(loaded, inputs, tokens, sinks=sinks, seps=seps, causal=causal,
+                                       backend=backend, thresholds=thresholds)
+        except MemoryBudgetError as e:  # a backend hint does not help here: the full mode draws every map
+            head = str(e).split("; use backend=")[0]
+            raise MemoryBudgetError(
+                f"{head}; the report's full mode holds every {n} x {n} map: raise HEADLAB_MEMORY_LIMIT, or use "
+                f"streaming statistics with `headlab analyze TEXT --max-full-tokens {max(1, n - 1)}` "
+                "(max_full_tokens=), which hold no full map", estimate_bytes=e.estimate_bytes,
+                available_bytes=e.available_bytes, alternative=None) from None
         drawn = list(maps)
     else:
         say(f"{n} tokens > {max_full_tokens}: streaming statistics, no n x n maps")

@@ -170,8 +170,8 @@ def make_objective(loaded: LoadedModel, enc: dict, target: int | None, compare_t
     if not has_head(outputs):
         raise ModelError(
             f"{loaded.name} ({type(loaded.model).__name__}) has no classification or language-model head, so there "
-            "is no prediction to explain; load a classifier (e.g. the SST-2 MiniLM from "
-            "benchmarks/models/minilm_sst2.py) or a decoder, or explain the cosine similarity of its pooled "
+            "is no prediction to explain; load a classifier (e.g. the SST-2 MiniLM `headlab train-classifier` "
+            "makes) or a decoder (--model smollm2), or explain the cosine similarity of its pooled "
             "embedding to a second text with compare_to='...' (CLI: --compare-to TEXT)")
     logits = outputs.logits
     if logits.dim() == 2:
