@@ -3,10 +3,11 @@
 Rich draws nothing useful when stderr is not a terminal (a log file, CI, a notebook's captured
 stream, ``2> run.log``): a bar redrawn in place becomes nothing or noise. :func:`progress` returns
 rich's :class:`~rich.progress.Progress` on a terminal and :class:`PlainProgress` otherwise, which
-prints one line when a task starts, then at most one every ``every`` seconds or 10% of the work,
-and one when it ends::
+prints a line at its first step, then at most one every ``every`` seconds or 10% of the work, and
+one when it ends (a task that never steps, such as a command refused before its work, prints
+nothing)::
 
-    importance (task): 0/55
+    importance (task): 1/55 (2%) 0.3 s
     importance (task): 12/55 (22%) 10.1 s
     importance (task): 55/55 (100%) 41.3 s, done
 
@@ -20,7 +21,6 @@ loop is written once. ``HEADLAB_PROGRESS=plain`` or ``=rich`` forces one of them
     ...     bar.advance(t, 2)
     ...     bar.update(t, completed=4)
     >>> print(buf.getvalue().replace("0.0 s", "T"), end="")
-    sentences: 0/4
     sentences: 2/4 (50%) T
     sentences: 4/4 (100%) T, done
 """
@@ -64,6 +64,7 @@ class _Task:
     last_line: float = field(default_factory=time.perf_counter)
     last_share: float = 0.0
     finished: bool = False
+    shown: bool = False  # a line was printed
 
 
 class PlainProgress:
@@ -78,15 +79,14 @@ class PlainProgress:
         return self
 
     def __exit__(self, *exc) -> bool:
-        for tid, t in self.tasks.items():
-            if not t.finished and exc[0] is None:
+        for t in self.tasks.values():
+            if t.shown and not t.finished and exc[0] is None:
                 self._line(t, end=True)
         return False
 
     def add_task(self, description: str, total: float | None = None, completed: float = 0, **_) -> int:
         tid = len(self.tasks)
-        self.tasks[tid] = t = _Task(description, total, float(completed))
-        self._write(f"{description}: {self._count(t)}")
+        self.tasks[tid] = _Task(description, total, float(completed))  # its first line comes with its first step
         return tid
 
     def advance(self, task_id: int, advance: float = 1) -> None:
@@ -106,9 +106,10 @@ class PlainProgress:
             t.completed += advance
         now = time.perf_counter()
         share = t.completed / t.total if t.total else 0.0
+        first = not t.shown and t.completed > 0
         if t.total and t.completed >= t.total and not t.finished:
             self._line(t, end=True)
-        elif renamed or now - t.last_line >= self.every or share - t.last_share >= 0.1:
+        elif first or renamed or now - t.last_line >= self.every or share - t.last_share >= 0.1:
             self._line(t)  # a new step's name, or enough time or work since the last line
 
     def _count(self, t: _Task) -> str:
@@ -119,7 +120,7 @@ class PlainProgress:
         now = time.perf_counter()
         share = f" ({100 * t.completed / t.total:.0f}%)" if t.total else ""
         self._write(f"{t.description}: {self._count(t)}{share} {now - t.started:.1f} s" + (", done" if end else ""))
-        t.last_line, t.last_share = now, (t.completed / t.total if t.total else 0.0)
+        t.last_line, t.last_share, t.shown = now, (t.completed / t.total if t.total else 0.0), True
         t.finished = t.finished or end
 
     def _write(self, line: str) -> None:
