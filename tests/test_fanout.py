@@ -16,7 +16,8 @@ from test_models import CASE_NAMES, _build, _inputs
 
 @pytest.mark.parametrize("name", CASE_NAMES)
 @pytest.mark.parametrize("start", [0, 1])
-def test_fan_out_equals_repeated_inputs(name, start):
+@pytest.mark.parametrize("share", [True, False], ids=["shared-attention", "per-copy-attention"])
+def test_fan_out_equals_repeated_inputs(name, start, share):
     model = _build(name).eval()
     a = adapt(model)
     assert blocks(a) is not None and len(blocks(a)) == a.n_layers
@@ -25,7 +26,7 @@ def test_fan_out_equals_repeated_inputs(name, start):
     rep = {k: v.repeat(copies, 1) for k, v in inputs.items()}
     with torch.no_grad():
         want = a.forward(rep)
-        with fan_out(a, start, copies):
+        with fan_out(a, start, copies, share_attention=share):
             got = a.forward(inputs)
     field = "logits" if hasattr(want, "logits") and want.logits is not None else "last_hidden_state"
     w, g = getattr(want, field), getattr(got, field)
@@ -40,7 +41,7 @@ def test_fan_out_equals_repeated_inputs(name, start):
 
     with torch.no_grad(), a.hooks({f"blocks.{a.n_layers - 1}.attn.z": zero_copy_1}):
         want = getattr(a.forward(rep), field)
-        with fan_out(a, start, copies):
+        with fan_out(a, start, copies, share_attention=share):
             got = getattr(a.forward(inputs), field)
     torch.testing.assert_close(got[real], want[real], atol=2e-5, rtol=1e-4)
     assert not torch.allclose(got[2:4][real[2:4]], got[:2][real[:2]])  # copy 1 differs from copy 0

@@ -6,8 +6,9 @@ layer ``l`` or above edited. Layers ``0 .. l - 1`` compute the same thing in eve
 block ``start`` repeats its input ``copies`` times along the batch (``(B, ...) -> (copies * B, ...)``,
 copy-major), and on every later block repeats the per-example tensors the model hands each block
 (masks, rotary tables, ...), so the model's output has ``copies * B`` rows, exactly as if the
-inputs had been repeated before the embedding. For a study whose edits start at layer ``l`` of
-``n``, the work drops from ``copies * n`` layer passes per example to ``l + copies * (n - l)``.
+inputs had been repeated before the embedding. By default block ``start``'s attention core (up to
+W^O's input) runs once too, and the copies begin there. For a study whose edits start at layer ``l``
+of ``n``, the work drops from ``copies * n`` layer passes per example to about ``l + copies * (n - l)``.
 
 The blocks are found from the adapter (the element of the model's layer list that holds each
 layer's attention module); :func:`blocks` returns None for a model whose layers are not one
@@ -63,10 +64,26 @@ def _repeat(x, batch: int, copies: int):
     return x
 
 
+def _first(x, batch: int, copies: int):
+    """Every tensor of ``copies * batch`` rows cut to its first copy (``batch`` rows)."""
+    if isinstance(x, torch.Tensor):
+        return x[:batch] if x.dim() and x.shape[0] == batch * copies else x
+    if isinstance(x, tuple | list):
+        return type(x)(_first(v, batch, copies) for v in x)
+    if isinstance(x, dict):
+        return {k: _first(v, batch, copies) for k, v in x.items()}
+    return x
+
+
 @contextlib.contextmanager
-def fan_out(adapter, start: int, copies: int) -> Iterator[None]:
+def fan_out(adapter, start: int, copies: int, *, share_attention: bool = True) -> Iterator[None]:
     """Inside the block, a call on ``B`` examples runs blocks ``< start`` once and the rest on
     ``copies * B`` rows (copy-major: row ``c * B + i`` is copy ``c`` of example ``i``).
+
+    ``share_attention``: block ``start``'s attention core (Q, K, V and the weighted values, up to
+    W^O's input ``z``) also runs once per example; the copies start at ``z``, where the edits of
+    ``adapter.hooks({"blocks.L.attn.z": ...})`` act. Leave it off when an edit reads an earlier site
+    of that layer (``q``, ``k``, ``v``, ``pattern``) per copy.
 
     Raises :class:`~headlab.errors.ConfigError` when the model's blocks cannot be found (check
     :func:`blocks` first) or ``start`` is not a layer."""
@@ -95,8 +112,18 @@ def fan_out(adapter, start: int, copies: int) -> Iterator[None]:
             return None
         return _repeat(args, b, copies), _repeat(kwargs, b, copies)
 
+    def core_in(module, args, kwargs):  # the attention core of block `start` on the first copy only
+        b = state["batch"]
+        return _first(args, b, copies), _first(kwargs, b, copies)
+
+    def core_out(module, args):  # ... and W^O's input back to every copy, before the gates and edits
+        return _repeat(args, state["batch"], copies)
+
     handles = [found[start].register_forward_pre_hook(first, with_kwargs=True)]
     handles += [blk.register_forward_pre_hook(later, with_kwargs=True) for blk in found[start + 1:]]
+    if share_attention:
+        handles.append(adapter.attn_modules[start].register_forward_pre_hook(core_in, with_kwargs=True))
+        handles.append(adapter.out_projs[start].register_forward_pre_hook(core_out, prepend=True))
     try:
         yield
     finally:

@@ -126,43 +126,48 @@ class Runner:
         ``masks``: bool ``(n_configs, n_layers, H)``."""
         B = b.size
         per = max(1, self.max_rows // B)
-        # configurations sorted by their first edited layer, so a chunk shares the longest prefix of
-        # layers, which runs once per example (headlab.models.fanout); results come back in order
-        touched = masks.flatten(2).any(-1)  # (n_configs, n_layers)
-        first = touched.float().argmax(-1)  # (n_configs,); 0 for a configuration that edits nothing
-        order = torch.argsort(first, stable=True)
+        # Configurations ordered by their edits, layer by layer (lexicographically), so that a chunk's
+        # configurations edit the same heads in as many early layers as possible: those layers run once
+        # per example with the shared edit, and the chunk fans out at the first layer where its
+        # configurations differ (headlab.models.fanout). Results come back in the given order.
+        keys = [tuple(row) for row in masks.flatten(1).tolist()]  # layer-major bits of each configuration
+        order = sorted(range(masks.shape[0]), key=keys.__getitem__)
         out = None
-        for s in range(0, masks.shape[0], per):
-            idx = order[s:s + per]
-            got = self._run_chunk(b, clean, masks[idx], start=int(first[idx].min()))  # (chunk, B)
+        for s in range(0, len(order), per):
+            idx = torch.as_tensor(order[s:s + per])
+            got = self._run_chunk(b, clean, masks[idx], start=_first_difference(masks[idx]))  # (chunk, B)
             out = got.new_empty(masks.shape[0], B) if out is None else out
             out[idx.to(got.device)] = got
             if bar is not None:
-                bar.advance(task, int(min(per, masks.shape[0] - s)))
+                bar.advance(task, len(idx))
         return out
 
     def _run_chunk(self, b: C.Batch, clean: dict, masks: torch.Tensor, start: int = 0) -> torch.Tensor:
         c, B = masks.shape[0], b.size
         rep = {k: v.repeat(c, *([1] * (v.dim() - 1))) for k, v in b.inputs.items()}  # (c*B, L)
         rb = C.Batch(rep, None if b.labels is None else b.labels.repeat(c), b.index.repeat(c))
-        shared = start > 0 and blocks(self.adapter) is not None  # layers below `start` run once per example
+        # layers below `start`, where every configuration of the chunk makes the same edit, run once per
+        # example (B rows) with that edit; from `start` on, c copies (c * B rows)
+        shared = blocks(self.adapter) is not None
         values: dict[int, torch.Tensor] = {}
         mask = b.mask  # (B, Lq)
         lens = mask.sum(-1)  # (B,)
 
-        def fn(layer, z):  # z (c*B, H, Lq, d)
+        def fn(layer, z):  # z (c*B, H, Lq, d), or (B, H, Lq, d) below the fan-out
             H = z.shape[1]
-            m = masks[:, layer, :H]  # (c, H)
+            n = z.shape[0] // B  # copies in this tensor: c, or 1 below the fan-out
+            m = masks[:, layer, :H] if n == c else masks[:1, layer, :H]  # (n, H)
             if not bool(m.any()):
                 return None
-            z5 = z.view(c, B, H, *z.shape[2:])  # (c, B, H, Lq, d)
+            z5 = z.view(n, B, H, *z.shape[2:])  # (n, B, H, Lq, d)
             r = self._replacement(layer, z5, clean, values, mask, lens)
             return torch.where(m[:, None, :, None, None].to(z.device), r, z5).reshape(z.shape)
 
         ctx = value_hooks(self.adapter, values) if self.kind == "uniform" else _null()
-        fan = fan_out(self.adapter, start, c) if shared else _null()
+        # uniform reads the layer's values per copy: its attention core must run per copy too
+        fan = fan_out(self.adapter, start, c, share_attention=self.kind != "uniform") if shared and c > 1 else _null()
         with torch.no_grad(), self.adapter.use_backend(self.backend), ctx, C.pre_hooks(self.adapter, fn), fan:
-            out = self.adapter.forward(b.inputs if shared else rep)
+            out = self.adapter.forward(b.inputs if shared or c == 1 else rep)
         ref = {k: v.repeat(c, *([1] * (v.dim() - 1))) for k, v in clean["ref"].items()}
         return C.per_example(self.loss, out, rb, ref).view(c, B)
 
@@ -200,6 +205,13 @@ class Runner:
         w = w / w.sum(-1, keepdim=True).clamp_min(1.0)
         u = torch.einsum("bij,cbjkd->cbkid", w, v)  # (c, B, Hkv, Lq, d)
         return u.repeat_interleave(H // Hkv, dim=2)  # query head h reads kv head h // (H // Hkv)
+
+
+def _first_difference(masks: torch.Tensor) -> int:
+    """The first layer where the configurations ``(c, n_layers, H)`` do not all edit the same heads
+    (the last layer when they all agree: nothing is gained by fanning out earlier)."""
+    differs = (masks != masks[:1]).flatten(2).any(-1).any(0)  # (n_layers,)
+    return int(differs.float().argmax()) if bool(differs.any()) else masks.shape[1] - 1
 
 
 @contextmanager
