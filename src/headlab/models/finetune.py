@@ -188,11 +188,14 @@ def train_classifier(train: str | os.PathLike, validation: str | os.PathLike, *,
         if config.subset and 0 < config.subset < len(tr):
             pick = sorted(random.Random(config.seed).sample(range(len(tr)), config.subset))
             tr = [tr[i] for i in pick]
-        enc = lambda rows: tok([r.text for r in rows], truncation=True, max_length=MAX_TOKENS)["input_ids"]  # noqa: E731
+        def enc(rows):
+            return tok([r.text for r in rows], truncation=True, max_length=MAX_TOKENS)["input_ids"]
+
         tr_ids, va_ids = enc(tr), enc(va)
         tr_y, va_y = [r.label for r in tr], [r.label for r in va]
         rng = random.Random(config.seed)
-        plan = [_bucketed([len(s) for s in tr_ids], config.batch_size, rng) for _ in range(max(1, math.ceil(config.epochs)))]
+        lengths = [len(s) for s in tr_ids]
+        plan = [_bucketed(lengths, config.batch_size, rng) for _ in range(max(1, math.ceil(config.epochs)))]
         steps = int(round(len(plan[0]) * config.epochs))
         warm = max(1, int(config.warmup * steps))
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
@@ -220,8 +223,8 @@ def train_classifier(train: str | os.PathLike, validation: str | os.PathLike, *,
                 if progress is not None:
                     progress(step, steps, running)
                 if config.eval_every and step % config.eval_every == 0:
-                    history.append({"step": step, "validation_accuracy": accuracy(model, va_ids, va_y, tok.pad_token_id),
-                                    "seconds": round(time.perf_counter() - t0, 1)})
+                    acc = accuracy(model, va_ids, va_y, tok.pad_token_id)
+                    history.append({"step": step, "validation_accuracy": acc, "seconds": round(time.perf_counter() - t0, 1)})
         train_s = time.perf_counter() - t0
         acc = accuracy(model, va_ids, va_y, tok.pad_token_id)
         total_s = time.perf_counter() - t0

@@ -239,7 +239,7 @@ def ablate(loaded, texts, labels=None, *, kind: str = "zero", loss: C.Loss = "au
             keep_t[l, h], keep_ci_t[l, h] = float(e_keep[i]), torch.from_numpy(ci_keep[i])
     # the noise floor and the threshold
     half = (ci_single[:, 1] - ci_single[:, 0]) / 2
-    floor = float(np.median(half)) if len(half) and N > 1 else (float("nan") if N < 2 else 0.0)
+    floor = float("nan") if N < 2 else (float(np.median(half)) if len(half) else 0.0)  # NaN: not estimable
     scale = abs(float(base.mean())) if loss in ("task", "lm") else float(np.max(np.abs(e_single), initial=0.0))
     threshold = rel_tol * scale if N < 2 else max(floor, rel_tol * scale)
     # pairs among the k lowest single effects
@@ -283,7 +283,8 @@ def ablate(loaded, texts, labels=None, *, kind: str = "zero", loss: C.Loss = "au
                            adapter.W_O(b[0])[b[1]].detach())
             cka_t[pos[a], pos[b]] = cka_t[pos[b], pos[a]] = v
     verdicts = _verdicts(single_heads, single, single_ci, pair_heads, inter, inter_ci, cka_t, threshold)
-    thresholds = {"threshold": threshold, "noise_floor": None if np.isnan(floor) else floor, "rel_tol": rel_tol, "scale": scale,
+    thresholds = {"threshold": threshold, "noise_floor": None if np.isnan(floor) else floor, "rel_tol": rel_tol,
+                  "scale": scale,
                   "interval": f"{100 * (1 - alpha):.0f}% bootstrap over examples, {n_boot} resamples",
                   "clear_single": "CI lower end > 0 and E(h) > threshold (or CI upper end < 0 and -E(h) > threshold)",
                   "redundant": "I(h, g) = E(h,g) - E(h) - E(g): CI lower end > 0 and I > threshold"}
@@ -293,7 +294,7 @@ def ablate(loaded, texts, labels=None, *, kind: str = "zero", loss: C.Loss = "au
     if N < 2:
         notes.append("one example: no interval and no noise floor can be estimated (a bootstrap over examples needs "
                      "at least 2), so they are reported as n/a and the verdicts compare point estimates with "
-                     f"rel_tol x scale alone; give more examples for intervals")
+                     "rel_tol x scale alone; give more examples for intervals")
     return AblationResult(name, kind, mean_over if kind == "mean" else None, loss, N, float(base.mean()),
                           None if acc is None else float(acc.mean()), single, single_ci, keep_t, keep_ci_t,
                           pair_heads, pair_eff, inter, inter_ci, cka_t, floor, threshold, thresholds, verdicts,

@@ -154,7 +154,7 @@ def _token_counts(loaded, texts) -> list[int]:
     """Tokens of each example (strings through the model's tokenizer, special tokens included)."""
     if all(isinstance(t, str) for t in texts) and loaded is not None and loaded.tokenizer is not None:
         return [len(ids) for ids in loaded.tokenizer(list(texts))["input_ids"]]
-    return [len(t) if not isinstance(t, str) else 0 for t in texts]
+    return [len(t) for t in texts]  # token-id sequences (text without a tokenizer is refused by batches)
 
 
 def choose_loss(adapter: ModelAdapter, loss: str, labels) -> str:

@@ -165,7 +165,8 @@ class Runner:
 
         ctx = value_hooks(self.adapter, values) if self.kind == "uniform" else _null()
         # uniform reads the layer's values per copy: its attention core must run per copy too
-        fan = fan_out(self.adapter, start, c, share_attention=self.kind != "uniform") if shared and c > 1 else _null()
+        fan = (fan_out(self.adapter, start, c, share_attention=self.kind != "uniform") if shared and c > 1
+               else _null())
         with torch.no_grad(), self.adapter.use_backend(self.backend), ctx, C.pre_hooks(self.adapter, fn), fan:
             out = self.adapter.forward(b.inputs if shared or c == 1 else rep)
         ref = {k: v.repeat(c, *([1] * (v.dim() - 1))) for k, v in clean["ref"].items()}

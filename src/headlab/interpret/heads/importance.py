@@ -67,8 +67,9 @@ def head_importance(loaded, texts, labels=None, *, loss: C.Loss = "auto", batch_
         loaded: a :class:`~headlab.models.loader.LoadedModel`, a model or an adapter.
         texts: strings (needs a tokenizer) or token-id sequences.
         labels: gold class ids for ``loss="task"``.
-        loss: ``"task"``, ``"lm"``, ``"kl"``, ``"cosine"`` or ``"auto"`` (task for a classifier given labels, lm for
-            decoders, kl for classifiers, cosine for sentence encoders). See the module docstring.
+        loss: ``"task"``, ``"lm"``, ``"kl"``, ``"cosine"`` or ``"auto"`` (task for a classifier given
+            labels, lm for decoders, kl for classifiers, cosine for sentence encoders). See the module
+            docstring.
         batch_size: examples per forward + backward.
         normalize: divide each layer by its L2 norm (Michel et al.).
         backend: the attention backend (one with a backward: ``sdpa``, ``tiled``, ``reference``).

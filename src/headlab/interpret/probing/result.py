@@ -114,8 +114,8 @@ class ProbeResult:
     Arrays: ``accuracy (2, n_layers, n_heads, R)``, ``count``, ``visible``, ``baseline_accuracy``,
     ``baseline_offset`` ``(2, R)``; direction 0 is ``dep->head``, 1 ``head->dep``; ``relation_names``
     order the last axis (most frequent first). ``per_head[name]`` is ``(n_layers, n_heads)`` for each
-    name in :data:`MEASURES` (NaN where not measured). ``head_map`` is ``(n_layers * n_heads, 2)``; a pruned model's missing heads are NaN everywhere
-    (layer-major) or None.
+    name in :data:`MEASURES` (NaN where not measured). ``head_map`` is ``(n_layers * n_heads, 2)``
+    (layer-major) or None. A head that a pruned model's layer lacks is NaN in every array (``null`` in JSON).
     """
 
     model: str
