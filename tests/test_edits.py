@@ -175,8 +175,9 @@ def test_causal_comes_from_the_family():
 def test_registry_derives_types_messages_and_positions():
     from headlab.models.hf import FAMILIES, max_positions, supported_model_types, unsupported_message
 
-    assert [f.family for f in FAMILIES] == ["bert", "gpt2", "llama"]
-    assert set(supported_model_types()) == {"bert", "roberta", "gpt2", "llama", "mistral", "qwen2", "gemma2"}
+    assert {"bert", "gpt2", "llama", "gemma", "falcon"} <= {f.family for f in FAMILIES}
+    assert {"bert", "roberta", "gpt2", "llama", "mistral", "qwen2", "gemma2", "qwen3", "phi3"} <= set(supported_model_types())
+    assert len(supported_model_types()) == len(set(supported_model_types()))
     msg = unsupported_message("t5")
     assert "'t5'" in msg and all(t in msg for t in supported_model_types())
     cfg = transformers.RobertaConfig(max_position_embeddings=66, pad_token_id=1)
@@ -219,7 +220,7 @@ def test_gemma2_soft_capping_runs_on_headlab_backends_and_equals_eager(backend):
     with torch.no_grad():
         eager = m(ids, output_attentions=True)
         a = adapt(m)
-        assert a.family == "llama" and a.n_kv_heads == 2
+        assert a.family == "gemma" and a.n_kv_heads == 2
         with a.use_backend(backend):
             got = m(ids).logits
     torch.testing.assert_close(got, eager.logits, atol=1e-5, rtol=1e-5)
@@ -233,8 +234,17 @@ def test_gemma2_soft_capping_runs_on_headlab_backends_and_equals_eager(backend):
     assert (uncapped - eager.logits).abs().max() > 1e-3
 
 
-def test_statistics_of_a_soft_capped_model_are_refused_with_a_reason():
+def test_statistics_of_a_soft_capped_model_are_those_of_its_capped_maps():
     from headlab.errors import BackendUnsupportedError
 
-    with pytest.raises(BackendUnsupportedError, match="soft-capping"):
-        headlab.capture(_gemma2(), _ids(), "blocks.0.attn.stats")
+    m, ids = _gemma2(), _ids()
+    with torch.no_grad():
+        maps = m(ids, output_attentions=True).attentions
+    st = headlab.capture(m, ids, "blocks.*.attn.stats")
+    for layer in range(2):
+        p = maps[layer].double()
+        ent = -(p * torch.log(p.clamp_min(1e-300))).sum(-1)
+        torch.testing.assert_close(st[f"blocks.{layer}.attn.stats"].entropy.double(), ent, atol=2e-5, rtol=1e-4)
+    # the map-free norm tiles do not apply a score modification: refused, never a different number
+    with pytest.raises(BackendUnsupportedError, match="stream=False"):
+        headlab.attention_norms(m, ids[:1], stream=True)

@@ -29,7 +29,7 @@ import torch
 
 from headlab.errors import ConfigError
 
-__all__ = ["ScoreMod", "alibi", "alibi_slopes", "as_score_mod", "param_vjp", "relative_bias", "softcap"]
+__all__ = ["ScoreMod", "alibi", "alibi_slopes", "as_score_mod", "bias_tensor", "param_vjp", "relative_bias", "softcap"]
 
 
 class ScoreMod:
@@ -143,6 +143,32 @@ def relative_bias(table) -> ScoreMod:
         return score + (tt[idx] if tt.dim() == 1 else tt[h, idx])
 
     return ScoreMod(fn, f"relative_bias(R={R})", additive=True, tensors=(t,))
+
+
+def bias_tensor(bias: torch.Tensor, name: str = "bias") -> ScoreMod:
+    """An additive bias given as a tensor: ``score + bias[b, h, q_idx, kv_idx]``, with ``bias`` of shape
+    ``(B or 1, H or 1, Lq or 1, Lk or 1)`` (a size-1 axis is shared). What a model computes itself and
+    adds to its scores: BLOOM's and Falcon's ALiBi rows, T5's bucketed relative bias.
+
+        >>> import torch
+        >>> mod = bias_tensor(torch.tensor([0.0, 1.0, 2.0]).view(1, 1, 1, 3))
+        >>> mod(torch.zeros(1, 1, 2, 3), *(torch.arange(n).view(*([1] * i), n, *([1] * (3 - i)))
+        ...                               for i, n in enumerate((1, 1, 2, 3))))[0, 0]
+        tensor([[0., 1., 2.],
+                [0., 1., 2.]])
+    """
+    t = torch.as_tensor(bias)
+    if not t.is_floating_point() or t.dim() != 4:
+        raise ConfigError(f"bias_tensor needs a float (B, H, Lq, Lk) tensor (size-1 axes broadcast), got "
+                          f"{tuple(t.shape)} {t.dtype}")
+    sizes = tuple(t.shape)
+
+    def fn(score, b, h, q, kv):
+        # clamped: a kernel may score padding positions past the end of a tile (they are masked after)
+        idx = [i.clamp(0, n - 1) if n > 1 else torch.zeros_like(i) for i, n in zip((b, h, q, kv), sizes)]
+        return score + t.to(score.device, score.dtype)[idx[0], idx[1], idx[2], idx[3]]
+
+    return ScoreMod(fn, f"{name}{sizes}", additive=True, tensors=(t,))
 
 
 def param_vjp(score_mod, s_raw, index, params=(), grads=None):

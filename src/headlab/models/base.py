@@ -30,7 +30,8 @@ import torch
 from torch import nn
 
 from headlab.attention import backends as _backends
-from headlab.errors import ConfigError, InputError, UnsupportedArchitectureError
+from headlab.errors import ConfigError, InputError, PruneError, UnsupportedArchitectureError
+from headlab.models.norm_layout import BlockNorms
 from headlab.models.sites import (
     EDITABLE_KINDS,
     SITE_KINDS,
@@ -80,11 +81,51 @@ class ModelAdapter:
         p = next(model.parameters(), None)
         self._gates = torch.ones(n_layers, n_heads, device=p.device if p is not None else None)
         self._handles: list = []
+        # one state per layer, reachable from the layer's attention module and its output projection
+        self.states = [LayerState(layer=i, n_heads=n_heads, head_dim=head_dim, adapter=self) for i in range(n_layers)]
+        self._attach_states()
+
+    def _attach_states(self) -> None:
+        """Put each layer's state on its modules and hook W^O. A module that serves several layers (ALBERT
+        shares one block across all of them) gets the state of the layer it is about to compute: a
+        pre-hook on the attention module takes the next of its layers, a pre-hook on the model rewinds."""
+        serves: dict[int, list[int]] = {}
+        for i, am in enumerate(self.attn_modules):
+            serves.setdefault(id(am), []).append(i)
+        hooked: set[int] = set()
         for i, (am, op) in enumerate(zip(self.attn_modules, self.out_projs)):
-            # one state object, reachable from the attention module and from its output projection
-            am._headlab = op._headlab = LayerState(layer=i, n_heads=n_heads, head_dim=head_dim, adapter=self)
+            if id(op) in hooked:
+                continue
+            hooked.add(id(op))
+            am._headlab = op._headlab = self.states[i]
             self._handles.append(op.register_forward_pre_hook(gate_hook))
             self._handles.append(op.register_forward_hook(head_out_hook))
+        if all(len(v) == 1 for v in serves.values()):
+            return
+        calls: dict[int, int] = {}
+
+        def rewind(module, args):
+            calls.clear()
+
+        def next_layer(am, op, layers):
+            def hook(module, args, kwargs):
+                k = calls.get(id(am), 0)
+                calls[id(am)] = k + 1
+                am._headlab = op._headlab = self.states[layers[k % len(layers)]]
+            return hook
+
+        self._handles.append(self.model.register_forward_pre_hook(rewind))
+        for key, layers in serves.items():
+            am, op = self.attn_modules[layers[0]], self.out_projs[layers[0]]
+            self._handles.append(am.register_forward_pre_hook(next_layer(am, op, layers), with_kwargs=True))
+
+    @property
+    def shared_layers(self) -> list[list[int]]:
+        """Groups of layers computed by one shared module (ALBERT); empty when every layer has its own."""
+        serves: dict[int, list[int]] = {}
+        for i, am in enumerate(self.attn_modules):
+            serves.setdefault(id(am), []).append(i)
+        return [v for v in serves.values() if len(v) > 1]
 
     @property
     def layer_heads(self) -> list[int]:
@@ -102,12 +143,30 @@ class ModelAdapter:
         """True when each token attends only to itself and earlier tokens (a decoder)."""
         return self.is_decoder
 
-    def attention_norm(self, layer: int) -> tuple[str, nn.Module, str]:
-        """``(layout, norm module, kind)`` of the normalisation around block ``layer``'s attention:
-        layout ``"post"`` (the norm reads ``x + Attn(x)``, BERT) or ``"pre"`` (the norm makes the
-        attention's input, GPT-2 / Llama); kind ``"layernorm"`` or ``"rmsnorm"``."""
+    def attention_norm(self, layer: int) -> BlockNorms:
+        """The normalisation around block ``layer``'s attention (:class:`~headlab.models.norm_layout.BlockNorms`:
+        pre, post, sandwich or parallel; LayerNorm or RMSNorm)."""
         raise UnsupportedArchitectureError(
             f"the {self.family!r} adapter does not say where its block's normalisation is (attention_norm)")
+
+    # -- physical head removal: each family says how (headlab.models.surgery asks) -----------------------------
+    def cut_heads(self, attn: nn.Module, out: nn.Module, q_heads: list[int], kv_heads: list[int], H: int,
+                  Hkv: int) -> None:
+        """Keep query heads ``q_heads`` and kv heads ``kv_heads`` of one layer's modules (H, Hkv before), in place."""
+        raise PruneError(f"the {self.family!r} adapter cannot remove heads physically (cut_heads)")
+
+    def zero_heads(self, out: nn.Module, local_heads: list[int], *, H: int) -> None:
+        """Set the W^O blocks of ``local_heads`` (indices in the layer as it is now, H heads) to zero."""
+        if not local_heads:
+            return
+        d = self.head_dim
+        idx = torch.tensor([h * d + i for h in local_heads for i in range(d)], device=out.weight.device)
+        with torch.no_grad():
+            out.weight[:, idx] = 0.0
+
+    def prune_config(self, config, H: int, Hkv: int) -> bool:
+        """Write uniform head counts into the model's config when it can say them; True when it did."""
+        return False
 
     # -- per-head weights: families override the _w/_b accessors -----------------------------------
     def W_Q(self, layer: int) -> torch.Tensor:
@@ -180,7 +239,7 @@ class ModelAdapter:
     @property
     def backend(self) -> str | _backends.Backend | None:
         """The backend set by the innermost :meth:`use_backend`, or None outside one."""
-        return self.attn_modules[0]._headlab.backend if self.attn_modules else None
+        return self.states[0].backend if self.states else None
 
     @contextlib.contextmanager
     def use_backend(self, backend: str | _backends.Backend) -> Iterator[ModelAdapter]:
@@ -200,15 +259,15 @@ class ModelAdapter:
         """
         if not (isinstance(backend, str) and backend == "auto"):
             _backends.get(backend)  # UnknownBackendError naming the known ones
-        saved = [am._headlab.backend for am in self.attn_modules]
+        saved = [st.backend for st in self.states]
         token = self._enter_backend()
         try:
-            for am in self.attn_modules:
-                am._headlab.backend = backend
+            for st in self.states:
+                st.backend = backend
             yield self
         finally:
-            for am, b in zip(self.attn_modules, saved):
-                am._headlab.backend = b
+            for st, b in zip(self.states, saved):
+                st.backend = b
             self._exit_backend(token)
 
     def _enter_backend(self):
@@ -256,7 +315,7 @@ class ModelAdapter:
         token = self._enter_backend() if self.backend is None else None
         try:
             for layer, kinds in chosen.items():
-                state: LayerState = self.attn_modules[layer]._headlab
+                state: LayerState = self.states[layer]
                 for kind, patterns in kinds.items():
                     for pat in patterns:
                         fn = edits[pat]
@@ -275,13 +334,13 @@ class ModelAdapter:
     def probing(self, probe) -> Iterator[None]:
         """Attach a capture probe (:mod:`headlab.interpret.capture`) to every layer for the block (always detached)."""
         try:
-            for am in self.attn_modules:
-                am._headlab.probe = probe
+            for st in self.states:
+                st.probe = probe
             yield
         finally:
-            for am in self.attn_modules:
-                am._headlab.probe = None
-                am._headlab.z_gated = None
+            for st in self.states:
+                st.probe = None
+                st.z_gated = None
 
     def forward(self, inputs):
         """Run the wrapped model on ``inputs`` (a dict of keyword tensors, or an input-id tensor).

@@ -56,8 +56,9 @@ class PrunedModel(LoadedModel):
 
     @property
     def stock_hf(self) -> bool:
-        """Whether :meth:`save` also writes a stock Hugging Face folder."""
-        return self.family == "llama" and len({(len(p.q), len(p.kv)) for p in self.plans}) == 1
+        """Whether :meth:`save` also writes a stock Hugging Face folder (every layer alike, and a family
+        whose config can say the counts: ``stock_config``)."""
+        return bool(getattr(self.adapter, "stock_config", False)) and len({(len(p.q), len(p.kv)) for p in self.plans}) == 1
 
     def save(self, path: str | os.PathLike, *, force: bool = False) -> Path:
         """Write the folder (see the module docstring); refuses a non-empty folder unless ``force``."""
@@ -127,7 +128,7 @@ def _max_positions(model: nn.Module) -> int:
     cfg = model.config
     if hasattr(cfg, "max_positions"):
         return int(cfg.max_positions)
-    from headlab.models.hf.common import max_positions
+    from headlab.models.hf import max_positions
 
     return max_positions(cfg)
 
@@ -158,10 +159,9 @@ def load_pruned(path: str | os.PathLike, *, device: str | torch.device = "cpu",
     attn, outs = template.attn_modules, template.out_projs
     template.close()
     local = [_LocalPlan(p) for p in plans]
-    _apply(man["family"], local, attn, outs, [(H, Hkv)] * template.n_layers, head_dim=template.head_dim)
-    if man["family"] == "llama" and man.get("stock_hf"):
-        model.config.num_attention_heads, model.config.num_key_value_heads = len(plans[0].q), len(plans[0].kv)
-        model.config.head_dim = template.head_dim
+    _apply(template, local, attn, outs, [(H, Hkv)] * template.n_layers)
+    if man.get("stock_hf"):
+        template.prune_config(model.config, len(plans[0].q), len(plans[0].kv))
     adapter = pruned_adapter(template, model, local, plans, attn, outs)
     weights = path / WEIGHTS
     if not weights.is_file():
@@ -193,10 +193,10 @@ def _build_hf(cfg: dict, H: int, Hkv: int, class_name: str | None):
     import transformers
     from transformers import AutoConfig
 
-    from headlab.models.hf.common import max_positions
+    from headlab.models.hf import max_positions
 
     model_type = cfg.pop("model_type")
-    if model_type == "llama" or "num_key_value_heads" in cfg:
+    if "num_key_value_heads" in cfg:
         cfg["num_key_value_heads"] = Hkv
     cfg["num_attention_heads"] = H
     config = AutoConfig.for_model(model_type, **cfg)

@@ -1,14 +1,11 @@
 """Physical head removal: :func:`prune` slices W_Q, W_K, W_V, W_O (and their biases) layer by layer.
 
 The pruned model really computes less (its projections are smaller) and equals the gated model
-(the original with ``gates[l, h] = 0`` for every removed head) to float precision. Families, read
-through the adapter only (``adapter.family``, ``adapter.attn_modules``, ``adapter.out_projs``)::
-
-    family   q / k / v                         W^O                      per-module counts updated
-    bert     attn.query / key / value          out_proj (Linear)        num_attention_heads, all_head_size
-    gpt2     attn.c_attn (Conv1D, [Q | K | V])  attn.c_proj (Conv1D)     num_heads, split_size
-    llama    attn.q_proj / k_proj / v_proj     attn.o_proj              num_key_value_groups
-    headlab  attn.q_proj / k_proj / v_proj     attn.out_proj            num_heads, num_kv_heads, head_gate
+(the original with ``gates[l, h] = 0`` for every removed head) to float precision. How a layer is cut
+is the family's business, asked of the adapter only: ``adapter.cut_heads(attn, out, q_heads, kv_heads,
+H, Hkv)`` slices the projections (separate, fused or Conv1D, as the family declares them) and updates the
+module's head counts, ``adapter.zero_heads(out, heads, H=)`` zeroes W^O blocks, and
+``adapter.prune_config(config, H, Hkv)`` writes uniform counts into a config that can say them.
 
 Grouped-query attention (``Hkv < H``, ``G = H // Hkv`` query heads per KV head, query head h reads
 KV head ``h // G``): a KV head goes only when every query head of its group has gone. The kernels
@@ -45,10 +42,6 @@ from torch import nn
 
 from headlab.errors import ConfigError, PruneError
 from headlab.models.base import ModelAdapter
-from headlab.models.sites import gate_hook, head_out_hook
-
-FAMILIES = ("bert", "gpt2", "llama", "headlab")
-
 
 @dataclass(frozen=True)
 class LayerPlan:
@@ -150,8 +143,6 @@ def prune(adapter: ModelAdapter, heads: dict, *, allow_empty_layers: bool = Fals
 
     The copy's gates are the input's gates at the kept heads, so it equals the gated original.
     """
-    if adapter.family not in FAMILIES:
-        raise ConfigError(f"no surgery for family {adapter.family!r}; supported: {', '.join(FAMILIES)}")
     if gqa not in ("pad", "strict"):
         raise ConfigError(f"gqa must be 'pad' or 'strict', got {gqa!r}")
     heads = check_heads(adapter, heads)
@@ -169,11 +160,10 @@ def prune(adapter: ModelAdapter, heads: dict, *, allow_empty_layers: bool = Fals
     attn, outs = same_modules(adapter, model)
     gates = adapter.gates.detach().clone()
     counts = [(adapter.layer_heads[i], adapter.layer_kv_heads[i]) for i in range(adapter.n_layers)]
-    new = _apply(adapter.family, [_LocalPlan(p) for p in plans], attn, outs, counts, head_dim=adapter.head_dim)
-    if adapter.family == "llama" and len({(len(p.q), len(p.kv)) for p in plans}) == 1:
-        # every layer alike: the config can say it, and the model saves as a stock Hugging Face folder
-        model.config.num_attention_heads, model.config.num_key_value_heads = len(plans[0].q), len(plans[0].kv)
-        model.config.head_dim = adapter.head_dim
+    new = _apply(adapter, [_LocalPlan(p) for p in plans], attn, outs, counts)
+    if len({(len(p.q), len(p.kv)) for p in plans}) == 1:
+        # every layer alike: where the config can say it, the model saves as a stock Hugging Face folder
+        adapter.prune_config(model.config, len(plans[0].q), len(plans[0].kv))
     if base_plans:  # express the plans in the original model's indices again
         plans = [LayerPlan(q=tuple(b.q[i] for i in p.q), kv=tuple(b.kv[i] for i in p.kv),
                            zeroed=tuple(b.q[i] for i in p.zeroed)) for b, p in zip(base_plans, plans)]
@@ -195,48 +185,6 @@ class _LocalPlan:
         return [i for i, h in enumerate(self.plan.q) if h in self.plan.zeroed]
 
 
-def _rows(heads, d: int) -> torch.Tensor:
-    """Feature indices of ``heads`` in a ``(heads * d)`` axis."""
-    return torch.tensor([h * d + i for h in heads for i in range(d)], dtype=torch.long)
-
-
-def _cut_linear(lin: nn.Linear, *, out_idx=None, in_idx=None) -> None:
-    """Keep the output rows ``out_idx`` or the input columns ``in_idx`` of an ``nn.Linear``, in place."""
-    w = lin.weight.data
-    if out_idx is not None:
-        lin.weight = nn.Parameter(w[out_idx.to(w.device)].clone(), requires_grad=lin.weight.requires_grad)
-        if lin.bias is not None:
-            lin.bias = nn.Parameter(lin.bias.data[out_idx.to(w.device)].clone(), requires_grad=lin.bias.requires_grad)
-        lin.out_features = len(out_idx)
-    if in_idx is not None:
-        lin.weight = nn.Parameter(w[:, in_idx.to(w.device)].clone(), requires_grad=lin.weight.requires_grad)
-        lin.in_features = len(in_idx)
-
-
-def _cut_conv1d(conv: nn.Module, *, out_idx=None, in_idx=None) -> None:
-    """GPT-2's Conv1D stores ``weight (in, out)``."""
-    w = conv.weight.data
-    if out_idx is not None:
-        conv.weight = nn.Parameter(w[:, out_idx.to(w.device)].clone(), requires_grad=conv.weight.requires_grad)
-        conv.bias = nn.Parameter(conv.bias.data[out_idx.to(w.device)].clone(), requires_grad=conv.bias.requires_grad)
-        conv.nf = len(out_idx)
-    if in_idx is not None:
-        conv.weight = nn.Parameter(w[in_idx.to(w.device)].clone(), requires_grad=conv.weight.requires_grad)
-        conv.nx = len(in_idx)
-
-
-def _zero_out_block(op: nn.Module, family: str, local_heads: list[int], d: int) -> None:
-    """Set the W^O block of ``local_heads`` (indices in the cut layer) to zero."""
-    if not local_heads:
-        return
-    idx = _rows(local_heads, d).to(op.weight.device)
-    with torch.no_grad():
-        if family == "gpt2":
-            op.weight[idx] = 0.0
-        else:
-            op.weight[:, idx] = 0.0
-
-
 def same_modules(adapter: ModelAdapter, copy_of_model: nn.Module) -> tuple[list, list]:
     """The attention modules and output projections of a deep copy, found by their names in the original."""
     names = {id(m): n for n, m in adapter.model.named_modules()}
@@ -244,42 +192,25 @@ def same_modules(adapter: ModelAdapter, copy_of_model: nn.Module) -> tuple[list,
     return ([mods[names[id(m)]] for m in adapter.attn_modules], [mods[names[id(m)]] for m in adapter.out_projs])
 
 
-def _apply(family: str, plans: list[_LocalPlan], attn_modules: list, out_projs: list,
-           counts: list[tuple[int, int]], *, head_dim: int) -> list[_LocalPlan]:
-    """Cut every layer's modules to its plan, in place; ``counts[l]`` = (H_l, Hkv_l) before the cut."""
-    d = head_dim
+def _apply(adapter: ModelAdapter, plans: list[_LocalPlan], attn_modules: list, out_projs: list,
+           counts: list[tuple[int, int]]) -> list[_LocalPlan]:
+    """Cut every layer's modules to its plan, in place, the family's way (``adapter.cut_heads``);
+    ``counts[l]`` = (H_l, Hkv_l) before the cut."""
+    done: dict[int, LayerPlan] = {}
     for layer, lp in enumerate(plans):
         p = lp.plan
-        am, op = attn_modules[layer], out_projs[layer]
         H, Hkv = counts[layer]
+        key = id(attn_modules[layer])
+        if key in done:  # a module shared by several layers (ALBERT) is cut once, for all of them
+            if done[key] != p:
+                raise PruneError(f"layer {layer} shares its attention module with another layer (ALBERT shares one "
+                                 "block across layers); prune the same heads in every layer that shares it")
+            continue
+        done[key] = p
         if len(p.q) == H and len(p.kv) == Hkv and not p.zeroed:
             continue
-        q_idx, kv_idx = _rows(p.q, d), _rows(p.kv, d)
-        if family == "bert":
-            _cut_linear(am.query, out_idx=q_idx)
-            _cut_linear(am.key, out_idx=kv_idx)
-            _cut_linear(am.value, out_idx=kv_idx)
-            _cut_linear(op, in_idx=q_idx)
-            am.num_attention_heads, am.all_head_size = len(p.q), len(p.q) * d
-        elif family == "gpt2":
-            width = am.split_size
-            _cut_conv1d(am.c_attn, out_idx=torch.cat([q_idx, width + kv_idx, 2 * width + kv_idx]))
-            _cut_conv1d(op, in_idx=q_idx)
-            am.num_heads, am.split_size = len(p.q), len(p.q) * d
-        elif family == "llama":
-            _cut_linear(am.q_proj, out_idx=q_idx)
-            _cut_linear(am.k_proj, out_idx=kv_idx)
-            _cut_linear(am.v_proj, out_idx=kv_idx)
-            _cut_linear(op, in_idx=q_idx)
-            am.num_key_value_groups = len(p.q) // len(p.kv)
-        else:  # headlab
-            _cut_linear(am.q_proj, out_idx=q_idx)
-            _cut_linear(am.k_proj, out_idx=kv_idx)
-            _cut_linear(am.v_proj, out_idx=kv_idx)
-            _cut_linear(op, in_idx=q_idx)
-            am.head_gate = am.head_gate[list(p.q)].clone()
-            am.num_heads, am.num_kv_heads = len(p.q), len(p.kv)
-        _zero_out_block(op, family, lp.zeroed_local, d)
+        adapter.cut_heads(attn_modules[layer], out_projs[layer], list(p.q), list(p.kv), H, Hkv)
+        adapter.zero_heads(out_projs[layer], lp.zeroed_local, H=len(p.q))
     return plans
 
 
@@ -317,32 +248,6 @@ class _PrunedMixin:
     def layer_kv_heads(self) -> list[int]:
         return list(self._layer_kv_heads)
 
-    def _weights(self, layer, which):
-        n = self._layer_heads[layer] if which in "qo" else self._layer_kv_heads[layer]
-        d, am, op = self.head_dim, self.attn_modules[layer], self.out_projs[layer]
-        if self.family == "gpt2":
-            width = am.split_size
-            if which == "o":
-                return op.weight.view(n, d, op.weight.shape[1])
-            i = "qkv".index(which)
-            w = am.c_attn.weight[:, i * width: i * width + n * d]  # (E, n*d)
-            return w.reshape(w.shape[0], n, d).transpose(0, 1)
-        if which == "o":
-            return op.weight.t().reshape(n, d, op.weight.shape[0])
-        lin = _proj(am, self.family, which)
-        return lin.weight.view(n, d, lin.weight.shape[1]).transpose(1, 2)
-
-    def _bias(self, layer, which):
-        n = self._layer_heads[layer] if which in "qo" else self._layer_kv_heads[layer]
-        d, am, op = self.head_dim, self.attn_modules[layer], self.out_projs[layer]
-        if which == "o":
-            return op.bias
-        if self.family == "gpt2":
-            i, width = "qkv".index(which), am.split_size
-            return am.c_attn.bias[i * width: i * width + n * d].view(n, d)
-        lin = _proj(am, self.family, which)
-        return None if lin.bias is None else lin.bias.view(n, d)
-
     def _share_gates(self) -> None:  # headlab's Transformer: head_gate views of this layer's gates
         for i, am in enumerate(self.attn_modules):
             am.head_gate = self._gates[i, : self._layer_heads[i]]
@@ -350,12 +255,6 @@ class _PrunedMixin:
     def __repr__(self) -> str:
         return (f"<Pruned {self.family} adapter: layers={self.n_layers} heads per layer={self.layer_heads} "
                 f"kv heads per layer={self.layer_kv_heads}>")
-
-
-def _proj(am: nn.Module, family: str, which: str) -> nn.Module:
-    if family == "bert":
-        return getattr(am, {"q": "query", "k": "key", "v": "value"}[which])
-    return getattr(am, f"{which}_proj")
 
 
 def pruned_adapter(template: ModelAdapter, model: nn.Module, plans: list[_LocalPlan],
@@ -372,13 +271,8 @@ def pruned_adapter(template: ModelAdapter, model: nn.Module, plans: list[_LocalP
                                                                          zip(plans, original_plans)]
     ModelAdapter.__init__(pa, model, n_layers=template.n_layers, n_heads=max(q_counts), n_kv_heads=max(kv_counts),
                           head_dim=template.head_dim, d_model=template.d_model, attn_modules=attn, out_projs=outs)
-    for h in pa._handles:  # the base gate hook assumes one head count: use the per-layer one
-        h.remove()
-    pa._handles = []
-    for i, op in enumerate(outs):
-        op._headlab.n_heads = q_counts[i]
-        pa._handles.append(op.register_forward_pre_hook(gate_hook))
-        pa._handles.append(op.register_forward_hook(head_out_hook))
+    for st, n in zip(pa.states, q_counts):  # the gate hook splits W^O's input by the layer's own count
+        st.n_heads = n
     for key, value in vars(template).items():  # what the family's own __init__ set (e.g. causal)
         if not key.startswith("_") and key not in vars(pa):
             try:

@@ -35,6 +35,7 @@ from torch import nn
 from headlab.attention.module import MultiHeadAttention
 from headlab.errors import ConfigError, ModelError, ShapeError
 from headlab.models.base import ModelAdapter
+from headlab.models.norm_layout import BlockNorms
 from headlab.models.sites import run_attention, state_of
 
 CONFIG_FILE = "headlab_config.json"
@@ -238,7 +239,7 @@ class TransformerAdapter(ModelAdapter):
         self._share_gates()
 
     def attention_norm(self, layer):
-        return "pre", self.model.blocks[self._check_layer(layer)].ln1, "layernorm"
+        return BlockNorms(pre=self.model.blocks[self._check_layer(layer)].ln1, kind="layernorm")
 
     def _weights(self, layer, which):
         return getattr(self.attn_modules[layer], f"W_{which.upper()}")
@@ -248,5 +249,25 @@ class TransformerAdapter(ModelAdapter):
         lin = {"q": am.q_proj, "k": am.k_proj, "v": am.v_proj, "o": am.out_proj}[which]
         if lin.bias is None or which == "o":
             return lin.bias
-        heads = self.n_heads if which == "q" else self.n_kv_heads
+        heads = self.layer_heads[layer] if which == "q" else self.layer_kv_heads[layer]
         return lin.bias.view(heads, self.head_dim)
+
+    def cut_heads(self, attn, out, q_heads, kv_heads, H, Hkv):
+        d = self.head_dim
+        q_idx = [h * d + i for h in q_heads for i in range(d)]
+        kv_idx = [h * d + i for h in kv_heads for i in range(d)]
+        for lin, idx in ((attn.q_proj, q_idx), (attn.k_proj, kv_idx), (attn.v_proj, kv_idx)):
+            _keep_rows(lin, idx)
+        t = torch.tensor(q_idx, device=out.weight.device)
+        out.weight = nn.Parameter(out.weight.data[:, t].clone(), requires_grad=out.weight.requires_grad)
+        out.in_features = len(q_idx)
+        attn.head_gate = attn.head_gate[list(q_heads)].clone()
+        attn.num_heads, attn.num_kv_heads = len(q_heads), len(kv_heads)
+
+
+def _keep_rows(lin: nn.Linear, idx: list[int]) -> None:
+    t = torch.tensor(idx, device=lin.weight.device)
+    lin.weight = nn.Parameter(lin.weight.data[t].clone(), requires_grad=lin.weight.requires_grad)
+    if lin.bias is not None:
+        lin.bias = nn.Parameter(lin.bias.data[t].clone(), requires_grad=lin.bias.requires_grad)
+    lin.out_features = len(idx)

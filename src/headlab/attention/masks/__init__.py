@@ -44,12 +44,12 @@ from headlab.attention.masks.algebra import MaskFn, as_mask, causal, causal_lowe
 from headlab.attention.masks.layouts import bigbird, block_layout, documents, global_tokens
 from headlab.attention.masks.parse import from_string, pattern, pattern_names
 from headlab.attention.masks.patterns import dilated_window, fixed, sliding_window, strided
-from headlab.attention.score_mods import ScoreMod, alibi, alibi_slopes, relative_bias, softcap
+from headlab.attention.score_mods import ScoreMod, alibi, alibi_slopes, bias_tensor, relative_bias, softcap
 
 __all__ = [
     "MaskFn", "as_mask", "causal", "causal_lower_right", "padding", "full",
     "sliding_window", "dilated_window", "strided", "fixed", "global_tokens", "bigbird", "block_layout",
     "documents", "from_string", "pattern", "pattern_names",
     # score modifications (FlexAttention's score_mod), see headlab.attention.score_mods
-    "ScoreMod", "alibi", "alibi_slopes", "relative_bias", "softcap",
+    "ScoreMod", "alibi", "alibi_slopes", "bias_tensor", "relative_bias", "softcap",
 ]

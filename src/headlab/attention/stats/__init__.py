@@ -84,7 +84,7 @@ from headlab.attention.stats.sdpa import _sdpa
 from headlab.attention.backends import native
 from headlab.attention.stats.fused import _fused, fits
 from headlab.attention.stats.tiled import DEFAULT_CACHE_BYTES, _auto_block_q, _tiled
-from headlab.errors import ConfigError, MaskError
+from headlab.errors import BackendUnsupportedError, ConfigError, MaskError
 
 __all__ = ["STATS", "SDPA_STATS", "AttentionStats", "attention_stats"]
 
@@ -104,6 +104,7 @@ def attention_stats(
     block_q: int | None = None,
     method: Method = "tiled",
     cache_bytes: int = DEFAULT_CACHE_BYTES,
+    score_mod: Callable | None = None,
 ) -> AttentionStats:
     """Per-head attention statistics in O(n) memory, never holding the ``(Lq, Lk)`` map.
 
@@ -132,6 +133,9 @@ def attention_stats(
             docstring.
         cache_bytes: method ``"tiled"`` runs the one-pass kernels when two of their smallest units
             (16 query rows x every key) fit this many bytes; 0 selects the two-pass kernel.
+        score_mod: FlexAttention's ``score_mod(score, b, h, q_idx, kv_idx)`` applied to the scaled scores
+            before the mask, as in :func:`headlab.attention` (soft-capping, ALiBi, a relative bias); the
+            statistics are those of the modified map. Runs the two-pass kernel; method ``"tiled"`` only.
 
     Returns:
         :class:`AttentionStats`; fully masked query rows follow the rule in the module docstring.
@@ -159,6 +163,13 @@ def attention_stats(
                         "float mask; its -inf entries as a boolean mask: `mask = ~torch.isneginf(float_mask)` (the other "
                         "values are not supported)")
     scale = check_scale(scale, spec.head_dim)
+    if score_mod is not None:
+        from headlab.attention.score_mods import as_score_mod
+
+        score_mod = as_score_mod(score_mod)
+        if method != "tiled":
+            raise BackendUnsupportedError("method 'sdpa' cannot apply a score_mod (torch's fused kernel adds none); "
+                                          "use method='tiled'")
     ct = torch.float64 if spec.dtype == torch.float64 else torch.float32
     kp = _index_tensor("key_positions", key_positions, spec.kv_len, spec.batch, per_batch_ok=True) \
         if key_positions is not None else None
@@ -170,23 +181,23 @@ def attention_stats(
     with torch.no_grad():
         if method == "tiled":
             itemsize = 8 if ct == torch.float64 else 4
-            mod = native.kernel() if (block_q is None and cache_bytes > 0 and native.usable(spec, norm_mask, ct)) \
-                else None
+            one_pass = block_q is None and cache_bytes > 0 and score_mod is None
+            mod = native.kernel() if (one_pass and native.usable(spec, norm_mask, ct)) else None
             if mod is not None:
                 res = native.native_stats(mod, q, k, v, spec, norm_mask, scale, want)
-            elif block_q is None and fits(spec, cache_bytes, itemsize):
+            elif one_pass and fits(spec, cache_bytes, itemsize):
                 res = _fused(q, k, v, spec, norm_mask, scale, want, ct, block_k)
             else:
                 bq = block_q or _auto_block_q(spec, block_k, itemsize)
-                res = _tiled(q, k, v, spec, norm_mask, scale, want, ct, bq, block_k)
+                res = _tiled(q, k, v, spec, norm_mask, scale, want, ct, bq, block_k, score_mod=score_mod)
             res["visible"] = ~torch.isneginf(res["lse"])
         else:
             res = _sdpa(q, k, v, spec, norm_mask, scale, want, ct)
         lse = res["lse"]
         if "key_mass" in want:
-            res["key_mass"] = _probs_at(q, k, spec, norm_mask, scale, ct, lse, None, kp)  # (B, H, Lq, M)
+            res["key_mass"] = _probs_at(q, k, spec, norm_mask, scale, ct, lse, None, kp, score_mod)  # (B, H, Lq, M)
         if "rows" in want:
-            res["rows"] = _probs_at(q, k, spec, norm_mask, scale, ct, lse, qr, None)  # (B, H, R, Lk)
+            res["rows"] = _probs_at(q, k, spec, norm_mask, scale, ct, lse, qr, None, score_mod)  # (B, H, R, Lk)
     kept = {name: res.get(name) for name in STATS if name in want}
     return AttentionStats(**kept, output=res.get("output"), key_positions=kp, query_rows=qr,
                           visible=res["visible"], method=method)

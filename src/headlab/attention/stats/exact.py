@@ -25,9 +25,21 @@ def _scores_at(q: torch.Tensor, k: torch.Tensor, spec: AttentionSpec, scale: flo
     return s.view(B, H, R, -1).mul_(scale)  # (B, H, R, M)
 
 
-def _probs_at(q, k, spec, mask, scale, ct, lse, q_idx, kv_idx) -> torch.Tensor:
+def _probs_at(q, k, spec, mask, scale, ct, lse, q_idx, kv_idx, score_mod=None) -> torch.Tensor:
     """Exact ``P_ij`` for the chosen queries / keys from the final ``lse``: (B, H, R, M)."""
     s = _scores_at(q, k, spec, scale, ct, q_idx, kv_idx)
+    if score_mod is not None:
+        B, H, R, M = s.shape
+        dev = s.device
+        qi = (torch.arange(R, device=dev) if q_idx is None else q_idx.to(dev)).view(1, 1, R, 1)
+        if kv_idx is None:
+            kv = torch.arange(M, device=dev).view(1, 1, 1, M)
+        elif kv_idx.dim() == 2:  # per batch (B, M)
+            kv = kv_idx.to(dev).view(B, 1, 1, M)
+        else:
+            kv = kv_idx.to(dev).view(1, 1, 1, M)
+        s = score_mod(s, torch.arange(B, device=dev).view(B, 1, 1, 1), torch.arange(H, device=dev).view(1, H, 1, 1),
+                      qi, kv)
     vis = visible(spec, mask, q_idx, kv_idx)
     l_sel = lse if q_idx is None else lse[:, :, q_idx]  # (B, H, R)
     dead = torch.isneginf(l_sel).unsqueeze(-1)

@@ -46,7 +46,7 @@ def _auto_block_q(spec: AttentionSpec, block_k: int, itemsize: int) -> int:
 
 
 def _tiled(q, k, v, spec: AttentionSpec, mask, scale: float, want: set[str], ct: torch.dtype,
-           block_q: int, block_k: int):
+           block_q: int, block_k: int, score_mod=None):
     B, H, Lq, D = q.shape
     Hkv, G, Lk = spec.kv_heads, spec.group, spec.kv_len
     dev = q.device
@@ -76,6 +76,11 @@ def _tiled(q, k, v, spec: AttentionSpec, mask, scale: float, want: set[str], ct:
         def scores(c0, c1, vis, fill=float("-inf")):
             kt = k[:, :, c0:c1].to(ct)  # (B, Hkv, w, D)
             s = torch.matmul(qc, kt.transpose(-1, -2)).view(B, H, n, c1 - c0)  # (B, H, n, w)
+            if score_mod is not None:  # on the scaled scores, before the mask (as headlab.attention)
+                s = score_mod(s, torch.arange(B, device=dev).view(B, 1, 1, 1),
+                              torch.arange(H, device=dev).view(1, H, 1, 1),
+                              torch.arange(r0, r1, device=dev).view(1, 1, n, 1),
+                              torch.arange(c0, c1, device=dev).view(1, 1, 1, c1 - c0))
             if vis is not None:
                 s.masked_fill_(~vis, fill)
             return s

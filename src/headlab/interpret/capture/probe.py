@@ -7,7 +7,6 @@ import dataclasses
 import torch
 
 from headlab.attention.stats import attention_stats
-from headlab.errors import BackendUnsupportedError
 from headlab.models.sites import site_name
 
 
@@ -37,10 +36,6 @@ class Probe:
         """Record ``blocks.{layer}.attn.stats``; with ``v``, the statistics' pass also computes the
         attention output (returned in the stats' ``output``, which the layer then uses instead of
         running attention a second time). Returns the :class:`AttentionStats`."""
-        if score_kwargs.get("score_mod") is not None:
-            raise BackendUnsupportedError(
-                f"layer {layer} modifies its scores ({score_kwargs['score_mod']!r}, e.g. Gemma 2's soft-capping), which "
-                "headlab.attention_stats does not apply; capture 'blocks.*.attn.pattern' for this model instead")
         self.call_args[layer] = {"mask": mask, "causal": causal, "scale": scale, **score_kwargs}
         with torch.no_grad():
             # contiguous: HF hands q/k over as transposed views, which attention_stats may .view()

@@ -17,6 +17,15 @@ per input token j, ``F_i(x_j) = g_i(sum_h alpha^h_ij f_h(x_j) + [i = j] r_i)``, 
 * pre-norm blocks (GPT-2, Llama, headlab): the norm *makes* the attention's input
   ``x~ = norm(x)``; ``r_i`` is the un-normalised residual stream x_i and ``g_i`` the identity, so
   ``sum_j F_i(x_j) + b_O = x_i + Attn(x~)_i``, the block's residual stream after attention.
+* sandwich blocks (Gemma 2 and 3, OLMo 2): the post norm reads the attention's output alone and the
+  block adds the stream after it, so ``F_i(x_j) = g_i(sum_h alpha^h_ij f_h(x_j)) + [i = j] x_i`` with
+  ``g_i`` the post norm's linear part (scale ``offset + w``, ``s_i`` from its actual input
+  ``Attn(x)_i + b_O``); ``sum_j F_i(x_j) + g_i(b_O) (+ beta)`` is the stream after attention. The cross
+  terms carry the metric once and ``s_i`` once: they are stored times ``s_i`` (and ``||r_i||^2`` times
+  ``s_i^2``) so that the same ``sqrt(.) / s_i`` gives the norm.
+* parallel blocks (GPT-J, GPT-NeoX, Phi, Falcon): ``x + Attn(pre(x)) + MLP(pre'(x))``; the MLP's
+  output depends on token i alone, so it joins the residual: ``r_i = x_i + MLP_i`` and
+  ``sum_j F_i(x_j) + b_O`` is the block's output.
 
 Norms of ``g_i(v)`` use the metric ``M = C diag(gamma^2) C`` (C centres the vector): the Gram
 matrices, the cross terms ``c_i[h] = <f_h(x_i), r_i>_M`` and ``||r_i||_M^2`` carry it.
@@ -27,8 +36,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-
-from headlab.interpret.flow.blocks import norm_eps
 
 _CHUNK = 2048  # tokens per chunk when forming the (H, chunk, E) value vectors
 
@@ -56,14 +63,14 @@ def value_vectors(adapter, layer: int, x: torch.Tensor) -> torch.Tensor:
 
 
 def _metric_fn(norms):
-    """v -> gamma * (v - mean v) for a post-LN LayerNorm; identity otherwise."""
-    if norms is None or norms.layout != "post":
+    """v -> (offset + gamma) * (v - mean v) for a post norm (no centring for RMSNorm); identity without one."""
+    if norms is None or norms.post is None:
         return lambda v: v
-    gamma = norms.norm.weight.detach() if getattr(norms.norm, "weight", None) is not None else None
 
     def g0(v):
         v = v - v.mean(-1, keepdim=True) if norms.kind == "layernorm" else v
-        return v * gamma.to(v.dtype) if gamma is not None else v
+        gamma = norms.scale(v.dtype)
+        return v * gamma if gamma is not None else v
     return g0
 
 
@@ -73,23 +80,29 @@ def gram(adapter, layer: int, rec, mode: str) -> NormGram:
     n = x.shape[0]
     residual = mode == "residual"
     g0 = _metric_fn(rec.norms if residual else None)
+    branch = residual and rec.norms.post is not None and rec.norms.post_reads == "branch"
     ws, Gs, cs, rrs = [], [], [], []
     for a in range(0, n, _CHUNK):
         f = g0(value_vectors(adapter, layer, x[a:a + _CHUNK]))  # (H, c, E)
         Gs.append(torch.einsum("hne,kne->nhk", f, f))  # (c, H, H)
         ws.append(f.norm(dim=-1))  # (H, c)
         if residual:
-            r = g0(rec.resid[a:a + _CHUNK].to(f.dtype))  # (c, E)
+            r = rec.resid[a:a + _CHUNK].to(f.dtype)  # (c, E)
+            r = r if branch else g0(r)  # a sandwich block adds the stream after its post norm
             cs.append(torch.einsum("hne,ne->nh", f, r))
             rrs.append((r * r).sum(-1))
     ct = Gs[0].dtype
     inv_s = torch.ones(n, dtype=ct, device=x.device)
-    if residual and rec.norms.layout == "post":
+    cross = torch.cat(cs, 0) if residual else None
+    rr = torch.cat(rrs, 0) if residual else None
+    if residual and rec.norms.post is not None:
         z = rec.norm_in.to(ct)
         var = z.var(-1, unbiased=False) if rec.norms.kind == "layernorm" else (z * z).mean(-1)
-        inv_s = torch.rsqrt(var + norm_eps(rec.norms.norm))
-    return NormGram(torch.cat(ws, 1), torch.cat(Gs, 0), inv_s,
-                    torch.cat(cs, 0) if residual else None, torch.cat(rrs, 0) if residual else None)
+        inv_s = torch.rsqrt(var + rec.norms.eps())
+        if branch:  # ||g_i(a) + r||^2 = (||a||_M^2 + 2 s <a, r>_g + s^2 ||r||^2) / s^2
+            s = 1.0 / inv_s
+            cross, rr = cross * s.unsqueeze(1), rr * s * s
+    return NormGram(torch.cat(ws, 1), torch.cat(Gs, 0), inv_s, cross, rr)
 
 
 def layer_tile(p: torch.Tensor, qpos: torch.Tensor, c0: int, c1: int, ng: NormGram) -> torch.Tensor:

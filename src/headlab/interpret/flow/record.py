@@ -3,15 +3,18 @@
 What is recorded for layer ``l`` (``n`` tokens, ``E`` residual width, ``H`` query heads)::
 
     x        (n, E)      the attention's input (after the pre-norm in pre-norm blocks)
-    resid    (n, E)      the residual the block adds to the attention output: the norm's input in
-                         pre-norm blocks, the layer input (= x) in post-LN blocks         [residual mode]
-    norm_in  (n, E)      post-LN blocks: the LayerNorm's input x + Attn(x) + b_O            [residual mode]
+    resid    (n, E)      what the block adds beside the attention's mixing, token by token: the stream
+                         entering the block (the pre norm's input, or x without one), plus the
+                         parallel MLP's output in parallel blocks                          [residual mode]
+    norm_in  (n, E)      the post norm's input: x + Attn(x) + b_O (post-LN) or Attn(x) + b_O
+                         (sandwich)                                                        [residual mode]
     pattern  (H, n, n)   the attention weights                                             [maps]
     q, k     (H, n, d)   queries and keys as the scores see them (k repeated per query head) [streaming]
     lse      (H, n)      log-sum-exp of each query's scores (headlab.attention_stats, tiled: O(n) memory) [streaming]
 
-The attention's input comes from a forward pre-hook on ``adapter.attn_modules[l]`` and the norm's
-input from one on the norm module (:func:`~headlab.interpret.flow.blocks.layer_norms`); the hooks
+The attention's input comes from a forward pre-hook on ``adapter.attn_modules[l]``, the norms' inputs
+and the parallel MLP's output from hooks on the modules the adapter names
+(:func:`~headlab.interpret.flow.blocks.layer_norms`); the hooks
 live only for the call (removed in a ``finally``). Patterns, q, k and lse come from
 :func:`headlab.capture`.
 """
@@ -106,6 +109,8 @@ def prepare(loaded, adapter, inputs) -> tuple[dict | torch.Tensor, list[str] | N
         raise InputError(f"inputs must be one text, a dict of tensors (input_ids, attention_mask) or an input_ids "
                          f"tensor of shape (1, n); got {type(inputs).__name__}")
     ids = enc.get("input_ids")
+    if ids is None and enc and all(isinstance(t, torch.Tensor) and t.shape[0] == 1 for t in enc.values()):
+        return enc, None  # one image (pixel_values) or other non-text input: the model says its length
     if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.shape[0] != 1:
         shape = tuple(ids.shape) if isinstance(ids, torch.Tensor) else type(ids).__name__
         raise InputError(f"one sequence at a time: input_ids must have shape (1, n), got {shape}")
@@ -138,22 +143,41 @@ def _scale(adapter: ModelAdapter, layer: int) -> float:
 def _hooks(adapter: ModelAdapter, layers: Sequence[int], store: dict, residual: bool):
     handles = []
 
+    def current(layer) -> bool:  # a module shared by several layers (ALBERT) is computing this one
+        return getattr(adapter.attn_modules[layer], "_headlab", None) is adapter.states[layer]
+
     def attn_pre(layer):
         def hook(module, args, kwargs):
-            x = args[0] if args else kwargs.get("hidden_states")
-            store.setdefault(layer, {})["x"] = x.detach()[0]
+            if current(layer):
+                x = args[0] if args else kwargs.get("hidden_states")
+                store.setdefault(layer, {})["x"] = x.detach()[0]
         return hook
 
-    def norm_pre(layer):
-        def hook(module, args):
-            store.setdefault(layer, {})["norm_in"] = args[0].detach()[0]
+    def input_of(layer, key):
+        def hook(module, args, kwargs):
+            if current(layer):
+                x = args[0] if args else next(iter(kwargs.values()))
+                store.setdefault(layer, {})[key] = x.detach()[0].clone()
+        return hook
+
+    def output_of(layer, key):
+        def hook(module, args, output):
+            if current(layer):
+                out = output[0] if isinstance(output, tuple) else output
+                store.setdefault(layer, {})[key] = out.detach()[0].clone()  # clone: Falcon adds into it in place
         return hook
 
     try:
         for l in layers:
             handles.append(adapter.attn_modules[l].register_forward_pre_hook(attn_pre(l), with_kwargs=True))
             if residual:
-                handles.append(layer_norms(adapter, l).norm.register_forward_pre_hook(norm_pre(l)))
+                bn = layer_norms(adapter, l)
+                if bn.pre is not None:
+                    handles.append(bn.pre.register_forward_pre_hook(input_of(l, "pre_in"), with_kwargs=True))
+                if bn.post is not None:
+                    handles.append(bn.post.register_forward_pre_hook(input_of(l, "norm_in"), with_kwargs=True))
+                if bn.parallel is not None:
+                    handles.append(bn.parallel.register_forward_hook(output_of(l, "parallel_out")))
         yield
     finally:
         for h in handles:
@@ -177,6 +201,12 @@ def record(target, inputs, layers=None, *, maps: bool, residual: bool = False, b
     store: dict = {}
     with _hooks(adapter, chosen, store, residual):
         cache = capture(adapter, model_inputs, sites, backend=backend, stats_kwargs={"stats": ["lse"]})
+    if not maps:
+        modded = [l for l in chosen if cache.call_args.get(l, {}).get("score_mod") is not None]
+        if modded:
+            raise BackendUnsupportedError(
+                f"layers {modded} modify their scores ({cache.call_args[modded[0]]['score_mod']!r}: soft-capping, "
+                "ALiBi), which the map-free norm, rollout and flow tiles do not apply; run them with stream=False")
     n = int(store[chosen[0]]["x"].shape[0])
     rec = Recording(adapter, n, is_causal(adapter), [_scale(adapter, l) for l in range(adapter.n_layers)], tokens)
     G = adapter.n_heads // adapter.n_kv_heads
@@ -185,10 +215,10 @@ def record(target, inputs, layers=None, *, maps: bool, residual: bool = False, b
         lr = LayerRecord(x=got["x"])
         if residual:
             lr.norms = layer_norms(adapter, l)
-            if lr.norms.layout == "pre":
-                lr.resid = got["norm_in"]
-            else:
-                lr.resid, lr.norm_in = got["x"], got["norm_in"]
+            lr.resid = got["pre_in"] if lr.norms.pre is not None else got["x"]  # the stream entering the block
+            if lr.norms.parallel is not None:
+                lr.resid = lr.resid + got["parallel_out"]
+            lr.norm_in = got.get("norm_in")
         if maps:
             lr.pattern = cache[site_name(l, "pattern")][0]  # (H, n, n)
         else:

@@ -222,7 +222,9 @@ def _streaming(loaded, inputs, tokens, *, sinks, seps, causal, backend, threshol
         mask = call["mask"]
         if isinstance(mask, torch.Tensor) and mask.dim() == 4 and mask.shape[1] > 1:
             mask = mask[:, h:h + 1]  # (B, 1, Lq, Lk): a per-head mask, this head's slice
-        w = attention_weights(q, k, mask=mask, causal=call["causal"], scale=call["scale"])  # (1, 1, L, L)
+        mod = call.get("score_mod")  # the model's own score modification (soft-capping, ALiBi), for head h
+        extra = {"score_mod": (lambda s, b, hh, qi, kv, mod=mod, h=h: mod(s, b, hh + h, qi, kv))} if mod else {}
+        w = attention_weights(q, k, mask=mask, causal=call["causal"], scale=call["scale"], **extra)  # (1, 1, L, L)
         maps[(layer, h)] = w[0, 0].float().cpu().numpy()
     return records, maps
 

@@ -1,35 +1,47 @@
 """Adapters for Hugging Face transformers v5 families, one registered class per family.
 
-=========  ==================================  ==========================  =======================
-family     model types                         attention / W^O              q, k, v weights
-=========  ==================================  ==========================  =======================
-bert       bert (MiniLM), roberta              layer.attention.self /       query, key, value
-                                               layer.attention.output.dense (nn.Linear)
-gpt2       gpt2                                h.attn / h.attn.c_proj       c_attn (Conv1D, fused)
-llama      llama, mistral, qwen2, gemma2 (GQA) layers.self_attn / o_proj    q_proj, k_proj, v_proj
-=========  ==================================  ==========================  =======================
-
-A family is one class in this package (``bert.py``, ``gpt2.py``, ``llama.py``) decorated with
-:func:`~headlab.models.hf.common.register`; the table of known model types, the message for an
-unsupported architecture and the maximum positions are all read from the registered classes.
+A family is one class in this package (:class:`~headlab.models.hf.family.HFAdapter`, declared with the
+layouts of :mod:`headlab.models.hf.layouts`) decorated with :func:`~headlab.models.hf.registry.register`.
+The support table (``headlab models``, ``docs/models.md``), the message for an unsupported architecture
+and the maximum positions are all read from the registered classes.
 
     >>> from headlab.models.hf import supported_model_types
-    >>> supported_model_types()
-    ['bert', 'roberta', 'gpt2', 'llama', 'mistral', 'qwen2', 'gemma2']
+    >>> "qwen3" in supported_model_types() and "gemma3_text" in supported_model_types()
+    True
 """
 
 from __future__ import annotations
 
-from headlab.models.hf import bert, gpt2, llama  # noqa: F401  (each registers its family)
-from headlab.models.hf.common import (
+from headlab.models.hf import (  # noqa: F401  (each registers its family)
+    albert,
+    bert,
+    bloom,
+    distilbert,
+    falcon,
+    gemma,
+    gpt2,
+    gpt_neox,
+    gptj,
+    llama,
+    modernbert,
+    olmo2,
+    opt,
+    phi,
+    phi3,
+    stablelm,
+    vit,
+)
+from headlab.models.hf.family import HFAdapter
+from headlab.models.hf.registry import (
     FAMILIES,
-    HFAdapter,
+    REFUSED,
     adapter_class,
     adapter_for,
     max_positions,
+    nearest_family,
     supported_model_types,
     unsupported_message,
 )
 
-__all__ = ["FAMILIES", "HFAdapter", "adapter_class", "adapter_for", "max_positions", "supported_model_types",
-           "unsupported_message"]
+__all__ = ["FAMILIES", "HFAdapter", "REFUSED", "adapter_class", "adapter_for", "max_positions", "nearest_family",
+           "supported_model_types", "unsupported_message"]

@@ -10,7 +10,7 @@ import torch
 
 from headlab.attention.blocks import BlockMap, cached_per_mask
 from headlab.attention.blocks import block_map as _compile
-from headlab.attention.masks import MaskFn, causal
+from headlab.attention.masks import MaskFn, causal, full
 from headlab.attention.states import EMPTY, PARTIAL
 from headlab.errors import MaskError
 
@@ -19,14 +19,16 @@ BLOCK_Q = 128
 BLOCK_K = 128
 
 _CAUSAL = causal()
+_FULL = full()  # a call without a mask: every tile is visited
 _WITH_CAUSAL: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # mask -> mask & causal()
 _PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # mask -> {shape key: plan}
 
 
 def effective_mask(mask: MaskFn | None, is_causal: bool) -> MaskFn | None:
-    """The mask the kernel walks: ``mask``, ANDed with ``causal()`` when ``is_causal`` (cached)."""
+    """The mask the kernel walks: ``mask``, ANDed with ``causal()`` when ``is_causal`` (cached); without
+    either, ``full()``: every tile is visited."""
     if not is_causal:
-        return mask
+        return _FULL if mask is None else mask
     if mask is None:
         return _CAUSAL
     combined = _WITH_CAUSAL.get(mask)

@@ -1,0 +1,91 @@
+"""Falcon: a fused ``query_key_value`` (grouped ``(Hkv, G + 2, d)`` in the new decoder architecture,
+[Q | K | V] with one kv head for multi-query, per head otherwise), rotary positions or ALiBi, attention and
+MLP in parallel, and an attention module that computes attention itself (no attention interface)."""
+
+from __future__ import annotations
+
+from headlab.attention.score_mods import bias_tensor
+from headlab.models.hf.family import Fused, Norms, Out, OwnForwardAdapter, merge_heads
+from headlab.models.hf.attention_fn import hf_mask_to_bool
+from headlab.models.hf.registry import register
+from headlab.models.sites import run_attention
+
+
+@register
+class FalconAdapter(OwnForwardAdapter):
+    family = "falcon"
+    model_types = ("falcon",)
+    description = "Falcon"
+    is_decoder = True
+    layers = "h"
+    attention = "self_attention"
+    out = Out("self_attention.dense")
+    head_attrs = {"num_heads": "H", "num_kv_heads": "Hkv"}
+
+    @classmethod
+    def shape(cls, cfg):
+        H, E = cfg.num_attention_heads, cfg.hidden_size
+        Hkv = cfg.num_kv_heads if cfg.new_decoder_architecture else (1 if cfg.multi_query else H)
+        return H, Hkv, E // H, E
+
+    @property
+    def projections(self):
+        cfg = self.model.config
+        if cfg.new_decoder_architecture:
+            return Fused("query_key_value", "grouped")
+        return Fused("query_key_value", "blocks" if cfg.multi_query else "per_head")
+
+    @property
+    def norms(self) -> Norms:
+        cfg = self.model.config
+        pre = "ln_attn" if cfg.new_decoder_architecture and cfg.num_ln_in_parallel_attn == 2 else "input_layernorm"
+        if cfg.new_decoder_architecture or cfg.parallel_attn:
+            return Norms(pre=pre, kind="layernorm", parallel="mlp")
+        return Norms(pre=pre, kind="layernorm")
+
+    @property
+    def positions(self) -> str:
+        return "alibi" if self.model.config.alibi else "rotary"
+
+    def cut_heads(self, attn, out, q_heads, kv_heads, H, Hkv):
+        if self.model.config.alibi:
+            from headlab.errors import PruneError
+
+            raise PruneError("Falcon with ALiBi builds its bias rows for every original head; pruning its heads is "
+                             "not supported (the rotary Falcon models prune)")
+        super().cut_heads(attn, out, q_heads, kv_heads, H, Hkv)
+
+    def attention_forward(self, module, hidden_states, alibi, attention_mask, position_ids=None, layer_past=None,
+                          use_cache=False, output_attentions=False, position_embeddings=None, **kwargs):
+        from transformers.models.falcon.modeling_falcon import apply_rotary_pos_emb
+
+        B, L, _ = hidden_states.shape
+        H, Hkv, d = module.num_heads, module.num_kv_heads, module.head_dim
+        fused = module.query_key_value(hidden_states)
+        cfg = self.model.config
+        if cfg.new_decoder_architecture:  # (B, L, Hkv, G + 2, d)
+            qkv = fused.view(B, L, Hkv, H // Hkv + 2, d)
+            q = qkv[:, :, :, :-2].reshape(B, L, H, d)
+            k, v = qkv[:, :, :, -2], qkv[:, :, :, -1]  # (B, L, Hkv, d)
+        elif cfg.multi_query:
+            q = fused[..., : H * d].view(B, L, H, d)
+            k, v = fused[..., H * d: (H + 1) * d].view(B, L, 1, d), fused[..., (H + 1) * d:].view(B, L, 1, d)
+        else:
+            qkv = fused.view(B, L, H, 3, d)
+            q, k, v = qkv[..., 0, :], qkv[..., 1, :], qkv[..., 2, :]
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, heads, L, d)
+        extra = None
+        if alibi is None:
+            cos, sin = position_embeddings
+            q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        if layer_past is not None:
+            k, v = layer_past.update(k, v, module.layer_idx)
+        if alibi is not None:  # Falcon scales the ALiBi rows together with the scores
+            rows = alibi.view(B, H, 1, -1)[..., -k.shape[2]:] * module.inv_norm_factor
+            extra = {"score_mod": bias_tensor(rows, "alibi")}
+        mask = hf_mask_to_bool(attention_mask)
+        out, weights = run_attention(
+            module, q, k, v, mask, causal=mask is None and L > 1, scale=module.inv_norm_factor,
+            dropout_p=module.attention_dropout.p if module.training else 0.0, need_weights=output_attentions,
+            score_kwargs=extra)
+        return module.dense(merge_heads(out)), weights

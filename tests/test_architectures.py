@@ -1,0 +1,268 @@
+"""32 Hugging Face architectures, each through every step headlab offers, on tiny random-weight configs.
+
+For each architecture of :mod:`architectures` (float32, non-trivial norms and biases), against the
+model's own eager path (the yardstick, as TransformerLens compares each layer):
+
+- ``headlab.load(folder)`` and ``adapt(model)``;
+- captured patterns equal ``output_attentions`` (1e-5);
+- every backend the model's attention allows gives the eager outputs (1e-4) on a right-padded batch;
+  a backend that cannot apply the model's score modification is refused with a typed error;
+- gates: all ones leave the output unchanged, one zero changes it;
+- map-free statistics equal those of the eager maps (score modifications included);
+- ``head_importance`` is finite; ``prune_heads`` equals the gated model and is physically smaller;
+- ``attention_norms`` in residual mode adds up to the model's own residual stream, and its norms equal
+  the norms of those vectors; attention mode equals Kobayashi et al.'s definition from the eager maps;
+- ``rollout`` equals Abnar and Zuidema's definition from the eager maps.
+
+Architectures headlab refuses are refused with a typed error naming the reason, on load and on adapt.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import headlab
+from headlab.attention import backends as hb
+from headlab.errors import BackendUnsupportedError, HeadlabError, UnsupportedArchitectureError
+from headlab.models import adapt
+from headlab.models.hf import REFUSED
+
+pytest.importorskip("transformers")
+import architectures as A  # noqa: E402
+
+SUPPORTED = [n for n in A.NAMES if n not in REFUSED]
+BACKENDS = ["reference", "sdpa", "tiled", "sparse"]
+
+
+def _main(out) -> torch.Tensor:
+    lg = getattr(out, "logits", None)
+    return lg if lg is not None else out.last_hidden_state
+
+
+def _real(t: torch.Tensor, x: dict, dim: int) -> torch.Tensor:
+    """``t`` at real (unpadded) query positions only, flattened (batch first, positions on ``dim``). A padding
+    query that sees no key under a sliding window is a zero row in headlab (the rule for fully masked rows)
+    and a uniform row in eager attention; neither means anything."""
+    m = x.get("attention_mask")
+    if m is None or t.shape[dim] != m.shape[1]:
+        return t
+    keep = m.bool()
+    return t.movedim(dim, 1)[keep]
+
+
+def _score_mod(model) -> bool:
+    """Does the model change its scores beyond the scale (soft-capping, ALiBi)?"""
+    cfg = model.config
+    return bool(getattr(cfg, "attn_logit_softcapping", None)) or cfg.model_type == "bloom" or bool(
+        getattr(cfg, "alibi", False))
+
+
+@pytest.fixture(scope="module")
+def built():
+    cache = {}
+
+    def get(name):
+        if name not in cache:
+            cache[name] = A.build(name)
+        return cache[name]
+    return get
+
+
+@pytest.mark.parametrize("name", sorted(REFUSED))
+def test_refused_architectures_say_why(name, built, tmp_path):
+    model = built(name)
+    with pytest.raises(UnsupportedArchitectureError, match=f"no headlab adapter for '{model.config.model_type}': "):
+        adapt(model)
+    model.save_pretrained(tmp_path)
+    with pytest.raises(UnsupportedArchitectureError, match=REFUSED[name].split(";")[0][:40]):
+        headlab.load(tmp_path)
+
+
+@pytest.mark.parametrize("name", SUPPORTED)
+def test_every_step(name, built, tmp_path):
+    model = built(name)
+    x = A.inputs(name)
+    with torch.no_grad():
+        eager = model(**x, output_attentions=True)
+    ref = _main(eager)
+    a = adapt(model)
+    L = a.n_layers
+
+    # load from a folder
+    model.save_pretrained(tmp_path)
+    loaded = headlab.load(tmp_path)
+    with torch.no_grad():
+        torch.testing.assert_close(_main(loaded.model(**x)), ref, atol=1e-5, rtol=1e-5)
+    assert loaded.adapter.n_layers == L and loaded.family == a.family
+
+    # capture equals output_attentions
+    cache = headlab.capture(model, x, "blocks.*.attn.pattern")
+    for layer in range(L):
+        torch.testing.assert_close(_real(cache[f"blocks.{layer}.attn.pattern"], x, 2),
+                                   _real(eager.attentions[layer], x, 2), atol=1e-5, rtol=1e-5)
+
+    # every backend the attention allows
+    for backend in BACKENDS:
+        if backend == "sdpa" and _score_mod(model):
+            with pytest.raises(BackendUnsupportedError), torch.no_grad(), a.use_backend(backend):
+                model(**x)
+            continue
+        with torch.no_grad(), a.use_backend(backend):
+            got = _main(model(**x))
+        torch.testing.assert_close(_real(got, x, 1), _real(ref, x, 1), atol=1e-4, rtol=1e-4,
+                                   msg=lambda m: f"{backend}: {m}")
+
+    # gates
+    with torch.no_grad():
+        torch.testing.assert_close(_main(model(**x)), ref, atol=1e-5, rtol=1e-5)
+        a.gates[L - 1, 1] = 0.0
+        gated = _main(model(**x))
+        assert (gated - ref).abs().max() > 1e-4
+        # a zero gate equals zeroing the head's block of W^O (ALBERT: that block serves every layer)
+        a.reset_gates()
+        if a.shared_layers:
+            a.gates[:, 1] = 0.0
+            gated = _main(model(**x))
+            a.reset_gates()
+        wo = a.W_O(L - 1)
+        saved = wo[1].detach().clone()
+        with torch.no_grad():
+            wo[1] = 0.0
+        zeroed = _main(model(**x))
+        with torch.no_grad():
+            wo[1] = saved
+        torch.testing.assert_close(gated, zeroed, atol=1e-5, rtol=1e-5)
+
+    # map-free statistics equal the eager maps'
+    st = headlab.capture(model, x, "blocks.*.attn.stats")
+    for layer in range(L):
+        p = eager.attentions[layer].double()
+        s = st[f"blocks.{layer}.attn.stats"]
+        ent = -(p * torch.log(p.clamp_min(1e-300))).sum(-1)
+        torch.testing.assert_close(_real(s.entropy.double(), x, 2), _real(ent, x, 2), atol=2e-5, rtol=1e-4)
+        torch.testing.assert_close(_real(s.max_weight.double(), x, 2), _real(p.amax(-1), x, 2), atol=1e-5, rtol=1e-5)
+
+    # importance, pruning
+    one = {k: v[:1] for k, v in x.items()}
+    imp = headlab.head_importance(model, [one["input_ids"][0]] if "input_ids" in one else [one], batch_size=1) \
+        if "input_ids" in one else None
+    if imp is not None:
+        assert imp.shape == (L, a.n_heads) and torch.isfinite(imp).all()
+    G = a.n_heads // a.n_kv_heads
+    drop = {0: list(range(G))} if G > 1 else {0: [1]}  # a whole kv group, or one head
+    for group in a.shared_layers:  # ALBERT: the same heads in every layer that shares the weights
+        if 0 in group:
+            drop = {l: drop[0] for l in group}
+    p = headlab.prune_heads(model, drop)
+    for l, hs in drop.items():
+        a.gates[l, hs] = 0.0
+    with torch.no_grad():
+        gated = _main(model(**x))
+        pruned = _main(p.model(**x))
+    a.reset_gates()
+    torch.testing.assert_close(_real(pruned, x, 1), _real(gated, x, 1), atol=1e-4, rtol=1e-4)
+    assert p.adapter.layer_heads[0] == a.n_heads - len(drop[0])
+    if a.shared_layers:  # pruning one layer of a shared block alone is refused, with the reason
+        with pytest.raises(HeadlabError, match="shares its attention module"):
+            headlab.prune_heads(model, {0: [1]})
+    assert sum(t.numel() for t in p.model.parameters()) < sum(t.numel() for t in model.parameters())
+
+    # norms and rollout, on one unpadded sequence
+    seq = {k: v[:1] for k, v in x.items()}
+    if "attention_mask" in seq:
+        seq["attention_mask"] = torch.ones_like(seq["attention_mask"])
+    _check_norms(model, a, seq)
+    with torch.no_grad():
+        maps = model(**seq, output_attentions=True).attentions
+    ro = headlab.rollout(model, seq)
+    n = maps[0].shape[-1]
+    eye = torch.eye(n, dtype=torch.float64)
+    R = None
+    for layer in range(L):
+        Ah = 0.5 * maps[layer][0].double().mean(0) + 0.5 * eye
+        Ah = Ah / Ah.sum(-1, keepdim=True)
+        R = Ah if R is None else Ah @ R
+    torch.testing.assert_close(ro.maps[-1].double(), R, atol=1e-5, rtol=1e-5)
+
+
+def _check_norms(model, a, seq):
+    """Residual mode: the vectors F_i(x_j) built here from the recorded tensors add up to the stream the model
+    computes, and their norms are what attention_norms reports; attention mode: ||sum_h alpha f_h(x_j)||."""
+    L = a.n_layers
+    rec: dict = {}
+    handles = []
+    for l in range(L):
+        bn = a.attention_norm(l)
+        d = rec.setdefault(l, {})
+
+        class D(dict):  # records only while layer l is being computed (ALBERT's modules serve every layer)
+            def __setitem__(self, key, value, l=l):
+                if a.attn_modules[l]._headlab is a.states[l]:
+                    super().__setitem__(key, value)
+        d = rec[l] = D()
+
+        def pre_attn(m, args, kwargs, d=d):
+            d["x"] = (args[0] if args else kwargs["hidden_states"]).detach()[0].clone()
+
+        def out_hook(m, args, out, d=d):
+            d["o"] = out.detach()[0].clone()
+        handles.append(a.attn_modules[l].register_forward_pre_hook(pre_attn, with_kwargs=True))
+        handles.append(a.out_projs[l].register_forward_hook(out_hook))
+        if bn.pre is not None:
+            handles.append(bn.pre.register_forward_pre_hook(lambda m, args, d=d: d.__setitem__("stream", args[0].detach()[0].clone())))
+        if bn.post is not None:
+            handles.append(bn.post.register_forward_hook(lambda m, args, out, d=d: d.__setitem__("post_out", out.detach()[0].clone())))
+            handles.append(bn.post.register_forward_pre_hook(lambda m, args, d=d: d.__setitem__("post_in", args[0].detach()[0].clone())))
+        if bn.parallel is not None:
+            handles.append(bn.parallel.register_forward_hook(
+                lambda m, args, out, d=d: d.__setitem__("par", (out[0] if isinstance(out, tuple) else out).detach()[0].clone())))
+    try:
+        with torch.no_grad():
+            maps = model(**seq, output_attentions=True).attentions
+    finally:
+        for h in handles:
+            h.remove()
+    res = headlab.attention_norms(model, seq, mode="residual")
+    att = headlab.attention_norms(model, seq, mode="attention")
+    for l in range(L):
+        bn, d = a.attention_norm(l), rec[l]
+        P = maps[l][0].double()  # (H, n, n)
+        x = d["x"].double()
+        n = x.shape[0]
+        WV, WO = a.W_V(l).detach().double(), a.W_O(l).detach().double()
+        v = torch.einsum("ne,ked->knd", x, WV)
+        if a.b_V(l) is not None:
+            v = v + a.b_V(l).detach().double().unsqueeze(1)
+        f = torch.einsum("hnd,hde->hne", v.repeat_interleave(a.n_heads // a.n_kv_heads, 0), WO)  # (H, n, E)
+        mix = torch.einsum("hij,hje->ije", P, f)  # (i, j, E): sum_h alpha f_h(x_j)
+        torch.testing.assert_close(mix.norm(dim=-1), att.layer[l].double(), atol=1e-5, rtol=1e-4)
+        bO = a.b_O(l)
+        bO = torch.zeros(x.shape[1], dtype=torch.float64) if bO is None else bO.detach().double()
+        torch.testing.assert_close(mix.sum(1) + bO, d["o"].double(), atol=1e-5, rtol=1e-4)  # what W^O wrote
+        stream = d.get("stream", x).double()
+        eye = torch.eye(n, dtype=torch.float64).unsqueeze(-1)
+        if bn.post is not None:
+            z = d["post_in"].double()
+            zc = z - z.mean(-1, keepdim=True) if bn.kind == "layernorm" else z
+            var = (zc * zc).mean(-1)
+            s = torch.sqrt(var + bn.eps()).view(n, 1, 1)
+            gamma = bn.scale(torch.float64)
+
+            def g(u):
+                u = u - u.mean(-1, keepdim=True) if bn.kind == "layernorm" else u
+                return u * gamma / s
+            if bn.post_reads == "sum":
+                F = g(mix + eye * x.unsqueeze(0))
+            else:
+                F = g(mix) + eye * stream.unsqueeze(0)
+            torch.testing.assert_close(F.sum(1) + g(bO.view(1, 1, -1).expand(n, 1, -1))[:, 0]
+                                       + (bn.post.bias.detach().double() if getattr(bn.post, "bias", None) is not None else 0),
+                                       (d["post_out"].double() + (stream if bn.post_reads == "branch" else 0)),
+                                       atol=1e-4, rtol=1e-4)
+        else:
+            r = stream + (d["par"].double() if bn.parallel is not None else 0)
+            F = mix + eye * r.unsqueeze(0)
+            total = d["o"].double() + stream + (d["par"].double() if bn.parallel is not None else 0)
+            torch.testing.assert_close(F.sum(1) + bO, total, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(F.norm(dim=-1), res.layer[l].double(), atol=1e-5, rtol=1e-4)
