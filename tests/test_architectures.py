@@ -145,10 +145,9 @@ def test_every_step(name, built, tmp_path):
 
     # importance, pruning
     one = {k: v[:1] for k, v in x.items()}
-    imp = headlab.head_importance(model, [one["input_ids"][0]] if "input_ids" in one else [one], batch_size=1) \
-        if "input_ids" in one else None
-    if imp is not None:
-        assert imp.shape == (L, a.n_heads) and torch.isfinite(imp).all()
+    examples = [one["input_ids"][0]] if "input_ids" in one else [one, {k: v[1:] for k, v in x.items()}]
+    imp = headlab.head_importance(model, examples, batch_size=2)
+    assert imp.shape == (L, a.n_heads) and torch.isfinite(imp).all() and (imp > 0).any()
     G = a.n_heads // a.n_kv_heads
     drop = {0: list(range(G))} if G > 1 else {0: [1]}  # a whole kv group, or one head
     for group in a.shared_layers:  # ALBERT: the same heads in every layer that shares the weights
@@ -266,3 +265,22 @@ def _check_norms(model, a, seq):
             total = d["o"].double() + stream + (d["par"].double() if bn.parallel is not None else 0)
             torch.testing.assert_close(F.sum(1) + bO, total, atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(F.norm(dim=-1), res.layer[l].double(), atol=1e-5, rtol=1e-4)
+
+
+def test_support_table_in_the_docs_is_the_registry():
+    """docs/models.md holds the table generated from the registered families (regenerate it when this fails:
+    replace the block between the support-table markers with ``support_markdown()``)."""
+    from pathlib import Path
+
+    from headlab.models.hf.support import support_markdown
+
+    page = (Path(__file__).resolve().parent.parent / "docs" / "models.md").read_text()
+    block = page.split("<!-- support-table:start -->\n", 1)[1].split("<!-- support-table:end -->", 1)[0]
+    assert block == support_markdown()
+
+
+def test_an_unknown_architecture_names_the_nearest_family_and_the_page():
+    from headlab.models.hf import unsupported_message
+
+    msg = unsupported_message("qwen3_moe")
+    assert "nearest registered family" in msg and "adding-a-family.md" in msg

@@ -64,6 +64,7 @@ class ModelAdapter:
 
     family: ClassVar[str] = "?"
     is_decoder: ClassVar[bool] = False  # families whose tokens see only earlier tokens say True
+    own_model: ClassVar[bool] = False  # headlab's own Transformer: called with an ids tensor, saved in its format
 
     def __init__(self, model: nn.Module, *, n_layers: int, n_heads: int, n_kv_heads: int, head_dim: int,
                  d_model: int, attn_modules: list[nn.Module], out_projs: list[nn.Module]) -> None:
@@ -137,6 +138,12 @@ class ModelAdapter:
     def layer_kv_heads(self) -> list[int]:
         """Key/value heads of every layer (see :attr:`layer_heads`)."""
         return [self.n_kv_heads] * self.n_layers
+
+    @property
+    def has_task_head(self) -> bool:
+        """Whether the model ends in a task head with logits (a classifier or a language-model head)."""
+        return self.own_model or type(self.model).__name__.endswith(
+            ("ForSequenceClassification", "LMHeadModel", "ForCausalLM"))
 
     @property
     def causal(self) -> bool:

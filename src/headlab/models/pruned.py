@@ -68,7 +68,7 @@ class PrunedModel(LoadedModel):
         if path.exists() and (not path.is_dir() or (any(path.iterdir()) and not force)):
             raise InputError(f"{path} exists and is not an empty folder; choose a new one or pass force=True")
         path.mkdir(parents=True, exist_ok=True)
-        base = "headlab" if self.family == "headlab" else "hf"
+        base = "headlab" if self.adapter.own_model else "hf"
         cfg = self.model.config.to_dict()
         if base == "hf":
             cfg.pop("_attn_implementation_autoset", None)

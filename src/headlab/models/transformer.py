@@ -211,6 +211,7 @@ class TransformerAdapter(ModelAdapter):
     """The adapter of headlab's own :class:`Transformer` (nn.Linear projections, as in MultiHeadAttention)."""
 
     family = "headlab"
+    own_model = True
 
     def __init__(self, model: Transformer) -> None:
         cfg = model.config

@@ -128,7 +128,7 @@ def prepare(loaded, adapter, inputs) -> tuple[dict | torch.Tensor, list[str] | N
     if tok is not None:
         tokens = tok.convert_ids_to_tokens(enc["input_ids"][0].tolist())
     if isinstance(inputs, torch.Tensor) or set(enc) == {"input_ids"}:
-        return (enc["input_ids"] if getattr(adapter, "family", "") == "headlab" else enc), tokens
+        return (enc["input_ids"] if getattr(adapter, "own_model", False) else enc), tokens
     return enc, tokens
 
 

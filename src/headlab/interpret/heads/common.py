@@ -92,11 +92,17 @@ class Batch:
 
     @property
     def size(self) -> int:
-        return int(self.inputs["input_ids"].shape[0])
+        return int(next(iter(self.inputs.values())).shape[0])
 
     @property
-    def mask(self) -> torch.Tensor:
-        return self.inputs["attention_mask"].bool()  # (B, L)
+    def device(self) -> torch.device:
+        return next(iter(self.inputs.values())).device
+
+    @property
+    def mask(self) -> torch.Tensor | None:
+        """``(B, L)`` real tokens, or None for inputs without one (images: every position is real)."""
+        m = self.inputs.get("attention_mask")
+        return None if m is None else m.bool()
 
 
 def check_data(texts, labels, loss: str) -> None:
@@ -130,7 +136,9 @@ def batches(loaded, adapter: ModelAdapter, texts, labels, batch_size: int, *, ma
     out = []
     for s, e in spans:
         chunk = texts[s:e]
-        if all(isinstance(t, str) for t in chunk):
+        if all(isinstance(t, dict) for t in chunk):  # non-text examples (pixel_values ...), each a batch of one
+            enc = {k: torch.cat([torch.as_tensor(t[k]) for t in chunk]).to(device) for k in chunk[0]}
+        elif all(isinstance(t, str) for t in chunk):
             if loaded is None or loaded.tokenizer is None:
                 raise InputError("text inputs need a LoadedModel with a tokenizer (headlab.load); "
                                  "for headlab's own models pass token-id sequences")
@@ -177,8 +185,7 @@ def _is_classifier(adapter: ModelAdapter) -> bool:
 
 
 def _has_task_head(adapter: ModelAdapter) -> bool:
-    return adapter.family == "headlab" or type(adapter.model).__name__.endswith(("ForSequenceClassification",
-                                                                                  "LMHeadModel", "ForCausalLM"))
+    return adapter.has_task_head
 
 
 def logits_of(out) -> torch.Tensor:
@@ -194,6 +201,8 @@ def pooled(out, mask: torch.Tensor) -> torch.Tensor:
     if h is None:
         raise ConfigError(f"loss='cosine' needs a sentence encoder's last_hidden_state; {type(out).__name__} has none "
                           "(use loss='kl' for a classifier or decoder)")
+    if mask is None:
+        return h.mean(1)
     m = mask.to(h.dtype).unsqueeze(-1)  # (B, L, 1)
     return (h * m).sum(1) / m.sum(1).clamp_min(1.0)
 

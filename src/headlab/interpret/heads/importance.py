@@ -116,7 +116,7 @@ def _importance(loaded, texts, labels, *, loss, batch_size, normalize, backend, 
                     holder["xi"] = None
                     with torch.no_grad():
                         ref = C.reference(loss, adapter.forward(b.inputs), b, generator=gen)
-                xi = torch.ones(b.size, L, H, dtype=torch.float32, device=b.inputs["input_ids"].device,
+                xi = torch.ones(b.size, L, H, dtype=torch.float32, device=b.device,
                                 requires_grad=True)
                 holder["xi"] = xi
                 with torch.enable_grad():

@@ -24,6 +24,7 @@ class AlbertAdapter(HFAdapter):
     norms = Norms(post="attention.LayerNorm", kind="layernorm")
     head_attrs = {"num_attention_heads": "H", "all_head_size": "H*d"}
     positions = "absolute"
+    limits = {"pruning": "the same heads in every layer sharing a block", "gates": "per layer, on shared weights"}
 
     def _blocks(self, model):
         cfg, enc = model.config, model.base_model.encoder

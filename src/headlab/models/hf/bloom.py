@@ -31,6 +31,7 @@ class BloomAdapter(OwnForwardAdapter):
     head_attrs = {"num_heads": "H"}
     positions = "alibi"
     score_mods = "ALiBi (an additive bias from the model's own rows)"
+    limits = {"backends": "sdpa refused (it cannot add ALiBi)", "norms": "stream=False (map-free tiles add no ALiBi)"}
 
     @classmethod
     def max_positions(cls, config) -> int:  # ALiBi has no table; BLOOM was trained on 2,048 tokens

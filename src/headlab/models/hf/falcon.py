@@ -21,6 +21,9 @@ class FalconAdapter(OwnForwardAdapter):
     attention = "self_attention"
     out = Out("self_attention.dense")
     head_attrs = {"num_heads": "H", "num_kv_heads": "Hkv"}
+    score_mods = "ALiBi in the ALiBi variants"
+    limits = {"backends": "sdpa refused for ALiBi variants", "pruning": "rotary variants only",
+              "norms": "stream=False for ALiBi variants"}
 
     @classmethod
     def shape(cls, cfg):

@@ -77,6 +77,7 @@ class HFAdapter(ModelAdapter):
     positions: ClassVar[str] = "rotary"  # how the family encodes positions: rotary, absolute, alibi, relative
     score_mods: ClassVar[str] = ""  # what the family does to its scores beyond the scale, for the support table
     stock_config: ClassVar[bool] = False  # a uniformly pruned model is a stock config (the config has head_dim)
+    limits: ClassVar[dict[str, str]] = {}  # step -> caveat, for the support table (headlab models)
 
     def __init__(self, model: nn.Module) -> None:
         cfg = model.config

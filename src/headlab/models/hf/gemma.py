@@ -19,3 +19,4 @@ class GemmaAdapter(HFAdapter):
     head_attrs = {"num_key_value_groups": "G"}
     stock_config = True
     score_mods = "soft-capping (Gemma 2), sliding window on alternate layers"
+    limits = {"backends": "sdpa refused when soft-capping", "norms": "stream=False when soft-capping"}

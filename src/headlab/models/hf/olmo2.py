@@ -37,6 +37,7 @@ class Olmo2Adapter(HFAdapter):
     is_decoder = True
     norms = Norms(post="post_attention_layernorm", post_reads="branch", kind="rmsnorm")
     head_attrs = {"num_key_value_groups": "G"}
+    limits = {"pruning": "q_proj and k_proj stay whole (q/k norms span all heads)"}
 
     def cut_heads(self, attn, out, q_heads, kv_heads, H, Hkv):
         d = self.head_dim

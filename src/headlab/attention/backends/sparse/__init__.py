@@ -119,13 +119,19 @@ class SparseBackend(Backend):
         ok, why = super().supports(spec)
         if not ok:
             return ok, why
-        return True, ""  # a call without a mask visits every tile (as dense as sdpa, exact all the same)
+        return True, ""  # a call without a mask has every tile to visit: the dense tiled kernel serves it
 
     def check_memory(self, spec: AttentionSpec) -> None:
         check_fits(working_set_bytes(spec), what=f"backend 'sparse' at {spec.q_len}x{spec.kv_len}",
                    device=spec.device, alternative="sdpa")
 
     def forward(self, q, k, v, spec, *, mask, scale, score_mod=None):
+        if mask is None and not spec.causal:
+            # no mask: no tile is empty, so there is nothing to skip; the dense tiled kernel computes the same
+            # exact attention (sparse's FULL-tile path missed the flash rule on tests/cases.py's decode case)
+            from headlab.attention.backends import get
+
+            return get("tiled").forward(q, k, v, spec, mask=None, scale=scale, score_mod=score_mod)
         if isinstance(mask, torch.Tensor):  # a bool tensor: its block map skips the tiles it leaves empty
             mask = tensor_mask(mask)
         eff = effective_mask(mask, spec.causal)
