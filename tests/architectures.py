@@ -69,6 +69,7 @@ BUILDERS = {
                              use_qkv_bias=True), "text"),
     "starcoder2": (_llama_like(T.Starcoder2Config, T.Starcoder2ForCausalLM, sliding_window=5), "text"),
     "mixtral": (_llama_like(T.MixtralConfig, T.MixtralForCausalLM, num_local_experts=2, num_experts_per_tok=1), "text"),
+    "cohere": (_llama_like(T.CohereConfig, T.CohereForCausalLM), "text"),
     "t5": (lambda: T.T5ForConditionalGeneration(T.T5Config(
         vocab_size=V, d_model=E, d_kv=D, d_ff=FF, num_layers=LAYERS, num_heads=H, relative_attention_num_buckets=8,
         decoder_start_token_id=0, attn_implementation="eager")), "seq2seq"),

@@ -16,6 +16,7 @@ from headlab.models.hf import (  # noqa: F401  (each registers its family)
     albert,
     bert,
     bloom,
+    cohere,
     distilbert,
     falcon,
     gemma,
