@@ -129,9 +129,9 @@ class SparseBackend(Backend):
         if mask is None and not spec.causal:
             # no mask: no tile is empty, so there is nothing to skip; the dense tiled kernel computes the same
             # exact attention (sparse's FULL-tile path missed the flash rule on tests/cases.py's decode case)
-            from headlab.attention.backends import get
+            from headlab.attention.backends.tiled import TiledBackend
 
-            return get("tiled").forward(q, k, v, spec, mask=None, scale=scale, score_mod=score_mod)
+            return TiledBackend().forward(q, k, v, spec, mask=None, scale=scale, score_mod=score_mod)
         if isinstance(mask, torch.Tensor):  # a bool tensor: its block map skips the tiles it leaves empty
             mask = tensor_mask(mask)
         eff = effective_mask(mask, spec.causal)
