@@ -36,6 +36,7 @@ from headlab.attention.module import MultiHeadAttention
 from headlab.errors import ConfigError, ModelError, ShapeError
 from headlab.models.base import ModelAdapter
 from headlab.models.norm_layout import BlockNorms
+from headlab.models.projections import Out, Separate
 from headlab.models.sites import run_attention, state_of
 
 CONFIG_FILE = "headlab_config.json"
@@ -254,21 +255,7 @@ class TransformerAdapter(ModelAdapter):
         return lin.bias.view(heads, self.head_dim)
 
     def cut_heads(self, attn, out, q_heads, kv_heads, H, Hkv):
-        d = self.head_dim
-        q_idx = [h * d + i for h in q_heads for i in range(d)]
-        kv_idx = [h * d + i for h in kv_heads for i in range(d)]
-        for lin, idx in ((attn.q_proj, q_idx), (attn.k_proj, kv_idx), (attn.v_proj, kv_idx)):
-            _keep_rows(lin, idx)
-        t = torch.tensor(q_idx, device=out.weight.device)
-        out.weight = nn.Parameter(out.weight.data[:, t].clone(), requires_grad=out.weight.requires_grad)
-        out.in_features = len(q_idx)
+        Separate().cut(attn, q_heads, kv_heads, H, Hkv, self.head_dim)
+        Out("attn.out_proj").cut(out, q_heads, self.head_dim)
         attn.head_gate = attn.head_gate[list(q_heads)].clone()
         attn.num_heads, attn.num_kv_heads = len(q_heads), len(kv_heads)
-
-
-def _keep_rows(lin: nn.Linear, idx: list[int]) -> None:
-    t = torch.tensor(idx, device=lin.weight.device)
-    lin.weight = nn.Parameter(lin.weight.data[t].clone(), requires_grad=lin.weight.requires_grad)
-    if lin.bias is not None:
-        lin.bias = nn.Parameter(lin.bias.data[t].clone(), requires_grad=lin.bias.requires_grad)
-    lin.out_features = len(idx)

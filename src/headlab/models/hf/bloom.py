@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from headlab.attention.score_mods import bias_tensor
 from headlab.models.hf.attention_fn import hf_mask_to_bool
-from headlab.models.hf.family import Fused, Norms, Out, OwnForwardAdapter, merge_heads
+from headlab.models.hf.family import Fused, Norms, Out, OwnForwardAdapter, bound_forward, merge_heads
 from headlab.models.hf.registry import register
 from headlab.models.sites import run_attention
 
@@ -39,10 +39,11 @@ class BloomAdapter(OwnForwardAdapter):
 
     def cut_heads(self, attn, out, q_heads, kv_heads, H, Hkv):
         super().cut_heads(attn, out, q_heads, kv_heads, H, Hkv)
-        # the model builds ALiBi rows for all of its original heads: remember which ones this layer keeps
+        # the model builds ALiBi rows for all of its original heads: remember which ones this layer keeps, and
+        # run headlab's forward from now on (BLOOM's own would add every head's rows)
         before = getattr(attn, "_headlab_alibi_heads", list(range(H)))
         attn._headlab_alibi_heads = [before[h] for h in q_heads]
-        attn.forward = _pruned_forward(self, attn)
+        attn.forward = bound_forward(self.attention_forward, attn)
 
     def attention_forward(self, module, hidden_states, residual, alibi, attention_mask, layer_past=None,
                           use_cache=False, output_attentions=False, **kwargs):
@@ -63,10 +64,3 @@ class BloomAdapter(OwnForwardAdapter):
         output = module.dense(merge_heads(out))
         output = residual + F.dropout(output, p=module.hidden_dropout, training=module.training)
         return output, weights
-
-
-def _pruned_forward(adapter, module):
-    """A pruned BLOOM layer keeps fewer heads than the model's ALiBi rows: it always runs headlab's forward."""
-    def forward(*args, **kwargs):
-        return adapter.attention_forward(module, *args, **kwargs)
-    return forward

@@ -33,7 +33,7 @@ from torch import nn
 from headlab.errors import ModelError
 from headlab.models.base import ModelAdapter
 from headlab.models.hf import attention_fn
-from headlab.models.hf.layouts import Fused, Out, Separate, _get
+from headlab.models.projections import Fused, Out, Separate, get_module
 from headlab.models.norm_layout import BlockNorms
 
 
@@ -49,10 +49,10 @@ class Norms:
     parallel: str | None = None
 
     def resolve(self, block: nn.Module) -> BlockNorms:
-        return BlockNorms(pre=_get(block, self.pre) if self.pre else None,
-                          post=_get(block, self.post) if self.post else None, post_reads=self.post_reads,
+        return BlockNorms(pre=get_module(block, self.pre) if self.pre else None,
+                          post=get_module(block, self.post) if self.post else None, post_reads=self.post_reads,
                           kind=self.kind, offset=self.offset,
-                          parallel=_get(block, self.parallel) if self.parallel else None)
+                          parallel=get_module(block, self.parallel) if self.parallel else None)
 
 
 def _first(cfg, names, default=None):
@@ -84,11 +84,11 @@ class HFAdapter(ModelAdapter):
         self.blocks = list(self._blocks(model))
         H, Hkv, d, E = self.shape(cfg)
         super().__init__(model, n_layers=len(self.blocks), n_heads=H, n_kv_heads=Hkv, head_dim=d, d_model=E,
-                         attn_modules=[_get(b, self.attention) for b in self.blocks],
-                         out_projs=[_get(b, self.out.path) for b in self.blocks])
+                         attn_modules=[get_module(b, self.attention) for b in self.blocks],
+                         out_projs=[get_module(b, self.out.path) for b in self.blocks])
 
     def _blocks(self, model: nn.Module):
-        return _get(model.base_model, self.layers)
+        return get_module(model.base_model, self.layers)
 
     @classmethod
     def shape(cls, cfg) -> tuple[int, int, int, int]:
@@ -171,7 +171,7 @@ class OwnForwardAdapter(HFAdapter):
         saved = []
         for am in self.attn_modules:
             saved.append(am.__dict__.get("forward"))
-            am.forward = _bound(self.attention_forward, am)
+            am.forward = bound_forward(self.attention_forward, am)
         return saved
 
     def _exit_backend(self, saved) -> None:
@@ -182,15 +182,11 @@ class OwnForwardAdapter(HFAdapter):
                 am.forward = f
 
 
-def _bound(fn, module):
+def bound_forward(fn, module):
+    """``fn(module, ...)`` as a forward to set on ``module`` (an instance attribute replaces the class's)."""
     def forward(*args, **kwargs):
         return fn(module, *args, **kwargs)
     return forward
-
-
-def scale_of(module: nn.Module, d: int) -> float:
-    s = getattr(module, "scaling", None)
-    return float(s) if isinstance(s, (int, float)) else d ** -0.5
 
 
 def merge_heads(x: torch.Tensor) -> torch.Tensor:
@@ -199,4 +195,4 @@ def merge_heads(x: torch.Tensor) -> torch.Tensor:
     return x.transpose(1, 2).reshape(B, L, H * d)
 
 
-__all__ = ["Fused", "HFAdapter", "Norms", "Out", "OwnForwardAdapter", "Separate", "merge_heads", "scale_of"]
+__all__ = ["Fused", "HFAdapter", "Norms", "Out", "OwnForwardAdapter", "Separate", "bound_forward", "merge_heads"]

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from headlab.models.hf.family import HFAdapter, Norms
-from headlab.models.hf.layouts import _feature_rows
+from headlab.models.projections import feature_rows, keep_features
 from headlab.models.hf.registry import register
 
 
@@ -41,16 +41,14 @@ class Olmo2Adapter(HFAdapter):
 
     def cut_heads(self, attn, out, q_heads, kv_heads, H, Hkv):
         d = self.head_dim
-        q_idx, kv_idx = _feature_rows(q_heads, d), _feature_rows(kv_heads, d)
+        q_idx, kv_idx = feature_rows(q_heads, d), feature_rows(kv_heads, d)
         for name, idx in (("q_norm", q_idx), ("k_norm", kv_idx)):
             norm = getattr(attn, name)
             if isinstance(norm, KeepColumns):  # pruned before: compose the selections
                 norm.idx = norm.idx[torch.tensor(idx)]
             else:
                 setattr(attn, name, KeepColumns(norm, idx))
-        from headlab.models.hf.layouts import _keep
-
-        _keep(attn.v_proj, kv_idx, conv1d=False, side="out")
+        keep_features(attn.v_proj, kv_idx, conv1d=False, side="out")
         self.out.cut(out, q_heads, d)
         attn.num_key_value_groups = len(q_heads) // len(kv_heads)
 

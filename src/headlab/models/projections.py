@@ -1,7 +1,8 @@
 """Where a family keeps W_Q, W_K, W_V and W^O, and how heads are read from them and cut out of them.
 
-A layout is declared once per family (:class:`~headlab.models.hf.family.HFAdapter`); the adapter's
-per-head views, physical pruning and the model's head counts all follow from it.
+A layout is declared once per family (:class:`~headlab.models.hf.family.HFAdapter`; headlab's own
+Transformer uses ``Separate`` and ``Out`` too); the adapter's per-head views, physical pruning and the
+model's head counts all follow from it.
 
 ============================  ====================================================  ===========================
 layout                        rows of the projection's output                        families
@@ -25,17 +26,17 @@ import torch
 from torch import nn
 
 
-def _get(module: nn.Module, path: str) -> nn.Module:
+def get_module(module: nn.Module, path: str) -> nn.Module:
     for part in path.split("."):
         module = module[int(part)] if part.isdigit() else getattr(module, part)
     return module
 
 
-def _feature_rows(heads, d: int, offset: int = 0) -> list[int]:
+def feature_rows(heads, d: int, offset: int = 0) -> list[int]:
     return [offset + h * d + i for h in heads for i in range(d)]
 
 
-def _keep(module: nn.Module, idx: list[int], *, conv1d: bool, side: str) -> None:
+def keep_features(module: nn.Module, idx: list[int], *, conv1d: bool, side: str) -> None:
     """Keep output features (``side="out"``) or input features (``"in"``) ``idx`` of a Linear/Conv1D, in place."""
     w = module.weight.data
     t = torch.tensor(idx, dtype=torch.long, device=w.device)
@@ -74,7 +75,7 @@ class Separate:
     conv1d: bool = False
 
     def module(self, attn: nn.Module, which: str) -> nn.Module:
-        return _get(attn, getattr(self, which))
+        return get_module(attn, getattr(self, which))
 
     def weight(self, attn, which, H, Hkv, d):
         heads = H if which == "q" else Hkv
@@ -86,7 +87,7 @@ class Separate:
 
     def cut(self, attn, q_heads, kv_heads, H, Hkv, d) -> None:
         for which, heads in (("q", q_heads), ("k", kv_heads), ("v", kv_heads)):
-            _keep(self.module(attn, which), _feature_rows(heads, d), conv1d=self.conv1d, side="out")
+            keep_features(self.module(attn, which), feature_rows(heads, d), conv1d=self.conv1d, side="out")
 
 
 @dataclass(frozen=True)
@@ -99,13 +100,13 @@ class Fused:
     conv1d: bool = False
 
     def module(self, attn: nn.Module, which: str | None = None) -> nn.Module:
-        return _get(attn, self.name)
+        return get_module(attn, self.name)
 
     def _rows(self, which: str, heads, H: int, Hkv: int, d: int) -> list[int]:
         """Output features of ``heads`` (query heads for q, kv heads for k and v) in the fused axis."""
         i = "qkv".index(which)
         if self.order == "blocks":
-            return _feature_rows(heads, d, (0, H * d, (H + Hkv) * d)[i])
+            return feature_rows(heads, d, (0, H * d, (H + Hkv) * d)[i])
         if self.order == "per_head":
             return [h * 3 * d + i * d + j for h in heads for j in range(d)]
         G = H // Hkv
@@ -144,7 +145,7 @@ class Fused:
             for g in kv_heads:
                 idx += self._rows("q", [h for h in q_heads if h // G == g], H, Hkv, d)
                 idx += self._rows("k", [g], H, Hkv, d) + self._rows("v", [g], H, Hkv, d)
-        _keep(self.module(attn), idx, conv1d=self.conv1d, side="out")
+        keep_features(self.module(attn), idx, conv1d=self.conv1d, side="out")
 
 
 @dataclass(frozen=True)
@@ -162,13 +163,13 @@ class Out:
         return w.t().view(H, d, w.shape[0])
 
     def cut(self, op: nn.Module, q_heads, d: int) -> None:
-        _keep(op, _feature_rows(q_heads, d), conv1d=self.conv1d, side="in")
+        keep_features(op, feature_rows(q_heads, d), conv1d=self.conv1d, side="in")
 
     def zero(self, op: nn.Module, local_heads, d: int) -> None:
         """Set W^O's block of ``local_heads`` (indices in the layer as it is now) to zero."""
         if not local_heads:
             return
-        idx = torch.tensor(_feature_rows(local_heads, d), device=op.weight.device)
+        idx = torch.tensor(feature_rows(local_heads, d), device=op.weight.device)
         with torch.no_grad():
             if self.conv1d:
                 op.weight[idx] = 0.0
@@ -176,4 +177,4 @@ class Out:
                 op.weight[:, idx] = 0.0
 
 
-__all__ = ["Fused", "Out", "Separate"]
+__all__ = ["Fused", "Out", "Separate", "feature_rows", "get_module", "keep_features"]
