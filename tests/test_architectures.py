@@ -51,10 +51,18 @@ def _real(t: torch.Tensor, x: dict, dim: int) -> torch.Tensor:
     return t.movedim(dim, 1)[keep]
 
 
+def _eager_maps(a, eager) -> list[torch.Tensor]:
+    """The eager maps of every attention layer, in the adapter's order (encoder-decoders: encoder self,
+    decoder self, then cross-attention)."""
+    if "encoder" not in a.stacks:
+        return list(eager.attentions)
+    return [*eager.encoder_attentions, *eager.decoder_attentions, *eager.cross_attentions]
+
+
 def _score_mod(model) -> bool:
     """Does the model change its scores beyond the scale (soft-capping, ALiBi)?"""
     cfg = model.config
-    return bool(getattr(cfg, "attn_logit_softcapping", None)) or cfg.model_type == "bloom" or bool(
+    return bool(getattr(cfg, "attn_logit_softcapping", None)) or cfg.model_type in ("bloom", "t5") or bool(
         getattr(cfg, "alibi", False))
 
 
@@ -96,11 +104,15 @@ def test_every_step(name, built, tmp_path):
         torch.testing.assert_close(_main(loaded.model(**x)), ref, atol=1e-5, rtol=1e-5)
     assert loaded.adapter.n_layers == L and loaded.family == a.family
 
-    # capture equals output_attentions
-    cache = headlab.capture(model, x, "blocks.*.attn.pattern")
+    # capture equals output_attentions (self- and cross-attention), under the adapter's site names
+    emaps = _eager_maps(a, eager)
+    assert len(emaps) == L
+    cache = headlab.capture(model, x, a.sites("pattern"))
     for layer in range(L):
-        torch.testing.assert_close(_real(cache[f"blocks.{layer}.attn.pattern"], x, 2),
-                                   _real(eager.attentions[layer], x, 2), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(_real(cache[a.site_name(layer, "pattern")], x, 2),
+                                   _real(emaps[layer], x, 2), atol=1e-5, rtol=1e-5)
+    if "encoder" in a.stacks:
+        assert {"encoder.0.attn.pattern", "decoder.0.attn.pattern", "decoder.1.cross.pattern"} <= set(cache)
 
     # every backend the attention allows
     for backend in BACKENDS:
@@ -135,17 +147,18 @@ def test_every_step(name, built, tmp_path):
         torch.testing.assert_close(gated, zeroed, atol=1e-5, rtol=1e-5)
 
     # map-free statistics equal the eager maps'
-    st = headlab.capture(model, x, "blocks.*.attn.stats")
+    st = headlab.capture(model, x, a.sites("stats"))
     for layer in range(L):
-        p = eager.attentions[layer].double()
-        s = st[f"blocks.{layer}.attn.stats"]
+        p = emaps[layer].double()
+        s = st[a.site_name(layer, "stats")]
         ent = -(p * torch.log(p.clamp_min(1e-300))).sum(-1)
         torch.testing.assert_close(_real(s.entropy.double(), x, 2), _real(ent, x, 2), atol=2e-5, rtol=1e-4)
         torch.testing.assert_close(_real(s.max_weight.double(), x, 2), _real(p.amax(-1), x, 2), atol=1e-5, rtol=1e-5)
 
     # importance, pruning
     one = {k: v[:1] for k, v in x.items()}
-    examples = [one["input_ids"][0]] if "input_ids" in one else [one, {k: v[1:] for k, v in x.items()}]
+    text_only = set(one) == {"input_ids", "attention_mask"}
+    examples = [one["input_ids"][0]] if text_only else [one, {k: v[1:] for k, v in x.items()}]
     imp = headlab.head_importance(model, examples, batch_size=2)
     assert imp.shape == (L, a.n_heads) and torch.isfinite(imp).all() and (imp > 0).any()
     G = a.n_heads // a.n_kv_heads
@@ -173,16 +186,19 @@ def test_every_step(name, built, tmp_path):
         seq["attention_mask"] = torch.ones_like(seq["attention_mask"])
     _check_norms(model, a, seq)
     with torch.no_grad():
-        maps = model(**seq, output_attentions=True).attentions
-    ro = headlab.rollout(model, seq)
-    n = maps[0].shape[-1]
-    eye = torch.eye(n, dtype=torch.float64)
-    R = None
-    for layer in range(L):
-        Ah = 0.5 * maps[layer][0].double().mean(0) + 0.5 * eye
-        Ah = Ah / Ah.sum(-1, keepdim=True)
-        R = Ah if R is None else Ah @ R
-    torch.testing.assert_close(ro.maps[-1].double(), R, atol=1e-5, rtol=1e-5)
+        maps = _eager_maps(a, model(**seq, output_attentions=True))
+    for stack, layers in a.stacks.items():  # Abnar and Zuidema within each stack that chains
+        if stack == "cross":
+            continue
+        ro = headlab.rollout(model, seq, stack=None if len(a.stacks) == 1 else stack)
+        n = maps[layers[0]].shape[-1]
+        eye = torch.eye(n, dtype=torch.float64)
+        R = None
+        for layer in layers:
+            Ah = 0.5 * maps[layer][0].double().mean(0) + 0.5 * eye
+            Ah = Ah / Ah.sum(-1, keepdim=True)
+            R = Ah if R is None else Ah @ R
+        torch.testing.assert_close(ro.maps[-1].double(), R, atol=1e-5, rtol=1e-5)
 
 
 def _check_norms(model, a, seq):
@@ -192,8 +208,8 @@ def _check_norms(model, a, seq):
     rec: dict = {}
     handles = []
     for l in range(L):
-        bn = a.attention_norm(l)
-        d = rec.setdefault(l, {})
+        cross = "cross" in a.stacks and l in a.stacks["cross"]
+        bn = None if cross else a.attention_norm(l)
 
         class D(dict):  # records only while layer l is being computed (ALBERT's modules serve every layer)
             def __setitem__(self, key, value, l=l):
@@ -201,34 +217,38 @@ def _check_norms(model, a, seq):
                     super().__setitem__(key, value)
         d = rec[l] = D()
 
-        def pre_attn(m, args, kwargs, d=d):
-            d["x"] = (args[0] if args else kwargs["hidden_states"]).detach()[0].clone()
+        def pre_attn(m, args, kwargs, d=d, l=l):
+            d["x"] = a.value_input(l, args, kwargs).detach()[0].clone()
 
         def out_hook(m, args, out, d=d):
             d["o"] = out.detach()[0].clone()
         handles.append(a.attn_modules[l].register_forward_pre_hook(pre_attn, with_kwargs=True))
         handles.append(a.out_projs[l].register_forward_hook(out_hook))
-        if bn.pre is not None:
+        if bn is not None and bn.pre is not None:
             handles.append(bn.pre.register_forward_pre_hook(lambda m, args, d=d: d.__setitem__("stream", args[0].detach()[0].clone())))
-        if bn.post is not None:
+        if bn is not None and bn.post is not None:
             handles.append(bn.post.register_forward_hook(lambda m, args, out, d=d: d.__setitem__("post_out", out.detach()[0].clone())))
             handles.append(bn.post.register_forward_pre_hook(lambda m, args, d=d: d.__setitem__("post_in", args[0].detach()[0].clone())))
-        if bn.parallel is not None:
+        if bn is not None and bn.parallel is not None:
             handles.append(bn.parallel.register_forward_hook(
                 lambda m, args, out, d=d: d.__setitem__("par", (out[0] if isinstance(out, tuple) else out).detach()[0].clone())))
     try:
         with torch.no_grad():
-            maps = model(**seq, output_attentions=True).attentions
+            maps = _eager_maps(a, model(**seq, output_attentions=True))
     finally:
         for h in handles:
             h.remove()
-    res = headlab.attention_norms(model, seq, mode="residual")
+    selfs = [l for l in range(L) if "cross" not in a.stacks or l not in a.stacks["cross"]]
+    res = headlab.attention_norms(model, seq, mode="residual", layers=selfs)
     att = headlab.attention_norms(model, seq, mode="attention")
+    if len(selfs) < L:  # cross-attention: no residual decomposition, refused with the reason
+        with pytest.raises(HeadlabError, match="cross-attention"):
+            headlab.attention_norms(model, seq, mode="residual")
     for l in range(L):
-        bn, d = a.attention_norm(l), rec[l]
+        d = rec[l]
         P = maps[l][0].double()  # (H, n, n)
         x = d["x"].double()
-        n = x.shape[0]
+        n = P.shape[1]  # queries (the keys are x's rows)
         WV, WO = a.W_V(l).detach().double(), a.W_O(l).detach().double()
         v = torch.einsum("ne,ked->knd", x, WV)
         if a.b_V(l) is not None:
@@ -239,6 +259,9 @@ def _check_norms(model, a, seq):
         bO = a.b_O(l)
         bO = torch.zeros(x.shape[1], dtype=torch.float64) if bO is None else bO.detach().double()
         torch.testing.assert_close(mix.sum(1) + bO, d["o"].double(), atol=1e-5, rtol=1e-4)  # what W^O wrote
+        if l not in selfs:
+            continue
+        bn = a.attention_norm(l)
         stream = d.get("stream", x).double()
         eye = torch.eye(n, dtype=torch.float64).unsqueeze(-1)
         if bn.post is not None:
@@ -284,3 +307,26 @@ def test_an_unknown_architecture_names_the_nearest_family_and_the_page():
 
     msg = unsupported_message("qwen3_moe")
     assert "nearest registered family" in msg and "adding-a-family.md" in msg
+
+
+def test_ablation_of_an_encoder_decoder_head_is_its_kl_effect(built):
+    """Ablation through the stacked sites: zeroing a cross-attention head (and an encoder head) of T5 changes
+    the decoder's distribution by exactly the KL that gating the head by hand gives."""
+    import torch.nn.functional as F
+
+    model = built("t5")
+    a = adapt(model)
+    x = A.inputs("t5", padded=False)
+    examples = [{k: v[i:i + 1] for k, v in x.items()} for i in range(2)]
+    cross = a.stacks["cross"][-1]
+    r = headlab.ablate(model, examples, heads=[(0, 1), (cross, 2)], k=2, keep_one=False, n_boot=50, cka=False,
+                       loss="kl")
+    with torch.no_grad():
+        p0 = F.log_softmax(model(**x).logits.double(), -1)
+        for layer, head in ((0, 1), (cross, 2)):
+            a.gates[layer, head] = 0.0
+            p = F.log_softmax(model(**x).logits.double(), -1)
+            a.reset_gates()
+            kl = (p0.exp() * (p0 - p)).sum(-1).mean(-1).mean()  # per decoder token, per example, then mean
+            assert float(r.single[layer, head]) == pytest.approx(float(kl), rel=1e-4, abs=1e-9)
+            assert float(kl) > 0

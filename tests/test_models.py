@@ -267,9 +267,9 @@ def test_gates_shape_and_layer_checked(models):
 
 
 def test_unsupported_architecture():
-    t5 = transformers.T5Model(transformers.T5Config(vocab_size=V, d_model=E, d_kv=8, d_ff=64, num_layers=1,
-                                                    num_heads=4))
-    for model in (t5, torch.nn.Linear(3, 3)):
+    deberta = transformers.DebertaV2Model(transformers.DebertaV2Config(  # an architecture headlab refuses
+        vocab_size=V, hidden_size=E, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64))
+    for model in (deberta, torch.nn.Linear(3, 3)):
         with pytest.raises(UnsupportedArchitectureError, match="bert.*gpt2.*llama"):
             adapt(model)
 
@@ -305,7 +305,7 @@ def test_load_errors(tmp_path):
         headlab.load("no-such-model")
     with pytest.raises(ModelError, match="not a Hugging Face model folder"):
         headlab.load(tmp_path)
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "t5"}))
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "deberta-v2"}))
     with pytest.raises(UnsupportedArchitectureError, match="supported families"):
         headlab.load(tmp_path)
 

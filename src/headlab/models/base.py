@@ -32,6 +32,7 @@ from torch import nn
 from headlab.attention import backends as _backends
 from headlab.errors import ConfigError, InputError, PruneError, UnsupportedArchitectureError
 from headlab.models.norm_layout import BlockNorms
+from headlab.models.projections import Out
 from headlab.models.sites import (
     EDITABLE_KINDS,
     SITE_KINDS,
@@ -39,6 +40,7 @@ from headlab.models.sites import (
     gate_hook,
     head_out_hook,
     match_sites,
+    default_prefixes,
     site_name,
 )
 
@@ -83,16 +85,15 @@ class ModelAdapter:
         self._gates = torch.ones(n_layers, n_heads, device=p.device if p is not None else None)
         self._handles: list = []
         # one state per layer, reachable from the layer's attention module and its output projection
-        self.states = [LayerState(layer=i, n_heads=n_heads, head_dim=head_dim, adapter=self) for i in range(n_layers)]
+        self.site_prefixes = self._site_prefixes()
+        self.states = [LayerState(layer=i, n_heads=n_heads, head_dim=head_dim, adapter=self, site=self.site_prefixes[i])
+                       for i in range(n_layers)]
         self._attach_states()
 
     def _attach_states(self) -> None:
         """Put each layer's state on its modules and hook W^O. A module that serves several layers (ALBERT
         shares one block across all of them) gets the state of the layer it is about to compute: a
         pre-hook on the attention module takes the next of its layers, a pre-hook on the model rewinds."""
-        serves: dict[int, list[int]] = {}
-        for i, am in enumerate(self.attn_modules):
-            serves.setdefault(id(am), []).append(i)
         hooked: set[int] = set()
         for i, (am, op) in enumerate(zip(self.attn_modules, self.out_projs)):
             if id(op) in hooked:
@@ -101,7 +102,8 @@ class ModelAdapter:
             am._headlab = op._headlab = self.states[i]
             self._handles.append(op.register_forward_pre_hook(gate_hook))
             self._handles.append(op.register_forward_hook(head_out_hook))
-        if all(len(v) == 1 for v in serves.values()):
+        shared = self.shared_layers
+        if not shared:
             return
         calls: dict[int, int] = {}
 
@@ -116,9 +118,27 @@ class ModelAdapter:
             return hook
 
         self._handles.append(self.model.register_forward_pre_hook(rewind))
-        for key, layers in serves.items():
+        for layers in shared:
             am, op = self.attn_modules[layers[0]], self.out_projs[layers[0]]
             self._handles.append(am.register_forward_pre_hook(next_layer(am, op, layers), with_kwargs=True))
+
+    def _site_prefixes(self) -> list[str]:
+        """The site prefix of every attention layer (single stack: ``blocks.{i}.attn``)."""
+        return default_prefixes(self.n_layers)
+
+    @property
+    def stacks(self) -> dict[str, list[int]]:
+        """Layer indices of each stack: ``{"blocks": [...]}`` for one stack; an encoder-decoder has
+        ``"encoder"``, ``"decoder"`` (self-attention) and ``"cross"``."""
+        return {"blocks": list(range(self.n_layers))}
+
+    def site_name(self, layer: int, kind: str) -> str:
+        """The name of site ``kind`` of attention layer ``layer``: ``blocks.3.attn.pattern``, ``decoder.1.cross.z``."""
+        return f"{self.site_prefixes[layer]}.{kind}"
+
+    def sites(self, kind: str) -> list[str]:
+        """Globs that match site ``kind`` in every layer of every stack (``["blocks.*.attn.pattern"]``)."""
+        return sorted({".".join([p.split(".")[0], "*", p.split(".")[2], kind]) for p in self.site_prefixes})
 
     @property
     def shared_layers(self) -> list[list[int]]:
@@ -143,7 +163,12 @@ class ModelAdapter:
     def has_task_head(self) -> bool:
         """Whether the model ends in a task head with logits (a classifier or a language-model head)."""
         return self.own_model or type(self.model).__name__.endswith(
-            ("ForSequenceClassification", "LMHeadModel", "ForCausalLM"))
+            ("ForSequenceClassification", "LMHeadModel", "ForCausalLM", "ForConditionalGeneration"))
+
+    def value_input(self, layer: int, args: tuple, kwargs: dict) -> torch.Tensor:
+        """The tensor layer ``layer``'s keys and values are computed from, out of its attention module's call
+        arguments: the module's input (``hidden_states``); an encoder-decoder's cross-attention says otherwise."""
+        return args[0] if args else kwargs.get("hidden_states")
 
     @property
     def causal(self) -> bool:
@@ -164,12 +189,7 @@ class ModelAdapter:
 
     def zero_heads(self, out: nn.Module, local_heads: list[int], *, H: int) -> None:
         """Set the W^O blocks of ``local_heads`` (indices in the layer as it is now, H heads) to zero."""
-        if not local_heads:
-            return
-        d = self.head_dim
-        idx = torch.tensor([h * d + i for h in local_heads for i in range(d)], device=out.weight.device)
-        with torch.no_grad():
-            out.weight[:, idx] = 0.0
+        Out("").zero(out, local_heads, self.head_dim)  # an nn.Linear W^O; families with another layout override
 
     def prune_config(self, config, H: int, Hkv: int) -> bool:
         """Write uniform head counts into the model's config when it can say them; True when it did."""
@@ -287,7 +307,7 @@ class ModelAdapter:
     # -- capture and edits ---------------------------------------------------------------------------------
     def hook_sites(self) -> list[str]:
         """Every site a capture can ask for, layer by layer: ``blocks.{l}.attn.{q,k,v,pattern,z,head_out,stats}``."""
-        return [site_name(i, kind) for i in range(self.n_layers) for kind in SITE_KINDS]
+        return [self.site_name(i, kind) for i in range(self.n_layers) for kind in SITE_KINDS]
 
     @contextlib.contextmanager
     def hooks(self, edits: Mapping[str, Callable[[torch.Tensor, str], torch.Tensor]]) -> Iterator[ModelAdapter]:
@@ -317,7 +337,7 @@ class ModelAdapter:
         for site, fn in edits.items():
             if not callable(fn):
                 raise ConfigError(f"the edit for {site!r} is {type(fn).__name__}, not a function fn(tensor, site) -> tensor")
-        chosen = match_sites(list(edits), self.n_layers, EDITABLE_KINDS)
+        chosen = match_sites(list(edits), self.n_layers, EDITABLE_KINDS, self.site_prefixes)
         added: list[tuple[LayerState, str, Callable]] = []
         token = self._enter_backend() if self.backend is None else None
         try:

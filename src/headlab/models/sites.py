@@ -1,6 +1,10 @@
 """Hook sites: where every attention layer of an adapted model can be recorded and edited.
 
-Sites are named by where they sit, ``blocks.{layer}.attn.{kind}``:
+Sites are named by where they sit: ``blocks.{layer}.attn.{kind}`` in a model with one stack of
+self-attention layers; in an encoder-decoder, ``encoder.{l}.attn.{kind}`` (encoder self-attention),
+``decoder.{l}.attn.{kind}`` (decoder self-attention) and ``decoder.{l}.cross.{kind}`` (the decoder's
+attention over the encoder's output). Internally every attention layer has one index (the adapter's
+``site_prefixes[i]`` names it); gates, importance and pruning are indexed the same way.
 
 =========  =====================  ===================================================================
 kind       shape                  what, exactly as computed
@@ -52,24 +56,36 @@ def site_name(layer: int, kind: str) -> str:
     return f"blocks.{layer}.attn.{kind}"
 
 
-def match_sites(patterns: Iterable[str], n_layers: int, kinds: tuple[str, ...] = SITE_KINDS) -> dict[int, dict[str, list[str]]]:
+def default_prefixes(n_layers: int) -> list[str]:
+    """``["blocks.0.attn", "blocks.1.attn", ...]``: the site prefixes of a single-stack model."""
+    return [f"blocks.{i}.attn" for i in range(n_layers)]
+
+
+def match_sites(patterns: Iterable[str], n_layers: int, kinds: tuple[str, ...] = SITE_KINDS,
+                prefixes: list[str] | None = None) -> dict[int, dict[str, list[str]]]:
     """``{layer: {kind: [pattern, ...]}}`` for site names or globs; a pattern matching nothing is a SiteError.
+
+    ``prefixes[i]`` names layer i (default ``blocks.{i}.attn``; an encoder-decoder's adapter passes its own).
 
         >>> match_sites(["blocks.*.attn.z", "blocks.1.attn.q"], n_layers=2)
         {0: {'z': ['blocks.*.attn.z']}, 1: {'z': ['blocks.*.attn.z'], 'q': ['blocks.1.attn.q']}}
     """
-    names = [site_name(i, k) for i in range(n_layers) for k in kinds]
+    prefixes = prefixes or default_prefixes(n_layers)
+    where = {f"{p}.{k}": (i, k) for i, p in enumerate(prefixes) for k in kinds}
+    names = list(where)
     chosen: dict[int, dict[str, list[str]]] = {}
     for pat in patterns:
         if not isinstance(pat, str):
-            raise SiteError(f"site names are strings like 'blocks.0.attn.pattern', got {type(pat).__name__}")
+            raise SiteError(f"site names are strings like '{names[0]}', got {type(pat).__name__}")
         hits = fnmatch.filter(names, pat)
         if not hits:
-            raise SiteError(f"site {pat!r} matches nothing; sites look like 'blocks.0.attn.{kinds[0]}' "
-                            f"(layers 0..{n_layers - 1}, kinds {', '.join(kinds)}); globs allowed")
+            stacks = sorted({p.split(".")[0] + ".{l}." + p.split(".")[2] for p in prefixes})
+            raise SiteError(f"site {pat!r} matches nothing; sites look like '{prefixes[0]}.{kinds[0]}' "
+                            f"({', '.join(s + '.{kind}' for s in stacks)}; {len(prefixes)} attention layers, kinds "
+                            f"{', '.join(kinds)}); globs allowed")
         for h in hits:
-            _, layer, _, kind = h.split(".")
-            chosen.setdefault(int(layer), {}).setdefault(kind, []).append(pat)
+            layer, kind = where[h]
+            chosen.setdefault(layer, {}).setdefault(kind, []).append(pat)
     return chosen
 
 
@@ -77,7 +93,7 @@ def match_sites(patterns: Iterable[str], n_layers: int, kinds: tuple[str, ...] =
 class LayerState:
     """What headlab keeps on one attention module and its output projection (as ``module._headlab``)."""
 
-    layer: int  # index of the block this attention belongs to
+    layer: int  # index of the attention layer (over every stack, in the adapter's order)
     n_heads: int  # query heads, to split the output projection's input into heads
     head_dim: int
     backend: str | _backends.Backend | None = None  # set by use_backend; None = the module's own choice
@@ -85,6 +101,10 @@ class LayerState:
     adapter: Any = None  # the ModelAdapter (its gates and W_O); kept here so a deep copy stays consistent
     edits: dict[str, list[Edit]] = field(default_factory=dict)  # kind -> active edits, applied in order
     z_gated: torch.Tensor | None = None  # (B, H, L, d) stashed between W^O's pre-hook and hook
+    site: str = ""  # the layer's site prefix, e.g. "blocks.3.attn" or "decoder.1.cross"
+
+    def __post_init__(self) -> None:
+        self.site = self.site or f"blocks.{self.layer}.attn"
 
     def wants(self, kind: str) -> bool:
         """Is ``kind`` edited, or recorded by an active capture, in this layer?"""
@@ -97,7 +117,7 @@ def state_of(module: nn.Module) -> LayerState | None:
 
 def visit(state: LayerState, kind: str, t: torch.Tensor) -> torch.Tensor:
     """Apply the layer's edits of ``kind`` to ``t`` (checking each keeps the shape), then record it."""
-    site = site_name(state.layer, kind)
+    site = f"{state.site}.{kind}"
     for fn in state.edits.get(kind, ()):
         new = fn(t, site)
         if not isinstance(new, torch.Tensor):

@@ -257,6 +257,11 @@ class _PrunedMixin:
                 f"kv heads per layer={self.layer_kv_heads}>")
 
 
+# what ModelAdapter.__init__ sets itself (and the pruned counts): never copied from the template
+_BASE_STATE = {"model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_model", "attn_modules", "out_projs",
+               "_gates", "_handles", "states", "site_prefixes", "_layer_heads", "_layer_kv_heads", "plans"}
+
+
 def pruned_adapter(template: ModelAdapter, model: nn.Module, plans: list[_LocalPlan],
                    original_plans: list[LayerPlan], attn: list, outs: list) -> ModelAdapter:
     """An adapter for the cut ``model``, of the template's family class with per-layer counts."""
@@ -269,16 +274,25 @@ def pruned_adapter(template: ModelAdapter, model: nn.Module, plans: list[_LocalP
     pa = cls.__new__(cls)
     pa._layer_heads, pa._layer_kv_heads, pa.plans = q_counts, kv_counts, [_Plan(p.plan, o) for p, o in
                                                                          zip(plans, original_plans)]
+    # what the family's own __init__ set (its blocks, stack sizes), with modules found again in the cut model
+    names = {id(m): n for n, m in template.model.named_modules()}
+    mods = dict(model.named_modules())
+
+    def same(v):
+        if isinstance(v, nn.Module):
+            return mods[names[id(v)]] if id(v) in names else v
+        return [same(x) for x in v] if isinstance(v, list) else v
+
+    for key, value in vars(template).items():
+        if key not in _BASE_STATE:
+            try:
+                setattr(pa, key, same(value))
+            except AttributeError:  # a read-only property in the class: it computes itself
+                pass
     ModelAdapter.__init__(pa, model, n_layers=template.n_layers, n_heads=max(q_counts), n_kv_heads=max(kv_counts),
                           head_dim=template.head_dim, d_model=template.d_model, attn_modules=attn, out_projs=outs)
     for st, n in zip(pa.states, q_counts):  # the gate hook splits W^O's input by the layer's own count
         st.n_heads = n
-    for key, value in vars(template).items():  # what the family's own __init__ set (e.g. causal)
-        if not key.startswith("_") and key not in vars(pa):
-            try:
-                setattr(pa, key, value)
-            except AttributeError:  # a read-only property in the class: it computes itself
-                pass
     model._headlab_adapter = pa
     return pa
 

@@ -8,7 +8,6 @@ import torch
 
 from headlab.errors import SiteError
 from headlab.models.base import ModelAdapter
-from headlab.models.sites import site_name
 
 
 class ActivationCache(Mapping):
@@ -48,14 +47,15 @@ class ActivationCache(Mapping):
 
     def layer(self, kind: str) -> list:
         """The captured ``kind`` for every layer, in layer order (a list; missing layers are skipped)."""
-        return [self._data[s] for i in range(self.adapter.n_layers) if (s := site_name(i, kind)) in self._data]
+        names = (self.adapter.site_name(i, kind) for i in range(self.adapter.n_layers))
+        return [self._data[s] for s in names if s in self._data]
 
     def stack(self, kind: str) -> torch.Tensor:
         """``kind`` of every layer stacked on a new first axis: pattern -> ``(n_layers, B, H, Lq, Lk)``."""
         got = self.layer(kind)
         if len(got) != self.adapter.n_layers:
             raise SiteError(f"{kind!r} was captured for {len(got)} of {self.adapter.n_layers} layers; "
-                           f"capture sites=['blocks.*.attn.{kind}'] to stack it")
+                           f"capture sites={self.adapter.sites(kind)} to stack it")
         return torch.stack(got)
 
     def __repr__(self) -> str:

@@ -13,7 +13,8 @@ from headlab.models.sites import site_name
 class Probe:
     """What :func:`run_attention` and the W^O hooks report to during one capture."""
 
-    def __init__(self, wanted: dict[int, set[str]], grads: bool, stats_kwargs: dict) -> None:
+    def __init__(self, wanted: dict[int, set[str]], grads: bool, stats_kwargs: dict, name=site_name) -> None:
+        self.name = name  # (layer, kind) -> the site's name (the adapter's, with its stacks)
         self.wanted = wanted
         self.grads = grads
         self.stats_kwargs = stats_kwargs
@@ -26,7 +27,7 @@ class Probe:
 
     def record(self, layer: int, kind: str, t: torch.Tensor) -> torch.Tensor:
         if self.wants(layer, kind):
-            name = site_name(layer, kind)
+            name = self.name(layer, kind)
             if self.grads:
                 self.live[name] = t
             self.data[name] = t.detach()
@@ -42,5 +43,5 @@ class Probe:
             st = attention_stats(
                 q.detach().contiguous(), k.detach().contiguous(), None if v is None else v.detach().contiguous(),
                 mask=mask, causal=causal, scale=scale, **score_kwargs, **self.stats_kwargs)
-        self.data[site_name(layer, "stats")] = st if v is None else dataclasses.replace(st, output=None)
+        self.data[self.name(layer, "stats")] = st if v is None else dataclasses.replace(st, output=None)
         return st

@@ -18,10 +18,11 @@ from headlab.models.sites import SITE_KINDS, match_sites
 
 def _select(adapter: ModelAdapter, sites: str | Sequence[str] | None) -> dict[int, set[str]]:
     if sites is None:
-        patterns = [f"blocks.*.attn.{k}" for k in SITE_KINDS if k != "stats"]
+        patterns = [g for k in SITE_KINDS if k != "stats" for g in adapter.sites(k)]
     else:
         patterns = [sites] if isinstance(sites, str) else list(sites)
-    return {layer: set(kinds) for layer, kinds in match_sites(patterns, adapter.n_layers).items()}
+    return {layer: set(kinds) for layer, kinds in match_sites(patterns, adapter.n_layers,
+                                                              prefixes=adapter.site_prefixes).items()}
 
 
 def _prepare_inputs(inputs, loaded) -> dict | torch.Tensor:
@@ -74,7 +75,7 @@ def capture(
         raise ConfigError("grads=True needs scalar=, a function of the model outputs returning a 0-dim tensor, "
                           "e.g. scalar=lambda out: out.logits[0, -1].max()")
     model_inputs = _prepare_inputs(inputs, loaded)
-    probe = Probe(wanted, grads, dict(stats_kwargs or {}))
+    probe = Probe(wanted, grads, dict(stats_kwargs or {}), adapter.site_name)
     chosen = backend or adapter.backend or "auto"
     value = None
     grad_map: dict[str, torch.Tensor] = {}

@@ -44,7 +44,7 @@ _CHUNK = 2048  # tokens per chunk when forming the (H, chunk, E) value vectors
 class NormGram:
     w: torch.Tensor  # (H, n): ||f_h(x_j)||_M, the per-head value norms
     G: torch.Tensor  # (n, H, H): Gram matrices under the metric
-    inv_s: torch.Tensor  # (n,): 1 / s_i (ones outside post-LN residual mode)
+    inv_s: torch.Tensor  # (n,): 1 / s_i of each query; a 0-dim 1 without a post norm (every query alike)
     cross: torch.Tensor | None = None  # (n, H): <f_h(x_i), r_i>_M      [residual mode]
     rr: torch.Tensor | None = None  # (n,): ||r_i||_M^2                  [residual mode]
 
@@ -92,7 +92,7 @@ def gram(adapter, layer: int, rec, mode: str) -> NormGram:
             cs.append(torch.einsum("hne,ne->nh", f, r))
             rrs.append((r * r).sum(-1))
     ct = Gs[0].dtype
-    inv_s = torch.ones(n, dtype=ct, device=x.device)
+    inv_s = torch.ones((), dtype=ct, device=x.device)  # queries need not be x's rows (cross-attention)
     cross = torch.cat(cs, 0) if residual else None
     rr = torch.cat(rrs, 0) if residual else None
     if residual and rec.norms.post is not None:
@@ -116,12 +116,18 @@ def layer_tile(p: torch.Tensor, qpos: torch.Tensor, c0: int, c1: int, ng: NormGr
         if ii.numel():
             pos = qpos[ii]
             n2[ii, jj] += 2 * (p[:, ii, jj] * ng.cross[pos].T.to(p.dtype)).sum(0) + ng.rr[pos].to(p.dtype)
-    return n2.clamp_min_(0).sqrt_() * ng.inv_s[qpos].to(p.dtype).unsqueeze(1)
+    return n2.clamp_min_(0).sqrt_() * _inv_s(ng, qpos, p.dtype).unsqueeze(1)
 
 
 def head_tile(p: torch.Tensor, qpos: torch.Tensor, c0: int, c1: int, ng: NormGram) -> torch.Tensor:
     """Per-head norms ``||alpha^h_ij g_i(f_h(x_j))||`` on one tile: ``(H, bq, bk)``."""
-    return p * ng.w[:, c0:c1].to(p.dtype).unsqueeze(1) * ng.inv_s[qpos].to(p.dtype).view(1, -1, 1)
+    return p * ng.w[:, c0:c1].to(p.dtype).unsqueeze(1) * _inv_s(ng, qpos, p.dtype).view(1, -1, 1)
+
+
+def _inv_s(ng: NormGram, qpos: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``1 / s_i`` of the queries at ``qpos``: ``(bq,)``."""
+    inv = ng.inv_s.to(dtype)
+    return inv.expand(qpos.shape[0]) if inv.dim() == 0 else inv[qpos]
 
 
 __all__ = ["NormGram", "gram", "head_tile", "layer_tile", "value_vectors"]

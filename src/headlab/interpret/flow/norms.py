@@ -101,11 +101,11 @@ class NormsResult:
 
 
 def maps_from_pattern(pattern: torch.Tensor, ng: NormGram) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(per_head (H, n, n), layer (n, n))`` from the weights ``pattern (H, n, n)``."""
+    """``(per_head (H, nq, nk), layer (nq, nk))`` from the weights ``pattern (H, nq, nk)`` (square but for
+    cross-attention, whose queries are decoder tokens and keys encoder tokens)."""
     p = pattern.to(ng.G.dtype)
-    n = p.shape[-1]
-    pos = torch.arange(n, device=p.device)
-    return head_tile(p, pos, 0, n, ng), layer_tile(p, pos, 0, n, ng)
+    pos = torch.arange(p.shape[-2], device=p.device)
+    return head_tile(p, pos, 0, p.shape[-1], ng), layer_tile(p, pos, 0, p.shape[-1], ng)
 
 
 def _check_positions(name: str, value, n: int) -> list[int]:

@@ -31,7 +31,7 @@ from headlab.attention import backends as _backends
 from headlab.errors import BackendUnsupportedError, ConfigError, InputError
 from headlab.interpret.capture import capture
 from headlab.interpret.flow.blocks import BlockNorms, is_causal, layer_norms
-from headlab.models.base import ModelAdapter, site_name
+from headlab.models.base import ModelAdapter
 
 
 @dataclass
@@ -122,7 +122,9 @@ def prepare(loaded, adapter, inputs) -> tuple[dict | torch.Tensor, list[str] | N
         n = int(keep.sum())
         if n == 0 or not bool(keep[:n].all()):
             raise InputError("the attention_mask must be ones followed by (right) padding for one sequence")
-        enc = {k: (v[:, :n] if isinstance(v, torch.Tensor) and v.dim() == 2 else v) for k, v in enc.items()}
+        L = am.shape[1]  # crop what runs along the input (not a decoder's own ids)
+        enc = {k: (v[:, :n] if isinstance(v, torch.Tensor) and v.dim() == 2 and v.shape[1] == L
+                   and not k.startswith("decoder_") else v) for k, v in enc.items()}
     tokens = None
     tok = getattr(loaded, "tokenizer", None) if loaded is not None else None
     if tok is not None:
@@ -148,9 +150,8 @@ def _hooks(adapter: ModelAdapter, layers: Sequence[int], store: dict, residual: 
 
     def attn_pre(layer):
         def hook(module, args, kwargs):
-            if current(layer):
-                x = args[0] if args else kwargs.get("hidden_states")
-                store.setdefault(layer, {})["x"] = x.detach()[0]
+            if current(layer):  # the tensor the layer's values are computed from
+                store.setdefault(layer, {})["x"] = adapter.value_input(layer, args, kwargs).detach()[0]
         return hook
 
     def input_of(layer, key):
@@ -192,12 +193,15 @@ def record(target, inputs, layers=None, *, maps: bool, residual: bool = False, b
     adapter, loaded = resolve(target)
     check_backend(backend)
     chosen = check_layers(adapter, layers)
+    if not maps and len(adapter.stacks) > 1:
+        raise ConfigError(f"the map-free tiles assume one stack; this model has {', '.join(adapter.stacks)} "
+                          "(causal and not): compute its norms and rollout with the maps (stream=False, rows=None)")
     if residual:
         for l in chosen:
             layer_norms(adapter, l)  # UnsupportedArchitectureError before running anything
     model_inputs, tokens = prepare(loaded, adapter, inputs)
     kinds = ["pattern"] if maps else ["q", "k", "stats"]
-    sites = [site_name(l, kind) for l in chosen for kind in kinds]
+    sites = [adapter.site_name(l, kind) for l in chosen for kind in kinds]
     store: dict = {}
     with _hooks(adapter, chosen, store, residual):
         cache = capture(adapter, model_inputs, sites, backend=backend, stats_kwargs={"stats": ["lse"]})
@@ -220,11 +224,11 @@ def record(target, inputs, layers=None, *, maps: bool, residual: bool = False, b
                 lr.resid = lr.resid + got["parallel_out"]
             lr.norm_in = got.get("norm_in")
         if maps:
-            lr.pattern = cache[site_name(l, "pattern")][0]  # (H, n, n)
+            lr.pattern = cache[adapter.site_name(l, "pattern")][0]  # (H, n, n)
         else:
-            lr.q = cache[site_name(l, "q")][0]  # (H, n, d)
-            lr.k = cache[site_name(l, "k")][0].repeat_interleave(G, dim=0)  # (H, n, d)
-            lr.lse = cache[site_name(l, "stats")].lse[0]  # (H, n)
+            lr.q = cache[adapter.site_name(l, "q")][0]  # (H, n, d)
+            lr.k = cache[adapter.site_name(l, "k")][0].repeat_interleave(G, dim=0)  # (H, n, d)
+            lr.lse = cache[adapter.site_name(l, "stats")].lse[0]  # (H, n)
         rec.layers[l] = lr
     return rec
 

@@ -128,8 +128,25 @@ def _step_norm(adapter, l, lr, r, scale, causal, block=512):
     return 0.5 * out + 0.5 * w
 
 
+def _stack(adapter, stack: str | None) -> list[int]:
+    """The layers rollout multiplies: the one stack of most models; an encoder-decoder's ``"encoder"`` or
+    ``"decoder"`` (self-attention), each by Abnar and Zuidema's definition within the stack."""
+    stacks = adapter.stacks
+    if stack is None:
+        if len(stacks) == 1:
+            return next(iter(stacks.values()))
+        raise ConfigError(f"this model has the stacks {', '.join(stacks)}: rollout runs within one; pass "
+                          "stack='encoder' or stack='decoder'")
+    if stack == "cross":
+        raise ConfigError("rollout multiplies a stack's maps with the identity added for the residual; cross-attention "
+                          "maps decoder tokens onto encoder tokens, so they do not chain: use stack='encoder' or 'decoder'")
+    if stack not in stacks:
+        raise ConfigError(f"unknown stack {stack!r}; this model has {', '.join(stacks)}")
+    return stacks[stack]
+
+
 def rollout(loaded, text_or_inputs, *, method: Method = "mean", rows=None, layer: int = -1,
-            backend="auto") -> RolloutResult:
+            backend="auto", stack: str | None = None) -> RolloutResult:
     """Attention rollout of one input.
 
     Args:
@@ -140,23 +157,29 @@ def rollout(loaded, text_or_inputs, *, method: Method = "mean", rows=None, layer
             ``layer``, computed top-down without n x n maps (long inputs). None: every full map.
         layer: the top layer for ``rows`` (default the last).
         backend: the exact backend the model runs on (an approximate one is refused).
+        stack: for an encoder-decoder, ``"encoder"`` or ``"decoder"``: the rollout within that stack
+            (``layer`` then indexes the model's attention layers, as gates do).
     """
     if method not in ("mean", "norm"):
         raise ConfigError(f"unknown rollout method {method!r}; use 'mean' (mean of heads) or 'norm' (norm maps)")
     adapter, _ = resolve(loaded)
-    top = _check_layer(adapter, layer)
+    chain = _stack(adapter, stack)
+    top = chain[-1] if layer == -1 else _check_layer(adapter, layer)
+    if top not in chain:
+        raise ConfigError(f"layer {layer} is not in the stack rollout runs through (layers {chain[0]}..{chain[-1]})")
     if rows is None:
-        rec = record(loaded, text_or_inputs, None, maps=True, backend=backend)
+        rec = record(loaded, text_or_inputs, chain, maps=True, backend=backend)
         with torch.no_grad():
             maps = rollout_maps(augment(layer_matrices(rec, method))).float()
-        return RolloutResult(method, rec.n, adapter.n_layers - 1, rec.tokens, maps=maps)
-    rec = record(loaded, text_or_inputs, list(range(top + 1)), maps=False, backend=backend)
+        return RolloutResult(method, rec.n, chain[-1], rec.tokens, maps=maps)
+    rec = record(loaded, text_or_inputs, [l for l in chain if l <= top], maps=False, backend=backend)
     pos = _check_positions("rows", rows, rec.n)
     with torch.no_grad():
-        ct = torch.float64 if rec.layers[0].q.dtype == torch.float64 else torch.float32
-        r = torch.zeros(len(pos), rec.n, dtype=ct, device=rec.layers[0].q.device)
+        first = rec.layers[chain[0]]
+        ct = torch.float64 if first.q.dtype == torch.float64 else torch.float32
+        r = torch.zeros(len(pos), rec.n, dtype=ct, device=first.q.device)
         r[torch.arange(len(pos)), torch.tensor(pos)] = 1.0
-        for l in range(top, -1, -1):
+        for l in sorted(rec.layers, reverse=True):
             lr = rec.layers[l]
             if method == "mean":
                 r = _step_mean(lr, r, rec.scale[l], rec.causal)

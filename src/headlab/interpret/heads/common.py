@@ -98,6 +98,15 @@ class Batch:
     def device(self) -> torch.device:
         return next(iter(self.inputs.values())).device
 
+    def output_mask(self, length: int) -> torch.Tensor:
+        """``(B, length)`` real positions of the model's output: the decoder's in an encoder-decoder (its
+        ``decoder_attention_mask``, else all), the input's otherwise."""
+        if "decoder_input_ids" in self.inputs:
+            m = self.inputs.get("decoder_attention_mask")
+            return torch.ones(self.size, length, dtype=torch.bool, device=self.device) if m is None else m.bool()
+        m = self.mask
+        return torch.ones(self.size, length, dtype=torch.bool, device=self.device) if m is None else m
+
     @property
     def mask(self) -> torch.Tensor | None:
         """``(B, L)`` real tokens, or None for inputs without one (images: every position is real)."""
@@ -263,7 +272,7 @@ def per_example(loss: str, out, batch: Batch, ref: dict, *, surrogate: bool = Fa
             p0 = ref["logp"].exp()
             val = (p0 * (ref["logp"] - lp)).sum(-1)
         if val.dim() == 2:  # per token (decoders): mean over real tokens
-            return _token_mean(val, batch.mask)
+            return _token_mean(val, batch.output_mask(val.shape[1]))
         return val
     if loss == "cosine":
         e = up(pooled(out, batch.mask))
@@ -322,7 +331,7 @@ def pre_hooks(adapter: ModelAdapter, fn) -> Iterator[None]:
                 return z if new is None else new
             return edit
 
-        with adapter.hooks({f"blocks.{layer}.attn.z": site_fn(layer) for layer in range(adapter.n_layers)}):
+        with adapter.hooks({adapter.site_name(layer, "z"): site_fn(layer) for layer in range(adapter.n_layers)}):
             yield
         return
     d = adapter.head_dim

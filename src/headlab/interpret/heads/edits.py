@@ -36,11 +36,13 @@ def value_hooks(adapter, store: dict):
     """Record every layer's values ``(rows, L, Hkv_l * d)`` into ``store[layer]`` during a forward
     (through the adapter's ``v`` site, so on every family and backend alike)."""
 
+    layer_of = {adapter.site_name(layer, "v"): layer for layer in range(adapter.n_layers)}
+
     def record(v, site):  # v: (B, Hkv, L, d)
-        store[int(site.split(".")[1])] = v.transpose(1, 2).reshape(v.shape[0], v.shape[2], -1)
+        store[layer_of[site]] = v.transpose(1, 2).reshape(v.shape[0], v.shape[2], -1)
         return v
 
-    with adapter.hooks({"blocks.*.attn.v": record}):
+    with adapter.hooks({g: record for g in adapter.sites("v")}):
         yield
 
 

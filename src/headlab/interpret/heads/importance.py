@@ -158,11 +158,11 @@ def head_confidence(loaded, texts, *, batch_size: int = 16, max_length: int | No
     with C.progress_bar(progress) as bar:
         task = bar.add_task("confidence", total=len(data))
         for b in data:
-            cache = capture(adapter, b.inputs, "blocks.*.attn.stats",
+            cache = capture(adapter, b.inputs, adapter.sites("stats"),
                             stats_kwargs={"stats": ["max_weight"], "method": "tiled"})
             m = b.mask.to(torch.float64)  # (B, L) real query rows
             for layer in range(L):
-                mw = cache[f"blocks.{layer}.attn.stats"].max_weight.double()  # (B, H_l, L)
+                mw = cache[adapter.site_name(layer, "stats")].max_weight.double()  # (B, H_l, L)
                 total[layer, : mw.shape[1]] += (mw * m[:, None, :]).sum((0, 2)).cpu()
             count += float(m.sum())
             bar.advance(task)

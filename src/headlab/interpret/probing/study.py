@@ -72,7 +72,7 @@ def _model_inputs(loaded, batch: al.Batch) -> dict:
 
 def _patterns(loaded, batch: al.Batch, backend) -> torch.Tensor:
     """``(B, K, T, T)``: every layer's maps, layer-major over K."""
-    cache = capture(loaded, _model_inputs(loaded, batch), "blocks.*.attn.pattern", backend=backend)
+    cache = capture(loaded, _model_inputs(loaded, batch), loaded.adapter.sites("pattern"), backend=backend)
     return torch.cat(cache.layer("pattern"), dim=1).float()  # (B, sum of H_l, T, T): layers may differ (pruned)
 
 
@@ -202,9 +202,9 @@ def _gradient_batch(chosen, group, kind, causal, backend, sums, counts, done) ->
     pad = chosen.tokenizer.pad_token_id if chosen.tokenizer.pad_token_id is not None else 0
     b = al.make_batch(group, {}, pad)
     cache = capture(chosen, {"input_ids": b.input_ids, "attention_mask": b.attention_mask},
-                    "blocks.*.attn.pattern", grads=True, scalar=_loss_fn(kind, b.input_ids, b.attention_mask),
+                    chosen.adapter.sites("pattern"), grads=True, scalar=_loss_fn(kind, b.input_ids, b.attention_mask),
                     backend=backend)
-    g = torch.cat([cache.grads[f"blocks.{i}.attn.pattern"] for i in range(L)], dim=1)  # (B, K, T, T)
+    g = torch.cat([cache.grads[chosen.adapter.site_name(i, "pattern")] for i in range(L)], dim=1)  # (B, K, T, T)
     valid = b.attention_mask.bool()
     sink = b.sep.clone() if not causal else torch.zeros_like(valid)
     if causal or not sink.any():  # decoders (and encoders without [SEP]): the first token is the sink

@@ -194,9 +194,8 @@ def _separator_positions(loaded, ids: Sequence[int], causal: bool) -> list[int] 
 
 def _full_maps(loaded, inputs, tokens, *, sinks, seps, causal, backend, thresholds):
     """Every map captured: the table from the maps, and every map to draw."""
-    n_layers = loaded.adapter.n_layers
-    cache = capture(loaded, inputs, sites=["blocks.*.attn.pattern"], backend=backend)
-    layer_maps = [cache[f"blocks.{i}.attn.pattern"][0].float().cpu().numpy() for i in range(n_layers)]  # (H, L, L)
+    cache = capture(loaded, inputs, sites=loaded.adapter.sites("pattern"), backend=backend)
+    layer_maps = [m[0].float().cpu().numpy() for m in cache.layer("pattern")]  # (H, L, L) per layer
     rows = [row_stats_from_maps(m, sink_positions=sinks, causal=causal) for m in layer_maps]
     records = head_records(rows, tokens, separator_positions=seps, thresholds=thresholds)
     return records, {(i, h): m[h] for i, m in enumerate(layer_maps) for h in range(m.shape[0])}
@@ -206,18 +205,17 @@ def _streaming(loaded, inputs, tokens, *, sinks, seps, causal, backend, threshol
     """No map held: the table from streaming statistics, maps only for the chosen heads."""
     adapter, n = loaded.adapter, len(tokens)
     # The statistics run inside each layer's forward, with the model's own mask and scale.
-    cache = capture(loaded, inputs, sites=["blocks.*.attn.stats", "blocks.*.attn.q", "blocks.*.attn.k"],
+    cache = capture(loaded, inputs, sites=[g for k in ("stats", "q", "k") for g in adapter.sites(k)],
                             backend=backend, stats_kwargs={"key_positions": sinks, "stats": list(_STREAM_STATS)})
-    rows = [row_stats_from_attention_stats(cache[f"blocks.{i}.attn.stats"], sink_positions=sinks, causal=causal)
-            for i in range(adapter.n_layers)]
+    rows = [row_stats_from_attention_stats(st, sink_positions=sinks, causal=causal) for st in cache.layer("stats")]
     records = head_records(rows, tokens, separator_positions=seps, thresholds=thresholds)
     drawn = chosen or default_drawn_heads(records)
     maps = {}
     for layer, h in drawn:
         # query head h reads kv head h // group (per layer: a pruned layer has its own counts)
         group = max(1, adapter.layer_heads[layer] // adapter.layer_kv_heads[layer])
-        q = cache[f"blocks.{layer}.attn.q"][:, h:h + 1]  # (1, 1, L, d)
-        k = cache[f"blocks.{layer}.attn.k"][:, h // group:h // group + 1]  # (1, 1, L, d)
+        q = cache[adapter.site_name(layer, "q")][:, h:h + 1]  # (1, 1, L, d)
+        k = cache[adapter.site_name(layer, "k")][:, h // group:h // group + 1]  # (1, 1, L, d)
         call = cache.call_args[layer]  # the layer's own mask (e.g. a sliding window) and scale
         mask = call["mask"]
         if isinstance(mask, torch.Tensor) and mask.dim() == 4 and mask.shape[1] > 1:

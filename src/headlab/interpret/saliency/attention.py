@@ -22,7 +22,6 @@ import torch
 
 from headlab.interpret.capture import capture
 from headlab.interpret.saliency.objective import Objective
-from headlab.models.sites import site_name
 
 
 def attention_rows(objective: Objective, input_ids: torch.Tensor, attention_mask: torch.Tensor,
@@ -33,7 +32,7 @@ def attention_rows(objective: Objective, input_ids: torch.Tensor, attention_mask
     (index it the same way: ``rows[layer][head]``)."""
     adapter = objective.loaded.adapter
     last = adapter.n_layers - 1
-    sites = "blocks.*.attn.pattern" if layers == "all" else f"blocks.{last}.attn.pattern"
+    sites = adapter.sites("pattern") if layers == "all" else adapter.site_name(last, "pattern")
     cache = capture(adapter, {"input_ids": input_ids, "attention_mask": attention_mask}, sites)
     c = objective.position(attention_mask)
     got = cache.layer("pattern")  # [(1, H, L, L)] per captured layer
@@ -49,7 +48,7 @@ def edited_pattern(objective: Objective, layer: int, fn: Callable[[torch.Tensor]
     reference path and recomputes its output from the edited map (so gradients reach what ``fn`` uses).
     """
     adapter = objective.loaded.adapter
-    with adapter.hooks({site_name(layer, "pattern"): lambda w, site: fn(w)}):
+    with adapter.hooks({adapter.site_name(layer, "pattern"): lambda w, site: fn(w)}):
         yield
 
 

@@ -1,7 +1,7 @@
 """Adapters for Hugging Face transformers v5 families, one registered class per family.
 
 A family is one class in this package (:class:`~headlab.models.hf.family.HFAdapter`, declared with the
-layouts of :mod:`headlab.models.hf.layouts`) decorated with :func:`~headlab.models.hf.registry.register`.
+layouts of :mod:`headlab.models.projections`) decorated with :func:`~headlab.models.hf.registry.register`.
 The support table (``headlab models``, ``docs/models.md``), the message for an unsupported architecture
 and the maximum positions are all read from the registered classes.
 
@@ -29,6 +29,7 @@ from headlab.models.hf import (  # noqa: F401  (each registers its family)
     opt,
     phi,
     phi3,
+    seq2seq,
     stablelm,
     vit,
 )

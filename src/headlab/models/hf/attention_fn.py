@@ -29,7 +29,7 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from headlab.attention.score_mods import softcap
+from headlab.attention.score_mods import bias_tensor, softcap
 from headlab.errors import BackendUnsupportedError, MaskError
 from headlab.models.sites import run_attention
 
@@ -76,11 +76,10 @@ def headlab_attention_forward(
     Returns ``(out (B, Lq, H, d), weights (B, H, Lq, Lk) or None)``; the weights are computed when the
     caller asks for ``output_attentions`` or a capture asks for this layer's pattern.
     """
-    for unsupported in ("position_bias", "s_aux"):
-        if kwargs.get(unsupported) is not None:
-            raise BackendUnsupportedError(
-                f"{type(module).__name__} passes {unsupported!r} to its attention function, which headlab backends "
-                "do not implement; run this model with attn_implementation='eager'")
+    if kwargs.get("s_aux") is not None:
+        raise BackendUnsupportedError(
+            f"{type(module).__name__} passes 's_aux' (attention sinks) to its attention function, which headlab "
+            "backends do not implement; run this model with attn_implementation='eager'")
     q_len = query.shape[2]
     mask = hf_mask_to_bool(attention_mask)
     is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
@@ -91,6 +90,10 @@ def headlab_attention_forward(
     # Gemma 2's tanh soft-capping of the scores, as a FlexAttention-style score_mod (reference, tiled, sparse)
     cap = kwargs.get("softcap")
     extra = {"score_mod": softcap(cap)} if cap is not None else None
+    bias = kwargs.get("position_bias")  # T5's relative bias (1 or B, H, Lq, Lk), computed by the stack's first layer
+    if bias is not None and bool(bias.any()):
+        kept = getattr(module, "_headlab_bias_heads", None)  # a pruned layer: the rows of the heads it kept
+        extra = {"score_mod": bias_tensor(bias if kept is None else bias[:, kept], "relative_bias")}
     out, weights = run_attention(module, query, key, value, mask, causal=causal, scale=scaling, dropout_p=dropout,
                                  need_weights=bool(kwargs.get("output_attentions", False)),
                                  score_kwargs=extra)  # out: (B, H, Lq, d)

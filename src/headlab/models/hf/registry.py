@@ -19,12 +19,6 @@ ADDING_A_FAMILY = "docs/adding-a-family.md"
 
 # model types headlab knows and refuses, with the reason (checked before anything runs)
 REFUSED: dict[str, str] = {
-    "t5": "T5 is an encoder-decoder with a learned relative position bias; headlab's sites have one stack of "
-          "self-attention layers, and encoder, decoder and cross-attention stacks are not built yet",
-    "bart": "BART is an encoder-decoder; headlab's sites have one stack of self-attention layers, and encoder, "
-            "decoder and cross-attention stacks are not built yet",
-    "whisper": "Whisper is an encoder-decoder; headlab's sites have one stack of self-attention layers, and "
-               "encoder, decoder and cross-attention stacks are not built yet",
     "deberta-v2": "DeBERTa-v2's disentangled attention adds content-to-position and position-to-content terms "
                   "computed inside its own attention module (it does not call transformers' attention interface), "
                   "which headlab's backends do not compute",
