@@ -350,3 +350,27 @@ def test_native_kernel_keeps_nan():
     st = attention_stats(q, k, k)
     assert torch.isnan(st.entropy[0, 1, 5]) and torch.isnan(st.output[0, 1, 5]).all()
     assert torch.isfinite(st.entropy[0, 0]).all() and torch.isfinite(st.entropy[0, 1, :5]).all()
+
+
+@pytest.mark.parametrize("mod_name", ["softcap", "alibi", "bias_tensor"])
+def test_statistics_apply_a_score_mod(mod_name):
+    """Entropy, max weight, received mass, key mass and rows of the modified map, against the map itself
+    (headlab.attention_weights with the same score_mod), GQA and a padding mask included."""
+    from headlab import masks
+
+    g = torch.Generator().manual_seed(3)
+    B, H, Hkv, Lq, Lk, D = 2, 4, 2, 37, 53, 16
+    q, k = torch.randn(B, H, Lq, D, generator=g) * 2, torch.randn(B, Hkv, Lk, D, generator=g)
+    mod = {"softcap": masks.softcap(1.5), "alibi": masks.alibi(masks.alibi_slopes(H)),
+           "bias_tensor": masks.bias_tensor(torch.randn(B, H, 1, Lk, generator=g))}[mod_name]
+    mask = masks.padding([Lk, 40])
+    st = headlab.attention_stats(q, k, mask=mask, score_mod=mod, key_positions=[0, 5], query_rows=[3, 36])
+    w = headlab.attention_weights(q, k, mask=mask, score_mod=mod).double()
+    ent = -(w * torch.log(w.clamp_min(1e-300))).sum(-1)
+    torch.testing.assert_close(st.entropy.double(), ent, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(st.max_weight.double(), w.amax(-1), atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(st.received.double(), w.sum(-2), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(st.key_mass.double(), w[..., [0, 5]], atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(st.rows.double(), w[:, :, [3, 36]], atol=1e-6, rtol=1e-5)
+    with pytest.raises(headlab.errors.BackendUnsupportedError, match="score_mod"):
+        headlab.attention_stats(q, k, score_mod=mod, method="sdpa")
