@@ -411,7 +411,7 @@ def test_head_annotations_from_result_and_file(capsys, tmp_path):
 
 @pytest.mark.slow  # two analyze runs that draw every head of MiniLM
 def test_analyze_flow_section(tmp_path):
-    from headlab.interpret.report.job import analyze
+    from headlab.interpret.report.analyze_job import analyze
 
     lm = headlab.load("minilm")
     r = analyze("The cat sat on the mat.", model=lm, out_dir=tmp_path / "full", flow=True)

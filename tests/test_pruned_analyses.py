@@ -17,7 +17,7 @@ import torch
 import headlab
 from headlab.errors import InputError
 from headlab.interpret.capture import capture
-from headlab.interpret.report.job import analyze
+from headlab.interpret.report.analyze_job import analyze
 from test_probing import CONLLU, tiny_bert, tiny_llama
 
 TEXT = "she reads her book on the mat"
@@ -142,11 +142,10 @@ def test_cli_analyze_and_probe_a_saved_pruned_model(pair, tmp_path, capsys):
 
 @pytest.mark.browser
 def test_pruned_report_page_passes_its_selftest(pair, tmp_path):
-    from test_browser import find_browser, open_page, selftest_result
+    from conftest import require_browser
+    from test_browser import open_page, selftest_result
 
-    browser = find_browser()
-    if browser is None:
-        pytest.skip("no headless Chromium (apt-get install chromium)")
+    browser = require_browser()
     pruned, _ = pair
     r = analyze(TEXT, model=pruned, out_dir=tmp_path / "r")
     dom, console = open_page(browser, r.html.read_text(), tmp_path)
@@ -161,7 +160,8 @@ def test_a_long_input_embeds_what_fits_and_says_so(pair, tmp_path, monkeypatch, 
     """The page holds at most MAX_EMBEDDED_BYTES of maps: it embeds the drawn heads that fit (none
     at all past ~5,800 tokens at the real limit), says so, and every drawn head is in the PNGs."""
     from headlab.interpret.report import selection as job
-    from test_browser import find_browser, open_page, selftest_result
+    from conftest import require_browser
+    from test_browser import open_page, selftest_result
 
     pruned, _ = pair
     n = len(pruned.tokens(TEXT))
@@ -173,9 +173,7 @@ def test_a_long_input_embeds_what_fits_and_says_so(pair, tmp_path, monkeypatch, 
     data = json.loads(page.split('id="headlab-data">')[1].split("</script>")[0])
     assert len(data["maps"]) == fit
     assert {p.name for p in r.pngs} == {f"layer_{layer:02d}.png" for layer, _ in r.drawn}
-    browser = find_browser()
-    if browser is None:
-        pytest.skip("no headless Chromium (apt-get install chromium)")
+    browser = require_browser()
     dom, console = open_page(browser, page, tmp_path)
     status, detail = selftest_result(dom)
     assert status == "pass", detail

@@ -20,7 +20,7 @@ from headlab.interpret.heads.labels import (
     row_stats_from_attention_stats,
     row_stats_from_maps,
 )
-from headlab.interpret.report.job import analyze, default_drawn_heads, parse_heads, write_csv, write_json
+from headlab.interpret.report.analyze_job import analyze, default_drawn_heads, parse_heads, write_csv, write_json
 from headlab.interpret.report.html import render_html
 
 TEXT = "The cat sat on the mat because it was tired."

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from headlab.interpret.report.job import analyze
+from headlab.interpret.report.analyze_job import analyze
 from headlab.models import adapt
 from headlab.models.loader import LoadedModel
 
@@ -153,3 +153,55 @@ def test_flow_rows_of_the_wrong_length_are_refused():
     with pytest.raises(ShapeError, match="3 values for 2 tokens"):
         render_html(title="t", tokens=["a", "b"], records=recs, maps={(0, 0): P[0]}, n_layers=1, n_heads=1,
                     flow={"value_norms": {"0.0": [1.0, 2.0, 3.0]}, "rollout": {"rows": {}}})
+
+
+@pytest.mark.parametrize("max_full", [256, 4], ids=["full", "streaming"])
+def test_analyze_runs_the_model_once_for_maps_norms_and_rollout(bert, tmp_path, max_full):
+    """Record once: the table, the value norms and the rollout all come from one forward of the model (a model
+    without a task head, so no saliency section runs its own gradient passes); before, full mode ran it three
+    times. The page still carries the norms and the rollout."""
+    calls = []
+    handle = bert.model.register_forward_pre_hook(lambda mod, args: calls.append(1))
+    try:
+        r = analyze(TEXT, model=bert, out_dir=tmp_path / "out", max_full_tokens=max_full, flow=True)
+    finally:
+        handle.remove()
+    assert len(calls) == 1, f"the model ran {len(calls)} times"
+    data = json.loads(re.search(r'<script type="application/json" id="headlab-data">(.*?)</script>',
+                                r.html.read_text(), re.S).group(1))
+    assert data["flow"]["value_norms"] and data["flow"]["rollout"]["rows"]
+    assert (tmp_path / "out" / "rollout.json").is_file()
+
+
+def test_a_section_is_one_class_and_its_registration(bert, tmp_path):
+    """A new section (its sites asked up front, its result from the one recording, its HTML and data in the page)
+    needs nothing but its class and its registration."""
+    from headlab.interpret.report.sections import base
+
+    class Widths(base.Section):
+        name = "widths_test"
+
+        def sites(self, job):
+            return job.adapter.sites("input")
+
+        def compute(self, job, cache, results):
+            return [float(cache[job.adapter.site_name(l, "input")].norm()) for l in range(job.adapter.n_layers)]
+
+        def page(self, job, result, results):
+            return base.PagePart(html=f'<section id="widths-test">{len(result)} layers</section>',
+                                 data={"widths_test": result}, notes=["widths: a test section"])
+
+    base.register(Widths)
+    try:
+        r = analyze(TEXT, model=bert, out_dir=tmp_path / "out")
+    finally:
+        base._SECTIONS[:] = [s for s in base._SECTIONS if s.name != "widths_test"]
+    page = r.html.read_text()
+    assert '<section id="widths-test">2 layers</section>' in page
+    data = json.loads(re.search(r'id="headlab-data">(.*?)</script>', page, re.S).group(1))
+    with torch.no_grad():
+        x0 = bert.model(**bert.encode(TEXT), output_hidden_states=True).hidden_states[0]
+    assert data["widths_test"][0] == pytest.approx(float(x0.norm()), rel=1e-5)
+    assert "widths: a test section" in r.notes
+    with pytest.raises(TypeError, match="already registered"):
+        base.register(type("Again", (base.Section,), {"name": "heads"}))

@@ -56,7 +56,7 @@ def test_analyze_a_long_input_with_default_options(smol, tmp_path):
     tests/test_pruned_analyses.py)."""
     from pathlib import Path
 
-    from headlab.interpret.report.job import DRAWN_HEADS, analyze, embeddable
+    from headlab.interpret.report.analyze_job import DRAWN_HEADS, analyze, embeddable
 
     ud = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "ud-english-ewt" / "en_ewt-ud-dev.conllu"
     if ud.is_file():

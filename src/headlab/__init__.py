@@ -19,6 +19,11 @@ from headlab import attention  # a callable package: headlab.attention(q, k, v, 
 
 # one module object: `import headlab.masks` finds this entry, so headlab.masks is headlab.attention.masks
 _sys.modules[__name__ + ".masks"] = masks
+# measuring real calls runs the engines, so it lives in headlab.attention.measure (costs imports no engine);
+# `headlab.costs.measure`, its former name, finds the same module object
+from headlab.attention import measure as _measure  # noqa: E402
+
+_sys.modules.setdefault(__name__ + ".costs.measure", _measure)
 from headlab.attention.core import attention_weights, backends
 from headlab.attention.module import MultiHeadAttention
 
@@ -34,7 +39,7 @@ _LAZY = {
     "attention_stats": ("headlab.attention.stats", "attention_stats"),
     "load": ("headlab.models", "load"),
     "capture": ("headlab.interpret.capture", "capture"),
-    "analyze": ("headlab.interpret.report.job", "analyze"),
+    "analyze": ("headlab.interpret.report.analyze_job", "analyze"),
     "probe": ("headlab.interpret.probing", "probe"),
     "head_importance": ("headlab.interpret.heads.importance", "head_importance"),
     "ablate": ("headlab.interpret.heads.ablation", "ablate"),

@@ -10,8 +10,8 @@ import typer
 from headlab.cli.app import app, check_heads_before_loading, console, err_console, print_json
 from headlab.errors import InputError
 from headlab.interpret.report.annotations import study_annotations
-from headlab.interpret.report.job import MAX_FULL_TOKENS, ReportResult, heads_text
-from headlab.interpret.report.job import analyze as run_analyze
+from headlab.interpret.report.analyze_job import MAX_FULL_TOKENS, ReportResult, heads_text
+from headlab.interpret.report.analyze_job import analyze as run_analyze
 
 
 def step_printer():

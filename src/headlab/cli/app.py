@@ -43,7 +43,7 @@ def check_heads_before_loading(model: str, heads: str | None, option: str = "--h
     head the model lacks stops the command before the load and the work."""
     if heads is None:
         return
-    from headlab.interpret.report.job import parse_heads
+    from headlab.interpret.report.analyze_job import parse_heads
     from headlab.models.loader import peek_layer_heads
 
     counts = peek_layer_heads(model)

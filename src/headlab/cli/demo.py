@@ -8,7 +8,7 @@ import typer
 
 from headlab.cli.analyze import render_summary, step_printer
 from headlab.cli.app import app, console
-from headlab.interpret.report.job import analyze
+from headlab.interpret.report.analyze_job import analyze
 
 DEMO_TEXT = ("The model reads the sentence once, and each head decides which earlier or later words "
              "matter for the word it is looking at.")

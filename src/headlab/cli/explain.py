@@ -144,7 +144,7 @@ def explain_cmd(
     if text is None:
         raise InputError("no text: give TEXT to explain, or --dataset FILE.tsv with --out DIR")
     if out is not None:  # checked before the work: a non-empty folder is kept unless --force
-        from headlab.interpret.report.job import prepare_out_dir
+        from headlab.interpret.report.analyze_job import prepare_out_dir
 
         prepare_out_dir(out, force=force)
     ex = explain(model, text, target=target, methods=methods, ig_steps=ig_steps, backend=backend, loo=loo,

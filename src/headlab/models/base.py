@@ -43,6 +43,8 @@ from headlab.models.sites import (
     default_prefixes,
     site_name,
 )
+from headlab.models.stream_sites import stream_hooks
+
 
 class ModelAdapter:
     """The canonical view of one transformer (see the module docstring for the shapes).
@@ -363,7 +365,8 @@ class ModelAdapter:
         try:
             for st in self.states:
                 st.probe = probe
-            yield
+            with stream_hooks(self, probe):  # the residual-stream sites it asks for (input, resid_pre, ...)
+                yield
         finally:
             for st in self.states:
                 st.probe = None

@@ -14,6 +14,7 @@ from headlab.interpret.capture.probe import Probe
 from headlab.models.base import ModelAdapter
 from headlab.models.loader import resolve
 from headlab.models.sites import SITE_KINDS, match_sites
+from headlab.models.stream_sites import STREAM_KINDS
 
 
 def _select(adapter: ModelAdapter, sites: str | Sequence[str] | None) -> dict[int, set[str]]:
@@ -21,7 +22,7 @@ def _select(adapter: ModelAdapter, sites: str | Sequence[str] | None) -> dict[in
         patterns = [g for k in SITE_KINDS if k != "stats" for g in adapter.sites(k)]
     else:
         patterns = [sites] if isinstance(sites, str) else list(sites)
-    return {layer: set(kinds) for layer, kinds in match_sites(patterns, adapter.n_layers,
+    return {layer: set(kinds) for layer, kinds in match_sites(patterns, adapter.n_layers, SITE_KINDS + STREAM_KINDS,
                                                               prefixes=adapter.site_prefixes).items()}
 
 

@@ -214,8 +214,9 @@ def attention_norms(loaded, text_or_inputs, *, layers=None, mode: Mode = "attent
 def value_norms(loaded, text_or_inputs, *, layers=None, backend="auto") -> dict[int, torch.Tensor]:
     """``||f_h(x_j)||`` per layer, ``(H, n)``: the factor that turns a head's weight map into its norm map,
     ``||alpha^h_ij f_h(x_j)|| = alpha^h_ij ||f_h(x_j)||``, so a page that holds the weight maps needs only
-    these ``H n`` numbers per layer for the norm maps. One forward; no n x n map is recorded."""
-    rec = record(loaded, text_or_inputs, layers, maps=False, backend=backend)
+    these ``H n`` numbers per layer for the norm maps. One forward recording the attention inputs only (or
+    a :class:`~headlab.interpret.flow.record.Recording` passed as ``text_or_inputs``: no forward)."""
+    rec = record(loaded, text_or_inputs, layers, maps=None, backend=backend)
     with torch.no_grad():
         return {l: gram(rec.adapter, l, lr, "attention").w for l, lr in sorted(rec.layers.items())}
 

@@ -12,16 +12,15 @@ What is recorded for layer ``l`` (``n`` tokens, ``E`` residual width, ``H`` quer
     q, k     (H, n, d)   queries and keys as the scores see them (k repeated per query head) [streaming]
     lse      (H, n)      log-sum-exp of each query's scores (headlab.attention_stats, tiled: O(n) memory) [streaming]
 
-The attention's input comes from a forward pre-hook on ``adapter.attn_modules[l]``, the norms' inputs
-and the parallel MLP's output from hooks on the modules the adapter names
-(:func:`~headlab.interpret.flow.blocks.layer_norms`); the hooks
-live only for the call (removed in a ``finally``). Patterns, q, k and lse come from
-:func:`headlab.capture`.
+Everything comes from one :func:`headlab.capture`: the attention's input, the stream entering the
+block, the post norm's input and the parallel MLP's output are its record-only sites ``input``,
+``resid_pre``, ``norm_in`` and ``parallel_out`` (:mod:`headlab.models.stream_sites`), the patterns,
+q, k and lse its attention sites. :func:`from_cache` builds a recording from a capture made for
+more (``headlab analyze`` records once for its table, norms and rollout).
 """
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -141,96 +140,88 @@ def _scale(adapter: ModelAdapter, layer: int) -> float:
     return float(s) if isinstance(s, (int, float)) else adapter.head_dim ** -0.5
 
 
-@contextlib.contextmanager
-def _hooks(adapter: ModelAdapter, layers: Sequence[int], store: dict, residual: bool):
-    handles = []
-
-    def current(layer) -> bool:  # a module shared by several layers (ALBERT) is computing this one
-        return getattr(adapter.attn_modules[layer], "_headlab", None) is adapter.states[layer]
-
-    def attn_pre(layer):
-        def hook(module, args, kwargs):
-            if current(layer):  # the tensor the layer's values are computed from
-                store.setdefault(layer, {})["x"] = adapter.value_input(layer, args, kwargs).detach()[0]
-        return hook
-
-    def input_of(layer, key):
-        def hook(module, args, kwargs):
-            if current(layer):
-                x = args[0] if args else next(iter(kwargs.values()))
-                store.setdefault(layer, {})[key] = x.detach()[0].clone()
-        return hook
-
-    def output_of(layer, key):
-        def hook(module, args, output):
-            if current(layer):
-                out = output[0] if isinstance(output, tuple) else output
-                store.setdefault(layer, {})[key] = out.detach()[0].clone()  # clone: Falcon adds into it in place
-        return hook
-
-    try:
-        for l in layers:
-            handles.append(adapter.attn_modules[l].register_forward_pre_hook(attn_pre(l), with_kwargs=True))
-            if residual:
-                bn = layer_norms(adapter, l)
-                if bn.pre is not None:
-                    handles.append(bn.pre.register_forward_pre_hook(input_of(l, "pre_in"), with_kwargs=True))
-                if bn.post is not None:
-                    handles.append(bn.post.register_forward_pre_hook(input_of(l, "norm_in"), with_kwargs=True))
-                if bn.parallel is not None:
-                    handles.append(bn.parallel.register_forward_hook(output_of(l, "parallel_out")))
-        yield
-    finally:
-        for h in handles:
-            h.remove()
+def sites_for(adapter: ModelAdapter, layers: Sequence[int], *, maps: bool | None,
+              residual: bool = False) -> list[str]:
+    """The capture sites a :class:`Recording` of ``layers`` needs (see the module docstring); ``maps=None``:
+    the attention inputs only (what the value norms read)."""
+    kinds = ["input"] + ([] if maps is None else ["pattern"] if maps else ["q", "k", "stats"])
+    if residual:
+        kinds += ["resid_pre", "norm_in", "parallel_out"]
+    return [adapter.site_name(l, kind) for l in layers for kind in kinds]
 
 
-def record(target, inputs, layers=None, *, maps: bool, residual: bool = False, backend="auto") -> Recording:
-    """Run the model once on ``inputs`` and record, per chosen layer, what the module docstring lists.
+def from_cache(adapter: ModelAdapter, cache, layers: Sequence[int], *, maps: bool | None, residual: bool = False,
+               tokens: list[str] | None = None) -> Recording:
+    """A :class:`Recording` of ``layers`` out of a capture that asked for (at least) :func:`sites_for`'s sites,
+    so one run of the model can feed the table, the norms and the rollout (``headlab analyze``)."""
+    if maps is False:
+        modded = [l for l in layers if cache.call_args.get(l, {}).get("score_mod") is not None]
+        if modded:
+            raise BackendUnsupportedError(
+                f"layers {modded} modify their scores ({cache.call_args[modded[0]]['score_mod']!r}: soft-capping, "
+                "ALiBi), which the map-free norm, rollout and flow tiles do not apply; run them with stream=False")
+    name = adapter.site_name
+    n = int(cache[name(layers[0], "input")].shape[1])
+    rec = Recording(adapter, n, is_causal(adapter), [_scale(adapter, l) for l in range(adapter.n_layers)], tokens)
+    G = adapter.n_heads // adapter.n_kv_heads
+    for l in layers:
+        lr = LayerRecord(x=cache[name(l, "input")][0])
+        if residual:
+            lr.norms = layer_norms(adapter, l)
+            # the stream entering the block, plus the parallel MLP's output beside the attention's
+            lr.resid = cache[name(l, "resid_pre")][0]
+            if lr.norms.parallel is not None:
+                lr.resid = lr.resid + cache[name(l, "parallel_out")][0]
+            lr.norm_in = cache[name(l, "norm_in")][0] if name(l, "norm_in") in cache else None
+        if maps:
+            lr.pattern = cache[name(l, "pattern")][0]  # (H, n, n)
+        elif maps is False:
+            lr.q = cache[name(l, "q")][0]  # (H, n, d)
+            lr.k = cache[name(l, "k")][0].repeat_interleave(G, dim=0)  # (H, n, d)
+            lr.lse = cache[name(l, "stats")].lse[0]  # (H, n)
+        rec.layers[l] = lr
+    return rec
 
-    ``maps=True`` records the patterns (n x n per head); ``maps=False`` records q, k and lse only.
+
+def record(target, inputs, layers=None, *, maps: bool | None, residual: bool = False, backend="auto") -> Recording:
+    """Run the model once on ``inputs`` (one :func:`headlab.capture`) and record, per chosen layer, what the
+    module docstring lists. ``maps=True`` records the patterns (n x n per head); ``maps=False`` records q, k
+    and lse; ``maps=None`` neither (the attention inputs, and the residual stream with ``residual``). A :class:`Recording` passed as ``inputs`` is returned as it is, once checked to hold
+    ``layers`` in the form asked for: the analyses that take inputs take a recording, so one run feeds them all.
     """
     adapter, loaded = resolve(target)
+    if isinstance(inputs, Recording):
+        return _reuse(inputs, adapter, check_layers(adapter, layers), maps=maps, residual=residual)
     check_backend(backend)
     chosen = check_layers(adapter, layers)
-    if not maps and len(adapter.stacks) > 1:
+    if maps is False and len(adapter.stacks) > 1:
         raise ConfigError(f"the map-free tiles assume one stack; this model has {', '.join(adapter.stacks)} "
                           "(causal and not): compute its norms and rollout with the maps (stream=False, rows=None)")
     if residual:
         for l in chosen:
             layer_norms(adapter, l)  # UnsupportedArchitectureError before running anything
     model_inputs, tokens = prepare(loaded, adapter, inputs)
-    kinds = ["pattern"] if maps else ["q", "k", "stats"]
-    sites = [adapter.site_name(l, kind) for l in chosen for kind in kinds]
-    store: dict = {}
-    with _hooks(adapter, chosen, store, residual):
-        cache = capture(adapter, model_inputs, sites, backend=backend, stats_kwargs={"stats": ["lse"]})
-    if not maps:
-        modded = [l for l in chosen if cache.call_args.get(l, {}).get("score_mod") is not None]
-        if modded:
-            raise BackendUnsupportedError(
-                f"layers {modded} modify their scores ({cache.call_args[modded[0]]['score_mod']!r}: soft-capping, "
-                "ALiBi), which the map-free norm, rollout and flow tiles do not apply; run them with stream=False")
-    n = int(store[chosen[0]]["x"].shape[0])
-    rec = Recording(adapter, n, is_causal(adapter), [_scale(adapter, l) for l in range(adapter.n_layers)], tokens)
-    G = adapter.n_heads // adapter.n_kv_heads
-    for l in chosen:
-        got = store[l]
-        lr = LayerRecord(x=got["x"])
-        if residual:
-            lr.norms = layer_norms(adapter, l)
-            lr.resid = got["pre_in"] if lr.norms.pre is not None else got["x"]  # the stream entering the block
-            if lr.norms.parallel is not None:
-                lr.resid = lr.resid + got["parallel_out"]
-            lr.norm_in = got.get("norm_in")
-        if maps:
-            lr.pattern = cache[adapter.site_name(l, "pattern")][0]  # (H, n, n)
-        else:
-            lr.q = cache[adapter.site_name(l, "q")][0]  # (H, n, d)
-            lr.k = cache[adapter.site_name(l, "k")][0].repeat_interleave(G, dim=0)  # (H, n, d)
-            lr.lse = cache[adapter.site_name(l, "stats")].lse[0]  # (H, n)
-        rec.layers[l] = lr
-    return rec
+    cache = capture(adapter, model_inputs, sites_for(adapter, chosen, maps=maps, residual=residual), backend=backend,
+                    stats_kwargs={"stats": ["lse"]})
+    return from_cache(adapter, cache, chosen, maps=maps, residual=residual, tokens=tokens)
 
 
-__all__ = ["LayerRecord", "Recording", "check_backend", "check_layers", "prepare", "record", "resolve"]
+def _reuse(rec: Recording, adapter: ModelAdapter, layers: list[int], *, maps: bool | None,
+           residual: bool) -> Recording:
+    if rec.adapter is not adapter:
+        raise ConfigError("this recording was made on another model; record it on the model you analyse")
+    missing = [l for l in layers if l not in rec.layers]
+    form = "x" if maps is None else "pattern" if maps else "lse"
+    lacking = [l for l in layers if l in rec.layers and getattr(rec.layers[l], form) is None]
+    if missing or lacking or (residual and any(rec.layers[l].resid is None for l in layers)):
+        raise ConfigError(f"the recording lacks what this analysis needs (layers {missing or lacking or layers}: "
+                          f"{'inputs' if maps is None else 'maps' if maps else 'q, k and lse'}"
+                          f"{', residual' if residual else ''}); "
+                          "record those layers with flow.record.record(..., maps=..., residual=...)")
+    sub = Recording(rec.adapter, rec.n, rec.causal, rec.scale, rec.tokens)
+    sub.layers = {l: rec.layers[l] for l in layers}
+    return sub
+
+
+__all__ = ["LayerRecord", "Recording", "check_backend", "check_layers", "from_cache", "prepare", "record", "resolve",
+           "sites_for"]

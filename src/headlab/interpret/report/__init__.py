@@ -1,5 +1,5 @@
-"""The ``analyze`` job (:mod:`.job`), its figures (:mod:`.figures`) and its HTML page (:mod:`.html`)."""
+"""The ``analyze`` job (:mod:`.analyze_job`), its sections (:mod:`.sections`), its figures (:mod:`.figures`) and its HTML page (:mod:`.html`)."""
 
-from headlab.interpret.report.job import MAX_FULL_TOKENS, ReportResult, analyze
+from headlab.interpret.report.analyze_job import MAX_FULL_TOKENS, ReportResult, analyze
 
 __all__ = ["MAX_FULL_TOKENS", "ReportResult", "analyze"]

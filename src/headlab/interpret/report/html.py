@@ -1,8 +1,10 @@
 """The report's single self-contained HTML page: pick a layer and head, see its heatmap and its norm
 map, hover a token to see where it attends and what attends to it, and the rollout of the input.
 
-No network and no libraries: the page is the template ``assets/report.html`` with the CSS, the
-script and the data written inline. Maps travel as base64 little-endian ``uint16`` (weight =
+No network and no libraries: the page is headlab's one shell (:func:`headlab.interpret.shell.page`,
+its stylesheet inline) around the body ``assets/report_body.html``, with the script and the data
+written inline; each report section's own HTML (:mod:`headlab.interpret.report.sections`) goes in
+the body's sections slot. Maps travel as base64 little-endian ``uint16`` (weight =
 value / 65535, so a readout is exact to 1.5e-5), one per drawn ``"layer.head"``. A head's norm map
 is its weight map times the value norms ``||f_h(x_j)||`` (``flow.value_norms``, one per key), drawn
 with each row divided by its sum; the rollout map travels like a weight map.
@@ -18,7 +20,6 @@ from __future__ import annotations
 
 import base64
 import html
-import json
 import re
 from importlib import resources
 from typing import Mapping, Sequence
@@ -26,6 +27,7 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from headlab.errors import ShapeError
+from headlab.interpret import shell
 from headlab.interpret.heads.labels import HeadRecord
 
 _TAGS = {"previous-token": "P", "next-token": "N", "self": "S", "separator-sink": "K", "broad": "B"}
@@ -46,11 +48,6 @@ def encode_map(P) -> str:
 
 def _asset(name: str) -> str:
     return resources.files("headlab.interpret.report").joinpath("assets", name).read_text(encoding="utf-8")
-
-
-def _inline_json(obj) -> str:
-    """JSON safe inside a <script> element: no '</' or '<!--' can close or confuse it."""
-    return json.dumps(obj, ensure_ascii=False).replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
 
 
 def per_layer_counts(n_layers: int, n_heads: int | Sequence[int]) -> list[int]:
@@ -116,7 +113,7 @@ def _table(records: Sequence[HeadRecord], first_label: str) -> str:
     return "".join(out)
 
 
-def _check_flow(flow: Mapping | None, n: int) -> dict | None:
+def check_flow(flow: Mapping | None, n: int) -> dict | None:
     """The flow part of the page data, its lengths checked against the ``n`` tokens."""
     if flow is None:
         return None
@@ -131,7 +128,8 @@ def render_html(*, title: str, tokens: Sequence[str], records: Sequence[HeadReco
                 n_layers: int, n_heads: int | Sequence[int], summary_lines: Sequence[str] = (), banner: str | None = None,
                 first_label: str = "mass [CLS]", undrawn_note: str = "",
                 initial: tuple[int, int] | None = None, flow: Mapping | None = None,
-                saliency: tuple[str, str] | None = None) -> str:
+                sections: Sequence[str] = (),
+                extra_data: Mapping[str, object] | None = None) -> str:
     """The whole page as one string.
 
     Args:
@@ -148,12 +146,12 @@ def render_html(*, title: str, tokens: Sequence[str], records: Sequence[HeadReco
         undrawn_note: shown when a head without a map is picked.
         initial: the (layer, head) shown first (default: the first drawn head).
         flow: the norm maps and the rollout view, as
-            :meth:`~headlab.interpret.report.flow_section.FlowView.page_data` gives them:
+            :meth:`~headlab.interpret.report.sections.flow.FlowView.page_data` gives them:
             ``{"value_norms": {"layer.head": [||f_h(x_j)|| for j]}, "rollout": {"layer", "note",
             "rows": {"pos": [n floats]}, "map": base64 (full mode)}}``; ``None`` leaves both out.
-        saliency: ``(caption, fragment)``: the saliency strip for the model's own output, the panels of
-            :func:`headlab.interpret.saliency.html.explanation_fragment` (trusted HTML, built from
-            escaped tokens) under a plain-text caption; ``None`` leaves the section out.
+        sections: the report sections' own HTML (trusted: built from escaped text), in order, between the
+            rollout and the table (:mod:`headlab.interpret.report.sections`).
+        extra_data: more page data, ``{section name: JSON-able}``, beside the maps (for sections' scripts).
 
     Example:
         >>> import numpy as np
@@ -181,29 +179,21 @@ def render_html(*, title: str, tokens: Sequence[str], records: Sequence[HeadReco
     data = {
         "tokens": list(tokens), "records": [r.as_dict() for r in records], "maps": encoded,
         "n_layers": n_layers, "n_heads": max(counts), "layer_heads": counts, "initial": list(first), "first_label": first_label,
-        "undrawn_note": undrawn_note, "flow": _check_flow(flow, n),
+        "undrawn_note": undrawn_note, "flow": check_flow(flow, n),
     }
-    summary = "".join(f"<p>{html.escape(line)}</p>" for line in summary_lines)
-    if banner:
-        summary += f'<p class="banner">{html.escape(banner)}</p>'
+    data.update(extra_data or {})
     drawn = set(maps)
     parts = {
-        "__HEADLAB_TITLE__": html.escape(title),
-        "__HEADLAB_SUMMARY__": summary,
         "__HEADLAB_PICKER__": _picker(records, counts, drawn),
         "__HEADLAB_LAYER_OPTIONS__": "".join(f'<option value="{i}">{i}</option>' for i in range(n_layers)),
         "__HEADLAB_HEAD_OPTIONS__": "".join(f'<option value="{i}">{i}</option>' for i in range(max(counts))),
         "__HEADLAB_TABLE__": _table(records, first_label),
-        "__HEADLAB_SALIENCY__": "" if saliency is None else (
-            f'<section id="saliency-section"><h2>Saliency of the model\'s output</h2>'
-            f'<p class="hint">{html.escape(saliency[0])}</p>{saliency[1]}</section>'),
-        "__HEADLAB_CSS__": _asset("report.css"),
-        "__HEADLAB_DATA__": _inline_json(data),
-        "__HEADLAB_JS__": _asset("report.js"),
+        "__HEADLAB_SECTIONS__": "".join(sections),
     }
-    page = _asset("report.html")
     # One pass over the template, so text that happens to contain a marker is never re-substituted.
-    return re.sub("|".join(re.escape(k) for k in parts), lambda m: parts[m.group(0)], page)
+    body = re.sub("|".join(re.escape(k) for k in parts), lambda m: parts[m.group(0)], _asset("report_body.html"))
+    return shell.page(title=title, body=body, summary_lines=summary_lines, banner=banner, data=data,
+                      script=_asset("report.js"), generator="headlab analyze")
 
 
-__all__ = ["encode_map", "per_layer_counts", "render_html"]
+__all__ = ["check_flow", "encode_map", "per_layer_counts", "render_html"]

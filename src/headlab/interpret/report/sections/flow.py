@@ -1,7 +1,8 @@
-"""The flow part of ``headlab analyze``: each drawn head's norm map beside its weight map, and a rollout view.
+"""The flow section of ``headlab analyze``: each drawn head's norm map beside its weight map, and a rollout view.
 
 :func:`flow_view` computes what the page shows (always, when the model's adapter gives its per-head
-``W_V`` and ``W_O``):
+``W_V`` and ``W_O``), from the one recording the report makes (the attention inputs of every layer,
+beside the maps or the map-free q, k and lse the heads section asked for):
 
 - per drawn head, the value norms ``||f_h(x_j)||`` ``(n,)`` (:func:`~headlab.interpret.flow.norms.value_norms`).
   A head's norm map (Kobayashi et al. 2020) is ``||alpha_ij f_h(x_j)|| = alpha_ij ||f_h(x_j)||``, so the
@@ -26,9 +27,11 @@ import numpy as np
 
 from headlab.errors import HeadlabError
 from headlab.interpret.flow.norms import value_norms
+from headlab.interpret.flow.record import from_cache
 from headlab.interpret.flow.rollout import rollout
 from headlab.interpret.report.figures import LayerGrid
-from headlab.interpret.report.html import encode_map
+from headlab.interpret.report.html import check_flow, encode_map
+from headlab.interpret.report.sections.base import Job, PagePart, Section, register
 
 
 @dataclass
@@ -65,13 +68,15 @@ def _exact(backend) -> bool:
     return backend in (None, "auto") or bool(_backends.get(backend).capabilities.exact)
 
 
-def flow_view(loaded, inputs, n: int, *, mode: str, drawn: Sequence[tuple[int, int]], backend=None,
+def flow_view(loaded, recording, *, mode: str, drawn: Sequence[tuple[int, int]], backend=None,
               max_full_tokens: int | None = None, say: Callable[[str], None] | None = None) -> FlowView:
     """Value norms of the drawn heads and the rollout view for one input (see the module docstring).
 
-    Full mode captures every map on the exact computation, so the norms and the rollout do too, whatever
-    ``backend``; in streaming mode the drawn maps come from the model as run on ``backend``, and an
-    approximate one leaves this view out (``skipped`` says so).
+    ``recording`` is a :class:`~headlab.interpret.flow.record.Recording` of every layer (maps in full
+    mode; q, k and lse in streaming mode), or the inputs to record one from. Full mode captures every
+    map on the exact computation, so the norms and the rollout do too, whatever ``backend``; in
+    streaming mode the recording comes from the model as run on ``backend``, and an approximate one
+    leaves this view out (``skipped`` says so).
     """
     say = say or (lambda _m: None)
     view = FlowView(mode)
@@ -83,15 +88,18 @@ def flow_view(loaded, inputs, n: int, *, mode: str, drawn: Sequence[tuple[int, i
     layers = sorted({l for l, _ in drawn})
     try:
         say("norm maps (value norms of the drawn heads) and rollout")
-        norms = value_norms(loaded, inputs, layers=layers, backend=exact)
+        n = recording.n if hasattr(recording, "layers") else None
+        norms = value_norms(loaded, recording, layers=layers, backend=exact)
         view.value_norms = {(l, h): norms[l][h].double().cpu().numpy() for l, h in drawn}
         if mode == "full":
-            roll = rollout(loaded, inputs, backend=exact)
+            roll = rollout(loaded, recording, backend=exact)
             view.rollout_map = roll.maps[-1].double().cpu().numpy()
+            n = view.rollout_map.shape[0]
             view.rollout_rows = {p: view.rollout_map[p] for p in sorted({0, n - 1})}
             view.note = "rollout through the last layer: row i says how much of each input token reaches token i"
         else:
-            roll = rollout(loaded, inputs, rows=sorted({0, n - 1}), backend=exact)
+            n = n if n is not None else next(iter(view.value_norms.values())).shape[0]
+            roll = rollout(loaded, recording, rows=sorted({0, n - 1}), backend=exact)
             view.rollout_rows = {p: r.double().cpu().numpy() for p, r in zip(roll.row_positions, roll.rows)}
             limit = f" > {max_full_tokens}" if max_full_tokens is not None else ""
             view.note = (f"rollout rows only: {n} tokens{limit} is past the full-map length, so only the rows of "
@@ -100,6 +108,46 @@ def flow_view(loaded, inputs, n: int, *, mode: str, drawn: Sequence[tuple[int, i
     except (HeadlabError, NotImplementedError) as e:  # e.g. an adapter that does not give W_V / W_O
         return FlowView(mode, skipped=f"norm maps and rollout are left out: {e}")
     return view
+
+
+@register
+class FlowSection(Section):
+    """Norm maps beside the weight maps, and the rollout: read from the one recording."""
+
+    name = "flow"
+
+    def _usable(self, job: Job) -> bool:
+        return job.mode == "full" or (_exact(job.backend) and len(job.adapter.stacks) == 1)
+
+    def sites(self, job: Job) -> list[str]:
+        return job.adapter.sites("input") if self._usable(job) else []
+
+    def stats(self, job: Job) -> set[str]:
+        return {"lse"} if job.mode != "full" and self._usable(job) else set()
+
+    def compute(self, job: Job, cache, results) -> FlowView:
+        table = results["heads"]
+        if not self._usable(job):
+            if not _exact(job.backend):
+                return flow_view(job.loaded, None, mode=job.mode, drawn=table.drawn, backend=job.backend)
+            return FlowView(job.mode, skipped="norm maps and rollout are left out: the map-free rollout runs within "
+                                              "one stack, and this model has " + ", ".join(job.adapter.stacks))
+        try:
+            rec = from_cache(job.adapter, cache, list(range(job.adapter.n_layers)), maps=job.mode == "full",
+                             tokens=job.tokens)
+        except HeadlabError as e:  # e.g. layers that modify their scores, which the map-free tiles do not apply
+            return FlowView(job.mode, skipped=f"norm maps and rollout are left out: {e}")
+        return flow_view(job.loaded, rec, mode=job.mode, drawn=table.drawn, backend=job.backend,
+                         max_full_tokens=job.max_full_tokens, say=job.say)
+
+    def write(self, job: Job, view: FlowView, results) -> list[str]:
+        if view.skipped is not None:
+            return [view.skipped]
+        return write_flow_files(view, results["heads"].maps, job.tokens, job.out, say=job.say) if job.write_flow else []
+
+    def page(self, job: Job, view: FlowView, results) -> PagePart:
+        data = view.page_data()
+        return PagePart(data={"flow": check_flow(data, job.n)} if data is not None else {})
 
 
 def write_flow_files(view: FlowView, maps: Mapping[tuple[int, int], object], tokens: list[str], out: Path, *,
@@ -132,4 +180,4 @@ def write_flow_files(view: FlowView, maps: Mapping[tuple[int, int], object], tok
     return notes
 
 
-__all__ = ["FlowView", "flow_view", "write_flow_files"]
+__all__ = ["FlowSection", "FlowView", "flow_view", "write_flow_files"]

@@ -1,6 +1,6 @@
 """The main job: :func:`analyze` a text with a model and write a report folder::
 
-    from headlab.interpret.report.job import analyze
+    from headlab.interpret.report.analyze import analyze
     r = analyze("The cat sat on the mat.", out_dir="report")   # loads the default model, MiniLM
     r.html, r.pngs[0], r.interesting()                        # report.html, layer_00.png, [(label, record)]
 
@@ -15,6 +15,11 @@ The folder holds
   entropy, mean attended distance, mass on [CLS] / [SEP] or the first token for decoders, the most
   attended token, pattern labels with their evidence). ``heads.json`` also carries the tokens, the
   model, the mode and the thresholds.
+
+The report is a list of sections (:mod:`headlab.interpret.report.sections`: the heads table and maps,
+the saliency strip, the norm maps and rollout). The model runs once for all of them: each section says
+which capture sites it needs, one :func:`headlab.capture` records them, and each section computes its
+result from that recording (saliency's gradients need passes of their own).
 
 Long inputs. Up to ``max_full_tokens`` tokens (default :data:`MAX_FULL_TOKENS` = 256) every map is
 captured and drawn. Beyond it the table comes from the streaming statistics
@@ -33,15 +38,12 @@ import os
 import tempfile
 import warnings
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
-import torch
-
 from headlab._version import __version__
-from headlab.attention.core import attention_weights
 from headlab.errors import InputError, MemoryBudgetError
+from headlab.interpret import shell
 from headlab.interpret.capture import capture
 from headlab.interpret.report.selection import (  # noqa: F401  (public here too)
     DRAWN_HEADS,
@@ -53,18 +55,14 @@ from headlab.interpret.report.selection import (  # noqa: F401  (public here too
     interesting_heads,
     parse_heads,
 )
-from headlab.interpret.heads.labels import (
-    HeadRecord,
-    LabelThresholds,
-    head_records,
-    row_stats_from_attention_stats,
-    row_stats_from_maps,
-)
+from headlab.interpret.heads.labels import HeadRecord, LabelThresholds
+from headlab.interpret.report.html import render_html
+from headlab.interpret.report.sections import Job, Section, registered
+from headlab.interpret.report.sections.heads import HeadsTable, initial_head, memory_hint
 
 MAX_FULL_TOKENS = 256  # above this many tokens: streaming statistics, maps for chosen heads only
 REPORT_FILES = ("report.html", "heads.csv", "heads.json")
 _PNG_GLOB = "layer_*.png"
-_STREAM_STATS = ("entropy", "max_weight", "argmax", "mean_distance", "key_mass", "received")
 
 Progress = Callable[[str], None]
 
@@ -102,6 +100,10 @@ class ReportResult:
     def interesting(self) -> list[tuple[str, HeadRecord]]:
         """The clearest example of each pattern label, as ``(label, record)``."""
         return interesting_heads(self.records)
+
+    def _repr_html_(self) -> str:
+        """The report page inline in a notebook (the page itself, in a sandboxed frame; no network)."""
+        return shell.inline(self.html.read_text(encoding="utf-8"), height=900)
 
 
 # ---- small pure helpers ---------------------------------------------------------------------------
@@ -179,10 +181,6 @@ def write_json(records: Sequence[HeadRecord], path: str | os.PathLike, **meta) -
 # ---- the job --------------------------------------------------------------------------------------
 
 
-def _is_causal(loaded) -> bool:
-    return loaded.adapter.causal
-
-
 def _separator_positions(loaded, ids: Sequence[int], causal: bool) -> list[int] | None:
     """Positions of [SEP] (or the tokenizer's separator) for encoders; ``None`` for decoders."""
     if causal:
@@ -191,46 +189,12 @@ def _separator_positions(loaded, ids: Sequence[int], causal: bool) -> list[int] 
     return [i for i, t in enumerate(ids) if sep is not None and t == sep and i != 0]
 
 
-
-def _full_maps(loaded, inputs, tokens, *, sinks, seps, causal, backend, thresholds):
-    """Every map captured: the table from the maps, and every map to draw."""
-    cache = capture(loaded, inputs, sites=loaded.adapter.sites("pattern"), backend=backend)
-    layer_maps = [m[0].float().cpu().numpy() for m in cache.layer("pattern")]  # (H, L, L) per layer
-    rows = [row_stats_from_maps(m, sink_positions=sinks, causal=causal) for m in layer_maps]
-    records = head_records(rows, tokens, separator_positions=seps, thresholds=thresholds)
-    return records, {(i, h): m[h] for i, m in enumerate(layer_maps) for h in range(m.shape[0])}
-
-
-def _streaming(loaded, inputs, tokens, *, sinks, seps, causal, backend, thresholds, chosen):
-    """No map held: the table from streaming statistics, maps only for the chosen heads."""
-    adapter, n = loaded.adapter, len(tokens)
-    # The statistics run inside each layer's forward, with the model's own mask and scale.
-    cache = capture(loaded, inputs, sites=[g for k in ("stats", "q", "k") for g in adapter.sites(k)],
-                            backend=backend, stats_kwargs={"key_positions": sinks, "stats": list(_STREAM_STATS)})
-    rows = [row_stats_from_attention_stats(st, sink_positions=sinks, causal=causal) for st in cache.layer("stats")]
-    records = head_records(rows, tokens, separator_positions=seps, thresholds=thresholds)
-    drawn = chosen or default_drawn_heads(records)
-    maps = {}
-    for layer, h in drawn:
-        # query head h reads kv head h // group (per layer: a pruned layer has its own counts)
-        group = max(1, adapter.layer_heads[layer] // adapter.layer_kv_heads[layer])
-        q = cache[adapter.site_name(layer, "q")][:, h:h + 1]  # (1, 1, L, d)
-        k = cache[adapter.site_name(layer, "k")][:, h // group:h // group + 1]  # (1, 1, L, d)
-        call = cache.call_args[layer]  # the layer's own mask (e.g. a sliding window) and scale
-        mask = call["mask"]
-        if isinstance(mask, torch.Tensor) and mask.dim() == 4 and mask.shape[1] > 1:
-            mask = mask[:, h:h + 1]  # (B, 1, Lq, Lk): a per-head mask, this head's slice
-        mod = call.get("score_mod")  # the model's own score modification (soft-capping, ALiBi), for head h
-        extra = {"score_mod": (lambda s, b, hh, qi, kv, mod=mod, h=h: mod(s, b, hh + h, qi, kv))} if mod else {}
-        w = attention_weights(q, k, mask=mask, causal=call["causal"], scale=call["scale"], **extra)  # (1, 1, L, L)
-        maps[(layer, h)] = w[0, 0].float().cpu().numpy()
-    return records, maps
-
-
-def _notes(value) -> tuple[str, ...]:
-    if value is None:
-        return ()
-    return (value,) if isinstance(value, str) else tuple(value)
+def record_once(job: Job, sections: Sequence[Section]):
+    """The one run of the model: every site the sections need, in one :func:`headlab.capture`."""
+    sites = sorted({s for sec in sections for s in sec.sites(job)})
+    stats = sorted({s for sec in sections for s in sec.stats(job)})
+    kwargs = {"key_positions": job.sinks, "stats": stats} if stats else None
+    return capture(job.loaded, job.inputs, sites=sites, backend=job.backend, stats_kwargs=kwargs)
 
 
 def analyze(
@@ -273,14 +237,12 @@ def analyze(
             importance ranks and ablation verdicts); shown in the table, the head panel and
             ``heads.json`` (``notes``).
         flow: also write the norm maps and the rollout beside the page as PNGs and ``rollout.json``
-            (the page shows them either way; :mod:`headlab.interpret.report.flow_section`).
+            (the page shows them either way; :mod:`headlab.interpret.report.sections.flow`).
 
     Returns:
         A :class:`ReportResult`.
     """
     from headlab.attention import backends as _backends
-    from headlab.interpret.report.figures import LayerGrid
-    from headlab.interpret.report.html import render_html
     from headlab.models.loader import load
 
     say = progress or (lambda msg: None)
@@ -314,86 +276,47 @@ def analyze(
     ids = inputs["input_ids"][0].tolist()
     tokens = (loaded.tokenizer.convert_ids_to_tokens(ids) if loaded.tokenizer is not None else [str(i) for i in ids])
     n = len(tokens)
-    causal = _is_causal(loaded)
-    seps = _separator_positions(loaded, ids, causal)
-    sinks = [0] + (seps or [])
-    mode = "full" if n <= max_full_tokens else "streaming"
+    causal = adapter.causal
+    job = Job(loaded, text, inputs, tokens, causal, _separator_positions(loaded, ids, causal),
+              "full" if n <= max_full_tokens else "streaming", max_full_tokens, out, backend=backend, chosen=chosen,
+              thresholds=thresholds, annotations=annotations, write_flow=flow, say=say)
+    sections = [s for s in registered() if s.active(job)]
 
-    if mode == "full":
+    if job.mode == "full":
         say(f"capturing attention maps: {n} tokens, {n_layers} layers x {heads_text(counts)} heads")
-        try:
-            records, maps = _full_maps(loaded, inputs, tokens, sinks=sinks, seps=seps, causal=causal,
-                                       backend=backend, thresholds=thresholds)
-        except MemoryBudgetError as e:  # a backend hint does not help here: the full mode draws every map
-            head = str(e).split("; use backend=")[0]
-            raise MemoryBudgetError(
-                f"{head}; the report's full mode holds every {n} x {n} map: raise HEADLAB_MEMORY_LIMIT, or use "
-                f"streaming statistics with `headlab analyze TEXT --max-full-tokens {max(1, n - 1)}` "
-                "(max_full_tokens=), which hold no full map", estimate_bytes=e.estimate_bytes,
-                available_bytes=e.available_bytes, alternative=None) from None
-        drawn = list(maps)
     else:
         say(f"{n} tokens > {max_full_tokens}: streaming statistics, no n x n maps")
-        records, maps = _streaming(loaded, inputs, tokens, sinks=sinks, seps=seps, causal=causal, backend=backend,
-                                   thresholds=thresholds, chosen=chosen)
-        drawn = list(maps)
-        notes.append(f"long input: {n} tokens > {max_full_tokens}, so the table comes from streaming statistics "
-                     f"(no {n} x {n} map held) and maps are drawn only for heads "
-                     f"{', '.join(f'{a}.{b}' for a, b in drawn)}" + ("" if chosen else " (chosen automatically: "
-                     "the heads whose rows most often point at a fixed offset; pick others with --heads)"))
-        fits = embeddable(n, len(drawn))
-        if fits < len(drawn):
-            one = 2 * n * n / 2**20
-            notes.append(f"at {n} tokens one map takes {one:.0f} MiB in the page, which holds at most "
-                         f"{MAX_EMBEDDED_BYTES >> 20} MiB of maps: " + (
-                             f"it embeds {', '.join(f'{a}.{b}' for a, b in drawn[:fits])}; " if fits else
-                             "it embeds none (the table and the statistics are all there); ") +
-                         "every drawn head is in the layer PNGs")
-    if annotations:
-        records = [replace(r, notes=_notes(annotations.get((r.layer, r.head)))) for r in records]
-    provenance, approx_warning = backend_provenance(backend, mode)
+    try:
+        cache = record_once(job, sections)
+    except MemoryBudgetError as e:
+        if job.mode != "full":
+            raise
+        raise memory_hint(e, n) from None
+    results: dict[str, object] = {}
+    for sec in sections:
+        results[sec.name] = sec.compute(job, cache, results)
+    del cache
+    provenance, approx_warning = backend_provenance(backend, job.mode)
+    table: HeadsTable = results["heads"]
+    notes += table.notes
     if approx_warning:
         notes.append(approx_warning)
-    if mode == "full":  # the saliency strip and per-head tau with IG, for models with a head
-        from headlab.interpret.report.saliency_section import saliency_section
-
-        records, more, strip = saliency_section(loaded, text, out, backend, records)
-        notes += more
-    else:
-        strip = None
-    embedded = drawn if mode == "full" else drawn[:embeddable(n, len(drawn))]  # maps the page carries
-    shown = set(embedded)
-    picks = [*(chosen or []), *((r.layer, r.head) for _, r in interesting_heads(records))]
-    initial = next((d for d in picks if d in shown), min(embedded or drawn))
-
-    from headlab.interpret.report.flow_section import flow_view, write_flow_files
-
-    view = flow_view(loaded, inputs, n, mode=mode, drawn=drawn, backend=backend, max_full_tokens=max_full_tokens,
-                     say=say)  # the page's norm maps beside the weight maps, and its rollout view
-    notes += [view.skipped] if view.skipped else (write_flow_files(view, maps, tokens, out, say=say) if flow else [])
+    parts = {}
+    for sec in sections:
+        notes += sec.write(job, results[sec.name], results)
+        parts[sec.name] = part = sec.page(job, results[sec.name], results)
+        notes += [m for m in part.notes if m not in notes]
 
     say("writing the table")
+    records, drawn = table.records, table.drawn
     csv_path = write_csv(records, out / "heads.csv")
     json_path = write_json(
         records, out / "heads.json", headlab_version=__version__, model=loaded.name, family=loaded.family,
-        text=text, tokens=tokens, causal=causal, separator_positions=seps, mode=mode, max_full_tokens=max_full_tokens,
-        backend=backend, **provenance, drawn_heads=[f"{a}.{b}" for a, b in drawn], notes=notes,
-        thresholds={"positional": thresholds.positional, "sink": thresholds.sink, "broad": thresholds.broad},
+        text=text, tokens=tokens, causal=causal, separator_positions=job.separators, mode=job.mode,
+        max_full_tokens=max_full_tokens, backend=backend, **provenance, drawn_heads=[f"{a}.{b}" for a, b in drawn],
+        notes=notes, thresholds={"positional": thresholds.positional, "sink": thresholds.sink,
+                                 "broad": thresholds.broad},
         n_layers=n_layers, n_heads=n_heads, layer_heads=counts)
-
-    pngs: list[Path] = []
-    titles = {(r.layer, r.head): ", ".join(r.labels) for r in records}
-    grid: LayerGrid | None = None
-    for layer in range(n_layers):
-        hs = [h for (l_, h) in sorted(drawn) if l_ == layer]
-        if not hs:
-            continue
-        say(f"drawing layer {layer + 1}/{n_layers}")
-        if grid is None or grid.n_maps != len(hs):  # the same tokens on every layer: reuse the figure
-            grid = LayerGrid(tokens, len(hs))
-        maps_l = np.stack([maps[(layer, h)] for h in hs])  # (len(hs), L, L)
-        pngs.append(grid.draw(maps_l, out / f"layer_{layer:02d}.png", layer=layer, head_ids=hs,
-                              titles=[titles[(layer, h)] for h in hs]))
 
     say("writing the page")
     first_label = "mass first token" if causal else "mass [CLS]"
@@ -401,18 +324,21 @@ def analyze(
                f"{', causal' if causal else ''})", f"backend: {provenance['model_backend']}"
                f"{'' if provenance['model_backend_exact'] else ' (approximate)'}; shown: {provenance['statistics']}",
                f"{n} tokens: {text if len(text) <= 300 else text[:297] + '...'}"]
+    embedded = table.embedded
     page = render_html(
         title=f"headlab analyze: {loaded.name}", tokens=tokens, records=records,
-        maps={d: maps[d] for d in embedded}, n_layers=n_layers, n_heads=counts, summary_lines=summary,
-        banner=" ".join(notes) or None, first_label=first_label, initial=initial, flow=view.page_data(), saliency=strip,
+        maps={d: table.maps[d] for d in embedded}, n_layers=n_layers, n_heads=counts, summary_lines=summary,
+        banner=" ".join(notes) or None, first_label=first_label, initial=initial_head(table, chosen),
+        sections=[p.html for p in parts.values() if p.html],
+        extra_data={k: v for p in parts.values() for k, v in p.data.items()},
         undrawn_note=(f"Long input ({n} tokens): this head's map is not in the page"
                       + (" (too large to embed; see the layer PNGs)." if embedded != drawn else
                          "; only its statistics were computed. Draw it with --heads LAYER.HEAD.")
-                      if mode == "streaming" else ""))
+                      if job.mode == "streaming" else ""))
     html_path = out / "report.html"
     html_path.write_text(page, encoding="utf-8")
-    return ReportResult(out_dir=out, html=html_path, csv=csv_path, json=json_path, pngs=pngs, records=records,
-                        tokens=tokens, mode=mode, drawn=drawn, model=loaded.name, family=loaded.family,
+    return ReportResult(out_dir=out, html=html_path, csv=csv_path, json=json_path, pngs=table.pngs, records=records,
+                        tokens=tokens, mode=job.mode, drawn=drawn, model=loaded.name, family=loaded.family,
                         n_layers=n_layers, n_heads=n_heads, notes=notes)
 
 

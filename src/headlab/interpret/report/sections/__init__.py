@@ -1,0 +1,15 @@
+"""The sections of ``headlab analyze``'s report, in page order.
+
+A section is one file here: a :class:`~headlab.interpret.report.sections.base.Section` subclass that
+names the capture sites it needs, computes a result object from the one recording, writes its files
+and gives its part of the page. Adding one to the report is that file plus its line below.
+"""
+
+from headlab.interpret.report.sections.base import Job, PagePart, Section, register, registered
+
+# registration (import) order is page order; a later section may read the results of earlier ones
+from headlab.interpret.report.sections import heads  # noqa: E402,F401  (the table and the maps)
+from headlab.interpret.report.sections import saliency  # noqa: E402,F401  (the saliency strip)
+from headlab.interpret.report.sections import flow  # noqa: E402,F401  (norm maps and rollout)
+
+__all__ = ["Job", "PagePart", "Section", "register", "registered"]
