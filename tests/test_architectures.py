@@ -28,8 +28,7 @@ from headlab.errors import BackendUnsupportedError, HeadlabError, UnsupportedArc
 from headlab.models import adapt
 from headlab.models.hf import REFUSED
 
-pytest.importorskip("transformers")
-import architectures as A  # noqa: E402
+import architectures as A
 
 SUPPORTED = [n for n in A.NAMES if n not in REFUSED]
 BACKENDS = ["reference", "sdpa", "tiled", "sparse"]

@@ -7,42 +7,28 @@ synthetic hover on a token colours both token strips with the right row and colu
 the row on the heatmap, and a hover on the heatmap moves the focus. The result and any script
 error are written into the DOM, which ``chromium --dump-dom`` returns; Chromium's own console log
 (``--enable-logging=stderr``) must show no message at all. Skipped, with the reason, when no
-Chromium is installed (``.ci/run`` installs Debian's ``chromium``).
+Chromium is installed; failed under CI (``CI=true``), where ``.ci/run`` installs Debian's ``chromium``
+(see :func:`conftest.require`).
 """
 
 from __future__ import annotations
 
-import os
 import re
-import shutil
 import subprocess
 
 import numpy as np
 import pytest
 
+from conftest import require_browser
 from headlab.interpret.heads.labels import head_records, row_stats_from_maps
 from headlab.interpret.report.html import encode_map, render_html
 
 pytestmark = pytest.mark.browser
 
-BROWSERS = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable", "chrome")
-
-
-def find_browser() -> str | None:
-    """``$HEADLAB_CHROMIUM`` or the first Chromium-like browser on PATH."""
-    env = os.environ.get("HEADLAB_CHROMIUM")
-    if env:
-        return env
-    return next((p for p in map(shutil.which, BROWSERS) if p), None)
-
 
 @pytest.fixture(scope="module")
 def browser():
-    path = find_browser()
-    if path is None:
-        pytest.skip(f"no headless Chromium found (looked for {', '.join(BROWSERS)} on PATH and $HEADLAB_CHROMIUM); "
-                    "install one, e.g. `apt-get install chromium`, to run the browser test")
-    return path
+    return require_browser()
 
 
 def open_page(browser: str, page: str, tmp_path, name: str = "report.html") -> tuple[str, list[str]]:
@@ -133,9 +119,9 @@ def test_analyze_report_with_the_saliency_strip(browser, tmp_path):
     # a classifier's report carries the saliency strip (one panel per method, shaded tokens, the agreement
     # table); the page still checks itself and logs nothing
     import torch
+    import transformers
 
-    transformers = pytest.importorskip("transformers")
-    from headlab.interpret.report.job import analyze
+    from headlab.interpret.report.analyze_job import analyze
     from headlab.models.bundled import minilm_dir
     from headlab.models.loader import LoadedModel, adapt
 

@@ -202,7 +202,6 @@ def test_data_parallel_probe_and_explain_study_equal_one_process(tmp_path):
 
     import analysis_worker
 
-    pytest.importorskip("transformers")
     (tmp_path / "tiny.conllu").write_text(analysis_worker.CONLLU, encoding="utf-8")
     (tmp_path / "data.tsv").write_text(analysis_worker.TSV, encoding="utf-8")
     _two_ranks("analysis_worker.py", tmp_path, timeout=300)
@@ -216,7 +215,8 @@ def test_data_parallel_probe_and_explain_study_equal_one_process(tmp_path):
     one = ProbeResult.from_json(json.loads(json.dumps(one.to_json())))  # the rounding rank 0's file went through
     two = ProbeResult.from_json(json.loads((tmp_path / "probe.json").read_text()))
     assert two.sentences == one.sentences == 5 and two.tokens == one.tokens
-    np = pytest.importorskip("numpy")
+    import numpy as np
+
     np.testing.assert_allclose(two.accuracy, one.accuracy, atol=1e-6)  # the JSON keeps 6 digits
     np.testing.assert_allclose(two.count, one.count)
     np.testing.assert_allclose(two.baseline_accuracy, one.baseline_accuracy)

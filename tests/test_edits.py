@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+import transformers
 
 import headlab
 from headlab.errors import ConfigError, ShapeError, SiteError, UnsupportedArchitectureError
 from headlab.models import adapt
 from headlab.models.transformer import Transformer, TransformerConfig
-
-transformers = pytest.importorskip("transformers")
 
 V, E, L = 61, 32, 9
 

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+import transformers
 
 import headlab
 from headlab.errors import ConfigError, InputError, PruneError
@@ -26,7 +27,6 @@ from headlab.interpret.heads.importance import correlate, head_confidence, head_
 from headlab.models import adapt
 from headlab.models.transformer import Transformer, TransformerConfig
 
-transformers = pytest.importorskip("transformers")
 V = 40
 
 

@@ -1,17 +1,16 @@
 """The ``headlab heads`` page in a real headless Chromium: every heatmap paints one coloured cell per head,
 the interaction matrix is k x k, a click selects the head's verdict row, and the console stays silent.
-Skipped, with the reason, when no Chromium is installed (as tests/test_browser.py)."""
+Skipped, with the reason, when no Chromium is installed, failed under CI (as tests/test_browser.py)."""
 
 from __future__ import annotations
 
-import os
 import re
-import shutil
 import subprocess
 
 import pytest
 import torch
 
+from conftest import require_browser
 from headlab.interpret.heads.ablation import ablate
 from headlab.interpret.heads.importance import importance_study
 from headlab.interpret.heads.page import head_annotations, render_page
@@ -19,15 +18,11 @@ from headlab.interpret.heads.prune import pruning_curve
 from headlab.models.transformer import Transformer, TransformerConfig
 
 pytestmark = pytest.mark.browser
-BROWSERS = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable", "chrome")
 
 
 @pytest.fixture(scope="module")
 def browser():
-    path = os.environ.get("HEADLAB_CHROMIUM") or next((p for p in map(shutil.which, BROWSERS) if p), None)
-    if path is None:
-        pytest.skip("no headless Chromium found; install one, e.g. `apt-get install chromium`")
-    return path
+    return require_browser()
 
 
 @pytest.fixture(scope="module")

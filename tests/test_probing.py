@@ -8,6 +8,7 @@ import json
 import numpy as np
 import pytest
 import torch
+import transformers
 
 from headlab.errors import InputError, ModelError, TreebankError
 from headlab.interpret.probing import align as al
@@ -17,9 +18,6 @@ from headlab.interpret.probing.result import ProbeResult, head_annotations
 from headlab.interpret.probing.study import probe
 from headlab.interpret.probing.treebank import read_treebank
 from conftest import run_cli
-
-transformers = pytest.importorskip("transformers")
-tokenizers = pytest.importorskip("tokenizers")
 
 # Sentence 1 has a split word (unbelievable), a multi-word token (didn't = did + n't) and an empty
 # node (9.1); sentence 2 a subtype (nmod:poss); sentence 3 a cycle; sentence 4 no root.
@@ -328,7 +326,8 @@ def test_baselines_known_values(treebank):
 
 
 def test_js_and_mds_against_scipy():
-    scipy_spatial = pytest.importorskip("scipy.spatial.distance")
+    import scipy.spatial.distance as scipy_spatial
+
     g = torch.Generator().manual_seed(2)
     att = torch.softmax(torch.randn(4, 5, 6, generator=g), -1)
     got = js_sums(att)

@@ -13,7 +13,9 @@ import math
 
 import numpy as np
 import pytest
+import scipy.stats as scipy_stats
 import torch
+import transformers
 
 from headlab.attention import backends as hb
 from headlab.errors import ConfigError, InputError, ModelError, UnknownBackendError
@@ -22,9 +24,6 @@ from headlab.interpret.saliency.attention import edited_pattern, replace_row
 from headlab.interpret.saliency.objective import make_objective
 from headlab.models import adapt
 from headlab.models.loader import LoadedModel
-
-transformers = pytest.importorskip("transformers")
-scipy_stats = pytest.importorskip("scipy.stats")
 
 TEXT = "a gripping , funny and moving film"
 
@@ -238,8 +237,6 @@ def test_agreement_is_kendall_and_spearman_over_non_special_tokens(clf):
 
 @pytest.mark.parametrize("backend", ["reference", "tiled"])
 def test_every_backend_gives_the_same_explanation(clf, backend):
-    if backend not in hb.names():
-        pytest.skip(f"no {backend} backend")
     a = explain(clf, TEXT, methods=("gradient", "integrated_gradients", "leave_one_out"), backend="sdpa", ig_steps=8)
     b = explain(clf, TEXT, methods=("gradient", "integrated_gradients", "leave_one_out"), backend=backend, ig_steps=8)
     for m in a.scores:
@@ -247,8 +244,6 @@ def test_every_backend_gives_the_same_explanation(clf, backend):
 
 
 def test_the_chosen_backend_really_serves_the_gradients(clf, monkeypatch):
-    if "tiled" not in hb.names():
-        pytest.skip("no tiled backend")
     tiled = hb.get("tiled")
     calls = []
     orig = type(tiled).forward
@@ -499,14 +494,12 @@ def test_cli_json_and_html(clf_dir, tmp_path, capsys):
 
 @pytest.mark.browser
 def test_explanation_page_in_a_headless_browser(clf, tmp_path):
-    import shutil
     import subprocess
 
+    from conftest import require_browser
     from headlab.interpret.saliency.html import write_explanation
 
-    browser = next((p for p in map(shutil.which, ("chromium", "chromium-browser", "google-chrome")) if p), None)
-    if browser is None:
-        pytest.skip("no headless Chromium on PATH (apt-get install chromium) for the browser test")
+    browser = require_browser()
     ex = explain(clf, TEXT, ig_steps=8)
     page = write_explanation(ex, tmp_path / "ex")["html"]
     cmd = [browser, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--no-first-run",
@@ -536,7 +529,7 @@ def test_head_annotations_rank_each_head_against_ig(clf, tmp_path):
 
 
 def test_analyze_report_gains_the_saliency_strip(clf, encoder, tmp_path):
-    from headlab.interpret.report.job import analyze
+    from headlab.interpret.report.analyze_job import analyze
 
     r = analyze(TEXT, model=clf, out_dir=tmp_path / "rep")
     assert (tmp_path / "rep" / "saliency.png").is_file() and (tmp_path / "rep" / "saliency.html").is_file()

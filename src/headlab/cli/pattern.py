@@ -3,30 +3,19 @@
 from __future__ import annotations
 
 import inspect
+import re
 
 import typer
 from rich.text import Text
 
 from headlab.attention import masks
-from headlab.attention.backends import sparse as _sparse
-from headlab.attention.blocks import block_map
-from headlab.attention.states import EMPTY, FULL
+from headlab.attention.backends.sparse.plan import pattern_density
 from headlab.cli.app import app, console, print_json
 from headlab.errors import ConfigError
 
 # largest sequence drawn densely (a PNG of n x n pixels; the terminal is downsampled anyway)
 MAX_DENSE = 8192
 _SHADES = " ░▒▓█"
-
-
-def _ints(text: str | None, what: str) -> list[int] | None:
-    if text is None:
-        return None
-    try:
-        return [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise ConfigError(f"{what} must be comma-separated integers such as 0,5,9; got {text!r}") from None
-
 
 # CLI option of each constructor parameter (the constructors and their names: headlab.masks)
 _OPTION = {"window": "--window", "dilation": "--dilation", "stride": "--stride", "summary": "--summary",
@@ -35,29 +24,33 @@ _OPTION = {"window": "--window", "dilation": "--dilation", "stride": "--stride",
            "lengths": "--lengths (e.g. 10,12,10)"}
 
 
-def build(name: str, *, window=None, dilation=2, stride=None, summary=1, block=None, window_blocks=3,
-          global_=None, random=2, seed=0, causal=False, lengths=None) -> masks.MaskFn:
-    """The mask for ``name`` from the command's options, or a :func:`headlab.masks.from_string` spec.
+def spec(name: str, *, window=None, dilation=2, stride=None, summary=1, block=None, window_blocks=3,
+         global_=None, random=2, seed=0, causal=False, lengths=None) -> str:
+    """The :func:`headlab.masks.from_string` spec the command's options stand for.
 
-    The constructor comes from :func:`headlab.masks.pattern` and receives the options named like
-    its parameters. ``strided`` and ``fixed`` are causal as in the paper (``--causal`` changes
-    nothing); their two-sided forms are reachable as specs, e.g. ``strided:8:causal=false``. For
-    the other patterns ``--causal`` is their ``causal`` parameter or ANDs :func:`headlab.masks.causal`.
-    ``global_`` is the raw ``--global`` text: a block count for ``bigbird``, token indices for
-    ``global_tokens``.
+    ``name`` is a pattern of :func:`headlab.masks.pattern`, whose constructor receives the options
+    named like its parameters (``name:param=value:...``), or already a spec. ``strided`` and
+    ``fixed`` are causal as in the paper (``--causal`` changes nothing); their two-sided forms are
+    reachable as specs, e.g. ``strided:8:causal=false``. For the other patterns ``--causal`` is
+    their ``causal`` parameter or ANDs ``causal``. ``global_`` is the raw ``--global`` text: a
+    block count for ``bigbird``, token indices for ``global_tokens``; it and ``lengths`` go into the
+    spec as written, so anything but digits, commas and signs is refused here, naming the option.
+
+        >>> spec("sliding_window", window=4, causal=True)
+        'sliding_window:window=4:causal=true'
+        >>> spec("documents", lengths="3,5", causal=True)
+        'documents:lengths=3,5&causal'
     """
     if any(c in name for c in ":&|~()"):
-        m = masks.from_string(name)
-        return m & masks.causal() if causal else m
-    ctor = masks.pattern(name)  # unknown names: a ConfigError listing the known ones
-    g = _ints(global_, "--global")
-    if g is not None and "global_blocks" in inspect.signature(ctor).parameters and len(g) != 1:
-        raise ConfigError(f"{name} --global is a number of global blocks, got {global_!r}")
+        return f"({name})&causal" if causal else name
+    params = inspect.signature(masks.pattern(name)).parameters  # unknown names: a ConfigError listing the known
+    for option, text in (("--global", global_), ("--lengths", lengths)):
+        if text is not None and not re.fullmatch(r"[0-9,\s-]*", text):  # no letters, no spec operators
+            raise ConfigError(f"{option} must be comma-separated integers such as 0,5,9; got {text!r}")
     given = {"window": window, "dilation": dilation, "stride": stride, "summary": summary, "block": block,
-             "window_blocks": window_blocks, "global_blocks": None if g is None else g[0], "indices": g,
-             "random_blocks": random, "seed": seed, "lengths": _ints(lengths, "--lengths")}
-    kwargs = {}
-    params = inspect.signature(ctor).parameters
+             "window_blocks": window_blocks, "global_blocks": global_, "indices": global_,
+             "random_blocks": random, "seed": seed, "lengths": lengths}
+    args = []
     for p in params.values():
         if p.name == "causal":
             continue
@@ -66,11 +59,16 @@ def build(name: str, *, window=None, dilation=2, stride=None, summary=1, block=N
             if p.default is inspect.Parameter.empty:
                 raise ConfigError(f"pattern {name!r} needs {_OPTION.get(p.name, '--' + p.name)}")
             continue
-        kwargs[p.name] = value
-    if "causal" in params:
-        return ctor(**kwargs, causal=causal or params["causal"].default)
-    m = ctor(**kwargs)
-    return m & masks.causal() if causal else m
+        args.append(f"{p.name}={value}")
+    if causal and "causal" in params:
+        args.append("causal=true")
+    term = ":".join([name, *args])
+    return f"{term}&causal" if causal and "causal" not in params else term
+
+
+def build(name: str, **options) -> masks.MaskFn:
+    """The mask for ``name`` and the command's options: :func:`headlab.masks.from_string` of :func:`spec`."""
+    return masks.from_string(spec(name, **options))
 
 
 def _render(dense, max_cells: int) -> Text:
@@ -128,28 +126,20 @@ def pattern(
     heads = m.num_heads or 1
     if not 0 <= head < heads:
         raise ConfigError(f"--head must be in 0..{heads - 1} for this pattern, got {head}")
-    dense = m.dense(heads=heads, q_len=seq_len)
-    dense = dense[0, min(head, dense.shape[1] - 1)]  # (seq_len, seq_len) of the chosen head
-    tile = tile or max(1, min(_sparse.BLOCK_Q, seq_len // 8))
-    bm = block_map(m, seq_len, seq_len, tile, tile, heads=heads)
-    state = bm.state[0, min(head, bm.state.shape[1] - 1)]
-    pairs = float(dense.float().mean())
-    tiles = float((state != EMPTY).float().mean())
-    full_t = float((state == FULL).float().mean())
-    info = {"pattern": m.name, "seq_len": seq_len, "visible_pairs": int(dense.sum()), "pair_density": pairs,
-            "tile": tile, "visited_tiles": int((state != EMPTY).sum()), "tiles": int(state.numel()),
-            "tile_density": tiles, "full_tile_share": full_t,
-            "rows_without_keys": int((~dense.any(-1)).sum())}
+    d = pattern_density(m, seq_len, tile=tile, head=head)
+    info = {"pattern": m.name, "seq_len": seq_len, "visible_pairs": d.visible_pairs, "pair_density": d.pair_density,
+            "tile": d.tile, "visited_tiles": d.visited_tiles, "tiles": d.tiles, "tile_density": d.tile_density,
+            "full_tile_share": d.full_tile_share, "rows_without_keys": d.rows_without_keys}
     if as_json:
         print_json(info)
     else:
-        console.print(_render(dense, width), end="")
-        console.print(f"{m.name}: {seq_len}x{seq_len}, {pairs:.1%} of pairs visible; "
-                      f"{info['visited_tiles']}/{info['tiles']} tiles of {tile}x{tile} visited ({tiles:.1%}, "
-                      f"{full_t:.1%} full)" + (f"; {info['rows_without_keys']} rows see no key (output zeros)"
-                                                 if info["rows_without_keys"] else ""), highlight=False)
+        console.print(_render(d.visible, width), end="")
+        console.print(f"{m.name}: {seq_len}x{seq_len}, {d.pair_density:.1%} of pairs visible; "
+                      f"{d.visited_tiles}/{d.tiles} tiles of {d.tile}x{d.tile} visited ({d.tile_density:.1%}, "
+                      f"{d.full_tile_share:.1%} full)" + (f"; {d.rows_without_keys} rows see no key (output zeros)"
+                                                          if d.rows_without_keys else ""), highlight=False)
     if png:
-        _save_png(dense, png, f"{m.name}  n={seq_len}  pairs {pairs:.1%}  tiles {tiles:.1%}")
+        _save_png(d.visible, png, f"{m.name}  n={seq_len}  pairs {d.pair_density:.1%}  tiles {d.tile_density:.1%}")
         if not as_json:
             console.print(f"wrote {png}", highlight=False)
 

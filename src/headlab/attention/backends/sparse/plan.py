@@ -1,5 +1,6 @@
 """The plan of the block-sparse kernel: which tiles a mask leaves non-empty, grouped into
-batched work (cached with the mask object)."""
+batched work (cached with the mask object); and :func:`pattern_density`, how much of one head's
+score matrix a mask leaves visible, by pairs and by the kernel's tiles (``headlab pattern``)."""
 
 from __future__ import annotations
 
@@ -11,8 +12,8 @@ import torch
 from headlab.attention.blocks import BlockMap, cached_per_mask
 from headlab.attention.blocks import block_map as _compile
 from headlab.attention.masks import MaskFn, causal, full
-from headlab.attention.states import EMPTY, PARTIAL
-from headlab.errors import MaskError
+from headlab.attention.states import EMPTY, FULL, PARTIAL
+from headlab.errors import ConfigError, MaskError
 
 # Tile sizes of the kernel; the cost model reads the same constants.
 BLOCK_Q = 128
@@ -48,6 +49,72 @@ def visited_tiles(bm: BlockMap, batch: int, heads: int) -> int:
     bm_, hm_ = bm.state.shape[:2]
     per = int((bm.state != EMPTY).sum())
     return per * (batch // bm_) * (heads // hm_)
+
+
+@dataclass(frozen=True)
+class PatternDensity:
+    """How much of one head's ``seq_len x seq_len`` score matrix a mask leaves visible.
+
+    The tile counts are those of the block map the sparse kernel walks (``tile x tile`` tiles): a
+    visited tile is computed, a full one needs no element mask.
+    """
+
+    seq_len: int  # queries = keys
+    head: int  # the query head counted (0 for a mask the same on every head)
+    visible: torch.Tensor  # (seq_len, seq_len) bool: query i sees key j; what a drawing shows
+    visible_pairs: int  # (query, key) pairs the mask lets through
+    tile: int  # side of the square tiles counted
+    tiles: int  # tiles of the matrix, visited or not
+    visited_tiles: int  # tiles with a visible pair: the ones the kernel computes
+    full_tiles: int  # tiles whose every pair is visible
+    rows_without_keys: int  # query rows that see no key (their output is zeros)
+
+    @property
+    def pair_density(self) -> float:
+        """Share of (query, key) pairs visible."""
+        return self.visible_pairs / self.seq_len ** 2
+
+    @property
+    def tile_density(self) -> float:
+        """Share of tiles visited."""
+        return self.visited_tiles / self.tiles
+
+    @property
+    def full_tile_share(self) -> float:
+        """Share of all tiles (visited or not) that are full."""
+        return self.full_tiles / self.tiles
+
+
+def default_tile(seq_len: int) -> int:
+    """The tile :func:`pattern_density` counts by default: the kernel's ``BLOCK_Q``, or ``seq_len // 8``
+    (at least 1) when that is smaller, so a short sequence still shows several tiles."""
+    return max(1, min(BLOCK_Q, seq_len // 8))
+
+
+def pattern_density(mask: MaskFn, seq_len: int, *, tile: int | None = None, head: int = 0) -> PatternDensity:
+    """Visible pairs and visited tiles of ``mask`` on query head ``head`` at ``seq_len`` positions.
+
+        >>> from headlab import masks
+        >>> d = pattern_density(masks.causal(), 8, tile=4)
+        >>> d.visible_pairs, d.visited_tiles, d.full_tiles, d.tiles
+        (36, 3, 1, 4)
+        >>> round(d.pair_density, 4), d.tile_density
+        (0.5625, 0.75)
+    """
+    if seq_len <= 0:
+        raise ConfigError(f"seq_len must be positive, got {seq_len}")
+    tile = default_tile(seq_len) if tile is None else tile
+    if tile <= 0:
+        raise ConfigError(f"tile must be positive, got {tile}")
+    heads = mask.num_heads or 1
+    if not 0 <= head < heads:
+        raise ConfigError(f"head must be in 0..{heads - 1} for mask {mask.name!r}, got {head}")
+    dense = mask.dense(heads=heads, q_len=seq_len)  # (1, Hm, seq_len, seq_len)
+    visible = dense[0, min(head, dense.shape[1] - 1)]
+    bm = _compile(mask, seq_len, seq_len, tile, tile, heads=heads)
+    state = bm.state[0, min(head, bm.state.shape[1] - 1)]  # (n_q_blocks, n_kv_blocks)
+    return PatternDensity(seq_len, head, visible, int(visible.sum()), tile, int(state.numel()),
+                          int((state != EMPTY).sum()), int((state == FULL).sum()), int((~visible.any(-1)).sum()))
 
 
 @dataclass
