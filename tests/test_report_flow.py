@@ -16,7 +16,7 @@ from headlab.interpret.report.analyze_job import analyze
 from headlab.models import adapt
 from headlab.models.loader import LoadedModel
 
-transformers = pytest.importorskip("transformers")
+import transformers
 
 TEXT = "The cat sat on the mat because it was tired."
 

@@ -73,6 +73,13 @@ class FlowResult:
     solver: str
     seconds: float
 
+
+    def _repr_html_(self) -> str:
+        """This result's page inline in a notebook (headlab's shell in a sandboxed frame; no network)."""
+        from headlab.interpret import shell
+        from headlab.interpret.flow.page import flow_page
+
+        return shell.inline(flow_page(self))
     def to_json(self) -> dict:
         return {"source": self.source, "layer": self.layer, "n": self.n, "tokens": self.tokens,
                 "flow": self.flow.tolist(), "values": self.values.tolist(), "gap": self.gap,

@@ -89,6 +89,13 @@ class NormsResult:
     summaries: dict[int, NormSummary] = field(default_factory=dict)
     weights: dict[int, torch.Tensor] = field(default_factory=dict)  # (H, n, n) the attention maps (maps mode)
 
+
+    def _repr_html_(self) -> str:
+        """This result's page inline in a notebook (headlab's shell in a sandboxed frame; no network)."""
+        from headlab.interpret import shell
+        from headlab.interpret.flow.page import flow_page
+
+        return shell.inline(flow_page(self))
     def to_json(self) -> dict:
         d = {"mode": self.mode, "layers": self.layers, "n": self.n, "tokens": self.tokens, "rows": self.rows}
         for name in ("per_head", "layer", "row_per_head", "row_layer"):

@@ -55,6 +55,13 @@ class RolloutResult:
     rows: torch.Tensor | None = None
     row_positions: list[int] | None = None
 
+
+    def _repr_html_(self) -> str:
+        """This result's page inline in a notebook (headlab's shell in a sandboxed frame; no network)."""
+        from headlab.interpret import shell
+        from headlab.interpret.flow.page import flow_page
+
+        return shell.inline(flow_page(self))
     def to_json(self) -> dict:
         d = {"method": self.method, "n": self.n, "layer": self.layer, "tokens": self.tokens,
              "row_positions": self.row_positions}

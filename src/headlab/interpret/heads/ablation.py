@@ -83,6 +83,13 @@ class AblationResult:
     seconds: dict = field(default_factory=dict)  # per phase
     notes: list[str] = field(default_factory=list)
 
+
+    def _repr_html_(self) -> str:
+        """This result's page inline in a notebook (headlab's shell in a sandboxed frame; no network)."""
+        from headlab.interpret import shell
+        from headlab.interpret.heads.page import render_page
+
+        return shell.inline(render_page(title=f"heads: {self.model}", ablation=self))
     def floor_text(self) -> str:
         """The noise floor for people: ``"0.00075"``, or ``"n/a (1 example)"`` when it cannot be estimated."""
         return f"n/a ({self.n_examples} example)" if np.isnan(self.noise_floor) else f"{self.noise_floor:.3g}"

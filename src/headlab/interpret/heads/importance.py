@@ -188,6 +188,13 @@ class ImportanceResult:
     correlations: dict[str, float | None] = field(default_factory=dict)  # Spearman, e.g. importance~ablation
     notes: list[str] = field(default_factory=list)
 
+
+    def _repr_html_(self) -> str:
+        """This result's page inline in a notebook (headlab's shell in a sandboxed frame; no network)."""
+        from headlab.interpret import shell
+        from headlab.interpret.heads.page import render_page
+
+        return shell.inline(render_page(title=f"heads: {self.model}", importance=self))
     def ranking(self, ascending: bool = True) -> list[tuple[int, int]]:
         """(layer, head) by importance (ascending: the first to prune first)."""
         flat = [(float(self.importance[l, h]), l, h) for l in range(self.importance.shape[0])

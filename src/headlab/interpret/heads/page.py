@@ -1,4 +1,5 @@
-"""The ``headlab heads`` HTML page: one self-contained file (inline CSS, script, data; no network).
+"""The ``headlab heads`` HTML page: one self-contained file in headlab's shell (:mod:`headlab.interpret.shell`:
+inline stylesheet, script and data; no network).
 
 Sections, each when its result is given: layers x heads heatmaps of importance, confidence and
 single-ablation effect; the pair-interaction matrix of the k lowest-effect heads; the verdict table;
@@ -19,16 +20,7 @@ import json
 import math
 from pathlib import Path
 
-_CSS = """
-body{font:14px/1.4 system-ui,sans-serif;margin:24px;color:#222;max-width:1200px}
-h1{font-size:20px}h2{font-size:16px;margin-top:28px}
-.grids{display:flex;flex-wrap:wrap;gap:28px}
-table.hm{border-collapse:collapse}table.hm td{width:22px;height:22px;border:1px solid #fff;cursor:pointer}
-table.hm td.sel{outline:2px solid #000}table.hm th{font-weight:normal;font-size:11px;color:#666;padding:0 3px}
-table.vt{border-collapse:collapse;font-size:13px}table.vt td,table.vt th{border-bottom:1px solid #ddd;padding:3px 8px;
-text-align:left;vertical-align:top}table.vt tr.sel{background:#fff3b0}
-.note{color:#555;font-size:12px}#focus{min-height:1.4em;font-family:monospace}
-"""
+from headlab.interpret import shell
 
 _JS = r"""
 (function(){
@@ -162,10 +154,8 @@ def render_page(*, title: str, importance=None, ablation=None, curve=None, curve
         body.append("<h2>Measured savings</h2><table class='vt'><tr><th>removed</th><th>batch</th><th>unpruned ex/s</th>"
                     f"<th>pruned ex/s</th><th>gain</th><th>parameters</th></tr>{rows}</table>")
     data = {"grids": [{"name": n, "values": g} for n, g in grids], "verdicts": verdicts, "k": k}
-    payload = json.dumps(data).replace("</", "<\\/")
-    return (f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title><style>{_CSS}</style>"
-            f"</head><body><h1>{html.escape(title)}</h1>{''.join(body)}"
-            f"<script type='application/json' id='heads-data'>{payload}</script><script>{_JS}</script></body></html>")
+    return shell.page(title=title, body="".join(body), data=data, data_id="heads-data", script=_JS,
+                      generator="headlab heads")
 
 
 def head_annotations(result_or_path) -> dict[tuple[int, int], str]:

@@ -81,6 +81,13 @@ class PruningCurve:
     higher_is_better: bool
     notes: list[str] = field(default_factory=list)
 
+    def _repr_html_(self) -> str:
+        """This result's page inline in a notebook (headlab's shell in a sandboxed frame; no network)."""
+        from headlab.interpret import shell
+        from headlab.interpret.heads.page import render_page
+
+        return shell.inline(render_page(title=f"heads: {self.model}", curve=self))
+
     @classmethod
     def from_json(cls, d: dict) -> PruningCurve:
         return cls(d["model"], d["metric"], d["loss"], d["recompute"], d["fractions"], d["values"], d["losses"],

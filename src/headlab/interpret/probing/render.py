@@ -24,8 +24,8 @@ from pathlib import Path
 import numpy as np
 
 from headlab.errors import InputError
+from headlab.interpret import shell
 from headlab.interpret.probing.gold import DIRECTIONS
-from headlab.interpret.probing.result import ProbeResult
 
 OUTPUT_FILES = ("relations.csv", "relations.json", "relations_heatmap.png", "head_map.png", "probe.html")
 MAX_HEATMAP_RELATIONS = 30  # the most frequent relations drawn in the heatmap
@@ -114,24 +114,6 @@ def head_map_png(r: ProbeResult, path: str | os.PathLike) -> Path:
     return path
 
 
-_CSS = """
-body { font: 14px/1.4 system-ui, -apple-system, "Segoe UI", sans-serif; margin: 0; color: #1d2330; background: #fafbfc; }
-header { padding: 12px 20px; background: #1d2330; color: #f1f3f7; }
-header h1 { font-size: 20px; margin: 0 0 4px 0; }
-header p { margin: 2px 0; }
-header .banner { background: #fff3cd; color: #5c4400; padding: 6px 10px; border-radius: 4px; margin-top: 6px; }
-main { padding: 10px 20px 40px; }
-h2 { font-size: 17px; margin: 18px 0 6px; }
-.hint { color: #5b6475; font-size: 12px; margin: 2px 0 6px; }
-table.stats { border-collapse: collapse; font-size: 12px; }
-table.stats th, table.stats td { border-bottom: 1px solid #e1e4ea; padding: 3px 7px; text-align: right; }
-table.stats th { background: #eef0f4; position: sticky; top: 0; }
-table.stats td.text, table.stats th.text { text-align: left; }
-td.win { background: #e6f4ea; }
-img { max-width: 100%; border: 1px solid #c8cdd8; background: #fff; }
-"""
-
-
 def _img(path: Path) -> str:
     data = base64.b64encode(path.read_bytes()).decode("ascii")
     return f'<img alt="{html.escape(path.name)}" src="data:image/png;base64,{data}">'
@@ -176,16 +158,10 @@ def render_html(r: ProbeResult, heatmap: Path, head_map: Path) -> str:
               f"</tr></thead><tbody>{layer_rows}</tbody></table>")
     skipped = "".join(f"<li>{e(s.sent_id)}: {e(s.reason)}</li>" for s in r.skipped[:200])
     more = f"<li>... {len(r.skipped) - 200} more (relations.json lists all)</li>" if len(r.skipped) > 200 else ""
-    banner = " ".join(r.notes)
-    return f"""<!DOCTYPE html>
-<html lang="en"><head><meta charset="utf-8"><meta name="generator" content="headlab probe">
-<title>headlab probe: {e(r.model)}</title><style>{_CSS}</style></head>
-<body><header><h1>headlab probe: {e(r.model)}</h1>
-<p>{e(r.model)} ({e(r.family)}, {r.n_layers} layers x {r.n_heads} heads{', causal' if r.causal else ''}) on
-{e(Path(r.treebank).name)}: {r.sentences} sentences, {r.tokens} tokens, {len(r.skipped)} skipped, {r.seconds:.0f} s.</p>
-{f'<p class="banner">{e(banner)}</p>' if banner else ''}</header>
-<main>
-<section><h2>Best head per relation</h2>
+    summary = (f"{r.model} ({r.family}, {r.n_layers} layers x {r.n_heads} heads{', causal' if r.causal else ''}) on "
+               f"{Path(r.treebank).name}: {r.sentences} sentences, {r.tokens} tokens, {len(r.skipped)} skipped, "
+               f"{r.seconds:.0f} s.")
+    body = f"""<section><h2>Best head per relation</h2>
 <p class="hint">A head predicts, for each word, the other word it attends to most (subword attention merged
 as Clark et al. 2019 do: summed over the attended word's tokens, averaged over the attending word's; special
 tokens and the word itself ignored). dep->head: right when that word is the gold head; head->dep: right when it
@@ -199,8 +175,9 @@ Clark et al.'s figures are BERT-base on the Penn Treebank with Stanford Dependen
 heads of the layer; entropy in nats. Gradient: {e(r.grad_note)}.</p>{layers}</section>
 <section><h2>Head map (Clark et al. 2019, figure 6)</h2>{_img(head_map)}</section>
 <section><h2>Skipped sentences ({len(r.skipped)})</h2><ul>{skipped}{more}</ul></section>
-</main></body></html>
 """
+    return shell.page(title=f"headlab probe: {r.model}", body=body, summary_lines=[summary],
+                      banner=" ".join(r.notes) or None, generator="headlab probe")
 
 
 def write_outputs(r: ProbeResult, out_dir: str | os.PathLike) -> list[Path]:

@@ -143,6 +143,18 @@ class ProbeResult:
     min_count: int = 10  # a relation needs this many cases before a head can "beat the baseline" on it
 
     # ---- tables -----------------------------------------------------------------------------------
+
+    def _repr_html_(self) -> str:
+        """This result's page inline in a notebook (headlab's shell in a sandboxed frame; no network)."""
+        import tempfile
+        from pathlib import Path
+
+        from headlab.interpret import shell
+        from headlab.interpret.probing.render import head_map_png, heatmap_png, render_html
+
+        with tempfile.TemporaryDirectory() as tmp:  # the pictures are written, then embedded in the page
+            page = render_html(self, heatmap_png(self, Path(tmp) / "h.png"), head_map_png(self, Path(tmp) / "m.png"))
+        return shell.inline(page, height=900)
     def _rel(self, relation: str) -> int:
         try:
             return self.relation_names.index(relation)

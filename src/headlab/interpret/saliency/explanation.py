@@ -103,6 +103,13 @@ class Explanation:
     position: int = 0
     notes: list[str] = field(default_factory=list)
 
+    def _repr_html_(self) -> str:
+        """This result's page inline in a notebook (headlab's shell in a sandboxed frame; no network)."""
+        from headlab.interpret import shell
+        from headlab.interpret.saliency.html import render_explanation_html
+
+        return shell.inline(render_explanation_html(self), height=520)
+
     @property
     def methods(self) -> list[str]:
         return list(self.scores)

@@ -15,19 +15,8 @@ import html
 import json
 from pathlib import Path
 
+from headlab.interpret import shell
 from headlab.interpret.saliency.figures import normalised
-
-_CSS = """
-body{font:14px/1.4 system-ui,sans-serif;margin:24px;color:#222}
-h1{font-size:18px} .meta{color:#555;margin-bottom:12px}
-.panels{display:flex;flex-wrap:wrap;gap:12px}
-.panel{border:1px solid #ddd;border-radius:6px;padding:8px 10px;flex:1 1 300px;max-width:560px}
-.panel h2{font-size:13px;margin:0 0 6px 0}
-.tok{display:inline-block;padding:1px 3px;margin:1px;border-radius:3px}
-.tok.special{color:#999;background:#eee}
-table{border-collapse:collapse;margin-top:16px} td,th{border:1px solid #ddd;padding:3px 8px;text-align:right}
-th{background:#f6f6f6} .note{color:#a60}
-"""
 
 _JS = """
 (function(){
@@ -93,7 +82,7 @@ def explanation_fragment(ex) -> str:
                 cells.append(f"<td>{tau}{pv}</td>")
             rows.append(f"<tr><th>{a}</th>{''.join(cells)}</tr>")
         agr_html = (f"<h2>Agreement: Kendall tau (p) over |scores| of the {agr.pairs and next(iter(agr.pairs.values())).n} "
-                    f"non-special tokens</h2><table><tr><th></th>{head}</tr>{''.join(rows)}</table>")
+                    f"non-special tokens</h2><table class='agreement'><tr><th></th>{head}</tr>{''.join(rows)}</table>")
     return f"<div class='panels'>{''.join(panels)}</div>{agr_html}"
 
 
@@ -104,13 +93,11 @@ def render_explanation_html(ex) -> str:
             else f"cosine similarity {ex.y:.4g}")
     probs = "" if ex.probs is None else " &middot; probabilities " + ", ".join(f"{p:.3f}" for p in ex.probs)
     gap = "" if ex.completeness_gap is None else f" &middot; IG completeness gap {100 * ex.completeness_gap:.3f}%"
-    notes = "".join(f'<p class="note">{html.escape(n)}</p>' for n in ex.notes)
-    data = json.dumps({"tokens": ex.tokens, "scores": ex.scores}).replace("</", "<\\/")
-    return (f"<!doctype html><html><head><meta charset='utf-8'><title>headlab explain</title><style>{_CSS}</style>"
-            f"</head><body><h1>{html.escape(ex.text)}</h1><div class='meta'>explaining {what}{probs}{gap} "
-            f"&middot; backend {html.escape(ex.backend)}</div>{notes}{explanation_fragment(ex)}"
-            f"<pre id='selftest'></pre><script type='application/json' id='data'>{data}</script>"
-            f"<script>{_JS % {'n': len(ex.methods)}}</script></body></html>")
+    notes = "".join(f'<p class="note warn">{html.escape(n)}</p>' for n in ex.notes)
+    body = (f"<p class='hint'>explaining {what}{probs}{gap} &middot; backend {html.escape(ex.backend)}</p>{notes}"
+            f"{explanation_fragment(ex)}<pre id='selftest'></pre>")
+    return shell.page(title=ex.text, body=body, data={"tokens": ex.tokens, "scores": ex.scores}, data_id="data",
+                      script=_JS % {"n": len(ex.methods)}, generator="headlab explain")
 
 
 def write_explanation(ex, out_dir: str | Path) -> dict[str, Path]:
