@@ -309,7 +309,7 @@ def _native_cases():
 @pytest.mark.parametrize("path", ["native", "torch"])
 def test_one_pass_paths_match_the_float64_map(name, path, monkeypatch):
     """Both one-pass paths against the statistics read off the float64 map (the compiled kernel
-    takes no mask, causal and key padding; everything else runs on the PyTorch path)."""
+    takes no mask, causal, bands of offsets and key padding; everything else runs on the PyTorch path)."""
     from headlab.attention.backends import native
 
     if path == "native" and native.kernel() is None:
@@ -318,8 +318,8 @@ def test_one_pass_paths_match_the_float64_map(name, path, monkeypatch):
     if path == "torch":
         monkeypatch.setattr(native, "kernel", lambda: None)
     else:
-        real = native.native_stats
-        monkeypatch.setattr(native, "native_stats", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+        real = native.statistics
+        monkeypatch.setattr(native, "statistics", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     q, k, v, mask, causal = _native_cases()[name]
     st = attention_stats(q, k, v, mask=mask, causal=causal, key_positions=[0, 7], query_rows=[0, 129])
     assert (calls == [1]) == (path == "native")

@@ -26,6 +26,9 @@ from dataclasses import dataclass
 
 import torch
 
+from headlab.attention.backends import native
+from headlab.attention.spec import validate
+
 TILE = 512  # query and key positions per tile (forward, backward and statistics walk the same tiles)
 
 
@@ -156,70 +159,32 @@ def pair_backward(q, k, v, do, m, inv_l, D, pair: Pair, scale: float, dq, dk, dv
 
 
 # ---------------------------------------------------------------------------------------------------
-# The compiled one-pass kernel for the pairs it takes: every pair of the zigzag causal layout and of
-# unmasked attention is "full" or "causal" (the aligned diagonal). Other pairs (mask functions) and
-# float64 run on the PyTorch tiles above.
+# The compiled one-pass kernel (headlab.attention.backends.native) for the pairs it takes: every pair of
+# the zigzag causal layout and of unmasked attention is "full" or "causal" (the aligned diagonal). Other
+# pairs (mask functions) and the calls the kernel declines (float64, a dispatch mode) run on the PyTorch
+# tiles above.
 
 
-def native_module(q: torch.Tensor):
-    """The compiled kernel (headlab.attention.backends.native) when it can take this ring's pairs, else None:
-    CPU, float32 / bfloat16 / float16 inputs (computed in float32), not under a dispatch mode."""
-    from headlab.attention.backends import native
-
-    if q.device.type != "cpu" or q.dtype == torch.float64 or torch._C._len_torch_dispatch_stack() > 0:
-        return None
-    return native.kernel()
+def native_takes(q, k, v) -> bool:
+    """Whether the compiled kernel takes this rank's unmasked pairs (``native.declines`` on the shards)."""
+    spec, _ = validate(q, k, v)
+    return native.declines(spec, None, tile_dtype(q.dtype)) is None
 
 
-def _flat(t: torch.Tensor) -> torch.Tensor:
-    """``(B, H, L, d)`` as the kernel's contiguous float32 ``(B * H, L, d)`` (a copy only when needed)."""
-    B, H, L, d = t.shape
-    return t.to(torch.float32).reshape(B * H, L, d).contiguous()
-
-
-def native_pair_update(mod, q, k, v, causal: bool, scale: float, m, l, acc) -> None:
+def native_pair_update(q, k, v, causal: bool, scale: float, m, l, acc) -> None:
     """:func:`pair_update` for a "full" or aligned "causal" pair on the compiled kernel: the pair's own
     softmax (output o_p, maximum m_p, normaliser l_p) merged exactly into the state, in place:
     ``m' = max(m, m_p)``, ``l' = l e^(m - m') + l_p e^(m_p - m')``, ``acc' = acc e^(m - m') + o_p l_p e^(m_p - m')``."""
-    from headlab.attention.backends import native
-
-    B, H, ql, _ = q.shape
-    Hkv, kl, dv = k.shape[1], k.shape[2], v.shape[-1]
-    qs, kc, vc = _flat(q), _flat(k), _flat(v)
-    empty = qs.new_empty(0)
-    outs = [qs.new_empty(B * H, ql) for _ in range(4)] + [torch.empty(B * H, ql, dtype=torch.long)]
-    o_p, m_p = qs.new_empty(B * H, ql, dv), qs.new_empty(B * H, ql)
-    mod.onepass(qs, kc, vc, empty, H, H // Hkv, bool(causal), False, False, False, False, native.block_rows(kl),
-                native.BLOCK_K, *outs, o_p, empty, m_p, -1, -1, float(scale))
-    m_p = m_p.view(B, H, ql)
-    l_p = outs[1].view(B, H, ql).double().reciprocal_()  # the maximum weight is 1 / l_p
-    m_new = torch.maximum(m, m_p)  # every row of a full or causal pair sees a key: m_new is finite
+    fwd = native.forward(q, k, v, None, scale, causal=causal)  # (B, H, ql, .)
+    m_new = torch.maximum(m, fwd.m)  # every row of a full or causal pair sees a key: m_new is finite
     a = torch.where(torch.isinf(m), torch.zeros_like(m), torch.exp(m - m_new))
-    wb = l_p * torch.exp(m_p - m_new).double()  # l_p e^(m_p - m'), float64
+    wb = fwd.l * torch.exp(fwd.m - m_new).double()  # l_p e^(m_p - m'), float64
     l.mul_(a.double()).add_(wb)
-    acc.mul_(a.unsqueeze(-1)).add_(o_p.view(B, H, ql, dv) * wb.to(acc.dtype).unsqueeze(-1))
+    acc.mul_(a.unsqueeze(-1)).add_(fwd.out * wb.to(acc.dtype).unsqueeze(-1))
     m.copy_(m_new)
 
 
-def native_pair_backward(mod, q, k, v, do, m, log_l, D, causal: bool, scale: float, dq, dk, dv) -> None:
+def native_pair_backward(q, k, v, do, m, log_l, D, causal: bool, scale: float, dq, dk, dv) -> None:
     """:func:`pair_backward` for a "full" or aligned "causal" pair on the compiled kernel (P rebuilt as
     ``exp(s - m - log l)`` from the final maximum and normaliser); adds into ``dq``, ``dk``, ``dv`` (views)."""
-    from headlab.attention.backends import native
-
-    B, H, ql, d = q.shape
-    Hkv, kl, dvd = k.shape[1], k.shape[2], v.shape[-1]
-    qs, kc, vc, dos = _flat(q), _flat(k), _flat(v), _flat(do)
-    f32 = torch.float32
-    # the kernel adds into its gradient buffers: an accumulator that is already contiguous float32 is
-    # passed as it is (one kv head per trip makes it so), any other is added to from a temporary
-    direct = [t.dtype == f32 and t.is_contiguous() for t in (dq, dk, dv)]
-    gq, gk, gv = (t.view(-1, t.shape[2], t.shape[3]) if ok else torch.zeros(t.shape[0] * t.shape[1], t.shape[2],
-                                                                             t.shape[3], dtype=f32)
-                  for t, ok in zip((dq, dk, dv), direct))
-    mod.onepass_backward(qs, kc, vc, qs.new_empty(0), H, H // Hkv, bool(causal), dos,
-                         m.to(f32).reshape(B * H, ql).contiguous(), log_l.to(f32).reshape(B * H, ql).contiguous(),
-                         D.to(f32).reshape(B * H, ql).contiguous(), native.block_rows(kl), native.BLOCK_K, gq, gk, gv,
-                         -1, -1, float(scale))
-    for t, g, ok in zip((dq, dk, dv), (gq, gk, gv), direct):
-        if not ok:
-            t += g.view(t.shape).to(t.dtype)
+    native.backward(q, k, v, do, m, log_l, None, scale, causal=causal, delta=D, into=(dq, dk, dv))

@@ -21,7 +21,7 @@ import torch
 
 from headlab.attention.core import attention
 from headlab.distributed import comm
-from headlab.distributed.kernels import (native_module, native_pair_backward, native_pair_update, pair_backward,
+from headlab.distributed.kernels import (native_pair_backward, native_pair_update, native_takes, pair_backward,
                                          pair_update, relation, tile_dtype)
 from headlab.distributed.layout import Layout, check_layout, chunks, kv_heads_per_trip
 from headlab.errors import ConfigError, DTypeError, ShapeError
@@ -123,7 +123,8 @@ def _scatter(dst: torch.Tensor, where: list[slice], block: torch.Tensor) -> None
         off += ln
 
 
-def _ring_forward(q, k, v, causal, mask, scale, layout, ring, mod, m, l, acc, split: int, part: int) -> None:
+def _ring_forward(q, k, v, causal, mask, scale, layout, ring, on_kernel: bool, m, l, acc, split: int,
+                  part: int) -> None:
     """One trip round the ring (``k``, ``v``: this rank's block of the trip, see :func:`trips`): fold every
     block into the state (m, l, acc), in place."""
     n = q.shape[2] * ring.world_size
@@ -132,8 +133,8 @@ def _ring_forward(q, k, v, causal, mask, scale, layout, ring, mod, m, l, acc, sp
         src = (ring.rank - step) % ring.world_size
         pending = ring.start_pair(kk, vv) if step < ring.world_size - 1 else None  # overlaps the compute
         for qs, ks, pair in _pairs(n, ring.rank, src, ring.world_size, layout, causal, mask, split, part):
-            if mod is not None and pair.kind in ("full", "causal"):
-                native_pair_update(mod, q[:, :, qs], kk[:, :, ks], vv[:, :, ks], pair.kind == "causal", scale,
+            if on_kernel and pair.kind in ("full", "causal"):
+                native_pair_update(q[:, :, qs], kk[:, :, ks], vv[:, :, ks], pair.kind == "causal", scale,
                                    m[:, :, qs], l[:, :, qs], acc[:, :, qs])
             else:
                 pair_update(q[:, :, qs], kk[:, :, ks], vv[:, :, ks], pair, scale, m[:, :, qs], l[:, :, qs],
@@ -142,8 +143,8 @@ def _ring_forward(q, k, v, causal, mask, scale, layout, ring, mod, m, l, acc, sp
             kk, vv = ring.finish_pair(pending)
 
 
-def _ring_backward(q, k, v, dout, m, inv_l, log_l, D, causal, mask, scale, layout, ring, mod, dq, split: int,
-                   part: int):
+def _ring_backward(q, k, v, dout, m, inv_l, log_l, D, causal, mask, scale, layout, ring, on_kernel: bool, dq,
+                   split: int, part: int):
     """One backward trip: adds into ``dq`` (tile precision) and returns this rank's ``(dk, dv)`` of the
     trip's block.
 
@@ -164,8 +165,8 @@ def _ring_backward(q, k, v, dout, m, inv_l, log_l, D, causal, mask, scale, layou
         else:
             mk, mv = ring.finish_pair(incoming)  # src's accumulators, with the shares of the ranks before
         for qs, ks, pair in _pairs(n, ring.rank, src, ring.world_size, layout, causal, mask, split, part):
-            if mod is not None and pair.kind in ("full", "causal"):
-                native_pair_backward(mod, q[:, :, qs], kk[:, :, ks], vv[:, :, ks], dout[:, :, qs], m[:, :, qs],
+            if on_kernel and pair.kind in ("full", "causal"):
+                native_pair_backward(q[:, :, qs], kk[:, :, ks], vv[:, :, ks], dout[:, :, qs], m[:, :, qs],
                                      log_l[:, :, qs], D[:, :, qs], pair.kind == "causal", scale, dq[:, :, qs],
                                      mk[:, :, ks], mv[:, :, ks])
             else:
@@ -183,7 +184,7 @@ class _RingAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, causal, mask, scale, layout, ring, size):
         ct = tile_dtype(q.dtype)
         B, H, nq, _ = q.shape
-        mod = native_module(q)
+        on_kernel = native_takes(q, k, v)
         # the rank's online softmax over every key it is sent: running max, normaliser, accumulator
         m = torch.full((B, H, nq), -math.inf, dtype=ct, device=q.device)
         l = torch.zeros(B, H, nq, dtype=torch.float64, device=q.device)
@@ -192,7 +193,7 @@ class _RingAttention(torch.autograd.Function):
         split = split_of(n, ring.world_size, layout)
         for qh, kh, part, where in trips(k, H, n, ring.world_size, layout, size):
             _ring_forward(q[:, qh], _gather(k[:, kh], where), _gather(v[:, kh], where), causal, mask, scale, layout,
-                          ring, mod, m[:, qh], l[:, qh], acc[:, qh], split, part)
+                          ring, on_kernel, m[:, qh], l[:, qh], acc[:, qh], split, part)
         out, _lse, _inv_l = finish_state(m, l, acc)
         ctx.save_for_backward(q, k, v, out, m, l)
         ctx.args = (causal, mask, scale, layout, ring, size)
@@ -202,7 +203,7 @@ class _RingAttention(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, out, m, l = ctx.saved_tensors
         causal, mask, scale, layout, ring, size = ctx.args
-        mod = native_module(q)
+        on_kernel = native_takes(q, k, v)
         ct = out.dtype
         dq = torch.zeros(q.shape, dtype=ct, device=q.device)  # in the tile precision: every trip adds into it
         dk, dv = torch.empty_like(k), torch.empty_like(v)
@@ -216,7 +217,7 @@ class _RingAttention(torch.autograd.Function):
         for qh, kh, part, where in trips(k, q.shape[1], n, ring.world_size, layout, size):
             gk, gv = _ring_backward(q[:, qh], _gather(k[:, kh], where), _gather(v[:, kh], where), dout[:, qh],
                                     m[:, qh], inv_l[:, qh], log_l[:, qh], D[:, qh], causal, mask, scale, layout, ring,
-                                    mod, dq[:, qh], split, part)
+                                    on_kernel, dq[:, qh], split, part)
             _scatter(dk[:, kh], where, gk)
             _scatter(dv[:, kh], where, gv)
         return dq.to(q.dtype), dk, dv, None, None, None, None, None, None

@@ -1,17 +1,27 @@
-"""The compiled one-pass attention kernel (``csrc/onepass.cpp``), built on first use: the output,
-the log-sum-exp and every per-query statistic of :func:`headlab.attention_stats` in one pass, and
-its backward. See docs/native.md.
+"""The native engine: the compiled one-pass attention kernel (``csrc/onepass.cpp``), built on first
+use, and everything headlab knows about it. See docs/native.md.
+
+This module is the kernel's only caller: it owns the C++ calling convention (flat float32
+buffers, the key bias, the window's ``(before, after)``, the work-unit sizes), the forms of its
+per-row statistics, and the one decision whether the kernel takes a call. Its users (the
+statistics, the tiled and sparse backends, the ring) ask :func:`declines` and keep their own
+PyTorch paths for the calls it declines::
+
+    why = native.declines(spec, mask, compute_dtype)     # None: the kernel takes it
+    fwd = native.forward(q, k, v, mask, scale, causal=spec.causal)
+    fwd.out, fwd.lse                                     # (B, H, Lq, Dv), (B, H, Lq)
+    dq, dk, dv = native.backward(q, k, v, dout, fwd.m, fwd.log_l, mask, scale, causal=spec.causal, out=fwd.out)
+    native.statistics(q, k, v, mask, scale, {"entropy", "received"}, causal=False)   # attention_stats
 
 :func:`kernel` compiles the C++ file with torch's own ``torch.utils.cpp_extension`` (once per
 version of the C++ file: the build is cached under ``~/.cache/torch_extensions``, named by the
-file's hash; about 30 s on 2 cores) and
-returns the module, or None when it cannot (no compiler, ``HEADLAB_NATIVE=0``): the pure-PyTorch
-paths (:mod:`headlab.attention.stats.fused`, the tiled and sparse backends' own loops) then compute
-the same results, and are what the tests compare the kernel with. The kernel takes float32 inputs
-on the CPU with no mask, ``causal``, a plain ``masks.causal()`` or ``masks.sliding_window``, or a
-key-padding mask (one visibility per (batch, key)); every other call runs on the PyTorch paths.
-Users: the statistics (method ``"tiled"``), the tiled backend at its default tile sizes and the
-sparse backend for plain windows, forward and backward.
+file's hash; about 30 s on 2 cores) and returns the module, or None when it cannot (no compiler,
+``HEADLAB_NATIVE=0``): the pure-PyTorch paths (:mod:`headlab.attention.stats.fused`, the tiled and
+sparse backends' own loops, the ring's tiles) then compute the same results, and are what the
+tests compare the kernel with. The kernel takes float32 (float16 and bfloat16 compute in float32)
+on the CPU with no mask, ``causal``, a mask that is one band of offsets around the diagonal
+(:func:`headlab.masks.band_of`: ``causal()``, ``sliding_window``, ``causal() & sliding_window(w)``,
+...), or a key-padding mask (one visibility per (batch, key)).
 """
 
 from __future__ import annotations
@@ -20,11 +30,12 @@ import hashlib
 import os
 import sys
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from headlab.attention.masks import MaskFn
+from headlab.attention.masks import MaskFn, band_of
 from headlab.attention.spec import AttentionSpec
 
 _SOURCE = Path(__file__).resolve().parent / "csrc" / "onepass.cpp"
@@ -83,42 +94,78 @@ def error() -> str | None:
     return _STATE.get("error")
 
 
+def _module():
+    """The built kernel; callers asked :func:`declines` first, so it is there."""
+    mod = kernel()
+    if mod is None:
+        raise RuntimeError(f"the native kernel is not available ({error()}); ask native.declines() before calling it")
+    return mod
+
+
+# -- which calls the kernel takes ------------------------------------------------------------------
+
 def window(mask) -> tuple[int, int] | None:
-    """``(before, after)`` when the mask is a plain :func:`headlab.masks.causal` or
-    :func:`headlab.masks.sliding_window` (query ``i`` sees keys ``i - before .. i + after``; -1:
-    unbounded), else None. Read from the mask's ``band`` (its visible offsets ``i - j``), which
-    those two constructors set; a composition has none."""
-    band = getattr(mask, "band", None) if isinstance(mask, MaskFn) else None
+    """The kernel's ``(before, after)`` for a mask function that is one band of offsets around the
+    diagonal (:func:`headlab.masks.band_of` ``(lo, hi)`` with ``lo <= 0 <= hi``): query ``i`` sees keys
+    ``i - before .. i + after``, -1 = unbounded. None for any other mask (a band that leaves out the
+    diagonal too: ``-1`` is the kernel's "unbounded")."""
+    band = band_of(mask) if isinstance(mask, MaskFn) else None
     if band is None:
         return None
     lo, hi = band
+    if (lo is not None and lo > 0) or (hi is not None and hi < 0):
+        return None
     return (-1 if hi is None else hi, -1 if lo is None else -lo)
 
 
-def _key_padding(spec: AttentionSpec, mask) -> bool:
+def _key_padding(mask, kv_len: int) -> bool:
     """Whether the mask is a key-padding mask: a bool tensor of shape ``(Bb, 1, 1, Lk)``."""
     return (isinstance(mask, torch.Tensor) and mask.dtype == torch.bool and mask.dim() == 4
-            and tuple(mask.shape[1:]) == (1, 1, spec.kv_len))
+            and tuple(mask.shape[1:]) == (1, 1, kv_len))
 
 
-def key_bias(spec: AttentionSpec, mask) -> torch.Tensor | None:
-    """A key-padding mask (:func:`usable` checked it) as a ``(Bb, Lk)`` additive bias (0 / NEG);
-    None without a mask or under a window (see :func:`window`)."""
-    if not _key_padding(spec, mask):
-        return None
-    vis = mask[:, 0, 0]  # (Bb, Lk)
-    return torch.zeros(vis.shape, dtype=torch.float32, device=vis.device).masked_fill_(~vis, NEG).contiguous()
+def declines(spec: AttentionSpec, mask, dtype: torch.dtype, *, dropout_p: float = 0.0, score_mod=None,
+             own_tiles: bool = False) -> str | None:
+    """Why the kernel does not take this call, or None when it does (and is built).
 
+    Args:
+        spec: the call; ``mask``: its normalised mask (None, a tensor or a mask function).
+        dtype: the compute dtype (float32 for float16 / bfloat16 inputs).
+        dropout_p, score_mod: the kernel has neither.
+        own_tiles: the caller was given tile sizes of its own (the tiling tests reach the PyTorch
+            kernels that way); the kernel chooses its own.
 
-def usable(spec: AttentionSpec, mask, ct: torch.dtype) -> bool:
-    """Whether the kernel takes this call (the module itself is not loaded here). Never under a
-    dispatch mode (``FlopCounterMode``, profilers): they cannot see inside the kernel, so those
-    calls run on the PyTorch paths, whose every matmul they count."""
+    Never under a dispatch mode (``FlopCounterMode``, profilers): they cannot see inside the kernel,
+    so those calls run on the PyTorch paths, whose every matmul they count. The kernel is built (on
+    first use) only when everything else allows it."""
     if torch._C._len_torch_dispatch_stack() > 0:
-        return False
-    return (ct == torch.float32 and spec.device.type == "cpu" and 0 < spec.kv_len <= MAX_KEYS
-            and (mask is None or window(mask) is not None or _key_padding(spec, mask)))
+        return "a dispatch mode (FlopCounterMode, a profiler) is active and cannot see inside the kernel"
+    if dtype != torch.float32:
+        return f"it computes in float32, this call in {dtype}"
+    if spec.device.type != "cpu":
+        return f"it runs on the CPU, this call on {spec.device}"
+    if not 0 < spec.kv_len <= MAX_KEYS:
+        return f"it holds 1 to {MAX_KEYS} keys per score block, this call has {spec.kv_len}"
+    if dropout_p > 0:
+        return "it has no dropout"
+    if score_mod is not None:
+        return "it applies no score_mod"
+    if own_tiles:
+        return "explicit tile sizes ask for the PyTorch kernel"
+    if not (mask is None or window(mask) is not None or _key_padding(mask, spec.kv_len)):
+        if isinstance(mask, MaskFn):
+            band = band_of(mask)
+            seen = f"{mask.name}: its band {band} leaves out the diagonal" if band is not None else \
+                f"{mask.name}, which is no band (masks.band_of)"
+        else:
+            seen = f"a tensor of shape {tuple(mask.shape)}"
+        return f"it walks no mask, causal, a band of offsets around the diagonal or key padding, not {seen}"
+    if kernel() is None:
+        return f"it is not built: {error()}"
+    return None
 
+
+# -- the calling convention ------------------------------------------------------------------------
 
 # Query rows per unit and keys per chunk: a 512 KiB score chunk stays in L2 beside its key and value
 # chunks; 256 rows stream each key and value once per 256 queries (128 rows: 1.13-1.18x SDPA, 256: 1.10).
@@ -142,69 +189,137 @@ def block_rows(kv_len: int) -> int:
     return 1 << (r.bit_length() - 1)
 
 
-def native_stats(mod, q, k, v, spec: AttentionSpec, mask, scale: float, want: set[str], *,
-                 shift: bool = False) -> dict:
-    """Every statistic in ``want`` (and the output with ``v``) from the kernel, as :mod:`.fused` returns them.
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    """``(B, H, L, d)`` as the kernel's contiguous float32 ``(B * H, L, d)`` (a copy only when needed)."""
+    B, H, L, d = t.shape
+    return t.to(torch.float32).reshape(B * H, L, d).contiguous()
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """A per-row ``(B, H, L)`` as the kernel's contiguous float32 ``(B * H, L)``."""
+    return t.to(torch.float32).reshape(-1, t.shape[-1]).contiguous()
+
+
+def _key_bias(mask, like: torch.Tensor, kv_len: int) -> torch.Tensor:
+    """A key-padding mask as the kernel's ``(Bb, Lk)`` additive bias (0 / NEG); empty for any other mask."""
+    if not _key_padding(mask, kv_len):
+        return like.new_empty(0)
+    vis = mask[:, 0, 0]  # (Bb, Lk)
+    return torch.zeros(vis.shape, dtype=torch.float32, device=vis.device).masked_fill_(~vis, NEG).contiguous()
+
+
+def _window_args(mask) -> tuple[int, int]:
+    return window(mask) or (-1, -1)
+
+
+def _onepass(q, k, v, mask, scale: float, want: set[str], *, causal: bool, shift: bool) -> dict:
+    """One call of the forward kernel: a dict of ``(B * H, ...)`` buffers ``lse``, ``max_weight``,
+    ``entropy``, ``mean_distance``, ``argmax``, ``out``, ``received``, ``shift``."""
+    B, H, Lq, _ = q.shape
+    Hkv, Lk = k.shape[1], k.shape[2]
+    BH = B * H
+    qs, kc = _flat(q), _flat(k)  # the kernel's matmul applies the scale
+    vc = _flat(v) if v is not None else qs.new_empty(0)
+    want_rec = "received" in want
+    bufs = {name: qs.new_empty(BH, Lq) for name in ("lse", "max_weight", "entropy", "mean_distance")}
+    bufs["argmax"] = torch.empty(BH, Lq, dtype=torch.long)
+    bufs["out"] = qs.new_empty(BH, Lq, v.shape[-1]) if v is not None else qs.new_empty(0)
+    bufs["received"] = qs.new_zeros(BH, Lk) if want_rec else qs.new_empty(0)
+    bufs["shift"] = qs.new_empty(BH, Lq) if shift else qs.new_empty(0)
+    _module().onepass(qs, kc, vc, _key_bias(mask, qs, Lk), H, H // Hkv, bool(causal), "entropy" in want,
+                      "mean_distance" in want, want_rec, "argmax" in want, unit_rows(mask, Lk), BLOCK_K,
+                      bufs["lse"], bufs["max_weight"], bufs["entropy"], bufs["mean_distance"], bufs["argmax"],
+                      bufs["out"], bufs["received"], bufs["shift"], *_window_args(mask), float(scale))
+    return bufs
+
+
+# -- what callers get --------------------------------------------------------------------------------
+
+def statistics(q, k, v, mask, scale: float, want: set[str], *, causal: bool) -> dict:
+    """Every statistic in ``want`` (and the output with ``v``), as :mod:`headlab.attention.stats.fused`
+    returns them: ``lse``, ``max_weight``, ``entropy``, ``mean_distance``, ``argmax`` ``(B, H, Lq)``,
+    ``received`` ``(B, H, Lk)``, ``output`` ``(B, H, Lq, Dv)``.
 
     The kernel runs its work units (query head x block of rows) on torch's OpenMP threads
     (``torch.get_num_threads()``), BLAS sequential inside, with the GIL released."""
-    B, H, Lq, D = q.shape
-    Hkv, Lk = spec.kv_heads, spec.kv_len
-    BH = B * H
-    qs = q.to(torch.float32).reshape(BH, Lq, D).contiguous()  # the kernel's matmul applies the scale
-    kc = k.to(torch.float32).reshape(B * Hkv, Lk, D).contiguous()
-    vc = v.to(torch.float32).reshape(B * Hkv, Lk, v.shape[-1]).contiguous() if v is not None else qs.new_empty(0)
-    bias = key_bias(spec, mask)
-    bias = qs.new_empty(0) if bias is None else bias
-    bq = unit_rows(mask, Lk)
-    outs = [qs.new_empty(BH, Lq) for _ in range(4)] + [torch.empty(BH, Lq, dtype=torch.long)]
-    out = qs.new_empty(BH, Lq, v.shape[-1]) if v is not None else qs.new_empty(0)
-    want_rec = "received" in want
-    sh = qs.new_empty(BH, Lq) if shift else qs.new_empty(0)
-    rec = qs.new_zeros(BH, Lk) if want_rec else qs.new_empty(0)
-    mod.onepass(qs, kc, vc, bias, H, spec.group, bool(spec.causal), "entropy" in want, "mean_distance" in want,
-                want_rec, "argmax" in want, bq, BLOCK_K, *outs, out, rec, sh, *(window(mask) or (-1, -1)),
-                float(scale))
-    lse, mw, ent, md, arg = outs
-    shape = (B, H, Lq)
-    res = {"lse": lse.view(shape)}
-    for name, t in (("max_weight", mw), ("entropy", ent), ("mean_distance", md), ("argmax", arg)):
+    B, H, Lq, _ = q.shape
+    bufs = _onepass(q, k, v, mask, scale, want, causal=causal, shift=False)
+    res = {"lse": bufs["lse"].view(B, H, Lq)}
+    for name in ("max_weight", "entropy", "mean_distance", "argmax"):
         if name in want:
-            res[name] = t.view(shape)
+            res[name] = bufs[name].view(B, H, Lq)
     if v is not None:
-        res["output"] = out.view(B, H, Lq, -1)
-    if shift:
-        res["shift"], res["max_weight"] = sh.view(shape), mw.view(shape)
-    if want_rec:
-        res["received"] = rec.view(B, H, Lk)
+        res["output"] = bufs["out"].view(B, H, Lq, -1)
+    if "received" in want:
+        res["received"] = bufs["received"].view(B, H, -1)
     return res
 
 
-def forward_with_shift(mod, q, k, v, spec: AttentionSpec, mask, scale: float):
-    """The output ``(B, H, Lq, Dv)`` and ``ml (B, H, Lq, 2)`` = ``[m, log l]`` per row (``m = 0``,
-    ``log l = +inf`` on rows that see no key): what the tiled and sparse backwards recompute from."""
-    res = native_stats(mod, q, k, v, spec, mask, scale, {"lse"}, shift=True)
-    dead = torch.isneginf(res["lse"])  # (B, H, Lq)
-    log_l = torch.log(res["max_weight"]).neg_().masked_fill_(dead, float("inf"))  # log l = -log(1 / l)
-    return res["output"], torch.stack([res["shift"], log_l], -1)
+@dataclass(frozen=True)
+class Forward:
+    """The kernel's attention forward, per query row ``(B, H, Lq)`` in float32.
+
+    A row's softmax is ``P_j = exp(S_j - m) / l``; a row that sees no key has ``out = 0``,
+    ``lse = -inf``, ``m = 0`` and ``inv_l = 0``. The backward recomputes ``P`` from ``m`` and
+    ``log_l`` kept apart (``S - m`` is exact near the maximum; an lse rounded once as ``m + log l``
+    would cost ``eps * |lse|`` on every probability)."""
+
+    out: torch.Tensor  # (B, H, Lq, Dv): P V
+    lse: torch.Tensor  # (B, H, Lq): m + log l, the kernel's own
+    m: torch.Tensor  # (B, H, Lq): the row maximum, the shift of the exponentials
+    inv_l: torch.Tensor  # (B, H, Lq): 1 / l, which is also the largest weight of the row
+
+    @property
+    def log_l(self) -> torch.Tensor:
+        """``log l`` ``(B, H, Lq)``, ``+inf`` on rows that see no key (then ``exp(s - m - log l) = 0``):
+        what :func:`backward` reads."""
+        return torch.log(self.inv_l).neg_().masked_fill_(torch.isneginf(self.lse), float("inf"))
+
+    @property
+    def l(self) -> torch.Tensor:
+        """The normaliser ``l`` ``(B, H, Lq)`` in float64 (exact from ``1 / l``), 0 on rows that see no key:
+        what merging the softmax with another one (the ring's online softmax) reads."""
+        inv = self.inv_l.double()
+        return torch.where(inv > 0, inv.reciprocal(), torch.zeros_like(inv))
 
 
-def native_backward(mod, q, k, v, out, dout, shift, log_l, spec: AttentionSpec, mask, scale: float):
-    """Gradients of the kernel's forward: ``dq (B, H, Lq, D)``, ``dk``, ``dv`` ``(B, Hkv, Lk, .)``
-    in float32, from the forward's output and its per-row ``shift`` and ``log_l`` ``(B, H, Lq)``
-    (``log l = +inf`` on rows that see no key). Same masks as the forward."""
+def forward(q, k, v, mask, scale: float, *, causal: bool) -> Forward:
+    """Attention on the kernel: q ``(B, H, Lq, D)``, k ``(B, Hkv, Lk, D)``, v ``(B, Hkv, Lk, Dv)``
+    (query head ``h`` reads kv head ``h // (H // Hkv)``); ``mask`` as :func:`declines` took it."""
+    B, H, Lq, _ = q.shape
+    bufs = _onepass(q, k, v, mask, scale, set(), causal=causal, shift=True)
+    return Forward(out=bufs["out"].view(B, H, Lq, -1), lse=bufs["lse"].view(B, H, Lq),
+                   m=bufs["shift"].view(B, H, Lq), inv_l=bufs["max_weight"].view(B, H, Lq))
+
+
+def backward(q, k, v, dout, m, log_l, mask, scale: float, *, causal: bool, out=None, delta=None, into=None):
+    """Gradients of :func:`forward`: ``(dq (B, H, Lq, D), dk, dv (B, Hkv, Lk, .))``, float32.
+
+    Args:
+        dout: ``(B, H, Lq, Dv)``, the output's gradient.
+        m, log_l: ``(B, H, Lq)`` per row, as :class:`Forward` gives them (``log l = +inf`` on rows that see
+            no key), or the final ones of a softmax merged from several (the ring).
+        out / delta: the forward's output, or ``delta = rowsum(dout * out)`` ``(B, H, Lq)`` itself.
+        into: accumulators ``(dq, dk, dv)`` the gradients are added to (and returned); default new zeros.
+    """
     B, H, Lq, D = q.shape
-    Hkv, Lk, Dv = spec.kv_heads, spec.kv_len, v.shape[-1]
+    Hkv, Lk, Dv = k.shape[1], k.shape[2], v.shape[-1]
     f32 = torch.float32
-    qs = q.to(f32).reshape(B * H, Lq, D).contiguous()
-    kc = k.to(f32).reshape(B * Hkv, Lk, D).contiguous()
-    vc = v.to(f32).reshape(B * Hkv, Lk, Dv).contiguous()
-    do = dout.to(f32).reshape(B * H, Lq, Dv).contiguous()
-    delta = (do * out.to(f32).reshape(B * H, Lq, Dv)).sum(-1)  # (BH, Lq): rowsum(dO * O)
-    bias = key_bias(spec, mask)
-    bias = qs.new_empty(0) if bias is None else bias
-    dq, dk, dv = torch.zeros_like(qs), torch.zeros_like(kc), torch.zeros_like(vc)
-    mod.onepass_backward(qs, kc, vc, bias, H, spec.group, bool(spec.causal), do,
-                         shift.to(f32).reshape(B * H, Lq).contiguous(), log_l.to(f32).reshape(B * H, Lq).contiguous(),
-                         delta, unit_rows(mask, Lk), BLOCK_K, dq, dk, dv, *(window(mask) or (-1, -1)), float(scale))
-    return dq.view(B, H, Lq, D), dk.view(B, Hkv, Lk, D), dv.view(B, Hkv, Lk, Dv)
+    qs, kc, vc, do = _flat(q), _flat(k), _flat(v), _flat(dout)
+    delta = (do * _flat(out)).sum(-1) if delta is None else _rows(delta)  # (BH, Lq): rowsum(dO * O)
+    if into is None:
+        into = (q.new_zeros(B, H, Lq, D, dtype=f32), k.new_zeros(B, Hkv, Lk, D, dtype=f32),
+                v.new_zeros(B, Hkv, Lk, Dv, dtype=f32))
+    # the kernel adds into its gradient buffers: a contiguous float32 accumulator is passed as it is,
+    # any other is added to from a temporary
+    direct = [t.dtype == f32 and t.is_contiguous() for t in into]
+    bufs = [t.view(-1, t.shape[2], t.shape[3]) if ok else torch.zeros(t.shape[0] * t.shape[1], t.shape[2],
+                                                                       t.shape[3], dtype=f32, device=t.device)
+            for t, ok in zip(into, direct)]
+    _module().onepass_backward(qs, kc, vc, _key_bias(mask, qs, Lk), H, H // Hkv, bool(causal), do, _rows(m),
+                               _rows(log_l), delta, unit_rows(mask, Lk), BLOCK_K, *bufs, *_window_args(mask),
+                               float(scale))
+    for t, g, ok in zip(into, bufs, direct):
+        if not ok:
+            t += g.view(t.shape).to(t.dtype)
+    return into

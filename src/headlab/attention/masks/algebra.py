@@ -45,6 +45,9 @@ class MaskFn:
         check: optional ``check(q_len, kv_len)`` run when this mask itself is evaluated or
             compiled (not when it is part of a composition): a pattern that would be silently
             empty at a length raises there.
+        offsets: ``(lo, hi)`` when this mask is a band: it shows exactly the pairs with
+            ``lo <= q_idx - kv_idx <= hi`` (None = unbounded), for every ``b``, ``h`` and length.
+            A leaf declares it; :func:`headlab.masks.band_of` derives the band of a composition.
     """
 
     def __init__(
@@ -58,6 +61,7 @@ class MaskFn:
         num_heads: int | None = None,
         blocks: _BlockHint | None = None,
         check: Callable[[int, int], None] | None = None,
+        offsets: tuple[int | None, int | None] | None = None,
     ) -> None:
         self._fn = fn
         self.name = name
@@ -68,6 +72,7 @@ class MaskFn:
         self._blocks = blocks
         self._blocks_rows = blocks is not None and "rows" in inspect.signature(blocks).parameters
         self._check = check
+        self.offsets = offsets  # a leaf's band of visible offsets; read it through band_of
         self.parts: tuple = ()  # ("&" | "|", a, b) or ("~", a) for a composition: what the cost model reads
 
     def __repr__(self) -> str:
@@ -277,7 +282,7 @@ def full() -> MaskFn:
         n_qb = -(-lq // bq) if rows is None else rows[1] - rows[0]
         return torch.full((1, 1, n_qb, -(-lk // bk)), FULL, dtype=torch.int8, device=device)
 
-    return MaskFn(fn, "full", blocks=blocks)
+    return MaskFn(fn, "full", blocks=blocks, offsets=(None, None))
 
 
 def causal() -> MaskFn:
@@ -286,9 +291,7 @@ def causal() -> MaskFn:
     def fn(b, h, q, kv, lq, lk):
         return q >= kv
 
-    m = MaskFn(fn, "causal", blocks=_diagonal_blocks(0))
-    m.band = (0, None)  # visible offsets i - j in [0, inf): kernels that walk a band read it
-    return m
+    return MaskFn(fn, "causal", blocks=_diagonal_blocks(0), offsets=(0, None))
 
 
 def causal_lower_right() -> MaskFn:

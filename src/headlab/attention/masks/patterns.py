@@ -50,11 +50,12 @@ def _offset_blocks(visible_offset):
     return blocks
 
 
-def _offset_mask(visible_offset, name: str) -> MaskFn:
+def _offset_mask(visible_offset, name: str, band: tuple[int | None, int | None] | None = None) -> MaskFn:
+    """A mask of the offset alone; ``band``: ``(lo, hi)`` when the visible offsets are exactly ``lo..hi``."""
     def fn(b, h, q, kv, lq, lk):
         return visible_offset(q - kv, lq, lk)
 
-    return MaskFn(fn, name, blocks=_offset_blocks(visible_offset))
+    return MaskFn(fn, name, blocks=_offset_blocks(visible_offset), offsets=band)
 
 
 def sliding_window(window: int, causal: bool = False) -> MaskFn:
@@ -86,11 +87,8 @@ def sliding_window(window: int, causal: bool = False) -> MaskFn:
     """
     w = _positive("sliding_window window", window)
     if causal:
-        m = _offset_mask(lambda d, lq, lk: (d >= 0) & (d <= w), f"sliding_window({w}, causal)")
-    else:
-        m = _offset_mask(lambda d, lq, lk: d.abs() <= w, f"sliding_window({w})")
-    m.band = (0, w) if causal else (-w, w)  # visible offsets i - j in [lo, hi]: kernels that walk a band read it
-    return m
+        return _offset_mask(lambda d, lq, lk: (d >= 0) & (d <= w), f"sliding_window({w}, causal)", (0, w))
+    return _offset_mask(lambda d, lq, lk: d.abs() <= w, f"sliding_window({w})", (-w, w))
 
 
 def dilated_window(window: int, dilation: int, causal: bool = False) -> MaskFn:
@@ -112,10 +110,11 @@ def dilated_window(window: int, dilation: int, causal: bool = False) -> MaskFn:
     w = _positive("dilated_window window", window)
     s = _positive("dilated_window dilation", dilation)
     reach = w * s
+    band = ((0 if causal else -reach), reach) if s == 1 else None  # dilation 1: every offset of the reach
     if causal:
         return _offset_mask(lambda d, lq, lk: (d >= 0) & (d <= reach) & (d % s == 0),
-                            f"dilated_window({w}, {s}, causal)")
-    return _offset_mask(lambda d, lq, lk: (d.abs() <= reach) & (d % s == 0), f"dilated_window({w}, {s})")
+                            f"dilated_window({w}, {s}, causal)", band)
+    return _offset_mask(lambda d, lq, lk: (d.abs() <= reach) & (d % s == 0), f"dilated_window({w}, {s})", band)
 
 
 def strided(stride: int, causal: bool = True) -> MaskFn:

@@ -30,7 +30,8 @@ Two ways of computing them (``method``):
   with entropy, mean distance, argmax, the column sums and the output accumulated in the same pass
   (``H_i = log l_i - sum_j e_ij t_ij / l_i`` with ``t = S - m``; see :mod:`.fused`). Three kernels
   compute it: a compiled C++ one (:mod:`headlab.attention.backends.native`, built on first use with torch's own
-  ``cpp_extension``; float32 on the CPU with no mask, ``causal`` or a key-padding mask), a
+  ``cpp_extension``; float32 on the CPU with no mask, ``causal``, a band of offsets such as a sliding
+  window, or a key-padding mask: :func:`~headlab.attention.backends.native.declines` says), a
   PyTorch one (:mod:`.fused`, every mask and dtype), and, when a row of keys is too long for one
   unit or ``block_q`` / ``cache_bytes=0`` asks for it, two passes that recompute the score tiles
   (:mod:`.tiled`). Tiles a mask leaves empty are skipped (the call's tile states from
@@ -182,9 +183,8 @@ def attention_stats(
         if method == "tiled":
             itemsize = 8 if ct == torch.float64 else 4
             one_pass = block_q is None and cache_bytes > 0 and score_mod is None
-            mod = native.kernel() if (one_pass and native.usable(spec, norm_mask, ct)) else None
-            if mod is not None:
-                res = native.native_stats(mod, q, k, v, spec, norm_mask, scale, want)
+            if one_pass and native.declines(spec, norm_mask, ct) is None:
+                res = native.statistics(q, k, v, norm_mask, scale, want, causal=spec.causal)
             elif one_pass and fits(spec, cache_bytes, itemsize):
                 res = _fused(q, k, v, spec, norm_mask, scale, want, ct, block_k)
             else:

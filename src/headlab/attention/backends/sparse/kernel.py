@@ -9,7 +9,7 @@ import threading
 
 import torch
 
-from headlab.attention.backends import _threads
+from headlab.attention.backends import _threads, native
 from headlab.attention.backends.sparse.plan import SparsePlan, _Group
 from headlab.attention.backends.sparse.tiles import _chunks, _from_flat, _hidden, _scores, _to_flat
 from headlab.attention.masks import MaskFn
@@ -109,22 +109,6 @@ def _forward(plan: SparsePlan, mask: MaskFn, q, k, v, scale, score_mod=None):
     return out_flat, ml_flat
 
 
-def _native_forward(q, k, v, plan: SparsePlan, mask, scale, score_mod, spec):
-    """The compiled one-pass kernel for masks it walks itself (a plain sliding window or causal:
-    :func:`headlab.attention.backends.native.window`), float32 on the CPU: ``(out (B, H, Lq, Dv),
-    ml_flat)`` in this kernel's layout (the backward recomputes from it), or None."""
-    from headlab.attention.backends import native  # lazy: native imports the thread pool of this package
-
-    if spec is None or score_mod is not None or q.dtype != torch.float32 or native.window(mask) is None \
-            or not native.usable(spec, mask, torch.float32):
-        return None
-    mod = native.kernel()
-    if mod is None:
-        return None
-    out, ml = native.forward_with_shift(mod, q, k, v, spec, mask, scale)  # (B, H, Lq, Dv), (B, H, Lq, 2)
-    return out, _to_flat(ml, plan, plan.block_q, plan.n_qb)
-
-
 def _backward(plan: SparsePlan, mask: MaskFn, q, k, v, out_flat, ml_flat, dout, scale, score_mod=None, params=()):
     """Each item's gathered keys are every key its rows see, so ``D = rowsum(P * dP)`` is taken
     from the chunk itself (the softmax's own backward), and ``P = exp((S - m) - log l)`` from the
@@ -166,37 +150,36 @@ def _backward(plan: SparsePlan, mask: MaskFn, q, k, v, out_flat, ml_flat, dout, 
 
 class SparseAttention(torch.autograd.Function):
     """Saves q, k, v and the per-row shift and log-normaliser: O(n d), nothing n x n. Returns the output
-    ``(B, H, Lq, Dv)`` and the lse ``(B, H, Lq)`` (+inf on rows that see no key)."""
+    ``(B, H, Lq, Dv)`` and the lse ``(B, H, Lq)`` (``+-inf`` on rows that see no key). On the compiled
+    kernel (:mod:`headlab.attention.backends.native`) when it takes the call (a mask that is one band
+    of offsets: windows, causal, their compositions), in its own layout; else on the flat items above."""
 
     @staticmethod
     def forward(ctx, q, k, v, plan, mask, scale, score_mod, spec=None, *params):
-        got = _native_forward(q, k, v, plan, mask, scale, score_mod, spec)
-        if got is not None:
-            out, ml_flat = got
+        ctx.native = spec is not None and native.declines(spec, mask, q.dtype, score_mod=score_mod) is None
+        ctx.plan, ctx.mask, ctx.scale, ctx.score_mod, ctx.spec = plan, mask, scale, score_mod, spec
+        ctx.params = params  # the score_mod's trainable tensors (their gradients are returned)
+        if ctx.native:
+            fwd = native.forward(q, k, v, mask, scale, causal=spec.causal)  # (B, H, Lq, .)
+            ctx.save_for_backward(q, k, v, fwd.out, fwd.m, fwd.log_l)
+            out, lse = fwd.out, fwd.lse
         else:
             out_flat, ml_flat = _forward(plan, mask, q, k, v, scale, score_mod)
+            ctx.save_for_backward(q, k, v, ml_flat)
             out = _from_flat(out_flat, plan)
-        ctx.save_for_backward(q, k, v, ml_flat, out if got is not None else out.new_empty(0))
-        ctx.plan, ctx.mask, ctx.scale, ctx.score_mod, ctx.spec = plan, mask, scale, score_mod, spec
-        ctx.native = got is not None
-        ctx.params = params  # the score_mod's trainable tensors (their gradients are returned)
-        lse = _from_flat(ml_flat[..., :1] + ml_flat[..., 1:], plan).squeeze(-1)
+            lse = _from_flat(ml_flat[..., :1] + ml_flat[..., 1:], plan).squeeze(-1)
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        q, k, v, ml_flat, out = ctx.saved_tensors
         if ctx.native:  # the compiled kernel's own backward, from the same m and log l
-            from headlab.attention.backends import native
-
-            ml = _from_flat(ml_flat, ctx.plan)  # (B, H, Lq, 2)
-            dq, dk, dv = native.native_backward(native.kernel(), q, k, v, out, dout, ml[..., 0], ml[..., 1],
-                                                ctx.spec, ctx.mask, ctx.scale)
+            q, k, v, out, m, log_l = ctx.saved_tensors
+            dq, dk, dv = native.backward(q, k, v, dout, m, log_l, ctx.mask, ctx.scale, causal=ctx.spec.causal,
+                                         out=out)
             return (dq, dk, dv, None, None, None, None, None, *([None] * len(ctx.params)))
+        q, k, v, ml_flat = ctx.saved_tensors
         dq, dk, dv, pgrads = _backward(ctx.plan, ctx.mask, q, k, v, None, ml_flat,
                                        dout.to(q.dtype).contiguous(), ctx.scale, ctx.score_mod, ctx.params)
         pg = tuple(None if g is None else g.to(t.dtype) for g, t in zip(pgrads, ctx.params))
         return (dq, dk, dv, None, None, None, None, None, *pg)
-
-

@@ -55,7 +55,7 @@ import torch
 from headlab.attention.backends.base import Backend, Capabilities, register
 from headlab.attention.backends.tiled.backward import TiledAttention
 from headlab.attention.backends.tiled.memory import working_set_bytes
-from headlab.attention.backends.tiled.plan import BLOCK_K, BLOCK_Q, check_blocks, from_rows, make_plan, tile_states
+from headlab.attention.backends.tiled.plan import BLOCK_K, BLOCK_Q, check_blocks, make_plan, tile_states
 from headlab.attention.backends.tiled.textbook import flash_attention_textbook
 from headlab.attention.guard import check_fits
 from headlab.attention.spec import AttentionSpec, check_scale, validate
@@ -70,8 +70,7 @@ def _run(q, k, v, spec: AttentionSpec, mask, scale: float, dropout_p: float, see
     log, ``-inf`` on rows that see no key)."""
     plan = make_plan(spec, mask, scale, dropout_p, seed, block_q, block_k, score_mod)
     params = score_mod.trainable() if hasattr(score_mod, "trainable") else ()
-    out, lse = TiledAttention.apply(q, k, v, plan, *params)
-    lse = from_rows(lse.unsqueeze(-1), plan).squeeze(-1)  # (B, H, Lq)
+    out, lse = TiledAttention.apply(q, k, v, plan, *params)  # (B, H, Lq, Dv), (B, H, Lq)
     return out, lse.masked_fill(torch.isinf(lse) & (lse > 0), float("-inf"))
 
 

@@ -19,9 +19,10 @@ from __future__ import annotations
 
 import torch
 
-from headlab.attention.backends.tiled.forward import forward, native_forward
-from headlab.attention.backends.tiled.plan import (Plan, from_rows, index_grid, mask_tile, prepare_kv,
-                                                   scaled_query, to_rows)
+from headlab.attention.backends import native
+from headlab.attention.backends.tiled.forward import forward
+from headlab.attention.backends.tiled.plan import (BLOCK_K, BLOCK_Q, Plan, from_rows, index_grid, mask_tile,
+                                                   prepare_kv, scaled_query, to_rows)
 from headlab.attention.score_mods import param_vjp
 from headlab.attention.states import EMPTY, PARTIAL
 
@@ -98,32 +99,42 @@ def backward(q, k, v, out, ml, dout, p: Plan, params=()):
     return from_rows(dq, p), dk.view(p.B, p.Hkv, p.Lk, p.D), dv.view(p.B, p.Hkv, p.Lk, Dv), pgrads
 
 
+def native_declines(p: Plan) -> str | None:
+    """Why the compiled kernel (:mod:`headlab.attention.backends.native`) does not take this call, or None."""
+    return native.declines(p.spec, p.mask, p.cdtype, dropout_p=p.dropout_p, score_mod=p.score_mod,
+                           own_tiles=(p.block_q, p.block_k) != (BLOCK_Q, BLOCK_K))
+
+
 class TiledAttention(torch.autograd.Function):
-    """Saves q, k, v, the output and the log-sum-exp: O(n) memory, nothing n x n."""
+    """Saves q, k, v, the output and the per-row ``m`` and ``log l``: O(n) memory, nothing n x n. Returns
+    the output ``(B, H, Lq, Dv)`` in q's dtype and the lse ``(B, H, Lq)`` (``+-inf`` on rows that see no key).
+    On the compiled kernel when it takes the call (its own layout and statistics), else on the
+    PyTorch kernels above (rows ``(B*Hkv, Lq*G, .)``)."""
 
     @staticmethod
     def forward(ctx, q, k, v, plan: Plan, *params):
-        got = native_forward(q, k, v, plan)  # the compiled kernel, when it takes the call
-        ctx.native = got is not None
-        out, ml = got if got is not None else forward(q, k, v, plan)
-        ctx.save_for_backward(q, k, v, out, ml)
+        ctx.native = native_declines(plan) is None
         ctx.plan, ctx.params = plan, params  # the score_mod's trainable tensors (their gradients are returned)
-        lse = ml[..., 0] + ml[..., 1]  # (BHkv, Lq*G), +inf on rows that see no key
+        if ctx.native:
+            fwd = native.forward(q, k, v, plan.mask, plan.scale, causal=plan.spec.causal)  # (B, H, Lq, .)
+            ctx.save_for_backward(q, k, v, fwd.out, fwd.m, fwd.log_l)
+            out, lse = fwd.out, fwd.lse
+        else:
+            out_rows, ml = forward(q, k, v, plan)  # (BHkv, Lq*G, Dv), (BHkv, Lq*G, 2)
+            ctx.save_for_backward(q, k, v, out_rows, ml)
+            out, lse = from_rows(out_rows, plan), from_rows(ml[..., :1] + ml[..., 1:], plan).squeeze(-1)
         ctx.mark_non_differentiable(lse)
-        return from_rows(out, plan).to(q.dtype), lse
+        return out.to(q.dtype), lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        q, k, v, out, ml = ctx.saved_tensors
         p = ctx.plan
         pgrads = [None] * len(ctx.params)
         if ctx.native:  # the compiled kernel's own backward, from the same m and log l
-            from headlab.attention.backends import native
-
-            ml4 = from_rows(ml, p)  # (B, H, Lq, 2)
-            dq, dk, dv = native.native_backward(native.kernel(), q, k, v, from_rows(out, p), dout, ml4[..., 0],
-                                                ml4[..., 1], p.spec, p.mask, p.scale)
+            q, k, v, out, m, log_l = ctx.saved_tensors
+            dq, dk, dv = native.backward(q, k, v, dout, m, log_l, p.mask, p.scale, causal=p.spec.causal, out=out)
         else:
+            q, k, v, out, ml = ctx.saved_tensors
             dq, dk, dv, pgrads = backward(q, k, v, out, ml, dout, p, ctx.params)
         pg = tuple(None if g is None else g.to(t.dtype) for g, t in zip(pgrads, ctx.params))
         return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, *pg)

@@ -125,23 +125,6 @@ def forward_block_exact(qb_rows, kt, vaug, p: Plan, qb: int, out_rows, ml_rows, 
     ml_rows[..., 1] = torch.log(l_safe).masked_fill_(dead, float("inf")).squeeze(-1)
 
 
-def native_forward(q, k, v, p: Plan):
-    """The compiled one-pass kernel (:mod:`headlab.attention.backends.native`) when it takes this
-    call: float32 on the CPU, the default tile sizes, no dropout or score_mod, no mask, causal or key
-    padding. ``(out, ml)`` as :func:`forward` returns them, or None."""
-    from headlab.attention.backends import native  # lazy: native imports the thread pool of this package
-    from headlab.attention.backends.tiled.plan import BLOCK_K, BLOCK_Q, to_rows
-
-    if (p.block_q, p.block_k) != (BLOCK_Q, BLOCK_K) or p.dropout_p > 0 or p.score_mod is not None \
-            or p.cdtype != torch.float32 or not native.usable(p.spec, p.mask, p.cdtype):
-        return None
-    mod = native.kernel()
-    if mod is None:
-        return None
-    out, ml = native.forward_with_shift(mod, q, k, v, p.spec, p.mask, p.scale)  # (B, H, Lq, Dv), (B, H, Lq, 2)
-    return to_rows(out, p), to_rows(ml, p)
-
-
 def forward(q, k, v, p: Plan) -> tuple[torch.Tensor, torch.Tensor]:
     """``out (BHkv, Lq*G, Dv)`` and ``ml (BHkv, Lq*G, 2)``: per row the shift ``m`` and ``log l``
     (``lse = m + log l``; ``log l = +inf`` on rows with no key)."""
