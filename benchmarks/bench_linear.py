@@ -38,7 +38,7 @@ import headlab
 from headlab import costs
 from headlab.attention.backends.linear import LinearBackend
 from headlab.costs.linear import linear_cost_for
-from headlab.costs.measure import run_with_peak
+from headlab.attention.measure import run_with_peak
 
 B, H, D = 1, 8, 64
 RESULTS = Path(__file__).resolve().parent / "results" / "linear.json"

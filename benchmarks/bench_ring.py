@@ -45,7 +45,7 @@ def worker(rank: int, world: int, port: int, n: int, repeats: int) -> dict:
     import torch.distributed as dist
 
     from headlab.attention.core import attention
-    from headlab.costs.measure import rss_bytes, run_with_peak
+    from headlab.attention.measure import rss_bytes, run_with_peak
     from headlab.distributed import comm, ring_attention, shard
 
     torch.set_num_threads(1 if world > 1 else 2)

@@ -2,7 +2,7 @@
 
     nice -n 5 python benchmarks/bench_saliency_long.py [--tokens 4096] [--ig-steps 2] [--backends tiled]
 
-Each measurement runs in a fresh process (``headlab.costs.measure.peak_memory_growth``): the model
+Each measurement runs in a fresh process (``headlab.attention.measure.peak_memory_growth``): the model
 is loaded and the input built first, then ``headlab.explain(..., methods=("gradient",))`` (or
 ``("integrated_gradients",)`` with one interpolated input per batch) runs, and the peak growth of
 resident memory during that call is reported. What the eager path would hold instead: the saved
@@ -60,7 +60,7 @@ def main(argv=None) -> int:
     ap.add_argument("--methods", default="gradient,integrated_gradients")
     ap.add_argument("--timeout", type=float, default=3000)
     args = ap.parse_args(argv)
-    from headlab.costs.measure import peak_memory_growth
+    from headlab.attention.measure import peak_memory_growth
 
     layers, heads = 30, 9
     eager = layers * heads * args.tokens ** 2 * 4

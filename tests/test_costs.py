@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -115,3 +117,68 @@ def test_roofline_takes_hardware_as_an_argument():
     hw = costs.Hardware("toy", peak_flops=1e12, bandwidth=1e11)
     c = costs.estimate(shape, "reference")
     assert hw.seconds(c) == max(c.forward_flops / 1e12, c.bytes_moved / 1e11)
+
+
+# -- backends own their formula: the registry refuses one without, and estimate asks the backend ---------------
+
+def test_a_backend_without_a_cost_formula_cannot_be_registered(monkeypatch):
+    from headlab.attention.backends import base
+    from headlab.costs import model
+
+    for mod, name in ((base, "_REGISTRY"), (model, "_FORMULAS"), (model, "_BACKENDS")):
+        monkeypatch.setattr(mod, name, dict(getattr(mod, name)))  # whatever happens, the real tables stay as they are
+
+    class NoFormula(backends.Backend):
+        name = "no-formula"
+        summary = "a backend that forgot its cost formula"
+        capabilities = backends.Capabilities()
+
+    with pytest.raises(CostModelError, match="declares no cost formula.*cost = staticmethod"):
+        backends.register(NoFormula)
+    assert "no-formula" not in backends.names() and "no-formula" not in costs.formulas()
+
+    def toy_cost(shape, backend):
+        return costs.AttentionCost(backend=backend.name, forward_flops=1, backward_flops=2, attention_weights_bytes=0,
+                                   working_set_bytes=3, bytes_moved=4, saved_for_backward_bytes=5)
+
+    class WithFormula(NoFormula):
+        name = "with-formula"
+        cost = staticmethod(toy_cost)
+
+    backends.register(WithFormula)  # the formula goes to the cost model with the backend
+    assert costs.estimate(costs.AttentionShape(), "with-formula").working_set_bytes == 3
+    assert set(costs.estimate_all(costs.AttentionShape())) == set(backends.names())
+
+
+def test_estimate_uses_the_formula_each_backend_declares():
+    from headlab.attention.backends.linear import from_string
+    from headlab.attention.backends.tiled import TiledBackend
+    from headlab.costs import model
+
+    shape = costs.AttentionShape(heads=4, kv_heads=2, q_len=300, head_dim=32, causal=True, layers=2)
+    for name in backends.names():
+        b = backends.get(name)
+        formula = type(b).cost
+        assert model._FORMULAS[name] is formula, name
+        assert costs.estimate(shape, name) == formula(shape, b), name
+    # a configured instance is costed as configured: its tiles, its feature map
+    small = TiledBackend(64, 32)
+    assert costs.estimate(shape, small).forward_flops == 2 * costs.tiled.tiled_flops(shape, 64, 32)[0]
+    assert costs.estimate(shape, small) != costs.estimate(shape, "tiled")
+    favor = from_string("favor:128")
+    assert costs.estimate(shape, favor) == costs.linear.linear_cost(shape, feature_map="favor", num_features=128)
+
+
+_ENGINE_IMPORT = re.compile(
+    r"^\s*(?:from|import)\s+headlab\.(?:distributed|attention\.(?:backends|stats|core|module|measure))\b"
+    r"|^\s*from\s+headlab\.attention\s+import\s+.*\b(?:backends|stats|core|module|measure)\b"
+    r"|^\s*from\s+headlab\s+import\s+.*\bdistributed\b"
+    r"|import_module\(\s*[\"']headlab\.(?:distributed|attention\.(?:backends|stats))", re.M)
+
+
+def test_costs_imports_no_engine_and_nothing_of_distributed():
+    """costs reads the attention core only; the backends bring their formulas to it (grep, lazy imports included)."""
+    root = Path(headlab.__file__).parent / "costs"
+    found = {str(p.relative_to(root)): m.group(0).strip() for p in root.rglob("*.py")
+             for m in [_ENGINE_IMPORT.search(p.read_text(encoding="utf-8"))] if m}
+    assert not found, found

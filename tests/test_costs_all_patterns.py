@@ -22,13 +22,14 @@ from headlab import costs, masks
 from headlab.attention import blocks
 from headlab.attention.backends import sparse as _sparse
 from headlab.attention.backends import tiled as _tiled
-from headlab.costs import streamed, visits
-from headlab.costs.diagonals import count_diagonal
-from headlab.costs.doccount import count_documents
-from headlab.costs.fixedcount import count_fixed
-from headlab.costs.floorsum import floor_sums
-from headlab.costs.layoutcount import count_layout
-from headlab.costs.tilecount import Grid, Unsupported, count_tiles
+from headlab.costs.tiles import streamed_count, visited
+from headlab.costs.tiles.diagonal_count import count_diagonal
+from headlab.costs.tiles.document_count import count_documents
+from headlab.costs.tiles.fixed_count import count_fixed
+from headlab.costs.tiles.floor_sums import floor_sums
+from headlab.costs.tiles.grid import Grid, Unsupported
+from headlab.costs.tiles.interval_count import count_tiles
+from headlab.costs.tiles.layout_count import count_layout
 from headlab.errors import CountTooLargeError, MaskError
 
 from cases import random_composition, random_geometry, visited_entries
@@ -44,7 +45,7 @@ def kernel_counts(mask, lq, lk, bq, bk, causal, batch=1, heads=1):
 
 def predicted(mask, lq, lk, bq, bk, causal, batch=1, heads=1):
     shape = costs.AttentionShape(heads=heads, batch=batch, q_len=lq, kv_len=lk, mask=mask, causal=causal)
-    return visits.tiles(shape, bq, bk), visits.pairs(shape, bq, bk)
+    return visited.tiles(shape, bq, bk), visited.pairs(shape, bq, bk)
 
 
 # -- the case table: every built-in pattern, with sizes that are wide and narrow against the tiles --
@@ -127,8 +128,8 @@ def test_deterministic_patterns_never_walk_a_block_map(name, monkeypatch):
     def no(*a, **k):
         raise AssertionError("the block map was streamed")
 
-    monkeypatch.setattr(streamed, "tiles", no)
-    monkeypatch.setattr(streamed, "pairs", no)
+    monkeypatch.setattr(streamed_count, "tiles", no)
+    monkeypatch.setattr(streamed_count, "pairs", no)
     make, batch, heads, lengths = CASES[name]
     lq, lk = (lengths or [(100, 77)])[0]
     predicted(make(lq, lk), lq, lk, 7, 7, True, batch, heads)
@@ -162,7 +163,7 @@ def test_diagonal_counter_on_random_compositions(seed):
             want = kernel_counts(mask, lq, lk, bq, bk, causal)
         except MaskError:  # a bare global_tokens with every index past the sequence refuses
             continue
-        tree = visits._tree(costs.AttentionShape(heads=1, q_len=lq, kv_len=lk, mask=mask, causal=causal))
+        tree = visited._tree(costs.AttentionShape(heads=1, q_len=lq, kv_len=lk, mask=mask, causal=causal))
         assert count_diagonal(Grid(lq, lk, bq, bk), tree, causal_cut=causal) == want, (spec, lq, lk, bq, bk, causal)
         checked += 1
     assert checked >= 50
@@ -178,7 +179,7 @@ def test_fixed_counter_over_many_periods():
             lk = lq if rng.random() < 0.5 else rng.randint(600, 1500)
             bq, bk = rng.randint(2, 7), rng.randint(2, 7)
             causal = rng.random() < 0.5
-            tree = visits._tree(costs.AttentionShape(heads=1, q_len=lq, kv_len=lk, mask=mask, causal=causal))
+            tree = visited._tree(costs.AttentionShape(heads=1, q_len=lq, kv_len=lk, mask=mask, causal=causal))
             got = count_fixed(Grid(lq, lk, bq, bk), tree, causal_cut=causal)
             assert got == kernel_counts(mask, lq, lk, bq, bk, causal), (s, c, non_causal, lq, lk, bq, bk, causal)
 
@@ -190,7 +191,7 @@ def test_layout_counter_cells_wider_and_narrower_than_tiles():
         bq, bk, cell = rng.randint(1, 12), rng.randint(1, 12), (rng.randint(1, 20), rng.randint(1, 20))
         mask = _layout(lq, lk, cell, p=rng.random())
         causal = rng.random() < 0.5
-        tree = visits._tree(costs.AttentionShape(heads=1, q_len=lq, kv_len=lk, mask=mask, causal=causal))
+        tree = visited._tree(costs.AttentionShape(heads=1, q_len=lq, kv_len=lk, mask=mask, causal=causal))
         assert count_layout(Grid(lq, lk, bq, bk), tree, causal_cut=causal) == kernel_counts(mask, lq, lk, bq, bk, causal)
 
 
@@ -206,13 +207,13 @@ def test_documents_counter_with_bands():
                             masks.sliding_window(rng.randint(1, 30), causal=True), masks.causal_lower_right()])
         mask = mask if extra is None else mask & extra
         bq, bk, causal = rng.randint(1, 12), rng.randint(1, 12), rng.random() < 0.5
-        tree = visits._tree(costs.AttentionShape(heads=1, q_len=n, mask=mask, causal=causal))
+        tree = visited._tree(costs.AttentionShape(heads=1, q_len=n, mask=mask, causal=causal))
         assert count_documents(Grid(n, n, bq, bk), tree, causal_cut=causal) == kernel_counts(mask, n, n, bq, bk, causal)
     for n, k in ((10**12, 2), (10**12, 300), (10**9 + 7, 50)):
         cut = sorted(rng.sample(range(1, n), k - 1))
         mask = masks.documents([b - a for a, b in zip([0, *cut], [*cut, n])]) & masks.sliding_window(1000)
         for causal in (False, True):
-            tree = visits._tree(costs.AttentionShape(heads=1, q_len=n, mask=mask, causal=causal))
+            tree = visited._tree(costs.AttentionShape(heads=1, q_len=n, mask=mask, causal=causal))
             for bq, bk in ((128, 128), (256, 512)):
                 g = Grid(n, n, bq, bk)
                 assert count_documents(g, tree, causal_cut=causal) == count_tiles(g, tree, causal_cut=causal)
@@ -273,7 +274,7 @@ def test_a_trillion_tokens_in_a_second_and_100_mib_without_maps(name, monkeypatc
         raise AssertionError("a block map was built")
 
     monkeypatch.setattr(blocks.BlockMap, "from_mask", staticmethod(no_maps))
-    monkeypatch.setattr(streamed, "block_rows", no_maps)
+    monkeypatch.setattr(streamed_count, "block_rows", no_maps)
     monkeypatch.setattr(_tiled, "tile_states", no_maps)
     for causal in (False, True):
         shape = costs.AttentionShape(q_len=N, mask=AT_1E12[name], causal=causal)
@@ -315,8 +316,8 @@ def test_bigbird_bounds_hold_where_the_count_is_exact():
     m = masks.bigbird(16, window_blocks=3, global_blocks=1, random_blocks=2)
     for lq, causal in ((3000, False), (2500, True)):
         shape = costs.AttentionShape(heads=1, q_len=lq, mask=m, causal=causal)
-        low, high, rand = streamed._bigbird_bounds(shape, 128, 128)
-        assert low <= visits.tiles(shape, 128, 128) <= high + rand
+        low, high, rand = streamed_count._bigbird_bounds(shape, 128, 128)
+        assert low <= visited.tiles(shape, 128, 128) <= high + rand
 
 
 def test_the_cost_model_refuses_what_the_mask_refuses():
@@ -333,4 +334,4 @@ def test_the_cost_model_refuses_what_the_mask_refuses():
 
 def test_unsupported_is_what_the_counters_raise():
     with pytest.raises(Unsupported):
-        count_fixed(Grid(10, 10, 2, 2), visits._tree(costs.AttentionShape(q_len=10, mask=masks.causal())))
+        count_fixed(Grid(10, 10, 2, 2), visited._tree(costs.AttentionShape(q_len=10, mask=masks.causal())))

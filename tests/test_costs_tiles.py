@@ -1,4 +1,4 @@
-"""Closed-form tile counts (costs/tilecount.py, costs/patterns.py) against the block maps the kernels walk.
+"""Closed-form tile counts (costs/tiles/: interval_count.py, mask_tree.py) against the block maps the kernels walk.
 
 The independent computation is the block map itself: ``sparse.block_map(...)`` (the sparse kernel's
 map, ``mask & causal`` under causal) and ``tiled.tile_states(...)`` (the tiled kernel's), whose
@@ -16,8 +16,9 @@ import torch
 from headlab import costs, masks
 from headlab.attention.backends import sparse as _sparse
 from headlab.attention.backends import tiled as _tiled
-from headlab.costs import visits
-from headlab.costs.tilecount import Grid, Unsupported, count_tiles
+from headlab.costs.tiles import visited
+from headlab.costs.tiles.grid import Grid, Unsupported
+from headlab.costs.tiles.interval_count import count_tiles
 from headlab.errors import CostModelError, MaskError
 
 from cases import random_composition, random_geometry, visited_entries
@@ -65,7 +66,7 @@ def test_closed_form_equals_block_map(spec):
             for causal in (False, True):
                 shape = costs.AttentionShape(heads=1, q_len=lq, kv_len=lk, mask=mask, causal=causal)
                 try:
-                    got = count_tiles(Grid(lq, lk, bq, bk), visits._tree(shape), causal_cut=causal)
+                    got = count_tiles(Grid(lq, lk, bq, bk), visited._tree(shape), causal_cut=causal)
                 except Unsupported:
                     continue  # a stride wider than these small tiles: the caller counts the map
                 assert got == _block_map_counts(mask, lq, lk, bq, bk, causal), (spec, lq, lk, bq, bk, causal)
@@ -104,7 +105,7 @@ def test_random_combinations_equal_block_map(seed):
         except MaskError:  # a bare global_tokens with every index past the sequence refuses
             continue
         try:
-            got = count_tiles(Grid(lq, lk, bq, bk), visits._tree(shape), causal_cut=causal)
+            got = count_tiles(Grid(lq, lk, bq, bk), visited._tree(shape), causal_cut=causal)
         except Unsupported:
             continue
         assert got == want, (spec, lq, lk, bq, bk, causal)
@@ -181,11 +182,11 @@ def test_a_trillion_tokens_without_maps_under_a_memory_cap():
 def test_trillion_causal_counts_are_the_triangle():
     n_b = 10**12 // 128  # 128 divides 10^12: every tile is whole
     shape = costs.AttentionShape(heads=1, q_len=10**12, causal=True)
-    assert visits.tiles(shape, 128, 128) == n_b * (n_b + 1) // 2
+    assert visited.tiles(shape, 128, 128) == n_b * (n_b + 1) // 2
     # tiled: 256 x 512 tiles cut at the diagonal hold exactly the n (n + 1) / 2 visible pairs plus the
     # masked part of the diagonal tiles left of the cut
     n = 10**12
-    pairs = visits.pairs(shape, 256, 512)
+    pairs = visited.pairs(shape, 256, 512)
     assert n * (n + 1) // 2 <= pairs <= n * (n + 1) // 2 + n * 256
 
 
@@ -197,12 +198,12 @@ def test_long_index_lists_are_read_from_the_pattern_when_it_shows_them():
     assert "..." in docs.name
     if getattr(docs, "lengths", None) is None:
         with pytest.raises(Unsupported):
-            visits._tree(shape)
+            visited._tree(shape)
         docs.lengths = list(lengths)  # what a pattern object with public attributes carries
-    got = count_tiles(Grid(200, 200, 16, 16), visits._tree(shape), causal_cut=True)
+    got = count_tiles(Grid(200, 200, 16, 16), visited._tree(shape), causal_cut=True)
     assert got == _block_map_counts(docs, 200, 200, 16, 16, True)
     glob = masks.global_tokens(list(range(3, 200, 17)))
     if getattr(glob, "indices", None) is None:
         glob.indices = list(range(3, 200, 17))
     shape = costs.AttentionShape(heads=1, q_len=200, mask=glob)
-    assert count_tiles(Grid(200, 200, 16, 8), visits._tree(shape)) == _block_map_counts(glob, 200, 200, 16, 8, False)
+    assert count_tiles(Grid(200, 200, 16, 8), visited._tree(shape)) == _block_map_counts(glob, 200, 200, 16, 8, False)

@@ -13,7 +13,7 @@ from rich.table import Table
 
 from headlab.attention.masks import from_string
 from headlab.cli.app import bench_app, check_output_file, console, err_console, human_bytes
-from headlab.costs.measure import bench_attention, check_counts
+from headlab.attention.measure import bench_attention, check_counts
 from headlab.errors import ConfigError
 
 

@@ -8,11 +8,23 @@
     >>> costs.estimate(seed, "sdpa").attention_weights_bytes
     0
 
-Each backend's formula lives in a file of this package and registers itself with
-:func:`register_cost`; a backend without one is an error, never a zero.
+The package, top down:
+
+* :mod:`~headlab.costs.model`: the shape model (:class:`AttentionShape`), a cost, hardware, and the
+  table of formulas, which the backend registry fills;
+* one formula per backend family, ``formula(shape, backend) -> AttentionCost``: :mod:`~headlab.costs.dense`
+  (reference, sdpa), :mod:`~headlab.costs.tiled`, :mod:`~headlab.costs.sparse`, :mod:`~headlab.costs.linear`,
+  and :mod:`~headlab.costs.ring` for ring attention over ranks;
+* :mod:`headlab.costs.tiles`: the exact tile counting the tiled and sparse formulas read.
+
+A backend class declares its formula (``cost = staticmethod(costs.tiled.tiled_cost)``) and the registry
+refuses a backend without one; :func:`estimate` then calls it with the backend instance, whose
+configuration (tile sizes, feature map) and memory formula it reads. A backend without a formula is an
+error, never a zero. This package imports only the attention core (spec, masks, states, blocks),
+never an engine: measuring real calls is :mod:`headlab.attention.measure`.
 """
 
-from headlab.costs import dense, linear, sparse, tiled  # noqa: F401  (each registers its formulas)
+from headlab.costs import dense, linear, sparse, tiled  # noqa: F401  (costs.sparse.visited_tiles ...)
 from headlab.costs.model import (
     AttentionCost,
     AttentionShape,

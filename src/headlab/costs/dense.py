@@ -3,14 +3,15 @@
 FLOPs count the matmuls each backend executes (2 per multiply-add), the convention of
 ``torch.utils.flop_counter.FlopCounterMode``: forward ``2*B*H*Lq*Lk*(d + d_v)`` (= 4*B*H*Lq*Lk*d
 when d_v = d). The reference backend computes every entry even when causal; torch's flash kernel
-skips the tiles above the diagonal, so its causal cost counts visible pairs.
+skips the tiles above the diagonal, so its causal cost counts visible pairs. Memory is each
+backend's own formula (``backend.working_set_bytes``), read from the instance the formula is given.
 """
 
 from __future__ import annotations
 
-from headlab.attention.backends import reference as _ref
-from headlab.attention.backends import sdpa as _sdpa
-from headlab.costs.model import AttentionCost, AttentionShape, register_cost
+from headlab.costs.model import AttentionCost, AttentionShape, CostedBackend
+
+__all__ = ["reference_cost", "sdpa_cost"]
 
 
 def _matmul_flops(shape: AttentionShape, pairs: int) -> int:
@@ -18,26 +19,26 @@ def _matmul_flops(shape: AttentionShape, pairs: int) -> int:
     return 2 * shape.batch * shape.heads * pairs * (shape.head_dim + shape.v_dim)
 
 
-@register_cost("reference")
-def reference_cost(shape: AttentionShape) -> AttentionCost:
+def reference_cost(shape: AttentionShape, backend: CostedBackend) -> AttentionCost:
+    """The ``reference`` backend: every score and probability materialised."""
     L = shape.layers
     spec = shape.spec()
     n2 = shape.batch * shape.heads * shape.q_len * shape.kv_len * shape.itemsize
     fwd = _matmul_flops(shape, shape.q_len * shape.kv_len)
     return AttentionCost(
-        backend="reference",
+        backend=backend.name,
         forward_flops=L * fwd,
         backward_flops=L * 2 * fwd,  # dV = P^T dO, dP = dO V^T, dQ = dS K, dK = dS^T Q
         attention_weights_bytes=L * n2,
-        working_set_bytes=_ref.working_set_bytes(spec),
+        working_set_bytes=backend.working_set_bytes(spec),
         bytes_moved=L * (shape.io_bytes() + 4 * n2),  # write S, read S / write P, read P
         saved_for_backward_bytes=L * (n2 + shape.io_bytes()),  # P, q, k, v
         notes="materialises scores and probabilities",
     )
 
 
-@register_cost("sdpa")
-def sdpa_cost(shape: AttentionShape, block_q: int = 64) -> AttentionCost:
+def sdpa_cost(shape: AttentionShape, backend: CostedBackend, block_q: int = 64) -> AttentionCost:
+    """The ``sdpa`` backend: torch's flash kernel, or its math path where ``backend.materializes`` the map."""
     L = shape.layers
     spec = shape.spec()
     fwd = _matmul_flops(shape, shape.visible_pairs())
@@ -46,14 +47,14 @@ def sdpa_cost(shape: AttentionShape, block_q: int = 64) -> AttentionCost:
     n_qblocks = -(-shape.q_len // block_q)
     moved = shape.io_bytes() + (n_qblocks - 1) * kv_bytes  # K and V re-read once per query block
     lse = shape.batch * shape.heads * shape.q_len * 4
-    mat = _sdpa.materializes(spec)
+    mat = backend.materializes(spec)
     n2 = shape.batch * shape.heads * shape.q_len * shape.kv_len * s
     return AttentionCost(
-        backend="sdpa",
+        backend=backend.name,
         forward_flops=L * fwd,
         backward_flops=L * (fwd * 5 // 2),  # recomputes QK^T tile by tile: 2.5x forward
         attention_weights_bytes=L * n2 if mat else 0,
-        working_set_bytes=_sdpa.working_set_bytes(spec),
+        working_set_bytes=backend.working_set_bytes(spec),
         bytes_moved=L * (moved + (4 * n2 if mat else 0)),
         saved_for_backward_bytes=L * (shape.io_bytes() + lse + (n2 if mat else 0)),
         notes="torch math path (materialises) because of dropout" if mat else "fused flash kernel",

@@ -19,22 +19,24 @@ features, chunk states, C x C blocks; no attention map is ever materialised.
     >>> dense = costs.estimate(shape, "sdpa").forward_flops
     >>> round(dense / c.forward_flops)                        # 4 n^2 d vs 4 n d (d + 1)
     252
-    >>> favor = linear_cost(shape, feature_map="favor", num_features=256)
+    >>> favor = linear_cost(shape, feature_map="favor", num_features=256)    # any configuration
     >>> favor.forward_flops > 4 * c.forward_flops
     True
 """
 
 from __future__ import annotations
 
-from headlab.attention.backends import linear as _lin
-from headlab.costs.model import AttentionCost, AttentionShape, register_cost
+from headlab.costs.model import AttentionCost, AttentionShape, CostedBackend, registered
 
 __all__ = ["linear_cost", "linear_cost_for", "linear_flops"]
 
 
 def linear_flops(shape: AttentionShape, num_features: int, *, favor: bool = False,
-                 chunk_size: int = _lin.DEFAULT_CHUNK) -> int:
-    """Forward matmul FLOPs of one layer with ``num_features`` features per position."""
+                 chunk_size: int | None = None) -> int:
+    """Forward matmul FLOPs of one layer with ``num_features`` features per position (``chunk_size``:
+    the causal chunk C, by default the registered ``linear`` backend's)."""
+    if chunk_size is None:
+        chunk_size = registered("linear").config.chunk_size  # type: ignore[attr-defined]
     B, H, Hk, Lq, Lk, d = shape.batch, shape.heads, shape.kv_heads, shape.q_len, shape.kv_len, shape.head_dim
     Fn, E = num_features, shape.v_dim + 1
     flops = 2 * B * (H * Lq + Hk * Lk) * d * Fn if favor else 0
@@ -50,15 +52,24 @@ def linear_flops(shape: AttentionShape, num_features: int, *, favor: bool = Fals
 
 
 def linear_cost(shape: AttentionShape, *, feature_map: str = "elu", num_features: int | None = None,
-                chunk_size: int = _lin.DEFAULT_CHUNK) -> AttentionCost:
-    """Cost of ``shape`` on a linear backend configured like ``LinearBackend(feature_map, ...)``."""
-    cfg = _lin.LinearConfig(feature_map, num_features, 0, chunk_size)  # type: ignore[arg-type]
+                chunk_size: int | None = None) -> AttentionCost:
+    """Cost of ``shape`` on a linear backend configured like ``LinearBackend(feature_map, ...)``
+    (an instance of the registered ``linear`` backend's class, so the configuration is validated as there)."""
+    options = {"num_features": num_features} | ({} if chunk_size is None else {"chunk_size": chunk_size})
+    return linear_cost_for(shape, type(registered("linear"))(feature_map, **options))  # type: ignore[call-arg]
+
+
+def linear_cost_for(shape: AttentionShape, backend: CostedBackend) -> AttentionCost:
+    """Cost of ``shape`` on a configured instance (``from_string("favor:256")`` ...): reads its ``config``
+    (feature map, features, chunk) and its memory formula. The formula the ``linear`` backend registers."""
+    cfg = backend.config  # type: ignore[attr-defined]
+    chunk_size = cfg.chunk_size
     favor = cfg.feature_map == "favor"
     Fn = cfg.features(shape.head_dim)
     L = shape.layers
     spec = shape.spec()
     fwd = linear_flops(shape, Fn, favor=favor, chunk_size=chunk_size)
-    ws = _lin.working_set_bytes(spec, cfg.num_features if favor else None, chunk_size)
+    ws = backend.working_set_bytes(spec)
     s = max(shape.itemsize, 4)  # features and sums run in float32 at least
     B, H, Hk, Lq, Lk = shape.batch, shape.heads, shape.kv_heads, shape.q_len, shape.kv_len
     feat_bytes = B * (H * Lq + Hk * Lk) * Fn * s
@@ -71,7 +82,7 @@ def linear_cost(shape: AttentionShape, *, feature_map: str = "elu", num_features
     else:
         state_bytes, block_bytes = B * Hk * Fn * E * s, 0
     return AttentionCost(
-        backend="linear",
+        backend=backend.name,
         forward_flops=L * fwd,
         backward_flops=L * 2 * fwd,
         attention_weights_bytes=0,
@@ -81,16 +92,3 @@ def linear_cost(shape: AttentionShape, *, feature_map: str = "elu", num_features
         saved_for_backward_bytes=L * (shape.io_bytes() + feat_bytes + state_bytes + block_bytes),
         notes=f"{cfg.label()}: {Fn} features per position; approximate (not softmax)",
     )
-
-
-def linear_cost_for(shape: AttentionShape, backend: _lin.LinearBackend) -> AttentionCost:
-    """Cost of ``shape`` on a configured instance (``from_string("favor:256")`` ...)."""
-    cfg = backend.config
-    return linear_cost(shape, feature_map=cfg.feature_map, num_features=cfg.num_features,
-                       chunk_size=cfg.chunk_size)
-
-
-@register_cost("linear")
-def _registered_linear_cost(shape: AttentionShape, backend: _lin.LinearBackend | None = None) -> AttentionCost:
-    """The registered ``"linear"`` backend (elu + 1, head_dim features), or a configured instance."""
-    return linear_cost(shape) if backend is None else linear_cost_for(shape, backend)

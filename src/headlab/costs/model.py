@@ -1,16 +1,17 @@
-"""The cost model's vocabulary: a shape, a cost, hardware, and the formula registry."""
+"""The cost model's vocabulary: a shape, a cost, hardware, and the table of formulas the backends register."""
 
 from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from typing import Protocol
 
 import torch
 
 from headlab.attention.masks import MaskFn
 from headlab.attention.spec import AttentionSpec, function_mask_shape
-from headlab.errors import ConfigError, CostModelError
+from headlab.errors import ConfigError, CostModelError, UnknownBackendError
 
 _DTYPES = {
     "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
@@ -131,48 +132,79 @@ class Hardware:
         return max(flops / self.peak_flops, moved / self.bandwidth)
 
 
-CostFormula = Callable[[AttentionShape], AttentionCost]
+CostFormula = Callable[..., AttentionCost]  # formula(shape, backend) -> AttentionCost
+
+
+class CostedBackend(Protocol):
+    """What a formula may ask of the backend it costs (:class:`headlab.attention.backends.Backend`):
+    its name, its configuration (tile sizes, feature map: attributes a formula documents), and its
+    memory formula."""
+
+    name: str
+
+    def working_set_bytes(self, spec: AttentionSpec) -> int: ...
+
+    def materializes(self, spec: AttentionSpec) -> bool: ...
+
+
+# Filled by the backend registry: ``register`` in headlab.attention.backends gives every backend's formula
+# and its registered instance, so costs never imports a backend.
 _FORMULAS: dict[str, CostFormula] = {}
+_BACKENDS: dict[str, CostedBackend] = {}
 
 
-def register_cost(backend: str) -> Callable[[CostFormula], CostFormula]:
-    """Decorator: ``@register_cost("tiled") def tiled_cost(shape) -> AttentionCost``."""
+def register_cost(backend: str, *, instance: CostedBackend | None = None) -> Callable[[CostFormula], CostFormula]:
+    """Decorator: ``@register_cost("mine") def mine_cost(shape, backend) -> AttentionCost``.
+
+    A backend class declares its formula (``cost = staticmethod(mine_cost)``) and the backend registry
+    calls this with the registered ``instance``; the formula then receives that instance (or a
+    configured one passed to :func:`estimate`) as ``backend``. A formula of ``shape`` alone works too.
+    """
 
     def deco(fn: CostFormula) -> CostFormula:
         _FORMULAS[backend] = fn
+        if instance is not None:
+            _BACKENDS[backend] = instance
         return fn
 
     return deco
 
 
-def estimate(shape: AttentionShape, backend: str) -> AttentionCost:
+def registered(name: str) -> CostedBackend:
+    """The instance registered as backend ``name`` (what a formula's defaults, such as tile sizes, read)."""
+    try:
+        return _BACKENDS[name]
+    except KeyError:
+        raise UnknownBackendError(f"unknown backend {name!r}; known backends: {', '.join(['auto', *_BACKENDS])}") from None
+
+
+def estimate(shape: AttentionShape, backend: str | CostedBackend) -> AttentionCost:
     """Predicted cost of ``shape`` on ``backend``.
 
-    ``backend`` is a registered name or a configured backend object (``linear.from_string("favor:256")``);
-    formulas that take a ``backend`` argument then see the instance's configuration.
+    ``backend`` is a registered name or a configured backend object (``linear.from_string("favor:256")``,
+    ``TiledBackend(block_q=64, block_k=64)``): the formula its class declares then sees that instance.
     Raises :class:`~headlab.errors.CostModelError` for a backend without a formula (never zero).
     """
-    from headlab.attention import backends as _b
-
-    name = backend if isinstance(backend, str) else backend.name
-    if name not in _FORMULAS:
-        if name not in _b.names():
-            _b.get(name)  # raises UnknownBackendError listing the known ones
+    if isinstance(backend, str):
+        name, instance = backend, _BACKENDS.get(backend)
+        formula = _FORMULAS.get(name)
+    else:
+        name, instance = backend.name, backend
+        formula = getattr(type(backend), "cost", None) or _FORMULAS.get(name)
+    if formula is None:
+        if instance is None:
+            registered(name)  # raises UnknownBackendError listing the known ones
         raise CostModelError(f"backend {name!r} has no cost formula; known formulas: {', '.join(_FORMULAS)}")
-    formula = _FORMULAS[name]
-    if not isinstance(backend, str) and "backend" in inspect.signature(formula).parameters:
-        return formula(shape, backend=backend)
+    params = inspect.signature(formula).parameters
+    if "backend" in params:
+        return formula(shape, backend=instance)
     return formula(shape)
 
 
 def estimate_all(shape: AttentionShape) -> dict[str, AttentionCost]:
-    """Costs for every registered backend (each must have a formula)."""
-    from headlab.attention import backends as _b
-
-    return {name: estimate(shape, name) for name in _b.names()}
+    """Costs for every registered backend (each has a formula: the registry refuses one without)."""
+    return {name: estimate(shape, name) for name in _BACKENDS}
 
 
 def formulas() -> list[str]:
     return list(_FORMULAS)
-
-

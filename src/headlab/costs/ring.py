@@ -1,5 +1,9 @@
 """Cost of ring attention (:func:`headlab.distributed.ring_attention`) on R ranks: :func:`ring_cost`.
 
+This module also holds the ring's pure arithmetic that the kernel (:mod:`headlab.distributed`) and
+this formula both read: how a sequence is cut across ranks (:func:`chunks`), into how many pieces a
+trip carries (:func:`split_of`), and how many kv heads travel together (:func:`kv_heads_per_trip`).
+
 Per layer, each rank holds ``n / R`` positions of q, k, v and the output. In each of R steps it
 computes its queries against one K/V block while the next block travels (sent to ``rank + 1``); the
 backward pass sends the K/V blocks round once more and the dK/dV accumulators R times (the last
@@ -16,15 +20,65 @@ for the compute rate and a link bandwidth in bytes per second.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import Literal
 
 import torch
 
 from headlab.costs.model import AttentionShape, Hardware
-from headlab.distributed.layout import kv_heads_per_trip
-from headlab.distributed.ring import split_of
-from headlab.errors import ConfigError
+from headlab.errors import ConfigError, ShapeError
+
+__all__ = ["LAYOUTS", "MIN_BLOCK_BYTES", "SPLIT", "TILE", "Layout", "RingCost", "check_layout", "chunks",
+           "kv_heads_per_trip", "ring_cost", "split_of"]
 
 TILE = 512  # query x key tile of the ring kernels (headlab.distributed.kernels.TILE)
+
+# -- how the ring cuts the sequence (headlab.distributed.layout and .ring import these) ------------------------
+Layout = Literal["contiguous", "zigzag"]
+LAYOUTS = ("contiguous", "zigzag")
+SPLIT = 2  # pieces per chunk of the layout: a trip carries piece t of every chunk (half a shard)
+MIN_BLOCK_BYTES = 1 << 20  # kv heads travel together until one K block reaches this (see kv_heads_per_trip)
+
+
+def check_layout(layout: str) -> str:
+    if layout not in LAYOUTS:
+        raise ConfigError(f"layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
+    return layout
+
+
+def chunks(n: int, *, rank: int, world_size: int, layout: Layout = "contiguous") -> list[tuple[int, int]]:
+    """The ``(global start, length)`` pieces of a length-``n`` sequence that ``rank`` holds, in order
+    (the layouts are drawn in :mod:`headlab.distributed.layout`).
+
+    >>> chunks(8, rank=0, world_size=2, layout="zigzag")
+    [(0, 2), (6, 2)]
+    """
+    check_layout(layout)
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ConfigError(f"rank {rank} is not in 0..{world_size - 1} (world size {world_size})")
+    parts = world_size if layout == "contiguous" else 2 * world_size
+    if n % parts:
+        raise ShapeError(f"a sequence of {n} positions does not split into {parts} equal chunks "
+                         f"({layout} layout on {world_size} ranks); pad it to a multiple of {parts}")
+    c = n // parts
+    if layout == "contiguous":
+        return [(rank * c, c)]
+    return [(rank * c, c), ((2 * world_size - 1 - rank) * c, c)]
+
+
+def split_of(n: int, world_size: int, layout: str) -> int:
+    """Pieces per chunk: :data:`SPLIT` when the chunks divide evenly, else 1."""
+    cl = chunks(n, rank=0, world_size=world_size, layout=layout)[0][1]
+    return SPLIT if cl % SPLIT == 0 else 1
+
+
+def kv_heads_per_trip(batch: int, kv_heads: int, block_len: int, head_dim: int, itemsize: int) -> int:
+    """How many kv heads go round the ring together (:func:`headlab.distributed.ring.trips`): as few as keep
+    one K block of ``block_len`` positions at ``MIN_BLOCK_BYTES`` or more, so one on long shards."""
+    per_head = max(1, batch * block_len * head_dim * itemsize)
+    return min(kv_heads, max(1, -(-MIN_BLOCK_BYTES // per_head)))
+
+
+# -- the cost ----------------------------------------------------------------------------------------------------
 def _tile_itemsize(dtype: torch.dtype) -> int:
     return 8 if dtype == torch.float64 else 4  # tiles in float32 (float64 for float64 inputs)
 

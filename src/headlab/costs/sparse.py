@@ -9,8 +9,9 @@ The kernel computes every non-empty ``BLOCK_Q x BLOCK_K`` tile of the mask's blo
 
 which is what :class:`torch.utils.flop_counter.FlopCounterMode` counts on the kernel (tested).
 The shape's ``mask`` field holds the mask function; ``causal`` is ANDed with it as the backend
-does. Without either, the backend refuses the call; the figures are then those of visiting every
-tile (the ``full`` pattern).
+does. Without either, every tile is visited (the ``full`` pattern; the backend hands such a call to
+the dense tiled kernel). Tile sizes and memory come from the backend instance (``backend.block_q``,
+``backend.block_k``, ``backend.working_set_bytes``).
 
     >>> from headlab import costs, masks
     >>> shape = costs.AttentionShape(heads=8, q_len=16384, head_dim=64, mask=masks.sliding_window(256))
@@ -22,24 +23,29 @@ tile (the ``full`` pattern).
 
 from __future__ import annotations
 
-from headlab.attention.backends import sparse as _sparse
-from headlab.costs import visits
-from headlab.costs.model import AttentionCost, AttentionShape, register_cost
+from headlab.costs.model import AttentionCost, AttentionShape, CostedBackend, registered
+from headlab.costs.tiles import visited
 from headlab.units import human_bytes
 
-
-def visited_tiles(shape: AttentionShape) -> int:
-    """Tiles the sparse kernel computes for one layer, summed over batch and query heads
-    (counted in closed form for the built-in patterns: see :mod:`headlab.costs.visits`)."""
-    return visits.tiles(shape, _sparse.BLOCK_Q, _sparse.BLOCK_K)
+__all__ = ["sparse_cost", "visited_tiles"]
 
 
-@register_cost("sparse")
-def sparse_cost(shape: AttentionShape) -> AttentionCost:
+def visited_tiles(shape: AttentionShape, block_q: int | None = None, block_k: int | None = None) -> int:
+    """Tiles the sparse kernel computes for one layer, summed over batch and query heads (counted in
+    closed form for the built-in patterns: see :mod:`headlab.costs.tiles`). Tiles default to the
+    registered ``sparse`` backend's."""
+    if block_q is None or block_k is None:
+        b = registered("sparse")
+        block_q, block_k = block_q or b.block_q, block_k or b.block_k  # type: ignore[attr-defined]
+    return visited.tiles(shape, block_q, block_k)
+
+
+def sparse_cost(shape: AttentionShape, backend: CostedBackend) -> AttentionCost:
+    """The ``sparse`` backend (``backend``: a ``SparseBackend``, whose tiles and memory formula are read)."""
     L = shape.layers
-    bq, bk = _sparse.BLOCK_Q, _sparse.BLOCK_K
+    bq, bk = backend.block_q, backend.block_k  # type: ignore[attr-defined]
     d, dv, s = shape.head_dim, shape.v_dim, shape.itemsize
-    tiles = visited_tiles(shape)
+    tiles = visited_tiles(shape, bq, bk)
     area = tiles * bq * bk
     fwd = 2 * area * (d + dv)
     bwd = 2 * area * (3 * d + 2 * dv)
@@ -48,17 +54,17 @@ def sparse_cost(shape: AttentionShape) -> AttentionCost:
     moved = shape.io_bytes() + tiles * bk * (d + dv) * s
     lse = shape.batch * shape.heads * shape.q_len * 4
     note = f"{tiles:,} of {n_tiles:,} tiles of {bq}x{bk} visited ({tiles / max(1, n_tiles):.1%})"
-    plan = visits.plan_tiles(shape, bq, bk)  # the kernel's block map: one int8 state per tile
-    if plan > visits.MAP_BUDGET:
+    plan = visited.plan_tiles(shape, bq, bk)  # the kernel's block map: one int8 state per tile
+    if plan > visited.MAP_BUDGET:
         note += f"; the kernel's block map alone would take {human_bytes(plan)}"
     if shape.mask is None and not shape.causal:
-        note += "; backend refuses calls without a mask or causal=True (figures for the full pattern)"
+        note += "; without a mask or causal=True the backend runs the dense tiled kernel (figures for every tile)"
     return AttentionCost(
-        backend="sparse",
+        backend=backend.name,
         forward_flops=L * fwd,
         backward_flops=L * bwd,
         attention_weights_bytes=0,
-        working_set_bytes=_sparse.working_set_bytes(shape.spec()),
+        working_set_bytes=backend.working_set_bytes(shape.spec()),
         bytes_moved=L * moved,
         saved_for_backward_bytes=L * (shape.io_bytes() + lse),
         notes=note,

@@ -24,35 +24,14 @@ Two layouts, for ``n`` positions on ``W`` ranks:
 
 from __future__ import annotations
 
-from typing import Literal
-
 import torch
 
+# the layouts' arithmetic is pure: it lives with the ring's cost formula, which reads it too
+from headlab.costs.ring import LAYOUTS, MIN_BLOCK_BYTES, Layout, check_layout, chunks, kv_heads_per_trip
 from headlab.errors import ConfigError, ShapeError
 
-Layout = Literal["contiguous", "zigzag"]
-LAYOUTS = ("contiguous", "zigzag")
-
-
-def check_layout(layout: str) -> str:
-    if layout not in LAYOUTS:
-        raise ConfigError(f"layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
-    return layout
-
-
-def chunks(n: int, *, rank: int, world_size: int, layout: Layout = "contiguous") -> list[tuple[int, int]]:
-    """The ``(global start, length)`` pieces of a length-``n`` sequence that ``rank`` holds, in order."""
-    check_layout(layout)
-    if world_size < 1 or not 0 <= rank < world_size:
-        raise ConfigError(f"rank {rank} is not in 0..{world_size - 1} (world size {world_size})")
-    parts = world_size if layout == "contiguous" else 2 * world_size
-    if n % parts:
-        raise ShapeError(f"a sequence of {n} positions does not split into {parts} equal chunks "
-                         f"({layout} layout on {world_size} ranks); pad it to a multiple of {parts}")
-    c = n // parts
-    if layout == "contiguous":
-        return [(rank * c, c)]
-    return [(rank * c, c), ((2 * world_size - 1 - rank) * c, c)]
+__all__ = ["LAYOUTS", "MIN_BLOCK_BYTES", "Layout", "check_layout", "chunks", "kv_heads_per_trip", "positions", "shard",
+           "unshard"]
 
 
 def positions(n: int, *, rank: int, world_size: int, layout: Layout = "contiguous") -> torch.Tensor:
@@ -83,13 +62,3 @@ def unshard(shards: list[torch.Tensor], *, dim: int = 2, layout: Layout = "conti
             out[start // ln] = s.narrow(dim, offset, ln)
             offset += ln
     return torch.cat(out, dim=dim)
-
-
-MIN_BLOCK_BYTES = 1 << 20  # kv heads travel together until one K block reaches this (see kv_heads_per_trip)
-
-
-def kv_heads_per_trip(batch: int, kv_heads: int, block_len: int, head_dim: int, itemsize: int) -> int:
-    """How many kv heads go round the ring together (:func:`headlab.distributed.ring.trips`): as few as keep
-    one K block of ``block_len`` positions at ``MIN_BLOCK_BYTES`` or more, so one on long shards."""
-    per_head = max(1, batch * block_len * head_dim * itemsize)
-    return min(kv_heads, max(1, -(-MIN_BLOCK_BYTES // per_head)))

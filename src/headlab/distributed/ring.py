@@ -20,6 +20,7 @@ import math
 import torch
 
 from headlab.attention.core import attention
+from headlab.costs.ring import split_of
 from headlab.distributed import comm
 from headlab.distributed.kernels import (native_pair_backward, native_pair_update, native_takes, pair_backward,
                                          pair_update, relation, tile_dtype)
@@ -38,15 +39,6 @@ def finish_state(m, l, acc):
     lse = torch.where(seen, m.double() + torch.log(l_safe), torch.full_like(l, -math.inf))
     out = acc.mul_(inv_l.to(acc.dtype).unsqueeze(-1))
     return out, lse, inv_l.to(acc.dtype)
-
-
-SPLIT = 2  # pieces per chunk of the layout: a trip carries piece t of every chunk (half a shard)
-
-
-def split_of(n: int, world_size: int, layout: str) -> int:
-    """Pieces per chunk: :data:`SPLIT` when the chunks divide evenly, else 1."""
-    cl = chunks(n, rank=0, world_size=world_size, layout=layout)[0][1]
-    return SPLIT if cl % SPLIT == 0 else 1
 
 
 def pieces(n: int, rank: int, world_size: int, layout: str, split: int) -> list[list[tuple[int, int, int]]]:

@@ -43,6 +43,7 @@ from torch import nn
 
 from headlab.attention import backends as _backends
 from headlab.attention.core import attention_with_weights
+from headlab.attention.spec import validate
 from headlab.errors import ShapeError, SiteError
 
 SITE_KINDS = ("q", "k", "v", "pattern", "z", "head_out", "stats")
@@ -140,8 +141,17 @@ def _pattern_times_v(p: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     return out.reshape(B, H, Lq, v.shape[-1])
 
 
-# Backends that compute exact attention: a layer capturing statistics may take its output from them.
-_EXACT = ("auto", "sdpa", "reference", "tiled")
+def _stats_may_serve(backend, q, k, v, mask, causal: bool, extra: dict) -> bool:
+    """Whether the statistics' exact pass may stand in for this layer's attention call on ``backend``: the
+    backend computes exact attention (it says so in its capabilities) and would serve this very call, so a
+    layer that refuses without capture refuses with it too. ``"auto"`` picks an exact backend that serves it."""
+    if isinstance(backend, str) and backend == "auto":
+        return True
+    chosen = _backends.get(backend)
+    if not chosen.capabilities.exact:
+        return False
+    spec, _ = validate(q, k, v, mask=mask, causal=causal, score_mod=extra.get("score_mod"))
+    return chosen.supports(spec)[0]
 
 
 def run_attention(
@@ -189,8 +199,8 @@ def run_attention(
         if probe is not None and probe.wants(state.layer, "stats"):
             # the statistics' own pass gives the exact output too: no second attention call, unless
             # the layer needs weights, dropout, gradients, or a backend that is not exact attention
-            reuse = (not need_weights and dropout_p == 0 and not probe.grads and backend in _EXACT
-                     and not torch.is_grad_enabled())
+            reuse = (not need_weights and dropout_p == 0 and not probe.grads and not torch.is_grad_enabled()
+                     and _stats_may_serve(backend, q, k, v, mask, causal, extra))
             st = probe.record_stats(state.layer, q, k, v if reuse else None, mask=mask, causal=causal, scale=scale,
                                     **extra)
             if reuse:

@@ -1,8 +1,12 @@
 """The backend interface and registry.
 
 A backend is one way of computing attention. Each declares what it supports as data
-(:class:`Capabilities`) and answers ``supports(spec) -> (ok, reason)`` for a concrete call;
-``backend="auto"`` picks the preferred exact backend that supports the call.
+(:class:`Capabilities`, exactness included) and answers ``supports(spec) -> (ok, reason)`` for a
+concrete call; ``backend="auto"`` picks the preferred exact backend that supports the call. Each also
+declares its cost formula (``cost``, from :mod:`headlab.costs`) and its memory formula
+(:meth:`Backend.working_set_bytes`): :func:`register` refuses a class without a formula and hands it
+to the cost model, so ``headlab.costs.estimate(shape, name)`` asks the backend, never a list of names.
+Everything else that needs to know about a backend asks it too: ``get(name).capabilities.exact``.
 """
 
 from __future__ import annotations
@@ -14,7 +18,8 @@ import torch
 
 from headlab.attention.masks import MaskFn
 from headlab.attention.spec import AttentionSpec
-from headlab.errors import BackendUnsupportedError, MemoryBudgetError, UnknownBackendError
+from headlab.costs.model import CostFormula, register_cost
+from headlab.errors import BackendUnsupportedError, CostModelError, MemoryBudgetError, UnknownBackendError
 
 ALL_FLOATS = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
 
@@ -58,12 +63,15 @@ class Capabilities:
 
 
 class Backend:
-    """Base class. Subclasses set ``name``, ``summary``, ``capabilities`` and ``priority`` and
-    implement :meth:`forward`."""
+    """Base class. Subclasses set ``name``, ``summary``, ``capabilities``, ``priority`` and ``cost``
+    and implement :meth:`forward` and :meth:`working_set_bytes`."""
 
     name: ClassVar[str]
     summary: ClassVar[str]
     capabilities: ClassVar[Capabilities]
+    # the cost formula, formula(shape, backend) -> headlab.costs.AttentionCost, e.g.
+    # `cost = staticmethod(costs.tiled.tiled_cost)`; it reads this instance's configuration and memory formula
+    cost: ClassVar[CostFormula]
     # auto picks the exact backend with the lowest priority that supports the call
     priority: ClassVar[int] = 100
     # suggested when this backend refuses a call
@@ -111,6 +119,14 @@ class Backend:
         no key) when ``spec.need_lse`` (a backend may return it always)."""
         raise NotImplementedError
 
+    def working_set_bytes(self, spec: AttentionSpec) -> int:
+        """Peak extra bytes of one call described by ``spec`` (the memory guard and the cost formula read it)."""
+        raise NotImplementedError(f"backend {self.name!r} has no memory formula")
+
+    def materializes(self, spec: AttentionSpec) -> bool:
+        """Whether this call holds the ``(B, H, Lq, Lk)`` map (default: the capability; sdpa decides per call)."""
+        return self.capabilities.materializes
+
     def check_memory(self, spec: AttentionSpec) -> None:
         """Refuse before allocating when the call cannot fit (materialising backends override)."""
 
@@ -122,8 +138,18 @@ _REGISTRY: dict[str, Backend] = {}
 
 
 def register(backend_cls: type[Backend]) -> type[Backend]:
-    """Class decorator: add a backend to the registry under ``backend_cls.name``."""
-    _REGISTRY[backend_cls.name] = backend_cls()
+    """Class decorator: add a backend to the registry under ``backend_cls.name``, and its cost formula
+    (``backend_cls.cost``) to the cost model's table. A class without a formula is refused."""
+    formula = getattr(backend_cls, "cost", None)
+    if not callable(formula):
+        raise CostModelError(
+            f"backend class {backend_cls.__name__} ({getattr(backend_cls, 'name', '?')!r}) declares no cost formula; "
+            "set `cost = staticmethod(my_cost)` with my_cost(shape, backend) -> headlab.costs.AttentionCost "
+            "(see headlab.costs.dense for the smallest ones) before registering it"
+        )
+    instance = backend_cls()
+    register_cost(backend_cls.name, instance=instance)(formula)
+    _REGISTRY[backend_cls.name] = instance
     return backend_cls
 
 

@@ -22,6 +22,7 @@ from headlab.attention.backends.base import Backend, Capabilities, get, names, r
 from headlab.attention.guard import check_fits
 from headlab.attention.spec import AttentionSpec, dense_mask, mask_numel, materialized_bytes
 from headlab.attention.visibility import additive_bias, is_additive
+from headlab.costs.dense import reference_cost
 
 
 def working_set_bytes(spec: AttentionSpec) -> int:
@@ -46,6 +47,10 @@ class ReferenceBackend(Backend):
     capabilities = Capabilities(returns_weights=True, materializes=True, score_mod=True)
     priority = 1000
     alternative = "sdpa"
+    cost = staticmethod(reference_cost)
+
+    def working_set_bytes(self, spec: AttentionSpec) -> int:
+        return working_set_bytes(spec)
 
     def check_memory(self, spec: AttentionSpec) -> None:
         check_fits(working_set_bytes(spec), what=f"backend 'reference' at {spec.q_len}x{spec.kv_len} "

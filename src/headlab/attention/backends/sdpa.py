@@ -23,6 +23,7 @@ from headlab.attention.guard import check_fits
 from headlab.attention.masks import MaskFn
 from headlab.attention.spec import AttentionSpec, dense_mask, mask_numel, materialized_bytes
 from headlab.attention.visibility import additive_bias, is_additive
+from headlab.costs.dense import sdpa_cost
 
 
 def materializes(spec: AttentionSpec) -> bool:
@@ -58,6 +59,13 @@ class SdpaBackend(Backend):
     capabilities = Capabilities(returns_weights=False, materializes=False)
     priority = 0
     alternative = "reference"
+    cost = staticmethod(sdpa_cost)
+
+    def working_set_bytes(self, spec: AttentionSpec) -> int:
+        return working_set_bytes(spec)
+
+    def materializes(self, spec: AttentionSpec) -> bool:
+        return materializes(spec)
 
     def supports(self, spec: AttentionSpec) -> tuple[bool, str]:
         if spec.need_lse and spec.dropout_p > 0:

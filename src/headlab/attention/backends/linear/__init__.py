@@ -71,6 +71,7 @@ from headlab.attention.backends.linear.compute import _causal, _exp_minus, _key_
 from headlab.attention.backends.linear.config import (DEFAULT_CHUNK, DEFAULT_FAVOR_FEATURES, FEATURE_MAP_ALIASES,
                                                       LinearConfig, LinearState, _compute_dtype, _mix_seed,
                                                       working_set_bytes)
+from headlab.costs.linear import linear_cost_for
 from headlab.errors import BackendUnsupportedError, ConfigError, ShapeError
 
 __all__ = ["DEFAULT_CHUNK", "DEFAULT_FAVOR_FEATURES", "FEATURE_MAP_ALIASES", "LinearBackend", "LinearConfig",
@@ -98,6 +99,7 @@ class LinearBackend(Backend):
                                 additive_mask=False, returns_lse=False)
     priority = 900
     alternative = "sdpa"
+    cost = staticmethod(linear_cost_for)  # reads config and working_set_bytes of the (configured) instance
 
     def __init__(self, feature_map: str = "elu", *, num_features: int | None = None, seed: int = 0,
                  chunk_size: int = DEFAULT_CHUNK, redraw_every: int = 0) -> None:
@@ -174,9 +176,12 @@ class LinearBackend(Backend):
             )
         return True, ""
 
-    def check_memory(self, spec: AttentionSpec) -> None:
+    def working_set_bytes(self, spec: AttentionSpec) -> int:
         fm = self.config.num_features if self.config.feature_map == "favor" else None
-        check_fits(working_set_bytes(spec, fm, self.config.chunk_size),
+        return working_set_bytes(spec, fm, self.config.chunk_size)
+
+    def check_memory(self, spec: AttentionSpec) -> None:
+        check_fits(self.working_set_bytes(spec),
                    what=f"backend 'linear' at {spec.q_len}x{spec.kv_len}", device=spec.device,
                    alternative=None)
 

@@ -55,6 +55,7 @@ from headlab.attention.backends.sparse.tiles import CHUNK_ELEMENTS
 from headlab.attention.guard import check_fits
 from headlab.attention.masks import MaskFn
 from headlab.attention.spec import AttentionSpec, check_scale, validate
+from headlab.costs.sparse import sparse_cost
 from headlab.errors import BackendUnsupportedError
 
 
@@ -111,6 +112,11 @@ class SparseBackend(Backend):
                                 exact=True, materializes=False, score_mod=True)
     priority = 50  # exact, but auto prefers sdpa for dense calls: ask for it by name
     alternative = "sdpa"
+    cost = staticmethod(sparse_cost)  # reads block_q, block_k and working_set_bytes
+    block_q, block_k = BLOCK_Q, BLOCK_K  # the tiles of the kernel's block map
+
+    def working_set_bytes(self, spec: AttentionSpec) -> int:
+        return working_set_bytes(spec)
 
     def supports(self, spec: AttentionSpec) -> tuple[bool, str]:
         if spec.mask_kind == "additive":

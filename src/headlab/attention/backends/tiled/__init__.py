@@ -59,6 +59,7 @@ from headlab.attention.backends.tiled.plan import BLOCK_K, BLOCK_Q, check_blocks
 from headlab.attention.backends.tiled.textbook import flash_attention_textbook
 from headlab.attention.guard import check_fits
 from headlab.attention.spec import AttentionSpec, check_scale, validate
+from headlab.costs.tiled import tiled_cost
 
 __all__ = ["BLOCK_K", "BLOCK_Q", "TiledBackend", "flash_attention_textbook", "tile_states", "tiled_attention",
            "working_set_bytes"]
@@ -131,12 +132,16 @@ class TiledBackend(Backend):
                                 returns_lse=True)
     priority = 10  # auto prefers torch's fused kernel whenever it serves the call
     alternative = "sdpa"
+    cost = staticmethod(tiled_cost)  # reads block_q, block_k and working_set_bytes of the instance
 
     def __init__(self, block_q: int = BLOCK_Q, block_k: int = BLOCK_K) -> None:
         """The registry holds one with the default tile; build another for other tile shapes,
         e.g. ``headlab.attention(q, k, v, backend=TiledBackend(64, 128))``."""
         check_blocks(block_q, block_k)
         self.block_q, self.block_k = block_q, block_k
+
+    def working_set_bytes(self, spec: AttentionSpec) -> int:
+        return working_set_bytes(spec, self.block_q, self.block_k)
 
     def check_memory(self, spec: AttentionSpec) -> None:
         check_fits(working_set_bytes(spec, self.block_q, self.block_k), what=f"backend 'tiled' at {spec.q_len}x{spec.kv_len}",

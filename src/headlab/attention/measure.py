@@ -1,5 +1,6 @@
 """Measured cost: wall time and peak memory of running attention, for the CLI, the benchmarks and
-the checks of the cost model against reality.
+the checks of the cost model against reality. (It runs the engines, so it sits beside them, not in
+:mod:`headlab.costs`, which imports none; ``headlab.costs.measure`` still names this module.)
 
 * :func:`time_call` - median seconds of a call, after warm-up.
 * :func:`peak_memory_growth` - peak extra resident bytes of a call, measured in a fresh process
@@ -8,7 +9,7 @@ the checks of the cost model against reality.
 * :func:`bench_attention` - both, for attention backends over sequence lengths, with the ratio
   to torch's ``scaled_dot_product_attention`` timed in the same run, interleaved.
 
-    >>> from headlab.costs.measure import time_call
+    >>> from headlab.attention.measure import time_call
     >>> time_call(lambda: sum(range(100)), repeats=3, warmup=1) < 1.0
     True
 """
@@ -28,6 +29,7 @@ from typing import Any
 
 import torch
 
+from headlab.costs.model import parse_dtype
 from headlab.errors import BackendUnsupportedError, ConfigError, HeadlabError, MemoryBudgetError
 
 __all__ = ["bench_attention", "check_counts", "peak_memory_growth", "rss_bytes", "time_call"]
@@ -131,7 +133,7 @@ def _context():
     methods = multiprocessing.get_all_start_methods()
     if "forkserver" in methods:
         ctx = multiprocessing.get_context("forkserver")
-        ctx.set_forkserver_preload(["torch", "headlab.costs.measure"])
+        ctx.set_forkserver_preload(["torch", "headlab.attention.measure"])
         return ctx
     return multiprocessing.get_context("spawn")
 
@@ -284,8 +286,6 @@ def bench_attention(
         ratio_to_sdpa, sdpa_median_s, peak_extra_bytes, causal, backward, dtype, batch, heads,
         head_dim, pattern``.
     """
-    from headlab.costs.model import parse_dtype
-
     dtype = parse_dtype(dtype)
     check_counts(repeats=repeats, warmup=warmup, batch=batch, heads=heads, head_dim=head_dim)
     if not seq_lens:

@@ -10,7 +10,7 @@
 * and, outside that interval, every key tile holding a summary key. Whether a tile of ``wid`` keys
   from ``ks`` holds one repeats every ``s`` keys: ``floor((ks + wid - 1 + c) / s) > floor(ks / s)``.
 
-:class:`Fixed` gives :mod:`headlab.costs.tilecount` these sets when each key tile holds a summary
+:class:`Fixed` gives :mod:`headlab.costs.tiles.interval_count` these sets when each key tile holds a summary
 key (tiles at least ``s`` wide). For narrower tiles :func:`count_fixed` counts the pattern alone (or
 ANDed with ``causal``, the form a causal call takes): a block row's count is a few integer
 operations once the summary tiles of one period of ``s`` keys are tabled, and it grows by the same
@@ -25,9 +25,9 @@ from math import gcd, lcm
 
 import numpy as np
 
-from headlab.costs.combine import CAUSAL, And
-from headlab.costs.offsets import Node, _band_sets
-from headlab.costs.tilecount import Grid, Row, Unsupported
+from headlab.costs.tiles.grid import Grid, Row, Unsupported
+from headlab.costs.tiles.logic_nodes import CAUSAL, And
+from headlab.costs.tiles.offset_nodes import Node, _band_sets
 
 __all__ = ["Fixed", "count_fixed"]
 

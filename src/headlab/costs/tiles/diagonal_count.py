@@ -1,7 +1,7 @@
 """Counting visited tiles along diagonals: offset patterns of any stride or dilation, with global
 tokens, documents, padding and small block layouts.
 
-:mod:`headlab.costs.tilecount` needs the key tiles of a block row to be a few intervals. A stride
+:mod:`headlab.costs.tiles.interval_count` needs the key tiles of a block row to be a few intervals. A stride
 or dilation wider than a tile breaks that: tile ``(I, J)`` is visited when its offsets
 ``R(t) = [t - (wid - 1), t + (hgt - 1)]``, ``t = I bq - J bk``, hold a multiple of the stride, which
 repeats along the row. This module counts by ``t`` instead:
@@ -9,14 +9,14 @@ repeats along the row. This module counts by ``t`` instead:
 1. The state of a tile under a tree of offset patterns depends on ``t`` alone (``&``, ``|``, ``~``
    combine per-tile states). Between a handful of *breakpoints* (where ``R(t)`` meets the end of a
    band) it is a fixed function of the bits "``R(t)`` holds a multiple of ``s``", one per stride or
-   dilation ``s`` wider than the tile: :func:`headlab.costs.offsets.leaf_state` with those bits left
+   dilation ``s`` wider than the tile: :func:`headlab.costs.tiles.offset_nodes.leaf_state` with those bits left
    open.
 2. Tiles sharing a ``t`` lie on a diagonal. With ``L = lcm(bq, bk)``, rows ``I = P m + r``
    (``P = L / bq``) and columns ``J = D n + e`` (``D = L / bk``) give ``t = (m - n) L + c``: along
    ``w = m - n`` the number of tiles ``N(w)`` of a rectangle of tiles is piecewise linear.
 3. So the count is a sum over ``w`` of ``N(w) * [visited]``: an arithmetic series where the state
    is fixed, and, where it hangs on one bit, a difference of two floor sums
-   (``floor((t + hgt - 1) / s) - floor((t - wid) / s)`` is that bit), :mod:`headlab.costs.floorsum`.
+   (``floor((t + hgt - 1) / s) - floor((t - wid) / s)`` is that bit), :mod:`headlab.costs.tiles.floor_sums`.
    Several bits on one stretch are enumerated over their common period (refused above 2^16).
    Short stretches (a few diagonals, e.g. where the causal cut makes a tile's area vary) are
    summed diagonal by diagonal.
@@ -31,8 +31,8 @@ from __future__ import annotations
 from math import gcd, lcm
 
 from headlab.attention.states import EMPTY
-from headlab.costs.floorsum import floor_sums
-from headlab.costs.tilecount import Grid, Unsupported, rectangles
+from headlab.costs.tiles.floor_sums import floor_sums
+from headlab.costs.tiles.grid import Grid, Unsupported, rectangles
 
 __all__ = ["count_diagonal"]
 
@@ -170,7 +170,7 @@ def _spans(cuts, lo: int, hi: int) -> list[tuple[int, int]]:
 def count_diagonal(grid: Grid, tree, *, causal_cut: bool = False) -> tuple[int, int]:
     """``(visited tiles, score entries inside them)`` of a tree of offset patterns, global tokens,
     documents, padding and small layouts, per slice (see the module docstring); ``causal_cut`` as in
-    :func:`headlab.costs.tilecount.count_tiles`. Raises ``Unsupported`` where a node has no form here."""
+    :func:`headlab.costs.tiles.interval_count.count_tiles`. Raises ``Unsupported`` where a node has no form here."""
     g = grid
     n_qb, n_kb = g.n_qb, g.n_kb
     hq = g.q_len - (n_qb - 1) * g.block_q

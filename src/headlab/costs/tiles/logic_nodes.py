@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from headlab.attention.states import EMPTY, FULL, PARTIAL
-from headlab.costs.offsets import Node, Offset
-from headlab.costs.tilecount import Grid, Row
+from headlab.costs.tiles.grid import Grid, Row
+from headlab.costs.tiles.offset_nodes import Node, Offset
 
 __all__ = ["CAUSAL", "And", "Combine", "Not", "Or"]
 

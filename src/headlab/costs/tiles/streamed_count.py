@@ -19,11 +19,12 @@ import torch
 from headlab.attention.blocks import block_rows
 from headlab.attention.masks import causal, full
 from headlab.attention.states import EMPTY, FULL, PARTIAL
-from headlab.costs.combine import CAUSAL, And, Or
 from headlab.costs.model import AttentionShape
-from headlab.costs.offsets import Offset
-from headlab.costs.runs import Global
-from headlab.costs.tilecount import Grid, count_tiles
+from headlab.costs.tiles.grid import Grid
+from headlab.costs.tiles.interval_count import count_tiles
+from headlab.costs.tiles.logic_nodes import CAUSAL, And, Or
+from headlab.costs.tiles.offset_nodes import Offset
+from headlab.costs.tiles.run_nodes import Global
 from headlab.errors import CountTooLargeError
 
 __all__ = ["CHUNK", "STREAM_BUDGET", "pairs", "tiles", "work"]
@@ -31,6 +32,7 @@ __all__ = ["CHUNK", "STREAM_BUDGET", "pairs", "tiles", "work"]
 STREAM_BUDGET = 1 << 22  # tile states evaluated for one prediction, at most (about half a second)
 CHUNK = 1 << 18  # tile states per chunk of block rows (a few MiB of temporaries)
 _CAUSAL_MASK = causal()
+_FULL_MASK = full()
 
 
 def _leaves(mask):
@@ -117,9 +119,10 @@ def _bigbird_bounds(shape: AttentionShape, block_q: int, block_k: int) -> tuple[
 def tiles(shape: AttentionShape, block_q: int, block_k: int, why: Exception) -> int:
     """Non-empty tiles of the sparse kernel's map (``mask & causal``), summed over batch and heads."""
     _check(shape, block_q, block_k, why)
-    from headlab.attention.backends.sparse import effective_mask
-
-    mask = effective_mask(shape.mask, shape.causal) or full()
+    # the map the sparse kernel walks: the mask (every tile without one), ANDed with causal for a causal call
+    mask = _FULL_MASK if shape.mask is None else shape.mask
+    if shape.causal:
+        mask = _CAUSAL_MASK if shape.mask is None else shape.mask & _CAUSAL_MASK
     n_qb, n_kb = -(-shape.q_len // block_q), -(-shape.kv_len // block_k)
     bm = shape.batch if mask.batch_dependent else 1
     hm = shape.heads if mask.head_dependent else 1

@@ -8,7 +8,7 @@ linearly with the row: the rows where ``d`` crosses an interval are summed with 
 are the diagonal tiles the tiled kernel cuts. The work is about the layout's own size, whatever the
 length (a 1000 x 1000 layout of 10^9-position cells, 10^12 tokens: milliseconds).
 
-The tile counters of :mod:`headlab.costs.tilecount` read layouts in any composition but work per
+The tile counters of :mod:`headlab.costs.tiles.interval_count` read layouts in any composition but work per
 interval; this one reads a layout alone (one slice, or the tiled kernel's union over heads) or
 ANDed with causal, and raises ``Unsupported`` otherwise.
 """
@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from headlab.costs.combine import CAUSAL, And, Combine
-from headlab.costs.floorsum import floor_sums
-from headlab.costs.runs import Layout
-from headlab.costs.tilecount import Grid, Unsupported
+from headlab.costs.tiles.floor_sums import floor_sums
+from headlab.costs.tiles.grid import Grid, Unsupported
+from headlab.costs.tiles.logic_nodes import CAUSAL, And, Combine
+from headlab.costs.tiles.run_nodes import Layout
 
 __all__ = ["count_layout"]
 

@@ -20,10 +20,10 @@ from math import gcd
 
 import numpy as np
 
-from headlab.costs.combine import And
-from headlab.costs.offsets import Offset
-from headlab.costs.runs import Documents
-from headlab.costs.tilecount import Grid, Unsupported
+from headlab.costs.tiles.grid import Grid, Unsupported
+from headlab.costs.tiles.logic_nodes import And
+from headlab.costs.tiles.offset_nodes import Offset
+from headlab.costs.tiles.run_nodes import Documents
 
 __all__ = ["count_documents"]
 

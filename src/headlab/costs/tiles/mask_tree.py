@@ -5,14 +5,14 @@
 (``"sliding_window(256, causal)"``: the constructor and its arguments) and, where the name is
 shortened or a tensor is involved, from its public attributes (``indices``, ``lengths``, ``layout``).
 A mask it cannot read (a user function, BigBird's random blocks) raises
-:class:`~headlab.costs.tilecount.Unsupported`, and the caller streams the block map instead.
+:class:`~headlab.costs.tiles.grid.Unsupported`, and the caller streams the block map instead.
 
-The leaves live in :mod:`headlab.costs.offsets` (offset patterns), :mod:`headlab.costs.runs`
-(global tokens, documents, padding, block layouts) and :mod:`headlab.costs.fixedcount`, the
-combinations in :mod:`headlab.costs.combine`. Each node
-answers, for one tile class of one run of block rows (:class:`~headlab.costs.tilecount.Row`), the
+The leaves live in :mod:`headlab.costs.tiles.offset_nodes` (offset patterns), :mod:`headlab.costs.tiles.run_nodes`
+(global tokens, documents, padding, block layouts) and :mod:`headlab.costs.tiles.fixed_count`, the
+combinations in :mod:`headlab.costs.tiles.logic_nodes`. Each node
+answers, for one tile class of one run of block rows (:class:`~headlab.costs.tiles.grid.Row`), the
 key tiles that are non-empty and those that are full, as interval lists, exactly as the pattern's
-block classifier states them, and, for :mod:`headlab.costs.diagonals`, the state of one tile;
+block classifier states them, and, for :mod:`headlab.costs.tiles.diagonal_count`, the state of one tile;
 ``&`` / ``|`` / ``~`` combine those states as block maps do (min, max, FULL <-> EMPTY), and
 :class:`Combine` merges slices as the tiled kernel does, so the counts equal the block map's tile
 for tile.
@@ -25,11 +25,11 @@ from collections import Counter
 
 import numpy as np
 
-from headlab.costs.combine import CAUSAL, And, Combine, Not, Or
-from headlab.costs.fixedcount import Fixed
-from headlab.costs.offsets import Node, Offset
-from headlab.costs.runs import Documents, Global, KeyPrefix, Layout, runs_of
-from headlab.costs.tilecount import Unsupported
+from headlab.costs.tiles.fixed_count import Fixed
+from headlab.costs.tiles.grid import Unsupported
+from headlab.costs.tiles.logic_nodes import CAUSAL, And, Combine, Not, Or
+from headlab.costs.tiles.offset_nodes import Node, Offset
+from headlab.costs.tiles.run_nodes import Documents, Global, KeyPrefix, Layout, runs_of
 
 __all__ = ["CAUSAL", "And", "Combine", "Not", "Or", "slices", "structure"]
 

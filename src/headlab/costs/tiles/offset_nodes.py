@@ -5,10 +5,10 @@ A tile with ``hgt`` query rows and ``wid`` key columns whose first row and colum
 ``t = I bq - J bk`` sees the offsets ``R(t) = [t - (wid - 1), t + (hgt - 1)]``. Its state is decided
 by ``R(t)`` alone, so an offset pattern answers two questions:
 
-* :meth:`Offset.sets` (for :mod:`headlab.costs.tilecount`): the key tiles of one run of block rows
+* :meth:`Offset.sets` (for :mod:`headlab.costs.tiles.interval_count`): the key tiles of one run of block rows
   that are non-empty / full, as intervals whose ends move linearly with the row. That needs every
   tile to see a visible offset of each band: dilations and strides no wider than a tile.
-* :meth:`Offset.pieces` and :meth:`Offset.state_at` (for :mod:`headlab.costs.diagonals`): the
+* :meth:`Offset.pieces` and :meth:`Offset.state_at` (for :mod:`headlab.costs.tiles.diagonal_count`): the
   visible offsets as *pieces* ``(a, b, s)``, the multiples of ``s`` in ``[a, b]`` (``s = 1``: all of
   them; ``None``: unbounded), and the state of ``R(t)`` against them, where "``R(t)`` holds a
   multiple of ``s``" may be left to the caller (it repeats every ``s`` offsets): any stride or
@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from headlab.attention.states import EMPTY, FULL, PARTIAL
-from headlab.costs.tilecount import Grid, Row, Unsupported
+from headlab.costs.tiles.grid import Grid, Row, Unsupported
 
 __all__ = ["Node", "Offset", "leaf_state"]
 
@@ -105,7 +105,7 @@ class Offset(Node):
     strided: int = 0  # > 0: every multiple of this beyond the bands is visible too (strided pattern)
     kv_minus_q: bool = False  # causal_lower_right: the band is shifted by kv_len - q_len
 
-    # -- for tilecount: intervals of key tiles per run of block rows ----------------------------
+    # -- for interval_count: intervals of key tiles per run of block rows ----------------------------
     def sets(self, row: Row, need_full: bool):
         span = row.hgt + row.wid - 1  # offsets seen by one tile
         shift = row.grid.kv_len - row.grid.q_len if self.kv_minus_q else 0

@@ -1,21 +1,21 @@
 """How many tiles (and score entries) the tiled and sparse kernels visit for a shape, predicted
 without building the block map they walk.
 
-Each (batch, head) slice of the mask is read as a tree (:mod:`headlab.costs.patterns`) and counted
+Each (batch, head) slice of the mask is read as a tree (:mod:`headlab.costs.tiles.mask_tree`) and counted
 exactly by the first counter that reads it:
 
-1. :mod:`headlab.costs.layoutcount` and :mod:`headlab.costs.doccount`: a block layout, or packed
+1. :mod:`headlab.costs.tiles.layout_count` and :mod:`headlab.costs.tiles.document_count`: a block layout, or packed
    documents, alone or with causal (documents also with a sliding window), vectorised over cells or
    documents;
-2. :mod:`headlab.costs.tilecount`: the key tiles of a block row are a few intervals moving
+2. :mod:`headlab.costs.tiles.interval_count`: the key tiles of a block row are a few intervals moving
    linearly with the row (causal, windows, narrow strides and dilations, global tokens, documents,
    padding, block layouts, ``fixed`` with tiles at least a block wide) - milliseconds at any length;
-3. :mod:`headlab.costs.diagonals`: offset patterns of any stride or dilation, also with global
+3. :mod:`headlab.costs.tiles.diagonal_count`: offset patterns of any stride or dilation, also with global
    tokens, documents, padding and small layouts, summed along diagonals with floor sums;
-4. :mod:`headlab.costs.fixedcount`: ``fixed`` with any stride (alone or with causal).
+4. :mod:`headlab.costs.tiles.fixed_count`: ``fixed`` with any stride (alone or with causal).
 
 A mask none of them reads (BigBird's random blocks, a user function, some compositions) is counted
-on the block map row by row (:mod:`headlab.costs.streamed`) while that takes about a second at most,
+on the block map row by row (:mod:`headlab.costs.tiles.streamed_count`) while that takes about a second at most,
 and refused beyond with the estimate (:class:`~headlab.errors.CountTooLargeError`).
 
     >>> from headlab import costs
@@ -26,14 +26,15 @@ and refused beyond with the estimate (:class:`~headlab.errors.CountTooLargeError
 
 from __future__ import annotations
 
-from headlab.costs import streamed
-from headlab.costs.diagonals import count_diagonal
-from headlab.costs.doccount import count_documents
-from headlab.costs.fixedcount import count_fixed
-from headlab.costs.layoutcount import count_layout
 from headlab.costs.model import AttentionShape
-from headlab.costs.patterns import CAUSAL, And, Combine, slices, structure
-from headlab.costs.tilecount import Grid, Unsupported, count_tiles
+from headlab.costs.tiles import streamed_count
+from headlab.costs.tiles.diagonal_count import count_diagonal
+from headlab.costs.tiles.document_count import count_documents
+from headlab.costs.tiles.fixed_count import count_fixed
+from headlab.costs.tiles.grid import Grid, Unsupported
+from headlab.costs.tiles.interval_count import count_tiles
+from headlab.costs.tiles.layout_count import count_layout
+from headlab.costs.tiles.mask_tree import CAUSAL, And, Combine, slices, structure
 
 __all__ = ["MAP_BUDGET", "pairs", "plan_tiles", "tiles"]
 
@@ -57,7 +58,7 @@ def _tree(shape: AttentionShape):
 
 def exact(grid: Grid, tree, causal_cut: bool = False) -> tuple[int, int]:
     """``(tiles, entries)`` of one tree by the first counter that reads it, or ``Unsupported``
-    with the reason of :func:`~headlab.costs.tilecount.count_tiles`, the general one."""
+    with the reason of :func:`~headlab.costs.tiles.interval_count.count_tiles`, the general one."""
     why = None
     for counter in _COUNTERS:
         try:
@@ -77,7 +78,7 @@ def tiles(shape: AttentionShape, block_q: int, block_k: int) -> int:
             total += n * exact(grid, And(tree, CAUSAL) if shape.causal else tree)[0]
         return total
     except Unsupported as e:
-        return streamed.tiles(shape, block_q, block_k, e)
+        return streamed_count.tiles(shape, block_q, block_k, e)
 
 
 def pairs(shape: AttentionShape, block_q: int, block_k: int) -> int:
@@ -90,4 +91,4 @@ def pairs(shape: AttentionShape, block_q: int, block_k: int) -> int:
         tree = trees[0] if len(trees) == 1 else Combine(tuple(trees))
         return exact(grid, And(tree, CAUSAL) if shape.causal else tree, shape.causal)[1]
     except Unsupported as e:
-        return streamed.pairs(shape, block_q, block_k, e)
+        return streamed_count.pairs(shape, block_q, block_k, e)

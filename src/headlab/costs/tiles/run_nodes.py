@@ -1,8 +1,8 @@
 """Patterns constant over runs of block rows and key tiles: global tokens, documents, padding, block
 layouts (cells of a fixed size), as the tile counters see them.
 
-Each answers :meth:`sets` (for :mod:`headlab.costs.tilecount`: the key tiles of a run of block rows,
-constant intervals) and :meth:`cuts` / :meth:`state_at` (for :mod:`headlab.costs.diagonals`: the block
+Each answers :meth:`sets` (for :mod:`headlab.costs.tiles.interval_count`: the key tiles of a run of block rows,
+constant intervals) and :meth:`cuts` / :meth:`state_at` (for :mod:`headlab.costs.tiles.diagonal_count`: the block
 rows and key tiles where its state can change, and its state on one rectangle between them), exactly
 as the mask's own block classifier states them.
 """
@@ -16,8 +16,8 @@ from functools import lru_cache
 import numpy as np
 
 from headlab.attention.states import EMPTY, FULL, PARTIAL
-from headlab.costs.offsets import Node
-from headlab.costs.tilecount import Grid, Lin, Row, Unsupported
+from headlab.costs.tiles.grid import Grid, Lin, Row, Unsupported
+from headlab.costs.tiles.offset_nodes import Node
 from headlab.errors import MaskError
 
 __all__ = ["Documents", "Global", "KeyPrefix", "Layout", "runs_of"]
