@@ -43,7 +43,7 @@ from _common import RESULTS, write_json  # noqa: E402
 
 import headlab  # noqa: E402
 from headlab.interpret.heads.ablation import ablate  # noqa: E402
-from headlab.interpret.heads.common import read_texts  # noqa: E402
+from headlab.interpret.heads.examples import read_texts  # noqa: E402
 from headlab.interpret.heads.importance import correlate, importance_study  # noqa: E402
 from headlab.interpret.heads.prune import order_heads, pruning_curve  # noqa: E402
 from headlab.interpret.heads.savings import measure_savings  # noqa: E402
@@ -199,7 +199,7 @@ def encoder_savings(args, part: str = "encoder") -> dict:
 
 def ablate_speed(args) -> dict:
     """The CLI's ablation on 128 sentences, and the same without prefix sharing and length buckets."""
-    import headlab.interpret.heads.common as C
+    import headlab.interpret.heads.examples as C
     import headlab.interpret.heads.edits as E
 
     torch.set_num_threads(args.threads)

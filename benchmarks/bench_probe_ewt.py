@@ -116,7 +116,7 @@ def main() -> None:
     for name in [m.strip() for m in args.keep.split(",") if m.strip()]:
         if args.out is None:
             sys.exit("--keep needs --out (where the kept model's relations.json is)")
-        from headlab.interpret.probing.result import ProbeResult
+        from headlab.interpret.probing.probe_result import ProbeResult
 
         results[name] = ProbeResult.load(args.out / name / "relations.json")
         kept[name] = json.loads((RESULTS / "probe_ewt.json").read_text())["models"][name]

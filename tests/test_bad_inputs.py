@@ -142,7 +142,7 @@ def test_outputs_are_not_overwritten_silently(tmp_path, capsys, no_load):
 
 
 def test_read_texts_needs_its_column(tmp_path):
-    from headlab.interpret.heads.common import read_texts
+    from headlab.interpret.heads.examples import read_texts
 
     with pytest.raises(InputError, match=r"no 'sentence' or 'text' column; the header has \['label', 'foo'\]"):
         read_texts(_tsv(tmp_path, "label\tfoo\n1\tthe cat\n"))

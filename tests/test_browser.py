@@ -122,7 +122,7 @@ def test_analyze_report_with_the_saliency_strip(browser, tmp_path):
     import transformers
 
     from headlab.interpret.report.analyze_job import analyze
-    from headlab.models.bundled import minilm_dir
+    from headlab.models.named_models import minilm_dir
     from headlab.models.loader import LoadedModel, adapt
 
     tok = transformers.AutoTokenizer.from_pretrained(minilm_dir(), local_files_only=True)

@@ -14,7 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import headlab
 from headlab.errors import (BackendUnsupportedError, ConfigError, InputError, MemoryBudgetError,
                             UnsupportedArchitectureError)
-from headlab.interpret.flow import blocks
+from headlab.interpret.flow import block_norms
 from headlab.interpret.flow.maxflow import flow_values
 from headlab.interpret.flow.norms import attention_norms, summarise
 from headlab.interpret.flow.record import record
@@ -93,7 +93,7 @@ def _attn_out(m, ids):
           for l in range(a.n_layers)]
     ln_out = {}
     if a.family == "bert":
-        hs += [blocks.layer_norms(a, l).norm.register_forward_hook(
+        hs += [block_norms.layer_norms(a, l).norm.register_forward_hook(
             lambda mod, i, o, l=l: ln_out.__setitem__(l, o.detach()[0])) for l in range(a.n_layers)]
     try:
         with torch.no_grad():
@@ -350,16 +350,16 @@ def test_unsupported_family_names_the_supported_ones():
             return ModelAdapter.attention_norm(self, layer)
 
     with pytest.raises(UnsupportedArchitectureError, match="'t5'.*attention_norm"):
-        blocks.layer_norms(Fake(), 0)
+        block_norms.layer_norms(Fake(), 0)
 
 
 def test_layer_norm_modules_per_family():
-    assert blocks.layer_norms(headlab.models.adapt(_bert()), 1).layout == "post"
-    ll = blocks.layer_norms(headlab.models.adapt(_llama()), 0)
+    assert block_norms.layer_norms(headlab.models.adapt(_bert()), 1).layout == "post"
+    ll = block_norms.layer_norms(headlab.models.adapt(_llama()), 0)
     assert ll.layout == "pre" and ll.kind == "rmsnorm"
     d = _decoder()
-    assert blocks.layer_norms(headlab.models.adapt(d), 2).norm is d.blocks[2].ln1
-    assert blocks.is_causal(headlab.models.adapt(_llama())) and not blocks.is_causal(headlab.models.adapt(_bert()))
+    assert block_norms.layer_norms(headlab.models.adapt(d), 2).norm is d.blocks[2].ln1
+    assert block_norms.is_causal(headlab.models.adapt(_llama())) and not block_norms.is_causal(headlab.models.adapt(_bert()))
 
 
 # -- CLI ---------------------------------------------------------------------------------------------------

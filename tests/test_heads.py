@@ -21,7 +21,7 @@ import transformers
 
 import headlab
 from headlab.errors import ConfigError, InputError, PruneError
-from headlab.interpret.heads import common as C
+from headlab.interpret.heads import examples as C
 from headlab.interpret.heads.ablation import ablate, linear_cka
 from headlab.interpret.heads.importance import correlate, head_confidence, head_importance
 from headlab.models import adapt

@@ -14,8 +14,8 @@ from headlab.errors import InputError, ModelError, TreebankError
 from headlab.interpret.probing import align as al
 from headlab.interpret.probing.gold import OFFSETS, gold_counts
 from headlab.interpret.probing.measures import classical_mds, js_sums
-from headlab.interpret.probing.result import ProbeResult, head_annotations
-from headlab.interpret.probing.study import probe
+from headlab.interpret.probing.probe_result import ProbeResult, head_annotations
+from headlab.interpret.probing.head_scores import probe
 from headlab.interpret.probing.treebank import read_treebank
 from conftest import run_cli
 

@@ -95,7 +95,7 @@ def test_explain_rows_per_layer(pair):
 
 
 def test_probe_is_the_gated_originals_at_kept_heads_and_nan_elsewhere(pair, tmp_path):
-    from headlab.interpret.probing.result import ProbeResult
+    from headlab.interpret.probing.probe_result import ProbeResult
 
     pruned, original = pair
     tb = tmp_path / "t.conllu"

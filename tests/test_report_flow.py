@@ -23,7 +23,7 @@ TEXT = "The cat sat on the mat because it was tired."
 
 @pytest.fixture(scope="module")
 def bert():
-    from headlab.models.bundled import minilm_dir
+    from headlab.models.named_models import minilm_dir
 
     tok = transformers.AutoTokenizer.from_pretrained(minilm_dir(), local_files_only=True)
     torch.manual_seed(0)

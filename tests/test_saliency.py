@@ -39,7 +39,7 @@ def _one_thread():
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from headlab.models.bundled import minilm_dir as _minilm_dir
+    from headlab.models.named_models import minilm_dir as _minilm_dir
 
     return transformers.AutoTokenizer.from_pretrained(_minilm_dir(), local_files_only=True)
 

@@ -34,7 +34,7 @@ def _one_thread():
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from headlab.models.bundled import minilm_dir
+    from headlab.models.named_models import minilm_dir
 
     return transformers.AutoTokenizer.from_pretrained(minilm_dir(), local_files_only=True)
 

@@ -31,7 +31,7 @@ def test_layout_and_offline_folder(smol):
     assert (smol.family, a.n_layers, a.n_heads, a.n_kv_heads, a.head_dim, a.d_model) == ("llama", 30, 9, 3, 64, 576)
     assert a.causal and smol.max_positions == 8192
     assert smol.tokenizer.is_fast
-    from headlab.models.bundled import SMOLLM2_CACHE
+    from headlab.models.named_models import SMOLLM2_CACHE
     from headlab.models.cache import cache_dir
 
     assert (cache_dir(SMOLLM2_CACHE) / "model.safetensors").is_file()

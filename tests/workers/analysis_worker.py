@@ -1,7 +1,7 @@
 """One rank of the data-parallel probe and explain-study test: ``python analysis_worker.py RANK WORLD PORT DIR``.
 
 Every rank builds the same tiny BERT classifier (float64) and reads the treebank and dataset that the
-test wrote into DIR; :func:`headlab.interpret.probing.probe` and :func:`headlab.interpret.saliency.study`
+test wrote into DIR; :func:`headlab.interpret.probing.probe` and :func:`headlab.interpret.saliency.corpus_study`
 split the sentences across the ranks. Rank 0 saves the probe result to ``DIR/probe.json``; the study
 writes ``DIR/study/`` itself (rank 0 only).
 """
@@ -34,7 +34,7 @@ def setup():
     """The tiny classifier every rank (and the test's single process) builds."""
     import transformers
 
-    from headlab.models.bundled import minilm_dir
+    from headlab.models.named_models import minilm_dir
     from headlab.models.loader import LoadedModel, adapt
 
     tok = transformers.AutoTokenizer.from_pretrained(minilm_dir(), local_files_only=True)

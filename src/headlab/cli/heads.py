@@ -24,7 +24,7 @@ JSON = typer.Option(False, "--json", help="print the result as JSON")
 
 
 def _load(model: str, data: Path | None, limit: int | None, *, need_data: bool = True):
-    from headlab.interpret.heads.common import read_texts, token_ids_if_needed
+    from headlab.interpret.heads.examples import read_texts, token_ids_if_needed
     from headlab.models import load
 
     if data is None:

@@ -10,7 +10,7 @@ import typer
 from headlab.cli.app import app, console, err_console, print_json
 from headlab.progress import progress as make_progress
 from headlab.interpret.probing.render import prepare_out_dir, write_outputs
-from headlab.interpret.probing.study import probe as run_probe
+from headlab.interpret.probing.head_scores import probe as run_probe
 
 
 def _bar():

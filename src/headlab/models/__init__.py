@@ -15,10 +15,10 @@ __all__ = ["KNOWN_MODELS", "LoadedModel", "ModelAdapter", "Transformer", "Transf
 
 _LAZY = {
     "load": "headlab.models.loader",
-    "adapt": "headlab.models.loaded",
-    "LoadedModel": "headlab.models.loaded",
+    "adapt": "headlab.models.loaded_model",
+    "LoadedModel": "headlab.models.loaded_model",
     "KNOWN_MODELS": "headlab.models.loader",
-    "TruncationWarning": "headlab.models.loaded",
+    "TruncationWarning": "headlab.models.loaded_model",
     "ModelAdapter": "headlab.models.base",
     "cache_dir": "headlab.models.cache",
     "Transformer": "headlab.models.transformer",

@@ -159,7 +159,7 @@ def train_classifier(train: str | os.PathLike, validation: str | os.PathLike, *,
     import transformers
     from transformers import AutoTokenizer, BertConfig, BertForSequenceClassification
 
-    from headlab.models.bundled import minilm_dir
+    from headlab.models.named_models import minilm_dir
 
     threads = torch.get_num_threads()
     torch.set_num_threads(config.threads)

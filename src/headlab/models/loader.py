@@ -1,6 +1,6 @@
 """Loading models offline: :func:`load` and :class:`LoadedModel`; :func:`adapt` for a model you built.
 
-Known names (no network, ever; see :mod:`headlab.models.bundled`):
+Known names (no network, ever; see :mod:`headlab.models.named_models`):
 
 - ``"minilm"`` (aliases ``"all-MiniLM-L6-v2"``, ``"sentence-transformers/all-MiniLM-L6-v2"``): the
   default model, all-MiniLM-L6-v2 (a 6-layer x 12-head ``BertModel``, 384 wide, 512 positions;
@@ -26,8 +26,8 @@ import torch
 from torch import nn
 
 from headlab.errors import DeviceError, ModelError, UnsupportedArchitectureError
-from headlab.models.bundled import ALIASES, KNOWN_MODELS, known_names
-from headlab.models.loaded import LoadedModel, TruncationWarning, adapt, resolve  # noqa: F401  (public here too)
+from headlab.models.named_models import ALIASES, KNOWN_MODELS, known_names
+from headlab.models.loaded_model import LoadedModel, TruncationWarning, adapt, resolve  # noqa: F401  (public here too)
 
 
 def load(name_or_path: str | os.PathLike = "minilm", *, device: str | torch.device = "cpu",

@@ -34,7 +34,7 @@ from torch import nn
 
 from headlab.errors import InputError, ModelError
 from headlab.models.base import ModelAdapter
-from headlab.models.loaded import LoadedModel, adapt, resolve
+from headlab.models.loaded_model import LoadedModel, adapt, resolve
 from headlab.models.surgery import LayerPlan, PruneResult, _apply, _LocalPlan, prune, pruned_adapter
 
 MANIFEST = "headlab_pruned.json"

@@ -29,7 +29,7 @@ import torch
 from headlab.attention import backends as _backends
 from headlab.errors import BackendUnsupportedError, ConfigError, InputError
 from headlab.interpret.capture import capture
-from headlab.interpret.flow.blocks import BlockNorms, is_causal, layer_norms
+from headlab.interpret.flow.block_norms import BlockNorms, is_causal, layer_norms
 from headlab.models.base import ModelAdapter
 
 

@@ -1,7 +1,7 @@
 """Which heads matter, measured: single, joint and keep-one-per-layer ablation, with verdicts.
 
 ``E(S)`` is the mean over examples of ``L_S(x) - L(x)``: the increase of the loss (see
-:mod:`headlab.interpret.heads.common`) when the heads in S are ablated (kind: :mod:`.edits`).
+:mod:`headlab.interpret.heads.examples`) when the heads in S are ablated (kind: :mod:`.edits`).
 
 - single effects ``E(h)`` for every head (or ``heads=``);
 - joint effects ``E(h, g)`` for every pair among the ``k`` heads with the smallest single effect
@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 from headlab.errors import ConfigError, InputError
-from headlab.interpret.heads import common as C
+from headlab.interpret.heads import examples as C
 from headlab.models.loader import resolve
 from headlab.interpret.heads.edits import KINDS, Runner, mean_z
 

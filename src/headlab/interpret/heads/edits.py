@@ -25,7 +25,7 @@ from contextlib import contextmanager
 import torch
 
 from headlab.errors import ConfigError
-from headlab.interpret.heads import common as C
+from headlab.interpret.heads import examples as C
 from headlab.models.fanout import blocks, fan_out
 
 KINDS = ("zero", "mean", "resample", "uniform")

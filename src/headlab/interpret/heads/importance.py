@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 import torch
 
 from headlab.errors import ConfigError
-from headlab.interpret.heads import common as C
+from headlab.interpret.heads import examples as C
 from headlab.distributed.comm import world
 from headlab.distributed.data import all_reduce_sum, is_main, shard_indices
 from headlab.models.loader import resolve

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from headlab.errors import ConfigError
-from headlab.interpret.heads import common as C
+from headlab.interpret.heads import examples as C
 from headlab.models.loader import resolve
 from headlab.interpret.heads.importance import _importance
 from headlab.models.pruned import PrunedModel, prune_heads

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from headlab.interpret.heads import common as C
+from headlab.interpret.heads import examples as C
 from headlab.models.loader import resolve
 from headlab.models.pruned import prune_heads
 

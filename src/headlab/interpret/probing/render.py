@@ -4,7 +4,7 @@ Matplotlib's Agg canvas, used directly (no pyplot), as the analyze report does. 
 contained: its style sheet and both pictures (base64 PNG) are inline, nothing is fetched.
 
     >>> import numpy as np, tempfile, os
-    >>> from headlab.interpret.probing.result import MEASURES, ProbeResult
+    >>> from headlab.interpret.probing.probe_result import MEASURES, ProbeResult
     >>> r = ProbeResult("m", "bert", False, "t.conllu", 1, 2, 1, 5, ["det"], np.full((2, 1, 2, 1), 0.5),
     ...                 np.ones((2, 1)), np.ones((2, 1)), np.full((2, 1), 0.25), np.ones((2, 1), dtype=int),
     ...                 {k: np.zeros((1, 2)) for k in MEASURES}, head_map=np.zeros((2, 2)))

@@ -28,7 +28,7 @@ from headlab.interpret.capture import capture
 from headlab.interpret.probing import align as al
 from headlab.interpret.probing.gold import OFFSETS, GoldCounts, gold_counts
 from headlab.interpret.probing.measures import SurfaceStats, classical_mds, grad_sums, js_sums
-from headlab.interpret.probing.result import MEASURES, ProbeResult
+from headlab.interpret.probing.probe_result import MEASURES, ProbeResult
 from headlab.interpret.probing.treebank import Skipped, Treebank, read_treebank
 
 Progress = Callable[[str, int, int], None]  # (stage, done, total)
@@ -260,7 +260,7 @@ def probe(
         progress: called as ``progress(stage, done, total)``.
 
     Returns:
-        :class:`~headlab.interpret.probing.result.ProbeResult`.
+        :class:`~headlab.interpret.probing.probe_result.ProbeResult`.
     """
     from headlab.models.loader import LoadedModel, load
 
