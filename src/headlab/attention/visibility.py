@@ -28,7 +28,7 @@ import torch
 
 from headlab.attention.blocks import block_map
 from headlab.attention.masks import MaskFn, causal as _causal
-from headlab.attention.states import EMPTY, FULL, PARTIAL
+from headlab.attention.tile_states import EMPTY, FULL, PARTIAL
 
 __all__ = ["additive_bias", "causal_tri", "eval_mask", "is_additive", "pairs", "tensor_states", "tile_states",
            "visible"]

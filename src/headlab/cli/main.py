@@ -6,7 +6,7 @@ import sys
 from importlib import import_module
 
 from headlab.attention.backends.native import enabled as native_enabled
-from headlab.attention.guard import memory_limit_override
+from headlab.attention.memory_guard import memory_limit_override
 from headlab.cli.app import app, err_console
 from headlab.errors import CLI_EXIT_CODE, HeadlabError
 

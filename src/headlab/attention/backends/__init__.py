@@ -2,6 +2,16 @@
 registers them: ``reference``, ``sdpa``, ``tiled``, ``sparse``, ``linear``."""
 
 from headlab.attention.backends import linear, reference, sdpa, sparse, tiled  # noqa: F401  (registration)
-from headlab.attention.backends.base import Backend, Capabilities, choose, get, names, register, require
+from headlab.attention.backends.base import (
+    Backend,
+    Capabilities,
+    choose,
+    exact_names,
+    get,
+    is_exact,
+    names,
+    register,
+    require,
+)
 
-__all__ = ["Backend", "Capabilities", "choose", "get", "names", "register", "require"]
+__all__ = ["Backend", "Capabilities", "choose", "exact_names", "get", "is_exact", "names", "register", "require"]

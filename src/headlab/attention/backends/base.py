@@ -6,7 +6,7 @@ concrete call; ``backend="auto"`` picks the preferred exact backend that support
 declares its cost formula (``cost``, from :mod:`headlab.costs`) and its memory formula
 (:meth:`Backend.working_set_bytes`): :func:`register` refuses a class without a formula and hands it
 to the cost model, so ``headlab.costs.estimate(shape, name)`` asks the backend, never a list of names.
-Everything else that needs to know about a backend asks it too: ``get(name).capabilities.exact``.
+Everything else that needs to know about a backend asks it too: :func:`is_exact` (its capabilities).
 """
 
 from __future__ import annotations
@@ -167,6 +167,21 @@ def get(name: str | Backend) -> Backend:
         raise UnknownBackendError(
             f"unknown backend {name!r}; known backends: {', '.join(['auto', *_REGISTRY])}"
         ) from None
+
+
+def is_exact(backend: str | Backend | None) -> bool:
+    """Whether ``backend`` computes exact softmax attention, as its capabilities say; ``None`` and ``"auto"``
+    are (``auto`` picks only exact backends). The one question every analysis asks before trusting maps.
+
+        >>> is_exact("tiled"), is_exact("auto"), is_exact("linear")
+        (True, True, False)
+    """
+    return backend in (None, "auto") or bool(get(backend).capabilities.exact)
+
+
+def exact_names() -> list[str]:
+    """The registered backends that compute exact softmax attention (for messages that name them)."""
+    return [n for n in _REGISTRY if _REGISTRY[n].capabilities.exact]
 
 
 def choose(spec: AttentionSpec) -> Backend:

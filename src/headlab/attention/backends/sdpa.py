@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from headlab.attention.backends.base import Backend, Capabilities, register
-from headlab.attention.guard import check_fits
+from headlab.attention.memory_guard import check_fits
 from headlab.attention.masks import MaskFn
 from headlab.attention.spec import AttentionSpec, dense_mask, mask_numel, materialized_bytes
 from headlab.attention.visibility import additive_bias, is_additive

@@ -2,7 +2,7 @@
 and the basic masks ``full``, ``causal``, ``causal_lower_right``, ``padding``.
 
 A mask carries an optional closed-form *block classifier* (tile states EMPTY / PARTIAL / FULL,
-:mod:`headlab.attention.states`); :func:`headlab.attention.blocks.block_map` compiles a mask to a
+:mod:`headlab.attention.tile_states`); :func:`headlab.attention.blocks.block_map` compiles a mask to a
 block map with it (or by dense evaluation when there is none). Masks never import the block map.
 """
 
@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from headlab.attention.states import EMPTY, FULL, PARTIAL
+from headlab.attention.tile_states import EMPTY, FULL, PARTIAL
 from headlab.errors import ConfigError, MaskError
 
 # fn(b, h, q_idx, kv_idx, q_len, kv_len) -> bool tensor broadcastable to the index shapes

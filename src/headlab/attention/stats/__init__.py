@@ -80,7 +80,7 @@ import torch
 from headlab.attention.masks import MaskFn
 from headlab.attention.spec import check_scale, validate
 from headlab.attention.stats.exact import _probs_at
-from headlab.attention.stats.result import SDPA_STATS, STATS, AttentionStats, Method, _index_tensor, _wanted
+from headlab.attention.stats.stats_result import SDPA_STATS, STATS, AttentionStats, Method, _index_tensor, _wanted
 from headlab.attention.stats.sdpa import _sdpa
 from headlab.attention.backends import native
 from headlab.attention.stats.fused import _fused, fits

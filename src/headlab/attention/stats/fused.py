@@ -28,7 +28,7 @@ import torch
 
 from headlab.attention.backends import _threads
 from headlab.attention.spec import AttentionSpec
-from headlab.attention.states import EMPTY, FULL
+from headlab.attention.tile_states import EMPTY, FULL
 from headlab.attention.visibility import tile_states, visible
 
 # Scores per unit (2 MiB in float32): a unit's tiles (scores and exp) stay in its core's L2.

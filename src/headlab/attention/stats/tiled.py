@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from headlab.attention.spec import AttentionSpec
-from headlab.attention.states import EMPTY, FULL
+from headlab.attention.tile_states import EMPTY, FULL
 from headlab.attention.visibility import tile_states, visible
 
 # The one-pass kernel (:mod:`.fused`) runs when two of its smallest units fit this many bytes.

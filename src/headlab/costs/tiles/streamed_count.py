@@ -18,7 +18,7 @@ import torch
 
 from headlab.attention.blocks import block_rows
 from headlab.attention.masks import causal, full
-from headlab.attention.states import EMPTY, FULL, PARTIAL
+from headlab.attention.tile_states import EMPTY, FULL, PARTIAL
 from headlab.costs.model import AttentionShape
 from headlab.costs.tiles.grid import Grid
 from headlab.costs.tiles.interval_count import count_tiles

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from headlab.attention.guard import available_memory, human_bytes
+from headlab.attention.memory_guard import available_memory, human_bytes
 from headlab.errors import ConfigError, MemoryBudgetError
 from headlab.interpret.flow.record import prepare, record, resolve
 from headlab.interpret.flow.rollout import augment, layer_matrices

@@ -84,13 +84,10 @@ def check_layers(adapter: ModelAdapter, layers) -> list[int]:
 
 def check_backend(backend) -> None:
     """Refuse an approximate backend: norms, rollout and flow are defined on exact softmax maps."""
-    if backend in (None, "auto"):
-        return
-    b = _backends.get(backend)
-    if not b.capabilities.exact:
+    if not _backends.is_exact(backend):
         raise BackendUnsupportedError(
-            f"backend {b.name!r} approximates softmax attention, but norms, rollout and flow are defined on the "
-            f"exact maps; use backend='auto', 'sdpa', 'tiled' or 'reference'")
+            f"backend {_backends.get(backend).name!r} approximates softmax attention, but norms, rollout and flow "
+            f"are defined on the exact maps; use backend='auto' or one of {', '.join(map(repr, _backends.exact_names()))}")
 
 
 def prepare(loaded, adapter, inputs) -> tuple[dict | torch.Tensor, list[str] | None]:

@@ -141,10 +141,10 @@ def prepare_out_dir(out_dir: str | os.PathLike, *, force: bool) -> Path:
 def backend_provenance(backend: str | None, mode: str) -> tuple[dict, str | None]:
     """What computed what: ``{"model_backend", "model_backend_exact", "statistics"}`` and a warning
     when the backend is approximate (it changes the q and k of later layers and the outputs)."""
-    from headlab.attention import backends as _backends
+    from headlab.attention.backends import is_exact
 
     name = backend or "auto"
-    exact = name == "auto" or bool(_backends.get(name).capabilities.exact)
+    exact = is_exact(name)
     stats = ("attention maps captured on the reference computation (exact softmax)" if mode == "full" else
              f"exact softmax statistics (streaming) of the q and k computed while the model ran on {name!r}")
     warning = None if exact else (

@@ -34,11 +34,11 @@ def exact_backend(backend) -> tuple[str, str | None]:
     exact, else ``"auto"`` (exact) with a note naming the approximate one."""
     if backend is None or (isinstance(backend, str) and backend == "auto"):
         return "auto", None
-    b = _backends.get(backend)
-    if b.capabilities.exact:
+    if _backends.is_exact(backend):
         return backend, None
     return "auto", (f"rollout, flow and norms are defined on exact softmax attention, so they ran on the exact "
-                    f"model (backend 'auto'), not on the approximate {b.name!r} the other methods used")
+                    f"model (backend 'auto'), not on the approximate {_backends.get(backend).name!r} the other "
+                    "methods used")
 
 
 def flow_score(loaded, enc: dict, position: int, method: str, backend) -> tuple[list[float], str | None]:

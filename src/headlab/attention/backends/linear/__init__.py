@@ -65,7 +65,7 @@ import torch
 
 from headlab.attention import feature_maps
 from headlab.attention.backends.base import Backend, Capabilities, register
-from headlab.attention.guard import check_fits
+from headlab.attention.memory_guard import check_fits
 from headlab.attention.spec import AttentionSpec, default_scale, validate
 from headlab.attention.backends.linear.compute import _causal, _exp_minus, _key_mask, _noncausal
 from headlab.attention.backends.linear.config import (DEFAULT_CHUNK, DEFAULT_FAVOR_FEATURES, FEATURE_MAP_ALIASES,

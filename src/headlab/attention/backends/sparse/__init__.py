@@ -52,7 +52,7 @@ from headlab.attention.backends.sparse.kernel import SparseAttention
 from headlab.attention.backends.sparse.plan import (BLOCK_K, BLOCK_Q, SparsePlan, block_map, effective_mask,
                                                     plan_for, visited_tiles)
 from headlab.attention.backends.sparse.tiles import CHUNK_ELEMENTS
-from headlab.attention.guard import check_fits
+from headlab.attention.memory_guard import check_fits
 from headlab.attention.masks import MaskFn
 from headlab.attention.spec import AttentionSpec, check_scale, validate
 from headlab.costs.sparse import sparse_cost

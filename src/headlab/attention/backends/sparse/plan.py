@@ -12,7 +12,7 @@ import torch
 from headlab.attention.blocks import BlockMap, cached_per_mask
 from headlab.attention.blocks import block_map as _compile
 from headlab.attention.masks import MaskFn, causal, full
-from headlab.attention.states import EMPTY, FULL, PARTIAL
+from headlab.attention.tile_states import EMPTY, FULL, PARTIAL
 from headlab.errors import ConfigError, MaskError
 
 # Tile sizes of the kernel; the cost model reads the same constants.

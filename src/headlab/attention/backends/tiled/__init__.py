@@ -57,7 +57,7 @@ from headlab.attention.backends.tiled.backward import TiledAttention
 from headlab.attention.backends.tiled.memory import working_set_bytes
 from headlab.attention.backends.tiled.plan import BLOCK_K, BLOCK_Q, check_blocks, make_plan, tile_states
 from headlab.attention.backends.tiled.textbook import flash_attention_textbook
-from headlab.attention.guard import check_fits
+from headlab.attention.memory_guard import check_fits
 from headlab.attention.spec import AttentionSpec, check_scale, validate
 from headlab.costs.tiled import tiled_cost
 

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
+from headlab.attention.backends import is_exact
 from headlab.errors import HeadlabError
 from headlab.interpret.flow.norms import value_norms
 from headlab.interpret.flow.record import from_cache
@@ -62,12 +63,6 @@ class FlowView:
         return {"value_norms": {f"{l}.{h}": num(v) for (l, h), v in self.value_norms.items()}, "rollout": roll}
 
 
-def _exact(backend) -> bool:
-    from headlab.attention import backends as _backends
-
-    return backend in (None, "auto") or bool(_backends.get(backend).capabilities.exact)
-
-
 def flow_view(loaded, recording, *, mode: str, drawn: Sequence[tuple[int, int]], backend=None,
               max_full_tokens: int | None = None, say: Callable[[str], None] | None = None) -> FlowView:
     """Value norms of the drawn heads and the rollout view for one input (see the module docstring).
@@ -80,7 +75,7 @@ def flow_view(loaded, recording, *, mode: str, drawn: Sequence[tuple[int, int]],
     """
     say = say or (lambda _m: None)
     view = FlowView(mode)
-    if mode != "full" and not _exact(backend):
+    if mode != "full" and not is_exact(backend):
         view.skipped = (f"norm maps and rollout are left out: backend {backend!r} is approximate, and they are "
                         "defined on exact softmax attention")
         return view
@@ -117,7 +112,7 @@ class FlowSection(Section):
     name = "flow"
 
     def _usable(self, job: Job) -> bool:
-        return job.mode == "full" or (_exact(job.backend) and len(job.adapter.stacks) == 1)
+        return job.mode == "full" or (is_exact(job.backend) and len(job.adapter.stacks) == 1)
 
     def sites(self, job: Job) -> list[str]:
         return job.adapter.sites("input") if self._usable(job) else []
@@ -128,7 +123,7 @@ class FlowSection(Section):
     def compute(self, job: Job, cache, results) -> FlowView:
         table = results["heads"]
         if not self._usable(job):
-            if not _exact(job.backend):
+            if not is_exact(job.backend):
                 return flow_view(job.loaded, None, mode=job.mode, drawn=table.drawn, backend=job.backend)
             return FlowView(job.mode, skipped="norm maps and rollout are left out: the map-free rollout runs within "
                                               "one stack, and this model has " + ", ".join(job.adapter.stacks))
