@@ -9,8 +9,9 @@ score mods, feature maps and the memory guard (:data:`CORE`). The engines are th
 the backends, the statistics, the functional core, the module, measurement, and the package itself.
 Backends import ``costs`` (each declares its formula), so ``costs`` sits between the two and imports no
 engine. A module may import its own layer and the layers below it, never one above (function-level
-imports included: a lazy import is still a dependency). Inside ``interpret``, ``capture`` is at the
-bottom and ``report`` at the top: nothing but ``report`` itself and ``cli`` imports ``report``. ``errors``,
+imports included: a lazy import is still a dependency). Inside ``interpret``, ``capture`` and ``shell``
+(the one HTML shell every page uses) are at the bottom and ``report`` at the top: nothing but ``report``
+itself and ``cli`` imports ``report``, and ``shell`` imports no other room of ``interpret``. ``errors``,
 ``_version``, ``units``, ``progress`` and ``tsv`` sit below everything; the package root may import
 anything (it is the public façade), and nothing in the package imports the root.
 """
@@ -116,6 +117,8 @@ def test_no_upward_import():
                 bad.append(f"{mod} imports {d}: nothing below report imports report")
             elif lm == ld == LAYERS.index("interpret") and room == "capture" and droom not in (None, "capture"):
                 bad.append(f"{mod} imports {d}: capture sits at the bottom of interpret")
+            elif lm == ld and room == "shell" and droom not in (None, "shell"):
+                bad.append(f"{mod} imports {d}: the shell sits at the bottom of interpret")
     assert not bad, "\n".join(sorted(bad))
 
 
