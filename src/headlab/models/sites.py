@@ -145,13 +145,12 @@ def _stats_may_serve(backend, q, k, v, mask, causal: bool, extra: dict) -> bool:
     """Whether the statistics' exact pass may stand in for this layer's attention call on ``backend``: the
     backend computes exact attention (it says so in its capabilities) and would serve this very call, so a
     layer that refuses without capture refuses with it too. ``"auto"`` picks an exact backend that serves it."""
+    if not _backends.is_exact(backend):
+        return False
     if isinstance(backend, str) and backend == "auto":
         return True
-    chosen = _backends.get(backend)
-    if not chosen.capabilities.exact:
-        return False
     spec, _ = validate(q, k, v, mask=mask, causal=causal, score_mod=extra.get("score_mod"))
-    return chosen.supports(spec)[0]
+    return _backends.get(backend).supports(spec)[0]
 
 
 def run_attention(

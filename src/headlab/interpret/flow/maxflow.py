@@ -42,7 +42,8 @@ import torch
 
 from headlab.attention.memory_guard import available_memory, human_bytes
 from headlab.errors import ConfigError, MemoryBudgetError
-from headlab.interpret.flow.record import prepare, record, resolve
+from headlab.interpret.flow.record import prepare, record
+from headlab.models.loader import resolve
 from headlab.interpret.flow.rollout import augment, layer_matrices
 
 BYTES_PER_EDGE = {"scipy": 72, "networkx": 600}  # measured order of magnitude, both directions included

@@ -31,6 +31,7 @@ from headlab.errors import BackendUnsupportedError, ConfigError, InputError
 from headlab.interpret.capture import capture
 from headlab.interpret.flow.block_norms import BlockNorms, is_causal, layer_norms
 from headlab.models.base import ModelAdapter
+from headlab.models.loader import resolve
 
 
 @dataclass
@@ -53,19 +54,6 @@ class Recording:
     scale: list[float]  # per layer: the softmax scale the scores use
     tokens: list[str] | None
     layers: dict[int, LayerRecord] = field(default_factory=dict)
-
-
-def resolve(target):
-    """(adapter, LoadedModel or None) from a LoadedModel, an adapter or a model."""
-    from headlab.models.loader import LoadedModel, adapt
-
-    if isinstance(target, LoadedModel):
-        return target.adapter, target
-    if isinstance(target, ModelAdapter):
-        return target, None
-    if isinstance(target, torch.nn.Module):
-        return adapt(target), None
-    raise ConfigError(f"expected a LoadedModel (headlab.load), a ModelAdapter or a model, got {type(target).__name__}")
 
 
 def check_layers(adapter: ModelAdapter, layers) -> list[int]:
@@ -220,5 +208,5 @@ def _reuse(rec: Recording, adapter: ModelAdapter, layers: list[int], *, maps: bo
     return sub
 
 
-__all__ = ["LayerRecord", "Recording", "check_backend", "check_layers", "from_cache", "prepare", "record", "resolve",
+__all__ = ["LayerRecord", "Recording", "check_backend", "check_layers", "from_cache", "prepare", "record",
            "sites_for"]

@@ -36,7 +36,8 @@ import torch
 from headlab.errors import ConfigError
 from headlab.interpret.flow.gram import gram, layer_tile
 from headlab.interpret.flow.norms import _check_positions, maps_from_pattern
-from headlab.interpret.flow.record import record, resolve
+from headlab.interpret.flow.record import record
+from headlab.models.loader import resolve
 from headlab.interpret.flow.tiles import prob_tiles, weighted_colsum
 
 Method = Literal["mean", "norm"]

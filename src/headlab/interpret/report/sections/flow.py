@@ -28,7 +28,7 @@ import numpy as np
 from headlab.attention.backends import is_exact
 from headlab.errors import HeadlabError
 from headlab.interpret.flow.norms import value_norms
-from headlab.interpret.flow.record import from_cache
+from headlab.interpret.flow.record import Recording, from_cache
 from headlab.interpret.flow.rollout import rollout
 from headlab.interpret.report.figures import LayerGrid
 from headlab.interpret.report.html import check_flow, encode_map
@@ -63,38 +63,25 @@ class FlowView:
         return {"value_norms": {f"{l}.{h}": num(v) for (l, h), v in self.value_norms.items()}, "rollout": roll}
 
 
-def flow_view(loaded, recording, *, mode: str, drawn: Sequence[tuple[int, int]], backend=None,
+def flow_view(loaded, recording: Recording, *, mode: str, drawn: Sequence[tuple[int, int]],
               max_full_tokens: int | None = None, say: Callable[[str], None] | None = None) -> FlowView:
-    """Value norms of the drawn heads and the rollout view for one input (see the module docstring).
-
-    ``recording`` is a :class:`~headlab.interpret.flow.record.Recording` of every layer (maps in full
-    mode; q, k and lse in streaming mode), or the inputs to record one from. Full mode captures every
-    map on the exact computation, so the norms and the rollout do too, whatever ``backend``; in
-    streaming mode the recording comes from the model as run on ``backend``, and an approximate one
-    leaves this view out (``skipped`` says so).
-    """
+    """Value norms of the drawn heads and the rollout view for one input (see the module docstring), from a
+    :class:`~headlab.interpret.flow.record.Recording` of every layer: its maps in full mode, its q, k and
+    lse in streaming mode (no forward runs here)."""
     say = say or (lambda _m: None)
     view = FlowView(mode)
-    if mode != "full" and not is_exact(backend):
-        view.skipped = (f"norm maps and rollout are left out: backend {backend!r} is approximate, and they are "
-                        "defined on exact softmax attention")
-        return view
-    exact = backend if mode != "full" and backend is not None else "auto"
-    layers = sorted({l for l, _ in drawn})
+    n = recording.n
     try:
         say("norm maps (value norms of the drawn heads) and rollout")
-        n = recording.n if hasattr(recording, "layers") else None
-        norms = value_norms(loaded, recording, layers=layers, backend=exact)
+        norms = value_norms(loaded, recording, layers=sorted({l for l, _ in drawn}))
         view.value_norms = {(l, h): norms[l][h].double().cpu().numpy() for l, h in drawn}
         if mode == "full":
-            roll = rollout(loaded, recording, backend=exact)
+            roll = rollout(loaded, recording)
             view.rollout_map = roll.maps[-1].double().cpu().numpy()
-            n = view.rollout_map.shape[0]
             view.rollout_rows = {p: view.rollout_map[p] for p in sorted({0, n - 1})}
             view.note = "rollout through the last layer: row i says how much of each input token reaches token i"
         else:
-            n = n if n is not None else next(iter(view.value_norms.values())).shape[0]
-            roll = rollout(loaded, recording, rows=sorted({0, n - 1}), backend=exact)
+            roll = rollout(loaded, recording, rows=sorted({0, n - 1}))
             view.rollout_rows = {p: r.double().cpu().numpy() for p, r in zip(roll.row_positions, roll.rows)}
             limit = f" > {max_full_tokens}" if max_full_tokens is not None else ""
             view.note = (f"rollout rows only: {n} tokens{limit} is past the full-map length, so only the rows of "
@@ -123,8 +110,9 @@ class FlowSection(Section):
     def compute(self, job: Job, cache, results) -> FlowView:
         table = results["heads"]
         if not self._usable(job):
-            if not is_exact(job.backend):
-                return flow_view(job.loaded, None, mode=job.mode, drawn=table.drawn, backend=job.backend)
+            if not is_exact(job.backend):  # streaming: the recording comes from the approximate model
+                return FlowView(job.mode, skipped=f"norm maps and rollout are left out: backend {job.backend!r} is "
+                                                  "approximate, and they are defined on exact softmax attention")
             return FlowView(job.mode, skipped="norm maps and rollout are left out: the map-free rollout runs within "
                                               "one stack, and this model has " + ", ".join(job.adapter.stacks))
         try:
@@ -132,8 +120,8 @@ class FlowSection(Section):
                              tokens=job.tokens)
         except HeadlabError as e:  # e.g. layers that modify their scores, which the map-free tiles do not apply
             return FlowView(job.mode, skipped=f"norm maps and rollout are left out: {e}")
-        return flow_view(job.loaded, rec, mode=job.mode, drawn=table.drawn, backend=job.backend,
-                         max_full_tokens=job.max_full_tokens, say=job.say)
+        return flow_view(job.loaded, rec, mode=job.mode, drawn=table.drawn, max_full_tokens=job.max_full_tokens,
+                         say=job.say)
 
     def write(self, job: Job, view: FlowView, results) -> list[str]:
         if view.skipped is not None:
