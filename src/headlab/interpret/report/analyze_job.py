@@ -305,7 +305,7 @@ def analyze(
     for sec in sections:
         notes += sec.write(job, results[sec.name], results)
         parts[sec.name] = part = sec.page(job, results[sec.name], results)
-        notes += [m for m in part.notes if m not in notes]
+        notes += part.notes
 
     say("writing the table")
     records, drawn = table.records, table.drawn

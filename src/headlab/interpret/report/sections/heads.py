@@ -22,7 +22,7 @@ from headlab.interpret.heads.labels import (
     row_stats_from_attention_stats,
     row_stats_from_maps,
 )
-from headlab.interpret.report.sections.base import Job, PagePart, Section, register
+from headlab.interpret.report.sections.base import Job, Section, register
 from headlab.interpret.report.selection import (
     MAX_EMBEDDED_BYTES,
     default_drawn_heads,
@@ -41,7 +41,7 @@ class HeadsTable:
     maps: dict[tuple[int, int], np.ndarray]  # drawn heads' (n, n) weights
     drawn: list[tuple[int, int]]
     embedded: list[tuple[int, int]]  # the drawn heads whose maps the page carries
-    notes: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # the long-input notices (analyze puts them first)
     pngs: list = field(default_factory=list)  # the layer pictures written
 
 
@@ -140,9 +140,6 @@ class HeadsSection(Section):
             result.pngs.append(grid.draw(maps_l, job.out / f"layer_{layer:02d}.png", layer=layer, head_ids=hs,
                                          titles=[titles[(layer, h)] for h in hs]))
         return []
-
-    def page(self, job: Job, result: HeadsTable, results) -> PagePart:
-        return PagePart(notes=list(result.notes))
 
 
 def initial_head(result: HeadsTable, chosen) -> tuple[int, int]:
