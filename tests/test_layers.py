@@ -2,7 +2,7 @@
 
 Layers, lowest first:
 
-    attention core  <-  costs  <-  attention engines  <-  distributed  <-  models  <-  interpret  <-  cli
+    attention core  <-  costs  <-  attention engines  <-  distributed  <-  models  <-  interpret  <-  decode  <-  cli
 
 The attention core is what a cost formula may read: the spec, masks, tile states, block maps, visibility,
 score mods, feature maps and the memory guard (:data:`CORE`). The engines are the rest of ``attention``:
@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "headlab"
-LAYERS = ["attention core", "costs", "attention engines", "distributed", "models", "interpret", "cli"]
+LAYERS = ["attention core", "costs", "attention engines", "distributed", "models", "interpret", "decode", "cli"]
 # the modules (and packages) of attention/ that sit below costs; the rest of attention/ is its engines
 CORE = {"spec", "masks", "tile_states", "blocks", "visibility", "score_mods", "feature_maps", "memory_guard"}
 BASE = {"errors", "_version", "units", "progress", "tsv"}  # importable from every layer

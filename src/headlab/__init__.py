@@ -48,6 +48,12 @@ _LAZY = {
     "rollout": ("headlab.interpret.flow.rollout", "rollout"),
     "attention_flow": ("headlab.interpret.flow.maxflow", "attention_flow"),
     "explain": ("headlab.interpret.saliency", "explain"),
+    # decoding with a KV cache shaped per head
+    "generate": ("headlab.decode", "generate"),
+    "kv": "headlab.decode.kv",
+    # the head atlas and patching
+    "atlas": ("headlab.interpret.atlas", "atlas"),
+    "patch": ("headlab.interpret.patching", "patch"),
 }
 
 

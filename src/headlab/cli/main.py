@@ -11,7 +11,8 @@ from headlab.cli.app import app, err_console
 from headlab.errors import CLI_EXIT_CODE, HeadlabError
 
 # Each module registers its commands on the app when imported.
-COMMANDS = ["costs_cmd", "backends_cmd", "models_cmd", "demo", "bench", "pattern", "analyze", "probe", "heads", "flow", "explain", "train"]
+COMMANDS = ["costs_cmd", "backends_cmd", "models_cmd", "demo", "bench", "pattern", "analyze", "probe", "heads", "flow", "explain", "train", "generate", "atlas",
+            "patch"]
 for _name in COMMANDS:
     import_module(f"headlab.cli.{_name}")
 

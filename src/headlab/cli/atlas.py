@@ -1,0 +1,1 @@
+"""The ``headlab atlas`` command (registered on the app when imported)."""

@@ -1,0 +1,1 @@
+"""The ``headlab generate`` command (registered on the app when imported)."""

@@ -1,0 +1,1 @@
+"""The ``headlab patch`` command (registered on the app when imported)."""
