@@ -1,0 +1,118 @@
+"""Exact activation patching: :func:`patch`, one head (and position) at a time, configurations stacked.
+
+For every head ``h`` of every layer ``l`` (and, with ``positions``, every chosen position ``i``), the
+clean run is repeated with one activation replaced by its value in the corrupted run::
+
+    z[l][b, h, i, :] := z_corrupted[l][b, h, i, :]        (site "z": the head's output, before W^O)
+
+and the metric's mean over examples is compared with the clean run's (the effect, normalised as in
+:mod:`.result`). Sites ``q``, ``k``, ``v`` (k and v per kv head: in a GQA model patching one kv head
+changes what every query head of its group reads) and ``pattern`` (the query row ``i`` of head h's map)
+are patched the same way; everything downstream is recomputed. ``C`` configurations share one forward
+of ``C * B`` rows (``max_rows``).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from headlab.interpret.patching import runs
+from headlab.interpret.patching.result import PatchResult, normalise
+
+
+def patch(model, clean, corrupted, metric, *, sites: str | list[str] = "z", positions=None, layers=None,
+          max_rows: int = 256, backend: str | None = None, progress: bool = False) -> PatchResult:
+    """The effect of patching each head's activation from the corrupted run into the clean one.
+
+    Args:
+        model: a LoadedModel, an ``nn.Module`` of a supported family, or an adapter.
+        clean, corrupted: text (with a LoadedModel), ``input_ids (B, L)`` or dicts with ``input_ids`` and
+            ``attention_mask``; both of the same shape and padding (position i is patched by position i).
+        metric: ``metric(logits (B, L, V)) -> (B,)``, e.g. :func:`~headlab.interpret.patching.metrics.logit_diff`.
+        sites: ``"z"`` (default) or any of ``"z", "q", "k", "v", "pattern"``.
+        positions: None (each head at every position at once), ``"each"`` (every position separately) or a
+            list of positions patched one at a time; grids then gain a last axis of that length.
+        layers: the layers to patch (default all).
+        max_rows: rows per forward (``configurations * B``).
+        backend: the attention backend of every run (default: the adapter's, else ``"auto"``).
+
+    Returns:
+        :class:`~headlab.interpret.patching.result.PatchResult` (``method="exact"``).
+
+        >>> import torch, headlab
+        >>> from headlab.models.transformer import Transformer, TransformerConfig
+        >>> from headlab.interpret.patching import logit_diff
+        >>> torch.manual_seed(0); m = Transformer(TransformerConfig(vocab_size=20, d_model=16, n_layers=2,
+        ...     n_heads=2, causal=True)).eval()
+        >>> clean, corrupt = torch.tensor([[1, 2, 3, 4]]), torch.tensor([[1, 5, 3, 4]])
+        >>> r = headlab.patch(m, clean, corrupt, logit_diff(2, 5))
+        >>> r.effects["z"].shape
+        torch.Size([2, 2])
+    """
+    t0 = time.perf_counter()
+    pair = runs.prepare(model, clean, corrupted)
+    kinds = runs.check_kinds(sites)
+    pos = runs.check_positions(positions, pair.length)
+    a = pair.adapter
+    chosen_layers = list(range(a.n_layers)) if layers is None else [a._check_layer(int(l)) for l in layers]
+    names = [a.site_name(l, k) for l in chosen_layers for k in kinds]
+    clean_vals, _ = runs.run_metric(pair, metric, pair.clean, 1, backend=backend)
+    corrupt_vals, corrupt_cache = runs.run_metric(pair, metric, pair.corrupted, 1, sites=names, backend=backend)
+    m_clean, m_corrupt = float(clean_vals.mean()), float(corrupt_vals.mean())
+    per_forward = runs.copies_per_forward(pair.n, max_rows)
+    P = 1 if pos is None else len(pos)
+    configs = [(kind, l, h, p) for kind in kinds for l in chosen_layers
+               for h in range(int(corrupt_cache[a.site_name(l, kind)].shape[1])) for p in range(P)]
+    width = {k: max(int(corrupt_cache[a.site_name(l, k)].shape[1]) for l in chosen_layers) for k in kinds}
+    raw = {k: torch.full((a.n_layers, width[k], *(() if pos is None else (P,))), float("nan")) for k in kinds}
+    bar, task = _bar(progress, len(configs))
+    try:
+        for chunk in runs.chunks(configs, per_forward):
+            edits = {}
+            for kind in {c[0] for c in chunk}:
+                for l in {c[1] for c in chunk if c[0] == kind}:
+                    name = a.site_name(l, kind)
+                    src = corrupt_cache[name]  # (B, heads, L, ...)
+                    mask = torch.zeros(len(chunk), src.shape[1], pair.length, dtype=torch.bool)  # (C, heads, L)
+                    for i, (k2, l2, h, p) in enumerate(chunk):
+                        if (k2, l2) == (kind, l):
+                            if pos is None:
+                                mask[i, h, :] = True
+                            else:
+                                mask[i, h, pos[p]] = True
+                    edits[name] = runs.where_heads(mask, pair.n, src)
+            vals, _ = runs.run_metric(pair, metric, pair.clean, len(chunk), edits=edits, backend=backend)
+            for i, (kind, l, h, p) in enumerate(chunk):
+                idx = (l, h) if pos is None else (l, h, p)
+                raw[kind][idx] = float(vals[i].mean()) - m_clean
+            if bar is not None:
+                bar.advance(task, len(chunk))
+    finally:
+        if bar is not None:
+            bar.__exit__(None, None, None)
+    notes = []
+    if abs(m_corrupt - m_clean) < 1e-9:
+        notes.append("the clean and corrupted runs give the same metric: effects cannot be normalised (NaN); "
+                     "see raw for the changes")
+    if any(k in kinds for k in ("k", "v")) and a.n_kv_heads != a.n_heads:
+        notes.append(f"k and v are patched per kv head ({a.n_kv_heads} of them); each is read by "
+                     f"{a.n_heads // a.n_kv_heads} query heads")
+    return PatchResult(model=pair.model_name, method="exact", metric=getattr(metric, "__name__", "metric"),
+                       n_examples=pair.n, clean=m_clean, corrupted=m_corrupt,
+                       effects={k: normalise(v, m_clean, m_corrupt) for k, v in raw.items()}, raw=raw,
+                       positions=pos, seconds=time.perf_counter() - t0, notes=notes)
+
+
+def _bar(progress: bool, total: int):
+    if not progress:
+        return None, None
+    from headlab.progress import progress as make
+
+    bar = make()
+    bar.__enter__()
+    return bar, bar.add_task("patching", total=total)
+
+
+__all__ = ["patch"]

@@ -1,0 +1,130 @@
+"""What every patching method shares: a clean/corrupted pair of inputs, stacked runs, per-head edits.
+
+A *pair* is two inputs of the same shape: the clean prompts and their corrupted twins (same length
+token by token, same attention mask), so that position ``i`` of one is patched with position ``i`` of
+the other. Configurations run *stacked*: ``C`` copies of the ``B`` clean examples form one batch of
+``C * B`` rows, and the edit of a site replaces, in copy ``c``, exactly the heads (and positions) of
+configuration ``c``. One forward measures ``C`` patches, as ablation batches its configurations.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from headlab.errors import ConfigError, InputError, ShapeError
+from headlab.interpret.capture import capture
+from headlab.interpret.capture.run import _prepare_inputs
+from headlab.interpret.patching.metrics import evaluate, logits_of
+from headlab.models.loader import resolve
+
+HEAD_KINDS = ("z", "q", "k", "v", "pattern")  # patchable per head; k and v count kv heads
+
+
+@dataclass
+class Pair:
+    """A clean and a corrupted input, prepared; ``B`` examples each."""
+
+    adapter: object
+    loaded: object
+    clean: dict | torch.Tensor
+    corrupted: dict | torch.Tensor
+    n: int  # B
+    length: int  # L
+    model_name: str
+
+
+def _ids_of(x) -> torch.Tensor:
+    return x["input_ids"] if isinstance(x, dict) and "input_ids" in x else x
+
+
+def prepare(model, clean, corrupted) -> Pair:
+    """Both inputs tokenised/checked: same keys and shapes, same attention mask (positions must align)."""
+    adapter, loaded = resolve(model)
+    a, b = _prepare_inputs(clean, loaded), _prepare_inputs(corrupted, loaded)
+    ta, tb = _ids_of(a), _ids_of(b)
+    if not isinstance(ta, torch.Tensor) or not isinstance(tb, torch.Tensor) or ta.dim() != 2:
+        raise InputError("patching needs token inputs: input_ids tensors (B, L), dicts with input_ids, or text "
+                         "with a LoadedModel")
+    if ta.shape != tb.shape:
+        raise ShapeError(f"clean inputs have shape {tuple(ta.shape)} and corrupted {tuple(tb.shape)}: patching "
+                         "replaces position i by position i, so both must tokenise to the same length (choose "
+                         "corrupted words with the same number of tokens)")
+    if isinstance(a, dict) != isinstance(b, dict) or (isinstance(a, dict) and set(a) != set(b)):
+        raise InputError("clean and corrupted must be given the same way (both tensors, or dicts with the same keys)")
+    if isinstance(a, dict) and "attention_mask" in a and not torch.equal(a["attention_mask"], b["attention_mask"]):
+        raise InputError("clean and corrupted have different attention masks (padding); give prompts of equal "
+                         "token lengths so the same positions are real in both")
+    name = getattr(loaded, "name", None) or type(adapter.model).__name__
+    return Pair(adapter, loaded, a, b, int(ta.shape[0]), int(ta.shape[1]), name)
+
+
+def repeat(inputs, copies: int):
+    """``copies`` stacked copies of every tensor along the batch: ``(B, ...) -> (copies * B, ...)``."""
+    if isinstance(inputs, dict):
+        return {k: (v.repeat(copies, *[1] * (v.dim() - 1)) if isinstance(v, torch.Tensor) and v.dim() > 0 else v)
+                for k, v in inputs.items()}
+    return inputs.repeat(copies, *[1] * (inputs.dim() - 1))
+
+
+def run_metric(pair: Pair, metric, inputs, copies: int, edits=None, sites=None, backend=None):
+    """Run ``copies`` stacked copies of ``inputs`` with ``edits``; ``((copies, B) metric values, cache)``."""
+    cache = capture(pair.adapter, repeat(inputs, copies) if copies > 1 else inputs, sites or [],
+                    edits=edits or {}, backend=backend)
+    with torch.no_grad():
+        values = evaluate(metric, logits_of(cache.outputs), pair.n)
+    return values.detach().float(), cache
+
+
+def check_kinds(sites) -> list[str]:
+    kinds = [sites] if isinstance(sites, str) else list(sites)
+    bad = [k for k in kinds if k not in HEAD_KINDS]
+    if bad or not kinds:
+        raise ConfigError(f"sites={sites!r}: patching per head takes the kinds {', '.join(HEAD_KINDS)} "
+                          "(k and v patch kv heads)")
+    return kinds
+
+
+def check_positions(positions, length: int) -> list[int] | None:
+    """None (every position at once), or the list of positions patched one at a time ("each": all)."""
+    if positions is None:
+        return None
+    if isinstance(positions, str):
+        if positions != "each":
+            raise ConfigError(f"positions={positions!r}: give None (all at once), 'each', or a list of positions")
+        return list(range(length))
+    out = []
+    for p in positions:
+        if isinstance(p, bool) or not isinstance(p, int) or not -length <= p < length:
+            raise ConfigError(f"position {p!r} is not an index into {length} positions")
+        out.append(p % length)
+    if not out:
+        raise ConfigError("positions is empty; give None (all positions at once), 'each', or a list")
+    return out
+
+
+def where_heads(mask: torch.Tensor, n: int, source: torch.Tensor) -> Callable:
+    """An edit that puts ``source (B, heads, L, ...)`` where ``mask (C, heads, L)`` is True, in every one of
+    ``C`` stacked copies of ``n`` examples: ``t (C * n, heads, L, ...)``."""
+
+    def edit(t: torch.Tensor, site: str) -> torch.Tensor:
+        C = mask.shape[0]
+        view = t.view(C, n, *t.shape[1:])  # (C, B, heads, L, ...)
+        m = mask.to(t.device).view(C, 1, *mask.shape[1:], *[1] * (t.dim() - 3))  # (C, 1, heads, L, 1...)
+        src = source.to(device=t.device, dtype=t.dtype).unsqueeze(0)  # (1, B, heads, L, ...)
+        return torch.where(m, src, view).reshape(t.shape)
+
+    return edit
+
+
+def chunks(items: Sequence, size: int):
+    for i in range(0, len(items), size):
+        yield items[i:i + size]
+
+
+def copies_per_forward(n: int, max_rows: int) -> int:
+    if isinstance(max_rows, bool) or not isinstance(max_rows, int) or max_rows < 1:
+        raise ConfigError(f"max_rows (rows per forward) must be a positive integer, got {max_rows!r}")
+    return max(1, max_rows // n)
