@@ -1,0 +1,78 @@
+"""``headlab patch``: --help, errors before loading (exit 2, one line), and a run on a tiny saved GPT-2."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import transformers
+
+import headlab
+from conftest import run_cli
+from headlab.interpret.patching import logit_diff, patch
+from headlab.interpret.patching.prompts import prompt_pair
+
+WORDS = ["<pad>", "<unk>", "When", "Mary", "and", "John", "Anne", "Paul", "went", "to", "the", "store", ",", "gave",
+         "a", "drink", "Bob Smith"]
+CLEAN = "When Mary and John went to the store , John gave a drink to"
+CORRUPT = "When Anne and Paul went to the store , Paul gave a drink to"
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", unk_token="<unk>")
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=len(WORDS), n_embd=32, n_layer=2, n_head=4, n_positions=32, attn_implementation="eager")).eval()
+    folder = tmp_path_factory.mktemp("tiny-gpt2")
+    model.save_pretrained(folder)
+    fast.save_pretrained(folder)
+    return folder
+
+
+def _args(folder, *more):
+    return ["patch", "--model", str(folder), "--clean", CLEAN, "--corrupted", CORRUPT, "--answer", " Mary",
+            "--wrong", " John", *more]
+
+
+def test_help(capsys):
+    code, out, _ = run_cli(["patch", "--help"], capsys)
+    assert code == 0 and "--clean" in out and "--answer" in out and "--sites" in out
+
+
+def test_errors_exit_2_before_loading(tmp_path, tiny_folder, capsys):
+    missing = str(tmp_path / "no-such-model")  # options are refused before the model is looked for
+    for more, needle in ((["--sites", "head_out"], "kinds"), (["--method", "fast"], "--method"),
+                         (["--positions", "x"], "--positions"), (["--out", str(tmp_path / "r.txt")], ".json")):
+        code, _, err = run_cli(_args(missing, *more), capsys)
+        assert code == 2 and needle in err and len(err.strip().splitlines()) == 1, err
+    code, _, err = run_cli(_args(tiny_folder, "--wrong", " Bob Smith"), capsys)
+    assert code == 2 and "tokens" in err  # "Bob Smith" is two words: two tokens
+    code, _, err = run_cli(["patch", "--model", str(tiny_folder), "--clean", CLEAN, "--corrupted", "When Anne",
+                            "--answer", " Mary", "--wrong", " John"], capsys)
+    assert code == 2 and "as many tokens" in err
+
+
+def test_json_equals_library_and_files(tmp_path, tiny_folder, capsys):
+    code, out, err = run_cli(_args(tiny_folder, "--json", "--method", "both", "--out", str(tmp_path / "r.json")),
+                             capsys)
+    assert code == 0, err
+    doc = json.loads(out)
+    loaded = headlab.load(str(tiny_folder))
+    a, b, metric = prompt_pair(loaded, CLEAN, CORRUPT, " Mary", " John")
+    ids = loaded.tokenizer([" Mary", " John"], add_special_tokens=False)["input_ids"]
+    want = patch(loaded, a["input_ids"], b["input_ids"], logit_diff(ids[0], ids[1]))
+    got = torch.tensor([[float("nan") if v is None else v for v in row] for row in doc["exact"]["raw"]["z"]])
+    assert torch.allclose(got, want.raw["z"], atol=1e-4)
+    assert doc["exact"]["clean"] == pytest.approx(want.clean, abs=1e-5)
+    assert -1 <= doc["agreement"]["z"]["spearman"] <= 1
+    assert json.loads((tmp_path / "r.json").read_text())["attribution"]["method"] == "attribution"
+    code, out, err = run_cli(_args(tiny_folder, "--out", str(tmp_path / "r.html"), "--sites", "z,v"), capsys)
+    assert code == 0 and "top heads" in out and (tmp_path / "r.html").read_text().startswith("<!DOCTYPE html>")
+    code, _, err = run_cli(_args(tiny_folder, "--out", str(tmp_path / "r.html")), capsys)
+    assert code == 2 and "--force" in err
