@@ -36,6 +36,7 @@ from headlab.costs.model import (
     register_cost,
 )
 from headlab.costs.ring import RingCost, ring_cost
+from headlab.costs.kv import full_cache_bytes, kv_cache_bytes, policy_cache_bytes
 
-__all__ = ["AttentionCost", "AttentionShape", "Hardware", "RingCost", "estimate", "estimate_all", "formulas",
+__all__ = ["full_cache_bytes", "kv_cache_bytes", "policy_cache_bytes", "AttentionCost", "AttentionShape", "Hardware", "RingCost", "estimate", "estimate_all", "formulas",
            "parse_dtype", "register_cost", "ring_cost"]

@@ -76,6 +76,9 @@ def headlab_attention_forward(
     Returns ``(out (B, Lq, H, d), weights (B, H, Lq, Lk) or None)``; the weights are computed when the
     caller asks for ``output_attentions`` or a capture asks for this layer's pattern.
     """
+    attend = getattr(key, "headlab_attend", None)
+    if attend is not None:  # a per-head KV cache (headlab.kv.HeadCache) hands its groups instead of a tensor
+        return attend(module, query, attention_mask, scaling=scaling, softcap=kwargs.get("softcap"))
     if kwargs.get("s_aux") is not None:
         raise BackendUnsupportedError(
             f"{type(module).__name__} passes 's_aux' (attention sinks) to its attention function, which headlab "

@@ -1,0 +1,13 @@
+"""Decoding with a KV cache shaped per head: policies (:mod:`headlab.kv`), the cache, :func:`generate`.
+
+    headlab.generate(model, prompt, policy=headlab.kv.Policy.uniform(headlab.kv.window(4, 256)))
+
+This package sits above ``interpret`` (a policy can come from an atlas or from head importance) and
+below the CLI.
+"""
+
+from headlab.decode import kv
+from headlab.decode.cache import HeadCache
+from headlab.decode.generate import Generation, generate, perplexity
+
+__all__ = ["Generation", "HeadCache", "generate", "kv", "perplexity"]

@@ -1,0 +1,246 @@
+"""Decoding with a per-head KV cache: :func:`generate`, and :func:`perplexity` under a policy.
+
+    >>> import torch, headlab
+    >>> from transformers import LlamaConfig, LlamaForCausalLM
+    >>> torch.manual_seed(0)  # doctest: +ELLIPSIS
+    <torch._C.Generator object at ...>
+    >>> lm = LlamaForCausalLM(LlamaConfig(vocab_size=61, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+    ...     num_key_value_heads=2, intermediate_size=64, attn_implementation="eager")).eval()
+    >>> prompt = torch.randint(0, 61, (1, 20))
+    >>> g = headlab.generate(lm, prompt, policy=headlab.kv.Policy.uniform(headlab.kv.window(sink=2, recent=6)),
+    ...                      max_new_tokens=5)
+    >>> g.ids.shape, g.step_logits.shape
+    (torch.Size([1, 5]), torch.Size([5, 61]))
+    >>> g.kv_bytes   # 2 layers x 2 kv heads x 8 keys x (key + value) x head dim 8 x 4 bytes
+    2048
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from headlab.costs.kv import kv_cache_bytes
+from headlab.decode.cache import HeadCache
+from headlab.decode.kv import Policy, check_decoder, kv_layout
+from headlab.errors import ConfigError, InputError, UnsupportedArchitectureError
+from headlab.progress import progress as progress_display
+
+__all__ = ["Generation", "generate", "perplexity", "prompt_ids"]
+
+
+@dataclass
+class Generation:
+    """What :func:`generate` returns.
+
+    Attributes:
+        ids: ``(1, new)`` the generated token ids (the prompt not included).
+        step_logits: ``(new, vocab)`` float32, the logits each step chose from.
+        kv_bytes: the cache's key and value tensors at their peak, measured (``nbytes``).
+        kv_bytes_full: what the ordinary (all heads full) cache holds at the same length, predicted.
+        prompt_tokens: the prompt's length.
+        prefill_seconds: the prompt's forward; decode_seconds: the steps after it.
+        text: the decoded new text (when the model came with a tokenizer).
+    """
+
+    ids: torch.Tensor
+    step_logits: torch.Tensor
+    kv_bytes: int
+    kv_bytes_full: int
+    prompt_tokens: int
+    prefill_seconds: float
+    decode_seconds: float
+    policy: Policy
+    text: str | None = None
+    counts: dict = field(default_factory=dict)
+
+    @property
+    def tokens_per_second(self) -> float:
+        steps = self.ids.shape[1] - 1
+        return steps / self.decode_seconds if steps > 0 and self.decode_seconds > 0 else float("nan")
+
+    def to_json(self) -> dict:
+        return {"ids": self.ids[0].tolist(), "text": self.text, "prompt_tokens": self.prompt_tokens,
+                "kv_bytes": self.kv_bytes, "kv_bytes_full": self.kv_bytes_full,
+                "kv_ratio": self.kv_bytes / self.kv_bytes_full if self.kv_bytes_full else None,
+                "prefill_seconds": self.prefill_seconds, "decode_seconds": self.decode_seconds,
+                "tokens_per_second": self.tokens_per_second, "policy": self.policy.to_json(), "heads": self.counts}
+
+
+def prompt_ids(adapter, loaded, prompt) -> torch.Tensor:
+    """``(1, n)`` token ids from a text (the model's tokenizer) or a tensor of ids, checked."""
+    if isinstance(prompt, str):
+        if loaded is None or loaded.tokenizer is None:
+            raise InputError("a text prompt needs the model's tokenizer: pass a LoadedModel (headlab.load) or "
+                             "token ids of shape (1, n)")
+        return loaded.encode(prompt)["input_ids"]
+    if not isinstance(prompt, torch.Tensor):
+        raise InputError(f"prompt must be a text or a (1, n) tensor of token ids, got {type(prompt).__name__}")
+    ids = prompt.unsqueeze(0) if prompt.dim() == 1 else prompt
+    if ids.dim() != 2 or ids.shape[0] != 1 or ids.shape[1] == 0:
+        raise InputError(f"prompt ids of shape {tuple(prompt.shape)}: give one non-empty sequence, shape (1, n)")
+    if ids.dtype not in (torch.long, torch.int, torch.int32):
+        raise InputError(f"prompt ids must be integers, got {ids.dtype}")
+    vocab = getattr(getattr(adapter.model, "config", None), "vocab_size", None)
+    if vocab is not None and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
+        raise InputError(f"prompt ids must lie in 0..{vocab - 1} (the vocabulary); saw {int(ids.min())}..{int(ids.max())}")
+    return ids.long().to(next(adapter.model.parameters()).device)
+
+
+def _setup(model, policy):
+    from headlab.models.loaded_model import resolve
+
+    adapter, loaded = resolve(model)
+    check_decoder(adapter, getattr(loaded, "name", None) or type(adapter.model).__name__)
+    if not hasattr(adapter.model, "get_output_embeddings") or adapter.model.get_output_embeddings() is None:
+        raise ConfigError(f"{type(adapter.model).__name__} has no language-model head to decode with; load the "
+                          "...ForCausalLM class (headlab.load does)")
+    policy = policy if policy is not None else Policy.uniform("full")
+    if not isinstance(policy, Policy):
+        raise ConfigError(f"policy must be a headlab.kv.Policy (e.g. kv.Policy.uniform(kv.window(4, 256))), "
+                          f"got {type(policy).__name__}")
+    kvh = kv_layout(adapter)[1]
+    policy.check(kvh)
+    if hasattr(adapter, "attention_forward") and policy.counts(kvh)["full"] != sum(kvh):
+        raise UnsupportedArchitectureError(
+            f"{type(adapter.model).__name__} computes attention in its own modules (not through transformers' "
+            "attention interface), so its cache cannot be shaped per head; decode it with policy=None (the full cache)")
+    return adapter, loaded, policy
+
+
+def _new_cache(adapter, policy):
+    """A :class:`HeadCache`; for families that compute attention themselves (BLOOM, Falcon), whose
+    policy is then all full, transformers' own ``DynamicCache``."""
+    if hasattr(adapter, "attention_forward"):
+        from transformers import DynamicCache
+
+        return DynamicCache(config=adapter.model.config)
+    return HeadCache(adapter, policy)
+
+
+def _held_bytes(cache) -> int:
+    if isinstance(cache, HeadCache):
+        return cache.peak_bytes
+    return sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values)
+               if isinstance(t, torch.Tensor))
+
+
+def _limit(adapter, loaded) -> int | None:
+    if loaded is not None:
+        return loaded.max_positions
+    return getattr(getattr(adapter.model, "config", None), "max_position_embeddings", None)
+
+
+def _next(logits: torch.Tensor, *, sample: bool, temperature: float, top_k: int | None, gen) -> int:
+    if not sample:
+        return int(logits.argmax())
+    z = logits.float() / temperature
+    if top_k is not None:
+        kth = torch.topk(z, min(top_k, z.numel())).values[-1]
+        z = z.masked_fill(z < kth, float("-inf"))
+    return int(torch.multinomial(torch.softmax(z, -1), 1, generator=gen))
+
+
+def generate(model, prompt, *, policy: Policy | None = None, max_new_tokens: int = 32, sample: bool = False,
+             temperature: float = 1.0, top_k: int | None = None, seed: int | None = None, stop_at_eos: bool = True,
+             progress: bool = False) -> Generation:
+    """Decode ``max_new_tokens`` tokens after ``prompt`` with a KV cache shaped by ``policy``.
+
+    Args:
+        model: a causal LM: a LoadedModel (``headlab.load("smollm2")``), a Hugging Face model or an adapter.
+        prompt: a text (needs the LoadedModel's tokenizer) or ``(1, n)`` token ids.
+        policy: a :class:`~headlab.kv.Policy`; None keeps every head full (then the tokens equal Hugging
+            Face's greedy ``generate``).
+        max_new_tokens: how many tokens to generate (fewer when the model emits its end-of-sequence token
+            and ``stop_at_eos``).
+        sample, temperature, top_k, seed: sampling instead of greedy decoding, reproducible with ``seed``.
+        progress: a progress bar over the steps.
+
+    The prompt runs as one forward (prefill; windowed heads on the sparse kernel), then one token per step.
+    """
+    adapter, loaded, policy = _setup(model, policy)
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ConfigError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+    if sample and not temperature > 0:
+        raise ConfigError(f"temperature must be > 0 for sampling, got {temperature}")
+    ids = prompt_ids(adapter, loaded, prompt)
+    n = ids.shape[1]
+    limit = _limit(adapter, loaded)
+    if limit is not None and n + max_new_tokens > limit:
+        raise InputError(f"the prompt ({n} tokens) plus {max_new_tokens} new tokens exceeds the {limit} positions "
+                         "the model was trained for; shorten the prompt or ask for fewer tokens")
+    hf = adapter.model
+    eos = getattr(getattr(hf, "generation_config", None), "eos_token_id", None)
+    eos = set(eos if isinstance(eos, list) else [eos]) - {None} if stop_at_eos else set()
+    gen = torch.Generator().manual_seed(seed) if seed is not None else None
+    heads, kvh = kv_layout(adapter)
+    out_ids, logits_seen = [], []
+    with torch.no_grad(), adapter.use_backend("auto"):
+        cache = _new_cache(adapter, policy)
+        t0 = time.perf_counter()
+        logits = hf(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1).logits[0, -1]
+        t1 = time.perf_counter()
+        with (progress_display() if progress else _Quiet()) as bar:
+            task = bar.add_task("decoding", total=max_new_tokens)
+            for step in range(max_new_tokens):
+                logits_seen.append(logits.float())
+                tok = _next(logits, sample=sample, temperature=temperature, top_k=top_k, gen=gen)
+                out_ids.append(tok)
+                bar.advance(task)
+                if tok in eos or step == max_new_tokens - 1:
+                    break
+                logits = hf(input_ids=torch.tensor([[tok]], device=ids.device), cache=cache, use_cache=True).logits[0, -1]
+        t2 = time.perf_counter()
+    held = n + len(out_ids) - 1  # the last token is never fed back
+    dtype = next(hf.parameters()).dtype
+    full_bytes = kv_cache_bytes(Policy.uniform("full").kept(held, kvh), head_dim=adapter.head_dim, dtype=dtype)
+    new = torch.tensor([out_ids], dtype=torch.long)
+    text = loaded.tokenizer.decode(out_ids, skip_special_tokens=True) if loaded is not None and loaded.tokenizer else None
+    return Generation(new, torch.stack(logits_seen), _held_bytes(cache), full_bytes, n, t1 - t0, t2 - t1, policy, text,
+                      policy.counts(kvh))
+
+
+class _Quiet:
+    """The progress display's calls, doing nothing (``progress=False``)."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def add_task(self, *a, **k):
+        return 0
+
+    def advance(self, *a, **k):
+        pass
+
+
+def perplexity(model, ids: torch.Tensor, *, policy: Policy | None = None, chunk: int = 512) -> float:
+    """Perplexity of ``ids (1, n)`` under ``policy``: one forward with the policy's per-head visibility.
+
+    Equal to decoding the text token by token under the policy (keys keep their positions), which
+    the tests check; the logits are computed ``chunk`` positions at a time, so an 8k-token text does
+    not hold an ``n x vocab`` matrix.
+    """
+    adapter, loaded, policy = _setup(model, policy)
+    ids = prompt_ids(adapter, loaded, ids)
+    if ids.shape[1] < 2:
+        raise InputError("perplexity needs at least 2 tokens")
+    hf = adapter.model
+    head = hf.get_output_embeddings()
+    cap = getattr(hf.config, "final_logit_softcapping", None)
+    nll, count = 0.0, 0
+    with torch.no_grad(), adapter.use_backend("auto"):
+        cache = _new_cache(adapter, policy)
+        hidden = hf.base_model(input_ids=ids, cache=cache, use_cache=True).last_hidden_state[0]  # (n, E)
+        for s in range(0, ids.shape[1] - 1, chunk):
+            e = min(s + chunk, ids.shape[1] - 1)
+            z = head(hidden[s:e]).float()
+            if cap:
+                z = torch.tanh(z / cap) * cap
+            nll += float(torch.nn.functional.cross_entropy(z, ids[0, s + 1:e + 1], reduction="sum"))
+            count += e - s
+    return float(torch.exp(torch.tensor(nll / count)))
