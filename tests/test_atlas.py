@@ -1,0 +1,210 @@
+"""The head atlas: every score against an independent computation from explicit attention maps, the copying
+score against the full vocab x vocab OV circuit, retrieval against a step-by-step decoding loop, the gating
+engine against the adapter's own gates, the verdict rule, the JSON round trip and the input errors."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+import headlab
+from architectures import build
+from headlab.errors import ConfigError, InputError
+from headlab.interpret.atlas import Atlas, atlas
+from headlab.interpret.atlas import causal as CK
+from headlab.interpret.atlas import tasks as T
+from headlab.interpret.atlas.scores import embeddings
+from headlab.models import adapt
+from headlab.models.transformer import Transformer, TransformerConfig
+
+SMALL = dict(half=7, n_repeated=3, max_tokens=24, n_texts=3, needle_trials=2, haystack_tokens=30, n_boot=200)
+TEXTS = [[(7 * i) % 37 + 1 for i in range(150)]]
+
+
+def _tiny(causal=True, vocab=40, kv=None, seed=0):
+    torch.manual_seed(seed)
+    cfg = TransformerConfig(vocab_size=vocab, d_model=32, n_layers=2, n_heads=4, n_kv_heads=kv or 4, causal=causal)
+    return Transformer(cfg).eval()
+
+
+def _maps(model, ids):
+    """Explicit attention maps ``(n_layers, B, H, L, L)`` from the reference path."""
+    c = headlab.capture(model, {"input_ids": ids, "attention_mask": torch.ones_like(ids)}, "blocks.*.attn.pattern")
+    return c.stack("pattern").double()
+
+
+def _brute_repeated(P, start, half):
+    L, B, H, n, _ = P.shape
+    prev = torch.zeros(L, H, dtype=torch.float64)
+    dup, ind = torch.zeros_like(prev), torch.zeros_like(prev)
+    for i in range(1, start + 2 * half):
+        prev += P[:, :, :, i, i - 1].mean(1) / (start + 2 * half - 1)
+    for i in range(start + half, start + 2 * half):
+        dup += P[:, :, :, i, i - half].mean(1) / half
+        ind += P[:, :, :, i, i - half + 1].mean(1) / half
+    return {"previous_token": prev, "duplicate_token": dup, "induction": ind}
+
+
+def _brute_text(model, pieces, window, causal):
+    sink = local = 0
+    for ids in pieces:
+        P = _maps(model, ids[None])[:, 0]  # (L, H, n, n)
+        n = P.shape[-1]
+        i, j = torch.arange(n)[:, None], torch.arange(n)[None]
+        near = ((i - j >= 0) & (i - j < window)) if causal else ((i - j).abs() < window)
+        sink = sink + P[..., 0].mean(-1)
+        local = local + (P * near).sum(-1).mean(-1)
+    return sink / len(pieces), local / len(pieces)
+
+
+MODELS = {"own decoder": lambda: _tiny(), "own encoder": lambda: _tiny(causal=False),
+          "llama (GQA, rotary)": lambda: build("llama"), "gemma2 (soft-capping, sliding window)": lambda: build("gemma2"),
+          "bert": lambda: build("bert")}
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_pattern_scores_equal_explicit_maps(name):
+    model = MODELS[name]()
+    a = atlas(model, kinds=["previous_token", "duplicate_token", "induction", "sink", "local"], texts=TEXTS,
+              checks=False, window=5, **SMALL)
+    vocab = embeddings(model)[0].shape[0]
+    ids, start = T.repeated(None, vocab=vocab, n=SMALL["n_repeated"], half=SMALL["half"], seed=0)
+    want = _brute_repeated(_maps(model, ids), start, SMALL["half"])
+    for kind, w in want.items():
+        assert torch.allclose(a.scores[kind], w, atol=2e-5), (kind, a.scores[kind], w)
+    pieces = T.natural(None, TEXTS, max_tokens=SMALL["max_tokens"], n=SMALL["n_texts"])
+    sink, local = _brute_text(model, pieces, 5, adapt(model).causal)
+    assert torch.allclose(a.scores["sink"], sink, atol=2e-5)
+    assert torch.allclose(a.scores["local"], local, atol=2e-5)
+    assert a.scores["local"].max() <= 1 + 1e-6 and a.scores["sink"].min() >= 0
+
+
+def test_copying_score_equals_the_full_ov_circuit():
+    for model in (_tiny(kv=2), build("llama")):
+        ad = adapt(model)
+        a = atlas(model, kinds=["induction"], checks=False, half=4, n_repeated=2)
+        w_e, w_u, _ = embeddings(model)
+        for layer in range(ad.n_layers):
+            H, Hkv = ad.n_heads, ad.n_kv_heads
+            for h in range(H):
+                full = w_e.double() @ ad.W_V(layer)[h // (H // Hkv)].double() @ ad.W_O(layer)[h].double() @ w_u.double()
+                lam = torch.linalg.eigvals(full)  # (V,) of the vocab x vocab circuit
+                want = float(lam.sum().real) / float(lam.abs().sum())
+                assert abs(float(a.scores["copying"][layer, h]) - want) < 1e-6
+
+
+def test_retrieval_equals_a_step_by_step_decoding_loop():
+    # a 12-token vocabulary: the generated tokens often lie in the needle, so copy events happen
+    model = _tiny(vocab=12, seed=3)
+    texts = [[int(x) for x in torch.randint(0, 12, (80,), generator=torch.Generator().manual_seed(1))]]
+    a = atlas(model, kinds=["retrieval"], texts=texts, checks=False, needle_trials=3, haystack_tokens=40)
+    trials = T.needles(None, texts=texts, n=3, haystack_tokens=40, seed=0, vocab=12)
+    want = torch.zeros(2, 4, dtype=torch.float64)
+    for tr in trials:
+        seq, n = tr.ids.clone(), len(tr.answer)
+        for _ in range(n):
+            with torch.no_grad():
+                nxt = int(model(seq[None]).logits[0, -1].argmax())
+            P = _maps(model, seq[None])[:, 0, :, -1]  # (L, H, keys): the decoding step's attention row
+            top = P.argmax(-1)
+            for layer in range(2):
+                for h in range(4):
+                    j = int(top[layer, h])
+                    if tr.needle[0] <= j < tr.needle[1] and int(seq[j]) == nxt:
+                        want[layer, h] += 1 / n
+            seq = torch.cat([seq, torch.tensor([nxt])])
+    want /= len(trials)
+    assert torch.allclose(a.scores["retrieval"], want, atol=1e-9)
+    assert float(want.sum()) > 0  # the loop found copy events: the comparison is not 0 == 0
+
+
+def test_gating_equals_the_adapters_own_gates():
+    model = _tiny(kv=2)
+    ad = adapt(model)
+    ids = torch.randint(0, 40, (3, 9), generator=torch.Generator().manual_seed(0))
+    inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    sets = [[], [(0, 1)], [(1, 0), (1, 3), (0, 2)]]
+    got = CK.gated(ad, inputs, CK.masks_of(ad, sets), CK.text_loss, max_rows=4)  # chunks of one configuration
+    for i, s in enumerate(sets):
+        g = torch.ones(2, 4)
+        for l, h in s:
+            g[l, h] = 0
+        ad.gates = g
+        with torch.no_grad():
+            want = CK.text_loss(ad.forward(inputs), inputs)
+        ad.reset_gates()
+        assert torch.allclose(got[i], want.double(), atol=1e-6)
+    assert not torch.allclose(got[0], got[2])
+
+
+def test_verdict_rule():
+    rng = np.random.default_rng(0)
+    noise = 0.05 * rng.standard_normal((10, 30))
+    clear = CK.verdict(1.0 + 0.05 * rng.standard_normal(30), 0.1 + noise, n_boot=300)
+    assert clear["verdict"] == "causal" and clear["times_random"] > 3
+    same = CK.verdict(0.1 + 0.05 * rng.standard_normal(30), 0.1 + noise, n_boot=300)
+    assert same["verdict"] == "not confirmed" and not same["clears_random"]
+    # three times the random mean but inside a wide draw: the interval rule alone refuses it
+    wide = 0.1 + noise.copy()
+    wide[3] += 0.6
+    mid = CK.verdict(0.55 + 0.01 * rng.standard_normal(30), wide, n_boot=300)
+    assert mid["passes_ratio"] and not mid["clears_random"] and mid["verdict"] == "not confirmed"
+    with pytest.raises(ConfigError, match="at least 2 examples"):
+        CK.verdict([1.0], [[0.0]])
+
+
+def test_draws_avoid_the_targeted_heads():
+    top = [(0, 1), (1, 2)]
+    draws = CK.draw_sets(2, [4, 4], top, n_draws=12, seed=0)
+    assert len(draws) == 12 and all(len(d) == 2 and not set(d) & set(top) for d in draws)
+    assert len({tuple(d) for d in draws}) > 1
+
+
+def test_checks_and_the_json_round_trip(tmp_path):
+    model = _tiny(kv=2)
+    a = atlas(model, texts=TEXTS, k=2, n_draws=10, **SMALL)
+    assert set(a.verdicts) == {"previous_token", "duplicate_token", "induction", "retrieval", "sink", "local"}
+    for kind, v in a.verdicts.items():
+        assert v["verdict"] in ("causal", "not confirmed") and len(v["draws"]) == 10 and len(v["heads"]) == 2
+        assert v["heads"] == [list(x) for x in a.top(kind, 2)]
+        assert len(v["effects"]["targeted"]) == v["n_examples"] >= 2
+    path = tmp_path / "atlas.json"
+    path.write_text(json.dumps(a.to_json()))
+    b = Atlas.from_json(path)
+    for kind in a.verdicts:  # every verdict is reproduced from the JSON's per-example effects
+        re = b.recheck(kind)
+        assert re["verdict"] == a.verdicts[kind]["verdict"]
+        assert re["targeted_ci"] == pytest.approx(a.verdicts[kind]["targeted_ci"], abs=1e-6)
+    assert b.kinds == a.kinds and torch.equal(b.kv_group, a.kv_group)
+    assert b.kv_group[0].tolist() == [0, 0, 1, 1]
+    for kind in a.kinds:
+        assert torch.allclose(b.scores[kind], a.scores[kind].double(), atol=1e-6, equal_nan=True)
+    assert b.roles(0, 0) == a.roles(0, 0)
+
+
+def test_an_encoder_is_scored_and_checked_on_its_embedding():
+    a = atlas(_tiny(causal=False), texts=TEXTS, k=1, **SMALL)
+    assert "retrieval" in a.skipped and "induction check" in a.skipped
+    assert set(a.verdicts) == {"sink", "local"}
+    assert a.verdicts["sink"]["task"].startswith("1 - cos")
+
+
+def test_input_errors():
+    model = _tiny()
+    with pytest.raises(ConfigError, match="unknown atlas kind"):
+        atlas(model, kinds=["inductoin"])
+    with pytest.raises(ConfigError, match="decoder"):
+        atlas(_tiny(causal=False), kinds=["retrieval"], texts=TEXTS)
+    with pytest.raises(ConfigError, match="treebank"):
+        atlas(model, kinds=["syntactic"])
+    with pytest.raises(ConfigError, match="k \\(heads gated"):
+        atlas(model, k=8, texts=TEXTS)
+    with pytest.raises(InputError, match="at least 2 pieces"):
+        atlas(model, kinds=["sink"], texts=[list(range(1, 30))], max_tokens=64)
+    with pytest.raises(InputError, match="token-id sequences"):
+        atlas(model, kinds=["sink"])
+    with pytest.raises(InputError, match="not an atlas"):
+        Atlas.from_json({"kind_of_result": "head_ablation"})
