@@ -254,3 +254,28 @@ def test_encoder_only_models_and_bad_prompts_are_refused():
         headlab.generate(model, torch.randint(0, 97, (1, 60)), max_new_tokens=10)
     with pytest.raises(UnsupportedArchitectureError, match="policy=None"):
         headlab.generate(build("bloom"), torch.tensor([[5, 6]]), policy=kv.Policy.uniform(kv.window(1, 2)))
+
+
+def test_dropping_a_kv_head_equals_pruning_its_query_heads_physically():
+    """``drop`` keeps no key and zeroes its query heads: the model that pruning really makes smaller."""
+    model = build("llama")  # query heads 0, 1 of each layer read kv head 0
+    prompt = torch.randint(3, 97, (1, 14), generator=torch.Generator().manual_seed(9))
+    dropped = headlab.generate(model, prompt, policy=kv.Policy.from_spec({(0, 0): kv.drop}), max_new_tokens=6,
+                               stop_at_eos=False)
+    pruned = headlab.prune_heads(model, {0: [0, 1]})
+    assert pruned.adapter.layer_kv_heads == [1, 2]
+    after = headlab.generate(pruned, prompt, max_new_tokens=6, stop_at_eos=False)
+    assert after.ids.tolist() == dropped.ids.tolist()
+    torch.testing.assert_close(after.step_logits, dropped.step_logits, rtol=1e-4, atol=1e-4)
+    assert after.kv_bytes == dropped.kv_bytes  # the same keys held, one way or the other
+    # and windows on the pruned model: its kv heads are renumbered, layer 0 has one
+    both = headlab.generate(pruned, prompt, policy=kv.Policy.from_spec({(0, 0): kv.window(2, 3)}), max_new_tokens=6)
+    assert both.kv_bytes < after.kv_bytes
+
+
+def test_a_cache_that_would_not_fit_is_refused_before_decoding(monkeypatch):
+    from headlab.errors import MemoryBudgetError
+
+    monkeypatch.setenv("HEADLAB_MEMORY_LIMIT", "2KB")
+    with pytest.raises(MemoryBudgetError, match="KV cache"):
+        headlab.generate(build("llama"), torch.randint(3, 97, (1, 40)), max_new_tokens=5)

@@ -29,11 +29,16 @@ def memory(
     link_bandwidth: float = typer.Option(None, "--link-bandwidth", help="bytes/s between ranks, e.g. 50e9, for the "
                                          "compute-to-communication ratio"),
     peak_flops: float = typer.Option(None, "--peak-flops", help="FLOP/s one rank sustains, e.g. 395e12, for that ratio"),
+    kv_policy: str = typer.Option(None, "--kv-policy", help="also predict the KV cache a decoder holds at --seq-len "
+                                  "tokens under a per-head policy: full, streaming:SINK,RECENT, or a policy JSON file"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object, an entry per backend"),
 ) -> None:
     """Predicted memory and FLOPs of attention for a shape, for every backend.
 
     Example (the seed text's 32 GB): headlab memory --seq-len 4096 --heads 32 --layers 32 --dtype float16
+
+    With --kv-policy, the KV cache too: headlab memory -n 8192 --layers 30 --heads 9 --kv-heads 3 --head-dim 64
+    --dtype float32 --kv-policy streaming:4,256
 
     With --pattern every backend is costed for that mask; the tiled and sparse backends count exactly the
     tiles of the pattern's block map they visit, in closed form for the built-in patterns (any length).
@@ -50,6 +55,7 @@ def memory(
     shape = costs.AttentionShape(heads=heads, q_len=seq_len, batch=batch, kv_heads=kv_heads, kv_len=kv_len,
                                  head_dim=head_dim, layers=layers, dtype=dtype, causal=causal,
                                  mask=from_string(pattern) if pattern is not None else None)
+    cache = _kv_cache(shape, kv_policy) if kv_policy is not None else None
     table, refused = {}, {}
     for name in _backends.names():
         try:
@@ -60,7 +66,8 @@ def memory(
     if as_json:
         print_json({**{name: c.as_dict() for name, c in table.items()},
                     **{name: {"backend": name, "refused": why} for name, why in refused.items()},
-                    **({"ring": plan} if plan is not None else {})})
+                    **({"ring": plan} if plan is not None else {}),
+                    **({"kv_cache": cache} if cache is not None else {})})
         return
     t = Table(title=(f"attention cost: batch {shape.batch}, {shape.heads} heads ({shape.kv_heads} kv), "
                      f"{shape.q_len}x{shape.kv_len}, head dim {shape.head_dim}, {shape.layers} layers, "
@@ -82,6 +89,28 @@ def memory(
         console.print(f"  [yellow]{name}: not predicted:[/] {why}", highlight=False)
     if plan is not None:
         _print_ring(plan)
+    if cache is not None:
+        console.print(f"KV cache at {cache['tokens']} tokens ({shape.layers} layers x {shape.kv_heads} kv heads): "
+                      f"full {human_bytes(cache['full_bytes'])}, policy {cache['policy']} "
+                      f"{human_bytes(cache['policy_bytes'])} ({cache['ratio']:.1%}; {cache['heads']['full']} kv heads "
+                      f"full, {cache['heads']['window']} windowed, {cache['heads']['drop']} dropped)", highlight=False)
+
+
+def _kv_cache(shape, text: str) -> dict:
+    """The KV cache a decoder of ``shape`` holds at ``shape.kv_len`` tokens: full, and under the policy ``text``."""
+    from pathlib import Path
+
+    from headlab.costs.kv import full_cache_bytes, policy_cache_bytes
+    from headlab.decode import kv
+
+    policy = kv.Policy.load(text) if text.endswith(".json") or Path(text).is_file() else kv.Policy.parse(text)
+    kvh = [shape.kv_heads] * shape.layers
+    policy.check(kvh, model=f"--layers {shape.layers} --kv-heads {shape.kv_heads}")
+    args = dict(tokens=shape.kv_len, head_dim=shape.head_dim, v_dim=shape.v_dim, dtype=shape.dtype, batch=shape.batch)
+    full = full_cache_bytes(layers=shape.layers, kv_heads=shape.kv_heads, **args)
+    held = policy_cache_bytes(policy, kv_heads=kvh, **args)
+    return {"tokens": shape.kv_len, "policy": policy.name, "full_bytes": full, "policy_bytes": held,
+            "ratio": held / full, "heads": policy.counts(kvh)}
 
 
 def _ring_plan(shape, ranks: int, link_bandwidth: float | None, peak_flops: float | None) -> dict:

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from headlab.attention.memory_guard import check_fits
 from headlab.costs.kv import kv_cache_bytes
 from headlab.decode.cache import HeadCache
 from headlab.decode.kv import Policy, check_decoder, kv_layout
@@ -172,10 +173,14 @@ def generate(model, prompt, *, policy: Policy | None = None, max_new_tokens: int
         raise InputError(f"the prompt ({n} tokens) plus {max_new_tokens} new tokens exceeds the {limit} positions "
                          "the model was trained for; shorten the prompt or ask for fewer tokens")
     hf = adapter.model
+    heads, kvh = kv_layout(adapter)
+    dtype = next(hf.parameters()).dtype
+    predicted = kv_cache_bytes(policy.kept(n + max_new_tokens, kvh), head_dim=adapter.head_dim, dtype=dtype)
+    check_fits(predicted, what=f"the KV cache at {n + max_new_tokens} tokens under {policy.name}",
+               device=ids.device, alternative=None)
     eos = getattr(getattr(hf, "generation_config", None), "eos_token_id", None)
     eos = set(eos if isinstance(eos, list) else [eos]) - {None} if stop_at_eos else set()
     gen = torch.Generator().manual_seed(seed) if seed is not None else None
-    heads, kvh = kv_layout(adapter)
     out_ids, logits_seen = [], []
     with torch.no_grad(), adapter.use_backend("auto"):
         cache = _new_cache(adapter, policy)
@@ -194,7 +199,6 @@ def generate(model, prompt, *, policy: Policy | None = None, max_new_tokens: int
                 logits = hf(input_ids=torch.tensor([[tok]], device=ids.device), cache=cache, use_cache=True).logits[0, -1]
         t2 = time.perf_counter()
     held = n + len(out_ids) - 1  # the last token is never fed back
-    dtype = next(hf.parameters()).dtype
     full_bytes = kv_cache_bytes(Policy.uniform("full").kept(held, kvh), head_dim=adapter.head_dim, dtype=dtype)
     new = torch.tensor([out_ids], dtype=torch.long)
     text = loaded.tokenizer.decode(out_ids, skip_special_tokens=True) if loaded is not None and loaded.tokenizer else None

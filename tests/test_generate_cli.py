@@ -1,0 +1,101 @@
+"""``headlab generate`` and ``headlab memory --kv-policy``: help, errors before any work (exit 2, one line),
+and runs on a tiny saved Llama whose numbers are checked against the library."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import transformers
+
+import headlab
+from conftest import run_cli
+from headlab import kv
+from headlab.costs.kv import full_cache_bytes, policy_cache_bytes
+
+WORDS = ["<pad>", "<unk>", "the", "cat", "sat", "on", "mat", "a", "dog", "ran", "to", "park", "and", "."]
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", unk_token="<unk>")
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=len(WORDS), hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=64, max_position_embeddings=64, attn_implementation="eager")).eval()
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    model.save_pretrained(folder)
+    fast.save_pretrained(folder)
+    return folder
+
+
+PROMPT = "the cat sat on the mat and the dog ran to the park ."
+
+
+def test_help(capsys):
+    code, out, _ = run_cli(["generate", "--help"], capsys)
+    assert code == 0 and "--policy" in out and "--kv-from" in out and "streaming:SINK,RECENT" in out
+
+
+def test_generate_prints_the_text_and_the_cache_against_the_full_one(tiny_folder, capsys):
+    code, out, err = run_cli(["generate", PROMPT, "--model", str(tiny_folder), "--policy", "streaming:2,3",
+                              "-n", "5", "--json"], capsys)
+    assert code == 0, err
+    doc = json.loads(out)
+    loaded = headlab.load(str(tiny_folder))
+    g = headlab.generate(loaded, PROMPT, policy=kv.Policy.uniform(kv.window(2, 3)), max_new_tokens=5)
+    assert doc["ids"] == g.ids[0].tolist() and doc["kv_bytes"] == g.kv_bytes
+    held = doc["prompt_tokens"] + len(doc["ids"]) - 1
+    assert doc["kv_bytes"] == 2 * 2 * min(held, 5) * 2 * 8 * 4  # layers x kv heads x kept x (k, v) x dim x float32
+    assert doc["kv_bytes_full"] == full_cache_bytes(layers=2, kv_heads=2, tokens=held, head_dim=8)
+    code, out, err = run_cli(["generate", PROMPT, "--model", str(tiny_folder), "-n", "3"], capsys)
+    assert code == 0 and out.startswith(PROMPT) and "KV cache" in err and "tokens/s" in err
+
+
+def test_kv_from_an_atlas_keeps_the_non_local_heads_full(tiny_folder, tmp_path, capsys):
+    atlas = tmp_path / "atlas.json"
+    atlas.write_text(json.dumps({"scores": {"sink": [[0.0] * 4] * 2, "local": [[1, 1, 0.1, 1], [1, 1, 1, 1]]}}))
+    code, out, err = run_cli(["generate", PROMPT, "--model", str(tiny_folder), "--kv-from", str(atlas), "--keep", "0.25",
+                              "--policy", "streaming:1,2", "-n", "2", "--json"], capsys)
+    assert code == 0, err
+    doc = json.loads(out)
+    assert doc["policy"]["heads"]["0.1"] == "full" and doc["heads"] == {"full": 1, "window": 3, "drop": 0}
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--policy", "streaming:-1,4"], "negative"),
+    (["--policy", "streaming:0,0"], "kv.drop"),
+    (["--policy", "window"], "SINK,RECENT"),
+    (["-n", "0"], "--max-new-tokens"),
+    (["--keep", "2"], "--keep"),
+    (["--kv-from", "/nonexistent/atlas.json"], "not a file"),
+])
+def test_bad_options_exit_2_with_one_line_before_loading(args, words, capsys):
+    code, out, err = run_cli(["generate", "hello", "--model", "/nonexistent/model", *args], capsys)
+    assert code == 2 and words in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_policy_for_a_head_the_model_lacks_and_an_encoder_exit_2(tiny_folder, tmp_path, capsys):
+    pol = tmp_path / "p.json"
+    pol.write_text(json.dumps(kv.Policy.from_spec({(0, 5): "drop"}).to_json()))
+    code, _, err = run_cli(["generate", PROMPT, "--model", str(tiny_folder), "--kv-from", str(pol)], capsys)
+    assert code == 2 and "kv head 5 of layer 0" in err
+    code, _, err = run_cli(["generate", "a sentence", "--model", "minilm"], capsys)
+    assert code == 2 and "encoder-only" in err
+
+
+def test_memory_predicts_the_cache_per_policy(capsys):
+    code, out, err = run_cli(["memory", "-n", "8192", "--layers", "30", "--heads", "9", "--kv-heads", "3",
+                              "--head-dim", "64", "--dtype", "float32", "--kv-policy", "streaming:4,256", "--json"], capsys)
+    assert code == 0, err
+    c = json.loads(out)["kv_cache"]
+    assert c["full_bytes"] == 30 * 3 * 8192 * 2 * 64 * 4
+    assert c["policy_bytes"] == policy_cache_bytes(kv.Policy.uniform(kv.window(4, 256)), kv_heads=[3] * 30,
+                                                   tokens=8192, head_dim=64) == 30 * 3 * 260 * 2 * 64 * 4
+    code, _, err = run_cli(["memory", "--layers", "2", "--kv-policy", "streaming:4"], capsys)
+    assert code == 2 and "SINK,RECENT" in err
