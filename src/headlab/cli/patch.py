@@ -21,7 +21,8 @@ def patch_cmd(
     answer: str = typer.Option(..., "--answer", help="the right next token, with its leading space: \" Mary\""),
     wrong: str = typer.Option(..., "--wrong", help="the wrong next token: \" John\""),
     model: str = typer.Option("smollm2", "--model", "-m", help="a known model name or a model folder"),
-    sites: str = typer.Option("z", "--sites", help="comma-separated: z, q, k, v, pattern"),
+    sites: str = typer.Option("z", "--sites", help="comma-separated: z, q, k, v, pattern (per head); resid_pre, "
+                                                   "resid_post, mlp_out (per layer, exact only)"),
     positions: str = typer.Option(None, "--positions", help="'each' (every position separately) or 3,5,-1"),
     method: str = typer.Option("exact", "--method", help="exact | attribution | both (with their rank correlation)"),
     top: int = typer.Option(10, "--top", help="how many heads to list"),
@@ -35,12 +36,14 @@ def patch_cmd(
     (m_patched - m_clean) / (m_corrupted - m_clean): 0 = no change, 1 = the whole gap.
     """
     from headlab.interpret.patching import attribution_patch, compare, patch
-    from headlab.interpret.patching.runs import check_kinds, check_positions
+    from headlab.interpret.patching.runs import HEAD_KINDS, check_kinds, check_positions
     from headlab.models import load
 
     kinds = check_kinds([s.strip() for s in sites.split(",") if s.strip()])  # options first: a load takes time
     if method not in METHODS:
         raise ConfigError(f"--method {method!r}: choose one of {', '.join(METHODS)}")
+    if method != "exact":
+        check_kinds(kinds, HEAD_KINDS)  # attribution patching reads gradients at the head sites only
     pos = _positions(positions)
     if out is not None:
         if Path(out).suffix not in (".json", ".html"):

@@ -43,7 +43,7 @@ from headlab.models.sites import (
     default_prefixes,
     site_name,
 )
-from headlab.models.stream_sites import stream_hooks
+from headlab.models.stream_sites import RESID_KINDS, stream_edit_hooks, stream_hooks
 
 
 class ModelAdapter:
@@ -182,6 +182,42 @@ class ModelAdapter:
         pre, post, sandwich or parallel; LayerNorm or RMSNorm)."""
         raise UnsupportedArchitectureError(
             f"the {self.family!r} adapter does not say where its block's normalisation is (attention_norm)")
+
+    def block(self, layer: int) -> nn.Module:
+        """The block (transformer layer) holding attention layer ``layer``: the item of the model's layer list on
+        the attention module's path (``model.layers.3`` for ``model.layers.3.self_attn``). The residual sites
+        ``resid_pre`` (its input), ``resid_post`` (its output) and ``mlp_out`` hook it; one stack, unshared only."""
+        layer = self._check_layer(layer)
+        if set(self.stacks) != {"blocks"} or self.shared_layers:
+            raise UnsupportedArchitectureError(
+                f"residual-stream sites need one stack of unshared blocks; the {self.family!r} model has stacks "
+                f"{', '.join(self.stacks)}{' and shares blocks across layers' if self.shared_layers else ''}")
+        path = next((p for p, m in self.model.named_modules() if m is self.attn_modules[layer]), "")
+        parts = path.split(".")
+        cut = next((i for i, p in enumerate(parts) if p.isdigit()), None)
+        if cut is None:
+            raise UnsupportedArchitectureError(f"the {self.family!r} model keeps attention at {path!r}, not in a "
+                                               "list of blocks: residual-stream sites cannot find the block")
+        return self.model.get_submodule(".".join(parts[:cut + 1]))
+
+    def mlp(self, layer: int) -> nn.Module:
+        """Block ``layer``'s MLP: its child ``mlp``, ``ffn`` or ``feed_forward``, called on one tensor (the site
+        ``mlp_out`` is its output). Families whose MLP adds the residual itself (BLOOM) or that keep the MLP as
+        loose layers (BERT, OPT) have none: :class:`UnsupportedArchitectureError`."""
+        import inspect
+
+        block = self.block(layer)
+        for name in ("mlp", "ffn", "feed_forward"):
+            m = block._modules.get(name)
+            if m is None:
+                continue
+            params = inspect.signature(m.forward).parameters.values()
+            required = [p for p in params if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+            if len(required) == 1:
+                return m
+        raise UnsupportedArchitectureError(
+            f"the {self.family!r} block has no MLP module called on the stream alone (children: "
+            f"{', '.join(block._modules)}): the site mlp_out is not available")
 
     # -- physical head removal: each family says how (headlab.models.surgery asks) -----------------------------
     def cut_heads(self, attn: nn.Module, out: nn.Module, q_heads: list[int], kv_heads: list[int], H: int,
@@ -339,7 +375,8 @@ class ModelAdapter:
         for site, fn in edits.items():
             if not callable(fn):
                 raise ConfigError(f"the edit for {site!r} is {type(fn).__name__}, not a function fn(tensor, site) -> tensor")
-        chosen = match_sites(list(edits), self.n_layers, EDITABLE_KINDS, self.site_prefixes)
+        chosen = match_sites(list(edits), self.n_layers, EDITABLE_KINDS + RESID_KINDS, self.site_prefixes)
+        stream = {layer: set(kinds) & set(RESID_KINDS) for layer, kinds in chosen.items() if set(kinds) & set(RESID_KINDS)}
         added: list[tuple[LayerState, str, Callable]] = []
         token = self._enter_backend() if self.backend is None else None
         try:
@@ -350,7 +387,8 @@ class ModelAdapter:
                         fn = edits[pat]
                         state.edits.setdefault(kind, []).append(fn)
                         added.append((state, kind, fn))
-            yield self
+            with stream_edit_hooks(self, stream):  # resid_pre, resid_post, mlp_out: hooks on blocks and MLPs
+                yield self
         finally:
             for state, kind, fn in reversed(added):
                 state.edits[kind].remove(fn)

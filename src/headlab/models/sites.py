@@ -118,6 +118,14 @@ def state_of(module: nn.Module) -> LayerState | None:
 
 def visit(state: LayerState, kind: str, t: torch.Tensor) -> torch.Tensor:
     """Apply the layer's edits of ``kind`` to ``t`` (checking each keeps the shape), then record it."""
+    t = apply_edits(state, kind, t)
+    if state.probe is not None:
+        t = state.probe.record(state.layer, kind, t)
+    return t
+
+
+def apply_edits(state: LayerState, kind: str, t: torch.Tensor) -> torch.Tensor:
+    """The layer's edits of ``kind`` applied to ``t`` in order, each checked to keep the shape."""
     site = f"{state.site}.{kind}"
     for fn in state.edits.get(kind, ()):
         new = fn(t, site)
@@ -128,8 +136,6 @@ def visit(state: LayerState, kind: str, t: torch.Tensor) -> torch.Tensor:
             raise ShapeError(f"the edit of {site} returned shape {tuple(new.shape)}; the site has shape "
                              f"{tuple(t.shape)}: return a tensor of the same shape")
         t = new.to(t.dtype)
-    if state.probe is not None:
-        t = state.probe.record(state.layer, kind, t)
     return t
 
 

@@ -37,7 +37,7 @@ def attribution_patch(model, clean, corrupted, metric, *, sites: str | list[str]
     """
     t0 = time.perf_counter()
     pair = runs.prepare(model, clean, corrupted)
-    kinds = runs.check_kinds(sites)
+    kinds = runs.check_kinds(sites, runs.HEAD_KINDS)
     pos = runs.check_positions(positions, pair.length)
     a = pair.adapter
     names = [a.site_name(l, k) for l in range(a.n_layers) for k in kinds]

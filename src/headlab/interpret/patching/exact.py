@@ -31,7 +31,8 @@ def patch(model, clean, corrupted, metric, *, sites: str | list[str] = "z", posi
         clean, corrupted: text (with a LoadedModel), ``input_ids (B, L)`` or dicts with ``input_ids`` and
             ``attention_mask``; both of the same shape and padding (position i is patched by position i).
         metric: ``metric(logits (B, L, V)) -> (B,)``, e.g. :func:`~headlab.interpret.patching.metrics.logit_diff`.
-        sites: ``"z"`` (default) or any of ``"z", "q", "k", "v", "pattern"``.
+        sites: ``"z"`` (default) or any of ``"z", "q", "k", "v", "pattern"`` (per head) and ``"resid_pre"``,
+            ``"resid_post"``, ``"mlp_out"`` (per layer: their grids have one column).
         positions: None (each head at every position at once), ``"each"`` (every position separately) or a
             list of positions patched one at a time; grids then gain a last axis of that length.
         layers: the layers to patch (default all).
@@ -44,7 +45,7 @@ def patch(model, clean, corrupted, metric, *, sites: str | list[str] = "z", posi
         >>> import torch, headlab
         >>> from headlab.models.transformer import Transformer, TransformerConfig
         >>> from headlab.interpret.patching import logit_diff
-        >>> torch.manual_seed(0); m = Transformer(TransformerConfig(vocab_size=20, d_model=16, n_layers=2,
+        >>> _ = torch.manual_seed(0); m = Transformer(TransformerConfig(vocab_size=20, d_model=16, n_layers=2,
         ...     n_heads=2, causal=True)).eval()
         >>> clean, corrupt = torch.tensor([[1, 2, 3, 4]]), torch.tensor([[1, 5, 3, 4]])
         >>> r = headlab.patch(m, clean, corrupt, logit_diff(2, 5))
@@ -64,8 +65,8 @@ def patch(model, clean, corrupted, metric, *, sites: str | list[str] = "z", posi
     per_forward = runs.copies_per_forward(pair.n, max_rows)
     P = 1 if pos is None else len(pos)
     configs = [(kind, l, h, p) for kind in kinds for l in chosen_layers
-               for h in range(int(corrupt_cache[a.site_name(l, kind)].shape[1])) for p in range(P)]
-    width = {k: max(int(corrupt_cache[a.site_name(l, k)].shape[1]) for l in chosen_layers) for k in kinds}
+               for h in range(runs.n_heads(kind, corrupt_cache[a.site_name(l, kind)])) for p in range(P)]
+    width = {k: max(runs.n_heads(k, corrupt_cache[a.site_name(l, k)]) for l in chosen_layers) for k in kinds}
     raw = {k: torch.full((a.n_layers, width[k], *(() if pos is None else (P,))), float("nan")) for k in kinds}
     bar, task = _bar(progress, len(configs))
     try:
@@ -74,15 +75,15 @@ def patch(model, clean, corrupted, metric, *, sites: str | list[str] = "z", posi
             for kind in {c[0] for c in chunk}:
                 for l in {c[1] for c in chunk if c[0] == kind}:
                     name = a.site_name(l, kind)
-                    src = corrupt_cache[name]  # (B, heads, L, ...)
-                    mask = torch.zeros(len(chunk), src.shape[1], pair.length, dtype=torch.bool)  # (C, heads, L)
+                    src = corrupt_cache[name]  # (B, heads, L, ...), or (B, L, E) for a residual site
+                    mask = torch.zeros(len(chunk), runs.n_heads(kind, src), pair.length, dtype=torch.bool)  # (C, heads, L)
                     for i, (k2, l2, h, p) in enumerate(chunk):
                         if (k2, l2) == (kind, l):
                             if pos is None:
                                 mask[i, h, :] = True
                             else:
                                 mask[i, h, pos[p]] = True
-                    edits[name] = runs.where_heads(mask, pair.n, src)
+                    edits[name] = runs.patch_edit(kind, mask, pair.n, src)
             vals, _ = runs.run_metric(pair, metric, pair.clean, len(chunk), edits=edits, backend=backend)
             for i, (kind, l, h, p) in enumerate(chunk):
                 idx = (l, h) if pos is None else (l, h, p)

@@ -21,6 +21,7 @@ from headlab.interpret.patching.metrics import evaluate, logits_of
 from headlab.models.loader import resolve
 
 HEAD_KINDS = ("z", "q", "k", "v", "pattern")  # patchable per head; k and v count kv heads
+RESID_KINDS = ("resid_pre", "resid_post", "mlp_out")  # patchable per layer: one "head" column
 
 
 @dataclass
@@ -78,13 +79,26 @@ def run_metric(pair: Pair, metric, inputs, copies: int, edits=None, sites=None, 
     return values.detach().float(), cache
 
 
-def check_kinds(sites) -> list[str]:
+def check_kinds(sites, allowed: tuple[str, ...] = HEAD_KINDS + RESID_KINDS) -> list[str]:
     kinds = [sites] if isinstance(sites, str) else list(sites)
-    bad = [k for k in kinds if k not in HEAD_KINDS]
+    bad = [k for k in kinds if k not in allowed]
     if bad or not kinds:
-        raise ConfigError(f"sites={sites!r}: patching per head takes the kinds {', '.join(HEAD_KINDS)} "
-                          "(k and v patch kv heads)")
+        raise ConfigError(f"sites={sites!r}: this method patches the kinds {', '.join(allowed)} "
+                          "(k and v per kv head; resid_pre, resid_post and mlp_out per layer)")
     return kinds
+
+
+def n_heads(kind: str, t: torch.Tensor) -> int:
+    """Heads of a recorded site: ``t.shape[1]`` (B, heads, L, ...); 1 for the residual kinds ``(B, L, E)``."""
+    return 1 if kind in RESID_KINDS else int(t.shape[1])
+
+
+def patch_edit(kind: str, mask: torch.Tensor, n: int, source: torch.Tensor) -> Callable:
+    """:func:`where_heads` for a head site, or for a residual site seen as one head."""
+    if kind not in RESID_KINDS:
+        return where_heads(mask, n, source)
+    inner = where_heads(mask, n, source.unsqueeze(1))  # (B, 1, L, E)
+    return lambda t, site: inner(t.unsqueeze(1), site).squeeze(1)
 
 
 def check_positions(positions, length: int) -> list[int] | None:
