@@ -28,7 +28,7 @@ def read_policy_file(path: Path) -> dict:
 def build_policy(loaded, policy: str, kv_from: Path | None, keep: float, data: dict | None):
     """The policy the options describe: ``--policy`` alone is uniform; with an atlas, the atlas's split
     keeps ``--keep`` of the kv heads full and gives the rest ``--policy``'s window."""
-    from headlab import kv
+    from headlab.decode import kv
 
     rule = kv.as_rule(policy)
     if data is None:
@@ -63,7 +63,7 @@ def generate_cmd(
     Example (StreamingLLM: 4 sink tokens and the last 256 on every head):
     headlab generate "The capital of France is" --policy streaming:4,256 --max-new-tokens 16
     """
-    from headlab import kv
+    from headlab.decode import kv
 
     kv.as_rule(policy)  # every option checked before the model loads
     if not prompt.strip():
