@@ -19,7 +19,7 @@ import html
 import math
 
 from headlab.interpret import shell
-from headlab.interpret.atlas.result import ROLE, Atlas
+from headlab.interpret.atlas.kinds import ROLE
 
 COLOURS = {"induction": "#d62728", "previous_token": "#1f77b4", "duplicate_token": "#9467bd",
            "retrieval": "#ff7f0e", "sink": "#7f7f7f", "local": "#2ca02c", "syntactic": "#8c564b"}
@@ -82,7 +82,7 @@ def _shade(v, lo, hi) -> str:
     return f"rgb({int(250 - 220 * t)},{int(250 - 160 * t)},{int(255 - 60 * t)})"
 
 
-def _strongest(a: Atlas, layer: int, head: int) -> str | None:
+def _strongest(a, layer: int, head: int) -> str | None:
     best, kind = 1.0, None
     for k in a.kinds:
         v, thr = _num(a.scores[k][layer, head]), a.thresholds.get(k)
@@ -91,7 +91,7 @@ def _strongest(a: Atlas, layer: int, head: int) -> str | None:
     return kind
 
 
-def _role_grid(a: Atlas) -> str:
+def _role_grid(a) -> str:
     head = "".join(f"<th>{h}</th>" for h in range(a.n_heads))
     groups = "".join(f"<th class='note'>kv{int(g)}</th>" for g in a.kv_group[0].tolist()) if a.n_kv_heads < a.n_heads \
         else ""
@@ -131,7 +131,7 @@ def _heatmap(name: str, grid) -> str:
             f"<tr><th></th>{head}</tr>{''.join(rows)}</table><div class='note'>{lo:.3g} .. {hi:.3g}</div></div>")
 
 
-def _verdicts(a: Atlas) -> str:
+def _verdicts(a) -> str:
     if not a.verdicts:
         return "<h2>Causal checks</h2><p class='note'>not run</p>"
     rows = []
@@ -149,8 +149,8 @@ def _verdicts(a: Atlas) -> str:
             f"{''.join(rows)}</table><div class='note'>{rule}</div>")
 
 
-def render_page(a: Atlas, *, title: str | None = None) -> str:
-    """The whole page for one :class:`Atlas`."""
+def render_page(a, *, title: str | None = None) -> str:
+    """The whole page for one :class:`~headlab.interpret.atlas.result.Atlas` ``a``."""
     body = [_role_grid(a), "<h2>Scores</h2><div class='grids'>"
             + "".join(_heatmap(k, v) for k, v in a.scores.items()) + "</div>", _verdicts(a)]
     if a.skipped:

@@ -26,9 +26,7 @@ import torch
 
 from headlab.errors import InputError
 
-KINDS = ("previous_token", "duplicate_token", "induction", "retrieval", "sink", "local", "syntactic")
-ROLE = {"previous_token": "previous-token", "duplicate_token": "duplicate-token", "induction": "induction",
-        "retrieval": "retrieval", "sink": "sink", "local": "local", "syntactic": "syntactic"}
+from headlab.interpret.atlas.kinds import KINDS, ROLE
 
 
 @dataclass(frozen=True)

@@ -44,7 +44,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from headlab import masks
+from headlab.attention import masks
 from headlab.attention.stats import attention_stats
 from headlab.errors import ConfigError, ModelError
 

@@ -1,0 +1,54 @@
+"""``headlab atlas``: --help, errors exit 2 with one line before any model work, and an end-to-end run on a tiny
+saved decoder that writes atlas.json (readable by ``Atlas.from_json``) and atlas.html."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from conftest import run_cli
+from headlab.interpret.atlas import Atlas
+from headlab.models.transformer import Transformer, TransformerConfig
+
+
+@pytest.fixture()
+def saved_decoder(tmp_path):
+    torch.manual_seed(1)
+    m = Transformer(TransformerConfig(vocab_size=40, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, causal=True))
+    return m.eval().save(tmp_path / "tiny")
+
+
+def test_help_and_errors(tmp_path, saved_decoder, capsys):
+    code, so, _ = run_cli(["atlas", "--help"], capsys)
+    assert code == 0 and "--kinds" in so and "--out" in so
+    code, _, se = run_cli(["atlas", "--model", saved_decoder, "--kinds", "induktion", "--out", tmp_path / "o"], capsys)
+    assert code == 2 and "induktion" in se and len(se.strip().splitlines()) == 1
+    code, _, se = run_cli(["atlas", "--model", saved_decoder, "--texts", tmp_path / "none.txt", "--out", tmp_path / "o"],
+                          capsys)
+    assert code == 2 and "does not exist" in se
+    busy = tmp_path / "busy"
+    busy.mkdir()
+    (busy / "x").write_text("x")
+    code, _, se = run_cli(["atlas", "--model", saved_decoder, "--out", busy], capsys)
+    assert code == 2 and "not empty" in se
+
+
+def test_end_to_end(tmp_path, saved_decoder, capsys):
+    texts = tmp_path / "ids.txt"
+    g = torch.Generator().manual_seed(0)
+    texts.write_text("\n".join(" ".join(str(int(x)) for x in torch.randint(1, 40, (40,), generator=g))
+                               for _ in range(4)) + "\n")
+    out = tmp_path / "out"
+    code, so, se = run_cli(["atlas", "--model", saved_decoder, "--texts", texts, "--out", out, "--half", "6",
+                            "--max-tokens", "24", "--n-texts", "3", "--needles", "2", "--haystack", "30",
+                            "--top-k", "2", "--json"], capsys)
+    assert code == 0, se
+    summary = json.loads(so)
+    assert set(summary) == {"previous_token", "duplicate_token", "induction", "retrieval", "sink", "local"}
+    a = Atlas.from_json(out / "atlas.json")
+    assert a.n_heads == 4 and a.n_kv_heads == 2 and set(a.verdicts) == set(summary)
+    assert all(summary[k]["verdict"] == a.verdicts[k]["verdict"] for k in summary)
+    page = (out / "atlas.html").read_text()
+    assert page.startswith("<!DOCTYPE html>") and 'data-grid="roles"' in page
