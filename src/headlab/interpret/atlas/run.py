@@ -132,7 +132,8 @@ def _syntactic(loaded, treebank, limit, grid) -> tuple[dict[str, list[str]], lis
 
 
 def atlas(model, *, kinds: Sequence[str] | str | None = None, texts=None, treebank=None, treebank_limit: int = 200,
-          checks: bool = True, k: int | None = None, n_draws: int = 10, half: int = 50, n_repeated: int = 8,
+          checks: bool = True, copying: bool = True, k: int | None = None, n_draws: int = 10, half: int = 50,
+          n_repeated: int = 8,
           window: int = 16, max_tokens: int = 128, n_texts: int = 4, needle_trials: int = 4,
           haystack_tokens: int = 256, n_boot: int = 1000, seed: int = 0, max_rows: int = 32,
           thresholds: Thresholds = Thresholds(), progress: Callable | None = None) -> Atlas:
@@ -145,7 +146,8 @@ def atlas(model, *, kinds: Sequence[str] | str | None = None, texts=None, treeba
         texts: natural text for sink, local and the needle haystack: strings, or token-id sequences for a
             model without a tokenizer; default the shipped public-domain passage.
         treebank: a CoNLL-U file for the syntactic kind (the probe, first ``treebank_limit`` sentences).
-        checks: run the causal checks. k: heads gated per check (default 5% of the heads, 1 to 10).
+        checks: run the causal checks. copying: compute the OV copying score (one vocab-sized product).
+        k: heads gated per check (default 5% of the heads, 1 to 10).
         n_draws: random draws per check (at least 10 for a verdict the docs stand behind).
         half, n_repeated: length of the repeated half and number of repeated sequences.
         window: keys counted as local. max_tokens, n_texts: size and number of natural-text pieces.
@@ -190,7 +192,7 @@ def atlas(model, *, kinds: Sequence[str] | str | None = None, texts=None, treeba
         _repeated_scores(adapter, ids_rep, start, half, tmp)
         grids.update({n: g for n, g in tmp.items() if n in todo})
         say("repeated tokens", 1, 1)
-    copying = S.ov_copying(adapter).double()
+    copying_grid = S.ov_copying(adapter).double() if copying else None
     seconds["repeated"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     labels = []
@@ -225,12 +227,14 @@ def atlas(model, *, kinds: Sequence[str] | str | None = None, texts=None, treeba
         notes += more
         seconds["syntactic"] = time.perf_counter() - t0
     scores = {kind: grids[kind] for kind in todo}
-    scores["copying"] = copying
+    if copying_grid is not None:
+        scores["copying"] = copying_grid
     H, Hkv = adapter.n_heads, adapter.n_kv_heads
     kv_group = torch.arange(H).div(H // Hkv, rounding_mode="floor").expand(adapter.n_layers, H).clone()
-    w_e, w_u, tied = S.embeddings(adapter.model)
-    notes.append("copying: sum(eigenvalues) / sum(|eigenvalues|) of W_E W_V W_O W_U (Olsson et al.), no layer norms; "
-                 + ("the unembedding is the embedding's transpose" if tied else "the model's own unembedding"))
+    tied = S.embeddings(adapter.model)[2]
+    if copying_grid is not None:
+        notes.append("copying: sum(eigenvalues) / sum(|eigenvalues|) of W_E W_V W_O W_U (Olsson et al.), no layer norms; "
+                     + ("the unembedding is the embedding's transpose" if tied else "the model's own unembedding"))
     result = Atlas(model=getattr(loaded, "name", None) or type(adapter.model).__name__, family=adapter.family,
                    causal=adapter.causal, n_layers=adapter.n_layers, n_heads=H, n_kv_heads=Hkv, kv_group=kv_group,
                    scores=scores, thresholds=thresholds.as_dict(), labels=labels, syntactic=syntactic,

@@ -11,5 +11,6 @@ from headlab.interpret.report.sections.base import Job, PagePart, Section, regis
 from headlab.interpret.report.sections import heads  # noqa: E402,F401  (the table and the maps)
 from headlab.interpret.report.sections import saliency  # noqa: E402,F401  (the saliency strip)
 from headlab.interpret.report.sections import flow  # noqa: E402,F401  (norm maps and rollout)
+from headlab.interpret.report.sections import atlas  # noqa: E402,F401  (each head's roles from the head atlas)
 
 __all__ = ["Job", "PagePart", "Section", "register", "registered"]
