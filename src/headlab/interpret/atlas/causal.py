@@ -83,13 +83,15 @@ def masks_of(adapter, sets: list[list[tuple[int, int]]]) -> torch.Tensor:
     return m
 
 
-def gated(adapter, inputs: dict, configs: torch.Tensor, metric: Callable, *, max_rows: int = 32) -> torch.Tensor:
+def gated(adapter, inputs: dict, configs: torch.Tensor, metric: Callable, *, max_rows: int = 32,
+          max_tokens: int = 4096) -> torch.Tensor:
     """``(C, B)``: ``metric(outputs, inputs) -> (rows,)`` with each configuration's heads gated off.
 
     ``inputs``: ``input_ids`` and ``attention_mask`` ``(B, L)``; ``configs``: bool ``(C, n_layers, H)``
-    (an all-False configuration is the ungated model)."""
-    B = int(inputs["input_ids"].shape[0])
-    per = max(1, max_rows // B)
+    (an all-False configuration is the ungated model). A forward holds at most ``max_rows`` rows and
+    ``max_tokens`` tokens (a language model's logits are ``rows x L x vocab``)."""
+    B, L = (int(x) for x in inputs["input_ids"].shape)
+    per = max(1, min(max_rows, max_tokens // max(L, 1)) // B)
     out = []
     for s in range(0, configs.shape[0], per):
         chunk = configs[s:s + per]

@@ -56,7 +56,7 @@ def retrieval_trial(adapter, trial: Needle) -> dict:
     gen = greedy(adapter, trial.ids, n)
     full = torch.cat([trial.ids, gen[:-1]])
     cache = capture(adapter, {"input_ids": full[None], "attention_mask": torch.ones(1, len(full), dtype=torch.long)},
-                    adapter.sites("stats"))
+                    adapter.sites("stats"), stats_kwargs={"stats": ["argmax"]})
     P = len(trial.ids)
     rows = torch.arange(P - 1, P - 1 + n)
     H = adapter.n_heads

@@ -73,10 +73,11 @@ def _layer(cache, adapter, layer: int):
 
 
 def _repeated_scores(adapter, ids, start, half, out: dict) -> None:
-    cache = _capture_qk(adapter, ids)
+    cache = _capture_qk(adapter, ids, {"stats": ["lse"]})  # the rows' full log-normalisers, in the forward
     for layer in range(adapter.n_layers):
         q, k, ca = _layer(cache, adapter, layer)
-        for name, v in S.repeated_score(q, k, ca, start=start, half=half).items():  # (B, H_l)
+        full = cache[adapter.site_name(layer, "stats")].lse
+        for name, v in S.repeated_score(q, k, ca, start=start, half=half, full=full).items():  # (B, H_l)
             out[name][layer, :v.shape[1]] = v.double().mean(0)
 
 
@@ -99,7 +100,8 @@ def _text_scores(adapter, tokenizer, pieces, window: int, sums: dict, thresholds
             st = cache[adapter.site_name(layer, "stats")]
             H = q.shape[1]
             sums["sink"][layer, :H] += st.key_mass[0].sum(-1).mean(-1).double()
-            sums["local"][layer, :H] += S.window_mass(q, k, ca, window, causal=adapter.causal)[0].mean(-1).double()
+            sums["local"][layer, :H] += S.window_mass(q, k, ca, window, causal=adapter.causal,
+                                                      full=st.lse)[0].mean(-1).double()
             rows.append(LB.row_stats_from_attention_stats(st, sink_positions=sinks, causal=adapter.causal))
         if n == 0:
             toks = (tokenizer.convert_ids_to_tokens(ids.tolist()) if tokenizer is not None

@@ -70,30 +70,31 @@ def _lse(q: torch.Tensor, k: torch.Tensor, call_args: dict, keep=None) -> torch.
     return st.lse
 
 
-def row_mass(q: torch.Tensor, k: torch.Tensor, call_args: dict, keep) -> torch.Tensor:
+def row_mass(q: torch.Tensor, k: torch.Tensor, call_args: dict, keep, full: torch.Tensor | None = None) -> torch.Tensor:
     """``(B, H, Lq)``: the weight each row puts on the keys ``keep`` lets through, by identity (1).
 
     ``q`` ``(B, H, Lq, d)``, ``k`` ``(B, Hkv, Lk, d)`` as the capture recorded them; ``call_args`` the
-    layer's entry of ``cache.call_args``; ``keep`` a mask function (:mod:`headlab.masks`). A row that
-    sees none of those keys gets 0."""
-    full = _lse(q, k, call_args)
+    layer's entry of ``cache.call_args``; ``keep`` a mask function (:mod:`headlab.masks`); ``full`` the
+    rows' log-normalisers when known (the captured statistics' ``lse``). A row that sees none of those
+    keys gets 0."""
+    full = _lse(q, k, call_args) if full is None else full.to(torch.float32)
     part = _lse(q, k, call_args, keep)
     out = torch.exp(part - full)
     return torch.where(torch.isfinite(full), out, torch.zeros_like(out))
 
 
-def offset_mass(q, k, call_args: dict, offset: int) -> torch.Tensor:
+def offset_mass(q, k, call_args: dict, offset: int, full=None) -> torch.Tensor:
     """``(B, H, Lq)``: ``A[i, i - offset]`` for every row (0 where that key does not exist)."""
     off = int(offset)
-    return row_mass(q, k, call_args, masks.as_mask(lambda b, h, qi, kv: qi - kv == off))
+    return row_mass(q, k, call_args, masks.as_mask(lambda b, h, qi, kv: qi - kv == off), full)
 
 
-def window_mass(q, k, call_args: dict, window: int, *, causal: bool) -> torch.Tensor:
+def window_mass(q, k, call_args: dict, window: int, *, causal: bool, full=None) -> torch.Tensor:
     """``(B, H, Lq)``: the weight on keys within ``window`` positions (``0 <= i - j < window`` causal,
     else ``|i - j| < window``)."""
     if not isinstance(window, int) or window < 2:
         raise ConfigError(f"the local window must be an integer of at least 2 keys, got {window!r}")
-    return row_mass(q, k, call_args, masks.sliding_window(window - 1, causal=causal))
+    return row_mass(q, k, call_args, masks.sliding_window(window - 1, causal=causal), full)
 
 
 def position_mass(q, k, call_args: dict, positions: torch.Tensor) -> torch.Tensor:
@@ -102,15 +103,16 @@ def position_mass(q, k, call_args: dict, positions: torch.Tensor) -> torch.Tenso
     return row_mass(q, k, call_args, masks.as_mask(lambda b, h, qi, kv: flags[b, kv]))
 
 
-def repeated_score(q, k, call_args: dict, *, start: int, half: int) -> dict[str, torch.Tensor]:
+def repeated_score(q, k, call_args: dict, *, start: int, half: int, full=None) -> dict[str, torch.Tensor]:
     """Previous-token, duplicate-token and induction scores ``(B, H)`` of one layer on sequences
     ``prefix (start tokens) + x_1..x_T + x_1..x_T`` with ``T = half``."""
+    full = _lse(q, k, call_args) if full is None else full
     rows = torch.arange(start + half, start + 2 * half)  # the second copy
-    prev = offset_mass(q, k, call_args, 1)
+    prev = offset_mass(q, k, call_args, 1, full)
     return {
         "previous_token": prev[:, :, 1:start + 2 * half].mean(-1),
-        "duplicate_token": offset_mass(q, k, call_args, half)[:, :, rows].mean(-1),
-        "induction": offset_mass(q, k, call_args, half - 1)[:, :, rows].mean(-1),
+        "duplicate_token": offset_mass(q, k, call_args, half, full)[:, :, rows].mean(-1),
+        "induction": offset_mass(q, k, call_args, half - 1, full)[:, :, rows].mean(-1),
     }
 
 
