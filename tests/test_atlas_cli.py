@@ -52,3 +52,20 @@ def test_end_to_end(tmp_path, saved_decoder, capsys):
     assert all(summary[k]["verdict"] == a.verdicts[k]["verdict"] for k in summary)
     page = (out / "atlas.html").read_text()
     assert page.startswith("<!DOCTYPE html>") and 'data-grid="roles"' in page
+
+
+def test_analyze_report_lists_the_atlas_roles(tmp_path):
+    # the report's atlas section: scores only, on the atlas's own inputs; its heads are the atlas's own
+    import headlab
+    from headlab.interpret.atlas import atlas
+    from headlab.interpret.report.analyze_job import analyze
+
+    ld = headlab.load("minilm")
+    analyze("The cat sat on the mat.", model=ld, out_dir=tmp_path / "r")
+    page = (tmp_path / "r" / "report.html").read_text()
+    assert 'id="atlas-section"' in page
+    a = atlas(ld, kinds=["previous_token", "duplicate_token", "induction", "sink", "local"], checks=False,
+              copying=False, half=16, n_repeated=2, n_texts=1, max_tokens=64)
+    for kind, s in a.summary().items():
+        shown = ", ".join(s["heads"][:12]) or "-"
+        assert f"{s['count']} ({100 * s['share']:.1f}%)</td><td>{shown}" in page, kind
