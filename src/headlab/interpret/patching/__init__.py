@@ -18,7 +18,9 @@ from headlab.interpret.patching.attribution import attribution_patch
 from headlab.interpret.patching.exact import patch
 from headlab.interpret.patching.metrics import logit_diff, logit_of
 from headlab.interpret.patching.path import path_patch
+from headlab.interpret.patching.prompts import prompt_pair
+from headlab.interpret.patching.readout import DLAResult, LensResult, direct_logit_attribution, logit_lens
 from headlab.interpret.patching.result import CONVENTION, PatchResult, compare
 
-__all__ = ["CONVENTION", "PatchResult", "attribution_patch", "compare", "logit_diff", "logit_of", "patch",
-           "path_patch"]
+__all__ = ["CONVENTION", "DLAResult", "LensResult", "PatchResult", "attribution_patch", "compare",
+           "direct_logit_attribution", "logit_diff", "logit_lens", "logit_of", "patch", "path_patch", "prompt_pair"]
