@@ -208,3 +208,29 @@ def test_input_errors():
         atlas(model, kinds=["sink"])
     with pytest.raises(InputError, match="not an atlas"):
         Atlas.from_json({"kind_of_result": "head_ablation"})
+
+
+def test_an_interrupted_atlas_resumes_where_it_stopped(tmp_path, monkeypatch):
+    from headlab.interpret.atlas import run as R
+
+    model = _tiny(kv=2)
+    kw = dict(texts=TEXTS, k=2, n_draws=10, resume=tmp_path / "atlas.partial.json", **SMALL)
+    whole = atlas(model, **{**kw, "resume": None})
+
+    def stop(stage, done, total):
+        if stage == "causal checks (text)":
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        atlas(model, progress=stop, **kw)
+    assert (tmp_path / "atlas.partial.json").is_file()
+    monkeypatch.setattr(R, "_repeated_scores", lambda *a, **k: pytest.fail("the repeated phase ran again"))
+    stages = []
+    again = atlas(model, progress=lambda stage, done, total: stages.append(stage), **kw)
+    assert "causal checks (repeated)" not in stages and "causal checks (text)" in stages
+    assert any(n.startswith("resumed: repeated") for n in again.notes)
+    assert not (tmp_path / "atlas.partial.json").exists()  # a complete atlas removes its checkpoint
+    for kind in whole.kinds:
+        assert torch.allclose(again.scores[kind], whole.scores[kind], equal_nan=True)
+    assert {k: v["verdict"] for k, v in again.verdicts.items()} == {k: v["verdict"] for k, v in whole.verdicts.items()}
+    assert again.verdicts["induction"]["effects"] == whole.verdicts["induction"]["effects"]

@@ -69,3 +69,18 @@ def test_analyze_report_lists_the_atlas_roles(tmp_path):
     for kind, s in a.summary().items():
         shown = ", ".join(s["heads"][:12]) or "-"
         assert f"{s['count']} ({100 * s['share']:.1f}%)</td><td>{shown}" in page, kind
+
+
+def test_the_command_resumes_into_its_own_folder(tmp_path, saved_decoder, capsys):
+    # a folder holding only the checkpoint of an interrupted run is not "not empty": the command resumes there
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "atlas.partial.json").write_text('{"key": {}, "phases": {}}')
+    texts = tmp_path / "ids.txt"
+    texts.write_text("\n".join(" ".join(str((i * 7 + j) % 39 + 1) for j in range(40)) for i in range(4)) + "\n")
+    code, so, se = run_cli(["atlas", "--model", saved_decoder, "--texts", texts, "--out", out, "--half", "6",
+                            "--max-tokens", "24", "--n-texts", "3", "--needles", "2", "--haystack", "30",
+                            "--kinds", "induction,sink", "--top-k", "1"], capsys)
+    assert code == 0, se
+    assert (out / "atlas.json").is_file() and not (out / "atlas.partial.json").exists()
+    assert "another run" in json.loads((out / "atlas.json").read_text())["notes"][-1]

@@ -42,6 +42,9 @@ def _ids_if_needed(loaded, texts: list[str]) -> list:
     return token_ids_if_needed(loaded, [ln for ln in texts[0].splitlines() if ln.strip()])
 
 
+PARTIAL = "atlas.partial.json"  # the finished phases of an interrupted run; the same command resumes from it
+
+
 @app.command("atlas")
 def atlas_cmd(
     model: str = typer.Option("minilm", "--model", "-m", help="a known model name (minilm, smollm2) or a model folder"),
@@ -67,6 +70,8 @@ def atlas_cmd(
     """Score every head on every head type of the literature and gate the top heads of each against random ones.
 
     Example: headlab atlas --model smollm2 --out atlas-smollm2
+
+    Interrupted (Ctrl-C), the finished phases stay in DIR/atlas.partial.json; the same command resumes from them.
     """
     from headlab.interpret.atlas import KINDS, atlas
     from headlab.interpret.atlas.page import render_page
@@ -81,13 +86,14 @@ def atlas_cmd(
     raw = _read_texts(texts) if texts is not None else None
     if treebank is not None and not treebank.is_file():
         raise InputError(f"--treebank {str(treebank)!r} does not exist; give a CoNLL-U file (.conllu)")
-    out_dir = prepare_out_dir(out, force=force)
+    partial = Path(out).expanduser() / PARTIAL
+    out_dir = prepare_out_dir(out, force=force or (partial.is_file() and len(list(partial.parent.iterdir())) == 1))
     loaded = load(model)
     progress, say = _bar()
     with progress:
         a = atlas(loaded, kinds=asked, texts=None if raw is None else _ids_if_needed(loaded, raw), treebank=treebank,
                   checks=checks, k=top_k, n_draws=draws, half=half, n_texts=n_texts, max_tokens=max_tokens,
-                  needle_trials=needles, haystack_tokens=haystack, seed=seed, progress=say)
+                  needle_trials=needles, haystack_tokens=haystack, seed=seed, progress=say, resume=out_dir / PARTIAL)
     (out_dir / "atlas.json").write_text(json.dumps(a.to_json(), indent=1) + "\n", encoding="utf-8")
     (out_dir / "atlas.html").write_text(render_page(a), encoding="utf-8")
     if as_json:

@@ -41,8 +41,9 @@ def _cosine_metric(adapter, inputs) -> tuple:
 
 
 def run_checks(result, adapter, tok, todo, *, k, n_draws, pieces, trials, vocab, seed, n_boot, max_rows, say,
-               has_logits: bool) -> None:
-    """Fill ``result.verdicts`` (and ``result.skipped`` for kinds without a task on this model)."""
+               has_logits: bool, checkpoint=None) -> None:
+    """Fill ``result.verdicts`` (and ``result.skipped`` for kinds without a task on this model); with a
+    :class:`~headlab.interpret.atlas.resume.Checkpoint`, each task's verdicts are kept as it finishes."""
     device = next(adapter.model.parameters()).device
     if "syntactic" in todo:
         result.skipped["syntactic check"] = ("not run: the probe's relations have no task through the model's own "
@@ -54,6 +55,9 @@ def run_checks(result, adapter, tok, todo, *, k, n_draws, pieces, trials, vocab,
         if group == "repeated" and not has_logits:
             for kd in kinds:
                 result.skipped[f"{kd} check"] = "needs a decoder with a language-model head (loss on the repeated half)"
+            continue
+        if checkpoint is not None and checkpoint.get(f"check {group}") is not None:
+            result.verdicts.update(checkpoint.get(f"check {group}"))
             continue
         sets = [[]]
         for i, kd in enumerate(kinds):
@@ -97,6 +101,8 @@ def run_checks(result, adapter, tok, todo, *, k, n_draws, pieces, trials, vocab,
                       "effects": {"targeted": rows[0].round(8).tolist(), "random": rows[1:].round(8).tolist()},
                       "evidence": _evidence(v, k)})
             result.verdicts[kd] = v
+        if checkpoint is not None:
+            checkpoint.put(f"check {group}", {kd: result.verdicts[kd] for kd in kinds})
 
 
 def _evidence(v: dict, k: int) -> str:

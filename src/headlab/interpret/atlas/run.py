@@ -22,6 +22,7 @@ from headlab.errors import ConfigError, InputError
 from headlab.interpret.atlas import scores as S
 from headlab.interpret.atlas import tasks as T
 from headlab.interpret.atlas.result import KINDS, Atlas, Thresholds
+from headlab.interpret.atlas.resume import Checkpoint, fingerprint
 from headlab.interpret.atlas.retrieval import retrieval_trial
 from headlab.interpret.capture import capture
 from headlab.interpret.heads import labels as LB
@@ -130,7 +131,7 @@ def _syntactic(loaded, treebank, limit, grid) -> tuple[dict[str, list[str]], lis
         if b.margin > 0 and b.count >= r.min_count:
             rel.setdefault(f"{b.layer}.{b.head}", []).append(
                 f"{b.relation} {b.direction} {b.accuracy:.0%} (baseline {b.baseline_accuracy:.0%})")
-    return rel, [f"syntactic: {r.sentences} sentences of {r.treebank}"]
+    return rel, [f"syntactic: {r.sentences} sentences of {r.treebank}"], grid
 
 
 def atlas(model, *, kinds: Sequence[str] | str | None = None, texts=None, treebank=None, treebank_limit: int = 200,
@@ -138,7 +139,7 @@ def atlas(model, *, kinds: Sequence[str] | str | None = None, texts=None, treeba
           n_repeated: int = 8,
           window: int = 16, max_tokens: int = 128, n_texts: int = 4, needle_trials: int = 4,
           haystack_tokens: int = 256, n_boot: int = 1000, seed: int = 0, max_rows: int = 32,
-          thresholds: Thresholds = Thresholds(), progress: Callable | None = None) -> Atlas:
+          thresholds: Thresholds = Thresholds(), progress: Callable | None = None, resume=None) -> Atlas:
     """Score every head of ``model`` on every kind (:data:`KINDS`) and check each kind causally.
 
     Args:
@@ -156,6 +157,8 @@ def atlas(model, *, kinds: Sequence[str] | str | None = None, texts=None, treeba
         needle_trials, haystack_tokens: needle prompts and their haystack length.
         n_boot, seed: bootstrap resamples and the seed of every random choice. max_rows: rows per forward.
         progress: ``progress(stage, done, total)``.
+        resume: a file that keeps each finished phase (:mod:`.resume`); a rerun with the same settings
+            after an interrupt reads them back and runs only the rest. Removed when the atlas is complete.
 
     Returns:
         :class:`~headlab.interpret.atlas.result.Atlas`.
@@ -185,27 +188,43 @@ def atlas(model, *, kinds: Sequence[str] | str | None = None, texts=None, treeba
     if checks and "retrieval" in todo and needle_trials < 2:
         raise ConfigError("the retrieval check needs needle_trials >= 2 for its bootstrap interval")
     seconds, notes = {}, []
+    sizes = {"k": k, "n_draws": n_draws, "half": half, "n_repeated": n_repeated, "window": window,
+             "max_tokens": max_tokens, "n_texts": len(pieces), "needle_trials": needle_trials,
+             "haystack_tokens": haystack_tokens, "seed": seed, "n_boot": n_boot}
+    ck = Checkpoint(resume, {"model": getattr(loaded, "name", None) or type(adapter.model).__name__,
+                             "heads": adapter.layer_heads, "kinds": todo, "checks": checks, "copying": copying,
+                             "texts": fingerprint(texts), "treebank": str(treebank), **sizes})
     grids = {kind: _grid(adapter) for kind in todo}
     ids_rep, start = T.repeated(tok, vocab=vocab, n=n_repeated, half=half, seed=seed)
     t0 = time.perf_counter()
     if {"previous_token", "duplicate_token", "induction"} & set(todo):
         say("repeated tokens", 0, 1)
-        tmp = {name: _grid(adapter) for name in ("previous_token", "duplicate_token", "induction")}
-        _repeated_scores(adapter, ids_rep, start, half, tmp)
-        grids.update({n: g for n, g in tmp.items() if n in todo})
+
+        def repeated_phase():
+            tmp = {name: _grid(adapter) for name in ("previous_token", "duplicate_token", "induction")}
+            _repeated_scores(adapter, ids_rep, start, half, tmp)
+            return tmp
+
+        grids.update({n: g for n, g in ck.run("repeated", repeated_phase).items() if n in todo})
         say("repeated tokens", 1, 1)
-    copying_grid = S.ov_copying(adapter).double() if copying else None
+    copying_grid = ck.run("copying", lambda: S.ov_copying(adapter).double()) if copying else None
     seconds["repeated"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     labels = []
     if {"sink", "local"} & set(todo) or pieces:
         say("natural text", 0, 1)
-        tmp = {"sink": torch.zeros(adapter.n_layers, adapter.n_heads, dtype=torch.float64),
-               "local": torch.zeros(adapter.n_layers, adapter.n_heads, dtype=torch.float64)}
-        labels = _text_scores(adapter, tok, pieces, window, tmp, LB.LabelThresholds())
+
+        def text_phase():
+            tmp = {"sink": torch.zeros(adapter.n_layers, adapter.n_heads, dtype=torch.float64),
+                   "local": torch.zeros(adapter.n_layers, adapter.n_heads, dtype=torch.float64)}
+            tmp["labels"] = _text_scores(adapter, tok, pieces, window, tmp, LB.LabelThresholds())
+            return tmp
+
+        got = ck.run("text", text_phase)
+        labels = got["labels"]
         for kind in ("sink", "local"):
             if kind in todo:
-                grids[kind] = _mask_missing(adapter, tmp[kind])
+                grids[kind] = _mask_missing(adapter, got[kind])
         say("natural text", 1, 1)
     seconds["natural_text"] = time.perf_counter() - t0
     trials, retrieval_runs = [], []
@@ -215,7 +234,7 @@ def atlas(model, *, kinds: Sequence[str] | str | None = None, texts=None, treeba
         acc = torch.zeros(adapter.n_layers, adapter.n_heads, dtype=torch.float64)
         for i, tr in enumerate(trials):
             say("needle decoding", i, len(trials))
-            run = retrieval_trial(adapter, tr)
+            run = dict(ck.run(f"needle {i}", lambda tr=tr: retrieval_trial(adapter, tr)))
             acc += run.pop("score")
             retrieval_runs.append(run)
         grids["retrieval"] = _mask_missing(adapter, acc / len(trials))
@@ -225,7 +244,8 @@ def atlas(model, *, kinds: Sequence[str] | str | None = None, texts=None, treeba
     if "syntactic" in todo:
         t0 = time.perf_counter()
         say("treebank probe", 0, 1)
-        syntactic, more = _syntactic(loaded, treebank, treebank_limit, grids["syntactic"])
+        syntactic, more, grids["syntactic"] = ck.run("syntactic", lambda: _syntactic(loaded, treebank, treebank_limit,
+                                                                                  grids["syntactic"]))
         notes += more
         seconds["syntactic"] = time.perf_counter() - t0
     scores = {kind: grids[kind] for kind in todo}
@@ -241,18 +261,20 @@ def atlas(model, *, kinds: Sequence[str] | str | None = None, texts=None, treeba
                    causal=adapter.causal, n_layers=adapter.n_layers, n_heads=H, n_kv_heads=Hkv, kv_group=kv_group,
                    scores=scores, thresholds=thresholds.as_dict(), labels=labels, syntactic=syntactic,
                    skipped=skipped, notes=notes,
-                   settings={"k": k, "n_draws": n_draws, "half": half, "n_repeated": n_repeated, "start": start,
-                             "window": window, "max_tokens": max_tokens, "n_texts": len(pieces),
-                             "needle_trials": needle_trials, "haystack_tokens": haystack_tokens, "seed": seed,
-                             "n_boot": n_boot, "texts": "given" if texts is not None else "shipped passage",
+                   settings={**sizes, "start": start, "texts": "given" if texts is not None else "shipped passage",
                              "needle_runs": retrieval_runs})
     if checks:
         t0 = time.perf_counter()
         from headlab.interpret.atlas.checks import run_checks
 
         run_checks(result, adapter, tok, todo, k=k, n_draws=n_draws, pieces=pieces, trials=trials, vocab=vocab,
-                   seed=seed, n_boot=n_boot, max_rows=max_rows, say=say, has_logits=has_logits)
+                   seed=seed, n_boot=n_boot, max_rows=max_rows, say=say, has_logits=has_logits, checkpoint=ck)
         seconds["checks"] = time.perf_counter() - t0
+    if ck.resumed:
+        result.notes.append(f"resumed: {', '.join(ck.resumed)} read back from {ck.path} (their seconds are not counted)")
+    if ck.stale:
+        result.notes.append(f"{ck.path} held another run's phases (other settings); they were replaced")
+    ck.finish()
     result.seconds = {n: round(s, 3) for n, s in seconds.items()}
     return result
 

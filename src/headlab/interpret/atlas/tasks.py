@@ -61,7 +61,13 @@ def _specials(tokenizer) -> tuple[list[int], list[int]]:
 
 
 def _encode(tokenizer, text: str) -> list[int]:
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    """Token ids without specials, a paragraph at a time (a long text in one call draws the tokenizer's
+    warning about its maximum length, which concerns the model, not the tokenizer)."""
+    parts = text.split("\n\n")
+    ids: list[int] = []
+    for i, p in enumerate(parts):
+        ids += tokenizer(p + ("\n\n" if i < len(parts) - 1 else ""), add_special_tokens=False)["input_ids"]
+    return ids
 
 
 def repeated(tokenizer, *, vocab: int, n: int, half: int, seed: int) -> tuple[torch.Tensor, int]:
