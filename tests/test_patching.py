@@ -291,3 +291,23 @@ def test_typed_errors():
         path_patch(m, clean, corrupt, metric, receivers=[(1, 1)], receiver_input="z")
     with pytest.raises(ShapeError, match="ids for a batch"):
         patch(m, clean, corrupt, logit_diff([1, 2], [3, 4]))
+
+
+def test_interrupt_keeps_what_was_measured(monkeypatch):
+    from headlab.interpret.patching import runs
+
+    m = _model(layers=2)
+    clean, corrupt = _pair()
+    metric = logit_diff(CORRECT, WRONG)
+    real, calls = runs.run_metric, []
+
+    def flaky(pair, metric, inputs, copies, edits=None, **kw):
+        if edits:
+            calls.append(1)
+            if len(calls) == 3:
+                raise KeyboardInterrupt
+        return real(pair, metric, inputs, copies, edits=edits, **kw)
+
+    monkeypatch.setattr(runs, "run_metric", flaky)
+    r = patch(m, clean, corrupt, metric, max_rows=2 * B)  # two heads per forward: 4 of 8 measured
+    assert int((~torch.isnan(r.raw["z"])).sum()) == 4 and "interrupted after 4 of 8" in r.notes[0]

@@ -38,6 +38,7 @@ def patch(model, clean, corrupted, metric, *, sites: str | list[str] = "z", posi
         layers: the layers to patch (default all).
         max_rows: rows per forward (``configurations * B``).
         backend: the attention backend of every run (default: the adapter's, else ``"auto"``).
+        progress: show a progress bar. Interrupted (Ctrl-C), the result keeps what was measured.
 
     Returns:
         :class:`~headlab.interpret.patching.result.PatchResult` (``method="exact"``).
@@ -69,6 +70,7 @@ def patch(model, clean, corrupted, metric, *, sites: str | list[str] = "z", posi
     width = {k: max(runs.n_heads(k, corrupt_cache[a.site_name(l, k)]) for l in chosen_layers) for k in kinds}
     raw = {k: torch.full((a.n_layers, width[k], *(() if pos is None else (P,))), float("nan")) for k in kinds}
     bar, task = _bar(progress, len(configs))
+    done = 0
     try:
         for chunk in runs.chunks(configs, per_forward):
             edits = {}
@@ -88,12 +90,16 @@ def patch(model, clean, corrupted, metric, *, sites: str | list[str] = "z", posi
             for i, (kind, l, h, p) in enumerate(chunk):
                 idx = (l, h) if pos is None else (l, h, p)
                 raw[kind][idx] = float(vals[i].mean()) - m_clean
+            done += len(chunk)
             if bar is not None:
                 bar.advance(task, len(chunk))
+    except KeyboardInterrupt:  # keep what was measured: the rest stays NaN, and the notes say so
+        pass
     finally:
         if bar is not None:
             bar.__exit__(None, None, None)
-    notes = []
+    notes = [] if done == len(configs) else [f"interrupted after {done} of {len(configs)} configurations; the "
+                                                   "others are NaN"]
     if abs(m_corrupt - m_clean) < 1e-9:
         notes.append("the clean and corrupted runs give the same metric: effects cannot be normalised (NaN); "
                      "see raw for the changes")
