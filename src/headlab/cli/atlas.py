@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
@@ -72,6 +73,8 @@ def atlas_cmd(
     Example: headlab atlas --model smollm2 --out atlas-smollm2
 
     Interrupted (Ctrl-C), the finished phases stay in DIR/atlas.partial.json; the same command resumes from them.
+    Data-parallel with torchrun: `torchrun --nproc-per-node 2 -m headlab atlas ...` splits the needle trials and
+    the checks' configurations across the processes; rank 0 shows the progress and writes the output.
     """
     from headlab.interpret.atlas import KINDS, atlas
     from headlab.interpret.atlas.page import render_page
@@ -86,14 +89,23 @@ def atlas_cmd(
     raw = _read_texts(texts) if texts is not None else None
     if treebank is not None and not treebank.is_file():
         raise InputError(f"--treebank {str(treebank)!r} does not exist; give a CoNLL-U file (.conllu)")
+    from headlab.distributed.data import init_from_env, is_main
+
+    init_from_env()  # under torchrun: the needle trials and the checks' configurations are split over the ranks
+    main = is_main()
     partial = Path(out).expanduser() / PARTIAL
-    out_dir = prepare_out_dir(out, force=force or (partial.is_file() and len(list(partial.parent.iterdir())) == 1))
+    if main:
+        prepare_out_dir(out, force=force or (partial.is_file() and len(list(partial.parent.iterdir())) == 1))
+    out_dir = Path(out).expanduser()
     loaded = load(model)
     progress, say = _bar()
-    with progress:
+    with progress if main else contextlib.nullcontext():
         a = atlas(loaded, kinds=asked, texts=None if raw is None else _ids_if_needed(loaded, raw), treebank=treebank,
                   checks=checks, k=top_k, n_draws=draws, half=half, n_texts=n_texts, max_tokens=max_tokens,
-                  needle_trials=needles, haystack_tokens=haystack, seed=seed, progress=say, resume=out_dir / PARTIAL)
+                  needle_trials=needles, haystack_tokens=haystack, seed=seed, progress=say if main else None,
+                  resume=out_dir / PARTIAL)
+    if not main:  # rank 0 writes and prints
+        return
     (out_dir / "atlas.json").write_text(json.dumps(a.to_json(), indent=1) + "\n", encoding="utf-8")
     (out_dir / "atlas.html").write_text(render_page(a), encoding="utf-8")
     if as_json:

@@ -5,7 +5,8 @@ gate heads on fresh repeated random sequences (the loss on the repeated half, fr
 copy on, which an induction head can predict); sink and local on the natural-text pieces (log-perplexity,
 or ``1 - cos`` of the pooled embedding for a sentence encoder without a language-model head); retrieval on
 the needle prompts with their answers appended (teacher-forced needle accuracy). Every configuration of a
-group runs batched (:func:`.causal.gated`).
+group runs batched (:func:`.causal.gated`); under torchrun the configurations are split over the ranks
+(:func:`sharded_gated`), which gives the one-process numbers.
 """
 
 from __future__ import annotations
@@ -13,11 +14,24 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from headlab.distributed.data import all_reduce_sum, shard_indices
 from headlab.interpret.atlas import causal as CK
 from headlab.interpret.atlas import tasks as T
 
 GROUPS = {"repeated": ("previous_token", "duplicate_token", "induction"), "text": ("sink", "local"),
           "needle": ("retrieval",)}
+
+
+def sharded_gated(adapter, inputs, configs, metric, *, max_rows: int) -> torch.Tensor:
+    """:func:`.causal.gated` with the configurations split over torchrun's ranks (every W-th from its rank)
+    and the ``(C, N)`` values added back: each configuration runs on one rank, so the sum is the
+    one-process result exactly. Outside torchrun, :func:`.causal.gated` itself."""
+    mine = shard_indices(configs.shape[0])
+    n = int(inputs["input_ids"].shape[0])
+    full = torch.zeros(configs.shape[0], n, dtype=torch.float64)
+    if mine:
+        full[mine] = CK.gated(adapter, inputs, configs[mine], metric, max_rows=max_rows)
+    return all_reduce_sum(full)
 
 
 def _pad(pieces: list[torch.Tensor], pad_id: int = 0) -> dict:
@@ -71,7 +85,7 @@ def run_checks(result, adapter, tok, todo, *, k, n_draws, pieces, trials, vocab,
             ids, _ = T.repeated(tok, vocab=vocab, n=result.settings["n_repeated"], half=half, seed=seed + 1)
             inputs = {"input_ids": ids.to(device), "attention_mask": torch.ones_like(ids).to(device)}
             metric, task, harm = CK.span_loss(start + half + 1, start + 2 * half), "loss on the repeated half", +1
-            vals = CK.gated(adapter, inputs, configs, metric, max_rows=max_rows)  # (C, N)
+            vals = sharded_gated(adapter, inputs, configs, metric, max_rows=max_rows)  # (C, N)
         elif group == "text":
             pad = getattr(tok, "pad_token_id", None) or 0
             inputs = {key: v.to(device) for key, v in _pad(pieces, pad).items()}
@@ -80,14 +94,14 @@ def run_checks(result, adapter, tok, todo, *, k, n_draws, pieces, trials, vocab,
             else:
                 metric, task = _cosine_metric(adapter, inputs)
             harm = +1
-            vals = CK.gated(adapter, inputs, configs, metric, max_rows=max_rows)
+            vals = sharded_gated(adapter, inputs, configs, metric, max_rows=max_rows)
         else:
             cols = []
             for tr in trials:
                 ids = torch.cat([tr.ids, tr.answer])[None].to(device)
                 inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
-                cols.append(CK.gated(adapter, inputs, configs, CK.answer_accuracy(len(tr.ids), tr.answer),
-                                     max_rows=max_rows))
+                cols.append(sharded_gated(adapter, inputs, configs, CK.answer_accuracy(len(tr.ids), tr.answer),
+                                          max_rows=max_rows))
             vals = torch.cat(cols, 1)
             task, harm = "needle accuracy (teacher-forced share of the answer's tokens predicted greedily)", -1
         say(f"causal checks ({group})", 1, 1)

@@ -23,6 +23,8 @@ from pathlib import Path
 
 import torch
 
+from headlab.distributed.data import is_main
+
 
 def fingerprint(obj) -> str:
     """A short stable digest of JSON-able data (or token-id sequences), for the checkpoint's key."""
@@ -106,7 +108,7 @@ class Checkpoint:
 
     def put(self, phase: str, value) -> None:
         self.done[phase] = value
-        if self.path is None:
+        if self.path is None or not is_main():  # under torchrun every rank reads the file, rank 0 writes it
             return
         tmp = self.path.with_name(self.path.name + ".tmp")
         tmp.write_text(json.dumps({"key": self.key, "phases": self.done}), encoding="utf-8")
@@ -114,7 +116,7 @@ class Checkpoint:
 
     def finish(self) -> None:
         """The run is complete: remove the file."""
-        if self.path is not None and self.path.is_file():
+        if self.path is not None and self.path.is_file() and is_main():
             self.path.unlink()
 
 

@@ -8,6 +8,10 @@ Passes, each recorded once (:func:`headlab.capture` of q, k and the map-free sta
 3. needle-in-a-haystack decoding (decoders) -> retrieval (:mod:`.retrieval`);
 4. a treebank, when given -> syntactic (the probe, :func:`headlab.probe`);
 5. the causal checks (:mod:`.causal`) of every scored kind with a task.
+
+Under torchrun (``torchrun --nproc-per-node N -m headlab atlas ...``) the needle trials and the checks'
+configurations are split over the ranks and gathered back, which gives the one-process result; the
+score passes are small and run on every rank. With ``resume=``, finished phases survive an interrupt.
 """
 
 from __future__ import annotations
@@ -18,11 +22,12 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from headlab.distributed.data import gather_objects, shard_indices
 from headlab.errors import ConfigError, InputError
 from headlab.interpret.atlas import scores as S
 from headlab.interpret.atlas import tasks as T
 from headlab.interpret.atlas.result import KINDS, Atlas, Thresholds
-from headlab.interpret.atlas.resume import Checkpoint, fingerprint
+from headlab.interpret.atlas.resume import Checkpoint, encode, fingerprint
 from headlab.interpret.atlas.retrieval import retrieval_trial
 from headlab.interpret.capture import capture
 from headlab.interpret.heads import labels as LB
@@ -232,9 +237,16 @@ def atlas(model, *, kinds: Sequence[str] | str | None = None, texts=None, treeba
         t0 = time.perf_counter()
         trials = T.needles(tok, texts=texts, n=needle_trials, haystack_tokens=haystack_tokens, seed=seed, vocab=vocab)
         acc = torch.zeros(adapter.n_layers, adapter.n_heads, dtype=torch.float64)
-        for i, tr in enumerate(trials):
-            say("needle decoding", i, len(trials))
-            run = dict(ck.run(f"needle {i}", lambda tr=tr: retrieval_trial(adapter, tr)))
+        mine, runs = shard_indices(len(trials)), {}  # under torchrun each rank decodes every W-th trial
+        for n, i in enumerate(mine):
+            say("needle decoding", n, len(mine))
+            runs[i] = ck.run(f"needle {i}", lambda tr=trials[i]: retrieval_trial(adapter, tr))
+        for part in gather_objects(runs):
+            runs.update(part)
+        for i in range(len(trials)):
+            if ck.get(f"needle {i}") is None:
+                ck.put(f"needle {i}", encode(runs[i]))
+            run = dict(runs[i])
             acc += run.pop("score")
             retrieval_runs.append(run)
         grids["retrieval"] = _mask_missing(adapter, acc / len(trials))
