@@ -65,7 +65,7 @@ def test_analyze_report_lists_the_atlas_roles(tmp_path):
     page = (tmp_path / "r" / "report.html").read_text()
     assert 'id="atlas-section"' in page
     a = atlas(ld, kinds=["previous_token", "duplicate_token", "induction", "sink", "local"], checks=False,
-              copying=False, half=16, n_repeated=2, n_texts=1, max_tokens=64)
+              copying=False, evidence=False, half=16, n_repeated=2, n_texts=1, max_tokens=64)
     for kind, s in a.summary().items():
         shown = ", ".join(s["heads"][:12]) or "-"
         assert f"{s['count']} ({100 * s['share']:.1f}%)</td><td>{shown}" in page, kind

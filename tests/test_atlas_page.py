@@ -6,6 +6,7 @@ skipped, with the reason, when no Chromium is installed, failed under CI (as tes
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 import torch
@@ -44,6 +45,7 @@ def test_page_in_chromium(result, tmp_path):
     status, detail = selftest_result(dom)
     assert status == "pass", detail or dom[-2000:]
     assert f'data-checked-grids="{len(result.scores) + 1}"' in dom
+    assert result.evidence and re.search(r'data-checked-evidence="[1-9]', dom)  # a head's evidence maps drew
     assert 'class="selftest-error"' not in dom and console == []
 
 

@@ -2,13 +2,15 @@
 
 - the role grid: layers down, query heads across (GQA: the kv group under each head number), each cell
   coloured by the head's strongest role (its score over the kind's threshold) and lettered with every role
-  it carries; clicking or hovering a cell writes its scores, roles and the verdicts of its kinds below;
+  it carries; clicking or hovering a cell writes its scores, roles and the verdicts of its kinds below, and
+  draws its evidence maps (:mod:`.evidence`) when it is among a kind's top heads;
 - one heatmap per score (every kind and the OV copying score);
 - the causal checks: per kind the task, the top-k heads, the targeted effect with its interval, the random
   draws' mean and largest upper end, and the verdict.
 
 Opening the page with ``#selftest`` makes it check itself (every grid has one coloured cell per head, a
-synthetic click on the first cell fills the focus line with every kind's score, one table row per verdict)
+synthetic click on the first cell fills the focus line with every kind's score, a click on a head with
+evidence draws its maps at the right size and colour, one table row per verdict)
 and write ``<pre id="selftest-result" data-status="pass|fail">``; script errors are written too
 (``<pre class="selftest-error">``), as on headlab's other pages.
 """
@@ -43,9 +45,26 @@ function select(l,h){
  document.getElementById("focus").textContent="head "+l+"."+h+" (kv group "+D.kv_group[l][h]+"): "+parts.join(", ")+
   "; roles: "+(roles.length?roles.join(", "):"none")+(vs.length?"; gated in: "+vs.join(", "):"");
  document.body.dataset.focus=l+"."+h;
+ drawEvidence(l,h);
+}
+var CELL=8;
+function drawEvidence(l,h){
+ var box=document.getElementById("evidence"); box.innerHTML="";
+ (D.evidence[l+"."+h]||[]).forEach(function(ev){
+  var n=ev.map.length, c=document.createElement("canvas"); c.width=n*CELL; c.height=n*CELL;
+  c.dataset.kind=ev.kind; c.dataset.n=String(n); c.title=ev.kind+": rows = queries, columns = keys";
+  var g=c.getContext("2d");
+  for(var i=0;i<n;i++){for(var j=0;j<n;j++){var w=ev.map[i][j];
+   g.fillStyle="rgb("+Math.round(255-225*w)+","+Math.round(255-165*w)+","+Math.round(255-60*w)+")";
+   g.fillRect(j*CELL,i*CELL,CELL,CELL);}}
+  var fig=document.createElement("figure"); fig.style.display="inline-block"; fig.appendChild(c);
+  var cap=document.createElement("figcaption"); cap.className="note";
+  cap.textContent=ev.kind+" evidence, head "+l+"."+h+": "+ev.tokens.slice(0,12).join(" ")+(n>12?" ...":"");
+  fig.appendChild(cap); box.appendChild(fig);});
 }
 document.querySelectorAll("table.hm td[data-l]").forEach(function(td){
  var f=function(){select(td.dataset.l,td.dataset.h);}; td.addEventListener("click",f); td.addEventListener("mouseenter",f);});
+var out_evidence=0;
 function selftest(){
  var problems=[]; var want=0; D.kv_group.forEach(function(r){want+=r.length;});
  document.querySelectorAll("table.hm").forEach(function(t){
@@ -59,10 +78,20 @@ function selftest(){
   if(document.body.dataset.focus!==first.dataset.l+"."+first.dataset.h){problems.push("click did not select the head");}
   var txt=document.getElementById("focus").textContent;
   Object.keys(D.scores).forEach(function(k){if(txt.indexOf(k+"=")<0){problems.push("focus lacks "+k);}});}
+ var keys=Object.keys(D.evidence);
+ if(keys.length){var lh=keys[0].split("."), cell=document.querySelector('table[data-grid="roles"] td[data-l="'+lh[0]+'"][data-h="'+lh[1]+'"]');
+  cell.dispatchEvent(new MouseEvent("click",{bubbles:true}));
+  var cs=document.querySelectorAll("#evidence canvas");
+  if(cs.length!==D.evidence[keys[0]].length){problems.push("evidence: "+cs.length+" maps drawn, want "+D.evidence[keys[0]].length);}
+  cs.forEach(function(c){if(c.width!==Number(c.dataset.n)*CELL){problems.push("evidence map of the wrong size");}
+   var ev=D.evidence[keys[0]].filter(function(e){return e.kind===c.dataset.kind;})[0];
+   var px=c.getContext("2d").getImageData(CELL/2,CELL/2,1,1).data, want=Math.round(255-225*ev.map[0][0]);
+   if(Math.abs(px[0]-want)>2){problems.push("evidence map: first cell red "+px[0]+", want "+want);}});
+  out_evidence=cs.length;}
  var rows=document.querySelectorAll("table.verdicts tr[data-kind]").length;
  if(rows!==Object.keys(D.verdicts).length){problems.push(rows+" verdict rows, want "+Object.keys(D.verdicts).length);}
  var out=document.createElement("pre"); out.id="selftest-result"; out.dataset.status=problems.length?"fail":"pass";
- out.dataset.checkedGrids=String(grids);
+ out.dataset.checkedGrids=String(grids); out.dataset.checkedEvidence=String(out_evidence);
  out.textContent=problems.length?problems.join("\n"):"selftest pass"; document.body.appendChild(out);
 }
 if(location.hash==="#selftest"){try{selftest();}catch(e){recordError("selftest threw: "+e);}}
@@ -114,7 +143,7 @@ def _role_grid(a) -> str:
                       for k in a.kinds)
     return (f'<h2>Roles</h2><table class="hm" data-grid="roles"><tr><th></th>{head}</tr>{extra}{"".join(rows)}</table>'
             f"<div class='note'>layers down, query heads across; colour: the strongest role (score / threshold); "
-            f"letters: every role. {legend}</div><div id='focus'></div>")
+            f"letters: every role. {legend}</div><div id='focus'></div><div id='evidence'></div>")
 
 
 def _heatmap(name: str, grid) -> str:
@@ -149,6 +178,15 @@ def _verdicts(a) -> str:
             f"{''.join(rows)}</table><div class='note'>{rule}</div>")
 
 
+def _evidence(a) -> dict[str, list]:
+    """``{"l.h": [{"kind", "tokens", "map"}, ...]}``: the page's evidence maps, by head."""
+    out: dict[str, list] = {}
+    for ev in a.evidence.values():
+        out.setdefault(f"{ev['layer']}.{ev['head']}", []).append(
+            {"kind": ev["kind"], "tokens": ev["tokens"], "map": ev["map"]})
+    return out
+
+
 def render_page(a, *, title: str | None = None) -> str:
     """The whole page for one :class:`~headlab.interpret.atlas.result.Atlas` ``a``."""
     body = [_role_grid(a), "<h2>Scores</h2><div class='grids'>"
@@ -164,7 +202,8 @@ def render_page(a, *, title: str | None = None) -> str:
     data = {"scores": {k: [[_num(x) for x in r] for r in v.tolist()] for k, v in a.scores.items()},
             "roles": [[a.roles(l, h) for h in range(a.n_heads)] for l in range(a.n_layers)],
             "kv_group": a.kv_group.tolist(),
-            "verdicts": {k: {"verdict": v["verdict"], "heads": v["heads"]} for k, v in a.verdicts.items()}}
+            "verdicts": {k: {"verdict": v["verdict"], "heads": v["heads"]} for k, v in a.verdicts.items()},
+            "evidence": _evidence(a)}
     return shell.page(title=title or f"head atlas: {a.model}", body="\n".join(body), summary_lines=summary,
                       banner="; ".join(a.notes) if a.notes else None, data=data, data_id="atlas-data", script=_JS,
                       generator="headlab atlas")

@@ -68,6 +68,7 @@ class Atlas:
             numbers, plus the task, the top-k heads, the random draws and the per-example effects).
         skipped: ``{kind: reason}`` for kinds not scored, ``{"kind check": reason}`` for checks not run.
         settings: the sizes and seeds that reproduce the run; seconds: per phase.
+        evidence: ``{"kind:l.h": {"tokens", "map"}}``: each kind's top heads' attention on one short input.
     """
 
     model: str
@@ -86,6 +87,7 @@ class Atlas:
     settings: dict = field(default_factory=dict)
     seconds: dict[str, float] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    evidence: dict[str, dict] = field(default_factory=dict)
 
     @property
     def kinds(self) -> list[str]:
@@ -136,7 +138,7 @@ class Atlas:
                 "kv_group": self.kv_group.tolist(), "scores": {k: _grid(v) for k, v in self.scores.items()},
                 "thresholds": dict(self.thresholds), "labels": self.labels, "syntactic": self.syntactic,
                 "verdicts": self.verdicts, "skipped": self.skipped, "settings": self.settings,
-                "seconds": self.seconds, "notes": self.notes, "summary": self.summary()}
+                "seconds": self.seconds, "notes": self.notes, "evidence": self.evidence, "summary": self.summary()}
 
     @classmethod
     def from_json(cls, data: dict | str | Path) -> Atlas:
@@ -156,7 +158,8 @@ class Atlas:
                    scores={k: _ungrid(v) for k, v in data["scores"].items()}, thresholds=data["thresholds"],
                    labels=data.get("labels", []), syntactic=data.get("syntactic", {}),
                    verdicts=data.get("verdicts", {}), skipped=data.get("skipped", {}),
-                   settings=data.get("settings", {}), seconds=data.get("seconds", {}), notes=data.get("notes", []))
+                   settings=data.get("settings", {}), seconds=data.get("seconds", {}), notes=data.get("notes", []),
+                   evidence=data.get("evidence", {}))
 
     def recheck(self, kind: str) -> dict:
         """The kind's verdict recomputed from the per-example effects stored with it (what the JSON reproduces)."""

@@ -144,7 +144,8 @@ def atlas(model, *, kinds: Sequence[str] | str | None = None, texts=None, treeba
           n_repeated: int = 8,
           window: int = 16, max_tokens: int = 128, n_texts: int = 4, needle_trials: int = 4,
           haystack_tokens: int = 256, n_boot: int = 1000, seed: int = 0, max_rows: int = 32,
-          thresholds: Thresholds = Thresholds(), progress: Callable | None = None, resume=None) -> Atlas:
+          thresholds: Thresholds = Thresholds(), progress: Callable | None = None, resume=None,
+          evidence: bool = True) -> Atlas:
     """Score every head of ``model`` on every kind (:data:`KINDS`) and check each kind causally.
 
     Args:
@@ -162,6 +163,7 @@ def atlas(model, *, kinds: Sequence[str] | str | None = None, texts=None, treeba
         needle_trials, haystack_tokens: needle prompts and their haystack length.
         n_boot, seed: bootstrap resamples and the seed of every random choice. max_rows: rows per forward.
         progress: ``progress(stage, done, total)``.
+        evidence: keep the attention maps of each kind's top heads on one short input (:mod:`.evidence`).
         resume: a file that keeps each finished phase (:mod:`.resume`); a rerun with the same settings
             after an interrupt reads them back and runs only the rest. Removed when the atlas is complete.
 
@@ -170,8 +172,8 @@ def atlas(model, *, kinds: Sequence[str] | str | None = None, texts=None, treeba
     """
     adapter, loaded = resolve(model)
     tok = getattr(loaded, "tokenizer", None)
-    has_logits = adapter.causal and (getattr(adapter.model, "get_output_embeddings", None) is not None
-                                     or hasattr(adapter.model, "tok_emb"))
+    get_out = getattr(adapter.model, "get_output_embeddings", None)
+    has_logits = adapter.causal and ((callable(get_out) and get_out() is not None) or hasattr(adapter.model, "tok_emb"))
     todo, skipped = _kinds(kinds, adapter, treebank, has_logits)
     for name, v, lo in (("n_draws", n_draws, 1), ("half", half, 2), ("n_repeated", n_repeated, 2),
                         ("n_texts", n_texts, 1), ("needle_trials", needle_trials, 1), ("n_boot", n_boot, 2)):
@@ -286,6 +288,14 @@ def atlas(model, *, kinds: Sequence[str] | str | None = None, texts=None, treeba
         result.notes.append(f"resumed: {', '.join(ck.resumed)} read back from {ck.path} (their seconds are not counted)")
     if ck.stale:
         result.notes.append(f"{ck.path} held another run's phases (other settings); they were replaced")
+    if evidence:
+        from headlab.interpret.atlas.evidence import REPEATED_KINDS, TEXT_KINDS, evidence_maps
+
+        short = T.repeated(tok, vocab=vocab, n=1, half=min(half, 12), seed=seed)[0][0]
+        name = (lambda t: tok.convert_ids_to_tokens(t)) if tok is not None else str
+        result.evidence = evidence_maps(adapter, {kd: result.top(kd, k) for kd in todo
+                                                  if kd in REPEATED_KINDS + TEXT_KINDS},
+                                        repeated_ids=short, text_ids=pieces[0][:24] if pieces else None, tokens=name)
     ck.finish()
     result.seconds = {n: round(s, 3) for n, s in seconds.items()}
     return result

@@ -27,8 +27,8 @@ class AtlasSection(Section):
         from headlab.interpret.atlas import atlas
 
         kinds = list(KINDS) if job.loaded.tokenizer is not None else list(KINDS[:3])
-        return atlas(job.loaded, kinds=kinds, checks=False, copying=False, half=16, n_repeated=2, n_texts=1,
-                     max_tokens=64)
+        return atlas(job.loaded, kinds=kinds, checks=False, copying=False, evidence=False, half=16, n_repeated=2,
+                     n_texts=1, max_tokens=64)
 
     def page(self, job: Job, result, results) -> PagePart:
         from headlab.interpret.atlas.kinds import ROLE
