@@ -132,7 +132,8 @@ def test_long_prefill_of_windowed_heads_runs_on_the_sparse_kernel(monkeypatch):
 
     monkeypatch.setattr(cache_mod, "_attention", spy)
     got, _ = _decoded_logits(model, ids, policy, prefill=300)
-    assert calls.count("sparse") == 2 and len(calls) == 4  # the windowed group of each layer, and the full one
+    # per layer: the full group (auto), the windowed group's band (sparse) and its sinks (auto)
+    assert calls.count("sparse") == 2 and len(calls) == 6
     torch.testing.assert_close(got, _reference_logits(model, ids, policy), rtol=1e-4, atol=1e-4)
 
 

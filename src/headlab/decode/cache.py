@@ -9,9 +9,9 @@ How it reaches attention: ``update`` returns a :class:`GroupedKV` in place of th
 attention implementation ``"headlab"`` (which the cache switches the model to) sees it and calls
 :meth:`GroupedKV.headlab_attend`, which runs each group's query heads on that group's keys:
 
-- a prefill (queries from an empty cache) of a windowed group runs on the ``sparse`` backend with the
-  mask ``causal & (key < sink | query - key < recent)``, so it visits only the tiles of the window
-  and the sinks (the other groups run causal on ``auto``);
+- a prefill (queries from an empty cache) of a windowed group runs its band ``0 <= query - key < recent``
+  on the ``sparse`` backend (only the window's tiles) and its sinks apart, merged by log-sum-exp
+  (:func:`window_prefill`); the full groups run causal on ``auto``;
 - a decode step evicts first (keys no longer visible to the new query), then attends to all that is held;
 - dropped groups' query heads output zeros.
 
@@ -175,8 +175,8 @@ class GroupedKV:
             elif fresh and hf is None and isinstance(g.rule, Full):
                 o = attention(q, g.keys, g.values, causal=True, scale=scaling)
             elif fresh and hf is None:
-                o = attention(q, g.keys, g.values, mask=window_mask(g.rule), scale=scaling,
-                              backend="sparse" if m >= SPARSE_PREFILL else "auto")
+                o = window_prefill(attention, q, g.keys, g.values, g.rule, scaling,
+                                   backend="sparse" if m >= SPARSE_PREFILL else "auto")
             else:  # general: positions held, the model's mask, the rule
                 vis = visibility(g.rule, q_pos[:, None], g.pos[None, :]).to(query.device)  # (m, kept)
                 if hf is not None:
@@ -189,17 +189,32 @@ class GroupedKV:
         return out.transpose(1, 2).contiguous(), None
 
 
-def window_mask(rule: Window) -> masks.MaskFn:
-    """``causal & (key < sink | query - key < recent)`` as a structured mask, so its tiles are counted."""
+def window_prefill(attention, q, k, v, rule: Window, scale, *, backend: str) -> torch.Tensor:
+    """A windowed group's prefill, ``(B, heads, n, d)``, without materialising any ``n x n`` matrix.
+
+    The keys a query ``t`` sees split into two disjoint sets: the band ``0 <= t - j < recent`` (a sliding
+    window, which the sparse kernel runs as a band) and the sinks ``j < sink`` with ``t - j >= recent``
+    (at most ``sink`` keys per row). Each part returns its output and log-sum-exp; they merge as
+    FlashAttention merges tiles: ``lse = logaddexp(l1, l2)``, ``out = o1 e^(l1 - lse) + o2 e^(l2 - lse)``.
+    """
+    n = q.shape[2]
+    parts = []
     if rule.recent >= 2:
-        local = masks.sliding_window(rule.recent - 1, causal=True)  # 0 <= query - key <= recent - 1
+        parts.append(attention(q, k, v, mask=masks.sliding_window(rule.recent - 1, causal=True), scale=scale,
+                               backend=backend, return_lse=True))
     elif rule.recent == 1:
-        local = masks.as_mask(lambda b, h, q, k: q == k)
-    else:
-        local = None
-    sinks = masks.global_tokens(list(range(rule.sink))) if rule.sink else None
-    both = local if sinks is None else (sinks if local is None else local | sinks)
-    return masks.causal() & both
+        parts.append(attention(q, k, v, mask=masks.as_mask(lambda b, h, i, j: i == j), scale=scale, return_lse=True))
+    if rule.sink:
+        s = min(rule.sink, n)
+        t, j = torch.arange(n)[:, None], torch.arange(s)[None, :]
+        vis = ((j <= t) & (t - j >= rule.recent)).to(q.device)  # (n, s): sinks outside the band
+        parts.append(attention(q, k[:, :, :s], v[:, :, :s], mask=vis, scale=scale, return_lse=True))
+    if len(parts) == 1:
+        return parts[0][0]
+    (o1, l1), (o2, l2) = parts  # a row with no sink outside its band: l2 = -inf, weight 0
+    lse = torch.logaddexp(l1, l2)
+    w2 = torch.exp(l2 - lse).nan_to_num(0.0).unsqueeze(-1)
+    return o1.mul_(torch.exp(l1 - lse).unsqueeze(-1)).add_(o2.mul_(w2))
 
 
 class HeadCache(Cache):
