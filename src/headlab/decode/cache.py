@@ -22,6 +22,7 @@ the policy equals one forward with the policy's visibility (:meth:`headlab.kv.Po
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from headlab.attention import masks
@@ -38,28 +39,53 @@ SPARSE_PREFILL = 128  # below this many queries the window's tiles are too few f
 class _Group:
     """The kv heads of one layer that share a rule, and the keys they hold."""
 
-    def __init__(self, rule: Rule, kv_heads: list[int], rep: int):
+    def __init__(self, rule: Rule, kv_heads: list[int], rep: int, n_kv: int):
         self.rule = rule
+        self.whole = len(kv_heads) == n_kv  # the layer's only group: no gathering of heads
         self.kv = torch.tensor(kv_heads, dtype=torch.long)
         # query head h reads kv head h // rep: the group's query heads, in the order of its kv heads
         self.q = torch.tensor([j * rep + r for j in kv_heads for r in range(rep)], dtype=torch.long)
         self.keys = self.values = None       # (B, heads, kept, d)
-        self.pos = torch.zeros(0, dtype=torch.long)  # positions of the held keys (windowed groups)
+        self.pos = torch.zeros(0, dtype=torch.long)  # positions of the held keys
+        self.ring = rule.sink if isinstance(rule, Window) else 0  # the slot of the oldest key past the sinks
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.keys, self.values) if t is not None)
 
+    def append(self, k: torch.Tensor, v: torch.Tensor, new_pos: torch.Tensor) -> None:
+        """Add ``(B, heads, m, d)`` keys and values at positions ``new_pos``.
+
+        A windowed group that already holds ``sink + recent`` keys takes one new key in place: it
+        overwrites the oldest key past the sinks (the one the new query no longer sees), so a decode
+        step copies nothing. Everything else is appended (and evicted after the attention)."""
+        r = self.rule
+        if (isinstance(r, Window) and k.shape[2] == 1 and self.keys is not None
+                and self.pos.numel() == r.sink + r.recent):
+            if r.recent == 0:  # only the sinks are ever visible: the new key is never read
+                return
+            slot = self.ring
+            self.keys[:, :, slot] = k[:, :, 0]
+            self.values[:, :, slot] = v[:, :, 0]
+            self.pos[slot] = new_pos[0]
+            self.ring = r.sink + (slot - r.sink + 1) % r.recent
+        elif self.keys is None:
+            self.keys, self.values, self.pos = k.contiguous(), v.contiguous(), new_pos.clone()
+        else:
+            self.keys, self.values = torch.cat([self.keys, k], dim=2), torch.cat([self.values, v], dim=2)
+            self.pos = torch.cat([self.pos, new_pos])
+
     def evict(self, last: int) -> None:
-        """Keep what a query at position ``last`` may see (windowed groups)."""
-        if not isinstance(self.rule, Window) or self.keys is None:
+        """Keep what a query at position ``last`` may see (windowed groups), in position order."""
+        r = self.rule
+        if not isinstance(r, Window) or self.keys is None or self.pos.numel() <= r.sink + r.recent:
             return
-        keep = (self.pos < self.rule.sink) | (last - self.pos < self.rule.recent)
-        if bool(keep.all()):
-            return
+        keep = (self.pos < r.sink) | (last - self.pos < r.recent)
         idx = keep.nonzero().squeeze(1)
+        idx = idx[self.pos[idx].argsort()]
         self.keys = self.keys.index_select(2, idx.to(self.keys.device)).contiguous()
         self.values = self.values.index_select(2, idx.to(self.values.device)).contiguous()
         self.pos = self.pos[idx]
+        self.ring = r.sink
 
 
 class HeadLayer(CacheLayerMixin):
@@ -78,7 +104,7 @@ class HeadLayer(CacheLayerMixin):
         by_rule: dict[Rule, list[int]] = {}
         for j, r in enumerate(rules):
             by_rule.setdefault(r, []).append(j)
-        self.groups = [_Group(r, heads, rep) for r, heads in by_rule.items()]
+        self.groups = [_Group(r, heads, rep, g) for r, heads in by_rule.items()]
 
     def lazy_initialization(self, key_states, value_states) -> None:
         self.is_initialized = True
@@ -91,13 +117,11 @@ class HeadLayer(CacheLayerMixin):
         for g in self.groups:
             if isinstance(g.rule, Drop):
                 continue
-            k = key_states.index_select(1, g.kv.to(key_states.device))
-            v = value_states.index_select(1, g.kv.to(value_states.device))
-            if g.keys is None:
-                g.keys, g.values, g.pos = k.contiguous(), v.contiguous(), new_pos
+            if g.whole:
+                g.append(key_states, value_states, new_pos)
             else:
-                g.keys, g.values = torch.cat([g.keys, k], dim=2), torch.cat([g.values, v], dim=2)
-                g.pos = torch.cat([g.pos, new_pos])
+                g.append(key_states.index_select(1, g.kv.to(key_states.device)),
+                         value_states.index_select(1, g.kv.to(value_states.device)), new_pos)
         first, self.seen = self.seen, self.seen + m
         view = GroupedKV(self, first, m)
         return view, view
@@ -167,11 +191,14 @@ class GroupedKV:
         for g in layer.groups:
             if isinstance(g.rule, Drop):
                 continue
-            q = query.index_select(1, g.q.to(query.device))  # (B, heads of group, m, d)
-            fresh = g.pos.numel() == m  # a prefill into an empty cache
+            q = query if g.whole else query.index_select(1, g.q.to(query.device))  # (B, heads of group, m, d)
+            fresh = self.first == 0  # a prefill into an empty cache
             if m == 1 and hf is None:
-                g.evict(last)  # keep what the new query may see, then it sees all of it
-                o = attention(q, g.keys, g.values, scale=scaling)
+                g.evict(last)  # the group holds what the new query may see (a decode step evicted in place)
+                if softcap is None:  # every held key is visible: torch's fused kernel, NaN kept as NaN
+                    o = F.scaled_dot_product_attention(q, g.keys, g.values, scale=scaling, enable_gqa=True)
+                else:
+                    o = attention(q, g.keys, g.values, scale=scaling)
             elif fresh and hf is None and isinstance(g.rule, Full):
                 o = attention(q, g.keys, g.values, causal=True, scale=scaling)
             elif fresh and hf is None:
@@ -182,7 +209,10 @@ class GroupedKV:
                 if hf is not None:
                     vis = vis & hf.index_select(-1, g.pos.to(hf.device))  # (B, 1, m, kept)
                 o = attention(q, g.keys, g.values, mask=vis, scale=scaling)
-            out.index_copy_(1, g.q.to(out.device), o.to(out.dtype))
+            if g.whole:
+                out = o.to(out.dtype)
+            else:
+                out.index_copy_(1, g.q.to(out.device), o.to(out.dtype))
             g.evict(last)
         if layer.owner is not None:
             layer.owner._note_bytes()
