@@ -30,7 +30,7 @@ from _common import RESULTS, machine, write_json  # noqa: E402
 # sizes chosen so that each model fits its time goal on 2 cores (forwards of c configurations x examples)
 SIZES = {
     "minilm": dict(half=32, n_repeated=8, max_tokens=128, n_texts=6),
-    "smollm2": dict(half=32, n_repeated=6, max_tokens=128, n_texts=4, needle_trials=6, haystack_tokens=192),
+    "smollm2": dict(half=32, n_repeated=6, max_tokens=128, n_texts=4, needle_trials=8, haystack_tokens=192),
 }
 
 

@@ -96,29 +96,43 @@ def test_copying_score_equals_the_full_ov_circuit():
                 assert abs(float(a.scores["copying"][layer, h]) - want) < 1e-6
 
 
+def _brute_retrieval(model, tr):
+    """Copy events of one trial, decoding step by step with explicit maps: ``((L, H) score, generated)``."""
+    seq, n = tr.ids.clone(), len(tr.answer)
+    got, gen = torch.zeros(2, 4, dtype=torch.float64), []
+    for _ in range(n):
+        with torch.no_grad():
+            nxt = int(model(seq[None]).logits[0, -1].argmax())
+        top = _maps(model, seq[None])[:, 0, :, -1].argmax(-1)  # (L, H): the step's top-attended key
+        for layer in range(2):
+            for h in range(4):
+                j = int(top[layer, h])
+                if tr.needle[0] <= j < tr.needle[1] and int(seq[j]) == nxt:
+                    got[layer, h] += 1 / n
+        seq = torch.cat([seq, torch.tensor([nxt])])
+        gen.append(nxt)
+    return got, gen
+
+
 def test_retrieval_equals_a_step_by_step_decoding_loop():
     # a 12-token vocabulary: the generated tokens often lie in the needle, so copy events happen
+    from headlab.interpret.atlas.retrieval import retrieval_trial
+    from headlab.interpret.atlas.tasks import Needle
+
     model = _tiny(vocab=12, seed=3)
     texts = [[int(x) for x in torch.randint(0, 12, (80,), generator=torch.Generator().manual_seed(1))]]
     a = atlas(model, kinds=["retrieval"], texts=texts, checks=False, needle_trials=3, haystack_tokens=40)
     trials = T.needles(None, texts=texts, n=3, haystack_tokens=40, seed=0, vocab=12)
-    want = torch.zeros(2, 4, dtype=torch.float64)
-    for tr in trials:
-        seq, n = tr.ids.clone(), len(tr.answer)
-        for _ in range(n):
-            with torch.no_grad():
-                nxt = int(model(seq[None]).logits[0, -1].argmax())
-            P = _maps(model, seq[None])[:, 0, :, -1]  # (L, H, keys): the decoding step's attention row
-            top = P.argmax(-1)
-            for layer in range(2):
-                for h in range(4):
-                    j = int(top[layer, h])
-                    if tr.needle[0] <= j < tr.needle[1] and int(seq[j]) == nxt:
-                        want[layer, h] += 1 / n
-            seq = torch.cat([seq, torch.tensor([nxt])])
-    want /= len(trials)
+    runs = [_brute_retrieval(model, tr) for tr in trials]
+    want = sum(r[0] for r in runs) / len(trials)
     assert torch.allclose(a.scores["retrieval"], want, atol=1e-9)
     assert float(want.sum()) > 0  # the loop found copy events: the comparison is not 0 == 0
+    # a trial whose answer is the model's own greedy output takes the one-forward path: the same score
+    tr = trials[0]
+    own = Needle(tr.ids, tr.needle, torch.tensor(runs[0][1]), tr.depth)
+    got = retrieval_trial(adapt(model), own)
+    assert got["exact"] and torch.allclose(got["score"], _brute_retrieval(model, own)[0], atol=1e-9)
+    assert not retrieval_trial(adapt(model), tr)["exact"] or runs[0][1] == tr.answer.tolist()
 
 
 def test_gating_equals_the_adapters_own_gates():

@@ -50,14 +50,30 @@ def greedy(adapter, ids: torch.Tensor, steps: int) -> torch.Tensor:
     return torch.tensor(out, dtype=torch.long)
 
 
+def _record(adapter, full: torch.Tensor):
+    return capture(adapter, {"input_ids": full[None], "attention_mask": torch.ones(1, len(full), dtype=torch.long)},
+                   adapter.sites("stats"), stats_kwargs={"stats": ["argmax"]})
+
+
 def retrieval_trial(adapter, trial: Needle) -> dict:
-    """One trial: the generated answer, whether it is right, and each head's score ``(n_layers, H)``."""
-    n = len(trial.answer)
-    gen = greedy(adapter, trial.ids, n)
-    full = torch.cat([trial.ids, gen[:-1]])
-    cache = capture(adapter, {"input_ids": full[None], "attention_mask": torch.ones(1, len(full), dtype=torch.long)},
-                    adapter.sites("stats"), stats_kwargs={"stats": ["argmax"]})
-    P = len(trial.ids)
+    """One trial: the generated answer, whether it is right, and each head's score ``(n_layers, H)``.
+
+    Greedy decoding costs one forward when the model retrieves the needle: the forward of ``prompt +
+    answer[:-1]`` predicts, at the answer's rows, what greedy decoding would generate as long as it has
+    generated the answer so far; only from the first miss on does it decode step by step."""
+    n, P = len(trial.answer), len(trial.ids)
+    full = torch.cat([trial.ids, trial.answer[:-1]])
+    cache = _record(adapter, full)
+    pred = cache.outputs.logits[0, P - 1:P - 1 + n].argmax(-1).cpu()
+    miss = (pred != trial.answer).nonzero()
+    if len(miss):  # greedy leaves the answer at step m: decode the rest, then record the generated sequence
+        m = int(miss[0])
+        head = torch.cat([trial.answer[:m], pred[m:m + 1]])
+        gen = torch.cat([head, greedy(adapter, torch.cat([trial.ids, head]), n - m - 1)])
+        full = torch.cat([trial.ids, gen[:-1]])
+        cache = _record(adapter, full)
+    else:
+        gen = trial.answer.clone()
     rows = torch.arange(P - 1, P - 1 + n)
     H = adapter.n_heads
     argmax = torch.full((adapter.n_layers, H, n), -1, dtype=torch.long)
