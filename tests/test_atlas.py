@@ -248,3 +248,45 @@ def test_an_interrupted_atlas_resumes_where_it_stopped(tmp_path, monkeypatch):
         assert torch.allclose(again.scores[kind], whole.scores[kind], equal_nan=True)
     assert {k: v["verdict"] for k, v in again.verdicts.items()} == {k: v["verdict"] for k, v in whole.verdicts.items()}
     assert again.verdicts["induction"]["effects"] == whole.verdicts["induction"]["effects"]
+
+
+SENTENCES = """# text = The unbelievable cat sat on the mat.
+1\tThe\tthe\tDET\t_\t_\t3\tdet\t_\t_
+2\tunbelievable\t_\tADJ\t_\t_\t3\tamod\t_\t_
+3\tcat\t_\tNOUN\t_\t_\t4\tnsubj\t_\t_
+4\tsat\t_\tVERB\t_\t_\t0\troot\t_\t_
+5\ton\t_\tADP\t_\t_\t7\tcase\t_\t_
+6\tthe\t_\tDET\t_\t_\t7\tdet\t_\t_
+7\tmat\t_\tNOUN\t_\t_\t4\tobl\t_\tSpaceAfter=No
+8\t.\t_\tPUNCT\t_\t_\t4\tpunct\t_\t_
+
+# text = She reads her books.
+1\tShe\t_\tPRON\t_\t_\t2\tnsubj\t_\t_
+2\treads\t_\tVERB\t_\t_\t0\troot\t_\t_
+3\ther\t_\tPRON\t_\t_\t4\tnmod:poss\t_\t_
+4\tbooks\t_\tNOUN\t_\t_\t2\tobj\t_\tSpaceAfter=No
+5\t.\t_\tPUNCT\t_\t_\t2\tpunct\t_\t_
+
+"""
+
+
+def test_syntactic_kind_equals_the_probes_relation_rows(tmp_path):
+    # the atlas's syntactic score is each head's best margin over the fixed-offset baseline among relations
+    # with at least min_count cases, read here from the probe's own per-row listing
+    from headlab.interpret.probing import probe
+
+    tb = tmp_path / "tiny.conllu"
+    tb.write_text("".join(f"# sent_id = s{i}\n{SENTENCES.split(chr(10) + chr(10))[i % 2]}\n\n" for i in range(12)))
+    ld = headlab.load("minilm")
+    a = atlas(ld, kinds=["syntactic"], treebank=tb, checks=False, copying=False, evidence=False)
+    r = probe(ld, tb, head_map_sentences=0, grad_sentences=0, loss_model=None)
+    want = torch.full((6, 12), float("nan"), dtype=torch.float64)
+    for row in r.relations:
+        if row.count >= r.min_count:
+            m = row.accuracy - row.baseline_accuracy
+            if torch.isnan(want[row.layer, row.head]) or m > want[row.layer, row.head]:
+                want[row.layer, row.head] = m
+    assert torch.allclose(a.scores["syntactic"], want, atol=1e-9, equal_nan=True)
+    assert not torch.isnan(want).all()
+    best = [b for b in r.best_heads if b.margin > 0 and b.count >= r.min_count]
+    assert best and all(any(x.startswith(f"syntactic: {b.relation}") for x in a.roles(b.layer, b.head)) for b in best)
