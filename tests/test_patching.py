@@ -311,3 +311,36 @@ def test_interrupt_keeps_what_was_measured(monkeypatch):
     monkeypatch.setattr(runs, "run_metric", flaky)
     r = patch(m, clean, corrupt, metric, max_rows=2 * B)  # two heads per forward: 4 of 8 measured
     assert int((~torch.isnan(r.raw["z"])).sum()) == 4 and "interrupted after 4 of 8" in r.notes[0]
+
+
+def test_path_patching_into_keys_of_a_gqa_receiver():
+    """Receiver 2.3 reads kv head 3 // 2 = 1: its key input is k_proj's second slice, as the sender run left it."""
+    m = _model(n_kv_heads=2, layers=3)
+    clean, corrupt = _pair()
+    metric = logit_diff(CORRECT, WRONG)
+    m_clean = _metric_value(m, clean, metric)
+    outs = [blk.attn.out_proj for blk in m.blocks]
+    z = {}
+    for name, ids in (("clean", clean), ("corrupt", corrupt)):
+        z[name] = []
+        for o in outs:
+            with _SliceHook(o, "in", 8) as hk:
+                _metric_value(m, ids, metric)
+            z[name].append(hk.seen)
+    r = path_patch(m, clean, corrupt, metric, receivers=[(2, 3)], receiver_input="k", senders=[(0, 2), (1, 0)])
+    for sl, sh in ((0, 2), (1, 0)):
+        hooks = []
+        for l, o in enumerate(outs):
+            src = z["clean"][l].clone()
+            if l == sl:
+                src[..., sh * 8:(sh + 1) * 8] = z["corrupt"][l][..., sh * 8:(sh + 1) * 8]
+            hooks.append(o.register_forward_pre_hook(lambda mod, args, s=src: (s,)))
+        with _SliceHook(m.blocks[2].attn.k_proj, "out", 8) as rec:
+            _metric_value(m, clean, metric)
+        for hd in hooks:
+            hd.remove()
+        with _SliceHook(m.blocks[2].attn.k_proj, "out", 8) as hk:
+            hk.put = (1, slice(None), rec.seen)
+            want = _metric_value(m, clean, metric)
+        assert float(r.raw["z"][sl, sh]) == pytest.approx(want - m_clean, abs=1e-4)
+    assert torch.isnan(r.raw["z"]).sum() == 12 - 2 and any("kv head" in n for n in r.notes)
