@@ -15,10 +15,11 @@ head_out   (B, H, L, E)           per-head contributions ``gates[l, h] * z_h @ W
 stats      (object)               per-head statistics without maps, from ``headlab.attention_stats``
 =========  =====================  ===============================================================
 
-Around each attention layer, record-only (:mod:`headlab.models.stream_sites`): ``input`` (what its
-keys and values are computed from, ``(B, L, E)``), ``resid_pre`` (the stream entering the block),
-``norm_in`` (the post norm's input) and ``parallel_out`` (a parallel MLP's output). They are never
-part of the default ``sites=None``.
+Around each attention layer (:mod:`headlab.models.stream_sites`): ``input`` (what its keys and values
+are computed from, ``(B, L, E)``), ``resid_pre`` (the stream entering the block), ``resid_post`` (the
+stream leaving it), ``mlp_out`` (its MLP's output), ``norm_in`` (the post norm's input) and
+``parallel_out`` (a parallel MLP's output); ``resid_pre``, ``resid_post`` and ``mlp_out`` can be edited
+too, the others are record-only. They are never part of the default ``sites=None``.
 
 Capturing a layer's pattern runs that layer on the reference backend (its map is materialised
 anyway); every other site keeps the backend you chose, so ``sites=["blocks.*.attn.stats"]`` with
