@@ -36,7 +36,7 @@ def patch_cmd(
     (m_patched - m_clean) / (m_corrupted - m_clean): 0 = no change, 1 = the whole gap.
     """
     from headlab.interpret.patching import attribution_patch, compare, patch
-    from headlab.interpret.patching.runs import HEAD_KINDS, check_kinds, check_positions
+    from headlab.interpret.patching.runs import HEAD_KINDS, RESID_KINDS, check_kinds, check_positions
     from headlab.models import load
 
     kinds = check_kinds([s.strip() for s in sites.split(",") if s.strip()])  # options first: a load takes time
@@ -75,13 +75,15 @@ def patch_cmd(
                   f"{main.corrupted:.3f}", highlight=False, soft_wrap=True)
     for name, r in results.items():
         for kind in kinds:
-            console.print(f"{name} patching, {kind}: top heads (layer.head effect)", highlight=False)
-            console.print("  " + ", ".join(f"{l}.{h} {e:+.3f}" for l, h, e in r.top(top, kind)), highlight=False,
-                          soft_wrap=True)
+            per_layer = kind in RESID_KINDS  # one value per layer
+            console.print(f"{name} patching, {kind}: top {'layers (layer' if per_layer else 'heads (layer.head'} "
+                          "effect)", highlight=False)
+            console.print("  " + ", ".join(f"{l}{'' if per_layer else f'.{h}'} {e:+.3f}" for l, h, e in r.top(top, kind)),
+                          highlight=False, soft_wrap=True)
     for kind, c in doc.get("agreement", {}).items():
         sp = "n/a" if c["spearman"] is None else f"{c['spearman']:.3f}"
         console.print(f"attribution vs exact ({kind}): Spearman {sp}, top-10 overlap "
-                      f"{c['top10_overlap']}/10, {c.get('time_ratio', float('nan')):.1f}x faster",
+                      f"{c['top10_overlap']}/{min(10, c['n'])}, {c.get('time_ratio', float('nan')):.1f}x faster",
                       highlight=False)
     if out is not None:
         console.print(f"wrote {out}", highlight=False)

@@ -83,8 +83,9 @@ def check_kinds(sites, allowed: tuple[str, ...] = HEAD_KINDS + RESID_KINDS) -> l
     kinds = [sites] if isinstance(sites, str) else list(sites)
     bad = [k for k in kinds if k not in allowed]
     if bad or not kinds:
-        raise ConfigError(f"sites={sites!r}: this method patches the kinds {', '.join(allowed)} "
-                          "(k and v per kv head; resid_pre, resid_post and mlp_out per layer)")
+        per = ("k and v per kv head; resid_pre, resid_post and mlp_out per layer" if set(RESID_KINDS) <= set(allowed)
+               else "attribution patching reads gradients at the head sites only")
+        raise ConfigError(f"sites={sites!r}: this method patches the kinds {', '.join(allowed)} ({per})")
     return kinds
 
 
