@@ -48,7 +48,8 @@ def test_help(capsys):
 def test_errors_exit_2_before_loading(tmp_path, tiny_folder, capsys):
     missing = str(tmp_path / "no-such-model")  # options are refused before the model is looked for
     for more, needle in ((["--sites", "head_out"], "kinds"), (["--method", "fast"], "--method"),
-                         (["--positions", "x"], "--positions"), (["--out", str(tmp_path / "r.txt")], ".json")):
+                         (["--positions", "x"], "--positions"), (["--out", str(tmp_path / "r.txt")], ".json"),
+                         (["--sites", "resid_pre", "--method", "both"], "gradients")):
         code, _, err = run_cli(_args(missing, *more), capsys)
         assert code == 2 and needle in err and len(err.strip().splitlines()) == 1, err
     code, _, err = run_cli(_args(tiny_folder, "--wrong", " Bob Smith"), capsys)
