@@ -344,3 +344,21 @@ def test_path_patching_into_keys_of_a_gqa_receiver():
             want = _metric_value(m, clean, metric)
         assert float(r.raw["z"][sl, sh]) == pytest.approx(want - m_clean, abs=1e-4)
     assert torch.isnan(r.raw["z"]).sum() == 12 - 2 and any("kv head" in n for n in r.notes)
+
+
+def test_path_patching_interrupt_keeps_what_was_measured(monkeypatch):
+    from headlab.interpret.patching import path as P
+
+    m = _model(layers=2)
+    clean, corrupt = _pair()
+    real, calls = P._sender_chunk, []
+
+    def flaky(*args):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(*args)
+
+    monkeypatch.setattr(P, "_sender_chunk", flaky)
+    r = path_patch(m, clean, corrupt, logit_diff(CORRECT, WRONG), max_rows=3 * B, progress=True)
+    assert int((~torch.isnan(r.raw["z"])).sum()) == 3 and any("interrupted after 3 of 8" in n for n in r.notes)

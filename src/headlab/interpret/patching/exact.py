@@ -69,7 +69,7 @@ def patch(model, clean, corrupted, metric, *, sites: str | list[str] = "z", posi
                for h in range(runs.n_heads(kind, corrupt_cache[a.site_name(l, kind)])) for p in range(P)]
     width = {k: max(runs.n_heads(k, corrupt_cache[a.site_name(l, k)]) for l in chosen_layers) for k in kinds}
     raw = {k: torch.full((a.n_layers, width[k], *(() if pos is None else (P,))), float("nan")) for k in kinds}
-    bar, task = _bar(progress, len(configs))
+    bar, task = runs.progress_bar(progress, len(configs))
     done = 0
     try:
         for chunk in runs.chunks(configs, per_forward):
@@ -110,16 +110,6 @@ def patch(model, clean, corrupted, metric, *, sites: str | list[str] = "z", posi
                        n_examples=pair.n, clean=m_clean, corrupted=m_corrupt,
                        effects={k: normalise(v, m_clean, m_corrupt) for k, v in raw.items()}, raw=raw,
                        positions=pos, seconds=time.perf_counter() - t0, notes=notes)
-
-
-def _bar(progress: bool, total: int):
-    if not progress:
-        return None, None
-    from headlab.progress import progress as make
-
-    bar = make()
-    bar.__enter__()
-    return bar, bar.add_task("patching", total=total)
 
 
 __all__ = ["patch"]

@@ -52,7 +52,7 @@ def _heads(items, adapter, what: str) -> list[tuple[int, int]]:
 
 def path_patch(model, clean, corrupted, metric, *, receivers: Sequence[tuple[int, int]] | None = None,
                receiver_input: str | Sequence[str] = "q", senders: Sequence[tuple[int, int]] | None = None,
-               max_rows: int = 256, backend: str | None = None) -> PatchResult:
+               max_rows: int = 256, backend: str | None = None, progress: bool = False) -> PatchResult:
     """Path patching from each sender head into the receivers' ``receiver_input`` (or the logits).
 
     Args:
@@ -63,6 +63,7 @@ def path_patch(model, clean, corrupted, metric, *, receivers: Sequence[tuple[int
         senders: ``[(layer, head), ...]``; default every head of every layer before the last receiver's
             (every head, with ``receivers=None``).
         max_rows: rows per forward (senders stacked times B examples).
+        progress: show a progress bar. Interrupted (Ctrl-C), the result keeps what was measured.
 
     Returns:
         :class:`PatchResult` with ``method="path"`` and a ``(n_layers, H)`` grid ``effects["z"]``.
@@ -90,30 +91,24 @@ def path_patch(model, clean, corrupted, metric, *, receivers: Sequence[tuple[int
         for kind in inputs:
             recv_sites.setdefault(a.site_name(l, kind), []).append(h if kind == "q" else h // group)
     raw = torch.full((a.n_layers, a.n_heads), float("nan"))
-    for chunk in runs.chunks(send, runs.copies_per_forward(pair.n, max_rows)):
-        C = len(chunk)
-        freeze = {}
-        for l in range(a.n_layers):
-            name = a.site_name(l, "z")
-            c_z, k_z = clean_cache[name], corrupt_cache[name]  # (B, H, L, d)
-            mask = torch.zeros(C, c_z.shape[1], pair.length, dtype=torch.bool)  # (C, H, L): the sender
-            for i, (sl, sh) in enumerate(chunk):
-                if sl == l:
-                    mask[i, sh] = True
-            freeze[name] = _frozen(mask, pair.n, k_z, c_z)
-        vals, cache = runs.run_metric(pair, metric, pair.clean, C, edits=freeze, sites=list(recv_sites),
-                                      backend=backend)
-        if recv is not None:
-            put = {}
-            for name, heads in recv_sites.items():
-                got = cache[name]  # (C * B, heads, L, d): what each receiver saw in the sender run
-                mask = torch.zeros(C, got.shape[1], pair.length, dtype=torch.bool)
-                mask[:, heads] = True
-                put[name] = _stacked(mask, got)
-            vals, _ = runs.run_metric(pair, metric, pair.clean, C, edits=put, backend=backend)
-        for i, (l, h) in enumerate(chunk):
-            raw[l, h] = float(vals[i].mean()) - m_clean
+    bar, task = runs.progress_bar(progress, len(send), "path patching")
+    done = 0
+    try:
+        for chunk in runs.chunks(send, runs.copies_per_forward(pair.n, max_rows)):
+            vals = _sender_chunk(pair, metric, chunk, clean_cache, corrupt_cache, recv_sites, recv is None, backend)
+            for i, (l, h) in enumerate(chunk):
+                raw[l, h] = float(vals[i].mean()) - m_clean
+            done += len(chunk)
+            if bar is not None:
+                bar.advance(task, len(chunk))
+    except KeyboardInterrupt:  # keep what was measured
+        pass
+    finally:
+        if bar is not None:
+            bar.__exit__(None, None, None)
     notes = ["every non-sender head's output z is frozen at its clean value in the sender run; MLPs recompute"]
+    if done < len(send):
+        notes.append(f"interrupted after {done} of {len(send)} senders; the others are NaN")
     if recv is not None and any(k in inputs for k in ("k", "v")) and group > 1:
         notes.append(f"k and v of a receiver are its kv head's, shared by {group} query heads")
     return PatchResult(model=pair.model_name, method="path", metric=getattr(metric, "__name__", "metric"),
@@ -122,6 +117,31 @@ def path_patch(model, clean, corrupted, metric, *, receivers: Sequence[tuple[int
                        receivers={"heads": None if recv is None else [list(r) for r in recv],
                                   "input": "logits" if recv is None else inputs},
                        seconds=time.perf_counter() - t0, notes=notes)
+
+
+def _sender_chunk(pair, metric, chunk, clean_cache, corrupt_cache, recv_sites, to_logits: bool, backend):
+    """``(C, B)`` metric values for ``C`` senders: the sender run, then (with receivers) the receiver run."""
+    a, C = pair.adapter, len(chunk)
+    freeze = {}
+    for l in range(a.n_layers):
+        name = a.site_name(l, "z")
+        c_z, k_z = clean_cache[name], corrupt_cache[name]  # (B, H, L, d)
+        mask = torch.zeros(C, c_z.shape[1], pair.length, dtype=torch.bool)  # (C, H, L): the sender
+        for i, (sl, sh) in enumerate(chunk):
+            if sl == l:
+                mask[i, sh] = True
+        freeze[name] = _frozen(mask, pair.n, k_z, c_z)
+    vals, cache = runs.run_metric(pair, metric, pair.clean, C, edits=freeze, sites=list(recv_sites), backend=backend)
+    if to_logits:
+        return vals
+    put = {}
+    for name, heads in recv_sites.items():
+        got = cache[name]  # (C * B, heads, L, d): what each receiver saw in the sender run
+        mask = torch.zeros(C, got.shape[1], pair.length, dtype=torch.bool)
+        mask[:, heads] = True
+        put[name] = _stacked(mask, got)
+    vals, _ = runs.run_metric(pair, metric, pair.clean, C, edits=put, backend=backend)
+    return vals
 
 
 def _frozen(mask: torch.Tensor, n: int, corrupt: torch.Tensor, clean: torch.Tensor):
