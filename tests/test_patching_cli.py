@@ -77,3 +77,19 @@ def test_json_equals_library_and_files(tmp_path, tiny_folder, capsys):
     assert code == 0 and "top heads" in out and (tmp_path / "r.html").read_text().startswith("<!DOCTYPE html>")
     code, _, err = run_cli(_args(tiny_folder, "--out", str(tmp_path / "r.html")), capsys)
     assert code == 2 and "--force" in err
+
+
+@pytest.mark.browser
+def test_page_renders_in_chromium(tmp_path):
+    from conftest import require_browser
+    from test_browser import open_page
+
+    browser = require_browser()
+    m = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=20, n_embd=16, n_layer=2, n_head=2,
+                                                             n_positions=16, attn_implementation="eager")).eval()
+    clean, bad = torch.tensor([[1, 2, 3, 4]]), torch.tensor([[1, 5, 3, 4]])
+    r = patch(m, clean, bad, logit_diff(6, 7), sites=["z", "v"])
+    dom, console = open_page(browser, r.page(), tmp_path, "patch.html")
+    assert "patching: GPT2LMHeadModel" in dom and dom.count('class="grid"') == 2
+    assert dom.count("<td ") + dom.count("<td>") == 2 * 2 * 2  # two grids of 2 layers x 2 heads
+    assert not [ln for ln in console if "Error" in ln], console
