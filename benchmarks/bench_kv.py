@@ -40,6 +40,7 @@ from _common import write_json  # noqa: E402
 import headlab  # noqa: E402
 from headlab import kv  # noqa: E402
 from headlab.decode import generate, perplexity  # noqa: E402
+from headlab.decode.calibrate import window_loss  # noqa: E402
 
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "ud-english-ewt"
 REST = kv.window(4, 256)
@@ -99,9 +100,10 @@ def passkey(lm, policy, lengths, depths, trials: int, seed: int) -> dict:
     return {"accuracy": hits / len(rows), "trials": rows}
 
 
-def policies(lm, budgets, atlas_scores, importance, prune_share: float) -> list[tuple[object, kv.Policy]]:
+def policies(lm, budgets, atlas_scores, importance, prune_share: float, calibrated) -> list[tuple[object, kv.Policy]]:
     """``[(model, policy)]``: the model is ``lm`` except for the pruned policy."""
-    out = [(lm, kv.Policy.uniform("full")), (lm, kv.Policy.uniform(REST)),
+    out = [(lm, kv.Policy.from_scores(lm, calibrated, keep=b, rest=REST, name=f"passkey-calibrated {b:.0%} full"))
+           for b in budgets] + [(lm, kv.Policy.uniform("full")), (lm, kv.Policy.uniform(REST)),
            (lm, kv.Policy.uniform(kv.window(4, 1024)))]
     for i, b in enumerate(budgets):
         out.append((lm, kv.Policy.from_atlas(lm, atlas_scores, keep=b, rest=REST)))
@@ -180,6 +182,10 @@ def main(argv=None) -> None:
     ap.add_argument("--time-lengths", default="2048,4096,8192", help="cache lengths for time per decoded token")
     ap.add_argument("--prune-share", type=float, default=0.1, help="kv heads removed physically (0: skip)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--long", default="", help="also passkey at these lengths (e.g. 8192), for full, streaming and "
+                    "the atlas split only (a prefill at 8k takes minutes on 2 cores)")
+    ap.add_argument("--only", default="", help="run only the policies whose names start with these (comma-separated); "
+                    "their rows replace those of the same name in results/kv.json")
     ap.add_argument("--rescore", action="store_true", help="compute the head scores again (else results/kv_scores.json)")
     ap.add_argument("--no-time", action="store_true", help="skip the decode timing (run it alone on a quiet machine)")
     ap.add_argument("--time-only", action="store_true", help="only the decode timing (needs the scores: reads "
@@ -209,6 +215,7 @@ def main(argv=None) -> None:
         print(f"head scores from {scores_file} (--rescore to compute them again)", flush=True)
         atlas_scores = {k: torch.tensor(v) for k, v in saved["atlas_scores"].items()}
         importance = torch.tensor(saved["importance"])
+        calibrated = torch.tensor(saved["window_loss"]) if "window_loss" in saved else None
     else:
         train = documents(DATA / "en_ewt-ud-train.conllu")
         print("scoring heads: atlas (sink, local w=256, retrieval) and importance on UD-EWT train ...", flush=True)
@@ -219,9 +226,19 @@ def main(argv=None) -> None:
         t_atlas = time.perf_counter() - t0
         imp = headlab.head_importance(lm, [d[:2000] for d in train[:24]], loss="lm", batch_size=4)
         importance = getattr(imp, "scores", imp)
-        write_json("kv_scores", {"atlas_scores": {k: v.tolist() for k, v in atlas_scores.items()},
-                                 "importance": importance.tolist(), "atlas_seconds": t_atlas,
-                                 "importance_seconds": time.perf_counter() - t0 - t_atlas})
+        calibrated = None
+        saved = {"atlas_scores": {k: v.tolist() for k, v in atlas_scores.items()}, "importance": importance.tolist(),
+                 "atlas_seconds": t_atlas, "importance_seconds": time.perf_counter() - t0 - t_atlas}
+    if calibrated is None:
+        t1 = time.perf_counter()
+        print("calibrating: the mass a 4+256 window evicts at the answer rows of 4 synthetic passkey prompts ...",
+              flush=True)
+        rng = random.Random(args.seed + 100)  # other keys than the evaluation's
+        prompts = [passkey_prompt(lm.tokenizer, 2048, d, rng.randint(10000, 99999)) for d in (0.2, 0.4, 0.6, 0.8)]
+        calibrated = window_loss(lm, prompts, REST, rows=8)
+        saved = {**saved, "window_loss": calibrated.tolist(), "calibration_seconds": time.perf_counter() - t1}
+        saved.pop("machine", None)
+        write_json("kv_scores", saved)
     t_scores = time.perf_counter() - t0
     print(f"  scored in {t_scores:.0f} s", flush=True)
     rows = []
@@ -231,7 +248,10 @@ def main(argv=None) -> None:
         return (headlab.costs.policy_cache_bytes(pol, kv_heads=kvh, tokens=n, head_dim=64)
                 / headlab.costs.full_cache_bytes(layers=len(full_kvh), kv_heads=full_kvh[0], tokens=n, head_dim=64))
 
-    for model, pol in policies(lm, budgets, atlas_scores, importance, args.prune_share):
+    todo = policies(lm, budgets, atlas_scores, importance, args.prune_share, calibrated)
+    if args.only:
+        todo = [(m, p) for m, p in todo if any(p.name.startswith(o) for o in args.only.split(","))]
+    for model, pol in todo:
         t = time.perf_counter()
         pk = passkey(model, pol, lengths, depths, args.trials, args.seed)
         ppl = perplexity(model, dev_ids[:, :args.ppl_tokens], policy=pol)
@@ -243,17 +263,29 @@ def main(argv=None) -> None:
                      "kv_share_measured_longest": max(measured), "passkey_trials": pk["trials"],
                      "seconds": time.perf_counter() - t})
         r = rows[-1]
+        if args.long and (pol.name in ("full", "streaming 4+256") or pol.name.startswith("atlas split")):
+            r["passkey_long"] = passkey(model, pol, [int(x) for x in args.long.split(",")], depths, args.trials,
+                                        args.seed + 1)
+            r["seconds"] = time.perf_counter() - t
+            print(f"  {pol.name}: passkey at {args.long} tokens {r['passkey_long']['accuracy']:.2f}", flush=True)
         print(f"{pol.name:<34} passkey {pk['accuracy']:.2f}  ppl {ppl:7.3f}  KV {r['kv_share_4k']:6.1%} of full at 4k "
               f"({r['kv_share_8k']:.1%} at 8k; measured {r['kv_share_measured_longest']:.1%} at {longest} tokens)  "
               f"[{r['seconds']:.0f} s]", flush=True)
     out = Path(__file__).resolve().parent / "results"
     out.mkdir(exist_ok=True)
+    if args.only and (out / "kv.json").is_file():  # merge: this run's rows replace the same policies' rows
+        import json
+
+        names = {r["policy"] for r in rows}
+        earlier = json.loads((out / "kv.json").read_text())["policies"]
+        rows = [r for r in earlier if r["policy"] not in names] + rows
     plot(rows, out / "kv_pareto.png")
     path = write_json("kv", {"args": vars(args), "scoring_seconds": t_scores, "policies": rows,
                              "published": PUBLISHED})
-    print(f"\n{'policy':<34} {'KV@4k':>7} {'KV@8k':>7} {'passkey':>8} {'ppl':>8}")
+    print(f"\n{'policy':<34} {'KV@4k':>7} {'KV@8k':>7} {'passkey':>8} {'long':>6} {'ppl':>8}")
     for r in rows:
-        print(f"{r['policy']:<34} {r['kv_share_4k']:7.1%} {r['kv_share_8k']:7.1%} {r['passkey']:8.2f} "
+        long = f"{r['passkey_long']['accuracy']:6.2f}" if "passkey_long" in r else f"{'-':>6}"
+        print(f"{r['policy']:<34} {r['kv_share_4k']:7.1%} {r['kv_share_8k']:7.1%} {r['passkey']:8.2f} {long} "
               f"{r['perplexity']:8.3f}")
     print("\npublished, for comparison (not measured here):")
     for who, what in PUBLISHED:
@@ -268,6 +300,7 @@ def timing(lm, args, dev_ids, split) -> None:
     lengths = [int(x) for x in args.time_lengths.split(",")]
     text_ids = torch.cat([dev_ids] * (1 + max(lengths) // dev_ids.shape[1]), 1)
     table = {}
+    generate(lm, text_ids[:, :64], max_new_tokens=3)  # warm up (the first calls pay for kernels and caches)
     for n in lengths:
         table[n] = {name: decode_time(lm, pol, n, text_ids, 17) for name, pol in
                     (("full", kv.Policy.uniform("full")), ("streaming", kv.Policy.uniform(REST)), ("split", split))}

@@ -280,3 +280,25 @@ def test_a_cache_that_would_not_fit_is_refused_before_decoding(monkeypatch):
     monkeypatch.setenv("HEADLAB_MEMORY_LIMIT", "2KB")
     with pytest.raises(MemoryBudgetError, match="KV cache"):
         headlab.generate(build("llama"), torch.randint(3, 97, (1, 40)), max_new_tokens=5)
+
+
+def test_window_loss_is_the_evicted_attention_mass_of_the_last_rows():
+    from headlab.decode.calibrate import window_loss
+
+    model = build("llama")  # eager: its own maps are the reference
+    prompts = [torch.randint(3, 97, (1, n), generator=torch.Generator().manual_seed(n)) for n in (30, 41)]
+    rule = kv.window(2, 5)
+    got = window_loss(model, prompts, rule, rows=4)
+    want = torch.zeros(2, 4, dtype=torch.float64)
+    for ids in prompts:
+        n = ids.shape[1]
+        with torch.no_grad():
+            maps = model(input_ids=ids, output_attentions=True).attentions  # (1, H, n, n) per layer
+        t, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
+        lost = (j <= t) & (j >= rule.sink) & (t - j >= rule.recent)
+        for layer, a in enumerate(maps):
+            want[layer] += (a[0] * lost).sum(-1)[:, n - 4:].double().mean(-1) / len(prompts)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert float(got.max()) > 0.05  # random weights spread mass far back: the check above is not 0 == 0
+    with pytest.raises(InputError, match="longer than"):
+        window_loss(model, [torch.randint(3, 97, (1, 9))], rule, rows=4)
