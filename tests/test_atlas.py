@@ -290,3 +290,16 @@ def test_syntactic_kind_equals_the_probes_relation_rows(tmp_path):
     assert not torch.isnan(want).all()
     best = [b for b in r.best_heads if b.margin > 0 and b.count >= r.min_count]
     assert best and all(any(x.startswith(f"syntactic: {b.relation}") for x in a.roles(b.layer, b.head)) for b in best)
+
+
+def test_an_encoders_sink_is_cls_and_every_sep():
+    # with a tokenizer, an encoder's pieces carry [CLS] ... [SEP]; the sink score is the mass on both
+    ld = headlab.load("minilm")
+    a = atlas(ld, kinds=["sink", "local"], checks=False, copying=False, evidence=False, n_texts=2, max_tokens=32)
+    pieces = T.natural(ld.tokenizer, None, max_tokens=32, n=2)
+    assert all(int(p[0]) == ld.tokenizer.cls_token_id and int(p[-1]) == ld.tokenizer.sep_token_id for p in pieces)
+    want = 0
+    for ids in pieces:
+        P = _maps(ld.model, ids[None])[:, 0]  # (L, H, n, n)
+        want = want + (P[..., 0] + P[..., -1]).mean(-1) / len(pieces)
+    assert torch.allclose(a.scores["sink"], want, atol=2e-5)

@@ -48,16 +48,16 @@ def haystack_text() -> str:
 
 
 def _specials(tokenizer) -> tuple[list[int], list[int]]:
-    """The ids the tokenizer puts before and after a sequence (``([CLS], [SEP])``, ``([BOS], [])``...)."""
+    """The ids the tokenizer puts before and after a sequence (``([CLS], [SEP])``, ``([BOS], [])``...):
+    what encoding a word adds around the same word encoded without special tokens."""
     if tokenizer is None:
         return [], []
-    marker = -12345
-    try:
-        full = list(tokenizer.build_inputs_with_special_tokens([marker]))
-    except Exception:  # noqa: BLE001 - tokenizers without the method add nothing
-        return [], []
-    i = full.index(marker)
-    return full[:i], full[i + 1:]
+    bare = list(tokenizer("a", add_special_tokens=False)["input_ids"])
+    full = list(tokenizer("a")["input_ids"])
+    for i in range(len(full) - len(bare) + 1):
+        if full[i:i + len(bare)] == bare:
+            return full[:i], full[i + len(bare):]
+    return [], []
 
 
 def _encode(tokenizer, text: str) -> list[int]:
