@@ -216,6 +216,10 @@ def test_input_errors():
         atlas(model, kinds=["syntactic"])
     with pytest.raises(ConfigError, match="k \\(heads gated"):
         atlas(model, k=8, texts=TEXTS)
+    with pytest.raises(ConfigError, match="window must be an integer of at least 2"):
+        atlas(model, window=1, texts=TEXTS)
+    with pytest.raises(ConfigError, match="n_draws"):
+        atlas(model, n_draws=0, texts=TEXTS)
     with pytest.raises(InputError, match="at least 2 pieces"):
         atlas(model, kinds=["sink"], texts=[list(range(1, 30))], max_tokens=64)
     with pytest.raises(InputError, match="token-id sequences"):

@@ -176,7 +176,9 @@ def atlas(model, *, kinds: Sequence[str] | str | None = None, texts=None, treeba
     has_logits = adapter.causal and ((callable(get_out) and get_out() is not None) or hasattr(adapter.model, "tok_emb"))
     todo, skipped = _kinds(kinds, adapter, treebank, has_logits)
     for name, v, lo in (("n_draws", n_draws, 1), ("half", half, 2), ("n_repeated", n_repeated, 2),
-                        ("n_texts", n_texts, 1), ("needle_trials", needle_trials, 1), ("n_boot", n_boot, 2)):
+                        ("n_texts", n_texts, 1), ("needle_trials", needle_trials, 1), ("n_boot", n_boot, 2),
+                        ("window", window, 2), ("max_tokens", max_tokens, 8), ("haystack_tokens", haystack_tokens, 8),
+                        ("max_rows", max_rows, 1)):
         if isinstance(v, bool) or not isinstance(v, int) or v < lo:
             raise ConfigError(f"{name} must be an integer of at least {lo}, got {v!r}")
     total = sum(adapter.layer_heads)
