@@ -113,12 +113,13 @@ def atlas_cmd(
         return
     console.print(f"{a.model} ({a.family}): {a.n_layers} layers x {a.n_heads} heads; "
                   f"{sum(a.seconds.values()):.1f} s", highlight=False, soft_wrap=True)
-    console.print(f"{'kind':<16} {'heads':>5} {'share':>6}  {'check':<14} {'x random':>8}  top heads", highlight=False)
+    console.print(f"{'kind':<16} {'heads':>5} {'share':>6}  {'check':<14} {'x random':>8}  heads with the role",
+                  highlight=False)
     for kind, s in a.summary().items():
         v = a.verdicts.get(kind)
         times = "" if v is None or v["times_random"] is None else f"{v['times_random']:.1f}"
         console.print(f"{kind:<16} {s['count']:>5} {100 * s['share']:5.1f}%  {(s['verdict'] or '-'):<14} {times:>8}  "
-                      f"{', '.join(s['heads'][:8])}", highlight=False, soft_wrap=True)
+                      f"{', '.join(s['heads'][:8]) or '-'}", highlight=False, soft_wrap=True)
     for k, r in a.skipped.items():
         console.print(f"[yellow]not run:[/] {k}: {r}", highlight=False, soft_wrap=True)
     console.print(f"[bold]wrote:[/] {out_dir / 'atlas.json'}, {out_dir / 'atlas.html'}", highlight=False, soft_wrap=True)
