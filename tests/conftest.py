@@ -52,6 +52,20 @@ def run_cli(args, capsys) -> tuple[int, str, str]:
     return code, out.out, out.err
 
 
+def save_word_level(folder, model, words: list[str]):
+    """Save ``model`` with a whitespace word-level tokenizer over ``words`` (``words[0]`` the pad token,
+    ``words[1]`` the unknown one) into ``folder``, so that ``headlab.load(folder)`` reads text offline."""
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token=words[1]))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token=words[0], unk_token=words[1])
+    model.save_pretrained(folder)
+    fast.save_pretrained(folder)
+    return folder
+
+
 def in_ci() -> bool:
     """Whether this run is CI's: ``CI=true`` in the environment (any letter case)."""
     return os.environ.get("CI", "").strip().lower() == "true"

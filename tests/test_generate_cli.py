@@ -10,7 +10,7 @@ import torch
 import transformers
 
 import headlab
-from conftest import run_cli
+from conftest import run_cli, save_word_level
 from headlab import kv
 from headlab.costs.kv import full_cache_bytes, policy_cache_bytes
 
@@ -19,19 +19,12 @@ WORDS = ["<pad>", "<unk>", "the", "cat", "sat", "on", "mat", "a", "dog", "ran", 
 
 @pytest.fixture(scope="module")
 def tiny_folder(tmp_path_factory):
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", unk_token="<unk>")
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
         vocab_size=len(WORDS), hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
         intermediate_size=64, max_position_embeddings=64, attn_implementation="eager")).eval()
     folder = tmp_path_factory.mktemp("tiny-llama")
-    model.save_pretrained(folder)
-    fast.save_pretrained(folder)
-    return folder
+    return save_word_level(folder, model, WORDS)
 
 
 PROMPT = "the cat sat on the mat and the dog ran to the park ."

@@ -9,7 +9,7 @@ import torch
 import transformers
 
 import headlab
-from conftest import run_cli
+from conftest import run_cli, save_word_level
 from headlab.interpret.patching import logit_diff, patch
 from headlab.interpret.patching.prompts import prompt_pair
 
@@ -21,18 +21,11 @@ CORRUPT = "When Anne and Paul went to the store , Paul gave a drink to"
 
 @pytest.fixture(scope="module")
 def tiny_folder(tmp_path_factory):
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", unk_token="<unk>")
     torch.manual_seed(0)
     model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
         vocab_size=len(WORDS), n_embd=32, n_layer=2, n_head=4, n_positions=32, attn_implementation="eager")).eval()
     folder = tmp_path_factory.mktemp("tiny-gpt2")
-    model.save_pretrained(folder)
-    fast.save_pretrained(folder)
-    return folder
+    return save_word_level(folder, model, WORDS)
 
 
 def _args(folder, *more):

@@ -129,3 +129,26 @@ class PlainProgress:
 
 
 __all__ = ["PlainProgress", "plain_wanted", "progress"]
+
+
+def progress_bar(enabled: bool):
+    """:func:`progress` when ``enabled``, else a stand-in that takes the same calls and shows nothing
+    (for library functions with a ``progress=False`` argument)."""
+    return progress() if enabled else _Silent()
+
+
+class _Silent:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def add_task(self, *a, **k):
+        return 0
+
+    def advance(self, *a, **k):
+        pass
+
+    def update(self, *a, **k):
+        pass

@@ -79,10 +79,26 @@ def check_output_file(path: Path, option: str, *, force: bool = False) -> Path:
     return path
 
 
+def stage_bar():
+    """``(display, say)``: a progress display on stderr and ``say(stage, done, total)``, which gives each
+    stage (a phase of a long command) its own bar, what the library's ``progress=`` callbacks call."""
+    from headlab.progress import progress
+
+    display = progress(console=err_console, transient=True)
+    tasks: dict[str, int] = {}
+
+    def say(stage: str, done: int, total: int) -> None:
+        if stage not in tasks:
+            tasks[stage] = display.add_task(stage, total=total)
+        display.update(tasks[stage], completed=done, total=total)
+
+    return display, say
+
+
 def print_json(obj) -> None:
     """Machine-readable output: one JSON document on stdout."""
     sys.stdout.write(json.dumps(obj, indent=2, default=str) + "\n")
 
 
 __all__ = ["app", "bench_app", "check_output_file", "console", "err_console", "human_bytes", "human_flops",
-           "print_json"]
+           "print_json", "stage_bar"]

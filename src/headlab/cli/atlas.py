@@ -8,21 +8,8 @@ from pathlib import Path
 
 import typer
 
-from headlab.cli.app import app, console, err_console, print_json
+from headlab.cli.app import app, console, print_json, stage_bar
 from headlab.errors import ConfigError, InputError
-from headlab.progress import progress as make_progress
-
-
-def _bar():
-    progress = make_progress(console=err_console, transient=True)
-    tasks: dict[str, int] = {}
-
-    def say(stage: str, done: int, total: int) -> None:
-        if stage not in tasks:
-            tasks[stage] = progress.add_task(stage, total=total)
-        progress.update(tasks[stage], completed=done, total=total)
-
-    return progress, say
 
 
 def _read_texts(path: Path) -> list[str]:
@@ -98,7 +85,7 @@ def atlas_cmd(
         prepare_out_dir(out, force=force or (partial.is_file() and len(list(partial.parent.iterdir())) == 1))
     out_dir = Path(out).expanduser()
     loaded = load(model)
-    progress, say = _bar()
+    progress, say = stage_bar()
     with progress if main else contextlib.nullcontext():
         a = atlas(loaded, kinds=asked, texts=None if raw is None else _ids_if_needed(loaded, raw), treebank=treebank,
                   checks=checks, k=top_k, n_draws=draws, half=half, n_texts=n_texts, max_tokens=max_tokens,

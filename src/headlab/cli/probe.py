@@ -7,22 +7,9 @@ from pathlib import Path
 
 import typer
 
-from headlab.cli.app import app, console, err_console, print_json
-from headlab.progress import progress as make_progress
+from headlab.cli.app import app, console, print_json, stage_bar
 from headlab.interpret.probing.render import prepare_out_dir, write_outputs
 from headlab.interpret.probing.head_scores import probe as run_probe
-
-
-def _bar():
-    progress = make_progress(console=err_console, transient=True)
-    tasks: dict[str, int] = {}
-
-    def say(stage: str, done: int, total: int) -> None:
-        if stage not in tasks:
-            tasks[stage] = progress.add_task(stage, total=total)
-        progress.update(tasks[stage], completed=done, total=total)
-
-    return progress, say
 
 
 @app.command("probe")
@@ -54,7 +41,7 @@ def probe_cmd(
     init_from_env()  # under torchrun: the sentences are split across the processes, the sums added
     main = is_main()
     out_dir = prepare_out_dir(out, force=force) if out is not None and main else None
-    progress, say = _bar()
+    progress, say = stage_bar()
     with progress if main else contextlib.nullcontext():
         r = run_probe(model, treebank, limit=limit, relations=relations, fold_subtypes=fold_subtypes,
                       loss_model=None if loss_model.lower() == "none" else loss_model, progress=say)

@@ -27,7 +27,7 @@ from headlab.costs.kv import kv_cache_bytes
 from headlab.decode.cache import HeadCache
 from headlab.decode.kv import Policy, check_decoder, kv_layout
 from headlab.errors import ConfigError, InputError, UnsupportedArchitectureError
-from headlab.progress import progress as progress_display
+from headlab.progress import progress_bar
 
 __all__ = ["Generation", "generate", "perplexity", "prompt_ids"]
 
@@ -187,7 +187,7 @@ def generate(model, prompt, *, policy: Policy | None = None, max_new_tokens: int
         t0 = time.perf_counter()
         logits = hf(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1).logits[0, -1]
         t1 = time.perf_counter()
-        with (progress_display() if progress else _Quiet()) as bar:
+        with progress_bar(progress) as bar:
             task = bar.add_task("decoding", total=max_new_tokens)
             for step in range(max_new_tokens):
                 logits_seen.append(logits.float())
@@ -204,22 +204,6 @@ def generate(model, prompt, *, policy: Policy | None = None, max_new_tokens: int
     text = loaded.tokenizer.decode(out_ids, skip_special_tokens=True) if loaded is not None and loaded.tokenizer else None
     return Generation(new, torch.stack(logits_seen), _held_bytes(cache), full_bytes, n, t1 - t0, t2 - t1, policy, text,
                       policy.counts(kvh))
-
-
-class _Quiet:
-    """The progress display's calls, doing nothing (``progress=False``)."""
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-    def add_task(self, *a, **k):
-        return 0
-
-    def advance(self, *a, **k):
-        pass
 
 
 def perplexity(model, ids: torch.Tensor, *, policy: Policy | None = None, chunk: int = 512) -> float:

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from headlab.progress import progress_bar
 from headlab.errors import ConfigError, InputError
 from headlab.interpret.heads import examples as C
 from headlab.models.loader import resolve
@@ -314,7 +315,7 @@ def _measure(runner: Runner, data, masks: torch.Tensor, N: int, progress: bool, 
     d = np.zeros((masks.shape[0], N))
     base = np.zeros(N)
     acc = None
-    with C.progress_bar(progress) as bar:
+    with progress_bar(progress) as bar:
         task = bar.add_task(label, total=masks.shape[0] * len(data))
         for b in data:
             clean = runner.clean(b, keep_z=runner.kind == "resample" or cka_heads is not None)

@@ -291,31 +291,6 @@ def accuracy(out, batch: Batch) -> torch.Tensor | None:
     return (lg.argmax(-1) == batch.labels).float()
 
 
-def progress_bar(enabled: bool):
-    """Progress on stderr (:func:`headlab.progress.progress`: a bar on a terminal, plain lines elsewhere),
-    or a silent stand-in."""
-    if not enabled:
-        return _Silent()
-    from headlab.progress import progress
-
-    return progress()  # plain lines when stderr is not a terminal
-
-
-class _Silent:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-    def add_task(self, *a, **k):
-        return 0
-
-    def advance(self, *a, **k):
-        pass
-
-    def update(self, *a, **k):
-        pass
 
 
 @contextmanager

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from headlab.progress import progress_bar
 from headlab.errors import ConfigError
 from headlab.interpret.heads import examples as C
 from headlab.distributed.comm import world
@@ -108,7 +109,7 @@ def _importance(loaded, texts, labels, *, loss, batch_size, normalize, backend, 
     adapter.model.eval()
     t0 = time.perf_counter()
     try:
-        with adapter.use_backend(backend), _gates_hook(adapter, holder), C.progress_bar(progress) as bar:
+        with adapter.use_backend(backend), _gates_hook(adapter, holder), progress_bar(progress) as bar:
             task = bar.add_task(f"importance ({loss})", total=len(data))
             for b in data:
                 ref = {}
@@ -155,7 +156,7 @@ def head_confidence(loaded, texts, *, batch_size: int = 16, max_length: int | No
     L, H = adapter.n_layers, adapter.n_heads
     total = torch.zeros(L, H, dtype=torch.float64)
     count = 0.0
-    with C.progress_bar(progress) as bar:
+    with progress_bar(progress) as bar:
         task = bar.add_task("confidence", total=len(data))
         for b in data:
             cache = capture(adapter, b.inputs, adapter.sites("stats"),

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from headlab.progress import progress_bar
 from headlab.errors import ConfigError
 from headlab.interpret.heads import examples as C
 from headlab.models.loader import resolve
@@ -205,7 +206,7 @@ def pruning_curve(loaded, texts, labels=None, *, loss: C.Loss = "auto", importan
     gone: list[tuple[int, int]] = []
     metric = None
     try:
-        with C.progress_bar(progress) as bar:
+        with progress_bar(progress) as bar:
             task = bar.add_task("pruning curve", total=len(fractions))
             for f in fractions:
                 target = int(round(f * total))

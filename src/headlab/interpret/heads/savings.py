@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from headlab.progress import progress_bar
 from headlab.interpret.heads import examples as C
 from headlab.models.loader import resolve
 from headlab.models.pruned import prune_heads
@@ -77,7 +78,7 @@ def measure_savings(loaded, order: list[tuple[int, int]], *, fractions=(0.25, 0.
     base_attn = attention_params(adapter)
     base_kv = kv_cache_bytes_per_token(adapter) if causal else None
     out = Savings(ld.name if ld is not None else type(model).__name__, seq)
-    with C.progress_bar(progress) as bar:
+    with progress_bar(progress) as bar:
         task = bar.add_task("throughput", total=len(fractions) * len(batch_sizes))
         for f in fractions:
             n = int(round(f * total))
