@@ -16,8 +16,8 @@ retrieval         Wu et al. 2024: share of the needle's answer a head copies  ne
                   holding the generated token)
 sink              mass on the first token ([CLS] and [SEP] for encoders)      log-perplexity of real text
 local             mass within the last w keys (DuoAttention's streaming)      log-perplexity of real text
-syntactic         best accuracy margin over the fixed-offset baseline         none (reported as skipped)
-                  (the probe, Clark et al. 2019), with a treebank
+syntactic         best accuracy margin over the fixed-offset baseline         loss on the dependents of the
+                  (the probe, Clark et al. 2019), with a treebank             top heads' relations (decoders)
 ================  ==========================================================  =================================
 
 Scores come from the map-free statistics (see :mod:`.scores`); the checks gate off the top-k heads of a

@@ -8,7 +8,8 @@ rows, an edit at every layer's ``z`` site zeroing, in the rows of configuration 
 
 The *effect* of a configuration on example x is how much worse the task gets, ``m_gated(x) - m(x)`` for a
 loss (induction, duplicate and previous-token: the loss on the repeated half; sink and local: the
-log-perplexity of real text, or ``1 - cos`` of a sentence encoder's pooled embedding) and ``m(x) -
+log-perplexity of real text, or ``1 - cos`` of a sentence encoder's pooled embedding; syntactic: the
+loss on the first tokens of the treebank words in the top heads' relations, :mod:`.dependents`) and ``m(x) -
 m_gated(x)`` for an accuracy (retrieval: needle accuracy). :func:`verdict` decides, from the
 per-example effects alone (kept in the JSON, so the verdict can be recomputed):
 
@@ -126,6 +127,18 @@ def span_loss(first: int, stop: int) -> Callable:
     return metric
 
 
+def target_loss(targets: torch.Tensor) -> Callable:
+    """Metric: per row, the mean next-token NLL of the tokens at the positions ``targets`` ``(B, L)`` (bool)
+    marks, each predicted from the logits one position before (position 0 is never scored): the syntactic
+    task's loss on dependents (:mod:`.dependents`)."""
+    def metric(out, inputs):
+        lg = _logits(out)[:, :-1]
+        nll = F.cross_entropy(lg.transpose(1, 2), inputs["input_ids"][:, 1:], reduction="none")  # (rows, L - 1)
+        keep = targets[:, 1:].to(nll.device).repeat(nll.shape[0] // targets.shape[0], 1).to(nll.dtype)
+        return (nll * keep).sum(-1) / keep.sum(-1).clamp_min(1.0)
+    return metric
+
+
 def text_loss(out, inputs) -> torch.Tensor:
     """Metric: mean next-token NLL over the real tokens (log-perplexity)."""
     lg = _logits(out)
@@ -153,4 +166,4 @@ def answer_accuracy(start: int, answer: torch.Tensor) -> Callable:
     return metric
 
 
-__all__ = ["answer_accuracy", "draw_sets", "gated", "masks_of", "pooled", "span_loss", "text_loss", "verdict"]
+__all__ = ["answer_accuracy", "draw_sets", "gated", "masks_of", "pooled", "span_loss", "target_loss", "text_loss", "verdict"]

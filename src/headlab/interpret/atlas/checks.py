@@ -4,7 +4,9 @@ Kinds that share a task share its data and one clean run: previous_token, duplic
 gate heads on fresh repeated random sequences (the loss on the repeated half, from the second token of the
 copy on, which an induction head can predict); sink and local on the natural-text pieces (log-perplexity,
 or ``1 - cos`` of the pooled embedding for a sentence encoder without a language-model head); retrieval on
-the needle prompts with their answers appended (teacher-forced needle accuracy). Every configuration of a
+the needle prompts with their answers appended (teacher-forced needle accuracy); syntactic on the
+treebank's sentences (the loss on the dependents of the top heads' relations, :mod:`.dependents`; decoders
+with a language-model head only). Every configuration of a
 group runs batched (:func:`.causal.gated`); under torchrun the configurations are split over the ranks
 (:func:`sharded_gated`), which gives the one-process numbers.
 """
@@ -16,10 +18,11 @@ import torch.nn.functional as F
 
 from headlab.distributed.data import all_reduce_sum, shard_indices
 from headlab.interpret.atlas import causal as CK
+from headlab.interpret.atlas import dependents as D
 from headlab.interpret.atlas import tasks as T
 
 GROUPS = {"repeated": ("previous_token", "duplicate_token", "induction"), "text": ("sink", "local"),
-          "needle": ("retrieval",)}
+          "needle": ("retrieval",), "syntactic": ("syntactic",)}
 
 
 def sharded_gated(adapter, inputs, configs, metric, *, max_rows: int) -> torch.Tensor:
@@ -55,24 +58,36 @@ def _cosine_metric(adapter, inputs) -> tuple:
 
 
 def run_checks(result, adapter, tok, todo, *, k, n_draws, pieces, trials, vocab, seed, n_boot, max_rows, say,
-               has_logits: bool, checkpoint=None) -> None:
+               has_logits: bool, syntax: dict | None = None, checkpoint=None) -> None:
     """Fill ``result.verdicts`` (and ``result.skipped`` for kinds without a task on this model); with a
-    :class:`~headlab.interpret.atlas.resume.Checkpoint`, each task's verdicts are kept as it finishes."""
+    :class:`~headlab.interpret.atlas.resume.Checkpoint`, each task's verdicts are kept as it finishes.
+
+    ``syntax`` (the syntactic kind): ``treebank``, ``limit``, ``max_positions`` as the probe read the
+    treebank, and ``relations``, each head's relation of largest margin (:func:`.dependents.head_relations`)."""
     device = next(adapter.model.parameters()).device
-    if "syntactic" in todo:
-        result.skipped["syntactic check"] = ("not run: the probe's relations have no task through the model's own "
-                                             "predictions here; the label rests on the accuracy margin alone")
     for group, members in GROUPS.items():
         kinds = [kd for kd in members if kd in todo]
         if not kinds:
             continue
-        if group == "repeated" and not has_logits:
+        if group in ("repeated", "syntactic") and not has_logits:
             for kd in kinds:
-                result.skipped[f"{kd} check"] = "needs a decoder with a language-model head (loss on the repeated half)"
+                result.skipped[f"{kd} check"] = (D.NO_LM if group == "syntactic" else
+                                                 "needs a decoder with a language-model head (loss on the repeated half)")
             continue
         if checkpoint is not None and checkpoint.get(f"check {group}") is not None:
             result.verdicts.update(checkpoint.get(f"check {group}"))
             continue
+        if group == "syntactic":
+            relations = sorted({syntax["relations"][f"{l}.{h}"] for l, h in result.top("syntactic", k)
+                                if f"{l}.{h}" in syntax["relations"]})
+            found = D.examples(tok, syntax["treebank"], limit=syntax["limit"], relations=relations,
+                               max_positions=syntax["max_positions"]) if relations else []
+            if len(found) < 2:
+                result.skipped["syntactic check"] = (
+                    f"not run: {len(found)} treebank sentence(s) hold a dependent of the top heads' relations "
+                    f"({', '.join(relations) or 'none with enough cases'}) past the first token; the bootstrap "
+                    "needs at least 2 (give more sentences: treebank_limit)")
+                continue
         sets = [[]]
         for i, kd in enumerate(kinds):
             top = result.top(kd, k)
@@ -95,7 +110,7 @@ def run_checks(result, adapter, tok, todo, *, k, n_draws, pieces, trials, vocab,
                 metric, task = _cosine_metric(adapter, inputs)
             harm = +1
             vals = sharded_gated(adapter, inputs, configs, metric, max_rows=max_rows)
-        else:
+        elif group == "needle":
             cols = []
             for tr in trials:
                 ids = torch.cat([tr.ids, tr.answer])[None].to(device)
@@ -104,6 +119,12 @@ def run_checks(result, adapter, tok, todo, *, k, n_draws, pieces, trials, vocab,
                                           max_rows=max_rows))
             vals = torch.cat(cols, 1)
             task, harm = "needle accuracy (teacher-forced share of the answer's tokens predicted greedily)", -1
+        else:  # syntactic: the treebank's sentences a few at a time (a language model's logits are rows x L x vocab)
+            pad = getattr(tok, "pad_token_id", None) or 0
+            vals = torch.cat([sharded_gated(adapter, {key: v.to(device) for key, v in inputs.items()}, configs,
+                                            CK.target_loss(targets), max_rows=max_rows)
+                              for inputs, targets in D.batches(found, pad_id=pad, max_rows=max_rows)], 1)
+            task, harm = D.task_name(relations), +1
         say(f"causal checks ({group})", 1, 1)
         effects = harm * (vals[1:] - vals[:1])  # (C - 1, N): how much worse each configuration makes each example
         for i, kd in enumerate(kinds):
@@ -114,6 +135,9 @@ def run_checks(result, adapter, tok, todo, *, k, n_draws, pieces, trials, vocab,
                       "baseline": float(vals[0].mean()), "n_examples": int(vals.shape[1]),
                       "effects": {"targeted": rows[0].round(8).tolist(), "random": rows[1:].round(8).tolist()},
                       "evidence": _evidence(v, k)})
+            if group == "syntactic":
+                v.update({"relations": relations, "sentences": [e.sent_id for e in found],
+                          "targets": sum(len(e.targets) for e in found)})
             result.verdicts[kd] = v
         if checkpoint is not None:
             checkpoint.put(f"check {group}", {kd: result.verdicts[kd] for kd in kinds})

@@ -6,7 +6,8 @@ Passes, each recorded once (:func:`headlab.capture` of q, k and the map-free sta
    score from the weights alone;
 2. natural text -> sink, local, and the pattern labels of :mod:`headlab.interpret.heads.labels`;
 3. needle-in-a-haystack decoding (decoders) -> retrieval (:mod:`.retrieval`);
-4. a treebank, when given -> syntactic (the probe, :func:`headlab.probe`);
+4. a treebank, when given -> syntactic (the probe, :func:`headlab.probe`), with each head's relation of
+   largest margin for the syntactic check (:mod:`.dependents`);
 5. the causal checks (:mod:`.causal`) of every scored kind with a task.
 
 Under torchrun (``torchrun --nproc-per-node N -m headlab atlas ...``) the needle trials and the checks'
@@ -35,7 +36,8 @@ from headlab.models.loader import resolve
 
 TASKS = {"previous_token": "loss on the repeated half", "duplicate_token": "loss on the repeated half",
          "induction": "loss on the repeated half", "retrieval": "needle accuracy (teacher-forced)",
-         "sink": "log-perplexity of real text", "local": "log-perplexity of real text"}
+         "sink": "log-perplexity of real text", "local": "log-perplexity of real text",
+         "syntactic": "loss on the treebank words in the top heads' relations"}
 
 
 def _grid(adapter) -> torch.Tensor:
@@ -122,7 +124,10 @@ def _text_scores(adapter, tokenizer, pieces, window: int, sums: dict, thresholds
     return labels
 
 
-def _syntactic(loaded, treebank, limit, grid) -> tuple[dict[str, list[str]], list[str]]:
+def _syntactic(loaded, treebank, limit, grid) -> tuple[dict[str, list[str]], list[str], torch.Tensor, dict[str, str]]:
+    """The probe's scores: ``(relations each head is best for, notes, grid of margins, each head's relation
+    of largest margin)``."""
+    from headlab.interpret.atlas.dependents import head_relations
     from headlab.interpret.probing import probe
 
     r = probe(loaded, treebank, limit=limit, head_map_sentences=0, grad_sentences=0, loss_model=None)
@@ -136,7 +141,7 @@ def _syntactic(loaded, treebank, limit, grid) -> tuple[dict[str, list[str]], lis
         if b.margin > 0 and b.count >= r.min_count:
             rel.setdefault(f"{b.layer}.{b.head}", []).append(
                 f"{b.relation} {b.direction} {b.accuracy:.0%} (baseline {b.baseline_accuracy:.0%})")
-    return rel, [f"syntactic: {r.sentences} sentences of {r.treebank}"], grid
+    return rel, [f"syntactic: {r.sentences} sentences of {r.treebank}"], grid, head_relations(margin, r.relation_names)
 
 
 def atlas(model, *, kinds: Sequence[str] | str | None = None, texts=None, treebank=None, treebank_limit: int = 200,
@@ -199,7 +204,7 @@ def atlas(model, *, kinds: Sequence[str] | str | None = None, texts=None, treeba
     seconds, notes = {}, []
     sizes = {"k": k, "n_draws": n_draws, "half": half, "n_repeated": n_repeated, "window": window,
              "max_tokens": max_tokens, "n_texts": len(pieces), "needle_trials": needle_trials,
-             "haystack_tokens": haystack_tokens, "seed": seed, "n_boot": n_boot}
+             "haystack_tokens": haystack_tokens, "seed": seed, "n_boot": n_boot, "treebank_limit": treebank_limit}
     ck = Checkpoint(resume, {"model": getattr(loaded, "name", None) or type(adapter.model).__name__,
                              "heads": adapter.layer_heads, "kinds": todo, "checks": checks, "copying": copying,
                              "texts": fingerprint(texts), "treebank": str(treebank), **sizes})
@@ -256,12 +261,14 @@ def atlas(model, *, kinds: Sequence[str] | str | None = None, texts=None, treeba
         grids["retrieval"] = _mask_missing(adapter, acc / len(trials))
         say("needle decoding", len(trials), len(trials))
         seconds["retrieval"] = time.perf_counter() - t0
-    syntactic = {}
+    syntactic, syntax = {}, None
     if "syntactic" in todo:
         t0 = time.perf_counter()
         say("treebank probe", 0, 1)
-        syntactic, more, grids["syntactic"] = ck.run("syntactic", lambda: _syntactic(loaded, treebank, treebank_limit,
-                                                                                  grids["syntactic"]))
+        syntactic, more, grids["syntactic"], best = ck.run("syntactic", lambda: _syntactic(
+            loaded, treebank, treebank_limit, grids["syntactic"]))
+        syntax = {"treebank": treebank, "limit": treebank_limit, "max_positions": loaded.max_positions,
+                  "relations": best}
         notes += more
         seconds["syntactic"] = time.perf_counter() - t0
     scores = {kind: grids[kind] for kind in todo}
@@ -284,7 +291,8 @@ def atlas(model, *, kinds: Sequence[str] | str | None = None, texts=None, treeba
         from headlab.interpret.atlas.checks import run_checks
 
         run_checks(result, adapter, tok, todo, k=k, n_draws=n_draws, pieces=pieces, trials=trials, vocab=vocab,
-                   seed=seed, n_boot=n_boot, max_rows=max_rows, say=say, has_logits=has_logits, checkpoint=ck)
+                   seed=seed, n_boot=n_boot, max_rows=max_rows, say=say, has_logits=has_logits, syntax=syntax,
+                   checkpoint=ck)
         seconds["checks"] = time.perf_counter() - t0
     if ck.resumed:
         result.notes.append(f"resumed: {', '.join(ck.resumed)} read back from {ck.path} (their seconds are not counted)")
