@@ -66,7 +66,8 @@ def head_relations(margin: torch.Tensor, names: list[str]) -> dict[str, str]:
 
 def examples(tokenizer, treebank, *, limit: int | None, relations, max_positions: int | None) -> list[Example]:
     """The sentences of ``treebank`` (its first ``limit``) with at least one target: the first token of a
-    word whose relation is in ``relations``, not at position 0 and belonging to that word alone."""
+    word whose relation is in ``relations``, not at position 0 and belonging to that word alone. Sorted by
+    token count (file order among equal counts), so that a batch pads little."""
     tb = read_treebank(treebank, limit=limit)
     items, _ = align_sentences(tokenizer, tb.sentences, max_positions=max_positions)
     wanted = set(relations)
@@ -81,12 +82,12 @@ def examples(tokenizer, treebank, *, limit: int | None, relations, max_positions
                     targets.add(t)
         if targets:
             out.append(Example(a.sentence.sent_id, torch.as_tensor(a.ids, dtype=torch.long), tuple(sorted(targets))))
-    return out
+    return sorted(out, key=lambda e: len(e.ids))
 
 
 def batches(items: list[Example], *, pad_id: int, max_rows: int,
             max_tokens: int = 4096) -> Iterator[tuple[dict, torch.Tensor]]:
-    """Consecutive examples (file order), right-padded, at most ``max_rows`` of them and about
+    """Consecutive examples, right-padded, at most ``max_rows`` of them and about
     ``max_tokens`` tokens per batch: ``(inputs, targets)``, ``targets`` ``(B, L)`` bool."""
     group: list[Example] = []
 
