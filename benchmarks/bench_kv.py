@@ -91,7 +91,7 @@ def passkey(lm, policy, lengths, depths, trials: int, seed: int) -> dict:
             for _ in range(trials):
                 key = rng.randint(10000, 99999)
                 ids = passkey_prompt(lm.tokenizer, n, d / 100, key)
-                g = generate(lm, ids, policy=policy, max_new_tokens=7)
+                g = generate(lm, ids, policy=policy, max_new_tokens=16)  # digits are single tokens
                 got = re.findall(r"\d{5}", g.text or "")
                 ok = bool(got) and got[0] == str(key)
                 hits += ok
@@ -143,7 +143,7 @@ def pruned_split(lm, atlas_scores, importance, share: float, keep: float):
 
 
 def decode_time(lm, policy, n: int, text_ids: torch.Tensor, new: int) -> dict:
-    ids = text_ids[:, :n]
+    ids = text_ids[:, :n - new]  # the prompt and the new tokens fill n positions (SmolLM2 reads 8,192)
     g = generate(lm, ids, policy=policy, max_new_tokens=new, stop_at_eos=False)
     return {"tokens": n, "kv_bytes": g.kv_bytes, "kv_bytes_full": g.kv_bytes_full,
             "seconds_per_token": g.decode_seconds / max(1, g.ids.shape[1] - 1), "prefill_seconds": g.prefill_seconds}
@@ -177,13 +177,14 @@ def main(argv=None) -> None:
     ap.add_argument("--lengths", default="1024,2048,4096", help="passkey prompt lengths in tokens")
     ap.add_argument("--depths", default="10,50,90", help="needle depths in percent")
     ap.add_argument("--trials", type=int, default=1, help="keys per (length, depth)")
-    ap.add_argument("--budgets", default="0.25,0.4", help="share of kv heads kept full by the ranked policies")
+    ap.add_argument("--budgets", default="0.25,0.4,0.6", help="share of kv heads kept full by the ranked policies")
     ap.add_argument("--ppl-tokens", type=int, default=4096, help="tokens of UD-EWT dev text for perplexity")
     ap.add_argument("--time-lengths", default="2048,4096,8192", help="cache lengths for time per decoded token")
     ap.add_argument("--prune-share", type=float, default=0.1, help="kv heads removed physically (0: skip)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--long", default="", help="also passkey at these lengths (e.g. 8192), for full, streaming and "
                     "the atlas split only (a prefill at 8k takes minutes on 2 cores)")
+    ap.add_argument("--window", default="4,256", help="SINK,RECENT of the windowed heads in every ranked policy")
     ap.add_argument("--only", default="", help="run only the policies whose names start with these (comma-separated); "
                     "their rows replace those of the same name in results/kv.json")
     ap.add_argument("--rescore", action="store_true", help="compute the head scores again (else results/kv_scores.json)")
@@ -191,6 +192,8 @@ def main(argv=None) -> None:
     ap.add_argument("--time-only", action="store_true", help="only the decode timing (needs the scores: reads "
                     "results/kv_scores.json for the atlas split)")
     args = ap.parse_args(argv)
+    global REST
+    REST = kv.window(*(int(x) for x in args.window.split(",")))
     lengths = [int(x) for x in args.lengths.split(",")]
     depths = [int(x) for x in args.depths.split(",")]
     budgets = [float(x) for x in args.budgets.split(",")]
@@ -249,6 +252,9 @@ def main(argv=None) -> None:
                 / headlab.costs.full_cache_bytes(layers=len(full_kvh), kv_heads=full_kvh[0], tokens=n, head_dim=64))
 
     todo = policies(lm, budgets, atlas_scores, importance, args.prune_share, calibrated)
+    if args.window != "4,256":  # name the window where it is not the default
+        todo = [(m, p if p.name.startswith(("full", "streaming")) else
+                 kv.Policy(p.rules, p.default, f"{p.name} (window {REST.sink}+{REST.recent})")) for m, p in todo]
     if args.only:
         todo = [(m, p) for m, p in todo if any(p.name.startswith(o) for o in args.only.split(","))]
     for model, pol in todo:

@@ -84,3 +84,10 @@ def test_the_command_resumes_into_its_own_folder(tmp_path, saved_decoder, capsys
     assert code == 0, se
     assert (out / "atlas.json").is_file() and not (out / "atlas.partial.json").exists()
     assert "another run" in json.loads((out / "atlas.json").read_text())["notes"][-1]
+
+
+def test_the_atlas_takes_a_model_name_as_its_docstring_says():
+    import headlab
+
+    a = headlab.atlas("minilm", kinds=["previous_token"], checks=False, evidence=False, half=6, n_repeated=2)
+    assert tuple(a.scores["previous_token"].shape) == (6, 12)

@@ -18,6 +18,7 @@ score passes are small and run on every rank. With ``resume=``, finished phases 
 from __future__ import annotations
 
 import math
+import os
 import time
 from collections.abc import Callable, Sequence
 
@@ -32,7 +33,7 @@ from headlab.interpret.atlas.resume import Checkpoint, encode, fingerprint
 from headlab.interpret.atlas.retrieval import retrieval_trial
 from headlab.interpret.capture import capture
 from headlab.interpret.heads import labels as LB
-from headlab.models.loader import resolve
+from headlab.models.loader import load, resolve
 
 TASKS = {"previous_token": "loss on the repeated half", "duplicate_token": "loss on the repeated half",
          "induction": "loss on the repeated half", "retrieval": "needle accuracy (teacher-forced)",
@@ -175,6 +176,8 @@ def atlas(model, *, kinds: Sequence[str] | str | None = None, texts=None, treeba
     Returns:
         :class:`~headlab.interpret.atlas.result.Atlas`.
     """
+    if isinstance(model, str | os.PathLike):  # a known name or a model folder, as the docstring promises
+        model = load(model)
     adapter, loaded = resolve(model)
     tok = getattr(loaded, "tokenizer", None)
     get_out = getattr(adapter.model, "get_output_embeddings", None)
