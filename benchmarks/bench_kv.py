@@ -18,7 +18,8 @@ documents (one forward with the policy's per-head visibility, which equals decod
 KV bytes (measured, peak) and decode time per token at ``--time-lengths``. Prints the table, writes
 ``results/kv.json`` and the Pareto plot ``results/kv_pareto.png``.
 
-    python benchmarks/bench_kv.py                         # the README's grid (about 40 minutes on 2 cores)
+    python benchmarks/bench_kv.py --no-time               # the README's grid (about 30 minutes on 2 cores, idle)
+    python benchmarks/bench_kv.py --time-only             # decode and prefill time at 2k, 4k, 8k (2 minutes)
     python benchmarks/bench_kv.py --lengths 1024 --depths 50 --budgets 0.25 --time-lengths 1024 --ppl-tokens 1024
 """
 
