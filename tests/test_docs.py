@@ -135,6 +135,12 @@ def test_code_block_runs(block: Block, tmp_path, monkeypatch):
         pytest.skip(f"{block.id}: {block.skip}")
     _skip_without_classifier(block)
     monkeypatch.chdir(tmp_path)  # a block that writes files writes them here
+    # a block that registers a backend (docs/attention.md's "mine") keeps it to itself, not for later tests
+    from headlab.attention.backends import base
+    from headlab.costs import model as cost_model
+
+    for mod, name in ((base, "_REGISTRY"), (cost_model, "_FORMULAS"), (cost_model, "_BACKENDS")):
+        monkeypatch.setattr(mod, name, dict(getattr(mod, name)))
     code = compile(block.code, str(block.path), "exec")
     # line numbers in a traceback point into the Markdown file
     code = code.replace(co_firstlineno=block.line + 1)
