@@ -90,7 +90,8 @@ def test_copying_score_equals_the_full_ov_circuit():
         for layer in range(ad.n_layers):
             H, Hkv = ad.n_heads, ad.n_kv_heads
             for h in range(H):
-                full = w_e.double() @ ad.W_V(layer)[h // (H // Hkv)].double() @ ad.W_O(layer)[h].double() @ w_u.double()
+                W_V, W_O = ad.W_V(layer).detach()[h // (H // Hkv)], ad.W_O(layer)[h].detach()
+                full = w_e.detach().double() @ W_V.double() @ W_O.double() @ w_u.detach().double()
                 lam = torch.linalg.eigvals(full)  # (V,) of the vocab x vocab circuit
                 want = float(lam.sum().real) / float(lam.abs().sum())
                 assert abs(float(a.scores["copying"][layer, h]) - want) < 1e-6
