@@ -26,7 +26,6 @@ KV bytes (measured, peak) and decode time per token at ``--time-lengths``. Print
 from __future__ import annotations
 
 import argparse
-import math
 import random
 import re
 import sys

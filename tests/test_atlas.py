@@ -15,6 +15,7 @@ from architectures import build
 from headlab.errors import ConfigError, InputError
 from headlab.interpret.atlas import Atlas, atlas
 from headlab.interpret.atlas import causal as CK
+from headlab.interpret.heads.ablation import config_masks
 from headlab.interpret.atlas import tasks as T
 from headlab.interpret.atlas.scores import embeddings
 from headlab.models import adapt
@@ -142,7 +143,7 @@ def test_gating_equals_the_adapters_own_gates():
     ids = torch.randint(0, 40, (3, 9), generator=torch.Generator().manual_seed(0))
     inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
     sets = [[], [(0, 1)], [(1, 0), (1, 3), (0, 2)]]
-    got = CK.gated(ad, inputs, CK.masks_of(ad, sets), CK.text_loss, max_rows=4)  # chunks of one configuration
+    got = CK.gated(ad, inputs, config_masks(ad, sets), CK.text_loss, max_rows=4)  # chunks of one configuration
     for i, s in enumerate(sets):
         g = torch.ones(2, 4)
         for l, h in s:

@@ -302,3 +302,16 @@ def test_window_loss_is_the_evicted_attention_mass_of_the_last_rows():
     assert float(got.max()) > 0.05  # random weights spread mass far back: the check above is not 0 == 0
     with pytest.raises(InputError, match="longer than"):
         window_loss(model, [torch.randint(3, 97, (1, 9))], rule, rows=4)
+
+
+def test_a_reset_cache_decodes_as_a_new_one():
+    model = build("llama")
+    prompt = torch.randint(3, 97, (1, 20), generator=torch.Generator().manual_seed(11))
+    policy = _mixed_policy()
+    cache = HeadCache(model, policy)
+    with torch.no_grad():
+        first = model.generate(prompt, max_new_tokens=6, do_sample=False, cache=cache)
+        cache.reset()
+        assert cache.nbytes() == 0
+        again = model.generate(prompt, max_new_tokens=6, do_sample=False, cache=cache)
+    assert first.tolist() == again.tolist()

@@ -94,13 +94,13 @@ class HeadLayer(CacheLayerMixin):
     is_sliding = False
     is_compileable = False
 
-    def __init__(self, rules: list[Rule], n_heads: int, owner: HeadCache | None = None):
+    def __init__(self, rules: list[Rule], n_heads: int, owner: HeadCache | None = None, index: int = 0):
         super().__init__()
         g = len(rules)
         if n_heads % g:
             raise ConfigError(f"{n_heads} query heads do not divide into {g} kv heads")
         rep = n_heads // g
-        self.n_heads, self.head_rep, self.seen, self.owner = n_heads, rep, 0, owner
+        self.seen, self.owner, self.index = 0, owner, index
         by_rule: dict[Rule, list[int]] = {}
         for j, r in enumerate(rules):
             by_rule.setdefault(r, []).append(j)
@@ -142,7 +142,10 @@ class HeadLayer(CacheLayerMixin):
         for g in self.groups:
             g.keys = g.values = None
             g.pos = torch.zeros(0, dtype=torch.long)
+            g.ring = g.rule.sink if isinstance(g.rule, Window) else 0
         self.seen = 0
+        if self.owner is not None:
+            self.owner._note_bytes(self.index, 0)
 
     def crop(self, max_length: int) -> None:
         raise ConfigError("a per-head KV cache cannot be cropped (evicted keys are gone); use a full cache "
@@ -164,7 +167,6 @@ class GroupedKV:
 
     def __init__(self, layer: HeadLayer, first: int, m: int):
         self.layer, self.first, self.m = layer, first, m
-        self.shape = (1, sum(len(g.kv) for g in layer.groups), layer.seen, 0)  # what shape-reading code may ask
 
     def headlab_attend(self, module, query: torch.Tensor, attention_mask: torch.Tensor | None, *,
                        scaling: float | None, softcap: float | None = None) -> tuple[torch.Tensor, None]:
@@ -188,11 +190,11 @@ class GroupedKV:
 
         q_pos = torch.arange(self.first, self.first + m)
         last = self.first + m - 1
+        fresh = self.first == 0  # a prefill into an empty cache
         for g in layer.groups:
             if isinstance(g.rule, Drop):
                 continue
             q = query if g.whole else query.index_select(1, g.q.to(query.device))  # (B, heads of group, m, d)
-            fresh = self.first == 0  # a prefill into an empty cache
             if m == 1 and hf is None:
                 g.evict(last)  # the group holds what the new query may see (a decode step evicted in place)
                 if softcap is None:  # every held key is visible: torch's fused kernel, NaN kept as NaN
@@ -215,7 +217,7 @@ class GroupedKV:
                 out.index_copy_(1, g.q.to(out.device), o.to(out.dtype))
             g.evict(last)
         if layer.owner is not None:
-            layer.owner._note_bytes()
+            layer.owner._note_bytes(layer.index, layer.nbytes())
         return out.transpose(1, 2).contiguous(), None
 
 
@@ -269,9 +271,10 @@ class HeadCache(Cache):
         heads, kvh = kv_layout(adapter)
         self.policy = policy if policy is not None else Policy.uniform("full")
         self.policy.check(kvh)
-        layers = [HeadLayer(self.policy.layer_rules(l, g), h, self) for l, (h, g) in enumerate(zip(heads, kvh))]
+        layers = [HeadLayer(self.policy.layer_rules(l, g), h, self, l) for l, (h, g) in enumerate(zip(heads, kvh))]
         super().__init__(layers=layers)
-        self._bytes = [0] * len(layers)
+        self._bytes = [0] * len(layers)  # each layer's, after its last step
+        self._total = 0
         self.peak_bytes = 0
         hf = getattr(adapter, "model", None)
         impl = getattr(getattr(hf, "config", None), "_attn_implementation", None)
@@ -284,5 +287,8 @@ class HeadCache(Cache):
         """Bytes the cache's key and value tensors hold now."""
         return sum(layer.nbytes() for layer in self.layers)
 
-    def _note_bytes(self) -> None:
-        self.peak_bytes = max(self.peak_bytes, self.nbytes())
+    def _note_bytes(self, layer: int, held: int) -> None:
+        """A layer has stepped and now holds ``held`` bytes: update the total and its peak."""
+        self._total += held - self._bytes[layer]
+        self._bytes[layer] = held
+        self.peak_bytes = max(self.peak_bytes, self._total)

@@ -173,7 +173,7 @@ def generate(model, prompt, *, policy: Policy | None = None, max_new_tokens: int
         raise InputError(f"the prompt ({n} tokens) plus {max_new_tokens} new tokens exceeds the {limit} positions "
                          "the model was trained for; shorten the prompt or ask for fewer tokens")
     hf = adapter.model
-    heads, kvh = kv_layout(adapter)
+    kvh = kv_layout(adapter)[1]
     dtype = next(hf.parameters()).dtype
     predicted = kv_cache_bytes(policy.kept(n + max_new_tokens, kvh), head_dim=adapter.head_dim, dtype=dtype)
     check_fits(predicted, what=f"the KV cache at {n + max_new_tokens} tokens under {policy.name}",
@@ -199,7 +199,7 @@ def generate(model, prompt, *, policy: Policy | None = None, max_new_tokens: int
                 logits = hf(input_ids=torch.tensor([[tok]], device=ids.device), cache=cache, use_cache=True).logits[0, -1]
         t2 = time.perf_counter()
     held = n + len(out_ids) - 1  # the last token is never fed back
-    full_bytes = kv_cache_bytes(Policy.uniform("full").kept(held, kvh), head_dim=adapter.head_dim, dtype=dtype)
+    full_bytes = kv_cache_bytes([[held] * g for g in kvh], head_dim=adapter.head_dim, dtype=dtype)  # all kept
     new = torch.tensor([out_ids], dtype=torch.long)
     text = loaded.tokenizer.decode(out_ids, skip_special_tokens=True) if loaded is not None and loaded.tokenizer else None
     return Generation(new, torch.stack(logits_seen), _held_bytes(cache), full_bytes, n, t1 - t0, t2 - t1, policy, text,

@@ -75,15 +75,6 @@ def draw_sets(n_layers: int, layer_heads: list[int], top: list[tuple[int, int]],
     return [[pool[i] for i in sorted(rng.choice(len(pool), size=len(top), replace=False))] for _ in range(n_draws)]
 
 
-def masks_of(adapter, sets: list[list[tuple[int, int]]]) -> torch.Tensor:
-    """``(C, n_layers, H)`` bool, True where a configuration gates a head off."""
-    m = torch.zeros(len(sets), adapter.n_layers, adapter.n_heads, dtype=torch.bool)
-    for i, s in enumerate(sets):
-        for l, h in s:
-            m[i, l, h] = True
-    return m
-
-
 def gated(adapter, inputs: dict, configs: torch.Tensor, metric: Callable, *, max_rows: int = 32,
           max_tokens: int = 4096) -> torch.Tensor:
     """``(C, B)``: ``metric(outputs, inputs) -> (rows,)`` with each configuration's heads gated off.
@@ -166,4 +157,4 @@ def answer_accuracy(start: int, answer: torch.Tensor) -> Callable:
     return metric
 
 
-__all__ = ["answer_accuracy", "draw_sets", "gated", "masks_of", "pooled", "span_loss", "target_loss", "text_loss", "verdict"]
+__all__ = ["answer_accuracy", "draw_sets", "gated", "pooled", "span_loss", "target_loss", "text_loss", "verdict"]

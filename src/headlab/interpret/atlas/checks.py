@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from headlab.distributed.data import all_reduce_sum, shard_indices
 from headlab.interpret.atlas import causal as CK
+from headlab.interpret.heads.ablation import config_masks
 from headlab.interpret.atlas import dependents as D
 from headlab.interpret.atlas import tasks as T
 
@@ -93,7 +94,7 @@ def run_checks(result, adapter, tok, todo, *, k, n_draws, pieces, trials, vocab,
             top = result.top(kd, k)
             draws = CK.draw_sets(adapter.n_layers, adapter.layer_heads, top, n_draws=n_draws, seed=seed + 101 * (i + 1))
             sets += [top] + draws
-        configs = CK.masks_of(adapter, sets)
+        configs = config_masks(adapter, sets)
         say(f"causal checks ({group})", 0, 1)
         if group == "repeated":
             half, start = result.settings["half"], result.settings["start"]

@@ -138,7 +138,8 @@ def _check_heads(adapter, heads, counts) -> list[tuple[int, int]]:
     return out
 
 
-def _masks(adapter, configs: list[list[tuple[int, int]]]) -> torch.Tensor:
+def config_masks(adapter, configs: list[list[tuple[int, int]]]) -> torch.Tensor:
+    """``(C, n_layers, H)`` bool, True where configuration ``c`` gates head ``(l, h)`` off."""
     m = torch.zeros(len(configs), adapter.n_layers, adapter.n_heads, dtype=torch.bool)
     for i, cfg in enumerate(configs):
         for l, h in cfg:
@@ -228,7 +229,7 @@ def ablate(loaded, texts, labels=None, *, kind: str = "zero", loss: C.Loss = "au
         if keep_one else []
     seconds: dict[str, float] = {}
     t0 = time.perf_counter()
-    d_all, base, acc = _measure(runner, data, _masks(adapter, configs + keep_cfg), N, progress, "single + keep-one"
+    d_all, base, acc = _measure(runner, data, config_masks(adapter, configs + keep_cfg), N, progress, "single + keep-one"
                                 if keep_one else "single ablations")
     seconds["single_and_keep_one"] = time.perf_counter() - t0
     d_single, d_keep = d_all[: len(configs)], d_all[len(configs):]
@@ -270,7 +271,7 @@ def ablate(loaded, texts, labels=None, *, kind: str = "zero", loss: C.Loss = "au
     t1 = time.perf_counter()
     zs_for_cka: dict = {}
     if pair_list:
-        d_pair, _, _ = _measure(runner, data, _masks(adapter, [list(p) for p in pair_list]), N, progress,
+        d_pair, _, _ = _measure(runner, data, config_masks(adapter, [list(p) for p in pair_list]), N, progress,
                                 f"joint ablations ({len(pair_list)} pairs)",
                                 cka_heads=pair_heads if cka else None, cka_store=zs_for_cka,
                                 max_cka_tokens=max_cka_tokens)
