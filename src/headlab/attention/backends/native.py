@@ -1,5 +1,5 @@
-"""The native engine: the compiled one-pass attention kernel (``csrc/onepass.cpp``), built on first
-use, and everything headlab knows about it. See docs/native.md.
+"""The native engine: the compiled one-pass attention kernel (``csrc/onepass.cpp``), built at
+install time, and everything headlab knows about it. See docs/native.md.
 
 This module is the kernel's only caller: it owns the C++ calling convention (flat float32
 buffers, the key bias, the window's ``(before, after)``, the work-unit sizes), the forms of its
@@ -13,21 +13,27 @@ PyTorch paths for the calls it declines::
     dq, dk, dv = native.backward(q, k, v, dout, fwd.m, fwd.log_l, mask, scale, causal=spec.causal, out=fwd.out)
     native.statistics(q, k, v, mask, scale, {"entropy", "received"}, causal=False)   # attention_stats
 
-:func:`kernel` compiles the C++ file with torch's own ``torch.utils.cpp_extension`` (once per
-version of the C++ file: the build is cached under ``~/.cache/torch_extensions``, named by the
-file's hash; about 30 s on 2 cores) and returns the module, or None when it cannot (no compiler,
-``HEADLAB_NATIVE=0``): the pure-PyTorch paths (:mod:`headlab.attention.stats.fused`, the tiled and
-sparse backends' own loops, the ring's tiles) then compute the same results, and are what the
-tests compare the kernel with. The kernel takes float32 (float16 and bfloat16 compute in float32)
-on the CPU with no mask, ``causal``, a mask that is one band of offsets around the diagonal
-(:func:`headlab.masks.band_of`: ``causal()``, ``sliding_window``, ``causal() & sliding_window(w)``,
-...), or a key-padding mask (one visibility per (batch, key)).
+The C++ file is compiled when headlab is installed (``setup.py``: torch's
+``torch.utils.cpp_extension.CppExtension``, about a minute on 2 cores) into the extension module
+``headlab.attention.backends._onepass``; :func:`kernel` imports it (nothing is compiled at run
+time, no lock is taken) and returns it, or None when it cannot: ``HEADLAB_NATIVE=0``, no
+extension (the install found no C++ compiler), or an extension built from another version of the
+C++ file (it carries the file's SHA-1, checked before it is loaded). The pure-PyTorch paths
+(:mod:`headlab.attention.stats.fused`, the tiled and sparse backends' own loops, the ring's tiles)
+then compute the same results, and are what the tests compare the kernel with. The kernel takes
+float32 (float16 and bfloat16 compute in float32) on the CPU with no mask, ``causal``, a mask that
+is one band of offsets around the diagonal (:func:`headlab.masks.band_of`: ``causal()``,
+``sliding_window``, ``causal() & sliding_window(w)``, ...), or a key-padding mask (one visibility
+per (batch, key)).
 """
 
 from __future__ import annotations
 
 import hashlib
+import importlib
+import importlib.util
 import os
+import re
 import sys
 import threading
 from dataclasses import dataclass
@@ -39,6 +45,11 @@ from headlab.attention.masks import MaskFn, band_of
 from headlab.attention.spec import AttentionSpec
 
 _SOURCE = Path(__file__).resolve().parent / "csrc" / "onepass.cpp"
+# the extension setup.py builds from _SOURCE at install time, and the tag it carries (onepass.cpp)
+EXTENSION = "headlab.attention.backends._onepass"
+_TAG_PREFIX = "headlab-onepass-source:"
+_TAG = re.compile(re.escape(_TAG_PREFIX).encode() + rb"sha1_([0-9a-f]{40})")
+REBUILD = "re-run `pip install -e . --no-build-isolation` (or `make venv`) to rebuild it; meanwhile the PyTorch paths run"
 _LOCK = threading.Lock()
 _STATE: dict = {}
 # A finite stand-in for -inf in the key bias: exp(NEG - m) is 0 and 0 * (NEG - m) is 0, not NaN.
@@ -48,7 +59,7 @@ MAX_KEYS = 1 << 18
 
 
 def enabled() -> bool:
-    """``HEADLAB_NATIVE``: ``1`` (or unset) builds and uses the kernel, ``0`` keeps the PyTorch paths;
+    """``HEADLAB_NATIVE``: ``1`` (or unset) uses the kernel, ``0`` keeps the PyTorch paths;
     any other value is a :class:`~headlab.errors.ConfigError` (the CLI reads it before any work)."""
     raw = os.environ.get("HEADLAB_NATIVE", "").strip()
     if raw not in ("", "0", "1"):
@@ -59,6 +70,49 @@ def enabled() -> bool:
     return raw != "0"
 
 
+def source_hash() -> str | None:
+    """The SHA-1 of ``csrc/onepass.cpp`` as it is now (None if the file is not there)."""
+    try:
+        return hashlib.sha1(_SOURCE.read_bytes()).hexdigest()
+    except OSError:
+        return None
+
+
+def installed() -> Path | None:
+    """The extension file ``setup.py`` built (``_onepass.*.so`` beside this module), or None."""
+    spec = importlib.util.find_spec(EXTENSION)
+    return Path(spec.origin) if spec is not None and spec.origin else None
+
+
+def built_from(path: Path) -> str | None:
+    """The source SHA-1 an extension file was compiled from (the tag ``setup.py`` put in it),
+    read from its bytes without loading it; None for a file without one (truncated, or not ours)."""
+    found = _TAG.search(path.read_bytes())
+    return found.group(1).decode() if found else None
+
+
+def _load():
+    """The installed extension if it was built from the source beside it; else raises
+    :class:`ImportError` saying why and how to rebuild it."""
+    path = installed()
+    if path is None:
+        raise ImportError(f"{EXTENSION} is not installed: the install built no kernel (no C++ compiler, or torch "
+                          f"not importable while building); {REBUILD}")
+    want, have = source_hash(), built_from(path)
+    if have is None or (want is not None and have != want):
+        seen = "carries no source hash (a build cut short?)" if have is None else \
+            f"was built from another version of csrc/onepass.cpp (sha1 {have[:12]}, the source is now {want[:12]})"
+        raise ImportError(f"the installed kernel {path.name} {seen}; refusing to load it: {REBUILD}")
+    try:
+        mod = importlib.import_module(EXTENSION)
+    except ImportError as exc:  # e.g. built against another torch: undefined symbols
+        raise ImportError(f"the installed kernel {path.name} does not load ({exc}); {REBUILD}") from exc
+    if getattr(mod, "source_tag", None) != f"{_TAG_PREFIX}sha1_{have}":
+        raise ImportError(f"the installed kernel {path.name} does not carry the source hash it was built with; "
+                          f"{REBUILD}")
+    return mod
+
+
 def kernel():
     """The compiled module, or None (see the module docstring); the error is in :func:`error`."""
     with _LOCK:
@@ -67,22 +121,11 @@ def kernel():
         mod = None
         if enabled():
             try:
-                from torch.utils.cpp_extension import load
-
-                cap = torch.backends.cpu.get_cpu_capability()
-                flags = ["-O3", "-march=native", "-fopenmp"]
-                if cap in ("AVX2", "AVX512"):
-                    flags += [f"-DCPU_CAPABILITY={cap}", f"-DCPU_CAPABILITY_{cap}"]
-                # one build per version of the source: two checkouts (or a test run beside an edit)
-                # never load each other's kernel, whose signature may differ
-                name = "headlab_onepass_" + hashlib.sha1(_SOURCE.read_bytes()).hexdigest()[:12]
-                build = Path(os.environ.get("TORCH_EXTENSIONS_DIR", Path.home() / ".cache" / "torch_extensions"))
-                if not any(build.glob(f"*/{name}/*.so")):
-                    print("headlab: compiling the native attention kernel (once per machine and kernel version, about 30 s)",
-                          file=sys.stderr, flush=True)
-                mod = load(name=name, sources=[str(_SOURCE)], extra_cflags=flags, verbose=False)
-            except Exception as exc:  # no compiler, no ninja, a build error: the PyTorch path stands in
+                mod = _load()
+            except Exception as exc:  # not built, stale, or not loadable: the PyTorch path stands in
                 _STATE["error"] = f"{type(exc).__name__}: {exc}"
+                if installed() is not None:  # a kernel that was built but is refused: say so once
+                    print(f"headlab: not using the compiled attention kernel: {exc}", file=sys.stderr, flush=True)
         else:
             _STATE["error"] = "disabled by HEADLAB_NATIVE=0"
         _STATE["module"] = mod
@@ -136,7 +179,7 @@ def declines(spec: AttentionSpec, mask, dtype: torch.dtype, *, dropout_p: float 
             kernels that way); the kernel chooses its own.
 
     Never under a dispatch mode (``FlopCounterMode``, profilers): they cannot see inside the kernel,
-    so those calls run on the PyTorch paths, whose every matmul they count. The kernel is built (on
+    so those calls run on the PyTorch paths, whose every matmul they count. The kernel is loaded (on
     first use) only when everything else allows it."""
     if torch._C._len_torch_dispatch_stack() > 0:
         return "a dispatch mode (FlopCounterMode, a profiler) is active and cannot see inside the kernel"

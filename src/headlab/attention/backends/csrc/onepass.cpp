@@ -2,8 +2,9 @@
 // matmul for the scores, one fused pass per score row (maximum, then exp, row sum, sum e*t,
 // sum e*|i-j| and, when asked, the column sums), and one matmul for the output. The
 // pure-PyTorch paths (headlab/attention/stats/fused.py, the tiled backend) compute the same
-// quantities and are the reference in tests; this file is compiled on first use by
-// torch.utils.cpp_extension (headlab/attention/backends/native.py).
+// quantities and are the reference in tests; this file is compiled at install time by
+// torch.utils.cpp_extension (setup.py, the extension headlab.attention.backends._onepass) and
+// called only by headlab/attention/backends/native.py.
 //
 // Inputs (float32, contiguous): q (BH, Lq, D) (scores are scale * q k^T, the scale applied in the matmul); k (BHkv, Lk, D); v (BHkv, Lk, Dv) or
 // an empty tensor; key_bias (Bb, Lk) additive 0 / -1e30 (Bb = 1 or the batch), or empty. Query
@@ -458,7 +459,18 @@ void onepass_backward(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::
   }
 }
 
+// The SHA-1 of this file as setup.py compiled it (-DHEADLAB_SOURCE_SHA1=sha1_<hex>), kept in the
+// binary as one string: native.py reads it from the file before loading and refuses a kernel built
+// from another version of this source.
+#ifndef HEADLAB_SOURCE_SHA1
+#define HEADLAB_SOURCE_SHA1 unknown
+#endif
+#define HEADLAB_STR2(x) #x
+#define HEADLAB_STR(x) HEADLAB_STR2(x)
+static const char kSourceTag[] = "headlab-onepass-source:" HEADLAB_STR(HEADLAB_SOURCE_SHA1);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.attr("source_tag") = kSourceTag;
   // the GIL is released while the kernel's OpenMP threads run
   m.def("onepass", &onepass, "one-pass attention statistics (CPU, float32), units [begin, end)",
         py::call_guard<py::gil_scoped_release>());
