@@ -19,9 +19,12 @@ from headlab import kv
 from headlab.costs.kv import full_cache_bytes, policy_cache_bytes
 from headlab.decode import HeadCache, perplexity
 from headlab.errors import ConfigError, InputError, ModelError, UnsupportedArchitectureError
+from tests import architectures
 from tests.architectures import BUILDERS, build
 
-DECODERS = [n for n, (_, kind) in BUILDERS.items() if kind == "text" and n not in
+# the types a headlab family declares (architectures.py also builds base models that no family names)
+_DECLARED = set(getattr(architectures, "DECLARED", BUILDERS))
+DECODERS = [n for n, (_, kind) in BUILDERS.items() if kind == "text" and n in _DECLARED and n not in
             ("bert", "roberta", "distilbert", "albert", "electra", "deberta-v2", "xlm-roberta", "modernbert")]
 OWN_FORWARD = ("bloom", "falcon")  # compute attention in their own modules: the full cache only
 

@@ -23,9 +23,9 @@ from dataclasses import dataclass, field
 import torch
 
 from headlab.attention.memory_guard import check_fits
-from headlab.costs.kv import kv_cache_bytes
+from headlab.costs.kv import kv_cache_bytes, policy_cache_bytes
 from headlab.decode.cache import HeadCache
-from headlab.decode.kv import Policy, check_decoder, kv_layout
+from headlab.decode.kv import Policy, check_decoder, full, kv_layout
 from headlab.errors import ConfigError, InputError, UnsupportedArchitectureError
 from headlab.progress import progress_bar
 
@@ -39,7 +39,8 @@ class Generation:
     Attributes:
         ids: ``(1, new)`` the generated token ids (the prompt not included).
         step_logits: ``(new, vocab)`` float32, the logits each step chose from.
-        kv_bytes: the cache's key and value tensors at their peak, measured (``nbytes``).
+        kv_bytes: the cache's key and value tensors at their peak, measured (``nbytes``; quantized rules: codes,
+            scales and zero points), equal to :func:`headlab.costs.kv.policy_peak_bytes`.
         kv_bytes_full: what the ordinary (all heads full) cache holds at the same length, predicted.
         prompt_tokens: the prompt's length.
         prefill_seconds: the prompt's forward; decode_seconds: the steps after it.
@@ -104,7 +105,8 @@ def _setup(model, policy):
                           f"got {type(policy).__name__}")
     kvh = kv_layout(adapter)[1]
     policy.check(kvh)
-    if hasattr(adapter, "attention_forward") and policy.counts(kvh)["full"] != sum(kvh):
+    plain = all(r == full for l, g in enumerate(kvh) for r in policy.layer_rules(l, g))
+    if hasattr(adapter, "attention_forward") and not plain:
         raise UnsupportedArchitectureError(
             f"{type(adapter.model).__name__} computes attention in its own modules (not through transformers' "
             "attention interface), so its cache cannot be shaped per head; decode it with policy=None (the full cache)")
@@ -175,7 +177,9 @@ def generate(model, prompt, *, policy: Policy | None = None, max_new_tokens: int
     hf = adapter.model
     kvh = kv_layout(adapter)[1]
     dtype = next(hf.parameters()).dtype
-    predicted = kv_cache_bytes(policy.kept(n + max_new_tokens, kvh), head_dim=adapter.head_dim, dtype=dtype)
+    policy.check_shape(kvh, adapter.head_dim)
+    predicted = policy_cache_bytes(policy, kv_heads=kvh, tokens=n + max_new_tokens, head_dim=adapter.head_dim,
+                                   dtype=dtype)
     check_fits(predicted, what=f"the KV cache at {n + max_new_tokens} tokens under {policy.name}",
                device=ids.device, alternative=None)
     eos = getattr(getattr(hf, "generation_config", None), "eos_token_id", None)
@@ -206,24 +210,39 @@ def generate(model, prompt, *, policy: Policy | None = None, max_new_tokens: int
                       policy.counts(kvh))
 
 
-def perplexity(model, ids: torch.Tensor, *, policy: Policy | None = None, chunk: int = 512) -> float:
+def perplexity(model, ids: torch.Tensor, *, policy: Policy | None = None, chunk: int = 512,
+               prefill: int | None = None) -> float:
     """Perplexity of ``ids (1, n)`` under ``policy``: one forward with the policy's per-head visibility.
 
     Equal to decoding the text token by token under the policy (keys keep their positions), which
     the tests check; the logits are computed ``chunk`` positions at a time, so an 8k-token text does
     not hold an ``n x vocab`` matrix.
+
+    Quantized rules (``bits`` < 16) act on the cache, not on the prefill (KIVI computes the prompt's
+    attention in full precision and stores it quantized), so one forward does not see them: give
+    ``prefill`` to run the first ``prefill`` tokens as one forward and the rest one token at a time, as
+    decoding does (a forward per token: slower).
     """
     adapter, loaded, policy = _setup(model, policy)
     ids = prompt_ids(adapter, loaded, ids)
     if ids.shape[1] < 2:
         raise InputError("perplexity needs at least 2 tokens")
+    if prefill is not None and (isinstance(prefill, bool) or not isinstance(prefill, int)
+                                or not 1 <= prefill <= ids.shape[1]):
+        raise ConfigError(f"prefill={prefill!r}: give the number of tokens run as one forward, 1..{ids.shape[1]}")
     hf = adapter.model
     head = hf.get_output_embeddings()
     cap = getattr(hf.config, "final_logit_softcapping", None)
     nll, count = 0.0, 0
     with torch.no_grad(), adapter.use_backend("auto"):
         cache = _new_cache(adapter, policy)
-        hidden = hf.base_model(input_ids=ids, cache=cache, use_cache=True).last_hidden_state[0]  # (n, E)
+        if prefill is None:
+            hidden = hf.base_model(input_ids=ids, cache=cache, use_cache=True).last_hidden_state[0]  # (n, E)
+        else:
+            rows = [hf.base_model(input_ids=ids[:, :prefill], cache=cache, use_cache=True).last_hidden_state[0]]
+            for t in range(prefill, ids.shape[1]):
+                rows.append(hf.base_model(input_ids=ids[:, t:t + 1], cache=cache, use_cache=True).last_hidden_state[0])
+            hidden = torch.cat(rows)
         for s in range(0, ids.shape[1] - 1, chunk):
             e = min(s + chunk, ids.shape[1] - 1)
             z = head(hidden[s:e]).float()

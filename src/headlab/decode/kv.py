@@ -8,6 +8,13 @@ A **rule** says what one kv head of one layer holds:
 - :data:`drop` keeps nothing: the kv head is pruned, with the query heads that read it (their
   output is zero, as if their W^O columns were removed).
 
+Full and windowed rules also carry a precision, ``bits`` 16 (the cache's dtype), 8, 4 or 2: keys per
+channel and values per token in asymmetric min-max groups, the most recent tokens in full precision
+(Liu et al. 2024, KIVI): ``kv.full(bits=4)``, ``kv.window(4, 256, bits=2)``. A window may also keep
+RazorAttention's compensation token (Tang et al. 2024), the mean of the keys and values it evicted:
+``kv.window(4, 256, compensate=True)``. What a rule holds after ``n`` tokens is :meth:`Full.layout`
+(:class:`Layout`), from which :mod:`headlab.costs.kv` counts the bytes.
+
 A :class:`Policy` maps ``(layer, kv_head)`` to a rule. Keys keep their original positions (rotary
 embeddings are applied before caching), so decoding under a policy is *one forward* in which key
 ``j`` is visible to query ``t`` when ``j <= t`` and ``(j < sink or t - j < recent)`` for windowed heads,
@@ -32,6 +39,7 @@ heads needs the whole context (the constructors that rank heads take the maximum
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -41,26 +49,112 @@ import torch
 
 from headlab.errors import ConfigError, InputError, ModelError
 
-__all__ = ["Full", "Window", "Drop", "Rule", "full", "drop", "window", "Policy", "kv_layout"]
+__all__ = ["Full", "Window", "Drop", "Rule", "Layout", "full", "drop", "window", "Policy", "kv_layout"]
+
+
+BITS = (16, 8, 4, 2)   # 16: the cache's own dtype; 8, 4, 2: quantized (KIVI)
+GROUP = 32             # numbers per scale: tokens per key group (per channel), channels per value group (per token)
+RESIDUAL = 128         # the most recent tokens kept in full precision (a multiple of the group)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """What one kv head holds after ``tokens`` tokens, counted (one batch row): the single place that decides
+    what a rule holds; :func:`headlab.costs.kv.layout_bytes` turns it into bytes, and the cache's tensors
+    must come to the same (a test checks them).
+
+    ``full_keys``/``full_values``: vectors in the cache's dtype (sinks, the full-precision residual);
+    ``quant_keys``/``quant_values``: vectors stored as ``bits``-bit codes, packed ``8 // bits`` to a byte;
+    ``key_groups``: ``(scale, zero)`` pairs per key channel (one per ``group`` quantized tokens); each
+    quantized value has ``v_dim / group`` pairs; ``compensation``: 0 or 1 extra key/value pair in the
+    cache's dtype (RazorAttention's mean of the evicted tokens)."""
+
+    full_keys: int
+    full_values: int
+    quant_keys: int = 0
+    quant_values: int = 0
+    key_groups: int = 0
+    bits: int = 16
+    group: int = 32
+    compensation: int = 0
+
+
+def _check_int(name: str, val, *, low: int) -> None:
+    if isinstance(val, bool) or not isinstance(val, int):
+        raise ConfigError(f"{name} must be an integer, got {val!r}")
+    if val < low:
+        raise ConfigError(f"{name}={val} must be at least {low}")
+
+
+def _check_precision(bits, group, residual) -> tuple[int, int, int]:
+    """``(bits, group, residual)`` checked; ``group``/``residual`` None take the defaults."""
+    if isinstance(bits, bool) or bits not in BITS:
+        raise ConfigError(f"bits={bits!r}: a kv head stores keys and values at 16 (the cache's dtype), 8, 4 or 2 "
+                          "bits (KIVI's asymmetric min-max groups)")
+    if bits == 16:
+        if group is not None or residual is not None:
+            raise ConfigError("group and residual set how a quantized head stores its keys; give them with bits=8, 4 "
+                              "or 2 (bits=16 stores every key as it is)")
+        return 16, GROUP, RESIDUAL
+    group = GROUP if group is None else group
+    residual = RESIDUAL if residual is None else residual
+    _check_int("group", group, low=1)
+    _check_int("residual", residual, low=1)
+    if residual % group:
+        raise ConfigError(f"residual={residual} must be a multiple of group={group}: the keys leave the full-precision "
+                          "residual a group of tokens at a time (KIVI), e.g. group=32, residual=128")
+    return bits, group, residual
+
+
+def _precision_text(r) -> str:
+    if r.bits == 16:
+        return ""
+    extra = "" if (r.group, r.residual) == (GROUP, RESIDUAL) else f", group={r.group}, residual={r.residual}"
+    return f"bits={r.bits}{extra}"
 
 
 @dataclass(frozen=True)
 class Full:
-    """Keep every key (the ordinary cache)."""
+    """Keep every key (the ordinary cache), at ``bits`` bits (16: the cache's dtype; 8, 4, 2: quantized as KIVI).
+
+    ``kv.full`` is the 16-bit rule; ``kv.full(bits=4)`` (a call of it) the same rule with 4-bit keys and values."""
+
+    bits: int = 16
+    group: int = GROUP       # quantized rules: tokens per key scale (per channel), channels per value scale
+    residual: int = RESIDUAL  # quantized rules: the most recent tokens kept in full precision
+
+    def __call__(self, bits: int = 16, *, group: int | None = None, residual: int | None = None) -> Full:
+        """``kv.full(bits=4, group=32, residual=128)``: every key kept, quantized (Liu et al. 2024, KIVI)."""
+        return Full(*_check_precision(bits, group, residual))
+
+    @property
+    def special(self) -> bool:
+        """Quantized: the cache stores it apart from the plain (bit-exact) path."""
+        return self.bits != 16
 
     def kept(self, tokens: int) -> int:
         return tokens
 
+    def layout(self, tokens: int) -> Layout:
+        return _layout(self, tokens, start=0, low=0)
+
     def __repr__(self) -> str:
-        return "full"
+        p = _precision_text(self)
+        return f"full({p})" if p else "full"
 
 
 @dataclass(frozen=True)
 class Drop:
     """Keep nothing: the kv head and its query heads are pruned (their output is zero)."""
 
+    bits = 16  # nothing is stored; there for uniformity
+    special = False
+
     def kept(self, tokens: int) -> int:
         return 0
+
+    def layout(self, tokens: int) -> Layout:
+        return Layout(0, 0)
 
     def __repr__(self) -> str:
         return "drop"
@@ -68,16 +162,37 @@ class Drop:
 
 @dataclass(frozen=True)
 class Window:
-    """Keep the first ``sink`` keys (attention sinks) and the last ``recent`` keys."""
+    """Keep the first ``sink`` keys (attention sinks) and the last ``recent`` keys; with ``compensate``, one more
+    key/value pair holding the mean of the evicted ones (RazorAttention)."""
 
     sink: int     # the first keys every query keeps seeing (StreamingLLM uses 4)
     recent: int   # how many of the latest keys, the query's own included, stay visible
+    bits: int = 16
+    group: int = GROUP
+    residual: int = RESIDUAL
+    compensate: bool = False
 
     def kept(self, tokens: int) -> int:
-        return min(tokens, self.sink + self.recent)
+        return min(tokens, self.sink + self.recent) + self.compensation(tokens)
+
+    def compensation(self, tokens: int) -> int:
+        """1 when the rule holds a compensation token after ``tokens`` tokens (some key was evicted), else 0."""
+        return int(self.compensate and tokens > self.sink + self.recent)
+
+    def layout(self, tokens: int) -> Layout:
+        lay = _layout(self, tokens, start=self.sink, low=max(self.sink, tokens - self.recent))
+        comp = self.compensation(tokens)
+        return Layout(lay.full_keys, lay.full_values, lay.quant_keys, lay.quant_values, lay.key_groups,
+                      lay.bits, lay.group, comp)
+
+    @property
+    def special(self) -> bool:
+        return self.bits != 16 or self.compensate
 
     def __repr__(self) -> str:
-        return f"window(sink={self.sink}, recent={self.recent})"
+        p = _precision_text(self)
+        extra = (f", {p}" if p else "") + (", compensate=True" if self.compensate else "")
+        return f"window(sink={self.sink}, recent={self.recent}{extra})"
 
 
 Rule = Full | Window | Drop
@@ -85,11 +200,51 @@ full = Full()
 drop = Drop()
 
 
-def window(sink: int = 4, recent: int = 256) -> Window:
+def key_boundary(rule, tokens: int) -> int:
+    """KIVI's keys: positions below this are quantized (per channel, ``group`` tokens per scale), the rest wait in
+    the full-precision residual, which is quantized all at once when it reaches ``residual`` tokens. Counted from
+    the rule's first non-sink position (0 for full heads)."""
+    start = rule.sink if isinstance(rule, Window) else 0
+    if rule.bits == 16 or tokens <= start:
+        return min(tokens, start)
+    return start + (tokens - start) // rule.residual * rule.residual
+
+
+def value_boundary(rule, tokens: int) -> int:
+    """KIVI's values: positions below this are quantized (per token, ``group`` channels per scale); the last
+    ``residual`` tokens stay in full precision."""
+    start = rule.sink if isinstance(rule, Window) else 0
+    if rule.bits == 16 or tokens <= start:
+        return min(tokens, start)
+    return max(start, tokens - rule.residual)
+
+
+def _layout(rule, n: int, *, start: int, low: int) -> Layout:
+    """Held: positions ``[0, min(start, n))`` (sinks, full precision) and ``[low, n)``; quantized as KIVI below the
+    key and value boundaries."""
+    sinks = min(start, n)
+    held = max(0, n - low)
+    if rule.bits == 16:
+        return Layout(sinks + held, sinks + held)
+    bk, bv = key_boundary(rule, n), value_boundary(rule, n)
+    qk, qv = max(0, bk - low), max(0, bv - low)
+    groups = 0
+    if qk:
+        groups = (bk - start) // rule.group - (low - start) // rule.group
+    return Layout(sinks + held - qk, sinks + held - qv, qk, qv, groups, rule.bits, rule.group)
+
+
+def window(sink: int = 4, recent: int = 256, *, bits: int = 16, group: int | None = None,
+           residual: int | None = None, compensate: bool = False) -> Window:
     """The rule that keeps the first ``sink`` and the last ``recent`` keys of a kv head.
 
+    ``bits`` (8, 4, 2) quantizes what it holds past the sinks as KIVI does (``group``, ``residual``: see
+    :data:`full`); the sinks stay in full precision. ``compensate`` keeps one more key/value pair, the mean
+    of the keys and values it evicted, weighted in the softmax by how many it stands for (Tang et al. 2024,
+    RazorAttention).
+
     Raises :class:`~headlab.errors.ConfigError` for a negative count, or when both are 0 (a head
-    that sees nothing: use :data:`drop` to prune it).
+    that sees nothing: use :data:`drop` to prune it), or for bits other than 16, 8, 4, 2.
     """
     for name, val in (("sink", sink), ("recent", recent)):
         if isinstance(val, bool) or not isinstance(val, int):
@@ -99,11 +254,42 @@ def window(sink: int = 4, recent: int = 256) -> Window:
     if sink + recent == 0:
         raise ConfigError("window(sink=0, recent=0) keeps no key, so its heads would see nothing; keep at least one "
                           "key (e.g. window(sink=4, recent=256)), or use kv.drop to prune the head")
-    return Window(sink, recent)
+    if not isinstance(compensate, bool):
+        raise ConfigError(f"compensate must be True or False, got {compensate!r}")
+    return Window(sink, recent, *_check_precision(bits, group, residual), compensate)
+
+
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def _options(x, name: str, items: list[str]) -> dict:
+    """``key=value`` items of a rule's text (``compensate`` alone means ``compensate=true``)."""
+    opts: dict = {}
+    for item in items:
+        key, eq, val = (p.strip() for p in item.partition("="))
+        if key == "compensate" and name != "full":
+            if not eq or val in _TRUE:
+                opts["compensate"] = True
+            elif val in _FALSE:
+                opts["compensate"] = False
+            else:
+                raise ConfigError(f"kv rule {x!r}: compensate takes true or false, got {val!r}")
+            continue
+        if key not in ("bits", "group", "residual") or not eq:
+            allowed = "bits=, group=, residual=" + (", compensate" if name != "full" else "")
+            raise ConfigError(f"kv rule {x!r}: unknown option {item.strip()!r}; {name} takes {allowed} "
+                              f"(e.g. {name}:{'4,256,' if name != 'full' else ''}bits=4)")
+        try:
+            opts[key] = int(val)
+        except ValueError:
+            raise ConfigError(f"kv rule {x!r}: {key} takes an integer, got {val!r}") from None
+    return opts
 
 
 def as_rule(x) -> Rule:
-    """A rule from a rule or its text: ``"full"``, ``"drop"``, ``"window:SINK,RECENT"`` / ``"streaming:SINK,RECENT"``."""
+    """A rule from a rule or its text: ``"full"``, ``"drop"``, ``"window:SINK,RECENT"`` / ``"streaming:SINK,RECENT"``,
+    each (but drop) with options: ``"full:bits=4"``, ``"streaming:4,256,bits=2,group=32,residual=128"``,
+    ``"window:4,256,compensate"``."""
     if isinstance(x, Full | Window | Drop):
         return x
     if not isinstance(x, str):
@@ -114,16 +300,22 @@ def as_rule(x) -> Rule:
     if text == "drop":
         return drop
     name, _, args = text.partition(":")
+    parts = [p.strip() for p in args.split(",")] if args else []
+    if name == "full" and parts:
+        opts = _options(x, "full", parts)
+        return full(opts.pop("bits", 16), **opts)
     if name in ("window", "streaming"):
-        parts = [p.strip() for p in args.split(",")] if args else []
+        nums_text = [p for p in parts if "=" not in p and p != "compensate"]
         try:
-            nums = [int(p) for p in parts]
+            nums = [int(p) for p in nums_text]
         except ValueError:
             nums = []
-        if len(nums) != 2:
-            raise ConfigError(f"kv rule {x!r}: write {name}:SINK,RECENT with two integers, e.g. {name}:4,256")
-        return window(*nums)
-    raise ConfigError(f"unknown kv rule {x!r}: use full, drop, or streaming:SINK,RECENT (e.g. streaming:4,256)")
+        if len(nums) != 2 or parts[:2] != nums_text:
+            raise ConfigError(f"kv rule {x!r}: write {name}:SINK,RECENT with two integers, then any options, e.g. "
+                              f"{name}:4,256 or {name}:4,256,bits=4,compensate")
+        return window(*nums, **_options(x, name, parts[2:]))
+    raise ConfigError(f"unknown kv rule {x!r}: use full, drop, or streaming:SINK,RECENT (e.g. streaming:4,256), "
+                      "with options such as full:bits=4 or streaming:4,256,bits=2,compensate")
 
 
 def kv_layout(model) -> tuple[list[int], list[int]]:
@@ -154,7 +346,7 @@ class Policy:
     def uniform(cls, rule, *, name: str | None = None) -> Policy:
         """Every kv head follows ``rule``: ``Policy.uniform(kv.window(4, 256))`` is StreamingLLM."""
         r = as_rule(rule)
-        return cls({}, r, name or (f"streaming {r.sink}+{r.recent}" if isinstance(r, Window) else repr(r)))
+        return cls({}, r, name or _rule_name(r))
 
     @classmethod
     def from_spec(cls, spec: Mapping, default="full", *, name: str = "spec") -> Policy:
@@ -172,7 +364,7 @@ class Policy:
         return cls(rules, as_rule(default), name)
 
     @classmethod
-    def from_scores(cls, model, scores, *, keep: float, rest=None, name: str = "scores") -> Policy:
+    def from_scores(cls, model, scores, *, keep: float, rest=None, name: str = "scores", kept=None) -> Policy:
         """Keep the ``keep`` fraction of kv heads with the highest ``scores`` full; the others follow ``rest``.
 
         Args:
@@ -181,36 +373,47 @@ class Policy:
                 takes the maximum over its query heads (kept full when any of them needs it).
             keep: fraction of kv heads kept full, in ``[0, 1]`` (rounded to whole heads).
             rest: the rule for the others (default ``window(4, 256)``).
+            kept: the rule for the heads kept (default :data:`full`; ``kv.full(bits=4)`` puts the split on
+                4-bit KV, as DuoAttention does).
         """
         heads, kvh = kv_layout(model)
-        s = torch.as_tensor(scores, dtype=torch.float64)
-        if s.dim() != 2 or s.shape[0] != len(heads) or s.shape[1] < max(heads):
+        try:
+            s = torch.as_tensor(scores, dtype=torch.float64)
+        except (TypeError, ValueError, RuntimeError) as e:
+            raise ConfigError(f"scores must be a (layers, heads) array of numbers: {e}") from None
+        if s.dim() != 2 or s.shape[0] != len(heads) or s.shape[1] != max(heads):
             raise ConfigError(f"scores of shape {tuple(s.shape)} do not fit this model: expected (layers, heads) = "
                               f"({len(heads)}, {max(heads)})")
-        if not 0.0 <= keep <= 1.0:
-            raise ConfigError(f"keep={keep} is the fraction of kv heads kept full: give a number in [0, 1]")
+        for layer, h in enumerate(heads):  # a pruned layer's columns past its heads are not read
+            bad = s[layer, :h].isnan().nonzero()
+            if bad.numel():
+                raise ConfigError(f"scores hold NaN (layer {layer}, head {int(bad[0, 0])}, ...): a NaN cannot be "
+                                  "ranked; compute the scores again or replace the NaN with a number")
+        if isinstance(keep, bool) or not isinstance(keep, int | float) or not 0.0 <= keep <= 1.0:
+            raise ConfigError(f"keep={keep!r} is the fraction of kv heads kept full: give a number in [0, 1]")
         per_kv = []
         for layer, (h, g) in enumerate(zip(heads, kvh)):
             rep = h // g
             for j in range(g):
-                per_kv.append((float(s[layer, j * rep:(j + 1) * rep].nan_to_num(float("inf")).max()), layer, j))
+                per_kv.append((float(s[layer, j * rep:(j + 1) * rep].max()), layer, j))
         n_full = round(keep * len(per_kv))
         ranked = sorted(per_kv, key=lambda t: (-t[0], t[1], t[2]))
         chosen = {(l, j) for _, l, j in ranked[:n_full]}
         r = as_rule(rest) if rest is not None else window(4, 256)
-        return cls({(l, j): (full if (l, j) in chosen else r) for _, l, j in per_kv}, r, name)
+        top = as_rule(kept) if kept is not None else full
+        return cls({(l, j): (top if (l, j) in chosen else r) for _, l, j in per_kv}, r, name)
 
     @classmethod
-    def from_importance(cls, model, importance, *, keep: float, rest=None) -> Policy:
+    def from_importance(cls, model, importance, *, keep: float, rest=None, kept=None) -> Policy:
         """The most important heads full (Michel et al. 2019's scores, ``headlab.head_importance``), the rest ``rest``.
 
         ``importance``: an :class:`~headlab.interpret.heads.importance.ImportanceResult` or a ``(layers, heads)`` tensor.
         """
         scores = getattr(importance, "scores", importance)
-        return cls.from_scores(model, scores, keep=keep, rest=rest, name=f"importance {keep:.0%} full")
+        return cls.from_scores(model, scores, keep=keep, rest=rest, name=f"importance {keep:.0%} full", kept=kept)
 
     @classmethod
-    def from_atlas(cls, model, atlas, *, keep: float, rest=None) -> Policy:
+    def from_atlas(cls, model, atlas, *, keep: float, rest=None, kept=None) -> Policy:
         """DuoAttention's split: retrieval and non-streaming heads full, the streaming heads windowed.
 
         ``atlas`` is an object with ``.scores`` (``headlab.atlas``), a dict of ``(layers, heads)`` scores,
@@ -227,19 +430,21 @@ class Policy:
         need = 1.0 - (scores["sink"] + scores["local"]).clamp(max=1.0)
         if "retrieval" in scores:
             need = need + scores["retrieval"]
-        return cls.from_scores(model, need, keep=keep, rest=rest, name=f"atlas split {keep:.0%} full")
+        return cls.from_scores(model, need, keep=keep, rest=rest, name=f"atlas split {keep:.0%} full", kept=kept)
 
     @classmethod
-    def random(cls, model, *, keep: float, rest=None, seed: int = 0) -> Policy:
+    def random(cls, model, *, keep: float, rest=None, seed: int = 0, kept=None) -> Policy:
         """The control: a random ``keep`` fraction of kv heads full (seeded), the rest ``rest``."""
         heads, _ = kv_layout(model)
         g = torch.Generator().manual_seed(seed)
         scores = torch.rand(len(heads), max(heads), generator=g, dtype=torch.float64)
-        return cls.from_scores(model, scores, keep=keep, rest=rest, name=f"random {keep:.0%} full (seed {seed})")
+        return cls.from_scores(model, scores, keep=keep, rest=rest, name=f"random {keep:.0%} full (seed {seed})",
+                               kept=kept)
 
     @classmethod
     def parse(cls, text: str) -> Policy:
-        """A uniform policy from its text: ``full``, ``drop``, ``streaming:4,256`` (or ``window:4,256``)."""
+        """A uniform policy from its text: ``full``, ``drop``, ``streaming:4,256`` (or ``window:4,256``), with options
+        ``full:bits=4``, ``streaming:4,256,bits=2,group=32,residual=128``, ``streaming:4,256,compensate``."""
         return cls.uniform(as_rule(text))
 
     @classmethod
@@ -290,8 +495,38 @@ class Policy:
         out = {"full": 0, "window": 0, "drop": 0}
         for l, g in enumerate(kv_heads):
             for r in self.layer_rules(l, g):
-                out["window" if isinstance(r, Window) else repr(r)] += 1
+                out["window" if isinstance(r, Window) else "drop" if isinstance(r, Drop) else "full"] += 1
         return out
+
+    def bits(self, kv_heads: Sequence[int]) -> dict[int, int]:
+        """How many kv heads (dropped ones aside) store 16, 8, 4 and 2 bits."""
+        out = dict.fromkeys(BITS, 0)
+        for l, g in enumerate(kv_heads):
+            for r in self.layer_rules(l, g):
+                if not isinstance(r, Drop):
+                    out[r.bits] += 1
+        return out
+
+    def layouts(self, tokens: int, kv_heads: Sequence[int]) -> list[list[Layout]]:
+        """What each ``[layer][kv_head]`` holds once ``tokens`` tokens have been cached (:class:`Layout`)."""
+        self.check(kv_heads)
+        return [[r.layout(tokens) for r in self.layer_rules(l, g)] for l, g in enumerate(kv_heads)]
+
+    def check_shape(self, kv_heads: Sequence[int], head_dim: int, v_dim: int | None = None) -> None:
+        """Refuse quantized rules whose groups or packing do not fit ``head_dim`` (and ``v_dim``)."""
+        v_dim = head_dim if v_dim is None else v_dim
+        for l, g in enumerate(kv_heads):
+            for j, r in enumerate(self.layer_rules(l, g)):
+                if r.bits == 16:
+                    continue
+                if v_dim % r.group:
+                    raise ConfigError(f"kv head {j} of layer {l}: group={r.group} does not divide the head dimension "
+                                      f"{v_dim} (values are quantized per token in groups of channels); give a group "
+                                      f"that divides it, e.g. group={math.gcd(v_dim, r.group)}")
+                for what, d in (("head", head_dim), ("value", v_dim)):
+                    if d * r.bits % 8:
+                        raise ConfigError(f"kv head {j} of layer {l}: a {what} dimension of {d} at {r.bits} bits "
+                                          "does not fill whole bytes; quantize it at 8 bits")
 
 
 def visibility(rule: Rule, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
@@ -305,7 +540,22 @@ def visibility(rule: Rule, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Te
 
 
 def _rule_text(r: Rule) -> str:
-    return f"window:{r.sink},{r.recent}" if isinstance(r, Window) else repr(r)
+    """The text :func:`as_rule` reads back."""
+    if isinstance(r, Drop):
+        return "drop"
+    opts = [f"bits={r.bits}", f"group={r.group}", f"residual={r.residual}"] if r.bits != 16 else []
+    if isinstance(r, Window):
+        return ",".join([f"window:{r.sink}", str(r.recent)] + opts + (["compensate"] if r.compensate else []))
+    return "full:" + ",".join(opts) if opts else "full"
+
+
+def _rule_name(r: Rule) -> str:
+    """What tables call a uniform policy: ``streaming 4+256``, ``streaming 4+256 4-bit compensated``, ``full 4-bit``."""
+    if isinstance(r, Drop):
+        return "drop"
+    base = f"streaming {r.sink}+{r.recent}" if isinstance(r, Window) else "full"
+    comp = " compensated" if getattr(r, "compensate", False) else ""
+    return base + (f" {r.bits}-bit" if r.bits != 16 else "") + comp
 
 
 def _atlas_scores(atlas) -> dict[str, torch.Tensor]:
