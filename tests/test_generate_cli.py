@@ -92,3 +92,17 @@ def test_memory_predicts_the_cache_per_policy(capsys):
                                                    tokens=8192, head_dim=64) == 30 * 3 * 260 * 2 * 64 * 4
     code, _, err = run_cli(["memory", "--layers", "2", "--kv-policy", "streaming:4"], capsys)
     assert code == 2 and "SINK,RECENT" in err
+
+
+def test_sampling_options_act_with_sample_and_are_refused_without(tiny_folder, capsys):
+    args = ["generate", PROMPT, "--model", str(tiny_folder), "-n", "3", "--json"]
+    runs = []
+    for _ in range(2):
+        code, out, err = run_cli([*args, "--sample", "--temperature", "0.7", "--top-k", "3", "--seed", "5"], capsys)
+        assert code == 0, err
+        runs.append(json.loads(out)["ids"])
+    assert runs[0] == runs[1]  # the seed is used
+    code, _, err = run_cli([*args, "--temperature", "0.7"], capsys)
+    assert code == 2 and "--temperature: it acts only on sampling; add --sample" in err
+    code, out, err = run_cli([*args, "--model", str(tiny_folder), "-n", "64"], capsys)
+    assert code == 2 and "--max-new-tokens 64: with the prompt it must fit in the 64 positions" in err

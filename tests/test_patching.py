@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from architectures import build
-from headlab.errors import ConfigError, ShapeError
+from headlab.errors import ConfigError, InputError, ShapeError
 from headlab.interpret.patching import (attribution_patch, compare, logit_diff, patch, path_patch)
 from headlab.models.transformer import Transformer, TransformerConfig
 
@@ -196,9 +196,12 @@ def test_attribution_tracks_exact_and_compare():
     ex, at = patch(m, clean, corrupt, metric), attribution_patch(m, clean, corrupt, metric)
     c = compare(ex, at)
     assert c["n"] == 8 and -1 <= c["spearman"] <= 1
-    # an exact linear case: a patch that changes nothing is estimated as nothing
-    same = attribution_patch(m, clean, clean, metric)
-    assert same.raw["z"].abs().max() == 0
+    # an exact linear case: a patch that changes nothing is estimated as nothing (position 0 precedes every
+    # corrupted token, so in a causal model its activations are the clean ones)
+    each = attribution_patch(m, clean, corrupt, metric, positions="each")
+    assert each.raw["z"][..., 0].abs().max() == 0 and each.raw["z"][..., 1].abs().max() > 0
+    with pytest.raises(InputError, match="same input"):  # identical inputs: every effect would be 0/0
+        attribution_patch(m, clean, clean, metric)
 
 
 def test_path_patching_equals_hand_frozen_runs():

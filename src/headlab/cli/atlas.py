@@ -8,17 +8,47 @@ from pathlib import Path
 
 import typer
 
-from headlab.cli.app import app, console, print_json, stage_bar
+from headlab.cli.app import (app, check_at_least, check_output_dir, console, peek_max_positions, print_json,
+                             read_text_file, stage_bar)
 from headlab.errors import ConfigError, InputError
+
+REPEATED_KINDS = ("previous_token", "duplicate_token", "induction")  # read the repeated random sequences (--half)
+TEXT_KINDS = ("sink", "local", "retrieval")  # read the natural-text pieces (--max-tokens)
 
 
 def _read_texts(path: Path) -> list[str]:
-    if not path.is_file():
-        raise InputError(f"--texts {str(path)!r} does not exist; give a plain-text file (UTF-8)")
-    text = path.read_text(encoding="utf-8")
-    if not text.strip():
-        raise InputError(f"--texts {str(path)!r} is empty")
-    return [text]
+    return [read_text_file(path, "--texts", what="a plain-text file (UTF-8)")]
+
+
+def _check_counts(*, draws, half, n_texts, max_tokens, needles, haystack, top_k, seed) -> None:
+    """The sizes in the CLI's names, before anything is loaded (the library's names are n_draws, k, ...)."""
+    for option, value, low in (("--draws", draws, 1), ("--half", half, 2), ("--n-texts", n_texts, 1),
+                               ("--max-tokens", max_tokens, 8), ("--needles", needles, 1),
+                               ("--haystack", haystack, 8), ("--top-k", top_k, 1), ("--seed", seed, 0)):
+        check_at_least(option, value, low)
+
+
+def _check_positions(model: str, limit: int | None, kinds: list[str] | None, *, half: int, max_tokens: int,
+                     haystack: int | None = None, room: int = 0, specials: int | None = None) -> None:
+    """Sizes past the model's positions, refused with the limit (``limit`` None: not known yet).
+    ``specials``: the special tokens around a sequence (None before the load: the tokenizer is not read
+    yet, so only what is past the limit without them is refused, and the advice leaves room for 2)."""
+    if limit is None:
+        return
+    todo = set(kinds) if kinds is not None else None
+    if (todo is None or todo & set(REPEATED_KINDS)) and 2 * half + (specials or 0) > limit:
+        more = (" plus the special tokens" if specials is None else
+                f" plus {specials} special token{'s' if specials > 1 else ''}" if specials else "")
+        raise ConfigError(f"--half {half}: the repeated sequences are 2 x {half} tokens{more}, past the {limit:,} "
+                          f"positions of {model}; give --half {(limit - (2 if specials is None else specials)) // 2} "
+                          "or less")
+    if (todo is None or todo & set(TEXT_KINDS)) and max_tokens > limit:
+        raise ConfigError(f"--max-tokens {max_tokens} is past the {limit:,} positions of {model}; give --max-tokens "
+                          f"{limit} or less")
+    if haystack is not None and (todo is None or "retrieval" in todo) and haystack + room > limit:
+        raise ConfigError(f"--haystack {haystack}: a needle trial adds {room} tokens to it (the needle, the question "
+                          f"and the answer), past the {limit:,} positions of {model}; give --haystack "
+                          f"{limit - room} or less")
 
 
 def _ids_if_needed(loaded, texts: list[str]) -> list:
@@ -27,7 +57,85 @@ def _ids_if_needed(loaded, texts: list[str]) -> list:
         return texts
     from headlab.interpret.heads.examples import token_ids_if_needed
 
-    return token_ids_if_needed(loaded, [ln for ln in texts[0].splitlines() if ln.strip()])
+    try:
+        return token_ids_if_needed(loaded, [ln for ln in texts[0].splitlines() if ln.strip()])
+    except InputError as e:
+        raise InputError(f"--texts: {e}") from None
+
+
+def _check_treebank(path: Path) -> None:
+    """The treebank read now (it is small next to a model), so a bad file stops the command before the load."""
+    from headlab.errors import TreebankError
+    from headlab.interpret.probing.treebank import read_treebank
+
+    p = Path(path).expanduser()
+    if p.is_dir():
+        raise InputError(f"--treebank {str(p)!r} is a folder; give a CoNLL-U file (.conllu)")
+    if not p.is_file():
+        why = "is not a regular file" if p.exists() else "does not exist"
+        raise InputError(f"--treebank {str(p)!r} {why}; give a CoNLL-U file (.conllu)")
+    try:
+        read_treebank(p, limit=200)
+    except TreebankError as e:
+        raise InputError(f"--treebank: {e}") from None
+
+
+def _needle_room(adapter, loaded, texts, needles: int, seed: int) -> int | None:
+    """Tokens a needle trial adds to its haystack (needle, question, answer), measured on the trials the
+    atlas will build with a haystack of 8; None when they cannot be built (the atlas then says why)."""
+    from headlab.errors import HeadlabError
+    from headlab.interpret.atlas import scores as S
+    from headlab.interpret.atlas import tasks as T
+
+    try:
+        vocab = S.embeddings(adapter.model)[0].shape[0]
+        trials = T.needles(getattr(loaded, "tokenizer", None), texts=texts, n=needles, haystack_tokens=8, seed=seed,
+                           vocab=vocab)
+    except HeadlabError:
+        return None
+    return max(len(t.ids) + len(t.answer) for t in trials) - 8  # the check reads the prompt and the whole answer
+
+
+def _check_loaded(loaded, model: str, kinds, *, texts, checks: bool, half: int, max_tokens: int, n_texts: int,
+                  haystack: int, needles: int, top_k, seed: int) -> None:
+    """What only the loaded model tells (its positions when the config did not say, decoder or not, its
+    heads), checked in the CLI's names before the work."""
+    from headlab.models.loader import resolve
+
+    adapter, _ = resolve(loaded)
+    if getattr(loaded, "tokenizer", None) is None and texts is None and (kinds is None or set(kinds) & set(TEXT_KINDS)):
+        raise InputError(f"{model} has no tokenizer: give --texts FILE with lines of space-separated token ids (the "
+                         f"natural text of {', '.join(TEXT_KINDS)}), or --kinds without those")
+    if texts is not None and texts and not isinstance(texts[0], str):  # token-id lines: inside the vocabulary
+        from headlab.interpret.atlas import scores as S
+
+        V = S.embeddings(adapter.model)[0].shape[0]
+        for i, ids in enumerate(texts):
+            bad = [x for x in ids if not 0 <= x < V]
+            if bad:
+                raise InputError(f"--texts example {i + 1}: token id {bad[0]} is outside the vocabulary of {model} "
+                                 f"(0..{V - 1})")
+    limit = getattr(loaded, "max_positions", None)
+    needles_run = adapter.causal and (kinds is None or "retrieval" in kinds)
+    room = _needle_room(adapter, loaded, texts, needles, seed) if needles_run and limit is not None else None
+    from headlab.interpret.atlas import tasks as T
+
+    specials = sum(map(len, T._specials(getattr(loaded, "tokenizer", None))))
+    _check_positions(model, limit, kinds, half=half, max_tokens=max_tokens,
+                     haystack=haystack if room is not None else None, room=room or 0, specials=specials)
+    if checks and (kinds is None or {"sink", "local"} & set(kinds)):
+        pieces = len(T.natural(getattr(loaded, "tokenizer", None), texts, max_tokens=max_tokens, n=n_texts))
+        if pieces < 2:
+            raise InputError(f"the sink and local checks need at least 2 pieces of text for their bootstrap; "
+                             f"{'--texts' if texts is not None else 'the shipped passage'} gives {pieces} of at most "
+                             f"--max-tokens {max_tokens} tokens with --n-texts {n_texts}: give more text, a smaller "
+                             "--max-tokens, --n-texts 2 or more, or --no-checks")
+    if checks and needles_run and needles < 2:
+        raise ConfigError(f"--needles {needles}: the retrieval check needs at least 2 trials for its bootstrap "
+                          "interval; give --needles 2 or more, or --no-checks")
+    total = sum(adapter.layer_heads)
+    if top_k is not None and top_k >= total:
+        raise ConfigError(f"--top-k {top_k}: {model} has {total} heads; gate at most {total - 1} per check")
 
 
 PARTIAL = "atlas.partial.json"  # the finished phases of an interrupted run; the same command resumes from it
@@ -65,7 +173,6 @@ def atlas_cmd(
     """
     from headlab.interpret.atlas import KINDS, atlas
     from headlab.interpret.atlas.page import render_page
-    from headlab.interpret.probing.render import prepare_out_dir
     from headlab.models import load
 
     asked = None if kinds is None else [k.strip() for k in kinds.split(",") if k.strip()]
@@ -73,21 +180,30 @@ def atlas_cmd(
         bad = [k for k in asked if k not in KINDS]
         if bad or not asked:
             raise ConfigError(f"--kinds: unknown {', '.join(map(repr, bad)) or 'empty list'}; choose from {', '.join(KINDS)}")
+        if "syntactic" in asked and treebank is None:
+            raise ConfigError("--kinds syntactic needs --treebank FILE.conllu (the dependency trees it is checked on)")
+    _check_counts(draws=draws, half=half, n_texts=n_texts, max_tokens=max_tokens, needles=needles, haystack=haystack,
+                  top_k=top_k, seed=seed)
     raw = _read_texts(texts) if texts is not None else None
-    if treebank is not None and not treebank.is_file():
-        raise InputError(f"--treebank {str(treebank)!r} does not exist; give a CoNLL-U file (.conllu)")
+    if treebank is not None:
+        _check_treebank(treebank)
+    partial = Path(out).expanduser() / PARTIAL
+    resuming = partial.is_file() and len(list(partial.parent.iterdir())) == 1
+    out_dir = check_output_dir(out, "--out", force=force or resuming)
+    _check_positions(model, peek_max_positions(model), asked, half=half, max_tokens=max_tokens)
     from headlab.distributed.data import init_from_env, is_main
 
     init_from_env()  # under torchrun: the needle trials and the checks' configurations are split over the ranks
     main = is_main()
-    partial = Path(out).expanduser() / PARTIAL
     if main:
-        prepare_out_dir(out, force=force or (partial.is_file() and len(list(partial.parent.iterdir())) == 1))
-    out_dir = Path(out).expanduser()
+        out_dir.mkdir(parents=True, exist_ok=True)
     loaded = load(model)
+    given = None if raw is None else _ids_if_needed(loaded, raw)
+    _check_loaded(loaded, model, asked, texts=given, checks=checks, half=half, max_tokens=max_tokens, n_texts=n_texts,
+                  haystack=haystack, needles=needles, top_k=top_k, seed=seed)
     progress, say = stage_bar()
     with progress if main else contextlib.nullcontext():
-        a = atlas(loaded, kinds=asked, texts=None if raw is None else _ids_if_needed(loaded, raw), treebank=treebank,
+        a = atlas(loaded, kinds=asked, texts=given, treebank=treebank,
                   checks=checks, k=top_k, n_draws=draws, half=half, n_texts=n_texts, max_tokens=max_tokens,
                   needle_trials=needles, haystack_tokens=haystack, seed=seed, progress=say if main else None,
                   resume=out_dir / PARTIAL)
@@ -107,6 +223,7 @@ def atlas_cmd(
         times = "" if v is None or v["times_random"] is None else f"{v['times_random']:.1f}"
         console.print(f"{kind:<16} {s['count']:>5} {100 * s['share']:5.1f}%  {(s['verdict'] or '-'):<14} {times:>8}  "
                       f"{', '.join(s['heads'][:8]) or '-'}", highlight=False, soft_wrap=True)
-    for k, r in a.skipped.items():
+    for k, r in a.skipped.items():  # in the CLI's names
+        r = r.replace("treebank=FILE.conllu", "--treebank FILE.conllu")
         console.print(f"[yellow]not run:[/] {k}: {r}", highlight=False, soft_wrap=True)
     console.print(f"[bold]wrote:[/] {out_dir / 'atlas.json'}, {out_dir / 'atlas.html'}", highlight=False, soft_wrap=True)

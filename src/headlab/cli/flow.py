@@ -11,7 +11,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsed
 from headlab.progress import progress
 from rich.table import Table
 
-from headlab.cli.app import app, console, err_console, print_json
+from headlab.cli.app import (app, check_at_least, check_output_dir, check_output_file, check_text, console, err_console,
+                             print_json)
 from headlab.errors import ConfigError, InputError
 
 METHODS = ("rollout", "norm-rollout", "flow", "norms")
@@ -37,9 +38,43 @@ def parse_rows(spec: str | None) -> list[int] | None:
     return out
 
 
-def _check_out(out: Path | None) -> None:
-    if out is not None and out.exists() and not out.is_dir():
-        raise InputError(f"--out {out} is a file; give a folder (created when missing)")
+MODES = ("attention", "residual")
+SOLVERS = ("scipy", "networkx")
+
+
+def _check_out(out: Path | None, method: str) -> None:
+    """The folder (created when missing; other files in it are kept) and the file written into it."""
+    if out is None:
+        return
+    folder = check_output_dir(out, "--out", allow_existing=True)
+    if (folder / f"{method}.json").is_dir():
+        raise InputError(f"--out {str(out)!r}: {method}.json in it is a folder, where the result would go; move it "
+                         "away or choose another folder")
+    if folder.is_dir():
+        check_output_file(folder / f"{method}.json", "--out", force=True)  # an earlier result is replaced
+
+
+def _check_loaded(loaded, text: str, layer: int, rows: list[int] | None) -> None:
+    """--layer against the model's layers and --rows against the text's tokens, before the work."""
+    from headlab.models.loader import resolve
+
+    n = resolve(loaded)[0].n_layers
+    if not -n <= layer < n:
+        raise ConfigError(f"--layer {layer} is out of range: {loaded.name} has {n} layers (0..{n - 1}, or -1 for the last)")
+    tok = getattr(loaded, "tokenizer", None)
+    if tok is None:
+        return
+    t = len(tok(text, verbose=False)["input_ids"])
+    limit = getattr(loaded, "max_positions", None)
+    if limit is not None and t > limit:
+        raise InputError(f"TEXT is {t} tokens long (special tokens included) but {loaded.name} reads at most {limit}; "
+                         "shorten it")
+    if rows is None:
+        return
+    bad = [r for r in rows if not -t <= r < t]
+    if bad:
+        raise ConfigError(f"--rows {','.join(map(str, bad))} is out of range: the text is {t} tokens (0..{t - 1}, "
+                          "negatives count from the end)")
 
 
 def _table(title: str, rows, header=("pos", "token", "value")) -> Table:
@@ -58,8 +93,8 @@ def flow_cmd(
     rows: str = typer.Option(None, "--rows", help="output tokens: cls, last, or positions 0,5 (flow: the source)"),
     layer: int = typer.Option(-1, "--layer", help="the top layer (default the last)"),
     model: str = typer.Option("minilm", "--model", "-m", help="a known model name (minilm) or a model folder"),
-    mode: str = typer.Option("attention", "--mode", help="norms: attention (Kobayashi 2020) or residual (2021)"),
-    solver: str = typer.Option("scipy", "--solver", help="flow: scipy (fast, certified) or networkx (the paper's)"),
+    mode: str = typer.Option(None, "--mode", help="norms: attention (Kobayashi 2020, the default) or residual (2021)"),
+    solver: str = typer.Option(None, "--solver", help="flow: scipy (fast, certified; the default) or networkx (the paper's)"),
     top: int = typer.Option(10, "--top", help="tokens shown per row"),
     out: Path = typer.Option(None, "--out", "-o", help="write <method>.json into this folder"),
     as_json: bool = typer.Option(False, "--json", help="print the result as JSON"),
@@ -74,9 +109,21 @@ def flow_cmd(
 
     if method not in METHODS:
         raise ConfigError(f"unknown --method {method!r}; choose one of {', '.join(METHODS)}")
+    for option, value, choices, used_by in (("--mode", mode, MODES, "norms"), ("--solver", solver, SOLVERS, "flow")):
+        if value is not None and value not in choices:
+            raise ConfigError(f"unknown {option} {value!r}; choose one of {', '.join(choices)}")
+        if value is not None and method != used_by:
+            raise ConfigError(f"{option} acts only with --method {used_by}; drop it, or add --method {used_by} "
+                              f"(--method {method} would ignore it)")
+    mode, solver = mode or MODES[0], solver or SOLVERS[0]
+    check_at_least("--top", top, 1)
+    check_text(text, "TEXT")
     row_pos = parse_rows(rows)
-    _check_out(out)
+    if method == "flow" and row_pos is not None and len(row_pos) > 1:
+        raise ConfigError(f"--rows {rows}: --method flow follows one source token; give one position (e.g. --rows cls)")
+    _check_out(out, method)
     loaded = load(model)
+    _check_loaded(loaded, text, layer, row_pos)
     if method in ("rollout", "norm-rollout"):
         from headlab.interpret.flow.rollout import rollout
 

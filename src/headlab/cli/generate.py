@@ -7,7 +7,8 @@ from pathlib import Path
 
 import typer
 
-from headlab.cli.app import app, check_output_file, console, err_console, human_bytes, print_json
+from headlab.cli.app import (app, check_at_least, check_output_file, check_text, console, err_console, human_bytes,
+                             peek_max_positions, print_json)
 from headlab.errors import ConfigError, InputError
 
 
@@ -37,8 +38,11 @@ def build_policy(loaded, policy: str, kv_from: Path | None, keep: float, data: d
         if policy.strip().lower() != "full":
             raise ConfigError(f"--kv-from {kv_from} is a whole policy; drop --policy {policy} (it would be ignored)")
         return kv.Policy.load(kv_from)
-    rest = rule if isinstance(rule, kv.Window) else kv.window(4, 256)
-    return kv.Policy.from_atlas(loaded, data, keep=keep, rest=rest)
+    if isinstance(rule, kv.Window):  # the split's windowed heads take --policy's window, the kept ones stay full
+        return kv.Policy.from_atlas(loaded, data, keep=keep, rest=rule)
+    if isinstance(rule, kv.Full) and rule.bits != 16:  # a split on quantized KV: --policy's precision everywhere
+        return kv.Policy.from_atlas(loaded, data, keep=keep, rest=kv.window(4, 256, bits=rule.bits), kept=rule)
+    return kv.Policy.from_atlas(loaded, data, keep=keep, rest=kv.window(4, 256))
 
 
 @app.command("generate")
@@ -51,9 +55,9 @@ def generate_cmd(
     keep: float = typer.Option(0.5, "--keep", help="with an atlas: the fraction of kv heads kept full"),
     max_new_tokens: int = typer.Option(32, "--max-new-tokens", "-n", help="tokens to generate"),
     sample: bool = typer.Option(False, "--sample", help="sample instead of greedy decoding"),
-    temperature: float = typer.Option(1.0, "--temperature"),
-    top_k: int = typer.Option(None, "--top-k"),
-    seed: int = typer.Option(0, "--seed", help="the sampling seed"),
+    temperature: float = typer.Option(None, "--temperature", help="with --sample: divides the logits (default 1.0)"),
+    top_k: int = typer.Option(None, "--top-k", help="with --sample: sample among the k most likely tokens"),
+    seed: int = typer.Option(None, "--seed", help="with --sample: the sampling seed (default 0)"),
     out: Path = typer.Option(None, "--out", "-o", help="also write the result as JSON here"),
     force: bool = typer.Option(False, "--force", help="replace an existing --out file"),
     as_json: bool = typer.Option(False, "--json", help="print the result as JSON"),
@@ -68,12 +72,23 @@ def generate_cmd(
     kv.as_rule(policy)  # every option checked before the model loads
     if not prompt.strip():
         raise InputError("the prompt is empty; give a text to continue")
-    if max_new_tokens < 1:
-        raise ConfigError(f"--max-new-tokens must be at least 1, got {max_new_tokens}")
+    check_text(prompt, "PROMPT")
+    check_at_least("--max-new-tokens", max_new_tokens, 1)
     if not 0.0 <= keep <= 1.0:
         raise ConfigError(f"--keep {keep}: give the fraction of kv heads kept full, in [0, 1]")
-    if sample and not temperature > 0:
-        raise ConfigError(f"--temperature must be > 0 for sampling, got {temperature}")
+    check_at_least("--top-k", top_k, 1)
+    if temperature is not None and not 0 < temperature < float("inf"):
+        raise ConfigError(f"--temperature must be a number > 0 for sampling, got {temperature}")
+    given = [name for name, v in (("--temperature", temperature), ("--top-k", top_k), ("--seed", seed)) if v is not None]
+    if given and not sample:
+        it = "it acts" if len(given) == 1 else "they act"
+        raise ConfigError(f"{', '.join(given)}: {it} only on sampling; add --sample (greedy decoding, the default, "
+                          f"would ignore {'it' if len(given) == 1 else 'them'})")
+    temperature = 1.0 if temperature is None else temperature
+    limit = peek_max_positions(model)
+    if limit is not None and max_new_tokens >= limit:
+        raise ConfigError(f"--max-new-tokens {max_new_tokens}: with the prompt it must fit in the {limit:,} positions "
+                          f"of {model}; give at most {limit - 1}")
     data = read_policy_file(kv_from) if kv_from is not None else None
     if out is not None:
         check_output_file(out, "--out", force=force)
@@ -83,7 +98,7 @@ def generate_cmd(
     loaded = load(model)
     pol = build_policy(loaded, policy, kv_from, keep, data)
     g = generate(loaded, prompt, policy=pol, max_new_tokens=max_new_tokens, sample=sample, temperature=temperature,
-                 top_k=top_k, seed=seed if sample else None, progress=not as_json)
+                 top_k=top_k, seed=(seed or 0) if sample else None, progress=not as_json)
     doc = {"model": loaded.name, "prompt": prompt, **g.to_json()}
     if out is not None:
         Path(out).write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")

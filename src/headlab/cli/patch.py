@@ -7,7 +7,7 @@ from pathlib import Path
 
 import typer
 
-from headlab.cli.app import app, check_output_file, console, print_json
+from headlab.cli.app import app, check_at_least, check_output_file, check_text, console, print_json
 from headlab.errors import ConfigError, InputError
 
 METHODS = ("exact", "attribution", "both")
@@ -36,27 +36,39 @@ def patch_cmd(
     (m_patched - m_clean) / (m_corrupted - m_clean): 0 = no change, 1 = the whole gap.
     """
     from headlab.interpret.patching import attribution_patch, compare, patch
-    from headlab.interpret.patching.runs import HEAD_KINDS, RESID_KINDS, check_kinds, check_positions
+    from headlab.interpret.patching.runs import HEAD_KINDS, RESID_KINDS, check_positions
     from headlab.models import load
 
-    kinds = check_kinds([s.strip() for s in sites.split(",") if s.strip()])  # options first: a load takes time
-    if method not in METHODS:
+    if method not in METHODS:  # options first: a load takes time
         raise ConfigError(f"--method {method!r}: choose one of {', '.join(METHODS)}")
-    if method != "exact":
-        check_kinds(kinds, HEAD_KINDS)  # attribution patching reads gradients at the head sites only
+    kinds = [s.strip() for s in sites.split(",") if s.strip()]
+    allowed = HEAD_KINDS + RESID_KINDS if method == "exact" else HEAD_KINDS
+    if not kinds or any(k not in allowed for k in kinds):  # in the option's name (the library's says sites=)
+        why = ("k and v per kv head; resid_pre, resid_post and mlp_out per layer" if method == "exact" else
+               f"--method {method}: attribution patching reads gradients at the head sites only")
+        raise ConfigError(f"--sites {sites!r}: choose from the kinds {', '.join(allowed)} ({why})")
     pos = _positions(positions)
+    check_at_least("--top", top, 1)
     if out is not None:
         if Path(out).suffix not in (".json", ".html"):
             raise InputError(f"--out {out}: give a file ending in .json (the data) or .html (the page)")
         check_output_file(out, "--out", force=force)
-    for text, opt in ((clean, "--clean"), (corrupted, "--corrupted")):
-        if not text.strip():
-            raise InputError(f"{opt} is empty; give a prompt")
+    for text, opt in ((clean, "--clean"), (corrupted, "--corrupted"), (answer, "--answer"), (wrong, "--wrong")):
+        check_text(text, opt)
+    if answer == wrong:
+        raise InputError(f"--answer and --wrong are both {answer!r}: their logit difference is 0 on every run, so every "
+                         "effect would be 0/0; give the right and a wrong next token")
+    if clean == corrupted:
+        raise InputError("--clean and --corrupted are the same text: patching one into the other changes nothing "
+                         "(every effect would be 0/0); give a corrupted prompt with other names")
     from headlab.interpret.patching.prompts import prompt_pair
 
     loaded = load(model)
     a, b, metric = prompt_pair(loaded, clean, corrupted, answer, wrong)
-    check_positions(pos, a["input_ids"].shape[1])
+    try:
+        check_positions(pos, a["input_ids"].shape[1])
+    except ConfigError as e:
+        raise ConfigError(f"--positions {positions}: {e}") from None
     results = {}
     if method in ("exact", "both"):
         results["exact"] = patch(loaded, a, b, metric, sites=kinds, positions=pos, progress=True)
@@ -93,6 +105,9 @@ def _positions(spec: str | None):
     if spec is None or spec.strip() == "each":
         return None if spec is None else "each"
     try:
-        return [int(p) for p in spec.split(",") if p.strip()]
+        got = [int(p) for p in spec.split(",") if p.strip()]
     except ValueError:
-        raise ConfigError(f"--positions takes 'each' or comma-separated positions (3,5,-1); got {spec!r}") from None
+        got = []
+    if not got:
+        raise ConfigError(f"--positions takes 'each' or comma-separated positions (3,5,-1); got {spec!r}")
+    return got

@@ -50,6 +50,7 @@ def attribution_patch(model, clean, corrupted, metric, *, sites: str | list[str]
     corrupt_cache = capture(a, pair.corrupted, names, backend=backend)
     with torch.no_grad():
         m_corrupt = float(evaluate(metric, logits_of(corrupt_cache.outputs), pair.n).mean())
+    runs.check_gap(m_clean, m_corrupt)  # no gap: every effect would be 0/0
     raw = {}
     for kind in kinds:
         grids = []

@@ -63,6 +63,7 @@ def patch(model, clean, corrupted, metric, *, sites: str | list[str] = "z", posi
     clean_vals, _ = runs.run_metric(pair, metric, pair.clean, 1, backend=backend)
     corrupt_vals, corrupt_cache = runs.run_metric(pair, metric, pair.corrupted, 1, sites=names, backend=backend)
     m_clean, m_corrupt = float(clean_vals.mean()), float(corrupt_vals.mean())
+    runs.check_gap(m_clean, m_corrupt)  # before the patched runs: no gap, every effect 0/0
     per_forward = runs.copies_per_forward(pair.n, max_rows)
     P = 1 if pos is None else len(pos)
     configs = [(kind, l, h, p) for kind in kinds for l in chosen_layers
@@ -100,9 +101,6 @@ def patch(model, clean, corrupted, metric, *, sites: str | list[str] = "z", posi
             bar.__exit__(None, None, None)
     notes = [] if done == len(configs) else [f"interrupted after {done} of {len(configs)} configurations; the "
                                                    "others are NaN"]
-    if abs(m_corrupt - m_clean) < 1e-9:
-        notes.append("the clean and corrupted runs give the same metric: effects cannot be normalised (NaN); "
-                     "see raw for the changes")
     if any(k in kinds for k in ("k", "v")) and a.n_kv_heads != a.n_heads:
         notes.append(f"k and v are patched per kv head ({a.n_kv_heads} of them); each is read by "
                      f"{a.n_heads // a.n_kv_heads} query heads")

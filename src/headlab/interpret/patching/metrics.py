@@ -25,11 +25,48 @@ from headlab.errors import ConfigError, InputError, ShapeError
 Metric = Callable[[torch.Tensor], torch.Tensor]
 
 
-def _ids(x, name: str) -> torch.Tensor:
-    t = torch.as_tensor(x)
-    if t.is_floating_point() or t.dim() > 1:
+def _ids(x, name: str, vocab: int | None = None) -> torch.Tensor:
+    """``x`` as a 1-d tensor of token ids; ConfigError for anything else (floats, booleans, nesting), InputError
+    for an id outside ``0..vocab - 1`` (a negative id would index from the end of the vocabulary)."""
+    try:
+        t = torch.as_tensor(x)
+    except (TypeError, ValueError, RuntimeError):
+        t = None
+    if t is None or t.is_floating_point() or t.is_complex() or t.dtype == torch.bool or t.dim() > 1 or t.numel() == 0:
         raise ConfigError(f"{name} must be a token id or a list of token ids (one per example), got {x!r}")
-    return t.long().reshape(-1)
+    t = t.long().reshape(-1)
+    check_ids(t, name, vocab)
+    return t
+
+
+def check_ids(t: torch.Tensor, name: str, vocab: int | None = None) -> None:
+    """Every id in ``0..vocab - 1`` (``vocab`` None: only non-negative), or an InputError saying which."""
+    low, high = int(t.min()), int(t.max())
+    if low < 0 or (vocab is not None and high >= vocab):
+        bad = low if low < 0 else high
+        span = f"0..{vocab - 1} (the vocabulary)" if vocab is not None else "0 or more"
+        raise InputError(f"{name} {bad} is not a token id: ids lie in {span}; a negative id does not count from "
+                         "the end here")
+
+
+def check_position(position, length: int, batch: int, name: str = "position") -> torch.Tensor:
+    """``position`` (an int, or one per example) as ``(batch,)`` indices into ``length`` positions; negatives
+    count from the end (-1 the last). ShapeError for a wrong count, InputError for an index out of range
+    (never wrapped round to another position)."""
+    try:
+        pos = torch.as_tensor(position)
+    except (TypeError, ValueError, RuntimeError):
+        pos = None
+    if pos is None or pos.is_floating_point() or pos.dtype == torch.bool or pos.dim() > 1:
+        raise ConfigError(f"{name} must be an int or one int per example, got {position!r}")
+    pos = pos.long().reshape(-1).cpu()
+    if pos.numel() not in (1, batch):
+        raise ShapeError(f"{name} has {pos.numel()} entries for a batch of {batch}; give one int or one per example")
+    bad = pos[(pos < -length) | (pos >= length)]
+    if bad.numel():
+        raise InputError(f"{name} {int(bad[0])} is out of range for {length} positions (0..{length - 1}, or "
+                         f"-{length}..-1 from the end)")
+    return pos.expand(batch) % length
 
 
 def _rows(logits: torch.Tensor, position) -> torch.Tensor:
@@ -37,10 +74,7 @@ def _rows(logits: torch.Tensor, position) -> torch.Tensor:
     if logits.dim() != 3:
         raise ShapeError(f"a metric reads logits of shape (batch, seq, vocab); got {tuple(logits.shape)}")
     B, L, _ = logits.shape
-    pos = torch.as_tensor(position, device=logits.device).long().reshape(-1)
-    if pos.numel() not in (1, B):
-        raise ShapeError(f"position has {pos.numel()} entries for a batch of {B}; give one int or one per example")
-    pos = pos.expand(B) % L  # -1 = the last position
+    pos = check_position(position, L, B).to(logits.device)
     return logits[torch.arange(B, device=logits.device), pos]
 
 
@@ -54,13 +88,20 @@ def logit_diff(correct: int | Sequence[int] | torch.Tensor, wrong: int | Sequenc
             example (the last real token of each right-padded prompt).
     """
     c, w = _ids(correct, "correct"), _ids(wrong, "wrong")
+    n = max(c.numel(), w.numel())
+    if c.numel() in (1, n) and w.numel() in (1, n):
+        same = (c.expand(n) == w.expand(n)).nonzero().flatten()
+        if same.numel():
+            raise InputError(f"correct and wrong are the same token ({int(c.expand(n)[same[0]])}) for example "
+                             f"{int(same[0])}: their logit difference is 0 on every run, so it measures nothing")
 
     def metric(logits: torch.Tensor) -> torch.Tensor:
         rows = _rows(logits, position)  # (B, V)
-        B = rows.shape[0]
+        B, V = rows.shape
         for name, t in (("correct", c), ("wrong", w)):
             if t.numel() not in (1, B):
                 raise ShapeError(f"{name} has {t.numel()} ids for a batch of {B}; give one id or one per example")
+            check_ids(t, name, V)
         ar = torch.arange(B, device=rows.device)
         return rows[ar, c.to(rows.device).expand(B)] - rows[ar, w.to(rows.device).expand(B)]
 
@@ -75,6 +116,9 @@ def logit_of(token: int | Sequence[int] | torch.Tensor, *, position=-1) -> Metri
     def metric(logits: torch.Tensor) -> torch.Tensor:
         rows = _rows(logits, position)
         B = rows.shape[0]
+        if t.numel() not in (1, B):
+            raise ShapeError(f"token has {t.numel()} ids for a batch of {B}; give one id or one per example")
+        check_ids(t, "token", rows.shape[1])
         return rows[torch.arange(B, device=rows.device), t.to(rows.device).expand(B)]
 
     metric.__name__ = "logit"
@@ -103,4 +147,4 @@ def evaluate(metric: Metric, logits: torch.Tensor, n_examples: int) -> torch.Ten
     return torch.stack(out)
 
 
-__all__ = ["Metric", "evaluate", "logit_diff", "logit_of", "logits_of"]
+__all__ = ["Metric", "check_ids", "check_position", "evaluate", "logit_diff", "logit_of", "logits_of"]

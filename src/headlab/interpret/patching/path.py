@@ -85,6 +85,7 @@ def path_patch(model, clean, corrupted, metric, *, receivers: Sequence[tuple[int
     clean_vals, clean_cache = runs.run_metric(pair, metric, pair.clean, 1, sites=z_names, backend=backend)
     corrupt_vals, corrupt_cache = runs.run_metric(pair, metric, pair.corrupted, 1, sites=z_names, backend=backend)
     m_clean, m_corrupt = float(clean_vals.mean()), float(corrupt_vals.mean())
+    runs.check_gap(m_clean, m_corrupt)  # before the patched runs: no gap, every effect 0/0
     group = a.n_heads // a.n_kv_heads
     recv_sites: dict[str, list[int]] = {}  # site name -> heads of that site to put in
     for l, h in recv or []:

@@ -53,11 +53,21 @@ def prompt_pair(loaded, clean: str | Sequence[str], corrupted: str | Sequence[st
         return [single_token(tok, w, what) for w in xs]
 
     right, bad = per_prompt(answer, "--answer"), per_prompt(wrong, "--wrong")
+    same = [i for i, (r, w) in enumerate(zip(right, bad)) if r == w]
+    if same:
+        i = same[0]
+        raise InputError(f"--answer and --wrong are the same token ({tok.convert_ids_to_tokens([right[i]])[0]!r}, id "
+                         f"{right[i]}) for prompt {i}: their logit difference is 0 on every run, so every effect "
+                         "would be 0/0; give the right and a wrong next token")
     a, b = loaded.encode(cl), loaded.encode(co)
     if a["input_ids"].shape != b["input_ids"].shape or not torch.equal(a["attention_mask"], b["attention_mask"]):
         la, lb = a["attention_mask"].sum(-1).tolist(), b["attention_mask"].sum(-1).tolist()
         raise InputError(f"clean prompts are {la} tokens long and corrupted {lb}: patching pairs position i with "
                          "position i, so each corrupted prompt must have as many tokens as its clean twin")
+    twins = [i for i in range(len(cl)) if torch.equal(a["input_ids"][i], b["input_ids"][i])]
+    if twins:
+        raise InputError(f"clean and corrupted prompt {twins[0]} tokenise to the same tokens: patching one into the "
+                         "other changes nothing (every effect would be 0/0); corrupt the prompt (other names)")
     last = a["attention_mask"].sum(-1) - 1  # (B,) the last real token of each right-padded prompt
     return a, b, logit_diff(right, bad, position=last)
 

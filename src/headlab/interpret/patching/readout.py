@@ -27,19 +27,30 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from headlab.errors import UnsupportedArchitectureError
+from headlab.errors import ShapeError, UnsupportedArchitectureError
 from headlab.interpret.capture import capture
 from headlab.interpret.capture.run import _prepare_inputs
-from headlab.interpret.patching.metrics import _ids, _rows
+from headlab.interpret.patching.metrics import _ids, _rows, check_position
 from headlab.models.loader import resolve
 from headlab.models.readout import readout_of
 
 
 def _at(t: torch.Tensor, position) -> torch.Tensor:
-    """``t (B, L, ...)`` at each example's position: ``(B, ...)``."""
+    """``t (B, L, ...)`` at each example's position: ``(B, ...)``; a position out of range is an
+    InputError (never wrapped round to another position)."""
     B, L = t.shape[:2]
-    pos = torch.as_tensor(position).long().reshape(-1).expand(B) % L
-    return t[torch.arange(B), pos]
+    pos = check_position(position, L, B).to(t.device)
+    return t[torch.arange(B, device=t.device), pos]
+
+
+def _check_position_before(inputs, position) -> int | None:
+    """The position checked against the inputs' ``(B, L)`` before any forward; the batch size, or None
+    when the inputs do not show their shape (the check then runs on the recorded tensors)."""
+    ids = inputs.get("input_ids") if isinstance(inputs, dict) else inputs
+    if isinstance(ids, torch.Tensor) and ids.dim() == 2:
+        check_position(position, int(ids.shape[1]), int(ids.shape[0]))
+        return int(ids.shape[0])
+    return None
 
 
 @dataclass
@@ -51,7 +62,7 @@ class LensResult:
     def logit_diff(self, correct, wrong) -> torch.Tensor:
         """``(n_layers + 1, B)``: logit of ``correct`` minus ``wrong`` (one id, or one per example) at every depth."""
         S, B, V = self.logits.shape
-        c, w = _ids(correct, "correct").expand(B), _ids(wrong, "wrong").expand(B)
+        c, w = _ids(correct, "correct", V).expand(B), _ids(wrong, "wrong", V).expand(B)
         ar = torch.arange(B)
         return self.logits[:, ar, c] - self.logits[:, ar, w]
 
@@ -75,7 +86,9 @@ def logit_lens(model, inputs, *, position=-1, backend: str | None = None) -> Len
     adapter, loaded = resolve(model)
     readout = readout_of(adapter)
     n = adapter.n_layers
-    cache = capture(adapter, _prepare_inputs(inputs, loaded),
+    prepared = _prepare_inputs(inputs, loaded)
+    _check_position_before(prepared, position)
+    cache = capture(adapter, prepared,
                     [adapter.site_name(0, "resid_pre"), *(adapter.site_name(l, "resid_post") for l in range(n))],
                     backend=backend)
     states = [cache[adapter.site_name(0, "resid_pre")]] + [cache[adapter.site_name(l, "resid_post")] for l in range(n)]
@@ -127,13 +140,19 @@ def direct_logit_attribution(model, inputs, correct, wrong, *, position=-1, back
             f"blocks are {', '.join(sorted(layouts))} (a norm between the heads and the stream)")
     readout = readout_of(adapter)
     n = adapter.n_layers
+    V = readout.W_U.shape[0]
+    c0, w0 = _ids(correct, "correct", V), _ids(wrong, "wrong", V)
+    prepared = _prepare_inputs(inputs, loaded)
+    B0 = _check_position_before(prepared, position)
+    for name, t in (("correct", c0), ("wrong", w0)):
+        if B0 is not None and t.numel() not in (1, B0):
+            raise ShapeError(f"{name} has {t.numel()} ids for a batch of {B0}; give one id or one per example")
     last = adapter.site_name(n - 1, "resid_post")
-    cache = capture(adapter, _prepare_inputs(inputs, loaded),
-                    [last, *(adapter.site_name(l, "head_out") for l in range(n))], backend=backend)
+    cache = capture(adapter, prepared, [last, *(adapter.site_name(l, "head_out") for l in range(n))], backend=backend)
     with torch.no_grad():
         x = _at(cache[last], position)  # (B, E): the final norm's input
         B = x.shape[0]
-        c, w = _ids(correct, "correct").expand(B), _ids(wrong, "wrong").expand(B)
+        c, w = c0.expand(B), w0.expand(B)
         direction = readout.W_U[c] - readout.W_U[w]  # (B, E)
         s = readout.scale(x)  # (B, 1)
         outs = torch.stack([_at(cache[adapter.site_name(l, "head_out")].transpose(1, 2), position)

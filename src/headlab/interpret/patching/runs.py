@@ -58,8 +58,22 @@ def prepare(model, clean, corrupted) -> Pair:
     if isinstance(a, dict) and "attention_mask" in a and not torch.equal(a["attention_mask"], b["attention_mask"]):
         raise InputError("clean and corrupted have different attention masks (padding); give prompts of equal "
                          "token lengths so the same positions are real in both")
+    if torch.equal(ta, tb) and (not isinstance(a, dict) or all(
+            not isinstance(v, torch.Tensor) or (isinstance(b[k], torch.Tensor) and torch.equal(v, b[k]))
+            for k, v in a.items())):
+        raise InputError("clean and corrupted are the same input: patching one into the other changes nothing, "
+                         "and every effect would be 0/0; give a corrupted input that differs (other names, tokens)")
     name = getattr(loaded, "name", None) or type(adapter.model).__name__
     return Pair(adapter, loaded, a, b, int(ta.shape[0]), int(ta.shape[1]), name)
+
+
+def check_gap(m_clean: float, m_corrupt: float) -> None:
+    """Refuse, after the clean and corrupted runs and before the patched ones, a metric that is the same on
+    both: every effect is normalised by their gap, so each would be 0/0."""
+    if not (abs(m_corrupt - m_clean) >= 1e-9):  # NaN too
+        raise InputError(f"the metric is {m_clean:.6g} on the clean run and {m_corrupt:.6g} on the corrupted one: "
+                         "with no gap between them every effect would be 0/0; choose a corrupted input (or a "
+                         "metric) that changes the metric")
 
 
 def repeat(inputs, copies: int):
