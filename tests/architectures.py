@@ -1,12 +1,15 @@
-"""Tiny random-weight models of 32 Hugging Face architectures, built from their configs (no downloads).
+"""Tiny random-weight models of 75 Hugging Face architectures, built from their configs (no downloads).
 
 Every builder returns an eval-mode model in float32 on the eager attention path, with non-trivial
 norm weights and biases (so that a norm layout read wrongly, or a bias left out, shows). Sizes are the
 same everywhere: 2 layers, 4 query heads (2 kv heads where the family has grouped-query attention),
 head size 8, vocabulary 97, at most 64 positions.
 
-``ARCHITECTURES[model_type] = (builder, input kind)``; the input kinds are ``"text"`` (input_ids and
-attention_mask), ``"image"`` (pixel_values) and ``"seq2seq"`` / ``"audio"`` for encoder-decoders.
+``BUILDERS[model_type] = (builder, input kind)``; the input kinds are ``"text"`` (input_ids and
+attention_mask), ``"image"`` (pixel_values), ``"wave"`` (input_values: a waveform under a convolutional front
+end) and ``"seq2seq"`` / ``"audio"`` for encoder-decoders. The first 32 are the types a headlab family
+declares; :data:`STRUCTURE` are types no family names, which headlab adapts by structure and checks at load;
+:data:`REFUSED_BY_STRUCTURE` are types whose structure headlab cannot serve, each refused with the reason.
 """
 
 from __future__ import annotations
@@ -85,17 +88,141 @@ BUILDERS = {
         decoder_attention_heads=H, encoder_ffn_dim=FF, decoder_ffn_dim=FF, num_mel_bins=8, max_source_positions=8,
         max_target_positions=POS, decoder_start_token_id=0, pad_token_id=0, attn_implementation="eager")), "audio"),
 }
+
+
+def _auto(model_type: str, **kw):
+    """A tiny model of ``model_type`` from ``AutoConfig.for_model`` with the common size fields set (each only
+    where the config has it) and ``kw`` on top."""
+    sizes = dict(hidden_size=E, d_model=E, n_embd=E, num_hidden_layers=LAYERS, n_layer=LAYERS, num_layers=LAYERS,
+                 encoder_layers=LAYERS, decoder_layers=LAYERS, num_attention_heads=H, n_head=H, num_heads=H,
+                 encoder_attention_heads=H, decoder_attention_heads=H, num_key_value_heads=KV, intermediate_size=FF,
+                 encoder_ffn_dim=FF, decoder_ffn_dim=FF, ffn_dim=FF, vocab_size=V, max_position_embeddings=POS,
+                 image_size=16, patch_size=4, head_dim=D, moe_intermediate_size=16, num_experts=2,
+                 num_local_experts=2, num_experts_per_tok=1)
+
+    def build():
+        cfg = T.AutoConfig.for_model(model_type)
+        for k, v in {**sizes, **kw}.items():
+            if hasattr(cfg, k) or k in kw:
+                setattr(cfg, k, v)
+        if getattr(cfg, "layer_types", None):  # one entry per layer
+            cfg.layer_types = list(cfg.layer_types)[:LAYERS]
+        return T.AutoModel.from_config(cfg, attn_implementation="eager")
+    return build
+
+
+def _s2s(cfg_cls, model_cls, **kw):
+    base = dict(vocab_size=V, d_model=E, encoder_layers=LAYERS, decoder_layers=LAYERS, encoder_attention_heads=H,
+                decoder_attention_heads=H, encoder_ffn_dim=FF, decoder_ffn_dim=FF, max_position_embeddings=POS,
+                attn_implementation="eager", pad_token_id=1, decoder_start_token_id=2)
+    return lambda: model_cls(cfg_cls(**{**base, **kw}))
+
+
+_VIS = dict(hidden_size=E, num_hidden_layers=LAYERS, num_attention_heads=H, intermediate_size=FF, image_size=16,
+            patch_size=4, attn_implementation="eager")
+_WAVE = dict(hidden_size=E, num_hidden_layers=LAYERS, num_attention_heads=H, intermediate_size=FF, conv_dim=(8, 8),
+             conv_stride=(4, 4), conv_kernel=(8, 4), num_conv_pos_embeddings=4, num_conv_pos_embedding_groups=2,
+             attn_implementation="eager")
+
+# types no headlab family declares: adapted by structure, verified at load
+STRUCTURE_BUILDERS = {
+    # decoders, MoE decoders
+    "qwen2_moe": (_llama_like(T.Qwen2MoeConfig, T.Qwen2MoeForCausalLM, num_experts=2, num_experts_per_tok=1,
+                              moe_intermediate_size=16, shared_expert_intermediate_size=16), "text"),
+    "qwen3_moe": (_llama_like(T.Qwen3MoeConfig, T.Qwen3MoeForCausalLM, head_dim=D, num_experts=2, num_experts_per_tok=1,
+                              moe_intermediate_size=16), "text"),
+    "smollm3": (_llama_like(T.SmolLM3Config, T.SmolLM3ForCausalLM, pad_token_id=0, bos_token_id=1, eos_token_id=2),
+                "text"),
+    "granite": (_llama_like(T.GraniteConfig, T.GraniteForCausalLM), "text"),
+    "granitemoe": (_llama_like(T.GraniteMoeConfig, T.GraniteMoeForCausalLM, num_local_experts=2, num_experts_per_tok=1),
+                   "text"),
+    "olmoe": (_llama_like(T.OlmoeConfig, T.OlmoeForCausalLM, num_experts=2, num_experts_per_tok=1, pad_token_id=0,
+                          eos_token_id=2), "text"),
+    "glm4": (_llama_like(T.Glm4Config, T.Glm4ForCausalLM, head_dim=D, pad_token_id=0), "text"),
+    "nemotron": (_llama_like(T.NemotronConfig, T.NemotronForCausalLM, head_dim=D, pad_token_id=0, bos_token_id=1,
+                             eos_token_id=2), "text"),
+    "gpt_bigcode": (lambda: T.GPTBigCodeForCausalLM(T.GPTBigCodeConfig(
+        vocab_size=V, n_embd=E, n_layer=LAYERS, n_head=H, n_positions=POS, multi_query=True, bos_token_id=1,
+        eos_token_id=2, attn_implementation="eager")), "text"),
+    "cohere2": (_llama_like(T.Cohere2Config, T.Cohere2ForCausalLM, sliding_window=4, eos_token_id=2,
+                            layer_types=["sliding_attention", "full_attention"]), "text"),
+    "olmo3": (_auto("olmo3", pad_token_id=0, eos_token_id=2, bos_token_id=1), "text"),
+    "arcee": (_auto("arcee", pad_token_id=0, eos_token_id=2, bos_token_id=1), "text"),
+    "helium": (_auto("helium", pad_token_id=0, eos_token_id=2, bos_token_id=1), "text"),
+    "ernie4_5": (_auto("ernie4_5", pad_token_id=0, eos_token_id=2, bos_token_id=1), "text"),
+    "seed_oss": (_auto("seed_oss", pad_token_id=0, eos_token_id=2, bos_token_id=1), "text"),
+    "hunyuan_v1_dense": (_auto("hunyuan_v1_dense", pad_token_id=0, eos_token_id=2, bos_token_id=1), "text"),
+    "apertus": (_auto("apertus", pad_token_id=0, eos_token_id=2, bos_token_id=1), "text"),
+    "ministral": (_auto("ministral", pad_token_id=0, eos_token_id=2, bos_token_id=1), "text"),
+    "exaone4": (_auto("exaone4", pad_token_id=0, eos_token_id=2, bos_token_id=1), "text"),
+    "biogpt": (_auto("biogpt", pad_token_id=1, eos_token_id=2, bos_token_id=0), "text"),
+    # encoders
+    "camembert": (lambda: T.CamembertModel(T.CamembertConfig(**_common(pad_token_id=1))), "text"),
+    "esm": (lambda: T.EsmModel(T.EsmConfig(**_common(pad_token_id=1, mask_token_id=2,
+                                                      position_embedding_type="rotary"))), "text"),
+    "ernie": (_auto("ernie", pad_token_id=0), "text"),
+    "data2vec-text": (_auto("data2vec-text", pad_token_id=1), "text"),
+    "xlm-roberta-xl": (_auto("xlm-roberta-xl", pad_token_id=1), "text"),
+    # vision
+    "deit": (lambda: T.DeiTModel(T.DeiTConfig(**_VIS)), "image"),
+    "beit": (lambda: T.BeitModel(T.BeitConfig(**_VIS, use_relative_position_bias=True)), "image"),
+    "dinov2": (lambda: T.Dinov2Model(T.Dinov2Config(**{k: v for k, v in _VIS.items() if k != "intermediate_size"},
+                                                    mlp_ratio=2)), "image"),
+    "siglip_vision_model": (lambda: T.SiglipVisionModel(T.SiglipVisionConfig(**_VIS)), "image"),
+    "clip_vision_model": (lambda: T.CLIPVisionModel(T.CLIPVisionConfig(**_VIS)), "image"),
+    "vit_msn": (lambda: T.ViTMSNModel(T.ViTMSNConfig(**_VIS)), "image"),
+    # audio encoders (a convolutional front end, then a transformer encoder)
+    "wav2vec2": (lambda: T.Wav2Vec2Model(T.Wav2Vec2Config(**_WAVE)), "wave"),
+    "hubert": (lambda: T.HubertModel(T.HubertConfig(**_WAVE)), "wave"),
+    "unispeech": (lambda: T.UniSpeechModel(T.UniSpeechConfig(**_WAVE)), "wave"),
+    "sew": (lambda: T.SEWModel(T.SEWConfig(**_WAVE, squeeze_factor=1)), "wave"),
+    # encoder-decoders
+    "mbart": (_s2s(T.MBartConfig, T.MBartForConditionalGeneration), "seq2seq"),
+    "pegasus": (_s2s(T.PegasusConfig, T.PegasusForConditionalGeneration), "seq2seq"),
+    "marian": (_s2s(T.MarianConfig, T.MarianMTModel, decoder_vocab_size=V), "seq2seq"),
+    "m2m_100": (_s2s(T.M2M100Config, T.M2M100ForConditionalGeneration), "seq2seq"),
+    "blenderbot": (_s2s(T.BlenderbotConfig, T.BlenderbotForConditionalGeneration), "seq2seq"),
+    "blenderbot-small": (_s2s(T.BlenderbotSmallConfig, T.BlenderbotSmallForConditionalGeneration), "seq2seq"),
+    "plbart": (_s2s(T.PLBartConfig, T.PLBartForConditionalGeneration), "seq2seq"),
+    "mt5": (lambda: T.MT5ForConditionalGeneration(T.MT5Config(
+        vocab_size=V, d_model=E, d_kv=D, d_ff=FF, num_layers=LAYERS, num_heads=H, relative_attention_num_buckets=8,
+        decoder_start_token_id=0, attn_implementation="eager")), "seq2seq"),
+}
+
+# types whose structure headlab cannot serve: each refused at load and adapt, with what structure showed
+REFUSED_BY_STRUCTURE = {
+    "mpt": (lambda: T.MptForCausalLM(T.MptConfig(vocab_size=V, d_model=E, n_layers=LAYERS, n_heads=H, max_seq_len=POS,
+                                                 attn_implementation="eager")), "computes attention"),
+    "roformer": (lambda: T.RoFormerModel(T.RoFormerConfig(**_common(embedding_size=E))), "computes attention"),
+    "gpt_oss": (_llama_like(T.GptOssConfig, T.GptOssForCausalLM, head_dim=D, num_local_experts=2, num_experts_per_tok=1,
+                            sliding_window=4, layer_types=["sliding_attention", "full_attention"]), "s_aux"),
+    "swin": (lambda: T.SwinModel(T.SwinConfig(image_size=16, patch_size=2, embed_dim=16, depths=[1, 1], num_heads=[2, 4],
+                                              window_size=2, attn_implementation="eager")), "differ in heads"),
+    "codegen": (lambda: T.CodeGenForCausalLM(T.CodeGenConfig(vocab_size=V, n_embd=E, n_layer=LAYERS, n_head=H,
+                                                             rotary_dim=4, n_positions=POS, n_ctx=POS,
+                                                             attn_implementation="eager")), "computes the values"),
+    "mobilebert": (lambda: T.MobileBertModel(T.MobileBertConfig(**_common(embedding_size=16, intra_bottleneck_size=16,
+                                                                          true_hidden_size=16))), "query projection"),
+    "deepseek_v3": (_llama_like(T.DeepseekV3Config, T.DeepseekV3ForCausalLM, q_lora_rank=16, kv_lora_rank=16,
+                                qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8, n_routed_experts=2,
+                                num_experts_per_tok=1, moe_intermediate_size=16, first_k_dense_replace=1, n_group=1,
+                                topk_group=1), "latent"),
+}
+
+DECLARED = list(BUILDERS)
+STRUCTURE = list(STRUCTURE_BUILDERS)
+BUILDERS.update(STRUCTURE_BUILDERS)
 NAMES = list(BUILDERS)
 
 
 def build(name: str) -> torch.nn.Module:
     """The tiny model of architecture ``name``, with non-trivial norms and biases, in eval mode."""
     torch.manual_seed(0)
-    model = BUILDERS[name][0]().eval()
+    model = (BUILDERS[name][0] if name in BUILDERS else REFUSED_BY_STRUCTURE[name][0])().eval()
     with torch.no_grad():
         for n, p in model.named_parameters():
             low = n.lower()
-            if n.endswith("bias") or "norm" in low or "ln" in low.split(".")[-2:-1][0:1] or low.endswith(
+            if n.endswith("bias") or "bias_table" in low or "norm" in low or "ln" in low.split(".")[-2:-1][0:1] or low.endswith(
                     ("ln_1.weight", "ln_2.weight", "ln_f.weight")):
                 p.add_(0.1 * torch.randn_like(p))
     return model
@@ -107,6 +234,8 @@ def inputs(name: str, *, padded: bool = True, length: int = 11) -> dict:
     kind = BUILDERS[name][1]
     if kind == "image":
         return {"pixel_values": torch.randn(2, 3, 16, 16, generator=g)}
+    if kind == "wave":
+        return {"input_values": torch.randn(2, 400, generator=g)}
     ids = torch.randint(2, V, (2, length), generator=g)
     mask = torch.ones(2, length, dtype=torch.long)
     if padded:

@@ -31,6 +31,8 @@ from headlab.models.hf import REFUSED
 import architectures as A
 
 SUPPORTED = [n for n in A.NAMES if n not in REFUSED]
+# types found by structure whose q/k norm spans every head (physical removal is refused; gates work)
+CROSS_HEAD_NORMS = {"olmoe", "olmo3"}
 BACKENDS = ["reference", "sdpa", "tiled", "sparse"]
 
 
@@ -61,6 +63,9 @@ def _eager_maps(a, eager) -> list[torch.Tensor]:
 def _score_mod(model) -> bool:
     """Does the model change its scores beyond the scale (soft-capping, ALiBi)?"""
     cfg = model.config
+    found = getattr(adapt(model), "found", None)  # a type found by structure: a bias passed in the mask, T5's bias
+    if found is not None and ({"mask_bias", "position_bias"} & set(found.kwargs)):
+        return True
     return bool(getattr(cfg, "attn_logit_softcapping", None)) or cfg.model_type in ("bloom", "t5") or bool(
         getattr(cfg, "alibi", False))
 
@@ -161,11 +166,18 @@ def test_every_step(name, built, tmp_path):
     imp = headlab.head_importance(model, examples, batch_size=2)
     assert imp.shape == (L, a.n_heads) and torch.isfinite(imp).all() and (imp > 0).any()
     G = a.n_heads // a.n_kv_heads
-    drop = {0: list(range(G))} if G > 1 else {0: [1]}  # a whole kv group, or one head
+    drop = {0: list(range(G))} if 1 < G < a.n_heads else {0: [1]}  # a whole kv group, or one head
     for group in a.shared_layers:  # ALBERT: the same heads in every layer that shares the weights
         if 0 in group:
             drop = {l: drop[0] for l in group}
-    p = headlab.prune_heads(model, drop)
+    if name in CROSS_HEAD_NORMS:  # a q/k norm across all heads: removal refused, with the reason
+        with pytest.raises(HeadlabError, match="normalises all heads"):
+            headlab.prune_heads(model, drop)
+        drop = {}
+    p = headlab.prune_heads(model, drop) if drop else None
+    if p is None:
+        _check_norms_and_rollout(model, a, x)
+        return
     for l, hs in drop.items():
         a.gates[l, hs] = 0.0
     with torch.no_grad():
@@ -178,8 +190,11 @@ def test_every_step(name, built, tmp_path):
         with pytest.raises(HeadlabError, match="shares its attention module"):
             headlab.prune_heads(model, {0: [1]})
     assert sum(t.numel() for t in p.model.parameters()) < sum(t.numel() for t in model.parameters())
+    _check_norms_and_rollout(model, a, x)
 
-    # norms and rollout, on one unpadded sequence
+
+def _check_norms_and_rollout(model, a, x):
+    """Norms and rollout, on one unpadded sequence."""
     seq = {k: v[:1] for k, v in x.items()}
     if "attention_mask" in seq:
         seq["attention_mask"] = torch.ones_like(seq["attention_mask"])
@@ -206,9 +221,10 @@ def _check_norms(model, a, seq):
     L = a.n_layers
     rec: dict = {}
     handles = []
+    no_layout = "norms" in getattr(a, "limits", {}) and getattr(a, "found", None) is not None
     for l in range(L):
         cross = "cross" in a.stacks and l in a.stacks["cross"]
-        bn = None if cross else a.attention_norm(l)
+        bn = None if cross or no_layout else a.attention_norm(l)
 
         class D(dict):  # records only while layer l is being computed (ALBERT's modules serve every layer)
             def __setitem__(self, key, value, l=l):
@@ -238,11 +254,21 @@ def _check_norms(model, a, seq):
         for h in handles:
             h.remove()
     selfs = [l for l in range(L) if "cross" not in a.stacks or l not in a.stacks["cross"]]
-    res = headlab.attention_norms(model, seq, mode="residual", layers=selfs)
-    att = headlab.attention_norms(model, seq, mode="attention")
-    if len(selfs) < L:  # cross-attention: no residual decomposition, refused with the reason
-        with pytest.raises(HeadlabError, match="cross-attention"):
+    if "norms" in getattr(a, "limits", {}) and getattr(a, "found", None) is not None:
+        # a layout structure could not identify (a scaled residual branch, LayerScale): residual mode refused
+        # with the reason, attention mode served
+        with pytest.raises(HeadlabError, match="residual-mode norms are not available"):
             headlab.attention_norms(model, seq, mode="residual")
+        selfs = []
+        res = None
+    else:
+        res = headlab.attention_norms(model, seq, mode="residual", layers=selfs)
+    att = headlab.attention_norms(model, seq, mode="attention")
+    if 0 < len(selfs) < L:  # cross-attention: no residual decomposition; the self layers answer, with a note
+        whole = headlab.attention_norms(model, seq, mode="residual")
+        assert whole.layers == selfs and any("cross-attention" in n for n in whole.notes)
+        with pytest.raises(HeadlabError, match="cross-attention"):  # asked for by index: refused with the reason
+            headlab.attention_norms(model, seq, mode="residual", layers=[L - 1])
     for l in range(L):
         d = rec[l]
         P = maps[l][0].double()  # (H, n, n)
@@ -301,11 +327,20 @@ def test_support_table_in_the_docs_is_the_registry():
     assert block == support_markdown()
 
 
-def test_an_unknown_architecture_names_the_nearest_family_and_the_page():
+def test_a_module_that_is_no_transformers_model_is_refused_with_what_is_served():
     from headlab.models.hf import unsupported_message
 
-    msg = unsupported_message("qwen3_moe")
-    assert "nearest registered family" in msg and "adding-a-family.md" in msg
+    msg = unsupported_message("MyNet")
+    assert "adapted by structure" in msg and "adding-a-family.md" in msg
+    with pytest.raises(UnsupportedArchitectureError, match="'Linear'"):
+        adapt(torch.nn.Linear(2, 2))
+
+
+def test_the_support_table_lists_the_types_the_suite_verifies_by_structure():
+    from headlab.models.hf.support import STRUCTURE_LIMITS, VERIFIED_BY_STRUCTURE
+
+    assert list(VERIFIED_BY_STRUCTURE) == A.STRUCTURE
+    assert set(STRUCTURE_LIMITS) <= set(VERIFIED_BY_STRUCTURE) and CROSS_HEAD_NORMS <= set(STRUCTURE_LIMITS)
 
 
 def test_ablation_of_an_encoder_decoder_head_is_its_kl_effect(built):

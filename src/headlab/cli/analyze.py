@@ -7,7 +7,7 @@ from pathlib import Path
 
 import typer
 
-from headlab.cli.app import app, check_heads_before_loading, console, err_console, print_json
+from headlab.cli.app import app, check_heads_before_loading, check_utf8, console, err_console, print_json
 from headlab.errors import InputError
 from headlab.interpret.report.annotations import study_annotations
 from headlab.interpret.report.analyze_job import MAX_FULL_TOKENS, ReportResult, heads_text
@@ -44,19 +44,6 @@ def render_summary(r: ReportResult) -> None:
             console.print(f"  {rec.layer}.{rec.head:<3} {ev}", highlight=False, soft_wrap=True)
     else:
         console.print("no head passes a pattern threshold on this text (see heads.csv for the numbers)", soft_wrap=True)
-
-
-def check_utf8(text: str) -> str:
-    """Refuse text that arrived as bytes that are not UTF-8 (Python hands them over as surrogate escapes)."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raw = text.encode("utf-8", "surrogateescape")
-        bad = text[e.start:e.end].encode("utf-8", "surrogateescape")
-        pos = len(text[:e.start].encode("utf-8", "surrogateescape"))
-        raise InputError(f"the text is not valid UTF-8: byte 0x{bad[0]:02x} at byte {pos} of {len(raw)}; "
-                         "convert it first, e.g. iconv -f latin1 -t utf-8") from None
-    return text
 
 
 @app.command("analyze")

@@ -143,10 +143,21 @@ def read_text_file(path: Path, option: str, *, what: str = "a plain-text file (U
     return text
 
 
+def check_utf8(text: str) -> str:
+    """Refuse text that arrived as bytes that are not UTF-8 (Python hands them over as surrogate escapes)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raw = text.encode("utf-8", "surrogateescape")
+        bad = text[e.start:e.end].encode("utf-8", "surrogateescape")
+        pos = len(text[:e.start].encode("utf-8", "surrogateescape"))
+        raise InputError(f"the text is not valid UTF-8: byte 0x{bad[0]:02x} at byte {pos} of {len(raw)}; "
+                         "convert it first, e.g. iconv -f latin1 -t utf-8") from None
+    return text
+
+
 def check_text(text: str, option: str) -> str:
     """A text given on the command line: refused when empty or not UTF-8 (the bytes and where), naming the option."""
-    from headlab.cli.analyze import check_utf8
-
     if not text.strip():
         raise InputError(f"{option} is empty; give a text")
     try:

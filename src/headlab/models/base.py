@@ -164,8 +164,11 @@ class ModelAdapter:
     @property
     def has_task_head(self) -> bool:
         """Whether the model ends in a task head with logits (a classifier or a language-model head)."""
-        return self.own_model or type(self.model).__name__.endswith(
-            ("ForSequenceClassification", "LMHeadModel", "ForCausalLM", "ForConditionalGeneration"))
+        from headlab.models.inputs import has_lm_head
+
+        return self.own_model or type(self.model).__name__.endswith(("ForSequenceClassification", "LMHeadModel",
+                                                                     "ForCausalLM", "ForConditionalGeneration")) \
+            or has_lm_head(self.model)
 
     def value_input(self, layer: int, args: tuple, kwargs: dict) -> torch.Tensor:
         """The tensor layer ``layer``'s keys and values are computed from, out of its attention module's call
@@ -201,13 +204,14 @@ class ModelAdapter:
         return self.model.get_submodule(".".join(parts[:cut + 1]))
 
     def mlp(self, layer: int) -> nn.Module:
-        """Block ``layer``'s MLP: its child ``mlp``, ``ffn`` or ``feed_forward``, called on one tensor (the site
+        """Block ``layer``'s MLP: its child ``mlp``, ``ffn``, ``feed_forward`` (or an MoE's ``block_sparse_moe`` / ``moe``),
+        called on one tensor (the site
         ``mlp_out`` is its output). Families whose MLP adds the residual itself (BLOOM) or that keep the MLP as
         loose layers (BERT, OPT) have none: :class:`UnsupportedArchitectureError`."""
         import inspect
 
         block = self.block(layer)
-        for name in ("mlp", "ffn", "feed_forward"):
+        for name in ("mlp", "ffn", "feed_forward", "block_sparse_moe", "moe"):  # MoE blocks: the router is the MLP
             m = block._modules.get(name)
             if m is None:
                 continue
@@ -413,9 +417,16 @@ class ModelAdapter:
     def forward(self, inputs):
         """Run the wrapped model on ``inputs`` (a dict of keyword tensors, or an input-id tensor).
 
+        A Hugging Face model gets what it still needs (:func:`headlab.models.inputs.complete_inputs`): an
+        encoder-decoder given encoder ids is teacher-forced on them shifted right; a model that takes pixels or
+        audio given token ids is an :class:`~headlab.errors.InputError` naming its input.
+
         Token ids outside the vocabulary are an :class:`~headlab.errors.InputError` (torch would
         raise a bare IndexError from inside the embedding)."""
         self._check_ids(inputs.get("input_ids") if isinstance(inputs, dict) else inputs)
+        if not self.own_model and hasattr(self.model, "config"):  # a Hugging Face model: the inputs it takes
+            from headlab.models.inputs import complete_inputs
+            inputs = complete_inputs(self.model, inputs if isinstance(inputs, dict) else {"input_ids": inputs})
         if isinstance(inputs, dict):
             return self.model(**inputs)
         return self.model(inputs)

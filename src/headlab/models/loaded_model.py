@@ -89,10 +89,12 @@ class LoadedModel:
         return self.adapter.forward(inputs)
 
 
-def adapt(model: nn.Module) -> ModelAdapter:
+def adapt(model: nn.Module, *, check: bool = True) -> ModelAdapter:
     """The :class:`ModelAdapter` of ``model`` (built once, then cached on the model).
 
-    Raises :class:`~headlab.errors.UnsupportedArchitectureError` naming the supported families.
+    A Hugging Face model of a type no family declares is adapted by its structure and served only after the
+    load-time check passes on its weights (:mod:`headlab.models.hf.verify`; ``check=False`` skips it, for
+    inspection). Raises :class:`~headlab.errors.UnsupportedArchitectureError` naming what failed.
     """
     cached = getattr(model, "_headlab_adapter", None)
     if isinstance(cached, ModelAdapter):
@@ -106,7 +108,7 @@ def adapt(model: nn.Module) -> ModelAdapter:
     elif hasattr(model, "config") and hasattr(model.config, "model_type"):
         from headlab.models.hf import adapter_for
 
-        adapter = adapter_for(model)
+        adapter = adapter_for(model, check=check)
     else:
         from headlab.models.hf import unsupported_message
 

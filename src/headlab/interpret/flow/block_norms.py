@@ -17,10 +17,12 @@ def layer_norms(adapter, layer: int) -> BlockNorms:
     """
     try:
         return adapter.attention_norm(layer)
-    except UnsupportedArchitectureError:
+    except UnsupportedArchitectureError as e:
+        if getattr(adapter, "by_structure", False):  # structure found no layout: its reason says why
+            raise
         raise UnsupportedArchitectureError(
             f"the residual-aware norms do not know the block structure of family {adapter.family!r} (its adapter "
-            "has no attention_norm); use mode='attention' for the attention-only norms") from None
+            "has no attention_norm); use mode='attention' for the attention-only norms") from e
 
 
 def is_causal(adapter) -> bool:

@@ -88,6 +88,7 @@ class NormsResult:
     row_layer: dict[int, torch.Tensor] = field(default_factory=dict)  # (R, n)
     summaries: dict[int, NormSummary] = field(default_factory=dict)
     weights: dict[int, torch.Tensor] = field(default_factory=dict)  # (H, n, n) the attention maps (maps mode)
+    notes: list[str] = field(default_factory=list)  # what was left out and why (cross-attention in residual mode)
 
 
     def _repr_html_(self) -> str:
@@ -104,6 +105,8 @@ class NormsResult:
                 d[name] = {str(l): t.tolist() for l, t in got.items()}
         if self.summaries:
             d["summaries"] = {str(l): s.to_json() for l, s in self.summaries.items()}
+        if self.notes:
+            d["notes"] = list(self.notes)
         return d
 
 
@@ -196,12 +199,22 @@ def attention_norms(loaded, text_or_inputs, *, layers=None, mode: Mode = "attent
     if mode not in ("attention", "residual"):
         raise ConfigError(f"unknown mode {mode!r}; use 'attention' (Kobayashi et al. 2020) or 'residual' (2021)")
     streaming = bool(stream) or rows is not None
+    notes: list[str] = []
+    if mode == "residual" and layers is None:
+        from headlab.models.loaded_model import resolve
+
+        adapter = resolve(loaded)[0]
+        cross = adapter.stacks.get("cross", [])
+        if cross:  # an encoder-decoder: answer for the self-attention layers, say why cross-attention is left out
+            layers = [l for l in range(adapter.n_layers) if l not in cross]
+            notes.append(f"cross-attention layers {cross[0]}..{cross[-1]} have no residual mode (their residual "
+                         "belongs to the decoder token, not to any key): left out; use mode='attention' for them")
     rec: Recording = record(loaded, text_or_inputs, layers, maps=not streaming, residual=mode == "residual",
                             backend=backend)
     n = rec.n
     row_pos = _check_positions("rows", rows, n) if rows is not None else None
     kpos = _check_positions("key_positions", key_positions if key_positions is not None else [0, n - 1], n)
-    res = NormsResult(mode, sorted(rec.layers), n, rec.tokens, rows=row_pos)
+    res = NormsResult(mode, sorted(rec.layers), n, rec.tokens, rows=row_pos, notes=notes)
     with torch.no_grad():
         for l, lr in rec.layers.items():
             ng = gram(rec.adapter, l, lr, mode)

@@ -178,9 +178,9 @@ def choose_loss(adapter: ModelAdapter, loss: str, labels) -> str:
     if loss == "auto":
         if labels is not None and _is_classifier(adapter):  # labels in a file meant for another model: not a task
             return "task"
-        if is_causal(adapter):
+        if is_causal(adapter) and _has_task_head(adapter):
             return "lm"
-        return "kl" if _has_task_head(adapter) else "cosine"
+        return "kl" if _has_task_head(adapter) else "cosine"  # a bare encoder or decoder: the cosine surrogate
     if loss not in LOSSES:
         raise ConfigError(f"unknown loss {loss!r}; use one of {', '.join(LOSSES)} (or 'auto')")
     if loss == "lm" and not is_causal(adapter):

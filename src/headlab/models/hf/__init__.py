@@ -33,6 +33,7 @@ from headlab.models.hf import (  # noqa: F401  (each registers its family)
     stablelm,
     vit,
 )
+from headlab.models.hf import structure  # noqa: F401  (serves the types no family declares)
 from headlab.models.hf.family import HFAdapter
 from headlab.models.hf.registry import (
     FAMILIES,
@@ -40,10 +41,9 @@ from headlab.models.hf.registry import (
     adapter_class,
     adapter_for,
     max_positions,
-    nearest_family,
     supported_model_types,
     unsupported_message,
 )
 
-__all__ = ["FAMILIES", "HFAdapter", "REFUSED", "adapter_class", "adapter_for", "max_positions", "nearest_family",
+__all__ = ["FAMILIES", "HFAdapter", "REFUSED", "adapter_class", "adapter_for", "max_positions",
            "supported_model_types", "unsupported_message"]

@@ -18,7 +18,8 @@ Conventions kept from Hugging Face: the module's ``scaling`` (GPT-2's per-layer 
 dropout only when the module is training, grouped-query heads read without copying K/V (query head h
 reads kv head ``h // (H // Hkv)``, the layout of ``repeat_kv``). Additive float masks (what the
 eager path builds, or a user's 4-D mask) are converted to boolean: 0 = may attend, the dtype's minimum
-or ``-inf`` = may not; any other value is a bias headlab's backends cannot add, and is refused.
+or ``-inf`` = may not; any other finite value is an additive bias that the model passes in the mask (BEiT's
+and Data2Vec's relative position bias), added to the scores as a score_mod (``headlab.masks.bias_tensor``).
 Gemma 2's ``softcap`` (``attn_logit_softcapping``) becomes the score_mod ``headlab.masks.softcap(c)``,
 which the reference, tiled and sparse backends apply (``auto`` then picks tiled: sdpa cannot).
 """
@@ -60,6 +61,30 @@ def hf_mask_to_bool(mask: torch.Tensor | None) -> torch.Tensor | None:
     return ~blocked
 
 
+def hf_mask_and_bias(mask: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """``(boolean mask or None, additive bias or None)`` from a Hugging Face attention mask: a float mask whose
+    finite entries are not all 0 carries a bias (a relative position bias passed as the mask).
+
+        >>> import torch
+        >>> m = torch.tensor([[[[0.5, float("-inf")]]]])
+        >>> hf_mask_and_bias(m)
+        (tensor([[[[ True, False]]]]), tensor([[[[0.5000, 0.0000]]]]))
+    """
+    if mask is None or mask.dtype == torch.bool or not mask.is_floating_point():
+        return hf_mask_to_bool(mask), None
+    blocked = mask <= torch.finfo(mask.dtype).min / 2
+    if not bool(((mask != 0) & ~blocked).any()):
+        return ~blocked, None
+    return (None if not bool(blocked.any()) else ~blocked), mask.masked_fill(blocked, 0.0)
+
+
+def _then(first, second, name):
+    """Two score modifications applied in turn (soft-capping, then an additive bias)."""
+    from headlab.attention.score_mods import ScoreMod
+
+    return ScoreMod(lambda s, b, h, q, kv: second(first(s, b, h, q, kv), b, h, q, kv), name)
+
+
 def headlab_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -84,10 +109,10 @@ def headlab_attention_forward(
             f"{type(module).__name__} passes 's_aux' (attention sinks) to its attention function, which headlab "
             "backends do not implement; run this model with attn_implementation='eager'")
     q_len = query.shape[2]
-    mask = hf_mask_to_bool(attention_mask)
+    mask, mask_bias = hf_mask_and_bias(attention_mask)
     is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     # as in transformers' SDPA path: a missing mask means "plain causal" for a causal module
-    causal = bool(q_len > 1 and mask is None and is_causal)
+    causal = bool(q_len > 1 and mask is None and mask_bias is None and is_causal)
     if causal and key.shape[2] > q_len:  # prefill into an empty static cache: drop the unused slots
         key, value = key[:, :, :q_len], value[:, :, :q_len]
     # Gemma 2's tanh soft-capping of the scores, as a FlexAttention-style score_mod (reference, tiled, sparse)
@@ -97,6 +122,12 @@ def headlab_attention_forward(
     if bias is not None and bool(bias.any()):
         kept = getattr(module, "_headlab_bias_heads", None)  # a pruned layer: the rows of the heads it kept
         extra = {"score_mod": bias_tensor(bias if kept is None else bias[:, kept], "relative_bias")}
+    if mask_bias is not None:  # a bias the model passes in its mask (BEiT's relative position bias)
+        kept = getattr(module, "_headlab_bias_heads", None)
+        if kept is not None and mask_bias.shape[1] > 1:
+            mask_bias = mask_bias[:, kept]
+        add = bias_tensor(mask_bias, "mask_bias")
+        extra = {"score_mod": add if extra is None else _then(extra["score_mod"], add, "score_mod+mask_bias")}
     out, weights = run_attention(module, query, key, value, mask, causal=causal, scale=scaling, dropout_p=dropout,
                                  need_weights=bool(kwargs.get("output_attentions", False)),
                                  score_kwargs=extra)  # out: (B, H, Lq, d)

@@ -1,19 +1,22 @@
 """The registry of Hugging Face families: which ``config.model_type`` each adapts, and why others are refused.
 
 A family registers itself with :func:`register` (its module is imported by :mod:`headlab.models.hf`).
-Architectures headlab knows but cannot serve are listed in :data:`REFUSED` with the reason; any other
-model type gets the refusal naming the nearest registered family and the page that says how to add one.
+Architectures headlab knows but cannot serve are listed in :data:`REFUSED` with the reason. Any other model
+type is adapted by its structure (:mod:`headlab.models.hf.structure`) and served once the load-time check
+(:mod:`headlab.models.hf.verify`) passes on the loaded weights; when it fails, the refusal names the check and
+the registered family nearest the structure found (:func:`nearest_by_structure`).
 """
 
 from __future__ import annotations
-
-import difflib
 
 from torch import nn
 
 from headlab.errors import ModelError, UnsupportedArchitectureError
 
 FAMILIES: list[type] = []  # registered HFAdapter subclasses, in registration order
+# what serves the types no family declares: headlab.models.hf.structure registers its adapt_by_structure,
+# max_positions and nearest_by_structure here when the package imports it (the registry imports no family)
+BY_STRUCTURE: dict = {}
 
 ADDING_A_FAMILY = "docs/adding-a-family.md"
 
@@ -22,6 +25,11 @@ REFUSED: dict[str, str] = {
     "deberta-v2": "DeBERTa-v2's disentangled attention adds content-to-position and position-to-content terms "
                   "computed inside its own attention module (it does not call transformers' attention interface), "
                   "which headlab's backends do not compute",
+    "deepseek_v3": "DeepSeek-V3's multi-head latent attention computes keys and values from a shared low-rank latent "
+                   "(kv_a_proj, then kv_b_proj) and splits each query and key into a rotary and a non-rotary part "
+                   "of other widths than the value's, so its heads have no single W_Q, W_K, W_V of one head size",
+    "mpt": "MPT computes attention, with ALiBi, inside its own modules and never calls transformers' attention "
+           "interface, so headlab's backends, gates and captures have no seam to serve",
 }
 
 
@@ -44,19 +52,16 @@ def adapter_class(model_type: str | None):
     return next((fam for fam in FAMILIES if model_type in fam.model_types), None)
 
 
-def adapter_for(model: nn.Module):
-    """The adapter of a Hugging Face model, by ``config.model_type``."""
+def adapter_for(model: nn.Module, *, check: bool = True):
+    """The adapter of a Hugging Face model: its declared family by ``config.model_type``, else the one its
+    structure gives, verified on the loaded weights (``check=False`` skips the check: for inspection only)."""
     model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if model_type in REFUSED:
+        raise UnsupportedArchitectureError(unsupported_message(model_type))
     cls = adapter_class(model_type)
     if cls is None:
-        raise UnsupportedArchitectureError(unsupported_message(model_type or type(model).__name__))
+        return BY_STRUCTURE["adapt"](model, check=check)
     return cls(model)
-
-
-def nearest_family(what: str) -> str | None:
-    """The registered model type whose name is closest to ``what`` (None when nothing is close)."""
-    hits = difflib.get_close_matches(str(what).lower().replace("_", "-"), supported_model_types(), n=1, cutoff=0.5)
-    return hits[0] if hits else None
 
 
 def _families_text() -> str:
@@ -67,19 +72,22 @@ def unsupported_message(what: str) -> str:
     """One line: why ``what`` (a model type or class name) is refused, and what to do."""
     if what in REFUSED:
         return f"no headlab adapter for {what!r}: {REFUSED[what]}; supported families: {_families_text()}"
-    near = nearest_family(what)
-    hint = f"; the nearest registered family is {adapter_class(near).family!r} ({near})" if near else ""
-    return (f"no headlab adapter for {what!r}{hint}; supported families: {_families_text()}; and headlab's own "
-            f"Transformer; to add a family see {ADDING_A_FAMILY}")
+    return (f"no headlab adapter for {what!r}: it is not a Hugging Face transformers model (no config.model_type) "
+            f"nor headlab's own Transformer; Hugging Face models of any type are adapted by structure (declared "
+            f"families: {_families_text()}); to add a family see {ADDING_A_FAMILY}")
 
 
 def max_positions(config) -> int:
-    """The longest input a Hugging Face config allows, in tokens (special tokens included)."""
-    cls = adapter_class(getattr(config, "model_type", None))
+    """The longest input a Hugging Face config allows, in tokens (special tokens included): the declared
+    family's rule, else the config's own position count (a type adapted by structure)."""
+    model_type = getattr(config, "model_type", None)
+    if model_type in REFUSED:
+        raise UnsupportedArchitectureError(unsupported_message(model_type))
+    cls = adapter_class(model_type)
     if cls is None:
-        raise UnsupportedArchitectureError(unsupported_message(getattr(config, "model_type", "?")))
+        return BY_STRUCTURE["max_positions"](config)
     return cls.max_positions(config)
 
 
 __all__ = ["ADDING_A_FAMILY", "FAMILIES", "REFUSED", "adapter_class", "adapter_for", "max_positions",
-           "nearest_family", "register", "supported_model_types", "unsupported_message"]
+           "BY_STRUCTURE", "register", "supported_model_types", "unsupported_message"]

@@ -8,7 +8,8 @@ over the encoder's output. The adapter lists them in that order as one sequence 
 
 What is specific to cross-attention: its values are computed from the encoder's output (the
 ``key_value_states`` the module is called with), so value-aware norms read that; its residual belongs to
-the decoder token, not to any key, so residual-mode norms are refused for it; and rollout runs per stack
+the decoder token, not to any key, so residual-mode norms leave it out (asked for by index, it is refused with
+that reason; over the whole model the self-attention layers answer and a note says so); and rollout runs per stack
 (Abnar and Zuidema's definition within the encoder, and within the decoder's self-attention).
 """
 

@@ -14,6 +14,21 @@ from headlab.models.hf.registry import FAMILIES, REFUSED
 
 STEPS = ("capture", "backends", "gates", "statistics", "importance", "pruning", "norms", "rollout")
 
+# model types no family declares that the test suite runs through every step (tests/test_architectures.py), each
+# adapted by structure and checked at load; a test keeps this list equal to the suite's
+VERIFIED_BY_STRUCTURE = (
+    "qwen2_moe", "qwen3_moe", "smollm3", "granite", "granitemoe", "olmoe", "glm4", "nemotron", "gpt_bigcode", "cohere2",
+    "olmo3", "arcee", "helium", "ernie4_5", "seed_oss", "hunyuan_v1_dense", "apertus", "ministral", "exaone4",
+    "biogpt", "camembert", "esm", "ernie", "data2vec-text", "xlm-roberta-xl", "deit", "beit", "dinov2",
+    "siglip_vision_model", "clip_vision_model", "vit_msn", "wav2vec2", "hubert", "unispeech", "sew", "mbart",
+    "pegasus", "marian", "m2m_100", "blenderbot", "blenderbot-small", "plbart", "mt5",
+)
+# caveats the suite shows for some of them (physical removal, residual-mode norms)
+STRUCTURE_LIMITS = {
+    "olmoe": "pruning refused: its q/k norms span all heads", "olmo3": "pruning refused: its q/k norms span all heads",
+    "beit": "residual-mode norms refused: LayerScale scales the attention branch",
+}
+
 
 def _declared(fam, name):
     """A class attribute, or None when the family computes it from the config (a property)."""
@@ -62,8 +77,12 @@ def support_markdown() -> str:
         cells = [f"`{r['family']}`", ", ".join(r["model_types"]), r["positions"], r["norm_layout"], r["score_mods"],
                  *(r[s] for s in STEPS)]
         lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n\nRefused with `UnsupportedArchitectureError`, before anything runs:\n\n" + \
-        "\n".join(refused) + "\n"
+    served = ", ".join(f"{t} ({STRUCTURE_LIMITS[t]})" if t in STRUCTURE_LIMITS else t for t in VERIFIED_BY_STRUCTURE)
+    return ("\n".join(lines) + "\n\nAdapted by structure (no declaration), checked at load, and run through every step "
+            f"by the test suite ({len(VERIFIED_BY_STRUCTURE)} types): {served}.\n\nAny other model type is adapted by "
+            "its structure and served only if the load-time check passes on its weights (`headlab models --check "
+            "PATH` prints each check).\n\nRefused with `UnsupportedArchitectureError`, before anything runs:\n\n"
+            + "\n".join(refused) + "\n")
 
 
-__all__ = ["STEPS", "support_markdown", "support_rows"]
+__all__ = ["STEPS", "STRUCTURE_LIMITS", "VERIFIED_BY_STRUCTURE", "support_markdown", "support_rows"]
