@@ -245,7 +245,7 @@ def flow_values(A_hat, source: int, source_layer: int, *, solver: str = "scipy",
 
 def attention_flow(loaded, text_or_inputs, *, source: int = 0, layer: int = -1, solver: str = "scipy",
                    backend="auto", progress: Callable[[int], None] | None = None,
-                   memory_limit: int | None = None) -> FlowResult:
+                   memory_limit: int | None = None, stack: str | None = None) -> FlowResult:
     """Normalised attention flow ``(n,)`` from token ``source`` at the output of layer ``layer`` to every
     input token (see the module docstring).
 
@@ -256,21 +256,30 @@ def attention_flow(loaded, text_or_inputs, *, source: int = 0, layer: int = -1, 
         layer: the attention layer whose output holds the source node (default the last).
         solver: ``"scipy"`` (default) or ``"networkx"`` (the paper's algorithm, for comparison).
         progress: called with the number of input tokens solved after each solver call (the CLI's bar).
-        memory_limit: bytes the graph may take; the estimate is checked before anything is allocated.
+        memory_limit: bytes the graph may take; the estimate is checked before anything is allocated (for
+            patch or frame inputs, after the attention maps are recorded: the model alone says their number).
+        stack: for an encoder-decoder, ``"encoder"`` or ``"decoder"`` (self-attention), as for rollout.
     """
+    from headlab.interpret.flow.rollout import _stack
+
     adapter, loaded_model = resolve(loaded)
-    L = adapter.n_layers
+    chain = _stack(adapter, stack)  # the layers that chain: the one stack, or an encoder-decoder's encoder/decoder
+    L = len(chain)
     if not isinstance(layer, int) or isinstance(layer, bool) or not -L <= layer < L:
         raise ConfigError(f"layer {layer!r} out of range: the model has {L} layers (0..{L - 1}, or -1 for the "
                           f"last); the input layer holds no output node")
     top = layer % L
     inputs, _ = prepare(loaded_model, adapter, text_or_inputs)
-    ids = inputs["input_ids"] if isinstance(inputs, dict) else inputs
-    n = int(ids.shape[1])
+    ids = inputs.get("input_ids") if isinstance(inputs, dict) else inputs
+    rec = None
+    if ids is None:  # patches or audio frames: the model says how many positions (its maps are small beside the graph)
+        rec = record(loaded, text_or_inputs, chain[:top + 1], maps=True, backend=backend)
+    n = int(ids.shape[1]) if ids is not None else rec.n
     if not isinstance(source, int) or isinstance(source, bool) or not -n <= source < n:
         raise ConfigError(f"source token {source!r} out of range for {n} tokens (0..{n - 1})")
     _check_memory(n, top + 1, solver if solver in BYTES_PER_EDGE else "scipy", memory_limit)
-    rec = record(loaded, text_or_inputs, list(range(top + 1)), maps=True, backend=backend)
+    if rec is None:
+        rec = record(loaded, text_or_inputs, chain[:top + 1], maps=True, backend=backend)
     with torch.no_grad():
         A = augment(layer_matrices(rec, "mean"))  # (top + 1, n, n)
     fv = flow_values(A, source % n, top + 1, solver=solver, progress=progress, memory_limit=memory_limit)

@@ -152,8 +152,8 @@ class Runner:
         # example (B rows) with that edit; from `start` on, c copies (c * B rows)
         shared = blocks(self.adapter) is not None
         values: dict[int, torch.Tensor] = {}
-        mask = b.mask  # (B, Lq)
-        lens = mask.sum(-1)  # (B,)
+        mask = b.mask  # (B, Lq); None for inputs without one (patches, audio frames: every position is real)
+        lens = None if mask is None else mask.sum(-1)  # (B,)
 
         def fn(layer, z):  # z (c*B, H, Lq, d), or (B, H, Lq, d) below the fan-out
             H = z.shape[1]
@@ -162,7 +162,8 @@ class Runner:
             if not bool(m.any()):
                 return None
             z5 = z.view(n, B, H, *z.shape[2:])  # (n, B, H, Lq, d)
-            r = self._replacement(layer, z5, clean, values, mask, lens)
+            mk = mask if mask is not None else torch.ones(B, z.shape[2], dtype=torch.bool, device=z.device)
+            r = self._replacement(layer, z5, clean, values, mk, lens if lens is not None else mk.sum(-1))
             return torch.where(m[:, None, :, None, None].to(z.device), r, z5).reshape(z.shape)
 
         ctx = value_hooks(self.adapter, values) if self.kind == "uniform" else _null()

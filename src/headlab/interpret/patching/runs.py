@@ -46,9 +46,18 @@ def prepare(model, clean, corrupted) -> Pair:
     adapter, loaded = resolve(model)
     a, b = _prepare_inputs(clean, loaded), _prepare_inputs(corrupted, loaded)
     ta, tb = _ids_of(a), _ids_of(b)
-    if not isinstance(ta, torch.Tensor) or not isinstance(tb, torch.Tensor) or ta.dim() != 2:
-        raise InputError("patching needs token inputs: input_ids tensors (B, L), dicts with input_ids, or text "
-                         "with a LoadedModel")
+    length = None
+    if isinstance(a, dict) and isinstance(b, dict) and "input_ids" not in a and hasattr(adapter.model, "config"):
+        from headlab.models.inputs import input_kind  # images, audio: the model's own input, positions from a run
+
+        key = input_kind(adapter.model)
+        ta, tb = a.get(key), b.get(key)
+        if isinstance(ta, torch.Tensor) and isinstance(tb, torch.Tensor) and ta.shape == tb.shape:
+            q = capture(adapter, a, [adapter.site_name(0, "q")])[adapter.site_name(0, "q")]
+            length = int(q.shape[2])
+    if length is None and (not isinstance(ta, torch.Tensor) or not isinstance(tb, torch.Tensor) or ta.dim() != 2):
+        raise InputError("patching needs the model's inputs: input_ids tensors (B, L), dicts with input_ids (or the "
+                         "model's pixel_values / input_values / input_features), or text with a LoadedModel")
     if ta.shape != tb.shape:
         raise ShapeError(f"clean inputs have shape {tuple(ta.shape)} and corrupted {tuple(tb.shape)}: patching "
                          "replaces position i by position i, so both must tokenise to the same length (choose "
@@ -64,7 +73,7 @@ def prepare(model, clean, corrupted) -> Pair:
         raise InputError("clean and corrupted are the same input: patching one into the other changes nothing, "
                          "and every effect would be 0/0; give a corrupted input that differs (other names, tokens)")
     name = getattr(loaded, "name", None) or type(adapter.model).__name__
-    return Pair(adapter, loaded, a, b, int(ta.shape[0]), int(ta.shape[1]), name)
+    return Pair(adapter, loaded, a, b, int(ta.shape[0]), int(ta.shape[1]) if length is None else length, name)
 
 
 def check_gap(m_clean: float, m_corrupt: float) -> None:
