@@ -155,17 +155,23 @@ def test_the_verdict_is_cached_per_config(tmp_path, monkeypatch):
 
 
 def test_a_type_no_test_names_loads_from_a_folder(tmp_path):
-    """Load (not adapt) of an undeclared type: checked at load, served, and its results equal eager."""
-    model = A.build("helium")
+    """Load (not adapt) of a type named nowhere else in the suite (GLM-4 MoE): checked at load, served, and its
+    patterns equal eager; BitNet (a norm between the attention output and W^O) is refused with what was seen."""
+    assert "glm4_moe" not in A.NAMES and "bitnet" not in A.NAMES
+    torch.manual_seed(0)
+    model = A._auto("glm4_moe", pad_token_id=0, eos_token_id=2, bos_token_id=1, first_k_dense_replace=1,
+                    n_routed_experts=2, n_shared_experts=1)().eval()
     model.save_pretrained(tmp_path)
     lm = headlab.load(tmp_path)
-    assert lm.adapter.family == "helium" and getattr(lm.adapter, "by_structure", False)
-    x = A.inputs("helium", padded=False)
+    assert lm.adapter.family == "glm4_moe" and getattr(lm.adapter, "by_structure", False)
+    x = A.inputs("llama", padded=False)
     cache = headlab.capture(lm, x, ["blocks.*.attn.pattern"])
     with torch.no_grad():
         eager = lm.model(**x, output_attentions=True).attentions
     for l in range(lm.adapter.n_layers):
         torch.testing.assert_close(cache[f"blocks.{l}.attn.pattern"], eager[l], atol=1e-5, rtol=1e-5)
+    with pytest.raises(UnsupportedArchitectureError, match="'bitnet'.*reads the attention output"):
+        adapt(A._auto("bitnet", pad_token_id=0, eos_token_id=2, bos_token_id=1)().eval())
 
 
 def test_models_check_prints_every_check(tmp_path, capsys):
