@@ -8,7 +8,9 @@ keeps every token, so at ``n`` tokens it holds
 
 For SmolLM2-135M (30 layers, 3 kv heads, head dim 64) in float32 that is 46,080 bytes per token:
 377,487,360 bytes (360 MiB) at 8,192 tokens. A per-head policy (``headlab.kv``) changes ``kept`` head by
-head: a windowed head holds ``min(n, sink + recent)``, a dropped one 0.
+head: a windowed head holds ``min(n, sink + recent)``, a dropped one 0, a SnapKV head ``min(prompt, budget)``
+prompt tokens (Li et al. 2024; Ada-KV: ``min(total, heads x prompt)`` per layer, Feng et al. 2024) plus every
+token after the prompt.
 
 A quantized head (``kv.full(bits=4)``, KIVI, Liu et al. 2024) holds, besides the vectors it keeps in the
 cache's dtype (the full-precision residual, the sinks), ``bits``-bit codes packed ``8 // bits`` to a byte
@@ -85,17 +87,21 @@ def layout_bytes(layout, *, head_dim: int, dtype="float32", v_dim: int | None = 
 
 
 def policy_cache_bytes(policy, *, kv_heads: Sequence[int], tokens: int, head_dim: int, dtype="float32",
-                       v_dim: int | None = None, batch: int = 1) -> int:
+                       v_dim: int | None = None, batch: int = 1, prompt: int | None = None) -> int:
     """The cache a per-head policy holds after ``tokens`` tokens: the sum of :func:`layout_bytes` over its kv heads
     (``policy``: a :class:`headlab.kv.Policy`, or anything with ``kept(tokens, kv_heads) -> [[count per kv head]
-    per layer]``, counted at the cache's dtype)."""
+    per layer]``, counted at the cache's dtype).
+
+    ``prompt``: how many of the ``tokens`` came as the prefill (None: all of them, a context compressed whole).
+    Only SnapKV's rules read it: they keep ``min(prompt, budget)`` prompt tokens per head (Ada-KV: ``min(total,
+    heads x prompt)`` per layer) and every token after the prompt."""
     if not hasattr(policy, "layouts"):
         return kv_cache_bytes(policy.kept(tokens, list(kv_heads)), head_dim=head_dim, dtype=dtype, v_dim=v_dim,
                               batch=batch)
     if hasattr(policy, "check_shape"):
         policy.check_shape(list(kv_heads), head_dim, v_dim)
     return sum(layout_bytes(lay, head_dim=head_dim, dtype=dtype, v_dim=v_dim, batch=batch)
-               for layer in policy.layouts(tokens, list(kv_heads)) for lay in layer)
+               for layer in policy.layouts(tokens, list(kv_heads), prompt) for lay in layer)
 
 
 def policy_peak_bytes(policy, *, kv_heads: Sequence[int], prompt: int, tokens: int, head_dim: int, dtype="float32",
@@ -103,13 +109,15 @@ def policy_peak_bytes(policy, *, kv_heads: Sequence[int], prompt: int, tokens: i
     """The most a per-head cache holds while it takes a ``prompt``-token prefill and then one token at a time up
     to ``tokens``, counted after each layer's step as :attr:`headlab.decode.HeadCache.peak_bytes` is.
 
-    A 16-bit policy only grows, so this is :func:`policy_cache_bytes` at ``tokens``; a quantized one shrinks
+    A 16-bit policy only grows, so this is :func:`policy_cache_bytes` at ``tokens`` (with ``prompt``: SnapKV's
+    rules select from the prompt inside each layer's prefill step, so the whole prompt of one layer is held only
+    within that step and is not counted, as the cache does not count it); a quantized one shrinks
     when a layer's full-precision key residual is quantized (KIVI), so its peak can come earlier, or in the
     middle of a step (layers before the one that shrank already grown)."""
     if not hasattr(policy, "layouts"):
         return policy_cache_bytes(policy, kv_heads=kv_heads, tokens=tokens, head_dim=head_dim, dtype=dtype,
                                   v_dim=v_dim, batch=batch)
-    if not 1 <= prompt <= tokens:
+    if isinstance(prompt, bool) or not isinstance(prompt, int) or not 1 <= prompt <= tokens:
         raise ConfigError(f"prompt={prompt} and tokens={tokens}: give 1 <= prompt <= tokens")
     kvh = list(kv_heads)
     if hasattr(policy, "check_shape"):
@@ -117,7 +125,7 @@ def policy_peak_bytes(policy, *, kv_heads: Sequence[int], prompt: int, tokens: i
 
     def per_layer(t: int) -> list[int]:
         return [sum(layout_bytes(lay, head_dim=head_dim, dtype=dtype, v_dim=v_dim, batch=batch) for lay in layer)
-                for layer in policy.layouts(t, kvh)]
+                for layer in policy.layouts(t, kvh, prompt)]
 
     prev = per_layer(prompt)
     peak = run = sum(prev)

@@ -42,7 +42,8 @@ class Generation:
         kv_bytes: the cache's key and value tensors at their peak, measured (``nbytes``; quantized rules: codes,
             scales and zero points), equal to :func:`headlab.costs.kv.policy_peak_bytes`.
         kv_bytes_full: what the ordinary (all heads full) cache holds at the same length, predicted.
-        prompt_tokens: the prompt's length.
+        prompt_tokens: the prompt's length (the question's not included).
+        question_tokens: the length of the ``question`` fed after the prompt's prefill (0: none).
         prefill_seconds: the prompt's forward; decode_seconds: the steps after it.
         text: the decoded new text (when the model came with a tokenizer).
     """
@@ -57,6 +58,7 @@ class Generation:
     policy: Policy
     text: str | None = None
     counts: dict = field(default_factory=dict)
+    question_tokens: int = 0
 
     @property
     def tokens_per_second(self) -> float:
@@ -65,6 +67,7 @@ class Generation:
 
     def to_json(self) -> dict:
         return {"ids": self.ids[0].tolist(), "text": self.text, "prompt_tokens": self.prompt_tokens,
+                "question_tokens": self.question_tokens,
                 "kv_bytes": self.kv_bytes, "kv_bytes_full": self.kv_bytes_full,
                 "kv_ratio": self.kv_bytes / self.kv_bytes_full if self.kv_bytes_full else None,
                 "prefill_seconds": self.prefill_seconds, "decode_seconds": self.decode_seconds,
@@ -148,7 +151,7 @@ def _next(logits: torch.Tensor, *, sample: bool, temperature: float, top_k: int 
 
 def generate(model, prompt, *, policy: Policy | None = None, max_new_tokens: int = 32, sample: bool = False,
              temperature: float = 1.0, top_k: int | None = None, seed: int | None = None, stop_at_eos: bool = True,
-             progress: bool = False) -> Generation:
+             progress: bool = False, question=None) -> Generation:
     """Decode ``max_new_tokens`` tokens after ``prompt`` with a KV cache shaped by ``policy``.
 
     Args:
@@ -160,6 +163,10 @@ def generate(model, prompt, *, policy: Policy | None = None, max_new_tokens: int
             and ``stop_at_eos``).
         sample, temperature, top_k, seed: sampling instead of greedy decoding, reproducible with ``seed``.
         progress: a progress bar over the steps.
+        question: a text or ids fed as one more forward after the prompt's prefill, before the first new token.
+            SnapKV / Ada-KV rules select from the prefill, so with ``question`` the selection does not know the
+            question (query-agnostic, as kvpress evaluates: compress the context, then ask); without it, a
+            question at the end of ``prompt`` lies in the observation window (SnapKV's own setting).
 
     The prompt runs as one forward (prefill; windowed heads on the sparse kernel), then one token per step.
     """
@@ -170,17 +177,20 @@ def generate(model, prompt, *, policy: Policy | None = None, max_new_tokens: int
         raise ConfigError(f"temperature must be > 0 for sampling, got {temperature}")
     ids = prompt_ids(adapter, loaded, prompt)
     n = ids.shape[1]
+    q_ids = prompt_ids(adapter, loaded, question) if question is not None else ids[:, :0]
+    nq = q_ids.shape[1]
     limit = _limit(adapter, loaded)
-    if limit is not None and n + max_new_tokens > limit:
-        raise InputError(f"the prompt ({n} tokens) plus {max_new_tokens} new tokens exceeds the {limit} positions "
-                         "the model was trained for; shorten the prompt or ask for fewer tokens")
+    if limit is not None and n + nq + max_new_tokens > limit:
+        raise InputError(f"the prompt ({n} tokens{f' and a {nq}-token question' if nq else ''}) plus {max_new_tokens} "
+                         f"new tokens exceeds the {limit} positions the model was trained for; shorten the prompt or "
+                         "ask for fewer tokens")
     hf = adapter.model
     kvh = kv_layout(adapter)[1]
     dtype = next(hf.parameters()).dtype
     policy.check_shape(kvh, adapter.head_dim)
-    predicted = policy_cache_bytes(policy, kv_heads=kvh, tokens=n + max_new_tokens, head_dim=adapter.head_dim,
-                                   dtype=dtype)
-    check_fits(predicted, what=f"the KV cache at {n + max_new_tokens} tokens under {policy.name}",
+    predicted = policy_cache_bytes(policy, kv_heads=kvh, tokens=n + nq + max_new_tokens, head_dim=adapter.head_dim,
+                                   dtype=dtype, prompt=n)
+    check_fits(predicted, what=f"the KV cache at {n + nq + max_new_tokens} tokens under {policy.name}",
                device=ids.device, alternative=None)
     eos = getattr(getattr(hf, "generation_config", None), "eos_token_id", None)
     eos = set(eos if isinstance(eos, list) else [eos]) - {None} if stop_at_eos else set()
@@ -190,6 +200,8 @@ def generate(model, prompt, *, policy: Policy | None = None, max_new_tokens: int
         cache = _new_cache(adapter, policy)
         t0 = time.perf_counter()
         logits = hf(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1).logits[0, -1]
+        if nq:  # after the prefill (and SnapKV's selection): the question, as one more chunk
+            logits = hf(input_ids=q_ids, cache=cache, use_cache=True, logits_to_keep=1).logits[0, -1]
         t1 = time.perf_counter()
         with progress_bar(progress) as bar:
             task = bar.add_task("decoding", total=max_new_tokens)
@@ -202,12 +214,12 @@ def generate(model, prompt, *, policy: Policy | None = None, max_new_tokens: int
                     break
                 logits = hf(input_ids=torch.tensor([[tok]], device=ids.device), cache=cache, use_cache=True).logits[0, -1]
         t2 = time.perf_counter()
-    held = n + len(out_ids) - 1  # the last token is never fed back
+    held = n + nq + len(out_ids) - 1  # the last token is never fed back
     full_bytes = kv_cache_bytes([[held] * g for g in kvh], head_dim=adapter.head_dim, dtype=dtype)  # all kept
     new = torch.tensor([out_ids], dtype=torch.long)
     text = loaded.tokenizer.decode(out_ids, skip_special_tokens=True) if loaded is not None and loaded.tokenizer else None
     return Generation(new, torch.stack(logits_seen), _held_bytes(cache), full_bytes, n, t1 - t0, t2 - t1, policy, text,
-                      policy.counts(kvh))
+                      policy.counts(kvh), nq)
 
 
 def perplexity(model, ids: torch.Tensor, *, policy: Policy | None = None, chunk: int = 512,
@@ -221,7 +233,8 @@ def perplexity(model, ids: torch.Tensor, *, policy: Policy | None = None, chunk:
     Quantized rules (``bits`` < 16) act on the cache, not on the prefill (KIVI computes the prompt's
     attention in full precision and stores it quantized), so one forward does not see them: give
     ``prefill`` to run the first ``prefill`` tokens as one forward and the rest one token at a time, as
-    decoding does (a forward per token: slower).
+    decoding does (a forward per token: slower). The same holds for SnapKV / Ada-KV rules, which select from
+    the prefill once it has run: with ``prefill``, the tokens after it see only what each head kept.
     """
     adapter, loaded, policy = _setup(model, policy)
     ids = prompt_ids(adapter, loaded, ids)

@@ -6,7 +6,11 @@ A **rule** says what one kv head of one layer holds:
 - :func:`window(sink, recent) <window>` keeps the first ``sink`` keys and the last ``recent`` ones
   (StreamingLLM's attention sinks plus a sliding window, Xiao et al. 2024);
 - :data:`drop` keeps nothing: the kv head is pruned, with the query heads that read it (their
-  output is zero, as if their W^O columns were removed).
+  output is zero, as if their W^O columns were removed);
+- :func:`snap(budget, window, pool) <snap>` keeps, after the prefill, the ``budget`` prompt tokens its
+  observation window (the last ``window`` prompt queries) attends to most, then every new token (SnapKV,
+  Li et al. 2024); :func:`adakv` lets the heads of a layer share one budget, allocated by their scores
+  jointly with a floor per head (Ada-KV, Feng et al. 2024). What they keep depends on the prompt.
 
 Full and windowed rules also carry a precision, ``bits`` 16 (the cache's dtype), 8, 4 or 2: keys per
 channel and values per token in asymmetric min-max groups, the most recent tokens in full precision
@@ -49,7 +53,8 @@ import torch
 
 from headlab.errors import ConfigError, InputError, ModelError
 
-__all__ = ["Full", "Window", "Drop", "Rule", "Layout", "full", "drop", "window", "Policy", "kv_layout"]
+__all__ = ["Full", "Window", "Drop", "Snap", "Rule", "Layout", "full", "drop", "window", "snap", "adakv", "Policy",
+           "kv_layout"]
 
 
 BITS = (16, 8, 4, 2)   # 16: the cache's own dtype; 8, 4, 2: quantized (KIVI)
@@ -77,6 +82,34 @@ class Layout:
     bits: int = 16
     group: int = 32
     compensation: int = 0
+
+
+class _Rule:
+    """What every kind of rule answers; the policy, the cache and the cost model ask the rule, not its type.
+
+    ``kind``: what :meth:`Policy.counts` calls it; ``layouts(heads, tokens, prompt)``: what each of the ``heads``
+    kv heads of one layer that follow the rule holds (a rule whose heads share a budget, Ada-KV's, splits it
+    there); ``check_heads``: refuse a layer the rule cannot serve; ``visible``: its visibility by positions."""
+
+    kind = "rule"
+    bits = 16
+
+    def layout(self, tokens: int, prompt: int | None = None) -> Layout:  # pragma: no cover - every kind has one
+        raise NotImplementedError
+
+    def layouts(self, heads: int, tokens: int, prompt: int | None = None) -> list[Layout]:
+        """What each of ``heads`` kv heads of a layer that follow this rule holds after ``tokens`` tokens, of which
+        the first ``prompt`` came as the prefill (None: all of them)."""
+        return [self.layout(tokens, prompt)] * heads
+
+    def check_heads(self, heads: int, layer: int) -> None:
+        """Refuse to serve ``heads`` kv heads of ``layer`` (nothing to refuse for a per-head rule)."""
+
+    def text(self) -> str:
+        return _rule_text(self)
+
+    def label(self) -> str:
+        return _rule_name(self)
 
 
 def _check_int(name: str, val, *, low: int) -> None:
@@ -114,7 +147,7 @@ def _precision_text(r) -> str:
 
 
 @dataclass(frozen=True)
-class Full:
+class Full(_Rule):
     """Keep every key (the ordinary cache), at ``bits`` bits (16: the cache's dtype; 8, 4, 2: quantized as KIVI).
 
     ``kv.full`` is the 16-bit rule; ``kv.full(bits=4)`` (a call of it) the same rule with 4-bit keys and values."""
@@ -132,11 +165,16 @@ class Full:
         """Quantized: the cache stores it apart from the plain (bit-exact) path."""
         return self.bits != 16
 
-    def kept(self, tokens: int) -> int:
+    kind = "full"
+
+    def kept(self, tokens: int, prompt: int | None = None) -> int:
         return tokens
 
-    def layout(self, tokens: int) -> Layout:
+    def layout(self, tokens: int, prompt: int | None = None) -> Layout:
         return _layout(self, tokens, start=0, low=0)
+
+    def visible(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
+        return k_pos <= q_pos
 
     def __repr__(self) -> str:
         p = _precision_text(self)
@@ -144,24 +182,28 @@ class Full:
 
 
 @dataclass(frozen=True)
-class Drop:
+class Drop(_Rule):
     """Keep nothing: the kv head and its query heads are pruned (their output is zero)."""
 
     bits = 16  # nothing is stored; there for uniformity
     special = False
+    kind = "drop"
 
-    def kept(self, tokens: int) -> int:
+    def kept(self, tokens: int, prompt: int | None = None) -> int:
         return 0
 
-    def layout(self, tokens: int) -> Layout:
+    def layout(self, tokens: int, prompt: int | None = None) -> Layout:
         return Layout(0, 0)
+
+    def visible(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
+        return torch.zeros_like(k_pos <= q_pos)
 
     def __repr__(self) -> str:
         return "drop"
 
 
 @dataclass(frozen=True)
-class Window:
+class Window(_Rule):
     """Keep the first ``sink`` keys (attention sinks) and the last ``recent`` keys; with ``compensate``, one more
     key/value pair holding the mean of the evicted ones (RazorAttention)."""
 
@@ -172,14 +214,19 @@ class Window:
     residual: int = RESIDUAL
     compensate: bool = False
 
-    def kept(self, tokens: int) -> int:
+    kind = "window"
+
+    def kept(self, tokens: int, prompt: int | None = None) -> int:
         return min(tokens, self.sink + self.recent) + self.compensation(tokens)
+
+    def visible(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
+        return (k_pos <= q_pos) & ((k_pos < self.sink) | (q_pos - k_pos < self.recent))
 
     def compensation(self, tokens: int) -> int:
         """1 when the rule holds a compensation token after ``tokens`` tokens (some key was evicted), else 0."""
         return int(self.compensate and tokens > self.sink + self.recent)
 
-    def layout(self, tokens: int) -> Layout:
+    def layout(self, tokens: int, prompt: int | None = None) -> Layout:
         lay = _layout(self, tokens, start=self.sink, low=max(self.sink, tokens - self.recent))
         comp = self.compensation(tokens)
         return Layout(lay.full_keys, lay.full_values, lay.quant_keys, lay.quant_values, lay.key_groups,
@@ -195,7 +242,7 @@ class Window:
         return f"window(sink={self.sink}, recent={self.recent}{extra})"
 
 
-Rule = Full | Window | Drop
+Rule = Full | Window | Drop  # and Snap (defined below)
 full = Full()
 drop = Drop()
 
@@ -259,6 +306,166 @@ def window(sink: int = 4, recent: int = 256, *, bits: int = 16, group: int | Non
     return Window(sink, recent, *_check_precision(bits, group, residual), compensate)
 
 
+POOLINGS = ("max", "avg")
+
+
+@dataclass(frozen=True)
+class Snap(_Rule):
+    """SnapKV (Li et al. 2024): after the prefill, keep the prompt tokens that the last ``window`` prompt queries
+    attend to most, and the window itself; every token after the prefill is kept. With ``adaptive``, Ada-KV's
+    allocation (Feng et al. 2024): the kv heads of a layer that follow this rule share one budget, picked as the
+    highest scores over all of them jointly, each head keeping at least ``floor``.
+
+    The score of prompt key ``j < n - window`` for a query head is the attention the window's queries give it
+    (``sum_i softmax(q_i k / sqrt d)_j``, each row over all the keys it sees), smoothed along the positions by a
+    1-D ``pooling`` ("max" or "avg") of width ``pool`` (padded, stride 1); a kv head's score is the *mean* over
+    its query heads (grouped-query models, as kvpress does). Ties go to the earlier position (Ada-KV: the lower
+    kv head first). Build one with :func:`snap` or :func:`adakv`."""
+
+    budget: int | None           # prompt tokens a head keeps, window included (Ada-KV: on average)
+    window: int = 32             # the observation window: the last prompt queries, whose keys are kept
+    pool: int = 7                # width of the 1-D pooling of the scores (odd; 1: none)
+    pooling: str = "max"
+    adaptive: bool = False       # Ada-KV: the heads of a layer under this rule share their budgets
+    total: int | None = None     # Ada-KV: the prompt tokens those heads keep together (else budget x heads)
+    floor: int | None = None     # Ada-KV: the fewest prompt tokens a head keeps, window included
+
+    kind = "snap"
+    special = False
+
+    def group_total(self, heads: int) -> int:
+        """The prompt tokens ``heads`` kv heads under this rule keep together (prompts longer than that)."""
+        return self.total if self.total is not None else self.budget * heads
+
+    def floor_for(self, heads: int) -> int:
+        """Ada-KV's floor for a layer of ``heads`` heads under this rule: ``floor``, or by default the window plus
+        a fifth of the average share past it (Ada-KV's safeguard, alpha = 0.2)."""
+        if self.floor is not None:
+            return self.floor
+        avg = self.group_total(heads) // heads
+        return self.window + max(0, avg - self.window) // 5
+
+    def check_heads(self, heads: int, layer: int) -> None:
+        if not self.adaptive or heads == 0:
+            return
+        total, floor = self.group_total(heads), self.floor_for(heads)
+        if total < heads * max(floor, self.window):
+            raise ConfigError(f"layer {layer}: {heads} kv heads share total={total} prompt tokens under Ada-KV, but "
+                              f"each keeps at least floor={max(floor, self.window)} (its observation window "
+                              f"included): {heads} x {max(floor, self.window)} > {total}; raise the total or lower "
+                              "the floor")
+
+    def layouts(self, heads: int, tokens: int, prompt: int | None = None) -> list[Layout]:
+        """The prompt's kept tokens (``min(prompt, budget)`` per head; Ada-KV: ``min(total, heads x prompt)`` split
+        evenly, the real split being the data's) plus every token after it."""
+        p = tokens if prompt is None else prompt
+        if not 0 <= p <= tokens:
+            raise ConfigError(f"prompt={p} and tokens={tokens}: give 0 <= prompt <= tokens")
+        after = tokens - p
+        if not self.adaptive:
+            n = min(p, self.budget) + after
+            return [Layout(n, n)] * heads
+        q, r = divmod(min(self.group_total(heads), heads * p), heads) if heads else (0, 0)
+        return [Layout(q + (i < r) + after, q + (i < r) + after) for i in range(heads)]
+
+    def layout(self, tokens: int, prompt: int | None = None) -> Layout:
+        if self.adaptive and self.total is not None:
+            raise ConfigError("an Ada-KV rule with a total shares it among the heads of a layer: ask "
+                              "Policy.layouts (or rule.layouts(heads, ...)) for what each head holds")
+        return self.layouts(1, tokens, prompt)[0]
+
+    def kept(self, tokens: int, prompt: int | None = None) -> int:
+        return self.layout(tokens, prompt).full_keys
+
+    def visible(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
+        raise ConfigError(f"{self!r} keeps the prompt tokens its observation window attends to: which ones depends on "
+                          "the prompt, not on positions alone; HeadCache.positions(layer, kv_head) gives them after "
+                          "the prefill")
+
+    def text(self) -> str:
+        """What :func:`as_rule` reads back: ``snapkv:256,window=32,pool=7``, ``adakv:total=768,floor=64,...``."""
+        opts = [f"window={self.window}", f"pool={self.pool}"] + (["pooling=avg"] if self.pooling != "max" else [])
+        if not self.adaptive:
+            return ",".join([f"snapkv:{self.budget}"] + opts)
+        size = f"total={self.total}" if self.total is not None else str(self.budget)
+        return ",".join([f"adakv:{size}"] + ([f"floor={self.floor}"] if self.floor is not None else []) + opts)
+
+    def label(self) -> str:
+        """What tables call a uniform policy of it: ``SnapKV 256``, ``Ada-KV 256/head``, ``Ada-KV 768/layer``."""
+        if not self.adaptive:
+            return f"SnapKV {self.budget}"
+        return f"Ada-KV {self.budget}/head" if self.total is None else f"Ada-KV {self.total}/layer"
+
+    def __repr__(self) -> str:
+        opts = f"window={self.window}, pool={self.pool}" + (", pooling='avg'" if self.pooling != "max" else "")
+        if not self.adaptive:
+            return f"snap({self.budget}, {opts})"
+        size = f"total={self.total}" if self.total is not None else f"{self.budget}"
+        floor = f", floor={self.floor}" if self.floor is not None else ""
+        return f"adakv({size}{floor}, {opts})"
+
+
+def _check_snap(window, pool, pooling) -> None:
+    _check_int("window", window, low=1)
+    _check_int("pool", pool, low=1)
+    if pool % 2 == 0:
+        raise ConfigError(f"pool={pool}: SnapKV pools the scores over an odd number of positions (centred on each "
+                          "key), e.g. pool=7; pool=1 pools nothing")
+    if pooling not in POOLINGS:
+        raise ConfigError(f"pooling={pooling!r}: use 'max' (SnapKV's) or 'avg' (kvpress's)")
+
+
+def snap(budget: int, window: int = 32, pool: int = 7, *, pooling: str = "max") -> Snap:
+    """SnapKV's rule for a kv head: after the prefill it keeps ``budget`` prompt tokens, the last ``window`` (the
+    observation window) and the ``budget - window`` earlier ones the window attends to most, then every new token.
+
+    A prompt of at most ``budget`` tokens is kept whole. The prompt must be at least ``window`` tokens
+    (:class:`~headlab.errors.InputError` at the prefill). Raises :class:`~headlab.errors.ConfigError` for a
+    budget or window below 1, a budget below the window, an even pool, or a pooling other than "max", "avg".
+    """
+    _check_int("budget", budget, low=1)
+    _check_snap(window, pool, pooling)
+    if budget < window:
+        raise ConfigError(f"snap(budget={budget}, window={window}): the budget counts the observation window it "
+                          f"always keeps; give budget >= window (e.g. snap({max(budget, 4 * window)}, window={window}))")
+    return Snap(budget, window, pool, pooling)
+
+
+def adakv(budget: int | None = None, *, total: int | None = None, floor: int | None = None, window: int = 32,
+          pool: int = 7, pooling: str = "max") -> Snap:
+    """Ada-KV's rule (Feng et al. 2024) on SnapKV's scores: the kv heads of a layer that follow it keep ``total``
+    prompt tokens together (or ``budget`` per head on average: ``budget x heads``), the highest scores over all
+    of them jointly, each head at least ``floor`` (its window included; default: the window plus a fifth of the
+    average share past it, Ada-KV's alpha = 0.2). A head whose window attends to a few tokens gives its share to
+    heads that spread their attention.
+
+    Raises :class:`~headlab.errors.ConfigError` unless exactly one of ``budget``, ``total`` is given, for a
+    floor below the window or above the budget, and (when the policy meets the model) for ``floor x heads >
+    total``.
+    """
+    if (budget is None) == (total is None):
+        raise ConfigError("adakv takes budget= (prompt tokens per kv head, on average) or total= (per layer), "
+                          "exactly one of them, e.g. adakv(256) or adakv(total=768)")
+    _check_snap(window, pool, pooling)
+    size = budget if budget is not None else total
+    _check_int("budget" if budget is not None else "total", size, low=1)
+    if budget is not None and budget < window:
+        raise ConfigError(f"adakv(budget={budget}, window={window}): the budget counts the observation window every "
+                          "head keeps; give budget >= window")
+    if floor is not None:
+        _check_int("floor", floor, low=1)
+        if floor < window:
+            raise ConfigError(f"floor={floor} < window={window}: every head keeps its observation window, so its "
+                              f"floor is at least the window (floor counts it)")
+        if floor > size:
+            raise ConfigError(f"floor={floor} is more than the {'budget' if budget is not None else 'total'} "
+                              f"{size}: each head would keep more than the heads share")
+    return Snap(budget, window, pool, pooling, True, total, floor)
+
+
+Rule = Full | Window | Drop | Snap
+
+
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 
@@ -289,11 +496,13 @@ def _options(x, name: str, items: list[str]) -> dict:
 def as_rule(x) -> Rule:
     """A rule from a rule or its text: ``"full"``, ``"drop"``, ``"window:SINK,RECENT"`` / ``"streaming:SINK,RECENT"``,
     each (but drop) with options: ``"full:bits=4"``, ``"streaming:4,256,bits=2,group=32,residual=128"``,
-    ``"window:4,256,compensate"``."""
-    if isinstance(x, Full | Window | Drop):
+    ``"window:4,256,compensate"``; SnapKV ``"snapkv:256"`` (``"snapkv:256,window=32,pool=7,pooling=avg"``) and
+    Ada-KV ``"adakv:256"`` (256 per kv head on average) or ``"adakv:total=768,floor=64"``."""
+    if isinstance(x, _Rule):
         return x
     if not isinstance(x, str):
-        raise ConfigError(f"a kv rule is kv.full, kv.drop, kv.window(sink, recent) or its text; got {x!r}")
+        raise ConfigError(f"a kv rule is kv.full, kv.drop, kv.window(sink, recent), kv.snap(budget), kv.adakv(budget) "
+                          f"or its text; got {x!r}")
     text = x.strip().lower()
     if text == "full":
         return full
@@ -314,8 +523,42 @@ def as_rule(x) -> Rule:
             raise ConfigError(f"kv rule {x!r}: write {name}:SINK,RECENT with two integers, then any options, e.g. "
                               f"{name}:4,256 or {name}:4,256,bits=4,compensate")
         return window(*nums, **_options(x, name, parts[2:]))
-    raise ConfigError(f"unknown kv rule {x!r}: use full, drop, or streaming:SINK,RECENT (e.g. streaming:4,256), "
-                      "with options such as full:bits=4 or streaming:4,256,bits=2,compensate")
+    if name in ("snapkv", "snap", "adakv"):
+        return _snap_rule(x, name, parts)
+    raise ConfigError(f"unknown kv rule {x!r}: use full, drop, streaming:SINK,RECENT (e.g. streaming:4,256), "
+                      "snapkv:BUDGET or adakv:BUDGET, with options such as full:bits=4, streaming:4,256,bits=2,compensate "
+                      "or snapkv:256,window=32,pool=7")
+
+
+def _snap_rule(x: str, name: str, parts: list[str]) -> Snap:
+    """``snapkv:BUDGET[,window=W,pool=P,pooling=max|avg]``, ``adakv:BUDGET`` or ``adakv:total=T`` (and ``floor=F``)."""
+    allowed = ("window", "pool", "pooling") + (("total", "floor") if name == "adakv" else ())
+    example = f"{name}:256,window=32,pool=7" + (" or adakv:total=768,floor=64" if name == "adakv" else "")
+    opts: dict = {}
+    budget = None
+    for i, item in enumerate(parts):
+        key, eq, val = (p.strip() for p in item.partition("="))
+        if not eq and i == 0:
+            key, val = "budget", key
+        elif key not in allowed or not eq:
+            raise ConfigError(f"kv rule {x!r}: unknown option {item!r}; {name} takes {', '.join(a + '=' for a in allowed)}"
+                              f" (e.g. {example})")
+        if key == "pooling":
+            opts[key] = val
+            continue
+        try:
+            num = int(val)
+        except ValueError:
+            raise ConfigError(f"kv rule {x!r}: {key} takes an integer, got {val!r} (e.g. {example})") from None
+        if key == "budget":
+            budget = num
+        else:
+            opts[key] = num
+    if name == "adakv":
+        return adakv(budget, **opts)
+    if budget is None:
+        raise ConfigError(f"kv rule {x!r}: write {name}:BUDGET, the prompt tokens each kv head keeps (e.g. {example})")
+    return snap(budget, **opts)
 
 
 def kv_layout(model) -> tuple[list[int], list[int]]:
@@ -346,7 +589,19 @@ class Policy:
     def uniform(cls, rule, *, name: str | None = None) -> Policy:
         """Every kv head follows ``rule``: ``Policy.uniform(kv.window(4, 256))`` is StreamingLLM."""
         r = as_rule(rule)
-        return cls({}, r, name or _rule_name(r))
+        return cls({}, r, name or r.label())
+
+    @classmethod
+    def snapkv(cls, budget: int, *, window: int = 32, pool: int = 7, pooling: str = "max") -> Policy:
+        """SnapKV on every kv head: ``Policy.uniform(kv.snap(budget, window, pool))``."""
+        return cls.uniform(snap(budget, window, pool, pooling=pooling))
+
+    @classmethod
+    def adakv(cls, budget: int | None = None, *, total_per_layer: int | None = None, floor: int | None = None,
+              window: int = 32, pool: int = 7, pooling: str = "max") -> Policy:
+        """Ada-KV on SnapKV's scores for every layer: its kv heads keep ``total_per_layer`` prompt tokens together (or
+        ``budget`` per head on average), allocated by their scores jointly, each at least ``floor`` (:func:`adakv`)."""
+        return cls.uniform(adakv(budget, total=total_per_layer, floor=floor, window=window, pool=pool, pooling=pooling))
 
     @classmethod
     def from_spec(cls, spec: Mapping, default="full", *, name: str = "spec") -> Policy:
@@ -444,7 +699,8 @@ class Policy:
     @classmethod
     def parse(cls, text: str) -> Policy:
         """A uniform policy from its text: ``full``, ``drop``, ``streaming:4,256`` (or ``window:4,256``), with options
-        ``full:bits=4``, ``streaming:4,256,bits=2,group=32,residual=128``, ``streaming:4,256,compensate``."""
+        ``full:bits=4``, ``streaming:4,256,bits=2,group=32,residual=128``, ``streaming:4,256,compensate``; SnapKV
+        ``snapkv:256`` (``snapkv:256,window=32,pool=7``), Ada-KV ``adakv:256`` or ``adakv:total=768,floor=64``."""
         return cls.uniform(as_rule(text))
 
     @classmethod
@@ -462,8 +718,8 @@ class Policy:
         return cls.from_spec(data["heads"], data.get("default", "full"), name=data.get("name", p.stem))
 
     def to_json(self) -> dict:
-        return {"name": self.name, "default": _rule_text(self.default),
-                "heads": {f"{l}.{h}": _rule_text(r) for (l, h), r in sorted(self.rules.items())}}
+        return {"name": self.name, "default": self.default.text(),
+                "heads": {f"{l}.{h}": r.text() for (l, h), r in sorted(self.rules.items())}}
 
     # -- reading -------------------------------------------------------------------------------------------
     def rule(self, layer: int, kv_head: int) -> Rule:
@@ -477,25 +733,37 @@ class Policy:
             if not 0 <= head < kv_heads[layer]:
                 raise ConfigError(f"the policy names kv head {head} of layer {layer}, but that layer has kv heads "
                                   f"0..{kv_heads[layer] - 1} (grouped-query models have fewer kv heads than query heads)")
+        for layer, g in enumerate(kv_heads):
+            for rule, heads in self.layer_groups(layer, g).items():
+                rule.check_heads(len(heads), layer)
+
+    def layer_groups(self, layer: int, n_kv: int) -> dict[Rule, list[int]]:
+        """The layer's kv heads by rule, ``{rule: [kv heads]}`` in order (a cache group per rule)."""
+        out: dict[Rule, list[int]] = {}
+        for j, r in enumerate(self.layer_rules(layer, n_kv)):
+            out.setdefault(r, []).append(j)
+        return out
 
     def layer_rules(self, layer: int, n_kv: int) -> list[Rule]:
         return [self.rule(layer, h) for h in range(n_kv)]
 
-    def kept(self, tokens: int, kv_heads: Sequence[int]) -> list[list[int]]:
-        """Keys held per ``[layer][kv_head]`` once ``tokens`` tokens have been cached."""
-        self.check(kv_heads)
-        return [[r.kept(tokens) for r in self.layer_rules(l, g)] for l, g in enumerate(kv_heads)]
+    def kept(self, tokens: int, kv_heads: Sequence[int], prompt: int | None = None) -> list[list[int]]:
+        """Keys held per ``[layer][kv_head]`` once ``tokens`` tokens have been cached, the first ``prompt`` of them
+        (None: all) as the prefill (SnapKV selects from the prefill; an Ada-KV layer's count is split evenly here)."""
+        return [[lay.full_keys + lay.quant_keys + lay.compensation for lay in layer]
+                for layer in self.layouts(tokens, kv_heads, prompt)]
 
     def visible(self, layer: int, kv_head: int, q_len: int, kv_len: int | None = None) -> torch.Tensor:
-        """``(q_len, kv_len)`` bool: may query ``t`` see key ``j`` under this head's rule (positions from 0)."""
+        """``(q_len, kv_len)`` bool: may query ``t`` see key ``j`` under this head's rule (positions from 0).
+        SnapKV's rules refuse (what they keep depends on the prompt)."""
         return visibility(self.rule(layer, kv_head), torch.arange(q_len)[:, None], torch.arange(kv_len or q_len)[None])
 
     def counts(self, kv_heads: Sequence[int]) -> dict[str, int]:
-        """How many kv heads are full, windowed and dropped."""
+        """How many kv heads are full, windowed and dropped (and ``snap``: SnapKV / Ada-KV, when there are any)."""
         out = {"full": 0, "window": 0, "drop": 0}
         for l, g in enumerate(kv_heads):
             for r in self.layer_rules(l, g):
-                out["window" if isinstance(r, Window) else "drop" if isinstance(r, Drop) else "full"] += 1
+                out[r.kind] = out.get(r.kind, 0) + 1
         return out
 
     def bits(self, kv_heads: Sequence[int]) -> dict[int, int]:
@@ -507,10 +775,18 @@ class Policy:
                     out[r.bits] += 1
         return out
 
-    def layouts(self, tokens: int, kv_heads: Sequence[int]) -> list[list[Layout]]:
-        """What each ``[layer][kv_head]`` holds once ``tokens`` tokens have been cached (:class:`Layout`)."""
+    def layouts(self, tokens: int, kv_heads: Sequence[int], prompt: int | None = None) -> list[list[Layout]]:
+        """What each ``[layer][kv_head]`` holds once ``tokens`` tokens have been cached (:class:`Layout`), the
+        first ``prompt`` (None: all) as the prefill. Each rule answers for its heads of a layer together."""
         self.check(kv_heads)
-        return [[r.layout(tokens) for r in self.layer_rules(l, g)] for l, g in enumerate(kv_heads)]
+        out = []
+        for l, g in enumerate(kv_heads):
+            row: list[Layout | None] = [None] * g
+            for rule, heads in self.layer_groups(l, g).items():
+                for j, lay in zip(heads, rule.layouts(len(heads), tokens, prompt)):
+                    row[j] = lay
+            out.append(row)
+        return out
 
     def check_shape(self, kv_heads: Sequence[int], head_dim: int, v_dim: int | None = None) -> None:
         """Refuse quantized rules whose groups or packing do not fit ``head_dim`` (and ``v_dim``)."""
@@ -531,16 +807,11 @@ class Policy:
 
 def visibility(rule: Rule, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
     """The rule's visibility for query positions ``q_pos`` and key positions ``k_pos`` (broadcast)."""
-    causal = k_pos <= q_pos
-    if isinstance(rule, Full):
-        return causal
-    if isinstance(rule, Drop):
-        return torch.zeros_like(causal)
-    return causal & ((k_pos < rule.sink) | (q_pos - k_pos < rule.recent))
+    return rule.visible(q_pos, k_pos)
 
 
 def _rule_text(r: Rule) -> str:
-    """The text :func:`as_rule` reads back."""
+    """The text :func:`as_rule` reads back (full, window, drop; other kinds answer ``text()`` themselves)."""
     if isinstance(r, Drop):
         return "drop"
     opts = [f"bits={r.bits}", f"group={r.group}", f"residual={r.residual}"] if r.bits != 16 else []
