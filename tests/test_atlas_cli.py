@@ -56,20 +56,61 @@ def test_end_to_end(tmp_path, saved_decoder, capsys):
 
 
 def test_analyze_report_lists_the_atlas_roles(tmp_path):
-    # the report's atlas section: scores only, on the atlas's own inputs; its heads are the atlas's own
+    # the report's atlas section against scores computed here from Hugging Face's own eager attention maps
+    # (a fresh copy of the model, output_attentions=True), each by its kind's published definition, on the
+    # section's documented inputs: 2 sequences of 16 random tokens repeated once, one 64-token piece of the
+    # shipped passage; a head carries a role at or above the documented threshold
+    import html as H
+
+    import transformers
+
     import headlab
-    from headlab.interpret.atlas import atlas
+    from headlab.interpret.atlas import tasks as T
     from headlab.interpret.report.analyze_job import analyze
+    from headlab.models.named_models import minilm_dir
 
     ld = headlab.load("minilm")
     analyze("The cat sat on the mat.", model=ld, out_dir=tmp_path / "r")
     page = (tmp_path / "r" / "report.html").read_text()
     assert 'id="atlas-section"' in page
-    a = atlas(ld, kinds=["previous_token", "duplicate_token", "induction", "sink", "local"], checks=False,
-              copying=False, evidence=False, half=16, n_repeated=2, n_texts=1, max_tokens=64)
-    for kind, s in a.summary().items():
-        shown = ", ".join(s["heads"][:12]) or "-"
-        assert f"{s['count']} ({100 * s['share']:.1f}%)</td><td>{shown}" in page, kind
+    tok = ld.tokenizer
+    eager = transformers.AutoModel.from_pretrained(minilm_dir(), attn_implementation="eager").eval()
+
+    def maps(ids):  # (B, layers, heads, T, T), float64
+        with torch.no_grad():
+            return torch.stack(eager(ids, attention_mask=torch.ones_like(ids), output_attentions=True).attentions,
+                               1).double()
+
+    half = 16
+    rep, start = T.repeated(tok, vocab=tok.vocab_size, n=2, half=half, seed=0)
+    assert rep.shape == (2, 2 * half + 2) and start == 1 and (rep[:, 0] == tok.cls_token_id).all()
+    assert (rep[:, -1] == tok.sep_token_id).all() and (rep[:, 1:1 + half] == rep[:, 1 + half:1 + 2 * half]).all()
+    a = maps(rep)
+    second = torch.arange(start + half, start + 2 * half)  # the second copy's rows
+    rows = torch.arange(1, start + 2 * half)  # every row with a previous token, [CLS] and both copies
+    want = {"previous_token": a[..., rows, rows - 1].mean((0, -1)),  # A[i, i-1]
+            "duplicate_token": a[..., second, second - half].mean((0, -1)),  # A[i, i-T]: the earlier copy
+            "induction": a[..., second, second - half + 1].mean((0, -1))}  # A[i, i-T+1]: the token after it
+    text = T.natural(tok, None, max_tokens=64, n=1)[0]
+    assert len(text) == 64 and tok.decode(text[1:6]).lower() in T.haystack_text().lower()
+    m = maps(text[None])[0]  # (layers, heads, T, T)
+    sinks = [0] + [j for j, t in enumerate(text.tolist()) if t == tok.sep_token_id]  # [CLS] and every [SEP]
+    want["sink"] = m[..., sinks].sum(-1).mean(-1)
+    i, j = torch.arange(64)[:, None], torch.arange(64)[None, :]
+    want["local"] = (m * ((i - j).abs() < 16)).sum(-1).mean(-1)  # an encoder's window: |i - j| < 16
+    roles = {"previous_token": ("previous-token", 0.4), "duplicate_token": ("duplicate-token", 0.3),
+             "induction": ("induction", 0.3), "sink": ("sink", 0.5), "local": ("local", 0.7)}
+    for kind, (role, thr) in roles.items():
+        s = want[kind]
+        assert s.shape == (6, 12) and float((s - thr).abs().min()) > 1e-3, kind  # no head on the fence
+        heads = sorted(((l, h) for l in range(6) for h in range(12) if s[l, h] >= thr), key=lambda x: -float(s[x]))
+        shown = ", ".join(f"{l}.{h}" for l, h in heads[:12]) + (f" (+{len(heads) - 12})" if len(heads) > 12 else "")
+        row = (f"<tr><td>{H.escape(role)}</td><td>&ge; {thr}</td><td>{len(heads)} ({100 * len(heads) / 72:.1f}%)"
+               f"</td><td>{H.escape(shown or '-')}</td></tr>")
+        assert row in page, (kind, row)
+    # not vacuous: the definitions tell the kinds apart on this model
+    assert (want["previous_token"] >= 0.4).any() and (want["duplicate_token"] >= 0.3).any()
+    assert not (want["induction"] >= 0.3).any() and (want["sink"] >= 0.5).sum() > 2
 
 
 def test_the_command_resumes_into_its_own_folder(tmp_path, saved_decoder, capsys):

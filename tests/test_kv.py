@@ -174,11 +174,31 @@ def test_measured_cache_bytes_equal_the_prediction(policy):
     predicted = policy_cache_bytes(policy, kv_heads=[2, 2], tokens=held, head_dim=8, dtype=torch.float32)
     assert abs(g.kv_bytes - predicted) <= 0.05 * max(predicted, 1)
     assert g.kv_bytes == predicted  # exactly, in fact: the tensors are sized to what the rules keep
-    assert g.kv_bytes_full == full_cache_bytes(layers=2, kv_heads=2, tokens=held, head_dim=8)
+    assert g.kv_bytes_full == 2 * 2 * 2 * 8 * held * 4  # k and v x layers x kv heads x head dim x tokens x float32
     if policy.default == kv.full and not policy.rules:
         assert g.kv_bytes == g.kv_bytes_full
     else:
         assert g.kv_bytes < g.kv_bytes_full
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kv_bytes_full_is_the_closed_form_and_hugging_faces_own_cache(dtype):
+    # the ordinary cache's bytes, not from the cost model: the closed form written out here, and what
+    # transformers' own DynamicCache holds after a forward over the same tokens (no headlab code involved)
+    model = build("llama").to(dtype)  # 2 layers, 4 query heads on 2 kv heads (GQA), 32 wide: head dim 8
+    prompt = torch.randint(3, 97, (1, 30), generator=torch.Generator().manual_seed(4))
+    g = headlab.generate(model, prompt, policy=kv.Policy.uniform(kv.window(4, 9)), max_new_tokens=10,
+                         stop_at_eos=False)  # a windowed policy: what it holds is not the full cache
+    held = 30 + g.ids.shape[1] - 1  # the last token is never fed back
+    per_number = {torch.float32: 4, torch.bfloat16: 2}[dtype]
+    assert g.kv_bytes_full == 2 * 2 * 2 * 8 * held * per_number  # k and v x layers x kv heads x head dim x tokens
+    with torch.no_grad():
+        cache = model(torch.cat([prompt, g.ids[:, :-1]], 1), use_cache=True).past_key_values
+    tensors = [t for layer in cache.layers for t in (layer.keys, layer.values)]
+    assert len(tensors) == 4 and all(t.shape == (1, 2, held, 8) and t.dtype == dtype for t in tensors)
+    assert g.kv_bytes_full == sum(t.numel() * t.element_size() for t in tensors)
+    assert g.kv_bytes_full == full_cache_bytes(layers=2, kv_heads=2, tokens=held, head_dim=8, dtype=dtype)
+    assert g.kv_bytes < g.kv_bytes_full
 
 
 def test_sampling_is_reproducible_with_a_seed():

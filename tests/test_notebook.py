@@ -6,30 +6,44 @@ Here each cell must run without an error, the figures it prints must be right (t
 PyTorch's, the seed's 32 GiB), and every inline page must be a whole page with the one stylesheet and
 no network reference, which Chromium opens: the pages that check themselves (``#selftest``: the report,
 explain, heads) report a pass, and none logs a script error.
+
+nbformat, nbclient and ipykernel are test extras (``pip install -e '.[test]'``, which ``make test`` runs), so a
+missing one takes conftest's :func:`require` rule: a skip on a developer's machine, a failure under CI
+(``CI=true``), where a skip would silently stop testing the notebook.
 """
 
 from __future__ import annotations
 
 import ast
 import html
+import importlib
+import importlib.util
 import re
 from pathlib import Path
 
 import pytest
 
-from conftest import require_browser
+from conftest import require, require_browser
 from headlab.interpret import shell
 from test_browser import open_page, selftest_result
-
-nbformat = pytest.importorskip("nbformat", reason="the notebook test needs the test extras: pip install -e '.[test]'")
-nbclient = pytest.importorskip("nbclient", reason="the notebook test needs the test extras: pip install -e '.[test]'")
 
 pytestmark = [pytest.mark.smollm2, pytest.mark.browser]
 TOUR = Path(__file__).resolve().parents[1] / "docs" / "notebooks" / "tour.ipynb"
 
+EXTRAS = ("nbformat", "nbclient", "ipykernel")  # ipykernel: the "python3" kernel the tour runs in
+
+
+def _extras():
+    """``(nbformat, nbclient)``, or conftest's :func:`require` rule (skip; fail under CI) naming what is missing."""
+    missing = [name for name in EXTRAS if importlib.util.find_spec(name) is None]
+    require(not missing, f"the notebook test needs the test extras ({', '.join(missing)} missing): "
+                         "pip install -e '.[test]'")
+    return importlib.import_module("nbformat"), importlib.import_module("nbclient")
+
 
 @pytest.fixture(scope="module")
 def tour():
+    nbformat, nbclient = _extras()
     nb = nbformat.read(TOUR, as_version=4)
     nbclient.NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(TOUR.parent)}}
                             ).execute()
