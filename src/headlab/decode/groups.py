@@ -1,0 +1,359 @@
+"""The groups of a :class:`~headlab.decode.cache.HeadCache` layer that hold positional rules: the kv heads of
+one layer that share a rule, and the keys they keep.
+
+:class:`_Group` holds a full or windowed 16-bit rule (one tensor pair ``(B, heads in group, kept, d)``, a
+window's ring overwritten in place); :class:`_QGroup` a quantized (``bits`` 8, 4, 2) or compensated one: keys
+and values as KIVI stores them (Liu et al. 2024; codes, scales and zero points, :mod:`headlab.decode.quant`,
+with the most recent tokens in full precision), read back for each step's attention; a compensated window keeps
+the mean of what it evicted as one more key/value pair, weighted by the count it stands for (Tang et al. 2024,
+RazorAttention). :func:`window_prefill` runs a windowed group's prefill as a band plus its sinks.
+
+SnapKV's and Ada-KV's group is in :mod:`headlab.decode.snap_group`; :mod:`headlab.decode.cache` re-exports these.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from headlab.attention import masks
+from headlab.decode import quant
+from headlab.decode.rules import Full, Rule, Window, key_boundary, value_boundary, visibility
+
+SPARSE_PREFILL = 128  # below this many queries the window's tiles are too few for the sparse kernel to pay
+
+
+class _Group:
+    """The kv heads of one layer that share a rule, and the keys they hold."""
+
+    def __init__(self, rule: Rule, kv_heads: list[int], rep: int, n_kv: int):
+        self.rule = rule
+        self.whole = len(kv_heads) == n_kv  # the layer's only group: no gathering of heads
+        self.kv = torch.tensor(kv_heads, dtype=torch.long)
+        # query head h reads kv head h // rep: the group's query heads, in the order of its kv heads
+        self.q = torch.tensor([j * rep + r for j in kv_heads for r in range(rep)], dtype=torch.long)
+        self.keys = self.values = None       # (B, heads, kept, d)
+        self.pos = torch.zeros(0, dtype=torch.long)  # positions of the held keys
+        self.ring = rule.sink if isinstance(rule, Window) else 0  # the slot of the oldest key past the sinks
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.keys, self.values) if t is not None)
+
+    @property
+    def v_dim(self) -> int | None:
+        return self.values.shape[-1] if self.values is not None else None
+
+    def reset(self) -> None:
+        self.keys = self.values = None
+        self.pos = torch.zeros(0, dtype=torch.long)
+        self.ring = self.rule.sink if isinstance(self.rule, Window) else 0
+
+    def append(self, k: torch.Tensor, v: torch.Tensor, new_pos: torch.Tensor) -> None:
+        """Add ``(B, heads, m, d)`` keys and values at positions ``new_pos``.
+
+        A windowed group that already holds ``sink + recent`` keys takes one new key in place: it
+        overwrites the oldest key past the sinks (the one the new query no longer sees), so a decode
+        step copies nothing. Everything else is appended (and evicted after the attention)."""
+        r = self.rule
+        if (isinstance(r, Window) and k.shape[2] == 1 and self.keys is not None
+                and self.pos.numel() == r.sink + r.recent):
+            if r.recent == 0:  # only the sinks are ever visible: the new key is never read
+                return
+            slot = self.ring
+            self.keys[:, :, slot] = k[:, :, 0]
+            self.values[:, :, slot] = v[:, :, 0]
+            self.pos[slot] = new_pos[0]
+            self.ring = r.sink + (slot - r.sink + 1) % r.recent
+        elif self.keys is None:
+            self.keys, self.values, self.pos = k.contiguous(), v.contiguous(), new_pos.clone()
+        else:
+            self.keys, self.values = torch.cat([self.keys, k], dim=2), torch.cat([self.values, v], dim=2)
+            self.pos = torch.cat([self.pos, new_pos])
+
+    def evict(self, last: int) -> None:
+        """Keep what a query at position ``last`` may see (windowed groups), in position order."""
+        r = self.rule
+        if not isinstance(r, Window) or self.keys is None or self.pos.numel() <= r.sink + r.recent:
+            return
+        keep = (self.pos < r.sink) | (last - self.pos < r.recent)
+        idx = keep.nonzero().squeeze(1)
+        idx = idx[self.pos[idx].argsort()]
+        self.keys = self.keys.index_select(2, idx.to(self.keys.device)).contiguous()
+        self.values = self.values.index_select(2, idx.to(self.values.device)).contiguous()
+        self.pos = self.pos[idx]
+        self.ring = r.sink
+
+
+def _cat(a: torch.Tensor | None, b: torch.Tensor) -> torch.Tensor:
+    return b if a is None else torch.cat([a, b], dim=2)
+
+
+def _rows(t: torch.Tensor | None, idx: torch.Tensor) -> torch.Tensor | None:
+    return None if t is None else t.index_select(2, idx.to(t.device))
+
+
+_NO_POS = torch.zeros(0, dtype=torch.long)
+
+
+class _QGroup:
+    """The kv heads of one layer that share a quantized or compensated rule.
+
+    Held, in position order: the sinks (a window's first keys, full precision); the quantized keys (packed
+    codes, and per key group of ``rule.group`` tokens a scale and a zero point per channel) and values (codes,
+    and per token a scale and zero per ``rule.group`` channels); the full-precision residuals (keys from
+    :func:`~headlab.kv.key_boundary`, values from :func:`~headlab.kv.value_boundary` on); and, compensated,
+    the mean of the evicted keys and values with their count. A window evicts before quantizing, so a key
+    group that had lost tokens to the window takes its scale from the tokens it still holds.
+    """
+
+    def __init__(self, rule: Rule, kv_heads: list[int], rep: int, n_kv: int):
+        self.rule, self.rep = rule, rep
+        self.whole = len(kv_heads) == n_kv
+        self.kv = torch.tensor(kv_heads, dtype=torch.long)
+        self.q = torch.tensor([j * rep + r for j in kv_heads for r in range(rep)], dtype=torch.long)
+        self.start = rule.sink if isinstance(rule, Window) else 0
+        self.compensate = bool(getattr(rule, "compensate", False))
+        self.reset()
+
+    def reset(self) -> None:
+        self.sink_k = self.sink_v = None
+        self.sink_pos = _NO_POS
+        self.kq = self.ks = self.kz = None     # codes (B, h, t, d*bits/8); scale, zero (B, h, groups, d)
+        self.kq_pos, self.k_gid = _NO_POS, _NO_POS
+        self.kr, self.kr_pos = None, _NO_POS    # full-precision keys past the key boundary
+        self.vq = self.vs = self.vz = None     # codes (B, h, t, dv*bits/8); scale, zero (B, h, t, dv/group)
+        self.vq_pos = _NO_POS
+        self.vr, self.vr_pos = None, _NO_POS    # full-precision values past the value boundary
+        self.comp_k = self.comp_v = None       # (B, h, 1, d): the mean of the evicted keys and values
+        self.comp_n = 0
+
+    def _tensors(self):
+        return (self.sink_k, self.sink_v, self.kq, self.ks, self.kz, self.kr, self.vq, self.vs, self.vz, self.vr,
+                self.comp_k, self.comp_v)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self._tensors() if t is not None)
+
+    @property
+    def v_dim(self) -> int | None:
+        v = self.sink_v if self.sink_v is not None else self.vr if self.vr is not None else self.vs
+        if v is None:
+            return None
+        return v.shape[-1] if v is not self.vs else v.shape[-1] * self.rule.group
+
+    # -- storing -------------------------------------------------------------------------------------------
+    def append(self, k: torch.Tensor, v: torch.Tensor, new_pos: torch.Tensor) -> None:
+        self.dtype = k.dtype
+        i = max(0, min(k.shape[2], self.start - int(new_pos[0])))  # how many of the new tokens are sinks
+        if i:
+            self.sink_k, self.sink_v = _cat(self.sink_k, k[:, :, :i]), _cat(self.sink_v, v[:, :, :i])
+            self.sink_pos = torch.cat([self.sink_pos, new_pos[:i]])
+        if i < k.shape[2]:
+            self.kr, self.vr = _cat(self.kr, k[:, :, i:]), _cat(self.vr, v[:, :, i:])
+            self.kr_pos = torch.cat([self.kr_pos, new_pos[i:]])
+            self.vr_pos = torch.cat([self.vr_pos, new_pos[i:]])
+
+    def _key_scales(self, pos: torch.Tensor) -> torch.Tensor:
+        """The scale row of each quantized key at ``pos``."""
+        gid = torch.div(pos - self.start, self.rule.group, rounding_mode="floor")
+        return torch.searchsorted(self.k_gid, gid)
+
+    def _keys(self, idx: torch.Tensor | None = None) -> torch.Tensor | None:
+        """The quantized keys read back (rows ``idx``, or all)."""
+        if self.kq is None:
+            return None
+        pos = self.kq_pos if idx is None else self.kq_pos[idx]
+        codes = self.kq if idx is None else _rows(self.kq, idx)
+        rows = self._key_scales(pos).to(self.ks.device)
+        return quant.dequantize_keys(codes, self.ks.index_select(2, rows), self.kz.index_select(2, rows),
+                                     bits=self.rule.bits)
+
+    def _values(self, idx: torch.Tensor | None = None) -> torch.Tensor | None:
+        if self.vq is None:
+            return None
+        if idx is None:
+            return quant.dequantize_values(self.vq, self.vs, self.vz, bits=self.rule.bits)
+        return quant.dequantize_values(_rows(self.vq, idx), _rows(self.vs, idx), _rows(self.vz, idx),
+                                       bits=self.rule.bits)
+
+    def evict(self, last: int) -> None:
+        """Drop what a query at ``last`` no longer sees (windows); compensated, fold it into the mean."""
+        r = self.rule
+        if not isinstance(r, Window):
+            return
+        cut = last - r.recent  # positions <= cut past the sinks are gone
+        sums: dict[str, list[torch.Tensor]] = {"k": [], "v": []}
+        gone = 0
+        for name in ("kq", "kr", "vq", "vr"):
+            pos = getattr(self, f"{name}_pos")
+            if pos.numel() == 0 or int(pos[0]) > cut:
+                continue
+            drop = int(torch.searchsorted(pos, torch.tensor(cut), right=True))
+            if self.compensate:
+                idx = torch.arange(drop)
+                t = (self._keys(idx) if name == "kq" else self._values(idx) if name == "vq"
+                     else _rows(getattr(self, name), idx))
+                sums[name[0]].append(t.float().sum(2, keepdim=True))
+                gone += drop if name[0] == "k" else 0
+            keep = torch.arange(drop, pos.numel())
+            setattr(self, f"{name}_pos", pos[drop:])
+            setattr(self, name, _rows(getattr(self, name), keep))
+            if name == "kq":
+                if self.kq_pos.numel() == 0:
+                    self.kq = self.ks = self.kz = None
+                    self.k_gid = _NO_POS
+                else:  # the groups that still hold a key keep their scales
+                    first = int(self._key_scales(self.kq_pos[:1])[0])
+                    rows = torch.arange(first, self.k_gid.numel())
+                    self.ks, self.kz, self.k_gid = _rows(self.ks, rows), _rows(self.kz, rows), self.k_gid[first:]
+            elif name == "vq":
+                if self.vq_pos.numel() == 0:
+                    self.vq = self.vs = self.vz = None
+                else:
+                    self.vs, self.vz = _rows(self.vs, keep), _rows(self.vz, keep)
+        if gone:
+            sk, sv, n = sum(sums["k"]), sum(sums["v"]), self.comp_n
+            if self.comp_k is not None:
+                sk, sv = sk + self.comp_k.float() * n, sv + self.comp_v.float() * n
+            self.comp_k, self.comp_v = (sk / (n + gone)).to(self.dtype), (sv / (n + gone)).to(self.dtype)
+            self.comp_n = n + gone
+
+    def flush(self, tokens: int) -> None:
+        """Quantize what has passed the boundaries once ``tokens`` tokens are cached (KIVI)."""
+        r = self.rule
+        if r.bits == 16:
+            return
+        bk = key_boundary(r, tokens)
+        if self.kr is not None and self.kr_pos.numel() and int(self.kr_pos[0]) < bk:
+            m = int(torch.searchsorted(self.kr_pos, torch.tensor(bk)))
+            x, pos = self.kr[:, :, :m], self.kr_pos[:m]
+            gid = torch.div(pos - self.start, r.group, rounding_mode="floor")
+            head = int((gid == gid[0]).sum())  # the first group may have lost tokens to a window
+            parts = [(x[:, :, :head], head)] + ([(x[:, :, head:], r.group)] if head < m else [])
+            for xs, g in parts:
+                codes, sc, ze = quant.quantize_keys(xs, r.bits, g)
+                self.kq, self.ks, self.kz = _cat(self.kq, codes), _cat(self.ks, sc), _cat(self.kz, ze)
+            self.k_gid = torch.cat([self.k_gid, torch.unique_consecutive(gid)])
+            self.kq_pos = torch.cat([self.kq_pos, pos])
+            self.kr, self.kr_pos = (self.kr[:, :, m:] if m < self.kr_pos.numel() else None), self.kr_pos[m:]
+        bv = value_boundary(r, tokens)
+        if self.vr is not None and self.vr_pos.numel() and int(self.vr_pos[0]) < bv:
+            m = int(torch.searchsorted(self.vr_pos, torch.tensor(bv)))
+            codes, sc, ze = quant.quantize_values(self.vr[:, :, :m], r.bits, r.group)
+            self.vq, self.vs, self.vz = _cat(self.vq, codes), _cat(self.vs, sc), _cat(self.vz, ze)
+            self.vq_pos = torch.cat([self.vq_pos, self.vr_pos[:m]])
+            self.vr, self.vr_pos = (self.vr[:, :, m:] if m < self.vr_pos.numel() else None), self.vr_pos[m:]
+
+    def held(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+        """``(keys, values, positions, sinks)``: everything held, read back in full precision, in position order."""
+        ks = [t for t in (self.sink_k, self._keys(), self.kr) if t is not None]
+        vs = [t for t in (self.sink_v, self._values(), self.vr) if t is not None]
+        pos = torch.cat([self.sink_pos, self.kq_pos, self.kr_pos])
+        if not torch.equal(pos, torch.cat([self.sink_pos, self.vq_pos, self.vr_pos])):
+            raise AssertionError("headlab: a quantized kv group holds keys and values of different positions")
+        return torch.cat(ks, 2), torch.cat(vs, 2), pos, self.sink_pos.numel()
+
+    # -- attending -----------------------------------------------------------------------------------------
+    def attend(self, attention, q, q_pos: torch.Tensor, hf, scaling, softcap, *, fresh: bool) -> torch.Tensor:
+        """The group's query heads ``q (B, heads, m, d)`` on what it holds; stores, evicts and quantizes."""
+        m = q.shape[2]
+        last = int(q_pos[-1])
+        if m == 1:  # KIVI: the new token enters the cache (and the residual is quantized) before it attends
+            self._step(last)
+        k, v, pos, n_sink = self.held()
+        need = self.compensate
+        if m == 1 and hf is None and not need:
+            if softcap is None:
+                o, lse = F.scaled_dot_product_attention(q, k, v, scale=scaling, enable_gqa=True), None
+            else:
+                o, lse = attention(q, k, v, scale=scaling), None
+        elif m == 1 and hf is None:
+            o, lse = attention(q, k, v, scale=scaling, return_lse=True)
+        elif fresh and hf is None and isinstance(self.rule, Full):
+            o, lse = _split(attention(q, k, v, causal=True, scale=scaling, return_lse=need), need)
+        elif fresh and hf is None:
+            o, lse = _split(window_prefill(attention, q, k, v, self.rule, scaling, return_lse=need,
+                                           backend="sparse" if m >= SPARSE_PREFILL else "auto"), need)
+        else:
+            vis = visibility(self.rule, q_pos[:, None], pos[None, :]).to(q.device)
+            if hf is not None:
+                vis = vis & hf.index_select(-1, pos.to(hf.device))
+            o, lse = _split(attention(q, k, v, mask=vis, scale=scaling, return_lse=need), need)
+        if need:
+            o = self._compensated(o, lse, q, q_pos, k[:, :, n_sink:], v[:, :, n_sink:], pos[n_sink:], scaling, softcap)
+        if m > 1:
+            self._step(last)
+        return o
+
+    def _step(self, last: int) -> None:
+        self.evict(last)
+        self.flush(last + 1)
+
+    def _compensated(self, o, lse, q, q_pos, k_past, v_past, pos_past, scaling, softcap) -> torch.Tensor:
+        """Merge RazorAttention's compensation token into ``o``: for query ``t``, the mean of the keys and values
+        evicted before it (those already folded, and held ones past the sinks with ``t - j >= recent``), its
+        score raised by the log of their count (the token stands for that many)."""
+        m = q.shape[2]
+        if m == 1:
+            n_t = torch.full((1,), self.comp_n, dtype=torch.float32)
+            if self.comp_n == 0:
+                return o
+            ck, cv = self.comp_k.float(), self.comp_v.float()  # (B, h, 1, d)
+        else:
+            cut = (q_pos - self.rule.recent).to(pos_past.device)
+            c = torch.searchsorted(pos_past, cut, right=True)  # held past-sink keys each query no longer sees
+            zeros_k = k_past.new_zeros(*k_past.shape[:2], 1, k_past.shape[-1], dtype=torch.float32)
+            zeros_v = v_past.new_zeros(*v_past.shape[:2], 1, v_past.shape[-1], dtype=torch.float32)
+            sk = torch.cat([zeros_k, k_past.float().cumsum(2)], 2).index_select(2, c.to(k_past.device))
+            sv = torch.cat([zeros_v, v_past.float().cumsum(2)], 2).index_select(2, c.to(v_past.device))
+            n_t = (c + self.comp_n).float()
+            if self.comp_n:
+                sk = sk + self.comp_k.float() * self.comp_n
+                sv = sv + self.comp_v.float() * self.comp_n
+            div = n_t.clamp(min=1).to(sk.device)[None, None, :, None]
+            ck, cv = sk / div, sv / div  # (B, h, m, d)
+        ck, cv = ck.repeat_interleave(self.rep, 1), cv.repeat_interleave(self.rep, 1)
+        scale = scaling if scaling is not None else q.shape[-1] ** -0.5
+        s = (q.float() * ck).sum(-1) * scale  # (B, H, m)
+        if softcap is not None:
+            s = torch.tanh(s / softcap) * softcap
+        s = s + torch.log(n_t).to(s.device)  # -inf where nothing was evicted
+        lse = lse.float()
+        total = torch.logaddexp(lse, s)
+        w1 = torch.exp(lse - total).nan_to_num(0.0).unsqueeze(-1)
+        w2 = torch.exp(s - total).nan_to_num(0.0).unsqueeze(-1)
+        return (o.float() * w1 + cv * w2).to(o.dtype)
+
+
+def _split(res, need: bool):
+    return res if need else (res, None)
+
+
+def window_prefill(attention, q, k, v, rule: Window, scale, *, backend: str, return_lse: bool = False):
+    """A windowed group's prefill, ``(B, heads, n, d)``, without materialising any ``n x n`` matrix.
+
+    The keys a query ``t`` sees split into two disjoint sets: the band ``0 <= t - j < recent`` (a sliding
+    window, which the sparse kernel runs as a band) and the sinks ``j < sink`` with ``t - j >= recent``
+    (at most ``sink`` keys per row). Each part returns its output and log-sum-exp; they merge as
+    FlashAttention merges tiles: ``lse = logaddexp(l1, l2)``, ``out = o1 e^(l1 - lse) + o2 e^(l2 - lse)``.
+    With ``return_lse``, ``(out, lse)``.
+    """
+    n = q.shape[2]
+    parts = []
+    if rule.recent >= 2:
+        parts.append(attention(q, k, v, mask=masks.sliding_window(rule.recent - 1, causal=True), scale=scale,
+                               backend=backend, return_lse=True))
+    elif rule.recent == 1:
+        parts.append(attention(q, k, v, mask=masks.as_mask(lambda b, h, i, j: i == j), scale=scale, return_lse=True))
+    if rule.sink:
+        s = min(rule.sink, n)
+        t, j = torch.arange(n)[:, None], torch.arange(s)[None, :]
+        vis = ((j <= t) & (t - j >= rule.recent)).to(q.device)  # (n, s): sinks outside the band
+        parts.append(attention(q, k[:, :, :s], v[:, :, :s], mask=vis, scale=scale, return_lse=True))
+    if len(parts) == 1:
+        return parts[0] if return_lse else parts[0][0]
+    (o1, l1), (o2, l2) = parts  # a row with no sink outside its band: l2 = -inf, weight 0
+    lse = torch.logaddexp(l1, l2)
+    w2 = torch.exp(l2 - lse).nan_to_num(0.0).unsqueeze(-1)
+    out = o1.mul_(torch.exp(l1 - lse).unsqueeze(-1)).add_(o2.mul_(w2))
+    return (out, lse) if return_lse else out

@@ -1,0 +1,166 @@
+"""SnapKV's and Ada-KV's group of a :class:`~headlab.decode.cache.HeadCache` layer (Li et al. 2024, Feng et al.
+2024): :class:`_SnapGroup` runs the prefill causal over the whole prompt, then each kv head keeps, in tensors of
+its own, the prompt tokens its observation window attends to most (:func:`snap_scores`, :func:`snap_select`) and
+every later token. :mod:`headlab.decode.cache` re-exports these.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from headlab.decode.snap_rule import Snap
+from headlab.errors import InputError
+
+
+def snap_scores(q_win: torch.Tensor, k: torch.Tensor, *, scale: float | None = None, softcap: float | None = None,
+                mask: torch.Tensor | None = None, pool: int = 7, pooling: str = "max") -> torch.Tensor:
+    """SnapKV's scores of the prompt keys before the observation window (Li et al. 2024), per kv head.
+
+    ``q_win (B, H, w, d)``: the window's queries (the last ``w`` of the prompt), ``H = rep x Hkv`` in kv-head order;
+    ``k (B, Hkv, n, d)``: the prompt's keys; ``mask``: which key each window row sees, broadcastable to ``(B, 1,
+    w, n)`` (default: causal, row ``i`` sees ``j <= n - w + i``). Each row's softmax runs over every key it sees;
+    the score of key ``j < n - w`` is the sum over the rows, pooled along the positions (``pooling`` "max" or
+    "avg", width ``pool``, padded, stride 1, per query head), then the mean over a kv head's query heads:
+    ``(B, Hkv, n - w)`` float32."""
+    B, H, w, d = q_win.shape
+    g, n = k.shape[1], k.shape[2]
+    rep = H // g
+    s = (q_win.float().reshape(B, g, rep * w, d) @ k.float().transpose(-1, -2)).reshape(B, H, w, n)
+    s = s * (scale if scale is not None else d ** -0.5)
+    if softcap is not None:
+        s = torch.tanh(s / softcap) * softcap
+    if mask is None:
+        mask = torch.arange(n, device=s.device)[None, :] <= torch.arange(n - w, n, device=s.device)[:, None]
+    a = torch.softmax(s.masked_fill(~mask.to(s.device), float("-inf")), -1).nan_to_num(0.0)
+    votes = a[..., :n - w].sum(-2)  # (B, H, n - w)
+    if pool > 1:
+        fn = F.max_pool1d if pooling == "max" else F.avg_pool1d
+        votes = fn(votes, kernel_size=pool, stride=1, padding=pool // 2)
+    return votes.reshape(B, g, rep, n - w).mean(2)
+
+
+def snap_select(scores: torch.Tensor, rule: Snap, n: int) -> list[torch.Tensor]:
+    """The prompt positions each kv head keeps, ascending, given ``scores (heads, n - window)`` of a group under
+    ``rule`` and the prompt's length ``n``: SnapKV's top ``budget - window`` per head, or Ada-KV's joint top over
+    the heads past each head's floor; the window's ``n - window .. n - 1`` always."""
+    heads, L = scores.shape[0], n - rule.window
+    window = torch.arange(L, n)
+    if rule.adaptive:
+        total = rule.group_total(heads)
+        if total >= heads * n:
+            return [torch.arange(n)] * heads
+        order = torch.sort(scores, dim=1, descending=True, stable=True).indices  # ties: the earlier position
+        chosen = torch.zeros(heads, L, dtype=torch.bool)
+        floor = min(rule.floor_for(heads) - rule.window, L)
+        chosen.scatter_(1, order[:, :floor], True)
+        rest = total - heads * (rule.window + floor)
+        cand = (~chosen).flatten().nonzero().squeeze(1)  # head-major: ties go to the lower head, earlier position
+        top = cand[torch.sort(scores.flatten()[cand], descending=True, stable=True).indices[:rest]]
+        chosen.view(-1)[top] = True
+        return [torch.cat([chosen[h].nonzero().squeeze(1), window]) for h in range(heads)]
+    if rule.budget >= n:
+        return [torch.arange(n)] * heads
+    order = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :rule.budget - rule.window]
+    return [torch.cat([order[h].sort().values, window]) for h in range(heads)]
+
+
+class _SnapGroup:
+    """The kv heads of one layer that share a SnapKV or Ada-KV rule.
+
+    The prefill runs causal over the whole prompt; then each head keeps the prompt tokens its observation window
+    attends to most (:func:`snap_scores`, :func:`snap_select`) and the window, in its own tensors ``(B, 1, kept,
+    d)``: an Ada-KV head's count is its own. Every later token is appended to every head; a decode step attends to
+    all a head holds."""
+
+    def __init__(self, rule: Snap, kv_heads: list[int], rep: int, n_kv: int):
+        self.rule, self.rep = rule, rep
+        self.whole = len(kv_heads) == n_kv
+        self.kv = torch.tensor(kv_heads, dtype=torch.long)
+        self.q = torch.tensor([j * rep + r for j in kv_heads for r in range(rep)], dtype=torch.long)
+        self.reset()
+
+    def reset(self) -> None:
+        self.keys = self.values = self.pos = None  # per head: (B, 1, kept, d), (B, 1, kept, dv), (kept,)
+        self.prompt = None                         # (keys, values, positions) of the prefill, before selection
+
+    def _tensors(self):
+        if self.prompt is not None:
+            return list(self.prompt[:2])
+        return [] if self.keys is None else self.keys + self.values
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self._tensors())
+
+    @property
+    def v_dim(self) -> int | None:
+        ts = self._tensors()
+        return ts[-1].shape[-1] if ts else None
+
+    @property
+    def budgets(self) -> list[int] | None:
+        """Tokens each kv head holds (after the prefill: the prompt tokens it kept), or None before."""
+        return None if self.pos is None else [p.numel() for p in self.pos]
+
+    def positions(self) -> list[torch.Tensor]:
+        if self.prompt is not None:
+            return [self.prompt[2]] * len(self.kv)
+        return [torch.zeros(0, dtype=torch.long)] * len(self.kv) if self.pos is None else list(self.pos)
+
+    def append(self, k: torch.Tensor, v: torch.Tensor, new_pos: torch.Tensor) -> None:
+        if self.keys is None:
+            if self.prompt is not None:
+                raise AssertionError("headlab: a SnapKV group took two chunks before its prefill's attention")
+            self.prompt = (k, v, new_pos.clone())
+            return
+        for i in range(len(self.keys)):
+            self.keys[i] = torch.cat([self.keys[i], k[:, i:i + 1]], 2)
+            self.values[i] = torch.cat([self.values[i], v[:, i:i + 1]], 2)
+            self.pos[i] = torch.cat([self.pos[i], new_pos])
+
+    def attend(self, attention, q, q_pos: torch.Tensor, hf, scaling, softcap, *, fresh: bool) -> torch.Tensor:
+        """The group's query heads ``q (B, heads, m, d)``: the prefill (then the selection), or a later chunk."""
+        m, rep = q.shape[2], self.rep
+        if self.prompt is not None:
+            k, v, pos = self.prompt
+            vis = None
+            if hf is None:
+                o = attention(q, k, v, causal=True, scale=scaling)
+            else:
+                vis = (pos[None, :] <= q_pos[:, None]).to(q.device) & hf.index_select(-1, pos.to(hf.device))
+                o = attention(q, k, v, mask=vis, scale=scaling)
+            self._select(q, k, v, pos, vis, scaling, softcap)
+            return o
+        outs = []
+        for i, (k, v, pos) in enumerate(zip(self.keys, self.values, self.pos)):
+            qi = q[:, i * rep:(i + 1) * rep]
+            if m == 1 and hf is None:  # every held key is visible to the newest query
+                if softcap is None:
+                    outs.append(F.scaled_dot_product_attention(qi, k, v, scale=scaling, enable_gqa=True))
+                else:
+                    outs.append(attention(qi, k, v, scale=scaling))
+                continue
+            vis = (pos[None, :] <= q_pos[:, None]).to(q.device)
+            if hf is not None:
+                vis = vis & hf.index_select(-1, pos.to(hf.device))
+            outs.append(attention(qi, k, v, mask=vis, scale=scaling))
+        return torch.cat(outs, 1)
+
+    def _select(self, q, k, v, pos, vis, scaling, softcap) -> None:
+        r, n = self.rule, k.shape[2]
+        if r.window > n:
+            raise InputError(f"{r!r}: the observation window is {r.window} tokens but the prompt has {n}: give a "
+                             f"prompt of at least {r.window} tokens, or a smaller window (window={max(1, n // 4)})")
+        heads = k.shape[1]
+        keep_all = (r.group_total(heads) >= heads * n) if r.adaptive else r.budget >= n
+        if keep_all:
+            idx = [torch.arange(n)] * heads
+        else:
+            rows = None if vis is None else vis[..., n - r.window:, :]
+            scores = snap_scores(q[:, :, n - r.window:], k, scale=scaling, softcap=softcap, mask=rows, pool=r.pool,
+                                 pooling=r.pooling)[0].cpu()  # (heads, n - window): one sequence
+            idx = snap_select(scores, r, n)
+        self.keys = [k[:, i:i + 1].index_select(2, j.to(k.device)).contiguous() for i, j in enumerate(idx)]
+        self.values = [v[:, i:i + 1].index_select(2, j.to(v.device)).contiguous() for i, j in enumerate(idx)]
+        self.pos = [pos[j] for j in idx]
+        self.prompt = None
