@@ -265,6 +265,12 @@ def stage_bar():
     return display, say
 
 
+def heads_text(counts: dict) -> str:
+    """``"12 kv heads full, 78 windowed, 0 dropped"`` (and ``", 6 by token budget"`` for SnapKV / Ada-KV heads)."""
+    text = f"{counts.get('full', 0)} kv heads full, {counts.get('window', 0)} windowed, {counts.get('drop', 0)} dropped"
+    return text + (f", {counts['snap']} by token budget" if counts.get("snap") else "")
+
+
 def print_json(obj) -> None:
     """Machine-readable output: one JSON document on stdout."""
     sys.stdout.write(json.dumps(obj, indent=2, default=str) + "\n")

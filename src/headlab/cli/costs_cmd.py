@@ -8,7 +8,7 @@ from rich.table import Table
 from headlab import costs
 from headlab.attention import backends as _backends
 from headlab.attention.masks import from_string
-from headlab.cli.app import app, console, human_bytes, human_flops, print_json
+from headlab.cli.app import app, console, heads_text, human_bytes, human_flops, print_json
 from headlab.errors import ConfigError, CostModelError
 
 
@@ -92,8 +92,7 @@ def memory(
     if cache is not None:
         console.print(f"KV cache at {cache['tokens']} tokens ({shape.layers} layers x {shape.kv_heads} kv heads): "
                       f"full {human_bytes(cache['full_bytes'])}, policy {cache['policy']} "
-                      f"{human_bytes(cache['policy_bytes'])} ({cache['ratio']:.1%}; {cache['heads']['full']} kv heads "
-                      f"full, {cache['heads']['window']} windowed, {cache['heads']['drop']} dropped)", highlight=False)
+                      f"{human_bytes(cache['policy_bytes'])} ({cache['ratio']:.1%}; {heads_text(cache['heads'])})", highlight=False)
 
 
 def _kv_cache(shape, text: str) -> dict:

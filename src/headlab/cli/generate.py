@@ -7,8 +7,8 @@ from pathlib import Path
 
 import typer
 
-from headlab.cli.app import (app, check_at_least, check_output_file, check_text, console, err_console, human_bytes,
-                             peek_max_positions, print_json)
+from headlab.cli.app import (app, check_at_least, check_output_file, check_text, console, err_console, heads_text,
+                             human_bytes, peek_max_positions, print_json)
 from headlab.errors import ConfigError, InputError
 
 
@@ -49,7 +49,7 @@ def build_policy(loaded, policy: str, kv_from: Path | None, keep: float, data: d
 def generate_cmd(
     prompt: str = typer.Argument(..., help="the text to continue"),
     model: str = typer.Option("smollm2", "--model", "-m", help="a known causal LM name (smollm2) or a model folder"),
-    policy: str = typer.Option("full", "--policy", "-p", help="full, drop, or streaming:SINK,RECENT (every kv head)"),
+    policy: str = typer.Option("full", "--policy", "-p", help="full, drop, streaming:SINK,RECENT, snapkv:BUDGET or adakv:BUDGET, each with optional ,bits=N (every kv head)"),
     kv_from: Path = typer.Option(None, "--kv-from", help="a policy JSON (Policy.to_json) or an atlas JSON: its "
                                  "retrieval and non-local heads stay full, the rest get --policy's window"),
     keep: float = typer.Option(0.5, "--keep", help="with an atlas: the fraction of kv heads kept full"),
@@ -108,7 +108,7 @@ def generate_cmd(
     console.print(f"{prompt}[bold]{g.text}[/]", highlight=False, soft_wrap=True)
     c = g.counts
     err_console.print(
-        f"{loaded.name}, policy {pol.name} ({c['full']} kv heads full, {c['window']} windowed, {c['drop']} dropped): "
+        f"{loaded.name}, policy {pol.name} ({heads_text(c)}): "
         f"KV cache {human_bytes(g.kv_bytes)} vs {human_bytes(g.kv_bytes_full)} full "
         f"({g.kv_bytes / g.kv_bytes_full:.1%}) at {g.prompt_tokens + g.ids.shape[1] - 1} tokens; prefill "
         f"{g.prefill_seconds:.2f} s, {g.tokens_per_second:.1f} tokens/s", highlight=False, soft_wrap=True)
