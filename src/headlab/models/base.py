@@ -33,17 +33,10 @@ from headlab.attention import backends as _backends
 from headlab.errors import ConfigError, InputError, PruneError, UnsupportedArchitectureError
 from headlab.models.norm_layout import BlockNorms
 from headlab.models.projections import Out
-from headlab.models.sites import (
-    EDITABLE_KINDS,
-    SITE_KINDS,
-    LayerState,
-    gate_hook,
-    head_out_hook,
-    match_sites,
-    default_prefixes,
-    site_name,
-)
+from headlab.models.sites import (EDITABLE_KINDS, SITE_KINDS, LayerState, default_prefixes, gate_hook, head_out_hook,
+                                  match_sites, site_name)
 from headlab.models.stream_sites import RESID_KINDS, stream_edit_hooks, stream_hooks
+from headlab.models import tensor_parallel as _tp  # a model sharded by tensor parallelism: its heads per rank
 
 
 class ModelAdapter:
@@ -69,6 +62,7 @@ class ModelAdapter:
     family: ClassVar[str] = "?"
     is_decoder: ClassVar[bool] = False  # families whose tokens see only earlier tokens say True
     own_model: ClassVar[bool] = False  # headlab's own Transformer: called with an ids tensor, saved in its format
+    tp = None  # HeadShards when the model is sharded by tensor parallelism (set in __init__; models.tensor_parallel)
 
     def __init__(self, model: nn.Module, *, n_layers: int, n_heads: int, n_kv_heads: int, head_dim: int,
                  d_model: int, attn_modules: list[nn.Module], out_projs: list[nn.Module]) -> None:
@@ -88,8 +82,10 @@ class ModelAdapter:
         self._handles: list = []
         # one state per layer, reachable from the layer's attention module and its output projection
         self.site_prefixes = self._site_prefixes()
-        self.states = [LayerState(layer=i, n_heads=n_heads, head_dim=head_dim, adapter=self, site=self.site_prefixes[i])
-                       for i in range(n_layers)]
+        # tensor parallelism: a rank's W^O input holds its H/world heads; n_heads, gates and sites stay global
+        self.tp = _tp.shards_of(model, self)  # HeadShards, or None (headlab.models.tensor_parallel)
+        self.states = [LayerState(layer=i, n_heads=self.tp.local_heads if self.tp else n_heads, head_dim=head_dim,
+                                  adapter=self, site=self.site_prefixes[i]) for i in range(n_layers)]
         self._attach_states()
 
     def _attach_states(self) -> None:
@@ -97,13 +93,14 @@ class ModelAdapter:
         shares one block across all of them) gets the state of the layer it is about to compute: a
         pre-hook on the attention module takes the next of its layers, a pre-hook on the model rewinds."""
         hooked: set[int] = set()
+        gate, out = _tp.hooks_for(self) or (gate_hook, head_out_hook)  # a sharded W^O: this rank's heads only
         for i, (am, op) in enumerate(zip(self.attn_modules, self.out_projs)):
             if id(op) in hooked:
                 continue
             hooked.add(id(op))
             am._headlab = op._headlab = self.states[i]
-            self._handles.append(op.register_forward_pre_hook(gate_hook))
-            self._handles.append(op.register_forward_hook(head_out_hook))
+            self._handles.append(op.register_forward_pre_hook(gate))
+            self._handles.append(op.register_forward_hook(out))
         shared = self.shared_layers
         if not shared:
             return
@@ -204,10 +201,9 @@ class ModelAdapter:
         return self.model.get_submodule(".".join(parts[:cut + 1]))
 
     def mlp(self, layer: int) -> nn.Module:
-        """Block ``layer``'s MLP: its child ``mlp``, ``ffn``, ``feed_forward`` (or an MoE's ``block_sparse_moe`` / ``moe``),
-        called on one tensor (the site
-        ``mlp_out`` is its output). Families whose MLP adds the residual itself (BLOOM) or that keep the MLP as
-        loose layers (BERT, OPT) have none: :class:`UnsupportedArchitectureError`."""
+        """Block ``layer``'s MLP: its child ``mlp``, ``ffn``, ``feed_forward`` (an MoE's ``block_sparse_moe``, ``moe``),
+        called on one tensor (the site ``mlp_out`` is its output). Families whose MLP adds the residual itself
+        (BLOOM) or that keep the MLP as loose layers (BERT, OPT) have none: :class:`UnsupportedArchitectureError`."""
         import inspect
 
         block = self.block(layer)
@@ -388,7 +384,7 @@ class ModelAdapter:
                 state: LayerState = self.states[layer]
                 for kind, patterns in kinds.items():
                     for pat in patterns:
-                        fn = edits[pat]
+                        fn = _tp.global_edit(self, edits[pat], kind)  # sharded: the edit sees every head
                         state.edits.setdefault(kind, []).append(fn)
                         added.append((state, kind, fn))
             with stream_edit_hooks(self, stream):  # resid_pre, resid_post, mlp_out: hooks on blocks and MLPs
@@ -435,8 +431,7 @@ class ModelAdapter:
         if not isinstance(ids, torch.Tensor) or ids.is_floating_point() or ids.numel() == 0:
             return
         emb = self.model.get_input_embeddings() if hasattr(self.model, "get_input_embeddings") else None
-        n = getattr(emb, "num_embeddings", None)
-        if n is None:
+        if (n := getattr(emb, "num_embeddings", None)) is None:
             return
         lo, hi = int(ids.min()), int(ids.max())
         if lo < 0 or hi >= n:

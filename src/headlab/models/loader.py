@@ -33,11 +33,17 @@ from headlab.models.loaded_model import LoadedModel, TruncationWarning, adapt, r
 
 
 def load(name_or_path: str | os.PathLike = "minilm", *, device: str | torch.device = "cpu",
-         dtype: torch.dtype = torch.float32, check: bool = True) -> LoadedModel:
+         dtype: torch.dtype = torch.float32, check: bool = True, tensor_parallel: bool = False) -> LoadedModel:
     """Load a model by known name or local folder, offline. See the module docstring.
 
     ``check=False`` skips the load-time check of a type adapted by structure (for ``headlab models --check``,
     which runs it itself and prints each check).
+
+    ``tensor_parallel=True`` (under ``torchrun``) shards a Hugging Face model over the ranks with transformers' own
+    plan for its family (``DistributedConfig(tp_plan="auto")``; gloo on CPU, NCCL on GPUs, transformers places
+    each rank's shard and ``device`` is not used): each rank holds ``H / world`` query heads. A family without a plan,
+    or a world size that does not divide the query or kv heads, is refused before any weight is read
+    (:mod:`headlab.models.tensor_parallel`).
 
     The model comes back in eval mode, on Hugging Face's ``"eager"`` attention (so
     ``output_attentions`` works); switch backends with ``loaded.adapter.use_backend(...)``.
@@ -56,6 +62,9 @@ def load(name_or_path: str | os.PathLike = "minilm", *, device: str | torch.devi
             raise ModelError(f"{raw!r} is a file; give a model folder (with config.json) or one of: {', '.join(known_names())}")
     from headlab.models.transformer import CONFIG_FILE, Transformer
 
+    if tensor_parallel and ((path / "headlab_pruned.json").is_file() or not (path / "config.json").is_file()):
+        raise UnsupportedArchitectureError(f"{name}: tensor_parallel=True shards Hugging Face models with "
+                                           "transformers' plans; headlab's own and pruned models have no plan")
     if (path / "headlab_pruned.json").is_file():  # a model saved by headlab.prune_heads(...).save(path)
         from headlab.models.pruned import load_pruned
 
@@ -67,7 +76,7 @@ def load(name_or_path: str | os.PathLike = "minilm", *, device: str | torch.devi
     if not (path / "config.json").is_file():
         raise ModelError(f"{path} is not a Hugging Face model folder (no config.json) nor a saved headlab "
                          f"Transformer (no {CONFIG_FILE}); known names: {', '.join(known_names())}")
-    return _load_hf(path, name, device=device, dtype=dtype, check=check)
+    return _load_hf(path, name, device=device, dtype=dtype, check=check, tensor_parallel=tensor_parallel)
 
 
 def peek_layer_heads(name_or_path: str | os.PathLike) -> list[int] | None:
@@ -121,7 +130,7 @@ def check_device(device: str | torch.device) -> torch.device:
     return dev
 
 
-def _load_hf(path: Path, name: str, *, device, dtype, check: bool = True) -> LoadedModel:
+def _load_hf(path: Path, name: str, *, device, dtype, check: bool = True, tensor_parallel: bool = False) -> LoadedModel:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import transformers
     from transformers import AutoConfig, AutoModel, AutoTokenizer
@@ -134,6 +143,15 @@ def _load_hf(path: Path, name: str, *, device, dtype, check: bool = True) -> Loa
         raise ModelError(f"{path}/config.json is not a Hugging Face config transformers can read: {e}") from None
     if config.model_type in REFUSED:  # known and refused, with the reason, before the weights load
         raise UnsupportedArchitectureError(unsupported_message(config.model_type))
+    sharding = {}
+    if tensor_parallel:  # refused from the config alone (no plan, heads the world does not divide), then sharded
+        from transformers.distributed import DistributedConfig
+
+        from headlab.models import tensor_parallel as tp
+
+        world = tp.world_size()
+        tp.check_before_load(config, world)
+        sharding = {"distributed_config": DistributedConfig(tp_plan="auto", tp_size=world)} if world > 1 else {}
     arch = (getattr(config, "architectures", None) or [None])[0]
     cls = getattr(transformers, arch, None) if arch else None
     if cls is None or not hasattr(cls, "from_pretrained"):
@@ -147,14 +165,15 @@ def _load_hf(path: Path, name: str, *, device, dtype, check: bool = True) -> Loa
     transformers.logging.set_verbosity_error()  # unused pooler / LM-head keys are expected, not news
     transformers.logging.disable_progress_bar()
     try:
-        model = cls.from_pretrained(path, local_files_only=True, attn_implementation="eager", dtype=dtype)
+        model = cls.from_pretrained(path, local_files_only=True, attn_implementation="eager", dtype=dtype, **sharding)
     except Exception as e:  # noqa: BLE001
-        raise ModelError(f"could not load the weights in {path}: {e}") from None
+        raise ModelError(f"could not load the weights in {path}{' with tensor parallelism' if sharding else ''}: "
+                         f"{e}") from None
     finally:
         transformers.logging.set_verbosity(level)
         if bar:
             transformers.logging.enable_progress_bar()
-    model = model.to(device).eval()
+    model = (model if sharding else model.to(device)).eval()  # a sharded model stays where transformers put it
     tokenizer = None
     if any((path / f).is_file() for f in ("tokenizer.json", "vocab.txt", "vocab.json", "tokenizer.model",
                                           "tokenizer_config.json")):

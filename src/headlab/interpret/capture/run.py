@@ -68,13 +68,17 @@ def capture(
             :meth:`~headlab.models.base.ModelAdapter.hooks`; the cache then holds the edited activations.
 
     Returns:
-        :class:`ActivationCache`; tensors are detached.
+        :class:`ActivationCache`; tensors are detached. On a model sharded by tensor parallelism (under torchrun,
+        every rank calling ``capture`` alike) the sites hold every head in global order, on every rank.
     """
     adapter, loaded = resolve(model_or_loaded_or_adapter)
     wanted = _select(adapter, sites)
     if grads and scalar is None:
         raise ConfigError("grads=True needs scalar=, a function of the model outputs returning a 0-dim tensor, "
                           "e.g. scalar=lambda out: out.logits[0, -1].max()")
+    if grads and adapter.tp is not None:
+        raise ConfigError("grads=True is not available yet on a model sharded by tensor parallelism; capture without "
+                          "grads, or load the model in one process")
     model_inputs = _prepare_inputs(inputs, loaded)
     probe = Probe(wanted, grads, dict(stats_kwargs or {}), adapter.site_name)
     chosen = backend or adapter.backend or "auto"
@@ -93,4 +97,7 @@ def capture(
             got = torch.autograd.grad(value.reshape(()), [probe.live[n] for n in names], allow_unused=True)
             grad_map = {n: (torch.zeros_like(probe.live[n]) if g is None else g.detach()) for n, g in zip(names, got)}
             value = value.detach()
-    return ActivationCache(probe.data, grad_map, outputs, value, adapter, probe.call_args)
+    data = probe.data
+    if adapter.tp is not None:  # tensor parallelism: each rank holds its heads; every rank gets all, in global order
+        data = adapter.tp.gather_sites(data)
+    return ActivationCache(data, grad_map, outputs, value, adapter, probe.call_args)

@@ -1,0 +1,106 @@
+"""One rank of the tensor-parallel tests: ``python tp_worker.py RANK WORLD PORT OUT_DIR MODEL_DIR``, or under
+``torchrun --nproc_per_node N tp_worker.py - - - OUT_DIR MODEL_DIR``.
+
+Set up as torchrun sets a rank up (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT): ``headlab.load(...,
+tensor_parallel=True)`` lets transformers start the gloo group and shard the model with its plan. Each rank saves
+``OUT_DIR/rank{R}.pt``: the shard layout it found on the weights, its captures (global head order) and, for the
+path where the user shards the model with transformers and headlab only adapts it, the same captures again.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+SITES = ["blocks.*.attn.q", "blocks.*.attn.k", "blocks.*.attn.v", "blocks.*.attn.pattern", "blocks.*.attn.z",
+         "blocks.*.attn.head_out", "blocks.*.resid_post"]
+
+
+def inputs() -> dict:
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, 64, (2, 12), generator=g)
+    mask = torch.ones(2, 12, dtype=torch.long)
+    mask[1, 9:] = 0  # a padded row
+    return {"input_ids": ids, "attention_mask": mask}
+
+
+def zero_head(head: int):
+    """An edit in global head order: zero head ``head``'s z."""
+    def edit(z, site):
+        z = z.clone()
+        z[:, head] = 0
+        return z
+    return edit
+
+
+def runs(target) -> dict:
+    """Every capture the test compares with one process (the same calls, in the same order, on every rank)."""
+    import headlab
+
+    x = inputs()
+    plain = headlab.capture(target, x, SITES)
+    out = {"plain": dict(plain), "logits": plain.outputs.logits}
+    st = headlab.capture(target, x, ["blocks.*.attn.stats"])
+    out["stats"] = {k: v.as_dict() for k, v in st.items()}
+    ed = headlab.capture(target, x, ["blocks.1.attn.z", "blocks.1.attn.head_out"], edits={"blocks.1.attn.z": zero_head(3)})
+    out["edited"] = dict(ed)
+    out["edited_logits"] = ed.outputs.logits
+    adapter = headlab.capture(target, x, ["blocks.0.attn.z"]).adapter
+    adapter.gates[0, 2] = 0.0  # a gate addressed by global index: lands on the rank holding head 2
+    out["gated_logits"] = adapter.forward(x).logits
+    adapter.reset_gates()
+    return out
+
+
+def layout(loaded, reference) -> dict:
+    """Which global rows/columns of the unsharded weights this rank's shards equal (found by value)."""
+    d = loaded.adapter.head_dim
+    found = {}
+    for layer in range(loaded.adapter.n_layers):
+        am, ref = loaded.adapter.attn_modules[layer], reference.adapter.attn_modules[layer]
+        for name in ("q_proj", "k_proj", "v_proj"):
+            local = getattr(am, name).weight.to_local()
+            full = getattr(ref, name).weight
+            n = local.shape[0] // d
+            found[(layer, name)] = [h for h in range(full.shape[0] // d - n + 1)
+                                    if torch.equal(local, full[h * d:(h + n) * d])]
+        local = loaded.adapter.out_projs[layer].weight.to_local()
+        full = reference.adapter.out_projs[layer].weight
+        n = local.shape[1] // d
+        found[(layer, "o_proj")] = [h for h in range(full.shape[1] // d - n + 1)
+                                    if torch.equal(local, full[:, h * d:(h + n) * d])]
+    return found
+
+
+def main() -> None:
+    out, model_dir = sys.argv[4], sys.argv[5]
+    if sys.argv[1] != "-":  # launched by the test itself: set up what torchrun would
+        rank, world = int(sys.argv[1]), int(sys.argv[2])
+        os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[3])
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])  # launched by torchrun: RANK - - OUT MODEL
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM
+    from transformers.distributed import DistributedConfig
+
+    import headlab
+
+    loaded = headlab.load(model_dir, tensor_parallel=True)  # transformers starts the group, as under torchrun
+    tp = loaded.adapter.tp
+    res = {"rank": tp.rank, "world": tp.world, "heads": list(tp.heads()), "kv_heads": list(tp.kv_heads()),
+           "n_heads": loaded.adapter.n_heads, "gates": tuple(loaded.adapter.gates.shape),
+           "layout": layout(loaded, headlab.load(model_dir)), "load": runs(loaded)}
+    # the user shards the model with transformers; headlab adapts it as it is
+    mine = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager",
+                                                distributed_config=DistributedConfig(tp_plan="auto", tp_size=world))
+    res["adapt"] = runs(mine.eval())
+    torch.save(res, os.path.join(out, f"rank{rank}.pt"))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
