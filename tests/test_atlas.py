@@ -279,8 +279,10 @@ SENTENCES = """# text = The unbelievable cat sat on the mat.
 
 
 def test_syntactic_kind_equals_the_probes_relation_rows(tmp_path):
-    # the atlas's syntactic score is each head's best margin over the fixed-offset baseline among relations
-    # with at least min_count cases, read here from the probe's own per-row listing
+    # consistency, not the oracle: the atlas's syntactic score is each head's best margin over the fixed-offset
+    # baseline among relations with at least min_count cases, and it must agree with the probe's own per-row
+    # listing (one owner of the relation scores). The independent oracle, Clark et al.'s scoring by hand from the
+    # gold arcs and the eager maps, is in tests/test_atlas_syntactic.py (test_effects_equal_a_hand_computation_and_the_verdict_follows_the_rule)
     from headlab.interpret.probing import probe
 
     tb = tmp_path / "tiny.conllu"
