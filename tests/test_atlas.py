@@ -282,7 +282,8 @@ def test_syntactic_kind_equals_the_probes_relation_rows(tmp_path):
     # consistency, not the oracle: the atlas's syntactic score is each head's best margin over the fixed-offset
     # baseline among relations with at least min_count cases, and it must agree with the probe's own per-row
     # listing (one owner of the relation scores). The independent oracle, Clark et al.'s scoring by hand from the
-    # gold arcs and the eager maps, is in tests/test_atlas_syntactic.py (test_effects_equal_a_hand_computation_and_the_verdict_follows_the_rule)
+    # gold arcs and the eager maps, is in tests/test_atlas_syntactic.py
+    # (test_effects_equal_a_hand_computation_and_the_verdict_follows_the_rule)
     from headlab.interpret.probing import probe
 
     tb = tmp_path / "tiny.conllu"
