@@ -181,7 +181,9 @@ def test_models_check_prints_every_check(tmp_path, capsys):
     assert code == 0, out + err
     for name in ("pattern", "output", "values", "heads", "gate", "residual"):
         assert f"pass  {name}" in out
-    assert "adapted by structure" in out and "served" in out
+    assert "adapted by structure" in out and "served" in out and "z_h W_O[h]" in out
+    code, out, _ = run_cli(["models"], capsys)  # the table names the types the suite verifies by structure
+    assert code == 0 and "qwen3_moe" in out and "adapted by its structure" in out
     code, out, _ = run_cli(["models", "--check", tmp_path, "--json"], capsys)
     assert code == 0 and json.loads(out)["verdict"]["model_type"] == "camembert"
 

@@ -38,6 +38,11 @@ def list_models(as_json: bool = typer.Option(False, "--json", help="print JSON")
     for r in rows:
         if r["family"] is None:
             console.print(f"[red]refused[/] {r['model_types'][0]}: {r['refused']}", highlight=False)
+    from headlab.models.hf.support import STRUCTURE_LIMITS, VERIFIED_BY_STRUCTURE
+
+    served = ", ".join(f"{t} ({STRUCTURE_LIMITS[t]})" if t in STRUCTURE_LIMITS else t for t in VERIFIED_BY_STRUCTURE)
+    console.print(f"Adapted by structure and run through every step by the test suite ({len(VERIFIED_BY_STRUCTURE)} "
+                  f"types): {served}", highlight=False, markup=False)
     console.print("Any other Hugging Face type is adapted by its structure and checked on its weights at load "
                   "(headlab models --check PATH prints the checks); to declare what structure cannot show: "
                   "docs/adding-a-family.md", highlight=False)
@@ -62,10 +67,11 @@ def _check(path: str, as_json: bool) -> None:
             for stack, desc in found.summary().items():
                 if isinstance(desc, dict) and "projections" in desc:
                     console.print(f"  {stack}: attention {desc['attention']!r}, {desc['projections']}, W^O "
-                                  f"{desc['out']!r}, norms {desc['norms']}", highlight=False)
+                                  f"{desc['out']!r}, norms {desc['norms']}", highlight=False, markup=False)
         for c in verdict.checks:
             mark = "pass" if c.passed else "FAIL"
-            console.print(f"  {mark}  {c.name:<9} worst {c.worst:.2e} (tolerance {c.tol:.0e})  {c.detail}", highlight=False)
+            console.print(f"  {mark}  {c.name:<9} worst {c.worst:.2e} (tolerance {c.tol:.0e})  {c.detail}", highlight=False,
+                          markup=False)
         console.print(f"{'served' if verdict.passed else 'refused'}: checks took {verdict.seconds:.2f} s",
                       highlight=False)
     if not verdict.passed:
