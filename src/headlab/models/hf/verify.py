@@ -104,7 +104,7 @@ def config_key(model: nn.Module) -> str:
 def _source_hash() -> str:
     here = Path(__file__).resolve().parent
     h = hashlib.sha1()
-    for name in ("structure.py", "verify.py", "attention_fn.py"):
+    for name in ("structure.py", "layout.py", "trace.py", "verify.py", "attention_fn.py"):
         h.update((here / name).read_bytes())
     return h.hexdigest()[:12]
 
