@@ -36,6 +36,30 @@ def _gist(reason: str) -> str:
     return "skipped, not supported"
 
 
+def _check_inputs_fit(n: int, *, batch: int, heads: int, head_dim: int, dtype: str, backward: bool) -> None:
+    """The query, key, value and output tensors of the longest row must fit in this machine's memory, or one
+    line before the run. (What fits the memory budget, ``HEADLAB_MEMORY_LIMIT`` included, the guard judges
+    per row and lists as skipped; inputs past the whole machine would fail the allocation itself.)"""
+    import os
+
+    from headlab.costs import AttentionShape
+    from headlab.errors import MemoryBudgetError
+    from headlab.units import human_bytes
+
+    item = AttentionShape(heads=1, q_len=1, dtype=dtype).dtype.itemsize  # an unknown dtype: refused here
+    tensors = 4 * (2 if backward else 1)
+    need = tensors * batch * heads * n * head_dim * item
+    try:
+        total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError):
+        return
+    if need > total:
+        raise MemoryBudgetError(f"--seq-lens {n}: the inputs of one row ({tensors} tensors of {batch}x{heads}x{n}x"
+                                f"{head_dim}) need about {human_bytes(need)}, more than this machine's "
+                                f"{human_bytes(total)} of memory; give shorter --seq-lens",
+                                estimate_bytes=need, available_bytes=total, alternative=None)
+
+
 @bench_app.command("attention")
 def attention_cmd(
     seq_lens: str = typer.Option("1024,2048,4096,8192", "--seq-lens", help="comma-separated sequence lengths"),
@@ -67,6 +91,7 @@ def attention_cmd(
         from_string(pattern)  # a bad spec fails here, before any timing
     if json_file is not None:
         check_output_file(json_file, "--json", force=force)  # before the run, so no result is lost
+    _check_inputs_fit(max(lens), batch=batch, heads=heads, head_dim=head_dim, dtype=dtype, backward=backward)
     with progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(), console=err_console,
                   transient=True) as bar:
         task = bar.add_task("benchmark", total=None)

@@ -47,6 +47,10 @@ def memory(
         raise ConfigError("--ring costs attention sharded over ranks: give --ranks R too")
     if ranks is not None and ranks < 1:
         raise ConfigError(f"--ranks must be at least 1, got {ranks}")
+    if ranks is not None and seq_len > 0 and seq_len % ranks:
+        # ring attention gives each rank an equal shard; a floor would cost a shorter sequence than the one asked for
+        raise ConfigError(f"--seq-len {seq_len} does not split into {ranks} equal shards for --ranks {ranks}; give a "
+                          f"multiple of {ranks}, e.g. --seq-len {max(ranks, seq_len // ranks * ranks)}")
     if (link_bandwidth is None) != (peak_flops is None):
         raise ConfigError("the compute-to-communication ratio needs both --link-bandwidth and --peak-flops")
     for name, val in (("--link-bandwidth", link_bandwidth), ("--peak-flops", peak_flops)):
@@ -102,7 +106,13 @@ def _kv_cache(shape, text: str) -> dict:
     from headlab.costs.kv import full_cache_bytes, policy_cache_bytes
     from headlab.decode import kv
 
-    policy = kv.Policy.load(text) if text.endswith(".json") or Path(text).is_file() else kv.Policy.parse(text)
+    if text.endswith(".json") or Path(text).exists():  # a policy file: missing, a folder, not UTF-8, empty
+        from headlab.cli.app import read_text_file
+
+        read_text_file(Path(text), "--kv-policy", what="a policy JSON file or a rule such as streaming:4,256")
+        policy = kv.Policy.load(text)
+    else:
+        policy = kv.Policy.parse(text)
     kvh = [shape.kv_heads] * shape.layers
     policy.check(kvh, model=f"--layers {shape.layers} --kv-heads {shape.kv_heads}")
     args = dict(tokens=shape.kv_len, head_dim=shape.head_dim, v_dim=shape.v_dim, dtype=shape.dtype, batch=shape.batch)

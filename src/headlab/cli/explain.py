@@ -7,8 +7,9 @@ from pathlib import Path
 import typer
 from rich.table import Table
 
-from headlab.cli.app import app, console, err_console, print_json
-from headlab.errors import InputError
+from headlab.cli.app import (app, check_at_least, check_output_dir, check_text, console, err_console, print_json,
+                             read_text_file)
+from headlab.errors import ConfigError, InputError
 from headlab.interpret.saliency import DEFAULT_METHODS, METHODS, StudyOptions, explain, study
 from headlab.interpret.saliency.html import write_explanation
 from headlab.interpret.saliency.tables import fmt, fmt_ci
@@ -122,11 +123,24 @@ def explain_cmd(
               torchrun --nproc-per-node 2 -m headlab explain --dataset validation.tsv --model PATH --out study/
               (data-parallel: each process explains every 2nd row; rank 0 writes the files and prints)
     """
+    check_at_least("--target", target, 0, what=" (a class or token id)")
+    if dataset is None:  # the study's options would be ignored silently
+        alone = [o for o, v in (("--limit", limit), ("--max-minutes", max_minutes),
+                                ("--no-counterfactual", no_counterfactual or None)) if v is not None]
+        if alone:
+            raise InputError(f"{', '.join(alone)}: {'it acts' if len(alone) == 1 else 'they act'} only with "
+                             "--dataset FILE.tsv (the corpus study); drop it, or add --dataset")
     if dataset is not None:
         if text is not None:
             raise InputError("give either TEXT or --dataset, not both")
         if out is None:
             raise InputError("--dataset needs --out DIR (where the per-instance lines and tables go; reruns resume)")
+        check_at_least("--limit", limit, 1, what=" row")
+        if max_minutes is not None and not 0 < max_minutes < float("inf"):
+            raise ConfigError(f"--max-minutes must be a number > 0, got {max_minutes}")
+        if Path(dataset).is_file():  # not UTF-8 or empty: one line naming the option, before the model
+            read_text_file(Path(dataset), "--dataset", what="a TSV file with a header row (columns sentence, label)")
+        check_output_dir(out, "--out", allow_existing=True)  # reruns resume in it
         opts = StudyOptions(methods=tuple(m.strip() for m in methods.split(",") if m.strip()), ig_steps=ig_steps,
                             backend=backend, loo=loo, counterfactual=not no_counterfactual)
         from headlab.distributed.data import init_from_env
@@ -143,6 +157,9 @@ def explain_cmd(
         return
     if text is None:
         raise InputError("no text: give TEXT to explain, or --dataset FILE.tsv with --out DIR")
+    check_text(text, "TEXT")
+    if compare_to is not None:
+        check_text(compare_to, "--compare-to")
     if out is not None:  # checked before the work: a non-empty folder is kept unless --force
         from headlab.interpret.report.analyze_job import prepare_out_dir
 

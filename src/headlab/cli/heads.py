@@ -7,7 +7,8 @@ from pathlib import Path
 
 import typer
 
-from headlab.cli.app import app, check_heads_before_loading, console, print_json
+from headlab.cli.app import (app, check_at_least, check_heads_before_loading, check_output_dir, console, print_json,
+                             read_text_file)
 from headlab.errors import ConfigError, InputError
 
 heads_app = typer.Typer(help="Which heads matter: importance, ablation verdicts, physical pruning.",
@@ -31,8 +32,8 @@ def _load(model: str, data: Path | None, limit: int | None, *, need_data: bool =
         if need_data:
             raise InputError("--data FILE is required: a .tsv, .conllu or .txt of examples")
         return load(model), None, None
-    if not Path(data).is_file():  # check the path before loading the model
-        raise InputError(f"data file {data} does not exist (give a .tsv with a 'sentence' column, a .conllu or a .txt)")
+    # before loading the model: missing, a folder, not UTF-8, empty
+    read_text_file(Path(data), "--data", what="a .tsv with a 'sentence' column, a .conllu or a .txt")
     texts, labels = read_texts(data, limit=limit)
     loaded = load(model)
     return loaded, token_ids_if_needed(loaded, texts), labels
@@ -41,11 +42,22 @@ def _load(model: str, data: Path | None, limit: int | None, *, need_data: bool =
 def _out_dir(out: Path | None) -> Path | None:
     if out is None:
         return None
-    out = Path(out)
-    if out.exists() and not out.is_dir():
-        raise InputError(f"--out {out} is a file; give a folder")
+    out = check_output_dir(Path(out), "--out", allow_existing=True)  # its files are written beside others
     out.mkdir(parents=True, exist_ok=True)
     return out
+
+
+def _check_options(*, loss: str, batch_size: int, backend: str, limit: int | None) -> None:
+    """The options every study takes, refused before the model loads."""
+    from headlab.attention import backends
+    from headlab.interpret.heads.examples import LOSSES
+
+    if loss not in (*LOSSES, "auto"):
+        raise ConfigError(f"--loss {loss!r} is not a loss; use one of {' | '.join(LOSSES)} | auto")
+    check_at_least("--batch-size", batch_size, 1)
+    check_at_least("--limit", limit, 1, what=" example")
+    if backend != "auto" and backend not in backends.names():
+        raise ConfigError(f"--backend {backend!r} is not a backend; use auto or one of {', '.join(backends.names())}")
 
 
 def _parse_heads(spec: str) -> dict[int, list[int]]:
@@ -76,6 +88,7 @@ def importance_cmd(model: str = MODEL, data: Path = DATA, loss: str = LOSS, out:
     from headlab.interpret.heads.importance import importance_study
     from headlab.interpret.heads.page import render_page
 
+    _check_options(loss=loss, batch_size=batch_size, backend=backend, limit=limit)
     init_from_env()
     out = _out_dir(out) if is_main() else None
     loaded, texts, labels = _load(model, data, limit)
@@ -115,6 +128,8 @@ def ablate_cmd(model: str = MODEL, data: Path = DATA, loss: str = LOSS, out: Pat
     if kind not in KINDS:  # the options first: a load can take minutes
         raise ConfigError(f"--kind {kind!r} is not an ablation kind; use one of {', '.join(KINDS)}")
     check_bootstrap(boot, 0.05)
+    check_at_least("--k", k, 0)
+    _check_options(loss=loss, batch_size=batch_size, backend=backend, limit=limit)
     out = _out_dir(out)
     loaded, texts, labels = _load(model, data, limit)
     r = ablate(loaded, texts, labels, kind=kind, loss=loss, k=k, keep_one=keep_one, batch_size=batch_size,
@@ -161,8 +176,10 @@ def prune_cmd(model: str = MODEL, out: Path = typer.Option(..., "--out", "-o", h
     if gqa not in ("pad", "strict"):
         raise ConfigError(f"--gqa {gqa!r} is not a choice; use pad (uneven GQA groups kept exact) or strict")
     out = Path(out)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+    if out.is_dir() and any(out.iterdir()):  # prune has no --force: a new or empty folder only
         raise InputError(f"--out {out} exists and is not an empty folder; choose a new one")
+    check_output_dir(out, "--out", force=True)  # a file in the way, FILE/sub, an unwritable place
+    _check_options(loss=loss, batch_size=batch_size, backend="auto", limit=limit)
     spec = _parse_heads(heads) if heads is not None else None
     check_heads_before_loading(model, heads)
     loaded, texts, labels = _load(model, data, limit, need_data=fraction is not None or curve)

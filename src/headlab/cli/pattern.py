@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import inspect
 import re
+from pathlib import Path
 
 import typer
 from rich.text import Text
 
 from headlab.attention import masks
 from headlab.attention.backends.sparse.plan import pattern_density
-from headlab.cli.app import app, console, print_json
+from headlab.cli.app import app, check_at_least, check_output_file, console, print_json
 from headlab.errors import ConfigError
 
 # largest sequence drawn densely (a PNG of n x n pixels; the terminal is downsampled anyway)
@@ -120,6 +121,9 @@ def pattern(
     """
     if seq_len <= 0 or seq_len > MAX_DENSE:
         raise ConfigError(f"--seq-len must be in 1..{MAX_DENSE} to draw a pattern, got {seq_len}")
+    check_at_least("--width", width, 1, what=" character")
+    if png:  # before the work: a folder, a path under a file, an unwritable place (an existing PNG is replaced)
+        check_output_file(Path(png), "--png", force=True)
     m = build(name, window=window, dilation=dilation, stride=stride, summary=summary, block=block,
               window_blocks=window_blocks, global_=global_, random=random, seed=seed, causal=causal,
               lengths=lengths)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import typer
 
-from headlab.cli.app import app, console, print_json, stage_bar
+from headlab.cli.app import app, check_output_dir, console, print_json, stage_bar
 from headlab.interpret.probing.render import prepare_out_dir, write_outputs
 from headlab.interpret.probing.head_scores import probe as run_probe
 
@@ -35,7 +35,11 @@ def probe_cmd(
     if not treebank.is_file():
         from headlab.errors import TreebankError
 
-        raise TreebankError(f"no such treebank file: {str(treebank)!r}; give a CoNLL-U file (.conllu)")
+        what = ("is a folder" if treebank.is_dir() else "is not a regular file (a device or a pipe)"
+                if treebank.exists() else "does not exist (no such treebank file)")
+        raise TreebankError(f"--treebank {str(treebank)!r} {what}; give a CoNLL-U file (.conllu)")
+    if out is not None:  # before the work: a file in the way, FILE/sub, an unwritable place, earlier files
+        check_output_dir(out, "--out", force=force)
     from headlab.distributed.data import init_from_env, is_main
 
     init_from_env()  # under torchrun: the sentences are split across the processes, the sums added

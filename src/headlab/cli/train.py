@@ -6,8 +6,9 @@ from pathlib import Path
 
 import typer
 
-from headlab.cli.app import app, console, err_console, print_json
-from headlab.errors import InputError
+from headlab.cli.app import (app, check_at_least, check_output_dir, console, err_console, print_json,
+                             read_text_file)
+from headlab.errors import ConfigError, InputError
 
 
 @app.command("train-classifier")
@@ -40,11 +41,18 @@ def train_classifier_cmd(
         train, validation = Path(data) / "train.tsv", Path(data) / "validation.tsv"
     if train is None or validation is None:
         raise InputError("no data: give --data FOLDER (with train.tsv and validation.tsv) or --train and --validation")
-    for p in (train, validation):
-        if not Path(p).is_file():
-            raise InputError(f"{p} does not exist; give SST-2's train.tsv and validation.tsv (columns sentence, label)")
+    for p, option in ((train, "--train"), (validation, "--validation")):
+        read_text_file(Path(p), "--data" if data is not None else option,  # missing, a folder, not UTF-8, empty
+                       what="SST-2's train.tsv and validation.tsv (columns sentence, label)")
+    if not 0 < epochs < float("inf"):
+        raise ConfigError(f"--epochs must be a number > 0, got {epochs}")
+    check_at_least("--threads", threads, 1)
+    check_at_least("--subset", subset, 0, what=" (0: all rows)")
+    check_at_least("--limit", limit, 1, what=" row")
+    check_at_least("--seed", seed, 0)
     cfg = TrainingConfig(epochs=epochs, seed=seed, threads=threads, subset=subset, limit=limit)
     target = out or default_folder()
+    check_output_dir(Path(target), "--out", force=force)  # before the minutes of training
     err_console.print(f"fine-tuning all-MiniLM-L6-v2 on {train} -> {target}", highlight=False, soft_wrap=True)
     with progress() as bar:
         task = None
