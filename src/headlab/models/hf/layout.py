@@ -201,9 +201,6 @@ def _norms(block, named, rec, attn_path, out_name, stack) -> tuple[Norms | None,
                   "branch, such as LayerScale?)")
 
 
-_HEAD_WORDS = ("head", "group")
-
-
 def head_attrs(attn: nn.Module, H: int, Hkv: int, d: int) -> dict[str, str]:
     """The attention module's integer attributes that count heads (what pruning must update)."""
     G = H // Hkv

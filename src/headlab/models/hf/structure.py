@@ -31,8 +31,6 @@ it). Nothing found here is trusted before :mod:`headlab.models.hf.verify` checks
 
 from __future__ import annotations
 
-import hashlib
-import json
 from dataclasses import dataclass
 
 import torch
@@ -84,10 +82,6 @@ def _norms_text(n: Norms) -> str:
     if n.parallel:
         return f"parallel (pre={n.pre}, beside {n.parallel})"
     return f"pre ({n.pre})" if n.pre else "none around the attention"
-
-
-def _path_of(root: nn.Module, target: nn.Module) -> str | None:
-    return next((p for p, m in root.named_modules() if m is target), None)
 
 
 def _split_block(path: str, model_type: str) -> tuple[str, str]:
