@@ -11,9 +11,18 @@ import typer
 from headlab.cli.app import (app, check_at_least, check_output_dir, console, peek_max_positions, print_json,
                              read_text_file, stage_bar)
 from headlab.errors import ConfigError, InputError
+from headlab.interpret.atlas.kinds import KINDS
 
-REPEATED_KINDS = ("previous_token", "duplicate_token", "induction")  # read the repeated random sequences (--half)
-TEXT_KINDS = ("sink", "local", "retrieval")  # read the natural-text pieces (--max-tokens)
+
+def _reading(*inputs: str) -> list[str]:
+    """The kinds that read these inputs (``Kind.reads``): "repeated" is sized by --half, "text" and "needles"
+    by --max-tokens and --haystack."""
+    return [name for name, kd in KINDS.items() if kd.reads in inputs]
+
+
+def _checked_on(task: str) -> list[str]:
+    """The kinds whose causal check runs the task of this name ("text": the natural-text pieces)."""
+    return [name for name, kd in KINDS.items() if kd.task is not None and kd.task.name == task]
 
 
 def _read_texts(path: Path) -> list[str]:
@@ -36,16 +45,16 @@ def _check_positions(model: str, limit: int | None, kinds: list[str] | None, *, 
     if limit is None:
         return
     todo = set(kinds) if kinds is not None else None
-    if (todo is None or todo & set(REPEATED_KINDS)) and 2 * half + (specials or 0) > limit:
+    if (todo is None or todo & set(_reading("repeated"))) and 2 * half + (specials or 0) > limit:
         more = (" plus the special tokens" if specials is None else
                 f" plus {specials} special token{'s' if specials > 1 else ''}" if specials else "")
         raise ConfigError(f"--half {half}: the repeated sequences are 2 x {half} tokens{more}, past the {limit:,} "
                           f"positions of {model}; give --half {(limit - (2 if specials is None else specials)) // 2} "
                           "or less")
-    if (todo is None or todo & set(TEXT_KINDS)) and max_tokens > limit:
+    if (todo is None or todo & set(_reading("text", "needles"))) and max_tokens > limit:
         raise ConfigError(f"--max-tokens {max_tokens} is past the {limit:,} positions of {model}; give --max-tokens "
                           f"{limit} or less")
-    if haystack is not None and (todo is None or "retrieval" in todo) and haystack + room > limit:
+    if haystack is not None and (todo is None or todo & set(_reading("needles"))) and haystack + room > limit:
         raise ConfigError(f"--haystack {haystack}: a needle trial adds {room} tokens to it (the needle, the question "
                           f"and the answer), past the {limit:,} positions of {model}; give --haystack "
                           f"{limit - room} or less")
@@ -103,9 +112,10 @@ def _check_loaded(loaded, model: str, kinds, *, texts, checks: bool, half: int, 
     from headlab.models.loader import resolve
 
     adapter, _ = resolve(loaded)
-    if getattr(loaded, "tokenizer", None) is None and texts is None and (kinds is None or set(kinds) & set(TEXT_KINDS)):
+    text_kinds = _reading("text", "needles")
+    if getattr(loaded, "tokenizer", None) is None and texts is None and (kinds is None or set(kinds) & set(text_kinds)):
         raise InputError(f"{model} has no tokenizer: give --texts FILE with lines of space-separated token ids (the "
-                         f"natural text of {', '.join(TEXT_KINDS)}), or --kinds without those")
+                         f"natural text of {', '.join(text_kinds)}), or --kinds without those")
     if texts is not None and texts and not isinstance(texts[0], str):  # token-id lines: inside the vocabulary
         from headlab.interpret.atlas import scores as S
 
@@ -116,23 +126,25 @@ def _check_loaded(loaded, model: str, kinds, *, texts, checks: bool, half: int, 
                 raise InputError(f"--texts example {i + 1}: token id {bad[0]} is outside the vocabulary of {model} "
                                  f"(0..{V - 1})")
     limit = getattr(loaded, "max_positions", None)
-    needles_run = adapter.causal and (kinds is None or "retrieval" in kinds)
+    needles_run = adapter.causal and (kinds is None or bool(set(kinds) & set(_reading("needles"))))
     room = _needle_room(adapter, loaded, texts, needles, seed) if needles_run and limit is not None else None
     from headlab.interpret.atlas import tasks as T
 
     specials = sum(map(len, T._specials(getattr(loaded, "tokenizer", None))))
     _check_positions(model, limit, kinds, half=half, max_tokens=max_tokens,
                      haystack=haystack if room is not None else None, room=room or 0, specials=specials)
-    if checks and (kinds is None or {"sink", "local"} & set(kinds)):
+    on_text = _checked_on("text")
+    if checks and (kinds is None or set(on_text) & set(kinds)):
         pieces = len(T.natural(getattr(loaded, "tokenizer", None), texts, max_tokens=max_tokens, n=n_texts))
         if pieces < 2:
-            raise InputError(f"the sink and local checks need at least 2 pieces of text for their bootstrap; "
+            raise InputError(f"the {' and '.join(on_text)} checks need at least 2 pieces of text for their bootstrap; "
                              f"{'--texts' if texts is not None else 'the shipped passage'} gives {pieces} of at most "
                              f"--max-tokens {max_tokens} tokens with --n-texts {n_texts}: give more text, a smaller "
                              "--max-tokens, --n-texts 2 or more, or --no-checks")
     if checks and needles_run and needles < 2:
-        raise ConfigError(f"--needles {needles}: the retrieval check needs at least 2 trials for its bootstrap "
-                          "interval; give --needles 2 or more, or --no-checks")
+        names = " and ".join(_checked_on("needle"))
+        raise ConfigError(f"--needles {needles}: the {names} check needs at least 2 trials for its bootstrap interval; "
+                          "give --needles 2 or more, or --no-checks")
     total = sum(adapter.layer_heads)
     if top_k is not None and top_k >= total:
         raise ConfigError(f"--top-k {top_k}: {model} has {total} heads; gate at most {total - 1} per check")
@@ -145,8 +157,7 @@ PARTIAL = "atlas.partial.json"  # the finished phases of an interrupted run; the
 def atlas_cmd(
     model: str = typer.Option("minilm", "--model", "-m", help="a known model name (minilm, smollm2) or a model folder"),
     kinds: str = typer.Option(None, "--kinds", "-k",
-                              help="comma-separated kinds (default: all the model allows): previous_token, "
-                                   "duplicate_token, induction, retrieval, sink, local, syntactic"),
+                              help=f"comma-separated kinds (default: all the model allows): {', '.join(KINDS)}"),
     texts: Path = typer.Option(None, "--texts", help="natural text for sink/local/needle (default: a shipped "
                                                      "public-domain passage); token-id lines for a model without a tokenizer"),
     treebank: Path = typer.Option(None, "--treebank", "-t", help="a CoNLL-U file: adds the syntactic kind"),
@@ -171,7 +182,7 @@ def atlas_cmd(
     Data-parallel with torchrun: `torchrun --nproc-per-node 2 -m headlab atlas ...` splits the needle trials and
     the checks' configurations across the processes; rank 0 shows the progress and writes the output.
     """
-    from headlab.interpret.atlas import KINDS, atlas
+    from headlab.interpret.atlas import atlas
     from headlab.interpret.atlas.page import render_page
     from headlab.models import load
 
@@ -180,8 +191,10 @@ def atlas_cmd(
         bad = [k for k in asked if k not in KINDS]
         if bad or not asked:
             raise ConfigError(f"--kinds: unknown {', '.join(map(repr, bad)) or 'empty list'}; choose from {', '.join(KINDS)}")
-        if "syntactic" in asked and treebank is None:
-            raise ConfigError("--kinds syntactic needs --treebank FILE.conllu (the dependency trees it is checked on)")
+        on_treebank = [k for k in asked if k in _reading("treebank")]
+        if on_treebank and treebank is None:
+            raise ConfigError(f"--kinds {on_treebank[0]} needs --treebank FILE.conllu (the dependency trees it is "
+                              "checked on)")
     _check_counts(draws=draws, half=half, n_texts=n_texts, max_tokens=max_tokens, needles=needles, haystack=haystack,
                   top_k=top_k, seed=seed)
     raw = _read_texts(texts) if texts is not None else None

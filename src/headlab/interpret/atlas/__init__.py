@@ -4,21 +4,11 @@
 ``verdicts[kind]`` the causal check, ``to_json()`` / ``Atlas.from_json``, and a page (``_repr_html_``,
 :func:`~headlab.interpret.atlas.page.render_page`).
 
-================  ==========================================================  =================================
-kind              score (a head's mean over the rows named)                   causal task
-================  ==========================================================  =================================
-previous_token    ``A[i, i-1]``                                               loss on the repeated half
-duplicate_token   on random tokens repeated once (T each): ``A[i, i-T]``,     loss on the repeated half
-                  second-half rows (Olsson et al. 2022)
-induction         ``A[i, i-T+1]``, the same rows; with the OV copying score   loss on the repeated half
-retrieval         Wu et al. 2024: share of the needle's answer a head copies  needle accuracy
-                  during greedy decoding (top-1 key inside the needle and
-                  holding the generated token)
-sink              mass on the first token ([CLS] and [SEP] for encoders)      log-perplexity of real text
-local             mass within the last w keys (DuoAttention's streaming)      log-perplexity of real text
-syntactic         best accuracy margin over the fixed-offset baseline         loss on the dependents of the
-                  (the probe, Clark et al. 2019), with a treebank             top heads' relations (decoders)
-================  ==========================================================  =================================
+Each kind is one record in :data:`KINDS` (page order), built and registered by its own module under
+``kinds/``: its score, threshold, causal task, role name, letter and colour, and its definition with its
+paper in the module's docstring (previous_token, duplicate_token, induction, retrieval, sink, local,
+syntactic; ``docs/atlas.md`` tabulates them). Every other part of the atlas reads the record, so adding a
+kind is one module that calls :func:`register` (:func:`unregister` takes it off again).
 
 Scores come from the map-free statistics (see :mod:`.scores`); the checks gate off the top-k heads of a
 kind and k random heads, at least 10 draws, and call a label causal when the targeted effect is at least
@@ -33,7 +23,8 @@ kind and k random heads, at least 10 draws, and call a label causal when the tar
     (['previous_token', 'duplicate_token', 'induction', 'retrieval', 'sink', 'local'], (2, 4))
 """
 
-from headlab.interpret.atlas.result import KINDS, Atlas, Thresholds
+from headlab.interpret.atlas.kinds import KINDS, ROLE, Kind, Task, register, unregister
+from headlab.interpret.atlas.result import Atlas, Thresholds
 from headlab.interpret.atlas.run import atlas
 
-__all__ = ["KINDS", "Atlas", "Thresholds", "atlas"]
+__all__ = ["KINDS", "ROLE", "Atlas", "Kind", "Task", "Thresholds", "atlas", "register", "unregister"]

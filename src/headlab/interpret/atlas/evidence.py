@@ -1,9 +1,10 @@
 """Evidence maps: the attention pattern of each kind's top heads on one short input, for the page.
 
-A score is a mean; the map shows what it averages. For the top-k heads of previous_token,
-duplicate_token and induction, the map on a short repeated random sequence (at most 12 tokens per half:
-the induction stripe sits ``T - 1`` keys left of the diagonal); for sink and local, on the first 24 tokens of
-the first natural-text piece. The maps are materialised (``blocks.L.attn.pattern``), which short inputs
+A score is a mean; the map shows what it averages. For the top-k heads of every kind that reads the
+repeated random tokens (previous_token, duplicate_token, induction: ``Kind.reads``), the map on a short
+repeated random sequence (at most 12 tokens per half: the induction stripe sits ``T - 1`` keys left of the
+diagonal); for every kind that reads the natural text (sink, local), on the first 24 tokens of the first
+natural-text piece; kinds of other inputs have none. The maps are materialised (``blocks.L.attn.pattern``), which short inputs
 allow; the scores themselves never need them.
 
     >>> import torch
@@ -21,23 +22,23 @@ from collections.abc import Callable
 
 import torch
 
+from headlab.interpret.atlas.kinds import KINDS
+from headlab.interpret.atlas.kinds.shared import INPUTS
 from headlab.interpret.capture import capture
 from headlab.models.loader import resolve
 
-REPEATED_KINDS = ("previous_token", "duplicate_token", "induction")
-TEXT_KINDS = ("sink", "local")
 
 
 def evidence_maps(model, heads: dict[str, list[tuple[int, int]]], *, repeated_ids: torch.Tensor | None,
                   text_ids: torch.Tensor | None, tokens: Callable[[int], str]) -> dict[str, dict]:
     """``{"kind:l.h": {"kind", "layer", "head", "tokens", "map" (n x n, 3 decimals)}}`` for ``heads[kind]``.
 
-    ``repeated_ids`` / ``text_ids``: ``(n,)`` inputs for the repeated and the natural-text kinds;
+    ``repeated_ids`` / ``text_ids``: ``(n,)`` inputs for the kinds that read the repeated tokens and the text;
     ``tokens``: id -> the string shown for it."""
     adapter, _ = resolve(model)
     out: dict[str, dict] = {}
-    for ids, kinds in ((repeated_ids, REPEATED_KINDS), (text_ids, TEXT_KINDS)):
-        wanted = [(kd, hd) for kd in kinds for hd in heads.get(kd, [])]
+    for ids, source in zip((repeated_ids, text_ids), INPUTS):
+        wanted = [(kd, hd) for kd in KINDS if KINDS[kd].reads == source for hd in heads.get(kd, [])]
         if ids is None or not wanted:
             continue
         x = ids[None]
@@ -50,4 +51,4 @@ def evidence_maps(model, heads: dict[str, list[tuple[int, int]]], *, repeated_id
     return out
 
 
-__all__ = ["REPEATED_KINDS", "TEXT_KINDS", "evidence_maps"]
+__all__ = ["evidence_maps"]

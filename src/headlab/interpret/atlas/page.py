@@ -21,12 +21,8 @@ import html
 import math
 
 from headlab.interpret import shell
-from headlab.interpret.atlas.kinds import ROLE
-
-COLOURS = {"induction": "#d62728", "previous_token": "#1f77b4", "duplicate_token": "#9467bd",
-           "retrieval": "#ff7f0e", "sink": "#7f7f7f", "local": "#2ca02c", "syntactic": "#8c564b"}
-LETTER = {"induction": "I", "previous_token": "P", "duplicate_token": "D", "retrieval": "R", "sink": "S",
-          "local": "L", "syntactic": "Y"}
+from headlab.interpret.atlas.kinds import KINDS, ROLE
+from headlab.interpret.heads.labels import LabelThresholds
 
 _JS = r"""
 (function(){
@@ -129,21 +125,33 @@ def _role_grid(a) -> str:
         cells = []
         for h in range(a.n_heads):
             main = _strongest(a, layer, h)
-            letters = "".join(LETTER[k] for k in a.kinds if _num(a.scores[k][layer, h]) is not None
+            letters = "".join(KINDS[k].letter for k in a.kinds if _num(a.scores[k][layer, h]) is not None
                               and float(a.scores[k][layer, h]) >= a.thresholds.get(k, math.inf))
             roles = a.roles(layer, h)
             tip = html.escape(f"{layer}.{h}: " + (", ".join(roles) if roles else "no role"), quote=True)
-            colour = COLOURS[main] if main else "#f4f4f4"
+            colour = KINDS[main].colour if main else "#f4f4f4"
             fg = "#fff" if main else "#333"
             cells.append(f'<td data-l="{layer}" data-h="{h}" title="{tip}" style="background-color:{colour};'
                          f'color:{fg};text-align:center;font-size:11px;min-width:22px">{letters}</td>')
         rows.append(f"<tr><th>{layer}</th>{''.join(cells)}</tr>")
     extra = f"<tr><th></th>{groups}</tr>" if groups else ""
-    legend = " ".join(f'<span style="background:{COLOURS[k]};color:#fff;padding:0 4px">{LETTER[k]} {ROLE[k]}</span>'
-                      for k in a.kinds)
+    legend = " ".join(f'<span style="background:{KINDS[k].colour};color:#fff;padding:0 4px">{KINDS[k].letter} '
+                      f"{html.escape(ROLE[k])}</span>" for k in a.kinds)
     return (f'<h2>Roles</h2><table class="hm" data-grid="roles"><tr><th></th>{head}</tr>{extra}{"".join(rows)}</table>'
             f"<div class='note'>layers down, query heads across; colour: the strongest role (score / threshold); "
-            f"letters: every role. {legend}</div><div id='focus'></div><div id='evidence'></div>")
+            f"letters: every role. {legend}</div>{_pattern_note(a)}<div id='focus'></div><div id='evidence'></div>")
+
+
+def _pattern_note(a) -> str:
+    """What the "(pattern)" roles are, beside the kinds of the same name."""
+    if not a.labels:
+        return ""
+    t = LabelThresholds()
+    return ("<div class='note'>roles marked (pattern) are the pattern labels of the first text piece "
+            "(headlab.interpret.heads.labels), another measure than the kinds': previous-token, next-token and self "
+            f"when at least {t.positional:g} of the rows have their largest weight at offset -1, +1 or 0 (the kind "
+            "previous-token is the mean weight one step back, on random tokens), separator-sink at a mean "
+            f"{t.sink:g} on the sinks, broad at a normalised entropy of {t.broad:g}.</div>")
 
 
 def _heatmap(name: str, grid) -> str:

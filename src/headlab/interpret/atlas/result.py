@@ -24,25 +24,55 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from headlab.errors import InputError
-
+from headlab.errors import ConfigError, InputError
 from headlab.interpret.atlas.kinds import KINDS, ROLE
 
 
-@dataclass(frozen=True)
 class Thresholds:
-    """The score from which a head carries a kind's role (the causal check tests the top k regardless)."""
+    """The score from which a head carries each kind's role (the causal check tests the top k regardless):
+    the kind's own (``Kind.threshold``, in its module under ``kinds/``) unless given here. Frozen.
 
-    previous_token: float = 0.4  # mean weight one step back
-    duplicate_token: float = 0.3  # mean weight on the earlier copy of the token
-    induction: float = 0.3  # mean weight on the token after the earlier copy (Olsson et al.'s prefix matching)
-    retrieval: float = 0.1  # Wu et al.: "fewer than 5% of heads score above 0.1"
-    sink: float = 0.5  # mean weight on the first token ([CLS] and [SEP] for encoders)
-    local: float = 0.7  # mean weight within the last w keys
-    syntactic: float = 0.1  # accuracy above the best fixed-offset baseline on its best relation
+        >>> t = Thresholds(induction=0.5)
+        >>> t.induction, t.previous_token, t.as_dict()["sink"]
+        (0.5, 0.4, 0.5)
+    """
+
+    __slots__ = ("_given",)
+
+    def __init__(self, **given: float) -> None:
+        bad = [k for k in given if k not in KINDS]
+        if bad:
+            raise ConfigError(f"no atlas kind {', '.join(map(repr, bad))} to set a threshold for; the kinds: "
+                              f"{', '.join(KINDS)}")
+        object.__setattr__(self, "_given", {k: float(v) for k, v in given.items()})
+
+    def __getattr__(self, name: str) -> float:
+        if not name.startswith("_") and name in KINDS:
+            return self._given.get(name, KINDS[name].threshold)
+        raise AttributeError(f"no atlas kind {name!r}; the kinds: {', '.join(KINDS)}")
+
+    def __setattr__(self, name: str, value) -> None:
+        raise AttributeError(f"Thresholds are frozen; build new ones: Thresholds({name}={value!r})")
+
+    def __reduce__(self):
+        return (_thresholds, (dict(self._given),))
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Thresholds) and self._given == other._given
+
+    def __hash__(self) -> int:
+        return hash(tuple(sorted(self._given.items())))
+
+    def __repr__(self) -> str:
+        return f"Thresholds({', '.join(f'{k}={v!r}' for k, v in self._given.items())})"
 
     def as_dict(self) -> dict[str, float]:
-        return {k: getattr(self, k) for k in KINDS}
+        """``{kind: threshold}`` for every registered kind, in page order."""
+        return {k: self._given.get(k, kd.threshold) for k, kd in KINDS.items()}
+
+
+def _thresholds(given: dict) -> Thresholds:
+    return Thresholds(**given)
 
 
 def _grid(t) -> list:

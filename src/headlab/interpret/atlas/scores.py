@@ -12,17 +12,7 @@ model's own mask, scale and score modification (ALiBi, soft-capping: the capture
 one more mask that keeps ``K``: ``kv == q - offset`` for a diagonal, a window for the local mass,
 the first token for the sink. Memory is linear in the sequence length, as in FlashAttention.
 
-==================  ========================================================================================
-previous_token      mean over rows i >= 1 of ``A[i, i - 1]``
-duplicate_token     on ``[prefix] x_1..x_T x_1..x_T`` (random tokens repeated once): mean over the second
-                    half's rows i of ``A[i, i - T]`` (the token's earlier copy; Olsson et al. 2022)
-induction           the same rows, ``A[i, i - T + 1]`` (the token after the earlier copy: Olsson et al.'s
-                    "prefix matching")
-sink                mean over rows of the mass on the first token (decoders) or on [CLS] and every [SEP]
-                    (encoders): StreamingLLM's attention sink
-local               mean over rows of the mass within the last ``w`` keys (``0 <= i - j < w``; encoders
-                    ``|i - j| < w``): DuoAttention's streaming heads
-==================  ========================================================================================
+Each kind's module under ``kinds/`` names the pairs it means over and calls the functions here.
 
 ``copying`` (:func:`ov_copying`) is Olsson et al.'s OV-circuit copying score: the eigenvalues
 ``lambda`` of the full OV circuit ``W_E W_V^h W_O^h W_U`` (vocab x vocab, embeddings as rows), as
@@ -47,9 +37,6 @@ from torch import nn
 from headlab.attention import masks
 from headlab.attention.stats import attention_stats
 from headlab.errors import ConfigError, ModelError
-
-PATTERN_KINDS = ("previous_token", "duplicate_token", "induction", "sink", "local")
-
 
 def _lse(q: torch.Tensor, k: torch.Tensor, call_args: dict, keep=None) -> torch.Tensor:
     """``(B, H, Lq)`` log-normalisers of the layer's rows, over the keys ``keep`` lets through (a mask
@@ -103,19 +90,6 @@ def position_mass(q, k, call_args: dict, positions: torch.Tensor) -> torch.Tenso
     return row_mass(q, k, call_args, masks.as_mask(lambda b, h, qi, kv: flags[b, kv]))
 
 
-def repeated_score(q, k, call_args: dict, *, start: int, half: int, full=None) -> dict[str, torch.Tensor]:
-    """Previous-token, duplicate-token and induction scores ``(B, H)`` of one layer on sequences
-    ``prefix (start tokens) + x_1..x_T + x_1..x_T`` with ``T = half``."""
-    full = _lse(q, k, call_args) if full is None else full
-    rows = torch.arange(start + half, start + 2 * half)  # the second copy
-    prev = offset_mass(q, k, call_args, 1, full)
-    return {
-        "previous_token": prev[:, :, 1:start + 2 * half].mean(-1),
-        "duplicate_token": offset_mass(q, k, call_args, half, full)[:, :, rows].mean(-1),
-        "induction": offset_mass(q, k, call_args, half - 1, full)[:, :, rows].mean(-1),
-    }
-
-
 def embeddings(model: nn.Module) -> tuple[torch.Tensor, torch.Tensor, bool]:
     """``(W_E (V, E), W_U (E, V), tied)``: the token embedding and the unembedding (the embedding's
     transpose when the model has no output head of its own, as in a sentence encoder)."""
@@ -149,5 +123,4 @@ def ov_copying(adapter) -> torch.Tensor:
     return out
 
 
-__all__ = ["PATTERN_KINDS", "embeddings", "offset_mass", "ov_copying", "position_mass", "repeated_score",
-           "row_mass", "window_mass"]
+__all__ = ["embeddings", "offset_mass", "ov_copying", "position_mass", "row_mass", "window_mass"]

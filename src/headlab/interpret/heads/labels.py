@@ -34,6 +34,13 @@ separator-sink      mean weight per row on [CLS] + every [SEP] (the first token 
 broad               mean normalised entropy >= ``broad`` (0.7), over rows that see >= 2 keys
 ==================  =========================================================================
 
+These are patterns of one text, not the head atlas's kinds (:mod:`headlab.interpret.atlas`), which
+score a head by its paper's definition on the atlas's own inputs: the atlas's ``previous_token`` is the
+*mean weight* one step back on random tokens repeated once (from its own threshold), while the label
+previous-token here is the *share of rows* whose largest weight is one step back on this text (from
+``positional``). A head can carry one and not the other; the pages name them apart ("pattern labels",
+"(pattern)" beside the atlas's roles) and say how each is measured.
+
 Example, a previous-token head on four tokens:
 
     >>> import numpy as np

@@ -74,7 +74,7 @@ def _picker(records: Sequence[HeadRecord], counts: Sequence[int], drawn: set[tup
         for h in range(n_l):
             r = by[(layer, h)]
             tags = "".join(_TAGS[label] for label in r.labels)
-            tip = f"layer {layer}, head {h}: " + ("; ".join(r.evidence) if r.evidence else "no label")
+            tip = f"layer {layer}, head {h}: " + ("; ".join(r.evidence) if r.evidence else "no pattern label")
             if r.notes:
                 tip += "; " + "; ".join(r.notes)
             cls = "" if (layer, h) in drawn else ' class="undrawn"'
@@ -91,7 +91,7 @@ def _table(records: Sequence[HeadRecord], first_label: str) -> str:
     cols = [("layer", "layer", 0), ("head", "head", 0), ("entropy", "entropy", 3), ("norm_entropy", "norm. entropy", 2),
             ("mean_distance", "mean distance", 2), ("confidence", "confidence", 3), ("mass_first", first_label, 3),
             ("mass_sep", "mass [SEP]", 3), ("top_token", "most attended", None),
-            ("top_content_token", "most attended word", None), ("labels", "labels", None)]
+            ("top_content_token", "most attended word", None), ("labels", "pattern labels", None)]
     if any(r.notes for r in records):
         cols.append(("notes", "other studies", None))
     out = ['<table class="stats"><thead><tr>']

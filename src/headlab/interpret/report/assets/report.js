@@ -300,7 +300,7 @@
     var r = records[state.layer + "." + state.head];
     var el = document.getElementById("head-info");
     var rows = [
-      ["labels", r.labels.length ? r.labels.join(", ") : "none"],
+      ["pattern labels", r.labels.length ? r.labels.join(", ") : "none"],
       ["entropy", fmt(r.entropy, 3) + " nats (normalised " + fmt(r.norm_entropy, 2) + ")"],
       ["mean distance", fmt(r.mean_distance, 2) + " tokens"],
       ["confidence", fmt(r.confidence, 3) + " (mean max weight)"],
