@@ -1,9 +1,12 @@
-"""Tensor parallelism (transformers' own plan) read by headlab: captures in global head order equal one process.
+"""Tensor parallelism (transformers' own plan) read by headlab: captures and instruments equal one process.
 
-A tiny Llama built from a config is saved to a folder; 2 (and 4) local gloo ranks load it with
-``headlab.load(..., tensor_parallel=True)`` (tests/workers/tp_worker.py, set up as torchrun sets up a rank, talking
-on 127.0.0.1 only) and the captures they return are compared here with one process on the unsharded model, in
-float32 (atol 1e-5). The refusals need no second process: they are made from the config, before loading.
+A tiny Llama (GQA, and MHA at 4 ranks) or Qwen2 built from a config is saved to a folder; 2 (and 4) local gloo
+ranks load it with ``headlab.load(..., tensor_parallel=True)`` (tests/workers/tp_worker.py, set up as torchrun
+sets up a rank, talking on 127.0.0.1 only) and what they return is compared here with one process on the
+unsharded model, in float32 (atol 1e-5): captures in global head order (gathered to every rank, to rank 0, or
+kept sharded), edits and gates, statistics, head importance and confidence, the four ablations, and exact
+patching. One launch per world does every instrument. The refusals need no second process: they are made from
+the config, before loading.
 """
 
 from __future__ import annotations
@@ -81,7 +84,19 @@ def sharded(request, tmp_path_factory):
     tmp = tmp_path_factory.mktemp(f"tp{world}{family}")
     model = tiny_llama(tmp / "model", heads, kv, family)
     torch.set_num_threads(1)
-    return world, heads, kv, run_world(world, model, tmp / "out", torchrun=torchrun), tp_worker.runs(headlab.load(model))
+    results = run_world(world, model, tmp / "out", torchrun=torchrun)
+    one = headlab.load(model)
+    return world, heads, kv, results, {**tp_worker.runs(one), "instruments": tp_worker.instruments(one)}
+
+
+def _close(got, ref, msg: str) -> None:
+    """``got`` equals ``ref`` (tensors, or dicts of them, NaN where ``ref`` has NaN) to 1e-5."""
+    if isinstance(ref, dict):
+        assert sorted(got) == sorted(ref), msg
+        for k in ref:
+            _close(got[k], ref[k], f"{msg} {k}")
+        return
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=0, equal_nan=True, msg=msg)
 
 
 @pytest.mark.distributed
@@ -130,6 +145,45 @@ def test_edits_and_gates_address_global_heads(sharded, path):
         torch.testing.assert_close(got["logits"], one["logits"], atol=1e-5, rtol=0, msg=f"rank {r} logits")
     assert (one["gated_logits"] - one["logits"]).abs().max() > 1e-3  # the gate and the edit changed something
     assert (one["edited_logits"] - one["logits"]).abs().max() > 1e-3
+
+
+@pytest.mark.distributed
+def test_gathered_to_rank0_or_kept_where_the_heads_live(sharded):
+    """gather="rank0": rank 0 holds every site in global order and the others nothing; gather="none": each rank
+    its own heads (the statistics computed there), with their global indices."""
+    world, H, Hkv, results, one = sharded
+    ref = {**one["plain"], **one["stats"]}
+    for r, res in enumerate(results):
+        to0, kept = res["gathers"]["rank0"], res["gathers"]["none"]
+        assert sorted(to0) == (sorted(ref) if r == 0 else []), r
+        for site, value in to0.items():
+            _close(value, ref[site], f"rank0 {site}")
+        assert sorted(kept) == sorted(ref)
+        for site, (value, heads) in kept.items():
+            kind = site.rsplit(".", 1)[-1]
+            n = Hkv if kind in ("k", "v") else H
+            if kind == "resid_post":  # no head axis: the same on every rank
+                _close(value, ref[site], f"rank {r} {site}")
+                continue
+            assert heads == list(range(r * n // world, (r + 1) * n // world)), (r, site, heads)
+            want = {f: t[:, heads] for f, t in ref[site].items()} if kind == "stats" else ref[site][:, heads]
+            _close(value, want, f"rank {r} {site}")
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("name", ["importance", "importance_kl", "confidence", "ablate_zero", "ablate_mean",
+                                  "ablate_resample", "ablate_uniform", "patch", "patch_positions", "stats_kwargs"])
+def test_every_instrument_equals_one_process(sharded, name):
+    """Importance (its gates land on the ranks holding the heads, the derivative taken there and added over the
+    group), confidence, the four ablations (single, pairs, keep-one, CKA), exact patching of every head site and of
+    the residual stream, and map-free statistics with their options: on every rank, what one process gives."""
+    world, H, Hkv, results, one = sharded
+    ref = one["instruments"][name]
+    for r, res in enumerate(results):
+        _close(res["instruments"][name], ref, f"rank {r} {name}")
+    def tensors(x):
+        return [t for v in x.values() for t in tensors(v)] if isinstance(x, dict) else [x.float()]
+    assert any(float(torch.nan_to_num(t).abs().max()) > 1e-4 for t in tensors(ref)), name  # something was measured
 
 
 def test_a_world_that_does_not_divide_the_heads_is_refused_before_loading(tmp_path, monkeypatch):

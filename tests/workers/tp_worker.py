@@ -3,8 +3,9 @@
 
 Set up as torchrun sets a rank up (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT): ``headlab.load(...,
 tensor_parallel=True)`` lets transformers start the gloo group and shard the model with its plan. Each rank saves
-``OUT_DIR/rank{R}.pt``: the shard layout it found on the weights, its captures (global head order) and, for the
-path where the user shards the model with transformers and headlab only adapts it, the same captures again.
+``OUT_DIR/rank{R}.pt``: the shard layout it found on the weights, its captures (global head order), the captures
+gathered to rank 0 and kept sharded, the instruments (importance, confidence, ablation, exact patching) and, for
+the path where the user shards the model with transformers and headlab only adapts it, the captures again.
 """
 
 from __future__ import annotations
@@ -54,6 +55,49 @@ def runs(target) -> dict:
     return out
 
 
+def gathers(target) -> dict:
+    """The captures of :func:`runs` gathered to rank 0 alone, and kept sharded with their global head indices."""
+    import headlab
+
+    x = inputs()
+    sites = SITES + ["blocks.*.attn.stats"]
+    to0 = headlab.capture(target, x, sites, gather="rank0")
+    kept = headlab.capture(target, x, sites, gather="none")
+    return {"rank0": {k: v.as_dict() if k.endswith("stats") else v for k, v in to0.items()},
+            "none": {k: (v.as_dict() if k.endswith("stats") else v, None if "resid" in k else list(kept.heads(k)))
+                     for k, v in kept.items()}}
+
+
+def instruments(target) -> dict:
+    """Every instrument the test compares with one process, on token-id texts of mixed lengths (padded batches)."""
+    import headlab
+    from headlab.interpret.heads.importance import head_confidence
+    from headlab.interpret.patching import logit_diff
+
+    g = torch.Generator().manual_seed(5)
+    texts = [torch.randint(0, 64, (n,), generator=g) for n in (7, 11, 11, 9)]
+    out = {"importance": headlab.head_importance(target, texts, loss="lm", batch_size=2),
+           "importance_kl": headlab.head_importance(target, texts, loss="kl", batch_size=2, seed=1),
+           "confidence": head_confidence(target, texts, batch_size=2)}
+    for kind in ("zero", "mean", "resample", "uniform"):
+        r = headlab.ablate(target, texts, kind=kind, loss="lm", batch_size=2, n_boot=20, k=3, max_rows=16,
+                           keep_one=kind == "zero", cka=kind == "zero")
+        out[f"ablate_{kind}"] = {"single": r.single, "pair_effect": r.pair_effect, "baseline": torch.tensor(r.baseline),
+                                 **({"keep_one": r.keep_one, "cka": r.cka} if kind == "zero" else {})}
+    clean = torch.randint(0, 64, (2, 8), generator=g)
+    corrupt = clean.clone()
+    corrupt[:, 3] = (corrupt[:, 3] + 7) % 64
+    p = headlab.patch(target, clean, corrupt, logit_diff(4, 9), sites=["z", "q", "k", "v", "pattern", "resid_post"],
+                      max_rows=16)
+    out["patch"] = p.raw
+    p = headlab.patch(target, clean, corrupt, logit_diff(4, 9), sites="z", positions=[2, 3, 7], max_rows=16)
+    out["patch_positions"] = {"z": p.raw["z"]}
+    st = headlab.capture(target, inputs(), ["blocks.*.attn.stats"],
+                         stats_kwargs={"key_positions": [0, 3], "query_rows": [2, 11], "method": "tiled"})
+    out["stats_kwargs"] = {k: v.as_dict() for k, v in st.items()}
+    return out
+
+
 def layout(loaded, reference) -> dict:
     """Which global rows/columns of the unsharded weights this rank's shards equal (found by value)."""
     d = loaded.adapter.head_dim
@@ -92,7 +136,8 @@ def main() -> None:
     tp = loaded.adapter.tp
     res = {"rank": tp.rank, "world": tp.world, "heads": list(tp.heads()), "kv_heads": list(tp.kv_heads()),
            "n_heads": loaded.adapter.n_heads, "gates": tuple(loaded.adapter.gates.shape),
-           "layout": layout(loaded, headlab.load(model_dir)), "load": runs(loaded)}
+           "layout": layout(loaded, headlab.load(model_dir)), "load": runs(loaded), "gathers": gathers(loaded),
+           "instruments": instruments(loaded)}
     # the user shards the model with transformers; headlab adapts it as it is
     mine = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager",
                                                 distributed_config=DistributedConfig(tp_plan="auto", tp_size=world))

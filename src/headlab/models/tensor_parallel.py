@@ -15,8 +15,14 @@ alone. Everything headlab needs to know about that lives here, read from the sha
 - :func:`check_before_load`: the refusals that need only the config (no plan in transformers for the family,
   a world size that does not divide the query or the kv heads), made before any weight is read.
 - :func:`gate_hook`, :func:`head_out_hook`: the two W^O hooks of a sharded layer (this rank's heads, the gates of
-  their global indices, this rank's slice of W^O); :func:`global_edit`: an edit sees the whole site in global
-  head order and the rank keeps its slice of the result.
+  their global indices, this rank's slice of W^O).
+- Edits address global heads and land on the owning rank, two ways (:func:`global_edit` picks): a plain edit
+  ``fn(t, site)`` sees the whole site in global head order (an all-gather) and the rank keeps its slice of the
+  result; a :class:`by_heads` edit ``fn(t, site, heads)`` treats each head by itself and is handed only this
+  rank's heads with their global indices (no communication, and gradients flow through it: importance,
+  ablation and patching edit this way).
+- :func:`study_examples`, :func:`sum_heads`: what a study that adds over examples does under tensor
+  parallelism (every rank runs every example; each head's sum is made on its owner and added over the group).
 
 Under tensor parallelism every rank must make the same calls (a capture, an edit) in the same order: the
 gathers are collectives.
@@ -83,16 +89,28 @@ class HeadShards:
         """``(rank, local index)`` of global query head ``head``."""
         return divmod(int(head), self.local_heads)
 
-    def gather(self, t: torch.Tensor, kind: str) -> torch.Tensor:
-        """``t`` (this rank's heads on axis 1) from every rank, concatenated in global head order; every rank
-        gets the whole tensor. Sites without a head axis come back as they are."""
+    def heads_of(self, kind: str) -> range:
+        """Global indices of what axis 1 of this rank's ``kind`` holds: query heads, or kv heads for k and v."""
+        return self.kv_heads() if kind in KV_KINDS else self.heads()
+
+    def gather(self, t: torch.Tensor, kind: str, to: str = "all") -> torch.Tensor | None:
+        """``t`` (this rank's heads on axis 1) from every rank, concatenated in global head order: on every rank
+        (``to="all"``, an all-gather), or on rank 0 alone (``to="rank0"``, a gather; the others get None).
+        Sites without a head axis come back as they are."""
         if kind not in Q_KINDS + KV_KINDS or self.world == 1:
             return t
         if t.dtype == torch.bool:  # not every backend gathers booleans (the stats' ``visible``)
-            return self.gather(t.to(torch.uint8), kind).bool()
+            got = self.gather(t.to(torch.uint8), kind, to)
+            return None if got is None else got.bool()
+        t = t.detach().contiguous()
+        if to == "rank0":
+            parts = [torch.empty_like(t) for _ in range(self.world)] if self.rank == 0 else None
+            with talking(f"the tensor-parallel gather of {kind!r} to rank 0", self.rank):
+                dist.gather(t, parts, group=self.group, group_dst=0)
+            return None if parts is None else torch.cat(parts, dim=1)
         parts = [torch.empty_like(t) for _ in range(self.world)]
         with talking(f"the tensor-parallel all-gather of {kind!r}", self.rank):
-            dist.all_gather(parts, t.detach().contiguous(), group=self.group)
+            dist.all_gather(parts, t, group=self.group)
         return torch.cat(parts, dim=1)
 
     def local(self, t: torch.Tensor, kind: str) -> torch.Tensor:
@@ -102,23 +120,26 @@ class HeadShards:
         r = self.heads() if kind in Q_KINDS else self.kv_heads()
         return t[:, r.start:r.stop]
 
-    def gather_sites(self, data: dict[str, object]) -> dict[str, object]:
-        """A capture's ``{site: tensor}`` (this rank's heads) in global head order, on every rank. Every rank
-        holds the same sites (they ran the same capture), so the gathers pair up; statistics are gathered field
-        by field."""
+    def gather_sites(self, data: dict[str, object], to: str = "all") -> dict[str, object]:
+        """A capture's ``{site: tensor}`` (this rank's heads) in global head order: on every rank (``to="all"``),
+        or on rank 0 (``to="rank0"``: every other rank gets ``{}``). Every rank holds the same sites (they ran
+        the same capture), so the gathers pair up; statistics (computed on each rank for its heads) are gathered
+        field by field."""
         import dataclasses
 
         out: dict[str, object] = {}
         for name in sorted(data):  # the same order on every rank
             value, kind = data[name], name.rsplit(".", 1)[-1]
             if isinstance(value, torch.Tensor):
-                out[name] = self.gather(value, kind)
+                out[name] = self.gather(value, kind, to)
             elif kind == "stats" and dataclasses.is_dataclass(value):
-                got = {f: self.gather(getattr(value, f), "q") for f in STATS_FIELDS
+                got = {f: self.gather(getattr(value, f), "q", to) for f in STATS_FIELDS
                        if isinstance(getattr(value, f, None), torch.Tensor)}
                 out[name] = dataclasses.replace(value, **got)
             else:
                 out[name] = value
+        if to == "rank0" and self.rank != 0:
+            return {}
         return {name: out[name] for name in data}  # the capture's own order
 
 
@@ -268,12 +289,39 @@ def hooks_for(adapter) -> tuple[Callable, Callable] | None:
     return (gate_hook, head_out_hook) if getattr(adapter, "tp", None) is not None else None
 
 
+class by_heads:
+    """An edit that treats each head by itself: ``fn(t, site, heads) -> t``, where axis 1 of ``t`` holds the heads
+    whose global indices are ``heads`` (a range: query heads, or kv heads at ``k`` and ``v``). Unsharded, ``heads``
+    is every head of the layer; under tensor parallelism each rank is handed its own heads, so a per-head table
+    indexed by global head (a mask, gates, a patch source) is sliced with ``heads`` and nothing moves between
+    ranks. Use it wherever an edit is a plain edit ``fn(t, site)``:
+
+        >>> import torch
+        >>> zero_3 = by_heads(lambda z, site, heads: z * (torch.tensor(heads) != 3).view(1, -1, 1, 1))
+        >>> zero_3(torch.ones(1, 4, 2, 8), "blocks.0.attn.z")[0, :, 0, 0].tolist()
+        [1.0, 1.0, 1.0, 0.0]
+    """
+
+    def __init__(self, fn: Callable[[torch.Tensor, str, range], torch.Tensor]) -> None:
+        self.fn = fn
+
+    def __call__(self, t: torch.Tensor, site: str) -> torch.Tensor:
+        return self.fn(t, site, range(t.shape[1]))
+
+
 def global_edit(adapter, fn: Callable, kind: str) -> Callable:
-    """``fn`` as an edit of a sharded site: it is given the whole site in global head order (gathered) and this
-    rank keeps its slice of what it returns. ``fn`` must give the same result on every rank (no randomness)."""
+    """``fn`` as an edit of a sharded site, landing on the ranks that own the heads it changes.
+
+    A :class:`by_heads` edit is handed this rank's heads and their global indices. Any other ``fn`` is given
+    the whole site in global head order (gathered) and this rank keeps its slice of what it returns; ``fn`` must
+    then give the same result on every rank (no randomness), and no gradient flows through the gather. Sites
+    without a head axis (the residual stream, replicated on every rank) are edited as they are."""
     tp: HeadShards | None = getattr(adapter, "tp", None)
     if tp is None or kind not in Q_KINDS + KV_KINDS:
         return fn
+    if isinstance(fn, by_heads):
+        heads = tp.heads_of(kind)
+        return lambda t, site: fn.fn(t, site, heads)
 
     def edit(t: torch.Tensor, site: str) -> torch.Tensor:
         full = tp.gather(t, kind)
@@ -286,5 +334,44 @@ def global_edit(adapter, fn: Callable, kind: str) -> Callable:
     return edit
 
 
-__all__ = ["HeadShards", "check_before_load", "gate_hook", "global_edit", "head_out_hook", "hooks_for", "local_W_O",
-           "shards_of", "world_size"]
+# -- studies that add over examples (importance, confidence): every rank runs every example under tensor parallelism
+def study_examples(adapter, n: int) -> list[int]:
+    """The examples (of ``n``) this rank runs: all of them on a sharded model (every rank of the tensor-parallel
+    group must make the same forward), else this data-parallel rank's share (``shard_indices``)."""
+    from headlab.distributed.data import shard_indices
+
+    tp: HeadShards | None = getattr(adapter, "tp", None)
+    if tp is None:
+        return shard_indices(n)
+    if dist.get_world_size() != tp.world:
+        raise ConfigError(f"the model is sharded over {tp.world} of {dist.get_world_size()} ranks: splitting examples "
+                          "across tensor-parallel groups (a 2-D mesh) is not supported yet; run with "
+                          f"--nproc_per_node {tp.world}")
+    return list(range(n))
+
+
+def data_rank(adapter) -> int:
+    """This rank's index among the ranks that split the examples (0 on a sharded model: one data rank)."""
+    from headlab.distributed.comm import world
+
+    return 0 if getattr(adapter, "tp", None) is not None else world()[0]
+
+
+def sum_heads(adapter, t: torch.Tensor) -> torch.Tensor:
+    """Sums of a study, ``(..., n_heads)`` per head, added over the ranks: on a sharded model each rank holds its
+    own heads' sums (zeros elsewhere) and they are added over the tensor-parallel group; else the data-parallel
+    ranks' sums are added (:func:`~headlab.distributed.data.all_reduce_sum`)."""
+    from headlab.distributed.data import all_reduce_sum
+
+    tp: HeadShards | None = getattr(adapter, "tp", None)
+    return all_reduce_sum(t) if tp is None else all_reduce_sum(t, tp.group)
+
+
+def full_weight(t: torch.Tensor) -> torch.Tensor:
+    """A weight (or a view of one) as one tensor on every rank: a DTensor's ``full_tensor()`` (a collective:
+    every rank calls it alike), a plain tensor itself."""
+    return t.full_tensor() if _is_dtensor(t) else t
+
+
+__all__ = ["HeadShards", "by_heads", "check_before_load", "data_rank", "full_weight", "gate_hook", "global_edit",
+           "head_out_hook", "hooks_for", "local_W_O", "shards_of", "study_examples", "sum_heads", "world_size"]

@@ -50,6 +50,14 @@ the model computed with:
     >>> c = headlab.capture(m, ids, "blocks.0.attn.z", edits={"blocks.0.attn.z": zero_head_2})
     >>> float(c["blocks.0.attn.z"][:, 2].abs().sum())
     0.0
+
+On a model sharded by tensor parallelism (:mod:`headlab.models.tensor_parallel`, every rank calling alike)
+each rank records its own heads, statistics included, and ``gather`` says where they go: to every rank in
+global head order (``"all"``, the default), to rank 0 alone (``"rank0"``; the other ranks get an empty
+cache), or nowhere (``"none"``; ``cache.heads(site)`` gives the global indices each rank holds).
+
+    >>> c.heads("blocks.0.attn.z")  # one process: every head
+    range(0, 4)
 """
 
 from headlab.interpret.capture.cache import ActivationCache

@@ -8,6 +8,7 @@ import torch
 
 from headlab.errors import SiteError
 from headlab.models.base import ModelAdapter
+from headlab.models.sites import SITE_KINDS
 
 
 class ActivationCache(Mapping):
@@ -22,11 +23,14 @@ class ActivationCache(Mapping):
         call_args: ``{layer: {"mask", "causal", "scale"}}``, what each layer whose ``stats`` were captured
             passed to its attention (the model's own mask and scale), so a map for one head can be
             recomputed exactly as the model computed it.
+        shards: the :class:`~headlab.models.tensor_parallel.HeadShards` of a tensor-parallel capture made with
+            ``gather="none"`` (each rank keeps its own heads; :meth:`heads` says which), else None.
     """
 
     def __init__(self, data: dict, grads: dict, outputs, scalar, adapter: ModelAdapter,
-                 call_args: dict | None = None) -> None:
+                 call_args: dict | None = None, shards=None) -> None:
         self._data = data
+        self.shards = shards
         self.call_args = call_args or {}
         self.grads = grads
         self.outputs = outputs
@@ -44,6 +48,22 @@ class ActivationCache(Mapping):
 
     def __len__(self) -> int:
         return len(self._data)
+
+    def heads(self, site: str) -> range:
+        """Global indices of the heads axis 1 of ``site`` holds (query heads; kv heads for k and v): every head,
+        ``range(H)``, unless the capture kept tensor-parallel shards (``gather="none"``), then this rank's. A site
+        without a head axis (the residual stream) is a :class:`~headlab.errors.SiteError`."""
+        kind = site.rsplit(".", 1)[-1]
+        if kind not in SITE_KINDS:
+            raise SiteError(f"site {site!r} has no head axis ({kind} is (B, L, E), the same on every rank); "
+                            f"heads are on axis 1 of the kinds {', '.join(SITE_KINDS)}")
+        self[site]  # a SiteError when it was not captured
+        if self.shards is not None:
+            return self.shards.heads_of(kind)
+        value = self[site]
+        if not isinstance(value, torch.Tensor):  # statistics: any field with a head axis (B, H, ...)
+            value = next(t for t in value.as_dict().values() if t.dim() >= 3)
+        return range(value.shape[1])
 
     def layer(self, kind: str) -> list:
         """The captured ``kind`` for every layer, in layer order (a list; missing layers are skipped)."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from typing import Literal
 
 import torch
 from torch import nn
@@ -50,6 +51,7 @@ def capture(
     backend: str | _backends.Backend | None = None,
     stats_kwargs: dict | None = None,
     edits: Mapping[str, Callable] | None = None,
+    gather: Literal["all", "rank0", "none"] | bool = "all",
 ) -> ActivationCache:
     """Run the model once and return the activations at ``sites``.
 
@@ -66,12 +68,21 @@ def capture(
         stats_kwargs: extra keyword arguments for ``headlab.attention_stats`` (the ``stats`` site).
         edits: ``{site: fn(tensor, site) -> tensor}`` applied during the run, as in
             :meth:`~headlab.models.base.ModelAdapter.hooks`; the cache then holds the edited activations.
+        gather: on a model sharded by tensor parallelism (under torchrun, every rank calling ``capture`` alike),
+            where the heads' sites go: ``"all"`` (or True, the default) every rank gets every head in global
+            order; ``"rank0"`` rank 0 gets them and every other rank gets an empty cache (no sites; ``outputs``
+            kept), for memory; ``"none"`` (or False) each rank keeps its own heads, and ``cache.heads(site)``
+            gives their global indices. Sites without a head axis (the residual stream) are the same on every
+            rank. Without tensor parallelism every rank has every head and ``gather`` changes nothing.
 
     Returns:
-        :class:`ActivationCache`; tensors are detached. On a model sharded by tensor parallelism (under torchrun,
-        every rank calling ``capture`` alike) the sites hold every head in global order, on every rank.
+        :class:`ActivationCache`; tensors are detached.
     """
     adapter, loaded = resolve(model_or_loaded_or_adapter)
+    to = {True: "all", False: "none"}.get(gather, gather) if isinstance(gather, bool) else gather
+    if to not in ("all", "rank0", "none"):
+        raise ConfigError(f"gather={gather!r}: give 'all' (every rank gets every head), 'rank0' (only rank 0 does) "
+                          "or 'none' (each rank keeps its own heads)")
     wanted = _select(adapter, sites)
     if grads and scalar is None:
         raise ConfigError("grads=True needs scalar=, a function of the model outputs returning a 0-dim tensor, "
@@ -97,7 +108,9 @@ def capture(
             got = torch.autograd.grad(value.reshape(()), [probe.live[n] for n in names], allow_unused=True)
             grad_map = {n: (torch.zeros_like(probe.live[n]) if g is None else g.detach()) for n, g in zip(names, got)}
             value = value.detach()
-    data = probe.data
-    if adapter.tp is not None:  # tensor parallelism: each rank holds its heads; every rank gets all, in global order
-        data = adapter.tp.gather_sites(data)
-    return ActivationCache(data, grad_map, outputs, value, adapter, probe.call_args)
+    data, shards = probe.data, None
+    if adapter.tp is not None and to != "none":  # tensor parallelism: each rank holds its heads; in global order to
+        data = adapter.tp.gather_sites(data, to)  # every rank, or rank 0
+    elif adapter.tp is not None:
+        shards = adapter.tp  # kept where they are: cache.heads(site) says which
+    return ActivationCache(data, grad_map, outputs, value, adapter, probe.call_args, shards=shards)

@@ -43,6 +43,7 @@ from headlab.errors import ConfigError, InputError
 from headlab.interpret.heads import examples as C
 from headlab.models.loader import resolve
 from headlab.interpret.heads.edits import KINDS, Runner, mean_z
+from headlab.models.tensor_parallel import full_weight
 
 
 @dataclass
@@ -287,9 +288,10 @@ def ablate(loaded, texts, labels=None, *, kind: str = "zero", loss: C.Loss = "au
     cka_t = None
     if cka and K and zs_for_cka:
         cka_t = torch.full((K, K), float("nan"))
+        w_o = {l: full_weight(adapter.W_O(l).detach()) for l in sorted({h[0] for h in pair_heads})}  # (H, d, E)
+        W_O = w_o.__getitem__
         for (a, b) in pair_list:
-            v = linear_cka(zs_for_cka[a], zs_for_cka[b], adapter.W_O(a[0])[a[1]].detach(),
-                           adapter.W_O(b[0])[b[1]].detach())
+            v = linear_cka(zs_for_cka[a], zs_for_cka[b], W_O(a[0])[a[1]], W_O(b[0])[b[1]])
             cka_t[pos[a], pos[b]] = cka_t[pos[b], pos[a]] = v
     verdicts = _verdicts(single_heads, single, single_ci, pair_heads, inter, inter_ci, cka_t, threshold)
     thresholds = {"threshold": threshold, "noise_floor": None if np.isnan(floor) else floor, "rel_tol": rel_tol,
@@ -321,7 +323,7 @@ def _measure(runner: Runner, data, masks: torch.Tensor, N: int, progress: bool, 
         for b in data:
             clean = runner.clean(b, keep_z=runner.kind == "resample" or cka_heads is not None)
             if cka_heads is not None:
-                _collect(cka_store, cka_heads, clean["z"], b.mask, max_cka_tokens)
+                _collect(cka_store, cka_heads, runner.every_head(clean["z"]), b.mask, max_cka_tokens)
             lc = runner.run(b, clean, masks, bar, task)  # (C, B)
             idx = b.index.numpy()
             d[:, idx] = (lc - clean["loss"][None]).double().cpu().numpy()

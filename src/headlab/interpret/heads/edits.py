@@ -27,27 +27,51 @@ import torch
 from headlab.errors import ConfigError
 from headlab.interpret.heads import examples as C
 from headlab.models.fanout import blocks, fan_out
+from headlab.models.tensor_parallel import by_heads
 
 KINDS = ("zero", "mean", "resample", "uniform")
 
 
 @contextmanager
+def head_hooks(adapter, fn):
+    """``fn(layer, z (B, n, L, d), heads) -> z or None`` edits every layer's per-head outputs z, where ``heads``
+    (a range) are the global indices of the n heads ``z`` holds: every head of the layer, or this rank's on a
+    model sharded by tensor parallelism (the edit lands where the heads live; nothing is gathered, and gradients
+    flow through it). Before the gates, on every backend (the adapter's ``z`` sites)."""
+    if not hasattr(adapter, "hooks"):  # no hook sites: a pre-hook on W^O's input sees every head
+        with C.pre_hooks(adapter, lambda layer, z: fn(layer, z, range(z.shape[1]))):
+            yield
+        return
+
+    def site_fn(layer):
+        def edit(z, site, heads):
+            new = fn(layer, z, heads)
+            return z if new is None else new
+        return by_heads(edit)
+
+    with adapter.hooks({adapter.site_name(layer, "z"): site_fn(layer) for layer in range(adapter.n_layers)}):
+        yield
+
+
+@contextmanager
 def value_hooks(adapter, store: dict):
     """Record every layer's values ``(rows, L, Hkv_l * d)`` into ``store[layer]`` during a forward
-    (through the adapter's ``v`` site, so on every family and backend alike)."""
+    (through the adapter's ``v`` site, so on every family and backend alike; on a sharded model, this rank's
+    kv heads, which are the ones its query heads read)."""
 
     layer_of = {adapter.site_name(layer, "v"): layer for layer in range(adapter.n_layers)}
 
-    def record(v, site):  # v: (B, Hkv, L, d)
+    def record(v, site, heads):  # v: (B, Hkv, L, d)
         store[layer_of[site]] = v.transpose(1, 2).reshape(v.shape[0], v.shape[2], -1)
         return v
 
-    with adapter.hooks({g: record for g in adapter.sites("v")}):
+    with adapter.hooks({g: by_heads(record) for g in adapter.sites("v")}):
         yield
 
 
 def mean_z(adapter, data, *, over: str, backend: str) -> dict:
-    """Reference means of z per layer: ``{"token": [ (H_l, d) ], "position": [ (H_l, Lmax, d) ]}``."""
+    """Reference means of z per layer: ``{"token": [ (H_l, d) ], "position": [ (H_l, Lmax, d) ]}``, every head in
+    global order (on a sharded model each rank sums its own heads and the sums are gathered once, at the end)."""
     if over not in ("token", "position"):
         raise ConfigError(f"mean_over must be 'token' or 'position', got {over!r}")
     L = adapter.n_layers
@@ -56,7 +80,7 @@ def mean_z(adapter, data, *, over: str, backend: str) -> dict:
     pos_cnt = None
     n_tok = 0.0
 
-    def fn(layer, z):  # (B, H, Lq, d)
+    def fn(layer, z, heads):  # (B, H, Lq, d)
         m = current["mask"].to(z.dtype)  # (B, Lq)
         s = (z * m[:, None, :, None]).sum((0, 2))  # (H, d)
         tok_sum[layer] = s if tok_sum[layer] is None else tok_sum[layer] + s
@@ -71,13 +95,17 @@ def mean_z(adapter, data, *, over: str, backend: str) -> dict:
         return None
 
     current: dict = {}
-    with torch.no_grad(), adapter.use_backend(backend), C.pre_hooks(adapter, fn):
+    with torch.no_grad(), adapter.use_backend(backend), head_hooks(adapter, fn):
         for b in data:
             current["mask"] = b.mask
             adapter.forward(b.inputs)
             n_tok += float(b.mask.sum())
             c = b.mask.to(torch.float64).sum(0)  # (Lq,)
             pos_cnt = c if pos_cnt is None else _pad1(pos_cnt, max(len(pos_cnt), len(c))) + _pad1(c, max(len(pos_cnt), len(c)))
+    tp = getattr(adapter, "tp", None)
+    if tp is not None:  # each rank summed its heads: (H/world, ...) -> (H, ...) in global order
+        tok_sum = [tp.gather(s[None], "z")[0] for s in tok_sum]
+        pos_sum = [None if p is None else tp.gather(p[None], "z")[0] for p in pos_sum]
     token = [s / max(n_tok, 1.0) for s in tok_sum]
     out = {"token": token}
     if over == "position":
@@ -107,19 +135,25 @@ class Runner:
 
     # -- the unablated pass ---------------------------------------------------------------------------------------
     def clean(self, b: C.Batch, *, keep_z: bool = False) -> dict:
-        """Baseline per-example loss (and accuracy), the label-free reference, z of every layer if asked."""
+        """Baseline per-example loss (and accuracy), the label-free reference, z of every layer if asked (the
+        heads this rank holds: every head, unless the model is sharded; :meth:`every_head` gathers them)."""
         zs: dict[int, torch.Tensor] = {}
 
-        def fn(layer, z):
+        def fn(layer, z, heads):
             if keep_z:
                 zs[layer] = z.detach()
             return None
 
-        with torch.no_grad(), self.adapter.use_backend(self.backend), C.pre_hooks(self.adapter, fn):
+        with torch.no_grad(), self.adapter.use_backend(self.backend), head_hooks(self.adapter, fn):
             out = self.adapter.forward(b.inputs)
         ref = C.reference(self.loss, out, b)
         loss0 = C.per_example(self.loss, out, b, ref)
         return {"ref": ref, "loss": loss0, "acc": C.accuracy(out, b), "z": zs}
+
+    def every_head(self, zs: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+        """:meth:`clean`'s z of every layer with every head, in global order (gathered on a sharded model)."""
+        tp = getattr(self.adapter, "tp", None)
+        return zs if tp is None else {layer: tp.gather(z, "z") for layer, z in sorted(zs.items())}
 
     # -- ablated passes ---------------------------------------------------------------------------------------------
     def run(self, b: C.Batch, clean: dict, masks: torch.Tensor, bar=None, task=None) -> torch.Tensor:
@@ -155,35 +189,39 @@ class Runner:
         mask = b.mask  # (B, Lq); None for inputs without one (patches, audio frames: every position is real)
         lens = None if mask is None else mask.sum(-1)  # (B,)
 
-        def fn(layer, z):  # z (c*B, H, Lq, d), or (B, H, Lq, d) below the fan-out
+        def fn(layer, z, heads):  # z (c*B, H, Lq, d), or (B, H, Lq, d) below the fan-out; heads: their global indices
             H = z.shape[1]
             n = z.shape[0] // B  # copies in this tensor: c, or 1 below the fan-out
-            m = masks[:, layer, :H] if n == c else masks[:1, layer, :H]  # (n, H)
+            m = masks[:n, layer, heads.start:heads.stop]  # (n, H): every configuration, or the first (all agree)
             if not bool(m.any()):
                 return None
             z5 = z.view(n, B, H, *z.shape[2:])  # (n, B, H, Lq, d)
             mk = mask if mask is not None else torch.ones(B, z.shape[2], dtype=torch.bool, device=z.device)
-            r = self._replacement(layer, z5, clean, values, mk, lens if lens is not None else mk.sum(-1))
+            r = self._replacement(layer, z5, clean, values, mk, lens if lens is not None else mk.sum(-1), heads)
             return torch.where(m[:, None, :, None, None].to(z.device), r, z5).reshape(z.shape)
 
         ctx = value_hooks(self.adapter, values) if self.kind == "uniform" else _null()
         # uniform reads the layer's values per copy: its attention core must run per copy too
         fan = (fan_out(self.adapter, start, c, share_attention=self.kind != "uniform") if shared and c > 1
                else _null())
-        with torch.no_grad(), self.adapter.use_backend(self.backend), ctx, C.pre_hooks(self.adapter, fn), fan:
+        with torch.no_grad(), self.adapter.use_backend(self.backend), ctx, head_hooks(self.adapter, fn), fan:
             out = self.adapter.forward(b.inputs if shared or c == 1 else rep)
         ref = {k: v.repeat(c, *([1] * (v.dim() - 1))) for k, v in clean["ref"].items()}
         return C.per_example(self.loss, out, rb, ref).view(c, B)
 
-    def _replacement(self, layer, z5, clean, values, mask, lens) -> torch.Tensor:
+    def _replacement(self, layer, z5, clean, values, mask, lens, heads: range) -> torch.Tensor:
+        """What replaces z of the heads ``heads`` (global indices; ``z5`` holds them): ``(c or 1, B, H, Lq, d)``
+        or broadcastable to it. Tables indexed by global head are sliced with ``heads``; the clean z and the
+        values hold this rank's heads already."""
         c, B, H, Lq, d = z5.shape
+        sel = slice(heads.start, heads.stop)
         if self.kind == "zero":
             return torch.zeros((), dtype=z5.dtype, device=z5.device)
         if self.kind == "mean":
-            tok = self.means["token"][layer][:H].to(z5.dtype)  # (H, d)
+            tok = self.means["token"][layer][sel].to(z5.dtype)  # (H, d)
             if "position" not in self.means:
                 return tok[None, None, :, None, :]
-            pos = self.means["position"][layer][:H].to(z5.dtype)  # (H, Lmax, d)
+            pos = self.means["position"][layer][sel].to(z5.dtype)  # (H, Lmax, d)
             cnt = self.means["position_count"]
             n = min(Lq, pos.shape[1])
             r = tok[:, None, :].expand(H, Lq, d).clone()
@@ -191,14 +229,14 @@ class Runner:
             r[:, :n][:, seen] = pos[:, :n][:, seen]
             return r[None, None]
         if self.kind == "resample":
-            zc = clean["z"][layer]  # (B, H, Lq, d) from the unablated run
+            zc = clean["z"][layer]  # (B, H, Lq, d) from the unablated run (this rank's heads)
             donor = (torch.arange(B, device=zc.device) + 1) % B  # (B,)
             pos = torch.arange(Lq, device=zc.device)[None, :].expand(B, Lq)
             pos = torch.minimum(pos, (lens[donor] - 1).clamp_min(0)[:, None])  # (B, Lq)
             r = zc[donor]  # (B, H, Lq, d)
             r = torch.gather(r, 2, pos[:, None, :, None].expand(B, H, Lq, d))
             return r[None]
-        # uniform: mean of the visible values
+        # uniform: mean of the visible values (of this rank's kv heads, the ones its query heads read)
         v = values[layer]  # (c*B, Lk, Hkv*d)
         Hkv = v.shape[-1] // d
         v = v.view(c, B, v.shape[1], Hkv, d)

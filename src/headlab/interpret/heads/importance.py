@@ -41,22 +41,24 @@ import torch
 from headlab.progress import progress_bar
 from headlab.errors import ConfigError
 from headlab.interpret.heads import examples as C
-from headlab.distributed.comm import world
-from headlab.distributed.data import all_reduce_sum, is_main, shard_indices
+from headlab.distributed.data import all_reduce_sum, is_main
+from headlab.interpret.heads.edits import head_hooks
+from headlab.models import tensor_parallel as _tp
 from headlab.models.loader import resolve
 
 
 def _gates_hook(adapter, holder: dict):
-    """Per-example gates: z_h of example b is multiplied by ``holder['xi'][b, layer, h]``."""
+    """Per-example gates: z_h of example b is multiplied by ``holder['xi'][b, layer, h]`` (on a sharded model, each
+    rank gates the heads it holds, so ``d loss / d xi`` of a head is found on its owner)."""
 
-    def fn(layer, z):  # z (B, H_l, L, d)
+    def fn(layer, z, heads):  # z (B, H_l, L, d): the heads `heads` (global indices)
         xi = holder.get("xi")
         if xi is None:
             return None
-        g = xi[:, layer, : z.shape[1]].to(z.dtype)  # (B, H_l)
+        g = xi[:, layer, heads.start:heads.stop].to(z.dtype)  # (B, H_l)
         return z * g[:, :, None, None]
 
-    return C.pre_hooks(adapter, fn)
+    return head_hooks(adapter, fn)
 
 
 def head_importance(loaded, texts, labels=None, *, loss: C.Loss = "auto", batch_size: int = 16,
@@ -80,6 +82,8 @@ def head_importance(loaded, texts, labels=None, *, loss: C.Loss = "auto", batch_
     process group from :func:`headlab.distributed.data.init_from_env`) each rank takes every W-th
     example and the sums are added across ranks: the result equals one process's (exactly for the
     ``task`` and ``lm`` losses; the ``kl``/``cosine`` surrogates draw per rank, so equal in expectation).
+    On a model sharded by tensor parallelism every rank runs every example, each head's derivative is taken on
+    the rank that holds it, and the grid is added over the group: one process's result, every loss included.
 
         >>> import torch
         >>> from headlab.models.transformer import Transformer, TransformerConfig
@@ -96,12 +100,13 @@ def _importance(loaded, texts, labels, *, loss, batch_size, normalize, backend, 
     adapter, ld = resolve(loaded)
     loss = C.choose_loss(adapter, loss, labels)
     C.check_data(texts, labels, loss)
-    # under torchrun each rank takes every W-th example and the sums are added (identity on one process)
-    mine = shard_indices(len(texts))
+    # under torchrun each rank takes every W-th example and the sums are added (identity on one process); a
+    # sharded model runs every example on every rank, and each head's sum is made on its owner
+    mine = _tp.study_examples(adapter, len(texts))
     data = C.batches(ld, adapter, [texts[i] for i in mine], None if labels is None else [labels[i] for i in mine],
                      batch_size, max_length=max_length) if mine else []
     progress = progress and is_main()
-    gen = torch.Generator().manual_seed(seed + world()[0])
+    gen = torch.Generator().manual_seed(seed + _tp.data_rank(adapter))
     L, H = adapter.n_layers, adapter.n_heads
     total = torch.zeros(L, H, dtype=torch.float64)
     holder: dict = {}
@@ -129,7 +134,7 @@ def _importance(loaded, texts, labels, *, loss, batch_size, normalize, backend, 
     finally:
         holder.clear()
         adapter.model.train(was_training)
-    total = all_reduce_sum(total)
+    total = _tp.sum_heads(adapter, total)
     imp = (total / len(texts)).float()
     counts = adapter.layer_heads
     for layer, n in enumerate(counts):
@@ -150,7 +155,7 @@ def head_confidence(loaded, texts, *, batch_size: int = 16, max_length: int | No
 
     adapter, ld = resolve(loaded)
     C.check_data(texts, None, "cosine")
-    mine = shard_indices(len(texts))  # data-parallel under torchrun, as in head_importance
+    mine = _tp.study_examples(adapter, len(texts))  # data-parallel under torchrun, as in head_importance
     data = C.batches(ld, adapter, [texts[i] for i in mine], None, batch_size, max_length=max_length) if mine else []
     progress = progress and is_main()
     L, H = adapter.n_layers, adapter.n_heads
@@ -159,16 +164,21 @@ def head_confidence(loaded, texts, *, batch_size: int = 16, max_length: int | No
     with progress_bar(progress) as bar:
         task = bar.add_task("confidence", total=len(data))
         for b in data:
-            cache = capture(adapter, b.inputs, adapter.sites("stats"),
+            # statistics made where the heads live; a sharded model keeps them there (gather="none")
+            cache = capture(adapter, b.inputs, adapter.sites("stats"), gather="none",
                             stats_kwargs={"stats": ["max_weight"], "method": "tiled"})
             m = b.mask.to(torch.float64)  # (B, L) real query rows
             for layer in range(L):
-                mw = cache[adapter.site_name(layer, "stats")].max_weight.double()  # (B, H_l, L)
-                total[layer, : mw.shape[1]] += (mw * m[:, None, :]).sum((0, 2)).cpu()
+                site = adapter.site_name(layer, "stats")
+                mw, heads = cache[site].max_weight.double(), cache.heads(site)  # (B, H_l, L), their global indices
+                total[layer, heads.start:heads.stop] += (mw * m[:, None, :]).sum((0, 2)).cpu()
             count += float(m.sum())
             bar.advance(task)
-    summed = all_reduce_sum(torch.cat([total.flatten(), torch.tensor([count], dtype=torch.float64)]))
-    total, count = summed[:-1].view(L, H), float(summed[-1])
+    if adapter.tp is None:  # the examples were split over the ranks: add their sums and token counts
+        summed = all_reduce_sum(torch.cat([total.flatten(), torch.tensor([count], dtype=torch.float64)]))
+        total, count = summed[:-1].view(L, H), float(summed[-1])
+    else:  # every rank ran every example; each head's sum was made on the rank holding it
+        total = _tp.sum_heads(adapter, total)
     conf = (total / max(count, 1.0)).float()
     for layer, n in enumerate(adapter.layer_heads):
         conf[layer, n:] = float("nan")

@@ -9,7 +9,8 @@ and the metric's mean over examples is compared with the clean run's (the effect
 :mod:`.result`). Sites ``q``, ``k``, ``v`` (k and v per kv head: in a GQA model patching one kv head
 changes what every query head of its group reads) and ``pattern`` (the query row ``i`` of head h's map)
 are patched the same way; everything downstream is recomputed. ``C`` configurations share one forward
-of ``C * B`` rows (``max_rows``).
+of ``C * B`` rows (``max_rows``). On a model sharded by tensor parallelism (every rank calling ``patch``
+alike) each head is patched on the rank that holds it, and the result equals one process's.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 
 from headlab.interpret.patching import runs
 from headlab.interpret.patching.result import PatchResult, normalise
+from headlab.models.tensor_parallel import by_heads
 
 
 def patch(model, clean, corrupted, metric, *, sites: str | list[str] = "z", positions=None, layers=None,
@@ -86,7 +88,7 @@ def patch(model, clean, corrupted, metric, *, sites: str | list[str] = "z", posi
                                 mask[i, h, :] = True
                             else:
                                 mask[i, h, pos[p]] = True
-                    edits[name] = runs.patch_edit(kind, mask, pair.n, src)
+                    edits[name] = _on_owners(kind, mask, pair.n, src)
             vals, _ = runs.run_metric(pair, metric, pair.clean, len(chunk), edits=edits, backend=backend)
             for i, (kind, l, h, p) in enumerate(chunk):
                 idx = (l, h) if pos is None else (l, h, p)
@@ -108,6 +110,17 @@ def patch(model, clean, corrupted, metric, *, sites: str | list[str] = "z", posi
                        n_examples=pair.n, clean=m_clean, corrupted=m_corrupt,
                        effects={k: normalise(v, m_clean, m_corrupt) for k, v in raw.items()}, raw=raw,
                        positions=pos, seconds=time.perf_counter() - t0, notes=notes)
+
+
+def _on_owners(kind: str, mask: torch.Tensor, n: int, source: torch.Tensor):
+    """The patch of one site (:func:`~headlab.interpret.patching.runs.patch_edit`), made per head: on a model
+    sharded by tensor parallelism each rank patches the heads it holds, from its slice of the (gathered) corrupted
+    source and of the mask, and nothing else moves between ranks. A residual site (no head axis) is patched as it
+    is on every rank."""
+    if kind in runs.RESID_KINDS:
+        return runs.patch_edit(kind, mask, n, source)
+    return by_heads(lambda t, site, heads: runs.where_heads(mask[:, heads.start:heads.stop], n,
+                                                            source[:, heads.start:heads.stop])(t, site))
 
 
 __all__ = ["patch"]
