@@ -5,15 +5,17 @@ policy))``) and into :func:`headlab.generate`. Per layer, the kv heads are split
 share a rule: one tensor pair ``(B, heads in group, kept, d)`` per group, so a windowed head holds
 ``sink + recent`` keys and a dropped head none; the bytes are real (``nbytes`` of the tensors).
 
-How it reaches attention: ``update`` returns a :class:`GroupedKV` in place of the key tensor; the
-attention implementation ``"headlab"`` (which the cache switches the model to) sees it and calls
-:meth:`GroupedKV.headlab_attend`, which runs each group's query heads on that group's keys:
+How it reaches attention: ``update`` returns a :class:`GroupedKV` in place of the key tensor, a key object that
+attends itself (:class:`headlab.models.hf.attention_fn.SelfAttendingKeys`, the hook the attention implementation
+``"headlab"`` offers, to which the cache switches the model); its :meth:`GroupedKV.headlab_attend` runs each
+group's query heads on that group's keys. Each group is the **store** its rule names (``rule.store``, looked up in
+:data:`STORES`), and asks the rule what to show and keep:
 
-- a prefill (queries from an empty cache) of a windowed group runs its band ``0 <= query - key < recent``
-  on the ``sparse`` backend (only the window's tiles) and its sinks apart, merged by log-sum-exp
-  (:func:`window_prefill`); the full groups run causal on ``auto``;
-- a decode step evicts first (keys no longer visible to the new query), then attends to all that is held;
-- dropped groups' query heads output zeros.
+- a prefill (queries from an empty cache) runs the rule's own ``prefill``: a window its band
+  ``0 <= query - key < recent`` on the ``sparse`` backend (only the window's tiles) and its sinks apart, merged by
+  log-sum-exp (:meth:`~headlab.kv.Window.prefill`); a full group causal on ``auto``;
+- a decode step evicts first (what ``rule.retain`` lets go), then attends to all that is held;
+- dropped groups (store ``"none"``) hold nothing and their query heads output zeros.
 
 Keys keep their original positions (rotary embeddings are applied before caching), so a decode under
 the policy equals one forward with the policy's visibility (:meth:`headlab.kv.Policy.visible`).
@@ -28,27 +30,31 @@ A group under a SnapKV or Ada-KV rule is held by :class:`_SnapGroup`: its prefil
 prompt, then each kv head keeps, in tensors of its own, the prompt tokens its observation window attends to
 most (:func:`snap_scores`, :func:`snap_select`; Li et al. 2024, Feng et al. 2024) and every later token.
 
-This module holds :class:`HeadCache`, :class:`HeadLayer` and :class:`GroupedKV`; the groups are in
-:mod:`headlab.decode.groups` (``_Group``, ``_QGroup``, :func:`window_prefill`) and
-:mod:`headlab.decode.snap_group` (``_SnapGroup``, :func:`snap_scores`, :func:`snap_select`), re-exported here.
+This module holds :class:`HeadCache`, :class:`HeadLayer`, :class:`GroupedKV` and :data:`STORES`; the stores are in
+:mod:`headlab.decode.groups` (``_Dropped``, ``_Group``, ``_QGroup``) and :mod:`headlab.decode.snap_group`
+(``_SnapGroup``, :func:`snap_scores`, :func:`snap_select`), re-exported here.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from headlab.attention.core import attention as _attention
 from headlab.attention.score_mods import softcap as _softcap
-from headlab.decode.groups import (_NO_POS, SPARSE_PREFILL, _cat, _Group, _QGroup, _rows,  # noqa: F401  re-exported
-                                   _split, window_prefill)
+from headlab.decode.groups import (_NO_POS, SPARSE_PREFILL, _cat, _Dropped, _Group, _QGroup,  # noqa: F401  re-exported
+                                   _rows, _split, _Store)
 from headlab.decode.kv import (Drop, Full, Policy, Rule, Snap, Window, check_decoder,  # noqa: F401
                                key_boundary, kv_layout, value_boundary, visibility)
 from headlab.decode.snap_group import _SnapGroup, snap_scores, snap_select  # noqa: F401  re-exported
 from headlab.errors import ConfigError, ShapeError
+from headlab.models.hf.attention_fn import SelfAttendingKeys, hf_mask_to_bool
 
-__all__ = ["HeadCache", "HeadLayer", "GroupedKV"]
+__all__ = ["HeadCache", "HeadLayer", "GroupedKV", "STORES"]
+
+# what holds the kv heads of a layer that share a rule, by the name the rule gives (``rule.store``); a kind of rule
+# that needs a store of its own adds it here
+STORES: dict[str, type[_Store]] = {"none": _Dropped, "plain": _Group, "quant": _QGroup, "snap": _SnapGroup}
 
 
 class HeadLayer(CacheLayerMixin):
@@ -69,8 +75,10 @@ class HeadLayer(CacheLayerMixin):
             by_rule.setdefault(r, []).append(j)
         for r, heads in by_rule.items():
             r.check_heads(len(heads), index)
-        self.groups = [_STORES.get(r.kind, _QGroup if r.special else _Group)(r, heads, rep, g)
-                       for r, heads in by_rule.items()]
+            if r.store not in STORES:
+                raise ConfigError(f"{r!r} is held by the store {r.store!r}, which is not one of the cache's stores "
+                                  f"({', '.join(STORES)}); add it to headlab.decode.cache.STORES")
+        self.groups = [STORES[r.store](r, heads, rep, g) for r, heads in by_rule.items()]
 
     def lazy_initialization(self, key_states, value_states) -> None:
         self.is_initialized = True
@@ -84,13 +92,7 @@ class HeadLayer(CacheLayerMixin):
         m = key_states.shape[2]
         new_pos = torch.arange(self.seen, self.seen + m)
         for g in self.groups:
-            if isinstance(g.rule, Drop):
-                continue
-            if g.whole:
-                g.append(key_states, value_states, new_pos)
-            else:
-                g.append(key_states.index_select(1, g.kv.to(key_states.device)),
-                         value_states.index_select(1, g.kv.to(value_states.device)), new_pos)
+            g.take(key_states, value_states, new_pos)
         first, self.seen = self.seen, self.seen + m
         view = GroupedKV(self, first, m)
         return view, view
@@ -102,16 +104,7 @@ class HeadLayer(CacheLayerMixin):
         """The positions of the keys each kv head holds, per kv head (ascending for 16-bit and SnapKV heads)."""
         out: list[torch.Tensor] = [torch.zeros(0, dtype=torch.long)] * sum(len(g.kv) for g in self.groups)
         for g in self.groups:
-            if isinstance(g.rule, Drop):
-                continue
-            if isinstance(g, _SnapGroup):
-                per = g.positions()
-            elif isinstance(g, _QGroup):
-                held = any(t is not None for t in g._tensors())
-                per = [g.held()[2] if held else torch.zeros(0, dtype=torch.long)] * len(g.kv)
-            else:
-                per = [g.pos.clone()] * len(g.kv)
-            for j, p in zip(g.kv.tolist(), per):
+            for j, p in zip(g.kv.tolist(), g.positions()):
                 out[j] = p
         return out
 
@@ -146,8 +139,9 @@ class HeadLayer(CacheLayerMixin):
         raise ConfigError("a per-head KV cache holds one sequence; it cannot select batch rows")
 
 
-class GroupedKV:
-    """What :meth:`HeadLayer.update` hands the attention: the layer's groups and the new queries' positions."""
+class GroupedKV(SelfAttendingKeys):
+    """What :meth:`HeadLayer.update` hands the attention in place of its keys (and values): the layer's groups and
+    the new queries' positions, a key object that attends itself."""
 
     def __init__(self, layer: HeadLayer, first: int, m: int):
         self.layer, self.first, self.m = layer, first, m
@@ -160,8 +154,6 @@ class GroupedKV:
         plain causal; it is intersected with each head's rule (padding, a model's own sliding window).
         ``softcap``: Gemma 2's tanh soft-capping of the scores, applied as a score_mod.
         """
-        from headlab.models.hf.attention_fn import hf_mask_to_bool
-
         layer, m = self.layer, self.m
         B, H, _, d = query.shape
         if B != 1:
@@ -175,42 +167,18 @@ class GroupedKV:
             return _attention(*args, **kw, **extra)
 
         q_pos = torch.arange(self.first, self.first + m)
-        last = self.first + m - 1
         fresh = self.first == 0  # a prefill into an empty cache
-        for g in layer.groups:
-            if isinstance(g.rule, Drop):
+        for g in layer.groups:  # each store stores, selects and evicts as its rule says
+            o = g.read(attention, query, q_pos, hf, scaling, softcap, fresh=fresh)  # (B, heads of group, m, dv)
+            if o is None:  # dropped heads: their output stays zero
                 continue
-            q = query if g.whole else query.index_select(1, g.q.to(query.device))  # (B, heads of group, m, d)
-            if not isinstance(g, _Group):  # quantized, compensated or SnapKV: stores, selects, evicts itself
-                o = g.attend(attention, q, q_pos, hf, scaling, softcap, fresh=fresh)
-            elif m == 1 and hf is None:
-                g.evict(last)  # the group holds what the new query may see (a decode step evicted in place)
-                if softcap is None:  # every held key is visible: torch's fused kernel, NaN kept as NaN
-                    o = F.scaled_dot_product_attention(q, g.keys, g.values, scale=scaling, enable_gqa=True)
-                else:
-                    o = attention(q, g.keys, g.values, scale=scaling)
-            elif fresh and hf is None and isinstance(g.rule, Full):
-                o = attention(q, g.keys, g.values, causal=True, scale=scaling)
-            elif fresh and hf is None:
-                o = window_prefill(attention, q, g.keys, g.values, g.rule, scaling,
-                                   backend="sparse" if m >= SPARSE_PREFILL else "auto")
-            else:  # general: positions held, the model's mask, the rule
-                vis = visibility(g.rule, q_pos[:, None], g.pos[None, :]).to(query.device)  # (m, kept)
-                if hf is not None:
-                    vis = vis & hf.index_select(-1, g.pos.to(hf.device))  # (B, 1, m, kept)
-                o = attention(q, g.keys, g.values, mask=vis, scale=scaling)
             if g.whole:
                 out = o.to(out.dtype)
             else:
                 out.index_copy_(1, g.q.to(out.device), o.to(out.dtype))
-            if isinstance(g, _Group):
-                g.evict(last)
         if layer.owner is not None:
             layer.owner._note_bytes(layer.index, layer.nbytes())
         return out.transpose(1, 2).contiguous(), None
-
-
-_STORES = {"snap": _SnapGroup}  # rule kinds held apart (else: _QGroup for quantized/compensated, _Group)
 
 
 class HeadCache(Cache):
@@ -246,9 +214,7 @@ class HeadCache(Cache):
         hf = getattr(adapter, "model", None)
         impl = getattr(getattr(hf, "config", None), "_attn_implementation", None)
         if impl is not None and impl != "headlab" and hasattr(hf, "set_attn_implementation"):
-            import headlab.models.hf.attention_fn  # noqa: F401  registers "headlab"
-
-            hf.set_attn_implementation("headlab")
+            hf.set_attn_implementation("headlab")  # registered by headlab.models.hf.attention_fn, imported above
 
     def nbytes(self) -> int:
         """Bytes the cache's key and value tensors hold now."""

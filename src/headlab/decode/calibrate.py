@@ -33,7 +33,7 @@ import torch
 
 from headlab.attention import masks
 from headlab.attention.stats import attention_stats
-from headlab.decode.kv import Window, as_rule, check_decoder
+from headlab.decode.kv import as_rule, check_decoder
 from headlab.errors import ConfigError, InputError
 
 __all__ = ["window_loss"]
@@ -56,7 +56,7 @@ def window_loss(model, prompts: Sequence[torch.Tensor], rule, *, rows: int = 8,
     adapter, _ = resolve(model)
     check_decoder(adapter)
     rule = as_rule(rule)
-    if not isinstance(rule, Window):
+    if rule.ring is None:  # a rule that keeps a bounded window of keys, first in first out past its sinks
         raise ConfigError(f"window_loss needs a window rule (kv.window(sink, recent)), got {rule!r}")
     if not prompts:
         raise InputError("window_loss needs at least one prompt")
@@ -65,13 +65,12 @@ def window_loss(model, prompts: Sequence[torch.Tensor], rule, *, rows: int = 8,
     sites = adapter.sites("q") + adapter.sites("k") + adapter.sites("stats")
     for i, ids in enumerate(prompts):
         n = ids.shape[-1]
-        if n <= rule.sink + rule.recent + rows:
+        if n <= rule.ring + rows:
             raise InputError(f"prompt {i} has {n} tokens; window_loss reads rows whose evicted keys exist, so give "
-                             f"prompts longer than sink + recent + rows = {rule.sink + rule.recent + rows}")
+                             f"prompts longer than sink + recent + rows = {rule.ring + rows}")
         off = n - rows
         visible = masks.as_mask(lambda b, h, qi, kv: kv <= qi + off)
-        evicted = masks.as_mask(lambda b, h, qi, kv: (kv <= qi + off) & (kv >= rule.sink)
-                                & (qi + off - kv >= rule.recent))
+        evicted = masks.as_mask(lambda b, h, qi, kv: (kv <= qi + off) & ~rule.visible(qi + off, kv))  # what it hides
         with torch.no_grad():
             cache = capture(adapter, ids.reshape(1, -1), sites, stats_kwargs={"stats": ["lse"]})
         for layer, h in enumerate(heads):

@@ -1,14 +1,16 @@
-"""The groups of a :class:`~headlab.decode.cache.HeadCache` layer that hold positional rules: the kv heads of
-one layer that share a rule, and the keys they keep.
+"""The stores of a :class:`~headlab.decode.cache.HeadCache` layer: the kv heads of one layer that share a rule, and
+the keys they keep. A rule names its store (``rule.store``), and the store asks the rule what to show and what to
+keep (``visible``, ``retain``, ``ring``, ``sinks``, ``prefill``), so no store knows a kind of rule by name.
 
-:class:`_Group` holds a full or windowed 16-bit rule (one tensor pair ``(B, heads in group, kept, d)``, a
-window's ring overwritten in place); :class:`_QGroup` a quantized (``bits`` 8, 4, 2) or compensated one: keys
-and values as KIVI stores them (Liu et al. 2024; codes, scales and zero points, :mod:`headlab.decode.quant`,
-with the most recent tokens in full precision), read back for each step's attention; a compensated window keeps
-the mean of what it evicted as one more key/value pair, weighted by the count it stands for (Tang et al. 2024,
-RazorAttention). :func:`window_prefill` runs a windowed group's prefill as a band plus its sinks.
+:class:`_Store` is what they share (which heads, taking the layer's new keys, attending with the layer's queries);
+:class:`_Dropped` holds nothing (``"none"``); :class:`_Group` holds a 16-bit rule (``"plain"``: one tensor pair
+``(B, heads in group, kept, d)``, a ring overwritten in place for a rule that has one); :class:`_QGroup` a
+quantized (``bits`` 8, 4, 2) or compensated one (``"quant"``): keys and values as KIVI stores them (Liu et al. 2024;
+codes, scales and zero points, :mod:`headlab.decode.quant`, with the most recent tokens in full precision), read
+back for each step's attention; a compensated window keeps the mean of what it evicted as one more key/value pair,
+weighted by the count it stands for (Tang et al. 2024, RazorAttention).
 
-SnapKV's and Ada-KV's group is in :mod:`headlab.decode.snap_group`; :mod:`headlab.decode.cache` re-exports these.
+SnapKV's and Ada-KV's store is in :mod:`headlab.decode.snap_group`; :data:`headlab.decode.cache.STORES` names them.
 """
 
 from __future__ import annotations
@@ -16,25 +18,71 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from headlab.attention import masks
 from headlab.decode import quant
-from headlab.decode.rules import Full, Rule, Window, key_boundary, value_boundary, visibility
+from headlab.decode.rules import Rule, key_boundary, value_boundary
 
-SPARSE_PREFILL = 128  # below this many queries the window's tiles are too few for the sparse kernel to pay
+SPARSE_PREFILL = 128  # below this many queries a window's tiles are too few for the sparse kernel to pay
 
 
-class _Group:
-    """The kv heads of one layer that share a rule, and the keys they hold."""
+class _Store:
+    """The kv heads ``kv_heads`` of a layer (of ``n_kv``, each read by ``rep`` query heads) that share ``rule``.
+
+    A store answers ``append(k, v, new_pos)`` (its heads' new keys), ``attend(attention, q, q_pos, hf, scaling,
+    softcap, fresh=)`` (its query heads' output; it evicts what the rule lets go), ``positions()``, ``nbytes()``,
+    ``v_dim`` and ``reset()``; :meth:`take` and :meth:`read` pick its heads out of the layer's."""
 
     def __init__(self, rule: Rule, kv_heads: list[int], rep: int, n_kv: int):
-        self.rule = rule
-        self.whole = len(kv_heads) == n_kv  # the layer's only group: no gathering of heads
+        self.rule, self.rep = rule, rep
+        self.whole = len(kv_heads) == n_kv  # the layer's only store: no gathering of heads
         self.kv = torch.tensor(kv_heads, dtype=torch.long)
-        # query head h reads kv head h // rep: the group's query heads, in the order of its kv heads
+        # query head h reads kv head h // rep: the store's query heads, in the order of its kv heads
         self.q = torch.tensor([j * rep + r for j in kv_heads for r in range(rep)], dtype=torch.long)
-        self.keys = self.values = None       # (B, heads, kept, d)
+        self.reset()
+
+    def take(self, k: torch.Tensor, v: torch.Tensor, new_pos: torch.Tensor) -> None:
+        """Store this store's heads of the layer's new keys and values ``(B, Hkv, m, d)`` at ``new_pos``."""
+        if self.whole:
+            self.append(k, v, new_pos)
+        else:
+            self.append(k.index_select(1, self.kv.to(k.device)), v.index_select(1, self.kv.to(v.device)), new_pos)
+
+    def read(self, attention, query: torch.Tensor, q_pos: torch.Tensor, hf, scaling, softcap, *,
+             fresh: bool) -> torch.Tensor | None:
+        """The output ``(B, heads of store, m, dv)`` of this store's query heads of ``query (B, H, m, d)``."""
+        q = query if self.whole else query.index_select(1, self.q.to(query.device))  # (B, heads of store, m, d)
+        return self.attend(attention, q, q_pos, hf, scaling, softcap, fresh=fresh)
+
+    def positions(self) -> list[torch.Tensor]:
+        """The positions of the keys each kv head holds."""
+        return [torch.zeros(0, dtype=torch.long)] * len(self.kv)
+
+
+class _Dropped(_Store):
+    """Pruned kv heads: nothing held, and their query heads' output stays zero."""
+
+    v_dim = None
+
+    def reset(self) -> None:
+        pass
+
+    def take(self, k, v, new_pos) -> None:
+        pass
+
+    def read(self, *args, **kwargs) -> None:
+        return None
+
+    def nbytes(self) -> int:
+        return 0
+
+
+class _Group(_Store):
+    """A 16-bit rule's heads: keys and values ``(B, heads, held, d)`` and their positions, in position order, or, for
+    a rule with a ``ring``, in ring order once full (each new key overwrites the oldest past the sinks)."""
+
+    def reset(self) -> None:
+        self.keys = self.values = None       # (B, heads, held, d)
         self.pos = torch.zeros(0, dtype=torch.long)  # positions of the held keys
-        self.ring = rule.sink if isinstance(rule, Window) else 0  # the slot of the oldest key past the sinks
+        self.slot = self.rule.sinks  # ring: where the next key goes once full, the slot of the oldest past the sinks
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.keys, self.values) if t is not None)
@@ -43,27 +91,24 @@ class _Group:
     def v_dim(self) -> int | None:
         return self.values.shape[-1] if self.values is not None else None
 
-    def reset(self) -> None:
-        self.keys = self.values = None
-        self.pos = torch.zeros(0, dtype=torch.long)
-        self.ring = self.rule.sink if isinstance(self.rule, Window) else 0
+    def positions(self) -> list[torch.Tensor]:
+        return [self.pos.clone()] * len(self.kv)
 
     def append(self, k: torch.Tensor, v: torch.Tensor, new_pos: torch.Tensor) -> None:
         """Add ``(B, heads, m, d)`` keys and values at positions ``new_pos``.
 
-        A windowed group that already holds ``sink + recent`` keys takes one new key in place: it
-        overwrites the oldest key past the sinks (the one the new query no longer sees), so a decode
-        step copies nothing. Everything else is appended (and evicted after the attention)."""
+        A full ring takes one new key in place: it overwrites the oldest key past the sinks (the one the new query
+        no longer sees), so a decode step copies nothing. Everything else is appended (and evicted after the
+        attention)."""
         r = self.rule
-        if (isinstance(r, Window) and k.shape[2] == 1 and self.keys is not None
-                and self.pos.numel() == r.sink + r.recent):
-            if r.recent == 0:  # only the sinks are ever visible: the new key is never read
+        if r.ring is not None and k.shape[2] == 1 and self.keys is not None and self.pos.numel() == r.ring:
+            if r.ring == r.sinks:  # only the sinks are ever visible: the new key is never read
                 return
-            slot = self.ring
+            slot = self.slot
             self.keys[:, :, slot] = k[:, :, 0]
             self.values[:, :, slot] = v[:, :, 0]
             self.pos[slot] = new_pos[0]
-            self.ring = r.sink + (slot - r.sink + 1) % r.recent
+            self.slot = r.sinks + (slot - r.sinks + 1) % (r.ring - r.sinks)
         elif self.keys is None:
             self.keys, self.values, self.pos = k.contiguous(), v.contiguous(), new_pos.clone()
         else:
@@ -71,17 +116,40 @@ class _Group:
             self.pos = torch.cat([self.pos, new_pos])
 
     def evict(self, last: int) -> None:
-        """Keep what a query at position ``last`` may see (windowed groups), in position order."""
+        """Keep what the rule retains once a query at position ``last`` has attended, in position order."""
         r = self.rule
-        if not isinstance(r, Window) or self.keys is None or self.pos.numel() <= r.sink + r.recent:
+        if not r.evicts or self.keys is None or (r.ring is not None and self.pos.numel() <= r.ring):
             return
-        keep = (self.pos < r.sink) | (last - self.pos < r.recent)
+        keep = r.retain(self.pos, last)
+        if bool(keep.all()):
+            return
         idx = keep.nonzero().squeeze(1)
         idx = idx[self.pos[idx].argsort()]
         self.keys = self.keys.index_select(2, idx.to(self.keys.device)).contiguous()
         self.values = self.values.index_select(2, idx.to(self.values.device)).contiguous()
         self.pos = self.pos[idx]
-        self.ring = r.sink
+        self.slot = r.sinks
+
+    def attend(self, attention, q, q_pos: torch.Tensor, hf, scaling, softcap, *, fresh: bool) -> torch.Tensor:
+        """The store's query heads ``q (B, heads, m, d)`` on what it holds (``hf``: the model's boolean mask or None;
+        ``fresh``: a prefill into an empty cache); evicts after."""
+        m, last = q.shape[2], int(q_pos[-1])
+        if m == 1 and hf is None:
+            self.evict(last)  # the store holds what the new query may see (a decode step evicted in place)
+            if softcap is None:  # every held key is visible: torch's fused kernel, NaN kept as NaN
+                o = F.scaled_dot_product_attention(q, self.keys, self.values, scale=scaling, enable_gqa=True)
+            else:
+                o = attention(q, self.keys, self.values, scale=scaling)
+        elif fresh and hf is None:  # the rule's own prefill: causal, a window's band and sinks, ...
+            o = self.rule.prefill(attention, q, self.keys, self.values, scaling,
+                                  backend="sparse" if m >= SPARSE_PREFILL else "auto")
+        else:  # general: positions held, the model's mask, the rule
+            vis = self.rule.visible(q_pos[:, None], self.pos[None, :]).to(q.device)  # (m, held)
+            if hf is not None:
+                vis = vis & hf.index_select(-1, self.pos.to(hf.device))  # (B, 1, m, held)
+            o = attention(q, self.keys, self.values, mask=vis, scale=scaling)
+        self.evict(last)
+        return o
 
 
 def _cat(a: torch.Tensor | None, b: torch.Tensor) -> torch.Tensor:
@@ -95,8 +163,9 @@ def _rows(t: torch.Tensor | None, idx: torch.Tensor) -> torch.Tensor | None:
 _NO_POS = torch.zeros(0, dtype=torch.long)
 
 
-class _QGroup:
-    """The kv heads of one layer that share a quantized or compensated rule.
+class _QGroup(_Store):
+    """The kv heads of one layer that share a quantized or compensated rule (one that keeps every key, or evicts
+    first in, first out past its sinks, up to its ``horizon``: a window).
 
     Held, in position order: the sinks (a window's first keys, full precision); the quantized keys (packed
     codes, and per key group of ``rule.group`` tokens a scale and a zero point per channel) and values (codes,
@@ -107,13 +176,9 @@ class _QGroup:
     """
 
     def __init__(self, rule: Rule, kv_heads: list[int], rep: int, n_kv: int):
-        self.rule, self.rep = rule, rep
-        self.whole = len(kv_heads) == n_kv
-        self.kv = torch.tensor(kv_heads, dtype=torch.long)
-        self.q = torch.tensor([j * rep + r for j in kv_heads for r in range(rep)], dtype=torch.long)
-        self.start = rule.sink if isinstance(rule, Window) else 0
-        self.compensate = bool(getattr(rule, "compensate", False))
-        self.reset()
+        super().__init__(rule, kv_heads, rep, n_kv)
+        self.start = rule.sinks  # positions below it are sinks, in full precision
+        self.compensate = bool(rule.compensate)
 
     def reset(self) -> None:
         self.sink_k = self.sink_v = None
@@ -140,6 +205,10 @@ class _QGroup:
         if v is None:
             return None
         return v.shape[-1] if v is not self.vs else v.shape[-1] * self.rule.group
+
+    def positions(self) -> list[torch.Tensor]:
+        held = any(t is not None for t in self._tensors())
+        return [self.held()[2] if held else torch.zeros(0, dtype=torch.long)] * len(self.kv)
 
     # -- storing -------------------------------------------------------------------------------------------
     def append(self, k: torch.Tensor, v: torch.Tensor, new_pos: torch.Tensor) -> None:
@@ -177,18 +246,19 @@ class _QGroup:
                                        bits=self.rule.bits)
 
     def evict(self, last: int) -> None:
-        """Drop what a query at ``last`` no longer sees (windows); compensated, fold it into the mean."""
+        """Drop what the query at ``last`` no longer sees (past the sinks, positions before the rule's horizon);
+        compensated, fold it into the mean."""
         r = self.rule
-        if not isinstance(r, Window):
+        if not r.evicts:
             return
-        cut = last - r.recent  # positions <= cut past the sinks are gone
+        cut = r.horizon(last)  # positions below it past the sinks are gone
         sums: dict[str, list[torch.Tensor]] = {"k": [], "v": []}
         gone = 0
         for name in ("kq", "kr", "vq", "vr"):
             pos = getattr(self, f"{name}_pos")
-            if pos.numel() == 0 or int(pos[0]) > cut:
+            if pos.numel() == 0 or int(pos[0]) >= cut:
                 continue
-            drop = int(torch.searchsorted(pos, torch.tensor(cut), right=True))
+            drop = int(torch.searchsorted(pos, torch.tensor(cut)))
             if self.compensate:
                 idx = torch.arange(drop)
                 t = (self._keys(idx) if name == "kq" else self._values(idx) if name == "vq"
@@ -269,13 +339,11 @@ class _QGroup:
                 o, lse = attention(q, k, v, scale=scaling), None
         elif m == 1 and hf is None:
             o, lse = attention(q, k, v, scale=scaling, return_lse=True)
-        elif fresh and hf is None and isinstance(self.rule, Full):
-            o, lse = _split(attention(q, k, v, causal=True, scale=scaling, return_lse=need), need)
-        elif fresh and hf is None:
-            o, lse = _split(window_prefill(attention, q, k, v, self.rule, scaling, return_lse=need,
-                                           backend="sparse" if m >= SPARSE_PREFILL else "auto"), need)
+        elif fresh and hf is None:  # the rule's own prefill
+            o, lse = _split(self.rule.prefill(attention, q, k, v, scaling, return_lse=need,
+                                              backend="sparse" if m >= SPARSE_PREFILL else "auto"), need)
         else:
-            vis = visibility(self.rule, q_pos[:, None], pos[None, :]).to(q.device)
+            vis = self.rule.visible(q_pos[:, None], pos[None, :]).to(q.device)
             if hf is not None:
                 vis = vis & hf.index_select(-1, pos.to(hf.device))
             o, lse = _split(attention(q, k, v, mask=vis, scale=scaling, return_lse=need), need)
@@ -291,7 +359,7 @@ class _QGroup:
 
     def _compensated(self, o, lse, q, q_pos, k_past, v_past, pos_past, scaling, softcap) -> torch.Tensor:
         """Merge RazorAttention's compensation token into ``o``: for query ``t``, the mean of the keys and values
-        evicted before it (those already folded, and held ones past the sinks with ``t - j >= recent``), its
+        evicted before it (those already folded, and held ones past the sinks before its ``rule.horizon(t)``), its
         score raised by the log of their count (the token stands for that many)."""
         m = q.shape[2]
         if m == 1:
@@ -300,8 +368,7 @@ class _QGroup:
                 return o
             ck, cv = self.comp_k.float(), self.comp_v.float()  # (B, h, 1, d)
         else:
-            cut = (q_pos - self.rule.recent).to(pos_past.device)
-            c = torch.searchsorted(pos_past, cut, right=True)  # held past-sink keys each query no longer sees
+            c = torch.searchsorted(pos_past, self.rule.horizon(q_pos))  # held past-sink keys each query no longer sees
             zeros_k = k_past.new_zeros(*k_past.shape[:2], 1, k_past.shape[-1], dtype=torch.float32)
             zeros_v = v_past.new_zeros(*v_past.shape[:2], 1, v_past.shape[-1], dtype=torch.float32)
             sk = torch.cat([zeros_k, k_past.float().cumsum(2)], 2).index_select(2, c.to(k_past.device))
@@ -328,32 +395,3 @@ class _QGroup:
 def _split(res, need: bool):
     return res if need else (res, None)
 
-
-def window_prefill(attention, q, k, v, rule: Window, scale, *, backend: str, return_lse: bool = False):
-    """A windowed group's prefill, ``(B, heads, n, d)``, without materialising any ``n x n`` matrix.
-
-    The keys a query ``t`` sees split into two disjoint sets: the band ``0 <= t - j < recent`` (a sliding
-    window, which the sparse kernel runs as a band) and the sinks ``j < sink`` with ``t - j >= recent``
-    (at most ``sink`` keys per row). Each part returns its output and log-sum-exp; they merge as
-    FlashAttention merges tiles: ``lse = logaddexp(l1, l2)``, ``out = o1 e^(l1 - lse) + o2 e^(l2 - lse)``.
-    With ``return_lse``, ``(out, lse)``.
-    """
-    n = q.shape[2]
-    parts = []
-    if rule.recent >= 2:
-        parts.append(attention(q, k, v, mask=masks.sliding_window(rule.recent - 1, causal=True), scale=scale,
-                               backend=backend, return_lse=True))
-    elif rule.recent == 1:
-        parts.append(attention(q, k, v, mask=masks.as_mask(lambda b, h, i, j: i == j), scale=scale, return_lse=True))
-    if rule.sink:
-        s = min(rule.sink, n)
-        t, j = torch.arange(n)[:, None], torch.arange(s)[None, :]
-        vis = ((j <= t) & (t - j >= rule.recent)).to(q.device)  # (n, s): sinks outside the band
-        parts.append(attention(q, k[:, :, :s], v[:, :, :s], mask=vis, scale=scale, return_lse=True))
-    if len(parts) == 1:
-        return parts[0] if return_lse else parts[0][0]
-    (o1, l1), (o2, l2) = parts  # a row with no sink outside its band: l2 = -inf, weight 0
-    lse = torch.logaddexp(l1, l2)
-    w2 = torch.exp(l2 - lse).nan_to_num(0.0).unsqueeze(-1)
-    out = o1.mul_(torch.exp(l1 - lse).unsqueeze(-1)).add_(o2.mul_(w2))
-    return (out, lse) if return_lse else out

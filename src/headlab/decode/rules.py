@@ -1,9 +1,7 @@
-"""The per-head KV rules that depend on positions alone, and what they hold: :class:`Layout`, :data:`full`,
-:data:`drop`, :func:`window` (their classes :class:`Full`, :class:`Drop`, :class:`Window`), KIVI's precision
-(``bits``, ``group``, ``residual``) and boundaries, and :func:`visibility`.
-
-Public through :mod:`headlab.kv` (``headlab.decode.kv``), which re-exports all of it; SnapKV's and Ada-KV's rule
-is in :mod:`headlab.decode.snap_rule`, policies and the parsing of rule texts in :mod:`headlab.decode.kv`.
+"""What a KV rule is (:class:`Rule`, one object that answers all headlab asks of a rule), the registry of kinds
+(:data:`RULES`, :func:`register_rule`), the rules that depend on positions alone (:data:`full`, :data:`drop`,
+:func:`window`), with KIVI's precision, and what a head holds (:class:`Layout`); re-exported by :mod:`headlab.kv`.
+A new kind is one class, a frozen dataclass subclassing :class:`Rule`, decorated with :func:`register_rule`.
 """
 
 from __future__ import annotations
@@ -12,10 +10,11 @@ from dataclasses import dataclass
 
 import torch
 
+from headlab.attention import masks
 from headlab.errors import ConfigError
 
-__all__ = ["BITS", "GROUP", "RESIDUAL", "Layout", "Full", "Drop", "Window", "Rule", "full", "drop", "window",
-           "key_boundary", "value_boundary", "visibility"]
+__all__ = ["BITS", "GROUP", "RESIDUAL", "RULES", "Layout", "Rule", "Full", "Drop", "Window", "full", "drop", "window",
+           "key_boundary", "value_boundary", "register_rule", "unregister_rule", "unknown_rule"]
 
 
 BITS = (16, 8, 4, 2)   # 16: the cache's own dtype; 8, 4, 2: quantized (KIVI)
@@ -25,15 +24,13 @@ RESIDUAL = 128         # the most recent tokens kept in full precision (a multip
 
 @dataclass(frozen=True)
 class Layout:
-    """What one kv head holds after ``tokens`` tokens, counted (one batch row): the single place that decides
-    what a rule holds; :func:`headlab.costs.kv.layout_bytes` turns it into bytes, and the cache's tensors
-    must come to the same (a test checks them).
+    """What one kv head holds after ``tokens`` tokens (one batch row), as its rule says; :func:`headlab.costs.kv.
+    layout_bytes` turns it into bytes, and the cache's tensors come to the same (a test checks them).
 
     ``full_keys``/``full_values``: vectors in the cache's dtype (sinks, the full-precision residual);
     ``quant_keys``/``quant_values``: vectors stored as ``bits``-bit codes, packed ``8 // bits`` to a byte;
-    ``key_groups``: ``(scale, zero)`` pairs per key channel (one per ``group`` quantized tokens); each
-    quantized value has ``v_dim / group`` pairs; ``compensation``: 0 or 1 extra key/value pair in the
-    cache's dtype (RazorAttention's mean of the evicted tokens)."""
+    ``key_groups``: ``(scale, zero)`` pairs per key channel (one per ``group`` quantized tokens); each quantized
+    value has ``v_dim / group`` pairs; ``compensation``: 0 or 1 extra key/value pair (RazorAttention's mean)."""
 
     full_keys: int
     full_values: int
@@ -45,32 +42,117 @@ class Layout:
     compensation: int = 0
 
 
-class _Rule:
-    """What every kind of rule answers; the policy, the cache and the cost model ask the rule, not its type.
+class Rule:
+    """What one kv head keeps. The policy, the cache and the cost model ask the rule, never its type:
 
-    ``kind``: what :meth:`Policy.counts` calls it; ``layouts(heads, tokens, prompt)``: what each of the ``heads``
-    kv heads of one layer that follow the rule holds (a rule whose heads share a budget, Ada-KV's, splits it
-    there); ``check_heads``: refuse a layer the rule cannot serve; ``visible``: its visibility by positions."""
+    - ``visible(q_pos, k_pos)``: may a query at ``q_pos`` see the key at ``k_pos`` (broadcast integer tensors ->
+      bool); decoding equals one forward with this mask (keys keep their positions; SnapKV's refuses: its keys
+      follow from the prompt).
+    - ``retain(pos, last)``: its eviction, the held keys (at ``pos <= last``) that stay once the query at ``last``
+      has attended: every key a later query sees, all seen by ``last`` (the default, what ``last`` sees, is both
+      when visibility only shrinks as queries advance).
+    - ``kept``, ``layout``, ``layouts``: what a head holds after ``tokens`` tokens (:class:`Layout`, whose bytes
+      the cost model counts), the first ``prompt`` of them the prefill.
+    - ``store``: which store holds its heads in a cache layer, a name in :data:`headlab.decode.cache.STORES`;
+      ``sinks``: the first keys it holds for good; ``prefill``: its attention on a prompt. A rule that evicts first
+      in, first out past its sinks (a window) gives ``ring``, the most keys it holds, and ``horizon(last)``, the
+      oldest position past the sinks the query at ``last`` sees: its stores overwrite in place and cut by position.
+    - ``text()`` / ``from_text`` (what :func:`~headlab.kv.as_rule` reads under ``names``), ``label()``, ``kind``
+      (what :meth:`~headlab.kv.Policy.counts` calls it), ``check_heads`` (refuse a layer it cannot serve).
+    """
 
     kind = "rule"
+    names: tuple[str, ...] = ()   # the names its text starts with: "window" in "window:4,256"
+    usage = ""                    # its text, as the unknown-rule message shows it
     bits = 16
+    sinks = 0
+    ring: int | None = None
+    compensate = False
+    evicts = True                 # False: it keeps every key it takes (no eviction to run)
+    store = "plain"
 
-    def layout(self, tokens: int, prompt: int | None = None) -> Layout:  # pragma: no cover - every kind has one
+    def visible(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:  # pragma: no cover
         raise NotImplementedError
 
+    def retain(self, pos: torch.Tensor, last: int) -> torch.Tensor:
+        """``(held,)`` bool: the held keys at ``pos`` that stay once the query at ``last`` has attended."""
+        return self.visible(torch.as_tensor(last), pos)
+
+    def horizon(self, last):  # pragma: no cover - rules with a ring have one
+        raise NotImplementedError
+
+    def kept(self, tokens: int, prompt: int | None = None) -> int:  # pragma: no cover - every kind has one
+        raise NotImplementedError
+
+    def layout(self, tokens: int, prompt: int | None = None) -> Layout:
+        n = self.kept(tokens, prompt)  # keys and values in the cache's dtype
+        return Layout(n, n)
+
     def layouts(self, heads: int, tokens: int, prompt: int | None = None) -> list[Layout]:
-        """What each of ``heads`` kv heads of a layer that follow this rule holds after ``tokens`` tokens, of which
-        the first ``prompt`` came as the prefill (None: all of them)."""
-        return [self.layout(tokens, prompt)] * heads
+        return [self.layout(tokens, prompt)] * heads  # each of a layer's heads under the rule (shared budgets split)
 
     def check_heads(self, heads: int, layer: int) -> None:
         """Refuse to serve ``heads`` kv heads of ``layer`` (nothing to refuse for a per-head rule)."""
 
+    def prefill(self, attention, q, k, v, scale, *, backend: str = "auto", return_lse: bool = False):
+        """A prompt's queries ``q (B, heads, n, d)`` on its keys and values (positions ``0..n-1``) through ``attention``
+        (:func:`headlab.attention`'s signature): here with the visibility as a dense mask (kinds may do better)."""
+        pos = torch.arange(q.shape[2])
+        vis = self.visible(pos[:, None], pos[None, :]).to(q.device)  # (n, n)
+        return attention(q, k, v, mask=vis, scale=scale, return_lse=return_lse)
+
     def text(self) -> str:
-        return _rule_text(self)
+        return self.names[0]
 
     def label(self) -> str:
-        return _rule_name(self)
+        return self.text()
+
+    @classmethod
+    def from_text(cls, text: str, name: str, parts: list[str] | None) -> Rule:  # pragma: no cover
+        """The rule of ``text`` named ``name``; ``parts``: the items after the colon (None: no colon)."""
+        raise NotImplementedError
+
+
+RULES: dict[str, type[Rule]] = {}  # a rule text's name -> its kind (as_rule reads "name:args" through it)
+
+
+def register_rule(cls: type[Rule]) -> type[Rule]:
+    """Class decorator: register a kind of rule under its ``names``, which :func:`~headlab.kv.as_rule` (policy texts
+    and files, ``--policy``) then reads. Refuses a class that is not a complete :class:`Rule`, or a name taken."""
+    if not (isinstance(cls, type) and issubclass(cls, Rule)):
+        raise ConfigError(f"register_rule takes a subclass of headlab.kv.Rule, got {cls!r}")
+    own = set().union(*(vars(c) for c in cls.__mro__[:cls.__mro__.index(Rule)]))
+    missing = [m for m in ("visible", "from_text") if m not in own]
+    missing += [] if own & {"kept", "layout", "layouts"} else ["kept"]
+    if missing:
+        raise ConfigError(f"rule kind {cls.__name__} does not define {', '.join(missing)}: a rule answers its "
+                          "visibility, what it keeps, its text and how to read it back")
+    if not cls.names or not all(isinstance(n, str) and n and n == n.strip().lower() and not set(n) & set(":,")
+                                for n in cls.names):
+        raise ConfigError(f"rule kind {cls.__name__}: names={cls.names!r}; give its text names, lower case, without "
+                          "':' or ',' (e.g. names = ('strided',))")
+    for n in cls.names:
+        if RULES.get(n, cls) is not cls:
+            raise ConfigError(f"a kv rule named {n!r} is already registered ({RULES[n].__name__}); "
+                              f"unregister_rule({n!r}) first")
+    RULES.update(dict.fromkeys(cls.names, cls))
+    return cls
+
+
+def unregister_rule(name: str) -> type[Rule]:
+    """Remove the kind of rule registered as ``name`` (under all its names) and return its class."""
+    if name not in RULES:
+        raise ConfigError(f"no kv rule {name!r} is registered; the rules: {', '.join(RULES)}")
+    cls = RULES[name]
+    for n in cls.names:
+        RULES.pop(n, None)
+    return cls
+
+
+def unknown_rule(text: str) -> ConfigError:
+    usages = ", ".join(dict.fromkeys(c.usage or c.names[0] for c in RULES.values()))
+    return ConfigError(f"unknown kv rule {text!r}: use {usages}, with options such as full:bits=4, "
+                       "streaming:4,256,bits=2,compensate or snapkv:256,window=32,pool=7")
 
 
 def _check_int(name: str, val, *, low: int) -> None:
@@ -107,26 +189,56 @@ def _precision_text(r) -> str:
     return f"bits={r.bits}{extra}"
 
 
-@dataclass(frozen=True)
-class Full(_Rule):
-    """Keep every key (the ordinary cache), at ``bits`` bits (16: the cache's dtype; 8, 4, 2: quantized as KIVI).
+def _precision_items(r) -> list[str]:
+    return [f"bits={r.bits}", f"group={r.group}", f"residual={r.residual}"] if r.bits != 16 else []
 
+
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def _options(x, name: str, items: list[str]) -> dict:
+    """``key=value`` items of a full or window rule's text (``compensate`` alone means ``compensate=true``)."""
+    opts: dict = {}
+    for item in items:
+        key, eq, val = (p.strip() for p in item.partition("="))
+        if key == "compensate" and name != "full":
+            val = val if eq else "true"
+            if val not in _TRUE + _FALSE:
+                raise ConfigError(f"kv rule {x!r}: compensate takes true or false, got {val!r}")
+            opts["compensate"] = val in _TRUE
+            continue
+        if key not in ("bits", "group", "residual") or not eq:
+            allowed = "bits=, group=, residual=" + (", compensate" if name != "full" else "")
+            raise ConfigError(f"kv rule {x!r}: unknown option {item.strip()!r}; {name} takes {allowed} "
+                              f"(e.g. {name}:{'4,256,' if name != 'full' else ''}bits=4)")
+        try:
+            opts[key] = int(val)
+        except ValueError:
+            raise ConfigError(f"kv rule {x!r}: {key} takes an integer, got {val!r}") from None
+    return opts
+
+
+@register_rule
+@dataclass(frozen=True)
+class Full(Rule):
+    """Keep every key (the ordinary cache), at ``bits`` bits (16: the cache's dtype; 8, 4, 2: quantized as KIVI):
     ``kv.full`` is the 16-bit rule; ``kv.full(bits=4)`` (a call of it) the same rule with 4-bit keys and values."""
 
     bits: int = 16
     group: int = GROUP       # quantized rules: tokens per key scale (per channel), channels per value scale
     residual: int = RESIDUAL  # quantized rules: the most recent tokens kept in full precision
 
+    kind = "full"
+    names = ("full",)
+    evicts = False
+
     def __call__(self, bits: int = 16, *, group: int | None = None, residual: int | None = None) -> Full:
         """``kv.full(bits=4, group=32, residual=128)``: every key kept, quantized (Liu et al. 2024, KIVI)."""
         return Full(*_check_precision(bits, group, residual))
 
     @property
-    def special(self) -> bool:
-        """Quantized: the cache stores it apart from the plain (bit-exact) path."""
-        return self.bits != 16
-
-    kind = "full"
+    def store(self) -> str:
+        return "plain" if self.bits == 16 else "quant"
 
     def kept(self, tokens: int, prompt: int | None = None) -> int:
         return tokens
@@ -137,36 +249,60 @@ class Full(_Rule):
     def visible(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
         return k_pos <= q_pos
 
+    def prefill(self, attention, q, k, v, scale, *, backend: str = "auto", return_lse: bool = False):
+        return attention(q, k, v, causal=True, scale=scale, **({"return_lse": True} if return_lse else {}))
+
+    def text(self) -> str:
+        return "full:" + ",".join(_precision_items(self)) if self.bits != 16 else "full"
+
+    def label(self) -> str:
+        return "full" + (f" {self.bits}-bit" if self.bits != 16 else "")
+
+    @classmethod
+    def from_text(cls, text: str, name: str, parts: list[str] | None) -> Full:
+        if parts is None:
+            return full
+        if not parts:
+            raise unknown_rule(text)
+        opts = _options(text, "full", parts)
+        return full(opts.pop("bits", 16), **opts)
+
     def __repr__(self) -> str:
         p = _precision_text(self)
         return f"full({p})" if p else "full"
 
 
+@register_rule
 @dataclass(frozen=True)
-class Drop(_Rule):
+class Drop(Rule):
     """Keep nothing: the kv head and its query heads are pruned (their output is zero)."""
 
-    bits = 16  # nothing is stored; there for uniformity
-    special = False
     kind = "drop"
+    names = ("drop",)
+    store = "none"
 
     def kept(self, tokens: int, prompt: int | None = None) -> int:
         return 0
 
-    def layout(self, tokens: int, prompt: int | None = None) -> Layout:
-        return Layout(0, 0)
-
     def visible(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
         return torch.zeros_like(k_pos <= q_pos)
+
+    @classmethod
+    def from_text(cls, text: str, name: str, parts: list[str] | None) -> Drop:
+        if parts is not None:
+            raise unknown_rule(text)
+        return drop
 
     def __repr__(self) -> str:
         return "drop"
 
 
+@register_rule
 @dataclass(frozen=True)
-class Window(_Rule):
+class Window(Rule):
     """Keep the first ``sink`` keys (attention sinks) and the last ``recent`` keys; with ``compensate``, one more
-    key/value pair holding the mean of the evicted ones (RazorAttention)."""
+    key/value pair holding the mean of the evicted ones (RazorAttention). Query ``t`` sees key ``j`` when
+    ``j <= t`` and ``(j < sink or t - j < recent)``: the arithmetic of the window, here only."""
 
     sink: int     # the first keys every query keeps seeing (StreamingLLM uses 4)
     recent: int   # how many of the latest keys, the query's own included, stay visible
@@ -176,26 +312,86 @@ class Window(_Rule):
     compensate: bool = False
 
     kind = "window"
+    names = ("window", "streaming")
+    usage = "streaming:SINK,RECENT (e.g. streaming:4,256)"
 
-    def kept(self, tokens: int, prompt: int | None = None) -> int:
-        return min(tokens, self.sink + self.recent) + self.compensation(tokens)
+    @property
+    def sinks(self) -> int:
+        return self.sink
+
+    @property
+    def ring(self) -> int:
+        return self.sink + self.recent
+
+    @property
+    def store(self) -> str:
+        return "quant" if self.bits != 16 or self.compensate else "plain"
+
+    def horizon(self, last):
+        return last - self.recent + 1
 
     def visible(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
-        return (k_pos <= q_pos) & ((k_pos < self.sink) | (q_pos - k_pos < self.recent))
+        return (k_pos <= q_pos) & ((k_pos < self.sink) | (k_pos >= self.horizon(q_pos)))
+
+    def kept(self, tokens: int, prompt: int | None = None) -> int:
+        return min(tokens, self.ring) + self.compensation(tokens)
 
     def compensation(self, tokens: int) -> int:
         """1 when the rule holds a compensation token after ``tokens`` tokens (some key was evicted), else 0."""
-        return int(self.compensate and tokens > self.sink + self.recent)
+        return int(self.compensate and tokens > self.ring)
 
     def layout(self, tokens: int, prompt: int | None = None) -> Layout:
-        lay = _layout(self, tokens, start=self.sink, low=max(self.sink, tokens - self.recent))
+        lay = _layout(self, tokens, start=self.sink, low=max(self.sink, self.horizon(tokens - 1)))
         comp = self.compensation(tokens)
         return Layout(lay.full_keys, lay.full_values, lay.quant_keys, lay.quant_values, lay.key_groups,
                       lay.bits, lay.group, comp)
 
-    @property
-    def special(self) -> bool:
-        return self.bits != 16 or self.compensate
+    def prefill(self, attention, q, k, v, scale, *, backend: str = "auto", return_lse: bool = False):
+        """The prefill ``(B, heads, n, d)`` without any ``n x n`` matrix: the keys query ``t`` sees are the band
+        ``0 <= t - j < recent`` (a sliding window, which the sparse kernel runs as a band: ``backend``) and the sinks
+        ``j < sink`` outside it (at most ``sink`` per row). Each part returns its output and log-sum-exp; they merge
+        as FlashAttention merges tiles: ``lse = logaddexp(l1, l2)``, ``out = o1 e^(l1 - lse) + o2 e^(l2 - lse)``."""
+        n = q.shape[2]
+        parts = []
+        if self.recent >= 2:
+            parts.append(attention(q, k, v, mask=masks.sliding_window(self.recent - 1, causal=True), scale=scale,
+                                   backend=backend, return_lse=True))
+        elif self.recent == 1:
+            parts.append(attention(q, k, v, mask=masks.as_mask(lambda b, h, i, j: i == j), scale=scale,
+                                   return_lse=True))
+        if self.sink:
+            s = min(self.sink, n)
+            t, j = torch.arange(n)[:, None], torch.arange(s)[None, :]
+            outside = (self.visible(t, j) & (t - j >= self.recent)).to(q.device)  # (n, s): sinks outside the band
+            parts.append(attention(q, k[:, :, :s], v[:, :, :s], mask=outside, scale=scale, return_lse=True))
+        if len(parts) == 1:
+            return parts[0] if return_lse else parts[0][0]
+        (o1, l1), (o2, l2) = parts  # a row with no sink outside its band: l2 = -inf, weight 0
+        lse = torch.logaddexp(l1, l2)
+        w2 = torch.exp(l2 - lse).nan_to_num(0.0).unsqueeze(-1)
+        out = o1.mul_(torch.exp(l1 - lse).unsqueeze(-1)).add_(o2.mul_(w2))
+        return (out, lse) if return_lse else out
+
+    def text(self) -> str:
+        return ",".join([f"window:{self.sink}", str(self.recent)] + _precision_items(self)
+                        + (["compensate"] if self.compensate else []))
+
+    def label(self) -> str:
+        return (f"streaming {self.sink}+{self.recent}" + (f" {self.bits}-bit" if self.bits != 16 else "")
+                + (" compensated" if self.compensate else ""))
+
+    @classmethod
+    def from_text(cls, text: str, name: str, parts: list[str] | None) -> Window:
+        parts = parts or []
+        nums_text = [p for p in parts if "=" not in p and p != "compensate"]
+        try:
+            nums = [int(p) for p in nums_text]
+        except ValueError:
+            nums = []
+        if len(nums) != 2 or parts[:2] != nums_text:
+            raise ConfigError(f"kv rule {text!r}: write {name}:SINK,RECENT with two integers, then any options, e.g. "
+                              f"{name}:4,256 or {name}:4,256,bits=4,compensate")
+        return window(*nums, **_options(text, name, parts[2:]))
 
     def __repr__(self) -> str:
         p = _precision_text(self)
@@ -203,7 +399,6 @@ class Window(_Rule):
         return f"window(sink={self.sink}, recent={self.recent}{extra})"
 
 
-Rule = Full | Window | Drop  # and Snap (headlab.decode.snap_rule); kv.Rule is the union of all four
 full = Full()
 drop = Drop()
 
@@ -212,7 +407,7 @@ def key_boundary(rule, tokens: int) -> int:
     """KIVI's keys: positions below this are quantized (per channel, ``group`` tokens per scale), the rest wait in
     the full-precision residual, which is quantized all at once when it reaches ``residual`` tokens. Counted from
     the rule's first non-sink position (0 for full heads)."""
-    start = rule.sink if isinstance(rule, Window) else 0
+    start = rule.sinks
     if rule.bits == 16 or tokens <= start:
         return min(tokens, start)
     return start + (tokens - start) // rule.residual * rule.residual
@@ -221,7 +416,7 @@ def key_boundary(rule, tokens: int) -> int:
 def value_boundary(rule, tokens: int) -> int:
     """KIVI's values: positions below this are quantized (per token, ``group`` channels per scale); the last
     ``residual`` tokens stay in full precision."""
-    start = rule.sink if isinstance(rule, Window) else 0
+    start = rule.sinks
     if rule.bits == 16 or tokens <= start:
         return min(tokens, start)
     return max(start, tokens - rule.residual)
@@ -236,9 +431,7 @@ def _layout(rule, n: int, *, start: int, low: int) -> Layout:
         return Layout(sinks + held, sinks + held)
     bk, bv = key_boundary(rule, n), value_boundary(rule, n)
     qk, qv = max(0, bk - low), max(0, bv - low)
-    groups = 0
-    if qk:
-        groups = (bk - start) // rule.group - (low - start) // rule.group
+    groups = (bk - start) // rule.group - (low - start) // rule.group if qk else 0
     return Layout(sinks + held - qk, sinks + held - qv, qk, qv, groups, rule.bits, rule.group)
 
 
@@ -265,27 +458,3 @@ def window(sink: int = 4, recent: int = 256, *, bits: int = 16, group: int | Non
     if not isinstance(compensate, bool):
         raise ConfigError(f"compensate must be True or False, got {compensate!r}")
     return Window(sink, recent, *_check_precision(bits, group, residual), compensate)
-
-
-def visibility(rule: Rule, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
-    """The rule's visibility for query positions ``q_pos`` and key positions ``k_pos`` (broadcast)."""
-    return rule.visible(q_pos, k_pos)
-
-
-def _rule_text(r: Rule) -> str:
-    """The text :func:`as_rule` reads back (full, window, drop; other kinds answer ``text()`` themselves)."""
-    if isinstance(r, Drop):
-        return "drop"
-    opts = [f"bits={r.bits}", f"group={r.group}", f"residual={r.residual}"] if r.bits != 16 else []
-    if isinstance(r, Window):
-        return ",".join([f"window:{r.sink}", str(r.recent)] + opts + (["compensate"] if r.compensate else []))
-    return "full:" + ",".join(opts) if opts else "full"
-
-
-def _rule_name(r: Rule) -> str:
-    """What tables call a uniform policy: ``streaming 4+256``, ``streaming 4+256 4-bit compensated``, ``full 4-bit``."""
-    if isinstance(r, Drop):
-        return "drop"
-    base = f"streaming {r.sink}+{r.recent}" if isinstance(r, Window) else "full"
-    comp = " compensated" if getattr(r, "compensate", False) else ""
-    return base + (f" {r.bits}-bit" if r.bits != 16 else "") + comp

@@ -1,6 +1,6 @@
 """SnapKV's and Ada-KV's rule for a kv head (Li et al. 2024, Feng et al. 2024): :class:`Snap`, built with
 :func:`snap` or :func:`adakv`. What such a head keeps depends on the prompt; the cache's group that holds it
-is :class:`headlab.decode.snap_group._SnapGroup`.
+is :class:`headlab.decode.snap_group._SnapGroup` (its ``store``, ``"snap"``).
 
 Public through :mod:`headlab.kv` (``headlab.decode.kv``), which re-exports all of it.
 """
@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from headlab.decode.rules import Layout, _check_int, _Rule
+from headlab.decode.rules import Layout, Rule, _check_int, register_rule
 from headlab.errors import ConfigError
 
 __all__ = ["POOLINGS", "Snap", "snap", "adakv"]
@@ -20,8 +20,9 @@ __all__ = ["POOLINGS", "Snap", "snap", "adakv"]
 POOLINGS = ("max", "avg")
 
 
+@register_rule
 @dataclass(frozen=True)
-class Snap(_Rule):
+class Snap(Rule):
     """SnapKV (Li et al. 2024): after the prefill, keep the prompt tokens that the last ``window`` prompt queries
     attend to most, and the window itself; every token after the prefill is kept. With ``adaptive``, Ada-KV's
     allocation (Feng et al. 2024): the kv heads of a layer that follow this rule share one budget, picked as the
@@ -42,7 +43,9 @@ class Snap(_Rule):
     floor: int | None = None     # Ada-KV: the fewest prompt tokens a head keeps, window included
 
     kind = "snap"
-    special = False
+    names = ("snapkv", "snap", "adakv")
+    usage = "snapkv:BUDGET or adakv:BUDGET"
+    store = "snap"
 
     def group_total(self, heads: int) -> int:
         """The prompt tokens ``heads`` kv heads under this rule keep together (prompts longer than that)."""
@@ -106,6 +109,40 @@ class Snap(_Rule):
         if not self.adaptive:
             return f"SnapKV {self.budget}"
         return f"Ada-KV {self.budget}/head" if self.total is None else f"Ada-KV {self.total}/layer"
+
+    @classmethod
+    def from_text(cls, text: str, name: str, parts: list[str] | None) -> Snap:
+        """``snapkv:BUDGET[,window=W,pool=P,pooling=max|avg]``, ``adakv:BUDGET`` or ``adakv:total=T`` (and
+        ``floor=F``)."""
+        parts = parts or []
+        allowed = ("window", "pool", "pooling") + (("total", "floor") if name == "adakv" else ())
+        example = f"{name}:256,window=32,pool=7" + (" or adakv:total=768,floor=64" if name == "adakv" else "")
+        opts: dict = {}
+        budget = None
+        for i, item in enumerate(parts):
+            key, eq, val = (p.strip() for p in item.partition("="))
+            if not eq and i == 0:
+                key, val = "budget", key
+            elif key not in allowed or not eq:
+                raise ConfigError(f"kv rule {text!r}: unknown option {item!r}; {name} takes "
+                                  f"{', '.join(a + '=' for a in allowed)} (e.g. {example})")
+            if key == "pooling":
+                opts[key] = val
+                continue
+            try:
+                num = int(val)
+            except ValueError:
+                raise ConfigError(f"kv rule {text!r}: {key} takes an integer, got {val!r} (e.g. {example})") from None
+            if key == "budget":
+                budget = num
+            else:
+                opts[key] = num
+        if name == "adakv":
+            return adakv(budget, **opts)
+        if budget is None:
+            raise ConfigError(f"kv rule {text!r}: write {name}:BUDGET, the prompt tokens each kv head keeps (e.g. "
+                              f"{example})")
+        return snap(budget, **opts)
 
     def __repr__(self) -> str:
         opts = f"window={self.window}, pool={self.pool}" + (", pooling='avg'" if self.pooling != "max" else "")

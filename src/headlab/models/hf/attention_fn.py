@@ -10,6 +10,11 @@ Importing this module registers one attention implementation, ``"headlab"``, in 
   ``(B, 1, Lq, Lk)`` mask (True = may attend), or None when the pattern is plain causal or full,
   in which case the module's ``is_causal`` decides, as for SDPA.
 
+A cache may hand the function, in place of its key tensor, a key object that attends itself
+(:class:`SelfAttendingKeys`: keys held in a form of its own, such as ``headlab.decode.HeadCache``'s per-head
+groups); the function then calls its ``headlab_attend`` and does nothing else. The protocol lives here, with the
+function that calls it, so a cache implements it and this module knows no cache.
+
 The model switches to it by setting ``config._attn_implementation = "headlab"`` (which is what
 :meth:`ModelAdapter.use_backend` does, and undoes). Which headlab backend serves each layer is kept
 on the module (:class:`~headlab.models.base.LayerState`), so two models can run on different backends.
@@ -26,6 +31,8 @@ which the reference, tiled and sparse backends apply (``auto`` then picks tiled:
 
 from __future__ import annotations
 
+from typing import Protocol, runtime_checkable
+
 import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
@@ -35,6 +42,20 @@ from headlab.errors import BackendUnsupportedError, MaskError
 from headlab.models.sites import run_attention
 
 IMPLEMENTATION = "headlab"
+
+
+@runtime_checkable
+class SelfAttendingKeys(Protocol):
+    """A key object that attends itself: what a cache's ``update`` may return in place of the key tensor, so that
+    :func:`headlab_attention_forward` hands it the queries instead of attending to keys itself.
+
+    ``headlab_attend(module, query (B, H, Lq, d), attention_mask, *, scaling, softcap=None)`` returns ``(out
+    (B, Lq, H, dv), None)``, as an attention function does. ``attention_mask``: the model's own mask (boolean or
+    additive, ``(B, 1, Lq, Lk)``) or None for plain causal; ``softcap``: Gemma 2's tanh soft-capping of the scores."""
+
+    def headlab_attend(self, module: torch.nn.Module, query: torch.Tensor, attention_mask: torch.Tensor | None, *,
+                       scaling: float | None, softcap: float | None = None) -> tuple[torch.Tensor, None]:
+        ...
 
 
 def hf_mask_to_bool(mask: torch.Tensor | None) -> torch.Tensor | None:
@@ -101,8 +122,8 @@ def headlab_attention_forward(
     Returns ``(out (B, Lq, H, d), weights (B, H, Lq, Lk) or None)``; the weights are computed when the
     caller asks for ``output_attentions`` or a capture asks for this layer's pattern.
     """
-    attend = getattr(key, "headlab_attend", None)
-    if attend is not None:  # a per-head KV cache (headlab.kv.HeadCache) hands its groups instead of a tensor
+    attend = None if isinstance(key, torch.Tensor) else getattr(key, "headlab_attend", None)
+    if attend is not None:  # a key object that attends itself (SelfAttendingKeys; the protocol's check is slower)
         return attend(module, query, attention_mask, scaling=scaling, softcap=kwargs.get("softcap"))
     if kwargs.get("s_aux") is not None:
         raise BackendUnsupportedError(
