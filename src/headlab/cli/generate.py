@@ -13,22 +13,25 @@ from headlab.errors import ConfigError, InputError
 
 
 def read_policy_file(path: Path) -> dict:
-    """A policy file (``{"heads": ...}``, from ``Policy.to_json``) or an atlas JSON (``{"scores": ...}``), checked."""
+    """A policy file (``{"heads": ...}``, from ``Policy.to_json``), an atlas JSON (``{"scores": ...}``) or trained
+    gates (``{"gates": ...}``, from ``GateTraining.save``), checked."""
     p = Path(path).expanduser()
     if not p.is_file():
-        raise InputError(f"--kv-from {str(p)!r} is not a file; give a policy JSON or an atlas JSON (headlab atlas)")
+        raise InputError(f"--kv-from {str(p)!r} is not a file; give a policy JSON, an atlas JSON (headlab atlas) or "
+                         "trained gates (GateTraining.save)")
     try:
         data = json.loads(p.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise InputError(f"--kv-from {str(p)!r} is not readable JSON: {e}") from None
-    if not isinstance(data, dict) or not ({"heads", "scores"} & set(data)):
-        raise InputError(f"--kv-from {str(p)!r}: expected a policy ({{\"heads\": ...}}) or an atlas ({{\"scores\": ...}})")
+    if not isinstance(data, dict) or not ({"heads", "scores", "gates"} & set(data)):
+        raise InputError(f"--kv-from {str(p)!r}: expected a policy ({{\"heads\": ...}}), an atlas ({{\"scores\": ...}}) "
+                         "or trained gates ({\"gates\": ...})")
     return data
 
 
 def build_policy(loaded, policy: str, kv_from: Path | None, keep: float, data: dict | None):
-    """The policy the options describe: ``--policy`` alone is uniform; with an atlas, the atlas's split
-    keeps ``--keep`` of the kv heads full and gives the rest ``--policy``'s window."""
+    """The policy the options describe: ``--policy`` alone is uniform; with an atlas (or trained gates), the
+    split keeps ``--keep`` of the kv heads full and gives the rest ``--policy``'s window."""
     from headlab.decode import kv
 
     rule = kv.as_rule(policy)
@@ -38,11 +41,19 @@ def build_policy(loaded, policy: str, kv_from: Path | None, keep: float, data: d
         if policy.strip().lower() != "full":
             raise ConfigError(f"--kv-from {kv_from} is a whole policy; drop --policy {policy} (it would be ignored)")
         return kv.Policy.load(kv_from)
-    if isinstance(rule, kv.Window):  # the split's windowed heads take --policy's window, the kept ones stay full
-        return kv.Policy.from_atlas(loaded, data, keep=keep, rest=rule)
-    if isinstance(rule, kv.Full) and rule.bits != 16:  # a split on quantized KV: --policy's precision everywhere
-        return kv.Policy.from_atlas(loaded, data, keep=keep, rest=kv.window(4, 256, bits=rule.bits), kept=rule)
-    return kv.Policy.from_atlas(loaded, data, keep=keep, rest=kv.window(4, 256))
+    if "gates" in data:
+        gates = kv.GateTraining.load(kv_from)
+
+        def split(rest, kept=None):
+            return kv.Policy.from_gates(loaded, gates, keep=keep, rest=rest, kept=kept)
+    else:
+        def split(rest, kept=None):
+            return kv.Policy.from_atlas(loaded, data, keep=keep, rest=rest, kept=kept)
+    if rule.kind == "window":  # the split's windowed heads take --policy's window, the kept ones stay full
+        return split(rule)
+    if rule.kind == "full" and rule.bits != 16:  # a split on quantized KV: --policy's precision everywhere
+        return split(kv.window(4, 256, bits=rule.bits), rule)
+    return split(kv.window(4, 256) if "gates" not in data else None)
 
 
 @app.command("generate")
@@ -50,9 +61,10 @@ def generate_cmd(
     prompt: str = typer.Argument(..., help="the text to continue"),
     model: str = typer.Option("smollm2", "--model", "-m", help="a known causal LM name (smollm2) or a model folder"),
     policy: str = typer.Option("full", "--policy", "-p", help="full, drop, streaming:SINK,RECENT, snapkv:BUDGET or adakv:BUDGET, each with optional ,bits=N (every kv head)"),
-    kv_from: Path = typer.Option(None, "--kv-from", help="a policy JSON (Policy.to_json) or an atlas JSON: its "
-                                 "retrieval and non-local heads stay full, the rest get --policy's window"),
-    keep: float = typer.Option(0.5, "--keep", help="with an atlas: the fraction of kv heads kept full"),
+    kv_from: Path = typer.Option(None, "--kv-from", help="a policy JSON (Policy.to_json), an atlas JSON (its "
+                                 "retrieval and non-local heads stay full, the rest get --policy's window) or trained "
+                                 "gates (kv.Policy.train / GateTraining.save: the highest gates stay full)"),
+    keep: float = typer.Option(0.5, "--keep", help="with an atlas or gates: the fraction of kv heads kept full"),
     max_new_tokens: int = typer.Option(32, "--max-new-tokens", "-n", help="tokens to generate"),
     sample: bool = typer.Option(False, "--sample", help="sample instead of greedy decoding"),
     temperature: float = typer.Option(None, "--temperature", help="with --sample: divides the logits (default 1.0)"),
@@ -112,3 +124,57 @@ def generate_cmd(
         f"KV cache {human_bytes(g.kv_bytes)} vs {human_bytes(g.kv_bytes_full)} full "
         f"({g.kv_bytes / g.kv_bytes_full:.1%}) at {g.prompt_tokens + g.ids.shape[1] - 1} tokens; prefill "
         f"{g.prefill_seconds:.2f} s, {g.tokens_per_second:.1f} tokens/s", highlight=False, soft_wrap=True)
+
+
+@app.command("train-gates")
+def train_gates_cmd(
+    out: Path = typer.Option(..., "--out", "-o", help="where to write the gates (JSON; --kv-from reads it)"),
+    model: str = typer.Option("smollm2", "--model", "-m", help="a known causal LM name (smollm2) or a model folder"),
+    window: str = typer.Option("4,256", "--window", help="SINK,RECENT: the window the gates choose against"),
+    steps: int = typer.Option(100, "--steps", help="optimiser steps, one training context each"),
+    seconds: float = typer.Option(None, "--seconds", help="a time budget: stop (and save) after this long"),
+    tokens: int = typer.Option(512, "--tokens", help="tokens per training context"),
+    contexts: int = typer.Option(16, "--contexts", help="training contexts (cycled through)"),
+    keys: int = typer.Option(4, "--keys", help="passkeys hidden in each context"),
+    lr: float = typer.Option(0.05, "--lr", help="Adam's learning rate"),
+    l1: float = typer.Option(0.05, "--l1", help="the weight of the L1 pull towards the window"),
+    seed: int = typer.Option(0, "--seed", help="draws the contexts"),
+    checkpoint: Path = typer.Option(None, "--checkpoint", help="resume from / save to this file (default: OUT.ckpt)"),
+    force: bool = typer.Option(False, "--force", help="replace an existing --out file"),
+) -> None:
+    """Train DuoAttention's gates (one per kv head) on synthetic passkey contexts; write them for --kv-from.
+
+    Example (then decode with the half of kv heads whose gates are highest kept full):
+    headlab train-gates --out gates.json --steps 50 --seconds 1800
+    headlab generate "..." --kv-from gates.json --keep 0.5
+    """
+    from headlab.decode import kv
+
+    parts = window.split(",")
+    if len(parts) != 2 or not all(p.strip().isdigit() for p in parts):
+        raise ConfigError(f"--window {window!r}: write SINK,RECENT, e.g. 4,256")
+    rule = kv.as_rule(f"streaming:{window}")
+    for name, v, low in (("--steps", steps, 1), ("--contexts", contexts, 1), ("--keys", keys, 1), ("--tokens", tokens,
+                         rule.sink + rule.recent + 64)):
+        check_at_least(name, v, low, what=" (the window's sink + recent + 64)" if name == "--tokens" else "")
+    check_at_least("--lr", lr, 1e-9)
+    check_at_least("--l1", l1, 0)
+    check_at_least("--seconds", seconds, 1)
+    limit = peek_max_positions(model)
+    if limit is not None and tokens > limit:
+        raise ConfigError(f"--tokens {tokens}: {model} reads at most {limit:,} positions")
+    check_output_file(out, "--out", force=force)
+    ck = checkpoint if checkpoint is not None else Path(str(out) + ".ckpt")
+    if ck.exists() and not ck.is_file():
+        raise InputError(f"--checkpoint {str(ck)!r} is not a file")
+    from headlab.decode import train_gates
+    from headlab.models import load
+
+    loaded = load(model)
+    t = train_gates(loaded, rest=rule, steps=steps, seconds=seconds, tokens=tokens, contexts=contexts, keys=keys, lr=lr,
+                    l1=l1, seed=seed, checkpoint=ck)
+    t.save(out)
+    g = t.gates.clamp(0, 1)
+    err_console.print(f"{loaded.name}: {t.steps} steps in {t.seconds:.0f} s ({t.stopped}); loss {t.losses[0]:.4f} -> "
+                      f"{t.losses[-1]:.4f}; {int((g > 0.5).sum())} of {g.numel()} kv heads above 0.5. Wrote {out} "
+                      f"(resume: the same command; checkpoint {ck})")

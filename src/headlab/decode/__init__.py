@@ -8,6 +8,8 @@ below the CLI.
 
 from headlab.decode import kv
 from headlab.decode.cache import HeadCache
+from headlab.decode import passkey
 from headlab.decode.generate import Generation, generate, perplexity
+from headlab.decode.train import GateTraining, train_gates
 
-__all__ = ["Generation", "HeadCache", "generate", "kv", "perplexity"]
+__all__ = ["GateTraining", "Generation", "HeadCache", "generate", "kv", "passkey", "perplexity", "train_gates"]

@@ -26,9 +26,9 @@ embeddings are applied before caching), so decoding under a policy is *one forwa
 models share one kv head among several query heads: a kv head is kept full when any of its query
 heads needs the whole context (the constructors that rank heads take the maximum over the group).
 
-The rules live in :mod:`headlab.decode.rules` (full, drop, window, their layouts and visibility) and
-:mod:`headlab.decode.snap_rule` (SnapKV, Ada-KV); this module re-exports them and holds the parsing of rule
-texts (:func:`as_rule`), :class:`Policy`, :func:`kv_layout` and :func:`check_decoder`.
+The rules live in :mod:`headlab.decode.rules` (what a rule is, :class:`Rule`, and the registry of kinds; full, drop,
+window) and :mod:`headlab.decode.snap_rule` (SnapKV, Ada-KV); this module re-exports them and holds :func:`as_rule`
+(a rule from its text, through the registry), :class:`Policy`, :func:`kv_layout` and :func:`check_decoder`.
 
     >>> from headlab import kv
     >>> p = kv.Policy.from_spec({(0, 1): kv.window(sink=1, recent=2), (1, 0): kv.drop}, default="full")
@@ -55,123 +55,39 @@ from pathlib import Path
 
 import torch
 
-from headlab.decode.rules import (BITS, GROUP, RESIDUAL, Drop, Full, Layout, Window,  # noqa: F401  re-exported
-                                  _check_int, _check_precision, _layout, _precision_text, _Rule, _rule_name,
-                                  _rule_text, drop, full, key_boundary, value_boundary, visibility, window)
-from headlab.decode.snap_rule import POOLINGS, Snap, _check_snap, adakv, snap  # noqa: F401  re-exported
-from headlab.errors import ConfigError, InputError, ModelError
+from headlab.decode.rules import (BITS, GROUP, RESIDUAL, RULES, Drop, Full, Layout, Rule,  # noqa: F401  re-exported
+                                  Window, drop, full, key_boundary, register_rule, unknown_rule, unregister_rule,
+                                  value_boundary, window)
+from headlab.decode.heads import check_decoder, kv_layout  # noqa: F401  re-exported
+from headlab.decode.train import GateTraining, per_query_head, train_gates  # noqa: F401
+from headlab.decode.snap_rule import POOLINGS, Snap, adakv, snap  # noqa: F401  re-exported
+from headlab.errors import ConfigError, InputError
 
 __all__ = ["Full", "Window", "Drop", "Snap", "Rule", "Layout", "full", "drop", "window", "snap", "adakv", "Policy",
-           "kv_layout"]
+           "kv_layout", "as_rule", "RULES", "register_rule", "unregister_rule"]
 
 
-Rule = Full | Window | Drop | Snap
-
-
-_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
-
-
-def _options(x, name: str, items: list[str]) -> dict:
-    """``key=value`` items of a rule's text (``compensate`` alone means ``compensate=true``)."""
-    opts: dict = {}
-    for item in items:
-        key, eq, val = (p.strip() for p in item.partition("="))
-        if key == "compensate" and name != "full":
-            if not eq or val in _TRUE:
-                opts["compensate"] = True
-            elif val in _FALSE:
-                opts["compensate"] = False
-            else:
-                raise ConfigError(f"kv rule {x!r}: compensate takes true or false, got {val!r}")
-            continue
-        if key not in ("bits", "group", "residual") or not eq:
-            allowed = "bits=, group=, residual=" + (", compensate" if name != "full" else "")
-            raise ConfigError(f"kv rule {x!r}: unknown option {item.strip()!r}; {name} takes {allowed} "
-                              f"(e.g. {name}:{'4,256,' if name != 'full' else ''}bits=4)")
-        try:
-            opts[key] = int(val)
-        except ValueError:
-            raise ConfigError(f"kv rule {x!r}: {key} takes an integer, got {val!r}") from None
-    return opts
+def visibility(rule: Rule, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
+    """The rule's visibility for query positions ``q_pos`` and key positions ``k_pos`` (broadcast)."""
+    return rule.visible(q_pos, k_pos)
 
 
 def as_rule(x) -> Rule:
     """A rule from a rule or its text: ``"full"``, ``"drop"``, ``"window:SINK,RECENT"`` / ``"streaming:SINK,RECENT"``,
     each (but drop) with options: ``"full:bits=4"``, ``"streaming:4,256,bits=2,group=32,residual=128"``,
     ``"window:4,256,compensate"``; SnapKV ``"snapkv:256"`` (``"snapkv:256,window=32,pool=7,pooling=avg"``) and
-    Ada-KV ``"adakv:256"`` (256 per kv head on average) or ``"adakv:total=768,floor=64"``."""
-    if isinstance(x, _Rule):
+    Ada-KV ``"adakv:256"`` (256 per kv head on average) or ``"adakv:total=768,floor=64"``; and the text of any
+    kind registered with :func:`register_rule` (its name, a colon, its items: :data:`RULES` reads it)."""
+    if isinstance(x, Rule):
         return x
     if not isinstance(x, str):
         raise ConfigError(f"a kv rule is kv.full, kv.drop, kv.window(sink, recent), kv.snap(budget), kv.adakv(budget) "
                           f"or its text; got {x!r}")
-    text = x.strip().lower()
-    if text == "full":
-        return full
-    if text == "drop":
-        return drop
-    name, _, args = text.partition(":")
-    parts = [p.strip() for p in args.split(",")] if args else []
-    if name == "full" and parts:
-        opts = _options(x, "full", parts)
-        return full(opts.pop("bits", 16), **opts)
-    if name in ("window", "streaming"):
-        nums_text = [p for p in parts if "=" not in p and p != "compensate"]
-        try:
-            nums = [int(p) for p in nums_text]
-        except ValueError:
-            nums = []
-        if len(nums) != 2 or parts[:2] != nums_text:
-            raise ConfigError(f"kv rule {x!r}: write {name}:SINK,RECENT with two integers, then any options, e.g. "
-                              f"{name}:4,256 or {name}:4,256,bits=4,compensate")
-        return window(*nums, **_options(x, name, parts[2:]))
-    if name in ("snapkv", "snap", "adakv"):
-        return _snap_rule(x, name, parts)
-    raise ConfigError(f"unknown kv rule {x!r}: use full, drop, streaming:SINK,RECENT (e.g. streaming:4,256), "
-                      "snapkv:BUDGET or adakv:BUDGET, with options such as full:bits=4, streaming:4,256,bits=2,compensate "
-                      "or snapkv:256,window=32,pool=7")
-
-
-def _snap_rule(x: str, name: str, parts: list[str]) -> Snap:
-    """``snapkv:BUDGET[,window=W,pool=P,pooling=max|avg]``, ``adakv:BUDGET`` or ``adakv:total=T`` (and ``floor=F``)."""
-    allowed = ("window", "pool", "pooling") + (("total", "floor") if name == "adakv" else ())
-    example = f"{name}:256,window=32,pool=7" + (" or adakv:total=768,floor=64" if name == "adakv" else "")
-    opts: dict = {}
-    budget = None
-    for i, item in enumerate(parts):
-        key, eq, val = (p.strip() for p in item.partition("="))
-        if not eq and i == 0:
-            key, val = "budget", key
-        elif key not in allowed or not eq:
-            raise ConfigError(f"kv rule {x!r}: unknown option {item!r}; {name} takes {', '.join(a + '=' for a in allowed)}"
-                              f" (e.g. {example})")
-        if key == "pooling":
-            opts[key] = val
-            continue
-        try:
-            num = int(val)
-        except ValueError:
-            raise ConfigError(f"kv rule {x!r}: {key} takes an integer, got {val!r} (e.g. {example})") from None
-        if key == "budget":
-            budget = num
-        else:
-            opts[key] = num
-    if name == "adakv":
-        return adakv(budget, **opts)
-    if budget is None:
-        raise ConfigError(f"kv rule {x!r}: write {name}:BUDGET, the prompt tokens each kv head keeps (e.g. {example})")
-    return snap(budget, **opts)
-
-
-def kv_layout(model) -> tuple[list[int], list[int]]:
-    """``(query heads per layer, kv heads per layer)`` of a model, LoadedModel or adapter, or of a
-    ``(heads, kv_heads)`` pair of lists given directly."""
-    if isinstance(model, tuple) and len(model) == 2:
-        return list(model[0]), list(model[1])
-    from headlab.models.loaded_model import resolve
-
-    adapter, _ = resolve(model)
-    return list(adapter.layer_heads), list(adapter.layer_kv_heads)
+    name, colon, args = x.strip().lower().partition(":")
+    kind = RULES.get(name)
+    if kind is None:
+        raise unknown_rule(x)
+    return kind.from_text(x, name, ([p.strip() for p in args.split(",")] if args else []) if colon else None)
 
 
 @dataclass(frozen=True)
@@ -299,6 +215,30 @@ class Policy:
                                kept=kept)
 
     @classmethod
+    def train(cls, model, *, keep: float, rest=None, kept=None, **options) -> Policy:
+        """DuoAttention's learned split: train one gate per kv head (:func:`headlab.decode.train.train_gates`, whose
+        ``options`` these are: ``steps``, ``seconds``, ``checkpoint``, ``progress``, ...), keep the ``keep`` share
+        with the highest gates full and give the rest ``rest`` (default ``window(4, 256)``; the gates are trained
+        against its window at 16 bits)."""
+        r = as_rule(rest) if rest is not None else window(4, 256)
+        if r.kind != "window":
+            raise ConfigError(f"rest={rest!r}: a learned split windows the heads it does not keep; give kv.window(...)")
+        gates = train_gates(model, rest=window(r.sink, r.recent), **options)
+        return cls.from_gates(model, gates, keep=keep, rest=r, kept=kept)
+
+    @classmethod
+    def from_gates(cls, model, gates, *, keep: float, rest=None, kept=None) -> Policy:
+        """The ``keep`` share of kv heads with the highest trained gates full, the rest ``rest`` (default: the window
+        the gates were trained against). ``gates``: a :class:`~headlab.decode.train.GateTraining`, its saved JSON
+        file, or a ``(layers, kv_heads)`` tensor."""
+        if isinstance(gates, str | os.PathLike):
+            gates = GateTraining.load(gates)
+        g = gates.gates if isinstance(gates, GateTraining) else torch.as_tensor(gates, dtype=torch.float64)
+        default = gates.rest if isinstance(gates, GateTraining) else window(4, 256)
+        return cls.from_scores(model, per_query_head(model, g), keep=keep, rest=rest if rest is not None else default,
+                               name=f"trained split {keep:.0%} full", kept=kept)
+
+    @classmethod
     def parse(cls, text: str) -> Policy:
         """A uniform policy from its text: ``full``, ``drop``, ``streaming:4,256`` (or ``window:4,256``), with options
         ``full:bits=4``, ``streaming:4,256,bits=2,group=32,residual=128``, ``streaming:4,256,compensate``; SnapKV
@@ -373,7 +313,7 @@ class Policy:
         out = dict.fromkeys(BITS, 0)
         for l, g in enumerate(kv_heads):
             for r in self.layer_rules(l, g):
-                if not isinstance(r, Drop):
+                if r.store != "none":
                     out[r.bits] += 1
         return out
 
@@ -429,10 +369,3 @@ def _atlas_scores(atlas) -> dict[str, torch.Tensor]:
         if t.dim() == 2:
             out[k] = t.nan_to_num(0.0)
     return out
-
-
-def check_decoder(adapter, name: str = "the model") -> None:
-    """Refuse a model that cannot decode (an encoder-only model has no causal attention nor LM head)."""
-    if not adapter.causal:
-        raise ModelError(f"{name} is an encoder-only model (bidirectional attention, no next-token head): a KV cache "
-                         "and decoding need a causal language model such as smollm2")

@@ -1,0 +1,283 @@
+"""A learned head split: one gate per kv head, trained as DuoAttention does (Xiao et al. 2024).
+
+Each kv head ``(l, j)`` gets a gate ``a[l, j]``; in a training forward every query head of that kv head
+returns the mix of its two possible outputs,
+
+    out = a * attention(full cache) + (1 - a) * attention(sink + recent window)      (a clamped to [0, 1])
+
+with the model's weights frozen. The loss on a synthetic passkey context (:func:`headlab.decode.passkey.recital`:
+labelled keys in filler text, then recited) is the distance between the full model's last hidden states and
+the mixed model's at the rows that predict a recited key, plus an L1 term that pulls every gate towards the
+window,
+
+    loss = mean over those rows of ||h_full - h_mixed||^2 / dim  +  l1 * mean |a|
+
+A head whose window loses what the recital needs keeps a high gate; the others fall. The gates rank the
+kv heads (``kv.Policy.from_gates``, or ``kv.Policy.train`` for both steps), so a split at any share of full
+heads follows from one training run.
+
+Progress is a bar (``progress=True``), the run stops at ``seconds`` (a time budget) or ``steps``, and
+``checkpoint=PATH`` saves the gates, the optimiser and the step every ``save_every`` steps and at an
+interrupt, so a later call with the same path resumes where it stopped.
+
+    >>> import torch, random
+    >>> from transformers import LlamaConfig, LlamaForCausalLM
+    >>> from headlab import kv
+    >>> from headlab.decode.train import train_gates
+    >>> torch.manual_seed(0)  # doctest: +ELLIPSIS
+    <torch._C.Generator object at ...>
+    >>> lm = LlamaForCausalLM(LlamaConfig(vocab_size=61, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+    ...     num_key_value_heads=2, intermediate_size=64)).eval()
+    >>> data = [(torch.randint(0, 61, (1, 40)), torch.arange(30, 39)) for _ in range(2)]
+    >>> t = train_gates(lm, data=data, rest=kv.window(2, 8), steps=3, progress=False)
+    >>> t.gates.shape, t.steps, len(t.losses)
+    (torch.Size([2, 2]), 3, 3)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface, AttentionMaskInterface
+from transformers.masking_utils import sdpa_mask
+
+from headlab.attention.core import attention as _attention
+from headlab.decode.heads import check_decoder, kv_layout
+from headlab.decode.rules import Window
+from headlab.errors import ConfigError, InputError
+from headlab.progress import progress_bar
+
+__all__ = ["GateTraining", "gated", "per_query_head", "train_gates"]
+
+IMPLEMENTATION = "headlab_gated"
+_ACTIVE: dict[int, tuple[torch.Tensor, Window, int]] = {}  # id(attention module) -> (gates of its layer, rule, rep)
+
+
+def _gated_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """Registered as ``"headlab_gated"``: each query head's output mixes full and windowed attention by its
+    kv head's gate (see the module docstring). ``query (B, H, n, d)``, ``key``/``value (B, Hkv, n, d)``."""
+    if id(module) not in _ACTIVE:
+        raise ConfigError("the 'headlab_gated' attention runs only inside headlab.decode.train.gated(...)")
+    gates, rule, rep = _ACTIVE[id(module)]
+    n, m = query.shape[2], key.shape[2]
+    q_pos = torch.arange(m - n, m, device=query.device)[:, None]
+    k_pos = torch.arange(m, device=query.device)[None, :]
+    causal = k_pos <= q_pos
+    if attention_mask is not None:
+        own = attention_mask if attention_mask.dtype == torch.bool else attention_mask == 0
+        causal = causal & own
+    extra = {}
+    if kwargs.get("softcap") is not None:
+        from headlab.attention.score_mods import softcap
+
+        extra["score_mod"] = softcap(kwargs["softcap"])
+    window = causal & rule.visible(q_pos, k_pos)
+    if extra:  # soft-capped scores: headlab's own attention takes them as a score_mod
+        full = _attention(query, key, value, mask=causal, scale=scaling, **extra)
+        win = _attention(query, key, value, mask=window, scale=scaling, **extra)
+    else:  # torch's fused attention, forward and backward (no row is empty: a query always sees itself)
+        gqa = query.shape[1] != key.shape[1]
+        full = F.scaled_dot_product_attention(query, key, value, attn_mask=causal, scale=scaling, enable_gqa=gqa)
+        win = F.scaled_dot_product_attention(query, key, value, attn_mask=window, scale=scaling, enable_gqa=gqa)
+    a = gates.clamp(0.0, 1.0).repeat_interleave(rep).to(full.dtype)[None, :, None, None]  # (1, H, 1, 1)
+    out = a * full + (1 - a) * win
+    return out.transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(IMPLEMENTATION, _gated_attention)
+AttentionMaskInterface.register(IMPLEMENTATION, sdpa_mask)
+
+
+@contextlib.contextmanager
+def gated(adapter, gates: torch.Tensor, rule: Window):
+    """The model runs :func:`_gated_attention` with ``gates (layers, kv_heads)`` for the block (restored after)."""
+    from headlab.models.hf.trace import implementation
+
+    heads, kvh = adapter.layer_heads, adapter.layer_kv_heads
+    for layer, am in enumerate(adapter.attn_modules):
+        _ACTIVE[id(am)] = (gates[layer, :kvh[layer]], rule, heads[layer] // kvh[layer])
+    try:
+        with implementation(adapter.model, IMPLEMENTATION):
+            yield
+    finally:
+        for am in adapter.attn_modules:
+            _ACTIVE.pop(id(am), None)
+
+
+def per_query_head(model, gates: torch.Tensor) -> torch.Tensor:
+    """``(layers, heads)``: each query head takes its kv head's gate (the scores :meth:`headlab.kv.Policy.from_scores`
+    ranks); columns past a layer's heads are -1."""
+    heads, kvh = kv_layout(model)
+    g = torch.as_tensor(gates, dtype=torch.float64)
+    if g.dim() != 2 or g.shape[0] != len(heads) or g.shape[1] < max(kvh):
+        raise ConfigError(f"gates of shape {tuple(g.shape)} do not fit this model: expected (layers, kv heads) = "
+                          f"({len(heads)}, {max(kvh)})")
+    out = torch.full((len(heads), max(heads)), -1.0, dtype=torch.float64)
+    for layer, (h, n) in enumerate(zip(heads, kvh)):
+        out[layer, :h] = g[layer, :n].repeat_interleave(h // n)
+    return out
+
+
+@dataclass
+class GateTraining:
+    """Trained gates ``(layers, kv_heads)`` (unclamped: ties at 0 or 1 are broken by how far past they went),
+    the window they were trained against, the loss per step and how the run went."""
+
+    gates: torch.Tensor
+    rest: Window
+    losses: list[float] = field(default_factory=list)
+    steps: int = 0
+    seconds: float = 0.0
+    stopped: str = "steps"  # "steps", "seconds" (the time budget) or "interrupt"
+    settings: dict = field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        return {"kind": "headlab.kv.gates", "gates": self.gates.tolist(),
+                "rest": {"sink": self.rest.sink, "recent": self.rest.recent},
+                "losses": self.losses, "steps": self.steps, "seconds": self.seconds, "stopped": self.stopped,
+                "settings": self.settings}
+
+    def save(self, path: str | os.PathLike) -> Path:
+        p = Path(path)
+        p.write_text(json.dumps(self.to_json(), indent=1), encoding="utf-8")
+        return p
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> GateTraining:
+        try:
+            d = json.loads(Path(path).read_text(encoding="utf-8"))
+            rest = Window(int(d["rest"]["sink"]), int(d["rest"]["recent"]))
+            return cls(torch.tensor(d["gates"]), rest, d.get("losses", []), d.get("steps", 0), d.get("seconds", 0.0),
+                       d.get("stopped", "steps"), d.get("settings", {}))
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise InputError(f"{path}: not a gate file written by GateTraining.save ({e})") from None
+
+
+def _recitals(tok, n: int, tokens: int, keys: int, seed: int, far: int):
+    from headlab.decode.passkey import recital
+
+    rng = random.Random(seed)
+    return [(r.ids, r.positions) for r in (recital(tok, tokens, keys, rng, far=far) for _ in range(n))]
+
+
+def train_gates(model, *, rest: Window = Window(4, 256), data: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None,
+                contexts: int = 16, tokens: int = 512, keys: int = 4, steps: int = 100, lr: float = 0.05,
+                l1: float = 0.05, seconds: float | None = None, seed: int = 0,
+                checkpoint: str | os.PathLike | None = None, save_every: int = 10,
+                progress: bool | Callable[[int, int, float], None] = True) -> GateTraining:
+    """Train one gate per kv head (DuoAttention): see the module docstring.
+
+    Args:
+        model: a causal LM (LoadedModel, Hugging Face model or adapter); its weights are not changed.
+        rest: the window the gates choose against (``kv.window(4, 256)``).
+        data: ``[(ids (1, n), positions)]`` to train on; default ``contexts`` recitals of ``tokens`` tokens with
+            ``keys`` keys each, drawn with ``seed`` from headlab's own filler (needs the model's tokenizer).
+        steps: optimiser steps (one context each, cycling through the data); ``seconds``: stop earlier when
+            the run has taken that long.
+        lr, l1: Adam's learning rate and the weight of the L1 term on the gates. (The defaults are those of
+            the SmolLM2-135M run in ``benchmarks/bench_kv_train.py``, sized for a CPU: 50 steps took 32 minutes.)
+        checkpoint: a file to save the state to (every ``save_every`` steps, at the end and at Ctrl-C) and to
+            resume from when it exists.
+        progress: a bar (True), nothing (False), or ``progress(step, steps, loss)``.
+    """
+    from headlab.models.loaded_model import resolve
+
+    adapter, loaded = resolve(model)
+    check_decoder(adapter, getattr(loaded, "name", None) or type(adapter.model).__name__)
+    rule = rest
+    if getattr(rule, "kind", None) != "window" or rule.bits != 16 or rule.compensate:
+        raise ConfigError(f"rest={rest!r}: gates are trained against a plain window, e.g. kv.window(4, 256)")
+    for name, v, lo in (("steps", steps, 1), ("contexts", contexts, 1), ("keys", keys, 1), ("save_every", save_every, 1)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+            raise ConfigError(f"{name}={v!r}: give an integer >= {lo}")
+    if not (lr > 0 and l1 >= 0):
+        raise ConfigError(f"lr={lr!r} must be > 0 and l1={l1!r} >= 0")
+    if seconds is not None and not seconds > 0:
+        raise ConfigError(f"seconds={seconds!r}: a time budget in seconds, > 0")
+    if data is None:
+        tok = getattr(loaded, "tokenizer", None)
+        if tok is None:
+            raise ConfigError("give data=[(ids, positions), ...], or a LoadedModel (headlab.load) whose tokenizer "
+                              "builds the passkey contexts")
+        if tokens <= rule.sink + rule.recent:
+            raise ConfigError(f"tokens={tokens}: contexts no longer than the window ({rule.sink}+{rule.recent}) "
+                              "evict nothing to learn from; give more tokens")
+        data = _recitals(tok, contexts, tokens, keys, seed, far=rule.recent)
+    if not data:
+        raise InputError("data is empty: give at least one (ids, positions) pair")
+    hf = adapter.model
+    kvh = adapter.layer_kv_heads
+    param = torch.nn.Parameter(torch.ones(len(kvh), max(kvh)))
+    opt = torch.optim.Adam([param], lr=lr)
+    state = GateTraining(param.detach(), rule, settings={"lr": lr, "l1": l1, "tokens": tokens, "keys": keys,
+                                                         "contexts": len(data), "seed": seed, "steps": steps})
+    ck = Path(checkpoint) if checkpoint is not None else None
+    if ck is not None and ck.is_file():
+        saved = torch.load(ck, weights_only=False)
+        same = {k: v for k, v in saved.get("settings", {}).items() if k != "steps"}
+        if same != {k: v for k, v in state.settings.items() if k != "steps"} or list(saved.get("rest", ())) != [rule.sink, rule.recent]:
+            raise ConfigError(f"{ck} holds a run with other settings ({saved.get('settings')}, rest "
+                              f"{saved.get('rest')}); give the same settings to resume it, or another checkpoint path")
+        param.data.copy_(saved["gates"])
+        opt.load_state_dict(saved["optim"])
+        state.losses, state.steps, state.seconds = saved["losses"], saved["steps"], saved["seconds"]
+
+    def save():
+        if ck is not None:
+            tmp = ck.with_suffix(ck.suffix + ".tmp")
+            torch.save({"gates": param.detach().clone(), "optim": opt.state_dict(), "losses": state.losses,
+                        "steps": state.steps, "seconds": state.seconds, "rest": [rule.sink, rule.recent],
+                        "settings": state.settings}, tmp)
+            os.replace(tmp, ck)  # a kill mid-save leaves the previous checkpoint whole
+
+    targets: dict[int, torch.Tensor] = {}
+    frozen = [p.requires_grad for p in hf.parameters()]
+    for p in hf.parameters():
+        p.requires_grad_(False)
+    start = time.perf_counter() - state.seconds
+    state.stopped = "steps"
+    try:
+        with progress_bar(progress is True) as bar:
+            task = bar.add_task("training gates", total=steps)
+            bar.update(task, completed=state.steps)
+            while state.steps < steps:
+                if seconds is not None and time.perf_counter() - start >= seconds:
+                    state.stopped = "seconds"
+                    break
+                i = state.steps % len(data)
+                ids, pos = data[i]
+                if i not in targets:
+                    with torch.no_grad():
+                        targets[i] = hf.base_model(input_ids=ids).last_hidden_state[0, pos].float()
+                with gated(adapter, param, rule):
+                    h = hf.base_model(input_ids=ids).last_hidden_state[0, pos].float()
+                loss = ((h - targets[i]) ** 2).mean() + l1 * param.abs().mean()
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                state.losses.append(loss.item())
+                state.steps += 1
+                state.seconds = time.perf_counter() - start
+                bar.advance(task)
+                if callable(progress):
+                    progress(state.steps, steps, state.losses[-1])
+                if state.steps % save_every == 0:
+                    save()
+    except KeyboardInterrupt:
+        state.stopped = "interrupt"
+    finally:
+        for p, g in zip(hf.parameters(), frozen):
+            p.requires_grad_(g)
+    state.seconds = time.perf_counter() - start
+    save()
+    state.gates = param.detach().clone()
+    return state
