@@ -12,7 +12,7 @@ engine. A module may import its own layer and the layers below it, never one abo
 imports included: a lazy import is still a dependency). Inside ``interpret``, ``capture`` and ``shell``
 (the one HTML shell every page uses) are at the bottom and ``report`` at the top: nothing but ``report``
 itself and ``cli`` imports ``report``, and ``shell`` imports no other room of ``interpret``. ``errors``,
-``_version``, ``units``, ``progress`` and ``tsv`` sit below everything; the package root may import
+``_version``, ``units``, ``progress``, ``tsv`` and ``results`` sit below everything; the package root may import
 anything (it is the public façade), and nothing in the package imports the root.
 """
 
@@ -27,7 +27,7 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "headlab"
 LAYERS = ["attention core", "costs", "attention engines", "distributed", "models", "interpret", "decode", "cli"]
 # the modules (and packages) of attention/ that sit below costs; the rest of attention/ is its engines
 CORE = {"spec", "masks", "tile_states", "blocks", "visibility", "score_mods", "feature_maps", "memory_guard"}
-BASE = {"errors", "_version", "units", "progress", "tsv"}  # importable from every layer
+BASE = {"errors", "_version", "units", "progress", "tsv", "results"}  # importable from every layer
 MAX_LINES = 460  # "no source file above about 450 lines"
 
 

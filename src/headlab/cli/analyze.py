@@ -2,26 +2,15 @@
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import typer
 
-from headlab.cli.app import app, check_heads_before_loading, check_utf8, console, err_console, print_json
+from headlab.cli.app import app, check_heads_before_loading, check_utf8, console, print_json
 from headlab.errors import InputError
 from headlab.interpret.report.annotations import study_annotations
 from headlab.interpret.report.analyze_job import MAX_FULL_TOKENS, ReportResult, heads_text
 from headlab.interpret.report.analyze_job import analyze as run_analyze
-
-
-def step_printer():
-    """A progress display: each step on stderr with the seconds since the start (stdout stays the summary)."""
-    t0 = time.perf_counter()
-
-    def say(message: str) -> None:
-        err_console.print(f"[dim][{time.perf_counter() - t0:6.1f}s][/] {message}", highlight=False, soft_wrap=True)
-
-    return say
 
 
 def render_summary(r: ReportResult) -> None:
@@ -74,7 +63,7 @@ def analyze_cmd(
     notes = study_annotations(probe=probe, heads=heads_result)  # read before any model work
     check_heads_before_loading(model, heads)
     r = run_analyze(text, model=model, out_dir=out, backend=backend, force=force, heads=heads,
-                    max_full_tokens=max_full_tokens, truncate=truncate, progress=step_printer(),
+                    max_full_tokens=max_full_tokens, truncate=truncate, progress=True,  # each step on stderr
                     annotations=notes or None, flow=flow)
     if as_json:
         print_json({"out_dir": r.out_dir, "html": r.html, "csv": r.csv, "json": r.json, "pngs": r.pngs,

@@ -9,13 +9,13 @@ from __future__ import annotations
 import json
 import os
 import sys
-import tempfile
 from pathlib import Path
 
 import typer
 from rich.console import Console
 
 from headlab.errors import ConfigError, InputError
+from headlab.results import check_output_dir, check_output_file  # noqa: F401  (the one output check, here for the commands)
 from headlab.units import human_bytes, human_flops
 
 app = typer.Typer(
@@ -52,71 +52,6 @@ def check_heads_before_loading(model: str, heads: str | None, option: str = "--h
             parse_heads(heads, len(counts), counts)
         except InputError as e:
             raise InputError(f"{option} {heads} is out of range: {e}") from None
-
-
-def _writable(folder: Path, option: str, path: Path) -> None:
-    """Try a file in ``folder`` for real (permissions, read-only mounts, /proc): InputError if it fails."""
-    try:
-        with tempfile.TemporaryFile(dir=folder):
-            pass
-    except OSError as e:
-        raise InputError(f"{option} {str(path)!r} cannot be written: {e.strerror or e} in {str(folder)!r}; choose "
-                         "a writable place (nothing has been computed yet)") from None
-
-
-def _existing_ancestor(path: Path) -> Path:
-    """The nearest part of ``path`` (itself or a parent) that exists."""
-    for p in (path, *path.parents):
-        if p.exists():
-            return p
-    return Path(".")
-
-
-def check_output_file(path: Path, option: str, *, force: bool = False) -> Path:
-    """Refuse, before any work, an output file that cannot be written: its folder must exist and
-    take a file (tried for real: permissions, read-only mounts, /proc); an existing file is kept
-    unless ``force`` (CLI: ``--force``). The one output-file check of the CLI; folders:
-    :func:`check_output_dir`."""
-    path = Path(path).expanduser()
-    parent = path.parent if str(path.parent) else Path(".")
-    if path.is_dir():
-        raise InputError(f"{option} {str(path)!r} is a folder; give a file name such as results.json")
-    if path.exists() and not force:
-        raise InputError(f"{option} {str(path)!r} exists; choose another name, or pass --force to replace it "
-                         "(nothing has been computed yet)")
-    if parent.exists() and not parent.is_dir():
-        raise InputError(f"{option} {str(path)!r}: {str(parent)!r} is a file, not a folder; give a path in a folder "
-                         "(nothing has been computed yet)")
-    if not parent.is_dir():
-        raise InputError(f"{option} {str(path)!r}: the folder {str(parent)!r} does not exist; create it first "
-                         "(nothing has been computed yet)")
-    _writable(parent, option, path)
-    if path.exists() and not os.access(path, os.W_OK):
-        raise InputError(f"{option} {str(path)!r} cannot be written: Permission denied "
-                         "(nothing has been computed yet)")
-    return path
-
-
-def check_output_dir(path: Path, option: str, *, force: bool = False, allow_existing: bool = False) -> Path:
-    """Refuse, before any work, an output folder that cannot take files: a file in its place or above
-    it (``FILE/sub``), a place where nothing can be written (permissions, read-only mounts, /proc), or a
-    folder that already holds files (unless ``force``, or ``allow_existing`` for commands that add
-    their files beside others). Nothing is created: the folder is made when the results are written."""
-    path = Path(path).expanduser()
-    if path.exists() and not path.is_dir():
-        raise InputError(f"{option} {str(path)!r} is a file; give a folder (it is created if missing)")
-    if path.is_dir():
-        if not (force or allow_existing) and any(path.iterdir()):
-            raise InputError(f"{option} {str(path)!r} exists and is not empty; choose another folder, or pass "
-                             "--force to write into it (nothing has been computed yet)")
-        _writable(path, option, path)
-        return path
-    base = _existing_ancestor(path)
-    if not base.is_dir():
-        raise InputError(f"{option} {str(path)!r}: {str(base)!r} is a file, so no folder can be made under it; "
-                         "give a folder path (nothing has been computed yet)")
-    _writable(base, option, path)
-    return path
 
 
 def read_text_file(path: Path, option: str, *, what: str = "a plain-text file (UTF-8)") -> str:
@@ -249,22 +184,6 @@ def _gguf_context_length(path: Path) -> int | None:
     return None
 
 
-def stage_bar():
-    """``(display, say)``: a progress display on stderr and ``say(stage, done, total)``, which gives each
-    stage (a phase of a long command) its own bar, what the library's ``progress=`` callbacks call."""
-    from headlab.progress import progress
-
-    display = progress(console=err_console, transient=True)
-    tasks: dict[str, int] = {}
-
-    def say(stage: str, done: int, total: int) -> None:
-        if stage not in tasks:
-            tasks[stage] = display.add_task(stage, total=total)
-        display.update(tasks[stage], completed=done, total=total)
-
-    return display, say
-
-
 def heads_text(counts: dict) -> str:
     """``"12 kv heads full, 78 windowed, 0 dropped"`` (and ``", 6 by token budget"`` for SnapKV / Ada-KV heads)."""
     text = f"{counts.get('full', 0)} kv heads full, {counts.get('window', 0)} windowed, {counts.get('drop', 0)} dropped"
@@ -277,5 +196,4 @@ def print_json(obj) -> None:
 
 
 __all__ = ["app", "bench_app", "check_at_least", "check_output_dir", "check_output_file", "check_text", "console",
-           "err_console", "human_bytes", "human_flops", "peek_max_positions", "print_json", "read_text_file",
-           "stage_bar"]
+           "err_console", "human_bytes", "human_flops", "peek_max_positions", "print_json", "read_text_file"]

@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-import contextlib
-import json
 from pathlib import Path
 
 import typer
 
 from headlab.cli.app import (app, check_at_least, check_output_dir, console, peek_max_positions, print_json,
-                             read_text_file, stage_bar)
+                             read_text_file)
 from headlab.errors import ConfigError, InputError
 from headlab.interpret.atlas.kinds import KINDS
+from headlab.progress import reporter
+from headlab.results import write_json
 
 
 def _reading(*inputs: str) -> list[str]:
@@ -214,15 +214,14 @@ def atlas_cmd(
     given = None if raw is None else _ids_if_needed(loaded, raw)
     _check_loaded(loaded, model, asked, texts=given, checks=checks, half=half, max_tokens=max_tokens, n_texts=n_texts,
                   haystack=haystack, needles=needles, top_k=top_k, seed=seed)
-    progress, say = stage_bar()
-    with progress if main else contextlib.nullcontext():
+    with reporter(main, transient=True) as say:  # a bar per phase, on rank 0
         a = atlas(loaded, kinds=asked, texts=given, treebank=treebank,
                   checks=checks, k=top_k, n_draws=draws, half=half, n_texts=n_texts, max_tokens=max_tokens,
-                  needle_trials=needles, haystack_tokens=haystack, seed=seed, progress=say if main else None,
+                  needle_trials=needles, haystack_tokens=haystack, seed=seed, progress=say,
                   resume=out_dir / PARTIAL)
     if not main:  # rank 0 writes and prints
         return
-    (out_dir / "atlas.json").write_text(json.dumps(a.to_json(), indent=1) + "\n", encoding="utf-8")
+    write_json(out_dir / "atlas.json", a.to_json())
     (out_dir / "atlas.html").write_text(render_page(a), encoding="utf-8")
     if as_json:
         print_json(a.summary())

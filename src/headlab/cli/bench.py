@@ -2,19 +2,30 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import typer
-from rich.progress import BarColumn, TextColumn, TimeElapsedColumn
-
-from headlab.progress import progress
 from rich.table import Table
 
 from headlab.attention.masks import from_string
-from headlab.cli.app import bench_app, check_output_file, console, err_console, human_bytes
+from headlab.cli.app import bench_app, check_output_file, console, human_bytes
 from headlab.attention.measure import bench_attention, check_counts
 from headlab.errors import ConfigError
+from headlab.progress import reporter
+from headlab.results import write_json
+
+
+def _measuring(say):
+    """bench_attention's ``progress(text)`` ("sdpa @ 512: time 2/4") as the protocol: a stage per backend and
+    length, counting its measurements."""
+    counts: dict[str, int] = {}
+
+    def measuring(text: str) -> None:
+        stage = text.split(":")[0]
+        counts[stage] = counts.get(stage, -1) + 1
+        say(stage, counts[stage], 0)
+
+    return measuring
 
 
 def _ints(text: str, what: str) -> list[int]:
@@ -92,13 +103,10 @@ def attention_cmd(
     if json_file is not None:
         check_output_file(json_file, "--json", force=force)  # before the run, so no result is lost
     _check_inputs_fit(max(lens), batch=batch, heads=heads, head_dim=head_dim, dtype=dtype, backward=backward)
-    with progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(), console=err_console,
-                  transient=True) as bar:
-        task = bar.add_task("benchmark", total=None)
+    with reporter(True, transient=True) as say:
         rows = bench_attention(lens, names, causal=causal, backward=backward, dtype=dtype, batch=batch,
                                heads=heads, head_dim=head_dim, pattern=pattern, feature_map=feature_map,
-                               repeats=repeats, memory=memory,
-                               progress=lambda text: bar.update(task, description=text, advance=1))
+                               repeats=repeats, memory=memory, progress=_measuring(say))
     title = (f"attention {'forward + backward' if backward else 'forward'}: batch {batch}, {heads} heads, "
              f"head dim {head_dim}, {dtype}{', causal' if causal else ''}{f', pattern {pattern}' if pattern else ''}")
     t = Table(title=title)
@@ -123,5 +131,5 @@ def attention_cmd(
     for reason, k in notes.items():
         console.print(f"[yellow]\\[{k}] {_gist(reason)}:[/] {reason}", highlight=False, soft_wrap=True)
     if json_file is not None:
-        json_file.write_text(json.dumps(rows, indent=2, default=str) + "\n")
+        write_json(json_file, rows, indent=2)  # a list of rows, as always (no envelope: readers index it)
         console.print(f"wrote {json_file}")

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import typer
 
-from headlab.cli.analyze import render_summary, step_printer
+from headlab.cli.analyze import render_summary
 from headlab.cli.app import app, console
 from headlab.interpret.report.analyze_job import analyze
 
@@ -24,6 +24,6 @@ def demo(
     Runs `headlab analyze` with --force: a previous report in the folder is replaced (other files are kept).
     """
     console.print(f"headlab demo: analysing {DEMO_TEXT!r} with {model}", highlight=False, soft_wrap=True)
-    r = analyze(DEMO_TEXT, model=model, out_dir=out, force=True, progress=step_printer())
+    r = analyze(DEMO_TEXT, model=model, out_dir=out, force=True, progress=True)
     render_summary(r)
     console.print(f"open {r.html.resolve()} in a browser", highlight=False, soft_wrap=True)

@@ -161,9 +161,7 @@ def explain_cmd(
     if compare_to is not None:
         check_text(compare_to, "--compare-to")
     if out is not None:  # checked before the work: a non-empty folder is kept unless --force
-        from headlab.interpret.report.analyze_job import prepare_out_dir
-
-        prepare_out_dir(out, force=force)
+        check_output_dir(out, "--out", force=force)
     ex = explain(model, text, target=target, methods=methods, ig_steps=ig_steps, backend=backend, loo=loo,
                  compare_to=compare_to, truncate=truncate)
     paths = write_explanation(ex, out) if out is not None else None

@@ -2,18 +2,16 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import typer
-from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
-
-from headlab.progress import progress
 from rich.table import Table
 
 from headlab.cli.app import (app, check_at_least, check_output_dir, check_output_file, check_text, console, err_console,
                              print_json)
 from headlab.errors import ConfigError, InputError
+from headlab.progress import reporter
+from headlab.results import write_json
 
 METHODS = ("rollout", "norm-rollout", "flow", "norms")
 _NAMED_ROWS = {"cls": 0, "first": 0, "bos": 0, "last": -1, "sep": -1}
@@ -136,11 +134,8 @@ def flow_cmd(
         from headlab.interpret.flow.maxflow import attention_flow
 
         source = row_pos[0] if row_pos else 0
-        with progress(TextColumn("max flow"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                      console=err_console, transient=True) as bar:
-            task = bar.add_task("max flow", total=None)
-            res = attention_flow(loaded, text, source=source, layer=layer, solver=solver,
-                                 progress=lambda k: bar.update(task, advance=k))
+        with reporter(True, transient=True) as say:
+            res = attention_flow(loaded, text, source=source, layer=layer, solver=solver, progress=say)
         render = lambda: console.print(_table(  # noqa: E731
             f"flow from token {res.source} at layer {res.layer} ({res.solver}, {res.seconds:.2f} s, gap {res.gap:.1e})",
             ranked(res.flow, res.tokens, top)))
@@ -162,7 +157,7 @@ def flow_cmd(
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
         path = out / f"{method}.json"
-        path.write_text(json.dumps(payload) + "\n")
+        write_json(path, payload, indent=None)
         err_console.print(f"wrote {path}", highlight=False)
     if as_json:
         print_json(payload)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import typer
@@ -10,6 +9,7 @@ import typer
 from headlab.cli.app import (app, check_at_least, check_heads_before_loading, check_output_dir, console, print_json,
                              read_text_file)
 from headlab.errors import ConfigError, InputError
+from headlab.results import envelope, write_json
 
 heads_app = typer.Typer(help="Which heads matter: importance, ablation verdicts, physical pruning.",
                         no_args_is_help=True)
@@ -97,7 +97,8 @@ def importance_cmd(model: str = MODEL, data: Path = DATA, loss: str = LOSS, out:
     if not is_main():
         return
     if out is not None:
-        (out / "importance.json").write_text(json.dumps(r.to_json(), indent=1) + "\n")
+        write_json(out / "importance.json", envelope("head_importance", r.to_json(), model=r.model,
+                                                     settings={"loss": r.loss}))
         (out / "heads.html").write_text(render_page(title=f"head importance: {r.model}", importance=r))
     if as_json:
         print_json(r.to_json())
@@ -135,7 +136,8 @@ def ablate_cmd(model: str = MODEL, data: Path = DATA, loss: str = LOSS, out: Pat
     r = ablate(loaded, texts, labels, kind=kind, loss=loss, k=k, keep_one=keep_one, batch_size=batch_size,
                n_boot=boot, backend=backend, progress=True)
     if out is not None:
-        (out / "ablation.json").write_text(json.dumps(r.to_json(), indent=1) + "\n")
+        write_json(out / "ablation.json", envelope("head_ablation", r.to_json(), model=r.model,
+                                                   settings={"kind": r.kind, "mean_over": r.mean_over, "loss": r.loss}))
         (out / "heads.html").write_text(render_page(title=f"head ablation: {r.model}", ablation=r))
     if as_json:
         print_json(r.to_json())
@@ -195,7 +197,7 @@ def prune_cmd(model: str = MODEL, out: Path = typer.Option(..., "--out", "-o", h
                "notes": p.notes}
     if curve:
         c = pruning_curve(loaded, texts, labels, loss=loss, recompute=recompute, batch_size=batch_size, progress=True)
-        (out / "curve.json").write_text(json.dumps(c.to_json(), indent=1) + "\n")
+        write_json(out / "curve.json", c.to_json())
         png = c.plot(out / "curve.png")
         (out / "heads.html").write_text(render_page(title=f"pruning: {c.model}", curve=c, curve_png=png))
         summary["curve"] = c.summary()

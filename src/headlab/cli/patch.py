@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import typer
 
 from headlab.cli.app import app, check_at_least, check_output_file, check_text, console, print_json
 from headlab.errors import ConfigError, InputError
+from headlab.results import envelope, write_json, write_text
 
 METHODS = ("exact", "attribution", "both")
 
@@ -79,7 +79,11 @@ def patch_cmd(
     if len(results) == 2:
         doc["agreement"] = {k: compare(results["exact"], results["attribution"], k) for k in kinds}
     if out is not None:
-        Path(out).write_text(main.page() if Path(out).suffix == ".html" else json.dumps(doc, indent=1) + "\n")
+        if Path(out).suffix == ".html":
+            write_text(out, main.page())
+        else:
+            write_json(out, envelope("patch", doc, model=main.model, settings={"method": method, "sites": kinds,
+                                                                               "positions": positions}))
     if as_json:
         print_json(doc)
         return

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-import contextlib
 from pathlib import Path
 
 import typer
 
-from headlab.cli.app import app, check_output_dir, console, print_json, stage_bar
+from headlab.cli.app import app, check_output_dir, console, print_json
 from headlab.interpret.probing.render import prepare_out_dir, write_outputs
 from headlab.interpret.probing.head_scores import probe as run_probe
+from headlab.progress import reporter
 
 
 @app.command("probe")
@@ -45,8 +45,7 @@ def probe_cmd(
     init_from_env()  # under torchrun: the sentences are split across the processes, the sums added
     main = is_main()
     out_dir = prepare_out_dir(out, force=force) if out is not None and main else None
-    progress, say = stage_bar()
-    with progress if main else contextlib.nullcontext():
+    with reporter(main, transient=True) as say:  # a bar per phase, on rank 0
         r = run_probe(model, treebank, limit=limit, relations=relations, fold_subtypes=fold_subtypes,
                       loss_model=None if loss_model.lower() == "none" else loss_model, progress=say)
     if not main:  # rank 0 writes and prints

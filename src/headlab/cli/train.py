@@ -33,7 +33,7 @@ def train_classifier_cmd(
     Example: headlab train-classifier --data path/to/sst2 --subset 2000    (a 1-minute classifier)
     """
     from headlab.models.finetune import TrainingConfig, default_folder, train_classifier
-    from headlab.progress import progress
+    from headlab.progress import reporter
 
     if data is not None:
         if train is not None or validation is not None:
@@ -54,16 +54,9 @@ def train_classifier_cmd(
     target = out or default_folder()
     check_output_dir(Path(target), "--out", force=force)  # before the minutes of training
     err_console.print(f"fine-tuning all-MiniLM-L6-v2 on {train} -> {target}", highlight=False, soft_wrap=True)
-    with progress() as bar:
-        task = None
-
-        def say(step: int, steps: int, loss: float) -> None:
-            nonlocal task
-            if task is None:
-                task = bar.add_task("train", total=steps)
-            bar.update(task, completed=step)
-
-        r = train_classifier(train, validation, out=out, config=cfg, force=force, progress=say)
+    with reporter(True) as say:  # train_classifier's progress(step, steps, loss), as the one protocol
+        r = train_classifier(train, validation, out=out, config=cfg, force=force,
+                             progress=lambda step, steps, loss: say("train", step, steps))
     if as_json:
         print_json(r.to_json())
         return

@@ -26,6 +26,7 @@ import torch
 
 from headlab.errors import ConfigError, InputError
 from headlab.interpret.atlas.kinds import KINDS, ROLE
+from headlab.results import envelope
 
 
 class Thresholds:
@@ -163,12 +164,14 @@ class Atlas:
         return out
 
     def to_json(self) -> dict:
-        return {"kind_of_result": "head_atlas", "model": self.model, "family": self.family, "causal": self.causal,
+        return envelope("head_atlas", {
+                "kind_of_result": "head_atlas", "model": self.model, "family": self.family, "causal": self.causal,
                 "n_layers": self.n_layers, "n_heads": self.n_heads, "n_kv_heads": self.n_kv_heads,
                 "kv_group": self.kv_group.tolist(), "scores": {k: _grid(v) for k, v in self.scores.items()},
                 "thresholds": dict(self.thresholds), "labels": self.labels, "syntactic": self.syntactic,
                 "verdicts": self.verdicts, "skipped": self.skipped, "settings": self.settings,
-                "seconds": self.seconds, "notes": self.notes, "evidence": self.evidence, "summary": self.summary()}
+                "seconds": self.seconds, "notes": self.notes, "evidence": self.evidence, "summary": self.summary()},
+            model=self.model, settings=self.settings)
 
     @classmethod
     def from_json(cls, data: dict | str | Path) -> Atlas:

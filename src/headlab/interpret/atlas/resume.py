@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from headlab.distributed.data import is_main
+from headlab.results import write_json
 
 
 def fingerprint(obj) -> str:
@@ -110,9 +111,7 @@ class Checkpoint:
         self.done[phase] = value
         if self.path is None or not is_main():  # under torchrun every rank reads the file, rank 0 writes it
             return
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        tmp.write_text(json.dumps({"key": self.key, "phases": self.done}), encoding="utf-8")
-        os.replace(tmp, self.path)
+        write_json(self.path, {"key": self.key, "phases": self.done}, indent=None)  # atomic: a kill keeps the last
 
     def finish(self) -> None:
         """The run is complete: remove the file."""

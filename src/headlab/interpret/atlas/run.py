@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -33,6 +33,7 @@ from headlab.interpret.atlas.kinds.shared import INPUTS, pattern_labels
 from headlab.interpret.atlas.result import Atlas, Thresholds
 from headlab.interpret.atlas.resume import Checkpoint, fingerprint
 from headlab.models.loader import load, resolve
+from headlab.progress import Progress, reporter
 
 def _kinds(kinds, run: Run) -> tuple[list[str], dict[str, str]]:
     """The kinds to score and, for the default set, those left out with the reason; an explicit
@@ -50,12 +51,6 @@ def _kinds(kinds, run: Run) -> tuple[list[str], dict[str, str]]:
     return [k for k in KINDS if k in asked], {}
 
 
-def _say(progress):
-    if progress is None or progress is False:
-        return lambda stage, done, total: None
-    return progress
-
-
 def _repeated_scores(run: Run, kinds) -> dict[str, torch.Tensor]:
     """The scores of the kinds that read the repeated random tokens, from one recording of them."""
     return {kd.name: kd.score(run) for kd in kinds}
@@ -71,7 +66,7 @@ def atlas(model, *, kinds: Sequence[str] | str | None = None, texts=None, treeba
           n_repeated: int = 8,
           window: int = 16, max_tokens: int = 128, n_texts: int = 4, needle_trials: int = 4,
           haystack_tokens: int = 256, n_boot: int = 1000, seed: int = 0, max_rows: int = 32,
-          thresholds: Thresholds = Thresholds(), progress: Callable | None = None, resume=None,
+          thresholds: Thresholds = Thresholds(), progress: bool | Progress | None = None, resume=None,
           evidence: bool = True) -> Atlas:
     """Score every head of ``model`` on every kind (:data:`KINDS`) and check each kind causally.
 
@@ -89,7 +84,8 @@ def atlas(model, *, kinds: Sequence[str] | str | None = None, texts=None, treeba
         window: keys counted as local. max_tokens, n_texts: size and number of natural-text pieces.
         needle_trials, haystack_tokens: needle prompts and their haystack length.
         n_boot, seed: bootstrap resamples and the seed of every random choice. max_rows: rows per forward.
-        progress: ``progress(stage, done, total)``.
+        progress: a bar on stderr (True), nothing (None, False) or ``progress(stage, done, total)``
+            (:mod:`headlab.progress`).
         evidence: keep the attention maps of each kind's top heads on one short input (:mod:`.evidence`).
         resume: a file that keeps each finished phase (:mod:`.resume`); a rerun with the same settings
             after an interrupt reads them back and runs only the rest. Removed when the atlas is complete.
@@ -103,100 +99,106 @@ def atlas(model, *, kinds: Sequence[str] | str | None = None, texts=None, treeba
     tok = getattr(loaded, "tokenizer", None)
     get_out = getattr(adapter.model, "get_output_embeddings", None)
     has_logits = adapter.causal and ((callable(get_out) and get_out() is not None) or hasattr(adapter.model, "tok_emb"))
-    say = _say(progress)
-    run = Run(adapter=adapter, loaded=loaded, tokenizer=tok, has_logits=has_logits, treebank=treebank, texts=texts,
-              sizes={}, vocab=0, max_rows=max_rows, checkpoint=None, say=say)
-    todo, skipped = _kinds(kinds, run)
-    for name, v, lo in (("n_draws", n_draws, 1), ("half", half, 2), ("n_repeated", n_repeated, 2),
-                        ("n_texts", n_texts, 1), ("needle_trials", needle_trials, 1), ("n_boot", n_boot, 2),
-                        ("window", window, 2), ("max_tokens", max_tokens, 8), ("haystack_tokens", haystack_tokens, 8),
-                        ("max_rows", max_rows, 1)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-            raise ConfigError(f"{name} must be an integer of at least {lo}, got {v!r}")
-    total = sum(adapter.layer_heads)
-    k = k if k is not None else max(1, min(10, round(0.05 * total)))
-    if not isinstance(k, int) or not 1 <= k < total:
-        raise ConfigError(f"k (heads gated per check) must be an integer in 1..{total - 1}, got {k!r}")
-    if treebank is not None and loaded is None:
-        raise InputError("the syntactic kind needs a model with a tokenizer (headlab.load(...)) for the treebank")
-    kinds_todo = [KINDS[kd] for kd in todo]
-    run.vocab = vocab = S.embeddings(adapter.model)[0].shape[0]
-    run.pieces = pieces = T.natural(tok, texts, max_tokens=max_tokens, n=n_texts) \
-        if any(kd.reads in ("text", "needles") for kd in kinds_todo) else []
-    run.sizes = sizes = {
-        "k": k, "n_draws": n_draws, "half": half, "n_repeated": n_repeated, "window": window, "max_tokens": max_tokens,
-        "n_texts": len(pieces), "needle_trials": needle_trials, "haystack_tokens": haystack_tokens, "seed": seed,
-        "n_boot": n_boot, "treebank_limit": treebank_limit}
-    if checks:  # the sizes each task needs, refused before any work
-        for task in dict.fromkeys(kd.task for kd in kinds_todo if kd.task is not None and kd.task.validate):
-            task.validate(run)
-    seconds, notes = {}, []
-    run.checkpoint = ck = Checkpoint(resume, {
-        "model": getattr(loaded, "name", None) or type(adapter.model).__name__, "heads": adapter.layer_heads,
-        "kinds": todo, "checks": checks, "copying": copying, "texts": fingerprint(texts), "treebank": str(treebank),
-        **sizes})
-    grids = {}
-    run.repeated_ids, run.start = T.repeated(tok, vocab=vocab, n=n_repeated, half=half, seed=seed)
-    t0 = time.perf_counter()
-    rep = [kd for kd in kinds_todo if kd.reads == "repeated"]
-    if rep:
-        say("repeated tokens", 0, 1)
-        grids.update(ck.run("repeated", lambda: _repeated_scores(run, rep)))
-        say("repeated tokens", 1, 1)
-    copying_grid = ck.run("copying", lambda: S.ov_copying(adapter).double()) if copying else None
-    seconds["repeated"] = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    labels = []
-    if pieces:
-        say("natural text", 0, 1)
-        got = ck.run("text", lambda: _text_scores(run, [kd for kd in kinds_todo if kd.reads == "text"]))
-        labels = got.pop("labels")
-        grids.update(got)
-        say("natural text", 1, 1)
-    seconds["natural_text"] = time.perf_counter() - t0
-    for kd in kinds_todo:  # the kinds of their own input (needles, a treebank, ...), each its own phase
-        if kd.reads not in INPUTS:
-            t0 = time.perf_counter()
-            grids[kd.name] = kd.score(run)
-            seconds[kd.name] = time.perf_counter() - t0
-    run.forget()  # the recordings of the inputs: the checks run their own forwards
-    notes += run.notes
-    scores = {kind: grids[kind] for kind in todo}
-    if copying_grid is not None:
-        scores["copying"] = copying_grid
-    H, Hkv = adapter.n_heads, adapter.n_kv_heads
-    kv_group = torch.arange(H).div(H // Hkv, rounding_mode="floor").expand(adapter.n_layers, H).clone()
-    tied = S.embeddings(adapter.model)[2]
-    if copying_grid is not None:
-        notes.append("copying: sum(eigenvalues) / sum(|eigenvalues|) of W_E W_V W_O W_U (Olsson et al.), no layer norms; "
-                     + ("the unembedding is the embedding's transpose" if tied else "the model's own unembedding"))
-    result = Atlas(model=getattr(loaded, "name", None) or type(adapter.model).__name__, family=adapter.family,
-                   causal=adapter.causal, n_layers=adapter.n_layers, n_heads=H, n_kv_heads=Hkv, kv_group=kv_group,
-                   scores=scores, thresholds=thresholds.as_dict(), labels=labels, syntactic=run.syntactic,
-                   skipped=skipped, notes=notes,
-                   settings={**sizes, "start": run.start, "texts": "given" if texts is not None else "shipped passage",
-                             **run.settings})
-    if checks:
+    with reporter(progress) as say:  # the one display (headlab.progress)
+        run = Run(adapter=adapter, loaded=loaded, tokenizer=tok, has_logits=has_logits, treebank=treebank, texts=texts,
+                  sizes={}, vocab=0, max_rows=max_rows, checkpoint=None, say=say)
+        todo, skipped = _kinds(kinds, run)
+        for name, v, lo in (("n_draws", n_draws, 1), ("half", half, 2), ("n_repeated", n_repeated, 2),
+                            ("n_texts", n_texts, 1), ("needle_trials", needle_trials, 1), ("n_boot", n_boot, 2),
+                            ("window", window, 2), ("max_tokens", max_tokens, 8), ("haystack_tokens", haystack_tokens, 8),
+                            ("max_rows", max_rows, 1)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+                raise ConfigError(f"{name} must be an integer of at least {lo}, got {v!r}")
+        total = sum(adapter.layer_heads)
+        k = k if k is not None else max(1, min(10, round(0.05 * total)))
+        if not isinstance(k, int) or not 1 <= k < total:
+            raise ConfigError(f"k (heads gated per check) must be an integer in 1..{total - 1}, got {k!r}")
+        if treebank is not None and loaded is None:
+            raise InputError("the syntactic kind needs a model with a tokenizer (headlab.load(...)) for the treebank")
+        kinds_todo = [KINDS[kd] for kd in todo]
+        run.vocab = vocab = S.embeddings(adapter.model)[0].shape[0]
+        run.pieces = pieces = T.natural(tok, texts, max_tokens=max_tokens, n=n_texts) \
+            if any(kd.reads in ("text", "needles") for kd in kinds_todo) else []
+        run.sizes = sizes = {
+            "k": k, "n_draws": n_draws, "half": half, "n_repeated": n_repeated, "window": window, "max_tokens": max_tokens,
+            "n_texts": len(pieces), "needle_trials": needle_trials, "haystack_tokens": haystack_tokens, "seed": seed,
+            "n_boot": n_boot, "treebank_limit": treebank_limit}
+        if checks:  # the sizes each task needs, refused before any work
+            for task in dict.fromkeys(kd.task for kd in kinds_todo if kd.task is not None and kd.task.validate):
+                task.validate(run)
+        seconds, notes = {}, []
+        run.checkpoint = ck = Checkpoint(resume, {
+            "model": getattr(loaded, "name", None) or type(adapter.model).__name__, "heads": adapter.layer_heads,
+            "kinds": todo, "checks": checks, "copying": copying, "texts": fingerprint(texts), "treebank": str(treebank),
+            **sizes})
+        grids = {}
+        run.repeated_ids, run.start = T.repeated(tok, vocab=vocab, n=n_repeated, half=half, seed=seed)
         t0 = time.perf_counter()
-        from headlab.interpret.atlas.checks import run_checks
+        rep = [kd for kd in kinds_todo if kd.reads == "repeated"]
+        if rep:
+            say("repeated tokens", 0, 1)
+            grids.update(ck.run("repeated", lambda: _repeated_scores(run, rep)))
+            say("repeated tokens", 1, 1)
+        copying_grid = None
+        if copying:
+            say("copying (OV circuits)", 0, 1)
+            copying_grid = ck.run("copying", lambda: S.ov_copying(adapter).double())
+            say("copying (OV circuits)", 1, 1)
+        seconds["repeated"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        labels = []
+        if pieces:
+            say("natural text", 0, 1)
+            got = ck.run("text", lambda: _text_scores(run, [kd for kd in kinds_todo if kd.reads == "text"]))
+            labels = got.pop("labels")
+            grids.update(got)
+            say("natural text", 1, 1)
+        seconds["natural_text"] = time.perf_counter() - t0
+        for kd in kinds_todo:  # the kinds of their own input (needles, a treebank, ...), each its own phase
+            if kd.reads not in INPUTS:
+                t0 = time.perf_counter()
+                grids[kd.name] = kd.score(run)
+                seconds[kd.name] = time.perf_counter() - t0
+        run.forget()  # the recordings of the inputs: the checks run their own forwards
+        notes += run.notes
+        scores = {kind: grids[kind] for kind in todo}
+        if copying_grid is not None:
+            scores["copying"] = copying_grid
+        H, Hkv = adapter.n_heads, adapter.n_kv_heads
+        kv_group = torch.arange(H).div(H // Hkv, rounding_mode="floor").expand(adapter.n_layers, H).clone()
+        tied = S.embeddings(adapter.model)[2]
+        if copying_grid is not None:
+            notes.append("copying: sum(eigenvalues) / sum(|eigenvalues|) of W_E W_V W_O W_U (Olsson et al.), no layer norms; "
+                         + ("the unembedding is the embedding's transpose" if tied else "the model's own unembedding"))
+        result = Atlas(model=getattr(loaded, "name", None) or type(adapter.model).__name__, family=adapter.family,
+                       causal=adapter.causal, n_layers=adapter.n_layers, n_heads=H, n_kv_heads=Hkv, kv_group=kv_group,
+                       scores=scores, thresholds=thresholds.as_dict(), labels=labels, syntactic=run.syntactic,
+                       skipped=skipped, notes=notes,
+                       settings={**sizes, "start": run.start, "texts": "given" if texts is not None else "shipped passage",
+                                 **run.settings})
+        if checks:
+            t0 = time.perf_counter()
+            from headlab.interpret.atlas.checks import run_checks
 
-        run_checks(result, run, kinds_todo, k=k, n_draws=n_draws, seed=seed, n_boot=n_boot)
-        seconds["checks"] = time.perf_counter() - t0
-    if ck.resumed:
-        result.notes.append(f"resumed: {', '.join(ck.resumed)} read back from {ck.path} (their seconds are not counted)")
-    if ck.stale:
-        result.notes.append(f"{ck.path} held another run's phases (other settings); they were replaced")
-    if evidence:
-        from headlab.interpret.atlas.evidence import evidence_maps
+            run_checks(result, run, kinds_todo, k=k, n_draws=n_draws, seed=seed, n_boot=n_boot)
+            seconds["checks"] = time.perf_counter() - t0
+        if ck.resumed:
+            result.notes.append(f"resumed: {', '.join(ck.resumed)} read back from {ck.path} (their seconds are not counted)")
+        if ck.stale:
+            result.notes.append(f"{ck.path} held another run's phases (other settings); they were replaced")
+        if evidence:
+            from headlab.interpret.atlas.evidence import evidence_maps
 
-        short = T.repeated(tok, vocab=vocab, n=1, half=min(half, 12), seed=seed)[0][0]
-        name = (lambda t: tok.convert_ids_to_tokens(t)) if tok is not None else str
-        result.evidence = evidence_maps(adapter, {kd.name: result.top(kd.name, k) for kd in kinds_todo
-                                                  if kd.reads in INPUTS},
-                                        repeated_ids=short, text_ids=pieces[0][:24] if pieces else None, tokens=name)
-    ck.finish()
-    result.seconds = {n: round(s, 3) for n, s in seconds.items()}
-    return result
+            say("evidence maps", 0, 1)
+            short = T.repeated(tok, vocab=vocab, n=1, half=min(half, 12), seed=seed)[0][0]
+            name = (lambda t: tok.convert_ids_to_tokens(t)) if tok is not None else str
+            result.evidence = evidence_maps(adapter, {kd.name: result.top(kd.name, k) for kd in kinds_todo
+                                                      if kd.reads in INPUTS},
+                                            repeated_ids=short, text_ids=pieces[0][:24] if pieces else None, tokens=name)
+            say("evidence maps", 1, 1)
+        ck.finish()
+        result.seconds = {n: round(s, 3) for n, s in seconds.items()}
+        return result
 
 
 __all__ = ["atlas"]

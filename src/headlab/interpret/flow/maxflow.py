@@ -34,7 +34,6 @@ same graph, for comparison.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -45,6 +44,8 @@ from headlab.errors import ConfigError, MemoryBudgetError
 from headlab.interpret.flow.record import prepare, record
 from headlab.models.loader import resolve
 from headlab.interpret.flow.rollout import augment, layer_matrices
+from headlab.progress import Progress, increments, reporter
+from headlab.results import envelope
 
 BYTES_PER_EDGE = {"scipy": 72, "networkx": 600}  # measured order of magnitude, both directions included
 
@@ -82,9 +83,10 @@ class FlowResult:
 
         return shell.inline(flow_page(self))
     def to_json(self) -> dict:
-        return {"source": self.source, "layer": self.layer, "n": self.n, "tokens": self.tokens,
-                "flow": self.flow.tolist(), "values": self.values.tolist(), "gap": self.gap,
-                "solver": self.solver, "seconds": self.seconds}
+        return envelope("attention_flow", {
+            "source": self.source, "layer": self.layer, "n": self.n, "tokens": self.tokens, "flow": self.flow.tolist(),
+            "values": self.values.tolist(), "gap": self.gap, "solver": self.solver, "seconds": self.seconds},
+            settings={"source": self.source, "layer": self.layer, "solver": self.solver})
 
 
 def estimate_bytes(n: int, layers: int, solver: str = "scipy") -> int:
@@ -165,7 +167,7 @@ def _solve_group(src, dst, cap, N, u, group):
     return got
 
 
-def _scipy(A, source, S, n, sinks, progress, tol=1e-6):
+def _scipy(A, source, S, n, sinks, say, tol=1e-6):
     """Disjoint copies of the graph, one per sink of a batch, joined by a super source and a super sink:
     a maximum flow of the union is a maximum flow of every copy. Integer capacities ``floor(c * scale)``
     with ``scale = 2^30 / k`` keep the flow of all k copies within 2^30 (scipy solves in int32). A sink whose
@@ -184,8 +186,7 @@ def _scipy(A, source, S, n, sinks, progress, tol=1e-6):
                 upper, lower = _solve_group(src, dst, cap, N, u, [v])[0]
             vals[v] = upper
             gap = max(gap, float(upper - lower))
-        if progress is not None:
-            progress(len(group))
+        say("max flow", b0 + len(group), len(sinks))
     return vals, gap
 
 
@@ -204,21 +205,20 @@ def networkx_graph(A: np.ndarray, S: int | None = None):
     return G
 
 
-def _networkx(A, source, S, n, sinks, progress):
+def _networkx(A, source, S, n, sinks, say):
     import networkx as nx
     from networkx.algorithms.flow import edmonds_karp
 
     G = networkx_graph(A, S)
     vals = np.zeros(n)
-    for v in sinks:
+    for done, v in enumerate(sinks, 1):
         vals[v] = nx.maximum_flow_value(G, S * n + source, int(v), flow_func=edmonds_karp)
-        if progress is not None:
-            progress(1)
+        say("max flow", done, len(sinks))
     return vals, 0.0
 
 
 def flow_values(A_hat, source: int, source_layer: int, *, solver: str = "scipy", sinks=None,
-                progress: Callable[[int], None] | None = None, memory_limit: int | None = None) -> FlowValues:
+                progress: bool | Progress | None = None, memory_limit: int | None = None) -> FlowValues:
     """Max-flow values from node ``(source_layer, source)`` to every input node ``(0, j)``.
 
     Args:
@@ -226,7 +226,9 @@ def flow_values(A_hat, source: int, source_layer: int, *, solver: str = "scipy",
         source: the output token; source_layer: its node layer, ``1..L`` (0 is the input layer: refused).
         solver: ``"scipy"`` (compiled Dinic, certified exact) or ``"networkx"`` (the paper's Edmonds-Karp).
         sinks: input tokens to solve for (default all); others stay 0.
-        progress: called with the number of sinks solved after each solver call.
+        progress: a bar (True), nothing (None, False) or ``progress("max flow", sinks solved, sinks)``
+            (:mod:`headlab.progress`); the older ``progress(k)``, called with the sinks solved since the last
+            call, still works.
         memory_limit: bytes the graph may take (default: what the machine has available).
     """
     A = A_hat.detach().double().cpu().numpy() if isinstance(A_hat, torch.Tensor) else np.asarray(A_hat, dtype=np.float64)
@@ -239,12 +241,14 @@ def flow_values(A_hat, source: int, source_layer: int, *, solver: str = "scipy",
     sinks = range(n) if sinks is None else [int(s) for s in sinks]
     t0 = time.perf_counter()
     fn = _scipy if solver == "scipy" else _networkx
-    vals, gap = fn(A, int(source), int(source_layer), n, sinks, progress)
+    with reporter(progress, legacy=increments) as say:
+        say("max flow", 0, len(sinks))
+        vals, gap = fn(A, int(source), int(source_layer), n, sinks, say)
     return FlowValues(vals, gap, solver, time.perf_counter() - t0)
 
 
 def attention_flow(loaded, text_or_inputs, *, source: int = 0, layer: int = -1, solver: str = "scipy",
-                   backend="auto", progress: Callable[[int], None] | None = None,
+                   backend="auto", progress: bool | Progress | None = None,
                    memory_limit: int | None = None, stack: str | None = None) -> FlowResult:
     """Normalised attention flow ``(n,)`` from token ``source`` at the output of layer ``layer`` to every
     input token (see the module docstring).
@@ -255,7 +259,7 @@ def attention_flow(loaded, text_or_inputs, *, source: int = 0, layer: int = -1, 
         source: the output token (default 0, [CLS] for BERT-style models; negatives count from the end).
         layer: the attention layer whose output holds the source node (default the last).
         solver: ``"scipy"`` (default) or ``"networkx"`` (the paper's algorithm, for comparison).
-        progress: called with the number of input tokens solved after each solver call (the CLI's bar).
+        progress: as for :func:`flow_values` (the input tokens solved; the CLI's bar).
         memory_limit: bytes the graph may take; the estimate is checked before anything is allocated (for
             patch or frame inputs, after the attention maps are recorded: the model alone says their number).
         stack: for an encoder-decoder, ``"encoder"`` or ``"decoder"`` (self-attention), as for rollout.

@@ -38,6 +38,7 @@ from headlab.errors import ConfigError
 from headlab.interpret.flow.gram import NormGram, gram, head_tile, layer_tile
 from headlab.interpret.flow.record import Recording, record
 from headlab.interpret.flow.tiles import prob_tiles
+from headlab.results import envelope
 
 Mode = Literal["attention", "residual"]
 _STREAM_BLOCK = 512
@@ -107,7 +108,7 @@ class NormsResult:
             d["summaries"] = {str(l): s.to_json() for l, s in self.summaries.items()}
         if self.notes:
             d["notes"] = list(self.notes)
-        return d
+        return envelope("norms", d, settings={"mode": self.mode, "layers": self.layers, "rows": self.rows})
 
 
 def maps_from_pattern(pattern: torch.Tensor, ng: NormGram) -> tuple[torch.Tensor, torch.Tensor]:

@@ -38,6 +38,7 @@ from headlab.interpret.flow.gram import gram, layer_tile
 from headlab.interpret.flow.norms import _check_positions, maps_from_pattern
 from headlab.interpret.flow.record import record
 from headlab.models.loader import resolve
+from headlab.results import envelope
 from headlab.interpret.flow.tiles import prob_tiles, weighted_colsum
 
 Method = Literal["mean", "norm"]
@@ -70,7 +71,8 @@ class RolloutResult:
             d["maps"] = self.maps.tolist()
         if self.rows is not None:
             d["rows"] = self.rows.tolist()
-        return d
+        return envelope("rollout", d, settings={"method": self.method, "layer": self.layer,
+                                                "rows": self.row_positions})
 
 
 def augment(A: torch.Tensor) -> torch.Tensor:

@@ -21,12 +21,13 @@ from pathlib import Path
 
 import torch
 
-from headlab.progress import progress_bar
+from headlab.progress import Progress, reporter
 from headlab.errors import ConfigError
 from headlab.interpret.heads import examples as C
 from headlab.models.loader import resolve
 from headlab.interpret.heads.importance import _importance
 from headlab.models.pruned import PrunedModel, prune_heads
+from headlab.results import envelope
 
 __all__ = ["PrunedModel", "PruningCurve", "evaluate", "order_heads", "prune_heads", "pruning_curve"]
 
@@ -107,12 +108,15 @@ class PruningCurve:
                 f"({_fmt(self.metric, self.values[0])})")
 
     def to_json(self) -> dict:
-        return {"kind_of_result": "pruning_curve", "model": self.model, "metric": self.metric, "loss": self.loss,
-                "recompute": self.recompute, "fractions": self.fractions, "values": self.values,
-                "losses": self.losses, "removed": [[list(h) for h in r] for r in self.removed],
-                "within": self.within, "prunable_share": self.prunable_share, "summary": self.summary(),
-                "higher_is_better": self.higher_is_better, "notes": self.notes,
-                "prunable_share_within": {str(w): self.share_within(w) for w in (1, 2, 5, 10)}}
+        settings = {"metric": self.metric, "loss": self.loss, "recompute": self.recompute, "within": self.within}
+        return envelope("pruning_curve", {
+            "kind_of_result": "pruning_curve", "model": self.model, "metric": self.metric, "loss": self.loss,
+            "recompute": self.recompute, "fractions": self.fractions, "values": self.values,
+            "losses": self.losses, "removed": [[list(h) for h in r] for r in self.removed],
+            "within": self.within, "prunable_share": self.prunable_share, "summary": self.summary(),
+            "higher_is_better": self.higher_is_better, "notes": self.notes,
+            "prunable_share_within": {str(w): self.share_within(w) for w in (1, 2, 5, 10)}},
+            model=self.model, settings=settings)
 
     def plot(self, path: str | Path) -> Path:
         """A PNG of the metric against the share of heads removed."""
@@ -175,11 +179,12 @@ def _fmt(metric: str, v: float) -> str:
 def pruning_curve(loaded, texts, labels=None, *, loss: C.Loss = "auto", importance: torch.Tensor | None = None,
                   normalize: bool = True, step: float = 0.1, max_fraction: float = 0.9, recompute: bool = False,
                   within: float = 1.0, batch_size: int = 16, backend: str = "auto", seed: int = 0,
-                  max_length: int | None = None, progress: bool = False) -> PruningCurve:
+                  max_length: int | None = None, progress: bool | Progress = False) -> PruningCurve:
     """Metric after removing 0, 10, ..., 90% of the heads in ascending importance (see the module docstring).
 
     ``importance``: an ``(n_layers, H)`` grid to rank by (default: :func:`headlab.head_importance`
-    on the same texts with ``loss``, normalised per layer when ``normalize``)."""
+    on the same texts with ``loss``, normalised per layer when ``normalize``). ``progress``: a bar (True),
+    nothing (False) or ``progress(stage, done, total)`` (:mod:`headlab.progress`)."""
     adapter, ld = resolve(loaded)
     loss = C.choose_loss(adapter, loss, labels)
     C.check_data(texts, labels, loss)
@@ -195,8 +200,8 @@ def pruning_curve(loaded, texts, labels=None, *, loss: C.Loss = "auto", importan
             b.ref = {}
     kw = dict(loss=loss, batch_size=batch_size, normalize=normalize, backend=backend, seed=seed,
               max_length=max_length, progress=False)
-    if importance is None:
-        importance = _importance(loaded, texts, labels, **kw)[0]
+    if importance is None:  # its own bar when progress is one (a callable is not shared with importance.py)
+        importance = _importance(loaded, texts, labels, **{**kw, "progress": progress is True})[0]
     order = order_heads(importance)
     total = len(order)
     n_steps = int(round(max_fraction / step))
@@ -206,8 +211,8 @@ def pruning_curve(loaded, texts, labels=None, *, loss: C.Loss = "auto", importan
     gone: list[tuple[int, int]] = []
     metric = None
     try:
-        with progress_bar(progress) as bar:
-            task = bar.add_task("pruning curve", total=len(fractions))
+        with reporter(progress) as say:
+            say("pruning curve", 0, len(fractions))
             for f in fractions:
                 target = int(round(f * total))
                 if recompute and gone and target > len(gone):  # rank again, on the model pruned so far
@@ -224,7 +229,7 @@ def pruning_curve(loaded, texts, labels=None, *, loss: C.Loss = "auto", importan
                 values.append(float(ev[metric]))
                 losses.append(float(ev["loss"]))
                 removed.append(list(gone))
-                bar.advance(task)
+                say("pruning curve", len(values), len(fractions))
     finally:
         adapter.gates = saved
     higher = metric == "accuracy"

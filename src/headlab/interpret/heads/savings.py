@@ -16,10 +16,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from headlab.progress import progress_bar
+from headlab.progress import Progress, reporter
 from headlab.interpret.heads import examples as C
 from headlab.models.loader import resolve
 from headlab.models.pruned import prune_heads
+from headlab.results import envelope
 
 
 def kv_cache_bytes_per_token(adapter) -> int:
@@ -60,13 +61,17 @@ class Savings:
     notes: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict:
-        return {"kind_of_result": "pruning_savings", "model": self.model, "seq": self.seq, "rows": self.rows,
-                "notes": self.notes}
+        return envelope("pruning_savings", {"kind_of_result": "pruning_savings", "model": self.model, "seq": self.seq,
+                                            "rows": self.rows, "notes": self.notes},
+                        model=self.model, settings={"seq": self.seq})
 
 
 def measure_savings(loaded, order: list[tuple[int, int]], *, fractions=(0.25, 0.5, 0.75), batch_sizes=(1, 16, 64),
-                    seq: int = 128, repeats: int = 3, rounds: int = 2, gqa: str = "pad", progress: bool = False) -> Savings:
-    """Throughput of the physically pruned model against the unpruned one (see the module docstring)."""
+                    seq: int = 128, repeats: int = 3, rounds: int = 2, gqa: str = "pad",
+                    progress: bool | Progress = False) -> Savings:
+    """Throughput of the physically pruned model against the unpruned one (see the module docstring).
+
+    ``progress``: a bar (True), nothing (False) or ``progress(stage, done, total)`` (:mod:`headlab.progress`)."""
     adapter, ld = resolve(loaded)
     model = adapter.model
     vocab = model.get_input_embeddings().weight.shape[0] if hasattr(model, "get_input_embeddings") else \
@@ -78,8 +83,8 @@ def measure_savings(loaded, order: list[tuple[int, int]], *, fractions=(0.25, 0.
     base_attn = attention_params(adapter)
     base_kv = kv_cache_bytes_per_token(adapter) if causal else None
     out = Savings(ld.name if ld is not None else type(model).__name__, seq)
-    with progress_bar(progress) as bar:
-        task = bar.add_task("throughput", total=len(fractions) * len(batch_sizes))
+    with reporter(progress) as say:
+        say("throughput", 0, len(fractions) * len(batch_sizes))
         for f in fractions:
             n = int(round(f * total))
             heads: dict[int, list[int]] = {}
@@ -107,7 +112,7 @@ def measure_savings(loaded, order: list[tuple[int, int]], *, fractions=(0.25, 0.
                     "attention_params": attention_params(pa), "attention_params_unpruned": base_attn,
                     "kv_cache_bytes_per_token": kv_cache_bytes_per_token(pa) if causal else None,
                     "kv_cache_bytes_per_token_unpruned": base_kv, "notes": p.notes})
-                bar.advance(task)
+                say("throughput", len(out.rows), len(fractions) * len(batch_sizes))
             del p
     out.notes.append(f"""forward pass only, no grad, the model's own attention path; sequence {seq}; median of "
                      f"{repeats} runs after a warm-up, best of {rounds} alternating rounds; examples/s = batch / time; the CPU-time gain (process CPU seconds per forward, unpruned / pruned

@@ -22,10 +22,11 @@ import torch
 from headlab.interpret.patching import runs
 from headlab.interpret.patching.result import PatchResult, normalise
 from headlab.models.tensor_parallel import by_heads
+from headlab.progress import Progress, reporter
 
 
 def patch(model, clean, corrupted, metric, *, sites: str | list[str] = "z", positions=None, layers=None,
-          max_rows: int = 256, backend: str | None = None, progress: bool = False) -> PatchResult:
+          max_rows: int = 256, backend: str | None = None, progress: bool | Progress = False) -> PatchResult:
     """The effect of patching each head's activation from the corrupted run into the clean one.
 
     Args:
@@ -40,7 +41,8 @@ def patch(model, clean, corrupted, metric, *, sites: str | list[str] = "z", posi
         layers: the layers to patch (default all).
         max_rows: rows per forward (``configurations * B``).
         backend: the attention backend of every run (default: the adapter's, else ``"auto"``).
-        progress: show a progress bar. Interrupted (Ctrl-C), the result keeps what was measured.
+        progress: a bar (True), nothing (False) or ``progress(stage, done, total)`` (:mod:`headlab.progress`).
+            Interrupted (Ctrl-C), the result keeps what was measured.
 
     Returns:
         :class:`~headlab.interpret.patching.result.PatchResult` (``method="exact"``).
@@ -72,35 +74,33 @@ def patch(model, clean, corrupted, metric, *, sites: str | list[str] = "z", posi
                for h in range(runs.n_heads(kind, corrupt_cache[a.site_name(l, kind)])) for p in range(P)]
     width = {k: max(runs.n_heads(k, corrupt_cache[a.site_name(l, k)]) for l in chosen_layers) for k in kinds}
     raw = {k: torch.full((a.n_layers, width[k], *(() if pos is None else (P,))), float("nan")) for k in kinds}
-    bar, task = runs.progress_bar(progress, len(configs))
     done = 0
     try:
-        for chunk in runs.chunks(configs, per_forward):
-            edits = {}
-            for kind in {c[0] for c in chunk}:
-                for l in {c[1] for c in chunk if c[0] == kind}:
-                    name = a.site_name(l, kind)
-                    src = corrupt_cache[name]  # (B, heads, L, ...), or (B, L, E) for a residual site
-                    mask = torch.zeros(len(chunk), runs.n_heads(kind, src), pair.length, dtype=torch.bool)  # (C, heads, L)
-                    for i, (k2, l2, h, p) in enumerate(chunk):
-                        if (k2, l2) == (kind, l):
-                            if pos is None:
-                                mask[i, h, :] = True
-                            else:
-                                mask[i, h, pos[p]] = True
-                    edits[name] = _on_owners(kind, mask, pair.n, src)
-            vals, _ = runs.run_metric(pair, metric, pair.clean, len(chunk), edits=edits, backend=backend)
-            for i, (kind, l, h, p) in enumerate(chunk):
-                idx = (l, h) if pos is None else (l, h, p)
-                raw[kind][idx] = float(vals[i].mean()) - m_clean
-            done += len(chunk)
-            if bar is not None:
-                bar.advance(task, len(chunk))
+        with reporter(progress) as say:
+            say("patching", 0, len(configs))
+            for chunk in runs.chunks(configs, per_forward):
+                edits = {}
+                for kind in {c[0] for c in chunk}:
+                    for l in {c[1] for c in chunk if c[0] == kind}:
+                        name = a.site_name(l, kind)
+                        src = corrupt_cache[name]  # (B, heads, L, ...), or (B, L, E) for a residual site
+                        mask = torch.zeros(len(chunk), runs.n_heads(kind, src), pair.length,
+                                           dtype=torch.bool)  # (C, heads, L)
+                        for i, (k2, l2, h, p) in enumerate(chunk):
+                            if (k2, l2) == (kind, l):
+                                if pos is None:
+                                    mask[i, h, :] = True
+                                else:
+                                    mask[i, h, pos[p]] = True
+                        edits[name] = _on_owners(kind, mask, pair.n, src)
+                vals, _ = runs.run_metric(pair, metric, pair.clean, len(chunk), edits=edits, backend=backend)
+                for i, (kind, l, h, p) in enumerate(chunk):
+                    idx = (l, h) if pos is None else (l, h, p)
+                    raw[kind][idx] = float(vals[i].mean()) - m_clean
+                done += len(chunk)
+                say("patching", done, len(configs))
     except KeyboardInterrupt:  # keep what was measured: the rest stays NaN, and the notes say so
         pass
-    finally:
-        if bar is not None:
-            bar.__exit__(None, None, None)
     notes = [] if done == len(configs) else [f"interrupted after {done} of {len(configs)} configurations; the "
                                                    "others are NaN"]
     if any(k in kinds for k in ("k", "v")) and a.n_kv_heads != a.n_heads:

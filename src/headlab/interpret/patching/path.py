@@ -30,6 +30,7 @@ import torch
 from headlab.errors import ConfigError
 from headlab.interpret.patching import runs
 from headlab.interpret.patching.result import PatchResult, normalise
+from headlab.progress import Progress, reporter
 
 RECEIVER_INPUTS = ("q", "k", "v")
 
@@ -52,7 +53,7 @@ def _heads(items, adapter, what: str) -> list[tuple[int, int]]:
 
 def path_patch(model, clean, corrupted, metric, *, receivers: Sequence[tuple[int, int]] | None = None,
                receiver_input: str | Sequence[str] = "q", senders: Sequence[tuple[int, int]] | None = None,
-               max_rows: int = 256, backend: str | None = None, progress: bool = False) -> PatchResult:
+               max_rows: int = 256, backend: str | None = None, progress: bool | Progress = False) -> PatchResult:
     """Path patching from each sender head into the receivers' ``receiver_input`` (or the logits).
 
     Args:
@@ -63,7 +64,8 @@ def path_patch(model, clean, corrupted, metric, *, receivers: Sequence[tuple[int
         senders: ``[(layer, head), ...]``; default every head of every layer before the last receiver's
             (every head, with ``receivers=None``).
         max_rows: rows per forward (senders stacked times B examples).
-        progress: show a progress bar. Interrupted (Ctrl-C), the result keeps what was measured.
+        progress: a bar (True), nothing (False) or ``progress(stage, done, total)`` (:mod:`headlab.progress`).
+            Interrupted (Ctrl-C), the result keeps what was measured.
 
     Returns:
         :class:`PatchResult` with ``method="path"`` and a ``(n_layers, H)`` grid ``effects["z"]``.
@@ -92,21 +94,18 @@ def path_patch(model, clean, corrupted, metric, *, receivers: Sequence[tuple[int
         for kind in inputs:
             recv_sites.setdefault(a.site_name(l, kind), []).append(h if kind == "q" else h // group)
     raw = torch.full((a.n_layers, a.n_heads), float("nan"))
-    bar, task = runs.progress_bar(progress, len(send), "path patching")
     done = 0
     try:
-        for chunk in runs.chunks(send, runs.copies_per_forward(pair.n, max_rows)):
-            vals = _sender_chunk(pair, metric, chunk, clean_cache, corrupt_cache, recv_sites, recv is None, backend)
-            for i, (l, h) in enumerate(chunk):
-                raw[l, h] = float(vals[i].mean()) - m_clean
-            done += len(chunk)
-            if bar is not None:
-                bar.advance(task, len(chunk))
+        with reporter(progress) as say:
+            say("path patching", 0, len(send))
+            for chunk in runs.chunks(send, runs.copies_per_forward(pair.n, max_rows)):
+                vals = _sender_chunk(pair, metric, chunk, clean_cache, corrupt_cache, recv_sites, recv is None, backend)
+                for i, (l, h) in enumerate(chunk):
+                    raw[l, h] = float(vals[i].mean()) - m_clean
+                done += len(chunk)
+                say("path patching", done, len(send))
     except KeyboardInterrupt:  # keep what was measured
         pass
-    finally:
-        if bar is not None:
-            bar.__exit__(None, None, None)
     notes = ["every non-sender head's output z is frozen at its clean value in the sender run; MLPs recompute"]
     if done < len(send):
         notes.append(f"interrupted after {done} of {len(send)} senders; the others are NaN")

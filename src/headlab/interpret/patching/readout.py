@@ -33,6 +33,7 @@ from headlab.interpret.capture.run import _prepare_inputs
 from headlab.interpret.patching.metrics import _ids, _rows, check_position
 from headlab.models.loader import resolve
 from headlab.models.readout import readout_of
+from headlab.results import envelope
 
 
 def _at(t: torch.Tensor, position) -> torch.Tensor:
@@ -71,8 +72,8 @@ class LensResult:
         return torch.topk(self.logits[:, example], k, dim=-1).indices.tolist()
 
     def to_json(self, k: int = 5) -> dict:
-        return {"kind_of_result": "logit_lens", "depths": int(self.logits.shape[0]),
-                "top": [self.top(k, b) for b in range(self.logits.shape[1])]}
+        return envelope("logit_lens", {"kind_of_result": "logit_lens", "depths": int(self.logits.shape[0]),
+                                       "top": [self.top(k, b) for b in range(self.logits.shape[1])]}, settings={"k": k})
 
 
 def logit_lens(model, inputs, *, position=-1, backend: str | None = None) -> LensResult:
@@ -117,11 +118,12 @@ class DLAResult:
         return [(int(i) // H, int(i) % H, float(flat[i])) for i in torch.argsort(flat.abs(), descending=True)[:k]]
 
     def to_json(self) -> dict:
-        return {"kind_of_result": "direct_logit_attribution", "model": self.model,
+        return envelope("direct_logit_attribution", {"kind_of_result": "direct_logit_attribution", "model": self.model,
                 "heads": np.round(self.heads.double().numpy(), 6).tolist(),
                 "rest": self.rest.tolist(), "logit_diff": self.logit_diff.tolist(),
                 "top": [list(t) for t in self.top()],
-                "note": "terms at the run's final-norm scale (frozen); heads + rest = the model's logit difference"}
+                "note": "terms at the run's final-norm scale (frozen); heads + rest = the model's logit difference"},
+                        model=self.model)
 
 
 def direct_logit_attribution(model, inputs, correct, wrong, *, position=-1, backend: str | None = None) -> DLAResult:

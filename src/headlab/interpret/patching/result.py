@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from headlab.results import envelope
+
 CONVENTION = "(m_patched - m_clean) / (m_corrupted - m_clean): 0 = no change, 1 = the whole clean/corrupted gap"
 
 
@@ -92,13 +94,16 @@ class PatchResult:
             a = t.double().numpy()
             return np.where(np.isnan(a), None, np.round(a, 6)).tolist()
 
-        return {"kind_of_result": "patching", "model": self.model, "method": self.method, "metric": self.metric,
+        settings = {"method": self.method, "metric": self.metric, "positions": self.positions,
+                    "receivers": self.receivers}
+        return envelope("patching", {
+                "kind_of_result": "patching", "model": self.model, "method": self.method, "metric": self.metric,
                 "convention": CONVENTION, "n_examples": self.n_examples, "clean": self.clean,
                 "corrupted": self.corrupted, "positions": self.positions, "receivers": self.receivers,
                 "effects": {k: arr(v) for k, v in self.effects.items()},
                 "raw": {k: arr(v) for k, v in self.raw.items()},
                 "top": {k: [list(t) for t in self.top(10, k)] for k in self.effects},
-                "seconds": self.seconds, "notes": self.notes}
+                "seconds": self.seconds, "notes": self.notes}, model=self.model, settings=settings)
 
     def html(self) -> str:
         """The page body: one heatmap table per site kind (blue = towards the corrupted run, red = away)."""

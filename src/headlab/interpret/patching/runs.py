@@ -166,14 +166,3 @@ def copies_per_forward(n: int, max_rows: int) -> int:
     if isinstance(max_rows, bool) or not isinstance(max_rows, int) or max_rows < 1:
         raise ConfigError(f"max_rows (rows per forward) must be a positive integer, got {max_rows!r}")
     return max(1, max_rows // n)
-
-
-def progress_bar(show: bool, total: int, label: str = "patching"):
-    """``(bar, task)`` of :func:`headlab.progress.progress`, entered; ``(None, None)`` when not shown."""
-    if not show:
-        return None, None
-    from headlab.progress import progress as make
-
-    bar = make()
-    bar.__enter__()
-    return bar, bar.add_task(label, total=total)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import inspect
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -30,8 +30,8 @@ from headlab.interpret.probing.gold import OFFSETS, GoldCounts, gold_counts
 from headlab.interpret.probing.measures import SurfaceStats, classical_mds, grad_sums, js_sums
 from headlab.interpret.probing.probe_result import MEASURES, ProbeResult
 from headlab.interpret.probing.treebank import Skipped, Treebank, read_treebank
+from headlab.progress import Progress, reporter
 
-Progress = Callable[[str, int, int], None]  # (stage, done, total)
 BATCH_BYTES = 192 << 20  # the captured maps of one batch (float32, every layer and head)
 MAX_BATCH = 256
 HEAD_MAP_SENTENCES = 100
@@ -236,7 +236,7 @@ def probe(
     loss_model="auto",
     min_count: int = 10,
     batch_bytes: int = BATCH_BYTES,
-    progress: Progress | None = None,
+    progress: bool | Progress | None = None,
 ) -> ProbeResult:
     """Score every attention head of ``loaded`` against the gold trees of a CoNLL-U file.
 
@@ -257,7 +257,8 @@ def probe(
             folder with such a head and the same heads, or None.
         min_count: a relation needs this many cases before a head counts as beating its baseline.
         batch_bytes: the captured maps of one batch stay below this.
-        progress: called as ``progress(stage, done, total)``.
+        progress: a bar on stderr (True), nothing (None, False) or ``progress(stage, done, total)``
+            (:mod:`headlab.progress`); only rank 0 reports.
 
     Returns:
         :class:`~headlab.interpret.probing.probe_result.ProbeResult`.
@@ -265,109 +266,109 @@ def probe(
     from headlab.models.loader import LoadedModel, load
 
     t0 = time.perf_counter()
-    say = progress or (lambda stage, done, total: None)
-    for name, v in (("head_map_sentences", head_map_sentences), ("grad_sentences", grad_sentences)):
-        if v < 0:
-            raise InputError(f"{name} must be 0 or more, got {v}")
-    tb = read_treebank(treebank_path, fold_subtypes=fold_subtypes, limit=limit)  # bad input first, then the model
-    names = choose_relations(tb, relations)
-    if not isinstance(loaded, LoadedModel):
-        loaded = load(loaded)
-    al.check_fast(loaded.tokenizer, loaded.name)
-    rel_index = {r: i for i, r in enumerate(names)}
-    chosen, grad_note = (resolve_loss_model(loaded, loss_model) if grad_sentences else
-                         (None, "gradient test not run (grad_sentences=0)"))
+    with reporter(progress) as say:  # the one display (headlab.progress)
+        for name, v in (("head_map_sentences", head_map_sentences), ("grad_sentences", grad_sentences)):
+            if v < 0:
+                raise InputError(f"{name} must be 0 or more, got {v}")
+        tb = read_treebank(treebank_path, fold_subtypes=fold_subtypes, limit=limit)  # bad input first, then the model
+        names = choose_relations(tb, relations)
+        if not isinstance(loaded, LoadedModel):
+            loaded = load(loaded)
+        al.check_fast(loaded.tokenizer, loaded.name)
+        rel_index = {r: i for i, r in enumerate(names)}
+        chosen, grad_note = (resolve_loss_model(loaded, loss_model) if grad_sentences else
+                             (None, "gradient test not run (grad_sentences=0)"))
 
-    adapter = loaded.adapter
-    L, H, heads = adapter.n_layers, adapter.n_heads, adapter.layer_heads  # a pruned model's layers may differ
-    K, R = sum(heads), len(names)
-    causal = _is_causal(loaded)
-    items, align_skips = al.align_sentences(loaded.tokenizer, tb.sentences, max_positions=loaded.max_positions)
-    skipped = list(tb.skipped) + [Skipped(i, why) for i, why in align_skips]
-    if not items:
-        raise InputError(f"no sentence of {tb.path} can be probed with {loaded.name}: "
-                         f"{skipped[0].sent_id}: {skipped[0].reason}" if skipped else "no sentence")
-    map_ids = {id(a) for a in items[:head_map_sentences]}
-    mean_t = float(np.mean([a.n_tokens for a in items[:head_map_sentences]])) if head_map_sentences else 1.0
-    rows_each = max(1, int(head_map_budget / (K * K * mean_t * max(1, min(head_map_sentences, len(items))))))
-    pad = getattr(loaded.tokenizer, "pad_token_id", None)
-    pad = 0 if pad is None else pad
+        adapter = loaded.adapter
+        L, H, heads = adapter.n_layers, adapter.n_heads, adapter.layer_heads  # a pruned model's layers may differ
+        K, R = sum(heads), len(names)
+        causal = _is_causal(loaded)
+        items, align_skips = al.align_sentences(loaded.tokenizer, tb.sentences, max_positions=loaded.max_positions)
+        skipped = list(tb.skipped) + [Skipped(i, why) for i, why in align_skips]
+        if not items:
+            raise InputError(f"no sentence of {tb.path} can be probed with {loaded.name}: "
+                             f"{skipped[0].sent_id}: {skipped[0].reason}" if skipped else "no sentence")
+        map_ids = {id(a) for a in items[:head_map_sentences]}
+        mean_t = float(np.mean([a.n_tokens for a in items[:head_map_sentences]])) if head_map_sentences else 1.0
+        rows_each = max(1, int(head_map_budget / (K * K * mean_t * max(1, min(head_map_sentences, len(items))))))
+        pad = getattr(loaded.tokenizer, "pad_token_id", None)
+        pad = 0 if pad is None else pad
 
-    correct = torch.zeros(2, K, R)
-    gold = GoldCounts(np.zeros((2, R)), np.zeros((2, R)), np.zeros((2, len(OFFSETS), R)))
-    surface = SurfaceStats(K)
-    js = torch.zeros(K, K, dtype=torch.float64)
-    js_rows = 0.0
-    notes: list[str] = []
-    done, n_tokens, in_map = 0, 0, 0
-    # under torchrun each rank takes every W-th sentence and the sums are added (identity on one process)
-    mine = [items[i] for i in shard_indices(len(items))]
-    if not is_main():
-        say = _silent
-    say("sentences", 0, len(mine))
-    try:
-        with torch.inference_mode():
-            for group in _batches(mine, K, batch_bytes):
-                b = al.make_batch(group, rel_index, pad)
-                att = _patterns(loaded, b, backend)  # (B, K, T, T)
-                valid = b.attention_mask.bool()
-                pred = al.predict(al.word_attention(att, b.a_to), b.candidates)  # (B, K, N)
-                correct += al.score(pred, b, R)
-                gold += gold_counts([a.sentence for a in group], rel_index)
-                surface.add(att, valid, b.sep, b.punct)
-                for k, a in enumerate(group):
-                    if id(a) in map_ids:
-                        t = a.n_tokens
-                        # evenly spaced from the last row back (a decoder's first row is all on token 0)
-                        rows = np.unique(np.linspace(t - 1, 0, min(t, rows_each) + 1)[:min(t, rows_each)].round()
-                                         .astype(int))
-                        js += js_sums(att[k, :, rows, :t])
-                        js_rows += len(rows)
-                        in_map += 1
-                done += len(group)
-                n_tokens += int(valid.sum())
-                say("sentences", done, len(mine))
-    except KeyboardInterrupt:
-        notes.append(f"interrupted after {done} of {len(items)} sentences: the figures cover those")
-    # the sums of every rank (one message; nothing changes on one process)
-    sums = all_reduce_many([correct, gold.count, gold.visible, gold.correct, js,
-                            *surface.sums.values(), [surface.n_query, surface.n_pairs, float(surface.any_sep),
-                                                     js_rows, done, n_tokens, in_map]])
-    correct, js = sums[0].float(), sums[4]
-    gold = GoldCounts(sums[1].numpy(), sums[2].numpy(), sums[3].numpy())
-    surface.sums = dict(zip(surface.sums, sums[5:-1]))
-    surface.n_query, surface.n_pairs, any_sep, js_rows, done, n_tokens, in_map = sums[-1].tolist()
-    surface.any_sep = any_sep > 0
-    done, n_tokens, in_map = int(done), int(n_tokens), int(in_map)
-    if done == 0:
-        raise KeyboardInterrupt
+        correct = torch.zeros(2, K, R)
+        gold = GoldCounts(np.zeros((2, R)), np.zeros((2, R)), np.zeros((2, len(OFFSETS), R)))
+        surface = SurfaceStats(K)
+        js = torch.zeros(K, K, dtype=torch.float64)
+        js_rows = 0.0
+        notes: list[str] = []
+        done, n_tokens, in_map = 0, 0, 0
+        # under torchrun each rank takes every W-th sentence and the sums are added (identity on one process)
+        mine = [items[i] for i in shard_indices(len(items))]
+        if not is_main():
+            say = _silent
+        say("sentences", 0, len(mine))
+        try:
+            with torch.inference_mode():
+                for group in _batches(mine, K, batch_bytes):
+                    b = al.make_batch(group, rel_index, pad)
+                    att = _patterns(loaded, b, backend)  # (B, K, T, T)
+                    valid = b.attention_mask.bool()
+                    pred = al.predict(al.word_attention(att, b.a_to), b.candidates)  # (B, K, N)
+                    correct += al.score(pred, b, R)
+                    gold += gold_counts([a.sentence for a in group], rel_index)
+                    surface.add(att, valid, b.sep, b.punct)
+                    for k, a in enumerate(group):
+                        if id(a) in map_ids:
+                            t = a.n_tokens
+                            # evenly spaced from the last row back (a decoder's first row is all on token 0)
+                            rows = np.unique(np.linspace(t - 1, 0, min(t, rows_each) + 1)[:min(t, rows_each)].round()
+                                             .astype(int))
+                            js += js_sums(att[k, :, rows, :t])
+                            js_rows += len(rows)
+                            in_map += 1
+                    done += len(group)
+                    n_tokens += int(valid.sum())
+                    say("sentences", done, len(mine))
+        except KeyboardInterrupt:
+            notes.append(f"interrupted after {done} of {len(items)} sentences: the figures cover those")
+        # the sums of every rank (one message; nothing changes on one process)
+        sums = all_reduce_many([correct, gold.count, gold.visible, gold.correct, js,
+                                *surface.sums.values(), [surface.n_query, surface.n_pairs, float(surface.any_sep),
+                                                         js_rows, done, n_tokens, in_map]])
+        correct, js = sums[0].float(), sums[4]
+        gold = GoldCounts(sums[1].numpy(), sums[2].numpy(), sums[3].numpy())
+        surface.sums = dict(zip(surface.sums, sums[5:-1]))
+        surface.n_query, surface.n_pairs, any_sep, js_rows, done, n_tokens, in_map = sums[-1].tolist()
+        surface.any_sep = any_sep > 0
+        done, n_tokens, in_map = int(done), int(n_tokens), int(in_map)
+        if done == 0:
+            raise KeyboardInterrupt
 
-    per_head = {k: np.full((L, H), np.nan) for k in MEASURES}
-    for k, v in surface.means().items():
-        per_head[k] = _on_grid(v, heads)
-    if chosen is not None and not notes:
-        per_head.update(_gradient_test(chosen, [a.sentence for a in items[:grad_sentences]], causal,
-                                       batch_bytes, backend, say))
-        grad_note += f" ({min(grad_sentences, len(items))} sentences)"
-    head_map = None
-    if in_map >= 1 and js_rows:
-        head_map = _on_grid(classical_mds(np.sqrt((js / js_rows).numpy())), heads).reshape(L * H, 2)
+        per_head = {k: np.full((L, H), np.nan) for k in MEASURES}
+        for k, v in surface.means().items():
+            per_head[k] = _on_grid(v, heads)
+        if chosen is not None and not notes:
+            per_head.update(_gradient_test(chosen, [a.sentence for a in items[:grad_sentences]], causal,
+                                           batch_bytes, backend, say))
+            grad_note += f" ({min(grad_sentences, len(items))} sentences)"
+        head_map = None
+        if in_map >= 1 and js_rows:
+            head_map = _on_grid(classical_mds(np.sqrt((js / js_rows).numpy())), heads).reshape(L * H, 2)
 
-    count = gold.count
-    acc = _on_grid(correct.numpy() / np.maximum(count[:, None, :], 1), heads, axis=1)  # (2, L, H, R)
-    base = gold.correct / np.maximum(count[:, None, :], 1)  # (2, O, R)
-    best = base.argmax(1)
-    offsets = np.asarray(OFFSETS)[best]
-    base_acc = np.take_along_axis(base, best[:, None, :], 1)[:, 0]
-    if causal:
-        notes.append("causal model: a word sees only earlier words, so dep->head can be right only when the head "
-                     "comes first and head->dep only when a dependent does (the 'visible' share of each relation)")
-    return ProbeResult(
-        model=loaded.name, family=loaded.family, causal=causal, treebank=tb.path, n_layers=L, n_heads=H,
-        sentences=done, tokens=n_tokens, relation_names=names, accuracy=acc, count=count, visible=gold.visible,
-        baseline_accuracy=base_acc, baseline_offset=offsets, per_head=per_head, skipped=skipped,
-        head_map=head_map, head_map_sentences=in_map, grad_note=grad_note, seconds=time.perf_counter() - t0,
-        notes=notes, fold_subtypes=fold_subtypes, min_count=min_count)
+        count = gold.count
+        acc = _on_grid(correct.numpy() / np.maximum(count[:, None, :], 1), heads, axis=1)  # (2, L, H, R)
+        base = gold.correct / np.maximum(count[:, None, :], 1)  # (2, O, R)
+        best = base.argmax(1)
+        offsets = np.asarray(OFFSETS)[best]
+        base_acc = np.take_along_axis(base, best[:, None, :], 1)[:, 0]
+        if causal:
+            notes.append("causal model: a word sees only earlier words, so dep->head can be right only when the head "
+                         "comes first and head->dep only when a dependent does (the 'visible' share of each relation)")
+        return ProbeResult(
+            model=loaded.name, family=loaded.family, causal=causal, treebank=tb.path, n_layers=L, n_heads=H,
+            sentences=done, tokens=n_tokens, relation_names=names, accuracy=acc, count=count, visible=gold.visible,
+            baseline_accuracy=base_acc, baseline_offset=offsets, per_head=per_head, skipped=skipped,
+            head_map=head_map, head_map_sentences=in_map, grad_note=grad_note, seconds=time.perf_counter() - t0,
+            notes=notes, fold_subtypes=fold_subtypes, min_count=min_count)
 
 
 __all__ = ["BATCH_BYTES", "choose_relations", "probe", "resolve_loss_model"]

@@ -19,6 +19,7 @@ import numpy as np
 from headlab.errors import InputError
 from headlab.interpret.probing.gold import DIRECTIONS
 from headlab.interpret.probing.treebank import Skipped
+from headlab.results import envelope, write_json
 
 # per-head measurements (Clark et al. 2019, section 3), each (n_layers, n_heads)
 MEASURES = {
@@ -258,8 +259,11 @@ class ProbeResult:
                               for b in self.best_heads]}
 
     def to_json(self) -> dict:
-        """Everything, JSON-ready (``ProbeResult.from_json`` reads it back)."""
-        return {
+        """Everything, JSON-ready, in the result envelope (:mod:`headlab.results`; ``ProbeResult.from_json``
+        reads it back)."""
+        settings = {"treebank": self.treebank, "fold_subtypes": self.fold_subtypes, "min_count": self.min_count,
+                    "head_map_sentences": self.head_map_sentences}
+        return envelope("probe", {
             "kind": "headlab.probe", "model": self.model, "family": self.family, "causal": self.causal,
             "treebank": self.treebank, "n_layers": self.n_layers, "n_heads": self.n_heads,
             "sentences": self.sentences, "tokens": self.tokens, "seconds": round(self.seconds, 3),
@@ -275,7 +279,7 @@ class ProbeResult:
             "per_head": {k: [[_f(x) for x in row] for row in v.tolist()] for k, v in self.per_head.items()},
             "head_map": None if self.head_map is None else _nan_to_none(np.round(self.head_map, 6).tolist()),
             "head_map_sentences": self.head_map_sentences,
-        }
+        }, model=self.model, settings=settings)
 
     @classmethod
     def from_json(cls, d: dict) -> ProbeResult:
@@ -297,9 +301,7 @@ class ProbeResult:
             notes=d["notes"], fold_subtypes=d["fold_subtypes"], min_count=d["min_count"])
 
     def save_json(self, path: str | os.PathLike) -> Path:
-        path = Path(path)
-        path.write_text(json.dumps(self.to_json(), ensure_ascii=False), encoding="utf-8")
-        return path
+        return write_json(path, self.to_json(), indent=None, ensure_ascii=False)
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> ProbeResult:

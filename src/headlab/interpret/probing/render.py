@@ -23,9 +23,9 @@ from pathlib import Path
 
 import numpy as np
 
-from headlab.errors import InputError
 from headlab.interpret import shell
 from headlab.interpret.probing.gold import DIRECTIONS
+from headlab.results import check_output_dir
 
 OUTPUT_FILES = ("relations.csv", "relations.json", "relations_heatmap.png", "head_map.png", "probe.html")
 MAX_HEATMAP_RELATIONS = 30  # the most frequent relations drawn in the heatmap
@@ -42,14 +42,10 @@ CLARK_TABLE1 = {
 }
 
 
-def prepare_out_dir(out_dir: str | os.PathLike, *, force: bool = False) -> Path:
-    """Check before any work that ``out_dir`` can take the probe's files (new, empty, or ``force``)."""
-    path = Path(out_dir).expanduser()
-    if path.exists() and not path.is_dir():
-        raise InputError(f"the output path {str(path)!r} is a file; give a folder (it is created if missing)")
-    if path.is_dir() and any(path.iterdir()) and not force:
-        raise InputError(f"the output folder {str(path)!r} exists and is not empty; choose another with --out, "
-                         "or pass --force to replace the probe files in it")
+def prepare_out_dir(out_dir: str | os.PathLike, *, force: bool = False, option: str = "--out") -> Path:
+    """Check before any work that ``out_dir`` can take the probe's files (new, empty, or ``force``: the one
+    check, :func:`headlab.results.check_output_dir`), then make it."""
+    path = check_output_dir(out_dir, option, force=force)
     path.mkdir(parents=True, exist_ok=True)
     return path
 

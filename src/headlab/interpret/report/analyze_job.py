@@ -33,11 +33,9 @@ of MiniLM at 256 tokens already make a 12 MB page, and token labels stop being r
 from __future__ import annotations
 
 import csv
-import json
 import os
-import tempfile
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -59,12 +57,13 @@ from headlab.interpret.heads.labels import HeadRecord, LabelThresholds
 from headlab.interpret.report.html import render_html
 from headlab.interpret.report.sections import Job, Section, registered
 from headlab.interpret.report.sections.heads import HeadsTable, initial_head, memory_hint
+from headlab.progress import Progress, messages, reporter
+from headlab.results import Unwritable, check_output_dir, envelope
+from headlab.results import write_json as _write_json
 
 MAX_FULL_TOKENS = 256  # above this many tokens: streaming statistics, maps for chosen heads only
 REPORT_FILES = ("report.html", "heads.csv", "heads.json")
 _PNG_GLOB = "layer_*.png"
-
-Progress = Callable[[str], None]
 
 
 @dataclass
@@ -110,31 +109,28 @@ class ReportResult:
 
 
 def prepare_out_dir(out_dir: str | os.PathLike, *, force: bool) -> Path:
-    """Check (before any work) that ``out_dir`` can take a report; with ``force``, remove the files
-    a previous report left there (only those: ``report.html``, ``heads.csv``, ``heads.json``,
-    ``layer_*.png``)."""
+    """Check (before any work) that ``out_dir`` can take a report (:func:`headlab.results.check_output_dir`,
+    in the report's words); with ``force``, remove the files a previous report left there (only those:
+    ``report.html``, ``heads.csv``, ``heads.json``, ``layer_*.png``)."""
     path = Path(out_dir).expanduser()
     resolved = path.resolve()
     if resolved.parts[1:2] in (("proc",), ("sys",)):
         raise InputError(f"the output folder {str(path)!r} is under /{resolved.parts[1]}, a kernel filesystem that "
                          "takes no files; choose a folder on disk with --out")
-    if path.exists() and not path.is_dir():
-        raise InputError(f"the output path {str(path)!r} is a file; give a folder (it is created if missing)")
-    if path.is_dir() and any(path.iterdir()):
-        if not force:
-            raise InputError(f"the output folder {str(path)!r} exists and is not empty; choose another with --out, "
-                             "or pass --force to write into it (previous report files are replaced)")
+    try:
+        check_output_dir(path, "the output path", force=force)
+        path.mkdir(parents=True, exist_ok=True)
+    except Unwritable as e:
+        raise InputError(f"cannot write the report into {str(path)!r}: {e.reason}; "
+                         "choose a writable folder with --out") from None
+    except OSError as e:
+        raise InputError(f"cannot write the report into {str(path)!r}: {e.strerror or e}; "
+                         "choose a writable folder with --out") from None
+    if force:
         for name in REPORT_FILES:
             (path / name).unlink(missing_ok=True)
         for png in path.glob(_PNG_GLOB):
             png.unlink()
-    try:  # can a file be written there? Found now, not after the computing
-        path.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=path):
-            pass
-    except OSError as e:
-        raise InputError(f"cannot write the report into {str(path)!r}: {e.strerror or e}; "
-                         "choose a writable folder with --out") from None
     return path
 
 
@@ -171,11 +167,12 @@ def write_csv(records: Sequence[HeadRecord], path: str | os.PathLike) -> Path:
 
 
 def write_json(records: Sequence[HeadRecord], path: str | os.PathLike, **meta) -> Path:
-    """The per-head table as JSON: ``{**meta, "heads": [record, ...]}``."""
-    path = Path(path)
-    path.write_text(json.dumps({**meta, "heads": [r.as_dict() for r in records]}, indent=1, ensure_ascii=False),
-                    encoding="utf-8")
-    return path
+    """The per-head table as JSON: ``{**meta, "heads": [record, ...]}``, in the result envelope (kind
+    ``analyze``, :mod:`headlab.results`)."""
+    settings = {k: meta[k] for k in ("backend", "max_full_tokens", "thresholds") if k in meta}
+    doc = envelope("analyze", {**meta, "heads": [r.as_dict() for r in records]}, model=meta.get("model"),
+                   settings=settings)
+    return _write_json(path, doc, ensure_ascii=False)
 
 
 # ---- the job --------------------------------------------------------------------------------------
@@ -208,7 +205,7 @@ def analyze(
     heads: str | Sequence[tuple[int, int]] | None = None,
     truncate: bool = False,
     thresholds: LabelThresholds = LabelThresholds(),
-    progress: Progress | None = None,
+    progress: bool | Progress | None = None,
     annotations: Mapping[tuple[int, int], str | Sequence[str]] | None = None,
     flow: bool = False,
 ) -> ReportResult:
@@ -231,7 +228,9 @@ def analyze(
         truncate: for text longer than the model's positions, keep the first positions and say so
             in the notes (default: :class:`~headlab.errors.InputError`).
         thresholds: when a pattern label is given (see :mod:`headlab.interpret.heads.labels`).
-        progress: called with a short message before each step.
+        progress: a display on stderr (True), nothing (None, False) or ``progress(stage, done, total)``
+            (:mod:`headlab.progress`), called with each step's name (``total`` 0: a step of unknown length)
+            as it starts; the older ``progress(message)`` still works.
         annotations: findings of other studies per head, ``{(layer, head): text}`` (see
             :func:`~headlab.interpret.report.annotations.study_annotations`: a probe's relation heads,
             importance ranks and ablation verdicts); shown in the table, the head panel and
@@ -245,101 +244,104 @@ def analyze(
     from headlab.attention import backends as _backends
     from headlab.models.loader import load
 
-    say = progress or (lambda msg: None)
-    if not isinstance(text, str) or not text.strip():
-        raise InputError("the text is empty (or only whitespace): give at least one word to analyse")
-    if max_full_tokens < 1:
-        raise InputError(f"max_full_tokens must be at least 1, got {max_full_tokens}")
-    if backend is not None and backend != "auto":
-        _backends.get(backend)  # UnknownBackendError naming the registered ones, before any work
-    out = prepare_out_dir(out_dir, force=force)
+    with reporter(progress, legacy=messages) as report:  # the one display (headlab.progress)
+        def say(message: str) -> None:  # each step a stage of unknown length
+            report(message, 0, 0)
 
-    if isinstance(model, str | os.PathLike):
-        say(f"loading model {os.fspath(model)}")
-        loaded = load(model)
-    else:
-        loaded = model
-    adapter = loaded.adapter
-    n_layers, n_heads, counts = adapter.n_layers, adapter.n_heads, adapter.layer_heads
-    chosen = parse_heads(heads, n_layers, counts)
-    for layer, head in (annotations or {}):
-        if not (0 <= layer < n_layers and 0 <= head < counts[layer]):
-            raise InputError(f"an annotation names head {layer}.{head}, which {loaded.name} does not have "
-                             f"(layers 0..{n_layers - 1}, heads per layer {heads_text(counts)}): was the study run "
-                             "on another model?")
+        if not isinstance(text, str) or not text.strip():
+            raise InputError("the text is empty (or only whitespace): give at least one word to analyse")
+        if max_full_tokens < 1:
+            raise InputError(f"max_full_tokens must be at least 1, got {max_full_tokens}")
+        if backend is not None and backend != "auto":
+            _backends.get(backend)  # UnknownBackendError naming the registered ones, before any work
+        out = prepare_out_dir(out_dir, force=force)
 
-    notes: list[str] = []
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        inputs = loaded.encode(text, truncate=truncate)
-    notes += [str(w.message) for w in caught if issubclass(w.category, UserWarning)]
-    ids = inputs["input_ids"][0].tolist()
-    tokens = (loaded.tokenizer.convert_ids_to_tokens(ids) if loaded.tokenizer is not None else [str(i) for i in ids])
-    n = len(tokens)
-    causal = adapter.causal
-    job = Job(loaded, text, inputs, tokens, causal, _separator_positions(loaded, ids, causal),
-              "full" if n <= max_full_tokens else "streaming", max_full_tokens, out, backend=backend, chosen=chosen,
-              thresholds=thresholds, annotations=annotations, write_flow=flow, say=say)
-    sections = [s for s in registered() if s.active(job)]
+        if isinstance(model, str | os.PathLike):
+            say(f"loading model {os.fspath(model)}")
+            loaded = load(model)
+        else:
+            loaded = model
+        adapter = loaded.adapter
+        n_layers, n_heads, counts = adapter.n_layers, adapter.n_heads, adapter.layer_heads
+        chosen = parse_heads(heads, n_layers, counts)
+        for layer, head in (annotations or {}):
+            if not (0 <= layer < n_layers and 0 <= head < counts[layer]):
+                raise InputError(f"an annotation names head {layer}.{head}, which {loaded.name} does not have "
+                                 f"(layers 0..{n_layers - 1}, heads per layer {heads_text(counts)}): was the study run "
+                                 "on another model?")
 
-    if job.mode == "full":
-        say(f"capturing attention maps: {n} tokens, {n_layers} layers x {heads_text(counts)} heads")
-    else:
-        say(f"{n} tokens > {max_full_tokens}: streaming statistics, no n x n maps")
-    try:
-        cache = record_once(job, sections)
-    except MemoryBudgetError as e:
-        if job.mode != "full":
-            raise
-        raise memory_hint(e, n) from None
-    results: dict[str, object] = {}
-    for sec in sections:
-        results[sec.name] = sec.compute(job, cache, results)
-    del cache
-    provenance, approx_warning = backend_provenance(backend, job.mode)
-    table: HeadsTable = results["heads"]
-    notes += table.notes
-    if approx_warning:
-        notes.append(approx_warning)
-    parts = {}
-    for sec in sections:
-        notes += sec.write(job, results[sec.name], results)
-        parts[sec.name] = part = sec.page(job, results[sec.name], results)
-        notes += part.notes
+        notes: list[str] = []
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            inputs = loaded.encode(text, truncate=truncate)
+        notes += [str(w.message) for w in caught if issubclass(w.category, UserWarning)]
+        ids = inputs["input_ids"][0].tolist()
+        tokens = (loaded.tokenizer.convert_ids_to_tokens(ids) if loaded.tokenizer is not None else [str(i) for i in ids])
+        n = len(tokens)
+        causal = adapter.causal
+        job = Job(loaded, text, inputs, tokens, causal, _separator_positions(loaded, ids, causal),
+                  "full" if n <= max_full_tokens else "streaming", max_full_tokens, out, backend=backend, chosen=chosen,
+                  thresholds=thresholds, annotations=annotations, write_flow=flow, say=say)
+        sections = [s for s in registered() if s.active(job)]
 
-    say("writing the table")
-    records, drawn = table.records, table.drawn
-    csv_path = write_csv(records, out / "heads.csv")
-    json_path = write_json(
-        records, out / "heads.json", headlab_version=__version__, model=loaded.name, family=loaded.family,
-        text=text, tokens=tokens, causal=causal, separator_positions=job.separators, mode=job.mode,
-        max_full_tokens=max_full_tokens, backend=backend, **provenance, drawn_heads=[f"{a}.{b}" for a, b in drawn],
-        notes=notes, thresholds={"positional": thresholds.positional, "sink": thresholds.sink,
-                                 "broad": thresholds.broad},
-        n_layers=n_layers, n_heads=n_heads, layer_heads=counts)
+        if job.mode == "full":
+            say(f"capturing attention maps: {n} tokens, {n_layers} layers x {heads_text(counts)} heads")
+        else:
+            say(f"{n} tokens > {max_full_tokens}: streaming statistics, no n x n maps")
+        try:
+            cache = record_once(job, sections)
+        except MemoryBudgetError as e:
+            if job.mode != "full":
+                raise
+            raise memory_hint(e, n) from None
+        results: dict[str, object] = {}
+        for sec in sections:
+            results[sec.name] = sec.compute(job, cache, results)
+        del cache
+        provenance, approx_warning = backend_provenance(backend, job.mode)
+        table: HeadsTable = results["heads"]
+        notes += table.notes
+        if approx_warning:
+            notes.append(approx_warning)
+        parts = {}
+        for sec in sections:
+            notes += sec.write(job, results[sec.name], results)
+            parts[sec.name] = part = sec.page(job, results[sec.name], results)
+            notes += part.notes
 
-    say("writing the page")
-    first_label = "mass first token" if causal else "mass [CLS]"
-    summary = [f"model: {loaded.name} ({loaded.family}, {n_layers} layers x {heads_text(counts)} heads"
-               f"{', causal' if causal else ''})", f"backend: {provenance['model_backend']}"
-               f"{'' if provenance['model_backend_exact'] else ' (approximate)'}; shown: {provenance['statistics']}",
-               f"{n} tokens: {text if len(text) <= 300 else text[:297] + '...'}"]
-    embedded = table.embedded
-    page = render_html(
-        title=f"headlab analyze: {loaded.name}", tokens=tokens, records=records,
-        maps={d: table.maps[d] for d in embedded}, n_layers=n_layers, n_heads=counts, summary_lines=summary,
-        banner=" ".join(notes) or None, first_label=first_label, initial=initial_head(table, chosen),
-        sections=[p.html for p in parts.values() if p.html],
-        extra_data={k: v for p in parts.values() for k, v in p.data.items()},
-        undrawn_note=(f"Long input ({n} tokens): this head's map is not in the page"
-                      + (" (too large to embed; see the layer PNGs)." if embedded != drawn else
-                         "; only its statistics were computed. Draw it with --heads LAYER.HEAD.")
-                      if job.mode == "streaming" else ""))
-    html_path = out / "report.html"
-    html_path.write_text(page, encoding="utf-8")
-    return ReportResult(out_dir=out, html=html_path, csv=csv_path, json=json_path, pngs=table.pngs, records=records,
-                        tokens=tokens, mode=job.mode, drawn=drawn, model=loaded.name, family=loaded.family,
-                        n_layers=n_layers, n_heads=n_heads, notes=notes)
+        say("writing the table")
+        records, drawn = table.records, table.drawn
+        csv_path = write_csv(records, out / "heads.csv")
+        json_path = write_json(
+            records, out / "heads.json", headlab_version=__version__, model=loaded.name, family=loaded.family,
+            text=text, tokens=tokens, causal=causal, separator_positions=job.separators, mode=job.mode,
+            max_full_tokens=max_full_tokens, backend=backend, **provenance, drawn_heads=[f"{a}.{b}" for a, b in drawn],
+            notes=notes, thresholds={"positional": thresholds.positional, "sink": thresholds.sink,
+                                     "broad": thresholds.broad},
+            n_layers=n_layers, n_heads=n_heads, layer_heads=counts)
+
+        say("writing the page")
+        first_label = "mass first token" if causal else "mass [CLS]"
+        summary = [f"model: {loaded.name} ({loaded.family}, {n_layers} layers x {heads_text(counts)} heads"
+                   f"{', causal' if causal else ''})", f"backend: {provenance['model_backend']}"
+                   f"{'' if provenance['model_backend_exact'] else ' (approximate)'}; shown: {provenance['statistics']}",
+                   f"{n} tokens: {text if len(text) <= 300 else text[:297] + '...'}"]
+        embedded = table.embedded
+        page = render_html(
+            title=f"headlab analyze: {loaded.name}", tokens=tokens, records=records,
+            maps={d: table.maps[d] for d in embedded}, n_layers=n_layers, n_heads=counts, summary_lines=summary,
+            banner=" ".join(notes) or None, first_label=first_label, initial=initial_head(table, chosen),
+            sections=[p.html for p in parts.values() if p.html],
+            extra_data={k: v for p in parts.values() for k, v in p.data.items()},
+            undrawn_note=(f"Long input ({n} tokens): this head's map is not in the page"
+                          + (" (too large to embed; see the layer PNGs)." if embedded != drawn else
+                             "; only its statistics were computed. Draw it with --heads LAYER.HEAD.")
+                          if job.mode == "streaming" else ""))
+        html_path = out / "report.html"
+        html_path.write_text(page, encoding="utf-8")
+        return ReportResult(out_dir=out, html=html_path, csv=csv_path, json=json_path, pngs=table.pngs, records=records,
+                            tokens=tokens, mode=job.mode, drawn=drawn, model=loaded.name, family=loaded.family,
+                            n_layers=n_layers, n_heads=n_heads, notes=notes)
 
 
 __all__ = ["DRAWN_HEADS", "MAX_FULL_TOKENS", "ReportResult", "analyze", "check_head", "default_drawn_heads",

@@ -32,6 +32,8 @@ from headlab.interpret.saliency.counterfactual import adversarial_attention, per
 from headlab.interpret.saliency.explanation import DEFAULT_METHODS, check_options, explain, resolve_model
 from headlab.interpret.saliency.faithfulness import eraser
 from headlab.interpret.saliency.objective import make_objective
+from headlab.progress import Progress, reporter
+from headlab.results import check_output_dir, envelope, write_json
 
 INSTANCES = "instances.jsonl"
 
@@ -67,8 +69,9 @@ class StudyResult:
     files: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict:
-        return {"instances": self.instances, "out": str(self.out), "skipped": self.skipped, "files": self.files,
-                **self.tables}
+        return envelope("saliency_study", {"instances": self.instances, "out": str(self.out), "skipped": self.skipped,
+                                           "files": self.files, **self.tables},
+                        model=self.tables.get("model"), settings=self.tables.get("options"))
 
 
 def instance(loaded, row: Row, opts: StudyOptions) -> dict:
@@ -123,7 +126,7 @@ def load_records(path: Path) -> list[dict]:
 
 
 def study(loaded_or_path, dataset: str | os.PathLike, out: str | os.PathLike, *, limit: int | None = None,
-          options: StudyOptions | None = None, progress: bool = True, figures: bool = True,
+          options: StudyOptions | None = None, progress: bool | Progress = True, figures: bool = True,
           max_seconds: float | None = None) -> StudyResult | None:
     """Run the study (see the module docstring) and return the corpus tables.
 
@@ -134,7 +137,8 @@ def study(loaded_or_path, dataset: str | os.PathLike, out: str | os.PathLike, *,
             ``instances.jsonl`` is resumed: rows already there are skipped).
         limit: only the first ``limit`` rows.
         options: :class:`StudyOptions`.
-        progress: a rich progress bar on stderr.
+        progress: a bar on stderr (True), nothing (False) or ``progress(stage, done, total)``
+            (:mod:`headlab.progress`); only rank 0 reports.
         max_seconds: stop starting new instances after this long (the tables cover what is done;
             a rerun resumes). The result's ``skipped`` says how many rows were left.
 
@@ -147,9 +151,7 @@ def study(loaded_or_path, dataset: str | os.PathLike, out: str | os.PathLike, *,
     opts = options or StudyOptions()
     opts.methods = tuple(check_options(opts.methods, opts.ig_steps, opts.backend, opts.loo))
     rows = read_dataset(dataset, limit)
-    outdir = Path(out).expanduser()
-    if outdir.exists() and not outdir.is_dir():
-        raise InputError(f"--out {outdir} is a file; give a folder")
+    outdir = check_output_dir(out, "--out", allow_existing=True)  # reruns resume in it
     loaded = resolve_model(loaded_or_path)
     outdir.mkdir(parents=True, exist_ok=True)
     jsonl = outdir / INSTANCES
@@ -166,7 +168,9 @@ def study(loaded_or_path, dataset: str | os.PathLike, out: str | os.PathLike, *,
     rank, size = world()
     main = rank == 0
     with (open(jsonl, "a", encoding="utf-8") if main else contextlib.nullcontext()) as f, \
-            _bar(progress and main, len(rows), len(rows) - len(todo)) as advance:
+            reporter(progress if main else False) as say:
+        done_rows = len(rows) - len(todo)
+        say("explain", done_rows, len(rows))
         for start in range(0, len(todo), size):
             if any_rank(max_seconds is not None and time.perf_counter() - t0 > max_seconds):
                 skipped.append(f"time budget of {max_seconds:.0f} s reached: {len(todo) - start} of {len(rows)} rows "
@@ -186,7 +190,8 @@ def study(loaded_or_path, dataset: str | os.PathLike, out: str | os.PathLike, *,
                     skipped.append(why_j)
                 else:
                     f.write(json.dumps(rec_j) + "\n")
-                advance()
+                done_rows += 1
+                say("explain", done_rows, len(rows))
             if main:
                 f.flush()
     if not main:
@@ -204,32 +209,6 @@ def study(loaded_or_path, dataset: str | os.PathLike, out: str | os.PathLike, *,
 
         files += study_figures(records, tables, outdir)
     result = StudyResult(tables, outdir, len(records), skipped, files)
-    (outdir / "study.json").write_text(json.dumps(result.to_json(), indent=2) + "\n", encoding="utf-8")
+    write_json(outdir / "study.json", result.to_json(), indent=2)
     return result
-
-
-class _bar:
-    """A rich progress bar (or nothing); ``with _bar(...) as advance: advance()``."""
-
-    def __init__(self, enabled: bool, total: int, done: int) -> None:
-        self.enabled, self.total, self.done = enabled, total, done
-        self.progress = None
-
-    def __enter__(self):
-        if not self.enabled:
-            return lambda: None
-        from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
-
-        from headlab.progress import progress
-
-        self.progress = progress(TextColumn("[bold]explain"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                                 TimeRemainingColumn())
-        self.progress.__enter__()
-        task = self.progress.add_task("explain", total=self.total, completed=self.done)
-        return lambda: self.progress.update(task, advance=1)
-
-    def __exit__(self, *exc):
-        if self.progress is not None:
-            self.progress.__exit__(*exc)
-        return False
 

@@ -54,6 +54,7 @@ from headlab.interpret.saliency.objective import Objective, baseline_id, make_ob
 from headlab.interpret.saliency.occlusion import leave_one_out, replacement_id
 from headlab.interpret.saliency.propagation import FLOW_METHODS, exact_backend, flow_score
 from headlab.models.loader import LoadedModel
+from headlab.results import envelope
 
 # every known method, in the order tables list them
 METHODS = ("attention", "gradient", "grad_x_input", "integrated_gradients", "leave_one_out", *FLOW_METHODS)
@@ -145,7 +146,9 @@ class Explanation:
                "notes": self.notes}
         if heads and self.attention_layers is not None:
             out["attention_layers"] = [rows.tolist() for rows in self.attention_layers]
-        return out
+        settings = {"methods": list(self.scores), "target": self.target, "backend": self.backend,
+                    "ig_steps": self.ig_steps, "loo": self.loo, "position": self.position}
+        return envelope("explanation", out, settings=settings)
 
 
 def check_methods(methods) -> list[str]:

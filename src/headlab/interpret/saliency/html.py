@@ -12,11 +12,11 @@ failure into ``#selftest``.
 from __future__ import annotations
 
 import html
-import json
 from pathlib import Path
 
 from headlab.interpret import shell
 from headlab.interpret.saliency.figures import normalised
+from headlab.results import write_json
 
 _JS = """
 (function(){
@@ -109,5 +109,5 @@ def write_explanation(ex, out_dir: str | Path) -> dict[str, Path]:
     paths = {"html": out / "explanation.html", "png": out / "explanation.png", "json": out / "explanation.json"}
     paths["html"].write_text(render_explanation_html(ex), encoding="utf-8")
     explanation_png(ex, paths["png"])
-    paths["json"].write_text(json.dumps(ex.to_json(heads=True)) + "\n", encoding="utf-8")
+    write_json(paths["json"], ex.to_json(heads=True), indent=None)
     return paths

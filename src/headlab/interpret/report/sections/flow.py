@@ -18,7 +18,6 @@ beside the maps or the map-free q, k and lse the heads section asked for):
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,6 +32,7 @@ from headlab.interpret.flow.rollout import rollout
 from headlab.interpret.report.figures import LayerGrid
 from headlab.interpret.report.html import check_flow, encode_map
 from headlab.interpret.report.sections.base import Job, PagePart, Section, register
+from headlab.results import envelope, write_json
 
 
 @dataclass
@@ -158,8 +158,9 @@ def write_flow_files(view: FlowView, maps: Mapping[tuple[int, int], object], tok
         n = len(tokens)
         notes = [f"rollout: rows of the first and last token only ({n} tokens is past the full-map length; "
                  "rollout.json), computed top-down without n x n maps; norm maps of the drawn heads in norms_layer_*.png"]
-    (out / "rollout.json").write_text(json.dumps({"tokens": tokens, "rows": {str(p): r.tolist() for p, r in
-                                                                             view.rollout_rows.items()}}) + "\n")
+    rows = {str(p): r.tolist() for p, r in view.rollout_rows.items()}
+    write_json(out / "rollout.json", envelope("rollout", {"tokens": tokens, "rows": rows},
+                                              settings={"method": "mean", "layer": view.rollout_layer}), indent=None)
     return notes
 
 
