@@ -145,8 +145,9 @@ def test_a_checkpoint_resumes_to_the_same_gates_and_a_time_budget_stops_early(tm
         train_gates(lm, data=data, rest=kv.window(1, 4), steps=6, lr=0.1, checkpoint=ck, progress=False)
     calls = []
     short = train_gates(lm, data=data, rest=kv.window(1, 4), steps=1000, seconds=0.05,
-                        progress=lambda s, n, loss: calls.append((s, n)))
-    assert short.stopped == "seconds" and 1 <= short.steps < 1000 and calls[-1] == (short.steps, 1000)
+                        progress=lambda stage, done, total: calls.append((stage, done, total)))
+    assert short.stopped == "seconds" and 1 <= short.steps < 1000 and calls[-1] == ("training gates", short.steps, 1000)
+    assert calls[0] == ("training gates", 0, 1000)
     saved = short.save(tmp_path / "g.json")
     back = GateTraining.load(saved)
     assert torch.equal(back.gates, short.gates) and back.rest == kv.window(1, 4)

@@ -27,7 +27,7 @@ key) from :func:`headlab.attention_stats`, ``exp(lse_evicted - lse_all)``. Rank 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -35,12 +35,13 @@ from headlab.attention import masks
 from headlab.attention.stats import attention_stats
 from headlab.decode.kv import as_rule, check_decoder
 from headlab.errors import ConfigError, InputError
+from headlab.progress import Progress, reporter
 
 __all__ = ["window_loss"]
 
 
 def window_loss(model, prompts: Sequence[torch.Tensor], rule, *, rows: int = 8,
-                progress: Callable[[int, int], None] | None = None) -> torch.Tensor:
+                progress: bool | Progress = False) -> torch.Tensor:
     """``(layers, heads)`` float64: the mean attention mass ``rule`` would evict, over the last ``rows`` rows.
 
     Args:
@@ -48,9 +49,8 @@ def window_loss(model, prompts: Sequence[torch.Tensor], rule, *, rows: int = 8,
         prompts: ``(1, n)`` token-id tensors, each longer than ``sink + recent + rows``.
         rule: the window (:func:`headlab.kv.window`) the policy would give the other heads.
         rows: how many of each prompt's last query positions to read.
-        progress: ``progress(done, total)`` after each prompt.
+        progress: a display (True), nothing (False), or ``progress(stage, done, total)`` after each prompt.
     """
-    from headlab.interpret.capture import capture
     from headlab.models.loaded_model import resolve
 
     adapter, _ = resolve(model)
@@ -60,6 +60,13 @@ def window_loss(model, prompts: Sequence[torch.Tensor], rule, *, rows: int = 8,
         raise ConfigError(f"window_loss needs a window rule (kv.window(sink, recent)), got {rule!r}")
     if not prompts:
         raise InputError("window_loss needs at least one prompt")
+    with reporter(progress) as say:
+        return _window_loss(adapter, prompts, rule, rows, say)
+
+
+def _window_loss(adapter, prompts, rule, rows, say) -> torch.Tensor:
+    from headlab.interpret.capture import capture
+
     heads = adapter.layer_heads
     total = torch.zeros(len(heads), max(heads), dtype=torch.float64)
     sites = adapter.sites("q") + adapter.sites("k") + adapter.sites("stats")
@@ -81,6 +88,5 @@ def window_loss(model, prompts: Sequence[torch.Tensor], rule, *, rows: int = 8,
             lost = attention_stats(q, k, mask=evicted, scale=scale, stats=["lse"]).lse
             mass = torch.exp(lost - everything).nan_to_num(0.0)  # a row with nothing evicted: -inf -> 0
             total[layer, :h] += mass[0].double().mean(-1)
-        if progress is not None:
-            progress(i + 1, len(prompts))
+        say("window loss", i + 1, len(prompts))
     return total / len(prompts)

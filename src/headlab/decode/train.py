@@ -41,7 +41,7 @@ import json
 import os
 import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -54,7 +54,7 @@ from headlab.attention.core import attention as _attention
 from headlab.decode.heads import check_decoder, kv_layout
 from headlab.decode.rules import Window
 from headlab.errors import ConfigError, InputError
-from headlab.progress import progress_bar
+from headlab.progress import Progress, reporter
 
 __all__ = ["GateTraining", "gated", "per_query_head", "train_gates"]
 
@@ -173,7 +173,7 @@ def train_gates(model, *, rest: Window = Window(4, 256), data: Sequence[tuple[to
                 contexts: int = 16, tokens: int = 512, keys: int = 4, steps: int = 100, lr: float = 0.05,
                 l1: float = 0.05, seconds: float | None = None, seed: int = 0,
                 checkpoint: str | os.PathLike | None = None, save_every: int = 10,
-                progress: bool | Callable[[int, int, float], None] = True) -> GateTraining:
+                progress: bool | Progress = True) -> GateTraining:
     """Train one gate per kv head (DuoAttention): see the module docstring.
 
     Args:
@@ -187,7 +187,8 @@ def train_gates(model, *, rest: Window = Window(4, 256), data: Sequence[tuple[to
             the SmolLM2-135M run in ``benchmarks/bench_kv_train.py``, sized for a CPU: 50 steps took 32 minutes.)
         checkpoint: a file to save the state to (every ``save_every`` steps, at the end and at Ctrl-C) and to
             resume from when it exists.
-        progress: a bar (True), nothing (False), or ``progress(step, steps, loss)``.
+        progress: a display (True), nothing (False), or ``progress(stage, done, total)`` (headlab's protocol;
+            the losses are on the result).
     """
     from headlab.models.loaded_model import resolve
 
@@ -246,9 +247,8 @@ def train_gates(model, *, rest: Window = Window(4, 256), data: Sequence[tuple[to
     start = time.perf_counter() - state.seconds
     state.stopped = "steps"
     try:
-        with progress_bar(progress is True) as bar:
-            task = bar.add_task("training gates", total=steps)
-            bar.update(task, completed=state.steps)
+        with reporter(progress) as say:
+            say("training gates", state.steps, steps)
             while state.steps < steps:
                 if seconds is not None and time.perf_counter() - start >= seconds:
                     state.stopped = "seconds"
@@ -267,9 +267,7 @@ def train_gates(model, *, rest: Window = Window(4, 256), data: Sequence[tuple[to
                 state.losses.append(loss.item())
                 state.steps += 1
                 state.seconds = time.perf_counter() - start
-                bar.advance(task)
-                if callable(progress):
-                    progress(state.steps, steps, state.losses[-1])
+                say("training gates", state.steps, steps)
                 if state.steps % save_every == 0:
                     save()
     except KeyboardInterrupt:
