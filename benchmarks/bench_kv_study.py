@@ -85,6 +85,15 @@ def paired_diff(a: list[bool], b: list[bool], draws: int = 10000, seed: int = 0)
     return float(x.mean()), float(means[int(0.025 * draws)]), float(means[int(0.975 * draws) - 1])
 
 
+def discordance(a: list[bool], b: list[bool]) -> tuple[int, int, float]:
+    """Prompts where ``a`` misses and ``b`` retrieves, the reverse, and the upper end of the 95% Wilson interval of
+    the share of prompts on which they disagree: a bound on |accuracy(a) - accuracy(b)| that holds even when
+    they never disagree (where a bootstrap interval collapses to a point)."""
+    worse = sum((not x) and y for x, y in zip(a, b))
+    better = sum(x and not y for x, y in zip(a, b))
+    return worse, better, wilson(worse + better, len(a))[1]
+
+
 def split_question(tok, spec) -> int:
     """How many tokens the question takes at the end of the prompt (asked after compression by SnapKV/kvpress)."""
     if spec["labels"] is None:
@@ -230,18 +239,22 @@ def finish(rows, lm, gates, scores, args, specs) -> list[dict]:
     full cache on the prompts both read, plot, write; returns every row in table order."""
     path = RESULTS / "kv_study.json"
     names = {r["policy"] for r in rows}
-    earlier = json.loads(path.read_text())["policies"] if path.is_file() else []
+    saved = json.loads(path.read_text()) if path.is_file() else {}
+    earlier = saved.get("policies", [])
+    if args.table and saved:  # only the table: the file keeps the settings and prompts of its runs
+        args, specs = argparse.Namespace(**saved["args"]), saved["specs"]
     rows = [r for r in earlier if r["policy"] not in names] + list(rows)
     full = next((r for r in rows if r["policy"] == "full"), None)
     for r in rows:
         if full is not None and len(r["oks"]) <= len(full["oks"]):  # paired on the prompts both read
             r["diff_vs_full"] = paired_diff(r["oks"], full["oks"][:len(r["oks"])])
+            r["discordance_vs_full"] = discordance(r["oks"], full["oks"][:len(r["oks"])])
         if full is not None and full["perplexity"] and r["perplexity"]:
             r["ppl_change"] = r["perplexity"] / full["perplexity"] - 1
     order = [n for n, _ in policies(lm, gates, scores, args.keep)]
     rows.sort(key=lambda r: order.index(r["policy"]) if r["policy"] in order else len(order))
     plot(rows, RESULTS / "kv_study_pareto.png")
-    write_json("kv_study", {"args": vars(args), "specs": specs, "policies": rows,
+    write_json("kv_study", {"args": {k: v for k, v in vars(args).items() if k != "table"}, "specs": specs, "policies": rows,
                             "gates": gates.settings if gates else None})
     return rows
 
@@ -257,6 +270,7 @@ def main(argv=None) -> None:
                     "their rows replace the same rows in results/kv_study.json")
     ap.add_argument("--kvpress", default="", help="a folder holding kvpress (see the docstring); empty: no peer")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--table", action="store_true", help="only print the table and plot of results/kv_study.json")
     args = ap.parse_args(argv)
     lengths = [int(x) for x in args.lengths.split(",")]
     mix = [int(x) for x in args.mix.split(",")]
@@ -279,6 +293,8 @@ def main(argv=None) -> None:
     if peer is None:
         todo = [(n, p) for n, p in todo if isinstance(p, kv.Policy)]
     rows = []
+    if args.table:
+        todo = []
     for name, pol in todo:
         t0 = time.perf_counter()
         oks, measured, shares, per_token, answers = [], [], [], [], []
@@ -312,14 +328,16 @@ def main(argv=None) -> None:
         finish(rows, lm, gates, scores, args, specs)  # every finished policy is kept, whatever comes after
     rows = finish(rows, lm, gates, scores, args, specs)
     print(f"\n{'policy':<30} {'KV/16-bit':>9} {'passkey':>8} {'95% interval':>15} {'vs full (95%)':>22} "
-          f"{'single':>6} {'multi':>6} {'ppl':>8} {'ppl+':>6}")
+          f"{'lost/won':>8} {'|diff|<=':>8} {'single':>6} {'multi':>6} {'ppl':>8} {'ppl+':>6}")
     for r in rows:
         d = r.get("diff_vs_full")
         ds = f"{d[0]:+.3f} [{d[1]:+.3f}, {d[2]:+.3f}]" if d else "-"
         pp = f"{r['perplexity']:8.3f}" if r["perplexity"] else f"{'-':>8}"
         pc = f"{r['ppl_change']:+6.1%}" if r.get("ppl_change") is not None else f"{'-':>6}"
+        dc = r.get("discordance_vs_full")
+        lw, bound = (f"{dc[0]}/{dc[1]}", f"{dc[2]:.3f}") if dc else ("-", "-")
         print(f"{r['policy']:<30} {r['share16']:9.1%} {r['accuracy']:8.3f} [{r['interval'][0]:.3f}, "
-              f"{r['interval'][1]:.3f}] {ds:>22} {r['single']:6.2f} {r['multi']:6.2f} {pp} {pc}")
+              f"{r['interval'][1]:.3f}] {ds:>22} {lw:>8} {bound:>8} {r['single']:6.2f} {r['multi']:6.2f} {pp} {pc}")
     print(f"wrote {RESULTS / 'kv_study.json'} and {RESULTS / 'kv_study_pareto.png'}")
 
 
