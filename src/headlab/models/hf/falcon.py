@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from headlab.attention.score_mods import bias_tensor
 from headlab.models.hf.family import Fused, Norms, Out, OwnForwardAdapter, merge_heads
-from headlab.models.hf.attention_fn import hf_mask_to_bool
+from headlab.models.hf.attention_fn import hf_mask_and_bias, hf_mask_to_bool
 from headlab.models.hf.registry import register
 from headlab.models.sites import run_attention
 
@@ -58,9 +58,18 @@ class FalconAdapter(OwnForwardAdapter):
                              "not supported (the rotary Falcon models prune)")
         super().cut_heads(attn, out, q_heads, kv_heads, H, Hkv)
 
-    def attention_forward(self, module, hidden_states, alibi, attention_mask, position_ids=None, layer_past=None,
-                          use_cache=False, output_attentions=False, position_embeddings=None, **kwargs):
+    def attention_forward(self, module, hidden_states, *args, **kwargs):
+        """Bound to the installed transformers' own signature: up to 5.24 the model passes ``alibi``; from 5.25
+        it folds ALiBi (already scaled) into an additive ``attention_mask`` and passes no ``alibi``."""
+        import inspect
+
         from transformers.models.falcon.modeling_falcon import apply_rotary_pos_emb
+
+        bound = inspect.signature(type(module).forward).bind(module, hidden_states, *args, **kwargs)
+        bound.apply_defaults()
+        a = {**bound.arguments, **bound.arguments.get("kwargs", {})}
+        alibi, attention_mask, layer_past = a.get("alibi"), a.get("attention_mask"), a.get("layer_past")
+        output_attentions, position_embeddings = a.get("output_attentions", False), a.get("position_embeddings")
 
         B, L, _ = hidden_states.shape
         H, Hkv, d = module.num_heads, module.num_kv_heads, module.head_dim
@@ -78,7 +87,7 @@ class FalconAdapter(OwnForwardAdapter):
             q, k, v = qkv[..., 0, :], qkv[..., 1, :], qkv[..., 2, :]
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, heads, L, d)
         extra = None
-        if alibi is None:
+        if not cfg.alibi:
             cos, sin = position_embeddings
             q, k = apply_rotary_pos_emb(q, k, cos, sin)
         if layer_past is not None:
@@ -86,7 +95,11 @@ class FalconAdapter(OwnForwardAdapter):
         if alibi is not None:  # Falcon scales the ALiBi rows together with the scores
             rows = alibi.view(B, H, 1, -1)[..., -k.shape[2]:] * module.inv_norm_factor
             extra = {"score_mod": bias_tensor(rows, "alibi")}
-        mask = hf_mask_to_bool(attention_mask)
+        if alibi is None and cfg.alibi:  # transformers >= 5.25: the scaled ALiBi rows ride in the additive mask
+            mask, bias = hf_mask_and_bias(attention_mask)
+            extra = None if bias is None else {"score_mod": bias_tensor(bias, "alibi")}
+        else:
+            mask = hf_mask_to_bool(attention_mask)
         out, weights = run_attention(
             module, q, k, v, mask, causal=mask is None and L > 1, scale=module.inv_norm_factor,
             dropout_p=module.attention_dropout.p if module.training else 0.0, need_weights=output_attentions,
