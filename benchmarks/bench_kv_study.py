@@ -94,18 +94,8 @@ def discordance(a: list[bool], b: list[bool]) -> tuple[int, int, float]:
     return worse, better, wilson(worse + better, len(a))[1]
 
 
-def split_question(tok, spec) -> int:
-    """How many tokens the question takes at the end of the prompt (asked after compression by SnapKV/kvpress)."""
-    if spec["labels"] is None:
-        q = "\nWhat is the pass key? The pass key is"
-    else:
-        lab = spec["labels"][spec["ask"]]
-        q = f"\nWhat is the pass key for the {lab}? The pass key for the {lab} is"
-    return len(tok(q, add_special_tokens=False)["input_ids"])
-
-
-def run_headlab(lm, policy, spec, ids, question: bool):
-    tail = split_question(lm.tokenizer, spec) if question else 0
+def run_headlab(lm, policy, p, question: bool):
+    ids, tail = p.ids, (p.question if question else 0)
     if tail:
         g = generate(lm, ids[:, :-tail], question=ids[:, -tail:], policy=policy, max_new_tokens=8)
     else:
@@ -132,7 +122,6 @@ class KVPress:
             ALL_ATTENTION_FUNCTIONS[k] = f
 
         self.kvpress, self.lm = kvpress, lm
-        hf = lm.adapter.model
         # kvpress 0.5.5 pins transformers < 5.3: its hooks read `past_key_values` and `cache_position`
         # from the attention call, which transformers 5.x passes as `cache` (and no position). Map them.
         def shim(module, args, kwargs):
@@ -146,11 +135,11 @@ class KVPress:
         for am in lm.adapter.attn_modules:
             am.register_forward_pre_hook(shim, with_kwargs=True)
 
-    def __call__(self, name: str, ratio: float, spec, ids):
+    def __call__(self, name: str, ratio: float, p):
         from transformers import DynamicCache
 
         press = getattr(self.kvpress, name)(compression_ratio=ratio)
-        hf, tail = self.lm.adapter.model, split_question(self.lm.tokenizer, spec)
+        hf, ids, tail = self.lm.adapter.model, p.ids, p.question
         ctx, cur = ids[:, :-tail], ids[:, -tail:]
         cache, out, pos = DynamicCache(), [], ctx.shape[1]
         with torch.no_grad():
@@ -285,7 +274,7 @@ def main(argv=None) -> None:
     peer = KVPress(lm, args.kvpress) if args.kvpress else None
     dev = tok(" ".join(documents(DATA / "en_ewt-ud-dev.conllu")), return_tensors="pt")["input_ids"][:, :args.ppl_tokens]
     specs = trials(args.prompts, lengths, mix, args.seed)
-    prompts = [passkey.prompt(tok, s["tokens"], s["depths"], s["keys"], labels=s["labels"], ask=s["ask"]).ids
+    prompts = [passkey.prompt(tok, s["tokens"], s["depths"], s["keys"], labels=s["labels"], ask=s["ask"])
                for s in specs]
     todo = policies(lm, gates, scores, args.keep)
     if args.only:  # in the order given: a name, or a prefix ending in '*'
@@ -299,13 +288,13 @@ def main(argv=None) -> None:
     for name, pol in todo:
         t0 = time.perf_counter()
         oks, measured, shares, per_token, answers = [], [], [], [], []
-        for i, (spec, ids) in enumerate(zip(specs, prompts)):
+        for i, (spec, pr) in enumerate(zip(specs, prompts)):
             if isinstance(pol, kv.Policy):
                 snap = any(r.kind in ("snap", "adakv") for r in [pol.default, *pol.rules.values()])
-                text, ratio, spt = run_headlab(lm, pol, spec, ids, question=snap)
-                shares.append(share16(lm, pol, ids.shape[1]))
+                text, ratio, spt = run_headlab(lm, pol, pr, question=snap)
+                shares.append(share16(lm, pol, pr.ids.shape[1]))
             else:
-                text, ratio, spt = peer(pol[1], pol[2], spec, ids)
+                text, ratio, spt = peer(pol[1], pol[2], pr)
                 shares.append(ratio)
             oks.append(passkey.answered(text, spec["keys"][spec["ask"]]))
             answers.append(text)

@@ -41,6 +41,7 @@ def test_a_single_key_prompt_has_the_length_asked_and_the_needle_where_it_says()
     assert p.ids.shape == (1, 900) and p.answer == "40718"
     assert text[p.needle_at[0]:].startswith(" The pass key is 40718.")
     assert text.endswith("What is the pass key? The pass key is")
+    assert TOK.decode(p.ids[0, -p.question:]) == "\nWhat is the pass key? The pass key is"
     before = text.index("40718") - len(passkey.INTRO)  # filler before the needle: half the filler, within a sentence
     filler = 900 - len(TOK(passkey.INTRO)["input_ids"]) - len(" The pass key is 40718. Remember it. 40718 is the pass "
                                                                  "key.") - len("\nWhat is the pass key? The pass key is")

@@ -64,7 +64,8 @@ def draw_keys(n: int, rng: random.Random) -> list[str]:
 
 @dataclass
 class Prompt:
-    """A passkey test: ``ids (1, n)``, the key asked for, where each needle sits (token index) and how deep."""
+    """A passkey test: ``ids (1, n)``, the key asked for, where each needle sits (token index) and how deep, and
+    how many of the last tokens are the question (``ids[:, -question:]``, asked after a compression)."""
 
     ids: torch.Tensor
     answer: str
@@ -72,6 +73,7 @@ class Prompt:
     labels: list[str] | None
     needle_at: list[int]
     depths: list[float]
+    question: int = 0
 
 
 @dataclass
@@ -145,7 +147,7 @@ def prompt(tok, tokens: int, depths, keys, *, labels=None, ask: int = 0, kind: s
         ids += pieces[i]
     ids += body[last:] + tail
     return Prompt(torch.tensor([ids]), keys[ask], list(keys), None if labels is None else list(labels), at,
-                  [float(d) for d in depths])
+                  [float(d) for d in depths], len(tail))
 
 
 def answered(text: str | None, key: str) -> bool:
