@@ -46,15 +46,18 @@ RESULTS = Path(__file__).resolve().parent / "results"
 REST = kv.window(4, 256)
 
 
-def trials(n: int, lengths: list[int], mix: list[int], seed: int) -> list[dict]:
-    """The prompts every policy reads: ``n`` specs, alternating single- and multi-key."""
+def trials(n: int, lengths: list[int], mix: list[int], seed: int, kinds: str = "both") -> list[dict]:
+    """The prompts every policy reads: ``n`` specs, alternating single- and multi-key (``kinds="both"``), or
+    only one kind (``"single"``, ``"multi"``)."""
     rng = random.Random(seed)
     cycle = [L for L, w in zip(lengths, mix) for _ in range(w)]
+    step = 2 if kinds == "both" else 1
     out = []
     for i in range(n):
-        depth = (10, 30, 50, 70, 90)[(i // 2) % 5] / 100
-        tokens = cycle[(i // 2) % len(cycle)]  # a run of n prompts is the first n of a longer run
-        if i % 2 == 0:
+        depth = (10, 30, 50, 70, 90)[(i // step) % 5] / 100
+        tokens = cycle[(i // step // 5) % len(cycle)] if step == 1 else cycle[(i // 2) % len(cycle)]
+        # a run of n prompts is the first n of a longer run
+        if kinds == "single" or (kinds == "both" and i % 2 == 0):
             out.append({"tokens": tokens, "depths": [depth], "keys": passkey.draw_keys(1, rng), "labels": None,
                         "ask": 0})
         else:
@@ -92,6 +95,12 @@ def discordance(a: list[bool], b: list[bool]) -> tuple[int, int, float]:
     worse = sum((not x) and y for x, y in zip(a, b))
     better = sum(x and not y for x, y in zip(a, b))
     return worse, better, wilson(worse + better, len(a))[1]
+
+
+def share(oks: list[bool], specs: list[dict], single: bool) -> float | None:
+    """Accuracy on the single-key (or the multi-key) prompts; None where there are none."""
+    picked = [o for o, s in zip(oks, specs) if (s["labels"] is None) == single]
+    return sum(picked) / len(picked) if picked else None
 
 
 def run_headlab(lm, policy, p, question: bool):
@@ -227,12 +236,12 @@ def plot(rows, path: Path) -> None:
 def finish(rows, lm, gates, scores, args, specs) -> list[dict]:
     """Merge ``rows`` into results/kv_study.json (they replace rows of the same policy), compare each with the
     full cache on the prompts both read, plot, write; returns every row in table order."""
-    path = RESULTS / "kv_study.json"
+    path = RESULTS / f"{args.out}.json"
     names = {r["policy"] for r in rows}
     saved = json.loads(path.read_text()) if path.is_file() else {}
     earlier = saved.get("policies", [])
     if args.table and saved:  # only the table: the file keeps the settings and prompts of its runs
-        args, specs = argparse.Namespace(**saved["args"]), saved["specs"]
+        args, specs = argparse.Namespace(**{**vars(args), **saved["args"]}), saved["specs"]
     rows = [r for r in earlier if r["policy"] not in names] + list(rows)
     full = next((r for r in rows if r["policy"] == "full"), None)
     for r in rows:
@@ -243,8 +252,8 @@ def finish(rows, lm, gates, scores, args, specs) -> list[dict]:
             r["ppl_change"] = r["perplexity"] / full["perplexity"] - 1
     order = [n for n, _ in policies(lm, gates, scores, args.keep)]
     rows.sort(key=lambda r: order.index(r["policy"]) if r["policy"] in order else len(order))
-    plot(rows, RESULTS / "kv_study_pareto.png")
-    write_json("kv_study", {"args": {k: v for k, v in vars(args).items() if k != "table"}, "specs": specs, "policies": rows,
+    plot(rows, RESULTS / f"{args.out}_pareto.png")
+    write_json(args.out, {"args": {k: v for k, v in vars(args).items() if k != "table"}, "specs": specs, "policies": rows,
                             "gates": gates.settings if gates else None})
     return rows
 
@@ -260,6 +269,9 @@ def main(argv=None) -> None:
                     "their rows replace the same rows in results/kv_study.json")
     ap.add_argument("--kvpress", default="", help="a folder holding kvpress (see the docstring); empty: no peer")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--kinds", choices=("both", "single", "multi"), default="both",
+                    help="passkey kinds: alternating single- and multi-key, or one kind only")
+    ap.add_argument("--out", default="kv_study", help="results/OUT.json and OUT_pareto.png (rows merge into it)")
     ap.add_argument("--table", action="store_true", help="only print the table and plot of results/kv_study.json")
     args = ap.parse_args(argv)
     lengths = [int(x) for x in args.lengths.split(",")]
@@ -273,7 +285,7 @@ def main(argv=None) -> None:
     scores = json.loads((RESULTS / "kv_scores.json").read_text()) if (RESULTS / "kv_scores.json").is_file() else None
     peer = KVPress(lm, args.kvpress) if args.kvpress else None
     dev = tok(" ".join(documents(DATA / "en_ewt-ud-dev.conllu")), return_tensors="pt")["input_ids"][:, :args.ppl_tokens]
-    specs = trials(args.prompts, lengths, mix, args.seed)
+    specs = trials(args.prompts, lengths, mix, args.seed, args.kinds)
     prompts = [passkey.prompt(tok, s["tokens"], s["depths"], s["keys"], labels=s["labels"], ask=s["ask"])
                for s in specs]
     todo = policies(lm, gates, scores, args.keep)
@@ -306,8 +318,7 @@ def main(argv=None) -> None:
         ppl = (perplexity(lm, dev, policy=pol, prefill=args.ppl_tokens // 2) if isinstance(pol, kv.Policy) else None)
         k, n = sum(oks), len(oks)
         rows.append({"policy": name, "n": n, "right": k, "accuracy": k / n, "interval": wilson(k, n),
-                     "single": sum(o for o, s in zip(oks, specs) if s["labels"] is None) / max(1, n - n // 2),
-                     "multi": sum(o for o, s in zip(oks, specs) if s["labels"] is not None) / max(1, n // 2),
+                     "single": share(oks, specs, single=True), "multi": share(oks, specs, single=False),
                      "perplexity": ppl, "share16": sum(shares) / n, "measured_share_cache_dtype": sum(measured) / n,
                      "seconds_per_token": sorted(per_token)[n // 2], "oks": oks, "answers": answers, "seconds": time.perf_counter() - t0,
                      "heads": pol.counts(lm.adapter.layer_kv_heads) if isinstance(pol, kv.Policy) else None})
@@ -317,6 +328,9 @@ def main(argv=None) -> None:
               f"[{r['seconds']:.0f} s]", flush=True)
         finish(rows, lm, gates, scores, args, specs)  # every finished policy is kept, whatever comes after
     rows = finish(rows, lm, gates, scores, args, specs)
+    def fmt(x):
+        return f"{'-':>6}" if x is None else f"{x:6.2f}"
+
     print(f"\n{'policy':<30} {'KV/16-bit':>9} {'passkey':>8} {'95% interval':>15} {'vs full (95%)':>22} "
           f"{'lost/won':>8} {'|diff|<=':>8} {'single':>6} {'multi':>6} {'ppl':>8} {'ppl+':>6}")
     for r in rows:
@@ -327,8 +341,8 @@ def main(argv=None) -> None:
         dc = r.get("discordance_vs_full")
         lw, bound = (f"{dc[0]}/{dc[1]}", f"{dc[2]:.3f}") if dc else ("-", "-")
         print(f"{r['policy']:<30} {r['share16']:9.1%} {r['accuracy']:8.3f} [{r['interval'][0]:.3f}, "
-              f"{r['interval'][1]:.3f}] {ds:>22} {lw:>8} {bound:>8} {r['single']:6.2f} {r['multi']:6.2f} {pp} {pc}")
-    print(f"wrote {RESULTS / 'kv_study.json'} and {RESULTS / 'kv_study_pareto.png'}")
+              f"{r['interval'][1]:.3f}] {ds:>22} {lw:>8} {bound:>8} {fmt(r['single'])} {fmt(r['multi'])} {pp} {pc}")
+    print(f"wrote {RESULTS / (args.out + '.json')} and {RESULTS / (args.out + '_pareto.png')}")
 
 
 if __name__ == "__main__":
