@@ -106,3 +106,24 @@ def test_sampling_options_act_with_sample_and_are_refused_without(tiny_folder, c
     assert code == 2 and "--temperature: it acts only on sampling; add --sample" in err
     code, out, err = run_cli([*args, "--model", str(tiny_folder), "-n", "64"], capsys)
     assert code == 2 and "--max-new-tokens 64: with the prompt it must fit in the 64 positions" in err
+
+
+def test_kv_policy_takes_the_quantized_rules_in_generate_and_memory(tiny_folder, capsys):
+    """``--kv-policy full:bits=4`` (the issue's name for ``--policy``): generate holds the bytes the cost model
+    predicts for KIVI 4-bit heads and equals the library call; memory predicts the same rule at any length."""
+    code, out, err = run_cli(["generate", PROMPT, "--model", str(tiny_folder), "--kv-policy",
+                              "full:bits=4,group=4,residual=4", "-n", "3", "--json"], capsys)
+    assert code == 0, err
+    doc = json.loads(out)
+    rule = kv.full(bits=4, group=4, residual=4)
+    g = headlab.generate(headlab.load(str(tiny_folder)), PROMPT, policy=kv.Policy.uniform(rule), max_new_tokens=3)
+    held = doc["prompt_tokens"] + len(doc["ids"]) - 1
+    assert doc["ids"] == g.ids[0].tolist() and doc["kv_bytes"] == g.kv_bytes
+    assert doc["kv_bytes"] == policy_cache_bytes(kv.Policy.uniform(rule), kv_heads=[2, 2], tokens=held, head_dim=8)
+    assert doc["kv_bytes"] < doc["kv_bytes_full"]
+    code, out, err = run_cli(["memory", "-n", "4096", "--layers", "30", "--heads", "9", "--kv-heads", "3",
+                              "--head-dim", "64", "--dtype", "float16", "--kv-policy", "full:bits=2", "--json"], capsys)
+    assert code == 0, err
+    c = json.loads(out)["kv_cache"]
+    assert c["policy_bytes"] == policy_cache_bytes(kv.Policy.uniform(kv.full(bits=2)), kv_heads=[3] * 30,
+                                                   tokens=4096, head_dim=64, dtype="float16") < c["full_bytes"] / 4

@@ -52,18 +52,20 @@ def tiny_llama(path: Path, heads: int, kv_heads: int, family: str = "llama") -> 
     return path
 
 
-def run_world(world: int, model: Path, tmp: Path, *, torchrun: bool, timeout: float = 300) -> list[dict]:
-    """``world`` ranks of tp_worker.py: started by ``torchrun`` itself, or one process per rank with torchrun's
-    environment (as tests/test_distributed.py starts its ranks); both on 127.0.0.1 only."""
+def run_world(world: int, model: Path, tmp: Path, *, torchrun: bool, timeout: float = 300,
+              worker: Path = WORKER) -> list[dict]:
+    """``world`` ranks of ``worker`` (tp_worker.py by default): started by ``torchrun`` itself, or one process per
+    rank with torchrun's environment (as tests/test_distributed.py starts its ranks); both on 127.0.0.1 only.
+    A worker takes ``RANK WORLD PORT OUT MODEL`` (``- - -`` under torchrun) and saves ``OUT/rank{r}.pt``."""
     tmp.mkdir(parents=True, exist_ok=True)
     port = str(_free_port())
     env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1", "TRANSFORMERS_VERBOSITY": "error"}
     env.pop("WORLD_SIZE", None)
     if torchrun:
         cmds = [[sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world}", "--master_addr=127.0.0.1",
-                 f"--master_port={port}", str(WORKER), "-", "-", "-", str(tmp), str(model)]]
+                 f"--master_port={port}", str(worker), "-", "-", "-", str(tmp), str(model)]]
     else:
-        cmds = [[sys.executable, str(WORKER), str(r), str(world), port, str(tmp), str(model)] for r in range(world)]
+        cmds = [[sys.executable, str(worker), str(r), str(world), port, str(tmp), str(model)] for r in range(world)]
     procs = [subprocess.Popen(c, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for c in cmds]
     logs = []
     try:

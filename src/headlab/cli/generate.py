@@ -60,7 +60,7 @@ def build_policy(loaded, policy: str, kv_from: Path | None, keep: float, data: d
 def generate_cmd(
     prompt: str = typer.Argument(..., help="the text to continue"),
     model: str = typer.Option("smollm2", "--model", "-m", help="a known causal LM name (smollm2) or a model folder"),
-    policy: str = typer.Option("full", "--policy", "-p", help="full, drop, streaming:SINK,RECENT, snapkv:BUDGET or adakv:BUDGET, each with optional ,bits=N (every kv head)"),
+    policy: str = typer.Option("full", "--policy", "--kv-policy", "-p", help="full, drop, streaming:SINK,RECENT, snapkv:BUDGET or adakv:BUDGET, each with optional ,bits=N (every kv head)"),
     kv_from: Path = typer.Option(None, "--kv-from", help="a policy JSON (Policy.to_json), an atlas JSON (its "
                                  "retrieval and non-local heads stay full, the rest get --policy's window) or trained "
                                  "gates (kv.Policy.train / GateTraining.save: the highest gates stay full)"),
