@@ -206,7 +206,10 @@ class HeadCache(Cache):
         head_dim = getattr(adapter, "head_dim", None)
         if isinstance(head_dim, int):
             self.policy.check_shape(kvh, head_dim)
-        layers = [HeadLayer(self.policy.layer_rules(l, g), h, self, l) for l, (h, g) in enumerate(zip(heads, kvh))]
+        # sharded by tensor parallelism: this rank's cache holds its own kv heads (and serves its query heads) only
+        self.tp = getattr(adapter, "tp", None)
+        layers = [HeadLayer(*_rank_share(self.policy.layer_rules(l, g), h, self.tp), self, l)
+                  for l, (h, g) in enumerate(zip(heads, kvh))]
         super().__init__(layers=layers)
         self._bytes = [0] * len(layers)  # each layer's, after its last step
         self._total = 0
@@ -230,3 +233,12 @@ class HeadCache(Cache):
         self._total += held - self._bytes[layer]
         self._bytes[layer] = held
         self.peak_bytes = max(self.peak_bytes, self._total)
+
+
+def _rank_share(rules: list[Rule], n_heads: int, tp) -> tuple[list[Rule], int]:
+    """The rules of the kv heads this rank holds and its query-head count (all of them on one process): a kv
+    head's cache lives on the rank that computes it (``tp.kv_heads()``, in global order)."""
+    if tp is None:
+        return rules, n_heads
+    mine = tp.kv_heads()
+    return rules[mine.start:mine.stop], n_heads // tp.world

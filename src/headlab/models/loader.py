@@ -33,7 +33,7 @@ from headlab.models.loaded_model import LoadedModel, TruncationWarning, adapt, r
 
 
 def load(name_or_path: str | os.PathLike = "minilm", *, device: str | torch.device = "cpu",
-         dtype: torch.dtype = torch.float32, check: bool = True, tensor_parallel: bool = False) -> LoadedModel:
+         dtype: torch.dtype = torch.float32, check: bool = True, tensor_parallel: bool | int = False) -> LoadedModel:
     """Load a model by known name or local folder, offline. See the module docstring.
 
     ``check=False`` skips the load-time check of a type adapted by structure (for ``headlab models --check``,
@@ -43,7 +43,14 @@ def load(name_or_path: str | os.PathLike = "minilm", *, device: str | torch.devi
     plan for its family (``DistributedConfig(tp_plan="auto")``; gloo on CPU, NCCL on GPUs, transformers places
     each rank's shard and ``device`` is not used): each rank holds ``H / world`` query heads. A family without a plan,
     or a world size that does not divide the query or kv heads, is refused before any weight is read
-    (:mod:`headlab.models.tensor_parallel`).
+    (:mod:`headlab.models.tensor_parallel`). ``tensor_parallel=N`` (N dividing the world size) makes a 2-D mesh:
+    groups of N consecutive ranks each hold the model cut by heads, and studies split examples across the groups
+    (:mod:`headlab.models.tp_mesh`).
+
+    Before any weight is read, the parameters' bytes (this rank's share under tensor parallelism, predicted from
+    the family's plan: :func:`headlab.costs.tensor_parallel.weight_bytes`) are checked against the memory
+    available (``HEADLAB_MEMORY_LIMIT`` overrides it): a model that does not fit is refused with the estimate
+    (:class:`~headlab.errors.MemoryBudgetError`).
 
     The model comes back in eval mode, on Hugging Face's ``"eager"`` attention (so
     ``output_attentions`` works); switch backends with ``loaded.adapter.use_backend(...)``.
@@ -143,15 +150,17 @@ def _load_hf(path: Path, name: str, *, device, dtype, check: bool = True, tensor
         raise ModelError(f"{path}/config.json is not a Hugging Face config transformers can read: {e}") from None
     if config.model_type in REFUSED:  # known and refused, with the reason, before the weights load
         raise UnsupportedArchitectureError(unsupported_message(config.model_type))
-    sharding = {}
-    if tensor_parallel:  # refused from the config alone (no plan, heads the world does not divide), then sharded
+    sharding, world, size = {}, 1, 1
+    if tensor_parallel is not False:  # refused from the config (no plan, heads the world does not divide), then sharded
         from transformers.distributed import DistributedConfig
 
         from headlab.models import tensor_parallel as tp
+        from headlab.models import tp_mesh
 
         world = tp.world_size()
-        tp.check_before_load(config, world)
-        sharding = {"distributed_config": DistributedConfig(tp_plan="auto", tp_size=world)} if world > 1 else {}
+        size = tp_mesh.tensor_size(tensor_parallel, world)  # ranks per tensor-parallel group (a 2-D mesh if < world)
+        tp.check_before_load(config, size)
+        sharding = {"distributed_config": DistributedConfig(tp_plan="auto", tp_size=world)} if size == world > 1 else {}
     arch = (getattr(config, "architectures", None) or [None])[0]
     cls = getattr(transformers, arch, None) if arch else None
     if cls is None or not hasattr(cls, "from_pretrained"):
@@ -160,12 +169,20 @@ def _load_hf(path: Path, name: str, *, device, dtype, check: bool = True, tensor
                                                      "pytorch_model.bin"))
     if not has_weights:
         raise ModelError(f"{path} has a config.json but no weights (model.safetensors or pytorch_model.bin)")
+    _check_weights_fit(cls, config, name, dtype=dtype, device=device, world=size if sharding else 1)
     level = transformers.logging.get_verbosity()
     bar = transformers.logging.is_progress_bar_enabled()
     transformers.logging.set_verbosity_error()  # unused pooler / LM-head keys are expected, not news
     transformers.logging.disable_progress_bar()
     try:
-        model = cls.from_pretrained(path, local_files_only=True, attn_implementation="eager", dtype=dtype, **sharding)
+        if 1 < size < world:  # data x tensor: groups of `size` ranks, each holding the model cut by heads
+            from headlab.models.tp_mesh import load_sharded
+
+            model = load_sharded(cls, path, tp_size=size, dtype=dtype)
+            sharding = {"mesh": "2-D"}
+        else:
+            model = cls.from_pretrained(path, local_files_only=True, attn_implementation="eager", dtype=dtype,
+                                        **sharding)
     except Exception as e:  # noqa: BLE001
         raise ModelError(f"could not load the weights in {path}{' with tensor parallelism' if sharding else ''}: "
                          f"{e}") from None
@@ -186,3 +203,28 @@ def _load_hf(path: Path, name: str, *, device, dtype, check: bool = True, tensor
         tokenizer.padding_side = "right"
     adapter = adapt(model, check=check)  # a type no family declares: found by structure and checked on these weights
     return LoadedModel(model, tokenizer, adapter, name, adapter.family, type(adapter).max_positions(model.config))
+
+
+def _check_weights_fit(cls, config, name: str, *, dtype: torch.dtype, device, world: int) -> None:
+    """Refuse, before reading a weight, a model whose parameters (this rank's share when ``world`` > 1 ranks shard it
+    by the family's plan) do not fit the memory available: the shapes come from the model built on the ``meta``
+    device (no memory), the share from :func:`headlab.costs.tensor_parallel.weight_bytes`."""
+    from headlab.attention.memory_guard import check_fits
+    from headlab.costs.tensor_parallel import weight_bytes
+
+    try:
+        with torch.device("meta"):
+            meta = cls._from_config(config) if hasattr(cls, "_from_config") else cls.from_config(config)
+    except Exception:  # noqa: BLE001  (a family that cannot be built on meta: from_pretrained says why, or loads)
+        return
+    shapes = {n: tuple(p.shape) for n, p in meta.named_parameters()}
+    itemsize = {n: (torch.empty((), dtype=dtype) if p.is_floating_point() else p).element_size()
+                for n, p in meta.named_parameters()}
+    plan = dict(getattr(meta, "tp_plan", None) or {}) if world > 1 else {}
+    rank = int(os.environ.get("RANK", 0)) % world if world > 1 else 0
+    need = weight_bytes(shapes, plan, world=world, rank=rank, itemsize=itemsize).total
+    where = device
+    if world > 1:
+        where = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available() else "cpu"
+    what = f"the weights of {name}" + (f" on rank {rank} of {world} (tensor parallelism)" if world > 1 else "")
+    check_fits(need, what=what, device=where, alternative=None)

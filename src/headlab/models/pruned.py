@@ -110,9 +110,12 @@ def prune_heads(loaded, heads: dict, *, allow_empty_layers: bool = False, gqa: s
         allow_empty_layers: allow removing every head of a layer (it then outputs W^O's bias only).
         gqa: ``"pad"`` (keep groups even with zero-output heads, say so in ``notes``) or ``"strict"``.
 
+    On a model sharded by tensor parallelism every rank calls this alike and gets its shard of the pruned model
+    (see :mod:`headlab.models.surgery`).
+
     Raises:
-        ConfigError: a layer or head out of range. PruneError: a whole layer without the flag, or
-        uneven GQA groups with ``gqa="strict"``.
+        ConfigError: a layer or head out of range. PruneError: a whole layer without the flag, uneven GQA groups
+        with ``gqa="strict"``, or (sharded) a removal that would leave the ranks holding unequal heads.
     """
     adapter, ld = resolve(loaded)
     r: PruneResult = prune(adapter, heads, allow_empty_layers=allow_empty_layers, gqa=gqa)

@@ -18,6 +18,14 @@ refuses with :class:`~headlab.errors.PruneError`.
 Pruning every head of a layer is refused unless ``allow_empty_layers=True``: the layer's attention
 then outputs only W^O's bias (one zero-output head is kept so the module still runs).
 
+A model sharded by tensor parallelism (``headlab.load(..., tensor_parallel=True)``) is pruned on every rank at once
+(every rank calls :func:`prune` alike): the plan is made in global head indices as in one process, and then each rank
+cuts its own DTensor shards (its query heads, its kv heads, its columns of W^O) and wraps them again on the same
+mesh, so the copy is sharded as transformers shards it and its logits equal the one-process pruned model's. That
+needs balanced shards: every rank must keep as many query and kv heads as the others, in every layer; a pruning
+that would not is refused with :class:`~headlab.errors.PruneError`, naming what each rank would keep and a
+balanced removal (:func:`check_balanced`).
+
     >>> import torch
     >>> from headlab.models import adapt
     >>> from headlab.models.transformer import Transformer, TransformerConfig
@@ -41,6 +49,7 @@ import torch
 from torch import nn
 
 from headlab.errors import ConfigError, PruneError
+from headlab.models import tp_mesh  # a sharded model's DTensors: copied, unwrapped to this rank's shard, rewrapped
 from headlab.models.base import ModelAdapter
 
 @dataclass(frozen=True)
@@ -156,11 +165,17 @@ def prune(adapter: ModelAdapter, heads: dict, *, allow_empty_layers: bool = Fals
         plans.append(plan)
         if note:
             notes.append(note)
-    model = _stripped_copy(adapter.model)
+    tp = getattr(adapter, "tp", None)  # sharded by tensor parallelism: each rank cuts its own heads
+    if tp is not None:
+        check_balanced(plans, tp, heads)
+    model = _stripped_copy(adapter.model, tp_mesh.sharded_memo(adapter.model) if tp is not None else None)
     attn, outs = same_modules(adapter, model)
     gates = adapter.gates.detach().clone()
     counts = [(adapter.layer_heads[i], adapter.layer_kv_heads[i]) for i in range(adapter.n_layers)]
-    new = _apply(adapter, [_LocalPlan(p) for p in plans], attn, outs, counts)
+    if tp is None:
+        new = _apply(adapter, [_LocalPlan(p) for p in plans], attn, outs, counts)
+    else:
+        new = apply_sharded(adapter, plans, attn, outs, counts, adapter.model, model)
     if len({(len(p.q), len(p.kv)) for p in plans}) == 1:
         # every layer alike: where the config can say it, the model saves as a stock Hugging Face folder
         adapter.prune_config(model.config, len(plans[0].q), len(plans[0].kv))
@@ -214,9 +229,10 @@ def _apply(adapter: ModelAdapter, plans: list[_LocalPlan], attn_modules: list, o
     return plans
 
 
-def _stripped_copy(model: nn.Module) -> nn.Module:
-    """A deep copy without headlab's adapter, layer states and hooks (the copy gets its own)."""
-    new = copy.deepcopy(model)
+def _stripped_copy(model: nn.Module, memo: dict | None = None) -> nn.Module:
+    """A deep copy without headlab's adapter, layer states and hooks (the copy gets its own); ``memo``: objects
+    already copied (or shared), as :func:`copy.deepcopy` takes them."""
+    new = copy.deepcopy(model, memo)
     for m in new.modules():
         for hooks in (m._forward_pre_hooks, m._forward_hooks):
             for key in [k for k, fn in hooks.items() if getattr(fn, "__module__", "").startswith("headlab.models")]:
@@ -292,7 +308,7 @@ def pruned_adapter(template: ModelAdapter, model: nn.Module, plans: list[_LocalP
     ModelAdapter.__init__(pa, model, n_layers=template.n_layers, n_heads=max(q_counts), n_kv_heads=max(kv_counts),
                           head_dim=template.head_dim, d_model=template.d_model, attn_modules=attn, out_projs=outs)
     for st, n in zip(pa.states, q_counts):  # the gate hook splits W^O's input by the layer's own count
-        st.n_heads = n
+        st.n_heads = n // pa.tp.world if pa.tp is not None else n  # sharded: this rank's heads
     model._headlab_adapter = pa
     return pa
 
@@ -315,3 +331,81 @@ class _Plan:
     @property
     def kv(self):
         return self.original.kv
+
+
+# -- a model sharded by tensor parallelism: every rank cuts its own heads -------------------------------------------
+def _shares(plan: LayerPlan, tp) -> list[tuple[int, int]]:
+    """``(query heads, kv heads)`` each rank keeps of one layer's plan (global indices)."""
+    return [(sum(h in tp.heads(r) for h in plan.q), sum(g in tp.kv_heads(r) for g in plan.kv)) for r in range(tp.world)]
+
+
+def check_balanced(plans: list[LayerPlan], tp, asked: dict[int, list[int]]) -> None:
+    """Refuse a pruning of a sharded model that would leave the ranks (or the layers) holding unequal heads.
+
+    transformers' plan cuts each projection into equal row blocks, and headlab reads a sharded model whose every
+    layer holds ``H / world`` query and ``Hkv / world`` kv heads on each rank; so every rank must remove the same
+    number of its heads in every layer (kv heads go with their last query head, as in one process). The error
+    names what each rank would keep and a removal that would be balanced."""
+    shares = [_shares(p, tp) for p in plans]
+    if len({s for layer in shares for s in layer}) == 1:
+        return
+    where = "; ".join(f"layer {l}: " + ", ".join(f"rank {r} {q}q/{kv}kv" for r, (q, kv) in enumerate(s))
+                      for l, s in enumerate(shares))
+    hint = balanced_removal(tp, asked, plans)
+    hint = (f"e.g. {hint}" if hint is not None else "whole kv groups of each rank") + " (gqa='pad')"
+    raise PruneError(
+        f"pruning this model, sharded over {tp.world} ranks, would leave unequal shards ({where}; query/kv heads "
+        f"kept): each rank holds {tp.local_heads} query heads of every layer (rank 0 {list(tp.heads(0))}, ...), and "
+        "transformers' plan and headlab's reading of it need every rank of every layer to keep as many query and kv "
+        f"heads as the others; remove the same number of each rank's heads in every layer, {hint}, or prune in one "
+        "process (headlab.load without tensor_parallel)")
+
+
+def balanced_removal(tp, asked: dict[int, list[int]], plans: list[LayerPlan]) -> dict[int, list[int]] | None:
+    """A removal close to ``asked`` that keeps the shards even: in every layer, each rank removes ``k`` of its heads,
+    ``k`` the most any rank removes anywhere in ``asked`` (at most all but one), its asked heads first, then its
+    next ones. None when that is not balanced either (uneven GQA groups)."""
+    k = max((sum(h in tp.heads(r) for h in asked.get(l, [])) for l in range(len(plans)) for r in range(tp.world)),
+            default=0)
+    k = min(k, tp.local_heads - 1)
+    out: dict[int, list[int]] = {}
+    for l in range(len(plans)):
+        chosen: list[int] = []
+        for r in range(tp.world):
+            mine = [h for h in asked.get(l, []) if h in tp.heads(r)][:k]
+            mine += [h for h in tp.heads(r) if h not in mine][: k - len(mine)]
+            chosen += sorted(mine)
+        if chosen:
+            out[l] = chosen
+    ok = [plan_layer(tp.n_heads, tp.n_kv_heads, out.get(l, []), layer=l, allow_empty_layers=False, gqa="pad")[0]
+          for l in range(len(plans))] if out else []
+    return out if ok and len({s for p in ok for s in _shares(p, tp)}) == 1 else None
+
+
+def apply_sharded(adapter: ModelAdapter, plans: list[LayerPlan], attn_modules: list, out_projs: list,
+                  counts: list[tuple[int, int]], original: nn.Module, copy_of_model: nn.Module) -> list[_LocalPlan]:
+    """Cut a deep copy of a sharded model, each rank its own slices: the DTensor weights of every layer's attention
+    are unwrapped to this rank's local shard, cut by the family (``adapter.cut_heads`` in this rank's local head
+    indices) and wrapped again as DTensors on the same mesh and placements, so the copy is sharded as
+    transformers shards it, with fewer heads on every rank. The copy's tensor-parallel forwards are installed
+    again on the copy's own modules (a deep copy keeps closures that still name the original's)."""
+    tp = adapter.tp
+    for layer, p in enumerate(plans):
+        H, Hkv = counts[layer]
+        if len(p.q) == H and len(p.kv) == Hkv and not p.zeroed:
+            continue
+        mine, kv = tp.heads(), tp.kv_heads()
+        q_local = [h - mine.start for h in p.q if h in mine]
+        kv_local = [g - kv.start for g in p.kv if g in kv]
+        zeroed = [i for i, h in enumerate(h for h in p.q if h in mine) if h in p.zeroed]
+        am, op = attn_modules[layer], out_projs[layer]
+        wrapped = tp_mesh.unwrap(am, op)
+        adapter.cut_heads(am, op, q_local, kv_local, H // tp.world, Hkv // tp.world)
+        adapter.zero_heads(op, zeroed, H=len(q_local))
+        tp_mesh.rewrap(wrapped)
+        n_q, n_kv = len(q_local) * tp.world, len(kv_local) * tp.world  # the layer's global counts
+        values = {"H": n_q, "Hkv": n_kv, "G": n_q // n_kv, "H*d": n_q * adapter.head_dim}
+        for attr, what in getattr(adapter, "head_attrs", {}).items():
+            setattr(am, attr, values[what])
+    tp_mesh.reinstall_forwards(copy_of_model)
+    return [_LocalPlan(p) for p in plans]

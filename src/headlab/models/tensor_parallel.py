@@ -22,7 +22,8 @@ alone. Everything headlab needs to know about that lives here, read from the sha
   rank's heads with their global indices (no communication, and gradients flow through it: importance,
   ablation and patching edit this way).
 - :func:`study_examples`, :func:`sum_heads`: what a study that adds over examples does under tensor
-  parallelism (every rank runs every example; each head's sum is made on its owner and added over the group).
+  parallelism (every rank of a tensor-parallel group runs the same examples, split across the groups of a 2-D
+  mesh: :mod:`headlab.models.tp_mesh`; each head's sum is made on its owner and added over the ranks).
 
 Under tensor parallelism every rank must make the same calls (a capture, an edit) in the same order: the
 gathers are collectives.
@@ -40,6 +41,7 @@ from torch import nn
 
 from headlab.distributed.comm import talking
 from headlab.errors import ConfigError, DistributedError, ShapeError, UnsupportedArchitectureError
+from headlab.models import tp_mesh  # data x tensor parallelism: which examples a rank runs, and the sums
 from headlab.models.sites import LayerState, visit
 
 Q_KINDS = ("q", "pattern", "z", "head_out")  # sites whose axis 1 is the query heads
@@ -213,6 +215,12 @@ def check_before_load(config, world: int) -> None:
         raise UnsupportedArchitectureError(
             f"model type {mt!r} has no tensor-parallel plan in transformers (its config's base_model_tp_plan is "
             "empty), so it cannot be sharded by heads; load it without tensor_parallel")
+    from headlab.models.hf.registry import adapter_class  # the families headlab declares (the loader imported them)
+    if adapter_class(mt) is None:  # read by structure: discovery probes a rank's H/world heads as the config's H
+        raise UnsupportedArchitectureError(
+            f"model type {mt!r} has a tensor-parallel plan, but no headlab family class declares it: headlab reads it "
+            "by structure, and that discovery takes one rank's H/world heads for all H; load it without "
+            "tensor_parallel, or declare its family (headlab.models.hf)")
     H = getattr(text, "num_attention_heads", None)
     Hkv = getattr(text, "num_key_value_heads", None) or H
     if H is None:
@@ -336,25 +344,21 @@ def global_edit(adapter, fn: Callable, kind: str) -> Callable:
 
 # -- studies that add over examples (importance, confidence): every rank runs every example under tensor parallelism
 def study_examples(adapter, n: int) -> list[int]:
-    """The examples (of ``n``) this rank runs: all of them on a sharded model (every rank of the tensor-parallel
-    group must make the same forward), else this data-parallel rank's share (``shard_indices``)."""
+    """The examples (of ``n``) this rank runs: on a sharded model its tensor-parallel group's share (all of them with
+    one group; every rank of a group makes the same forwards), else this data-parallel rank's (``shard_indices``)."""
     from headlab.distributed.data import shard_indices
 
     tp: HeadShards | None = getattr(adapter, "tp", None)
     if tp is None:
         return shard_indices(n)
-    if dist.get_world_size() != tp.world:
-        raise ConfigError(f"the model is sharded over {tp.world} of {dist.get_world_size()} ranks: splitting examples "
-                          "across tensor-parallel groups (a 2-D mesh) is not supported yet; run with "
-                          f"--nproc_per_node {tp.world}")
-    return list(range(n))
+    return tp_mesh.examples(tp, n)  # all n with one tensor-parallel group; a data rank's share on a 2-D mesh
 
 
 def data_rank(adapter) -> int:
-    """This rank's index among the ranks that split the examples (0 on a sharded model: one data rank)."""
+    """This rank's index among the ranks that split the examples (on a sharded model: its group's index)."""
     from headlab.distributed.comm import world
 
-    return 0 if getattr(adapter, "tp", None) is not None else world()[0]
+    return tp_mesh.data_rank(adapter.tp) if getattr(adapter, "tp", None) is not None else world()[0]
 
 
 def sum_heads(adapter, t: torch.Tensor) -> torch.Tensor:
@@ -364,7 +368,7 @@ def sum_heads(adapter, t: torch.Tensor) -> torch.Tensor:
     from headlab.distributed.data import all_reduce_sum
 
     tp: HeadShards | None = getattr(adapter, "tp", None)
-    return all_reduce_sum(t) if tp is None else all_reduce_sum(t, tp.group)
+    return all_reduce_sum(t) if tp is None else tp_mesh.sum_heads(t, tp)
 
 
 def full_weight(t: torch.Tensor) -> torch.Tensor:

@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from headlab.errors import ConfigError
+from headlab.models.tensor_parallel import by_heads
 
 
 def verdict(targeted, draws, *, n_boot: int = 1000, alpha: float = 0.05, ratio: float = 3.0, seed: int = 0) -> dict:
@@ -81,7 +82,9 @@ def gated(adapter, inputs: dict, configs: torch.Tensor, metric: Callable, *, max
 
     ``inputs``: ``input_ids`` and ``attention_mask`` ``(B, L)``; ``configs``: bool ``(C, n_layers, H)``
     (an all-False configuration is the ungated model). A forward holds at most ``max_rows`` rows and
-    ``max_tokens`` tokens (a language model's logits are ``rows x L x vocab``)."""
+    ``max_tokens`` tokens (a language model's logits are ``rows x L x vocab``). The edit treats each head by
+    itself (:class:`~headlab.models.tensor_parallel.by_heads`): on a sharded model each rank zeroes the heads
+    it holds and nothing moves between ranks."""
     B, L = (int(x) for x in inputs["input_ids"].shape)
     per = max(1, min(max_rows, max_tokens // max(L, 1)) // B)
     out = []
@@ -91,10 +94,10 @@ def gated(adapter, inputs: dict, configs: torch.Tensor, metric: Callable, *, max
         rep = {k: v.repeat(c, *([1] * (v.dim() - 1))) for k, v in inputs.items()}
 
         def make(layer):
-            def edit(z, site):  # z (c*B, H, L, d)
-                keep = (~chunk[:, layer, :z.shape[1]]).to(z.dtype).repeat_interleave(B, 0)  # (c*B, H)
+            def edit(z, site, heads):  # z (c*B, heads, L, d): every head, or this rank's under tensor parallelism
+                keep = (~chunk[:, layer, heads.start:heads.stop]).to(z.dtype).repeat_interleave(B, 0)  # (c*B, heads)
                 return z * keep[:, :, None, None].to(z.device)
-            return edit
+            return by_heads(edit)
 
         with torch.no_grad(), adapter.hooks({adapter.site_name(l, "z"): make(l) for l in range(adapter.n_layers)}):
             o = adapter.forward(rep)

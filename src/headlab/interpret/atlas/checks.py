@@ -9,27 +9,35 @@ needle prompts with their answers appended (teacher-forced needle accuracy); syn
 sentences (the loss on the dependents of the top heads' relations, :mod:`.dependents`; decoders with a
 language-model head only). The tasks run in page order of their first kind. Every configuration of a task
 runs batched (:func:`.causal.gated`); under torchrun the configurations are split over the ranks
-(:func:`sharded_gated`), which gives the one-process numbers.
+(:func:`sharded_gated`), which gives the one-process numbers; on a model sharded by tensor parallelism every
+rank runs every configuration and gates the heads it holds.
 """
 
 from __future__ import annotations
 
 import torch
 
-from headlab.distributed.data import all_reduce_sum, shard_indices
+from headlab.distributed.data import all_reduce_sum
 from headlab.interpret.atlas import causal as CK
 from headlab.interpret.heads.ablation import config_masks
+from headlab.models.tensor_parallel import study_examples
 
 
 def sharded_gated(adapter, inputs, configs, metric, *, max_rows: int) -> torch.Tensor:
     """:func:`.causal.gated` with the configurations split over torchrun's ranks (every W-th from its rank)
     and the ``(C, N)`` values added back: each configuration runs on one rank, so the sum is the
-    one-process result exactly. Outside torchrun, :func:`.causal.gated` itself."""
-    mine = shard_indices(configs.shape[0])
+    one-process result exactly. Outside torchrun, :func:`.causal.gated` itself. On a model sharded by tensor
+    parallelism every rank of a tensor-parallel group runs the same configurations (each forward needs the whole
+    group; the gates land on the ranks holding the heads): all of them, or its data rank's share on a 2-D mesh
+    (:func:`~headlab.models.tensor_parallel.study_examples`); only the group's tensor rank 0 contributes its
+    values to the sum, so each configuration is still counted once."""
+    mine = study_examples(adapter, configs.shape[0])
     n = int(inputs["input_ids"].shape[0])
     full = torch.zeros(configs.shape[0], n, dtype=torch.float64)
     if mine:
         full[mine] = CK.gated(adapter, inputs, configs[mine], metric, max_rows=max_rows)
+    if adapter.tp is not None and adapter.tp.rank != 0:
+        full.zero_()  # the same values as the group's tensor rank 0: one copy per group goes into the sum
     return all_reduce_sum(full)
 
 

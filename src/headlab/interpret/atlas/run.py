@@ -14,7 +14,13 @@ map-free statistics; :mod:`.kinds.shared`):
 
 Under torchrun (``torchrun --nproc-per-node N -m headlab atlas ...``) the needle trials and the checks'
 configurations are split over the ranks and gathered back, which gives the one-process result; the
-score passes are small and run on every rank. With ``resume=``, finished phases survive an interrupt.
+score passes are small and run on every rank. On a model sharded by tensor parallelism
+(``headlab.load(..., tensor_parallel=True)``) the ranks of a tensor-parallel group make the same calls: every
+score pass, and every needle trial and check configuration (a data rank's share of them on a data x tensor
+mesh, :func:`~headlab.models.tensor_parallel.study_examples`). Each rank scores the heads it holds, from its own
+recording, and the grids are added over the group (pattern labels read every head's gathered statistics); the
+checks' gates land on the ranks holding the heads; each rank takes the OV copying score of its own heads.
+With ``resume=``, finished phases survive an interrupt.
 """
 
 from __future__ import annotations

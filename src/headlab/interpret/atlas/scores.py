@@ -36,7 +36,9 @@ from torch import nn
 
 from headlab.attention import masks
 from headlab.attention.stats import attention_stats
+from headlab.distributed.data import all_reduce_sum
 from headlab.errors import ConfigError, ModelError
+from headlab.models.tensor_parallel import full_weight
 
 def _lse(q: torch.Tensor, k: torch.Tensor, call_args: dict, keep=None) -> torch.Tensor:
     """``(B, H, Lq)`` log-normalisers of the layer's rows, over the keys ``keep`` lets through (a mask
@@ -108,19 +110,24 @@ def embeddings(model: nn.Module) -> tuple[torch.Tensor, torch.Tensor, bool]:
 
 def ov_copying(adapter) -> torch.Tensor:
     """``(n_layers, H)``: Olsson et al.'s copying score ``sum(lambda) / sum(|lambda|)`` of each head's
-    OV circuit (see the module docstring); NaN for heads a pruned layer no longer has."""
+    OV circuit (see the module docstring); NaN for heads a pruned layer no longer has.
+
+    On a model sharded by tensor parallelism the weights are read whole (``full_weight``: a collective, every
+    rank alike), each rank takes the eigenvalues of the heads it holds and the grid is added over its tensor-parallel group."""
+    tp = getattr(adapter, "tp", None)
     w_e, w_u, _ = embeddings(adapter.model)
-    g = (w_u.double() @ w_e.double())  # (E, E): embed a token, then read its logit back
-    out = torch.full((adapter.n_layers, adapter.n_heads), float("nan"))
+    g = (full_weight(w_u).double() @ full_weight(w_e).double())  # (E, E): embed a token, then read its logit back
+    out = torch.full((adapter.n_layers, adapter.n_heads), 0.0 if tp is not None else float("nan"))
     for layer in range(adapter.n_layers):
-        wv, wo = adapter.W_V(layer).detach().double(), adapter.W_O(layer).detach().double()  # (Hkv, E, d), (H, d, E)
+        wv = full_weight(adapter.W_V(layer).detach()).double()  # (Hkv, E, d)
+        wo = full_weight(adapter.W_O(layer).detach()).double()  # (H, d, E)
         H, Hkv = wo.shape[0], wv.shape[0]
-        for h in range(H):
+        for h in (range(H) if tp is None else tp.heads()):
             m = wo[h] @ g @ wv[h // (H // Hkv)]  # (d, d) = W_O (W_U W_E) W_V
             lam = torch.linalg.eigvals(m)
             den = float(lam.abs().sum())
             out[layer, h] = float(lam.sum().real) / den if den > 0 else 0.0
-    return out
+    return out if tp is None else all_reduce_sum(out, tp.group)  # each head from its owner, zeros elsewhere
 
 
 __all__ = ["embeddings", "offset_mass", "ov_copying", "position_mass", "row_mass", "window_mass"]

@@ -37,6 +37,8 @@ from dataclasses import dataclass
 
 import torch
 
+from headlab.models.tp_weights import value_path
+
 _CHUNK = 2048  # tokens per chunk when forming the (H, chunk, E) value vectors
 
 
@@ -49,15 +51,16 @@ class NormGram:
     rr: torch.Tensor | None = None  # (n,): ||r_i||_M^2                  [residual mode]
 
 
-def value_vectors(adapter, layer: int, x: torch.Tensor) -> torch.Tensor:
-    """``f_h(x_j)`` for every head: ``(H, n, E)`` (use only for short inputs or chunks)."""
-    WV, WO = adapter.W_V(layer).detach(), adapter.W_O(layer).detach()  # (Hkv, E, d), (H, d, E)
-    bV = adapter.b_V(layer)
+def value_vectors(adapter, layer: int, x: torch.Tensor, weights=None) -> torch.Tensor:
+    """``f_h(x_j)`` for every head: ``(H, n, E)`` (use only for short inputs or chunks). ``weights``: the layer's
+    :func:`~headlab.models.tp_weights.value_path`, when the caller has it already (read once per layer: on a
+    model sharded by tensor parallelism it is gathered, every head in global order)."""
+    WV, bV, WO = weights if weights is not None else value_path(adapter, layer)  # (Hkv, E, d), (Hkv, d), (H, d, E)
     G = adapter.n_heads // adapter.n_kv_heads
     ct = torch.float64 if x.dtype == torch.float64 else torch.float32
     v = torch.einsum("ne,ked->knd", x.to(ct), WV.to(ct))  # (Hkv, n, d)
     if bV is not None:
-        v = v + bV.detach().to(ct).unsqueeze(1)
+        v = v + bV.to(ct).unsqueeze(1)
     v = v.repeat_interleave(G, dim=0)  # (H, n, d)
     return torch.einsum("hnd,hde->hne", v, WO.to(ct))  # (H, n, E)
 
@@ -82,8 +85,9 @@ def gram(adapter, layer: int, rec, mode: str) -> NormGram:
     g0 = _metric_fn(rec.norms if residual else None)
     branch = residual and rec.norms.post is not None and rec.norms.post_reads == "branch"
     ws, Gs, cs, rrs = [], [], [], []
+    weights = value_path(adapter, layer)  # once per layer (a gather under tensor parallelism)
     for a in range(0, n, _CHUNK):
-        f = g0(value_vectors(adapter, layer, x[a:a + _CHUNK]))  # (H, c, E)
+        f = g0(value_vectors(adapter, layer, x[a:a + _CHUNK], weights))  # (H, c, E)
         Gs.append(torch.einsum("hne,kne->nhk", f, f))  # (c, H, H)
         ws.append(f.norm(dim=-1))  # (H, c)
         if residual:

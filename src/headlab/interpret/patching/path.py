@@ -12,7 +12,9 @@ For each sender head ``s`` (configurations stacked, as in :func:`~.exact.patch`)
 With ``receivers=None`` the path ends at the logits: the metric is read from the sender run itself (the
 sender's direct effect, plus what the MLPs make of it, with every other head frozen), as Wang et al.
 use for the name movers. Effects are normalised as exact patching's (:mod:`.result`). Heads in or after
-the last receiver's layer cannot reach a receiver and are not measured (NaN).
+the last receiver's layer cannot reach a receiver and are not measured (NaN). On a model sharded by tensor
+parallelism (every rank calling ``path_patch`` alike) the recordings are gathered in global head order and
+every freeze and put-in is made per head on the rank that holds it; the result equals one process's.
 
 ::
 
@@ -30,6 +32,7 @@ import torch
 from headlab.errors import ConfigError
 from headlab.interpret.patching import runs
 from headlab.interpret.patching.result import PatchResult, normalise
+from headlab.models.tensor_parallel import by_heads
 from headlab.progress import Progress, reporter
 
 RECEIVER_INPUTS = ("q", "k", "v")
@@ -145,27 +148,29 @@ def _sender_chunk(pair, metric, chunk, clean_cache, corrupt_cache, recv_sites, t
 
 
 def _frozen(mask: torch.Tensor, n: int, corrupt: torch.Tensor, clean: torch.Tensor):
-    """z of copy c := corrupted where ``mask[c]`` (the sender), clean everywhere else (the model's own z unused)."""
+    """z of copy c := corrupted where ``mask[c]`` (the sender), clean everywhere else (the model's own z unused).
+    Made per head (:class:`by_heads`): on a sharded model each rank writes the heads it holds."""
 
-    def edit(t: torch.Tensor, site: str) -> torch.Tensor:
-        C = mask.shape[0]
-        m = mask.to(t.device).view(C, 1, *mask.shape[1:], 1)  # (C, 1, H, L, 1)
-        out = torch.where(m, corrupt.to(t).unsqueeze(0), clean.to(t).unsqueeze(0))  # (C, B, H, L, d)
+    def edit(t: torch.Tensor, site: str, heads: range) -> torch.Tensor:
+        C, hs = mask.shape[0], slice(heads.start, heads.stop)
+        m = mask[:, hs].to(t.device).view(C, 1, len(heads), mask.shape[2], 1)  # (C, 1, heads, L, 1)
+        out = torch.where(m, corrupt[:, hs].to(t).unsqueeze(0), clean[:, hs].to(t).unsqueeze(0))  # (C, B, heads, L, d)
         return out.reshape(t.shape)
 
-    return edit
+    return by_heads(edit)
 
 
 def _stacked(mask: torch.Tensor, source: torch.Tensor):
-    """Copy c's rows of ``source (C * B, heads, L, d)`` put in where ``mask[c]`` is True."""
+    """Copy c's rows of ``source (C * B, heads, L, d)`` put in where ``mask[c]`` is True (per head, as
+    :func:`_frozen`)."""
 
-    def edit(t: torch.Tensor, site: str) -> torch.Tensor:
-        C = mask.shape[0]
-        m = mask.to(t.device).view(C, 1, *mask.shape[1:], 1)
-        src = source.to(t).view(C, -1, *t.shape[1:])
+    def edit(t: torch.Tensor, site: str, heads: range) -> torch.Tensor:
+        C, hs = mask.shape[0], slice(heads.start, heads.stop)
+        m = mask[:, hs].to(t.device).view(C, 1, len(heads), mask.shape[2], 1)
+        src = source[:, hs].to(t).reshape(C, -1, *t.shape[1:])
         return torch.where(m, src, t.view(C, -1, *t.shape[1:])).reshape(t.shape)
 
-    return edit
+    return by_heads(edit)
 
 
 __all__ = ["RECEIVER_INPUTS", "path_patch"]

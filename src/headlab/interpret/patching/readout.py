@@ -32,7 +32,7 @@ from headlab.interpret.capture import capture
 from headlab.interpret.capture.run import _prepare_inputs
 from headlab.interpret.patching.metrics import _ids, _rows, check_position
 from headlab.models.loader import resolve
-from headlab.models.readout import readout_of
+from headlab.models.tp_weights import readout as readout_of  # the unembedding whole under tensor parallelism
 from headlab.results import envelope
 
 

@@ -278,6 +278,10 @@ def analyze(
         ids = inputs["input_ids"][0].tolist()
         tokens = (loaded.tokenizer.convert_ids_to_tokens(ids) if loaded.tokenizer is not None else [str(i) for i in ids])
         n = len(tokens)
+        if n == 0:  # the model would fail on an empty sequence with a bare reshape error
+            raise InputError(f"{loaded.name}'s tokenizer turns this text into no tokens (none of its words is in the "
+                             "vocabulary, or the tokenizer class does not match the saved vocabulary): give text the "
+                             "tokenizer knows")
         causal = adapter.causal
         job = Job(loaded, text, inputs, tokens, causal, _separator_positions(loaded, ids, causal),
                   "full" if n <= max_full_tokens else "streaming", max_full_tokens, out, backend=backend, chosen=chosen,

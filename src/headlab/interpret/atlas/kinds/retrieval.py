@@ -3,15 +3,16 @@
 Score: on needle-in-a-haystack prompts (:func:`headlab.interpret.atlas.tasks.needles`), decoded greedily,
 the share of the answer's tokens a head copies (its top-1 key inside the needle and holding the generated
 token; :mod:`headlab.interpret.atlas.retrieval`), meaned over trials. Under torchrun the trials are split
-over the ranks and gathered back; each trial is kept in the checkpoint as it finishes. Checked on the
-teacher-forced needle accuracy. Needs a decoder with a language-model head.
+over the ranks and gathered back (on a model sharded by tensor parallelism, over its data ranks);
+each trial is kept in the checkpoint as it finishes. Checked on the teacher-forced needle accuracy. Needs a
+decoder with a language-model head.
 """
 
 from __future__ import annotations
 
 import torch
 
-from headlab.distributed.data import gather_objects, shard_indices
+from headlab.distributed.data import gather_objects
 from headlab.errors import ConfigError
 from headlab.interpret.atlas import causal as CK
 from headlab.interpret.atlas import tasks as T
@@ -19,6 +20,7 @@ from headlab.interpret.atlas.checks import sharded_gated
 from headlab.interpret.atlas.kinds.base import Kind, Measure, Task, register
 from headlab.interpret.atlas.resume import encode
 from headlab.interpret.atlas.retrieval import retrieval_trial
+from headlab.models.tensor_parallel import study_examples
 
 
 def score(run):
@@ -27,7 +29,10 @@ def score(run):
                        seed=sz["seed"], vocab=run.vocab)
     run.state["trials"] = trials
     acc = run.grid(0.0)
-    mine, runs = shard_indices(len(trials)), {}  # under torchrun each rank decodes every W-th trial
+    # under torchrun each rank decodes every W-th trial; on a model sharded by tensor parallelism every rank of a
+    # tensor-parallel group decodes the same trials (each forward needs the whole group), the ranks of a group
+    # gather identical copies
+    mine, runs = study_examples(run.adapter, len(trials)), {}
     for n, i in enumerate(mine):
         run.say("needle decoding", n, len(mine))
         runs[i] = ck.run(f"needle {i}", lambda tr=trials[i]: retrieval_trial(run.adapter, tr))

@@ -2,6 +2,8 @@
 
 - :func:`repeated_grid`: the random tokens repeated once (:func:`headlab.interpret.atlas.tasks.repeated`), recorded once (every
   layer's queries, keys and rows' log-normalisers), a kind's per-layer score on them meaned over sequences;
+  on a model sharded by tensor parallelism each rank records and scores its own heads, and the grids are added
+  over the group (the same for :func:`text_grid`);
 - :func:`text_grid`: each natural-text piece recorded once (queries, keys, the map-free statistics with the
   mass on the sinks: the first token, or [CLS] and every [SEP]), a kind's per-piece score meaned over pieces;
   :func:`pattern_labels`: the pattern labels of :mod:`headlab.interpret.heads.labels` on the first piece;
@@ -20,6 +22,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from headlab.distributed.data import all_reduce_sum
 from headlab.errors import InputError
 from headlab.interpret.atlas import causal as CK
 from headlab.interpret.atlas import tasks as T
@@ -32,9 +35,28 @@ INPUTS = ("repeated", "text")  # the inputs recorded here, once for every kind t
 
 
 def _capture_qk(adapter, ids: torch.Tensor, stats_kwargs: dict | None = None):
+    """q, k and the statistics of every layer, kept where the heads live: on a model sharded by tensor parallelism
+    each rank records its own heads (``gather="none"``) and scores them; :func:`_place` and :func:`_added` put the
+    per-head scores in global order."""
     inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
     sites = adapter.sites("q") + adapter.sites("k") + adapter.sites("stats")
-    return capture(adapter, inputs, sites, stats_kwargs=stats_kwargs)
+    return capture(adapter, inputs, sites, stats_kwargs=stats_kwargs, gather="none")
+
+
+def _place(grid: torch.Tensor, cache, adapter, layer: int, v: torch.Tensor) -> None:
+    """Row ``layer`` of ``grid`` at the heads ``v`` ``(heads here,)`` scores: a rank's own heads under tensor
+    parallelism, else the layer's first ``len(v)`` (all of them; fewer in a pruned layer)."""
+    if adapter.tp is None:
+        grid[layer, :v.shape[0]] = v
+    else:
+        heads = cache.heads(adapter.site_name(layer, "q"))
+        grid[layer, heads.start:heads.stop] = v
+
+
+def _added(adapter, grid: torch.Tensor) -> torch.Tensor:
+    """A grid each rank filled at its own heads (zeros elsewhere), added over its tensor-parallel group (every
+    group scored the same inputs); unsharded, ``grid`` itself."""
+    return grid if adapter.tp is None else all_reduce_sum(grid, adapter.tp.group)
 
 
 def _layer(cache, adapter, layer: int):
@@ -48,12 +70,12 @@ def repeated_grid(run: Run, per_layer: Callable) -> torch.Tensor:
     them (``lse`` ``(B, H_l, L)`` the rows' full log-normalisers, from the same forward)."""
     adapter = run.adapter
     cache = run.memo("repeated", lambda: _capture_qk(adapter, run.repeated_ids, {"stats": ["lse"]}))
-    out = run.grid()
+    out = run.grid() if adapter.tp is None else run.grid(0.0)
     for layer in range(adapter.n_layers):
         q, k, ca, st = _layer(cache, adapter, layer)
-        v = per_layer(q, k, ca, st.lse)  # (B, H_l)
-        out[layer, :v.shape[1]] = v.double().mean(0)
-    return out
+        v = per_layer(q, k, ca, st.lse)  # (B, H_l): this rank's heads under tensor parallelism
+        _place(out, cache, adapter, layer, v.double().mean(0))
+    return _added(adapter, out)
 
 
 def _sinks(tokenizer, ids: torch.Tensor, causal: bool) -> list[int]:
@@ -82,16 +104,22 @@ def text_grid(run: Run, per_piece: Callable) -> torch.Tensor:
     for _, _, cache in _text(run):
         for layer in range(adapter.n_layers):
             q, k, ca, st = _layer(cache, adapter, layer)
-            total[layer, :q.shape[1]] += per_piece(q, k, ca, st).double()
-    return run.mask_missing(total / len(run.pieces))
+            part = run.grid(0.0)
+            _place(part, cache, adapter, layer, per_piece(q, k, ca, st).double())
+            total += part
+    return run.mask_missing(_added(adapter, total) / len(run.pieces))
 
 
 def pattern_labels(run: Run) -> list[list[list[str]]]:
     """``labels[l][h]``: the pattern labels of the first natural-text piece (:mod:`headlab.interpret.heads.labels`)."""
     adapter, tok = run.adapter, run.tokenizer
     ids, sinks, cache = _text(run)[0]
-    rows = [LB.row_stats_from_attention_stats(_layer(cache, adapter, layer)[3], sink_positions=sinks,
-                                              causal=adapter.causal) for layer in range(adapter.n_layers)]
+    stats = [_layer(cache, adapter, layer)[3] for layer in range(adapter.n_layers)]
+    if adapter.tp is not None:  # every head's statistics (rows, no maps), in global order on every rank
+        names = [adapter.site_name(layer, "stats") for layer in range(adapter.n_layers)]
+        got = adapter.tp.gather_sites(dict(zip(names, stats)))
+        stats = [got[n] for n in names]
+    rows = [LB.row_stats_from_attention_stats(st, sink_positions=sinks, causal=adapter.causal) for st in stats]
     toks = tok.convert_ids_to_tokens(ids.tolist()) if tok is not None else [str(t) for t in ids.tolist()]
     recs = LB.head_records(rows, toks, separator_positions=None if adapter.causal or len(sinks) == 1 else sinks[1:],
                            thresholds=LB.LabelThresholds())

@@ -1,0 +1,193 @@
+"""Data x tensor parallelism: a 2-D mesh of ``data`` groups, each a tensor-parallel group holding the whole model.
+
+``torchrun --nproc_per_node 4`` with ``headlab.load(path, tensor_parallel=2)`` lays the 4 ranks out as a
+``(data=2, tensor=2)`` mesh, as torch's ``init_device_mesh`` does (the tensor axis last, so ranks ``{0, 1}`` and
+``{2, 3}`` each hold one copy of the model, cut in two by heads):
+
+                     tensor rank 0       tensor rank 1
+    data rank 0:     rank 0 (heads 0..H/2)   rank 1 (heads H/2..H)
+    data rank 1:     rank 2 (heads 0..H/2)   rank 3 (heads H/2..H)
+
+A study that adds over examples (head importance) splits the examples across the data ranks (every ``D``-th,
+:func:`examples`); inside a tensor-parallel group every rank runs the same examples (its forwards are collectives);
+each head's sum is made on the rank that holds it, zero elsewhere, so one sum over all ranks (:func:`sum_heads`)
+adds both the heads of a group and the examples of the groups. With ``tensor_parallel=True`` (or the whole world)
+there is one data rank and this is plain tensor parallelism.
+
+transformers builds its own meshes for tensor parallelism alone (``DistributedConfig(tp_size=world)``) or with
+FSDP for the data axis, which would shard the weights a second time; for a replicated data axis
+:func:`load_sharded` builds the mesh itself and shards the model with transformers' own plan and
+``apply_tensor_parallelism`` on the tensor axis. Each rank then reads the whole checkpoint before keeping its
+slices (transformers' own loading reads only its slices), so a 2-D load needs the whole model's memory for a
+moment: :func:`headlab.load` checks the memory cap against that.
+
+The second half serves physical pruning of a sharded model (:mod:`headlab.models.surgery`): a deep copy that
+shares the process groups and copies each DTensor as this rank's shard (:func:`sharded_memo`), the DTensors of a
+layer unwrapped to plain local tensors for the family's cut and wrapped again (:func:`unwrap`, :func:`rewrap`),
+and transformers' sharded forwards installed again on the copy (:func:`reinstall_forwards`).
+
+Nothing here imports :mod:`headlab.models.tensor_parallel` (which calls it): a sharded adapter's ``HeadShards``
+is read by its fields (``world``, ``group``).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+from torch import nn
+
+from headlab.errors import ConfigError, UnsupportedArchitectureError
+
+__all__ = ["data_rank", "data_world", "examples", "load_sharded", "reinstall_forwards", "rewrap", "sharded_memo",
+           "sum_counts", "sum_heads", "tensor_size", "unwrap"]
+
+
+def _is_dtensor(t) -> bool:
+    return type(t).__name__ == "DTensor" and hasattr(t, "placements")
+
+
+def tensor_size(tensor_parallel: bool | int, world: int) -> int:
+    """Ranks per tensor-parallel group: ``world`` for ``True``, else ``tensor_parallel``, which must divide it."""
+    if tensor_parallel is True:
+        return world
+    if isinstance(tensor_parallel, bool) or not isinstance(tensor_parallel, int) or tensor_parallel < 1:
+        raise ConfigError(f"tensor_parallel={tensor_parallel!r}: give True (every rank in one tensor-parallel group) "
+                          "or the ranks per group, a positive integer dividing the world size")
+    if world % tensor_parallel:
+        raise ConfigError(f"tensor_parallel={tensor_parallel} over {world} ranks: the ranks per tensor-parallel group "
+                          f"must divide the world size; use a divisor of {world}")
+    return tensor_parallel
+
+
+def _group_ranks(tp) -> list[int]:
+    """The global ranks of the tensor-parallel group, checked to be the consecutive block the 2-D mesh makes."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return list(range(tp.world))
+    ranks = sorted(dist.get_process_group_ranks(tp.group)) if tp.group is not None else list(range(tp.world))
+    if ranks != list(range(ranks[0], ranks[0] + tp.world)) or ranks[0] % tp.world:
+        raise UnsupportedArchitectureError(
+            f"the tensor-parallel group holds ranks {ranks}; headlab splits examples across groups of consecutive "
+            f"ranks (a (data, tensor) mesh, the tensor axis last), as headlab.load(..., tensor_parallel=N) makes")
+    return ranks
+
+
+def data_world(tp) -> int:
+    """How many tensor-parallel groups (data ranks) the run holds."""
+    total = dist.get_world_size() if dist.is_available() and dist.is_initialized() else tp.world
+    return total // tp.world
+
+
+def data_rank(tp) -> int:
+    """This rank's data rank: the index of its tensor-parallel group (0 with one group)."""
+    return _group_ranks(tp)[0] // tp.world
+
+
+def examples(tp, n: int) -> list[int]:
+    """The examples (of ``n``) this rank runs: its data rank's share, every ``D``-th; every rank of a
+    tensor-parallel group runs the same ones."""
+    return list(range(data_rank(tp), n, data_world(tp)))
+
+
+def sum_heads(t: torch.Tensor, tp) -> torch.Tensor:
+    """Per-head sums ``(..., n_heads)``, made on each head's owner (zero elsewhere) over this data rank's examples,
+    added over every rank: the tensor-parallel group's heads and the data ranks' examples at once."""
+    from headlab.distributed.data import all_reduce_sum
+
+    return all_reduce_sum(t, tp.group if data_world(tp) == 1 else None)
+
+
+def sum_counts(t: torch.Tensor, tp) -> torch.Tensor:
+    """Sums every rank of a tensor-parallel group holds alike (a token count), added over the data ranks only."""
+    from headlab.distributed.data import all_reduce_sum
+
+    return t if data_world(tp) == 1 else all_reduce_sum(t) / tp.world
+
+
+def load_sharded(cls, path, *, tp_size: int, dtype: torch.dtype):
+    """``cls.from_pretrained(path)`` sharded by transformers' plan over groups of ``tp_size`` consecutive ranks of a
+    ``(world / tp_size, tp_size)`` mesh (the data axis replicated). Starts the process group if torchrun's
+    environment says so and none is running."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from transformers.distributed.tensor_parallel import apply_tensor_parallelism
+
+    from headlab.distributed.data import init_from_env
+
+    _, world = init_from_env()
+    if world % tp_size:
+        raise ConfigError(f"tensor_parallel={tp_size} over {world} ranks: {tp_size} does not divide {world}")
+    cuda = torch.cuda.is_available()
+    mesh = init_device_mesh("cuda" if cuda else "cpu", (world // tp_size, tp_size), mesh_dim_names=("data", "tp"))
+    model = cls.from_pretrained(path, local_files_only=True, attn_implementation="eager", dtype=dtype)
+    if cuda:
+        model = model.to(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}")
+    plan = dict(getattr(model, "tp_plan", None) or {})
+    if not plan:
+        raise UnsupportedArchitectureError(f"{type(model).__name__} has no tensor-parallel plan in transformers")
+    apply_tensor_parallelism(model, mesh["tp"], model._expand_parallel_plan(plan))
+    return model
+
+
+# -- copying and cutting a sharded model (headlab.models.surgery) ----------------------------------------------
+def sharded_memo(model: nn.Module) -> dict:
+    """What a deep copy of a sharded model must not copy itself: its DTensor parameters (copied here, this rank's
+    shard with the same mesh and placements) and the process groups and meshes its modules and config refer to
+    (shared: they cannot be copied, and the copy runs on the same ones)."""
+    from torch.distributed.tensor import DTensor
+
+    def distributed(v) -> bool:
+        return type(v).__module__.startswith(("torch.distributed", "torch._C._distributed", "transformers.distributed"))
+
+    memo: dict = {}
+    for m in model.modules():
+        for p in m._parameters.values():
+            if p is not None and _is_dtensor(p) and id(p) not in memo:
+                local = p.to_local().detach().clone()
+                memo[id(p)] = nn.Parameter(DTensor.from_local(local, p.device_mesh, p.placements, run_check=False,
+                                                              shape=p.shape, stride=p.stride()),
+                                           requires_grad=p.requires_grad)
+        for k, v in [*vars(m).items(), *vars(getattr(m, "config", None) or m).items()]:
+            if distributed(v) or k in ("_headlab", "_headlab_adapter"):  # headlab's own: dropped from the copy
+                memo[id(v)] = v
+    return memo
+
+
+def unwrap(*modules: nn.Module) -> list:
+    """Replace every DTensor parameter under ``modules`` by a plain tensor of this rank's shard; returns what
+    :func:`rewrap` needs to wrap them again."""
+    out = []
+    for m in {id(m): m for top in modules for m in top.modules()}.values():
+        for name, p in list(m._parameters.items()):
+            if p is not None and _is_dtensor(p):
+                out.append((m, name, p.device_mesh, p.placements, p.requires_grad))
+                m._parameters[name] = nn.Parameter(p.to_local().detach().clone(), requires_grad=p.requires_grad)
+    return out
+
+
+def rewrap(wrapped: list) -> None:
+    """Wrap the (cut) local tensors again as DTensors on their mesh and placements; a Linear's feature counts
+    become the global ones again (transformers' forwards read them)."""
+    from torch.distributed.tensor import DTensor
+
+    for m, name, mesh, placements, grad in wrapped:
+        local = m._parameters[name].detach()
+        m._parameters[name] = nn.Parameter(DTensor.from_local(local, mesh, placements, run_check=False),
+                                           requires_grad=grad)
+        if name == "weight" and isinstance(m, nn.Linear):
+            m.out_features, m.in_features = m.weight.shape
+
+
+def reinstall_forwards(model: nn.Module) -> None:
+    """transformers installs each sharded module's forward as a closure over the module and its mesh; in a deep
+    copy that closure still runs the original module, so install it again on the copy's module."""
+    for m in model.modules():
+        fn = m.__dict__.get("forward")
+        code = getattr(fn, "__code__", None)
+        if code is None or not {"self", "mesh", "module"} <= set(code.co_freevars):
+            continue
+        cells = dict(zip(code.co_freevars, fn.__closure__))
+        style, mesh = cells["self"].cell_contents, cells["mesh"].cell_contents
+        del m.forward
+        style.install_forward(m, mesh)
