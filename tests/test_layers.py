@@ -27,7 +27,7 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "headlab"
 LAYERS = ["attention core", "costs", "attention engines", "distributed", "models", "interpret", "decode", "cli"]
 # the modules (and packages) of attention/ that sit below costs; the rest of attention/ is its engines
 CORE = {"spec", "masks", "tile_states", "blocks", "visibility", "score_mods", "feature_maps", "memory_guard"}
-BASE = {"errors", "_version", "units", "progress", "tsv", "results"}  # importable from every layer
+BASE = {"errors", "_version", "units", "progress", "tsv", "results", "reading"}  # importable from every layer
 MAX_LINES = 460  # "no source file above about 450 lines"
 
 

@@ -28,8 +28,12 @@ from headlab.attention.core import attention_weights, backends
 from headlab.attention.module import MultiHeadAttention
 
 from headlab._version import __version__
+# every instrument's result in one envelope (kind, version, model, settings, figures): headlab.Result.load reads
+# any result file headlab writes, of this version or an earlier one
+from headlab.results import Result, read_json, write_json
 
-__all__ = ["MultiHeadAttention", "attention", "attention_weights", "backends", "costs", "errors", "masks"]
+__all__ = ["MultiHeadAttention", "Result", "attention", "attention_weights", "backends", "costs", "errors", "masks",
+           "read_json", "write_json"]
 
 # Heavier layers load on first use, so `import headlab` stays quick.
 _LAZY = {

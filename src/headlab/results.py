@@ -44,6 +44,9 @@ from headlab._version import __version__
 from headlab.errors import InputError
 
 HEADER = "headlab"  # the key the envelope's header sits under
+# results whose files named their kind in a bare "kind" before the envelope (others use "kind" for their own
+# fields, such as an ablation's kind, so only these are read as the result's kind)
+EARLIER_KINDS = frozenset({"head_importance"})
 
 
 def envelope(kind: str, figures: dict, *, model: str | None = None, settings: dict | None = None) -> dict:
@@ -84,8 +87,11 @@ class Result:
             return cls(head["kind"], model=head.get("model"), settings=dict(head.get("settings") or {}),
                        figures=figures, version=head.get("version") or "unknown")
         kind = data.get("kind_of_result")  # the earlier envelopes: "kind_of_result", "kind": "headlab.probe"
-        if kind is None and isinstance(data.get("kind"), str) and data["kind"].startswith("headlab."):
-            kind = data["kind"].removeprefix("headlab.")
+        own = data.get("kind")
+        if kind is None and isinstance(own, str) and own.startswith("headlab."):
+            kind = own.removeprefix("headlab.").replace(".", "_")  # "headlab.kv.gates": kv_gates
+        elif kind is None and own in EARLIER_KINDS:
+            kind = own
         model = data.get("model") if isinstance(data.get("model"), str) else None
         return cls(kind or "unknown", model=model, figures=figures, version="unknown")
 

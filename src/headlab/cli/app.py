@@ -15,6 +15,7 @@ import typer
 from rich.console import Console
 
 from headlab.errors import ConfigError, InputError
+from headlab.reading import check_utf8, read_file, read_text  # noqa: F401  (the one reader, for the commands)
 from headlab.results import check_output_dir, check_output_file  # noqa: F401  (the one output check, here for the commands)
 from headlab.units import human_bytes, human_flops
 
@@ -54,51 +55,16 @@ def check_heads_before_loading(model: str, heads: str | None, option: str = "--h
             raise InputError(f"{option} {heads} is out of range: {e}") from None
 
 
-def read_text_file(path: Path, option: str, *, what: str = "a plain-text file (UTF-8)") -> str:
+def read_text_file(path: Path, option: str, *, what: str = "a plain-text file (UTF-8)", kind: str = "texts") -> str:
     """The text of an input file, or one line saying why not: missing, a folder, unreadable, not UTF-8
-    (with the byte and how to convert), or empty."""
-    path = Path(path).expanduser()
-    if path.is_dir():
-        raise InputError(f"{option} {str(path)!r} is a folder; give {what}")
-    if not path.is_file():
-        if path.exists():
-            raise InputError(f"{option} {str(path)!r} is not a regular file (a device or a pipe); give {what}")
-        raise InputError(f"{option} {str(path)!r} does not exist; give {what}")
-    try:
-        raw = path.read_bytes()
-    except OSError as e:
-        raise InputError(f"{option} {str(path)!r} cannot be read: {e.strerror or e}") from None
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise InputError(f"{option} {str(path)!r} is not UTF-8 text: byte 0x{raw[e.start]:02x} at byte {e.start} "
-                         f"of {len(raw)}; convert it first, e.g. iconv -f latin1 -t utf-8") from None
-    if not text.strip():
-        raise InputError(f"{option} {str(path)!r} is empty; give {what}")
-    return text
-
-
-def check_utf8(text: str) -> str:
-    """Refuse text that arrived as bytes that are not UTF-8 (Python hands them over as surrogate escapes)."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raw = text.encode("utf-8", "surrogateescape")
-        bad = text[e.start:e.end].encode("utf-8", "surrogateescape")
-        pos = len(text[:e.start].encode("utf-8", "surrogateescape"))
-        raise InputError(f"the text is not valid UTF-8: byte 0x{bad[0]:02x} at byte {pos} of {len(raw)}; "
-                         "convert it first, e.g. iconv -f latin1 -t utf-8") from None
-    return text
+    (with the byte and how to convert), or empty; :func:`headlab.reading.read_file` (the one reader)."""
+    return read_file(path, option, kind, what=what)
 
 
 def check_text(text: str, option: str) -> str:
-    """A text given on the command line: refused when empty or not UTF-8 (the bytes and where), naming the option."""
-    if not text.strip():
-        raise InputError(f"{option} is empty; give a text")
-    try:
-        return check_utf8(text)
-    except InputError as e:
-        raise InputError(f"{option}: {e}") from None
+    """A text given on the command line: refused when empty or not UTF-8 (the bytes and where), naming the
+    option; :func:`headlab.reading.read_text` (the one reader)."""
+    return read_text(text, option)
 
 
 def check_at_least(option: str, value, low, *, what: str = "") -> None:

@@ -14,15 +14,19 @@ from headlab.errors import ConfigError, InputError
 
 def read_policy_file(path: Path) -> dict:
     """A policy file (``{"heads": ...}``, from ``Policy.to_json``), an atlas JSON (``{"scores": ...}``) or trained
-    gates (``{"gates": ...}``, from ``GateTraining.save``), checked."""
+    gates (``{"gates": ...}``, from ``GateTraining.save``), read by :func:`headlab.reading.read_json_file` and
+    checked. Messages keep this option's words: "is not a file", "is not readable JSON: <the reader's reason>"."""
+    from headlab.reading import read_json_file
+
+    what = "a policy JSON, an atlas JSON (headlab atlas) or trained gates (GateTraining.save)"
     p = Path(path).expanduser()
     if not p.is_file():
-        raise InputError(f"--kv-from {str(p)!r} is not a file; give a policy JSON, an atlas JSON (headlab atlas) or "
-                         "trained gates (GateTraining.save)")
+        raise InputError(f"--kv-from {str(p)!r} is not a file; give {what}")
     try:
-        data = json.loads(p.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise InputError(f"--kv-from {str(p)!r} is not readable JSON: {e}") from None
+        data = read_json_file(p, what=what)
+    except InputError as e:  # the reader's line is "'FILE' is not JSON: WHY": keep WHY
+        why = str(e).removeprefix(repr(str(p)) + " ").removeprefix("is ").removeprefix("not JSON: ")
+        raise InputError(f"--kv-from {str(p)!r} is not readable JSON: {why}") from None
     if not isinstance(data, dict) or not ({"heads", "scores", "gates"} & set(data)):
         raise InputError(f"--kv-from {str(p)!r}: expected a policy ({{\"heads\": ...}}), an atlas ({{\"scores\": ...}}) "
                          "or trained gates ({\"gates\": ...})")

@@ -8,8 +8,9 @@ import typer
 
 from headlab.cli.app import (app, check_at_least, check_heads_before_loading, check_output_dir, console, print_json,
                              read_text_file)
+from headlab.cli.rows import row
 from headlab.errors import ConfigError, InputError
-from headlab.results import envelope, write_json
+from headlab.results import write_json
 
 heads_app = typer.Typer(help="Which heads matter: importance, ablation verdicts, physical pruning.",
                         no_args_is_help=True)
@@ -18,7 +19,6 @@ app.add_typer(heads_app, name="heads")
 MODEL = typer.Option(..., "--model", "-m", help="a known model name or a local model folder")
 DATA = typer.Option(None, "--data", "-d", help=".tsv (sentence[, label] header), .conllu (# text = lines) or .txt")
 LOSS = typer.Option("auto", "--loss", help="task | lm | kl | cosine | auto")
-OUT = typer.Option(None, "--out", "-o", help="folder for the JSON result and the HTML page")
 LIMIT = typer.Option(None, "--limit", help="use only the first N examples")
 BATCH = typer.Option(16, "--batch-size", help="examples per forward (and backward)")
 JSON = typer.Option(False, "--json", help="print the result as JSON")
@@ -39,16 +39,8 @@ def _load(model: str, data: Path | None, limit: int | None, *, need_data: bool =
     return loaded, token_ids_if_needed(loaded, texts), labels
 
 
-def _out_dir(out: Path | None) -> Path | None:
-    if out is None:
-        return None
-    out = check_output_dir(Path(out), "--out", allow_existing=True)  # its files are written beside others
-    out.mkdir(parents=True, exist_ok=True)
-    return out
-
-
 def _check_options(*, loss: str, batch_size: int, backend: str, limit: int | None) -> None:
-    """The options every study takes, refused before the model loads."""
+    """The options prune's study takes, refused before the model loads."""
     from headlab.attention import backends
     from headlab.interpret.heads.examples import LOSSES
 
@@ -73,85 +65,10 @@ def _parse_heads(spec: str) -> dict[int, list[int]]:
     return heads
 
 
-@heads_app.command("importance")
-def importance_cmd(model: str = MODEL, data: Path = DATA, loss: str = LOSS, out: Path = OUT, limit: int = LIMIT,
-                   batch_size: int = BATCH, backend: str = typer.Option("auto", "--backend"),
-                   confidence: bool = typer.Option(True, "--confidence/--no-confidence",
-                                                   help="also Voita's confidence (streaming statistics)"),
-                   as_json: bool = JSON) -> None:
-    """Michel et al.'s importance E|dL/dxi| of every head (one backward per batch), and confidence.
-
-    Data-parallel with torchrun: `torchrun --nproc-per-node 2 -m headlab heads importance ...` splits the
-    examples across the processes and adds their sums; rank 0 shows the progress and writes the output.
-    """
-    from headlab.distributed.data import init_from_env, is_main
-    from headlab.interpret.heads.importance import importance_study
-    from headlab.interpret.heads.page import render_page
-
-    _check_options(loss=loss, batch_size=batch_size, backend=backend, limit=limit)
-    init_from_env()
-    out = _out_dir(out) if is_main() else None
-    loaded, texts, labels = _load(model, data, limit)
-    r = importance_study(loaded, texts, labels, loss=loss, batch_size=batch_size, backend=backend,
-                         confidence=confidence, progress=True)
-    if not is_main():
-        return
-    if out is not None:
-        write_json(out / "importance.json", envelope("head_importance", r.to_json(), model=r.model,
-                                                     settings={"loss": r.loss}))
-        (out / "heads.html").write_text(render_page(title=f"head importance: {r.model}", importance=r))
-    if as_json:
-        print_json(r.to_json())
-        return
-    rank = r.ranking()
-    console.print(f"{r.model}: importance ({r.loss} loss) of {len(rank)} heads over {r.n_examples} examples, "
-                  f"{r.seconds:.1f} s", highlight=False, soft_wrap=True)
-    console.print("least important: " + ", ".join(f"{l}.{h}" for l, h in rank[:8]), highlight=False)
-    console.print("most important:  " + ", ".join(f"{l}.{h}" for l, h in rank[::-1][:8]), highlight=False)
-    for k, v in r.correlations.items():
-        console.print(f"Spearman {k}: {'n/a' if v is None else f'{v:.3f}'}", highlight=False)
-    if out is not None:
-        console.print(f"wrote {out}/importance.json, {out}/heads.html", highlight=False, soft_wrap=True)
-
-
-@heads_app.command("ablate")
-def ablate_cmd(model: str = MODEL, data: Path = DATA, loss: str = LOSS, out: Path = OUT, limit: int = LIMIT,
-               batch_size: int = BATCH, kind: str = typer.Option("zero", "--kind", help="zero | mean | resample | uniform"),
-               k: int = typer.Option(16, "--k", help="pairs among the k lowest single effects"),
-               boot: int = typer.Option(1000, "--boot", help="bootstrap resamples"),
-               keep_one: bool = typer.Option(True, "--keep-one/--no-keep-one", help="each layer reduced to one head"),
-               backend: str = typer.Option("auto", "--backend"), as_json: bool = JSON) -> None:
-    """Single, pair and keep-one ablation effects with intervals, and the verdicts unused / redundant / unique."""
-    from headlab.interpret.heads.ablation import ablate, check_bootstrap
-    from headlab.interpret.heads.edits import KINDS
-    from headlab.interpret.heads.page import render_page
-
-    if kind not in KINDS:  # the options first: a load can take minutes
-        raise ConfigError(f"--kind {kind!r} is not an ablation kind; use one of {', '.join(KINDS)}")
-    check_bootstrap(boot, 0.05)
-    check_at_least("--k", k, 0)
-    _check_options(loss=loss, batch_size=batch_size, backend=backend, limit=limit)
-    out = _out_dir(out)
-    loaded, texts, labels = _load(model, data, limit)
-    r = ablate(loaded, texts, labels, kind=kind, loss=loss, k=k, keep_one=keep_one, batch_size=batch_size,
-               n_boot=boot, backend=backend, progress=True)
-    if out is not None:
-        write_json(out / "ablation.json", envelope("head_ablation", r.to_json(), model=r.model,
-                                                   settings={"kind": r.kind, "mean_over": r.mean_over, "loss": r.loss}))
-        (out / "heads.html").write_text(render_page(title=f"head ablation: {r.model}", ablation=r))
-    if as_json:
-        print_json(r.to_json())
-        return
-    console.print(f"{r.model}: {r.kind} ablation, {r.loss} loss {r.baseline:.4g} unablated, {r.n_examples} examples; "
-                  f"threshold {r.threshold:.3g} (noise floor {r.floor_text()})", highlight=False, soft_wrap=True)
-    console.print("verdicts: " + ", ".join(f"{n} {c}" for c, n in r.counts().items()), highlight=False)
-    for note in r.notes[1:]:  # the first says what the effects are; the others are cautions
-        console.print(f"[yellow]note:[/] {note}", highlight=False, soft_wrap=True)
-    for v in r.verdicts:
-        if v.verdict == "redundant":
-            console.print(f"  {v.layer}.{v.head} {v.label()}: {v.evidence}", highlight=False, soft_wrap=True)
-    if out is not None:
-        console.print(f"wrote {out}/ablation.json, {out}/heads.html", highlight=False, soft_wrap=True)
+# importance and ablate are rows: their options, checks and rendering are instruments
+# (headlab.interpret.instruments.heads), run by the study runner
+row(heads_app, "importance", "heads-importance")
+row(heads_app, "ablate", "heads-ablate")
 
 
 @heads_app.command("prune")

@@ -5,10 +5,19 @@ from __future__ import annotations
 import sys
 from importlib import import_module
 
+import typer
+from rich.markup import escape
+
 from headlab.attention.backends.native import enabled as native_enabled
 from headlab.attention.memory_guard import memory_limit_override
 from headlab.cli.app import app, err_console
 from headlab.errors import CLI_EXIT_CODE, HeadlabError
+
+try:  # typer >= 0.2x carries its own click, whose errors derive from typer.TyperException; older ones raise click's
+    from click.exceptions import ClickException as _ClickException
+except ImportError:  # pragma: no cover
+    _ClickException = None
+PARSE_ERRORS = tuple({getattr(typer, "TyperException", None), _ClickException} - {None})
 
 # Each module registers its commands on the app when imported.
 COMMANDS = ["costs_cmd", "backends_cmd", "models_cmd", "demo", "bench", "pattern", "analyze", "probe", "heads", "flow", "explain", "train", "generate", "atlas",
@@ -26,10 +35,30 @@ def main(argv: list[str] | None = None) -> None:
     try:
         memory_limit_override()
         native_enabled()
-        app(args=argv, prog_name="headlab")
+        code = app(args=argv, prog_name="headlab", standalone_mode=False)  # parse errors come back to us
     except HeadlabError as e:
         err_console.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
         sys.exit(CLI_EXIT_CODE)
+    except PARSE_ERRORS as e:
+        sys.exit(_parse_error(e))
+    except typer.Abort:  # end of input at a prompt
+        err_console.print("Aborted!", highlight=False)
+        sys.exit(1)
+    if isinstance(code, int) and not isinstance(code, bool) and code:  # typer.Exit(n), Ctrl-C (130)
+        sys.exit(code)
+
+
+def _parse_error(e: Exception) -> int:
+    """A command line click cannot parse (an unknown option or command, a missing argument, ``--top x``): one
+    line on stderr saying what and where the options are, and exit code 2, as for every other headlab error.
+    With no arguments at all, typer has already shown the help (on stdout), as before."""
+    if type(e).__name__ == "NoArgsIsHelpError":
+        return getattr(e, "exit_code", CLI_EXIT_CODE)
+    ctx = getattr(e, "ctx", None)
+    where = f"; see '{ctx.command_path} --help'" if ctx is not None else "; see 'headlab --help'"
+    message = " ".join((e.format_message() if hasattr(e, "format_message") else str(e)).split()).rstrip(".")
+    err_console.print(f"[bold red]error:[/] {escape(message + where)}", highlight=False, soft_wrap=True)
+    return CLI_EXIT_CODE
 
 
 if __name__ == "__main__":

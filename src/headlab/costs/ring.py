@@ -11,10 +11,18 @@ send takes them home). The zigzag layout gives every rank the same share of visi
 compute per rank is ``visible pairs / R``. Hardware is an argument: a :class:`~headlab.costs.Hardware`
 for the compute rate and a link bandwidth in bytes per second.
 
+The ring holds equal shards, as the kernel does: :func:`~headlab.distributed.ring_attention` refuses a
+sequence that does not cut into ``R`` equal shards (``2R`` equal chunks for zigzag), and so does
+:func:`ring_cost` (a :class:`~headlab.errors.ShapeError` naming the length to pad to), rather than price
+a run that cannot happen. Without a ``layout``, causal attention takes zigzag when the sequence cuts into
+``2R`` chunks and contiguous otherwise (what the kernel can run); :attr:`RingCost.layout` says which.
+
     >>> from headlab.costs import AttentionShape
     >>> c = ring_cost(AttentionShape(heads=32, q_len=1_000_000, head_dim=128, dtype="bfloat16", causal=True), ranks=64)
-    >>> c.steps, c.shard_len, round(c.sent_forward_bytes / 2**30, 2)   # GiB sent per rank per layer
-    (64, 15625, 15.02)
+    >>> c.steps, c.shard_len, c.layout, round(c.sent_forward_bytes / 2**30, 2)   # GiB sent per rank per layer
+    (64, 15625, 'contiguous', 15.02)
+    >>> ring_cost(AttentionShape(heads=32, q_len=1_048_576, head_dim=128, causal=True), ranks=64).layout
+    'zigzag'
 """
 
 from __future__ import annotations
@@ -97,6 +105,7 @@ class RingCost:
     shard_bytes: int  # this rank's q, k, v and output of one layer
     working_set_bytes: int  # peak extra memory of one layer's forward on one rank (incoming block, state, a tile)
     layers: int
+    layout: str = "contiguous"  # how the sequence is cut ("zigzag" balances causal work): it sets the trips
 
     @property
     def sent_bytes_all_layers(self) -> int:
@@ -124,13 +133,31 @@ class RingCost:
 
 def ring_cost(shape: AttentionShape, ranks: int, *, layout: str | None = None) -> RingCost:
     """Per-rank cost of ``shape`` (self-attention, ``q_len == kv_len``) on ``ranks`` ranks, in ``layout``
-    (default: ``"zigzag"`` for causal attention, else ``"contiguous"``; it changes only the working set,
-    through how the shard is cut into trips: :func:`headlab.distributed.ring.trips`)."""
-    if not isinstance(ranks, int) or ranks < 1:
+    (default: ``"zigzag"`` for causal attention when ``q_len`` cuts into ``2 * ranks`` equal chunks, else
+    ``"contiguous"``; it changes only the working set, through how the shard is cut into trips:
+    :func:`headlab.distributed.ring.trips`).
+
+    A length the kernel cannot shard evenly in ``layout`` (not a multiple of ``ranks``, or of ``2 * ranks``
+    for zigzag) is a :class:`~headlab.errors.ShapeError`, as :func:`headlab.distributed.ring_attention`
+    refuses it: pad the sequence to the length the message names."""
+    if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
         raise ConfigError(f"ranks must be a positive integer, got {ranks!r}")
     if shape.q_len != shape.kv_len:
         raise ConfigError(f"ring attention shards one sequence: q_len ({shape.q_len}) must equal kv_len ({shape.kv_len})")
     n, R = shape.q_len, ranks
+    if layout is not None:
+        check_layout(layout)
+    elif shape.causal and n % (2 * R) == 0:
+        layout = "zigzag"
+    else:
+        layout = "contiguous"
+    parts = R if layout == "contiguous" else 2 * R
+    if n % parts:
+        pad = -(-n // parts) * parts
+        other = "" if layout == "contiguous" or n % R else f", or use layout='contiguous' ({n:,} splits into {R} shards)"
+        raise ShapeError(f"ring attention holds equal shards: {n:,} positions do not cut into {parts} equal chunks "
+                         f"({layout} layout on {R} ranks), so headlab.distributed.ring_attention refuses them; pad the "
+                         f"sequence to {pad:,} positions{other}")
     local = n // R
     B, H, Hkv, d, dv, s = shape.batch, shape.heads, shape.kv_heads, shape.head_dim, shape.v_dim, shape.itemsize
     ts = _tile_itemsize(shape.dtype)
@@ -142,10 +169,7 @@ def ring_cost(shape: AttentionShape, ranks: int, *, layout: str | None = None) -
     acc_block = B * Hkv * local * (d + dv) * ts  # the dK/dV accumulators travel in the tile precision
     # in flight at a time: one trip's K/V block (the heads go round a group at a time), the softmax
     # state of every query row, and the tiles of one step
-    layout = layout or ("zigzag" if shape.causal else "contiguous")
-    if layout not in ("contiguous", "zigzag"):
-        raise ConfigError(f"layout must be 'contiguous' or 'zigzag', got {layout!r}")
-    split = split_of(n, R, layout) if n % (R * (2 if layout == "zigzag" else 1)) == 0 else 1
+    split = split_of(n, R, layout)
     trip = block * kv_heads_per_trip(B, Hkv, local // split, d, s) // Hkv // split  # a trip carries 1/split
     working = trip + B * H * local * (ts + 8 + dv * ts) + 3 * B * H * TILE * TILE * ts
     return RingCost(
@@ -153,5 +177,5 @@ def ring_cost(shape: AttentionShape, ranks: int, *, layout: str | None = None) -
         forward_flops_per_rank=fwd, backward_flops_per_rank=bwd,
         sent_forward_bytes=(R - 1) * block, sent_backward_bytes=(R - 1) * block + R * acc_block,
         shard_bytes=B * local * s * (H * (d + dv) + Hkv * (d + dv)),
-        working_set_bytes=working, layers=shape.layers,
+        working_set_bytes=working, layers=shape.layers, layout=layout,
     )

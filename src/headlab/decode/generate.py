@@ -17,17 +17,21 @@
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
 from headlab.attention.memory_guard import check_fits
 from headlab.costs.kv import kv_cache_bytes, policy_cache_bytes
+from headlab.costs.tensor_parallel import kv_cache_bytes_per_rank
 from headlab.decode.cache import HeadCache
 from headlab.decode.kv import Policy, check_decoder, full, kv_layout
 from headlab.errors import ConfigError, InputError, UnsupportedArchitectureError
 from headlab.progress import progress_bar
+from headlab.results import envelope, write_json
 
 __all__ = ["Generation", "generate", "perplexity", "prompt_ids"]
 
@@ -42,10 +46,15 @@ class Generation:
         kv_bytes: the cache's key and value tensors at their peak, measured (``nbytes``; quantized rules: codes,
             scales and zero points), equal to :func:`headlab.costs.kv.policy_peak_bytes`.
         kv_bytes_full: what the ordinary (all heads full) cache holds at the same length, predicted.
+        kv_bytes_per_rank: on a model sharded by tensor parallelism, each rank's cache at its peak (a kv head's keys
+            and values live on the rank holding it), measured; ``kv_bytes`` is then their sum, the one-process bytes
+            whenever the ranks peak at the same step (every rule that only grows: full, windows). None on one process.
         prompt_tokens: the prompt's length (the question's not included).
         question_tokens: the length of the ``question`` fed after the prompt's prefill (0: none).
         prefill_seconds: the prompt's forward; decode_seconds: the steps after it.
         text: the decoded new text (when the model came with a tokenizer).
+        model: the model's name (a LoadedModel's, else its class); settings: how it was decoded (the
+            envelope's header, :meth:`to_json`).
     """
 
     ids: torch.Tensor
@@ -59,6 +68,9 @@ class Generation:
     text: str | None = None
     counts: dict = field(default_factory=dict)
     question_tokens: int = 0
+    model: str | None = None
+    settings: dict = field(default_factory=dict)
+    kv_bytes_per_rank: list[int] | None = None  # tensor parallelism: each rank's cache (its kv heads); kv_bytes the sum
 
     @property
     def tokens_per_second(self) -> float:
@@ -66,12 +78,20 @@ class Generation:
         return steps / self.decode_seconds if steps > 0 and self.decode_seconds > 0 else float("nan")
 
     def to_json(self) -> dict:
-        return {"ids": self.ids[0].tolist(), "text": self.text, "prompt_tokens": self.prompt_tokens,
-                "question_tokens": self.question_tokens,
-                "kv_bytes": self.kv_bytes, "kv_bytes_full": self.kv_bytes_full,
-                "kv_ratio": self.kv_bytes / self.kv_bytes_full if self.kv_bytes_full else None,
-                "prefill_seconds": self.prefill_seconds, "decode_seconds": self.decode_seconds,
-                "tokens_per_second": self.tokens_per_second, "policy": self.policy.to_json(), "heads": self.counts}
+        """The figures in headlab's envelope (kind ``generation``), the policy nested as plain data. The step
+        logits stay out (``(new, vocab)`` floats): the tokens and the cache's bytes are the result."""
+        return envelope("generation", {
+            "ids": self.ids[0].tolist(), "text": self.text, "prompt_tokens": self.prompt_tokens,
+            "question_tokens": self.question_tokens,
+            "kv_bytes": self.kv_bytes, "kv_bytes_full": self.kv_bytes_full,
+            "kv_ratio": self.kv_bytes / self.kv_bytes_full if self.kv_bytes_full else None,
+            "prefill_seconds": self.prefill_seconds, "decode_seconds": self.decode_seconds,
+            "tokens_per_second": self.tokens_per_second, "policy": self.policy.as_dict(), "heads": self.counts},
+            model=self.model, settings=self.settings)
+
+    def save(self, path: str | os.PathLike) -> Path:
+        """Write :meth:`to_json` to ``path`` (atomically; read it back with :meth:`headlab.results.Result.load`)."""
+        return write_json(path, self.to_json())
 
 
 def prompt_ids(adapter, loaded, prompt) -> torch.Tensor:
@@ -190,7 +210,12 @@ def generate(model, prompt, *, policy: Policy | None = None, max_new_tokens: int
     policy.check_shape(kvh, adapter.head_dim)
     predicted = policy_cache_bytes(policy, kv_heads=kvh, tokens=n + nq + max_new_tokens, head_dim=adapter.head_dim,
                                    dtype=dtype, prompt=n)
-    check_fits(predicted, what=f"the KV cache at {n + nq + max_new_tokens} tokens under {policy.name}",
+    tp = getattr(adapter, "tp", None)
+    if tp is not None:  # sharded: this rank holds its kv heads' share
+        predicted = kv_cache_bytes_per_rank(policy, kv_heads=kvh, world=tp.world, tokens=n + nq + max_new_tokens,
+                                            head_dim=adapter.head_dim, dtype=dtype, prompt=n)[tp.rank]
+    check_fits(predicted, what=f"the KV cache at {n + nq + max_new_tokens} tokens under {policy.name}"
+               f"{f' on rank {tp.rank} of {tp.world}' if tp is not None else ''}",
                device=ids.device, alternative=None)
     eos = getattr(getattr(hf, "generation_config", None), "eos_token_id", None)
     eos = set(eos if isinstance(eos, list) else [eos]) - {None} if stop_at_eos else set()
@@ -218,8 +243,18 @@ def generate(model, prompt, *, policy: Policy | None = None, max_new_tokens: int
     full_bytes = kv_cache_bytes([[held] * g for g in kvh], head_dim=adapter.head_dim, dtype=dtype)  # all kept
     new = torch.tensor([out_ids], dtype=torch.long)
     text = loaded.tokenizer.decode(out_ids, skip_special_tokens=True) if loaded is not None and loaded.tokenizer else None
-    return Generation(new, torch.stack(logits_seen), _held_bytes(cache), full_bytes, n, t1 - t0, t2 - t1, policy, text,
-                      policy.counts(kvh), nq)
+    settings = {"policy": policy.name, "max_new_tokens": max_new_tokens, "sample": sample, "stop_at_eos": stop_at_eos}
+    if sample:
+        settings.update(temperature=temperature, top_k=top_k, seed=seed)
+    name = getattr(loaded, "name", None) or type(hf).__name__
+    kv_held, per_rank = _held_bytes(cache), None
+    if tp is not None:  # every rank's cache holds its own kv heads: report each, and their sum
+        from headlab.distributed.data import gather_objects
+
+        per_rank = [int(b) for b in gather_objects(kv_held, tp.group)]
+        kv_held = sum(per_rank)
+    return Generation(new, torch.stack(logits_seen), kv_held, full_bytes, n, t1 - t0, t2 - t1, policy, text,
+                      policy.counts(kvh), nq, name, settings, kv_bytes_per_rank=per_rank)
 
 
 def perplexity(model, ids: torch.Tensor, *, policy: Policy | None = None, chunk: int = 512,

@@ -62,6 +62,7 @@ from headlab.decode.heads import check_decoder, kv_layout  # noqa: F401  re-expo
 from headlab.decode.train import GateTraining, per_query_head, train_gates  # noqa: F401
 from headlab.decode.snap_rule import POOLINGS, Snap, adakv, snap  # noqa: F401  re-exported
 from headlab.errors import ConfigError, InputError
+from headlab.results import envelope, write_json
 
 __all__ = ["Full", "Window", "Drop", "Snap", "Rule", "Layout", "full", "drop", "window", "snap", "adakv", "Policy",
            "kv_layout", "as_rule", "RULES", "register_rule", "unregister_rule"]
@@ -247,21 +248,32 @@ class Policy:
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> Policy:
-        """A policy saved with :meth:`to_json` (``{"default": ..., "heads": {"layer.kv_head": rule}}``)."""
+        """A policy saved with :meth:`save` or :meth:`to_json` (``{"default": ..., "heads": {"layer.kv_head": rule}}``,
+        with or without the envelope's header: earlier files have none)."""
         p = Path(path).expanduser()
         try:
             data = json.loads(p.read_text(encoding="utf-8"))
         except FileNotFoundError:
             raise InputError(f"policy file {str(p)!r} does not exist") from None
-        except (OSError, json.JSONDecodeError) as e:
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
             raise InputError(f"policy file {str(p)!r} is not readable JSON: {e}") from None
         if not isinstance(data, dict) or "heads" not in data:
             raise InputError(f"policy file {str(p)!r}: expected {{\"default\": ..., \"heads\": {{\"layer.kv_head\": rule}}}}")
         return cls.from_spec(data["heads"], data.get("default", "full"), name=data.get("name", p.stem))
 
-    def to_json(self) -> dict:
+    def as_dict(self) -> dict:
+        """The policy as plain data, ``{"name", "default", "heads": {"layer.kv_head": rule text}}``: what
+        :meth:`to_json` wraps and a :class:`~headlab.decode.generate.Generation` nests."""
         return {"name": self.name, "default": self.default.text(),
                 "heads": {f"{l}.{h}": r.text() for (l, h), r in sorted(self.rules.items())}}
+
+    def to_json(self) -> dict:
+        """:meth:`as_dict` in headlab's envelope (kind ``kv_policy``); :meth:`load` and ``--kv-from`` read it."""
+        return envelope("kv_policy", self.as_dict())
+
+    def save(self, path: str | os.PathLike) -> Path:
+        """Write :meth:`to_json` to ``path`` (atomically, :func:`headlab.results.write_json`)."""
+        return write_json(path, self.to_json())
 
     # -- reading -------------------------------------------------------------------------------------------
     def rule(self, layer: int, kv_head: int) -> Rule:

@@ -55,6 +55,7 @@ from headlab.decode.heads import check_decoder, kv_layout
 from headlab.decode.rules import Window
 from headlab.errors import ConfigError, InputError
 from headlab.progress import Progress, reporter
+from headlab.results import envelope, write_json
 
 __all__ = ["GateTraining", "gated", "per_query_head", "train_gates"]
 
@@ -139,25 +140,30 @@ class GateTraining:
     seconds: float = 0.0
     stopped: str = "steps"  # "steps", "seconds" (the time budget) or "interrupt"
     settings: dict = field(default_factory=dict)
+    model: str | None = None  # the model's name (a LoadedModel's, else its class)
 
     def to_json(self) -> dict:
-        return {"kind": "headlab.kv.gates", "gates": self.gates.tolist(),
-                "rest": {"sink": self.rest.sink, "recent": self.rest.recent},
-                "losses": self.losses, "steps": self.steps, "seconds": self.seconds, "stopped": self.stopped,
-                "settings": self.settings}
+        """The gates in headlab's envelope (kind ``kv_gates``; its settings: the training's and the window),
+        beside the keys gate files have always had (``"kind": "headlab.kv.gates"`` among them)."""
+        rest = {"sink": self.rest.sink, "recent": self.rest.recent}
+        return envelope("kv_gates", {
+            "kind": "headlab.kv.gates", "model": self.model, "gates": self.gates.tolist(), "rest": rest,
+            "losses": self.losses, "steps": self.steps, "seconds": self.seconds, "stopped": self.stopped,
+            "settings": self.settings}, model=self.model, settings={**self.settings, "rest": rest})
 
     def save(self, path: str | os.PathLike) -> Path:
-        p = Path(path)
-        p.write_text(json.dumps(self.to_json(), indent=1), encoding="utf-8")
-        return p
+        """Write :meth:`to_json` to ``path`` (atomically, :func:`headlab.results.write_json`)."""
+        return write_json(path, self.to_json())
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> GateTraining:
+        """Gates saved by :meth:`save` (or ``headlab train-gates``), with the envelope or from earlier versions."""
         try:
             d = json.loads(Path(path).read_text(encoding="utf-8"))
             rest = Window(int(d["rest"]["sink"]), int(d["rest"]["recent"]))
+            model = d.get("model") if isinstance(d.get("model"), str) else None
             return cls(torch.tensor(d["gates"]), rest, d.get("losses", []), d.get("steps", 0), d.get("seconds", 0.0),
-                       d.get("stopped", "steps"), d.get("settings", {}))
+                       d.get("stopped", "steps"), d.get("settings", {}), model)
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise InputError(f"{path}: not a gate file written by GateTraining.save ({e})") from None
 
@@ -220,7 +226,8 @@ def train_gates(model, *, rest: Window = Window(4, 256), data: Sequence[tuple[to
     param = torch.nn.Parameter(torch.ones(len(kvh), max(kvh)))
     opt = torch.optim.Adam([param], lr=lr)
     state = GateTraining(param.detach(), rule, settings={"lr": lr, "l1": l1, "tokens": tokens, "keys": keys,
-                                                         "contexts": len(data), "seed": seed, "steps": steps})
+                                                         "contexts": len(data), "seed": seed, "steps": steps},
+                         model=getattr(loaded, "name", None) or type(adapter.model).__name__)
     ck = Path(checkpoint) if checkpoint is not None else None
     if ck is not None and ck.is_file():
         saved = torch.load(ck, weights_only=False)

@@ -31,10 +31,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from headlab.errors import ConfigError, InputError
+from headlab.results import envelope, read_json
 from headlab.tsv import read_dataset
 
 MAX_TOKENS = 128  # SST-2's longest sentence is ~70 WordPiece tokens: a cap, not a truncation in practice
 LABELS = {0: "negative", 1: "positive"}
+BASE = "all-MiniLM-L6-v2"  # the encoder every classifier here starts from
 
 
 @dataclass
@@ -63,6 +65,8 @@ class TrainingConfig:
 
 @dataclass
 class TrainingResult:
+    """A trained classifier: where it went, its validation accuracy, the sizes, the time and the config."""
+
     out: Path
     validation_accuracy: float
     validation_sentences: int
@@ -72,11 +76,32 @@ class TrainingResult:
     total_seconds: float
     config: TrainingConfig
     history: list[dict] = field(default_factory=list)
+    model: str = BASE  # the model fine-tuned
 
     def to_json(self) -> dict:
+        """The result in headlab's envelope (kind ``classifier_training``, settings: the config) beside its
+        fields, as ``headlab-training.json`` has always held them."""
         d = asdict(self)
         d["out"] = str(self.out)
-        return d
+        return envelope("classifier_training", d, model=self.model, settings=asdict(self.config))
+
+    @classmethod
+    def from_json(cls, d: dict) -> TrainingResult:
+        """A result from :meth:`to_json`, or an earlier ``headlab-training.json`` (no header; extra keys such as
+        the versions and the date are left out)."""
+        try:
+            return cls(Path(d["out"]), float(d["validation_accuracy"]), int(d["validation_sentences"]),
+                       int(d["train_sentences"]), int(d["steps"]), float(d["train_seconds"]), float(d["total_seconds"]),
+                       TrainingConfig(**d["config"]), list(d.get("history", [])), d.get("model", BASE))
+        except (KeyError, TypeError, ValueError) as e:
+            raise InputError(f"not a training record (headlab-training.json): {type(e).__name__} {e}") from None
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> TrainingResult:
+        """The record of a trained classifier: its ``headlab-training.json``, or the folder holding it."""
+        p = Path(path).expanduser()
+        return cls.from_json(read_json(p / "headlab-training.json" if p.is_dir() else p,
+                                       what="a trained classifier's headlab-training.json"))
 
 
 def default_folder() -> Path:

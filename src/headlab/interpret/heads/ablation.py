@@ -32,18 +32,21 @@ untested            no clear single effect, but not among the k heads whose pair
 from __future__ import annotations
 
 import itertools
+import os
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import torch
 
-from headlab.progress import progress_bar
+from headlab.progress import Progress, reporter
 from headlab.errors import ConfigError, InputError
 from headlab.interpret.heads import examples as C
 from headlab.models.loader import resolve
 from headlab.interpret.heads.edits import KINDS, Runner, mean_z
 from headlab.models.tensor_parallel import full_weight
+from headlab.results import envelope, read_json, write_json
 
 
 @dataclass
@@ -106,10 +109,12 @@ class AblationResult:
         return next((v for v in self.verdicts if (v.layer, v.head) == (layer, head)), None)
 
     def to_json(self) -> dict:
+        """The result in headlab's envelope (kind ``head_ablation``); beside the header the keys files have always
+        had (``kind`` is the ablation's kind there). NaN (not measured) is written as null."""
         def arr(t):
             return None if t is None else np.where(np.isnan(t.numpy()), None, np.round(t.numpy(), 8)).tolist()
 
-        return {"kind_of_result": "head_ablation", "model": self.model, "kind": self.kind,
+        return envelope("head_ablation", {"kind_of_result": "head_ablation", "model": self.model, "kind": self.kind,
                 "mean_over": self.mean_over, "loss": self.loss, "n_examples": self.n_examples,
                 "baseline": self.baseline, "baseline_accuracy": self.baseline_accuracy,
                 "single": arr(self.single), "single_ci": arr(self.single_ci), "keep_one": arr(self.keep_one),
@@ -120,7 +125,41 @@ class AblationResult:
                 "threshold": self.threshold, "thresholds": self.thresholds, "counts": self.counts(),
                 "verdicts": [{"layer": v.layer, "head": v.head, "verdict": v.verdict, "label": v.label(),
                               "partner": list(v.partner) if v.partner else None, "evidence": v.evidence}
-                             for v in self.verdicts], "seconds": self.seconds, "notes": self.notes}
+                             for v in self.verdicts], "seconds": self.seconds, "notes": self.notes},
+            model=self.model, settings={"kind": self.kind, "mean_over": self.mean_over, "loss": self.loss})
+
+    @classmethod
+    def from_json(cls, d: dict) -> AblationResult:
+        """The result from its JSON: this version's envelope or an earlier file (the same keys, no header)."""
+        try:
+            K = len(d["pair_heads"])
+            L, H = np.asarray(d["single"], dtype=float).shape
+            verdicts = [Verdict(int(v["layer"]), int(v["head"]), v["verdict"],
+                                tuple(v["partner"]) if v.get("partner") else None, v["evidence"]) for v in d["verdicts"]]
+            return cls(d["model"], d["kind"], d.get("mean_over"), d["loss"], int(d["n_examples"]), float(d["baseline"]),
+                       d.get("baseline_accuracy"), _grid(d["single"], (L, H)), _grid(d["single_ci"], (L, H, 2)),
+                       _grid(d.get("keep_one"), (L, H)), _grid(d.get("keep_one_ci"), (L, H, 2)),
+                       [tuple(p) for p in d["pair_heads"]], _grid(d["pair_effect"], (K, K)),
+                       _grid(d["interaction"], (K, K)), _grid(d["interaction_ci"], (K, K, 2)), _grid(d.get("cka"), (K, K)),
+                       float("nan") if d.get("noise_floor") is None else float(d["noise_floor"]), float(d["threshold"]),
+                       d.get("thresholds", {}), verdicts, d.get("seconds", {}), d.get("notes", []))
+        except (KeyError, TypeError, ValueError) as e:
+            raise InputError(f"not an ablation result (headlab heads ablate's ablation.json): {type(e).__name__} "
+                             f"{e}") from None
+
+    def save(self, path: str | os.PathLike) -> Path:
+        """Write :meth:`to_json` to ``path`` (atomically, :func:`headlab.results.write_json`)."""
+        return write_json(path, self.to_json())
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> AblationResult:
+        """An ablation result saved by :meth:`save` or ``headlab heads ablate --out`` (earlier files too)."""
+        return cls.from_json(read_json(path, what="an ablation.json (headlab heads ablate --out)"))
+
+
+def _grid(x, shape: tuple[int, ...]) -> torch.Tensor | None:
+    """A float32 tensor of ``shape`` from nested lists whose nulls are NaN (None stays None)."""
+    return None if x is None else torch.from_numpy(np.array(x, dtype=np.float64).reshape(shape)).float()
 
 
 def _check_heads(adapter, heads, counts) -> list[tuple[int, int]]:
@@ -189,7 +228,7 @@ def ablate(loaded, texts, labels=None, *, kind: str = "zero", loss: C.Loss = "au
            k: int = 16, keep_one: bool = True, mean_over: str = "token", batch_size: int = 16,
            max_rows: int = 128, n_boot: int = 1000, alpha: float = 0.05, rel_tol: float = 0.01,
            cka: bool = True, max_cka_tokens: int = 4096, seed: int = 0, backend: str = "auto",
-           max_length: int | None = None, progress: bool = False) -> AblationResult:
+           max_length: int | None = None, progress: bool | Progress = False) -> AblationResult:
     """Single, pairwise and keep-one-per-layer ablation effects with intervals and verdicts.
 
     Args:
@@ -312,19 +351,27 @@ def ablate(loaded, texts, labels=None, *, kind: str = "zero", loss: C.Loss = "au
                           seconds, notes)
 
 
-def _measure(runner: Runner, data, masks: torch.Tensor, N: int, progress: bool, label: str, *, cka_heads=None,
-             cka_store=None, max_cka_tokens: int = 4096):
-    """``(d (n_configs, N) effects per example, baseline (N,), accuracy (N,) or None)``."""
+def _measure(runner: Runner, data, masks: torch.Tensor, N: int, progress: bool | Progress, label: str, *,
+             cka_heads=None, cka_store=None, max_cka_tokens: int = 4096):
+    """``(d (n_configs, N) effects per example, baseline (N,), accuracy (N,) or None)``; progress reports
+    ``(label, configurations x batches done, of all)``."""
     d = np.zeros((masks.shape[0], N))
     base = np.zeros(N)
     acc = None
-    with progress_bar(progress) as bar:
-        task = bar.add_task(label, total=masks.shape[0] * len(data))
+    total, done = masks.shape[0] * len(data), 0
+    with reporter(progress) as say:
+        say(label, 0, total)
+
+        def advance(n: int) -> None:
+            nonlocal done
+            done += n
+            say(label, done, total)
+
         for b in data:
             clean = runner.clean(b, keep_z=runner.kind == "resample" or cka_heads is not None)
             if cka_heads is not None:
                 _collect(cka_store, cka_heads, runner.every_head(clean["z"]), b.mask, max_cka_tokens)
-            lc = runner.run(b, clean, masks, bar, task)  # (C, B)
+            lc = runner.run(b, clean, masks, advance)  # (C, B)
             idx = b.index.numpy()
             d[:, idx] = (lc - clean["loss"][None]).double().cpu().numpy()
             base[idx] = clean["loss"].double().cpu().numpy()

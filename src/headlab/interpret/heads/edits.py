@@ -156,10 +156,11 @@ class Runner:
         return zs if tp is None else {layer: tp.gather(z, "z") for layer, z in sorted(zs.items())}
 
     # -- ablated passes ---------------------------------------------------------------------------------------------
-    def run(self, b: C.Batch, clean: dict, masks: torch.Tensor, bar=None, task=None) -> torch.Tensor:
+    def run(self, b: C.Batch, clean: dict, masks: torch.Tensor, advance=None) -> torch.Tensor:
         """Per-example loss ``(n_configs, B)`` with each configuration's heads ablated.
 
-        ``masks``: bool ``(n_configs, n_layers, H)``."""
+        ``masks``: bool ``(n_configs, n_layers, H)``; ``advance(n)``: called as each chunk of ``n``
+        configurations finishes (the caller's progress)."""
         B = b.size
         per = max(1, self.max_rows // B)
         # Configurations ordered by their edits, layer by layer (lexicographically), so that a chunk's
@@ -174,8 +175,8 @@ class Runner:
             got = self._run_chunk(b, clean, masks[idx], start=_first_difference(masks[idx]))  # (chunk, B)
             out = got.new_empty(masks.shape[0], B) if out is None else out
             out[idx.to(got.device)] = got
-            if bar is not None:
-                bar.advance(task, len(idx))
+            if advance is not None:
+                advance(len(idx))
         return out
 
     def _run_chunk(self, b: C.Batch, clean: dict, masks: torch.Tensor, start: int = 0) -> torch.Tensor:

@@ -2,8 +2,8 @@
 
 Texts come as a list of strings (with a :class:`~headlab.models.loader.LoadedModel` that has a
 tokenizer) or as token-id sequences (lists or 1-D tensors, for headlab's own models); a file
-(:func:`read_texts`) as a TSV with a header (``sentence<TAB>label``, SST-2's layout), a CoNLL-U
-file (its ``# text =`` lines) or plain text (one example per line).
+(:func:`read_texts`, through :mod:`headlab.reading`) as a TSV with a header (``sentence<TAB>label``,
+SST-2's layout), a CoNLL-U file (its ``# text =`` lines) or plain text (one example per line).
 
 Losses, per example (``loss=``):
 
@@ -19,7 +19,6 @@ cosine     1 - cos(e, e_0) of a sentence encoder's pooled embedding (mean of ``l
 
 from __future__ import annotations
 
-import csv
 import math
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -42,45 +41,28 @@ def is_causal(adapter: ModelAdapter) -> bool:
     return adapter.causal
 
 
-def read_texts(path: str | Path, *, limit: int | None = None) -> tuple[list[str], list[int] | None]:
-    """``(texts, labels or None)`` from a TSV with a header, a CoNLL-U file or a plain text file."""
-    path = Path(path)
-    if not path.is_file():
-        raise InputError(f"data file {path} does not exist (give a .tsv with a 'sentence' column, a .conllu or a .txt)")
-    texts: list[str] = []
-    labels: list[int] | None = None
-    if path.suffix == ".conllu":
-        for line in path.read_text(encoding="utf-8").splitlines():
-            if line.startswith("# text ="):
-                texts.append(line.split("=", 1)[1].strip())
-    elif path.suffix == ".tsv":
-        with path.open(encoding="utf-8", newline="") as f:
-            rows = list(csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE))
-        if not rows:
-            raise InputError(f"{path} is empty")
-        head = [h.strip().lower() for h in rows[0]]
-        if "sentence" not in head and "text" not in head:
-            raise InputError(f"{path}: no 'sentence' or 'text' column; the header has {rows[0]}. Give a TSV whose "
-                             "header names the text column sentence (or text), with an optional integer label")
-        ti = head.index("sentence") if "sentence" in head else head.index("text")
-        li = head.index("label") if "label" in head else None
-        labels = [] if li is not None else None
-        for r in rows[1:]:
-            if len(r) <= ti or not r[ti].strip():
-                continue
-            texts.append(r[ti].strip())
-            if labels is not None:
-                try:
-                    labels.append(int(r[li]))
-                except (ValueError, IndexError):
-                    raise InputError(f"{path}: label {r[li] if len(r) > li else ''!r} is not an integer") from None
+def read_texts(path: str | Path, *, limit: int | None = None,
+               option: str = "--data") -> tuple[list[str], list[int] | None]:
+    """``(texts, labels or None)`` of a file, read by :mod:`headlab.reading` as its suffix says: ``.tsv`` a
+    dataset (a ``sentence`` or ``text`` column, an optional integer ``label``), ``.conllu`` the ``# text =``
+    of each sentence, anything else one text per line; the first ``limit`` of them. ``option`` names the
+    file in messages."""
+    from headlab.reading import read_conllu, read_texts as read_lines, read_tsv
+
+    suffix = Path(path).suffix.lower()
+    labels = None
+    if suffix == ".tsv":
+        rows = read_tsv(path, option)
+        texts = [r.text for r in rows]
+        labels = None if rows[0].label is None else [r.label for r in rows]
+    elif suffix == ".conllu":
+        texts = read_conllu(path, option).texts()
     else:
-        texts = [ln.strip() for ln in path.read_text(encoding="utf-8").splitlines() if ln.strip()]
+        texts = read_lines(path, option)
     if limit is not None:
-        texts = texts[:limit]
-        labels = labels[:limit] if labels is not None else None
+        texts, labels = texts[:limit], (labels[:limit] if labels is not None else None)
     if not texts:
-        raise InputError(f"{path} holds no examples (an empty dataset)")
+        raise InputError(f"{option} {str(path)!r} holds no examples (an empty dataset); give at least one text")
     return texts, labels
 
 

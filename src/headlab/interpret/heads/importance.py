@@ -33,18 +33,21 @@ from the streaming statistics (:func:`headlab.attention_stats`, capture site ``s
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
-from headlab.progress import progress_bar
-from headlab.errors import ConfigError
+from headlab.progress import Progress, reporter
+from headlab.errors import ConfigError, InputError
 from headlab.interpret.heads import examples as C
 from headlab.distributed.data import all_reduce_sum, is_main
 from headlab.interpret.heads.edits import head_hooks
 from headlab.models import tensor_parallel as _tp
 from headlab.models.loader import resolve
+from headlab.results import envelope, read_json, write_json
 
 
 def _gates_hook(adapter, holder: dict):
@@ -63,7 +66,7 @@ def _gates_hook(adapter, holder: dict):
 
 def head_importance(loaded, texts, labels=None, *, loss: C.Loss = "auto", batch_size: int = 16,
                     normalize: bool = False, backend: str = "auto", seed: int = 0, max_length: int | None = None,
-                    progress: bool = False) -> torch.Tensor:
+                    progress: bool | Progress = False) -> torch.Tensor:
     """Michel et al.'s ``I_h = E_x |dL(x)/d xi_h|`` for every head: ``(n_layers, H)``.
 
     Args:
@@ -105,7 +108,7 @@ def _importance(loaded, texts, labels, *, loss, batch_size, normalize, backend, 
     mine = _tp.study_examples(adapter, len(texts))
     data = C.batches(ld, adapter, [texts[i] for i in mine], None if labels is None else [labels[i] for i in mine],
                      batch_size, max_length=max_length) if mine else []
-    progress = progress and is_main()
+    progress = progress if is_main() else False  # rank 0 reports
     gen = torch.Generator().manual_seed(seed + _tp.data_rank(adapter))
     L, H = adapter.n_layers, adapter.n_heads
     total = torch.zeros(L, H, dtype=torch.float64)
@@ -114,9 +117,10 @@ def _importance(loaded, texts, labels, *, loss, batch_size, normalize, backend, 
     adapter.model.eval()
     t0 = time.perf_counter()
     try:
-        with adapter.use_backend(backend), _gates_hook(adapter, holder), progress_bar(progress) as bar:
-            task = bar.add_task(f"importance ({loss})", total=len(data))
-            for b in data:
+        with adapter.use_backend(backend), _gates_hook(adapter, holder), reporter(progress) as say:
+            stage = f"importance ({loss})"
+            say(stage, 0, len(data))
+            for n, b in enumerate(data, 1):
                 ref = {}
                 if loss in ("kl", "cosine"):
                     holder["xi"] = None
@@ -130,7 +134,7 @@ def _importance(loaded, texts, labels, *, loss, batch_size, normalize, backend, 
                     (grad,) = torch.autograd.grad(per.sum(), xi, allow_unused=True)
                 if grad is not None:
                     total += grad.detach().abs().sum(0).double().cpu()
-                bar.advance(task)
+                say(stage, n, len(data))
     finally:
         holder.clear()
         adapter.model.train(was_training)
@@ -146,7 +150,7 @@ def _importance(loaded, texts, labels, *, loss, batch_size, normalize, backend, 
 
 
 def head_confidence(loaded, texts, *, batch_size: int = 16, max_length: int | None = None,
-                    progress: bool = False) -> torch.Tensor:
+                    progress: bool | Progress = False) -> torch.Tensor:
     """Voita et al.'s confidence: mean over real query tokens of ``max_j P_ij``, ``(n_layers, H)``.
 
     Computed from streaming statistics (``stats`` site, ``max_weight``, tiled method): no
@@ -157,13 +161,13 @@ def head_confidence(loaded, texts, *, batch_size: int = 16, max_length: int | No
     C.check_data(texts, None, "cosine")
     mine = _tp.study_examples(adapter, len(texts))  # data-parallel under torchrun, as in head_importance
     data = C.batches(ld, adapter, [texts[i] for i in mine], None, batch_size, max_length=max_length) if mine else []
-    progress = progress and is_main()
+    progress = progress if is_main() else False  # rank 0 reports
     L, H = adapter.n_layers, adapter.n_heads
     total = torch.zeros(L, H, dtype=torch.float64)
     count = 0.0
-    with progress_bar(progress) as bar:
-        task = bar.add_task("confidence", total=len(data))
-        for b in data:
+    with reporter(progress) as say:
+        say("confidence", 0, len(data))
+        for n, b in enumerate(data, 1):
             # statistics made where the heads live; a sharded model keeps them there (gather="none")
             cache = capture(adapter, b.inputs, adapter.sites("stats"), gather="none",
                             stats_kwargs={"stats": ["max_weight"], "method": "tiled"})
@@ -173,12 +177,14 @@ def head_confidence(loaded, texts, *, batch_size: int = 16, max_length: int | No
                 mw, heads = cache[site].max_weight.double(), cache.heads(site)  # (B, H_l, L), their global indices
                 total[layer, heads.start:heads.stop] += (mw * m[:, None, :]).sum((0, 2)).cpu()
             count += float(m.sum())
-            bar.advance(task)
+            say("confidence", n, len(data))
     if adapter.tp is None:  # the examples were split over the ranks: add their sums and token counts
         summed = all_reduce_sum(torch.cat([total.flatten(), torch.tensor([count], dtype=torch.float64)]))
         total, count = summed[:-1].view(L, H), float(summed[-1])
-    else:  # every rank ran every example; each head's sum was made on the rank holding it
+    else:  # a tensor-parallel group ran its examples; each head's sum was made on the rank holding it
         total = _tp.sum_heads(adapter, total)
+        # the token count is the same on every rank of a group: add it over the groups of a 2-D mesh only
+        count = float(_tp.tp_mesh.sum_counts(torch.tensor([count], dtype=torch.float64), adapter.tp)[0])
     conf = (total / max(count, 1.0)).float()
     for layer, n in enumerate(adapter.layer_heads):
         conf[layer, n:] = float("nan")
@@ -214,13 +220,40 @@ class ImportanceResult:
         return [(l, h) for _, l, h in flat]
 
     def to_json(self) -> dict:
+        """The result in headlab's envelope (kind ``head_importance``) beside the keys files have always had;
+        NaN (a layer's missing heads) is written as null."""
         def grid(t):
             return None if t is None else [[C.safe_float(x) for x in row] for row in t.tolist()]
 
-        return {"kind": "head_importance", "model": self.model, "loss": self.loss, "n_examples": self.n_examples,
-                "importance": grid(self.importance), "normalized": grid(self.normalized),
-                "confidence": grid(self.confidence), "seconds": self.seconds,
-                "correlations": self.correlations, "notes": self.notes}
+        return envelope("head_importance", {
+            "kind": "head_importance", "model": self.model, "loss": self.loss, "n_examples": self.n_examples,
+            "importance": grid(self.importance), "normalized": grid(self.normalized),
+            "confidence": grid(self.confidence), "seconds": self.seconds,
+            "correlations": self.correlations, "notes": self.notes}, model=self.model, settings={"loss": self.loss})
+
+    @classmethod
+    def from_json(cls, d: dict) -> ImportanceResult:
+        """The result from its JSON: this version's envelope or an earlier file (the same keys, no header)."""
+        def grid(x):
+            return None if x is None else torch.tensor([[float("nan") if v is None else v for v in row] for row in x],
+                                                       dtype=torch.float32)
+
+        try:
+            return cls(d["model"], d["loss"], int(d["n_examples"]), grid(d["importance"]), grid(d["normalized"]),
+                       grid(d.get("confidence")), float(d.get("seconds", 0.0)), dict(d.get("correlations", {})),
+                       list(d.get("notes", [])))
+        except (KeyError, TypeError, ValueError) as e:
+            raise InputError(f"not an importance result (headlab heads importance's importance.json): "
+                             f"{type(e).__name__} {e}") from None
+
+    def save(self, path: str | os.PathLike) -> Path:
+        """Write :meth:`to_json` to ``path`` (atomically, :func:`headlab.results.write_json`)."""
+        return write_json(path, self.to_json())
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> ImportanceResult:
+        """An importance result saved by :meth:`save` or ``headlab heads importance --out`` (earlier files too)."""
+        return cls.from_json(read_json(path, what="an importance.json (headlab heads importance --out)"))
 
 
 def correlate(**grids: torch.Tensor | None) -> dict[str, float | None]:
@@ -238,7 +271,7 @@ def correlate(**grids: torch.Tensor | None) -> dict[str, float | None]:
 
 def importance_study(loaded, texts, labels=None, *, loss: C.Loss = "auto", batch_size: int = 16,
                      backend: str = "auto", seed: int = 0, confidence: bool = True, single_effects=None,
-                     max_length: int | None = None, progress: bool = False) -> ImportanceResult:
+                     max_length: int | None = None, progress: bool | Progress = False) -> ImportanceResult:
     """Importance, normalised importance, confidence, and Spearman correlations between them and
     ``single_effects`` (an ``(n_layers, H)`` grid from :func:`headlab.ablate`), when given."""
     if single_effects is not None and not isinstance(single_effects, torch.Tensor):

@@ -165,7 +165,9 @@ def head_annotations(result_or_path) -> dict[tuple[int, int], str]:
     file written by ``headlab heads importance|ablate`` (``importance.json`` / ``ablation.json``)."""
     obj = result_or_path
     if isinstance(obj, (str, Path)):
-        obj = json.loads(Path(obj).read_text())
+        from headlab.reading import read_json_file
+
+        obj = read_json_file(obj, what="the importance.json or ablation.json headlab heads importance|ablate wrote")
     if hasattr(obj, "to_json"):
         obj = obj.to_json()
     if not isinstance(obj, dict):

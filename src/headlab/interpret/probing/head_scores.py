@@ -224,7 +224,7 @@ def _gradient_batch(chosen, group, kind, causal, backend, sums, counts, done) ->
 
 def probe(
     loaded,
-    treebank_path: str | os.PathLike,
+    treebank_path: str | os.PathLike | Treebank,
     *,
     limit: int | None = None,
     backend: str | None = "auto",
@@ -243,7 +243,9 @@ def probe(
     Args:
         loaded: a :class:`~headlab.models.loader.LoadedModel` (``headlab.load(...)``) or a known name /
             model folder; it needs a fast tokenizer (character offsets).
-        treebank_path: a CoNLL-U file (see :mod:`~headlab.interpret.probing.treebank`).
+        treebank_path: a CoNLL-U file (see :mod:`~headlab.interpret.probing.treebank`), or its
+            :class:`~headlab.interpret.probing.treebank.Treebank` already read (``limit`` and ``fold_subtypes``
+            were applied when it was read).
         limit: read at most this many sentences from the top of the file.
         backend: the backend of layers not captured (every layer is, so this rarely matters).
         relations: study only these (``"det,nsubj"`` or a list); default every relation in the file.
@@ -270,7 +272,8 @@ def probe(
         for name, v in (("head_map_sentences", head_map_sentences), ("grad_sentences", grad_sentences)):
             if v < 0:
                 raise InputError(f"{name} must be 0 or more, got {v}")
-        tb = read_treebank(treebank_path, fold_subtypes=fold_subtypes, limit=limit)  # bad input first, then the model
+        tb = (treebank_path if isinstance(treebank_path, Treebank) else  # already read (the probe instrument)
+              read_treebank(treebank_path, fold_subtypes=fold_subtypes, limit=limit))  # bad input first, then the model
         names = choose_relations(tb, relations)
         if not isinstance(loaded, LoadedModel):
             loaded = load(loaded)

@@ -9,7 +9,6 @@ page never disagree. ``ProbeResult.load(path)`` reads back what ``save_json`` wr
 from __future__ import annotations
 
 import csv
-import json
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -308,11 +307,9 @@ class ProbeResult:
         path = Path(path).expanduser()
         if not path.is_file():
             raise InputError(f"no probe result at {str(path)!r}; give the relations.json headlab probe wrote")
-        try:
-            d = json.loads(path.read_text(encoding="utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise InputError(f"{path} is not JSON ({e}); give the relations.json headlab probe wrote") from None
-        return cls.from_json(d)
+        from headlab.reading import read_json_file
+
+        return cls.from_json(read_json_file(path, what="the relations.json headlab probe wrote"))
 
     def to_rows(self) -> list[dict]:
         """:attr:`relations` as dicts (one per relation, direction, layer, head)."""

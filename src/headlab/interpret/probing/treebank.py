@@ -40,13 +40,12 @@ import os
 import re
 from collections import Counter
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 
 from headlab.errors import TreebankError
+from headlab.reading import Conllu, read_conllu
 
-_ID = re.compile(r"^(\d+)(?:-(\d+)|\.(\d+))?$")
 ROOT = "root"
 
 
@@ -103,52 +102,6 @@ class Treebank:
     def relation_counts(self) -> Counter:
         """How often each relation occurs (``root`` excluded: it has no head word)."""
         return Counter(r for s in self.sentences for r in s.relations if r != ROOT)
-
-
-def _check_line(path: str, lineno: int, line: str) -> list[str]:
-    cols = line.split("\t")
-    if len(cols) != 10:
-        hint = " (columns must be separated by tabs, not spaces)" if len(cols) == 1 and " " in line else ""
-        raise TreebankError(f"{path}:{lineno}: not CoNLL-U: expected 10 tab-separated columns "
-                            f"(ID FORM LEMMA UPOS XPOS FEATS HEAD DEPREL DEPS MISC), got {len(cols)}{hint}: "
-                            f"{line[:60]!r}")
-    m = _ID.match(cols[0])
-    if m is None:
-        raise TreebankError(f"{path}:{lineno}: not CoNLL-U: ID {cols[0]!r} is not a word index (1, 2, ...), "
-                            "a multi-word range (3-4) or an empty node (8.1)")
-    if m.group(2) is None and m.group(3) is None and cols[6] != "_" and not cols[6].isdigit():
-        raise TreebankError(f"{path}:{lineno}: not CoNLL-U: HEAD {cols[6]!r} of word {cols[0]} is not a word "
-                            "index (0 for the root)")
-    return cols
-
-
-def _blocks(path: str):
-    """``(first line number, [(line number, line), ...])`` per sentence, lines checked."""
-    try:
-        fh = open(path, encoding="utf-8")
-    except FileNotFoundError:
-        raise TreebankError(f"no such treebank file: {path!r}; give a CoNLL-U file (.conllu)") from None
-    except IsADirectoryError:
-        raise TreebankError(f"{path!r} is a folder; give a CoNLL-U file (.conllu)") from None
-    block: list[tuple[int, str]] = []
-    lineno = 0
-    with fh:
-        try:
-            for lineno, raw in enumerate(fh, 1):
-                line = raw.rstrip("\n").rstrip("\r")
-                if not line.strip():
-                    if block:
-                        yield block
-                    block = []
-                    continue
-                if not line.startswith("#"):
-                    _check_line(path, lineno, line)
-                block.append((lineno, line))
-        except UnicodeDecodeError as e:
-            raise TreebankError(f"{path}: not CoNLL-U: not UTF-8 text (byte {e.start} of a line near line "
-                                f"{lineno + 1}); CoNLL-U files are UTF-8") from None
-    if block:
-        yield block
 
 
 def _surface_spans(text: str | None, surface: list[tuple[str, bool]]) -> tuple[str, list[tuple[int, int]]]:
@@ -272,34 +225,33 @@ def _word_spans(words, parents, surface, sspans) -> list[tuple[int, int]]:
     return spans  # type: ignore[return-value]
 
 
-def read_treebank(path: str | os.PathLike, *, fold_subtypes: bool = False, limit: int | None = None) -> Treebank:
+def read_treebank(path: str | os.PathLike | Conllu, *, fold_subtypes: bool = False, limit: int | None = None,
+                  option: str = "") -> Treebank:
     """Read the sentences of a CoNLL-U file (see the module docstring).
 
     Args:
-        path: the ``.conllu`` file.
+        path: the ``.conllu`` file, or the file as :func:`headlab.reading.read_conllu` already read it (so a
+            command that checked it before the load builds the trees without reading it again).
         fold_subtypes: ``nmod:poss`` -> ``nmod`` etc.
         limit: read at most this many sentences (skipped ones included), from the top.
+        option: the option that named the file, for messages (``--treebank``).
 
     Raises:
         TreebankError: the file is missing, empty, or not CoNLL-U (the message names the line).
     """
-    path = os.fspath(Path(path).expanduser())
     if limit is not None and limit < 1:
         raise TreebankError(f"limit must be at least 1 sentence, got {limit}")
+    read = path if isinstance(path, Conllu) else read_conllu(path, option, limit=limit)
+    where = os.fspath(read.path)
     sentences: list[Sentence] = []
     skipped: list[Skipped] = []
-    for block in _blocks(path):
-        got = _sentence(path, block, fold_subtypes=fold_subtypes)
+    for block in read.sentences[:limit]:
+        got = _sentence(where, block, fold_subtypes=fold_subtypes)
         (sentences if isinstance(got, Sentence) else skipped).append(got)
-        if limit is not None and len(sentences) + len(skipped) >= limit:
-            break
-    if not sentences and not skipped:
-        raise TreebankError(f"{path} holds no sentence (the file is empty or has only comments); "
-                            "give a CoNLL-U file with word lines")
     if not sentences:
-        raise TreebankError(f"{path}: none of its {len(skipped)} sentences has a valid tree; first: "
+        raise TreebankError(f"{where}: none of its {len(skipped)} sentences has a valid tree; first: "
                             f"{skipped[0].sent_id}: {skipped[0].reason}")
-    return Treebank(path, sentences, skipped, fold_subtypes)
+    return Treebank(where, sentences, skipped, fold_subtypes)
 
 
 __all__ = ["ROOT", "Sentence", "Skipped", "Treebank", "fold", "read_treebank"]

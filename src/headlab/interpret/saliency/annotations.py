@@ -8,7 +8,6 @@ the report's per-head table (``head_annotations``, the convention every room fol
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
@@ -42,7 +41,9 @@ def head_annotations(result_or_path, reference: str = "integrated_gradients") ->
             p = p / "explanation.json"
         if not p.is_file():
             raise InputError(f"no explanation file {p}: write one with `headlab explain TEXT --model M --out DIR`")
-        result_or_path = json.loads(p.read_text(encoding="utf-8"))
+        from headlab.reading import read_json_file
+
+        result_or_path = read_json_file(p, what="the explanation.json headlab explain wrote")
     short = {"integrated_gradients": "IG", "leave_one_out": "LOO"}.get(reference, reference)
     return {k: ("tau with " + short + " n/a" if tau != tau else f"tau with {short} {tau:+.2f} (p {p:.2g})")
             for k, (tau, p) in head_taus(result_or_path, reference).items()}

@@ -25,7 +25,7 @@ import contextlib
 import hashlib
 import json
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import InitVar, asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -33,6 +33,7 @@ from torch import nn
 
 from headlab.models.hf.trace import close, continues_from, implementation, mark_norms, recording
 from headlab.models.inputs import example_inputs
+from headlab.results import envelope
 
 CHECKS = ("pattern", "output", "values", "heads", "gate", "residual")
 
@@ -50,7 +51,11 @@ class Check:
 
 @dataclass
 class Verdict:
-    """The checks of one model (:func:`verify`)."""
+    """The checks of one model (:func:`verify`).
+
+    ``headlab`` takes the envelope's header of a saved verdict (and drops it), so that
+    ``Verdict(**verdict.to_json())`` reads one back as it did before the header; :meth:`from_json` also
+    rebuilds the checks."""
 
     model_type: str
     family: str
@@ -59,6 +64,7 @@ class Verdict:
     seconds: float = 0.0
     notes: list[str] = field(default_factory=list)
     cached: bool = False
+    headlab: InitVar[dict | None] = None  # a saved verdict's header: accepted, not kept (the fields say it all)
 
     @property
     def passed(self) -> bool:
@@ -80,7 +86,15 @@ class Verdict:
                 f"serve numbers it cannot vouch for{hint}; declare the layout in a family class ({ADDING_A_FAMILY})")
 
     def to_json(self) -> dict:
-        return asdict(self)
+        """The verdict in headlab's envelope (kind ``load_check``, model: the model type) beside its fields."""
+        return envelope("load_check", asdict(self), model=self.model_type,
+                        settings={"family": self.family, "by_structure": self.by_structure})
+
+    @classmethod
+    def from_json(cls, d: dict) -> Verdict:
+        """A verdict from :meth:`to_json` (or a file of an earlier version, without the header), checks included."""
+        fields = {k: v for k, v in d.items() if k not in ("headlab", "checks")}
+        return cls(**fields, checks=[Check(**c) for c in d.get("checks", [])])
 
 
 _VERDICTS: dict[str, Verdict] = {}
@@ -152,8 +166,7 @@ def verify(adapter, inputs: dict | None = None, *, cache: bool = True) -> Verdic
         hit = _VERDICTS.get(key)
         if hit is None:
             try:
-                hit = Verdict(**{**json.loads(_disk(key).read_text()), "checks": []})
-                hit.checks = [Check(**c) for c in json.loads(_disk(key).read_text())["checks"]]
+                hit = Verdict.from_json(json.loads(_disk(key).read_text()))
                 hit.cached = True
             except (OSError, ValueError, TypeError, KeyError):
                 hit = None

@@ -6,6 +6,10 @@ records them all in one :func:`headlab.capture`; then each section, in registrat
 its result from that recording (and from the results of the sections before it), writes its files
 beside the page, and gives its part of the page (:class:`PagePart`): HTML for the page's sections
 slot, data for the page's script, notes for the banner and ``heads.json``.
+
+A section is a :class:`~headlab.interpret.instruments.base.Part`, as every instrument is: a registered,
+named piece of analysis that declares its sites and statistics before the one recording. A section's
+context is the analyze :class:`Job`; an instrument's is the study runner's ``Context``.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from headlab.interpret.heads.labels import LabelThresholds
+from headlab.interpret.instruments.base import Part, Registry
 
 
 @dataclass
@@ -61,22 +66,14 @@ class PagePart:
     notes: list[str] = field(default_factory=list)  # for the banner and heads.json
 
 
-class Section:
-    """One part of the report. Subclasses set ``name`` and implement :meth:`compute`."""
+class Section(Part):
+    """One part of the report. Subclasses set ``name`` and implement :meth:`compute`.
+
+    From :class:`~headlab.interpret.instruments.base.Part`: :meth:`active`, :meth:`sites` (capture sites the one
+    recording must hold) and :meth:`stats` (map-free statistics read from the ``stats`` sites), each given the
+    :class:`Job`."""
 
     name: ClassVar[str]
-
-    def active(self, job: Job) -> bool:
-        """Whether this section has anything to say for ``job`` (asked before the run)."""
-        return True
-
-    def sites(self, job: Job) -> list[str]:
-        """Capture sites (names or globs) the one recording must hold for this section."""
-        return []
-
-    def stats(self, job: Job) -> set[str]:
-        """Map-free statistics (:func:`headlab.attention_stats` names) this section reads from the ``stats`` sites."""
-        return set()
 
     def compute(self, job: Job, cache, results: dict[str, object]) -> object:
         """This section's result from the recording (``cache``, an :class:`~headlab.interpret.capture.ActivationCache`)
@@ -92,22 +89,18 @@ class Section:
         return PagePart()
 
 
-_SECTIONS: list[Section] = []
+_REGISTRY: Registry[Section] = Registry("a report section", "its results and data are keyed by it")
+_SECTIONS: list[Section] = _REGISTRY.items  # the registry's own list, in page order
 
 
 def register(cls: type[Section]) -> type[Section]:
     """Class decorator: add a section to the report (pages show sections in registration order)."""
-    if not getattr(cls, "name", None):
-        raise TypeError(f"{cls.__name__} has no name: a report section needs one (its results and data are keyed by it)")
-    if any(s.name == cls.name for s in _SECTIONS):
-        raise TypeError(f"a report section named {cls.name!r} is already registered")
-    _SECTIONS.append(cls())
-    return cls
+    return _REGISTRY.register(cls)
 
 
 def registered() -> list[Section]:
     """The report's sections, in page order."""
-    return list(_SECTIONS)
+    return _REGISTRY.registered()
 
 
 __all__ = ["Job", "PagePart", "Section", "register", "registered"]

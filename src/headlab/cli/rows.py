@@ -1,0 +1,67 @@
+"""CLI commands as rows: a typer command built from an instrument's declared options, calling the runner.
+
+``row(app, "flow", "flow")`` adds ``headlab flow`` to ``app``: one typer parameter per
+:class:`~headlab.interpret.instruments.base.Option` (an argument when it has no flag; ``--x/--no-x`` for a
+bool with an off switch), plus ``--resume`` for a resumable instrument. The command hands the options to
+:func:`headlab.interpret.instruments.runner.run` (checks, reading, loading, progress, Ctrl-C, writing) and the
+instrument renders the outcome. A run interrupted by Ctrl-C exits 130 after the runner's one line.
+
+Typer reads a command's parameters from its signature, so the command is one function taking ``**options``
+whose ``__signature__`` is built here from ``inspect.Parameter``s whose defaults are ``typer.Option(...)``.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import typer
+
+from headlab.cli.app import console, err_console
+from headlab.interpret.instruments.base import REQUIRED, Instrument, Option, get
+
+INTERRUPTED_EXIT = 130  # the shell's code for a process ended by Ctrl-C
+
+
+def _parameter(o: Option) -> inspect.Parameter:
+    default = ... if o.default is REQUIRED else o.default
+    if o.flag is None:
+        info = typer.Argument(default, help=o.help)
+    else:
+        names = [f"{o.flag}/{o.off}" if o.off else o.flag] + ([o.short] if o.short else [])
+        info = typer.Option(default, *names, help=o.help)
+    return inspect.Parameter(o.name, inspect.Parameter.KEYWORD_ONLY, default=info, annotation=o.type)
+
+
+def command(instrument: Instrument | str):
+    """The typer callback of ``instrument``: its parameters are the declared options (and ``--resume``)."""
+    inst = get(instrument) if isinstance(instrument, str) else instrument
+    params = [_parameter(o) for o in inst.options]
+    if inst.resumable:
+        params.append(inspect.Parameter("resume", inspect.Parameter.KEYWORD_ONLY, annotation=bool,
+                                        default=typer.Option(False, "--resume", help="keep the units already in the "
+                                                             "output file and compute only the rest")))
+
+    def run_row(**options) -> None:
+        from headlab.interpret.instruments.runner import run
+
+        resume = bool(options.pop("resume", False))
+        outcome = run(inst, options, resume=resume, progress=True, transient=True,
+                      say=lambda line: err_console.print(line, highlight=False, soft_wrap=True))
+        if outcome.interrupted:
+            raise typer.Exit(INTERRUPTED_EXIT)
+        if outcome.main:
+            inst.render(outcome.ctx, outcome, console, err_console)
+
+    run_row.__signature__ = inspect.Signature(params)
+    run_row.__name__ = f"{inst.name.replace('-', '_')}_cmd"
+    run_row.__doc__ = inst.summary or inst.__doc__
+    return run_row
+
+
+def row(app: typer.Typer, name: str, instrument: Instrument | str) -> None:
+    """Add the command ``name`` to ``app``, running ``instrument``."""
+    inst = get(instrument) if isinstance(instrument, str) else instrument
+    app.command(name, help=inspect.cleandoc(inst.summary or inst.__doc__ or ""))(command(inst))
+
+
+__all__ = ["INTERRUPTED_EXIT", "command", "row"]

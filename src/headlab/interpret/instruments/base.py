@@ -1,0 +1,317 @@
+"""The contract every instrument implements, and the registry the CLI's rows and the runner read.
+
+An instrument (head importance, probe, flow, ...) is one class: it declares its **options** (:class:`Option`:
+the CLI name, type, default, help, choices and a check in the CLI's own words), the **inputs** it reads (an
+option whose ``reads`` names a :mod:`headlab.reading` kind), where its **output** goes (:class:`Output`), and
+the **capture sites** it needs; then it splits its work into keyed **units** (a configuration, a batch, a
+text), computes each (:meth:`Instrument.run_unit`), and puts them together in one
+:class:`headlab.results.Result` envelope (:meth:`Instrument.finish`). Everything around that (checking
+before the model loads, reading, loading, recording once, progress, Ctrl-C, resume, torchrun, writing) is
+the runner's (:mod:`headlab.interpret.instruments.runner`), so an instrument holds only its own idea.
+
+The hooks are called in this order, each with the run's :class:`Context`::
+
+    check(ctx)           options alone, before anything is read or loaded (each Option's own check ran first)
+    prepare(ctx)         the inputs are read (ctx.data); a check of inputs against options, still before the load
+    load(ctx)            the model (default: headlab.models.load(options["model"]))
+    check_loaded(ctx)    options and inputs against the model, before the work
+    units(ctx)           the work, as [Unit(key, payload), ...]
+    sites(ctx)           capture sites the one recording of a unit must hold (none: no recording)
+    run_unit(ctx, unit, recording) -> a value (JSON-able through unit_to_json, so an interrupted run keeps it)
+    finish(ctx, values)  -> a Result (InstrumentResult keeps the library's own object beside it)
+    write(ctx, result, path) -> files;  render(ctx, outcome, console, err)  for the terminal
+
+:class:`Part` is what an instrument shares with a report section of ``headlab analyze``
+(:class:`headlab.interpret.report.sections.base.Section` derives from it): a name, whether it is active,
+and the sites and statistics it reads, declared before the one recording.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar, Generic, TypeVar
+
+from headlab.errors import ConfigError
+from headlab.reading import KINDS
+from headlab.results import Result
+
+REQUIRED = ...  # an Option's default when the option must be given
+
+
+class Part:
+    """A named piece of analysis that declares, before the model runs, what the one recording must hold."""
+
+    name: ClassVar[str]
+
+    def active(self, ctx) -> bool:
+        """Whether this part has anything to say for ``ctx`` (asked before the run)."""
+        return True
+
+    def sites(self, ctx) -> list[str]:
+        """Capture sites (names or globs) the one recording must hold for this part."""
+        return []
+
+    def stats(self, ctx) -> set[str]:
+        """Map-free statistics (:func:`headlab.attention_stats` names) read from the ``stats`` sites."""
+        return set()
+
+
+P = TypeVar("P", bound=Part)
+
+
+class Registry(Generic[P]):
+    """Registered parts, in registration order, keyed by ``name`` (one instance each).
+
+    ``what``: how an error names a part ("a report section"); ``why``: why it needs a name."""
+
+    def __init__(self, what: str, why: str) -> None:
+        self.what, self.why = what, why
+        self.items: list[P] = []  # kept as one list object: callers may hold it
+
+    def register(self, cls: type[P]) -> type[P]:
+        if not getattr(cls, "name", None):
+            raise TypeError(f"{cls.__name__} has no name: {self.what} needs one ({self.why})")
+        if any(p.name == cls.name for p in self.items):
+            raise TypeError(f"{self.what} named {cls.name!r} is already registered")
+        self.items.append(cls())
+        return cls
+
+    def unregister(self, name: str) -> None:
+        self.items[:] = [p for p in self.items if p.name != name]
+
+    def get(self, name: str) -> P:
+        for p in self.items:
+            if p.name == name:
+                return p
+        raise ConfigError(f"no {self.what.split(' ', 1)[-1]} named {name!r}; registered: "
+                          f"{', '.join(p.name for p in self.items) or 'none'}")
+
+    def registered(self) -> list[P]:
+        return list(self.items)
+
+
+@dataclass(frozen=True)
+class Option:
+    """One option of an instrument, as the CLI shows it and the runner checks it.
+
+    >>> top = Option("top", "--top", int, 10, "tokens shown per row", check=at_least(1))
+    >>> top.validate(0, {})
+    Traceback (most recent call last):
+    ...
+    headlab.errors.ConfigError: --top must be at least 1, got 0
+    """
+
+    name: str  # the Python name (a key of the options dict)
+    flag: str | None  # the CLI name ("--top"); None for a positional argument
+    type: type = str  # str, int, float, bool or Path
+    default: Any = None  # REQUIRED (...) when it must be given
+    help: str = ""
+    choices: Sequence[str] = ()  # the allowed values (None always allowed): "unknown --x 'v'; choose one of ..."
+    check: Callable[[Any, Option, dict], None] | None = None  # (value, option, options); raises in the CLI's words
+    short: str | None = None  # "-m"
+    off: str | None = None  # a bool's off switch ("--no-confidence"), shown as --confidence/--no-confidence
+    metavar: str | None = None  # the name an argument is called by in messages ("TEXT")
+    reads: str | None = None  # a headlab.reading kind: this option names an input the runner reads
+    setting: bool = True  # part of the result's settings (False: where the output goes, how it is shown)
+
+    def __post_init__(self) -> None:
+        if self.reads is not None and self.reads not in KINDS:
+            raise TypeError(f"option {self.name}: reads={self.reads!r} is not an input kind; use one of {KINDS}")
+
+    @property
+    def label(self) -> str:
+        """How messages name the option: its flag, or an argument's metavar."""
+        return self.flag or self.metavar or self.name.upper()
+
+    def validate(self, value, options: dict) -> None:
+        if value is None or value is REQUIRED:
+            return
+        if self.choices and value not in self.choices:
+            raise ConfigError(f"unknown {self.label} {value!r}; choose one of {', '.join(self.choices)}")
+        if self.check is not None:
+            self.check(value, self, options)
+
+
+def at_least(low, what: str = "") -> Callable[[Any, Option, dict], None]:
+    """An :class:`Option` check: the value is finite and ``>= low`` (the CLI's ``check_at_least`` message)."""
+    def check(value, option: Option, options: dict) -> None:
+        if (isinstance(value, float) and not math.isfinite(value)) or value < low:
+            raise ConfigError(f"{option.label} must be at least {low}{what}, got {value}")
+    return check
+
+
+@dataclass(frozen=True)
+class Output:
+    """Where an instrument's result goes: the option naming it, a folder or a file, and what may be replaced."""
+
+    option: str = "out"  # the Option (by name) that holds the path; None given: nothing is written
+    folder: bool = True  # a folder (the result file named by ``file`` goes in it) or the result file itself
+    file: str | None = "{name}.json"  # the result file in the folder, formatted with the options and ``name``
+    allow_existing: bool = False  # the folder may hold other files (commands that add theirs beside others)
+    replace: bool = False  # an earlier result file of the same name is replaced without --force
+    force: str | None = None  # the Option (by name) that allows writing into a non-empty folder / over a file
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One piece of the work: ``key`` names it in the result file (so a resumed run skips it); ``payload``
+    is whatever the instrument needs to run it (a text, a batch, a configuration)."""
+
+    key: str
+    payload: Any = None
+
+
+@dataclass
+class Context:
+    """One run of one instrument: its options, what was read and loaded, where it writes, how it reports."""
+
+    instrument: Instrument
+    options: dict
+    data: dict = field(default_factory=dict)  # the inputs read by the runner, by option name
+    loaded: Any = None  # the model (None before the load, or for instruments without one)
+    path: Path | None = None  # the result file, or the output folder of an instrument without one
+    progress: Callable[[str, int, int], None] = lambda stage, done, total: None
+    rank: int = 0
+    world: int = 1
+    state: dict = field(default_factory=dict)  # the instrument's own, from one hook to the next
+
+    @property
+    def settings(self) -> dict:
+        """The options that are settings (JSON-able: paths as strings)."""
+        return {o.name: (str(v) if isinstance(v := self.options.get(o.name), Path) else v)
+                for o in self.instrument.options if o.setting}
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+
+@dataclass(eq=False)
+class InstrumentResult(Result):
+    """A :class:`~headlab.results.Result` that also keeps the library's own result object (for rendering)."""
+
+    native: Any = field(default=None, repr=False, compare=False)
+
+    @classmethod
+    def of(cls, native, payload: dict | None = None) -> InstrumentResult:
+        """From a library result whose ``to_json()`` is already an envelope (or ``payload``, if given)."""
+        r = Result.from_json(payload if payload is not None else native.to_json())
+        return cls(r.kind, model=r.model, settings=r.settings, figures=r.figures, version=r.version, native=native)
+
+
+@dataclass
+class Outcome:
+    """What the runner hands back: the result (None when interrupted before the end), the files written, and
+    how many units were kept when interrupted."""
+
+    result: Result | None
+    path: Path | None = None
+    files: list[Path] = field(default_factory=list)
+    interrupted: bool = False
+    kept: int = 0
+    total: int = 0
+    main: bool = True  # False on torchrun ranks other than 0 (they neither write nor render)
+    ctx: Context | None = field(default=None, repr=False)  # the run's context (options, inputs, model, state)
+
+
+class Instrument(Part):
+    """One analysis. Subclasses set ``name`` and ``options`` and implement :meth:`run_unit` and :meth:`finish`."""
+
+    kind: ClassVar[str | None] = None  # the result kind (default: ``name``)
+    summary: ClassVar[str] = ""  # the CLI's help text
+    options: ClassVar[tuple[Option, ...]] = ()
+    output: ClassVar[Output | None] = None
+    parallel: ClassVar[str] = "units"  # torchrun: "units" split across ranks; "inside": the library shards itself
+    resumable: ClassVar[bool] = False  # the CLI row gets --resume, and finished files keep their units
+    announce: ClassVar[bool] = True  # the runner shows its own phases (loading, units) on the display
+    display: ClassVar[bool] = True  # the runner opens the display (False: the library draws its own bars)
+    needs_model: ClassVar[bool] = True
+    stage: ClassVar[str] = "units"  # the progress stage of the units
+
+    @property
+    def result_kind(self) -> str:
+        return self.kind or self.name
+
+    def option(self, name: str) -> Option:
+        for o in self.options:
+            if o.name == name:
+                return o
+        raise KeyError(f"{self.name} has no option {name!r}")
+
+    def defaults(self) -> dict:
+        return {o.name: o.default for o in self.options}
+
+    # ---- the hooks ------------------------------------------------------------------------------
+    def check(self, ctx: Context) -> None:
+        """Checks that need several options together (each option's own check has run)."""
+
+    def prepare(self, ctx: Context) -> None:
+        """After the inputs are read (``ctx.data``), before the load: inputs against options."""
+
+    def load(self, ctx: Context):
+        """The model; default ``headlab.models.load(options["model"])`` (looked up at call time)."""
+        import headlab.models
+
+        return headlab.models.load(ctx.options["model"])
+
+    def check_loaded(self, ctx: Context) -> None:
+        """Options and inputs against the loaded model, before the work."""
+
+    def units(self, ctx: Context) -> list[Unit]:
+        """The work, as keyed units; default one unit."""
+        return [Unit(self.name)]
+
+    def unit_inputs(self, ctx: Context, unit: Unit):
+        """The model inputs of ``unit`` when :meth:`sites` asks for a recording (text, ids or a dict)."""
+        return unit.payload
+
+    def run_unit(self, ctx: Context, unit: Unit, recording=None):
+        """One unit's value (``recording``: an ActivationCache of :meth:`sites` for this unit, or None)."""
+        raise NotImplementedError
+
+    def unit_to_json(self, value):
+        """A unit's value as JSON (what an interrupted file keeps); default: the value itself."""
+        return value
+
+    def unit_from_json(self, data):
+        return data
+
+    def finish(self, ctx: Context, values: dict[str, Any]) -> Result:
+        """The result from every unit's value (by key, in the order of :meth:`units`)."""
+        raise NotImplementedError
+
+    def write(self, ctx: Context, result: Result, path: Path) -> list[Path]:
+        """Write the result (``path``: the result file, or the folder when ``output.file`` is None)."""
+        return [result.save(path)]
+
+    def render(self, ctx: Context, outcome: Outcome, console, err) -> None:
+        """Show the result on the terminal (``console`` stdout, ``err`` stderr: rich consoles)."""
+        if outcome.result is not None:
+            console.print(outcome.result.figures, highlight=False, soft_wrap=True)
+
+
+_INSTRUMENTS: Registry[Instrument] = Registry("an instrument", "it is the registry key and the result kind")
+
+
+def register(cls: type[Instrument]) -> type[Instrument]:
+    """Class decorator: add an instrument (the runner and the CLI's rows find it by ``name``)."""
+    return _INSTRUMENTS.register(cls)
+
+
+def registered() -> list[Instrument]:
+    return _INSTRUMENTS.registered()
+
+
+def get(name: str) -> Instrument:
+    return _INSTRUMENTS.get(name)
+
+
+def unregister(name: str) -> None:
+    _INSTRUMENTS.unregister(name)
+
+
+__all__ = ["Context", "Instrument", "InstrumentResult", "Option", "Outcome", "Output", "Part", "REQUIRED", "Registry",
+           "Unit", "at_least", "get", "register", "registered", "unregister"]

@@ -1,0 +1,209 @@
+"""``heads importance`` and ``heads ablate``: which heads matter, as instruments.
+
+The computations are the heads room's (:func:`~headlab.interpret.heads.importance.importance_study`,
+:func:`~headlab.interpret.heads.ablation.ablate`), each one unit; importance splits the examples across
+torchrun ranks itself (``parallel = "inside"``). ``--data`` is read by :mod:`headlab.reading` as its suffix
+says (``.tsv`` a dataset with a ``sentence`` or ``text`` column and an optional ``label``, ``.conllu`` the
+``# text =`` of each sentence, anything else one text per line), before the model loads. Both report on
+the runner's display: its "loading model" step, then the heads room's own stages (``importance (task)``,
+``confidence``, ``single + keep-one``, the pairs) through the protocol ``progress(stage, done, total)``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from headlab.errors import ConfigError, InputError
+from headlab.interpret.instruments.base import REQUIRED, Context, Instrument, InstrumentResult, Option, Output, \
+    at_least, register
+
+
+def read_examples(path, option: str = "--data", *, limit: int | None = None) -> tuple[list[str], list[int] | None]:
+    """``(texts, labels or None)`` of a ``.tsv``, ``.conllu`` or plain-text file (the first ``limit``): the heads
+    room's :func:`~headlab.interpret.heads.examples.read_texts`, which reads through :mod:`headlab.reading`."""
+    from headlab.interpret.heads.examples import read_texts
+
+    return read_texts(path, limit=limit, option=option)
+
+
+def _check_loss(value, option, options) -> None:
+    from headlab.interpret.heads.examples import LOSSES
+
+    if value not in (*LOSSES, "auto"):
+        raise ConfigError(f"--loss {value!r} is not a loss; use one of {' | '.join(LOSSES)} | auto")
+
+
+def _check_backend(value, option, options) -> None:
+    from headlab.attention import backends
+
+    if value != "auto" and value not in backends.names():
+        raise ConfigError(f"--backend {value!r} is not a backend; use auto or one of {', '.join(backends.names())}")
+
+
+MODEL = Option("model", "--model", str, REQUIRED, "a known model name or a local model folder", short="-m")
+DATA = Option("data", "--data", Path, None, ".tsv (sentence[, label] header), .conllu (# text = lines) or .txt",
+              short="-d")
+LOSS = Option("loss", "--loss", str, "auto", "task | lm | kl | cosine | auto", check=_check_loss)
+OUT = Option("out", "--out", Path, None, "folder for the JSON result and the HTML page", short="-o", setting=False)
+LIMIT = Option("limit", "--limit", int, None, "use only the first N examples", check=at_least(1, " example"))
+BATCH = Option("batch_size", "--batch-size", int, 16, "examples per forward (and backward)", check=at_least(1))
+BACKEND = Option("backend", "--backend", str, "auto", check=_check_backend)
+JSON = Option("as_json", "--json", bool, False, "print the result as JSON", setting=False)
+
+
+class _HeadStudy(Instrument):
+    """What both studies share: --data read before the load, token ids for a model without a tokenizer."""
+
+    parallel = "inside"
+    file = ""  # the result file in --out
+
+    def check(self, ctx: Context) -> None:
+        if ctx.options["data"] is None:
+            raise InputError("--data FILE is required: a .tsv, .conllu or .txt of examples")
+
+    def prepare(self, ctx: Context) -> None:
+        ctx.data["texts"], ctx.data["labels"] = read_examples(ctx.options["data"], limit=ctx.options["limit"])
+
+    def examples(self, ctx: Context) -> list:
+        from headlab.interpret.heads.examples import token_ids_if_needed
+
+        return token_ids_if_needed(ctx.loaded, ctx.data["texts"])
+
+    def finish(self, ctx: Context, values: dict) -> InstrumentResult:
+        r = values[self.name]
+        return InstrumentResult.of(r, self.envelope(r))
+
+    def render_json(self, outcome) -> bool:
+        if outcome.ctx.options["as_json"]:
+            import json
+            import sys
+
+            sys.stdout.write(json.dumps(outcome.result.native.to_json(), indent=2, default=str) + "\n")
+            return True
+        return False
+
+
+@register
+class HeadImportance(_HeadStudy):
+    """Michel et al.'s importance of every head, and Voita's confidence."""
+
+    name = "heads-importance"
+    kind = "head_importance"
+    summary = """Michel et al.'s importance E|dL/dxi| of every head (one backward per batch), and confidence.
+
+Data-parallel with torchrun: `torchrun --nproc-per-node 2 -m headlab heads importance ...` splits the
+examples across the processes and adds their sums; rank 0 shows the progress and writes the output."""
+    options = (MODEL, DATA, LOSS, OUT, LIMIT, BATCH, BACKEND,
+               Option("confidence", "--confidence", bool, True, "also Voita's confidence (streaming statistics)",
+                      off="--no-confidence"),
+               JSON)
+    output = Output("out", folder=True, file="importance.json", allow_existing=True, replace=True)
+
+    def run_unit(self, ctx: Context, unit, recording=None):
+        from headlab.interpret.heads.importance import importance_study
+
+        o = ctx.options
+        return importance_study(ctx.loaded, self.examples(ctx), ctx.data["labels"], loss=o["loss"],
+                                batch_size=o["batch_size"], backend=o["backend"], confidence=o["confidence"],
+                                progress=ctx.progress)
+
+    def envelope(self, r) -> dict:
+        from headlab.results import envelope
+
+        return envelope("head_importance", r.to_json(), model=r.model, settings={"loss": r.loss})
+
+    def write(self, ctx: Context, result, path: Path) -> list[Path]:
+        from headlab.interpret.heads.page import render_page
+        from headlab.results import write_json
+
+        r = result.native
+        files = [write_json(path, result.to_json()), path.parent / "heads.html"]
+        files[1].write_text(render_page(title=f"head importance: {r.model}", importance=r))
+        return files
+
+    def render(self, ctx: Context, outcome, console, err) -> None:
+        if self.render_json(outcome):
+            return
+        r = outcome.result.native
+        rank = r.ranking()
+        console.print(f"{r.model}: importance ({r.loss} loss) of {len(rank)} heads over {r.n_examples} examples, "
+                      f"{r.seconds:.1f} s", highlight=False, soft_wrap=True)
+        console.print("least important: " + ", ".join(f"{l}.{h}" for l, h in rank[:8]), highlight=False)
+        console.print("most important:  " + ", ".join(f"{l}.{h}" for l, h in rank[::-1][:8]), highlight=False)
+        for k, v in r.correlations.items():
+            console.print(f"Spearman {k}: {'n/a' if v is None else f'{v:.3f}'}", highlight=False)
+        if outcome.files:
+            out = outcome.path.parent
+            console.print(f"wrote {out}/importance.json, {out}/heads.html", highlight=False, soft_wrap=True)
+
+
+def _check_kind(value, option, options) -> None:
+    from headlab.interpret.heads.edits import KINDS
+
+    if value not in KINDS:
+        raise ConfigError(f"--kind {value!r} is not an ablation kind; use one of {', '.join(KINDS)}")
+
+
+def _check_boot(value, option, options) -> None:
+    from headlab.interpret.heads.ablation import check_bootstrap
+
+    check_bootstrap(value, 0.05)
+
+
+@register
+class HeadAblation(_HeadStudy):
+    """Single, pair and keep-one ablation effects with intervals, and each head's verdict."""
+
+    name = "heads-ablate"
+    kind = "head_ablation"
+    summary = "Single, pair and keep-one ablation effects with intervals, and the verdicts unused / redundant / unique."
+    options = (MODEL, DATA, LOSS, OUT, LIMIT, BATCH,
+               Option("kind", "--kind", str, "zero", "zero | mean | resample | uniform", check=_check_kind),
+               Option("k", "--k", int, 16, "pairs among the k lowest single effects", check=at_least(0)),
+               Option("boot", "--boot", int, 1000, "bootstrap resamples", check=_check_boot),
+               Option("keep_one", "--keep-one", bool, True, "each layer reduced to one head", off="--no-keep-one"),
+               BACKEND, JSON)
+    output = Output("out", folder=True, file="ablation.json", allow_existing=True, replace=True)
+
+    def run_unit(self, ctx: Context, unit, recording=None):
+        from headlab.interpret.heads.ablation import ablate
+
+        o = ctx.options
+        return ablate(ctx.loaded, self.examples(ctx), ctx.data["labels"], kind=o["kind"], loss=o["loss"], k=o["k"],
+                      keep_one=o["keep_one"], batch_size=o["batch_size"], n_boot=o["boot"], backend=o["backend"],
+                      progress=ctx.progress)
+
+    def envelope(self, r) -> dict:
+        from headlab.results import envelope
+
+        return envelope("head_ablation", r.to_json(), model=r.model,
+                        settings={"kind": r.kind, "mean_over": r.mean_over, "loss": r.loss})
+
+    def write(self, ctx: Context, result, path: Path) -> list[Path]:
+        from headlab.interpret.heads.page import render_page
+        from headlab.results import write_json
+
+        r = result.native
+        files = [write_json(path, result.to_json()), path.parent / "heads.html"]
+        files[1].write_text(render_page(title=f"head ablation: {r.model}", ablation=r))
+        return files
+
+    def render(self, ctx: Context, outcome, console, err) -> None:
+        if self.render_json(outcome):
+            return
+        r = outcome.result.native
+        console.print(f"{r.model}: {r.kind} ablation, {r.loss} loss {r.baseline:.4g} unablated, {r.n_examples} "
+                      f"examples; threshold {r.threshold:.3g} (noise floor {r.floor_text()})", highlight=False,
+                      soft_wrap=True)
+        console.print("verdicts: " + ", ".join(f"{n} {c}" for c, n in r.counts().items()), highlight=False)
+        for note in r.notes[1:]:  # the first says what the effects are; the others are cautions
+            console.print(f"[yellow]note:[/] {note}", highlight=False, soft_wrap=True)
+        for v in r.verdicts:
+            if v.verdict == "redundant":
+                console.print(f"  {v.layer}.{v.head} {v.label()}: {v.evidence}", highlight=False, soft_wrap=True)
+        if outcome.files:
+            out = outcome.path.parent
+            console.print(f"wrote {out}/ablation.json, {out}/heads.html", highlight=False, soft_wrap=True)
+
+
+__all__ = ["HeadAblation", "HeadImportance", "read_examples"]

@@ -1,0 +1,107 @@
+"""``probe``: which heads track which dependency relations of a treebank (Clark et al. 2019), as an instrument.
+
+The computation is the probing room's :func:`~headlab.interpret.probing.head_scores.probe`, which batches the
+sentences itself and, under torchrun, splits them across the ranks and adds their sums (``parallel =
+"inside"``: every rank runs the one unit, rank 0 writes). The runner reads ``--treebank`` as CoNLL-U before
+the model loads (a missing file, a folder, bytes that are not UTF-8 or a line that is not CoNLL-U get one
+line); :meth:`Probe.prepare` then builds the trees from what was read and checks ``--relations`` against them,
+still before the load; :func:`probe` gets the trees, so the file is read once. The result goes to ``--out``
+as relations.csv/.json, two PNGs and probe.html.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from headlab.interpret.instruments.base import REQUIRED, Context, Instrument, InstrumentResult, Option, Output, \
+    at_least, register
+
+
+@register
+class Probe(Instrument):
+    """Every head scored on every dependency relation of a treebank, against the best fixed-offset baseline."""
+
+    name = "probe"
+    summary = """Score every head on every dependency relation of a treebank against the best fixed-offset baseline.
+
+Example: headlab probe --treebank en_ewt-ud-dev.conllu --limit 200 --out probe-minilm
+
+Data-parallel with torchrun: `torchrun --nproc-per-node 2 -m headlab probe --treebank FILE ...` splits
+the sentences across the processes and adds their sums; rank 0 shows the progress and writes the output."""
+    options = (
+        Option("treebank", "--treebank", Path, REQUIRED, "a CoNLL-U file with gold trees (e.g. UD English-EWT dev)",
+               short="-t", reads="conllu"),
+        Option("model", "--model", str, "minilm", "a known model name (minilm) or a local model folder", short="-m"),
+        Option("limit", "--limit", int, None, "read at most N sentences from the top of the file", short="-n",
+               check=at_least(1, " sentence")),
+        Option("relations", "--relations", str, None, "study only these, e.g. det,nsubj,obj", short="-r"),
+        Option("fold_subtypes", "--fold-subtypes", bool, False, "count nmod:poss as nmod, obl:tmod as obl, ..."),
+        Option("out", "--out", Path, None, "write relations.csv/.json, two PNGs and probe.html here", short="-o",
+               setting=False),
+        Option("force", "--force", bool, False, "write into a non-empty --out folder", setting=False),
+        Option("loss_model", "--loss-model", str, "auto",
+               "model whose loss the [SEP] gradient test uses ('auto', 'none' or a folder)"),
+        Option("as_json", "--json", bool, False, "print the best head per relation as JSON", setting=False),
+    )
+    output = Output("out", folder=True, file=None, force="force")
+    parallel = "inside"  # probe() shards the sentences and adds the sums itself
+    announce = False  # probe() shows its own phases (sentences, gradients)
+
+    def prepare(self, ctx: Context) -> None:
+        """The trees, built from the file the runner read (``ctx.data["treebank"]``, read once: neither this
+        nor :func:`probe` reads it again), and the relations asked for, before the load (a relation absent
+        from the file stops here)."""
+        from headlab.interpret.probing.head_scores import choose_relations
+        from headlab.interpret.probing.treebank import read_treebank
+
+        o = ctx.options
+        tb = read_treebank(ctx.data["treebank"], fold_subtypes=o["fold_subtypes"], limit=o["limit"])
+        choose_relations(tb, o["relations"])
+        ctx.state["treebank"] = tb
+
+    def run_unit(self, ctx: Context, unit, recording=None):
+        from headlab.interpret.probing.head_scores import probe
+
+        o = ctx.options
+        return probe(ctx.loaded, ctx.state["treebank"], limit=o["limit"], relations=o["relations"],
+                     fold_subtypes=o["fold_subtypes"],
+                     loss_model=None if o["loss_model"].lower() == "none" else o["loss_model"], progress=ctx.progress)
+
+    def unit_to_json(self, value):
+        return value.to_json()
+
+    def finish(self, ctx: Context, values: dict) -> InstrumentResult:
+        return InstrumentResult.of(values[self.name])
+
+    def write(self, ctx: Context, result, path: Path) -> list[Path]:
+        from headlab.interpret.probing.render import write_outputs
+
+        return write_outputs(result.native, path)
+
+    def render(self, ctx: Context, outcome, console, err) -> None:
+        r = outcome.result.native
+        if ctx.options["as_json"]:
+            import json
+            import sys
+
+            sys.stdout.write(json.dumps(r.summary(), indent=2, default=str) + "\n")
+            return
+        console.print(f"{r.model} ({r.family}{', causal' if r.causal else ''}): {r.sentences} sentences, {r.tokens} "
+                      f"tokens, {len(r.skipped)} skipped, {r.seconds:.1f} s", highlight=False, soft_wrap=True)
+        console.print(f"{'relation':<14} {'direction':<10} {'head':>6} {'acc %':>6} {'offset':>6} {'base %':>6} "
+                      f"{'count':>6}", highlight=False)
+        for b in r.best_heads:
+            if b.count < r.min_count:
+                continue
+            mark = "*" if b.margin > 0 else " "
+            console.print(f"{b.relation:<14} {b.direction:<10} {f'{b.layer}-{b.head}':>6} {100 * b.accuracy:6.1f} "
+                          f"{b.baseline_offset:+6d} {100 * b.baseline_accuracy:6.1f} {b.count:6d} {mark}",
+                          highlight=False)
+        for note in r.notes:
+            console.print(f"[yellow]note:[/] {note}", highlight=False, soft_wrap=True)
+        if outcome.files:
+            console.print(f"[bold]wrote:[/] {', '.join(str(f) for f in outcome.files)}", highlight=False,
+                          soft_wrap=True)
+
+
+__all__ = ["Probe"]

@@ -1,0 +1,244 @@
+"""The study runner: the one lifecycle every instrument goes through.
+
+:func:`run` (one instrument) and :func:`run_together` (several on the same model and units, recorded once):
+
+1. **check**: every option (its choices and its own check, in the CLI's names), the instrument's checks of
+   options together, and the output path (:func:`headlab.results.check_output_dir` / ``check_output_file``),
+   all before anything is read or loaded;
+2. **read**: every option that names an input goes through :func:`headlab.reading.read`, then
+   :meth:`~headlab.interpret.instruments.base.Instrument.prepare` checks the inputs against the options;
+3. **load** the model (under torchrun the process group is joined first), then ``check_loaded``;
+4. **units**: with ``resume``, the units already in the output file are skipped; under torchrun
+   (``WORLD_SIZE > 1``) the rest are split across ranks (every W-th, from the rank) and gathered on rank 0,
+   unless the instrument shards inside its library function (``parallel = "inside"``). A unit that needs a
+   recording gets one :func:`~headlab.interpret.capture.capture` of the union of the sites of every instrument
+   run together. Progress goes through the protocol (``progress(stage, done, total)``, rank 0 only);
+5. **Ctrl-C** (KeyboardInterrupt) stops the units; every finished unit is kept: the file written says
+   ``"interrupted": {"kept": k, "of": n}`` with the units' values under ``"units"``, the runner prints one line
+   saying so, and a run with ``resume=True`` finishes only the rest;
+6. **finish** and **write** the result envelope (rank 0).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from headlab.errors import InputError
+from headlab.interpret.instruments.base import REQUIRED, Context, Instrument, Outcome, Unit
+from headlab.progress import reporter
+from headlab.reading import read
+from headlab.results import Result, check_output_dir, check_output_file
+
+UNITS_KEY = "units"  # where a file keeps its units' values (interrupted files, and finished resumable ones)
+INTERRUPTED_KEY = "interrupted"
+
+
+def _stderr(line: str) -> None:
+    import sys
+
+    print(line, file=sys.stderr, flush=True)
+
+
+def check_options(instrument: Instrument, options: dict) -> dict:
+    """The options completed with their defaults and checked one by one, then together (nothing read or loaded)."""
+    given = dict(options)
+    unknown = set(given) - {o.name for o in instrument.options}
+    if unknown:
+        raise InputError(f"{instrument.name} takes no option {', '.join(sorted(unknown))}; its options are "
+                         f"{', '.join(o.name for o in instrument.options)}")
+    full = {**instrument.defaults(), **given}
+    for o in instrument.options:
+        if full[o.name] is REQUIRED:
+            raise InputError(f"{o.label} is required: {o.help}")
+        o.validate(full[o.name], full)
+    return full
+
+
+def output_path(ctx: Context, *, resume: bool = False) -> Path | None:
+    """Check where the result goes (before any work) and return the result file (or the folder)."""
+    spec = ctx.instrument.output
+    if spec is None or ctx.options.get(spec.option) is None:
+        return None
+    value = Path(ctx.options[spec.option]).expanduser()
+    flag = ctx.instrument.option(spec.option).label
+    force = bool(spec.force and ctx.options.get(spec.force))
+    if not spec.folder:
+        return check_output_file(value, flag, force=force or spec.replace or resume)
+    folder = check_output_dir(value, flag, force=force, allow_existing=spec.allow_existing or resume)
+    if spec.file is None:
+        return folder
+    name = spec.file.format(name=ctx.instrument.name, **ctx.options)
+    path = folder / name
+    if path.is_dir():
+        raise InputError(f"{flag} {str(value)!r}: {name} in it is a folder, where the result would go; move it "
+                         "away or choose another folder")
+    if folder.is_dir():
+        check_output_file(path, flag, force=force or spec.replace or resume)
+    return path
+
+
+def _read_inputs(ctx: Context) -> None:
+    for o in ctx.instrument.options:
+        value = ctx.options.get(o.name)
+        if o.reads is not None and value is not None:
+            ctx.data[o.name] = read(o.reads, value, o.label)
+
+
+def _earlier(ctx: Context, keys: Sequence[str]) -> dict:
+    """The units' values a resumed run keeps from the output file (none when there is no file yet)."""
+    if ctx.path is None or not ctx.path.is_file():
+        return {}
+    flag = ctx.instrument.option(ctx.instrument.output.option).label
+    earlier = Result.load(ctx.path, what=f"a {ctx.instrument.result_kind} result to resume")
+    if earlier.kind != ctx.instrument.result_kind:
+        raise InputError(f"{flag} {str(ctx.path)!r} holds a {earlier.kind} result, not {ctx.instrument.result_kind}; "
+                         "drop --resume or choose another path")
+    now = json.loads(json.dumps(ctx.settings, default=str))
+    if earlier.settings != now:
+        diff = sorted(k for k in set(now) | set(earlier.settings) if now.get(k) != earlier.settings.get(k))
+        raise InputError(f"--resume: {str(ctx.path)!r} was computed with other settings ({', '.join(diff)}); run "
+                         "with the same options, or drop --resume to start again")
+    units = earlier.figures.get(UNITS_KEY)
+    if not isinstance(units, dict):
+        raise InputError(f"--resume: {str(ctx.path)!r} keeps no units to resume from; drop --resume to start again")
+    return {k: ctx.instrument.unit_from_json(units[k]) for k in keys if k in units}
+
+
+def _partial(ctx: Context, values: dict, total: int) -> Result:
+    inst = ctx.instrument
+    return Result(inst.result_kind, model=getattr(ctx.loaded, "name", None), settings=ctx.settings,
+                  figures={INTERRUPTED_KEY: {"kept": len(values), "of": total},
+                           UNITS_KEY: {k: inst.unit_to_json(v) for k, v in values.items()}})
+
+
+def run(instrument: Instrument | str, options: dict | None = None, *, resume: bool = False,
+        progress=None, transient: bool = False, say: Callable[[str], None] = _stderr) -> Outcome:
+    """Run one instrument through the whole lifecycle (see the module docstring); returns its :class:`Outcome`.
+
+    ``instrument``: an instance or a registered name; ``options``: by Python name (defaults filled in);
+    ``progress``: True (a display on stderr), False/None or ``progress(stage, done, total)``; ``say``: where
+    the runner's own lines go (the interrupted line)."""
+    return run_together([(instrument, options or {})], resume=resume, progress=progress, transient=transient,
+                        say=say)[0]
+
+
+def run_together(runs: Sequence[tuple[Instrument | str, dict]], *, resume: bool = False, progress=None,
+                 transient: bool = False, say: Callable[[str], None] = _stderr) -> list[Outcome]:
+    """Run several instruments on one model: one load, and per unit key one recording of the union of their
+    sites (units of the same key must share their inputs). Each writes its own result."""
+    from headlab.interpret.instruments.base import get
+
+    ctxs = []
+    for inst, opts in runs:  # 1. options and output paths, before anything else
+        inst = get(inst) if isinstance(inst, str) else inst
+        ctx = Context(inst, check_options(inst, opts))
+        inst.check(ctx)
+        ctxs.append(ctx)
+    for ctx in ctxs:
+        ctx.path = output_path(ctx, resume=resume)
+        if resume and (ctx.path is None or ctx.instrument.output.file is None):
+            what = (f"give {ctx.instrument.option(ctx.instrument.output.option).label}"
+                    if ctx.instrument.output is not None and ctx.path is None else "drop --resume")
+            raise InputError(f"--resume keeps the units of {ctx.instrument.name}'s result file, and this run writes "
+                             f"none; {what}")
+    for ctx in ctxs:  # 2. inputs
+        _read_inputs(ctx)
+        ctx.instrument.prepare(ctx)
+    from headlab.distributed.data import init_from_env
+
+    rank, world = init_from_env()
+    lead = ctxs[0]
+    shown = rank == 0 and all(c.instrument.display for c in ctxs)  # one display: the runner's or the library's
+    with reporter(progress if shown else False, transient=transient) as show:
+        for ctx in ctxs:
+            ctx.rank, ctx.world, ctx.progress = rank, world, show
+        announce = any(c.instrument.announce for c in ctxs)
+        loaded = None
+        if any(c.instrument.needs_model for c in ctxs):  # 3. the model, once
+            if announce:
+                show(f"loading model {lead.options.get('model', '')}".rstrip(), 0, 0)
+            loaded = lead.instrument.load(lead)
+        for ctx in ctxs:
+            ctx.loaded = loaded
+            ctx.instrument.check_loaded(ctx)
+        return _work(ctxs, resume=resume, announce=announce, show=show, say=say)
+
+
+def _work(ctxs: list[Context], *, resume: bool, announce: bool, show, say) -> list[Outcome]:
+    lead = ctxs[0]
+    units: list[Unit] = lead.instrument.units(lead)
+    plans = [(ctx, ctx.instrument.units(ctx) if ctx is not lead else units) for ctx in ctxs]
+    keys = [u.key for u in units]
+    for ctx, us in plans:
+        if [u.key for u in us] != keys:
+            raise InputError(f"{ctx.instrument.name} and {lead.instrument.name} split the work differently; run "
+                             "them separately")
+    if len(set(keys)) != len(keys):
+        raise InputError(f"{lead.instrument.name}: two units share a key; every unit needs its own")
+    values = [_earlier(ctx, keys) if resume else {} for ctx in ctxs]
+    todo = [i for i, k in enumerate(keys) if not all(k in v for v in values)]
+    sharded = lead.world > 1 and all(c.instrument.parallel == "units" for c in ctxs)
+    mine = todo[lead.rank::lead.world] if sharded else todo
+    sites = sorted({s for c in ctxs for s in c.instrument.sites(c)})
+    stats = set().union(*(c.instrument.stats(c) for c in ctxs))
+    stage = lead.instrument.stage
+    done0 = len(keys) - len(todo)
+    found: list[dict] = [{} for _ in ctxs]
+    interrupted = False
+    try:
+        for n, i in enumerate(mine):
+            unit = units[i]
+            recording = None
+            if sites:  # one recording of the union of the sites, shared by every instrument
+                from headlab.interpret.capture import capture
+
+                recording = capture(lead.loaded, lead.instrument.unit_inputs(lead, unit), sites=sites,
+                                    stats_kwargs={"stats": sorted(stats)} if stats else None)
+            for j, (ctx, us) in enumerate(plans):
+                if keys[i] not in values[j]:
+                    found[j][keys[i]] = ctx.instrument.run_unit(ctx, us[i], recording)
+            if announce and len(keys) > 1:  # rank 0's share under torchrun
+                show(stage, done0 + n + 1, done0 + len(mine))
+    except KeyboardInterrupt:
+        interrupted = True
+    if sharded:  # every rank's units, on every rank (one message), so rank 0 writes them all
+        from headlab.distributed.data import gather_objects
+
+        got = gather_objects((found, interrupted))
+        interrupted = any(flag for _, flag in got)
+        found = [{k: v for part, _ in got for k, v in part[j].items()} for j in range(len(ctxs))]
+    outcomes = []
+    for j, ctx in enumerate(ctxs):
+        kept = {k: (found[j][k] if k in found[j] else values[j][k]) for k in keys
+                if k in found[j] or k in values[j]}
+        outcomes.append(_close(ctx, kept, len(keys), interrupted, say))
+    return outcomes
+
+
+def _close(ctx: Context, kept: dict, total: int, interrupted: bool, say) -> Outcome:
+    inst = ctx.instrument
+    if not ctx.main:
+        return Outcome(None, ctx.path, interrupted=interrupted, kept=len(kept), total=total, main=False, ctx=ctx)
+    if interrupted:
+        files = []
+        if ctx.path is not None and kept and inst.output.file is not None:
+            ctx.path.parent.mkdir(parents=True, exist_ok=True)
+            files = [_partial(ctx, kept, total).save(ctx.path)]
+        where = (f"in {files[0]}; run again with --resume to finish the rest" if files else
+                 "nothing was written" + ("" if kept else " (no unit had finished)"))
+        say(f"interrupted: kept {len(kept)} of {total} units {where}")
+        return Outcome(None, files[0] if files else None, files, interrupted=True, kept=len(kept), total=total,
+                       ctx=ctx)
+    result = inst.finish(ctx, kept)
+    if inst.resumable:
+        result.figures[UNITS_KEY] = {k: inst.unit_to_json(v) for k, v in kept.items()}
+    files: list[Path] = []
+    if ctx.path is not None:
+        (ctx.path if inst.output.file is None else ctx.path.parent).mkdir(parents=True, exist_ok=True)
+        files = inst.write(ctx, result, ctx.path)
+    return Outcome(result, ctx.path, files, kept=len(kept), total=total, ctx=ctx)
+
+
+__all__ = ["INTERRUPTED_KEY", "UNITS_KEY", "check_options", "output_path", "run", "run_together"]
