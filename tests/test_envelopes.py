@@ -169,7 +169,7 @@ def test_a_policy_file_has_the_envelope_and_old_files_still_load(tmp_path, capsy
         assert "heads" in read_policy_file(path)  # what --kv-from dispatches on
     assert Result.load(new).kind == "kv_policy"
     (tmp_path / "latin.json").write_bytes(b"\xe9")
-    with pytest.raises(InputError, match="not readable JSON"):
+    with pytest.raises(InputError, match="is not JSON: not UTF-8 text"):
         kv.Policy.load(tmp_path / "latin.json")
 
 

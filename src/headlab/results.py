@@ -141,16 +141,11 @@ def write_json(path: str | os.PathLike, obj, *, indent: int | None = 1, ensure_a
 
 
 def read_json(path: str | os.PathLike, *, what: str = "a JSON file") -> dict:
-    """A JSON file's content, or one line saying why not (missing, a folder, not UTF-8, not JSON)."""
-    path = Path(path).expanduser()
-    if not path.is_file():
-        raise InputError(f"{str(path)!r} {'is a folder' if path.is_dir() else 'does not exist'}; give {what}")
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except UnicodeDecodeError as e:
-        raise InputError(f"{str(path)!r} is not UTF-8 text (byte {e.start}); give {what}") from None
-    except json.JSONDecodeError as e:
-        raise InputError(f"{str(path)!r} is not JSON ({e}); give {what}") from None
+    """A JSON file's content, or one line saying why not (missing, a folder, not UTF-8, not JSON): the one
+    reader's :func:`headlab.reading.read_json_file`."""
+    from headlab.reading import read_json_file
+
+    return read_json_file(path, what=what)
 
 
 def _umask() -> int:

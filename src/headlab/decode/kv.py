@@ -46,7 +46,6 @@ window) and :mod:`headlab.decode.snap_rule` (SnapKV, Ada-KV); this module re-exp
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from collections.abc import Mapping, Sequence
@@ -250,13 +249,10 @@ class Policy:
     def load(cls, path: str | os.PathLike) -> Policy:
         """A policy saved with :meth:`save` or :meth:`to_json` (``{"default": ..., "heads": {"layer.kv_head": rule}}``,
         with or without the envelope's header: earlier files have none)."""
+        from headlab.reading import read_json_file
+
         p = Path(path).expanduser()
-        try:
-            data = json.loads(p.read_text(encoding="utf-8"))
-        except FileNotFoundError:
-            raise InputError(f"policy file {str(p)!r} does not exist") from None
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise InputError(f"policy file {str(p)!r} is not readable JSON: {e}") from None
+        data = read_json_file(p, what="a policy file (Policy.save)")
         if not isinstance(data, dict) or "heads" not in data:
             raise InputError(f"policy file {str(p)!r}: expected {{\"default\": ..., \"heads\": {{\"layer.kv_head\": rule}}}}")
         return cls.from_spec(data["heads"], data.get("default", "full"), name=data.get("name", p.stem))
@@ -361,11 +357,9 @@ class Policy:
 
 def _atlas_scores(atlas) -> dict[str, torch.Tensor]:
     if isinstance(atlas, str | os.PathLike):
-        p = Path(atlas).expanduser()
-        try:
-            atlas = json.loads(p.read_text(encoding="utf-8"))
-        except (OSError, json.JSONDecodeError) as e:
-            raise InputError(f"atlas file {str(p)!r} cannot be read as JSON: {e}") from None
+        from headlab.reading import read_json_file
+
+        atlas = read_json_file(atlas, what="an atlas file (headlab atlas --out DIR writes atlas.json)")
     raw = getattr(atlas, "scores", None)
     if raw is None and isinstance(atlas, Mapping):
         raw = atlas.get("scores", atlas)

@@ -37,7 +37,6 @@ interrupt, so a later call with the same path resumes where it stopped.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import random
 import time
@@ -158,8 +157,10 @@ class GateTraining:
     @classmethod
     def load(cls, path: str | os.PathLike) -> GateTraining:
         """Gates saved by :meth:`save` (or ``headlab train-gates``), with the envelope or from earlier versions."""
+        from headlab.reading import read_json_file
+
+        d = read_json_file(path, what="gates saved by GateTraining.save or headlab train-gates")
         try:
-            d = json.loads(Path(path).read_text(encoding="utf-8"))
             rest = Window(int(d["rest"]["sink"]), int(d["rest"]["recent"]))
             model = d.get("model") if isinstance(d.get("model"), str) else None
             return cls(torch.tensor(d["gates"]), rest, d.get("losses", []), d.get("steps", 0), d.get("seconds", 0.0),

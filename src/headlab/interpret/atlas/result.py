@@ -180,7 +180,9 @@ class Atlas:
             path = Path(data)
             if not path.is_file():
                 raise InputError(f"no atlas file at {path}; give the atlas.json that `headlab atlas --out DIR` wrote")
-            data = path.read_text(encoding="utf-8")
+            from headlab.reading import read_json_file
+
+            data = read_json_file(path, what="the atlas.json that `headlab atlas --out DIR` wrote")
         if isinstance(data, str):
             data = json.loads(data)
         if data.get("kind_of_result") != "head_atlas":

@@ -11,7 +11,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
@@ -25,10 +24,9 @@ def _per_layer(result_or_path) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
         p = Path(result_or_path)
         if not p.is_file():
             raise InputError(f"{p} is not a file; give the norms.json that `headlab flow --method norms --out DIR` writes")
-        try:
-            raw = json.loads(p.read_text())
-        except json.JSONDecodeError as e:
-            raise InputError(f"{p} is not JSON: {e}") from None
+        from headlab.reading import read_json_file
+
+        raw = read_json_file(p, what="the norms.json that `headlab flow --method norms --out DIR` writes")
         summaries = raw.get("summaries")
         if not summaries:
             raise InputError(f"{p} holds no norm summaries (write it with `headlab flow --method norms --out DIR`)")
