@@ -189,6 +189,7 @@ def main(argv=None) -> None:
                     "their rows replace those of the same name in results/kv.json")
     ap.add_argument("--rescore", action="store_true", help="compute the head scores again (else results/kv_scores.json)")
     ap.add_argument("--no-time", action="store_true", help="skip the decode timing (run it alone on a quiet machine)")
+    ap.add_argument("--time-name", default="kv_time", help="results/NAME.json for the decode timing")
     ap.add_argument("--time-only", action="store_true", help="only the decode timing (needs the scores: reads "
                     "results/kv_scores.json for the atlas split)")
     args = ap.parse_args(argv)
@@ -302,20 +303,22 @@ def main(argv=None) -> None:
 
 
 def timing(lm, args, dev_ids, split) -> None:
-    """Decode time per token and KV bytes at each ``--time-lengths``: full, streaming and the atlas split."""
+    """Decode time per token and KV bytes at each ``--time-lengths``: full, streaming, the atlas split and KIVI
+    4-bit on every head (whose decode reads its quantized keys back through a dequantization each step)."""
     lengths = [int(x) for x in args.time_lengths.split(",")]
     text_ids = torch.cat([dev_ids] * (1 + max(lengths) // dev_ids.shape[1]), 1)
     table = {}
     generate(lm, text_ids[:, :64], max_new_tokens=3)  # warm up (the first calls pay for kernels and caches)
     for n in lengths:
         table[n] = {name: decode_time(lm, pol, n, text_ids, 17) for name, pol in
-                    (("full", kv.Policy.uniform("full")), ("streaming", kv.Policy.uniform(REST)), ("split", split))}
+                    (("full", kv.Policy.uniform("full")), ("streaming", kv.Policy.uniform(REST)), ("split", split),
+                     ("full 4-bit", kv.Policy.uniform(kv.full(bits=4))))}
         f = table[n]["full"]
         print(f"decode at {n}: " + ", ".join(
             f"{k} {v['seconds_per_token'] * 1e3:.1f} ms/token ({v['seconds_per_token'] / f['seconds_per_token']:.2f}x "
             f"full; prefill {v['prefill_seconds']:.1f} s = {v['prefill_seconds'] / f['prefill_seconds']:.2f}x; "
             f"KV {v['kv_bytes'] / v['kv_bytes_full']:.1%})" for k, v in table[n].items()), flush=True)
-    path = write_json("kv_time", {"args": vars(args), "split": split.name, "decode_time": table})
+    path = write_json(args.time_name, {"args": vars(args), "split": split.name, "decode_time": table})
     print(f"wrote {path}")
 
 
