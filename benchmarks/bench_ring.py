@@ -133,7 +133,7 @@ def main(argv=None) -> None:
         return
     from _common import write_json
 
-    from headlab.attention.memory_guard import human_bytes
+    from headlab.spec.memory_guard import human_bytes
     from headlab.costs import AttentionShape
     from headlab.costs.ring import ring_cost
 

@@ -61,7 +61,7 @@ def measure_memory(backend: str, n: int) -> int:
     code = f"""
 import torch, headlab, torch.nn.functional as F
 from headlab import masks
-from headlab.attention.blocks import block_map
+from headlab.spec.blocks import block_map
 torch.set_num_threads({torch.get_num_threads()})
 g = torch.Generator().manual_seed(0)
 q, k, v = (torch.randn({B}, {H}, 64, {D}, generator=g) for _ in range(3))

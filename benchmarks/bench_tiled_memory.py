@@ -25,7 +25,7 @@ from _common import write_json  # noqa: E402
 
 from headlab.attention.backends.tiled import working_set_bytes  # noqa: E402
 from headlab.units import human_bytes  # noqa: E402
-from headlab.attention.spec import AttentionSpec  # noqa: E402
+from headlab.spec.attention_spec import AttentionSpec  # noqa: E402
 from headlab.attention.measure import _mem_run, _mem_setup, peak_memory_growth  # noqa: E402
 
 

@@ -16,7 +16,7 @@ import torch
 
 from headlab import masks
 from headlab.attention import backends
-from headlab.attention.spec import validate
+from headlab.spec.attention_spec import validate
 
 
 @dataclass(frozen=True)

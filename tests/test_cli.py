@@ -116,7 +116,7 @@ def test_bad_memory_limit_is_one_line_naming_the_variable(value, capsys, monkeyp
 @pytest.mark.parametrize("value,expected", [("10GiB", 10 * 2**30), ("512M", 512 * 2**20), ("1.5G", 3 * 2**29),
                                             ("4096", 4096), ("64kb", 64 * 1024), (" 2 TiB ", 2 * 2**40)])
 def test_memory_limit_in_human_units(value, expected, monkeypatch):
-    from headlab.attention.memory_guard import available_memory
+    from headlab.spec.memory_guard import available_memory
 
     monkeypatch.setenv("HEADLAB_MEMORY_LIMIT", value)
     assert available_memory() == expected

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 import headlab
 from headlab import masks
-from headlab.attention.blocks import block_map
+from headlab.spec.blocks import block_map
 from headlab.errors import (
     BackendUnsupportedError,
     ConfigError,
@@ -127,7 +127,7 @@ def test_block_map_agrees_with_dense_evaluation():
     for m in (masks.causal(), masks.causal_lower_right(), ~masks.causal(), masks.causal() & masks.causal_lower_right()):
         for lq, lk, bq, bk in ((37, 53, 8, 16), (64, 64, 16, 16), (10, 100, 4, 32)):
             hinted = block_map(m, lq, lk, bq, bk).state
-            from headlab.attention.blocks import _classify_dense
+            from headlab.spec.blocks import _classify_dense
             dense = _classify_dense(m, lq, lk, bq, bk, 1, 1, torch.device("cpu"))
             assert torch.equal(hinted, dense), (m, lq, lk)
 
@@ -135,7 +135,7 @@ def test_block_map_agrees_with_dense_evaluation():
 def test_auto_choice_and_explicit_refusal():
     q = k = v = torch.randn(1, 2, 8, 4)
     from headlab.attention import backends
-    from headlab.attention.spec import validate
+    from headlab.spec.attention_spec import validate
 
     spec, _ = validate(q, k, v)
     assert backends.choose(spec).name == "sdpa"
@@ -154,7 +154,7 @@ def test_auto_passes_over_a_backend_that_would_not_fit(monkeypatch):
     mask = masks.causal() & masks.padding([1500])
     monkeypatch.setenv("HEADLAB_MEMORY_LIMIT", str(3 << 20))  # 3 MiB: the 4 MiB boolean mask does not fit
     from headlab.attention import backends
-    from headlab.attention.spec import validate
+    from headlab.spec.attention_spec import validate
 
     spec, _ = validate(q, k, v, mask=mask)
     chosen = backends.choose(spec)
@@ -276,8 +276,8 @@ def test_the_mechanism_imports_nothing_above_it_and_has_no_cycle():
             if name.startswith("headlab.attention"):
                 deps.add(name)
         graph[mod] = deps
-    assert not any(d.startswith("headlab.attention.blocks") for m, ds in graph.items()
-                   if m.startswith("headlab.attention.masks") for d in ds)
+    assert not any(d.startswith("headlab.spec.blocks") for m, ds in graph.items()
+                   if m.startswith("headlab.spec.masks") for d in ds)
 
     def owner(dep):  # a module or the package that holds it
         while dep not in graph and "." in dep:

@@ -177,7 +177,7 @@ _ENGINE_IMPORT = re.compile(
 
 
 def test_costs_imports_no_engine_and_nothing_of_distributed():
-    """costs reads the attention core only; the backends bring their formulas to it (grep, lazy imports included)."""
+    """costs reads headlab.spec only; the backends bring their formulas to it (grep, lazy imports included)."""
     root = Path(headlab.__file__).parent / "costs"
     found = {str(p.relative_to(root)): m.group(0).strip() for p in root.rglob("*.py")
              for m in [_ENGINE_IMPORT.search(p.read_text(encoding="utf-8"))] if m}

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from headlab import costs, masks
-from headlab.attention import blocks
+from headlab.spec import blocks
 from headlab.attention.backends import sparse as _sparse
 from headlab.attention.backends import tiled as _tiled
 from headlab.costs.tiles import streamed_count, visited

@@ -146,7 +146,7 @@ def test_a_map_too_large_to_count_is_refused_with_its_size():
 _BIG = r"""
 import resource, sys
 from headlab import costs, masks
-from headlab.attention import blocks
+from headlab.spec import blocks
 from headlab.attention.backends import tiled
 def no_maps(*a, **k):
     raise AssertionError("a block map was built")

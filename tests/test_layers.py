@@ -2,13 +2,12 @@
 
 Layers, lowest first:
 
-    attention core  <-  costs  <-  attention engines  <-  distributed  <-  models  <-  interpret  <-  decode  <-  cli
+    spec  <-  costs  <-  attention  <-  distributed  <-  models  <-  interpret  <-  decode  <-  cli
 
-The attention core is what a cost formula may read: the spec, masks, tile states, block maps, visibility,
-score mods, feature maps and the memory guard (:data:`CORE`). The engines are the rest of ``attention``:
-the backends, the statistics, the functional core, the module, measurement, and the package itself.
-Backends import ``costs`` (each declares its formula), so ``costs`` sits between the two and imports no
-engine. A module may import its own layer and the layers below it, never one above (function-level
+``spec`` is what a cost formula may read: what attention is asked to compute (the spec, masks, tile states,
+block maps, visibility, score mods, feature maps and the memory guard). ``attention`` holds the engines: the
+backends, the statistics, the functional core, the module and measurement. Backends import ``costs`` (each
+declares its formula), so ``costs`` sits between the two folders and imports no engine. A module may import its own layer and the layers below it, never one above (function-level
 imports included: a lazy import is still a dependency). Inside ``interpret``, ``capture`` and ``shell``
 (the one HTML shell every page uses) are at the bottom and ``report`` at the top: nothing but ``report``
 itself and ``cli`` imports ``report``, and ``shell`` imports no other room of ``interpret``. ``errors``,
@@ -24,9 +23,7 @@ from pathlib import Path
 import pytest
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "headlab"
-LAYERS = ["attention core", "costs", "attention engines", "distributed", "models", "interpret", "decode", "cli"]
-# the modules (and packages) of attention/ that sit below costs; the rest of attention/ is its engines
-CORE = {"spec", "masks", "tile_states", "blocks", "visibility", "score_mods", "feature_maps", "memory_guard"}
+LAYERS = ["spec", "costs", "attention", "distributed", "models", "interpret", "decode", "cli"]
 BASE = {"errors", "_version", "units", "progress", "tsv", "results", "reading"}  # importable from every layer
 MAX_LINES = 460  # "no source file above about 450 lines"
 
@@ -94,9 +91,6 @@ def _layer(module: str) -> tuple[int, str | None]:
     top = parts[1]
     if top in BASE:
         return (-1, None)
-    if top == "attention":
-        core = len(parts) > 2 and parts[2] in CORE
-        return (LAYERS.index("attention core" if core else "attention engines"), None)
     if top in LAYERS:
         room = parts[2] if top == "interpret" and len(parts) > 2 else None
         return (LAYERS.index(top), room)
@@ -123,13 +117,11 @@ def test_no_upward_import():
 
 
 def _packages_graph(graph):
-    """Edges between folders (a module's parent package), which is what the structure drawing shows.
-    ``attention/`` holds two layers: its core modules count as a folder of their own, ``headlab.attention:core``."""
+    """Edges between folders (a module's parent package), which is what the structure drawing shows."""
     def folder(m):
         if (SRC.parent / Path(*m.split("."))).is_dir():
             return m
-        parent, _, leaf = m.rpartition(".")
-        return f"{parent}:core" if parent == "headlab.attention" and leaf in CORE else parent
+        return m.rpartition(".")[0]
     pg: dict[str, set[str]] = {}
     for m, deps in graph.items():
         pg.setdefault(folder(m), set()).update(folder(d) for d in deps if folder(d) != folder(m))
@@ -144,10 +136,8 @@ def test_no_import_cycle(level):
         deps.discard("headlab")
     if level == "folders":
         graph = _packages_graph(graph)
-        # a folder's __init__ importing its own children is not a cycle between folders (attention's core
-        # modules are children of headlab.attention too)
+        # a folder's __init__ importing its own children is not a cycle between folders
         def related(a, b):
-            a, b = a.removesuffix(":core"), b.removesuffix(":core")
             return a == b or a.startswith(b + ".") or b.startswith(a + ".")
         graph = {k: {d for d in v if not related(k, d)} for k, v in graph.items()}
     color: dict[str, int] = {}

@@ -13,7 +13,7 @@ import headlab
 from headlab import masks
 from headlab.attention import backends
 from headlab.attention.backends.linear import LinearBackend, LinearState, from_string, working_set_bytes
-from headlab.attention.spec import validate
+from headlab.spec.attention_spec import validate
 from headlab.errors import BackendUnsupportedError, ConfigError, HeadlabError, ShapeError
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from headlab import masks
-from headlab.attention.blocks import BlockMap, _classify_dense, block_map
+from headlab.spec.blocks import BlockMap, _classify_dense, block_map
 from headlab.errors import ConfigError, MaskError
 from conftest import run_cli as _cli
 
@@ -194,7 +194,7 @@ def test_from_string_matches_constructors_and_exports():
     ]
     for spec, m in pairs:
         assert torch.equal(masks.from_string(spec).dense(q_len=20), m.dense(q_len=20)), spec
-    import headlab.attention.masks as inner
+    import headlab.spec.masks as inner
     import headlab.masks
 
     assert headlab.masks is inner is masks  # one module object, the pattern table included

@@ -15,7 +15,7 @@ import torch
 from conftest import require_native
 from headlab import masks
 from headlab.attention.backends import native
-from headlab.attention.spec import validate
+from headlab.spec.attention_spec import validate
 from headlab.testing import compare_backend
 
 ROOT = Path(__file__).resolve().parent.parent

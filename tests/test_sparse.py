@@ -70,7 +70,7 @@ def test_registration_and_refusals():
         headlab.attention(q, k, v, causal=True, dropout_p=0.1, backend="sparse")
     # auto keeps preferring sdpa for a masked call
     from headlab.attention.core import resolve_backend
-    from headlab.attention.spec import validate
+    from headlab.spec.attention_spec import validate
     spec, _ = validate(q, k, v, mask=masks.sliding_window(2))
     assert resolve_backend("auto", spec).name != "sparse"
 

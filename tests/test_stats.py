@@ -10,7 +10,7 @@ import torch
 from conftest import require_native
 import headlab
 from headlab import masks
-from headlab.attention.spec import dense_mask, validate
+from headlab.spec.attention_spec import dense_mask, validate
 from headlab.attention.stats import SDPA_STATS, STATS, AttentionStats, attention_stats
 from cases import BY_NAME, Case, make_inputs
 from headlab.errors import (BackendUnsupportedError, ConfigError, DTypeError, HeadlabError, MaskError,

@@ -32,7 +32,7 @@ sys.path.insert(0, str(WORKER.parent))
 import tp_more_worker as W  # noqa: E402
 import tp_worker  # noqa: E402
 
-HEADROOM = 0.9  # headlab.attention.memory_guard.HEADROOM: a request must fit 90% of what is available
+HEADROOM = 0.9  # headlab.spec.memory_guard.HEADROOM: a request must fit 90% of what is available
 
 
 def _shapes(model) -> dict[str, tuple]:

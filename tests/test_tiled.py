@@ -15,7 +15,7 @@ from headlab.attention.backends import _threads
 from headlab.attention.backends.tiled import TiledBackend, flash_attention_textbook, tiled_attention
 from headlab.attention.backends.tiled import forward as tiled_forward
 from headlab.attention.backends.tiled.plan import make_plan
-from headlab.attention.spec import validate
+from headlab.spec.attention_spec import validate
 from headlab.errors import ConfigError
 from headlab.testing import compare_backend
 from cases import BY_NAME, make_inputs

@@ -14,10 +14,10 @@ import sys as _sys
 from importlib import import_module as _import_module
 
 from headlab import errors
-from headlab.attention import masks
+from headlab.spec import masks
 from headlab import attention  # a callable package: headlab.attention(q, k, v, ...)
 
-# one module object: `import headlab.masks` finds this entry, so headlab.masks is headlab.attention.masks
+# one module object: `import headlab.masks` finds this entry, so headlab.masks is headlab.spec.masks
 _sys.modules[__name__ + ".masks"] = masks
 # measuring real calls runs the engines, so it lives in headlab.attention.measure (costs imports no engine);
 # `headlab.costs.measure`, its former name, finds the same module object

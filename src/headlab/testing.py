@@ -34,8 +34,8 @@ from dataclasses import dataclass, field
 import torch
 
 from headlab.attention.core import attention_with_weights
-from headlab.attention.spec import default_scale, validate
-from headlab.attention.visibility import additive_bias
+from headlab.spec.attention_spec import default_scale, validate
+from headlab.spec.visibility import additive_bias
 
 
 @dataclass

@@ -1,24 +1,36 @@
-"""The mechanism: the functional core, mask functions, the module and the backends.
+"""The engines of the mechanism: the functional core, the module, the backends and the statistics.
 
 Knows nothing of models or interpretation. Tensor convention: q/k/v ``(batch, heads, seq, head_dim)``,
 attention maps ``(batch, heads, q_pos, k_pos)``.
 
 This package is also callable: ``headlab.attention(q, k, v, ...)`` is
-:func:`headlab.attention.core.attention`, while ``headlab.attention.masks``,
-``headlab.attention.backends`` ... stay importable as subpackages.
+:func:`headlab.attention.core.attention`, while ``headlab.attention.backends`` ... stay importable as
+subpackages. What attention is asked to compute (the spec, masks, score mods, visibility, block maps, tile
+states, feature maps, the memory guard) lives below ``headlab.costs``, in :mod:`headlab.spec`; its modules stay
+importable under their old names here (``headlab.attention.masks`` is ``headlab.spec.masks``).
 """
 
 import sys as _sys
 import types as _types
 
-from headlab.attention import masks
-from headlab.attention.blocks import BlockMap
+from headlab.spec import masks
+from headlab.spec.blocks import BlockMap
 from headlab.attention.core import attention as _attention_fn
 from headlab.attention.core import attention_weights
 from headlab.attention.module import MultiHeadAttention
-from headlab.attention.spec import AttentionSpec
+from headlab.spec.attention_spec import AttentionSpec
 
 __all__ = ["AttentionSpec", "BlockMap", "MultiHeadAttention", "attention_weights", "masks"]
+
+# the old names of the modules that moved to headlab.spec (what attention is asked to compute)
+import importlib as _importlib  # noqa: E402
+
+for _old, _new in (("spec", "attention_spec"), ("masks", "masks"), ("tile_states", "tile_states"),
+                   ("blocks", "blocks"), ("visibility", "visibility"), ("score_mods", "score_mods"),
+                   ("feature_maps", "feature_maps"), ("memory_guard", "memory_guard")):
+    _mod = _importlib.import_module(f"headlab.spec.{_new}")
+    _sys.modules[f"{__name__}.{_old}"] = _mod
+    setattr(_sys.modules[__name__], _old, _mod)
 
 
 class _CallableModule(_types.ModuleType):

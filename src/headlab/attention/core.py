@@ -7,10 +7,10 @@ from collections.abc import Callable
 import torch
 
 from headlab.attention import backends as _backends
-from headlab.attention.masks import MaskFn
-from headlab.attention.score_mods import as_score_mod
-from headlab.attention.spec import AttentionSpec, check_scale, validate
-from headlab.attention.visibility import visible
+from headlab.spec.masks import MaskFn
+from headlab.spec.score_mods import as_score_mod
+from headlab.spec.attention_spec import AttentionSpec, check_scale, validate
+from headlab.spec.visibility import visible
 
 MaskLike = torch.Tensor | MaskFn | Callable | None
 

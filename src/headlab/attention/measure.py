@@ -199,7 +199,7 @@ def _call(cfg: dict, backend, q, k, v, grad_out=None):
 
 def _mem_setup(cfg: dict, backend):
     if isinstance(cfg.get("mask"), str):
-        from headlab.attention.masks import from_string
+        from headlab.spec.masks import from_string
 
         cfg = {**cfg, "mask": from_string(cfg["mask"])}
     # one tiny call first: one-time initialisation (kernels, thread pools) is not the call's cost
@@ -219,7 +219,7 @@ def _mem_run(state) -> None:
 def _refusal(cfg: dict, backend) -> str | None:
     """Why ``backend`` would refuse the call (memory guard, unsupported feature), or None."""
     from headlab.attention.core import resolve_backend
-    from headlab.attention.spec import validate
+    from headlab.spec.attention_spec import validate
 
     meta = torch.empty(0)
     shape = (cfg["batch"], cfg["heads"], cfg["seq_len"], cfg["head_dim"])
@@ -294,7 +294,7 @@ def bench_attention(
         raise ConfigError(f"sequence lengths must be positive integers, got {list(seq_lens)}")
     pattern_text = None
     if isinstance(pattern, str):  # text travels to the fresh processes that measure memory
-        from headlab.attention.masks import from_string
+        from headlab.spec.masks import from_string
 
         pattern_text, pattern = pattern, from_string(pattern)
     backends = list(backends)

@@ -15,7 +15,7 @@ from torch import nn
 
 from headlab.attention import backends as _backends
 from headlab.attention.core import attention_with_weights
-from headlab.attention.masks import MaskFn, as_mask
+from headlab.spec.masks import MaskFn, as_mask
 from headlab.errors import BackendUnsupportedError, ConfigError, MaskError, ShapeError
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import typer
 from rich.table import Table
 
-from headlab.attention.masks import from_string
+from headlab.spec.masks import from_string
 from headlab.cli.app import bench_app, check_output_file, console, human_bytes
 from headlab.attention.measure import bench_attention, check_counts
 from headlab.errors import ConfigError

@@ -7,7 +7,7 @@ from rich.table import Table
 
 from headlab import costs
 from headlab.attention import backends as _backends
-from headlab.attention.masks import from_string
+from headlab.spec.masks import from_string
 from headlab.cli.app import app, console, heads_text, human_bytes, human_flops, print_json
 from headlab.errors import ConfigError, CostModelError
 

@@ -9,7 +9,7 @@ import typer
 from rich.markup import escape
 
 from headlab.attention.backends.native import enabled as native_enabled
-from headlab.attention.memory_guard import memory_limit_override
+from headlab.spec.memory_guard import memory_limit_override
 from headlab.cli.app import app, err_console
 from headlab.errors import CLI_EXIT_CODE, HeadlabError
 

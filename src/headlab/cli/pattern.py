@@ -9,7 +9,7 @@ from pathlib import Path
 import typer
 from rich.text import Text
 
-from headlab.attention import masks
+from headlab.spec import masks
 from headlab.attention.backends.sparse.plan import pattern_density
 from headlab.cli.app import app, check_at_least, check_output_file, console, print_json
 from headlab.errors import ConfigError

@@ -20,8 +20,8 @@ The package, top down:
 A backend class declares its formula (``cost = staticmethod(costs.tiled.tiled_cost)``) and the registry
 refuses a backend without one; :func:`estimate` then calls it with the backend instance, whose
 configuration (tile sizes, feature map) and memory formula it reads. A backend without a formula is an
-error, never a zero. This package imports only the attention core (spec, masks, states, blocks),
-never an engine: measuring real calls is :mod:`headlab.attention.measure`.
+error, never a zero. This package imports only :mod:`headlab.spec` (the spec, masks, tile
+states, block maps), never an engine: measuring real calls is :mod:`headlab.attention.measure`.
 """
 
 from headlab.costs import dense, linear, sparse, tiled  # noqa: F401  (costs.sparse.visited_tiles ...)

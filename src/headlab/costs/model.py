@@ -9,8 +9,8 @@ from typing import Protocol
 
 import torch
 
-from headlab.attention.masks import MaskFn
-from headlab.attention.spec import AttentionSpec, function_mask_shape
+from headlab.spec.masks import MaskFn
+from headlab.spec.attention_spec import AttentionSpec, function_mask_shape
 from headlab.errors import ConfigError, CostModelError, UnknownBackendError
 
 _DTYPES = {

@@ -41,7 +41,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from headlab.attention.core import attention as _attention
-from headlab.attention.score_mods import softcap as _softcap
+from headlab.spec.score_mods import softcap as _softcap
 from headlab.decode.groups import (_NO_POS, SPARSE_PREFILL, _cat, _Dropped, _Group, _QGroup,  # noqa: F401  re-exported
                                    _rows, _split, _Store)
 from headlab.decode.kv import (Drop, Full, Policy, Rule, Snap, Window, check_decoder,  # noqa: F401

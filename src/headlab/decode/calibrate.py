@@ -31,7 +31,7 @@ from collections.abc import Sequence
 
 import torch
 
-from headlab.attention import masks
+from headlab.spec import masks
 from headlab.attention.stats import attention_stats
 from headlab.decode.kv import as_rule, check_decoder
 from headlab.errors import ConfigError, InputError

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from headlab.attention import masks
+from headlab.spec import masks
 from headlab.errors import ConfigError
 
 __all__ = ["BITS", "GROUP", "RESIDUAL", "RULES", "Layout", "Rule", "Full", "Drop", "Window", "full", "drop", "window",

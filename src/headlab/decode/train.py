@@ -77,7 +77,7 @@ def _gated_attention(module, query, key, value, attention_mask, dropout=0.0, sca
         causal = causal & own
     extra = {}
     if kwargs.get("softcap") is not None:
-        from headlab.attention.score_mods import softcap
+        from headlab.spec.score_mods import softcap
 
         extra["score_mod"] = softcap(kwargs["softcap"])
     window = causal & rule.visible(q_pos, k_pos)

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from headlab.attention.backends import native
-from headlab.attention.spec import validate
+from headlab.spec.attention_spec import validate
 
 TILE = 512  # query and key positions per tile (forward, backward and statistics walk the same tiles)
 

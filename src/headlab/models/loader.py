@@ -209,7 +209,7 @@ def _check_weights_fit(cls, config, name: str, *, dtype: torch.dtype, device, wo
     """Refuse, before reading a weight, a model whose parameters (this rank's share when ``world`` > 1 ranks shard it
     by the family's plan) do not fit the memory available: the shapes come from the model built on the ``meta``
     device (no memory), the share from :func:`headlab.costs.tensor_parallel.weight_bytes`."""
-    from headlab.attention.memory_guard import check_fits
+    from headlab.spec.memory_guard import check_fits
     from headlab.costs.tensor_parallel import weight_bytes
 
     try:

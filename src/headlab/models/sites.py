@@ -43,7 +43,7 @@ from torch import nn
 
 from headlab.attention import backends as _backends
 from headlab.attention.core import attention_with_weights
-from headlab.attention.spec import validate
+from headlab.spec.attention_spec import validate
 from headlab.errors import ShapeError, SiteError
 
 SITE_KINDS = ("q", "k", "v", "pattern", "z", "head_out", "stats")

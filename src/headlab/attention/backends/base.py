@@ -16,8 +16,8 @@ from typing import ClassVar
 
 import torch
 
-from headlab.attention.masks import MaskFn
-from headlab.attention.spec import AttentionSpec
+from headlab.spec.masks import MaskFn
+from headlab.spec.attention_spec import AttentionSpec
 from headlab.costs.model import CostFormula, register_cost
 from headlab.errors import BackendUnsupportedError, CostModelError, MemoryBudgetError, UnknownBackendError
 

@@ -41,8 +41,8 @@ from pathlib import Path
 
 import torch
 
-from headlab.attention.masks import MaskFn, band_of
-from headlab.attention.spec import AttentionSpec
+from headlab.spec.masks import MaskFn, band_of
+from headlab.spec.attention_spec import AttentionSpec
 
 _SOURCE = Path(__file__).resolve().parent / "csrc" / "onepass.cpp"
 # the extension setup.py builds from _SOURCE at install time, and the tag it carries (onepass.cpp)

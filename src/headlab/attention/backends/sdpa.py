@@ -19,10 +19,10 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from headlab.attention.backends.base import Backend, Capabilities, register
-from headlab.attention.memory_guard import check_fits
-from headlab.attention.masks import MaskFn
-from headlab.attention.spec import AttentionSpec, dense_mask, mask_numel, materialized_bytes
-from headlab.attention.visibility import additive_bias, is_additive
+from headlab.spec.memory_guard import check_fits
+from headlab.spec.masks import MaskFn
+from headlab.spec.attention_spec import AttentionSpec, dense_mask, mask_numel, materialized_bytes
+from headlab.spec.visibility import additive_bias, is_additive
 from headlab.costs.dense import sdpa_cost
 
 

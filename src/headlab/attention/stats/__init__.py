@@ -35,7 +35,7 @@ Two ways of computing them (``method``):
   PyTorch one (:mod:`.fused`, every mask and dtype), and, when a row of keys is too long for one
   unit or ``block_q`` / ``cache_bytes=0`` asks for it, two passes that recompute the score tiles
   (:mod:`.tiled`). Tiles a mask leaves empty are skipped (the call's tile states from
-  :mod:`headlab.attention.visibility`). Supports every statistic.
+  :mod:`headlab.spec.visibility`). Supports every statistic.
 * ``"sdpa"``: torch's fused CPU flash kernel delivers what an identity allows: ``lse`` from the kernel itself, ``entropy = lse - scale * q . (P K)`` with
   ``P K`` = attention with ``V := K``, ``mean_distance`` from attention with ``V := positions``
   (plus a second, causal call for the keys left of each query when the call is not causal),
@@ -77,8 +77,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from headlab.attention.masks import MaskFn
-from headlab.attention.spec import check_scale, validate
+from headlab.spec.masks import MaskFn
+from headlab.spec.attention_spec import check_scale, validate
 from headlab.attention.stats.exact import _probs_at
 from headlab.attention.stats.stats_result import SDPA_STATS, STATS, AttentionStats, Method, _index_tensor, _wanted
 from headlab.attention.stats.sdpa import _sdpa
@@ -165,7 +165,7 @@ def attention_stats(
                         "values are not supported)")
     scale = check_scale(scale, spec.head_dim)
     if score_mod is not None:
-        from headlab.attention.score_mods import as_score_mod
+        from headlab.spec.score_mods import as_score_mod
 
         score_mod = as_score_mod(score_mod)
         if method != "tiled":

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from headlab.attention.spec import AttentionSpec
-from headlab.attention.visibility import visible
+from headlab.spec.attention_spec import AttentionSpec
+from headlab.spec.visibility import visible
 
 def _scores_at(q: torch.Tensor, k: torch.Tensor, spec: AttentionSpec, scale: float, ct: torch.dtype,
                q_idx: torch.Tensor | None, kv_idx: torch.Tensor | None) -> torch.Tensor:

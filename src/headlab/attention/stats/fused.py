@@ -2,7 +2,7 @@
 
 A work unit is one block of query rows of a few (batch, kv head) slices, with every key its rows
 can see (the span from its first to its last visited key tile, see
-:func:`headlab.attention.visibility.tile_states`), small enough (:data:`UNIT_ELEMS` scores) that
+:func:`headlab.spec.visibility.tile_states`), small enough (:data:`UNIT_ELEMS` scores) that
 its score tile stays in one core's L2 cache. Units run in a pool of threads
 (:mod:`headlab.attention.backends._threads`), each on its own scratch tiles. Per unit, with
 ``t = S - m`` (``m`` the row maximum), ``e = exp(t)``::
@@ -27,9 +27,9 @@ import threading
 import torch
 
 from headlab.attention.backends import _threads
-from headlab.attention.spec import AttentionSpec
-from headlab.attention.tile_states import EMPTY, FULL
-from headlab.attention.visibility import tile_states, visible
+from headlab.spec.attention_spec import AttentionSpec
+from headlab.spec.tile_states import EMPTY, FULL
+from headlab.spec.visibility import tile_states, visible
 
 # Scores per unit (2 MiB in float32): a unit's tiles (scores and exp) stay in its core's L2.
 UNIT_ELEMS = 1 << 19

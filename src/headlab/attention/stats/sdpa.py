@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from headlab.attention.spec import AttentionSpec
-from headlab.attention.visibility import visible
+from headlab.spec.attention_spec import AttentionSpec
+from headlab.spec.visibility import visible
 from headlab.errors import BackendUnsupportedError
 
 def _sdpa_ops():

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import torch
 
-from headlab.attention.spec import AttentionSpec
-from headlab.attention.tile_states import EMPTY, FULL
-from headlab.attention.visibility import tile_states, visible
+from headlab.spec.attention_spec import AttentionSpec
+from headlab.spec.tile_states import EMPTY, FULL
+from headlab.spec.visibility import tile_states, visible
 
 # The one-pass kernel (:mod:`.fused`) runs when two of its smallest units fit this many bytes.
 DEFAULT_CACHE_BYTES = 64 << 20
@@ -21,7 +21,7 @@ _TILE_BYTES = 16 << 20
 
 class _Tiles:
     """For a query range and a key range: skip the tile, or its visibility (None = all visible),
-    from the call's tile states (:func:`headlab.attention.visibility.tile_states`)."""
+    from the call's tile states (:func:`headlab.spec.visibility.tile_states`)."""
 
     def __init__(self, spec: AttentionSpec, mask, block_q: int, block_k: int) -> None:
         self.spec, self.mask = spec, mask

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from math import gcd, lcm
 
-from headlab.attention.tile_states import EMPTY
+from headlab.spec.tile_states import EMPTY
 from headlab.costs.tiles.floor_sums import floor_sums
 from headlab.costs.tiles.grid import Grid, Unsupported, rectangles
 

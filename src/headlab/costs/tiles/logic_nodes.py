@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from headlab.attention.tile_states import EMPTY, FULL, PARTIAL
+from headlab.spec.tile_states import EMPTY, FULL, PARTIAL
 from headlab.costs.tiles.grid import Grid, Row
 from headlab.costs.tiles.offset_nodes import Node, Offset
 

@@ -3,7 +3,7 @@
 BigBird's random blocks (drawn per block row: only drawing them tells which tiles they hit), your
 own mask functions, and compositions the counters of this package cannot read are counted on the
 kernel's own block map, computed by the same classifier
-(:func:`headlab.attention.blocks.block_rows`) a chunk of block rows at a time: memory stays at a
+(:func:`headlab.spec.blocks.block_rows`) a chunk of block rows at a time: memory stays at a
 chunk of about :data:`CHUNK` tile states (a few rows of the map, never all of it), and time grows with
 the number of tiles. A count estimated at more than :data:`STREAM_BUDGET` tile states (about half a second)
 is refused before it starts with :class:`~headlab.errors.CountTooLargeError`, which gives the
@@ -16,9 +16,9 @@ import math
 
 import torch
 
-from headlab.attention.blocks import block_rows
-from headlab.attention.masks import causal, full
-from headlab.attention.tile_states import EMPTY, FULL, PARTIAL
+from headlab.spec.blocks import block_rows
+from headlab.spec.masks import causal, full
+from headlab.spec.tile_states import EMPTY, FULL, PARTIAL
 from headlab.costs.model import AttentionShape
 from headlab.costs.tiles.grid import Grid
 from headlab.costs.tiles.interval_count import count_tiles

@@ -34,7 +34,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from headlab.attention import masks
+from headlab.spec import masks
 from headlab.attention.stats import attention_stats
 from headlab.distributed.data import all_reduce_sum
 from headlab.errors import ConfigError, ModelError

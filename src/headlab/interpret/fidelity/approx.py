@@ -46,8 +46,8 @@ from headlab.attention import backends as _backends
 from headlab.attention.core import attention as _attention_fn
 from headlab.attention.backends.linear import FEATURE_MAP_ALIASES
 from headlab.attention.backends.linear import from_string as linear_from_string
-from headlab.attention.visibility import visible
-from headlab.attention.spec import default_scale, normalize_mask, validate
+from headlab.spec.visibility import visible
+from headlab.spec.attention_spec import default_scale, normalize_mask, validate
 from headlab.errors import ConfigError
 
 __all__ = ["ApproxReport", "FeatureSweep", "ModelShift", "SweepPoint", "compare", "compare_model", "feature_sweep"]

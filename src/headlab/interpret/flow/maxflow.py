@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from headlab.attention.memory_guard import available_memory, human_bytes
+from headlab.spec.memory_guard import available_memory, human_bytes
 from headlab.errors import ConfigError, MemoryBudgetError
 from headlab.interpret.flow.record import prepare, record
 from headlab.models.loader import resolve

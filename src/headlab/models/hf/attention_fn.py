@@ -37,7 +37,7 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from headlab.attention.score_mods import bias_tensor, softcap
+from headlab.spec.score_mods import bias_tensor, softcap
 from headlab.errors import BackendUnsupportedError, MaskError
 from headlab.models.sites import run_attention
 
@@ -101,7 +101,7 @@ def hf_mask_and_bias(mask: torch.Tensor | None) -> tuple[torch.Tensor | None, to
 
 def _then(first, second, name):
     """Two score modifications applied in turn (soft-capping, then an additive bias)."""
-    from headlab.attention.score_mods import ScoreMod
+    from headlab.spec.score_mods import ScoreMod
 
     return ScoreMod(lambda s, b, h, q, kv: second(first(s, b, h, q, kv), b, h, q, kv), name)
 

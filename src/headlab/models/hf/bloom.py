@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch.nn.functional as F
 
-from headlab.attention.score_mods import bias_tensor
+from headlab.spec.score_mods import bias_tensor
 from headlab.models.hf.attention_fn import hf_mask_to_bool
 from headlab.models.hf.family import Fused, Norms, Out, OwnForwardAdapter, bound_forward, merge_heads
 from headlab.models.hf.registry import register

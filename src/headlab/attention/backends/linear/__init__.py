@@ -23,7 +23,7 @@ for C >= d_v, never O(n F d_v) (one state per position) nor O(n^2). Gradients ar
 autograd through the same computation, which saves tensors of the same sizes.
 The denominator rides along as an extra all-ones column of ``v``.
 
-Feature maps (:mod:`headlab.attention.feature_maps`): ``elu`` (``elu(x) + 1``, the default:
+Feature maps (:mod:`headlab.spec.feature_maps`): ``elu`` (``elu(x) + 1``, the default:
 ``backend="linear"`` means it), ``relu``, and ``favor`` (Performer's FAVOR+, ``num_features``
 positive orthogonal random features that estimate ``exp(q . k * scale)`` without bias; the
 draw is seeded, fixed unless :meth:`LinearBackend.redraw` is called, or redrawn every
@@ -63,10 +63,10 @@ import math
 
 import torch
 
-from headlab.attention import feature_maps
+from headlab.spec import feature_maps
 from headlab.attention.backends.base import Backend, Capabilities, register
-from headlab.attention.memory_guard import check_fits
-from headlab.attention.spec import AttentionSpec, default_scale, validate
+from headlab.spec.memory_guard import check_fits
+from headlab.spec.attention_spec import AttentionSpec, default_scale, validate
 from headlab.attention.backends.linear.compute import _causal, _exp_minus, _key_mask, _noncausal
 from headlab.attention.backends.linear.config import (DEFAULT_CHUNK, DEFAULT_FAVOR_FEATURES, FEATURE_MAP_ALIASES,
                                                       LinearConfig, LinearState, _compute_dtype, _mix_seed,

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from headlab.attention.masks import MaskFn
-from headlab.attention.spec import AttentionSpec
+from headlab.spec.masks import MaskFn
+from headlab.spec.attention_spec import AttentionSpec
 from headlab.errors import BackendUnsupportedError
 
 def _exp_minus(x: torch.Tensor, shift: torch.Tensor, hide: torch.Tensor | None = None) -> torch.Tensor:

@@ -8,7 +8,7 @@ from typing import Literal
 
 import torch
 
-from headlab.attention.spec import AttentionSpec
+from headlab.spec.attention_spec import AttentionSpec
 from headlab.errors import ConfigError
 
 FeatureMapName = Literal["elu", "relu", "favor"]

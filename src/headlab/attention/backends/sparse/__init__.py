@@ -1,7 +1,7 @@
 """``"sparse"``: exact block-sparse attention that visits only the tiles a mask leaves non-empty.
 
 The mask (a :mod:`headlab.masks` function, ANDed with ``causal`` when asked) is compiled to a
-:class:`~headlab.attention.blocks.BlockMap` of ``BLOCK_Q x BLOCK_K`` tiles. Only non-empty tiles
+:class:`~headlab.spec.blocks.BlockMap` of ``BLOCK_Q x BLOCK_K`` tiles. Only non-empty tiles
 are computed; FULL tiles skip the element-wise mask, PARTIAL tiles apply it (the mask is
 evaluated once per partial tile and cached with the plan). Compute and memory are proportional
 to the visited tiles, forward and backward; nothing ``n x n`` is held or saved.
@@ -52,9 +52,9 @@ from headlab.attention.backends.sparse.kernel import SparseAttention
 from headlab.attention.backends.sparse.plan import (BLOCK_K, BLOCK_Q, SparsePlan, block_map, effective_mask,
                                                     plan_for, visited_tiles)
 from headlab.attention.backends.sparse.tiles import CHUNK_ELEMENTS
-from headlab.attention.memory_guard import check_fits
-from headlab.attention.masks import MaskFn
-from headlab.attention.spec import AttentionSpec, check_scale, validate
+from headlab.spec.memory_guard import check_fits
+from headlab.spec.masks import MaskFn
+from headlab.spec.attention_spec import AttentionSpec, check_scale, validate
 from headlab.costs.sparse import sparse_cost
 from headlab.errors import BackendUnsupportedError
 

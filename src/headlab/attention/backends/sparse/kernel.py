@@ -12,7 +12,7 @@ import torch
 from headlab.attention.backends import _threads, native
 from headlab.attention.backends.sparse.plan import SparsePlan, _Group
 from headlab.attention.backends.sparse.tiles import _chunks, _from_flat, _hidden, _scores, _to_flat
-from headlab.attention.masks import MaskFn
+from headlab.spec.masks import MaskFn
 
 # Scores per forward work unit (2 MiB in float32): a unit is a rectangle of (head copies x
 # compact items) of one group, small enough that its score tile stays in a core's cache.

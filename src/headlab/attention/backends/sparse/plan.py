@@ -9,10 +9,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from headlab.attention.blocks import BlockMap, cached_per_mask
-from headlab.attention.blocks import block_map as _compile
-from headlab.attention.masks import MaskFn, causal, full
-from headlab.attention.tile_states import EMPTY, FULL, PARTIAL
+from headlab.spec.blocks import BlockMap, cached_per_mask
+from headlab.spec.blocks import block_map as _compile
+from headlab.spec.masks import MaskFn, causal, full
+from headlab.spec.tile_states import EMPTY, FULL, PARTIAL
 from headlab.errors import ConfigError, MaskError
 
 # Tile sizes of the kernel; the cost model reads the same constants.

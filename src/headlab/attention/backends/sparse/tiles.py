@@ -6,9 +6,9 @@ from __future__ import annotations
 import torch
 
 from headlab.attention.backends.sparse.plan import SparsePlan, _Group
-from headlab.attention.masks import MaskFn
-from headlab.attention.score_mods import param_vjp
-from headlab.attention.visibility import pairs
+from headlab.spec.masks import MaskFn
+from headlab.spec.score_mods import param_vjp
+from headlab.spec.visibility import pairs
 
 # Score entries computed at once (per chunk); bounds the working set to a few such buffers.
 CHUNK_ELEMENTS = 1 << 20

@@ -10,7 +10,7 @@ tile. Memory is linear in the sequence.
 Rooms: :mod:`.plan` (tiles, states, element-wise work, layout), :mod:`.forward`,
 :mod:`.backward`, :mod:`.memory` (the working-set formula), :mod:`.textbook`.
 
-Which tiles are visited comes from :func:`headlab.attention.visibility.tile_states`::
+Which tiles are visited comes from :func:`headlab.spec.visibility.tile_states`::
 
     causal, q_len=6, kv_len=6, 2x2 tiles          a tile is
         k0-1 k2-3 k4-5                              EMPTY   (.) skipped: no matmul at all
@@ -57,8 +57,8 @@ from headlab.attention.backends.tiled.backward import TiledAttention
 from headlab.attention.backends.tiled.memory import working_set_bytes
 from headlab.attention.backends.tiled.plan import BLOCK_K, BLOCK_Q, check_blocks, make_plan, tile_states
 from headlab.attention.backends.tiled.textbook import flash_attention_textbook
-from headlab.attention.memory_guard import check_fits
-from headlab.attention.spec import AttentionSpec, check_scale, validate
+from headlab.spec.memory_guard import check_fits
+from headlab.spec.attention_spec import AttentionSpec, check_scale, validate
 from headlab.costs.tiled import tiled_cost
 
 __all__ = ["BLOCK_K", "BLOCK_Q", "TiledBackend", "flash_attention_textbook", "tile_states", "tiled_attention",

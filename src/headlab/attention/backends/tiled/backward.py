@@ -23,8 +23,8 @@ from headlab.attention.backends import native
 from headlab.attention.backends.tiled.forward import forward
 from headlab.attention.backends.tiled.plan import (BLOCK_K, BLOCK_Q, Plan, from_rows, index_grid, mask_tile,
                                                    prepare_kv, scaled_query, to_rows)
-from headlab.attention.score_mods import param_vjp
-from headlab.attention.tile_states import EMPTY, PARTIAL
+from headlab.spec.score_mods import param_vjp
+from headlab.spec.tile_states import EMPTY, PARTIAL
 
 
 def _score_mod_vjp(p: Plan, s_raw, i0, i1, j0, j1, params=(), grads=None):

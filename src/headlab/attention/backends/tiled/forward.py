@@ -16,7 +16,7 @@ import torch
 
 from headlab.attention.backends import _threads
 from headlab.attention.backends.tiled.plan import Plan, mask_tile, modify_scores, prepare_kv, query_block
-from headlab.attention.tile_states import EMPTY, PARTIAL
+from headlab.spec.tile_states import EMPTY, PARTIAL
 
 # Work unit of the forward: one query block x as many flattened (batch, kv head) slices as keep
 # its score tile near this many entries (2 MiB in float32). Measured at 4,096 tokens, 2 threads,

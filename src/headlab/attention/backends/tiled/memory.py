@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from headlab.attention.backends.tiled.plan import BLOCK_K, BLOCK_Q
-from headlab.attention.spec import AttentionSpec
+from headlab.spec.attention_spec import AttentionSpec
 
 
 def working_set_bytes(spec: AttentionSpec, block_q: int = BLOCK_Q, block_k: int = BLOCK_K,

@@ -14,10 +14,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from headlab.attention import visibility
-from headlab.attention.masks import MaskFn
-from headlab.attention.score_mods import ScoreMod
-from headlab.attention.spec import AttentionSpec
+from headlab.spec import visibility
+from headlab.spec.masks import MaskFn
+from headlab.spec.score_mods import ScoreMod
+from headlab.spec.attention_spec import AttentionSpec
 from headlab.errors import ConfigError
 
 # Default tile: query positions x key positions per tile. Chosen by measurement (docs/tiled.md).
@@ -119,10 +119,10 @@ class Plan:
 
 def tile_states(spec: AttentionSpec, mask, block_q: int, block_k: int, score_mod=None) -> torch.Tensor:
     """Tile states ``(n_q_blocks, n_kv_blocks)`` (int8 EMPTY / PARTIAL / FULL) the kernel walks;
-    see :func:`headlab.attention.visibility.tile_states`.
+    see :func:`headlab.spec.visibility.tile_states`.
 
         >>> import torch
-        >>> from headlab.attention.spec import validate
+        >>> from headlab.spec.attention_spec import validate
         >>> q = torch.zeros(1, 1, 6, 4)
         >>> spec, m = validate(q, q, q, causal=True)
         >>> tile_states(spec, m, 2, 2).tolist()

@@ -15,9 +15,9 @@ from typing import Literal
 
 import torch
 
-from headlab.attention import visibility
-from headlab.attention.masks import MaskFn, as_mask
-from headlab.attention.score_mods import as_score_mod
+from headlab.spec import visibility
+from headlab.spec.masks import MaskFn, as_mask
+from headlab.spec.score_mods import as_score_mod
 from headlab.errors import ConfigError, DeviceError, DTypeError, MaskError, ShapeError
 
 MaskKind = Literal["none", "bool", "additive", "function"]
@@ -215,5 +215,5 @@ def validate(
 
 def dense_mask(spec: AttentionSpec, mask: torch.Tensor | MaskFn | None) -> torch.Tensor | None:
     """The combined visibility (mask AND causal) as a 4-D bool tensor broadcastable to the map, or
-    None (:func:`headlab.attention.visibility.visible` over every pair)."""
+    None (:func:`headlab.spec.visibility.visible` over every pair)."""
     return visibility.visible(spec, mask)

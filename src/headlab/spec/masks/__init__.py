@@ -30,28 +30,28 @@ when it is evaluated.
 The lower-right form is what decoding with a KV cache needs: the last query sees every key.
 
 Every mask can be materialised densely (:meth:`MaskFn.dense`) for tests and pictures, and
-compiled to a :class:`~headlab.attention.blocks.BlockMap`
-(:func:`headlab.attention.blocks.block_map`) that tells a tiled kernel which tiles are empty,
+compiled to a :class:`~headlab.spec.blocks.BlockMap`
+(:func:`headlab.spec.blocks.block_map`) that tells a tiled kernel which tiles are empty,
 partial or full.
 
 Rooms: :mod:`.algebra` (``MaskFn``, composition, the basic masks), :mod:`.bands` (a mask's band
 of visible offsets, read from its structure: :func:`band_of`), :mod:`.patterns` (offset patterns),
 :mod:`.layouts` (global tokens, BigBird, block layouts, documents), :mod:`.parse`
 (the text form); score modifications (FlexAttention's ``score_mod``: ``alibi``, ``softcap``,
-``relative_bias``) come from :mod:`headlab.attention.score_mods` and are re-exported here.
+``relative_bias``) come from :mod:`headlab.spec.score_mods` and are re-exported here.
 """
 
-from headlab.attention.masks.algebra import MaskFn, as_mask, causal, causal_lower_right, full, padding
-from headlab.attention.masks.bands import band_of
-from headlab.attention.masks.layouts import bigbird, block_layout, documents, global_tokens
-from headlab.attention.masks.parse import from_string, pattern, pattern_names
-from headlab.attention.masks.patterns import dilated_window, fixed, sliding_window, strided
-from headlab.attention.score_mods import ScoreMod, alibi, alibi_slopes, bias_tensor, relative_bias, softcap
+from headlab.spec.masks.algebra import MaskFn, as_mask, causal, causal_lower_right, full, padding
+from headlab.spec.masks.bands import band_of
+from headlab.spec.masks.layouts import bigbird, block_layout, documents, global_tokens
+from headlab.spec.masks.parse import from_string, pattern, pattern_names
+from headlab.spec.masks.patterns import dilated_window, fixed, sliding_window, strided
+from headlab.spec.score_mods import ScoreMod, alibi, alibi_slopes, bias_tensor, relative_bias, softcap
 
 __all__ = [
     "MaskFn", "as_mask", "causal", "causal_lower_right", "padding", "full",
     "sliding_window", "dilated_window", "strided", "fixed", "global_tokens", "bigbird", "block_layout",
     "documents", "from_string", "pattern", "pattern_names", "band_of",
-    # score modifications (FlexAttention's score_mod), see headlab.attention.score_mods
+    # score modifications (FlexAttention's score_mod), see headlab.spec.score_mods
     "ScoreMod", "alibi", "alibi_slopes", "bias_tensor", "relative_bias", "softcap",
 ]

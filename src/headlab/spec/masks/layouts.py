@@ -8,8 +8,8 @@ from collections.abc import Sequence
 
 import torch
 
-from headlab.attention.masks.algebra import MaskFn, _block_bounds, _nonneg, _positive, _prefix
-from headlab.attention.tile_states import EMPTY, FULL, PARTIAL
+from headlab.spec.masks.algebra import MaskFn, _block_bounds, _nonneg, _positive, _prefix
+from headlab.spec.tile_states import EMPTY, FULL, PARTIAL
 from headlab.errors import ConfigError, MaskError
 
 __all__ = ["bigbird", "block_layout", "documents", "global_tokens"]

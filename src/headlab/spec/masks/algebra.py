@@ -2,7 +2,7 @@
 and the basic masks ``full``, ``causal``, ``causal_lower_right``, ``padding``.
 
 A mask carries an optional closed-form *block classifier* (tile states EMPTY / PARTIAL / FULL,
-:mod:`headlab.attention.tile_states`); :func:`headlab.attention.blocks.block_map` compiles a mask to a
+:mod:`headlab.spec.tile_states`); :func:`headlab.spec.blocks.block_map` compiles a mask to a
 block map with it (or by dense evaluation when there is none). Masks never import the block map.
 """
 
@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from headlab.attention.tile_states import EMPTY, FULL, PARTIAL
+from headlab.spec.tile_states import EMPTY, FULL, PARTIAL
 from headlab.errors import ConfigError, MaskError
 
 # fn(b, h, q_idx, kv_idx, q_len, kv_len) -> bool tensor broadcastable to the index shapes
@@ -150,7 +150,7 @@ class MaskFn:
     def block_hint(self, q_len: int, kv_len: int, block_q: int, block_k: int, device,
                    rows: Rows = None) -> torch.Tensor | None:
         """Block states ``(Bm, Hm, n_q_blocks, n_kv_blocks)`` from the closed-form classifier, or None
-        when there is none (:func:`headlab.attention.blocks.block_map` then evaluates the mask).
+        when there is none (:func:`headlab.spec.blocks.block_map` then evaluates the mask).
         ``rows=(i0, i1)``: only tile rows ``[i0, i1)``, ``(Bm, Hm, i1 - i0, n_kv_blocks)``."""
         if self._check is not None:
             self._check(q_len, kv_len)

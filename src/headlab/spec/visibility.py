@@ -2,7 +2,7 @@
 
 A call's visibility is the AND of its normalised mask (a boolean tensor broadcastable to
 ``(B, H, Lq, Lk)``, an additive float tensor whose ``-inf`` entries are hidden, or a
-:class:`~headlab.attention.masks.MaskFn`; padding is one of these) and ``causal`` (torch's
+:class:`~headlab.spec.masks.MaskFn`; padding is one of these) and ``causal`` (torch's
 ``is_causal``, top-left: query ``i`` sees keys ``j <= i``). Every backend, the statistics, the
 cost model and the diagnostics read it from here:
 
@@ -11,7 +11,7 @@ cost model and the diagnostics read it from here:
 * :func:`tile_states` -- EMPTY / PARTIAL / FULL per tile, combined over batch and heads.
 
     >>> import torch
-    >>> from headlab.attention.spec import validate
+    >>> from headlab.spec.attention_spec import validate
     >>> q = torch.zeros(1, 1, 3, 4)
     >>> spec, m = validate(q, q, q, causal=True)
     >>> visible(spec, m)[0, 0].int()
@@ -26,9 +26,9 @@ from __future__ import annotations
 
 import torch
 
-from headlab.attention.blocks import block_map
-from headlab.attention.masks import MaskFn, causal as _causal
-from headlab.attention.tile_states import EMPTY, FULL, PARTIAL
+from headlab.spec.blocks import block_map
+from headlab.spec.masks import MaskFn, causal as _causal
+from headlab.spec.tile_states import EMPTY, FULL, PARTIAL
 
 __all__ = ["additive_bias", "causal_tri", "eval_mask", "is_additive", "pairs", "tensor_states", "tile_states",
            "visible"]

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from headlab.attention.tile_states import EMPTY, FULL, PARTIAL
+from headlab.spec.tile_states import EMPTY, FULL, PARTIAL
 from headlab.errors import ConfigError
 
 __all__ = ["EMPTY", "FULL", "PARTIAL", "BlockMap", "block_map", "block_rows"]

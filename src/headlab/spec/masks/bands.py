@@ -2,7 +2,7 @@
 
 A mask is a *band* ``(lo, hi)`` when it shows exactly the pairs with ``lo <= q_idx - kv_idx <= hi``
 (None = unbounded on that side), whatever the batch index, head and lengths. Leaves declare their
-band (:class:`~headlab.attention.masks.algebra.MaskFn`'s ``offsets``: ``full``, ``causal``,
+band (:class:`~headlab.spec.masks.algebra.MaskFn`'s ``offsets``: ``full``, ``causal``,
 ``sliding_window``, ``dilated_window`` with dilation 1); :func:`band_of` derives one for a
 composition from its nodes. Underneath, the visible offsets of a composition of bands are a set of
 disjoint intervals, which ``&`` (intersection), ``|`` (union) and ``~`` (complement) keep exact; the
@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import math
 
-from headlab.attention.masks.algebra import MaskFn
+from headlab.spec.masks.algebra import MaskFn
 
 __all__ = ["Band", "band_of"]
 

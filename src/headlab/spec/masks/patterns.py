@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import torch
 
-from headlab.attention.masks.algebra import MaskFn, _block_bounds, _positive, _prefix
-from headlab.attention.tile_states import EMPTY, FULL, PARTIAL
+from headlab.spec.masks.algebra import MaskFn, _block_bounds, _positive, _prefix
+from headlab.spec.tile_states import EMPTY, FULL, PARTIAL
 from headlab.errors import ConfigError
 
 __all__ = ["dilated_window", "fixed", "sliding_window", "strided"]
