@@ -28,13 +28,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import RESULTS, write_json  # noqa: E402
+from bench_tp_capture import _numel  # noqa: E402  (a DTensor counts its local shard)
 
 TEXT = "The quick brown fox jumps over the lazy dog because it was late for dinner."
 SAVED = RESULTS / "tp_smollm2_figures.pt"
-
-
-def _numel(p) -> int:
-    return p.to_local().numel() if hasattr(p, "to_local") else p.numel()
 
 
 def params(lm) -> dict:

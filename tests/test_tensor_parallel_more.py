@@ -225,3 +225,17 @@ def test_tensor_parallel_groups_must_divide_the_world(tmp_path, monkeypatch):
         headlab.load(model, tensor_parallel=3)
     with pytest.raises(ConfigError, match="tensor_parallel=0"):
         headlab.load(model, tensor_parallel=0)
+
+
+@pytest.mark.parametrize("world,rank", [(0, 0), (-1, 0), (2, 2), (2, -1)])
+def test_the_cost_model_refuses_a_world_or_rank_that_cannot_be(world, rank):
+    from headlab.costs import tensor_parallel as ct
+
+    plan, shapes = {"layers.*.q": "colwise"}, {"layers.0.q.weight": (64, 32)}
+    with pytest.raises(ConfigError, match="give a world of at least 1"):
+        ct.weight_bytes(shapes, plan, world=world, rank=rank)
+    if rank == 0:
+        for call in (lambda: ct.gather_bytes(10, world=world), lambda: ct.activation_bytes(["z"], layers=1, world=world),
+                     lambda: ct.kv_cache_bytes_per_rank(None, kv_heads=[2], world=world, tokens=4, head_dim=8)):
+            with pytest.raises(ConfigError, match="give a world of at least 1"):
+                call()

@@ -122,11 +122,7 @@ def decoding(loaded) -> dict:
 
 
 def main() -> None:
-    out, model_dir = sys.argv[4], sys.argv[5]
-    rank, world = int(sys.argv[1]), int(sys.argv[2])
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[3])
-    torch.set_num_threads(1)
+    out, model_dir, rank, world = tp_worker.as_rank(sys.argv)
     import torch.distributed as dist
 
     import headlab

@@ -17,6 +17,9 @@ import tempfile
 
 import torch
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import tp_worker  # noqa: E402
+
 TEXT = "the cat sat on the mat and the dog saw the cat"  # words of the test's tokenizer
 
 
@@ -85,13 +88,7 @@ def models(folder: str) -> dict[str, str]:
 
 
 def main() -> None:
-    out, model_dir = sys.argv[4], sys.argv[5]
-    if sys.argv[1] != "-":  # launched by the test itself: set up what torchrun would
-        rank, world = int(sys.argv[1]), int(sys.argv[2])
-        os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
-                          MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[3])
-    rank = int(os.environ["RANK"])
-    torch.set_num_threads(1)
+    out, model_dir, rank, _ = tp_worker.as_rank(sys.argv)
     import torch.distributed as dist
 
     import headlab

@@ -118,14 +118,20 @@ def layout(loaded, reference) -> dict:
     return found
 
 
-def main() -> None:
-    out, model_dir = sys.argv[4], sys.argv[5]
-    if sys.argv[1] != "-":  # launched by the test itself: set up what torchrun would
-        rank, world = int(sys.argv[1]), int(sys.argv[2])
+def as_rank(argv: list[str]) -> tuple[str, str, int, int]:
+    """``RANK WORLD PORT OUT MODEL`` (``- - -`` under torchrun): set up what torchrun would when the test launched
+    the process itself; returns ``(out, model_dir, rank, world)``. Every tensor-parallel worker starts here."""
+    out, model_dir = argv[4], argv[5]
+    if argv[1] != "-":
+        rank, world = int(argv[1]), int(argv[2])
         os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
-                          MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[3])
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])  # launched by torchrun: RANK - - OUT MODEL
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=argv[3])
     torch.set_num_threads(1)
+    return out, model_dir, int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+
+
+def main() -> None:
+    out, model_dir, rank, world = as_rank(sys.argv)
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
     from transformers.distributed import DistributedConfig

@@ -54,14 +54,18 @@ Q_SITES = ("q", "z", "head_out", "pattern")  # sites whose axis 1 is the query h
 KV_SITES = ("k", "v")
 
 
+def _check_world(world: int, rank: int = 0) -> None:
+    if not isinstance(world, int) or world < 1 or not 0 <= rank < world:
+        raise ConfigError(f"rank {rank} of a world of {world}: give a world of at least 1 and 0 <= rank < world")
+
+
 def local_size(n: int, world: int, rank: int) -> int:
     """Rows of a dimension of ``n`` that rank ``rank`` of ``world`` holds when torch shards it (``Shard(dim)``).
 
     >>> [local_size(10, 4, r) for r in range(4)]
     [3, 3, 3, 1]
     """
-    if world < 1 or not 0 <= rank < world:
-        raise ConfigError(f"rank {rank} of a world of {world}: give 0 <= rank < world")
+    _check_world(world, rank)
     c = math.ceil(n / world)
     return min(n, (rank + 1) * c) - min(n, rank * c)
 
@@ -117,6 +121,7 @@ def weight_bytes(shapes: Mapping[str, Sequence[int]], plan: Mapping[str, str], *
 
     ``itemsize``: bytes per number, one for all or per parameter. A style this module does not know is a
     :class:`~headlab.errors.ConfigError` (never a guess)."""
+    _check_world(world, rank)
     sharded = replicated = 0
     groups: dict[str, int] = {}
     per: dict[str, int] = {}
@@ -149,6 +154,7 @@ def kv_cache_bytes_per_rank(policy, *, kv_heads: Sequence[int], world: int, toke
     :func:`headlab.costs.kv.policy_cache_bytes`, the one-process cache."""
     from headlab.costs.kv import kv_cache_bytes, layout_bytes
 
+    _check_world(world)
     kvh = list(kv_heads)
     for g in kvh:
         if g % world:
@@ -187,6 +193,7 @@ def gather_bytes(local: int, *, world: int, to: str = "all") -> list[int]:
     nothing) or ``"none"`` (kept where it is)."""
     if to not in ("all", "rank0", "none"):
         raise ConfigError(f"gather={to!r}: give 'all', 'rank0' or 'none'")
+    _check_world(world)
     if to == "none" or world == 1:
         return [0] * world
     other = (world - 1) * local
@@ -197,6 +204,7 @@ def activation_bytes(kinds: Sequence[str], *, layers: int, world: int, to: str =
     """A capture of site ``kinds`` in every one of ``layers`` layers: ``held`` (bytes each rank holds after the
     capture: the whole sites with ``"all"``, on rank 0 with ``"rank0"``, its slices with ``"none"``) and ``moved``
     (bytes each rank receives). ``shape``: :func:`site_bytes`' keywords other than ``world``."""
+    _check_world(world)
     held, moved = [0] * world, [0] * world
     for kind in kinds:
         local = site_bytes(kind, world=world, **shape)
