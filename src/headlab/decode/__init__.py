@@ -11,5 +11,6 @@ from headlab.decode.cache import HeadCache
 from headlab.decode import passkey
 from headlab.decode.generate import Generation, generate, perplexity
 from headlab.decode.train import GateTraining, train_gates
+from headlab.decode import instrument  # noqa: E402,F401  (registers the generate and train-gates instruments)
 
 __all__ = ["GateTraining", "Generation", "HeadCache", "generate", "kv", "passkey", "perplexity", "train_gates"]

@@ -77,6 +77,25 @@ def _none_to_nan(x):
     return float("nan") if x is None else x
 
 
+def finished_phases(path: str | os.PathLike) -> list[str]:
+    """The phases a checkpoint file holds, in the order they finished (none: no file, or not a checkpoint),
+    so that an interrupted run can say what it kept.
+
+    >>> import tempfile, pathlib
+    >>> p = pathlib.Path(tempfile.mkdtemp()) / "atlas.partial.json"
+    >>> Checkpoint(p, {"seed": 0}).put("repeated", {"x": [1]})
+    >>> finished_phases(p), finished_phases(p.parent / "none.json")
+    (['repeated'], [])
+    """
+    p = Path(path)
+    try:
+        data = json.loads(p.read_text(encoding="utf-8")) if p.is_file() else {}
+    except (ValueError, OSError):
+        return []
+    phases = data.get("phases") if isinstance(data, dict) else None
+    return list(phases) if isinstance(phases, dict) else []
+
+
 class Checkpoint:
     """Finished phases of one atlas run, in ``path`` (None: keep nothing)."""
 
@@ -119,4 +138,4 @@ class Checkpoint:
             self.path.unlink()
 
 
-__all__ = ["Checkpoint", "decode", "encode", "fingerprint"]
+__all__ = ["Checkpoint", "decode", "encode", "finished_phases", "fingerprint"]

@@ -112,6 +112,7 @@ class Option:
     choices: Sequence[str] = ()  # the allowed values (None always allowed): "unknown --x 'v'; choose one of ..."
     check: Callable[[Any, Option, dict], None] | None = None  # (value, option, options); raises in the CLI's words
     short: str | None = None  # "-m"
+    aliases: tuple[str, ...] = ()  # more long names ("--kv-policy" for "--policy")
     off: str | None = None  # a bool's off switch ("--no-confidence"), shown as --confidence/--no-confidence
     metavar: str | None = None  # the name an argument is called by in messages ("TEXT")
     reads: str | None = None  # a headlab.reading kind: this option names an input the runner reads
@@ -153,6 +154,8 @@ class Output:
     allow_existing: bool = False  # the folder may hold other files (commands that add theirs beside others)
     replace: bool = False  # an earlier result file of the same name is replaced without --force
     force: str | None = None  # the Option (by name) that allows writing into a non-empty folder / over a file
+    checkpoint: str | None = None  # a file the library keeps in the folder while it works: a folder holding only
+    # it is that run, interrupted, going on (no --force needed)
 
 
 @dataclass(frozen=True)
@@ -176,6 +179,7 @@ class Context:
     progress: Callable[[str, int, int], None] = lambda stage, done, total: None
     rank: int = 0
     world: int = 1
+    tensor_parallel: bool | int = False  # the model is sharded by heads over the ranks (True: all; N: groups of N)
     state: dict = field(default_factory=dict)  # the instrument's own, from one hook to the next
 
     @property
@@ -229,6 +233,9 @@ class Instrument(Part):
     announce: ClassVar[bool] = True  # the runner shows its own phases (loading, units) on the display
     display: ClassVar[bool] = True  # the runner opens the display (False: the library draws its own bars)
     needs_model: ClassVar[bool] = True
+    # whether the instrument runs on a model sharded by tensor parallelism (the CLI row gets --tensor-parallel);
+    # a string says why not, and the runner refuses --tensor-parallel with it before anything is read
+    sharded: ClassVar[bool | str] = True
     stage: ClassVar[str] = "units"  # the progress stage of the units
 
     @property
@@ -252,9 +259,12 @@ class Instrument(Part):
         """After the inputs are read (``ctx.data``), before the load: inputs against options."""
 
     def load(self, ctx: Context):
-        """The model; default ``headlab.models.load(options["model"])`` (looked up at call time)."""
+        """The model; default ``headlab.models.load(options["model"])`` (looked up at call time), sharded by
+        heads over the ranks when the run asks for tensor parallelism (``ctx.tensor_parallel``)."""
         import headlab.models
 
+        if ctx.tensor_parallel:
+            return headlab.models.load(ctx.options["model"], tensor_parallel=ctx.tensor_parallel)
         return headlab.models.load(ctx.options["model"])
 
     def check_loaded(self, ctx: Context) -> None:
@@ -268,9 +278,29 @@ class Instrument(Part):
         """The model inputs of ``unit`` when :meth:`sites` asks for a recording (text, ids or a dict)."""
         return unit.payload
 
+    def capture_options(self, ctx: Context) -> dict:
+        """More keyword arguments for the runner's one recording (``backend=``, ``stats_kwargs=`` extras such as
+        ``key_positions``); default none."""
+        return {}
+
+    def recording_refused(self, ctx: Context, error: Exception) -> Exception:
+        """The error to raise when the recording is refused (a memory estimate, say), in the instrument's words
+        (default: the error itself)."""
+        return error
+
     def run_unit(self, ctx: Context, unit: Unit, recording=None):
         """One unit's value (``recording``: an ActivationCache of :meth:`sites` for this unit, or None)."""
         raise NotImplementedError
+
+    def kept_inside(self, ctx: Context) -> str | None:
+        """After Ctrl-C stopped a unit whose library keeps its own finished parts (a checkpoint file): one line
+        saying what was kept and how to go on (None: nothing was kept inside the unit)."""
+        return None
+
+    def write_kept(self, ctx: Context, values: dict[str, Any], path: Path) -> list[Path]:
+        """After Ctrl-C, for an instrument whose output is a folder of its own files (``output.file`` None): write
+        what the finished units allow into ``path`` and return the files (default: nothing)."""
+        return []
 
     def unit_to_json(self, value):
         """A unit's value as JSON (what an interrupted file keeps); default: the value itself."""

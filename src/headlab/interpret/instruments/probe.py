@@ -13,8 +13,23 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from headlab.errors import InputError
+
 from headlab.interpret.instruments.base import REQUIRED, Context, Instrument, InstrumentResult, Option, Output, \
     at_least, register
+
+
+def _loss_model(value: str, option: Option, options: dict) -> None:
+    """A --loss-model other than auto / none names a known model or an existing folder (checked before the load)."""
+    from headlab.models.named_models import ALIASES, KNOWN_MODELS
+
+    key = value.strip().lower()
+    if key in ("auto", "none") or ALIASES.get(key, key) in KNOWN_MODELS:
+        return
+    path = Path(value).expanduser()
+    if not path.is_dir():
+        raise InputError(f"--loss-model {value!r}: {'is a file, not a model folder' if path.exists() else 'does not exist'}"
+                         "; give 'auto', 'none', a known model name or a model folder")
 
 
 @register
@@ -40,7 +55,7 @@ the sentences across the processes and adds their sums; rank 0 shows the progres
                setting=False),
         Option("force", "--force", bool, False, "write into a non-empty --out folder", setting=False),
         Option("loss_model", "--loss-model", str, "auto",
-               "model whose loss the [SEP] gradient test uses ('auto', 'none' or a folder)"),
+               "model whose loss the [SEP] gradient test uses ('auto', 'none' or a folder)", check=_loss_model),
         Option("as_json", "--json", bool, False, "print the best head per relation as JSON", setting=False),
     )
     output = Output("out", folder=True, file=None, force="force")

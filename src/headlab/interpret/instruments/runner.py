@@ -22,10 +22,11 @@
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from headlab.errors import InputError
+from headlab.errors import HeadlabError, InputError
 from headlab.interpret.instruments.base import REQUIRED, Context, Instrument, Outcome, Unit
 from headlab.progress import reporter
 from headlab.reading import read
@@ -64,6 +65,8 @@ def output_path(ctx: Context, *, resume: bool = False) -> Path | None:
     value = Path(ctx.options[spec.option]).expanduser()
     flag = ctx.instrument.option(spec.option).label
     force = bool(spec.force and ctx.options.get(spec.force))
+    if spec.folder and spec.checkpoint and value.is_dir() and [p.name for p in value.iterdir()] == [spec.checkpoint]:
+        force = True  # the folder holds only the library's checkpoint: that run going on
     if not spec.folder:
         return check_output_file(value, flag, force=force or spec.replace or resume)
     folder = check_output_dir(value, flag, force=force, allow_existing=spec.allow_existing or resume)
@@ -114,18 +117,41 @@ def _partial(ctx: Context, values: dict, total: int) -> Result:
 
 
 def run(instrument: Instrument | str, options: dict | None = None, *, resume: bool = False,
-        progress=None, transient: bool = False, say: Callable[[str], None] = _stderr) -> Outcome:
+        progress=None, transient: bool = False, say: Callable[[str], None] = _stderr,
+        tensor_parallel: bool | int = False) -> Outcome:
     """Run one instrument through the whole lifecycle (see the module docstring); returns its :class:`Outcome`.
 
     ``instrument``: an instance or a registered name; ``options``: by Python name (defaults filled in);
     ``progress``: True (a display on stderr), False/None or ``progress(stage, done, total)``; ``say``: where
-    the runner's own lines go (the interrupted line)."""
+    the runner's own lines go (the interrupted line); ``tensor_parallel``: under torchrun, shard the model by
+    heads over every rank (True) or over groups of N ranks (N: a (data, tensor) mesh, the units split across
+    the groups), as :func:`headlab.load` does."""
     return run_together([(instrument, options or {})], resume=resume, progress=progress, transient=transient,
-                        say=say)[0]
+                        say=say, tensor_parallel=tensor_parallel)[0]
+
+
+def check_tensor_parallel(instruments: Sequence[Instrument], tensor_parallel: bool | int) -> None:
+    """``--tensor-parallel`` checked before anything is read: an instrument that cannot run sharded says why, and
+    one process (no torchrun) is refused with the launch line."""
+    if not tensor_parallel:
+        return
+    for inst in instruments:
+        if inst.sharded is not True:
+            why = f": {inst.sharded}" if isinstance(inst.sharded, str) else ""
+            raise InputError(f"--tensor-parallel: {inst.name} does not run on a model sharded by heads{why}; "
+                             "drop --tensor-parallel")
+        if not inst.needs_model:
+            raise InputError(f"--tensor-parallel: {inst.name} loads no model; drop --tensor-parallel")
+    if tensor_parallel is not True and (not isinstance(tensor_parallel, int) or tensor_parallel < 1):
+        raise InputError(f"--tensor-size must be at least 1, got {tensor_parallel}")
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        raise InputError("--tensor-parallel shards the model over several processes: launch with torchrun, e.g. "
+                         "`torchrun --nproc_per_node 2 -m headlab ... --tensor-parallel`")
 
 
 def run_together(runs: Sequence[tuple[Instrument | str, dict]], *, resume: bool = False, progress=None,
-                 transient: bool = False, say: Callable[[str], None] = _stderr) -> list[Outcome]:
+                 transient: bool = False, say: Callable[[str], None] = _stderr,
+                 tensor_parallel: bool | int = False) -> list[Outcome]:
     """Run several instruments on one model: one load, and per unit key one recording of the union of their
     sites (units of the same key must share their inputs). Each writes its own result."""
     from headlab.interpret.instruments.base import get
@@ -133,9 +159,10 @@ def run_together(runs: Sequence[tuple[Instrument | str, dict]], *, resume: bool 
     ctxs = []
     for inst, opts in runs:  # 1. options and output paths, before anything else
         inst = get(inst) if isinstance(inst, str) else inst
-        ctx = Context(inst, check_options(inst, opts))
+        ctx = Context(inst, check_options(inst, opts), tensor_parallel=tensor_parallel)
         inst.check(ctx)
         ctxs.append(ctx)
+    check_tensor_parallel([c.instrument for c in ctxs], tensor_parallel)
     for ctx in ctxs:
         ctx.path = output_path(ctx, resume=resume)
         if resume and (ctx.path is None or ctx.instrument.output.file is None):
@@ -180,7 +207,8 @@ def _work(ctxs: list[Context], *, resume: bool, announce: bool, show, say) -> li
     values = [_earlier(ctx, keys) if resume else {} for ctx in ctxs]
     todo = [i for i, k in enumerate(keys) if not all(k in v for v in values)]
     sharded = lead.world > 1 and all(c.instrument.parallel == "units" for c in ctxs)
-    mine = todo[lead.rank::lead.world] if sharded else todo
+    share, shares = _data_axis(lead)  # a (data, tensor) mesh: a tensor-parallel group runs its units together
+    mine = todo[share::shares] if sharded else todo
     sites = sorted({s for c in ctxs for s in c.instrument.sites(c)})
     stats = set().union(*(c.instrument.stats(c) for c in ctxs))
     stage = lead.instrument.stage
@@ -194,11 +222,17 @@ def _work(ctxs: list[Context], *, resume: bool, announce: bool, show, say) -> li
             if sites:  # one recording of the union of the sites, shared by every instrument
                 from headlab.interpret.capture import capture
 
-                recording = capture(lead.loaded, lead.instrument.unit_inputs(lead, unit), sites=sites,
-                                    stats_kwargs={"stats": sorted(stats)} if stats else None)
+                extra = dict(lead.instrument.capture_options(lead))
+                skw = {**extra.pop("stats_kwargs", {}), **({"stats": sorted(stats)} if stats else {})} or None
+                try:
+                    recording = capture(lead.loaded, lead.instrument.unit_inputs(lead, unit), sites=sites,
+                                        stats_kwargs=skw, **extra)
+                except HeadlabError as e:  # e.g. the memory guard: said in the instrument's words, with its advice
+                    raise lead.instrument.recording_refused(lead, e) from None
             for j, (ctx, us) in enumerate(plans):
                 if keys[i] not in values[j]:
                     found[j][keys[i]] = ctx.instrument.run_unit(ctx, us[i], recording)
+            recording = None  # not held through the next unit, or through finish and write
             if announce and len(keys) > 1:  # rank 0's share under torchrun
                 show(stage, done0 + n + 1, done0 + len(mine))
     except KeyboardInterrupt:
@@ -217,6 +251,25 @@ def _work(ctxs: list[Context], *, resume: bool, announce: bool, show, say) -> li
     return outcomes
 
 
+def _partial_path(ctx: Context) -> Path:
+    """Where an interrupted run's units go: the result file when it is JSON (a resumed run reads it back), else a
+    ``.partial.json`` beside it (``--out report.html`` keeps its units as JSON, not in the page's name)."""
+    path = ctx.path
+    return path if path.suffix.lower() == ".json" else path.with_name(path.stem + ".partial.json")
+
+
+def _data_axis(ctx: Context) -> tuple[int, int]:
+    """This rank's share of the units and how many shares: one per rank, or on a model sharded by tensor
+    parallelism one per tensor-parallel group (every rank of a group runs the same units: its forwards are
+    collectives)."""
+    if not ctx.tensor_parallel or ctx.world == 1:
+        return ctx.rank, ctx.world
+    from headlab.models.tp_mesh import tensor_size
+
+    size = tensor_size(ctx.tensor_parallel, ctx.world)
+    return ctx.rank // size, ctx.world // size
+
+
 def _close(ctx: Context, kept: dict, total: int, interrupted: bool, say) -> Outcome:
     inst = ctx.instrument
     if not ctx.main:
@@ -225,10 +278,14 @@ def _close(ctx: Context, kept: dict, total: int, interrupted: bool, say) -> Outc
         files = []
         if ctx.path is not None and kept and inst.output.file is not None:
             ctx.path.parent.mkdir(parents=True, exist_ok=True)
-            files = [_partial(ctx, kept, total).save(ctx.path)]
-        where = (f"in {files[0]}; run again with --resume to finish the rest" if files else
-                 "nothing was written" + ("" if kept else " (no unit had finished)"))
-        say(f"interrupted: kept {len(kept)} of {total} units {where}")
+            files = [_partial(ctx, kept, total).save(_partial_path(ctx))]
+        elif ctx.path is not None and kept:  # a folder of the instrument's own files: it writes what it can
+            ctx.path.mkdir(parents=True, exist_ok=True)
+            files = inst.write_kept(ctx, kept, ctx.path)
+        where = (f"in {files[0]}" + ("; run again with --resume to finish the rest" if inst.resumable else "")
+                 if files else "nothing was written" + ("" if kept else " (no unit had finished)"))
+        inside = inst.kept_inside(ctx) if len(kept) < total else None
+        say(f"interrupted: kept {len(kept)} of {total} units" + (f"; {inside}" if inside else f" {where}"))
         return Outcome(None, files[0] if files else None, files, interrupted=True, kept=len(kept), total=total,
                        ctx=ctx)
     result = inst.finish(ctx, kept)
@@ -236,9 +293,10 @@ def _close(ctx: Context, kept: dict, total: int, interrupted: bool, say) -> Outc
         result.figures[UNITS_KEY] = {k: inst.unit_to_json(v) for k, v in kept.items()}
     files: list[Path] = []
     if ctx.path is not None:
-        (ctx.path if inst.output.file is None else ctx.path.parent).mkdir(parents=True, exist_ok=True)
+        (ctx.path if inst.output.folder and inst.output.file is None else ctx.path.parent).mkdir(parents=True,
+                                                                                                exist_ok=True)
         files = inst.write(ctx, result, ctx.path)
     return Outcome(result, ctx.path, files, kept=len(kept), total=total, ctx=ctx)
 
 
-__all__ = ["INTERRUPTED_KEY", "UNITS_KEY", "check_options", "output_path", "run", "run_together"]
+__all__ = ["INTERRUPTED_KEY", "UNITS_KEY", "check_options", "check_tensor_parallel", "output_path", "run", "run_together"]

@@ -19,7 +19,10 @@ The folder holds
 The report is a list of sections (:mod:`headlab.interpret.report.sections`: the heads table and maps,
 the saliency strip, the norm maps and rollout). The model runs once for all of them: each section says
 which capture sites it needs, one :func:`headlab.capture` records them, and each section computes its
-result from that recording (saliency's gradients need passes of their own).
+result from that recording (saliency's gradients need passes of their own). :func:`analyze` runs the
+phases in a row; they are public (:func:`check_request`, :func:`prepare_out_dir`, :func:`plan`,
+:func:`record_once`, :func:`compute`, :func:`write_report`) so that ``headlab analyze``, a study-runner row
+(:mod:`headlab.interpret.report.instrument`), can let the runner make the recording.
 
 Long inputs. Up to ``max_full_tokens`` tokens (default :data:`MAX_FULL_TOKENS` = 256) every map is
 captured and drawn. Beyond it the table comes from the streaming statistics
@@ -54,6 +57,7 @@ from headlab.interpret.report.selection import (  # noqa: F401  (public here too
     parse_heads,
 )
 from headlab.interpret.heads.labels import HeadRecord, LabelThresholds
+from headlab.interpret.heads.naming import check_heads_in_config  # noqa: F401  (public here too)
 from headlab.interpret.report.html import render_html
 from headlab.interpret.report.sections import Job, Section, registered
 from headlab.interpret.report.sections.heads import HeadsTable, initial_head, memory_hint
@@ -108,10 +112,10 @@ class ReportResult:
 # ---- small pure helpers ---------------------------------------------------------------------------
 
 
-def prepare_out_dir(out_dir: str | os.PathLike, *, force: bool) -> Path:
-    """Check (before any work) that ``out_dir`` can take a report (:func:`headlab.results.check_output_dir`,
-    in the report's words); with ``force``, remove the files a previous report left there (only those:
-    ``report.html``, ``heads.csv``, ``heads.json``, ``layer_*.png``)."""
+def check_out_dir(out_dir: str | os.PathLike, *, force: bool) -> Path:
+    """Refuse, before any work and without touching the disk, a folder that cannot take a report
+    (:func:`headlab.results.check_output_dir`, in the report's words): a kernel filesystem, a file in its
+    place or above it, a place where nothing can be written, or files already there (unless ``force``)."""
     path = Path(out_dir).expanduser()
     resolved = path.resolve()
     if resolved.parts[1:2] in (("proc",), ("sys",)):
@@ -119,18 +123,31 @@ def prepare_out_dir(out_dir: str | os.PathLike, *, force: bool) -> Path:
                          "takes no files; choose a folder on disk with --out")
     try:
         check_output_dir(path, "the output path", force=force)
-        path.mkdir(parents=True, exist_ok=True)
     except Unwritable as e:
-        raise InputError(f"cannot write the report into {str(path)!r}: {e.reason}; "
-                         "choose a writable folder with --out") from None
+        raise _unwritable(path, e.reason) from None
     except OSError as e:
-        raise InputError(f"cannot write the report into {str(path)!r}: {e.strerror or e}; "
-                         "choose a writable folder with --out") from None
+        raise _unwritable(path, e.strerror or str(e)) from None
+    return path
+
+
+def _unwritable(path: Path, reason: str) -> InputError:
+    return InputError(f"cannot write the report into {str(path)!r}: {reason}; choose a writable folder with --out")
+
+
+def prepare_out_dir(out_dir: str | os.PathLike, *, force: bool) -> Path:
+    """Check (before any work) that ``out_dir`` can take a report (:func:`check_out_dir`) and create it;
+    with ``force``, remove the files a previous report left there (only those: ``report.html``,
+    ``heads.csv``, ``heads.json``, ``layer_*.png``)."""
+    path = check_out_dir(out_dir, force=force)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise _unwritable(path, e.strerror or str(e)) from None
     if force:
         for name in REPORT_FILES:
             (path / name).unlink(missing_ok=True)
         for png in path.glob(_PNG_GLOB):
-            png.unlink()
+            png.unlink(missing_ok=True)  # under torchrun every rank prepares the folder
     return path
 
 
@@ -186,12 +203,137 @@ def _separator_positions(loaded, ids: Sequence[int], causal: bool) -> list[int] 
     return [i for i, t in enumerate(ids) if sep is not None and t == sep and i != 0]
 
 
+def check_request(text, *, max_full_tokens: int, backend: str | None) -> None:
+    """The arguments that alone decide, checked before the output folder and the model: a text with a word
+    in it, ``max_full_tokens >= 1``, and a registered backend (naming the registered ones)."""
+    from headlab.attention import backends as _backends
+
+    if not isinstance(text, str) or not text.strip():
+        raise InputError("the text is empty (or only whitespace): give at least one word to analyse")
+    if max_full_tokens < 1:
+        raise InputError(f"max_full_tokens must be at least 1, got {max_full_tokens}")
+    if backend is not None and backend != "auto":
+        _backends.get(backend)  # UnknownBackendError naming the registered ones, before any work
+
+
+def plan(loaded, text: str, out: Path, *, backend: str | None = None, max_full_tokens: int = MAX_FULL_TOKENS,
+         heads: str | Sequence[tuple[int, int]] | None = None, truncate: bool = False,
+         thresholds: LabelThresholds = LabelThresholds(),
+         annotations: Mapping[tuple[int, int], str | Sequence[str]] | None = None, flow: bool = False,
+         say=lambda _m: None) -> tuple[Job, list[Section], list[str]]:
+    """The job on the loaded model, before the recording: the heads and annotations checked against the model,
+    the text encoded (a text past the model's positions refused, or cut with ``truncate``), the mode, and the
+    active sections. Returns ``(job, sections, notes)`` (``notes``: what the encoding warned of)."""
+    adapter = loaded.adapter
+    n_layers, counts = adapter.n_layers, adapter.layer_heads
+    chosen = parse_heads(heads, n_layers, counts)
+    for layer, head in (annotations or {}):
+        if not (0 <= layer < n_layers and 0 <= head < counts[layer]):
+            raise InputError(f"an annotation names head {layer}.{head}, which {loaded.name} does not have "
+                             f"(layers 0..{n_layers - 1}, heads per layer {heads_text(counts)}): was the study run "
+                             "on another model?")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        inputs = loaded.encode(text, truncate=truncate)
+    notes = [str(w.message) for w in caught if issubclass(w.category, UserWarning)]
+    ids = inputs["input_ids"][0].tolist()
+    tokens = (loaded.tokenizer.convert_ids_to_tokens(ids) if loaded.tokenizer is not None else [str(i) for i in ids])
+    n = len(tokens)
+    if n == 0:  # the model would fail on an empty sequence with a bare reshape error
+        raise InputError(f"{loaded.name}'s tokenizer turns this text into no tokens (none of its words is in the "
+                         "vocabulary, or the tokenizer class does not match the saved vocabulary): give text the "
+                         "tokenizer knows")
+    causal = adapter.causal
+    job = Job(loaded, text, inputs, tokens, causal, _separator_positions(loaded, ids, causal),
+              "full" if n <= max_full_tokens else "streaming", max_full_tokens, out, backend=backend, chosen=chosen,
+              thresholds=thresholds, annotations=annotations, write_flow=flow, say=say)
+    return job, [s for s in registered() if s.active(job)], notes
+
+
+def mode_line(job: Job) -> str:
+    """What the recording is about to hold, as the progress step says it."""
+    if job.mode == "full":
+        return (f"capturing attention maps: {job.n} tokens, {job.adapter.n_layers} layers x "
+                f"{heads_text(job.adapter.layer_heads)} heads")
+    return f"{job.n} tokens > {job.max_full_tokens}: streaming statistics, no n x n maps"
+
+
 def record_once(job: Job, sections: Sequence[Section]):
-    """The one run of the model: every site the sections need, in one :func:`headlab.capture`."""
+    """The one run of the model: every site the sections need, in one :func:`headlab.capture` (with the
+    statistics' sink positions, on the job's backend). The full mode's memory refusal says how to stream."""
     sites = sorted({s for sec in sections for s in sec.sites(job)})
     stats = sorted({s for sec in sections for s in sec.stats(job)})
     kwargs = {"key_positions": job.sinks, "stats": stats} if stats else None
-    return capture(job.loaded, job.inputs, sites=sites, backend=job.backend, stats_kwargs=kwargs)
+    try:
+        return capture(job.loaded, job.inputs, sites=sites, backend=job.backend, stats_kwargs=kwargs)
+    except MemoryBudgetError as e:
+        if job.mode != "full":
+            raise
+        raise memory_hint(e, job.n) from None
+
+
+def compute(job: Job, sections: Sequence[Section], cache) -> dict[str, object]:
+    """Every section's result from the one recording ``cache``, in page order (a section may read the results
+    of the sections before it), by section name."""
+    results: dict[str, object] = {}
+    for sec in sections:
+        results[sec.name] = sec.compute(job, cache, results)
+    return results
+
+
+def write_report(job: Job, sections: Sequence[Section], results: Mapping[str, object],
+                 notes: Sequence[str] = ()) -> ReportResult:
+    """Write the folder from the sections' results: their files, ``heads.csv``, ``heads.json`` and
+    ``report.html``; ``notes``: what :func:`plan` found (the sections' notes are added after them)."""
+    loaded, out, tokens, causal, n = job.loaded, job.out, job.tokens, job.causal, job.n
+    n_layers, n_heads, counts = job.adapter.n_layers, job.adapter.n_heads, job.adapter.layer_heads
+    notes = list(notes)
+    provenance, approx_warning = backend_provenance(job.backend, job.mode)
+    table: HeadsTable = results["heads"]
+    notes += table.notes
+    if approx_warning:
+        notes.append(approx_warning)
+    parts = {}
+    for sec in sections:
+        notes += sec.write(job, results[sec.name], results)
+        parts[sec.name] = part = sec.page(job, results[sec.name], results)
+        notes += part.notes
+
+    job.say("writing the table")
+    records, drawn = table.records, table.drawn
+    csv_path = write_csv(records, out / "heads.csv")
+    thresholds = job.thresholds
+    json_path = write_json(
+        records, out / "heads.json", headlab_version=__version__, model=loaded.name, family=loaded.family,
+        text=job.text, tokens=tokens, causal=causal, separator_positions=job.separators, mode=job.mode,
+        max_full_tokens=job.max_full_tokens, backend=job.backend, **provenance,
+        drawn_heads=[f"{a}.{b}" for a, b in drawn], notes=notes,
+        thresholds={"positional": thresholds.positional, "sink": thresholds.sink, "broad": thresholds.broad},
+        n_layers=n_layers, n_heads=n_heads, layer_heads=counts)
+
+    job.say("writing the page")
+    first_label = "mass first token" if causal else "mass [CLS]"
+    text = job.text
+    summary = [f"model: {loaded.name} ({loaded.family}, {n_layers} layers x {heads_text(counts)} heads"
+               f"{', causal' if causal else ''})", f"backend: {provenance['model_backend']}"
+               f"{'' if provenance['model_backend_exact'] else ' (approximate)'}; shown: {provenance['statistics']}",
+               f"{n} tokens: {text if len(text) <= 300 else text[:297] + '...'}"]
+    embedded = table.embedded
+    page = render_html(
+        title=f"headlab analyze: {loaded.name}", tokens=tokens, records=records,
+        maps={d: table.maps[d] for d in embedded}, n_layers=n_layers, n_heads=counts, summary_lines=summary,
+        banner=" ".join(notes) or None, first_label=first_label, initial=initial_head(table, job.chosen),
+        sections=[p.html for p in parts.values() if p.html],
+        extra_data={k: v for p in parts.values() for k, v in p.data.items()},
+        undrawn_note=(f"Long input ({n} tokens): this head's map is not in the page"
+                      + (" (too large to embed; see the layer PNGs)." if embedded != drawn else
+                         "; only its statistics were computed. Draw it with --heads LAYER.HEAD.")
+                      if job.mode == "streaming" else ""))
+    html_path = out / "report.html"
+    html_path.write_text(page, encoding="utf-8")
+    return ReportResult(out_dir=out, html=html_path, csv=csv_path, json=json_path, pngs=table.pngs, records=records,
+                        tokens=tokens, mode=job.mode, drawn=drawn, model=loaded.name, family=loaded.family,
+                        n_layers=n_layers, n_heads=n_heads, notes=notes)
 
 
 def analyze(
@@ -210,6 +352,11 @@ def analyze(
     flow: bool = False,
 ) -> ReportResult:
     """Analyse every attention head of ``model`` on ``text`` and write the report folder.
+
+    The phases are public, for callers that own the lifecycle (``headlab analyze`` runs them through the
+    study runner, :mod:`headlab.interpret.report.instrument`): :func:`check_request`,
+    :func:`prepare_out_dir`, the load, :func:`plan`, :func:`record_once` (or any recording of the sites the
+    sections declare), :func:`compute` and :func:`write_report`.
 
     Args:
         text: the input; must not be empty.
@@ -241,112 +388,30 @@ def analyze(
     Returns:
         A :class:`ReportResult`.
     """
-    from headlab.attention import backends as _backends
     from headlab.models.loader import load
 
     with reporter(progress, legacy=messages) as report:  # the one display (headlab.progress)
         def say(message: str) -> None:  # each step a stage of unknown length
             report(message, 0, 0)
 
-        if not isinstance(text, str) or not text.strip():
-            raise InputError("the text is empty (or only whitespace): give at least one word to analyse")
-        if max_full_tokens < 1:
-            raise InputError(f"max_full_tokens must be at least 1, got {max_full_tokens}")
-        if backend is not None and backend != "auto":
-            _backends.get(backend)  # UnknownBackendError naming the registered ones, before any work
+        check_request(text, max_full_tokens=max_full_tokens, backend=backend)
         out = prepare_out_dir(out_dir, force=force)
-
         if isinstance(model, str | os.PathLike):
             say(f"loading model {os.fspath(model)}")
             loaded = load(model)
         else:
             loaded = model
-        adapter = loaded.adapter
-        n_layers, n_heads, counts = adapter.n_layers, adapter.n_heads, adapter.layer_heads
-        chosen = parse_heads(heads, n_layers, counts)
-        for layer, head in (annotations or {}):
-            if not (0 <= layer < n_layers and 0 <= head < counts[layer]):
-                raise InputError(f"an annotation names head {layer}.{head}, which {loaded.name} does not have "
-                                 f"(layers 0..{n_layers - 1}, heads per layer {heads_text(counts)}): was the study run "
-                                 "on another model?")
-
-        notes: list[str] = []
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            inputs = loaded.encode(text, truncate=truncate)
-        notes += [str(w.message) for w in caught if issubclass(w.category, UserWarning)]
-        ids = inputs["input_ids"][0].tolist()
-        tokens = (loaded.tokenizer.convert_ids_to_tokens(ids) if loaded.tokenizer is not None else [str(i) for i in ids])
-        n = len(tokens)
-        if n == 0:  # the model would fail on an empty sequence with a bare reshape error
-            raise InputError(f"{loaded.name}'s tokenizer turns this text into no tokens (none of its words is in the "
-                             "vocabulary, or the tokenizer class does not match the saved vocabulary): give text the "
-                             "tokenizer knows")
-        causal = adapter.causal
-        job = Job(loaded, text, inputs, tokens, causal, _separator_positions(loaded, ids, causal),
-                  "full" if n <= max_full_tokens else "streaming", max_full_tokens, out, backend=backend, chosen=chosen,
-                  thresholds=thresholds, annotations=annotations, write_flow=flow, say=say)
-        sections = [s for s in registered() if s.active(job)]
-
-        if job.mode == "full":
-            say(f"capturing attention maps: {n} tokens, {n_layers} layers x {heads_text(counts)} heads")
-        else:
-            say(f"{n} tokens > {max_full_tokens}: streaming statistics, no n x n maps")
-        try:
-            cache = record_once(job, sections)
-        except MemoryBudgetError as e:
-            if job.mode != "full":
-                raise
-            raise memory_hint(e, n) from None
-        results: dict[str, object] = {}
-        for sec in sections:
-            results[sec.name] = sec.compute(job, cache, results)
+        job, sections, notes = plan(loaded, text, out, backend=backend, max_full_tokens=max_full_tokens, heads=heads,
+                                    truncate=truncate, thresholds=thresholds, annotations=annotations, flow=flow,
+                                    say=say)
+        say(mode_line(job))
+        cache = record_once(job, sections)
+        results = compute(job, sections, cache)
         del cache
-        provenance, approx_warning = backend_provenance(backend, job.mode)
-        table: HeadsTable = results["heads"]
-        notes += table.notes
-        if approx_warning:
-            notes.append(approx_warning)
-        parts = {}
-        for sec in sections:
-            notes += sec.write(job, results[sec.name], results)
-            parts[sec.name] = part = sec.page(job, results[sec.name], results)
-            notes += part.notes
-
-        say("writing the table")
-        records, drawn = table.records, table.drawn
-        csv_path = write_csv(records, out / "heads.csv")
-        json_path = write_json(
-            records, out / "heads.json", headlab_version=__version__, model=loaded.name, family=loaded.family,
-            text=text, tokens=tokens, causal=causal, separator_positions=job.separators, mode=job.mode,
-            max_full_tokens=max_full_tokens, backend=backend, **provenance, drawn_heads=[f"{a}.{b}" for a, b in drawn],
-            notes=notes, thresholds={"positional": thresholds.positional, "sink": thresholds.sink,
-                                     "broad": thresholds.broad},
-            n_layers=n_layers, n_heads=n_heads, layer_heads=counts)
-
-        say("writing the page")
-        first_label = "mass first token" if causal else "mass [CLS]"
-        summary = [f"model: {loaded.name} ({loaded.family}, {n_layers} layers x {heads_text(counts)} heads"
-                   f"{', causal' if causal else ''})", f"backend: {provenance['model_backend']}"
-                   f"{'' if provenance['model_backend_exact'] else ' (approximate)'}; shown: {provenance['statistics']}",
-                   f"{n} tokens: {text if len(text) <= 300 else text[:297] + '...'}"]
-        embedded = table.embedded
-        page = render_html(
-            title=f"headlab analyze: {loaded.name}", tokens=tokens, records=records,
-            maps={d: table.maps[d] for d in embedded}, n_layers=n_layers, n_heads=counts, summary_lines=summary,
-            banner=" ".join(notes) or None, first_label=first_label, initial=initial_head(table, chosen),
-            sections=[p.html for p in parts.values() if p.html],
-            extra_data={k: v for p in parts.values() for k, v in p.data.items()},
-            undrawn_note=(f"Long input ({n} tokens): this head's map is not in the page"
-                          + (" (too large to embed; see the layer PNGs)." if embedded != drawn else
-                             "; only its statistics were computed. Draw it with --heads LAYER.HEAD.")
-                          if job.mode == "streaming" else ""))
-        html_path = out / "report.html"
-        html_path.write_text(page, encoding="utf-8")
-        return ReportResult(out_dir=out, html=html_path, csv=csv_path, json=json_path, pngs=table.pngs, records=records,
-                            tokens=tokens, mode=job.mode, drawn=drawn, model=loaded.name, family=loaded.family,
-                            n_layers=n_layers, n_heads=n_heads, notes=notes)
+        return write_report(job, sections, results, notes)
 
 
-__all__ = ["DRAWN_HEADS", "MAX_FULL_TOKENS", "ReportResult", "analyze", "check_head", "default_drawn_heads",
-           "heads_text", "interesting_heads", "backend_provenance", "parse_heads", "prepare_out_dir", "write_csv", "write_json"]
+__all__ = ["DRAWN_HEADS", "MAX_FULL_TOKENS", "ReportResult", "analyze", "backend_provenance", "check_head",
+           "check_heads_in_config", "check_out_dir", "check_request", "compute", "default_drawn_heads", "heads_text", "interesting_heads",
+           "mode_line", "parse_heads", "plan", "prepare_out_dir", "record_once", "write_csv", "write_json",
+           "write_report"]

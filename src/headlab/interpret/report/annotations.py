@@ -32,6 +32,7 @@ def study_annotations(*, probe: str | os.PathLike | None = None,
     for what, path, fn in sources:
         if not Path(path).is_file():
             raise InputError(f"--{what} {path}: no such file (give the JSON a `headlab {what}` run wrote)")
+        _check_kind(what, path)
         try:
             found = fn(path)
         except (ValueError, KeyError, TypeError) as e:
@@ -39,3 +40,24 @@ def study_annotations(*, probe: str | os.PathLike | None = None,
         for key, text in found.items():
             out.setdefault(tuple(key), []).append(text)
     return out
+
+
+KINDS = {"probe": ("probe",), "heads": ("head_importance", "head_ablation")}  # the result kinds each option reads
+
+
+def _check_kind(what: str, path) -> None:
+    """The file is a JSON object, and when it carries a headlab envelope, one of the kinds ``--what`` reads (a
+    rollout given to --heads-result was accepted and showed nothing)."""
+    from headlab.reading import read_json_file
+
+    flag = "--heads-result" if what == "heads" else f"--{what}"
+    try:
+        data = read_json_file(path, what=f"the JSON a `headlab {what}` run wrote")
+    except InputError as e:
+        raise InputError(f"{flag} {path} is not a headlab {what} result: {e}") from None
+    if not isinstance(data, dict):
+        raise InputError(f"{flag} {path} is not a headlab {what} result: a JSON {type(data).__name__}, not an object")
+    kind = data.get("headlab", {}).get("kind") if isinstance(data.get("headlab"), dict) else None
+    if kind is not None and kind not in KINDS[what]:
+        raise InputError(f"{flag} {path} holds a {kind} result; give the {' or '.join(KINDS[what])} result a "
+                         f"`headlab {what}` run wrote")

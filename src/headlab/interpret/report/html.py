@@ -29,6 +29,7 @@ import numpy as np
 from headlab.errors import ShapeError
 from headlab.interpret import shell
 from headlab.interpret.heads.labels import HeadRecord
+from headlab.interpret.heads.naming import per_layer_counts
 
 _TAGS = {"previous-token": "P", "next-token": "N", "self": "S", "separator-sink": "K", "broad": "B"}
 
@@ -48,20 +49,6 @@ def encode_map(P) -> str:
 
 def _asset(name: str) -> str:
     return resources.files("headlab.interpret.report").joinpath("assets", name).read_text(encoding="utf-8")
-
-
-def per_layer_counts(n_layers: int, n_heads: int | Sequence[int]) -> list[int]:
-    """Heads of every layer from one count or a count per layer (checked against ``n_layers``).
-
-    >>> per_layer_counts(2, 4), per_layer_counts(2, [3, 4])
-    ([4, 4], [3, 4])
-    """
-    if isinstance(n_heads, int):
-        return [n_heads] * n_layers
-    counts = [int(c) for c in n_heads]
-    if len(counts) != n_layers:
-        raise ShapeError(f"{len(counts)} head counts for {n_layers} layers; pass one per layer.")
-    return counts
 
 
 def _picker(records: Sequence[HeadRecord], counts: Sequence[int], drawn: set[tuple[int, int]]) -> str:

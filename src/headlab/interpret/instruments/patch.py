@@ -1,0 +1,244 @@
+"""``patch``: activation patching of every head for one clean/corrupted prompt pair, as an instrument.
+
+The computations are the patching room's (:func:`~headlab.interpret.patching.patch`, exact;
+:func:`~headlab.interpret.patching.attribution_patch`, its first-order estimate;
+:func:`~headlab.interpret.patching.compare`, their agreement); this file declares the options of
+``headlab patch``, checks them, splits the work and shows the result.
+
+**Checks.** The options alone (``--method``, ``--sites``, ``--positions``, ``--top``, the suffix of ``--out``),
+then the output file, then the four texts (read by :mod:`headlab.reading`: empty or not UTF-8), then the
+degenerate pairs whose every effect would be 0/0 (``--answer`` equal to ``--wrong``, ``--clean`` equal to
+``--corrupted``): all before the model loads. Once it has loaded, :func:`~headlab.interpret.patching.prompt_pair`
+tokenises the prompts (single-token answers, equal lengths, prompts that tokenise alike) and ``--positions`` is
+checked against their length, before any patched run.
+
+**Units.** Exact patching is one unit per site kind (``exact z``, ``exact v``, ...: each a sweep over every
+layer x head, and every position with ``--positions``; splitting by kind costs one clean and one corrupted
+forward per kind, against the ``layers x heads`` patched rows of its sweep); attribution patching is one unit
+(``attribution``: one forward and one backward give every kind at once). Ctrl-C keeps the finished units: an
+exact sweep interrupted half-way is not one of them (the library keeps its measured configurations and marks
+the rest NaN, for a caller of :func:`~headlab.interpret.patching.patch`; the command stops with the runner's
+line instead of ranking heads from a partial grid). Each sweep reports its own stage through the runner's
+display: ``patching`` for one kind, as before, ``patching z``, ``patching v``, ... for several.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from headlab.errors import ConfigError, InputError
+from headlab.interpret.instruments.base import REQUIRED, Context, Instrument, InstrumentResult, Option, Output, \
+    Unit, at_least, register
+
+METHODS = ("exact", "attribution", "both")
+
+
+def parse_positions(spec: str | None):
+    """None (all positions at once), ``"each"`` or the list of positions of ``--positions``.
+
+    >>> parse_positions("3,5,-1"), parse_positions("each"), parse_positions(None)
+    ([3, 5, -1], 'each', None)
+    """
+    if spec is None or spec.strip() == "each":
+        return None if spec is None else "each"
+    try:
+        got = [int(p) for p in spec.split(",") if p.strip()]
+    except ValueError:
+        got = []
+    if not got:
+        raise ConfigError(f"--positions takes 'each' or comma-separated positions (3,5,-1); got {spec!r}")
+    return got
+
+
+def parse_sites(sites: str, method: str) -> list[str]:
+    """The site kinds of ``--sites``, in the option's name (the library's message says ``sites=``)."""
+    from headlab.interpret.patching.runs import HEAD_KINDS, RESID_KINDS
+
+    kinds = [s.strip() for s in sites.split(",") if s.strip()]
+    allowed = HEAD_KINDS + RESID_KINDS if method == "exact" else HEAD_KINDS
+    if not kinds or any(k not in allowed for k in kinds):
+        why = ("k and v per kv head; resid_pre, resid_post and mlp_out per layer" if method == "exact" else
+               f"--method {method}: attribution patching reads gradients at the head sites only")
+        raise ConfigError(f"--sites {sites!r}: choose from the kinds {', '.join(allowed)} ({why})")
+    return kinds
+
+
+@dataclass
+class PatchRun:
+    """What ``headlab patch`` computed: each method's :class:`~headlab.interpret.patching.PatchResult`, their
+    agreement per kind (method ``both``), and the document the command prints and writes."""
+
+    results: dict  # {"exact": PatchResult, "attribution": PatchResult}, those asked for
+    kinds: list[str]
+    doc: dict = field(default_factory=dict)  # {method: its JSON, "agreement": {kind: compare(...)}}
+
+    @property
+    def main(self):
+        """The result the page and the header line show: exact when it ran, else attribution."""
+        return self.results.get("exact") or self.results["attribution"]
+
+
+def merge(parts: list):
+    """One exact :class:`~headlab.interpret.patching.PatchResult` from the per-kind ones (same pair, same
+    metric, so the same clean and corrupted values): their grids side by side, their times added."""
+    from headlab.interpret.patching import PatchResult
+
+    first = parts[0]
+    notes = list(dict.fromkeys(n for p in parts for n in p.notes))
+    return PatchResult(model=first.model, method=first.method, metric=first.metric, n_examples=first.n_examples,
+                       clean=first.clean, corrupted=first.corrupted,
+                       effects={k: v for p in parts for k, v in p.effects.items()},
+                       raw={k: v for p in parts for k, v in p.raw.items()}, positions=first.positions,
+                       receivers=first.receivers, seconds=sum(p.seconds for p in parts), notes=notes)
+
+
+@register
+class Patch(Instrument):
+    """Patch each head's activation from the corrupted prompt into the clean one and rank the heads."""
+
+    name = "patch"
+    summary = """Patch each head's activation from the corrupted prompt into the clean one and rank the heads.
+
+The metric is the logit difference answer - wrong at the last token; an effect is
+(m_patched - m_clean) / (m_corrupted - m_clean): 0 = no change, 1 = the whole gap."""
+    options = (
+        Option("clean", "--clean", str, REQUIRED, "the clean prompt, e.g. \"When Mary and John went to the store, "
+                                                  "John gave a drink to\"", reads="text"),
+        Option("corrupted", "--corrupted", str, REQUIRED, "the same prompt with other names (as many tokens)",
+               reads="text"),
+        Option("answer", "--answer", str, REQUIRED, "the right next token, with its leading space: \" Mary\"",
+               reads="text"),
+        Option("wrong", "--wrong", str, REQUIRED, "the wrong next token: \" John\"", reads="text"),
+        Option("model", "--model", str, "smollm2", "a known model name or a model folder", short="-m"),
+        Option("sites", "--sites", str, "z", "comma-separated: z, q, k, v, pattern (per head); resid_pre, "
+                                             "resid_post, mlp_out (per layer, exact only)"),
+        Option("positions", "--positions", str, None, "'each' (every position separately) or 3,5,-1"),
+        Option("method", "--method", str, "exact", "exact | attribution | both (with their rank correlation)"),
+        Option("top", "--top", int, 10, "how many heads to list", setting=False),
+        Option("out", "--out", Path, None, "write the result: FILE.json (data) or FILE.html (page)", short="-o",
+               setting=False),
+        Option("force", "--force", bool, False, "replace an existing --out file", setting=False),
+        Option("as_json", "--json", bool, False, "print the result as JSON", setting=False),
+    )
+    output = Output("out", folder=False, force="force")
+    announce = False  # the command's stderr stays as it was: the sweep's own "patching" bar only
+
+    def check(self, ctx: Context) -> None:
+        """The options alone, in the order the command has always checked them (a load takes time)."""
+        o = ctx.options
+        if o["method"] not in METHODS:
+            raise ConfigError(f"--method {o['method']!r}: choose one of {', '.join(METHODS)}")
+        ctx.state["kinds"] = parse_sites(o["sites"], o["method"])
+        ctx.state["positions"] = parse_positions(o["positions"])
+        at_least(1)(o["top"], self.option("top"), o)
+        if o["out"] is not None and Path(o["out"]).suffix not in (".json", ".html"):
+            raise InputError(f"--out {o['out']}: give a file ending in .json (the data) or .html (the page)")
+
+    def prepare(self, ctx: Context) -> None:
+        """The degenerate pairs, refused before the load: every effect would be 0/0."""
+        d = ctx.data
+        if d["answer"] == d["wrong"]:
+            raise InputError(f"--answer and --wrong are both {d['answer']!r}: their logit difference is 0 on every "
+                             "run, so every effect would be 0/0; give the right and a wrong next token")
+        if d["clean"] == d["corrupted"]:
+            raise InputError("--clean and --corrupted are the same text: patching one into the other changes "
+                             "nothing (every effect would be 0/0); give a corrupted prompt with other names")
+
+    def check_loaded(self, ctx: Context) -> None:
+        """The prompts through the tokenizer (single tokens, equal lengths, not alike) and --positions against
+        their length, before any patched run."""
+        from headlab.interpret.patching.prompts import prompt_pair
+        from headlab.interpret.patching.runs import check_positions
+
+        d = ctx.data
+        a, b, metric = prompt_pair(ctx.loaded, d["clean"], d["corrupted"], d["answer"], d["wrong"])
+        try:
+            check_positions(ctx.state["positions"], a["input_ids"].shape[1])
+        except ConfigError as e:
+            raise ConfigError(f"--positions {ctx.options['positions']}: {e}") from None
+        ctx.state["pair"] = (a, b, metric)
+
+    def units(self, ctx: Context) -> list[Unit]:
+        method, kinds = ctx.options["method"], ctx.state["kinds"]
+        exact = [Unit(f"exact {k}", k) for k in kinds] if method in ("exact", "both") else []
+        return exact + ([Unit("attribution", kinds)] if method in ("attribution", "both") else [])
+
+    def run_unit(self, ctx: Context, unit: Unit, recording=None):
+        from headlab.interpret.patching import attribution_patch, patch
+
+        a, b, metric = ctx.state["pair"]
+        pos = ctx.state["positions"]
+        if unit.key == "attribution":
+            return attribution_patch(ctx.loaded, a, b, metric, sites=unit.payload, positions=pos)
+        seen = {"done": 0, "total": 0}
+        alone = len(ctx.state["kinds"]) == 1  # one sweep: its stage is "patching", as it always was
+
+        def progress(stage, done, total):  # the runner's display (a bar per kind), and whether the sweep ended
+            seen.update(done=done, total=total)
+            ctx.progress(stage if alone else f"{stage} {unit.payload}", done, total)
+
+        r = patch(ctx.loaded, a, b, metric, sites=[unit.payload], positions=pos, progress=progress)
+        if seen["done"] < seen["total"]:  # the sweep caught Ctrl-C and kept a partial grid: not a finished unit
+            raise KeyboardInterrupt
+        return r
+
+    def unit_to_json(self, value):
+        return value.to_json()
+
+    def finish(self, ctx: Context, values: dict) -> InstrumentResult:
+        from headlab.interpret.patching import compare
+        from headlab.results import envelope
+
+        kinds = ctx.state["kinds"]
+        results = {}
+        exact = [values[k] for k in values if k.startswith("exact ")]
+        if exact:
+            results["exact"] = merge(exact)
+        if "attribution" in values:
+            results["attribution"] = values["attribution"]
+        run = PatchRun(results, kinds, {name: r.to_json() for name, r in results.items()})
+        if len(results) == 2:
+            run.doc["agreement"] = {k: compare(results["exact"], results["attribution"], k) for k in kinds}
+        o = ctx.options
+        payload = envelope("patch", run.doc, model=run.main.model,
+                           settings={"method": o["method"], "sites": kinds, "positions": o["positions"]})
+        return InstrumentResult.of(run, payload)
+
+    def write(self, ctx: Context, result, path: Path) -> list[Path]:
+        from headlab.results import write_json, write_text
+
+        if path.suffix == ".html":
+            return [write_text(path, result.native.main.page())]
+        return [write_json(path, result.to_json())]
+
+    def render(self, ctx: Context, outcome, console, err) -> None:
+        from headlab.interpret.patching.runs import RESID_KINDS
+
+        run, o = outcome.result.native, ctx.options
+        if o["as_json"]:
+            import json
+            import sys
+
+            sys.stdout.write(json.dumps(run.doc, indent=2, default=str) + "\n")
+            return
+        main = run.main
+        console.print(f"{main.model}: logit diff {o['answer']!r} - {o['wrong']!r}: clean {main.clean:.3f}, corrupted "
+                      f"{main.corrupted:.3f}", highlight=False, soft_wrap=True)
+        for name, r in run.results.items():
+            for kind in run.kinds:
+                per_layer = kind in RESID_KINDS  # one value per layer
+                console.print(f"{name} patching, {kind}: top {'layers (layer' if per_layer else 'heads (layer.head'} "
+                              "effect)", highlight=False)
+                console.print("  " + ", ".join(f"{l}{'' if per_layer else f'.{h}'} {e:+.3f}"
+                                               for l, h, e in r.top(o["top"], kind)), highlight=False, soft_wrap=True)
+        for kind, c in run.doc.get("agreement", {}).items():
+            sp = "n/a" if c["spearman"] is None else f"{c['spearman']:.3f}"
+            console.print(f"attribution vs exact ({kind}): Spearman {sp}, top-10 overlap "
+                          f"{c['top10_overlap']}/{min(10, c['n'])}, {c.get('time_ratio', float('nan')):.1f}x faster",
+                          highlight=False)
+        if outcome.files:
+            console.print(f"wrote {o['out']}", highlight=False)
+
+
+__all__ = ["METHODS", "Patch", "PatchRun", "merge", "parse_positions", "parse_sites"]

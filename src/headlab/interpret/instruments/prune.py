@@ -1,0 +1,185 @@
+"""``heads prune``: remove heads physically and save the smaller model, with the pruning curve if asked, as an
+instrument.
+
+The computations are the heads room's and the models layer's: the heads to remove are given (``--heads``) or
+are the ``--fraction`` least important (:func:`~headlab.interpret.heads.importance.head_importance`, normalised
+per layer, ranked by :func:`~headlab.interpret.heads.prune.order_heads`); :func:`~headlab.models.pruned.prune_heads`
+cuts them out; :func:`~headlab.interpret.heads.prune.pruning_curve` measures the metric as 0%, 10%, ... of
+the heads go. The work is two units, ``model`` (the choice and the surgery) and, with ``--curve``, ``curve``;
+each library function draws its own bar (importance, the curve's steps), so the runner opens no display.
+``--out`` must be a new or empty folder: it receives the pruned model (reloadable with ``headlab.load``) and,
+with ``--curve``, curve.json, curve.png and heads.html.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from headlab.errors import ConfigError, InputError
+from headlab.interpret.instruments.base import REQUIRED, Context, Instrument, InstrumentResult, Option, Output, \
+    Unit, register
+from headlab.interpret.heads.naming import check_heads_in_config
+from headlab.interpret.instruments.heads import BATCH, DATA, JSON, LIMIT, LOSS, MODEL, read_examples
+
+DATA_FILE = "a .tsv with a 'sentence' column, a .conllu or a .txt"
+
+
+def parse_heads(spec: str) -> dict[int, list[int]]:
+    """``"0.3,2.5,0.1"`` -> ``{0: [3, 1], 2: [5]}``: the heads to remove, by layer (checked against a model
+    before the load by :func:`~headlab.interpret.heads.naming.check_heads_in_config`, and after it by the surgery).
+
+    >>> parse_heads("0.3, 2.5, 0.1")
+    {0: [3, 1], 2: [5]}
+    """
+    heads: dict[int, list[int]] = {}
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        try:
+            l, h = (int(x) for x in part.split("."))
+        except ValueError:
+            raise ConfigError(f"--heads expects LAYER.HEAD,... (e.g. 0.3,2.5); got {part!r}") from None
+        heads.setdefault(l, []).append(h)
+    if not heads:
+        raise ConfigError("--heads is empty; give LAYER.HEAD,... (e.g. 0.3,2.5)")
+    return heads
+
+
+def _check_gqa(value, option, options) -> None:
+    if value not in ("pad", "strict"):
+        raise ConfigError(f"--gqa {value!r} is not a choice; use pad (uneven GQA groups kept exact) or strict")
+
+
+@register
+class Prune(Instrument):
+    """Remove heads physically and save the smaller model."""
+
+    name = "heads-prune"
+    kind = "head_pruning"
+    summary = "Remove heads physically and save the smaller model (reloads with headlab.load)."
+    options = (
+        MODEL,
+        Option("out", "--out", Path, REQUIRED, "new folder for the pruned model", short="-o", setting=False),
+        Option("heads", "--heads", str, None, "heads to remove, LAYER.HEAD,... e.g. 0.3,2.5"),
+        Option("fraction", "--fraction", float, None, "remove this share of heads, least important first (needs "
+               "--data)"),
+        DATA, LOSS, LIMIT, BATCH,
+        Option("curve", "--curve", bool, False, "also the pruning curve on --data (PNG, JSON)"),
+        Option("recompute", "--recompute", bool, False, "curve: recompute importance at each step"),
+        Option("allow_empty_layers", "--allow-empty-layers", bool, False, "allow removing every head of a layer"),
+        Option("gqa", "--gqa", str, "pad", "pad (uneven GQA groups kept exact) | strict", check=_check_gqa),
+        JSON,
+    )
+    # a new or empty folder (checked in check(), in prune's words: it has no --force); the runner's check then
+    # refuses a file in the way, FILE/sub and an unwritable place
+    output = Output("out", folder=True, file=None, allow_existing=True)
+    parallel = "inside"  # head_importance splits its examples across torchrun ranks itself; rank 0 writes
+    display = False  # importance and the curve draw their own bars
+    announce = False
+    sharded = ("the pruned model is written by PrunedModel.save, which saves one process's whole model, not the "
+               "shards of a model sharded by heads; prune on one process")
+    def check(self, ctx: Context) -> None:
+        o = ctx.options
+        if (o["heads"] is None) == (o["fraction"] is None):
+            raise ConfigError("give exactly one of --heads LAYER.HEAD,... and --fraction F")
+        if o["fraction"] is not None and not 0 < o["fraction"] < 1:
+            raise ConfigError(f"--fraction must lie in (0, 1), got {o['fraction']}")
+        out = Path(o["out"])
+        if out.is_dir() and any(out.iterdir()):  # prune has no --force: a new or empty folder only
+            raise InputError(f"--out {out} exists and is not an empty folder; choose a new one")
+        ctx.state["heads"] = parse_heads(o["heads"]) if o["heads"] is not None else None
+        check_heads_in_config(o["model"], o["heads"])  # from the config files alone: no weights read
+        if o["recompute"] and not o["curve"]:
+            raise InputError("--recompute acts only with --curve (it recomputes importance at each step of the "
+                             "curve); add --curve, or drop --recompute")
+        if o["data"] is None and (o["fraction"] is not None or o["curve"]):
+            raise InputError("--data FILE is required: a .tsv, .conllu or .txt of examples")
+
+    def prepare(self, ctx: Context) -> None:
+        """``--data`` read before the load (missing, a folder, not UTF-8, empty: one line), when given."""
+        from headlab.reading import read_file
+
+        o = ctx.options
+        ctx.data["texts"] = ctx.data["labels"] = None
+        if o["data"] is not None:
+            read_file(Path(o["data"]), "--data", "texts", what=DATA_FILE)
+            ctx.data["texts"], ctx.data["labels"] = read_examples(o["data"], limit=o["limit"])
+
+    def check_loaded(self, ctx: Context) -> None:
+        from headlab.interpret.heads.examples import token_ids_if_needed
+
+        if ctx.data["texts"] is not None:
+            ctx.data["texts"] = token_ids_if_needed(ctx.loaded, ctx.data["texts"])
+
+    def units(self, ctx: Context) -> list[Unit]:
+        return [Unit("model")] + ([Unit("curve")] if ctx.options["curve"] else [])
+
+    def run_unit(self, ctx: Context, unit: Unit, recording=None):
+        o, texts, labels = ctx.options, ctx.data["texts"], ctx.data["labels"]
+        if unit.key == "curve":
+            from headlab.interpret.heads.prune import pruning_curve
+
+            return pruning_curve(ctx.loaded, texts, labels, loss=o["loss"], recompute=o["recompute"],
+                                 batch_size=o["batch_size"], progress=True)
+        from headlab.interpret.heads.prune import order_heads, prune_heads
+
+        spec = ctx.state["heads"]
+        if spec is None:
+            from headlab.interpret.heads.importance import head_importance
+
+            order = order_heads(head_importance(ctx.loaded, texts, labels, loss=o["loss"], batch_size=o["batch_size"],
+                                                normalize=True, progress=True))
+            spec = {}
+            for l, h in order[: int(round(o["fraction"] * len(order)))]:
+                spec.setdefault(l, []).append(h)
+        return prune_heads(ctx.loaded, spec, allow_empty_layers=o["allow_empty_layers"], gqa=o["gqa"]), spec
+
+    def unit_to_json(self, value):
+        if isinstance(value, tuple):  # the model unit: what was removed and what is left (the weights are written)
+            pruned, spec = value
+            return {"heads_per_layer": pruned.adapter.layer_heads, "removed": {str(k): v for k, v in spec.items()},
+                    "notes": pruned.notes}
+        return value.to_json()
+
+    def finish(self, ctx: Context, values: dict) -> InstrumentResult:
+        pruned, spec = values["model"]
+        summary = {"out": str(Path(ctx.options["out"])), **self.unit_to_json(values["model"])}
+        curve = values.get("curve")
+        if curve is not None:
+            summary["curve"] = curve.summary()
+        return InstrumentResult(self.result_kind, model=getattr(ctx.loaded, "name", None), settings=ctx.settings,
+                                figures=summary, native=(pruned, curve))
+
+    def write_kept(self, ctx: Context, values: dict, path: Path) -> list[Path]:
+        """Interrupted in the curve: the pruned model is finished, so it is saved, as the command always did."""
+        return [values["model"][0].save(path)] if "model" in values else []
+
+    def write(self, ctx: Context, result, path: Path) -> list[Path]:
+        """The pruned model into ``path`` (the --out folder); with a curve, curve.json, curve.png, heads.html."""
+        from headlab.interpret.heads.page import render_page
+        from headlab.results import write_json
+
+        pruned, curve = result.native
+        files = [pruned.save(path)]
+        if curve is not None:
+            files.append(write_json(path / "curve.json", curve.to_json()))
+            files.append(curve.plot(path / "curve.png"))
+            files.append(path / "heads.html")
+            files[-1].write_text(render_page(title=f"pruning: {curve.model}", curve=curve, curve_png=files[-2]))
+        return files
+
+    def render(self, ctx: Context, outcome, console, err) -> None:
+        summary = outcome.result.figures
+        if ctx.options["as_json"]:
+            import json
+            import sys
+
+            sys.stdout.write(json.dumps(summary, indent=2, default=str) + "\n")
+            return
+        console.print(f"saved the pruned model to {summary['out']}/ (heads per layer {summary['heads_per_layer']})",
+                      highlight=False, soft_wrap=True)
+        for n in summary["notes"]:
+            console.print(f"[yellow]note:[/] {n}", highlight=False, soft_wrap=True)
+        if "curve" in summary:
+            console.print(summary["curve"], highlight=False, soft_wrap=True)
+
+
+__all__ = ["Prune", "parse_heads"]
