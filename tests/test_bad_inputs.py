@@ -16,20 +16,6 @@ from headlab.errors import ConfigError, DeviceError, HeadlabError, InputError, S
 from conftest import run_cli
 
 
-@pytest.fixture
-def no_load(monkeypatch):
-    """Any model load fails the test: the command must refuse before it."""
-    def boom(*a, **k):
-        raise AssertionError("a model was loaded before the bad option was refused")
-
-    import headlab.models
-    import headlab.models.loader
-
-    monkeypatch.setattr(headlab, "load", boom)  # first: headlab caches its lazy names, so it must cache the real one
-    monkeypatch.setattr(headlab.models.loader, "load", boom)
-    monkeypatch.setattr(headlab.models, "load", boom)
-
-
 def _tsv(tmp_path, body, name="d.tsv"):
     p = tmp_path / name
     p.write_text(body)

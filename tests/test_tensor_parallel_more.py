@@ -119,7 +119,7 @@ def test_a_cap_one_process_exceeds_and_two_ranks_fit(two, tmp_path, monkeypatch)
     shutil.copytree(model, broken)
     (broken / "model.safetensors").write_bytes(b"not weights")
     for path in (model, broken):
-        with pytest.raises(MemoryBudgetError, match="the weights of .* needs about") as e:
+        with pytest.raises(MemoryBudgetError, match="loading the weights of .* needs about") as e:
             headlab.load(path)
         assert e.value.estimate_bytes == whole
 
@@ -182,6 +182,7 @@ def test_decoding_with_kv_policies_equals_one_process(two):
             got = res["decode"][name]
             assert torch.equal(got["ids"], ref.ids), (name, r)
             assert got["per_rank"] == want and got["kv_bytes"] == sum(want) == ref.kv_bytes, (name, r)
+            assert got["json_per_rank"] == want, (name, r)  # and the result file says it
     split = results[0]["decode"]["split"]["per_rank"]
     assert split[0] < split[1]  # rank 0's kv head is windowed in both layers, rank 1's full
 
@@ -191,6 +192,11 @@ def test_decoding_with_kv_policies_equals_one_process(two):
 def mesh(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("tp_mesh")
     model = tiny_llama(tmp / "m", heads=4, kv_heads=2)
+    import transformers
+
+    from conftest import save_word_level  # the probe reads words: a tokenizer over the treebank's words
+    save_word_level(model, transformers.AutoModelForCausalLM.from_pretrained(model),
+                    ["<pad>", "<unk>"] + W.TREEBANK_WORDS)
     os.environ["TP_MORE_MESH"] = "2"
     try:
         results = run_world(4, model, tmp / "out", torchrun=False, worker=WORKER, timeout=900)
@@ -200,7 +206,7 @@ def mesh(tmp_path_factory):
 
 
 @pytest.mark.distributed
-def test_a_2x2_mesh_splits_examples_across_groups_and_equals_one_process(mesh):
+def test_a_2x2_mesh_splits_examples_across_groups_and_equals_one_process(mesh, tmp_path):
     one, results = mesh
     g = torch.Generator().manual_seed(5)
     texts = [torch.randint(0, 64, (n,), generator=g) for n in (7, 11, 11, 9, 6)]
@@ -216,6 +222,16 @@ def test_a_2x2_mesh_splits_examples_across_groups_and_equals_one_process(mesh):
         for site, t in cap.items():
             torch.testing.assert_close(res["capture"][site], t, atol=1e-5, rtol=0, msg=f"rank {r} {site}")
     assert float(ref.abs().max()) > 1e-4
+    probe = W.probe_figures(one, tmp_path / "tb.conllu")
+    assert probe["sentences"] == 5 and float(probe["per_head grad_sep"].isnan().logical_not().sum()) > 0
+    for r, res in enumerate(results):  # each group probes its share of the sentences; the sums are added once
+        for k, t in probe.items():
+            got = res["probe"][k]
+            if isinstance(t, torch.Tensor):
+                torch.testing.assert_close(got.double(), t.double(), atol=1e-5, rtol=0, equal_nan=True,
+                                           msg=f"rank {r} probe {k}")
+            else:
+                assert got == t, (r, k)
 
 
 def test_tensor_parallel_groups_must_divide_the_world(tmp_path, monkeypatch):

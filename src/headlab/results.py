@@ -123,7 +123,14 @@ class Result:
 def write_text(path: str | os.PathLike, text: str) -> Path:
     """Write ``text`` (UTF-8) to ``path`` atomically: a temporary file beside it, then ``os.replace``."""
     path = Path(path).expanduser()
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent if str(path.parent) else ".")
+    if path.is_dir():  # os.replace would fail only after the temporary file is written
+        raise InputError(f"{str(path)!r} is a folder; give a file name such as result.json")
+    folder = path.parent if str(path.parent) else Path(".")
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=folder)
+    except OSError as e:  # /proc, FILE/sub, a missing or read-only folder: one line, not the system's traceback
+        raise Unwritable(f"{str(path)!r} cannot be written: {e.strerror or e} in {str(folder)!r}; choose a "
+                         "writable place", reason=str(e.strerror or e)) from None
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)

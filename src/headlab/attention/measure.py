@@ -237,12 +237,18 @@ def _backend_name(b) -> str:
     return b if isinstance(b, str) else getattr(b, "name", str(b))
 
 
+MAX_REPEATS = 10_000  # timed rounds per row: far past what a stable median needs, short of a hang
+
+
 def check_counts(**counts: int) -> None:
     """Refuse a count below its least value (``warmup`` >= 0, everything else >= 1), by name."""
     for what, val in counts.items():
         least = 0 if what == "warmup" else 1
         if isinstance(val, bool) or not isinstance(val, int) or val < least:
             raise ConfigError(f"{what} must be an integer >= {least}, got {val!r}")
+        if what in ("repeats", "warmup") and val > MAX_REPEATS:  # a timing loop that would run for days
+            raise ConfigError(f"{what} must be at most {MAX_REPEATS:,} (the median settles after a few rounds), "
+                              f"got {val:,}")
 
 
 def bench_attention(

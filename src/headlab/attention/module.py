@@ -10,6 +10,8 @@ Weights live in four ``nn.Linear`` layers laid out like Hugging Face's (``q_proj
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 from torch import nn
 
@@ -62,6 +64,11 @@ class MultiHeadAttention(nn.Module):
     ) -> None:
         super().__init__()
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        for name, val in (("embed_dim", embed_dim), ("num_heads", num_heads), ("num_kv_heads", num_kv_heads)):
+            if isinstance(val, bool) or not isinstance(val, numbers.Integral):  # 16.0 would fail inside torch
+                raise ConfigError(f"{name} must be an integer, got {val!r}")
+        if isinstance(backend, str) and backend != "auto":
+            _backends.get(backend)  # UnknownBackendError listing the known ones now, not at the first call
         if embed_dim <= 0 or num_heads <= 0 or num_kv_heads <= 0:
             raise ConfigError(f"embed_dim, num_heads and num_kv_heads must be positive, got {embed_dim}, {num_heads}, {num_kv_heads}")
         if embed_dim % num_heads:

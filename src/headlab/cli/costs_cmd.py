@@ -54,8 +54,10 @@ def memory(
     if (link_bandwidth is None) != (peak_flops is None):
         raise ConfigError("the compute-to-communication ratio needs both --link-bandwidth and --peak-flops")
     for name, val in (("--link-bandwidth", link_bandwidth), ("--peak-flops", peak_flops)):
-        if val is not None and not val > 0:
+        if val is not None and not 0 < val < float("inf"):  # inf would print a ratio of inf or 0 as if measured
             raise ConfigError(f"{name} must be a positive number, got {val}")
+    if kv_policy is not None and not kv_policy.strip():
+        raise ConfigError("--kv-policy is empty; give a rule such as streaming:4,256, or a policy JSON file")
     shape = costs.AttentionShape(heads=heads, q_len=seq_len, batch=batch, kv_heads=kv_heads, kv_len=kv_len,
                                  head_dim=head_dim, layers=layers, dtype=dtype, causal=causal,
                                  mask=from_string(pattern) if pattern is not None else None)

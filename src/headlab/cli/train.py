@@ -9,6 +9,7 @@ import typer
 from headlab.cli.app import (app, check_at_least, check_output_dir, console, err_console, print_json,
                              read_text_file)
 from headlab.errors import ConfigError, InputError
+from headlab.reading import read_tsv
 
 
 @app.command("train-classifier")
@@ -44,6 +45,8 @@ def train_classifier_cmd(
     for p, option in ((train, "--train"), (validation, "--validation")):
         read_text_file(Path(p), "--data" if data is not None else option,  # missing, a folder, not UTF-8, empty
                        what="SST-2's train.tsv and validation.tsv (columns sentence, label)")
+        # the header (a sentence and a label column) and the first row, before the start line and the model
+        read_tsv(Path(p), "--data" if data is not None else option, labelled=True, limit=1)
     if not 0 < epochs < float("inf"):
         raise ConfigError(f"--epochs must be a number > 0, got {epochs}")
     check_at_least("--threads", threads, 1)

@@ -60,6 +60,9 @@ def kv_cache_bytes(kept: Sequence[Sequence[int]], *, head_dim: int, dtype="float
 def full_cache_bytes(*, layers: int, kv_heads: int, tokens: int, head_dim: int, dtype="float32",
                      v_dim: int | None = None, batch: int = 1) -> int:
     """The ordinary cache: every layer's every kv head keeps all ``tokens``."""
+    for name, val in (("layers", layers), ("kv_heads", kv_heads)):  # a negative count would give 0 bytes, not an error
+        if isinstance(val, bool) or not isinstance(val, int) or val < 1:
+            raise ConfigError(f"{name} must be a positive integer, got {val!r}")
     return kv_cache_bytes([[tokens] * kv_heads] * layers, head_dim=head_dim, dtype=dtype, v_dim=v_dim, batch=batch)
 
 

@@ -61,8 +61,10 @@ class AttentionShape:
             object.__setattr__(self, "v_dim", self.head_dim)
         for name in ("heads", "q_len", "batch", "kv_heads", "kv_len", "head_dim", "v_dim", "layers"):
             val = getattr(self, name)
-            if not isinstance(val, int) or val <= 0:
+            if not isinstance(val, int) or isinstance(val, bool) or val <= 0:  # True is an int to Python, not a count
                 raise ConfigError(f"{name} must be a positive integer, got {val!r}")
+        if not (isinstance(self.dropout_p, (int, float)) and 0.0 <= self.dropout_p < 1.0):
+            raise ConfigError(f"dropout_p must be a number in [0, 1), got {self.dropout_p!r}")
         if self.heads % self.kv_heads:
             raise ConfigError(f"heads={self.heads} must be a multiple of kv_heads={self.kv_heads}")
 
@@ -131,6 +133,15 @@ class Hardware:
         moved = cost.bytes_moved * (3 if backward else 1)
         return max(flops / self.peak_flops, moved / self.bandwidth)
 
+    def __post_init__(self) -> None:
+        for name in ("peak_flops", "bandwidth"):  # a zero divides by zero, a negative or inf gives a wrong time
+            val = getattr(self, name)
+            if isinstance(val, bool) or not isinstance(val, (int, float)) or not 0 < val < float("inf"):
+                raise ConfigError(f"Hardware {name} must be a positive finite number (per second), got {val!r}")
+        if self.memory_bytes is not None and (isinstance(self.memory_bytes, bool) or
+                                              not isinstance(self.memory_bytes, int) or self.memory_bytes <= 0):
+            raise ConfigError(f"Hardware memory_bytes must be a positive integer or None, got {self.memory_bytes!r}")
+
 
 CostFormula = Callable[..., AttentionCost]  # formula(shape, backend) -> AttentionCost
 
@@ -185,6 +196,9 @@ def estimate(shape: AttentionShape, backend: str | CostedBackend) -> AttentionCo
     ``TiledBackend(block_q=64, block_k=64)``): the formula its class declares then sees that instance.
     Raises :class:`~headlab.errors.CostModelError` for a backend without a formula (never zero).
     """
+    if not isinstance(shape, AttentionShape):
+        raise ConfigError(f"estimate costs an AttentionShape, got {type(shape).__name__}; build one, e.g. "
+                          "costs.AttentionShape(heads=32, q_len=4096)")
     if isinstance(backend, str):
         name, instance = backend, _BACKENDS.get(backend)
         formula = _FORMULAS.get(name)

@@ -79,11 +79,12 @@ class Generation:
 
     def to_json(self) -> dict:
         """The figures in headlab's envelope (kind ``generation``), the policy nested as plain data. The step
-        logits stay out (``(new, vocab)`` floats): the tokens and the cache's bytes are the result."""
+        logits stay out (``(new, vocab)`` floats): the tokens and the cache's bytes are the result (with each
+        rank's share, ``kv_bytes_per_rank``, on a model sharded by tensor parallelism; None on one process)."""
         return envelope("generation", {
             "ids": self.ids[0].tolist(), "text": self.text, "prompt_tokens": self.prompt_tokens,
             "question_tokens": self.question_tokens,
-            "kv_bytes": self.kv_bytes, "kv_bytes_full": self.kv_bytes_full,
+            "kv_bytes": self.kv_bytes, "kv_bytes_full": self.kv_bytes_full, "kv_bytes_per_rank": self.kv_bytes_per_rank,
             "kv_ratio": self.kv_bytes / self.kv_bytes_full if self.kv_bytes_full else None,
             "prefill_seconds": self.prefill_seconds, "decode_seconds": self.decode_seconds,
             "tokens_per_second": self.tokens_per_second, "policy": self.policy.as_dict(), "heads": self.counts},
@@ -195,6 +196,8 @@ def generate(model, prompt, *, policy: Policy | None = None, max_new_tokens: int
         raise ConfigError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
     if sample and not temperature > 0:
         raise ConfigError(f"temperature must be > 0 for sampling, got {temperature}")
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
+        raise ConfigError(f"top_k must be a positive integer (the most likely tokens sampled from), got {top_k!r}")
     ids = prompt_ids(adapter, loaded, prompt)
     n = ids.shape[1]
     q_ids = prompt_ids(adapter, loaded, question) if question is not None else ids[:, :0]

@@ -125,14 +125,15 @@ class Policy:
     def from_spec(cls, spec: Mapping, default="full", *, name: str = "spec") -> Policy:
         """``{(layer, kv_head): rule}`` (keys may also be ``"layer.kv_head"`` text); the rest ``default``."""
         rules = {}
-        for key, rule in spec.items():
+        for given, rule in spec.items():
+            key = given
             if isinstance(key, str):
                 try:
                     key = tuple(int(p) for p in key.split("."))
                 except ValueError:
                     key = ()
             if not (isinstance(key, tuple) and len(key) == 2 and all(isinstance(i, int) for i in key)):
-                raise ConfigError(f"policy key {key!r}: use (layer, kv_head) pairs of integers, or 'layer.kv_head'")
+                raise ConfigError(f"policy key {given!r}: use (layer, kv_head) pairs of integers, or 'layer.kv_head'")
             rules[key] = as_rule(rule)
         return cls(rules, as_rule(default), name)
 

@@ -417,9 +417,8 @@ class ModelAdapter:
         encoder-decoder given encoder ids is teacher-forced on them shifted right; a model that takes pixels or
         audio given token ids is an :class:`~headlab.errors.InputError` naming its input.
 
-        Token ids outside the vocabulary are an :class:`~headlab.errors.InputError` (torch would
-        raise a bare IndexError from inside the embedding)."""
-        self._check_ids(inputs.get("input_ids") if isinstance(inputs, dict) else inputs)
+        Ids not integers or outside the vocabulary: :class:`~headlab.errors.InputError` (not torch's IndexError)."""
+        self._check_ids(inputs.get("input_ids") if isinstance(inputs, dict) else inputs, isinstance(inputs, dict))
         if not self.own_model and hasattr(self.model, "config"):  # a Hugging Face model: the inputs it takes
             from headlab.models.inputs import complete_inputs
             inputs = complete_inputs(self.model, inputs if isinstance(inputs, dict) else {"input_ids": inputs})
@@ -427,8 +426,14 @@ class ModelAdapter:
             return self.model(**inputs)
         return self.model(inputs)
 
-    def _check_ids(self, ids) -> None:
-        if not isinstance(ids, torch.Tensor) or ids.is_floating_point() or ids.numel() == 0:
+    def _check_ids(self, ids, named: bool = True) -> None:
+        """Integer ids in the vocabulary; a bare float tensor for a Hugging Face model may be pixels (not refused)."""
+        if not isinstance(ids, torch.Tensor) or ids.numel() == 0:
+            return
+        if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+            if named or self.own_model:
+                raise InputError(f"token ids must be an integer tensor, got dtype {ids.dtype}; convert them with "
+                                 ".long(), or encode text with the model's own tokenizer (loaded.encode(text))")
             return
         emb = self.model.get_input_embeddings() if hasattr(self.model, "get_input_embeddings") else None
         if (n := getattr(emb, "num_embeddings", None)) is None:

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from headlab.errors import DeviceError, ModelError, UnsupportedArchitectureError
+from headlab.errors import ConfigError, DeviceError, ModelError, UnsupportedArchitectureError
 from headlab.models.named_models import ALIASES, KNOWN_MODELS, known_names
 from headlab.models.loaded_model import LoadedModel, TruncationWarning, adapt, resolve  # noqa: F401  (public here too)
 
@@ -56,17 +56,11 @@ def load(name_or_path: str | os.PathLike = "minilm", *, device: str | torch.devi
     ``output_attentions`` works); switch backends with ``loaded.adapter.use_backend(...)``.
     """
     device = check_device(device)
-    raw = os.fspath(name_or_path)
-    key = ALIASES.get(raw.lower(), raw.lower())
-    if key in KNOWN_MODELS:
-        path, name = KNOWN_MODELS[key](), key
-    else:
-        path, name = Path(raw).expanduser(), raw
-        if not path.exists():
-            raise ModelError(f"unknown model {raw!r}: not a known name and no such folder; known names: "
-                             f"{', '.join(known_names())}; or give the path of a local model folder")
-        if not path.is_dir():
-            raise ModelError(f"{raw!r} is a file; give a model folder (with config.json) or one of: {', '.join(known_names())}")
+    if not isinstance(name_or_path, (str, os.PathLike)):  # os.fspath's TypeError would not say what to give
+        raise ConfigError(f"load takes a known model name or a folder path, got {type(name_or_path).__name__} "
+                          f"{name_or_path!r}; known names: {', '.join(known_names())}")
+    dtype = _check_dtype(dtype)
+    path, name = model_path(name_or_path)
     from headlab.models.transformer import CONFIG_FILE, Transformer
 
     if tensor_parallel and ((path / "headlab_pruned.json").is_file() or not (path / "config.json").is_file()):
@@ -84,6 +78,25 @@ def load(name_or_path: str | os.PathLike = "minilm", *, device: str | torch.devi
         raise ModelError(f"{path} is not a Hugging Face model folder (no config.json) nor a saved headlab "
                          f"Transformer (no {CONFIG_FILE}); known names: {', '.join(known_names())}")
     return _load_hf(path, name, device=device, dtype=dtype, check=check, tensor_parallel=tensor_parallel)
+
+
+def model_path(name_or_path: str | os.PathLike) -> tuple[Path, str]:
+    """``(folder, name)`` of a known model name or a model folder, or a :class:`ModelError` saying why not (an
+    empty name, neither a known name nor a folder, a file): what :func:`load` checks first, for a command to check
+    before anything else."""
+    raw = os.fspath(name_or_path)
+    if not str(raw).strip():
+        raise ModelError(f"the model name is empty; give a known name ({', '.join(known_names())}) or a model folder")
+    key = ALIASES.get(raw.lower(), raw.lower())
+    if key in KNOWN_MODELS:
+        return KNOWN_MODELS[key](), key
+    path = Path(raw).expanduser()
+    if not path.exists():
+        raise ModelError(f"unknown model {raw!r}: not a known name and no such folder; known names: "
+                         f"{', '.join(known_names())}; or give the path of a local model folder")
+    if not path.is_dir():
+        raise ModelError(f"{raw!r} is a file; give a model folder (with config.json) or one of: {', '.join(known_names())}")
+    return path, raw
 
 
 def peek_layer_heads(name_or_path: str | os.PathLike) -> list[int] | None:
@@ -118,6 +131,17 @@ def peek_layer_heads(name_or_path: str | os.PathLike) -> list[int] | None:
     return [int(heads)] * int(layers) if isinstance(layers, int) and isinstance(heads, int) else None
 
 
+def _check_dtype(dtype) -> torch.dtype:
+    """``dtype`` as a floating :class:`torch.dtype` (a name such as ``"float16"`` is read); ConfigError otherwise."""
+    if isinstance(dtype, str):
+        from headlab.costs.model import parse_dtype
+
+        dtype = parse_dtype(dtype)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ConfigError(f"dtype must be a floating torch dtype such as torch.float32 (or its name), got {dtype!r}")
+    return dtype
+
+
 def check_device(device: str | torch.device) -> torch.device:
     """``device`` as a :class:`torch.device` that exists here; :class:`~headlab.errors.DeviceError` otherwise.
 
@@ -147,7 +171,8 @@ def _load_hf(path: Path, name: str, *, device, dtype, check: bool = True, tensor
     try:
         config = AutoConfig.from_pretrained(path, local_files_only=True)
     except Exception as e:  # noqa: BLE001  (transformers raises ValueError/OSError/KeyError here)
-        raise ModelError(f"{path}/config.json is not a Hugging Face config transformers can read: {e}") from None
+        why = str(e).strip().split("\n")[0]  # transformers' first paragraph (its advice follows on more lines)
+        raise ModelError(f"{path}/config.json is not a Hugging Face config transformers can read: {why}") from None
     if config.model_type in REFUSED:  # known and refused, with the reason, before the weights load
         raise UnsupportedArchitectureError(unsupported_message(config.model_type))
     sharding, world, size = {}, 1, 1
@@ -226,5 +251,5 @@ def _check_weights_fit(cls, config, name: str, *, dtype: torch.dtype, device, wo
     where = device
     if world > 1:
         where = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available() else "cpu"
-    what = f"the weights of {name}" + (f" on rank {rank} of {world} (tensor parallelism)" if world > 1 else "")
+    what = f"loading the weights of {name}" + (f" on rank {rank} of {world} (tensor parallelism)" if world > 1 else "")
     check_fits(need, what=what, device=where, alternative=None)

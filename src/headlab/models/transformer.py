@@ -178,6 +178,10 @@ class Transformer(nn.Module):
         logits = h @ self.tok_emb.weight.t()  # (B, L, vocab)
         return TransformerOutput(logits, h, tuple(maps) if output_attentions else None)
 
+    def get_input_embeddings(self) -> nn.Embedding:
+        """The token embedding (Hugging Face's name for it), so headlab's checks and instruments find it the one way."""
+        return self.tok_emb
+
     # -- save / load ---------------------------------------------------------------------------------
     def save(self, path: str | Path) -> Path:
         """Write ``headlab_config.json`` and ``model.safetensors`` into the folder ``path`` (created)."""

@@ -47,10 +47,16 @@ class IGResult:
     method: str
 
 
+MAX_STEPS = 10_000
+
+
 def quadrature(steps: int, method: str = "gausslegendre") -> tuple[np.ndarray, np.ndarray]:
     """``(alphas, weights)`` on [0, 1] for ``steps`` points; the weights sum to 1."""
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ConfigError(f"ig_steps must be a positive integer (50 is the usual choice), got {steps!r}")
+    if steps > MAX_STEPS:  # leggauss builds a steps x steps matrix: 10**6 steps asked for terabytes
+        raise ConfigError(f"ig_steps must be at most {MAX_STEPS:,} (Gauss-Legendre converges in tens of steps), "
+                          f"got {steps:,}")
     if method == "gausslegendre":
         x, w = np.polynomial.legendre.leggauss(steps)
         return 0.5 * (x + 1.0), 0.5 * w
