@@ -1,5 +1,5 @@
-"""SmolLM2-135M sharded over 3 gloo ranks against one process: what each rank holds, analyze's statistics, and IOI
-patching (issue 32's done-when, the parts measured so far).
+"""SmolLM2-135M sharded over 3 gloo ranks against one process: what each rank holds, analyze's statistics, IOI
+patching, the head atlas with its causal checks, and a memory cap (issue 32's done-when).
 
 SmolLM2 has 9 query heads on 3 kv heads, so transformers' plan needs 3 ranks (2 would cut a kv head). Under torchrun
 each rank loads its shard (``headlab.load("smollm2", tensor_parallel=True)``) and runs, like one process: the map-free
@@ -12,6 +12,19 @@ the results; the second command runs one process on the same inputs and prints t
 
 Writes ``benchmarks/results/tp_smollm2.json``: per rank its parameters (attention and MLP), load and work time and
 peak RSS, beside one process's, and the largest |sharded - one| of each figure.
+
+``--parts`` chooses what runs (default ``analyze``, the part above); the same parts go to both commands, sharded
+first. Run one part per command when its peak RSS matters (a process's peak covers every part it ran).
+
+- ``atlas`` (``bench_tp_smollm2_atlas.py``): ``headlab.atlas`` with previous-token and induction, their causal checks
+  and the OV copying score; every rank's scores, checks and verdicts against one process's, head by head
+  (``results/tp_smollm2_atlas.json``);
+- ``cap`` (``bench_tp_smollm2_cap.py``): ``HEADLAB_MEMORY_LIMIT=--cap`` (default 384MiB), between one process's
+  weights and a rank's: the 3 ranks load and capture analyze's statistics, one process is refused with the estimate
+  before reading a weight (``results/tp_smollm2_cap.json``).
+
+    .venv/bin/torchrun --nproc_per_node 3 benchmarks/bench_tp_smollm2.py --parts atlas
+    .venv/bin/python benchmarks/bench_tp_smollm2.py --one --parts atlas
 """
 
 from __future__ import annotations
@@ -117,6 +130,19 @@ def one() -> None:
 
 
 if __name__ == "__main__":
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    import bench_tp_smollm2_atlas as atlas_part
+    import bench_tp_smollm2_cap as cap_part
+
+    ap = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     ap.add_argument("--one", action="store_true", help="the one-process peer and the comparison")
-    one() if ap.parse_args().one else sharded()
+    ap.add_argument("--parts", nargs="+", choices=["analyze", "atlas", "cap"], default=["analyze"],
+                    help="what to run (default: analyze, the statistics and IOI patching)")
+    ap.add_argument("--cap", default=cap_part.CAP, help="HEADLAB_MEMORY_LIMIT of the cap part (default %(default)s)")
+    args = ap.parse_args()
+    for part in dict.fromkeys(args.parts):
+        if part == "analyze":
+            one() if args.one else sharded()
+        elif part == "atlas":
+            atlas_part.one() if args.one else atlas_part.sharded()
+        else:
+            cap_part.one(args.cap) if args.one else cap_part.sharded(args.cap)

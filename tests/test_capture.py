@@ -186,3 +186,22 @@ def test_stats_capture_runs_attention_once_and_keeps_the_outputs(make, monkeypat
     out_a = cache.outputs.last_hidden_state if make is _bert else cache.outputs.logits
     out_b = plain.outputs.last_hidden_state if make is _bert else plain.outputs.logits
     torch.testing.assert_close(out_a, out_b, atol=1e-5, rtol=1e-5)
+
+
+def test_grads_at_a_stream_site_are_refused_with_the_sites_that_have_them():
+    """The residual stream and the statistics are recorded beside the graph: grads=True there was a bare
+    RuntimeError from autograd; it is a ConfigError naming the sites and what to do."""
+    import transformers
+
+    from headlab.errors import ConfigError
+
+    torch.manual_seed(0)
+    m = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=32, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2)).eval()
+    ids = torch.randint(0, 32, (1, 5))
+    for site in ("blocks.1.attn.resid_pre", "blocks.0.attn.resid_post", "blocks.0.attn.stats"):
+        with pytest.raises(ConfigError, match=f"not at {site.rsplit('.', 1)[-1]}; capture those without grads"):
+            headlab.capture(m, ids, ["blocks.0.attn.z", site], grads=True, scalar=lambda o: o.logits[0, -1, 3])
+    g = headlab.capture(m, ids, ["blocks.0.attn.z"], grads=True, scalar=lambda o: o.logits[0, -1, 3])
+    assert g.grads["blocks.0.attn.z"].abs().max() > 0

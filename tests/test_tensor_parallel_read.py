@@ -5,7 +5,8 @@ sandwich norms and a sliding window) are saved with a word-level tokenizer; 2 an
 ranks load them with ``headlab.load(..., tensor_parallel=True)`` (tests/workers/tp_read_worker.py; one launch per
 world reads every model of that world) and run value-aware norms (maps, rows and streaming summaries, attention and
 residual modes), the value norms, rollout (mean and norm, full maps and top-down rows), attention flow, the logit
-lens, direct logit attribution and ``headlab analyze``'s per-head table. Each is compared here with one process on
+lens, direct logit attribution, ``headlab.capture(..., grads=True)`` (every head site and the gates,
+in global head order) and ``headlab analyze``'s per-head table. Each is compared here with one process on
 the unsharded model, in float32 (atol 1e-5): the one-process result is the independent computation, and it depends
 on the head order (checked below), so a rank that read its heads' weights in the wrong order, or only its own
 heads, would fail.
@@ -113,7 +114,7 @@ def _close(got, ref, msg: str) -> None:
 
 READS = ["norms_attention", "norms_attention_rows", "norms_residual", "norms_residual_rows", "norms_stream",
          "value_norms", "rollout_mean", "rollout_mean_rows", "rollout_norm", "rollout_norm_rows", "flow",
-         "logit_lens", "dla", "analyze"]
+         "logit_lens", "dla", "analyze", "capture_grads"]
 
 
 @pytest.mark.distributed
@@ -163,6 +164,13 @@ def test_the_one_process_figures_depend_on_the_head_order(read_world):
             assert (dla["heads"][:, 0] - dla["heads"][:, H - 1]).abs().max() > 1e-4, name
             torch.testing.assert_close(dla["per_example"].sum((1, 2)) + dla["rest"], dla["logit_diff"],
                                        atol=1e-4, rtol=0)
+        g = ref["capture_grads"]
+        for l in (0, 1):  # every head's gradient is its own, and so is every gate's
+            z = g[f"grad blocks.{l}.attn.z"]
+            assert z.abs().max() > 1e-4 and (z[:, 0] - z[:, H - 1]).abs().max() > 1e-5, (name, l)
+            assert (g["grad gates"][l, 0] - g["grad gates"][l, H - 1]).abs() > 1e-6, (name, l)
+            want = (g[f"value blocks.{l}.attn.z"] * z).sum((0, 2, 3))  # d m / d gate = <z, d m / d z> at gates 1
+            torch.testing.assert_close(g["grad gates"][l], want, atol=1e-5, rtol=1e-4)
         if family == "qwen2":  # the loader takes Qwen2's own tokenizer class, which reads the word-level vocabulary
             assert "no tokens" in ref["analyze"]["refused"], name
             continue

@@ -6,8 +6,8 @@ the load only) and saves ``OUT_DIR/rank{R}.pt`` with: the bytes of every paramet
 local shard), the bytes headlab's gathers received in a capture (``gather="all"``, ``"rank0"``, ``"none"``) and in
 an exact patch (counted on ``torch.distributed.all_gather`` / ``gather`` themselves), pruned models' logits and
 the refusals of unbalanced prunings, and greedy decoding under three KV policies. With 4 ranks
-(``TP_MORE_MESH=2``) it loads with ``tensor_parallel=2`` (a 2 x 2 data x tensor mesh) and saves head importance
-and a capture.
+(``TP_MORE_MESH=2``) it loads with ``tensor_parallel=2`` (a 2 x 2 data x tensor mesh) and saves head importance,
+confidence, a capture and a dependency probe.
 """
 
 from __future__ import annotations
@@ -24,6 +24,37 @@ import tp_worker  # noqa: E402
 PRUNE = {0: [1, 3], 1: [0, 2]}  # one head of each rank in every layer (4 heads over 2 ranks): balanced
 UNBALANCED = {"one_rank": {0: [0, 1]}, "one_layer": {0: [1, 3]}}
 PRUNE_GQA = {0: [0, 1, 4, 5], 1: [2, 3, 6, 7]}  # 8 heads / 4 kv: each rank loses one whole kv group per layer
+
+
+TREEBANK_WORDS = ["the", "cat", "sat", "on", "mat", "a", "dog", "saw", "bird", "ran"]
+
+
+def treebank(path: Path) -> Path:
+    """Five tiny CoNLL-U sentences over :data:`TREEBANK_WORDS` (a 2 x 2 mesh splits them 3 + 2 across its groups)."""
+    sents = [("the cat sat on the mat", [2, 3, 0, 6, 6, 3], ["det", "nsubj", "root", "case", "det", "obl"]),
+             ("a dog saw the bird", [2, 3, 0, 5, 3], ["det", "nsubj", "root", "det", "obj"]),
+             ("the bird ran on a mat", [2, 3, 0, 6, 6, 3], ["det", "nsubj", "root", "case", "det", "obl"]),
+             ("a cat saw the dog", [2, 3, 0, 5, 3], ["det", "nsubj", "root", "det", "obj"]),
+             ("the dog sat", [2, 3, 0], ["det", "nsubj", "root"])]
+    lines = []
+    for i, (text, heads, rels) in enumerate(sents, 1):
+        lines += [f"# sent_id = {i}", f"# text = {text}"]
+        lines += [f"{j}\t{w}\t{w}\tX\tX\t_\t{h}\t{r}\t_\t_"
+                  for j, (w, h, r) in enumerate(zip(text.split(), heads, rels), 1)]
+        lines.append("")
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def probe_figures(loaded, path: Path) -> dict:
+    """``headlab.probe`` on :func:`treebank`: its counts and per-head figures (every rank writes its own copy)."""
+    import headlab
+
+    r = headlab.probe(loaded, treebank(path), grad_sentences=5)
+    out = {k: torch.as_tensor(getattr(r, k)) for k in ("accuracy", "count", "visible", "baseline_accuracy")}
+    out.update({f"per_head {k}": torch.as_tensor(v) for k, v in r.per_head.items()})
+    out["sentences"], out["tokens"] = r.sentences, r.tokens
+    return out
 
 
 def policies():
@@ -117,6 +148,7 @@ def decoding(loaded) -> dict:
     for name, policy in policies().items():
         g = headlab.generate(loaded, prompt(), policy=policy, max_new_tokens=6)
         out[name] = {"ids": g.ids, "kv_bytes": g.kv_bytes, "per_rank": g.kv_bytes_per_rank,
+                     "json_per_rank": g.to_json()["kv_bytes_per_rank"],
                      "held": g.prompt_tokens + g.ids.shape[1] - 1}
     return out
 
@@ -140,7 +172,8 @@ def main() -> None:
                "examples": tp.study_examples(loaded.adapter, len(texts)), "data_rank": tp.data_rank(loaded.adapter),
                "importance": headlab.head_importance(loaded, texts, loss="lm", batch_size=2),
                "confidence": head_confidence(loaded, texts, batch_size=2),
-               "capture": dict(headlab.capture(loaded, tp_worker.inputs(), ["blocks.*.attn.z", "blocks.*.attn.k"]))}
+               "capture": dict(headlab.capture(loaded, tp_worker.inputs(), ["blocks.*.attn.z", "blocks.*.attn.k"])),
+               "probe": probe_figures(loaded, Path(out) / f"tb{rank}.conllu")}
     else:
         cap = os.environ.get("TP_MORE_CAP")
         if cap:

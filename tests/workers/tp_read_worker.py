@@ -4,7 +4,7 @@ under ``torchrun --nproc_per_node N tp_read_worker.py - - - OUT_DIR MODEL_DIR``.
 Set up as torchrun sets a rank up (as tests/workers/tp_worker.py is): ``headlab.load(..., tensor_parallel=True)``
 lets transformers start the gloo group and shard the model with its family's plan. Each rank runs every reading
 instrument (:func:`reads`: value-aware norms in every form, rollout, attention flow, the logit lens, direct logit
-attribution and ``headlab analyze``'s per-head table) on every model saved in MODEL_DIR (or in its subfolders: one
+attribution, ``headlab.capture(..., grads=True)`` and ``headlab analyze``'s per-head table) on every model saved in MODEL_DIR (or in its subfolders: one
 launch reads several families) and saves ``OUT_DIR/rank{R}.pt``, ``{model name: results}``; the test runs the same
 :func:`reads` in one process on each unsharded model and compares.
 """
@@ -67,12 +67,37 @@ def reads(target, out_dir: str) -> dict:
                       "logit_diff": dla.logit_diff}
     except UnsupportedArchitectureError as e:  # sandwich blocks (Gemma 3): refused alike, sharded or not
         out["dla"] = {"refused": str(e)}
+    out["capture_grads"] = capture_grads(target)
     try:
         rep = headlab.analyze(TEXT, model=target, out_dir=out_dir, force=True)
         out["analyze"] = {"records": [r.as_dict() for r in rep.records], "tokens": rep.tokens, "mode": rep.mode,
                           "drawn": rep.drawn, "n_heads": rep.n_heads}
     except InputError as e:  # a tokenizer that reads the test's text as no tokens: refused alike, sharded or not
         out["analyze"] = {"refused": str(e)}
+    return out
+
+
+def capture_grads(target) -> dict:
+    """``headlab.capture(..., grads=True)``: the head sites' values and gradients and the gates' (head importance's
+    d m / d gate), in global head order on every rank (and on rank 0 alone)."""
+    import headlab
+    from headlab.models.loader import resolve
+
+    adapter = resolve(target)[0]
+    sites = ["blocks.*.attn.q", "blocks.*.attn.k", "blocks.*.attn.v", "blocks.*.attn.pattern", "blocks.*.attn.z",
+             "blocks.*.attn.head_out"]
+    ids = _ids(9, 5)
+    adapter.gates.requires_grad_(True)
+    try:
+        c = headlab.capture(target, ids, sites, grads=True, scalar=lambda o: o.logits[0, -1, 3] - o.logits[0, 4, 5])
+    finally:
+        adapter.gates.requires_grad_(False)
+    out = {f"grad {k}": v for k, v in c.grads.items()}
+    out.update({f"value {k}": c[k] for k in c})
+    out["scalar"] = float(c.scalar)
+    rank0 = headlab.capture(target, ids, ["blocks.1.attn.z"], grads=True, scalar=lambda o: o.logits[0, -1, 3],
+                            gather="rank0")
+    out["rank0 grads"] = sorted(rank0.grads) if adapter.tp is None or adapter.tp.rank == 0 else ["blocks.1.attn.z"]
     return out
 
 

@@ -273,8 +273,8 @@ def local_W_O(module: nn.Module, n_local: int, head_dim: int) -> torch.Tensor:
 
 
 def head_out_hook(module: nn.Module, args: tuple, output: torch.Tensor):
-    """Hook on a row-parallel W^O: head_out for this rank's heads; when edited, the output is rebuilt as the sum
-    over every rank's heads (an all-reduce, as the row-parallel layer does) plus the bias."""
+    """Hook on a row-parallel W^O: head_out for this rank's heads; when edited (or its gradient is wanted), the
+    output is rebuilt as the sum over every rank's heads (an all-reduce, as the row-parallel layer does) plus the bias."""
     state: LayerState = module._headlab
     zg, state.z_gated = state.z_gated, None
     if zg is None:
@@ -282,8 +282,8 @@ def head_out_hook(module: nn.Module, args: tuple, output: torch.Tensor):
     tp: HeadShards = state.adapter.tp
     W = local_W_O(module, state.n_heads, state.head_dim).to(zg.dtype)
     head_out = visit(state, "head_out", torch.einsum("bhld,hde->bhle", zg, W))  # (B, H_local, L, E)
-    if not state.edits.get("head_out"):
-        return None
+    if not state.edits.get("head_out") and not (state.probe is not None and state.probe.grads):
+        return None  # rebuilt only when edited or when its gradient is wanted (then it must be in the graph)
     new = head_out.sum(-3).contiguous()
     with talking("the tensor-parallel all-reduce of an edited head_out", tp.rank):
         dist.all_reduce(new, group=tp.group)
@@ -371,11 +371,26 @@ def sum_heads(adapter, t: torch.Tensor) -> torch.Tensor:
     return all_reduce_sum(t) if tp is None else tp_mesh.sum_heads(t, tp)
 
 
+def sum_examples(adapter, parts: list) -> list[torch.Tensor]:
+    """Sums over this rank's examples that every rank of a tensor-parallel group holds alike (a study computed from
+    gathered, global-order captures: a probe's counts), added over the ranks that split the examples, as float64
+    tensors: over every rank without tensor parallelism (:func:`~headlab.distributed.data.all_reduce_many`), over
+    the data ranks (each group's copy once) on a sharded model."""
+    from headlab.distributed.data import all_reduce_many
+
+    tp: HeadShards | None = getattr(adapter, "tp", None)
+    if tp is None:
+        return all_reduce_many(parts)
+    if tp_mesh.data_world(tp) == 1:
+        return [torch.as_tensor(p, dtype=torch.float64) for p in parts]
+    return [t / tp.world for t in all_reduce_many(parts)]  # every group's ranks added their (equal) sums
+
+
 def full_weight(t: torch.Tensor) -> torch.Tensor:
     """A weight (or a view of one) as one tensor on every rank: a DTensor's ``full_tensor()`` (a collective:
     every rank calls it alike), a plain tensor itself."""
     return t.full_tensor() if _is_dtensor(t) else t
 
 
-__all__ = ["HeadShards", "by_heads", "check_before_load", "data_rank", "full_weight", "gate_hook", "global_edit",
+__all__ = ["HeadShards", "by_heads", "check_before_load", "data_rank", "full_weight", "sum_examples", "gate_hook", "global_edit",
            "head_out_hook", "hooks_for", "local_W_O", "shards_of", "study_examples", "sum_heads", "world_size"]

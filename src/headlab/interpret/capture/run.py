@@ -87,9 +87,12 @@ def capture(
     if grads and scalar is None:
         raise ConfigError("grads=True needs scalar=, a function of the model outputs returning a 0-dim tensor, "
                           "e.g. scalar=lambda out: out.logits[0, -1].max()")
-    if grads and adapter.tp is not None:
-        raise ConfigError("grads=True is not available yet on a model sharded by tensor parallelism; capture without "
-                          "grads, or load the model in one process")
+    if grads:  # the stream sites and the statistics are recorded beside the model's graph, not in it
+        flat = sorted({k for kinds in wanted.values() for k in kinds if k in STREAM_KINDS or k == "stats"})
+        if flat:
+            raise ConfigError(f"grads=True takes gradients at the sites inside attention (q, k, v, pattern, z, "
+                              f"head_out, ...), not at {', '.join(flat)}; capture those without grads, or take "
+                              "gradients at a site inside attention")
     model_inputs = _prepare_inputs(inputs, loaded)
     probe = Probe(wanted, grads, dict(stats_kwargs or {}), adapter.site_name)
     chosen = backend or adapter.backend or "auto"
@@ -109,8 +112,13 @@ def capture(
             grad_map = {n: (torch.zeros_like(probe.live[n]) if g is None else g.detach()) for n, g in zip(names, got)}
             value = value.detach()
     data, shards = probe.data, None
+    if adapter.tp is not None and "gates" in grad_map:  # each rank's gates act on its own heads (zeros elsewhere)
+        from headlab.distributed.data import all_reduce_sum
+
+        grad_map["gates"] = all_reduce_sum(grad_map["gates"], adapter.tp.group)
     if adapter.tp is not None and to != "none":  # tensor parallelism: each rank holds its heads; in global order to
-        data = adapter.tp.gather_sites(data, to)  # every rank, or rank 0
+        data = adapter.tp.gather_sites(data, to)  # every rank, or rank 0; their gradients alike (each rank's heads
+        grad_map = adapter.tp.gather_sites(grad_map, to) if grad_map else grad_map  # get theirs whole: tp_grads)
     elif adapter.tp is not None:
         shards = adapter.tp  # kept where they are: cache.heads(site) says which
     return ActivationCache(data, grad_map, outputs, value, adapter, probe.call_args, shards=shards)

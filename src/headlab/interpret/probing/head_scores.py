@@ -22,7 +22,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from headlab.distributed.data import all_reduce_many, is_main, shard_indices
+from headlab.distributed.data import is_main
+from headlab.models.tensor_parallel import study_examples, sum_examples
 from headlab.errors import InputError, ModelError
 from headlab.interpret.capture import capture
 from headlab.interpret.probing import align as al
@@ -176,7 +177,8 @@ def _gradient_test(chosen, sentences, causal: bool, budget: int, backend, say) -
     K = sum(heads)
     items, _ = al.align_sentences(chosen.tokenizer, sentences, max_positions=chosen.max_positions)
     total = len(items)
-    items = [items[i] for i in shard_indices(total)]  # data-parallel under torchrun, as the main pass
+    items = [items[i] for i in study_examples(chosen.adapter, total)]  # data-parallel under torchrun (by groups of
+    # a sharded model's ranks, which make the same forwards), as the main pass
     sums = [torch.zeros(K, dtype=torch.float64) for _ in range(3)]
     counts = [0.0, 0.0, 0.0]
     batches = _batches(items, K * 4, budget)  # autograd keeps activations: smaller batches
@@ -191,7 +193,7 @@ def _gradient_test(chosen, sentences, causal: bool, budget: int, backend, say) -
     finally:
         for p in params:
             p.requires_grad_(True)
-    *sums, counts = all_reduce_many([*sums, counts])
+    *sums, counts = sum_examples(chosen.adapter, [*sums, counts])
     return {name: _on_grid((sums[i] / max(float(counts[i]), 1.0)).numpy(), heads)
             for i, name in enumerate(("grad_sep", "grad_other", "grad_first"))}
 
@@ -304,8 +306,9 @@ def probe(
         js_rows = 0.0
         notes: list[str] = []
         done, n_tokens, in_map = 0, 0, 0
-        # under torchrun each rank takes every W-th sentence and the sums are added (identity on one process)
-        mine = [items[i] for i in shard_indices(len(items))]
+        # under torchrun each rank takes every W-th sentence and the sums are added (identity on one process); the
+        # ranks of a model sharded by tensor parallelism run the same sentences (the captures are gathered)
+        mine = [items[i] for i in study_examples(loaded.adapter, len(items))]
         if not is_main():
             say = _silent
         say("sentences", 0, len(mine))
@@ -334,7 +337,7 @@ def probe(
         except KeyboardInterrupt:
             notes.append(f"interrupted after {done} of {len(items)} sentences: the figures cover those")
         # the sums of every rank (one message; nothing changes on one process)
-        sums = all_reduce_many([correct, gold.count, gold.visible, gold.correct, js,
+        sums = sum_examples(loaded.adapter, [correct, gold.count, gold.visible, gold.correct, js,
                                 *surface.sums.values(), [surface.n_query, surface.n_pairs, float(surface.any_sep),
                                                          js_rows, done, n_tokens, in_map]])
         correct, js = sums[0].float(), sums[4]

@@ -144,7 +144,8 @@ def study(loaded_or_path, dataset: str | os.PathLike, out: str | os.PathLike, *,
 
     Data-parallel under ``torchrun`` (a process group from :func:`headlab.distributed.data.init_from_env`):
     each rank explains every W-th row, rank 0 gathers the records, writes them and the tables and
-    returns the result; the other ranks return None.
+    returns the result; the other ranks return None. On a model sharded by tensor parallelism the ranks of
+    a tensor-parallel group explain the same rows together (a 2-D mesh: the groups split the rows).
     """
     from headlab.interpret.saliency.tables import summarize
 
@@ -167,6 +168,9 @@ def study(loaded_or_path, dataset: str | os.PathLike, out: str | os.PathLike, *,
     # the ones one process would write
     rank, size = world()
     main = rank == 0
+    tp = getattr(loaded.adapter, "tp", None)  # a model sharded by heads: a tensor-parallel group's ranks (consecutive)
+    group = tp.world if tp is not None else 1  # explain the same row together, and one of them reports it
+    rank, size = rank // group, size // group
     with (open(jsonl, "a", encoding="utf-8") if main else contextlib.nullcontext()) as f, \
             reporter(progress if main else False) as say:
         done_rows = len(rows) - len(todo)
@@ -183,7 +187,7 @@ def study(loaded_or_path, dataset: str | os.PathLike, out: str | os.PathLike, *,
                     rec = instance(loaded, r, opts)
                 except InputError as e:  # e.g. a sentence longer than the model's positions
                     why = f"line {r.line}: {e}"
-            for rec_j, why_j in gather_objects((rec, why)):
+            for rec_j, why_j in gather_objects((rec, why))[::group]:
                 if not main or (rec_j is None and why_j is None):
                     continue
                 if why_j is not None:

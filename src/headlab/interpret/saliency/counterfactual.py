@@ -82,6 +82,19 @@ class AdversarialResult:
     row: torch.Tensor  # (H, L) the adversarial rows (every head) that reach max_jsd
 
 
+def _gradient(objective: Objective, div: torch.Tensor, over: torch.Tensor, theta: torch.Tensor) -> torch.Tensor:
+    """``d (sum(-div + over)) / d theta``. On a model sharded by tensor parallelism the edited map's heads live on
+    their ranks, so each rank's backward through the model (``over``) reaches only its own heads' rows: those parts
+    are added over the tensor-parallel group, while ``div`` (computed from ``theta`` alike on every rank) is not."""
+    tp = getattr(objective.loaded.adapter, "tp", None)
+    if tp is None:
+        (g,) = torch.autograd.grad((-div + over).sum(), [theta])
+        return g
+    from headlab.distributed.data import all_reduce_sum
+
+    (g_div,) = torch.autograd.grad((-div).sum(), [theta], retain_graph=True)
+    (g_over,) = torch.autograd.grad(over.sum(), [theta], allow_unused=True)
+    return g_div + all_reduce_sum(torch.zeros_like(theta) if g_over is None else g_over, tp.group)
 def adversarial_attention(objective: Objective, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                           row: torch.Tensor, *, budget: float = 0.01, steps: int = 30, restarts: int = 4,
                           lr: float = 0.5, penalty: float = 100.0, seed: int = 0) -> AdversarialResult:
@@ -112,9 +125,7 @@ def adversarial_attention(objective: Objective, input_ids: torch.Tensor, attenti
             i = int(torch.where(ok, d, torch.full_like(d, -1.0)).argmax())
             if float(d[i]) > best:
                 best, best_tvd, best_row = float(d[i]), float(ch[i]), new[i].detach().clone()
-        loss = (-div + penalty * torch.relu(change - budget)).sum()
         opt.zero_grad()
-        (g,) = torch.autograd.grad(loss, [theta])
-        theta.grad = g
+        theta.grad = _gradient(objective, div, penalty * torch.relu(change - budget), theta)
         opt.step()
     return AdversarialResult(best, best_tvd, steps, restarts, best_row)
