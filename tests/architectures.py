@@ -60,6 +60,8 @@ BUILDERS = {
     "qwen2": (_llama_like(T.Qwen2Config, T.Qwen2ForCausalLM), "text"),
     "qwen3": (_llama_like(T.Qwen3Config, T.Qwen3ForCausalLM, head_dim=D), "text"),
     "gemma": (_llama_like(T.GemmaConfig, T.GemmaForCausalLM, head_dim=D), "text"),
+    "eurobert": (_llama_like(T.EuroBertConfig, T.EuroBertModel, head_dim=D, pad_token_id=0, bos_token_id=1,
+                             eos_token_id=1, mask_token_id=2), "text"),
     "gemma2": (_llama_like(T.Gemma2Config, T.Gemma2ForCausalLM, head_dim=D, sliding_window=4,
                            attn_logit_softcapping=2.0, final_logit_softcapping=None, query_pre_attn_scalar=16), "text"),
     "gemma3_text": (_llama_like(T.Gemma3TextConfig, T.Gemma3ForCausalLM, head_dim=D, sliding_window=4,

@@ -11,9 +11,9 @@ the unsharded model, in float32 (atol 1e-5): the one-process result is the indep
 on the head order (checked below), so a rank that read its heads' weights in the wrong order, or only its own
 heads, would fail.
 
-Encoders: the installed transformers has tensor-parallel plans for EuroBERT (and UltraBERT, ESMC), which no headlab
-family class declares; headlab reads them by structure, and that discovery is not shard-aware, so they are refused
-before loading (the last test), with the reason.
+Encoders: the installed transformers has tensor-parallel plans for EuroBERT (and UltraBERT, ESMC). EuroBERT is a
+declared family (a Llama-style encoder) and reads sharded like the decoders; a type read by structure (no family
+class) is refused before loading with the reason, since that discovery is not shard-aware (the last test).
 """
 
 from __future__ import annotations
@@ -75,7 +75,8 @@ def tiny_family(path: Path, family: str, heads: int, kv_heads: int) -> Path:
 # ranks; Qwen2 at 4 ranks, one query and one kv head each, its sharded v bias gathered with the rows. (Llama with 4 kv
 # heads at 4 ranks and Gemma 1 at 2 read alike; they are left out to keep the file short.)
 WORLDS = {
-    "world2": (2, True, {"llama-gqa": ("llama", 4, 2), "qwen3": ("qwen3", 4, 2), "gemma3": ("gemma3", 4, 2)}),
+    "world2": (2, True, {"llama-gqa": ("llama", 4, 2), "qwen3": ("qwen3", 4, 2), "gemma3": ("gemma3", 4, 2),
+                         "eurobert": ("eurobert", 4, 2)}),
     "world4": (4, False, {"qwen2-bias": ("qwen2", 4, 4)}),
 }
 
@@ -191,16 +192,19 @@ def test_value_path_and_readout_of_an_unsharded_model_are_the_adapter_s_own(tmp_
 
 
 def test_an_encoder_read_by_structure_is_refused_before_loading(tmp_path, monkeypatch):
-    """EuroBERT has a plan in transformers and reads in one process (adapted by structure); sharded, headlab's
+    """A model type with a plan in transformers that no headlab family class declares is read by structure, and that
     discovery would take a rank's 2 heads for the config's 4 (it failed with a bare IndexError): refused from the
-    config, before any weight is read, saying why and what to do."""
+    config, before any weight is read, saying why and what to do. EuroBERT is declared now (it runs sharded above);
+    the refusal is shown by hiding its declaration."""
     from headlab.errors import UnsupportedArchitectureError
+    from headlab.models.hf import registry
 
     path = tiny_family(tmp_path / "eurobert", "eurobert", 4, 2)
     one = headlab.load(path)
-    assert one.adapter.n_heads == 4 and not one.adapter.causal
-    assert headlab.attention_norms(one, tp_read_worker._ids(6, 1)).per_head[1].shape == (4, 6, 6)
+    assert one.adapter.family == "eurobert" and one.adapter.n_heads == 4 and not one.adapter.causal
     (path / "model.safetensors").write_bytes(b"not weights")  # never read: the refusal comes from the config
+    real = registry.adapter_class
+    monkeypatch.setattr(registry, "adapter_class", lambda mt: None if mt == "eurobert" else real(mt))
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(UnsupportedArchitectureError, match="'eurobert' has a tensor-parallel plan, but no headlab "
                                                            "family class declares it.*without tensor_parallel"):

@@ -18,6 +18,7 @@ from headlab.models.hf import (  # noqa: F401  (each registers its family)
     bloom,
     cohere,
     distilbert,
+    eurobert,
     falcon,
     gemma,
     gpt2,
