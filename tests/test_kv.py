@@ -24,8 +24,8 @@ from tests.architectures import BUILDERS, build
 
 # the types a headlab family declares (architectures.py also builds base models that no family names)
 _DECLARED = set(getattr(architectures, "DECLARED", BUILDERS))
-DECODERS = [n for n, (_, kind) in BUILDERS.items() if kind == "text" and n in _DECLARED and n not in
-            ("bert", "roberta", "distilbert", "albert", "electra", "deberta-v2", "xlm-roberta", "modernbert")]
+ENCODERS = ("bert", "roberta", "distilbert", "albert", "electra", "deberta-v2", "xlm-roberta", "modernbert", "eurobert")
+DECODERS = [n for n, (_, kind) in BUILDERS.items() if kind == "text" and n in _DECLARED and n not in ENCODERS]
 OWN_FORWARD = ("bloom", "falcon")  # compute attention in their own modules: the full cache only
 
 
