@@ -13,6 +13,7 @@ search, whose gradient on a sharded model must be added over the ranks' heads (i
 from __future__ import annotations
 
 import json
+import re
 import math
 import sys
 from pathlib import Path
@@ -123,3 +124,20 @@ def test_generate_reports_each_rank_s_cache_and_their_sum_is_one_process_s(both)
     got, one = _read(tp / "generate.json"), _read(ref / "generate.json")
     assert one["kv_bytes_per_rank"] is None
     assert len(got["kv_bytes_per_rank"]) == 2 and sum(got["kv_bytes_per_rank"]) == one["kv_bytes"] == got["kv_bytes"]
+
+
+@pytest.mark.parametrize("args,env,match", [
+    (["--tensor-parallel", "--tensor-size", "0"], None, r"--tensor-size must be at least 1.*got 0"),
+    (["--tensor-parallel", "--tensor-size", "-1"], None, r"--tensor-size must be at least 1.*got -1"),
+    (["--tensor-size", "2"], None, r"--tensor-size acts only with --tensor-parallel"),
+    (["--tensor-parallel"], None, r"launch with torchrun"),
+    (["--tensor-parallel", "--tensor-size", "3"], "2", r"--tensor-size 3 does not divide the 2 ranks"),
+])
+def test_bad_tensor_parallel_options_end_in_one_line_before_the_load(args, env, match, no_load, monkeypatch, capsys):
+    """A size of 0 would have read as "no tensor parallelism" and run unsharded without a word."""
+    from conftest import run_cli
+
+    if env is not None:
+        monkeypatch.setenv("WORLD_SIZE", env)
+    code, out, err = run_cli(["flow", "a b", *args], capsys)
+    assert code == 2 and err.count("\n") == 1 and re.search(match, err), err

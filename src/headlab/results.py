@@ -238,5 +238,12 @@ def check_output_dir(path: str | os.PathLike, option: str, *, force: bool = Fals
     return path
 
 
-__all__ = ["Result", "Unwritable", "check_output_dir", "check_output_file", "envelope", "read_json", "write_json",
+
+def print_json(obj) -> None:
+    """Machine-readable output (a command's ``--json``): one JSON document on stdout."""
+    import sys
+
+    sys.stdout.write(json.dumps(obj, indent=2, default=str) + "\n")
+
+__all__ = ["print_json", "Result", "Unwritable", "check_output_dir", "check_output_file", "envelope", "read_json", "write_json",
            "write_text"]

@@ -6,7 +6,6 @@ Commands live one module each in this package and register on :data:`app` (or a 
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from pathlib import Path
@@ -17,7 +16,8 @@ from rich.console import Console
 from headlab.errors import ConfigError
 from headlab.models.peek import peek_max_positions  # noqa: F401  (sizes checked before the load, here for the commands)
 from headlab.reading import check_utf8, read_file, read_text  # noqa: F401  (the one reader, for the commands)
-from headlab.results import check_output_dir, check_output_file  # noqa: F401  (the one output check, here for the commands)
+from headlab.decode.instrument import kv_heads_text as heads_text  # noqa: F401  (the KV heads' summary line)
+from headlab.results import check_output_dir, check_output_file, print_json  # noqa: F401  (the one output check, here for the commands)
 from headlab.units import human_bytes, human_flops
 
 app = typer.Typer(
@@ -58,17 +58,6 @@ def check_at_least(option: str, value, low, *, what: str = "") -> None:
         return
     if value != value or value in (float("inf"), float("-inf")) or value < low:
         raise ConfigError(f"{option} must be at least {low}{what}, got {value}")
-
-
-def heads_text(counts: dict) -> str:
-    """``"12 kv heads full, 78 windowed, 0 dropped"`` (and ``", 6 by token budget"`` for SnapKV / Ada-KV heads)."""
-    text = f"{counts.get('full', 0)} kv heads full, {counts.get('window', 0)} windowed, {counts.get('drop', 0)} dropped"
-    return text + (f", {counts['snap']} by token budget" if counts.get("snap") else "")
-
-
-def print_json(obj) -> None:
-    """Machine-readable output: one JSON document on stdout."""
-    sys.stdout.write(json.dumps(obj, indent=2, default=str) + "\n")
 
 
 __all__ = ["app", "bench_app", "check_at_least", "check_output_dir", "check_output_file", "check_text", "console",

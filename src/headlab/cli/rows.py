@@ -59,6 +59,8 @@ def command(instrument: Instrument | str):
         tp, size = bool(options.pop("tensor_parallel", False)), options.pop("tensor_size", None)
         if size is not None and not tp:
             raise InputError("--tensor-size acts only with --tensor-parallel; add --tensor-parallel or drop it")
+        if size is not None and size < 1:  # 0 would read as "no tensor parallelism" further down
+            raise InputError(f"--tensor-size must be at least 1 (ranks per tensor-parallel group), got {size}")
         outcome = run(inst, options, resume=resume, progress=True, transient=True,
                       say=lambda line: err_console.print(line, highlight=False, soft_wrap=True),
                       tensor_parallel=(size if size is not None else True) if tp else False)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import zipfile
 from pathlib import Path
 
+from headlab.results import print_json
 from headlab.errors import ConfigError, InputError
 from headlab.interpret.instruments.base import REQUIRED, Context, Instrument, InstrumentResult, Option, Output, \
     at_least, register
@@ -236,10 +237,7 @@ headlab generate "The capital of France is" --policy streaming:4,256 --max-new-t
 
         g = outcome.result.native
         if ctx.options["as_json"]:
-            import json
-            import sys
-
-            sys.stdout.write(json.dumps(self.document(ctx, g), indent=2, default=str) + "\n")
+            print_json(self.document(ctx, g))
             return
         console.print(f"{ctx.options['prompt']}[bold]{g.text}[/]", highlight=False, soft_wrap=True)
         err.print(

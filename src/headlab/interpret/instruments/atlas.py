@@ -24,9 +24,9 @@ one, so the whole atlas is one unit: Ctrl-C keeps the finished phases in that fi
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
+from headlab.results import print_json
 from headlab.errors import ConfigError, InputError
 from headlab.interpret.atlas.kinds import KINDS
 from headlab.interpret.atlas.resume import finished_phases
@@ -281,9 +281,7 @@ the checks' configurations across the processes; rank 0 shows the progress and w
     def render(self, ctx: Context, outcome, console, err) -> None:
         a = outcome.result.native
         if ctx.options["as_json"]:
-            import sys
-
-            sys.stdout.write(json.dumps(a.summary(), indent=2, default=str) + "\n")
+            print_json(a.summary())
             return
         console.print(f"{a.model} ({a.family}): {a.n_layers} layers x {a.n_heads} heads; "
                       f"{sum(a.seconds.values()):.1f} s", highlight=False, soft_wrap=True)

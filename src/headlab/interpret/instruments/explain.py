@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+from headlab.results import print_json
 from headlab.errors import ConfigError, InputError
 from headlab.interpret.instruments.base import REQUIRED, Context, Instrument, InstrumentResult, Option, Output, \
     at_least, register
@@ -172,9 +173,6 @@ Examples: headlab explain "a gripping , funny film" --model ~/.cache/headlab/min
     def render(self, ctx: Context, outcome, console, err) -> None:
         r, o = outcome.result.native, ctx.options
         if o["as_json"]:
-            import json
-            import sys
-
             if o["dataset"] is None:
                 j = r.to_json()
                 doc = ({k: j[k] for k in ("tokens", "target", "probs", "scores", "agreement", "completeness_gap")}
@@ -182,7 +180,7 @@ Examples: headlab explain "a gripping , funny film" --model ~/.cache/headlab/min
                           "files": {k: str(v) for k, v in ctx.state.get("paths", {}).items()}})
             else:
                 doc = r.to_json()
-            sys.stdout.write(json.dumps(doc, indent=2, default=str) + "\n")
+            print_json(doc)
             return
         if o["dataset"] is not None:
             render_study(r, console)

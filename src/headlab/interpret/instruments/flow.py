@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from headlab.results import print_json
 from headlab.errors import ConfigError, InputError
 from headlab.interpret.instruments.base import REQUIRED, Context, Instrument, InstrumentResult, Option, Output, \
     at_least, register
@@ -144,10 +145,7 @@ Example: headlab flow "The cat sat on the mat." --method flow --rows cls"""
             err.print(f"wrote {outcome.files[0]}", highlight=False)
         o, res = ctx.options, outcome.result.native
         if o["as_json"]:
-            import json
-            import sys
-
-            sys.stdout.write(json.dumps(res.to_json(), indent=2, default=str) + "\n")
+            print_json(res.to_json())
             return
         method, top = o["method"], o["top"]
         if method in ("rollout", "norm-rollout"):

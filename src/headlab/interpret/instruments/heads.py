@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from headlab.results import print_json
 from headlab.errors import ConfigError, InputError
 from headlab.interpret.instruments.base import REQUIRED, Context, Instrument, InstrumentResult, Option, Output, \
     at_least, register
@@ -75,10 +76,7 @@ class _HeadStudy(Instrument):
 
     def render_json(self, outcome) -> bool:
         if outcome.ctx.options["as_json"]:
-            import json
-            import sys
-
-            sys.stdout.write(json.dumps(outcome.result.native.to_json(), indent=2, default=str) + "\n")
+            print_json(outcome.result.native.to_json())
             return True
         return False
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from headlab.results import print_json
 from headlab.errors import ConfigError, InputError
 from headlab.interpret.instruments.base import REQUIRED, Context, Instrument, InstrumentResult, Option, Output, \
     Unit, at_least, register
@@ -217,10 +218,7 @@ The metric is the logit difference answer - wrong at the last token; an effect i
 
         run, o = outcome.result.native, ctx.options
         if o["as_json"]:
-            import json
-            import sys
-
-            sys.stdout.write(json.dumps(run.doc, indent=2, default=str) + "\n")
+            print_json(run.doc)
             return
         main = run.main
         console.print(f"{main.model}: logit diff {o['answer']!r} - {o['wrong']!r}: clean {main.clean:.3f}, corrupted "

@@ -10,13 +10,12 @@ gets the picture (:meth:`Pattern.write`), the terminal the drawing (:meth:`Patte
 from __future__ import annotations
 
 import inspect
-import json
 import re
-import sys
 from pathlib import Path
 
 from rich.text import Text
 
+from headlab.results import print_json
 from headlab.attention.backends.sparse.plan import pattern_density
 from headlab.errors import ConfigError
 from headlab.interpret.instruments.base import REQUIRED, Context, Instrument, InstrumentResult, Option, Output, \
@@ -186,7 +185,7 @@ Example: headlab pattern sliding_window --window 4 --seq-len 32"""
     def render(self, ctx: Context, outcome, console, err) -> None:
         o, d, f = ctx.options, outcome.result.native, outcome.result.figures
         if o["as_json"]:
-            sys.stdout.write(json.dumps(f, indent=2, default=str) + "\n")
+            print_json(f)
             return
         console.print(_render(d.visible, o["width"]), end="")
         console.print(f"{f['pattern']}: {d.seq_len}x{d.seq_len}, {d.pair_density:.1%} of pairs visible; "

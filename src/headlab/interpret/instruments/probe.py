@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from headlab.results import print_json
 from headlab.errors import InputError
 
 from headlab.interpret.instruments.base import REQUIRED, Context, Instrument, InstrumentResult, Option, Output, \
@@ -96,10 +97,7 @@ the sentences across the processes and adds their sums; rank 0 shows the progres
     def render(self, ctx: Context, outcome, console, err) -> None:
         r = outcome.result.native
         if ctx.options["as_json"]:
-            import json
-            import sys
-
-            sys.stdout.write(json.dumps(r.summary(), indent=2, default=str) + "\n")
+            print_json(r.summary())
             return
         console.print(f"{r.model} ({r.family}{', causal' if r.causal else ''}): {r.sentences} sentences, {r.tokens} "
                       f"tokens, {len(r.skipped)} skipped, {r.seconds:.1f} s", highlight=False, soft_wrap=True)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from headlab.results import print_json
 from headlab.errors import ConfigError, InputError
 from headlab.interpret.instruments.base import REQUIRED, Context, Instrument, InstrumentResult, Option, Output, \
     Unit, register
@@ -169,10 +170,7 @@ class Prune(Instrument):
     def render(self, ctx: Context, outcome, console, err) -> None:
         summary = outcome.result.figures
         if ctx.options["as_json"]:
-            import json
-            import sys
-
-            sys.stdout.write(json.dumps(summary, indent=2, default=str) + "\n")
+            print_json(summary)
             return
         console.print(f"saved the pruned model to {summary['out']}/ (heads per layer {summary['heads_per_layer']})",
                       highlight=False, soft_wrap=True)

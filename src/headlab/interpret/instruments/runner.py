@@ -144,9 +144,13 @@ def check_tensor_parallel(instruments: Sequence[Instrument], tensor_parallel: bo
             raise InputError(f"--tensor-parallel: {inst.name} loads no model; drop --tensor-parallel")
     if tensor_parallel is not True and (not isinstance(tensor_parallel, int) or tensor_parallel < 1):
         raise InputError(f"--tensor-size must be at least 1, got {tensor_parallel}")
-    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1:
         raise InputError("--tensor-parallel shards the model over several processes: launch with torchrun, e.g. "
                          "`torchrun --nproc_per_node 2 -m headlab ... --tensor-parallel`")
+    if tensor_parallel is not True and world % tensor_parallel:
+        raise InputError(f"--tensor-size {tensor_parallel} does not divide the {world} ranks torchrun started; give a "
+                         f"divisor of {world}")
 
 
 def run_together(runs: Sequence[tuple[Instrument | str, dict]], *, resume: bool = False, progress=None,

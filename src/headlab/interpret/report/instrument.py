@@ -25,10 +25,9 @@ result's figures from the file it wrote.
 
 from __future__ import annotations
 
-import json
-import sys
 from pathlib import Path
 
+from headlab.results import print_json
 from headlab.errors import ConfigError
 from headlab.interpret.instruments.base import REQUIRED, Context, Instrument, InstrumentResult, Option, Output, register
 from headlab.interpret.report.analyze_job import MAX_FULL_TOKENS, ReportResult, heads_text
@@ -191,7 +190,7 @@ TEXT must be valid UTF-8: other bytes (Latin-1 text, say) are refused with their
     def render(self, ctx: Context, outcome, console, err) -> None:
         r = outcome.result.native
         if ctx.options["as_json"]:
-            sys.stdout.write(json.dumps(summary_json(r), indent=2, default=str) + "\n")
+            print_json(summary_json(r))
             return
         render_summary(r, console)
 
