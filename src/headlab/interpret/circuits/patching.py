@@ -331,7 +331,7 @@ def patched_metric(pair, g: Graph, metric, patched: torch.Tensor, ablated: torch
             a.use_backend(backend or a.backend or "auto"), a.hooks(split.edits()):
         outputs = a.forward(pair.clean)
     logits = logits_of(outputs)[:pair.n]
-    return evaluate(metric, logits, pair.n)[0].float()
+    return evaluate(metric, logits, pair.n)[0].detach()
 
 
 __all__ = ["ABLATIONS", "ablated_outputs", "edge_patch", "patched_metric"]
