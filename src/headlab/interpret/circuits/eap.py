@@ -98,16 +98,25 @@ def _receiver_grads(stash: _Stash, value: torch.Tensor, layer_done=None) -> list
         if layer_done is not None:
             layer_done(l)
     result.append(got[-1])
-    return [t.detach().float() for t in result]
+    return [t.detach() for t in result]
 
 
 def _scores_from(graph: Graph, delta: torch.Tensor, grads: list[torch.Tensor]) -> torch.Tensor:
-    """``(n_edges,)`` float64: ``delta_s . grad_r`` for every edge, receivers in order."""
+    """``(n_edges,)`` float64: ``delta_s . grad_r`` for every edge, receivers in order; one product per layer
+    (every receiver of a layer against the senders the widest of them reads)."""
     flat = delta.reshape(delta.shape[0], -1)
-    out = []
-    for r, gr in zip(graph.receivers, grads):
-        n = graph.n_upstream(r)
-        out.append((flat[:n].double() @ gr.reshape(-1).double()))
+    out: list[torch.Tensor] = []
+    i = 0
+    while i < len(grads):
+        layer = graph.receivers[i].layer
+        j = i
+        while j < len(grads) and graph.receivers[j].layer == layer:
+            j += 1
+        widest = max(graph.n_upstream(r) for r in graph.receivers[i:j])
+        G = torch.stack([g.reshape(-1) for g in grads[i:j]], 1).to(flat.dtype)  # (B * L * E, receivers)
+        prod = (flat[:widest] @ G).double()  # (senders, receivers)
+        out += [prod[:graph.n_upstream(r), k] for k, r in enumerate(graph.receivers[i:j])]
+        i = j
     return torch.cat(out)
 
 

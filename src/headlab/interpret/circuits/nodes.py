@@ -22,11 +22,14 @@ def sites(adapter, graph: Graph) -> list[str]:
 
 
 def stack(adapter, graph: Graph, cache) -> torch.Tensor:
-    """``(S, B, L, E)`` float32 sender outputs in :attr:`Graph.senders` order, from a cache of :func:`sites`."""
-    parts = [cache[adapter.site_name(0, "resid_pre")].float().unsqueeze(0)]
+    """``(S, B, L, E)`` sender outputs in :attr:`Graph.senders` order, from a cache of :func:`sites`; float32
+    (float64 for a float64 model)."""
+    first = cache[adapter.site_name(0, "resid_pre")]
+    dtype = torch.float64 if first.dtype == torch.float64 else torch.float32
+    parts = [first.to(dtype).unsqueeze(0)]
     for l in range(graph.n_layers):
-        parts.append(cache[adapter.site_name(l, "head_out")].float().transpose(0, 1))  # (H, B, L, E)
-        parts.append(cache[adapter.site_name(l, "mlp_out")].float().unsqueeze(0))
+        parts.append(cache[adapter.site_name(l, "head_out")].to(dtype).transpose(0, 1))  # (H, B, L, E)
+        parts.append(cache[adapter.site_name(l, "mlp_out")].to(dtype).unsqueeze(0))
     return torch.cat(parts)
 
 

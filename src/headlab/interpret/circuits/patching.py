@@ -84,7 +84,7 @@ def edge_patch(model, clean, corrupted, metric, edges: Iterable[str] | None = No
     try:
         with reporter(progress) as say:
             say("edge patching", 0, len(chosen))
-            for chunk in runs.chunks(chosen, per):
+            for chunk in runs.chunks(sorted(chosen, key=lambda i: g.parse(g.edges[i])[1].layer), per):
                 vals = _edge_chunk(pair, g, metric, [g.parse(g.edges[i]) for i in chunk], delta, backend)
                 for i, v in zip(chunk, vals.mean(1).tolist()):
                     values[i] = v - m_clean
@@ -136,12 +136,40 @@ def _put(C: int, n: int, values: dict[int, tuple[int | None, torch.Tensor]]):
     return edit
 
 
+class _Stop(Exception):
+    """Raised after the last block a first pass needs: the layers above it are not run."""
+
+
+def _run(pair, C: int, start: int, edits: dict, backend, stop_after: int | None = None):
+    """The clean examples with blocks ``>= start`` on ``C`` copies (:func:`fan_out`) and ``edits``; the outputs,
+    or None when stopped after block ``stop_after``."""
+    a = pair.adapter
+    handle = None
+    if stop_after is not None:
+        def stop(module, args, out):
+            raise _Stop
+
+        handle = a.block(stop_after).register_forward_hook(stop)
+    try:
+        with torch.no_grad(), fan_out(a, start, C, share_attention=False), \
+                a.use_backend(backend or a.backend or "auto"), a.hooks(edits):
+            return a.forward(pair.clean)
+    except _Stop:
+        return None
+    finally:
+        if handle is not None:
+            handle.remove()
+
+
 def _edge_chunk(pair, g: Graph, metric, configs, delta, backend) -> torch.Tensor:
-    """``(C, B)`` metric values for ``C`` edges ``(sender index, receiver)``."""
+    """``(C, B)`` metric values for ``C`` edges ``(sender index, receiver)``: blocks below the lowest receiver run
+    once, the first pass stops after the highest receiver that needs it."""
     a, C, n = pair.adapter, len(configs), pair.n
+    start = min(min(r.layer for _, r in configs), g.n_layers - 1)
     adds: dict[str, dict[int, torch.Tensor]] = {}
     heads: set[str] = set()
-    record: set[str] = set()
+    kept: dict[str, torch.Tensor] = {}
+    top = -1
     for c, (j, r) in enumerate(configs):
         if r.kind == "logits":
             continue
@@ -151,11 +179,16 @@ def _edge_chunk(pair, g: Graph, metric, configs, delta, backend) -> torch.Tensor
         else:
             site = a.site_name(r.layer, "resid_pre")
         adds.setdefault(site, {})[c] = delta[j]
-        record.add(a.site_name(r.layer, "mlp_out" if r.kind == "mlp" else r.kind))
-    got = {}
+        kept[a.site_name(r.layer, "mlp_out" if r.kind == "mlp" else r.kind)] = None
+        top = max(top, r.layer)
     if adds:
+        def keep(t, site):
+            kept[site] = t.detach().clone()
+            return t
+
         edits = {s: _add(C, n, d, head=s in heads) for s, d in adds.items()}
-        got = capture(a, runs.repeat(pair.clean, C), sorted(record), edits=edits, backend=backend)
+        first = {**edits, **{s: keep for s in kept}}
+        _run(pair, C, start, first, backend, stop_after=top)
     puts: dict[str, dict[int, tuple[int | None, torch.Tensor]]] = {}
     final: dict[int, torch.Tensor] = {}
     for c, (j, r) in enumerate(configs):
@@ -163,12 +196,12 @@ def _edge_chunk(pair, g: Graph, metric, configs, delta, backend) -> torch.Tensor
             final[c] = delta[j]
             continue
         site = a.site_name(r.layer, "mlp_out" if r.kind == "mlp" else r.kind)
-        puts.setdefault(site, {})[c] = (None if r.kind == "mlp" else r.index, got[site])
+        puts.setdefault(site, {})[c] = (None if r.kind == "mlp" else r.index, kept[site])
     edits = {s: _put(C, n, v) for s, v in puts.items()}
     if final:
         edits[a.site_name(g.n_layers - 1, "resid_post")] = _add(C, n, final)
-    vals, _ = runs.run_metric(pair, metric, pair.clean, C, edits=edits, backend=backend)
-    return vals
+    outputs = _run(pair, C, start, edits, backend)
+    return evaluate(metric, logits_of(outputs), n).detach()
 
 
 # ---- a set of edges at once ---------------------------------------------------------------------------------
@@ -238,7 +271,7 @@ class _Split:
         def edit(t, site):
             main = self.view(t)[0]
             if layer == 0:
-                self.diff[0] = main.float() - self.ablated[0]
+                self.diff[0] = main.to(self.diff) - self.ablated[0]
             out = main.unsqueeze(0).repeat(self.K, *[1] * main.dim())
             for i in self.by_layer[layer]:
                 r = self.g.receivers[i]
@@ -274,7 +307,7 @@ class _Split:
             main = v[0]  # (B, H, L, E): every copy's heads are the same here
             s0 = self.first[layer]
             H = main.shape[1]
-            self.diff[s0:s0 + H] = main.float().transpose(0, 1) - self.ablated[s0:s0 + H]
+            self.diff[s0:s0 + H] = main.to(self.diff).transpose(0, 1) - self.ablated[s0:s0 + H]
             if self.g.parallel[layer]:
                 return t
             i = self.by_layer[layer][-1]  # the MLP receiver of this layer
@@ -291,7 +324,7 @@ class _Split:
         def edit(t, site):
             v = self.view(t)
             m = v[self.K - 1]
-            self.diff[self.first[layer] + self.g.heads[layer]] = m.float() - self.ablated[self.first[layer] + self.g.heads[layer]]
+            self.diff[self.first[layer] + self.g.heads[layer]] = m.to(self.diff) - self.ablated[self.first[layer] + self.g.heads[layer]]
             return m.unsqueeze(0).expand_as(v).reshape(t.shape)
         return edit
 
@@ -326,7 +359,7 @@ def patched_metric(pair, g: Graph, metric, patched: torch.Tensor, ablated: torch
 
         raise UnsupportedArchitectureError(f"the blocks of {type(a.model).__name__} are not one layer list: a set of "
                                            "edges cannot be patched in one forward")
-    split = _Split(a, g, pair.n, patched.bool(), ablated.float())
+    split = _Split(a, g, pair.n, patched.bool(), ablated)
     with torch.no_grad(), fan_out(a, 0, split.K, share_attention=False), \
             a.use_backend(backend or a.backend or "auto"), a.hooks(split.edits()):
         outputs = a.forward(pair.clean)
