@@ -58,6 +58,8 @@ _LAZY = {
     # the head atlas and patching
     "atlas": ("headlab.interpret.atlas", "atlas"),
     "patch": ("headlab.interpret.patching", "patch"),
+    # circuits: edges between heads (from headlab import circuits; headlab.circuits.edge_scores(...))
+    "circuits": "headlab.interpret.circuits",
 }
 
 

@@ -155,7 +155,7 @@ def edge_scores(model, clean, corrupted, metric, *, method: str = "eap", steps: 
         >>> m = Transformer(TransformerConfig(vocab_size=20, d_model=16, n_layers=2, n_heads=2, causal=True)).eval()
         >>> r = edge_scores(m, torch.tensor([[1, 2, 3, 4]]), torch.tensor([[1, 5, 3, 4]]), logit_diff(2, 5))
         >>> len(r.scores), r.method
-        (37, 'eap')
+        (46, 'eap')
     """
     if method not in METHODS:
         raise ConfigError(f"method={method!r}: choose from {', '.join(METHODS)}")
