@@ -157,23 +157,31 @@ def test_eap_is_the_first_order_change(make):
     assert errors[1] < errors[0] / 5  # second order: 10x smaller eps, ~10x smaller relative error
 
 
-def test_eap_ig_one_step_is_eap_and_completeness():
+def test_eap_ig_one_step():
     m = tiny(kv=2)
     metric = logit_diff(2, 5)
     eap = edge_scores(m, CLEAN, CORRUPT, metric)
-    one = edge_scores(m, CLEAN, CORRUPT, metric, method="eap-ig", steps=1)
-    assert torch.allclose(one.values, eap.values, atol=1e-12)
+    act = edge_scores(m, CLEAN, CORRUPT, metric, method="eap-ig", steps=1, ig="activations")
+    assert torch.allclose(act.values, eap.values, atol=1e-12)  # the clean end: EAP
+    inp = edge_scores(m, CLEAN, CORRUPT, metric, method="eap-ig", steps=1)
+    swapped = edge_scores(m, CORRUPT, CLEAN, metric)  # (clean - corrupted) . gradient at the corrupted run
+    assert torch.allclose(inp.values, -swapped.values, atol=1e-12)  # Hanna et al.'s first point: the corrupted end
+
+
+@pytest.mark.parametrize("ig, end", [("inputs", "input->"), ("activations", "->logits")])
+def test_eap_ig_completeness(ig, end):
+    """The input's edges (inputs) or the logits' edges (activations) add up to m_corrupted - m_clean as the steps
+    grow: the path integral of the metric's gradient along the interpolated line, by the chain rule."""
+    m = tiny(kv=2)
+    metric = logit_diff(2, 5)
     g = graph(m)
-    into_logits = torch.tensor([e.endswith("->logits") for e in g.edges])
-    total = eap.corrupted - eap.clean
+    chosen = torch.tensor([e.startswith(end) if end.endswith(">") else e.endswith(end) for e in g.edges])
     errs = []
     for steps in (2, 8, 32):
-        ig = edge_scores(m, CLEAN, CORRUPT, metric, method="eap-ig", steps=steps, ig="activations")
-        errs.append(abs(float(ig.values[into_logits].sum()) - total))
+        r = edge_scores(m, CLEAN, CORRUPT, metric, method="eap-ig", steps=steps, ig=ig)
+        errs.append(abs(float(r.values[chosen].sum()) - (r.corrupted - r.clean)))
     assert errs[2] < errs[1] < errs[0]
     assert errs[2] < 0.1 * errs[0]
-    inputs_ig = edge_scores(m, CLEAN, CORRUPT, metric, method="eap-ig", steps=4)
-    assert inputs_ig.method == "eap-ig" and inputs_ig.steps == 4 and not torch.allclose(inputs_ig.values, eap.values)
 
 
 def test_scores_round_trip(tmp_path):

@@ -11,12 +11,16 @@ stream); each receiver's input gradient is then one local vector-Jacobian produc
 norm and projection (``x_r -> q_h`` only, never the model again): the gradient TransformerLens gets by
 running a copy of the stream per head (``use_split_qkv_input``), without the copies.
 
-EAP-IG (``steps`` = m) averages that gradient along a straight path from the clean run towards the corrupted
-one, at ``alpha = 0, 1/m, ..., (m-1)/m`` (so ``steps=1`` is EAP):
+EAP-IG (``steps`` = m) averages that gradient over m points of a straight path between the two runs:
 
-- ``"inputs"`` (Hanna et al.'s EAP-IG): the input embeddings are interpolated, everything else recomputes;
-- ``"activations"``: every sender's output is set to ``out(clean) + alpha * delta`` (values interpolated, the
-  gradient still taken through the model).
+- ``"inputs"`` (Hanna et al. 2024, as their code does it): the input embeddings at ``corrupted + (k/m) (clean -
+  corrupted)`` for ``k = 0 .. m-1`` (the corrupted end included, the clean end not), everything else recomputed;
+- ``"activations"``: every sender's output set to ``clean + (k/m) (corrupted - clean)``, ``k = 0 .. m-1``, all at
+  once (values interpolated, the gradient still taken through the model); ``steps=1`` is EAP. Hanna et al.'s
+  code interpolates one layer's node at a time instead (m runs per node): a different average of the same kind.
+
+Either way the scores add up, as m grows, to the whole change: the edges out of ``input`` (inputs) or into
+``logits`` (activations) sum to ``m_corrupted - m_clean`` (completeness, tested).
 
 Memory: the senders' differences ``(S, B, L, E)`` and one layer's receiver gradients; nothing grows with the
 attention maps times the edges.
@@ -188,11 +192,11 @@ def edge_scores(model, clean, corrupted, metric, *, method: str = "eap", steps: 
     total = None
     with reporter(progress) as say:
         for k in range(steps):
-            alpha = k / steps
             replace = {}
-            if alpha > 0 and ig == "inputs":
-                replace[a.site_name(0, "resid_pre")] = clean_out[0] + alpha * delta[0]
-            elif alpha > 0:  # activations: every sender's output moved along its own straight line
+            if ig == "inputs" and method == "eap-ig":  # corrupted + (k / m) (clean - corrupted)
+                replace[a.site_name(0, "resid_pre")] = clean_out[0] + (1 - k / steps) * delta[0]
+            elif k > 0:  # activations: every sender's output moved along its own straight line
+                alpha = k / steps
                 replace[a.site_name(0, "resid_pre")] = clean_out[0] + alpha * delta[0]
                 i = 1
                 for l, H in enumerate(g.heads):
@@ -204,9 +208,11 @@ def edge_scores(model, clean, corrupted, metric, *, method: str = "eap", steps: 
             total = part if total is None else total + part
             say("edge attribution" if steps == 1 else "EAP-IG steps", k + 1, steps)
     scores = total / steps
-    notes = ["first-order estimate: (out_corrupted - out_clean) of the sender . d metric / d receiver input, "
-             + ("at the clean run" if steps == 1 else f"averaged over {steps} points from the clean run towards the "
-                f"corrupted one ({ig} interpolated)")]
+    where = ("at the clean run" if method == "eap" else
+             f"averaged over {steps} points from the corrupted input towards the clean one (Hanna et al.'s EAP-IG)"
+             if ig == "inputs" else f"averaged over {steps} points from the clean run towards the corrupted one, "
+             "every sender's output interpolated")
+    notes = ["first-order estimate: (out_corrupted - out_clean) of the sender . d metric / d receiver input, " + where]
     return EdgeScores(model=pair.model_name, method=method,
                       metric=getattr(metric, "__name__", "metric"), n_examples=pair.n, clean=m_clean,
                       corrupted=m_corrupt, edges=list(g.edges), values=scores, steps=steps,
