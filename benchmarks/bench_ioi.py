@@ -1,11 +1,11 @@
 """Indirect-object identification (Wang et al. 2022) on SmolLM2-135M: patching, attribution, path patching.
 
-Prompts are built here from Wang et al.'s templates (their BABA templates and the ABBA twins that swap
-the first two names), with single-token names, places and objects. The clean prompt ends where the
-indirect object (IO) should come: "Then, Mary and John went to the store. John gave a drink to" ->
-" Mary" (the subject S is John). The corrupted twin is their "ABC" distribution: the same template with
-three other, all different names, so no name repeats and the prompt says nothing about which one
-is the answer. The metric is the logit difference IO - S at the last token.
+Prompts come from ``headlab.interpret.circuits.tasks.ioi_prompts`` (the library's IOI task), built from Wang
+et al.'s templates (their BABA templates and the ABBA twins that swap the first two names), with single-token
+names, places and objects. The clean prompt ends where the indirect object (IO) should come: "Then, Mary
+and John went to the store. John gave a drink to" -> " Mary" (the subject S is John). The corrupted twin is
+their "ABC" distribution: the same template with three other, all different names, so no name repeats and
+the prompt says nothing about which one is the answer. The metric is the logit difference IO - S at the last token.
 
 Measured:
 
@@ -30,7 +30,6 @@ Wang et al.'s figures for GPT-2 small (12 x 12 = 144 heads) sit beside the numbe
 from __future__ import annotations
 
 import argparse
-import random
 import sys
 import time
 from pathlib import Path
@@ -40,30 +39,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import write_json  # noqa: E402
 
-# Wang et al.'s BABA templates (the IOI dataset of "Interpretability in the Wild"): [B] is the subject, [A] the IO.
-BABA = [
-    "Then, [B] and [A] went to the [PLACE]. [B] gave a [OBJECT] to",
-    "Then, [B] and [A] had a lot of fun at the [PLACE]. [B] gave a [OBJECT] to",
-    "Then, [B] and [A] were working at the [PLACE]. [B] decided to give a [OBJECT] to",
-    "Then, [B] and [A] were thinking about going to the [PLACE]. [B] wanted to give a [OBJECT] to",
-    "Then, [B] and [A] had a long argument, and afterwards [B] said to",
-    "After [B] and [A] went to the [PLACE], [B] gave a [OBJECT] to",
-    "When [B] and [A] got a [OBJECT] at the [PLACE], [B] decided to give it to",
-    "When [B] and [A] got a [OBJECT] at the [PLACE], [B] decided to give the [OBJECT] to",
-    "While [B] and [A] were working at the [PLACE], [B] gave a [OBJECT] to",
-    "While [B] and [A] were commuting to the [PLACE], [B] gave a [OBJECT] to",
-    "After the lunch, [B] and [A] went to the [PLACE]. [B] gave a [OBJECT] to",
-    "Afterwards, [B] and [A] went to the [PLACE]. [B] gave a [OBJECT] to",
-    "Then, [B] and [A] had a long argument. Afterwards [B] said to",
-    "The [PLACE] [B] and [A] went to had a [OBJECT]. [B] gave it to",
-    "Friends [B] and [A] found a [OBJECT] at the [PLACE]. [B] gave it to",
-]
-ABBA = [t.replace("[B] and [A]", "[A] and [B]", 1) for t in BABA]
-NAMES = ["Mary", "John", "Anne", "Paul", "Sarah", "James", "Lisa", "Mark", "Tom", "Kate", "David", "Laura", "Michael",
-         "Emma", "Daniel", "Rachel", "Peter", "Alice", "George", "Susan", "Robert", "Linda", "Steven", "Helen",
-         "Richard", "Karen", "Thomas", "Emily", "Andrew", "Jessica"]
-PLACES = ["store", "garden", "restaurant", "school", "hospital", "office", "house", "station"]
-OBJECTS = ["ring", "kiss", "bone", "basketball", "computer", "necklace", "drink", "snack"]
+# the templates, names, places and objects, and the pair-building, live in the library; bench_tp_smollm2 imports
+# prompts from here
+from headlab.interpret.circuits.tasks import ioi_prompts as prompts  # noqa: E402
 
 # Wang et al. 2022 (arXiv 2211.00593), GPT-2 small; head "L.H"
 PAPER = {
@@ -78,30 +56,6 @@ PAPER = {
     "previous_token": ["2.2", "4.11"],
     "backup_name_movers": ["9.0", "9.7", "10.1", "10.2", "10.6", "10.10", "11.2", "11.9"],
 }
-
-
-def single(tok, word: str) -> bool:
-    return len(tok(" " + word, add_special_tokens=False)["input_ids"]) == 1
-
-
-def prompts(tok, n: int, seed: int = 0):
-    """``n`` (clean, corrupted, io, s) quadruples, ABBA and BABA alternating, templates in turn."""
-    rng = random.Random(seed)
-    names = [w for w in NAMES if single(tok, w)]
-    places = [w for w in PLACES if single(tok, w)]
-    objects = [w for w in OBJECTS if single(tok, w)]
-    out = []
-    for i in range(n):
-        t = (ABBA if i % 2 else BABA)[(i // 2) % len(BABA)]
-        io, s, c1, c2, c3 = rng.sample(names, 5)
-        place, obj = rng.choice(places), rng.choice(objects)
-
-        def fill(text, a, b, b2):  # [A] -> a, first [B] -> b, second [B] -> b2
-            text = text.replace("[PLACE]", place).replace("[OBJECT]", obj).replace("[A]", a)
-            return text.replace("[B]", b, 1).replace("[B]", b2, 1)
-
-        out.append((fill(t, io, s, s), fill(t, c1, c2, c3), io, s))
-    return out
 
 
 def positions_of(ids: torch.Tensor, token: int) -> list[int]:

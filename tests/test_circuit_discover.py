@@ -13,14 +13,14 @@ import pytest
 import torch
 
 from headlab.errors import ConfigError, InputError, ShapeError
-from headlab.interpret.circuits import discover as discover_mod
+from headlab.interpret.circuits import discovery as discover_mod
 from headlab.interpret.circuits import eap as eap_mod
-from headlab.interpret.circuits import faithfulness as faith_mod
+from headlab.interpret.circuits import evaluation as faith_mod
 from headlab.interpret.circuits import nodes as nodes_mod
 from headlab.interpret.circuits.circuit import Circuit, on_paths
-from headlab.interpret.circuits.discover import discover
+from headlab.interpret.circuits.discovery import discover
 from headlab.interpret.circuits.eap import edge_scores
-from headlab.interpret.circuits.faithfulness import MIB_FRACTIONS, Faithfulness, faithfulness, mib_areas
+from headlab.interpret.circuits.evaluation import MIB_FRACTIONS, Faithfulness, faithfulness, mib_areas
 from headlab.interpret.circuits.graph import graph
 from headlab.interpret.circuits.patching import ablated_outputs, patched_metric
 from headlab.interpret.patching import logit_diff, runs
@@ -299,7 +299,8 @@ def test_save_and_load_round_trip(tmp_path, model3, scores3):
     back = Circuit.load(c.save(tmp_path / "circuit.json"))
     assert back.to_result().to_json() == c.to_result().to_json()
     assert back.edges == c.edges and back.nodes == c.nodes and back.mask(graph(model3)).equal(c.mask())
-    assert "<table>" in c._repr_html_() and c.edges[0].split("->")[0] in c._repr_html_()
+    page = c._repr_html_()  # the circuit page in a sandboxed frame
+    assert page.startswith("<iframe") and "&lt;svg" in page and c.edges[0].split("->")[0] in page
     r = faithfulness(model3, scores3, CLEAN, CORRUPT, METRIC, sizes=[0, 10, 190], random=1, templates=["a", "b"])
     rb = Faithfulness.load(r.save(tmp_path / "faith.json"))
     assert rb.to_result().to_json() == r.to_result().to_json() and rb.table() == r.table()

@@ -13,3 +13,4 @@ from headlab.interpret.instruments.patch import METHODS  # noqa: F401  (its old 
 from headlab.interpret.instruments.patch import parse_positions as _positions  # noqa: F401  (its old name)
 
 row(app, "patch", "patch")
+row(app, "circuit", "circuit")  # edge patching's circuits: headlab.interpret.instruments.circuit

@@ -31,7 +31,6 @@ stream, so it writes its corrupted output, which is what its ablated edges carry
 
 from __future__ import annotations
 
-import html
 import os
 import re
 from dataclasses import dataclass, field
@@ -127,7 +126,7 @@ class Circuit:
         model: the model's name. edges: edge names (``"a0.h1->a2.h0<q>"``), in the graph's order.
         heads, kv_heads, parallel: the graph's layout per layer (enough to rebuild it: :meth:`graph`).
         n_graph_edges: how many edges the whole graph has.
-        method: ``"top-n"``, ``"greedy"``, ``"acdc"`` (:func:`~headlab.interpret.circuits.discover.discover`) or
+        method: ``"top-n"``, ``"greedy"``, ``"acdc"`` (:func:`~headlab.interpret.circuits.discovery.discover`) or
             ``"manual"`` (:meth:`of`).
         scores: ``{edge: score}`` it was chosen by: for top-n and greedy the edge scores (estimated
             ``m_patched - m_clean`` of the edge alone) of the chosen edges; for ACDC, for every edge it tried, how
@@ -305,23 +304,10 @@ class Circuit:
     # -- display ---------------------------------------------------------------------------------------------
 
     def _repr_html_(self) -> str:
-        """A short table: what the circuit is, its figures, its ten highest-|score| edges."""
-        f = self.faithfulness
-        rows = [("model", self.model), ("method", self.method),
-                ("edges", f"{self.n_edges} of {self.n_graph_edges}"), ("nodes", str(len(self.nodes))),
-                ("ablation", self.ablation), ("metric", self.metric)]
-        for name, v in (("clean", self.clean), ("corrupted", self.corrupted), ("all ablated", self.empty),
-                        ("circuit", self.circuit_metric), ("faithfulness", f)):
-            if v is not None:
-                rows.append((name, f"{v:.4g}"))
-        summary = "".join(f"<tr><th style='text-align:left'>{html.escape(k)}</th><td>{html.escape(str(v))}</td></tr>"
-                       for k, v in rows)
-        mine = set(self.edges)
-        top = sorted(((e, v) for e, v in self.scores.items() if e in mine and v == v), key=lambda t: -abs(t[1]))[:10]
-        body = "".join(f"<tr><td><code>{html.escape(e)}</code></td><td>{v:+.4g}</td></tr>" for e, v in top)
-        table = (f"<table><tr><th>edge</th><th>score</th></tr>{body}</table>" if top else "")
-        notes = "".join(f"<li>{html.escape(n)}</li>" for n in self.notes)
-        return f"<div><table>{summary}</table>{table}{f'<ul>{notes}</ul>' if notes else ''}</div>"
+        """The circuit's page (:mod:`headlab.interpret.circuits.page`), inline in a notebook."""
+        from headlab.interpret.circuits.page import inline
+
+        return inline(self)
 
     def __repr__(self) -> str:
         f = self.faithfulness

@@ -21,6 +21,7 @@ from headlab.interpret.instruments import patch  # noqa: E402,F401  (activation 
 from headlab.interpret.instruments import explain  # noqa: E402,F401  (attention against saliency; the corpus study)
 from headlab.interpret.instruments import prune  # noqa: E402,F401  (physical head pruning)
 from headlab.interpret.instruments import pattern  # noqa: E402,F401  (sparse attention patterns, no model)
+from headlab.interpret.instruments import circuit  # noqa: E402,F401  (edge scores, circuit discovery, faithfulness)
 
 __all__ = ["Context", "Instrument", "InstrumentResult", "Option", "Outcome", "Output", "Part", "REQUIRED", "Registry",
            "Unit", "at_least", "get", "register", "registered", "unregister"]

@@ -53,7 +53,7 @@ import torch
 
 from headlab.errors import ConfigError, InputError, ShapeError
 from headlab.interpret.circuits.circuit import Circuit, on_paths
-from headlab.interpret.circuits.discover import (check_ablation, check_int, check_progress, check_scores,
+from headlab.interpret.circuits.discovery import (check_ablation, check_int, check_progress, check_scores,
                                                  record_runs)
 from headlab.interpret.circuits.graph import graph as build_graph
 from headlab.interpret.circuits.patching import ablated_outputs, patched_metric
