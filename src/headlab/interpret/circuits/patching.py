@@ -27,7 +27,6 @@ from collections.abc import Iterable
 import torch
 
 from headlab.errors import ConfigError
-from headlab.interpret.capture import capture
 from headlab.interpret.circuits import nodes
 from headlab.interpret.circuits.graph import Graph, graph as build_graph
 from headlab.interpret.circuits.result import EdgeScores
