@@ -71,67 +71,60 @@ class _Stash:
         return {n: self.edit for n in names}
 
 
-def _receiver_grads(stash: _Stash, value: torch.Tensor, layer_done=None) -> list[torch.Tensor]:
-    """``d value / d x_r`` for every receiver, ``(B, L, E)`` each, in :attr:`Graph.receivers` order."""
+def _receiver_grads(stash: _Stash, value: torch.Tensor):
+    """``d value / d x_r`` for every receiver, ``(B, L, E)`` each, in :attr:`Graph.receivers` order: yielded one
+    layer's receivers at a time (the logits last), so only one layer's gradients are held."""
     a, g, live = stash.a, stash.g, stash.live
     outs = [live[a.site_name(l, k)] for l in range(g.n_layers) for k in ("q", "k", "v", "mlp_out")]
     final = live[a.site_name(g.n_layers - 1, "resid_post")]
     got = torch.autograd.grad(value, outs + [final], retain_graph=True, allow_unused=True)
     got = [torch.zeros_like(o) if d is None else d for o, d in zip(outs + [final], got)]
-    result: list[torch.Tensor] = []
     for l in range(g.n_layers):
         R = live[a.site_name(l, "resid_pre")]
-        for j, kind in enumerate(("q", "k", "v")):
+        layer: list[torch.Tensor] = []
+        for j in range(3):  # q, k, v: one local product per head (kv head)
             out, d = outs[4 * l + j], got[4 * l + j]  # (B, heads, L, dh)
             for h in range(out.shape[1]):
                 mask = torch.zeros_like(d)
                 mask[:, h] = d[:, h]
                 (gr,) = torch.autograd.grad(out, R, grad_outputs=mask, retain_graph=True, allow_unused=True)
-                result.append(torch.zeros_like(R) if gr is None else gr)
+                layer.append(torch.zeros_like(R) if gr is None else gr.detach())
         mlp_out, d = outs[4 * l + 3], got[4 * l + 3]
-        if g.parallel[l] or g.heads[l] == 0:
-            src = R
-        else:
-            src = live[a.site_name(l, "head_out")]
+        src = R if g.parallel[l] or g.heads[l] == 0 else live[a.site_name(l, "head_out")]
         (gr,) = torch.autograd.grad(mlp_out, src, grad_outputs=d, retain_graph=True, allow_unused=True)
         if gr is None:
             gr = torch.zeros_like(R)
         elif gr.dim() == 4:  # d/d head_out[:, h] is the same for every head: the stream after attention
             gr = gr[:, 0]
-        result.append(gr)
-        if layer_done is not None:
-            layer_done(l)
-    result.append(got[-1])
-    return [t.detach() for t in result]
+        layer.append(gr.detach())
+        yield layer
+    yield [got[-1].detach()]
 
 
-def _scores_from(graph: Graph, delta: torch.Tensor, grads: list[torch.Tensor]) -> torch.Tensor:
-    """``(n_edges,)`` float64: ``delta_s . grad_r`` for every edge, receivers in order; one product per layer
-    (every receiver of a layer against the senders the widest of them reads)."""
+def _layer_scores(graph: Graph, flat: torch.Tensor, first: int, grads: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``delta_s . grad_r`` for the receivers ``first ..`` of one layer: one product against the senders the widest
+    of them reads; ``flat`` is the senders' differences ``(S, B * L * E)``."""
+    receivers = graph.receivers[first:first + len(grads)]
+    widest = max(graph.n_upstream(r) for r in receivers)
+    G = torch.stack([g.reshape(-1) for g in grads], 1).to(flat.dtype)  # (B * L * E, receivers)
+    prod = (flat[:widest] @ G).double()  # (senders, receivers)
+    return [prod[:graph.n_upstream(r), k] for k, r in enumerate(receivers)]
+
+
+def _clean_pass(pair, graph, inputs, metric, replace, backend, delta: torch.Tensor) -> torch.Tensor:
+    """One forward and backward: ``(n_edges,)`` float64 scores ``delta_s . d metric / d x_r``."""
+    stash = _Stash(pair.adapter, graph, replace)
     flat = delta.reshape(delta.shape[0], -1)
     out: list[torch.Tensor] = []
-    i = 0
-    while i < len(grads):
-        layer = graph.receivers[i].layer
-        j = i
-        while j < len(grads) and graph.receivers[j].layer == layer:
-            j += 1
-        widest = max(graph.n_upstream(r) for r in graph.receivers[i:j])
-        G = torch.stack([g.reshape(-1) for g in grads[i:j]], 1).to(flat.dtype)  # (B * L * E, receivers)
-        prod = (flat[:widest] @ G).double()  # (senders, receivers)
-        out += [prod[:graph.n_upstream(r), k] for k, r in enumerate(graph.receivers[i:j])]
-        i = j
-    return torch.cat(out)
-
-
-def _clean_pass(pair, graph, inputs, metric, replace, backend):
-    stash = _Stash(pair.adapter, graph, replace)
     with pair.adapter.use_backend(backend or pair.adapter.backend or "auto"), pair.adapter.hooks(stash.edits()), \
             torch.enable_grad():
         outputs = pair.adapter.forward(inputs)
         value = evaluate(metric, logits_of(outputs), pair.n).mean()
-        grads = _receiver_grads(stash, value)
-    return grads, float(value.detach())
+        first = 0
+        for grads in _receiver_grads(stash, value):
+            out += _layer_scores(graph, flat, first, grads)
+            first += len(grads)
+    return torch.cat(out)
 
 
 def edge_scores(model, clean, corrupted, metric, *, method: str = "eap", steps: int = 5, ig: str = "inputs",
@@ -188,7 +181,9 @@ def edge_scores(model, clean, corrupted, metric, *, method: str = "eap", steps: 
         m_clean = float(evaluate(metric, logits_of(clean_run), pair.n).mean())
         m_corrupt = float(evaluate(metric, logits_of(corrupt_run), pair.n).mean())
     runs.check_gap(m_clean, m_corrupt)
-    delta = corrupt_out - clean_out  # (S, B, L, E)
+    delta = corrupt_out.sub_(clean_out)  # (S, B, L, E), in place: one copy of the senders' outputs less
+    if not (method == "eap-ig" and ig == "activations"):
+        clean_out = clean_out[:1].clone()  # only the input's clean output is read again
     total = None
     with reporter(progress) as say:
         for k in range(steps):
@@ -203,8 +198,7 @@ def edge_scores(model, clean, corrupted, metric, *, method: str = "eap", steps: 
                     replace[a.site_name(l, "head_out")] = (clean_out[i:i + H] + alpha * delta[i:i + H]).transpose(0, 1)
                     replace[a.site_name(l, "mlp_out")] = clean_out[i + H] + alpha * delta[i + H]
                     i += H + 1
-            grads, _ = _clean_pass(pair, g, pair.clean, metric, replace, backend)
-            part = _scores_from(g, delta, grads)
+            part = _clean_pass(pair, g, pair.clean, metric, replace, backend, delta)
             total = part if total is None else total + part
             say("edge attribution" if steps == 1 else "EAP-IG steps", k + 1, steps)
     scores = total / steps
