@@ -174,7 +174,9 @@ def render(circuit, faithfulness=None, labels=None, *, graph=None, top: int = 30
     svg, data = svg_circuit(circuit, names, graph)
     share = f" ({100 * len(edges) / n_graph:.3g}% of the graph's {n_graph})" if n_graph else ""
     node_names = {n for e in edges for n in split_edge(e)}
-    summary = [f"{model}: {len(edges)} edges{share}, {len(node_names)} nodes; method "
+    on_path = getattr(circuit, "nodes", None)  # a Circuit's nodes on a path from the input to the logits
+    n_nodes = len(on_path) if on_path is not None else len(node_names)
+    summary = [f"{model}: {len(edges)} edges{share}, {n_nodes} nodes; method "
                f"{getattr(circuit, 'method', None) or 'n/a'}, ablation {getattr(circuit, 'ablation', None) or 'n/a'}"]
     figures = [(name, as_number(getattr(circuit, attr, None))) for name, attr in (
         ("clean", "clean"), ("corrupted", "corrupted"), ("every edge ablated", "empty"),
