@@ -222,3 +222,16 @@ def test_acdc_and_the_sizes_against_the_graph(tiny, tmp_path, capsys):
     code, _, err = run_cli(["circuit", "--model", tiny, *RUN[:6], "--edges", "500"], capsys)
     errors = [ln for ln in err.splitlines() if ln.startswith("error:")]
     assert code == 2 and len(errors) == 1 and "has 82 edges" in errors[0], err
+
+
+def test_exact_scoring_of_a_large_graph_is_refused_with_its_cost(tiny, tmp_path, capsys, monkeypatch):
+    """--method exact on a graph above the command's limit: one line with the number of forwards, before any pair."""
+    from importlib import import_module
+
+    row = import_module("headlab.interpret.instruments.circuit")
+    monkeypatch.setattr(row, "EXACT_MAX_EDGES", 50)  # the tiny graph has 82 edges
+    code, _, err = run_cli(["circuit", "--model", tiny, *RUN, "--method", "exact", "--out", tmp_path / "o"], capsys)
+    errors = [ln for ln in err.splitlines() if ln.startswith("error:")]
+    assert code == 2 and len(errors) == 1, err
+    assert "82 edges" in errors[0] and "stacked forwards" in errors[0] and "--method eap-ig" in errors[0]
+    assert not (tmp_path / "o").exists() or not any((tmp_path / "o").iterdir())

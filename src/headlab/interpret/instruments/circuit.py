@@ -38,6 +38,7 @@ from headlab.interpret.instruments.base import Context, Instrument, InstrumentRe
     at_least, register
 from headlab.results import print_json
 
+EXACT_MAX_EDGES = 20_000  # --method exact on a larger graph is refused with its cost (SmolLM2: 70,651 edges)
 DEFAULT_EDGES = "1%"  # circuit size: 1% of the graph's edges (SmolLM2-135M: about 700 of 70,000)
 FILES = ("scores.json", "circuit.json", "faithfulness.json", "circuit.html")
 
@@ -216,6 +217,12 @@ class CircuitStudy(Instrument):
         if o["discover"] == "acdc" and g.n_edges > ACDC_MAX_EDGES:
             raise ConfigError(f"--discover acdc runs one forward per edge and the graph of {o['model']} has "
                               f"{g.n_edges:,} edges (it takes {ACDC_MAX_EDGES:,}); use --discover top-n or greedy")
+        if o["method"] == "exact" and g.n_edges > EXACT_MAX_EDGES:
+            per = max(1, 256 // o["pairs"])  # edges per stacked forward (edge_patch's max_rows)
+            raise ConfigError(f"--method exact patches every edge in a copy of its own: the graph of {o['model']} has "
+                              f"{g.n_edges:,} edges, about {2 * -(-g.n_edges // per):,} stacked forwards at --pairs "
+                              f"{o['pairs']} (the command takes {EXACT_MAX_EDGES:,} edges); score with --method eap-ig "
+                              "and check chosen edges exactly with headlab.circuits.edge_patch(..., edges=[...])")
         if o["discover"] != "acdc":
             n = edges_for(ctx.state["size"], g.n_edges)
             if n > g.n_edges:
