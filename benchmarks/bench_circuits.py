@@ -201,17 +201,18 @@ def greater_than_roles(lm, pairs, circuit) -> dict:
     heads = sorted({n for e in circuit.edges for n in e.replace("<q>", "").replace("<k>", "").replace("<v>", "")
                     .split("->") if n.startswith("a")}, key=lambda h: (int(h[1:].split(".")[0]), int(h.split("h")[1])))
     mlps = sorted({n for e in circuit.edges for n in e.split("->") if n.startswith("m")}, key=lambda m: int(m[1:]))
-    ids = pairs.clean["input_ids"]
+    ids, bad = pairs.clean["input_ids"], pairs.corrupted["input_ids"]
     last = pairs.clean["attention_mask"].sum(-1) - 1
+    yy = (ids != bad).float()  # the YY digits: the positions the corruption changes
     layers = sorted({int(h[1:].split(".")[0]) for h in heads})
     cache = capture(lm, pairs.clean, [lm.adapter.site_name(l, "pattern") for l in layers])
     rows = []
     for h in heads:
         l, i = int(h[1:].split(".")[0]), int(h.split("h")[1])
         p = cache[lm.adapter.site_name(l, "pattern")][torch.arange(len(last)), i, last]  # (B, keys)
-        top = p.argmax(-1)
-        back = (last - top).float().mean().item()
-        rows.append((h, float(p.max(-1).values.mean()), back))
+        on_yy = float((p * yy).sum(-1).mean())
+        first = float(p[:, 0].mean())
+        rows.append((h, on_yy, first))
     return {"heads": rows, "head_depth": depth(heads, L), "mlp_depth": depth(mlps, L),
             "hanna_heads_depth": depth(HANNA_GT_HEADS, 12), "hanna_mlps_depth": depth(HANNA_GT_MLPS, 12)}
 
@@ -227,6 +228,7 @@ def main() -> None:
     ap.add_argument("--repair-heads", type=int, default=6)
     ap.add_argument("--max-rows", type=int, default=256)
     ap.add_argument("--timing", action="store_true", help="only part 5")
+    ap.add_argument("--parts", default="ioi,gt", help="ioi (parts 1-3), gt (part 4), or both")
     ap.add_argument("--no-save", action="store_true")
     args = ap.parse_args()
     if args.timing:
@@ -240,40 +242,65 @@ def main() -> None:
 
     lm = headlab.load("smollm2")
     result: dict = {"pairs": args.pairs, "steps": args.steps}
+    parts = set(args.parts.split(","))
+    print(f"SmolLM2-135M-Instruct, {args.pairs} pairs, {torch.get_num_threads()} threads; {circuits.graph(lm)}")
+    if "ioi" in parts:
+        result.update(ioi_parts(lm, args))
+    if "gt" in parts:
+        result["greater_than"] = gt_part(lm, args)
+    if not args.no_save:
+        print("wrote", write_json("circuits_smollm2" + ("" if parts == {"ioi", "gt"} else "_" + "_".join(sorted(parts))),
+                                  result))
+
+
+def ioi_parts(lm, args) -> dict:
+    from headlab import circuits
+
+    result: dict = {}
     ioi = circuits.task("ioi", lm, n=args.pairs, seed=0)
-    print(f"SmolLM2-135M-Instruct, {len(ioi)} IOI pairs, {torch.get_num_threads()} threads; {circuits.graph(lm)}")
     sc = scoring(lm, ioi, args, "IOI")
     result["ioi_seconds"] = sc["seconds"]
     result["ioi_exact"] = against_exact(lm, ioi, sc, args)
     c = curve(lm, ioi, sc["ig"], args, "IOI")
     print_mib(c["cpr"], c["cmd"])
     k = c["reach_80"][0] if c["reach_80"] else int(0.05 * len(sc["ig"].edges))
-    circuit = circuits.discover(lm, ioi.clean, ioi.corrupted, ioi.metric, n_edges=k, scores=sc["ig"])
+    circuit = circuits.discover(lm, ioi.clean, ioi.corrupted, ioi.metric, n_edges=k, scores=sc["ig"], absolute=False)
     result["ioi_curve"] = {x: v for x, v in c.items() if not x.startswith("_")}
-    result["ioi_circuit"] = {"n_edges": circuit.n_edges, "asked": k, "nodes": circuit.nodes}
-    print(f"IOI circuit: {circuit.n_edges} edges after pruning (asked {k}), {len(circuit.nodes)} nodes")
+    result["ioi_circuit"] = {"n_edges": circuit.n_edges, "asked": k, "nodes": circuit.nodes,
+                             "faithfulness": circuit.faithfulness, "share": circuit.n_edges / len(sc["ig"].edges)}
+    print(f"IOI circuit (top {k} by signed EAP-IG score, pruned): {circuit.n_edges} edges "
+          f"({100 * circuit.n_edges / len(sc['ig'].edges):.2f}% of the graph), {len(circuit.nodes)} nodes, "
+          f"f = {circuit.faithfulness:.3f} (circuit {circuit.circuit_metric:.3f}, full {circuit.clean:.3f}, "
+          f"empty {circuit.empty:.3f})")
     result["ioi_self_repair"] = repair(lm, ioi, circuit, args)
+    if not args.no_save:
+        circuit.save(Path(__file__).resolve().parent / "results" / "circuit_ioi_smollm2.json")
+    return result
+
+
+def gt_part(lm, args) -> dict:
+    from headlab import circuits
 
     gt = circuits.task("greater-than", lm, n=args.pairs, seed=0)
     print(f"\ngreater-than: {gt.description}")
     sg = scoring(lm, gt, args, "greater-than")
     cg = curve(lm, gt, sg["ig"], args, "greater-than")
     kg = cg["reach_80"][0] if cg["reach_80"] else int(0.05 * len(sg["ig"].edges))
-    gcirc = circuits.discover(lm, gt.clean, gt.corrupted, gt.metric, n_edges=kg, scores=sg["ig"])
+    gcirc = circuits.discover(lm, gt.clean, gt.corrupted, gt.metric, n_edges=kg, scores=sg["ig"], absolute=False)
     roles = greater_than_roles(lm, gt, gcirc)
-    print(f"greater-than circuit: {gcirc.n_edges} edges, heads by depth (layer / 29): {roles['head_depth']}")
+    print(f"greater-than circuit (top {kg} by signed EAP-IG score, pruned): {gcirc.n_edges} edges, "
+          f"f = {gcirc.faithfulness:.3f}; heads by depth (layer / 29): {roles['head_depth']}")
     print(f"  MLPs by depth: {roles['mlp_depth']}")
     print(f"  Hanna et al.'s GPT-2 circuit by depth (layer / 11): heads {roles['hanna_heads_depth']}, "
           f"MLPs {roles['hanna_mlps_depth']}")
-    print("  the circuit's heads at the last position: mean max attention, mean distance back of the argmax key")
-    for h, mx, back in roles["heads"]:
-        print(f"    {h:<8} max {mx:.2f}, {back:.1f} tokens back")
-    result["greater_than"] = {"seconds": sg["seconds"], "curve": {x: v for x, v in cg.items() if not x.startswith("_")},
-                              "circuit": {"n_edges": gcirc.n_edges, "asked": kg, "nodes": gcirc.nodes}, "roles": roles}
+    print("  the circuit's heads at the last position: mean attention on the YY digits, on the first token")
+    for h, on_yy, first in roles["heads"]:
+        print(f"    {h:<8} YY {on_yy:.2f}, first token {first:.2f}")
     if not args.no_save:
-        print("wrote", write_json("circuits_smollm2", result))
-        circuit.save(Path(__file__).resolve().parent / "results" / "circuit_ioi_smollm2.json")
         gcirc.save(Path(__file__).resolve().parent / "results" / "circuit_gt_smollm2.json")
+    return {"seconds": sg["seconds"], "curve": {x: v for x, v in cg.items() if not x.startswith("_")},
+            "circuit": {"n_edges": gcirc.n_edges, "asked": kg, "nodes": gcirc.nodes, "faithfulness": gcirc.faithfulness},
+            "roles": roles}
 
 
 if __name__ == "__main__":

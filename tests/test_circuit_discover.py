@@ -114,6 +114,17 @@ def test_prune_matches_path_enumeration_on_random_circuits():
 
 # ---- discovery ---------------------------------------------------------------------------------------------
 
+def test_top_n_signed_takes_the_edges_moving_the_metric_furthest_towards_corrupted(model3, scores3):
+    n = 12
+    sign = 1.0 if scores3.corrupted >= scores3.clean else -1.0
+    want = {e for e, _ in sorted(scores3.scores.items(), key=lambda t: -sign * t[1])[:n]}
+    raw = discover(model3, CLEAN, CORRUPT, METRIC, n_edges=n, scores=scores3, prune=False, absolute=False)
+    assert set(raw.edges) == want and raw.settings["absolute"] is False
+    assert all(sign * scores3.scores[e] >= min(sign * scores3.scores[x] for x in want) for e in raw.edges)
+    with pytest.raises(ConfigError, match="absolute"):
+        discover(model3, CLEAN, CORRUPT, METRIC, n_edges=n, scores=scores3, absolute="no")
+
+
 def test_top_n_takes_the_n_largest_abs_scores_then_prunes(model3, scores3):
     n = 12
     want = {e for e, _ in sorted(scores3.scores.items(), key=lambda t: -abs(t[1]))[:n]}

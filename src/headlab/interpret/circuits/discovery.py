@@ -195,8 +195,8 @@ def greedy(g: Graph, values: torch.Tensor, n: int) -> torch.Tensor:
 def discover(model, clean, corrupted, metric, *, method: str = "top-n", n_edges: int | None = None,
              scores: EdgeScores | None = None, score_method: str = "eap-ig", steps: int = 5,
              threshold: float | None = None, criterion: str = "kl", ablation: str = "patch", prune: bool = True,
-             seed: int = 0, acdc_max_edges: int = ACDC_MAX_EDGES, backend: str | None = None,
-             progress: bool | Progress = False) -> Circuit:
+             seed: int = 0, acdc_max_edges: int = ACDC_MAX_EDGES, absolute: bool = True,
+             backend: str | None = None, progress: bool | Progress = False) -> Circuit:
     """Find a circuit of ``model`` for the patch corrupted -> clean (the module docstring says how).
 
     Args:
@@ -210,6 +210,8 @@ def discover(model, clean, corrupted, metric, *, method: str = "top-n", n_edges:
         ablation: what an edge outside the circuit carries (``"patch"``: the corrupted run's sender output;
             ``"mean"``, ``"resample"`` with ``seed``, ``"zero"``).
         prune: keep only edges on a path from the input to the logits (MIB prunes every circuit it scores).
+        absolute: top-n ranks by ``|score|`` (True) or by the signed score towards the corrupted run (False: the
+            edges whose patch alone moves the metric furthest towards the corrupted run's, MIB's CPR ranking).
         progress: a bar (True), nothing, or ``progress(stage, done, total)``. ACDC interrupted (Ctrl-C) keeps the
             edges it has not tried yet, and says so in the notes.
 
@@ -220,6 +222,8 @@ def discover(model, clean, corrupted, metric, *, method: str = "top-n", n_edges:
     t0 = time.perf_counter()
     if method not in METHODS:
         raise ConfigError(f"method={method!r}: choose from {', '.join(METHODS)}")
+    if not isinstance(absolute, bool):
+        raise ConfigError(f"absolute must be True or False, got {absolute!r}")
     check_ablation(ablation)
     check_int("seed", seed, 0)
     check_progress(progress)
@@ -282,10 +286,15 @@ def discover(model, clean, corrupted, metric, *, method: str = "top-n", n_edges:
             values = check_scores(scores, g)
         recorded = record_runs(pair, g, metric, backend)
         ablated = ablated_outputs(recorded.clean_out, recorded.corrupt_out, ablation, seed=seed)
-        mask = top_n(values, n_edges) if method == "top-n" else greedy(g, values, n_edges)
+        towards = values * (1.0 if scores.corrupted >= scores.clean else -1.0)  # > 0: the patch moves m to corrupted
+        if method == "top-n" and not absolute:
+            mask = torch.zeros(values.shape[0], dtype=torch.bool)
+            mask[torch.sort(-towards, stable=True).indices[:n_edges]] = True
+        else:
+            mask = top_n(values, n_edges) if method == "top-n" else greedy(g, values, n_edges)
         chosen_scores = {g.edges[i]: float(values[i]) for i in mask.nonzero().flatten().tolist()}
-        settings.update(n_edges=n_edges, score_method=scores.method, steps=scores.steps)
-        notes.append(f"chosen by |score| of {scores.method} edge scores (estimated m_patched - m_clean of each edge "
+        settings.update(n_edges=n_edges, score_method=scores.method, steps=scores.steps, absolute=absolute)
+        notes.append(f"chosen by {'|score|' if absolute or method != 'top-n' else 'signed score'} of {scores.method} edge scores (estimated m_patched - m_clean of each edge "
                      "alone)" + (", grown greedily from the logits" if method == "greedy" else ""))
     chosen = int(mask.sum())
     if prune:
