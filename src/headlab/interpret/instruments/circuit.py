@@ -29,6 +29,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+from headlab.distributed.data import shard_indices
 from headlab.errors import ConfigError, InputError
 from headlab.interpret.circuits.discovery import METHODS as DISCOVER_METHODS
 from headlab.interpret.circuits.eap import METHODS as SCORE_METHODS
@@ -86,6 +87,25 @@ def _threshold(value, option: Option, options: dict) -> None:
     if not math.isfinite(value) or value < 0:
         raise ConfigError(f"{option.label} must be a number of 0 or more (ACDC removes an edge when the criterion "
                           f"grows by at most that; Conmy et al. sweep 1e-4 to 1e-1), got {value}")
+
+
+def added_over_ranks(s, n_pairs: int):
+    """One rank's :class:`~headlab.interpret.circuits.result.EdgeScores` of its share of the pairs, made the scores
+    of all ``n_pairs``: every figure is a mean over pairs, so the ranks' figures are added weighted by their pairs
+    (``torch.distributed``'s sum; the same result on every rank)."""
+    import dataclasses
+
+    import torch
+
+    from headlab.distributed.data import all_reduce_sum
+
+    part = torch.cat([s.values * s.n_examples, torch.tensor([s.clean, s.corrupted], dtype=torch.float64) * s.n_examples,
+                      torch.tensor([s.seconds], dtype=torch.float64)])
+    total = all_reduce_sum(part)
+    values, clean, corrupted = total[:-3] / n_pairs, float(total[-3]) / n_pairs, float(total[-2]) / n_pairs
+    return dataclasses.replace(s, values=values, clean=clean, corrupted=corrupted, n_examples=n_pairs,
+                               notes=[*s.notes, f"pairs split across the ranks and their scores added (seconds: "
+                                                f"the ranks' sum, {float(total[-1]):.1f})"])
 
 
 def _progress(ctx: Context, seen: dict | None = None):
@@ -154,6 +174,11 @@ class CircuitStudy(Instrument):
     )
     output = Output("out", folder=True, file=None, force="force")
     sharded = "the circuit's patched forwards split pairs and copies, not heads"
+    # under torchrun (without --tensor-parallel) the scoring splits the pairs across the ranks and adds their
+    # scores, weighted by pairs (every score is a mean over pairs); the circuit and the curve, which need the
+    # scores of every pair, then run alike on every rank and rank 0 writes. The three units depend on each
+    # other in order, so the runner does not deal them out.
+    parallel = "inside"
     stage = "circuit steps"
 
     # ---- checks ------------------------------------------------------------------------------------------------
@@ -237,6 +262,9 @@ class CircuitStudy(Instrument):
         if atlas is not None and (atlas.n_layers, atlas.n_heads) != (g.n_layers, max(g.heads)):
             raise InputError(f"--atlas: the atlas is of a model of {atlas.n_layers} layers x {atlas.n_heads} heads; "
                              f"{o['model']} has {g.n_layers} x {max(g.heads)}: give the atlas of this model")
+        if ctx.world > 1 and o["pairs"] < ctx.world and given is None:
+            raise ConfigError(f"--pairs {o['pairs']}: the scoring splits the pairs across the {ctx.world} ranks "
+                              f"torchrun started; give at least {ctx.world} pairs")
         ctx.state["pairs"] = task(o["task"], ctx.loaded, n=o["pairs"], seed=o["seed"])
 
     # ---- units -------------------------------------------------------------------------------------------------
@@ -254,10 +282,13 @@ class CircuitStudy(Instrument):
             ctx.state["scores"] = ctx.state["given"]
             return ctx.state["scores"]
         seen: dict = {}
-        s = edge_scores(ctx.loaded, p.clean, p.corrupted, p.metric, method=o["method"], steps=o["steps"],
+        mine = p if ctx.world == 1 else p.subset(shard_indices(len(p)))  # torchrun: this rank's share of the pairs
+        s = edge_scores(ctx.loaded, mine.clean, mine.corrupted, mine.metric, method=o["method"], steps=o["steps"],
                         progress=_progress(ctx, seen))
         if _unfinished(seen):  # exact patching caught Ctrl-C and kept NaN for the rest: not a finished unit
             raise KeyboardInterrupt
+        if ctx.world > 1:
+            s = added_over_ranks(s, len(p))
         ctx.state["scores"] = s
         return s
 
