@@ -75,10 +75,7 @@ def paths(g: Graph, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tor
     mask = _check_mask(g, mask)
     S = len(g.senders)
     targets = receiver_nodes(g)
-    offsets, off = [], 0
-    for r in g.receivers:
-        offsets.append(off)
-        off += g.n_upstream(r)
+    offsets = g.offsets
     fwd = torch.zeros(S + 1, dtype=torch.bool)
     fwd[0] = True  # the input
     for i, r in enumerate(g.receivers):  # every sender upstream of r is settled before r's nodes

@@ -160,10 +160,7 @@ def greedy(g: Graph, values: torch.Tensor, n: int) -> torch.Tensor:
     for i, t in enumerate(targets):
         for node in t:
             feeds.setdefault(node, []).append(i)
-    offsets, off = [], 0
-    for r in g.receivers:
-        offsets.append(off)
-        off += g.n_upstream(r)
+    offsets = g.offsets
     size = values.abs().tolist()
     heap: list[tuple[float, int, int]] = []
     opened: set[int] = set()
@@ -326,10 +323,7 @@ def _acdc(pair, g: Graph, metric, recorded: Runs, ablated, threshold: float, cri
 
     S = len(g.senders)
     targets = receiver_nodes(g)
-    offsets, off = [], 0
-    for r in g.receivers:
-        offsets.append(off)
-        off += g.n_upstream(r)
+    offsets = g.offsets
     keep = torch.ones(g.n_edges, dtype=torch.bool)
     reaches = torch.zeros(S + 1, dtype=torch.bool)  # reaches the logits through kept edges (settled in reverse)
     reaches[S] = True

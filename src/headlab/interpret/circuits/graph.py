@@ -76,6 +76,7 @@ class Graph:
         senders: names in the order the stream receives them (``input``, then per layer its heads and its MLP).
         receivers: :class:`Receiver` per node input, in the order they read the stream.
         edges: ``"sender->receiver"`` names, receiver by receiver in that order, senders in order within.
+        offsets: per receiver, the index of its first edge in :attr:`edges`.
     """
 
     model: str
@@ -99,6 +100,11 @@ class Graph:
         self._index = {s: i for i, s in enumerate(self.senders)}
         self._start = [1 + sum(h + 1 for h in self.heads[:l]) for l in range(self.n_layers + 1)]  # block l's first
         self.edges = [f"{s}->{r.name}" for r in self.receivers for s in self.upstream(r)]
+        self.offsets = []  # receiver i's edges are edges[offsets[i] : offsets[i] + n_upstream(receivers[i])]
+        off = 0
+        for r in self.receivers:
+            self.offsets.append(off)
+            off += self.n_upstream(r)
         self._edge_index = {e: i for i, e in enumerate(self.edges)}
 
     @property

@@ -235,10 +235,7 @@ class _Split:
         self.patched = patched  # (n_edges,) bool
         self.ablated = ablated  # (S, B, L, E)
         self.diff = torch.zeros_like(ablated)  # out_s (this run) - ablated_s, filled as the senders run
-        self.offsets, off = [], 0
-        for r in g.receivers:
-            self.offsets.append(off)
-            off += g.n_upstream(r)
+        self.offsets = g.offsets
         self.first = [g._start[l] for l in range(g.n_layers + 1)]
         self.by_layer: dict[int, list[int]] = {}
         for i, r in enumerate(g.receivers):
