@@ -241,16 +241,13 @@ def main() -> None:
     from headlab import circuits
 
     lm = headlab.load("smollm2")
-    result: dict = {"pairs": args.pairs, "steps": args.steps}
     parts = set(args.parts.split(","))
     print(f"SmolLM2-135M-Instruct, {args.pairs} pairs, {torch.get_num_threads()} threads; {circuits.graph(lm)}")
-    if "ioi" in parts:
-        result.update(ioi_parts(lm, args))
-    if "gt" in parts:
-        result["greater_than"] = gt_part(lm, args)
-    if not args.no_save:
-        print("wrote", write_json("circuits_smollm2" + ("" if parts == {"ioi", "gt"} else "_" + "_".join(sorted(parts))),
-                                  result))
+    for name, run in (("ioi", ioi_parts), ("gt", gt_part)):  # each part's file written as soon as it is done
+        if name in parts:
+            result = {"pairs": args.pairs, "steps": args.steps, **run(lm, args)}
+            if not args.no_save:
+                print("wrote", write_json(f"circuits_smollm2_{name}", result))
 
 
 def ioi_parts(lm, args) -> dict:
@@ -298,7 +295,7 @@ def gt_part(lm, args) -> dict:
         print(f"    {h:<8} YY {on_yy:.2f}, first token {first:.2f}")
     if not args.no_save:
         gcirc.save(Path(__file__).resolve().parent / "results" / "circuit_gt_smollm2.json")
-    return {"seconds": sg["seconds"], "curve": {x: v for x, v in cg.items() if not x.startswith("_")},
+    return {"greater_than_seconds": sg["seconds"], "curve": {x: v for x, v in cg.items() if not x.startswith("_")},
             "circuit": {"n_edges": gcirc.n_edges, "asked": kg, "nodes": gcirc.nodes, "faithfulness": gcirc.faithfulness},
             "roles": roles}
 
