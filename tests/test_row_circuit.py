@@ -28,7 +28,7 @@ OPTIONS = [("task", {"--task"}, "ioi"), ("pairs", {"--pairs"}, 16), ("model", {"
            ("method", {"--method"}, "eap-ig"), ("steps", {"--steps"}, 5), ("scores", {"--scores"}, None),
            ("discover", {"--discover"}, "top-n"), ("edges", {"--edges"}, None), ("threshold", {"--threshold"}, None),
            ("criterion", {"--criterion"}, None), ("ablation", {"--ablation"}, "patch"),
-           ("faithfulness", {"--faithfulness"}, True), ("random", {"--random"}, 5), ("seed", {"--seed"}, 0),
+           ("faithfulness", {"--faithfulness"}, True), ("random", {"--random"}, 2), ("seed", {"--seed"}, 0),
            ("atlas", {"--atlas"}, None), ("top", {"--top"}, 10), ("out", {"--out", "-o"}, None),
            ("force", {"--force"}, False), ("as_json", {"--json"}, False)]
 RUN = ["--task", "induction", "--pairs", "4", "--steps", "2", "--edges", "20%", "--random", "1"]

@@ -160,7 +160,7 @@ class CircuitStudy(Instrument):
                f"{' | '.join(ABLATIONS)}", choices=ABLATIONS),
         Option("faithfulness", "--faithfulness", bool, True, "measure the faithfulness curve over circuit sizes",
                off="--no-faithfulness"),
-        Option("random", "--random", int, 5, "random circuits per size (the curve's baseline band)",
+        Option("random", "--random", int, 2, "random circuits per size (the curve's baseline band; a forward each)",
                check=at_least(0)),
         Option("seed", "--seed", int, 0, "the pairs' draw, the random circuits and resample ablation",
                check=at_least(0)),
