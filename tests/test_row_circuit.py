@@ -27,7 +27,7 @@ from headlab.models.transformer import Transformer, TransformerConfig
 OPTIONS = [("task", {"--task"}, "ioi"), ("pairs", {"--pairs"}, 16), ("model", {"--model", "-m"}, "smollm2"),
            ("method", {"--method"}, "eap-ig"), ("steps", {"--steps"}, 5), ("scores", {"--scores"}, None),
            ("discover", {"--discover"}, "top-n"), ("edges", {"--edges"}, None), ("threshold", {"--threshold"}, None),
-           ("criterion", {"--criterion"}, None), ("ablation", {"--ablation"}, "patch"),
+           ("criterion", {"--criterion"}, None), ("rank", {"--rank"}, "signed"), ("ablation", {"--ablation"}, "patch"),
            ("faithfulness", {"--faithfulness"}, True), ("random", {"--random"}, 2), ("seed", {"--seed"}, 0),
            ("atlas", {"--atlas"}, None), ("top", {"--top"}, 10), ("out", {"--out", "-o"}, None),
            ("force", {"--force"}, False), ("as_json", {"--json"}, False)]
@@ -139,11 +139,13 @@ def test_a_run_writes_what_the_library_computes(tiny, tmp_path, capsys):
     loaded = headlab.load(tiny)
     p = task("induction", loaded, n=4, seed=0)
     s = edge_scores(loaded, p.clean, p.corrupted, p.metric, method="eap-ig", steps=2)
-    want = discover(loaded, p.clean, p.corrupted, p.metric, n_edges=17, scores=s)  # 20% of 82 edges, rounded up
+    want = discover(loaded, p.clean, p.corrupted, p.metric, n_edges=17, scores=s,  # 20% of 82 edges, rounded up
+                    absolute=False)  # --rank signed
     got = Circuit.load(out / "circuit.json")
     assert got.edges == want.edges and got.settings["chosen"] == 17
     assert torch.allclose(EdgeScores.load(out / "scores.json").values, s.values, atol=1e-9)
-    f = faithfulness(loaded, s, p.clean, p.corrupted, p.metric, random=1, seed=0, templates=p.template)
+    f = faithfulness(loaded, s, p.clean, p.corrupted, p.metric, random=1, seed=0, templates=p.template,
+                     absolute=False)
     saved = Faithfulness.load(out / "faithfulness.json")
     assert saved.sizes == f.sizes and saved.f == pytest.approx(f.f, abs=1e-9) and saved.cpr == pytest.approx(f.cpr)
     assert doc["circuit"]["edges"] == want.edges and doc["faithfulness"]["f"] == pytest.approx(f.f, abs=1e-9)

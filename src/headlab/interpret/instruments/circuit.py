@@ -156,6 +156,9 @@ class CircuitStudy(Instrument):
                "grows by at most this", check=_threshold),
         Option("criterion", "--criterion", str, None, "acdc: kl (KL divergence to the model, default) | metric "
                "(|change of the task's metric|)", choices=("kl", "metric")),
+        Option("rank", "--rank", str, "signed", "how top-n and the curve rank edges: signed (the edges whose patch "
+               "moves the metric furthest towards the corrupted run first; MIB's CPR ranking) or abs (|score|, "
+               "MIB's CMD ranking)", choices=("signed", "abs")),
         Option("ablation", "--ablation", str, "patch", f"what an edge outside the circuit carries: "
                f"{' | '.join(ABLATIONS)}", choices=ABLATIONS),
         Option("faithfulness", "--faithfulness", bool, True, "measure the faithfulness curve over circuit sizes",
@@ -304,7 +307,7 @@ class CircuitStudy(Instrument):
         else:
             c = discover(ctx.loaded, p.clean, p.corrupted, p.metric, method=o["discover"],
                          n_edges=ctx.state["n_edges"], scores=ctx.state["scores"], ablation=o["ablation"],
-                         seed=o["seed"], progress=_progress(ctx, seen))
+                         seed=o["seed"], absolute=o["rank"] == "abs", progress=_progress(ctx, seen))
         if _unfinished(seen):  # ACDC caught Ctrl-C and kept the edges it had not tried: not a finished unit
             raise KeyboardInterrupt
         ctx.state["circuit"] = c
@@ -316,7 +319,8 @@ class CircuitStudy(Instrument):
         o, p = ctx.options, ctx.state["pairs"]
         seen: dict = {}
         f = faithfulness(ctx.loaded, ctx.state["scores"], p.clean, p.corrupted, p.metric, ablation=o["ablation"],
-                         random=o["random"], seed=o["seed"], templates=p.template, progress=_progress(ctx, seen))
+                         random=o["random"], seed=o["seed"], templates=p.template, absolute=o["rank"] == "abs",
+                         progress=_progress(ctx, seen))
         if _unfinished(seen):
             raise KeyboardInterrupt
         return f
