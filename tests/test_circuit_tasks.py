@@ -234,6 +234,9 @@ def test_typed_errors(models):
         for name in ("ioi", "induction"):
             with pytest.raises(ConfigError, match="positive int"):
                 T.task(name, lm, bad)
+    for name in ("ioi", "greater-than", "induction", "retrieval"):  # refused before a prompt is drawn
+        with pytest.raises(ConfigError, match="at most 10,000"):
+            T.task(name, lm, 10**9)
     with pytest.raises(ConfigError, match="ioi, greater-than, induction, retrieval"):
         T.task("docstring", lm)
     with pytest.raises(ConfigError, match="half"):

@@ -66,6 +66,7 @@ BAD = [
     (["--ablation", "noise"], "unknown --ablation 'noise'; choose one of patch, mean, resample, zero"),
     (["--criterion", "l2"], "unknown --criterion 'l2'; choose one of kl, metric"),
     (["--pairs", "0"], "--pairs must be at least 1, got 0"),
+    (["--pairs", "1000000000"], "--pairs must be at most 10,000"),
     (["--steps", "0"], "--steps must be from 1 to 1000"),
     (["--random", "-1"], "--random must be at least 0, got -1"),
     (["--top", "0"], "--top must be at least 1, got 0"),

@@ -77,6 +77,15 @@ def edges_for(size: int | float, n_graph_edges: int) -> int:
     return size if isinstance(size, int) else max(1, math.ceil(size * n_graph_edges - 1e-9))
 
 
+def _pairs(value, option: Option, options: dict) -> None:
+    from headlab.interpret.circuits.tasks.base import MAX_PAIRS
+
+    at_least(1)(value, option, options)
+    if value > MAX_PAIRS:
+        raise ConfigError(f"{option.label} must be at most {MAX_PAIRS:,} (each pair is a row of every forward), "
+                          f"got {value}")
+
+
 def _steps(value, option: Option, options: dict) -> None:
     if not 1 <= value <= 1000:
         raise ConfigError(f"{option.label} must be from 1 to 1000 (EAP-IG's interpolation steps; Hanna et al. use 5 "
@@ -140,7 +149,7 @@ class CircuitStudy(Instrument):
                "Example: headlab circuit --task ioi --pairs 16 --edges 1% --out ioi-circuit")
     options = (
         Option("task", "--task", str, "ioi", f"the task: {' | '.join(TASKS)}", choices=tuple(TASKS)),
-        Option("pairs", "--pairs", int, 16, "clean/corrupted pairs of the task", check=at_least(1)),
+        Option("pairs", "--pairs", int, 16, "clean/corrupted pairs of the task", check=_pairs),
         Option("model", "--model", str, "smollm2", "a known model name or a model folder (a pre-norm decoder)",
                short="-m"),
         Option("method", "--method", str, "eap-ig", f"edge scores: {' | '.join(SCORE_METHODS)} (exact: two forwards "

@@ -158,9 +158,15 @@ def pair_logit_diff(correct: torch.Tensor, wrong: torch.Tensor, position: torch.
 # checks shared by the builders
 
 
+MAX_PAIRS = 10_000  # every pair is a row of every forward: more would not fit a study on one machine
+
+
 def check_n(n) -> int:
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ConfigError(f"n (the number of clean/corrupted pairs) must be a positive int, got {n!r}; pass e.g. n=64")
+    if n > MAX_PAIRS:
+        raise ConfigError(f"n={n:,} pairs: a task builds at most {MAX_PAIRS:,} (each pair is a row of every forward); "
+                          "pass e.g. n=64")
     return n
 
 
