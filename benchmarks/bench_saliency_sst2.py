@@ -68,7 +68,8 @@ def main(argv=None) -> int:
     import torch
 
     torch.set_num_threads(args.threads)
-    from headlab.cli.explain import render_study
+    from headlab.cli.app import console
+    from headlab.interpret.instruments.explain import render_study
     from headlab.interpret.saliency import StudyOptions, study
 
     opts = StudyOptions(backend=args.backend, adversarial_steps=args.adversarial_steps,
@@ -78,7 +79,7 @@ def main(argv=None) -> int:
     r = study(args.model, args.dataset, args.out, limit=args.limit, options=opts,
               max_seconds=None if args.max_minutes is None else 60 * args.max_minutes)
     seconds = time.perf_counter() - t0
-    render_study(r)
+    render_study(r, console)
     tb = r.tables
     print("\nbeside Jain and Wallace 2019 (SST, BiLSTM + additive attention):")
     kt = tb.get("kendall", {})

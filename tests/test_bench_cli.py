@@ -81,7 +81,7 @@ BAD = [
 
 @pytest.mark.parametrize("name,args,needle", BAD, ids=[b[0] for b in BAD])
 def test_bad_argument_exit_2_one_line(name, args, needle, capsys, monkeypatch):
-    import headlab.costs.measure as measure
+    import headlab.attention.measure as measure
 
     ran = []
     monkeypatch.setattr(measure, "_call", lambda *a, **k: ran.append(a))
@@ -94,7 +94,7 @@ def test_bad_argument_exit_2_one_line(name, args, needle, capsys, monkeypatch):
 
 def test_guard_refusals_known_before_anything_runs(capsys, monkeypatch):
     """200,000 tokens on the reference backend: refused up front, and no hidden SDPA baseline is run."""
-    import headlab.costs.measure as measure
+    import headlab.attention.measure as measure
 
     ran = []
     monkeypatch.setattr(measure, "_call", lambda *a, **k: ran.append(a))

@@ -155,7 +155,7 @@ def test_a_generation_writes_the_envelope_with_its_model_and_settings(tmp_path):
 
 
 def test_a_policy_file_has_the_envelope_and_old_files_still_load(tmp_path, capsys):
-    from headlab.cli.generate import read_policy_file
+    from headlab.decode.instrument import read_policy_file
 
     p = kv.Policy.from_spec({(0, 1): kv.window(sink=1, recent=2), (1, 0): kv.drop}, default=kv.full(bits=8))
     doc = json.loads(json.dumps(p.to_json()))

@@ -1,5 +1,5 @@
 """headlab.attention.backends.sparse.plan.pattern_density against a brute-force count on the dense mask,
-and the spec the ``headlab pattern`` options stand for (headlab.cli.pattern.spec) against the constructors."""
+and the spec the ``headlab pattern`` options stand for (headlab.interpret.instruments.pattern.spec) against the constructors."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch
 
 from headlab import masks
 from headlab.attention.backends.sparse.plan import BLOCK_Q, default_tile, pattern_density
-from headlab.cli.pattern import build, spec
+from headlab.interpret.instruments.pattern import build, spec
 from headlab.errors import ConfigError
 
 # (mask, seq_len, tile): tiles that do not divide the length, one tile, tiles of one position

@@ -211,7 +211,7 @@ def test_cost_registered_and_linear_working_set():
 @pytest.mark.slow
 def test_memory_at_16k_tokens_in_a_fresh_process():
     """Forward + backward at 16,384 tokens (B=1, H=8, d=64, fp32) under 5% of the 8 GiB map."""
-    from headlab.costs.measure import _mem_run, _mem_setup, peak_memory_growth
+    from headlab.attention.measure import _mem_run, _mem_setup, peak_memory_growth
 
     cfg = {"seq_len": 16384, "batch": 1, "heads": 8, "head_dim": 64, "dtype": torch.float32,
            "causal": False, "backward": True, "mask": None, "seed": 0}

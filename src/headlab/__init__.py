@@ -10,33 +10,27 @@ that show what each head does.
     34359738368
 """
 
-import sys as _sys
 from importlib import import_module as _import_module
 
-from headlab import errors
-from headlab.spec import masks
-from headlab import attention  # a callable package: headlab.attention(q, k, v, ...)
-
-# one module object: `import headlab.masks` finds this entry, so headlab.masks is headlab.spec.masks
-_sys.modules[__name__ + ".masks"] = masks
-# measuring real calls runs the engines, so it lives in headlab.attention.measure (costs imports no engine);
-# `headlab.costs.measure`, its former name, finds the same module object
-from headlab.attention import measure as _measure  # noqa: E402
-
-_sys.modules.setdefault(__name__ + ".costs.measure", _measure)
-from headlab.attention.core import attention_weights, backends
-from headlab.attention.module import MultiHeadAttention
-
 from headlab._version import __version__
-# every instrument's result in one envelope (kind, version, model, settings, figures): headlab.Result.load reads
-# any result file headlab writes, of this version or an earlier one
-from headlab.results import Result, read_json, write_json
 
 __all__ = ["MultiHeadAttention", "Result", "attention", "attention_weights", "backends", "costs", "errors", "masks",
            "read_json", "write_json"]
 
-# Heavier layers load on first use, so `import headlab` stays quick.
+# Every name loads on first use, so `import headlab` imports neither torch nor transformers (the command line's
+# `headlab --help` and `headlab memory` stay quick and small); `headlab.attention(q, k, v)` imports the engines.
 _LAZY = {
+    "errors": "headlab.errors",
+    "attention": "headlab.attention",  # a callable package: headlab.attention(q, k, v, ...)
+    "masks": "headlab.spec.masks",     # headlab.masks is headlab.spec.masks (one module object)
+    "attention_weights": ("headlab.attention.core", "attention_weights"),
+    "backends": ("headlab.attention.core", "backends"),
+    "MultiHeadAttention": ("headlab.attention.module", "MultiHeadAttention"),
+    # every instrument's result in one envelope (kind, version, model, settings, figures): headlab.Result.load reads
+    # any result file headlab writes, of this version or an earlier one
+    "Result": ("headlab.results", "Result"),
+    "read_json": ("headlab.results", "read_json"),
+    "write_json": ("headlab.results", "write_json"),
     "costs": "headlab.costs",
     "testing": "headlab.testing",
     # added by the statistics, models and interpretability work:
@@ -70,3 +64,7 @@ def __getattr__(name: str):
         globals()[name] = obj
         return obj
     raise AttributeError(f"module 'headlab' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

@@ -6,8 +6,8 @@ attention maps ``(batch, heads, q_pos, k_pos)``.
 This package is also callable: ``headlab.attention(q, k, v, ...)`` is
 :func:`headlab.attention.core.attention`, while ``headlab.attention.backends`` ... stay importable as
 subpackages. What attention is asked to compute (the spec, masks, score mods, visibility, block maps, tile
-states, feature maps, the memory guard) lives below ``headlab.costs``, in :mod:`headlab.spec`; its modules stay
-importable under their old names here (``headlab.attention.masks`` is ``headlab.spec.masks``).
+states, feature maps, the memory guard) lives below ``headlab.costs``, in :mod:`headlab.spec` (import it from
+there: ``headlab.spec.masks``; ``headlab.attention.masks`` is the same module, re-exported as a name).
 """
 
 import sys as _sys
@@ -21,16 +21,6 @@ from headlab.attention.module import MultiHeadAttention
 from headlab.spec.attention_spec import AttentionSpec
 
 __all__ = ["AttentionSpec", "BlockMap", "MultiHeadAttention", "attention_weights", "masks"]
-
-# the old names of the modules that moved to headlab.spec (what attention is asked to compute)
-import importlib as _importlib  # noqa: E402
-
-for _old, _new in (("spec", "attention_spec"), ("masks", "masks"), ("tile_states", "tile_states"),
-                   ("blocks", "blocks"), ("visibility", "visibility"), ("score_mods", "score_mods"),
-                   ("feature_maps", "feature_maps"), ("memory_guard", "memory_guard")):
-    _mod = _importlib.import_module(f"headlab.spec.{_new}")
-    _sys.modules[f"{__name__}.{_old}"] = _mod
-    setattr(_sys.modules[__name__], _old, _mod)
 
 
 class _CallableModule(_types.ModuleType):

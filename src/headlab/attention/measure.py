@@ -1,6 +1,6 @@
 """Measured cost: wall time and peak memory of running attention, for the CLI, the benchmarks and
 the checks of the cost model against reality. (It runs the engines, so it sits beside them, not in
-:mod:`headlab.costs`, which imports none; ``headlab.costs.measure`` still names this module.)
+:mod:`headlab.costs`, which imports none.)
 
 * :func:`time_call` - median seconds of a call, after warm-up.
 * :func:`peak_memory_growth` - peak extra resident bytes of a call, measured in a fresh process
@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from headlab import checks
 from headlab.costs.model import parse_dtype
 from headlab.errors import BackendUnsupportedError, ConfigError, HeadlabError, MemoryBudgetError
 
@@ -243,9 +244,7 @@ MAX_REPEATS = 10_000  # timed rounds per row: far past what a stable median need
 def check_counts(**counts: int) -> None:
     """Refuse a count below its least value (``warmup`` >= 0, everything else >= 1), by name."""
     for what, val in counts.items():
-        least = 0 if what == "warmup" else 1
-        if isinstance(val, bool) or not isinstance(val, int) or val < least:
-            raise ConfigError(f"{what} must be an integer >= {least}, got {val!r}")
+        checks.int_at_least(what, val, 0 if what == "warmup" else 1)
         if what in ("repeats", "warmup") and val > MAX_REPEATS:  # a timing loop that would run for days
             raise ConfigError(f"{what} must be at most {MAX_REPEATS:,} (the median settles after a few rounds), "
                               f"got {val:,}")

@@ -1,26 +1,27 @@
 """The Typer application and what every command shares: consoles, units, the error rule.
 
-Commands live one module each in this package and register on :data:`app` (or a sub-app);
-``headlab.cli.main`` imports them. Commands parse, call the library, render: no arithmetic here.
+Every instrument is a command of :data:`app` through the command table (:mod:`headlab.cli.table`: read from
+the instrument registry, imported when it runs); the plain commands (``memory``, ``backends``, ``models``,
+``demo``, ``bench``, ``train-classifier``) live one module each in this package and register on :data:`app`
+(``headlab.cli.main`` imports them; they import the library inside the command, so ``headlab --help`` imports
+neither torch nor transformers). Commands parse, call the library, render: no arithmetic here.
 """
 
 from __future__ import annotations
 
-import os
-import sys
 from pathlib import Path
 
 import typer
-from rich.console import Console
 
+from headlab.cli.table import CommandGroup
+from headlab.cli.terminal import INTERRUPTED_EXIT, console, err_console, invoked
 from headlab.errors import ConfigError
-from headlab.models.peek import peek_max_positions  # noqa: F401  (sizes checked before the load, here for the commands)
-from headlab.reading import check_utf8, read_file, read_text  # noqa: F401  (the one reader, for the commands)
-from headlab.decode.instrument import kv_heads_text as heads_text  # noqa: F401  (the KV heads' summary line)
-from headlab.results import check_output_dir, check_output_file, print_json  # noqa: F401  (the one output check, here for the commands)
+from headlab.reading import read_file, read_text
+from headlab.results import check_output_dir, check_output_file, print_json
 from headlab.units import human_bytes, human_flops
 
 app = typer.Typer(
+    cls=CommandGroup,  # the instruments' rows come from the registry (headlab.cli.table)
     name="headlab",
     help="Multi-head attention: the mechanism, its cost, efficient variants, and what each head does.",
     no_args_is_help=True,
@@ -30,14 +31,6 @@ app = typer.Typer(
 bench_app = typer.Typer(help="Benchmarks: time and memory of attention backends.", no_args_is_help=True)
 app.add_typer(bench_app, name="bench")
 
-def _piped_width(stream) -> int | None:
-    """Rich draws 80 columns when output is not a terminal, cutting table cells; piped output (a log,
-    a file, ``| less``) gets a wide page instead, unless ``COLUMNS`` says otherwise."""
-    return None if os.environ.get("COLUMNS") or stream.isatty() else 200
-
-
-console = Console(width=_piped_width(sys.stdout))
-err_console = Console(stderr=True, width=_piped_width(sys.stderr))
 
 
 def read_text_file(path: Path, option: str, *, what: str = "a plain-text file (UTF-8)", kind: str = "texts") -> str:
@@ -60,5 +53,18 @@ def check_at_least(option: str, value, low, *, what: str = "") -> None:
         raise ConfigError(f"{option} must be at least {low}{what}, got {value}")
 
 
-__all__ = ["app", "bench_app", "check_at_least", "check_output_dir", "check_output_file", "check_text", "console",
-           "err_console", "human_bytes", "human_flops", "peek_max_positions", "print_json", "read_text_file"]
+def __getattr__(name: str):
+    """Names the commands used to import from here, loaded on first use (they import torch or transformers)."""
+    if name == "peek_max_positions":  # sizes checked before the load
+        from headlab.models.peek import peek_max_positions
+
+        return peek_max_positions
+    if name == "heads_text":  # the KV heads' summary line
+        from headlab.decode.instrument import kv_heads_text
+
+        return kv_heads_text
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = ["INTERRUPTED_EXIT", "app", "bench_app", "check_at_least", "check_output_dir", "check_output_file", "check_text", "console",
+           "err_console", "human_bytes", "human_flops", "invoked", "print_json", "read_text_file"]

@@ -5,13 +5,14 @@ from __future__ import annotations
 import typer
 from rich.table import Table
 
-from headlab.attention.core import backends as registered_backends
 from headlab.cli.app import app, console, print_json
 
 
 @app.command("backends")
 def list_backends(as_json: bool = typer.Option(False, "--json", help="print JSON")) -> None:
     """List attention backends with their capabilities, in the order backend='auto' prefers them."""
+    from headlab.attention.core import backends as registered_backends
+
     rows = registered_backends()
     if as_json:
         print_json(rows)

@@ -7,9 +7,7 @@ from pathlib import Path
 import typer
 from rich.table import Table
 
-from headlab.spec.masks import from_string
 from headlab.cli.app import bench_app, check_output_file, console, human_bytes
-from headlab.attention.measure import bench_attention, check_counts
 from headlab.errors import ConfigError
 from headlab.progress import reporter
 from headlab.results import write_json
@@ -97,6 +95,9 @@ def attention_cmd(
     names = [b.strip() for b in backends.split(",") if b.strip()]
     if not names:
         raise ConfigError("--backends is empty; give names like sdpa,tiled")
+    from headlab.attention.measure import bench_attention, check_counts  # here: `headlab --help` imports no torch
+    from headlab.spec.masks import from_string
+
     check_counts(repeats=repeats, batch=batch, heads=heads, head_dim=head_dim)
     if pattern is not None:
         from_string(pattern)  # a bad spec fails here, before any timing

@@ -5,10 +5,7 @@ from __future__ import annotations
 import typer
 from rich.table import Table
 
-from headlab import costs
-from headlab.attention import backends as _backends
-from headlab.spec.masks import from_string
-from headlab.cli.app import app, console, heads_text, human_bytes, human_flops, print_json
+from headlab.cli.app import app, console, human_bytes, human_flops, print_json
 from headlab.errors import ConfigError, CostModelError
 
 
@@ -43,6 +40,10 @@ def memory(
     With --pattern every backend is costed for that mask; the tiled and sparse backends count exactly the
     tiles of the pattern's block map they visit, in closed form for the built-in patterns (any length).
     """
+    from headlab import costs  # here, not above: `headlab --help` imports no command's library
+    from headlab.attention import backends as _backends
+    from headlab.spec.masks import from_string
+
     if ring and ranks is None:
         raise ConfigError("--ring costs attention sharded over ranks: give --ranks R too")
     if ranks is not None and ranks < 1:
@@ -96,9 +97,11 @@ def memory(
     if plan is not None:
         _print_ring(plan)
     if cache is not None:
+        from headlab.decode.instrument import kv_heads_text
+
         console.print(f"KV cache at {cache['tokens']} tokens ({shape.layers} layers x {shape.kv_heads} kv heads): "
                       f"full {human_bytes(cache['full_bytes'])}, policy {cache['policy']} "
-                      f"{human_bytes(cache['policy_bytes'])} ({cache['ratio']:.1%}; {heads_text(cache['heads'])})", highlight=False)
+                      f"{human_bytes(cache['policy_bytes'])} ({cache['ratio']:.1%}; {kv_heads_text(cache['heads'])})", highlight=False)
 
 
 def _kv_cache(shape, text: str) -> dict:
@@ -106,7 +109,7 @@ def _kv_cache(shape, text: str) -> dict:
     from pathlib import Path
 
     from headlab.costs.kv import full_cache_bytes, policy_cache_bytes
-    from headlab.decode import kv
+    from headlab.decode import kv  # here: the KV policies import transformers, which `memory` alone never needs
 
     if text.endswith(".json") or Path(text).exists():  # a policy file: missing, a folder, not UTF-8, empty
         from headlab.cli.app import read_text_file
@@ -125,6 +128,7 @@ def _kv_cache(shape, text: str) -> dict:
 
 
 def _ring_plan(shape, ranks: int, link_bandwidth: float | None, peak_flops: float | None) -> dict:
+    from headlab import costs
     from headlab.costs.ring import ring_cost
 
     c = ring_cost(shape, ranks)

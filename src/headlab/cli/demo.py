@@ -6,9 +6,7 @@ from pathlib import Path
 
 import typer
 
-from headlab.cli.analyze import render_summary
 from headlab.cli.app import app, console
-from headlab.interpret.report.analyze_job import analyze
 
 DEMO_TEXT = ("The model reads the sentence once, and each head decides which earlier or later words "
              "matter for the word it is looking at.")
@@ -23,10 +21,12 @@ def demo(
 
     Runs `headlab analyze` with --force: a previous report in the folder is replaced (other files are kept).
     """
+    from headlab.interpret.report.analyze_job import analyze
+    from headlab.interpret.report.instrument import render_summary
     from headlab.models.loader import model_path
 
     model_path(model)  # an unknown name or folder: one line, before anything is said or written
     console.print(f"headlab demo: analysing {DEMO_TEXT!r} with {model}", highlight=False, soft_wrap=True)
     r = analyze(DEMO_TEXT, model=model, out_dir=out, force=True, progress=True)
-    render_summary(r)
+    render_summary(r, console)
     console.print(f"open {r.html.resolve()} in a browser", highlight=False, soft_wrap=True)

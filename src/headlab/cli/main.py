@@ -1,4 +1,9 @@
-"""Entry point of the ``headlab`` command: a table of commands, one module each."""
+"""Entry point of the ``headlab`` command.
+
+The commands are the instruments of the registry (:mod:`headlab.cli.table`, each imported when it runs) and the
+plain commands of :data:`COMMANDS` (one module each, importing their library inside the command): so ``headlab
+--help``, ``headlab memory`` and every refusal that needs no model start without importing transformers.
+"""
 
 from __future__ import annotations
 
@@ -8,9 +13,8 @@ from importlib import import_module
 import typer
 from rich.markup import escape
 
-from headlab.attention.backends.native import enabled as native_enabled
-from headlab.spec.memory_guard import memory_limit_override
-from headlab.cli.app import app, err_console
+from headlab.cli.app import INTERRUPTED_EXIT, app, err_console, invoked
+from headlab.environment import memory_limit_override, native_enabled
 from headlab.errors import CLI_EXIT_CODE, HeadlabError
 
 try:  # typer >= 0.2x carries its own click, whose errors derive from typer.TyperException; older ones raise click's
@@ -19,9 +23,9 @@ except ImportError:  # pragma: no cover
     _ClickException = None
 PARSE_ERRORS = tuple({getattr(typer, "TyperException", None), _ClickException} - {None})
 
-# Each module registers its commands on the app when imported.
-COMMANDS = ["costs_cmd", "backends_cmd", "models_cmd", "demo", "bench", "pattern", "analyze", "probe", "heads", "flow", "explain", "train", "generate", "atlas",
-            "patch"]
+# The plain commands: each module registers its commands on the app when imported (the instruments' rows come
+# from the command table).
+COMMANDS = ["costs_cmd", "backends_cmd", "models_cmd", "demo", "bench", "heads", "train"]
 for _name in COMMANDS:
     import_module(f"headlab.cli.{_name}")
 
@@ -32,6 +36,7 @@ def main(argv: list[str] | None = None) -> None:
     The environment is read first (``HEADLAB_MEMORY_LIMIT``, ``HEADLAB_NATIVE``), so a bad value
     stops the command before any work.
     """
+    invoked[:] = list(sys.argv[1:] if argv is None else argv)
     try:
         memory_limit_override()
         native_enabled()
@@ -41,8 +46,14 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(CLI_EXIT_CODE)
     except PARSE_ERRORS as e:
         sys.exit(_parse_error(e))
-    except typer.Abort:  # end of input at a prompt
-        err_console.print("Aborted!", highlight=False)
+    except KeyboardInterrupt:  # Ctrl-C outside the units (reading, loading): nothing was computed yet
+        err_console.print("interrupted before any work was done; nothing was written", highlight=False)
+        sys.exit(INTERRUPTED_EXIT)
+    except typer.Abort as e:  # click turns Ctrl-C into Abort too: the shell's 130, as in the units
+        if isinstance(e.__cause__, KeyboardInterrupt) or isinstance(e.__context__, KeyboardInterrupt):
+            err_console.print("interrupted before any work was done; nothing was written", highlight=False)
+            sys.exit(INTERRUPTED_EXIT)
+        err_console.print("Aborted!", highlight=False)  # end of input at a prompt
         sys.exit(1)
     if isinstance(code, int) and not isinstance(code, bool) and code:  # typer.Exit(n), Ctrl-C (130)
         sys.exit(code)

@@ -17,11 +17,11 @@ import inspect
 
 import typer
 
-from headlab.cli.app import console, err_console
+from headlab.cli.terminal import INTERRUPTED_EXIT, console, err_console, invoked
+from headlab.results import print_json
 from headlab.errors import InputError
 from headlab.interpret.instruments.base import REQUIRED, Instrument, Option, get
 
-INTERRUPTED_EXIT = 130  # the shell's code for a process ended by Ctrl-C
 
 
 def _parameter(o: Option) -> inspect.Parameter:
@@ -47,6 +47,10 @@ def command(instrument: Instrument | str):
                 None, "--tensor-size", help="with --tensor-parallel: ranks per tensor-parallel group (a divisor of "
                 "the world size; the groups split the work, a (data, tensor) mesh); default every rank")),
         ]
+    own_json = any(o.flag == "--json" for o in inst.options)
+    if not own_json:  # every row prints its result envelope as JSON on request
+        params.append(inspect.Parameter("as_json_envelope", inspect.Parameter.KEYWORD_ONLY, annotation=bool,
+                                        default=typer.Option(False, "--json", help="print the result as JSON")))
     if inst.resumable:
         params.append(inspect.Parameter("resume", inspect.Parameter.KEYWORD_ONLY, annotation=bool,
                                         default=typer.Option(False, "--resume", help="keep the units already in the "
@@ -56,6 +60,7 @@ def command(instrument: Instrument | str):
         from headlab.interpret.instruments.runner import run
 
         resume = bool(options.pop("resume", False))
+        as_json = bool(options.pop("as_json_envelope", False))
         tp, size = bool(options.pop("tensor_parallel", False)), options.pop("tensor_size", None)
         if size is not None and not tp:
             raise InputError("--tensor-size acts only with --tensor-parallel; add --tensor-parallel or drop it")
@@ -63,16 +68,27 @@ def command(instrument: Instrument | str):
             raise InputError(f"--tensor-size must be at least 1 (ranks per tensor-parallel group), got {size}")
         outcome = run(inst, options, resume=resume, progress=True, transient=True,
                       say=lambda line: err_console.print(line, highlight=False, soft_wrap=True),
-                      tensor_parallel=(size if size is not None else True) if tp else False)
+                      tensor_parallel=(size if size is not None else True) if tp else False,
+                      command=_command_line(invoked))
         if outcome.interrupted:
             raise typer.Exit(INTERRUPTED_EXIT)
-        if outcome.main:
+        if outcome.main and as_json and outcome.result is not None:
+            print_json(outcome.result.to_json())
+        elif outcome.main:
             inst.render(outcome.ctx, outcome, console, err_console)
 
     run_row.__signature__ = inspect.Signature(params)
     run_row.__name__ = f"{inst.name.replace('-', '_')}_cmd"
     run_row.__doc__ = inst.summary or inst.__doc__
     return run_row
+
+
+def _command_line(argv: list[str] | None) -> str | None:
+    """The command line as a shell would take it back (``headlab`` and the arguments, quoted where needed); None
+    when the row was not started by :func:`headlab.cli.main.main` (then the Ctrl-C line names no command)."""
+    import shlex
+
+    return " ".join(["headlab", *map(shlex.quote, argv)]) if argv else None
 
 
 def row(app: typer.Typer, name: str, instrument: Instrument | str) -> None:

@@ -3,16 +3,17 @@ instruments.
 
 They live in the decode layer because their library is here (:func:`headlab.decode.generate.generate`,
 :func:`headlab.decode.train.train_gates`); the registry they join is interpret's
-(:mod:`headlab.interpret.instruments.base`), which decode may import. ``headlab.cli.generate`` makes them rows.
+(:mod:`headlab.interpret.instruments.base`), which decode may import. The command table (``headlab.cli.table``) makes them rows.
 
 - :class:`Generate` continues one prompt: one unit (a generation cannot be kept half done). Its options are
   checked before anything is read or loaded, the ``--kv-from`` file is read (:func:`read_policy_file`) before
   the load, and the policy is built against the loaded model (:func:`build_policy`) before the first token.
   :func:`~headlab.decode.generate.generate` draws its own bar over the steps (none with ``--json``).
-- :class:`TrainGates` trains DuoAttention's gates: one unit, because :func:`~headlab.decode.train.train_gates`
-  owns its own progress bar, time budget, Ctrl-C (it stops, saves its checkpoint and returns the gates so far,
-  ``stopped="interrupt"``) and resume (the checkpoint file: running the same command again continues it); the
-  runner adds none of its own.
+- :class:`TrainGates` trains DuoAttention's gates: one unit per optimiser step
+  (:class:`~headlab.decode.train.GateTrainer`), so the runner owns the progress, Ctrl-C and resume: an
+  interrupted run keeps its finished steps in ``--out`` (each step's loss, and the gates and Adam's state of the
+  latest), exits 130, and the same command with ``--resume`` continues from the last kept step to the gates an
+  uninterrupted run ends with.
 
 Both read a model's positions from its config files before the load
 (:func:`headlab.models.peek.peek_max_positions`); when the config does not say, the same check runs on the loaded
@@ -21,13 +22,14 @@ model, still before any work.
 
 from __future__ import annotations
 
+import time
 import zipfile
 from pathlib import Path
 
 from headlab.results import print_json
 from headlab.errors import ConfigError, InputError
 from headlab.interpret.instruments.base import REQUIRED, Context, Instrument, InstrumentResult, Option, Output, \
-    at_least, register
+    Unit, at_least, register
 
 POLICY_FILE = "a policy JSON, an atlas JSON (headlab atlas) or trained gates (GateTraining.save)"
 
@@ -143,6 +145,16 @@ class _Decoding(Instrument):
 MODEL = Option("model", "--model", str, "smollm2", "a known causal LM name (smollm2) or a model folder", short="-m")
 
 
+def _count(high: int, why: str):
+    """An Option check: an integer from 1 to ``high`` (10**12 steps or contexts loaded the model, then listed them
+    without end)."""
+    def check(value, option: Option, options: dict) -> None:
+        at_least(1)(value, option, options)
+        if value > high:
+            raise ConfigError(f"{option.label} must be at most {high:,} ({why}), got {value:,}")
+    return check
+
+
 @register
 class Generate(_Decoding):
     """Continue a prompt with a per-head KV cache."""
@@ -251,7 +263,7 @@ headlab generate "The capital of France is" --policy streaming:4,256 --max-new-t
 
 @register
 class TrainGates(_Decoding):
-    """Train DuoAttention's gates, one per kv head (the library owns progress, Ctrl-C and resume: see above)."""
+    """Train DuoAttention's gates, one per kv head: one unit per optimiser step (see above)."""
 
     name = "train-gates"
     kind = "kv_gates"
@@ -259,26 +271,38 @@ class TrainGates(_Decoding):
 
 Example (then decode with the half of kv heads whose gates are highest kept full):
 headlab train-gates --out gates.json --steps 50 --seconds 1800
-headlab generate "..." --kv-from gates.json --keep 0.5"""
+headlab generate "..." --kv-from gates.json --keep 0.5
+
+Interrupted (Ctrl-C), --out keeps the finished steps; the same command with --resume continues from them."""
     options = (
         Option("out", "--out", Path, REQUIRED, "where to write the gates (JSON; --kv-from reads it)", short="-o",
                setting=False),
         MODEL,
         Option("window", "--window", str, "4,256", "SINK,RECENT: the window the gates choose against", check=_window),
-        Option("steps", "--steps", int, 100, "optimiser steps, one training context each", check=at_least(1)),
+        Option("steps", "--steps", int, 100, "optimiser steps, one training context each",
+               check=_count(1_000_000, "optimiser steps, a forward and backward each; --seconds bounds the time")),
         Option("seconds", "--seconds", float, None, "a time budget: stop (and save) after this long",
                check=at_least(1)),
         Option("tokens", "--tokens", int, 512, "tokens per training context"),
-        Option("contexts", "--contexts", int, 16, "training contexts (cycled through)", check=at_least(1)),
+        Option("contexts", "--contexts", int, 16, "training contexts (cycled through)",
+               check=_count(10_000, "contexts built before the first step and cycled through")),
         Option("keys", "--keys", int, 4, "passkeys hidden in each context", check=at_least(1)),
         Option("lr", "--lr", float, 0.05, "Adam's learning rate", check=at_least(1e-9)),
         Option("l1", "--l1", float, 0.05, "the weight of the L1 pull towards the window", check=at_least(0)),
         Option("seed", "--seed", int, 0, "draws the contexts", check=at_least(0)),
-        Option("checkpoint", "--checkpoint", Path, None, "resume from / save to this file (default: OUT.ckpt)",
+        Option("checkpoint", "--checkpoint", Path, None, "start from this checkpoint of train_gates(checkpoint=...) "
+               "(the Python API's torch.save file; an interrupted train-gates continues with --resume instead)",
                setting=False),
         Option("force", "--force", bool, False, "replace an existing --out file", setting=False),
     )
     output = Output("out", folder=False, force="force")
+    resumable = True  # the steps are units: --resume continues from the last one kept in --out
+    display = True  # the runner's display, where run_unit shows the steps (no "loading model" line: a load's
+    announce = False  # refusal stays the one line on stderr)
+    stage = "training gates"
+    # the steps follow one another (each starts from the gates the one before left): every rank runs the units
+    # and only rank 0 trains, as one process would (the runner splits units only when they stand alone)
+    parallel = "inside"
     sharded = ("its gates mix each head's full and windowed attention in an attention function of its own, written "
                "for a whole model on one process; train the gates on one process and use them with generate")
 
@@ -291,10 +315,15 @@ headlab generate "..." --kv-from gates.json --keep 0.5"""
         if o["tokens"] < low:
             raise ConfigError(f"--tokens must be at least {low} (the window's sink + recent + 64), got {o['tokens']}")
         self.check_positions(ctx)
-        ck = self.checkpoint(ctx)
+        ck = o["checkpoint"]
+        if ck is None:
+            return
         if ck.exists() and not ck.is_file():
             raise InputError(f"--checkpoint {str(ck)!r} is not a file")
-        if ck.is_file() and not zipfile.is_zipfile(ck):  # torch.save writes a zip archive; a text file is not one
+        if not ck.exists():
+            raise InputError(f"--checkpoint {str(ck)!r} does not exist; give the file train_gates(checkpoint=...) "
+                             "wrote, or drop --checkpoint")
+        if not zipfile.is_zipfile(ck):  # torch.save writes a zip archive; a text file is not one
             raise InputError(f"--checkpoint {str(ck)!r} is not a train-gates checkpoint (a torch.save file); give "
                              "the checkpoint an interrupted run wrote, or another path to start afresh")
 
@@ -303,26 +332,75 @@ headlab generate "..." --kv-from gates.json --keep 0.5"""
         if limit is not None and tokens > limit:
             raise ConfigError(f"--tokens {tokens}: {ctx.options['model']} reads at most {limit:,} positions")
 
-    def checkpoint(self, ctx: Context) -> Path:
-        o = ctx.options
-        return o["checkpoint"] if o["checkpoint"] is not None else Path(str(o["out"]) + ".ckpt")
-
     def check_loaded(self, ctx: Context) -> None:
+        """The positions against the loaded model, then the trainer (its own checks: a decoder, the contexts), and
+        a --checkpoint to start from."""
+        from headlab.decode.train import GateTrainer
+
         self.check_positions(ctx)
+        o = ctx.options
+        ctx.state["trainer"] = tr = GateTrainer(ctx.loaded, rest=ctx.state["rule"], steps=o["steps"],
+                                                seconds=o["seconds"], tokens=o["tokens"], contexts=o["contexts"],
+                                                keys=o["keys"], lr=o["lr"], l1=o["l1"], seed=o["seed"])
+        if o["checkpoint"] is not None:
+            tr.load_checkpoint(o["checkpoint"])
+        ctx.state["base"] = (tr.state.steps, list(tr.state.losses), tr.state.seconds)  # before the first unit
+        ctx.state["at"] = tr.state.steps  # the steps the trainer holds now
+        ctx.state["recent"] = []  # the values of the latest steps (the newest two keep the trainer's state)
+
+    def units(self, ctx: Context) -> list[Unit]:
+        return [Unit(str(i + 1), i) for i in range(ctx.state["base"][0], ctx.options["steps"])]
+
+    def _catch_up(self, ctx: Context, i: int) -> None:
+        """A resumed run: the trainer continues from the state the kept step ``i`` (1-based key) left in --out."""
+        from headlab.interpret.instruments.runner import UNITS_KEY
+        from headlab.results import Result
+
+        kept = Result.load(ctx.path).figures.get(UNITS_KEY, {}) if ctx.path is not None and ctx.path.is_file() else {}
+        last = kept.get(str(i))
+        if not isinstance(last, dict) or "state" not in last:
+            raise InputError(f"--resume: {ctx.path} does not keep the state after step {i}; drop --resume to start "
+                             "again")
+        losses = [kept[str(k)].get("loss") for k in range(ctx.state["base"][0] + 1, i + 1)]
+        ctx.state["trainer"].restore(last["state"], steps=i, seconds=last["seconds"],
+                                     losses=ctx.state["base"][1] + [x for x in losses if x is not None])
+        ctx.state["at"] = i
 
     def run_unit(self, ctx: Context, unit, recording=None):
-        from headlab.decode.train import train_gates
-
-        o = ctx.options
-        return train_gates(ctx.loaded, rest=ctx.state["rule"], steps=o["steps"], seconds=o["seconds"],
-                           tokens=o["tokens"], contexts=o["contexts"], keys=o["keys"], lr=o["lr"], l1=o["l1"],
-                           seed=o["seed"], checkpoint=self.checkpoint(ctx))
-
-    def unit_to_json(self, value):
-        return value.to_json()
+        if not ctx.main:  # one process trains (see ``parallel``)
+            return None
+        i, tr, o = unit.payload, ctx.state["trainer"], ctx.options
+        if ctx.state["at"] != i:
+            self._catch_up(ctx, i)
+        if o["seconds"] is not None and tr.state.seconds >= o["seconds"]:  # the time budget is spent
+            return {"loss": None, "seconds": tr.state.seconds, "stopped": "seconds"}
+        t0 = time.perf_counter()
+        with tr.frozen():
+            loss = tr.step()
+        tr.state.seconds += time.perf_counter() - t0
+        ctx.state["at"] = i + 1
+        ctx.progress(self.stage, i + 1, o["steps"])
+        value = {"loss": loss, "seconds": tr.state.seconds, "state": tr.snapshot()}
+        recent = ctx.state["recent"]
+        recent.append(value)
+        if len(recent) > 2:  # a kept file holds the state of its newest steps only (two: one may be cut by Ctrl-C)
+            recent.pop(0).pop("state", None)
+        return value
 
     def finish(self, ctx: Context, values: dict) -> InstrumentResult:
-        return InstrumentResult.of(values[self.name])
+        import torch
+
+        from headlab.decode.train import GateTraining
+
+        tr, (steps, losses, seconds) = ctx.state["trainer"], ctx.state["base"]
+        ordered = [values[k] for k in sorted(values, key=int)]
+        ran = [v for v in ordered if v.get("loss") is not None]
+        with_state = [v for v in ran if "state" in v]
+        gates = torch.tensor(with_state[-1]["state"]["gates"]) if with_state else tr.param.detach().clone()
+        g = GateTraining(gates, tr.rule, losses + [v["loss"] for v in ran], steps + len(ran),
+                         ordered[-1]["seconds"] if ordered else seconds,
+                         "seconds" if len(ran) < len(ordered) else "steps", dict(tr.state.settings), tr.state.model)
+        return InstrumentResult.of(g)
 
     def write(self, ctx: Context, result, path: Path) -> list[Path]:
         return [result.native.save(path)]
@@ -330,9 +408,9 @@ headlab generate "..." --kv-from gates.json --keep 0.5"""
     def render(self, ctx: Context, outcome, console, err) -> None:
         t = outcome.result.native
         g = t.gates.clamp(0, 1)
-        err.print(f"{ctx.loaded.name}: {t.steps} steps in {t.seconds:.0f} s ({t.stopped}); loss {t.losses[0]:.4f} -> "
-                  f"{t.losses[-1]:.4f}; {int((g > 0.5).sum())} of {g.numel()} kv heads above 0.5. Wrote "
-                  f"{ctx.options['out']} (resume: the same command; checkpoint {self.checkpoint(ctx)})",
+        first, last = (f"{t.losses[0]:.4f}", f"{t.losses[-1]:.4f}") if t.losses else ("-", "-")
+        err.print(f"{ctx.loaded.name}: {t.steps} steps in {t.seconds:.0f} s ({t.stopped}); loss {first} -> "
+                  f"{last}; {int((g > 0.5).sum())} of {g.numel()} kv heads above 0.5. Wrote {ctx.options['out']}",
                   highlight=False, soft_wrap=True)
 
 

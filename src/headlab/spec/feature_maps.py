@@ -17,7 +17,7 @@ Three maps, each ``(..., head_dim) -> (..., features)``:
   product estimates ``exp(q . k * scale)``.
 
     >>> import torch
-    >>> from headlab.attention import feature_maps as fm
+    >>> from headlab.spec import feature_maps as fm
     >>> w = fm.orthogonal_gaussian(8, 4, torch.Generator().manual_seed(0))
     >>> w.shape                                    # (features, head_dim)
     torch.Size([8, 4])

@@ -6,8 +6,9 @@ import os
 
 import torch
 
-from headlab.errors import ConfigError, MemoryBudgetError
-from headlab.units import human_bytes, parse_bytes
+from headlab.environment import memory_limit_override  # the variable is read in the base layer
+from headlab.errors import MemoryBudgetError
+from headlab.units import human_bytes
 
 __all__ = ["HEADROOM", "available_memory", "check_fits", "human_bytes", "memory_limit_override"]
 
@@ -60,19 +61,6 @@ def available_memory(device: torch.device | str = "cpu") -> int:
         avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     limit = _cgroup_limit()
     return min(avail, limit) if limit is not None else avail
-
-
-def memory_limit_override() -> int | None:
-    """``HEADLAB_MEMORY_LIMIT`` in bytes (None when unset or empty); a value that is not a size
-    raises :class:`~headlab.errors.ConfigError` naming the variable."""
-    raw = os.environ.get("HEADLAB_MEMORY_LIMIT", "")
-    if not raw.strip():
-        return None
-    n = parse_bytes(raw)
-    if n is None:
-        raise ConfigError(f"HEADLAB_MEMORY_LIMIT={raw!r} is not a size; give bytes (17179869184) or a size "
-                          "such as 16GiB, 512M, 1.5G (powers of 1024), or unset it")
-    return n
 
 
 def check_fits(estimate_bytes: int, *, what: str, device: torch.device | str = "cpu", alternative: str | None) -> None:

@@ -41,6 +41,7 @@ from pathlib import Path
 
 import torch
 
+from headlab.environment import native_enabled
 from headlab.spec.masks import MaskFn, band_of
 from headlab.spec.attention_spec import AttentionSpec
 
@@ -60,14 +61,8 @@ MAX_KEYS = 1 << 18
 
 def enabled() -> bool:
     """``HEADLAB_NATIVE``: ``1`` (or unset) uses the kernel, ``0`` keeps the PyTorch paths;
-    any other value is a :class:`~headlab.errors.ConfigError` (the CLI reads it before any work)."""
-    raw = os.environ.get("HEADLAB_NATIVE", "").strip()
-    if raw not in ("", "0", "1"):
-        from headlab.errors import ConfigError
-
-        raise ConfigError(f"HEADLAB_NATIVE={raw!r} is not 0 or 1; set HEADLAB_NATIVE=0 to use the PyTorch paths "
-                          "only, 1 (or unset it) to use the compiled kernel")
-    return raw != "0"
+    any other value is a :class:`~headlab.errors.ConfigError` (:func:`headlab.environment.native_enabled`)."""
+    return native_enabled()
 
 
 def source_hash() -> str | None:

@@ -32,10 +32,11 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, Generic, TypeVar
+from typing import Any, ClassVar
 
 from headlab.errors import ConfigError
 from headlab.reading import KINDS
+from headlab.registry import Registry  # the one registry type, re-exported here
 from headlab.results import Result
 
 REQUIRED = ...  # an Option's default when the option must be given
@@ -57,40 +58,6 @@ class Part:
     def stats(self, ctx) -> set[str]:
         """Map-free statistics (:func:`headlab.attention_stats` names) read from the ``stats`` sites."""
         return set()
-
-
-P = TypeVar("P", bound=Part)
-
-
-class Registry(Generic[P]):
-    """Registered parts, in registration order, keyed by ``name`` (one instance each).
-
-    ``what``: how an error names a part ("a report section"); ``why``: why it needs a name."""
-
-    def __init__(self, what: str, why: str) -> None:
-        self.what, self.why = what, why
-        self.items: list[P] = []  # kept as one list object: callers may hold it
-
-    def register(self, cls: type[P]) -> type[P]:
-        if not getattr(cls, "name", None):
-            raise TypeError(f"{cls.__name__} has no name: {self.what} needs one ({self.why})")
-        if any(p.name == cls.name for p in self.items):
-            raise TypeError(f"{self.what} named {cls.name!r} is already registered")
-        self.items.append(cls())
-        return cls
-
-    def unregister(self, name: str) -> None:
-        self.items[:] = [p for p in self.items if p.name != name]
-
-    def get(self, name: str) -> P:
-        for p in self.items:
-            if p.name == name:
-                return p
-        raise ConfigError(f"no {self.what.split(' ', 1)[-1]} named {name!r}; registered: "
-                          f"{', '.join(p.name for p in self.items) or 'none'}")
-
-    def registered(self) -> list[P]:
-        return list(self.items)
 
 
 @dataclass(frozen=True)
@@ -226,6 +193,9 @@ class Instrument(Part):
 
     kind: ClassVar[str | None] = None  # the result kind (default: ``name``)
     summary: ClassVar[str] = ""  # the CLI's help text
+    # the command line's words for it ("" is the name; "heads importance" puts it under `headlab heads`; None: no
+    # command): headlab.cli.table makes every registered instrument a command
+    command: ClassVar[str | None] = ""
     options: ClassVar[tuple[Option, ...]] = ()
     output: ClassVar[Output | None] = None
     parallel: ClassVar[str] = "units"  # torchrun: "units" split across ranks; "inside": the library shards itself

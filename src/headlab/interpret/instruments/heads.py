@@ -86,6 +86,7 @@ class HeadImportance(_HeadStudy):
     """Michel et al.'s importance of every head, and Voita's confidence."""
 
     name = "heads-importance"
+    command = "heads importance"
     kind = "head_importance"
     summary = """Michel et al.'s importance E|dL/dxi| of every head (one backward per batch), and confidence.
 
@@ -153,6 +154,7 @@ class HeadAblation(_HeadStudy):
     """Single, pair and keep-one ablation effects with intervals, and each head's verdict."""
 
     name = "heads-ablate"
+    command = "heads ablate"
     kind = "head_ablation"
     summary = "Single, pair and keep-one ablation effects with intervals, and the verdicts unused / redundant / unique."
     options = (MODEL, DATA, LOSS, OUT, LIMIT, BATCH,

@@ -54,6 +54,7 @@ class Prune(Instrument):
     """Remove heads physically and save the smaller model."""
 
     name = "heads-prune"
+    command = "heads prune"
     kind = "head_pruning"
     summary = "Remove heads physically and save the smaller model (reloads with headlab.load)."
     options = (

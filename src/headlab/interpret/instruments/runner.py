@@ -21,6 +21,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from collections.abc import Callable, Sequence
@@ -30,6 +31,7 @@ from headlab.errors import HeadlabError, InputError
 from headlab.interpret.instruments.base import REQUIRED, Context, Instrument, Outcome, Unit
 from headlab.progress import reporter
 from headlab.reading import read
+from headlab.locks import output_lock
 from headlab.results import Result, check_output_dir, check_output_file
 
 UNITS_KEY = "units"  # where a file keeps its units' values (interrupted files, and finished resumable ones)
@@ -118,16 +120,17 @@ def _partial(ctx: Context, values: dict, total: int) -> Result:
 
 def run(instrument: Instrument | str, options: dict | None = None, *, resume: bool = False,
         progress=None, transient: bool = False, say: Callable[[str], None] = _stderr,
-        tensor_parallel: bool | int = False) -> Outcome:
+        tensor_parallel: bool | int = False, command: str | None = None) -> Outcome:
     """Run one instrument through the whole lifecycle (see the module docstring); returns its :class:`Outcome`.
 
     ``instrument``: an instance or a registered name; ``options``: by Python name (defaults filled in);
     ``progress``: True (a display on stderr), False/None or ``progress(stage, done, total)``; ``say``: where
     the runner's own lines go (the interrupted line); ``tensor_parallel``: under torchrun, shard the model by
     heads over every rank (True) or over groups of N ranks (N: a (data, tensor) mesh, the units split across
-    the groups), as :func:`headlab.load` does."""
+    the groups), as :func:`headlab.load` does; ``command``: the command line that started the run (the CLI's
+    rows pass it), so the line said on Ctrl-C is the command that resumes it."""
     return run_together([(instrument, options or {})], resume=resume, progress=progress, transient=transient,
-                        say=say, tensor_parallel=tensor_parallel)[0]
+                        say=say, tensor_parallel=tensor_parallel, command=command)[0]
 
 
 def check_tensor_parallel(instruments: Sequence[Instrument], tensor_parallel: bool | int) -> None:
@@ -155,9 +158,10 @@ def check_tensor_parallel(instruments: Sequence[Instrument], tensor_parallel: bo
 
 def run_together(runs: Sequence[tuple[Instrument | str, dict]], *, resume: bool = False, progress=None,
                  transient: bool = False, say: Callable[[str], None] = _stderr,
-                 tensor_parallel: bool | int = False) -> list[Outcome]:
+                 tensor_parallel: bool | int = False, command: str | None = None) -> list[Outcome]:
     """Run several instruments on one model: one load, and per unit key one recording of the union of their
-    sites (units of the same key must share their inputs). Each writes its own result."""
+    sites (units of the same key must share their inputs). Each writes its own result. An output another run is
+    writing is refused (:func:`headlab.results.output_lock`, a lock file beside it, held until the run ends)."""
     from headlab.interpret.instruments.base import get
 
     ctxs = []
@@ -174,6 +178,22 @@ def run_together(runs: Sequence[tuple[Instrument | str, dict]], *, resume: bool 
                     if ctx.instrument.output is not None and ctx.path is None else "drop --resume")
             raise InputError(f"--resume keeps the units of {ctx.instrument.name}'s result file, and this run writes "
                              f"none; {what}")
+    with contextlib.ExitStack() as held:
+        if os.environ.get("RANK", "0") == "0":  # torchrun's ranks share the output: rank 0 holds it
+            for ctx in ctxs:
+                if ctx.path is not None:
+                    held.enter_context(output_lock(_guarded(ctx), ctx.instrument.option(ctx.instrument.output.option).label))
+        return _load_and_work(ctxs, resume=resume, progress=progress, transient=transient, say=say, command=command)
+
+
+def _guarded(ctx: Context) -> Path:
+    """The path a run's lock guards: the output folder (a folder output), else the result file."""
+    spec = ctx.instrument.output
+    folder = Path(ctx.options[spec.option]).expanduser()
+    return folder if spec.folder else ctx.path
+
+
+def _load_and_work(ctxs: list[Context], *, resume: bool, progress, transient: bool, say, command) -> list[Outcome]:
     for ctx in ctxs:  # 2. inputs
         _read_inputs(ctx)
         ctx.instrument.prepare(ctx)
@@ -194,10 +214,10 @@ def run_together(runs: Sequence[tuple[Instrument | str, dict]], *, resume: bool 
         for ctx in ctxs:
             ctx.loaded = loaded
             ctx.instrument.check_loaded(ctx)
-        return _work(ctxs, resume=resume, announce=announce, show=show, say=say)
+        return _work(ctxs, resume=resume, announce=announce, show=show, say=say, command=command)
 
 
-def _work(ctxs: list[Context], *, resume: bool, announce: bool, show, say) -> list[Outcome]:
+def _work(ctxs: list[Context], *, resume: bool, announce: bool, show, say, command=None) -> list[Outcome]:
     lead = ctxs[0]
     units: list[Unit] = lead.instrument.units(lead)
     plans = [(ctx, ctx.instrument.units(ctx) if ctx is not lead else units) for ctx in ctxs]
@@ -251,7 +271,7 @@ def _work(ctxs: list[Context], *, resume: bool, announce: bool, show, say) -> li
     for j, ctx in enumerate(ctxs):
         kept = {k: (found[j][k] if k in found[j] else values[j][k]) for k in keys
                 if k in found[j] or k in values[j]}
-        outcomes.append(_close(ctx, kept, len(keys), interrupted, say))
+        outcomes.append(_close(ctx, kept, len(keys), interrupted, say, command))
     return outcomes
 
 
@@ -274,7 +294,12 @@ def _data_axis(ctx: Context) -> tuple[int, int]:
     return ctx.rank // size, ctx.world // size
 
 
-def _close(ctx: Context, kept: dict, total: int, interrupted: bool, say) -> Outcome:
+def resume_line(command: str) -> str:
+    """The command line that resumes ``command``: itself with ``--resume`` (once)."""
+    return command if " --resume" in f" {command} " else f"{command} --resume"
+
+
+def _close(ctx: Context, kept: dict, total: int, interrupted: bool, say, command: str | None = None) -> Outcome:
     inst = ctx.instrument
     if not ctx.main:
         return Outcome(None, ctx.path, interrupted=interrupted, kept=len(kept), total=total, main=False, ctx=ctx)
@@ -286,7 +311,8 @@ def _close(ctx: Context, kept: dict, total: int, interrupted: bool, say) -> Outc
         elif ctx.path is not None and kept:  # a folder of the instrument's own files: it writes what it can
             ctx.path.mkdir(parents=True, exist_ok=True)
             files = inst.write_kept(ctx, kept, ctx.path)
-        where = (f"in {files[0]}" + ("; run again with --resume to finish the rest" if inst.resumable else "")
+        again = f": {resume_line(command)}" if command else ""
+        where = (f"in {files[0]}" + (f"; run again with --resume to finish the rest{again}" if inst.resumable else "")
                  if files else "nothing was written" + ("" if kept else " (no unit had finished)"))
         inside = inst.kept_inside(ctx) if len(kept) < total else None
         say(f"interrupted: kept {len(kept)} of {total} units" + (f"; {inside}" if inside else f" {where}"))
