@@ -1,12 +1,14 @@
 """``headlab generate`` and ``headlab train-gates`` are rows: registered instruments whose declared options are the
 commands' options, checked before any load; Ctrl-C in generate's one unit keeps nothing and says so (exit 130),
-train-gates' library keeps its own steps and resumes them; a generation's envelope carries each rank's KV bytes."""
+train-gates' steps are units (Ctrl-C keeps them, exit 130, --resume continues); a generation's envelope carries
+each rank's KV bytes."""
 
 from __future__ import annotations
 
 import dataclasses
 import importlib
 import json
+import shlex
 
 import pytest
 import torch
@@ -47,8 +49,10 @@ def test_the_commands_are_rows_of_their_instruments(command, instrument, extra):
         names = set(p.opts) | set(p.secondary_opts)
         assert names == ({o.flag} if o.flag else {o.name}) | ({o.short} if o.short else set()) | extra.get(o.name, set())
         assert p.required if o.default is REQUIRED else p.default == o.default
-    # what the row adds: tensor parallelism for generate (generate() shards its cache by heads), none for train-gates
-    assert set(params) == ({"tensor_parallel", "tensor_size"} if inst.sharded is True else set())
+    # what the row adds: tensor parallelism for generate (generate() shards its cache by heads), --resume for
+    # train-gates (its steps are units)
+    assert set(params) == ({"tensor_parallel", "tensor_size"} if inst.sharded is True else set()) | \
+        ({"resume"} if inst.resumable else set())
     assert isinstance(get("train-gates").sharded, str)
 
 
@@ -101,10 +105,11 @@ def test_ctrl_c_in_generation_keeps_nothing_and_says_so(tiny_folder, tmp_path, c
     assert err.strip() == "interrupted: kept 0 of 1 units nothing was written (no unit had finished)"
 
 
-def test_train_gates_keeps_its_own_steps_on_ctrl_c_and_the_same_command_resumes(tiny_folder, tmp_path, capsys,
-                                                                               monkeypatch):
-    """train_gates owns its interrupt and resume (its checkpoint): Ctrl-C in step 2 saves one step, the command
-    ends normally and writes the gates so far; run again, it continues from the checkpoint to --steps."""
+def test_train_gates_keeps_its_steps_on_ctrl_c_exits_130_and_resume_ends_with_the_uninterrupted_gates(
+        tiny_folder, tmp_path, capsys, monkeypatch):
+    """The steps are the runner's units: Ctrl-C in step 2 keeps step 1 in --out, exits 130 with the runner's line;
+    the same command with --resume runs steps 2 and 3 only and ends with the gates, losses and steps of an
+    uninterrupted run with the same seed."""
     import headlab.decode.train as T
 
     real, calls = T.gated, []
@@ -115,19 +120,33 @@ def test_train_gates_keeps_its_own_steps_on_ctrl_c_and_the_same_command_resumes(
             raise KeyboardInterrupt
         return real(*a, **k)
 
-    out = tmp_path / "gates.json"
-    args = ["train-gates", "--model", tiny_folder, "--out", out, "--window", "1,8", "--tokens", "120", "--keys", "1",
+    out, straight = tmp_path / "gates.json", tmp_path / "straight.json"
+    args = ["train-gates", "--model", tiny_folder, "--window", "1,8", "--tokens", "120", "--keys", "1",
             "--contexts", "2", "--steps", "3"]
+    code, _, err = run_cli(args + ["--out", straight], capsys)
+    assert code == 0, err
     monkeypatch.setattr(T, "gated", gated)
-    code, _, err = run_cli(args, capsys)
-    assert code == 0, err
-    first = kv.GateTraining.load(out)
-    assert (first.steps, first.stopped, len(first.losses)) == (1, "interrupt", 1) and "(interrupt)" in err
+    code, so, err = run_cli(args + ["--out", out], capsys)
+    assert code == 130 and so == "", err
+    line = next(ln for ln in err.splitlines() if ln.startswith("interrupted:"))
+    assert line.startswith(f"interrupted: kept 1 of 3 units in {out}; run again with --resume to finish the rest")
+    printed = line.partition("finish the rest: headlab ")[2]  # the command that resumes, when the line names it
+    again_args = shlex.split(printed) if printed else [*args, "--out", out, "--resume"]
+    assert "--resume" in again_args
+    kept = Result.load(out)
+    assert kept.figures["interrupted"] == {"kept": 1, "of": 3} and list(kept.figures["units"]) == ["1"]
+    assert not list(tmp_path.glob("*.ckpt"))  # no checkpoint of its own beside the runner's kept units
     monkeypatch.setattr(T, "gated", real)
-    code, _, err = run_cli(args + ["--force"], capsys)
+    calls.clear()
+    code, _, err = run_cli(args + ["--out", out], capsys)  # without --resume the kept file is not replaced
+    assert code == 2 and "exists" in err
+    monkeypatch.setattr(T, "gated", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    code, _, err = run_cli(again_args, capsys)
     assert code == 0, err
-    again = kv.GateTraining.load(out)
-    assert again.steps == 3 and again.stopped == "steps" and again.losses[:1] == first.losses
+    assert len(calls) == 2  # steps 2 and 3 only
+    again, want = kv.GateTraining.load(out), kv.GateTraining.load(straight)
+    assert (again.steps, again.stopped) == (3, "steps") and again.losses == want.losses
+    assert torch.equal(again.gates, want.gates)
 
 
 def test_the_generate_row_writes_what_it_prints(tiny_folder, tmp_path, capsys):

@@ -12,7 +12,7 @@ that show what each head does.
 
 from importlib import import_module as _import_module
 
-from headlab._version import __version__
+from headlab._version import __version__ as __version__  # public: headlab.__version__
 
 __all__ = ["MultiHeadAttention", "Result", "attention", "attention_weights", "backends", "costs", "errors", "masks",
            "read_json", "write_json"]

@@ -13,12 +13,12 @@ there: ``headlab.spec.masks``; ``headlab.attention.masks`` is the same module, r
 import sys as _sys
 import types as _types
 
-from headlab.spec import masks
-from headlab.spec.blocks import BlockMap
 from headlab.attention.core import attention as _attention_fn
 from headlab.attention.core import attention_weights
 from headlab.attention.module import MultiHeadAttention
+from headlab.spec import masks
 from headlab.spec.attention_spec import AttentionSpec
+from headlab.spec.blocks import BlockMap
 
 __all__ = ["AttentionSpec", "BlockMap", "MultiHeadAttention", "attention_weights", "masks"]
 

@@ -7,9 +7,9 @@ from collections.abc import Callable
 import torch
 
 from headlab.attention import backends as _backends
+from headlab.spec.attention_spec import AttentionSpec, check_scale, validate
 from headlab.spec.masks import MaskFn
 from headlab.spec.score_mods import as_score_mod
-from headlab.spec.attention_spec import AttentionSpec, check_scale, validate
 from headlab.spec.visibility import visible
 
 MaskLike = torch.Tensor | MaskFn | Callable | None
@@ -190,6 +190,7 @@ def attention_weights(
     v = k.new_zeros(k.shape[:-1] + (1,))  # (B, Hkv, Lk, 1): the output is discarded
     _, weights = attention_with_weights(q, k, v, mask=mask, causal=causal, scale=scale, backend="reference",
                                         need_weights=True, score_mod=score_mod)
+    assert weights is not None  # need_weights=True
     return weights
 
 

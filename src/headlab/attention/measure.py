@@ -16,10 +16,9 @@ the checks of the cost model against reality. (It runs the engines, so it sits b
 
 from __future__ import annotations
 
-
 import multiprocessing
-import pickle
 import os
+import pickle
 import resource
 import statistics
 import sys
@@ -124,7 +123,7 @@ def _child(conn, setup, run, args) -> None:
         conn.send(("ok", max(0, peak - base), result if isinstance(result, (int, float, str, type(None))) else None))
     except HeadlabError as e:
         conn.send(("refused", type(e).__name__, str(e)))
-    except BaseException as e:  # noqa: BLE001 - reported to the parent, never swallowed
+    except BaseException as e:  # noqa: BLE001  (reported to the parent, never swallowed)
         conn.send(("error", type(e).__name__, str(e)))
     finally:
         conn.close()

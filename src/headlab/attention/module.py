@@ -10,15 +10,14 @@ Weights live in four ``nn.Linear`` layers laid out like Hugging Face's (``q_proj
 
 from __future__ import annotations
 
-import numbers
-
 import torch
 from torch import nn
 
+from headlab import checks
 from headlab.attention import backends as _backends
 from headlab.attention.core import attention_with_weights
+from headlab.errors import BackendUnsupportedError, ConfigError, DTypeError, MaskError, ShapeError
 from headlab.spec.masks import MaskFn, as_mask
-from headlab.errors import BackendUnsupportedError, ConfigError, MaskError, ShapeError
 
 
 class MultiHeadAttention(nn.Module):
@@ -65,8 +64,7 @@ class MultiHeadAttention(nn.Module):
         super().__init__()
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         for name, val in (("embed_dim", embed_dim), ("num_heads", num_heads), ("num_kv_heads", num_kv_heads)):
-            if isinstance(val, bool) or not isinstance(val, numbers.Integral):  # 16.0 would fail inside torch
-                raise ConfigError(f"{name} must be an integer, got {val!r}")
+            checks.integer(name, val)  # 16.0 would fail inside torch
         if isinstance(backend, str) and backend != "auto":
             _backends.get(backend)  # UnknownBackendError listing the known ones now, not at the first call
         if embed_dim <= 0 or num_heads <= 0 or num_kv_heads <= 0:
@@ -170,6 +168,7 @@ class MultiHeadAttention(nn.Module):
         if key.shape[:2] != value.shape[:2] or key.shape[0] != query.shape[0]:
             raise ShapeError(f"query {tuple(query.shape)}, key {tuple(key.shape)} and value {tuple(value.shape)} must "
                              "share the batch size, and key and value the sequence length")
+        self._check_dtypes(query, key, value)
         B, Lq, _ = query.shape
         Lk = key.shape[1]
         H, Hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
@@ -196,6 +195,19 @@ class MultiHeadAttention(nn.Module):
         z = z * self.head_gate.view(1, H, 1, 1).to(z.dtype)
         out = self.out_proj(z.transpose(1, 2).reshape(B, Lq, H * d))  # (B, Lq, E)
         return out, weights
+
+    def _check_dtypes(self, *inputs: torch.Tensor) -> None:
+        """The inputs are floating and, outside autocast, of the weights' dtype (torch's own message,
+        "mat1 and mat2 must have the same dtype", names neither the module nor the cure)."""
+        w = self.q_proj.weight.dtype
+        for name, t in zip(("query", "key", "value"), inputs):
+            if not t.is_floating_point():
+                raise DTypeError(f"{name} is {t.dtype}, but attention needs floating-point inputs; cast it, e.g. "
+                                 f"{name}.to({w})")
+            if t.dtype != w and not torch.is_autocast_enabled(t.device.type):
+                raise DTypeError(f"{name} is {t.dtype} but the module's weights are {w}; cast the module "
+                                 f"(module.to({t.dtype})) or the input ({name}.to({w})), or run under "
+                                 "torch.autocast")
 
     # -- interop ---------------------------------------------------------------------------------
     @classmethod

@@ -55,7 +55,7 @@ def _check_inputs_fit(n: int, *, batch: int, heads: int, head_dim: int, dtype: s
     from headlab.errors import MemoryBudgetError
     from headlab.units import human_bytes
 
-    item = AttentionShape(heads=1, q_len=1, dtype=dtype).dtype.itemsize  # an unknown dtype: refused here
+    item = parse_dtype(AttentionShape(heads=1, q_len=1, dtype=dtype).dtype).itemsize  # an unknown dtype: refused here
     tensors = 4 * (2 if backward else 1)
     need = tensors * batch * heads * n * head_dim * item
     try:
@@ -111,8 +111,10 @@ def attention_cmd(
     title = (f"attention {'forward + backward' if backward else 'forward'}: batch {batch}, {heads} heads, "
              f"head dim {head_dim}, {dtype}{', causal' if causal else ''}{f', pattern {pattern}' if pattern else ''}")
     t = Table(title=title)
-    for col, just in (("seq len", "right"), ("backend", "left"), ("median time", "right"),
-                      ("peak extra memory", "right"), ("time / sdpa", "right"), ("note", "left")):
+    cols: tuple[tuple[str, Literal["left", "right"]], ...] = (
+        ("seq len", "right"), ("backend", "left"), ("median time", "right"),
+        ("peak extra memory", "right"), ("time / sdpa", "right"), ("note", "left"))
+    for col, just in cols:
         t.add_column(col, justify=just)
     notes: dict[str, int] = {}  # full reason -> its number under the table
     for r in rows:

@@ -80,8 +80,10 @@ def memory(
                      f"{shape.q_len}x{shape.kv_len}, head dim {shape.head_dim}, {shape.layers} layers, "
                      f"{str(shape.dtype).removeprefix('torch.')}{', causal' if causal else ''}"
                      f"{f', pattern {pattern}' if pattern is not None else ''}"))
-    for col, just in (("backend", "left"), ("weights held\n(all layers)", "right"),
-                      ("working set\n(one layer)", "right"), ("forward", "right"), ("backward", "right")):
+    cols: tuple[tuple[str, Literal["left", "right"]], ...] = (
+        ("backend", "left"), ("weights held\n(all layers)", "right"),
+        ("working set\n(one layer)", "right"), ("forward", "right"), ("backward", "right"))
+    for col, just in cols:
         t.add_column(col, justify=just, no_wrap=True)
     for name, c in table.items():
         t.add_row(name, human_bytes(c.attention_weights_bytes), human_bytes(c.working_set_bytes),
@@ -134,7 +136,7 @@ def _ring_plan(shape, ranks: int, link_bandwidth: float | None, peak_flops: floa
     c = ring_cost(shape, ranks)
     plan = c.as_dict()
     if link_bandwidth is not None:
-        hw = costs.Hardware("per rank", peak_flops=peak_flops, bandwidth=link_bandwidth)
+        hw = costs.Hardware("per rank", peak_flops=peak_flops, bandwidth=link_bandwidth)  # type: ignore[arg-type]  (only its bandwidth is read: peak_flops may be None)
         plan["link_bandwidth"] = link_bandwidth
         plan["peak_flops"] = peak_flops
         plan["compute_to_communication_forward"] = c.compute_to_communication(hw, link_bandwidth)

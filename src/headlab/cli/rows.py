@@ -18,10 +18,9 @@ import inspect
 import typer
 
 from headlab.cli.terminal import INTERRUPTED_EXIT, console, err_console, invoked
-from headlab.results import print_json
 from headlab.errors import InputError
-from headlab.interpret.instruments.base import REQUIRED, Instrument, Option, get
-
+from headlab.interpret.instruments.base import ENVELOPE_JSON, REQUIRED, Instrument, Option, get
+from headlab.results import print_json
 
 
 def _parameter(o: Option) -> inspect.Parameter:
@@ -47,10 +46,6 @@ def command(instrument: Instrument | str):
                 None, "--tensor-size", help="with --tensor-parallel: ranks per tensor-parallel group (a divisor of "
                 "the world size; the groups split the work, a (data, tensor) mesh); default every rank")),
         ]
-    own_json = any(o.flag == "--json" for o in inst.options)
-    if not own_json:  # every row prints its result envelope as JSON on request
-        params.append(inspect.Parameter("as_json_envelope", inspect.Parameter.KEYWORD_ONLY, annotation=bool,
-                                        default=typer.Option(False, "--json", help="print the result as JSON")))
     if inst.resumable:
         params.append(inspect.Parameter("resume", inspect.Parameter.KEYWORD_ONLY, annotation=bool,
                                         default=typer.Option(False, "--resume", help="keep the units already in the "
@@ -60,7 +55,7 @@ def command(instrument: Instrument | str):
         from headlab.interpret.instruments.runner import run
 
         resume = bool(options.pop("resume", False))
-        as_json = bool(options.pop("as_json_envelope", False))
+        envelope = any(o is ENVELOPE_JSON for o in inst.options) and bool(options.get("as_json"))
         tp, size = bool(options.pop("tensor_parallel", False)), options.pop("tensor_size", None)
         if size is not None and not tp:
             raise InputError("--tensor-size acts only with --tensor-parallel; add --tensor-parallel or drop it")
@@ -72,7 +67,7 @@ def command(instrument: Instrument | str):
                       command=_command_line(invoked))
         if outcome.interrupted:
             raise typer.Exit(INTERRUPTED_EXIT)
-        if outcome.main and as_json and outcome.result is not None:
+        if outcome.main and envelope and outcome.result is not None:  # --json of an instrument without its own
             print_json(outcome.result.to_json())
         elif outcome.main:
             inst.render(outcome.ctx, outcome, console, err_console)

@@ -6,8 +6,7 @@ from pathlib import Path
 
 import typer
 
-from headlab.cli.app import (app, check_at_least, check_output_dir, console, err_console, print_json,
-                             read_text_file)
+from headlab.cli.app import app, check_at_least, check_output_dir, console, err_console, print_json, read_text_file
 from headlab.errors import ConfigError, InputError
 from headlab.reading import read_tsv
 

@@ -25,6 +25,7 @@ states, block maps), never an engine: measuring real calls is :mod:`headlab.atte
 """
 
 from headlab.costs import dense, linear, sparse, tiled  # noqa: F401  (costs.sparse.visited_tiles ...)
+from headlab.costs.kv import full_cache_bytes, kv_cache_bytes, policy_cache_bytes
 from headlab.costs.model import (
     AttentionCost,
     AttentionShape,
@@ -36,7 +37,6 @@ from headlab.costs.model import (
     register_cost,
 )
 from headlab.costs.ring import RingCost, ring_cost
-from headlab.costs.kv import full_cache_bytes, kv_cache_bytes, policy_cache_bytes
 
 __all__ = ["full_cache_bytes", "kv_cache_bytes", "policy_cache_bytes", "AttentionCost", "AttentionShape", "Hardware", "RingCost", "estimate", "estimate_all", "formulas",
            "parse_dtype", "register_cost", "ring_cost"]

@@ -35,6 +35,7 @@ from collections.abc import Sequence
 
 import torch
 
+from headlab import checks
 from headlab.costs.model import parse_dtype
 from headlab.errors import ConfigError
 
@@ -48,9 +49,14 @@ def kv_cache_bytes(kept: Sequence[Sequence[int]], *, head_dim: int, dtype="float
     v_dim = head_dim if v_dim is None else v_dim
     if head_dim <= 0 or v_dim <= 0 or batch <= 0:
         raise ConfigError(f"head_dim, v_dim and batch must be positive, got {head_dim}, {v_dim}, {batch}")
+    if not isinstance(kept, (list, tuple)):  # None: a TypeError from the loop before
+        raise ConfigError(f"kept must be token counts per layer and kv head, kept[layer][kv_head], got "
+                          f"{type(kept).__name__}")
     total = 0
     for layer in kept:
         for n in layer:
+            if not checks.is_int(n):  # 1.5 tokens was costed as 96.0 bytes
+                raise ConfigError(f"a kv head keeps a whole number of tokens, got {n!r}")
             if n < 0:
                 raise ConfigError(f"a kv head cannot keep {n} tokens")
             total += n
@@ -61,8 +67,7 @@ def full_cache_bytes(*, layers: int, kv_heads: int, tokens: int, head_dim: int, 
                      v_dim: int | None = None, batch: int = 1) -> int:
     """The ordinary cache: every layer's every kv head keeps all ``tokens``."""
     for name, val in (("layers", layers), ("kv_heads", kv_heads)):  # a negative count would give 0 bytes, not an error
-        if isinstance(val, bool) or not isinstance(val, int) or val < 1:
-            raise ConfigError(f"{name} must be a positive integer, got {val!r}")
+        checks.positive_int(name, val)
     return kv_cache_bytes([[tokens] * kv_heads] * layers, head_dim=head_dim, dtype=dtype, v_dim=v_dim, batch=batch)
 
 
@@ -120,8 +125,8 @@ def policy_peak_bytes(policy, *, kv_heads: Sequence[int], prompt: int, tokens: i
     if not hasattr(policy, "layouts"):
         return policy_cache_bytes(policy, kv_heads=kv_heads, tokens=tokens, head_dim=head_dim, dtype=dtype,
                                   v_dim=v_dim, batch=batch)
-    if isinstance(prompt, bool) or not isinstance(prompt, int) or not 1 <= prompt <= tokens:
-        raise ConfigError(f"prompt={prompt} and tokens={tokens}: give 1 <= prompt <= tokens")
+    checks.int_in_range("prompt", prompt, 1, tokens,
+                        message="prompt={value} and tokens={high}: give 1 <= prompt <= tokens")
     kvh = list(kv_heads)
     if hasattr(policy, "check_shape"):
         policy.check_shape(kvh, head_dim, v_dim)

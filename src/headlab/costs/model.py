@@ -9,9 +9,10 @@ from typing import Protocol
 
 import torch
 
-from headlab.spec.masks import MaskFn
-from headlab.spec.attention_spec import AttentionSpec, function_mask_shape
+from headlab import checks
 from headlab.errors import ConfigError, CostModelError, UnknownBackendError
+from headlab.spec.attention_spec import AttentionSpec, function_mask_shape
+from headlab.spec.masks import MaskFn
 
 _DTYPES = {
     "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
@@ -60,11 +61,8 @@ class AttentionShape:
         if self.v_dim is None:
             object.__setattr__(self, "v_dim", self.head_dim)
         for name in ("heads", "q_len", "batch", "kv_heads", "kv_len", "head_dim", "v_dim", "layers"):
-            val = getattr(self, name)
-            if not isinstance(val, int) or isinstance(val, bool) or val <= 0:  # True is an int to Python, not a count
-                raise ConfigError(f"{name} must be a positive integer, got {val!r}")
-        if not (isinstance(self.dropout_p, (int, float)) and 0.0 <= self.dropout_p < 1.0):
-            raise ConfigError(f"dropout_p must be a number in [0, 1), got {self.dropout_p!r}")
+            object.__setattr__(self, name, checks.positive_int(name, getattr(self, name)))
+        checks.in_range("dropout_p", self.dropout_p, 0, 1, high_open=True)
         if self.heads % self.kv_heads:
             raise ConfigError(f"heads={self.heads} must be a multiple of kv_heads={self.kv_heads}")
 
@@ -135,12 +133,9 @@ class Hardware:
 
     def __post_init__(self) -> None:
         for name in ("peak_flops", "bandwidth"):  # a zero divides by zero, a negative or inf gives a wrong time
-            val = getattr(self, name)
-            if isinstance(val, bool) or not isinstance(val, (int, float)) or not 0 < val < float("inf"):
-                raise ConfigError(f"Hardware {name} must be a positive finite number (per second), got {val!r}")
-        if self.memory_bytes is not None and (isinstance(self.memory_bytes, bool) or
-                                              not isinstance(self.memory_bytes, int) or self.memory_bytes <= 0):
-            raise ConfigError(f"Hardware memory_bytes must be a positive integer or None, got {self.memory_bytes!r}")
+            checks.positive_float(f"Hardware {name}", getattr(self, name), what=" (per second)")
+        if self.memory_bytes is not None:
+            checks.positive_int("Hardware memory_bytes", self.memory_bytes, what=" or None")
 
 
 CostFormula = Callable[..., AttentionCost]  # formula(shape, backend) -> AttentionCost
@@ -202,6 +197,9 @@ def estimate(shape: AttentionShape, backend: str | CostedBackend) -> AttentionCo
     if isinstance(backend, str):
         name, instance = backend, _BACKENDS.get(backend)
         formula = _FORMULAS.get(name)
+    elif not isinstance(getattr(backend, "name", None), str):  # a list or a number: AttributeError before
+        raise UnknownBackendError(f"unknown backend {backend!r}: give a backend name (one of "
+                                  f"{', '.join(['auto', *_BACKENDS])}) or a backend object")
     else:
         name, instance = backend.name, backend
         formula = getattr(type(backend), "cost", None) or _FORMULAS.get(name)

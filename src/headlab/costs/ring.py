@@ -32,6 +32,7 @@ from typing import Literal
 
 import torch
 
+from headlab import checks
 from headlab.costs.model import AttentionShape, Hardware
 from headlab.errors import ConfigError, ShapeError
 
@@ -140,8 +141,7 @@ def ring_cost(shape: AttentionShape, ranks: int, *, layout: str | None = None) -
     A length the kernel cannot shard evenly in ``layout`` (not a multiple of ``ranks``, or of ``2 * ranks``
     for zigzag) is a :class:`~headlab.errors.ShapeError`, as :func:`headlab.distributed.ring_attention`
     refuses it: pad the sequence to the length the message names."""
-    if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
-        raise ConfigError(f"ranks must be a positive integer, got {ranks!r}")
+    checks.positive_int("ranks", ranks)
     if shape.q_len != shape.kv_len:
         raise ConfigError(f"ring attention shards one sequence: q_len ({shape.q_len}) must equal kv_len ({shape.kv_len})")
     n, R = shape.q_len, ranks

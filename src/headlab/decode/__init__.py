@@ -6,11 +6,12 @@ This package sits above ``interpret`` (a policy can come from an atlas or from h
 below the CLI.
 """
 
-from headlab.decode import kv
+from headlab.decode import kv, passkey
 from headlab.decode.cache import HeadCache
-from headlab.decode import passkey
 from headlab.decode.generate import Generation, generate, perplexity
 from headlab.decode.train import GateTraining, train_gates
-from headlab.decode import instrument  # noqa: E402,F401  (registers the generate and train-gates instruments)
+
+# isort: split
+from headlab.decode import instrument  # noqa: F401  (last: registers the generate and train-gates instruments)
 
 __all__ = ["GateTraining", "Generation", "HeadCache", "generate", "kv", "passkey", "perplexity", "train_gates"]

@@ -20,19 +20,20 @@ group's query heads on that group's keys. Each group is the **store** its rule n
 Keys keep their original positions (rotary embeddings are applied before caching), so a decode under
 the policy equals one forward with the policy's visibility (:meth:`headlab.kv.Policy.visible`).
 
-A group whose rule is quantized (``bits`` 8, 4, 2) or compensated is held by :class:`_QGroup` (the plain
+A group whose rule is quantized (``bits`` 8, 4, 2) or compensated is held by :class:`QuantStore` (the plain
 groups above are untouched, bit for bit): keys and values as KIVI stores them (Liu et al. 2024; codes,
 scales and zero points, :mod:`headlab.decode.quant`, with the most recent tokens in full precision),
 read back for each step's attention; a compensated window keeps the mean of what it evicted as one more
 key/value pair, weighted by the count it stands for (Tang et al. 2024, RazorAttention).
 
-A group under a SnapKV or Ada-KV rule is held by :class:`_SnapGroup`: its prefill runs causal over the whole
+A group under a SnapKV or Ada-KV rule is held by :class:`SnapStore`: its prefill runs causal over the whole
 prompt, then each kv head keeps, in tensors of its own, the prompt tokens its observation window attends to
 most (:func:`snap_scores`, :func:`snap_select`; Li et al. 2024, Feng et al. 2024) and every later token.
 
-This module holds :class:`HeadCache`, :class:`HeadLayer`, :class:`GroupedKV` and :data:`STORES`; the stores are in
-:mod:`headlab.decode.groups` (``_Dropped``, ``_Group``, ``_QGroup``) and :mod:`headlab.decode.snap_group`
-(``_SnapGroup``, :func:`snap_scores`, :func:`snap_select`), re-exported here.
+This module holds :class:`HeadCache`, :class:`HeadLayer` and :class:`GroupedKV`; a store is a
+:class:`~headlab.decode.store.KVStore` registered in :data:`~headlab.decode.store.STORES` (re-exported here): the
+built-in ones are in :mod:`headlab.decode.groups` (``DroppedStore``, ``PlainStore``, ``QuantStore``) and
+:mod:`headlab.decode.snap_group` (``SnapStore``, :func:`snap_scores`, :func:`snap_select`).
 """
 
 from __future__ import annotations
@@ -41,20 +42,26 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from headlab.attention.core import attention as _attention
-from headlab.spec.score_mods import softcap as _softcap
-from headlab.decode.groups import (_NO_POS, SPARSE_PREFILL, _cat, _Dropped, _Group, _QGroup,  # noqa: F401  re-exported
-                                   _rows, _split, _Store)
-from headlab.decode.kv import (Drop, Full, Policy, Rule, Snap, Window, check_decoder,  # noqa: F401
-                               key_boundary, kv_layout, value_boundary, visibility)
-from headlab.decode.snap_group import _SnapGroup, snap_scores, snap_select  # noqa: F401  re-exported
+from headlab.decode import groups, snap_group  # noqa: F401  (they register the built-in stores)
+from headlab.decode.kv import (  # noqa: F401  (re-exported: importable from here as before)
+    Drop,
+    Full,
+    Policy,
+    Rule,
+    Snap,
+    Window,
+    check_decoder,
+    key_boundary,
+    kv_layout,
+    value_boundary,
+    visibility,
+)
+from headlab.decode.store import STORES, KVStore, store_for  # STORES, KVStore: re-exported
 from headlab.errors import ConfigError, ShapeError
 from headlab.models.hf.attention_fn import SelfAttendingKeys, hf_mask_to_bool
+from headlab.spec.score_mods import softcap as _softcap
 
-__all__ = ["HeadCache", "HeadLayer", "GroupedKV", "STORES"]
-
-# what holds the kv heads of a layer that share a rule, by the name the rule gives (``rule.store``); a kind of rule
-# that needs a store of its own adds it here
-STORES: dict[str, type[_Store]] = {"none": _Dropped, "plain": _Group, "quant": _QGroup, "snap": _SnapGroup}
+__all__ = ["HeadCache", "HeadLayer", "GroupedKV", "KVStore", "STORES"]
 
 
 class HeadLayer(CacheLayerMixin):
@@ -75,10 +82,8 @@ class HeadLayer(CacheLayerMixin):
             by_rule.setdefault(r, []).append(j)
         for r, heads in by_rule.items():
             r.check_heads(len(heads), index)
-            if r.store not in STORES:
-                raise ConfigError(f"{r!r} is held by the store {r.store!r}, which is not one of the cache's stores "
-                                  f"({', '.join(STORES)}); add it to headlab.decode.cache.STORES")
-        self.groups = [STORES[r.store](r, heads, rep, g) for r, heads in by_rule.items()]
+            store_for(r)  # every rule's store is registered before any is built
+        self.groups: list[KVStore] = [store_for(r)(r, heads, rep, g) for r, heads in by_rule.items()]
 
     def lazy_initialization(self, key_states, value_states) -> None:
         self.is_initialized = True
@@ -207,8 +212,8 @@ class HeadCache(Cache):
         if isinstance(head_dim, int):
             self.policy.check_shape(kvh, head_dim)
         # sharded by tensor parallelism: this rank's cache holds its own kv heads (and serves its query heads) only
-        self.tp = getattr(adapter, "tp", None)
-        layers = [HeadLayer(*_rank_share(self.policy.layer_rules(l, g), h, self.tp), self, l)
+        self.placement = adapter.placement
+        layers = [HeadLayer(*_rank_share(self.policy.layer_rules(l, g), h, self.placement), self, l)
                   for l, (h, g) in enumerate(zip(heads, kvh))]
         super().__init__(layers=layers)
         self._bytes = [0] * len(layers)  # each layer's, after its last step
@@ -235,10 +240,10 @@ class HeadCache(Cache):
         self.peak_bytes = max(self.peak_bytes, self._total)
 
 
-def _rank_share(rules: list[Rule], n_heads: int, tp) -> tuple[list[Rule], int]:
-    """The rules of the kv heads this rank holds and its query-head count (all of them on one process): a kv
-    head's cache lives on the rank that computes it (``tp.kv_heads()``, in global order)."""
-    if tp is None:
+def _rank_share(rules: list[Rule], n_heads: int, placement) -> tuple[list[Rule], int]:
+    """The rules of the kv heads this rank holds and its query-head count (all of them unless the model is sharded
+    by heads): a kv head's cache lives on the rank that computes it (``placement.kv_heads()``, in global order)."""
+    if not placement.sharded:
         return rules, n_heads
-    mine = tp.kv_heads()
-    return rules[mine.start:mine.stop], n_heads // tp.world
+    mine = placement.kv_heads()
+    return rules[mine.start:mine.stop], n_heads // placement.tensor_size

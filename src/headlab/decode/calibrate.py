@@ -31,11 +31,11 @@ from collections.abc import Sequence
 
 import torch
 
-from headlab.spec import masks
 from headlab.attention.stats import attention_stats
 from headlab.decode.kv import as_rule, check_decoder
 from headlab.errors import ConfigError, InputError
 from headlab.progress import Progress, reporter
+from headlab.spec import masks
 
 __all__ = ["window_loss"]
 

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from headlab.spec.memory_guard import check_fits
+from headlab import checks
 from headlab.costs.kv import kv_cache_bytes, policy_cache_bytes
 from headlab.costs.tensor_parallel import kv_cache_bytes_per_rank
 from headlab.decode.cache import HeadCache
@@ -32,6 +32,7 @@ from headlab.decode.kv import Policy, check_decoder, full, kv_layout
 from headlab.errors import ConfigError, InputError, UnsupportedArchitectureError
 from headlab.progress import progress_bar
 from headlab.results import envelope, write_json
+from headlab.spec.memory_guard import check_fits
 
 __all__ = ["Generation", "generate", "perplexity", "prompt_ids"]
 
@@ -192,12 +193,13 @@ def generate(model, prompt, *, policy: Policy | None = None, max_new_tokens: int
     The prompt runs as one forward (prefill; windowed heads on the sparse kernel), then one token per step.
     """
     adapter, loaded, policy = _setup(model, policy)
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ConfigError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+    checks.positive_int("max_new_tokens", max_new_tokens)
     if sample and not temperature > 0:
         raise ConfigError(f"temperature must be > 0 for sampling, got {temperature}")
-    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
-        raise ConfigError(f"top_k must be a positive integer (the most likely tokens sampled from), got {top_k!r}")
+    if top_k is not None:
+        checks.positive_int("top_k", top_k, what=" (the most likely tokens sampled from)")
+    if seed is not None:
+        checks.integer("seed", seed, hint="; give a whole number such as 0, or None")  # 'x' failed inside torch
     ids = prompt_ids(adapter, loaded, prompt)
     n = ids.shape[1]
     q_ids = prompt_ids(adapter, loaded, question) if question is not None else ids[:, :0]
@@ -213,12 +215,13 @@ def generate(model, prompt, *, policy: Policy | None = None, max_new_tokens: int
     policy.check_shape(kvh, adapter.head_dim)
     predicted = policy_cache_bytes(policy, kv_heads=kvh, tokens=n + nq + max_new_tokens, head_dim=adapter.head_dim,
                                    dtype=dtype, prompt=n)
-    tp = getattr(adapter, "tp", None)
-    if tp is not None:  # sharded: this rank holds its kv heads' share
-        predicted = kv_cache_bytes_per_rank(policy, kv_heads=kvh, world=tp.world, tokens=n + nq + max_new_tokens,
-                                            head_dim=adapter.head_dim, dtype=dtype, prompt=n)[tp.rank]
+    place = adapter.placement
+    if place.sharded:  # this rank holds its kv heads' share
+        predicted = kv_cache_bytes_per_rank(policy, kv_heads=kvh, world=place.tensor_size, prompt=n,
+                                            tokens=n + nq + max_new_tokens, head_dim=adapter.head_dim,
+                                            dtype=dtype)[place.tensor_rank]
     check_fits(predicted, what=f"the KV cache at {n + nq + max_new_tokens} tokens under {policy.name}"
-               f"{f' on rank {tp.rank} of {tp.world}' if tp is not None else ''}",
+               f"{f' on rank {place.tensor_rank} of {place.tensor_size}' if place.sharded else ''}",
                device=ids.device, alternative=None)
     eos = getattr(getattr(hf, "generation_config", None), "eos_token_id", None)
     eos = set(eos if isinstance(eos, list) else [eos]) - {None} if stop_at_eos else set()
@@ -251,10 +254,10 @@ def generate(model, prompt, *, policy: Policy | None = None, max_new_tokens: int
         settings.update(temperature=temperature, top_k=top_k, seed=seed)
     name = getattr(loaded, "name", None) or type(hf).__name__
     kv_held, per_rank = _held_bytes(cache), None
-    if tp is not None:  # every rank's cache holds its own kv heads: report each, and their sum
+    if place.sharded:  # every rank's cache holds its own kv heads: report each, and their sum
         from headlab.distributed.data import gather_objects
 
-        per_rank = [int(b) for b in gather_objects(kv_held, tp.group)]
+        per_rank = [int(b) for b in gather_objects(kv_held, place.group)]
         kv_held = sum(per_rank)
     return Generation(new, torch.stack(logits_seen), kv_held, full_bytes, n, t1 - t0, t2 - t1, policy, text,
                       policy.counts(kvh), nq, name, settings, kv_bytes_per_rank=per_rank)
@@ -278,9 +281,8 @@ def perplexity(model, ids: torch.Tensor, *, policy: Policy | None = None, chunk:
     ids = prompt_ids(adapter, loaded, ids)
     if ids.shape[1] < 2:
         raise InputError("perplexity needs at least 2 tokens")
-    if prefill is not None and (isinstance(prefill, bool) or not isinstance(prefill, int)
-                                or not 1 <= prefill <= ids.shape[1]):
-        raise ConfigError(f"prefill={prefill!r}: give the number of tokens run as one forward, 1..{ids.shape[1]}")
+    if prefill is not None:
+        checks.int_in_range("prefill", prefill, 1, ids.shape[1], what=" (the tokens run as one forward)")
     hf = adapter.model
     head = hf.get_output_embeddings()
     cap = getattr(hf.config, "final_logit_softcapping", None)

@@ -2,15 +2,17 @@
 the keys they keep. A rule names its store (``rule.store``), and the store asks the rule what to show and what to
 keep (``visible``, ``retain``, ``ring``, ``sinks``, ``prefill``), so no store knows a kind of rule by name.
 
-:class:`_Store` is what they share (which heads, taking the layer's new keys, attending with the layer's queries);
-:class:`_Dropped` holds nothing (``"none"``); :class:`_Group` holds a 16-bit rule (``"plain"``: one tensor pair
-``(B, heads in group, kept, d)``, a ring overwritten in place for a rule that has one); :class:`_QGroup` a
+:class:`~headlab.decode.store.KVStore` is what they share (which heads, taking the layer's new keys, attending with
+the layer's queries); :class:`DroppedStore` holds nothing (``"none"``); :class:`PlainStore` holds a 16-bit rule
+(``"plain"``: one tensor pair ``(B, heads in group, kept, d)``, a ring overwritten in place for a rule that has one);
+:class:`QuantStore` a
 quantized (``bits`` 8, 4, 2) or compensated one (``"quant"``): keys and values as KIVI stores them (Liu et al. 2024;
 codes, scales and zero points, :mod:`headlab.decode.quant`, with the most recent tokens in full precision), read
 back for each step's attention; a compensated window keeps the mean of what it evicted as one more key/value pair,
 weighted by the count it stands for (Tang et al. 2024, RazorAttention).
 
-SnapKV's and Ada-KV's store is in :mod:`headlab.decode.snap_group`; :data:`headlab.decode.cache.STORES` names them.
+SnapKV's and Ada-KV's store is in :mod:`headlab.decode.snap_group`; each registers itself in
+:data:`headlab.decode.store.STORES` under its ``name``.
 """
 
 from __future__ import annotations
@@ -20,46 +22,16 @@ import torch.nn.functional as F
 
 from headlab.decode import quant
 from headlab.decode.rules import Rule, key_boundary, value_boundary
+from headlab.decode.store import KVStore, register_store
 
 SPARSE_PREFILL = 128  # below this many queries a window's tiles are too few for the sparse kernel to pay
 
 
-class _Store:
-    """The kv heads ``kv_heads`` of a layer (of ``n_kv``, each read by ``rep`` query heads) that share ``rule``.
-
-    A store answers ``append(k, v, new_pos)`` (its heads' new keys), ``attend(attention, q, q_pos, hf, scaling,
-    softcap, fresh=)`` (its query heads' output; it evicts what the rule lets go), ``positions()``, ``nbytes()``,
-    ``v_dim`` and ``reset()``; :meth:`take` and :meth:`read` pick its heads out of the layer's."""
-
-    def __init__(self, rule: Rule, kv_heads: list[int], rep: int, n_kv: int):
-        self.rule, self.rep = rule, rep
-        self.whole = len(kv_heads) == n_kv  # the layer's only store: no gathering of heads
-        self.kv = torch.tensor(kv_heads, dtype=torch.long)
-        # query head h reads kv head h // rep: the store's query heads, in the order of its kv heads
-        self.q = torch.tensor([j * rep + r for j in kv_heads for r in range(rep)], dtype=torch.long)
-        self.reset()
-
-    def take(self, k: torch.Tensor, v: torch.Tensor, new_pos: torch.Tensor) -> None:
-        """Store this store's heads of the layer's new keys and values ``(B, Hkv, m, d)`` at ``new_pos``."""
-        if self.whole:
-            self.append(k, v, new_pos)
-        else:
-            self.append(k.index_select(1, self.kv.to(k.device)), v.index_select(1, self.kv.to(v.device)), new_pos)
-
-    def read(self, attention, query: torch.Tensor, q_pos: torch.Tensor, hf, scaling, softcap, *,
-             fresh: bool) -> torch.Tensor | None:
-        """The output ``(B, heads of store, m, dv)`` of this store's query heads of ``query (B, H, m, d)``."""
-        q = query if self.whole else query.index_select(1, self.q.to(query.device))  # (B, heads of store, m, d)
-        return self.attend(attention, q, q_pos, hf, scaling, softcap, fresh=fresh)
-
-    def positions(self) -> list[torch.Tensor]:
-        """The positions of the keys each kv head holds."""
-        return [torch.zeros(0, dtype=torch.long)] * len(self.kv)
-
-
-class _Dropped(_Store):
+@register_store
+class DroppedStore(KVStore):
     """Pruned kv heads: nothing held, and their query heads' output stays zero."""
 
+    name = "none"
     v_dim = None
 
     def reset(self) -> None:
@@ -75,9 +47,12 @@ class _Dropped(_Store):
         return 0
 
 
-class _Group(_Store):
+@register_store
+class PlainStore(KVStore):
     """A 16-bit rule's heads: keys and values ``(B, heads, held, d)`` and their positions, in position order, or, for
     a rule with a ``ring``, in ring order once full (each new key overwrites the oldest past the sinks)."""
+
+    name = "plain"
 
     def reset(self) -> None:
         self.keys = self.values = None       # (B, heads, held, d)
@@ -163,7 +138,8 @@ def _rows(t: torch.Tensor | None, idx: torch.Tensor) -> torch.Tensor | None:
 _NO_POS = torch.zeros(0, dtype=torch.long)
 
 
-class _QGroup(_Store):
+@register_store
+class QuantStore(KVStore):
     """The kv heads of one layer that share a quantized or compensated rule (one that keeps every key, or evicts
     first in, first out past its sinks, up to its ``horizon``: a window).
 
@@ -174,6 +150,8 @@ class _QGroup(_Store):
     the mean of the evicted keys and values with their count. A window evicts before quantizing, so a key
     group that had lost tokens to the window takes its scale from the tokens it still holds.
     """
+
+    name = "quant"
 
     def __init__(self, rule: Rule, kv_heads: list[int], rep: int, n_kv: int):
         super().__init__(rule, kv_heads, rep, n_kv)

@@ -26,10 +26,19 @@ import time
 import zipfile
 from pathlib import Path
 
-from headlab.results import print_json
 from headlab.errors import ConfigError, InputError
-from headlab.interpret.instruments.base import REQUIRED, Context, Instrument, InstrumentResult, Option, Output, \
-    Unit, at_least, register
+from headlab.interpret.instruments.base import (
+    REQUIRED,
+    Context,
+    Instrument,
+    InstrumentResult,
+    Option,
+    Output,
+    Unit,
+    at_least,
+    register,
+)
+from headlab.results import print_json
 
 POLICY_FILE = "a policy JSON, an atlas JSON (headlab atlas) or trained gates (GateTraining.save)"
 
@@ -51,6 +60,10 @@ def read_policy_file(path: Path) -> dict:
     if not isinstance(data, dict) or not ({"heads", "scores", "gates"} & set(data)):
         raise InputError(f"--kv-from {str(p)!r}: expected a policy ({{\"heads\": ...}}), an atlas ({{\"scores\": ...}}) "
                          "or trained gates ({\"gates\": ...})")
+    if "heads" in data:  # a policy; or heads.json of headlab analyze, whose "heads" is its per-head table
+        from headlab.decode.rule_checks import check_policy_data
+
+        check_policy_data(data, f"--kv-from {str(p)!r}")
     return data
 
 

@@ -54,12 +54,30 @@ from pathlib import Path
 
 import torch
 
-from headlab.decode.rules import (BITS, GROUP, RESIDUAL, RULES, Drop, Full, Layout, Rule,  # noqa: F401  re-exported
-                                  Window, drop, full, key_boundary, register_rule, unknown_rule, unregister_rule,
-                                  value_boundary, window)
-from headlab.decode.heads import check_decoder, kv_layout  # noqa: F401  re-exported
-from headlab.decode.train import GateTraining, per_query_head, train_gates  # noqa: F401
-from headlab.decode.snap_rule import POOLINGS, Snap, adakv, snap  # noqa: F401  re-exported
+from headlab import checks
+from headlab.decode.heads import check_decoder, kv_layout  # noqa: F401  (re-exported)
+from headlab.decode.rule_checks import check_policy_data
+from headlab.decode.rules import (  # noqa: F401  (re-exported)
+    BITS,
+    GROUP,
+    RESIDUAL,
+    RULES,
+    Drop,
+    Full,
+    Layout,
+    Rule,
+    Window,
+    drop,
+    full,
+    key_boundary,
+    register_rule,
+    unknown_rule,
+    unregister_rule,
+    value_boundary,
+    window,
+)
+from headlab.decode.snap_rule import POOLINGS, Snap, adakv, snap  # noqa: F401  (re-exported)
+from headlab.decode.train import GateTraining, per_query_head, train_gates
 from headlab.errors import ConfigError, InputError
 from headlab.results import envelope, write_json
 
@@ -124,6 +142,9 @@ class Policy:
     @classmethod
     def from_spec(cls, spec: Mapping, default="full", *, name: str = "spec") -> Policy:
         """``{(layer, kv_head): rule}`` (keys may also be ``"layer.kv_head"`` text); the rest ``default``."""
+        if not isinstance(spec, Mapping):
+            raise ConfigError(f"a policy spec must be an object {{(layer, kv_head) or 'layer.kv_head': rule}}, got "
+                              f"{type(spec).__name__}")
         rules = {}
         for given, rule in spec.items():
             key = given
@@ -132,8 +153,9 @@ class Policy:
                     key = tuple(int(p) for p in key.split("."))
                 except ValueError:
                     key = ()
-            if not (isinstance(key, tuple) and len(key) == 2 and all(isinstance(i, int) for i in key)):
-                raise ConfigError(f"policy key {given!r}: use (layer, kv_head) pairs of integers, or 'layer.kv_head'")
+            if not (isinstance(key, tuple) and len(key) == 2 and all(checks.is_int(i) and i >= 0 for i in key)):
+                raise ConfigError(f"policy key {given!r}: use (layer, kv_head) pairs of integers >= 0, or "
+                                  "'layer.kv_head'")
             rules[key] = as_rule(rule)
         return cls(rules, as_rule(default), name)
 
@@ -163,8 +185,7 @@ class Policy:
             if bad.numel():
                 raise ConfigError(f"scores hold NaN (layer {layer}, head {int(bad[0, 0])}, ...): a NaN cannot be "
                                   "ranked; compute the scores again or replace the NaN with a number")
-        if isinstance(keep, bool) or not isinstance(keep, int | float) or not 0.0 <= keep <= 1.0:
-            raise ConfigError(f"keep={keep!r} is the fraction of kv heads kept full: give a number in [0, 1]")
+        checks.probability("keep", keep, what=" (the fraction of kv heads kept full)")
         per_kv = []
         for layer, (h, g) in enumerate(zip(heads, kvh)):
             rep = h // g
@@ -254,9 +275,9 @@ class Policy:
 
         p = Path(path).expanduser()
         data = read_json_file(p, what="a policy file (Policy.save)")
-        if not isinstance(data, dict) or "heads" not in data:
-            raise InputError(f"policy file {str(p)!r}: expected {{\"default\": ..., \"heads\": {{\"layer.kv_head\": rule}}}}")
-        return cls.from_spec(data["heads"], data.get("default", "full"), name=data.get("name", p.stem))
+        heads = check_policy_data(data, f"policy file {str(p)!r}")  # a mapping, or what the file holds instead
+        name = data.get("name")
+        return cls.from_spec(heads, data.get("default", "full"), name=name if isinstance(name, str) and name else p.stem)
 
     def as_dict(self) -> dict:
         """The policy as plain data, ``{"name", "default", "heads": {"layer.kv_head": rule text}}``: what

@@ -28,6 +28,7 @@ from importlib import resources
 
 import torch
 
+from headlab import checks
 from headlab.errors import ConfigError, InputError
 
 __all__ = ["REPEATED", "LABELS", "Prompt", "Recital", "answered", "draw_keys", "filler", "prompt", "recital"]
@@ -100,8 +101,7 @@ def _fill(tok, sentences: list[str], n: int, start: int = 0) -> list[int]:
 
 
 def _check(tokens, depths, keys, labels):
-    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 64:
-        raise ConfigError(f"tokens={tokens!r}: give the prompt's length in tokens, at least 64")
+    checks.int_at_least("tokens", tokens, 64, what=" (the prompt's length in tokens)")
     if not keys or len(depths) != len(keys):
         raise ConfigError(f"give one depth per key: {len(depths)} depths for {len(keys)} keys")
     if any(not 0.0 <= d <= 1.0 for d in depths):

@@ -6,20 +6,18 @@ A new kind is one class, a frozen dataclass subclassing :class:`Rule`, decorated
 
 from __future__ import annotations
 
+from collections.abc import MutableMapping
 from dataclasses import dataclass
 
 import torch
 
-from headlab.spec import masks
+from headlab.decode.rule_checks import BITS, GROUP, RESIDUAL, check_precision, check_stored, check_window
 from headlab.errors import ConfigError
+from headlab.registry import Registry
+from headlab.spec import masks
 
 __all__ = ["BITS", "GROUP", "RESIDUAL", "RULES", "Layout", "Rule", "Full", "Drop", "Window", "full", "drop", "window",
            "key_boundary", "value_boundary", "register_rule", "unregister_rule", "unknown_rule"]
-
-
-BITS = (16, 8, 4, 2)   # 16: the cache's own dtype; 8, 4, 2: quantized (KIVI)
-GROUP = 32             # numbers per scale: tokens per key group (per channel), channels per value group (per token)
-RESIDUAL = 128         # the most recent tokens kept in full precision (a multiple of the group)
 
 
 @dataclass(frozen=True)
@@ -113,7 +111,15 @@ class Rule:
         raise NotImplementedError
 
 
-RULES: dict[str, type[Rule]] = {}  # a rule text's name -> its kind (as_rule reads "name:args" through it)
+def _taken(cls: type[Rule], names: list[str]) -> ConfigError:
+    return ConfigError(f"a kv rule named {names[0]!r} is already registered ({RULES[names[0]].__name__}); "
+                       f"unregister_rule({names[0]!r}) first")
+
+
+_RULES: Registry[type[Rule]] = Registry("a kv rule", "its text starts with it", instances=False, key=lambda c: c.names,
+                                        strict=True, taken=_taken, unknown=lambda name, names: ConfigError(
+                                            f"no kv rule {name!r} is registered; the rules: {', '.join(names)}"))
+RULES: MutableMapping[str, type[Rule]] = _RULES.table  # a rule text's name -> its kind (as_rule reads "name:args")
 
 
 def register_rule(cls: type[Rule]) -> type[Rule]:
@@ -131,55 +137,18 @@ def register_rule(cls: type[Rule]) -> type[Rule]:
                                 for n in cls.names):
         raise ConfigError(f"rule kind {cls.__name__}: names={cls.names!r}; give its text names, lower case, without "
                           "':' or ',' (e.g. names = ('strided',))")
-    for n in cls.names:
-        if RULES.get(n, cls) is not cls:
-            raise ConfigError(f"a kv rule named {n!r} is already registered ({RULES[n].__name__}); "
-                              f"unregister_rule({n!r}) first")
-    RULES.update(dict.fromkeys(cls.names, cls))
-    return cls
+    return cls if all(RULES.get(n) is cls for n in cls.names) else _RULES.register(cls)  # once is enough
 
 
 def unregister_rule(name: str) -> type[Rule]:
     """Remove the kind of rule registered as ``name`` (under all its names) and return its class."""
-    if name not in RULES:
-        raise ConfigError(f"no kv rule {name!r} is registered; the rules: {', '.join(RULES)}")
-    cls = RULES[name]
-    for n in cls.names:
-        RULES.pop(n, None)
-    return cls
+    return _RULES.unregister(name)
 
 
 def unknown_rule(text: str) -> ConfigError:
     usages = ", ".join(dict.fromkeys(c.usage or c.names[0] for c in RULES.values()))
     return ConfigError(f"unknown kv rule {text!r}: use {usages}, with options such as full:bits=4, "
                        "streaming:4,256,bits=2,compensate or snapkv:256,window=32,pool=7")
-
-
-def _check_int(name: str, val, *, low: int) -> None:
-    if isinstance(val, bool) or not isinstance(val, int):
-        raise ConfigError(f"{name} must be an integer, got {val!r}")
-    if val < low:
-        raise ConfigError(f"{name}={val} must be at least {low}")
-
-
-def _check_precision(bits, group, residual) -> tuple[int, int, int]:
-    """``(bits, group, residual)`` checked; ``group``/``residual`` None take the defaults."""
-    if isinstance(bits, bool) or bits not in BITS:
-        raise ConfigError(f"bits={bits!r}: a kv head stores keys and values at 16 (the cache's dtype), 8, 4 or 2 "
-                          "bits (KIVI's asymmetric min-max groups)")
-    if bits == 16:
-        if group is not None or residual is not None:
-            raise ConfigError("group and residual set how a quantized head stores its keys; give them with bits=8, 4 "
-                              "or 2 (bits=16 stores every key as it is)")
-        return 16, GROUP, RESIDUAL
-    group = GROUP if group is None else group
-    residual = RESIDUAL if residual is None else residual
-    _check_int("group", group, low=1)
-    _check_int("residual", residual, low=1)
-    if residual % group:
-        raise ConfigError(f"residual={residual} must be a multiple of group={group}: the keys leave the full-precision "
-                          "residual a group of tokens at a time (KIVI), e.g. group=32, residual=128")
-    return bits, group, residual
 
 
 def _precision_text(r) -> str:
@@ -232,9 +201,12 @@ class Full(Rule):
     names = ("full",)
     evicts = False
 
+    def __post_init__(self) -> None:  # kv.Full(bits=3) is refused as kv.full(bits=3) is, not inside a decode
+        check_stored(self.bits, self.group, self.residual)
+
     def __call__(self, bits: int = 16, *, group: int | None = None, residual: int | None = None) -> Full:
         """``kv.full(bits=4, group=32, residual=128)``: every key kept, quantized (Liu et al. 2024, KIVI)."""
-        return Full(*_check_precision(bits, group, residual))
+        return Full(*check_precision(bits, group, residual))
 
     @property
     def store(self) -> str:
@@ -314,6 +286,10 @@ class Window(Rule):
     kind = "window"
     names = ("window", "streaming")
     usage = "streaming:SINK,RECENT (e.g. streaming:4,256)"
+
+    def __post_init__(self) -> None:  # kv.Window(-1, 4) is refused as kv.window(-1, 4) is, not inside a decode
+        check_window(self.sink, self.recent, self.compensate)
+        check_stored(self.bits, self.group, self.residual)
 
     @property
     def sinks(self) -> int:
@@ -447,14 +423,5 @@ def window(sink: int = 4, recent: int = 256, *, bits: int = 16, group: int | Non
     Raises :class:`~headlab.errors.ConfigError` for a negative count, or when both are 0 (a head
     that sees nothing: use :data:`drop` to prune it), or for bits other than 16, 8, 4, 2.
     """
-    for name, val in (("sink", sink), ("recent", recent)):
-        if isinstance(val, bool) or not isinstance(val, int):
-            raise ConfigError(f"window {name} must be an integer, got {val!r}")
-        if val < 0:
-            raise ConfigError(f"window {name}={val} is negative; give a count of keys >= 0, e.g. window(sink=4, recent=256)")
-    if sink + recent == 0:
-        raise ConfigError("window(sink=0, recent=0) keeps no key, so its heads would see nothing; keep at least one "
-                          "key (e.g. window(sink=4, recent=256)), or use kv.drop to prune the head")
-    if not isinstance(compensate, bool):
-        raise ConfigError(f"compensate must be True or False, got {compensate!r}")
-    return Window(sink, recent, *_check_precision(bits, group, residual), compensate)
+    check_window(sink, recent, compensate)
+    return Window(sink, recent, *check_precision(bits, group, residual), compensate)

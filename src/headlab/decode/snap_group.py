@@ -1,8 +1,8 @@
 """SnapKV's and Ada-KV's group of a :class:`~headlab.decode.cache.HeadCache` layer (Li et al. 2024, Feng et al.
-2024): :class:`_SnapGroup` runs the prefill causal over the whole prompt, then each kv head keeps, in tensors of
+2024): :class:`SnapStore` runs the prefill causal over the whole prompt, then each kv head keeps, in tensors of
 its own, the prompt tokens its observation window attends to most (:func:`snap_scores`, :func:`snap_select`) and
 every later token. It is the store (``"snap"``) a :class:`~headlab.decode.snap_rule.Snap` rule names;
-:mod:`headlab.decode.cache` re-exports these.
+it registers itself in :data:`headlab.decode.store.STORES`.
 """
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from headlab.decode.groups import _Store
 from headlab.decode.snap_rule import Snap
+from headlab.decode.store import KVStore, register_store
 from headlab.errors import InputError
 
 
@@ -67,13 +67,16 @@ def snap_select(scores: torch.Tensor, rule: Snap, n: int) -> list[torch.Tensor]:
     return [torch.cat([order[h].sort().values, window]) for h in range(heads)]
 
 
-class _SnapGroup(_Store):
+@register_store
+class SnapStore(KVStore):
     """The kv heads of one layer that share a SnapKV or Ada-KV rule.
 
     The prefill runs causal over the whole prompt; then each head keeps the prompt tokens its observation window
     attends to most (:func:`snap_scores`, :func:`snap_select`) and the window, in its own tensors ``(B, 1, kept,
     d)``: an Ada-KV head's count is its own. Every later token is appended to every head; a decode step attends to
     all a head holds."""
+
+    name = "snap"
 
     def reset(self) -> None:
         self.keys = self.values = self.pos = None  # per head: (B, 1, kept, d), (B, 1, kept, dv), (kept,)

@@ -1,6 +1,6 @@
 """SnapKV's and Ada-KV's rule for a kv head (Li et al. 2024, Feng et al. 2024): :class:`Snap`, built with
 :func:`snap` or :func:`adakv`. What such a head keeps depends on the prompt; the cache's group that holds it
-is :class:`headlab.decode.snap_group._SnapGroup` (its ``store``, ``"snap"``).
+is :class:`headlab.decode.snap_group.SnapStore` (its ``store``, ``"snap"``).
 
 Public through :mod:`headlab.kv` (``headlab.decode.kv``), which re-exports all of it.
 """
@@ -11,7 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
-from headlab.decode.rules import Layout, Rule, _check_int, register_rule
+from headlab.decode.rule_checks import check_count
+from headlab.decode.rules import Layout, Rule, register_rule
 from headlab.errors import ConfigError
 
 __all__ = ["POOLINGS", "Snap", "snap", "adakv"]
@@ -154,8 +155,8 @@ class Snap(Rule):
 
 
 def _check_snap(window, pool, pooling) -> None:
-    _check_int("window", window, low=1)
-    _check_int("pool", pool, low=1)
+    check_count("window", window, low=1)
+    check_count("pool", pool, low=1)
     if pool % 2 == 0:
         raise ConfigError(f"pool={pool}: SnapKV pools the scores over an odd number of positions (centred on each "
                           "key), e.g. pool=7; pool=1 pools nothing")
@@ -171,7 +172,7 @@ def snap(budget: int, window: int = 32, pool: int = 7, *, pooling: str = "max") 
     (:class:`~headlab.errors.InputError` at the prefill). Raises :class:`~headlab.errors.ConfigError` for a
     budget or window below 1, a budget below the window, an even pool, or a pooling other than "max", "avg".
     """
-    _check_int("budget", budget, low=1)
+    check_count("budget", budget, low=1)
     _check_snap(window, pool, pooling)
     if budget < window:
         raise ConfigError(f"snap(budget={budget}, window={window}): the budget counts the observation window it "
@@ -196,12 +197,12 @@ def adakv(budget: int | None = None, *, total: int | None = None, floor: int | N
                           "exactly one of them, e.g. adakv(256) or adakv(total=768)")
     _check_snap(window, pool, pooling)
     size = budget if budget is not None else total
-    _check_int("budget" if budget is not None else "total", size, low=1)
+    check_count("budget" if budget is not None else "total", size, low=1)
     if budget is not None and budget < window:
         raise ConfigError(f"adakv(budget={budget}, window={window}): the budget counts the observation window every "
                           "head keeps; give budget >= window")
     if floor is not None:
-        _check_int("floor", floor, low=1)
+        check_count("floor", floor, low=1)
         if floor < window:
             raise ConfigError(f"floor={floor} < window={window}: every head keeps its observation window, so its "
                               f"floor is at least the window (floor counts it)")

@@ -49,6 +49,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.masking_utils import sdpa_mask
 
+from headlab import checks
 from headlab.attention.core import attention as _attention
 from headlab.decode.heads import check_decoder, kv_layout
 from headlab.decode.rules import Window
@@ -56,7 +57,7 @@ from headlab.errors import ConfigError, InputError
 from headlab.progress import Progress, reporter
 from headlab.results import envelope, write_json
 
-__all__ = ["GateTraining", "gated", "per_query_head", "train_gates"]
+__all__ = ["GateTrainer", "GateTraining", "gated", "per_query_head", "train_gates"]
 
 IMPLEMENTATION = "headlab_gated"
 _ACTIVE: dict[int, tuple[torch.Tensor, Window, int]] = {}  # id(attention module) -> (gates of its layer, rule, rep)
@@ -176,6 +177,131 @@ def _recitals(tok, n: int, tokens: int, keys: int, seed: int, far: int):
     return [(r.ids, r.positions) for r in (recital(tok, tokens, keys, rng, far=far) for _ in range(n))]
 
 
+class GateTrainer:
+    """One gate training, a step at a time: the gates, Adam's state, the losses so far and the contexts.
+
+    :func:`train_gates` runs it in a loop; ``headlab train-gates`` runs one step per unit of the study runner,
+    which keeps each finished step's :meth:`snapshot` (JSON) and continues from it (:meth:`restore`) with
+    ``--resume``. The arguments are :func:`train_gates`'s, checked the same way, before any step."""
+
+    def __init__(self, model, *, rest: Window = Window(4, 256),
+                 data: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None, contexts: int = 16,
+                 tokens: int = 512, keys: int = 4, steps: int = 100, lr: float = 0.05, l1: float = 0.05,
+                 seconds: float | None = None, seed: int = 0, save_every: int = 1) -> None:
+        from headlab.models.loaded_model import resolve
+
+        adapter, loaded = resolve(model)
+        check_decoder(adapter, getattr(loaded, "name", None) or type(adapter.model).__name__)
+        rule = rest
+        if getattr(rule, "kind", None) != "window" or rule.bits != 16 or rule.compensate:
+            raise ConfigError(f"rest={rest!r}: gates are trained against a plain window, e.g. kv.window(4, 256)")
+        for name, v in (("steps", steps), ("contexts", contexts), ("keys", keys), ("save_every", save_every)):
+            checks.positive_int(name, v)
+        if not (lr > 0 and l1 >= 0):
+            raise ConfigError(f"lr={lr!r} must be > 0 and l1={l1!r} >= 0")
+        if seconds is not None and not seconds > 0:
+            raise ConfigError(f"seconds={seconds!r}: a time budget in seconds, > 0")
+        if data is None:
+            tok = getattr(loaded, "tokenizer", None)
+            if tok is None:
+                raise ConfigError("give data=[(ids, positions), ...], or a LoadedModel (headlab.load) whose tokenizer "
+                                  "builds the passkey contexts")
+            if tokens <= rule.sink + rule.recent:
+                raise ConfigError(f"tokens={tokens}: contexts no longer than the window ({rule.sink}+{rule.recent}) "
+                                  "evict nothing to learn from; give more tokens")
+            data = _recitals(tok, contexts, tokens, keys, seed, far=rule.recent)
+        if not data:
+            raise InputError("data is empty: give at least one (ids, positions) pair")
+        self.adapter, self.rule, self.data, self.l1 = adapter, rule, data, l1
+        kvh = adapter.layer_kv_heads
+        self.param = torch.nn.Parameter(torch.ones(len(kvh), max(kvh)))
+        self.opt = torch.optim.Adam([self.param], lr=lr)
+        self.state = GateTraining(self.param.detach(), rule, settings={
+            "lr": lr, "l1": l1, "tokens": tokens, "keys": keys, "contexts": len(data), "seed": seed, "steps": steps},
+            model=getattr(loaded, "name", None) or type(adapter.model).__name__)
+        self.targets: dict[int, torch.Tensor] = {}  # the full model's hidden states per context (computed once)
+
+    @contextlib.contextmanager
+    def frozen(self):
+        """The model's weights take no gradient for the block (restored as they were after)."""
+        params = list(self.adapter.model.parameters())
+        before = [p.requires_grad for p in params]
+        for p in params:
+            p.requires_grad_(False)
+        try:
+            yield
+        finally:
+            for p, g in zip(params, before):
+                p.requires_grad_(g)
+
+    def step(self) -> float:
+        """One optimiser step on the next context (inside :meth:`frozen`); returns its loss."""
+        hf, st = self.adapter.model, self.state
+        i = st.steps % len(self.data)
+        ids, pos = self.data[i]
+        if i not in self.targets:
+            with torch.no_grad():
+                self.targets[i] = hf.base_model(input_ids=ids).last_hidden_state[0, pos].float()
+        with gated(self.adapter, self.param, self.rule):
+            h = hf.base_model(input_ids=ids).last_hidden_state[0, pos].float()
+        loss = ((h - self.targets[i]) ** 2).mean() + self.l1 * self.param.abs().mean()
+        self.opt.zero_grad()
+        loss.backward()
+        self.opt.step()
+        st.losses.append(loss.item())
+        st.steps += 1
+        return st.losses[-1]
+
+    def snapshot(self) -> dict:
+        """What the next step needs, as JSON (exact: float32 values survive the round trip): the gates and Adam's
+        moments and step count."""
+        adam = self.opt.state.get(self.param, {})
+        moment = {k: adam[k].tolist() for k in ("exp_avg", "exp_avg_sq") if k in adam}
+        return {"gates": self.param.detach().tolist(), "adam_step": float(adam["step"]) if "step" in adam else 0.0,
+                **moment}
+
+    def restore(self, snap: dict, *, steps: int, losses: Sequence[float] = (), seconds: float = 0.0) -> None:
+        """Continue from a :meth:`snapshot` taken after ``steps`` steps (``losses``: theirs, if known)."""
+        with torch.no_grad():
+            self.param.copy_(torch.tensor(snap["gates"], dtype=self.param.dtype))
+        self.opt.state.clear()
+        if "exp_avg" in snap:
+            self.opt.state[self.param] = {"step": torch.tensor(float(snap["adam_step"]), dtype=torch.float32),
+                                          "exp_avg": torch.tensor(snap["exp_avg"], dtype=self.param.dtype),
+                                          "exp_avg_sq": torch.tensor(snap["exp_avg_sq"], dtype=self.param.dtype)}
+        self.state.steps, self.state.losses, self.state.seconds = steps, list(losses), seconds
+
+    def load_checkpoint(self, path: str | os.PathLike) -> None:
+        """Continue from a checkpoint file of :func:`train_gates` (``checkpoint=``, a ``torch.save`` file); one
+        written with other settings is refused."""
+        ck, rule, state = Path(path), self.rule, self.state
+        saved = torch.load(ck, weights_only=False)
+        same = {k: v for k, v in saved.get("settings", {}).items() if k != "steps"}
+        if same != {k: v for k, v in state.settings.items() if k != "steps"} or \
+                list(saved.get("rest", ())) != [rule.sink, rule.recent]:
+            raise ConfigError(f"{ck} holds a run with other settings ({saved.get('settings')}, rest "
+                              f"{saved.get('rest')}); give the same settings to resume it, or another checkpoint path")
+        self.param.data.copy_(saved["gates"])
+        self.opt.load_state_dict(saved["optim"])
+        state.losses, state.steps, state.seconds = saved["losses"], saved["steps"], saved["seconds"]
+
+    def save_checkpoint(self, path: str | os.PathLike) -> None:
+        """The state as :meth:`load_checkpoint` reads it (a temporary file, then a rename: a kill mid-save leaves
+        the previous checkpoint whole)."""
+        ck, st = Path(path), self.state
+        tmp = ck.with_suffix(ck.suffix + ".tmp")
+        torch.save({"gates": self.param.detach().clone(), "optim": self.opt.state_dict(), "losses": st.losses,
+                    "steps": st.steps, "seconds": st.seconds, "rest": [self.rule.sink, self.rule.recent],
+                    "settings": st.settings}, tmp)
+        os.replace(tmp, ck)
+
+    def result(self, stopped: str = "steps") -> GateTraining:
+        """The gates so far (a copy) with the losses, steps and seconds."""
+        st = self.state
+        return GateTraining(self.param.detach().clone(), self.rule, list(st.losses), st.steps, st.seconds, stopped,
+                            dict(st.settings), st.model)
+
+
 def train_gates(model, *, rest: Window = Window(4, 256), data: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None,
                 contexts: int = 16, tokens: int = 512, keys: int = 4, steps: int = 100, lr: float = 0.05,
                 l1: float = 0.05, seconds: float | None = None, seed: int = 0,
@@ -193,97 +319,38 @@ def train_gates(model, *, rest: Window = Window(4, 256), data: Sequence[tuple[to
         lr, l1: Adam's learning rate and the weight of the L1 term on the gates. (The defaults are those of
             the SmolLM2-135M run in ``benchmarks/bench_kv_train.py``, sized for a CPU: 50 steps took 32 minutes.)
         checkpoint: a file to save the state to (every ``save_every`` steps, at the end and at Ctrl-C) and to
-            resume from when it exists.
+            resume from when it exists. (``headlab train-gates`` keeps its steps in its ``--out`` file instead,
+            through the study runner, and continues with ``--resume``.)
         progress: a display (True), nothing (False), or ``progress(stage, done, total)`` (headlab's protocol;
             the losses are on the result).
     """
-    from headlab.models.loaded_model import resolve
-
-    adapter, loaded = resolve(model)
-    check_decoder(adapter, getattr(loaded, "name", None) or type(adapter.model).__name__)
-    rule = rest
-    if getattr(rule, "kind", None) != "window" or rule.bits != 16 or rule.compensate:
-        raise ConfigError(f"rest={rest!r}: gates are trained against a plain window, e.g. kv.window(4, 256)")
-    for name, v, lo in (("steps", steps, 1), ("contexts", contexts, 1), ("keys", keys, 1), ("save_every", save_every, 1)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-            raise ConfigError(f"{name}={v!r}: give an integer >= {lo}")
-    if not (lr > 0 and l1 >= 0):
-        raise ConfigError(f"lr={lr!r} must be > 0 and l1={l1!r} >= 0")
-    if seconds is not None and not seconds > 0:
-        raise ConfigError(f"seconds={seconds!r}: a time budget in seconds, > 0")
-    if data is None:
-        tok = getattr(loaded, "tokenizer", None)
-        if tok is None:
-            raise ConfigError("give data=[(ids, positions), ...], or a LoadedModel (headlab.load) whose tokenizer "
-                              "builds the passkey contexts")
-        if tokens <= rule.sink + rule.recent:
-            raise ConfigError(f"tokens={tokens}: contexts no longer than the window ({rule.sink}+{rule.recent}) "
-                              "evict nothing to learn from; give more tokens")
-        data = _recitals(tok, contexts, tokens, keys, seed, far=rule.recent)
-    if not data:
-        raise InputError("data is empty: give at least one (ids, positions) pair")
-    hf = adapter.model
-    kvh = adapter.layer_kv_heads
-    param = torch.nn.Parameter(torch.ones(len(kvh), max(kvh)))
-    opt = torch.optim.Adam([param], lr=lr)
-    state = GateTraining(param.detach(), rule, settings={"lr": lr, "l1": l1, "tokens": tokens, "keys": keys,
-                                                         "contexts": len(data), "seed": seed, "steps": steps},
-                         model=getattr(loaded, "name", None) or type(adapter.model).__name__)
+    trainer = GateTrainer(model, rest=rest, data=data, contexts=contexts, tokens=tokens, keys=keys, steps=steps,
+                          lr=lr, l1=l1, seconds=seconds, seed=seed, save_every=save_every)
     ck = Path(checkpoint) if checkpoint is not None else None
     if ck is not None and ck.is_file():
-        saved = torch.load(ck, weights_only=False)
-        same = {k: v for k, v in saved.get("settings", {}).items() if k != "steps"}
-        if same != {k: v for k, v in state.settings.items() if k != "steps"} or list(saved.get("rest", ())) != [rule.sink, rule.recent]:
-            raise ConfigError(f"{ck} holds a run with other settings ({saved.get('settings')}, rest "
-                              f"{saved.get('rest')}); give the same settings to resume it, or another checkpoint path")
-        param.data.copy_(saved["gates"])
-        opt.load_state_dict(saved["optim"])
-        state.losses, state.steps, state.seconds = saved["losses"], saved["steps"], saved["seconds"]
+        trainer.load_checkpoint(ck)
+    state = trainer.state
 
     def save():
         if ck is not None:
-            tmp = ck.with_suffix(ck.suffix + ".tmp")
-            torch.save({"gates": param.detach().clone(), "optim": opt.state_dict(), "losses": state.losses,
-                        "steps": state.steps, "seconds": state.seconds, "rest": [rule.sink, rule.recent],
-                        "settings": state.settings}, tmp)
-            os.replace(tmp, ck)  # a kill mid-save leaves the previous checkpoint whole
+            trainer.save_checkpoint(ck)
 
-    targets: dict[int, torch.Tensor] = {}
-    frozen = [p.requires_grad for p in hf.parameters()]
-    for p in hf.parameters():
-        p.requires_grad_(False)
     start = time.perf_counter() - state.seconds
-    state.stopped = "steps"
+    stopped = "steps"
     try:
-        with reporter(progress) as say:
+        with reporter(progress) as say, trainer.frozen():
             say("training gates", state.steps, steps)
             while state.steps < steps:
                 if seconds is not None and time.perf_counter() - start >= seconds:
-                    state.stopped = "seconds"
+                    stopped = "seconds"
                     break
-                i = state.steps % len(data)
-                ids, pos = data[i]
-                if i not in targets:
-                    with torch.no_grad():
-                        targets[i] = hf.base_model(input_ids=ids).last_hidden_state[0, pos].float()
-                with gated(adapter, param, rule):
-                    h = hf.base_model(input_ids=ids).last_hidden_state[0, pos].float()
-                loss = ((h - targets[i]) ** 2).mean() + l1 * param.abs().mean()
-                opt.zero_grad()
-                loss.backward()
-                opt.step()
-                state.losses.append(loss.item())
-                state.steps += 1
+                trainer.step()
                 state.seconds = time.perf_counter() - start
                 say("training gates", state.steps, steps)
                 if state.steps % save_every == 0:
                     save()
     except KeyboardInterrupt:
-        state.stopped = "interrupt"
-    finally:
-        for p, g in zip(hf.parameters(), frozen):
-            p.requires_grad_(g)
+        stopped = "interrupt"
     state.seconds = time.perf_counter() - start
     save()
-    state.gates = param.detach().clone()
-    return state
+    return trainer.result(stopped)

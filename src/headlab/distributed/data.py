@@ -1,9 +1,10 @@
 """Data-parallel analysis: split a dataset across ``torchrun`` ranks and add up what each rank found.
 
 ``torchrun --nproc-per-node N -m headlab heads importance ...`` starts N copies of the command; each
-calls :func:`init_from_env`, works on :func:`shard_indices` of the dataset (every N-th example,
-starting at its rank), and the per-example sums are added with :func:`all_reduce_sum`, so the result
-equals the single-process one up to float summation order. Only rank 0 shows progress and writes
+calls :func:`init_from_env`, works on its share of the dataset (every N-th example, starting at its rank:
+the model's :class:`~headlab.distributed.placement.Placement` says which, ``placement.examples(n)``), and the
+per-example sums are added with :func:`all_reduce_sum`, so the result equals the single-process one up to
+float summation order. Only rank 0 shows progress and writes
 output (:func:`is_main`). Outside torchrun everything here is the identity: one rank, all the data.
 """
 
@@ -33,12 +34,6 @@ def init_from_env(*, timeout: timedelta = DEFAULT_TIMEOUT) -> tuple[int, int]:
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     dist.init_process_group(backend, timeout=timeout)
     return world()
-
-
-def shard_indices(n: int, group=None) -> list[int]:
-    """The dataset positions this rank works on: ``rank, rank + W, rank + 2W, ...`` (all of them with one rank)."""
-    rank, size = world(group)
-    return list(range(rank, n, size))
 
 
 def all_reduce_sum(t: torch.Tensor, group=None) -> torch.Tensor:

@@ -22,8 +22,15 @@ import torch
 from headlab.attention.core import attention
 from headlab.costs.ring import split_of
 from headlab.distributed import comm
-from headlab.distributed.kernels import (native_pair_backward, native_pair_update, native_takes, pair_backward,
-                                         pair_update, relation, tile_dtype)
+from headlab.distributed.kernels import (
+    native_pair_backward,
+    native_pair_update,
+    native_takes,
+    pair_backward,
+    pair_update,
+    relation,
+    tile_dtype,
+)
 from headlab.distributed.layout import Layout, check_layout, chunks, kv_heads_per_trip
 from headlab.errors import ConfigError, DTypeError, ShapeError
 
@@ -52,7 +59,7 @@ def pieces(n: int, rank: int, world_size: int, layout: str, split: int) -> list[
     return out
 
 
-def _pairs(n: int, rank: int, src: int, world_size: int, layout: str, causal: bool, mask, split: int = 1,
+def ring_pairs(n: int, rank: int, src: int, world_size: int, layout: str, causal: bool, mask, split: int = 1,
            part: int = 0):
     """(query slice of the shard, key slice of the trip's block, Pair) for every piece of this rank's queries
     against the pieces ``part`` of ``src``'s chunks (the block a trip carries, in chunk order)."""
@@ -124,7 +131,7 @@ def _ring_forward(q, k, v, causal, mask, scale, layout, ring, on_kernel: bool, m
     for step in range(ring.world_size):
         src = (ring.rank - step) % ring.world_size
         pending = ring.start_pair(kk, vv) if step < ring.world_size - 1 else None  # overlaps the compute
-        for qs, ks, pair in _pairs(n, ring.rank, src, ring.world_size, layout, causal, mask, split, part):
+        for qs, ks, pair in ring_pairs(n, ring.rank, src, ring.world_size, layout, causal, mask, split, part):
             if on_kernel and pair.kind in ("full", "causal"):
                 native_pair_update(q[:, :, qs], kk[:, :, ks], vv[:, :, ks], pair.kind == "causal", scale,
                                    m[:, :, qs], l[:, :, qs], acc[:, :, qs])
@@ -156,7 +163,7 @@ def _ring_backward(q, k, v, dout, m, inv_l, log_l, D, causal, mask, scale, layou
             mk, mv = torch.zeros(k.shape, dtype=ct, device=k.device), torch.zeros(v.shape, dtype=ct, device=v.device)
         else:
             mk, mv = ring.finish_pair(incoming)  # src's accumulators, with the shares of the ranks before
-        for qs, ks, pair in _pairs(n, ring.rank, src, ring.world_size, layout, causal, mask, split, part):
+        for qs, ks, pair in ring_pairs(n, ring.rank, src, ring.world_size, layout, causal, mask, split, part):
             if on_kernel and pair.kind in ("full", "causal"):
                 native_pair_backward(q[:, :, qs], kk[:, :, ks], vv[:, :, ks], dout[:, :, qs], m[:, :, qs],
                                      log_l[:, :, qs], D[:, :, qs], pair.kind == "causal", scale, dq[:, :, qs],

@@ -19,7 +19,7 @@ from headlab.attention.stats import AttentionStats, attention_stats
 from headlab.distributed import comm
 from headlab.distributed.kernels import probabilities, score_tiles, tile_dtype
 from headlab.distributed.layout import Layout, chunks
-from headlab.distributed.ring import _pairs, check_inputs
+from headlab.distributed.ring import check_inputs, ring_pairs
 
 RING_STATS = ("lse", "entropy", "max_weight", "argmax", "mean_distance", "received")
 
@@ -89,7 +89,7 @@ def ring_attention_stats(q: torch.Tensor, k: torch.Tensor, *, causal: bool = Fal
         src = (rank - step) % world_size
         pending = ring.start(kk) if step < world_size - 1 else None
         kpos_all = global_positions(src)
-        for qs, ks, pair in _pairs(n, rank, src, world_size, layout, causal, mask):
+        for qs, ks, pair in ring_pairs(n, rank, src, world_size, layout, causal, mask):
             sub = {name: t[:, :, qs] for name, t in st.items()}  # views, updated in place
             _first_pass(q[:, :, qs], kk[:, :, ks], pair, qpos_all[qs], kpos_all[ks], scale, sub)
         if pending is not None:
@@ -126,7 +126,7 @@ def _received(q, k, m, inv_l, n, rank, world_size, layout, causal, mask, scale, 
         src = (rank - step) % world_size
         pending = ring.start(kk) if step < world_size - 1 else None
         mine = torch.zeros(B, H, k.shape[2], dtype=ct, device=q.device)
-        for qs, ks, pair in _pairs(n, rank, src, world_size, layout, causal, mask):
+        for qs, ks, pair in ring_pairs(n, rank, src, world_size, layout, causal, mask):
             col, mq, iq = mine[:, :, ks], m[:, :, qs], inv_l[:, :, qs]
             for r0, r1, c0, c1, S, _seen in score_tiles(q[:, :, qs], kk[:, :, ks], pair, scale, tile_dtype(q.dtype)):
                 shape = (B, Hkv, G, r1 - r0, 1)

@@ -30,13 +30,14 @@ import torch
 from torch import nn
 
 from headlab.attention import backends as _backends
+from headlab.distributed.placement import Placement
 from headlab.errors import ConfigError, InputError, PruneError, UnsupportedArchitectureError
+from headlab.models import tensor_parallel as _tp  # a model sharded by tensor parallelism: its heads per rank
 from headlab.models.norm_layout import BlockNorms
 from headlab.models.projections import Out
 from headlab.models.sites import (EDITABLE_KINDS, SITE_KINDS, LayerState, default_prefixes, gate_hook, head_out_hook,
-                                  match_sites, site_name)
+                                  match_sites)
 from headlab.models.stream_sites import RESID_KINDS, stream_edit_hooks, stream_hooks
-from headlab.models import tensor_parallel as _tp  # a model sharded by tensor parallelism: its heads per rank
 
 
 class ModelAdapter:
@@ -62,30 +63,29 @@ class ModelAdapter:
     family: ClassVar[str] = "?"
     is_decoder: ClassVar[bool] = False  # families whose tokens see only earlier tokens say True
     own_model: ClassVar[bool] = False  # headlab's own Transformer: called with an ids tensor, saved in its format
-    tp = None  # HeadShards when the model is sharded by tensor parallelism (set in __init__; models.tensor_parallel)
+    _placement: Placement | None = None  # sharded by heads: read from the weights in __init__ (models.tensor_parallel)
+    placement = property(lambda self: self._placement or Placement.here(self.n_heads, self.n_kv_heads),
+                         doc="Which rank holds which heads and runs which units (headlab.distributed.placement)")
+    tp = property(lambda self: self._placement.group_view() if self._placement else None,
+                  doc="The tensor-parallel group's placement (rank and world within it); None when not sharded")
 
     def __init__(self, model: nn.Module, *, n_layers: int, n_heads: int, n_kv_heads: int, head_dim: int,
                  d_model: int, attn_modules: list[nn.Module], out_projs: list[nn.Module]) -> None:
         if not (len(attn_modules) == len(out_projs) == n_layers):
             raise ConfigError(f"adapter for {type(model).__name__}: found {len(attn_modules)} attention modules and "
                               f"{len(out_projs)} output projections for {n_layers} layers")
-        self.model = model
-        self.n_layers = n_layers
-        self.n_heads = n_heads
-        self.n_kv_heads = n_kv_heads
-        self.head_dim = head_dim
-        self.d_model = d_model
-        self.attn_modules = list(attn_modules)
-        self.out_projs = list(out_projs)
+        self.model, self.n_layers, self.n_heads, self.n_kv_heads = model, n_layers, n_heads, n_kv_heads
+        self.head_dim, self.d_model = head_dim, d_model
+        self.attn_modules, self.out_projs = list(attn_modules), list(out_projs)
         p = next(model.parameters(), None)
         self._gates = torch.ones(n_layers, n_heads, device=p.device if p is not None else None)
         self._handles: list = []
         # one state per layer, reachable from the layer's attention module and its output projection
         self.site_prefixes = self._site_prefixes()
-        # tensor parallelism: a rank's W^O input holds its H/world heads; n_heads, gates and sites stay global
-        self.tp = _tp.shards_of(model, self)  # HeadShards, or None (headlab.models.tensor_parallel)
-        self.states = [LayerState(layer=i, n_heads=self.tp.local_heads if self.tp else n_heads, head_dim=head_dim,
-                                  adapter=self, site=self.site_prefixes[i]) for i in range(n_layers)]
+        self._placement = _tp.placement_of(model, self)  # a Placement, or None (headlab.models.tensor_parallel)
+        local = self._placement.local_heads if self._placement else n_heads  # sharded: W^O's input holds H/world heads
+        self.states = [LayerState(layer=i, n_heads=local, head_dim=head_dim, adapter=self, site=self.site_prefixes[i])
+                       for i in range(n_layers)]
         self._attach_states()
 
     def _attach_states(self) -> None:

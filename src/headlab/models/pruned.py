@@ -35,7 +35,7 @@ from torch import nn
 from headlab.errors import InputError, ModelError
 from headlab.models.base import ModelAdapter
 from headlab.models.loaded_model import LoadedModel, adapt, resolve
-from headlab.models.surgery import LayerPlan, PruneResult, _apply, _LocalPlan, prune, pruned_adapter
+from headlab.models.surgery import LayerPlan, LocalPlan, PruneResult, apply_plan, prune, pruned_adapter
 
 MANIFEST = "headlab_pruned.json"
 WEIGHTS = "model.safetensors"
@@ -161,8 +161,8 @@ def load_pruned(path: str | os.PathLike, *, device: str | torch.device = "cpu",
     template = adapt(model)
     attn, outs = template.attn_modules, template.out_projs
     template.close()
-    local = [_LocalPlan(p) for p in plans]
-    _apply(template, local, attn, outs, [(H, Hkv)] * template.n_layers)
+    local = [LocalPlan(p) for p in plans]
+    apply_plan(template, local, attn, outs, [(H, Hkv)] * template.n_layers)
     if man.get("stock_hf"):
         template.prune_config(model.config, len(plans[0].q), len(plans[0].kv))
     adapter = pruned_adapter(template, model, local, plans, attn, outs)
@@ -220,7 +220,7 @@ def _tokenizer(path: Path):
 
     try:
         tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:  # noqa: BLE001  (the tokenizer's loaders raise many kinds: said as a ModelError)
         raise ModelError(f"{path} has tokenizer files that transformers cannot read: {e}") from None
     if tok.pad_token is None and tok.eos_token is not None:
         tok.pad_token = tok.eos_token

@@ -118,7 +118,7 @@ def readout_of(adapter) -> Readout:
     x = recorded["x"]
     logits = getattr(out, "logits", None)
     norm = None
-    for mod, inp, o in reversed(seen):  # the last module outside the blocks that reads the last block's output
+    for mod, inp, _o in reversed(seen):  # the last module outside the blocks that reads the last block's output
         if isinstance(inp, torch.Tensor) and inp.shape == x.shape and torch.equal(inp, x):
             norm = mod
             break

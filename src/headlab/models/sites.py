@@ -43,8 +43,8 @@ from torch import nn
 
 from headlab.attention import backends as _backends
 from headlab.attention.core import attention_with_weights
-from headlab.spec.attention_spec import validate
 from headlab.errors import ShapeError, SiteError
+from headlab.spec.attention_spec import validate
 
 SITE_KINDS = ("q", "k", "v", "pattern", "z", "head_out", "stats")
 EDITABLE_KINDS = ("q", "k", "v", "pattern", "z", "head_out")

@@ -45,12 +45,13 @@ import copy
 from dataclasses import dataclass, field
 from typing import Literal
 
-import torch
 from torch import nn
 
+from headlab import checks
 from headlab.errors import ConfigError, PruneError
 from headlab.models import tp_mesh  # a sharded model's DTensors: copied, unwrapped to this rank's shard, rewrapped
 from headlab.models.base import ModelAdapter
+
 
 @dataclass(frozen=True)
 class LayerPlan:
@@ -91,14 +92,14 @@ def check_heads(adapter: ModelAdapter, heads: dict) -> dict[int, list[int]]:
         raise ConfigError(f"heads to prune must be a dict {{layer: [head, ...]}}, got {type(heads).__name__}")
     clean: dict[int, list[int]] = {}
     for layer, hs in heads.items():
-        if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < adapter.n_layers:
-            raise ConfigError(f"layer {layer!r} out of range: the model has {adapter.n_layers} layers "
-                              f"(0..{adapter.n_layers - 1})")
+        checks.index("layer", layer, adapter.n_layers, negative=False,
+                     message="layer {value!r} out of range: the model has {length} layers (0..{high})")
         hs = [hs] if isinstance(hs, int) else list(hs)
         n = adapter.layer_heads[layer]
         for h in hs:
-            if isinstance(h, bool) or not isinstance(h, int) or not 0 <= h < n:
-                raise ConfigError(f"head {h!r} of layer {layer} out of range: that layer has {n} heads (0..{n - 1})")
+            checks.index("head", h, n, negative=False,
+                         message=f"head {{value!r}} of layer {layer} out of range: that layer has {{length}} heads "
+                                 "(0..{high})")
         if len(set(hs)) != len(hs):
             raise ConfigError(f"layer {layer}: head listed twice in {hs}")
         clean[layer] = sorted(hs)
@@ -165,15 +166,15 @@ def prune(adapter: ModelAdapter, heads: dict, *, allow_empty_layers: bool = Fals
         plans.append(plan)
         if note:
             notes.append(note)
-    tp = getattr(adapter, "tp", None)  # sharded by tensor parallelism: each rank cuts its own heads
-    if tp is not None:
+    tp = adapter.placement  # sharded by tensor parallelism: each rank cuts its own heads
+    if tp.sharded:
         check_balanced(plans, tp, heads)
-    model = _stripped_copy(adapter.model, tp_mesh.sharded_memo(adapter.model) if tp is not None else None)
+    model = _stripped_copy(adapter.model, tp_mesh.sharded_memo(adapter.model) if tp.sharded else None)
     attn, outs = same_modules(adapter, model)
     gates = adapter.gates.detach().clone()
     counts = [(adapter.layer_heads[i], adapter.layer_kv_heads[i]) for i in range(adapter.n_layers)]
-    if tp is None:
-        new = _apply(adapter, [_LocalPlan(p) for p in plans], attn, outs, counts)
+    if not tp.sharded:
+        new = apply_plan(adapter, [LocalPlan(p) for p in plans], attn, outs, counts)
     else:
         new = apply_sharded(adapter, plans, attn, outs, counts, adapter.model, model)
     if len({(len(p.q), len(p.kv)) for p in plans}) == 1:
@@ -192,7 +193,7 @@ def prune(adapter: ModelAdapter, heads: dict, *, allow_empty_layers: bool = Fals
 
 # -- the structural edit ---------------------------------------------------------------------------------------
 @dataclass
-class _LocalPlan:
+class LocalPlan:
     plan: LayerPlan  # in the indices of the model being cut
 
     @property
@@ -207,8 +208,8 @@ def same_modules(adapter: ModelAdapter, copy_of_model: nn.Module) -> tuple[list,
     return ([mods[names[id(m)]] for m in adapter.attn_modules], [mods[names[id(m)]] for m in adapter.out_projs])
 
 
-def _apply(adapter: ModelAdapter, plans: list[_LocalPlan], attn_modules: list, out_projs: list,
-           counts: list[tuple[int, int]]) -> list[_LocalPlan]:
+def apply_plan(adapter: ModelAdapter, plans: list[LocalPlan], attn_modules: list, out_projs: list,
+           counts: list[tuple[int, int]]) -> list[LocalPlan]:
     """Cut every layer's modules to its plan, in place, the family's way (``adapter.cut_heads``);
     ``counts[l]`` = (H_l, Hkv_l) before the cut."""
     done: dict[int, LayerPlan] = {}
@@ -278,7 +279,7 @@ _BASE_STATE = {"model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_mode
                "_gates", "_handles", "states", "site_prefixes", "_layer_heads", "_layer_kv_heads", "plans"}
 
 
-def pruned_adapter(template: ModelAdapter, model: nn.Module, plans: list[_LocalPlan],
+def pruned_adapter(template: ModelAdapter, model: nn.Module, plans: list[LocalPlan],
                    original_plans: list[LayerPlan], attn: list, outs: list) -> ModelAdapter:
     """An adapter for the cut ``model``, of the template's family class with per-layer counts."""
     fam_cls = type(template)
@@ -308,7 +309,7 @@ def pruned_adapter(template: ModelAdapter, model: nn.Module, plans: list[_LocalP
     ModelAdapter.__init__(pa, model, n_layers=template.n_layers, n_heads=max(q_counts), n_kv_heads=max(kv_counts),
                           head_dim=template.head_dim, d_model=template.d_model, attn_modules=attn, out_projs=outs)
     for st, n in zip(pa.states, q_counts):  # the gate hook splits W^O's input by the layer's own count
-        st.n_heads = n // pa.tp.world if pa.tp is not None else n  # sharded: this rank's heads
+        st.n_heads = n // pa.placement.tensor_size  # sharded: this rank's heads
     model._headlab_adapter = pa
     return pa
 
@@ -336,7 +337,8 @@ class _Plan:
 # -- a model sharded by tensor parallelism: every rank cuts its own heads -------------------------------------------
 def _shares(plan: LayerPlan, tp) -> list[tuple[int, int]]:
     """``(query heads, kv heads)`` each rank keeps of one layer's plan (global indices)."""
-    return [(sum(h in tp.heads(r) for h in plan.q), sum(g in tp.kv_heads(r) for g in plan.kv)) for r in range(tp.world)]
+    return [(sum(h in tp.heads(r) for h in plan.q), sum(g in tp.kv_heads(r) for g in plan.kv))
+            for r in range(tp.tensor_size)]
 
 
 def check_balanced(plans: list[LayerPlan], tp, asked: dict[int, list[int]]) -> None:
@@ -354,9 +356,9 @@ def check_balanced(plans: list[LayerPlan], tp, asked: dict[int, list[int]]) -> N
     hint = balanced_removal(tp, asked, plans)
     hint = (f"e.g. {hint}" if hint is not None else "whole kv groups of each rank") + " (gqa='pad')"
     raise PruneError(
-        f"pruning this model, sharded over {tp.world} ranks, would leave unequal shards ({where}; query/kv heads "
-        f"kept): each rank holds {tp.local_heads} query heads of every layer (rank 0 {list(tp.heads(0))}, ...), and "
-        "transformers' plan and headlab's reading of it need every rank of every layer to keep as many query and kv "
+        f"pruning this model, sharded over {tp.tensor_size} ranks, would leave unequal shards ({where}; query/kv "
+        f"heads kept): each rank holds {tp.local_heads} query heads of every layer (rank 0 {list(tp.heads(0))}, "
+        "...), and transformers' plan and headlab's reading of it need every rank of every layer to keep as many query and kv "
         f"heads as the others; remove the same number of each rank's heads in every layer, {hint}, or prune in one "
         "process (headlab.load without tensor_parallel)")
 
@@ -365,13 +367,13 @@ def balanced_removal(tp, asked: dict[int, list[int]], plans: list[LayerPlan]) ->
     """A removal close to ``asked`` that keeps the shards even: in every layer, each rank removes ``k`` of its heads,
     ``k`` the most any rank removes anywhere in ``asked`` (at most all but one), its asked heads first, then its
     next ones. None when that is not balanced either (uneven GQA groups)."""
-    k = max((sum(h in tp.heads(r) for h in asked.get(l, [])) for l in range(len(plans)) for r in range(tp.world)),
-            default=0)
+    k = max((sum(h in tp.heads(r) for h in asked.get(l, [])) for l in range(len(plans))
+             for r in range(tp.tensor_size)), default=0)
     k = min(k, tp.local_heads - 1)
     out: dict[int, list[int]] = {}
     for l in range(len(plans)):
         chosen: list[int] = []
-        for r in range(tp.world):
+        for r in range(tp.tensor_size):
             mine = [h for h in asked.get(l, []) if h in tp.heads(r)][:k]
             mine += [h for h in tp.heads(r) if h not in mine][: k - len(mine)]
             chosen += sorted(mine)
@@ -383,13 +385,13 @@ def balanced_removal(tp, asked: dict[int, list[int]], plans: list[LayerPlan]) ->
 
 
 def apply_sharded(adapter: ModelAdapter, plans: list[LayerPlan], attn_modules: list, out_projs: list,
-                  counts: list[tuple[int, int]], original: nn.Module, copy_of_model: nn.Module) -> list[_LocalPlan]:
+                  counts: list[tuple[int, int]], original: nn.Module, copy_of_model: nn.Module) -> list[LocalPlan]:
     """Cut a deep copy of a sharded model, each rank its own slices: the DTensor weights of every layer's attention
     are unwrapped to this rank's local shard, cut by the family (``adapter.cut_heads`` in this rank's local head
     indices) and wrapped again as DTensors on the same mesh and placements, so the copy is sharded as
     transformers shards it, with fewer heads on every rank. The copy's tensor-parallel forwards are installed
     again on the copy's own modules (a deep copy keeps closures that still name the original's)."""
-    tp = adapter.tp
+    tp = adapter.placement
     for layer, p in enumerate(plans):
         H, Hkv = counts[layer]
         if len(p.q) == H and len(p.kv) == Hkv and not p.zeroed:
@@ -400,12 +402,12 @@ def apply_sharded(adapter: ModelAdapter, plans: list[LayerPlan], attn_modules: l
         zeroed = [i for i, h in enumerate(h for h in p.q if h in mine) if h in p.zeroed]
         am, op = attn_modules[layer], out_projs[layer]
         wrapped = tp_mesh.unwrap(am, op)
-        adapter.cut_heads(am, op, q_local, kv_local, H // tp.world, Hkv // tp.world)
+        adapter.cut_heads(am, op, q_local, kv_local, H // tp.tensor_size, Hkv // tp.tensor_size)
         adapter.zero_heads(op, zeroed, H=len(q_local))
         tp_mesh.rewrap(wrapped)
-        n_q, n_kv = len(q_local) * tp.world, len(kv_local) * tp.world  # the layer's global counts
+        n_q, n_kv = len(q_local) * tp.tensor_size, len(kv_local) * tp.tensor_size  # the layer's global counts
         values = {"H": n_q, "Hkv": n_kv, "G": n_q // n_kv, "H*d": n_q * adapter.head_dim}
         for attr, what in getattr(adapter, "head_attrs", {}).items():
             setattr(am, attr, values[what])
     tp_mesh.reinstall_forwards(copy_of_model)
-    return [_LocalPlan(p) for p in plans]
+    return [LocalPlan(p) for p in plans]

@@ -6,12 +6,12 @@ q_proj, k_proj and v_proj by rows (output features) and its ``rowwise`` style cu
 features), each weight a ``DTensor`` on a 1-D device mesh; the attention module then runs on this rank's slice
 alone. Everything headlab needs to know about that lives here, read from the sharded weights themselves:
 
-- :class:`HeadShards`: rank ``r`` of ``world`` holds query heads ``[r*H/world, (r+1)*H/world)`` and kv heads
-  ``[r*Hkv/world, (r+1)*Hkv/world)`` (the offset of each shard is read from its ``DTensor``, not assumed);
-  :meth:`HeadShards.gather` puts a site's per-rank tensors back in global head order (an all-gather on the
-  mesh's process group, the default group for a plain ``torchrun``).
-- :func:`shards_of`: the adapter's :class:`HeadShards`, or None for a model that is not sharded (the adapter
-  asks once, in :class:`~headlab.models.base.ModelAdapter`'s constructor).
+- :func:`placement_of`: the adapter's :class:`~headlab.distributed.placement.Placement` when its attention is
+  sharded (None otherwise; the adapter asks once, in :class:`~headlab.models.base.ModelAdapter`'s constructor), read
+  from the sharded weights themselves: tensor rank ``r`` of ``T`` holds query heads ``[r*H/T, (r+1)*H/T)`` and kv
+  heads ``[r*Hkv/T, (r+1)*Hkv/T)`` (the offset of each shard is read from its ``DTensor``, not assumed). The
+  placement answers which heads a rank holds, gathers a site's per-rank tensors back in global head order (an
+  all-gather on the mesh's process group) and makes the sums over the ranks.
 - :func:`check_before_load`: the refusals that need only the config (no plan in transformers for the family,
   a world size that does not divide the query or the kv heads), made before any weight is read.
 - :func:`gate_hook`, :func:`head_out_hook`: the two W^O hooks of a sharded layer (this rank's heads, the gates of
@@ -21,9 +21,9 @@ alone. Everything headlab needs to know about that lives here, read from the sha
   result; a :class:`by_heads` edit ``fn(t, site, heads)`` treats each head by itself and is handed only this
   rank's heads with their global indices (no communication, and gradients flow through it: importance,
   ablation and patching edit this way).
-- :func:`study_examples`, :func:`sum_heads`: what a study that adds over examples does under tensor
-  parallelism (every rank of a tensor-parallel group runs the same examples, split across the groups of a 2-D
-  mesh: :mod:`headlab.models.tp_mesh`; each head's sum is made on its owner and added over the ranks).
+- What a study that adds over examples does (which examples a rank runs, the sums over the ranks) is the
+  placement's (``adapter.placement.examples(n)``, ``.sum_heads(t)``, ``.sum_over_data(parts)``);
+  :func:`study_examples` and :func:`data_rank` keep two of its answers here by name, for scripts.
 
 Under tensor parallelism every rank must make the same calls (a capture, an edit) in the same order: the
 gathers are collectives.
@@ -32,117 +32,15 @@ gathers are collectives.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from headlab.distributed.comm import talking
+from headlab.distributed.placement import KV_KINDS, Q_KINDS, Placement, is_dtensor
 from headlab.errors import ConfigError, DistributedError, ShapeError, UnsupportedArchitectureError
-from headlab.models import tp_mesh  # data x tensor parallelism: which examples a rank runs, and the sums
 from headlab.models.sites import LayerState, visit
-
-Q_KINDS = ("q", "pattern", "z", "head_out")  # sites whose axis 1 is the query heads
-KV_KINDS = ("k", "v")  # sites whose axis 1 is the kv heads
-STATS_FIELDS = ("lse", "entropy", "max_weight", "argmax", "mean_distance", "key_mass", "received", "rows",
-                "output", "visible")  # AttentionStats fields with a head axis (axis 1)
-
-
-@dataclass(frozen=True)
-class HeadShards:
-    """This rank's share of every attention layer (uniform over layers, as transformers' plans shard them).
-
-        >>> s = HeadShards(rank=1, world=2, n_heads=4, n_kv_heads=2)
-        >>> list(s.heads()), list(s.kv_heads()), s.global_index(0), s.owner(3)
-        ([2, 3], [1], 2, (1, 1))
-    """
-
-    rank: int  # this process's index in the tensor-parallel group
-    world: int  # ranks in the group
-    n_heads: int  # query heads of the whole model (H)
-    n_kv_heads: int  # kv heads of the whole model (Hkv)
-    group: Any = None  # the process group of the tensor-parallel mesh
-
-    @property
-    def local_heads(self) -> int:
-        """Query heads on each rank: ``H // world``."""
-        return self.n_heads // self.world
-
-    @property
-    def local_kv_heads(self) -> int:
-        return self.n_kv_heads // self.world
-
-    def heads(self, rank: int | None = None) -> range:
-        """Global indices of the query heads ``rank`` (default: this one) holds, in its local order."""
-        r = self.rank if rank is None else rank
-        return range(r * self.local_heads, (r + 1) * self.local_heads)
-
-    def kv_heads(self, rank: int | None = None) -> range:
-        r = self.rank if rank is None else rank
-        return range(r * self.local_kv_heads, (r + 1) * self.local_kv_heads)
-
-    def global_index(self, local: int, rank: int | None = None) -> int:
-        """The global index of local query head ``local`` of ``rank``."""
-        return self.heads(rank)[local]
-
-    def owner(self, head: int) -> tuple[int, int]:
-        """``(rank, local index)`` of global query head ``head``."""
-        return divmod(int(head), self.local_heads)
-
-    def heads_of(self, kind: str) -> range:
-        """Global indices of what axis 1 of this rank's ``kind`` holds: query heads, or kv heads for k and v."""
-        return self.kv_heads() if kind in KV_KINDS else self.heads()
-
-    def gather(self, t: torch.Tensor, kind: str, to: str = "all") -> torch.Tensor | None:
-        """``t`` (this rank's heads on axis 1) from every rank, concatenated in global head order: on every rank
-        (``to="all"``, an all-gather), or on rank 0 alone (``to="rank0"``, a gather; the others get None).
-        Sites without a head axis come back as they are."""
-        if kind not in Q_KINDS + KV_KINDS or self.world == 1:
-            return t
-        if t.dtype == torch.bool:  # not every backend gathers booleans (the stats' ``visible``)
-            got = self.gather(t.to(torch.uint8), kind, to)
-            return None if got is None else got.bool()
-        t = t.detach().contiguous()
-        if to == "rank0":
-            parts = [torch.empty_like(t) for _ in range(self.world)] if self.rank == 0 else None
-            with talking(f"the tensor-parallel gather of {kind!r} to rank 0", self.rank):
-                dist.gather(t, parts, group=self.group, group_dst=0)
-            return None if parts is None else torch.cat(parts, dim=1)
-        parts = [torch.empty_like(t) for _ in range(self.world)]
-        with talking(f"the tensor-parallel all-gather of {kind!r}", self.rank):
-            dist.all_gather(parts, t, group=self.group)
-        return torch.cat(parts, dim=1)
-
-    def local(self, t: torch.Tensor, kind: str) -> torch.Tensor:
-        """This rank's slice (axis 1) of a tensor in global head order."""
-        if kind not in Q_KINDS + KV_KINDS:
-            return t
-        r = self.heads() if kind in Q_KINDS else self.kv_heads()
-        return t[:, r.start:r.stop]
-
-    def gather_sites(self, data: dict[str, object], to: str = "all") -> dict[str, object]:
-        """A capture's ``{site: tensor}`` (this rank's heads) in global head order: on every rank (``to="all"``),
-        or on rank 0 (``to="rank0"``: every other rank gets ``{}``). Every rank holds the same sites (they ran
-        the same capture), so the gathers pair up; statistics (computed on each rank for its heads) are gathered
-        field by field."""
-        import dataclasses
-
-        out: dict[str, object] = {}
-        for name in sorted(data):  # the same order on every rank
-            value, kind = data[name], name.rsplit(".", 1)[-1]
-            if isinstance(value, torch.Tensor):
-                out[name] = self.gather(value, kind, to)
-            elif kind == "stats" and dataclasses.is_dataclass(value):
-                got = {f: self.gather(getattr(value, f), "q", to) for f in STATS_FIELDS
-                       if isinstance(getattr(value, f, None), torch.Tensor)}
-                out[name] = dataclasses.replace(value, **got)
-            else:
-                out[name] = value
-        if to == "rank0" and self.rank != 0:
-            return {}
-        return {name: out[name] for name in data}  # the capture's own order
 
 
 def _placement_dim(t) -> int | None:
@@ -160,22 +58,18 @@ def _offset(t) -> int:
     return off[_placement_dim(t)]
 
 
-def _is_dtensor(t) -> bool:
-    return type(t).__name__ == "DTensor" and hasattr(t, "placements")
-
-
-def shards_of(model: nn.Module, adapter) -> HeadShards | None:
-    """The head shards of an adapted model, or None when its attention is not sharded.
+def placement_of(model: nn.Module, adapter) -> Placement | None:
+    """The placement of an adapted model whose attention is sharded by heads, or None when it is not.
 
     Every layer is checked on its weights: W^O cut by its input columns and every attention weight as wide as
     the query or kv heads cut by rows, on one 1-D mesh, each rank's slice starting at ``rank * rows / world``
     (read from the DTensor). Anything else is an :class:`UnsupportedArchitectureError` saying what was found."""
     weights = [getattr(op, "weight", None) for op in adapter.out_projs]
-    if not any(_is_dtensor(w) for w in weights):
+    if not any(is_dtensor(w) for w in weights):
         return None
     H, Hkv, d = adapter.n_heads, adapter.n_kv_heads, adapter.head_dim
     fam = f"the {adapter.family!r} model"
-    mesh = weights[0].device_mesh if _is_dtensor(weights[0]) else None
+    mesh = weights[0].device_mesh if is_dtensor(weights[0]) else None
     if mesh is None or mesh.ndim != 1:
         raise UnsupportedArchitectureError(f"{fam} is sharded on a {getattr(mesh, 'ndim', '?')}-D device mesh; "
                                            "headlab reads tensor parallelism on a 1-D mesh only")
@@ -184,7 +78,7 @@ def shards_of(model: nn.Module, adapter) -> HeadShards | None:
         raise UnsupportedArchitectureError(f"{fam} has {H} query and {Hkv} kv heads per layer over {world} ranks: "
                                            "every layer's query and kv heads must split evenly across the ranks")
     for layer, (am, op, w) in enumerate(zip(adapter.attn_modules, adapter.out_projs, weights)):
-        if not _is_dtensor(w) or _placement_dim(w) != w.ndim - 1 or w.shape[-1] != H * d:
+        if not is_dtensor(w) or _placement_dim(w) != w.ndim - 1 or w.shape[-1] != H * d:
             how = getattr(w, "placements", "not sharded")
             raise UnsupportedArchitectureError(
                 f"{fam}: layer {layer}'s output projection is {how}, not cut by the heads' columns (transformers' "
@@ -199,11 +93,19 @@ def shards_of(model: nn.Module, adapter) -> HeadShards | None:
             raise UnsupportedArchitectureError(f"{fam}: layer {layer}'s attention has no query/key/value weights "
                                                "this adapter recognises as cut by heads")
         for n, p in cut:
-            if not _is_dtensor(p) or _placement_dim(p) != 0 or _offset(p) != rank * p.shape[0] // world:
+            if not is_dtensor(p) or _placement_dim(p) != 0 or _offset(p) != rank * p.shape[0] // world:
                 raise UnsupportedArchitectureError(
                     f"{fam}: layer {layer}'s {n} is {getattr(p, 'placements', 'not sharded')}, not cut by rows "
                     "into whole heads in rank order (transformers' 'colwise' style)")
-    return HeadShards(rank=rank, world=world, n_heads=H, n_kv_heads=Hkv, group=mesh.get_group())
+    group = mesh.get_group()
+    ranks = sorted(dist.get_process_group_ranks(group)) if dist.is_initialized() else list(range(world))
+    if ranks != list(range(ranks[0], ranks[0] + world)) or ranks[0] % world:
+        raise UnsupportedArchitectureError(
+            f"the tensor-parallel group holds ranks {ranks}; headlab splits examples across groups of consecutive "
+            f"ranks (a (data, tensor) mesh, the tensor axis last), as headlab.load(..., tensor_parallel=N) makes")
+    total = dist.get_world_size() if dist.is_initialized() else world
+    return Placement(world=total, rank=ranks[0] + rank, tensor_size=world, n_heads=H, n_kv_heads=Hkv, sharded=True,
+                     group=group)
 
 
 def check_before_load(config, world: int) -> None:
@@ -254,11 +156,10 @@ def gate_hook(module: nn.Module, args: tuple):
     the gates of these heads' global indices, join again."""
     x = args[0]
     state: LayerState = module._headlab
-    tp: HeadShards = state.adapter.tp
     H, d = state.n_heads, state.head_dim  # local heads
     lead = x.shape[:-1]
     z = visit(state, "z", x.reshape(*lead, H, d).movedim(-2, -3))  # (B, H_local, L, d)
-    heads = tp.heads()
+    heads = state.adapter.placement.heads()
     g = state.adapter.gates[state.layer, heads.start:heads.stop].to(device=z.device, dtype=z.dtype).view(H, 1, 1)
     zg = z * g
     state.z_gated = zg if state.wants("head_out") else None
@@ -268,7 +169,7 @@ def gate_hook(module: nn.Module, args: tuple):
 def local_W_O(module: nn.Module, n_local: int, head_dim: int) -> torch.Tensor:
     """This rank's heads' blocks of a row-parallel ``nn.Linear`` W^O: ``(H/world, d, E)``."""
     w = module.weight
-    w = w.to_local() if _is_dtensor(w) else w  # (E, H/world*d)
+    w = Placement.to_local(w)  # (E, H/world*d)
     return w.detach().t().reshape(n_local, head_dim, -1)
 
 
@@ -279,22 +180,21 @@ def head_out_hook(module: nn.Module, args: tuple, output: torch.Tensor):
     zg, state.z_gated = state.z_gated, None
     if zg is None:
         return None
-    tp: HeadShards = state.adapter.tp
+    place: Placement = state.adapter.placement
     W = local_W_O(module, state.n_heads, state.head_dim).to(zg.dtype)
     head_out = visit(state, "head_out", torch.einsum("bhld,hde->bhle", zg, W))  # (B, H_local, L, E)
     if not state.edits.get("head_out") and not (state.probe is not None and state.probe.grads):
         return None  # rebuilt only when edited or when its gradient is wanted (then it must be in the graph)
     new = head_out.sum(-3).contiguous()
-    with talking("the tensor-parallel all-reduce of an edited head_out", tp.rank):
-        dist.all_reduce(new, group=tp.group)
-    b = getattr(module, "bias", None)
-    b = b.to_local() if _is_dtensor(b) else b
+    with talking("the tensor-parallel all-reduce of an edited head_out", place.tensor_rank):
+        dist.all_reduce(new, group=place.group)
+    b = Placement.to_local(getattr(module, "bias", None))
     return new if b is None else new + b
 
 
 def hooks_for(adapter) -> tuple[Callable, Callable] | None:
     """The W^O hooks of a sharded adapter (None: the adapter is not sharded; use the unsharded ones)."""
-    return (gate_hook, head_out_hook) if getattr(adapter, "tp", None) is not None else None
+    return (gate_hook, head_out_hook) if adapter.placement.sharded else None
 
 
 class by_heads:
@@ -324,8 +224,8 @@ def global_edit(adapter, fn: Callable, kind: str) -> Callable:
     the whole site in global head order (gathered) and this rank keeps its slice of what it returns; ``fn`` must
     then give the same result on every rank (no randomness), and no gradient flows through the gather. Sites
     without a head axis (the residual stream, replicated on every rank) are edited as they are."""
-    tp: HeadShards | None = getattr(adapter, "tp", None)
-    if tp is None or kind not in Q_KINDS + KV_KINDS:
+    tp: Placement = adapter.placement
+    if not tp.sharded or kind not in Q_KINDS + KV_KINDS:
         return fn
     if isinstance(fn, by_heads):
         heads = tp.heads_of(kind)
@@ -342,55 +242,17 @@ def global_edit(adapter, fn: Callable, kind: str) -> Callable:
     return edit
 
 
-# -- studies that add over examples (importance, confidence): every rank runs every example under tensor parallelism
+# -- kept by name for scripts: the placement answers (adapter.placement.examples(n), .data_rank)
 def study_examples(adapter, n: int) -> list[int]:
-    """The examples (of ``n``) this rank runs: on a sharded model its tensor-parallel group's share (all of them with
-    one group; every rank of a group makes the same forwards), else this data-parallel rank's (``shard_indices``)."""
-    from headlab.distributed.data import shard_indices
-
-    tp: HeadShards | None = getattr(adapter, "tp", None)
-    if tp is None:
-        return shard_indices(n)
-    return tp_mesh.examples(tp, n)  # all n with one tensor-parallel group; a data rank's share on a 2-D mesh
+    """The examples (of ``n``) this rank runs: ``adapter.placement.examples(n)`` (its data rank's share; every rank
+    of a tensor-parallel group runs the same ones)."""
+    return adapter.placement.examples(n)
 
 
 def data_rank(adapter) -> int:
-    """This rank's index among the ranks that split the examples (on a sharded model: its group's index)."""
-    from headlab.distributed.comm import world
-
-    return tp_mesh.data_rank(adapter.tp) if getattr(adapter, "tp", None) is not None else world()[0]
+    """This rank's index among the ranks that split the examples: ``adapter.placement.data_rank``."""
+    return adapter.placement.data_rank
 
 
-def sum_heads(adapter, t: torch.Tensor) -> torch.Tensor:
-    """Sums of a study, ``(..., n_heads)`` per head, added over the ranks: on a sharded model each rank holds its
-    own heads' sums (zeros elsewhere) and they are added over the tensor-parallel group; else the data-parallel
-    ranks' sums are added (:func:`~headlab.distributed.data.all_reduce_sum`)."""
-    from headlab.distributed.data import all_reduce_sum
-
-    tp: HeadShards | None = getattr(adapter, "tp", None)
-    return all_reduce_sum(t) if tp is None else tp_mesh.sum_heads(t, tp)
-
-
-def sum_examples(adapter, parts: list) -> list[torch.Tensor]:
-    """Sums over this rank's examples that every rank of a tensor-parallel group holds alike (a study computed from
-    gathered, global-order captures: a probe's counts), added over the ranks that split the examples, as float64
-    tensors: over every rank without tensor parallelism (:func:`~headlab.distributed.data.all_reduce_many`), over
-    the data ranks (each group's copy once) on a sharded model."""
-    from headlab.distributed.data import all_reduce_many
-
-    tp: HeadShards | None = getattr(adapter, "tp", None)
-    if tp is None:
-        return all_reduce_many(parts)
-    if tp_mesh.data_world(tp) == 1:
-        return [torch.as_tensor(p, dtype=torch.float64) for p in parts]
-    return [t / tp.world for t in all_reduce_many(parts)]  # every group's ranks added their (equal) sums
-
-
-def full_weight(t: torch.Tensor) -> torch.Tensor:
-    """A weight (or a view of one) as one tensor on every rank: a DTensor's ``full_tensor()`` (a collective:
-    every rank calls it alike), a plain tensor itself."""
-    return t.full_tensor() if _is_dtensor(t) else t
-
-
-__all__ = ["HeadShards", "by_heads", "check_before_load", "data_rank", "full_weight", "sum_examples", "gate_hook", "global_edit",
-           "head_out_hook", "hooks_for", "local_W_O", "shards_of", "study_examples", "sum_heads", "world_size"]
+__all__ = ["by_heads", "check_before_load", "data_rank", "gate_hook", "global_edit", "head_out_hook", "hooks_for",
+           "local_W_O", "placement_of", "study_examples", "world_size"]

@@ -8,11 +8,12 @@
     data rank 0:     rank 0 (heads 0..H/2)   rank 1 (heads H/2..H)
     data rank 1:     rank 2 (heads 0..H/2)   rank 3 (heads H/2..H)
 
-A study that adds over examples (head importance) splits the examples across the data ranks (every ``D``-th,
-:func:`examples`); inside a tensor-parallel group every rank runs the same examples (its forwards are collectives);
-each head's sum is made on the rank that holds it, zero elsewhere, so one sum over all ranks (:func:`sum_heads`)
-adds both the heads of a group and the examples of the groups. With ``tensor_parallel=True`` (or the whole world)
-there is one data rank and this is plain tensor parallelism.
+Which rank runs which examples and holds which heads, and the sums over the ranks, are the model's
+:class:`~headlab.distributed.placement.Placement` (``adapter.placement``): a study that adds over examples (head
+importance) splits them across the data ranks (every ``D``-th); inside a tensor-parallel group every rank runs the
+same examples (its forwards are collectives); each head's sum is made on the rank that holds it, zero elsewhere, so
+one sum over all ranks adds both the heads of a group and the examples of the groups. With ``tensor_parallel=True``
+(or the whole world) there is one data rank and this is plain tensor parallelism.
 
 transformers builds its own meshes for tensor parallelism alone (``DistributedConfig(tp_size=world)``) or with
 FSDP for the data axis, which would shard the weights a second time; for a replicated data axis
@@ -26,8 +27,7 @@ shares the process groups and copies each DTensor as this rank's shard (:func:`s
 layer unwrapped to plain local tensors for the family's cut and wrapped again (:func:`unwrap`, :func:`rewrap`),
 and transformers' sharded forwards installed again on the copy (:func:`reinstall_forwards`).
 
-Nothing here imports :mod:`headlab.models.tensor_parallel` (which calls it): a sharded adapter's ``HeadShards``
-is read by its fields (``world``, ``group``).
+Nothing here imports :mod:`headlab.models.tensor_parallel`.
 """
 
 from __future__ import annotations
@@ -35,75 +35,18 @@ from __future__ import annotations
 import os
 
 import torch
-import torch.distributed as dist
-
 from torch import nn
 
-from headlab.errors import ConfigError, UnsupportedArchitectureError
+from headlab.distributed.placement import TensorParallel, is_dtensor
+from headlab.errors import UnsupportedArchitectureError
 
-__all__ = ["data_rank", "data_world", "examples", "load_sharded", "reinstall_forwards", "rewrap", "sharded_memo",
-           "sum_counts", "sum_heads", "tensor_size", "unwrap"]
-
-
-def _is_dtensor(t) -> bool:
-    return type(t).__name__ == "DTensor" and hasattr(t, "placements")
+__all__ = ["load_sharded", "reinstall_forwards", "rewrap", "sharded_memo", "tensor_size", "unwrap"]
 
 
-def tensor_size(tensor_parallel: bool | int, world: int) -> int:
-    """Ranks per tensor-parallel group: ``world`` for ``True``, else ``tensor_parallel``, which must divide it."""
-    if tensor_parallel is True:
-        return world
-    if isinstance(tensor_parallel, bool) or not isinstance(tensor_parallel, int) or tensor_parallel < 1:
-        raise ConfigError(f"tensor_parallel={tensor_parallel!r}: give True (every rank in one tensor-parallel group) "
-                          "or the ranks per group, a positive integer dividing the world size")
-    if world % tensor_parallel:
-        raise ConfigError(f"tensor_parallel={tensor_parallel} over {world} ranks: the ranks per tensor-parallel group "
-                          f"must divide the world size; use a divisor of {world}")
-    return tensor_parallel
-
-
-def _group_ranks(tp) -> list[int]:
-    """The global ranks of the tensor-parallel group, checked to be the consecutive block the 2-D mesh makes."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return list(range(tp.world))
-    ranks = sorted(dist.get_process_group_ranks(tp.group)) if tp.group is not None else list(range(tp.world))
-    if ranks != list(range(ranks[0], ranks[0] + tp.world)) or ranks[0] % tp.world:
-        raise UnsupportedArchitectureError(
-            f"the tensor-parallel group holds ranks {ranks}; headlab splits examples across groups of consecutive "
-            f"ranks (a (data, tensor) mesh, the tensor axis last), as headlab.load(..., tensor_parallel=N) makes")
-    return ranks
-
-
-def data_world(tp) -> int:
-    """How many tensor-parallel groups (data ranks) the run holds."""
-    total = dist.get_world_size() if dist.is_available() and dist.is_initialized() else tp.world
-    return total // tp.world
-
-
-def data_rank(tp) -> int:
-    """This rank's data rank: the index of its tensor-parallel group (0 with one group)."""
-    return _group_ranks(tp)[0] // tp.world
-
-
-def examples(tp, n: int) -> list[int]:
-    """The examples (of ``n``) this rank runs: its data rank's share, every ``D``-th; every rank of a
-    tensor-parallel group runs the same ones."""
-    return list(range(data_rank(tp), n, data_world(tp)))
-
-
-def sum_heads(t: torch.Tensor, tp) -> torch.Tensor:
-    """Per-head sums ``(..., n_heads)``, made on each head's owner (zero elsewhere) over this data rank's examples,
-    added over every rank: the tensor-parallel group's heads and the data ranks' examples at once."""
-    from headlab.distributed.data import all_reduce_sum
-
-    return all_reduce_sum(t, tp.group if data_world(tp) == 1 else None)
-
-
-def sum_counts(t: torch.Tensor, tp) -> torch.Tensor:
-    """Sums every rank of a tensor-parallel group holds alike (a token count), added over the data ranks only."""
-    from headlab.distributed.data import all_reduce_sum
-
-    return t if data_world(tp) == 1 else all_reduce_sum(t) / tp.world
+def tensor_size(tensor_parallel, world: int) -> int:
+    """Ranks per tensor-parallel group: ``TensorParallel.request(tensor_parallel).group_size(world)``. Kept for the
+    study runner until it reads the loaded model's ``placement.unit_share()``; remove then."""
+    return TensorParallel.request(tensor_parallel).group_size(world)
 
 
 def load_sharded(cls, path, *, tp_size: int, dtype: torch.dtype):
@@ -115,9 +58,7 @@ def load_sharded(cls, path, *, tp_size: int, dtype: torch.dtype):
 
     from headlab.distributed.data import init_from_env
 
-    _, world = init_from_env()
-    if world % tp_size:
-        raise ConfigError(f"tensor_parallel={tp_size} over {world} ranks: {tp_size} does not divide {world}")
+    _, world = init_from_env()  # tp_size divides world: headlab.load checked it (TensorParallel.group_size)
     cuda = torch.cuda.is_available()
     mesh = init_device_mesh("cuda" if cuda else "cpu", (world // tp_size, tp_size), mesh_dim_names=("data", "tp"))
     model = cls.from_pretrained(path, local_files_only=True, attn_implementation="eager", dtype=dtype)
@@ -143,7 +84,7 @@ def sharded_memo(model: nn.Module) -> dict:
     memo: dict = {}
     for m in model.modules():
         for p in m._parameters.values():
-            if p is not None and _is_dtensor(p) and id(p) not in memo:
+            if p is not None and is_dtensor(p) and id(p) not in memo:
                 local = p.to_local().detach().clone()
                 memo[id(p)] = nn.Parameter(DTensor.from_local(local, p.device_mesh, p.placements, run_check=False,
                                                               shape=p.shape, stride=p.stride()),
@@ -160,7 +101,7 @@ def unwrap(*modules: nn.Module) -> list:
     out = []
     for m in {id(m): m for top in modules for m in top.modules()}.values():
         for name, p in list(m._parameters.items()):
-            if p is not None and _is_dtensor(p):
+            if p is not None and is_dtensor(p):
                 out.append((m, name, p.device_mesh, p.placements, p.requires_grad))
                 m._parameters[name] = nn.Parameter(p.to_local().detach().clone(), requires_grad=p.requires_grad)
     return out

@@ -7,7 +7,7 @@ are then views of those DTensors, which plain tensors (a recorded stream) cannot
 that need the value path of every head (the value-aware norms, the norm-based rollout, the analyze page's flow
 part) take the **full** weights here, gathered once per layer (``DTensor.full_tensor()``: an all-gather on the
 mesh, shards concatenated in rank order, which is global head order since
-:func:`~headlab.models.tensor_parallel.shards_of` checked each shard's offset).
+:func:`~headlab.models.tensor_parallel.placement_of` checked each shard's offset).
 
 Why gather the weights rather than compute each head's value path ``f_h(x_j) = (x_j W_V + b_V) W_O^h`` on its
 owning rank and gather the results: the layer norm map needs the Gram matrix ``<f_h(x_j), f_h'(x_j)>`` between
@@ -32,8 +32,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from headlab.distributed.placement import Placement
 from headlab.models.readout import Readout, readout_of
-from headlab.models.tensor_parallel import full_weight
 
 
 def value_path(adapter, layer: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
@@ -46,16 +46,17 @@ def value_path(adapter, layer: int) -> tuple[torch.Tensor, torch.Tensor | None, 
         >>> [tuple(t.shape) for t in value_path(a, 0) if t is not None]
         [(4, 32, 8), (4, 8), (4, 8, 32)]
     """
-    WV = full_weight(adapter.W_V(layer).detach())
+    full = adapter.placement.full
+    WV = full(adapter.W_V(layer).detach())
     bV = adapter.b_V(layer)
-    bV = None if bV is None else full_weight(bV.detach())
-    WO = full_weight(adapter.W_O(layer).detach())
+    bV = None if bV is None else full(bV.detach())
+    WO = full(adapter.W_O(layer).detach())
     return WV, bV, WO
 
 
 def whole(t: torch.Tensor | None) -> torch.Tensor | None:
     """``t`` as one plain tensor on every rank (a sharded weight gathered, detached), None as None."""
-    return None if t is None else full_weight(t.detach())
+    return None if t is None else Placement.full(t.detach())
 
 
 def readout(adapter) -> Readout:
@@ -65,7 +66,7 @@ def readout(adapter) -> Readout:
     ``readout_of`` reads the unembedding from ``get_output_embeddings()``; on a sharded model it is handed, for
     the one call, a plain ``nn.Linear`` holding the gathered weight, while the model's own (sharded) ``lm_head``
     still computes the logits its check compares with."""
-    if getattr(adapter, "tp", None) is None:
+    if not adapter.placement.sharded:
         return readout_of(adapter)
     cached = getattr(adapter, "_headlab_readout", None)
     if cached is not None:

@@ -15,10 +15,11 @@ from typing import Literal
 
 import torch
 
+from headlab import checks
+from headlab.errors import ConfigError, DeviceError, DTypeError, MaskError, ShapeError
 from headlab.spec import visibility
 from headlab.spec.masks import MaskFn, as_mask
 from headlab.spec.score_mods import as_score_mod
-from headlab.errors import ConfigError, DeviceError, DTypeError, MaskError, ShapeError
 
 MaskKind = Literal["none", "bool", "additive", "function"]
 
@@ -79,6 +80,8 @@ def check_scale(scale, head_dim: int) -> float:
     """The softmax scale: ``1/sqrt(head_dim)`` by default; a non-finite scale is a ConfigError."""
     if scale is None:
         return default_scale(head_dim)
+    if isinstance(scale, bool):  # True was taken as a scale of 1.0
+        raise ConfigError(f"scale must be a number, got {scale!r}; leave it None for 1/sqrt(head_dim)")
     try:
         s = float(scale)
     except (TypeError, ValueError):
@@ -128,8 +131,9 @@ def normalize_mask(mask, spec_shape: tuple[int, int, int, int]) -> torch.Tensor 
         if mask.dim() > 4:
             raise MaskError(f"mask has {mask.dim()} dims {tuple(mask.shape)}; at most 4 (batch, heads, q_len, kv_len)")
         m = mask.view((1,) * (4 - mask.dim()) + tuple(mask.shape))
-        try:
-            torch.broadcast_shapes(m.shape, spec_shape)
+        try:  # broadcast *to* the map: a batch-3 mask for a batch of 1 failed inside the backend before
+            if torch.broadcast_shapes(m.shape, spec_shape) != torch.Size(spec_shape):
+                raise RuntimeError
         except RuntimeError:
             raise MaskError(
                 f"mask of shape {tuple(mask.shape)} does not broadcast to (batch, heads, q_len, kv_len) = {spec_shape}; "
@@ -190,8 +194,8 @@ def validate(
         )
     if min(B, H, Lq, Lk, D, Dv) == 0:
         raise ShapeError(f"empty dimension in q {tuple(q.shape)}, k {tuple(k.shape)} or v {tuple(v.shape)}")
-    if isinstance(dropout_p, bool) or not isinstance(dropout_p, int | float) or not 0.0 <= dropout_p < 1.0:
-        raise ConfigError(f"dropout_p must be a number in [0, 1), got {dropout_p!r}")
+    checks.in_range("dropout_p", dropout_p, 0, 1, high_open=True)
+    checks.boolean("causal", causal)  # causal="no" was read as True
     if score_mod is not None:
         as_score_mod(score_mod)  # refuses what is not callable
     norm = normalize_mask(mask, (B, H, Lq, Lk))

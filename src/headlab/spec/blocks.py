@@ -24,8 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
-from headlab.spec.tile_states import EMPTY, FULL, PARTIAL
 from headlab.errors import ConfigError
+from headlab.spec.tile_states import EMPTY, FULL, PARTIAL
 
 __all__ = ["EMPTY", "FULL", "PARTIAL", "BlockMap", "block_map", "block_rows"]
 

@@ -27,7 +27,8 @@ from __future__ import annotations
 import torch
 
 from headlab.spec.blocks import block_map
-from headlab.spec.masks import MaskFn, causal as _causal
+from headlab.spec.masks import MaskFn
+from headlab.spec.masks import causal as _causal
 from headlab.spec.tile_states import EMPTY, FULL, PARTIAL
 
 __all__ = ["additive_bias", "causal_tri", "eval_mask", "is_additive", "pairs", "tensor_states", "tile_states",

@@ -17,7 +17,6 @@ from concurrent.futures import ThreadPoolExecutor, wait
 
 import torch
 
-
 # Tests switch it off (monkeypatch) to compare the threaded forwards with the serial ones.
 THREADED = True
 

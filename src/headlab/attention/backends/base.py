@@ -11,15 +11,17 @@ Everything else that needs to know about a backend asks it too: :func:`is_exact`
 
 from __future__ import annotations
 
+from collections.abc import MutableMapping
 from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
 
-from headlab.spec.masks import MaskFn
-from headlab.spec.attention_spec import AttentionSpec
 from headlab.costs.model import CostFormula, register_cost
 from headlab.errors import BackendUnsupportedError, CostModelError, MemoryBudgetError, UnknownBackendError
+from headlab.registry import Registry
+from headlab.spec.attention_spec import AttentionSpec
+from headlab.spec.masks import MaskFn
 
 ALL_FLOATS = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
 
@@ -134,7 +136,13 @@ class Backend:
         return f"<headlab backend {self.name!r}>"
 
 
-_REGISTRY: dict[str, Backend] = {}
+def _unknown(name: str, known: list[str]) -> UnknownBackendError:
+    return UnknownBackendError(f"unknown backend {name!r}; known backends: {', '.join(['auto', *known])}")
+
+
+BACKENDS: Registry[Backend] = Registry("a backend", "calls choose it by name", instances=False, unknown=_unknown)
+# {name: backend}, live: what the functions below read and write (a test may swap it for a copy of its own)
+_REGISTRY: MutableMapping[str, Backend] = BACKENDS.table
 
 
 def register(backend_cls: type[Backend]) -> type[Backend]:
@@ -164,9 +172,7 @@ def get(name: str | Backend) -> Backend:
     try:
         return _REGISTRY[name]
     except KeyError:
-        raise UnknownBackendError(
-            f"unknown backend {name!r}; known backends: {', '.join(['auto', *_REGISTRY])}"
-        ) from None
+        raise _unknown(name, list(_REGISTRY)) from None
 
 
 def is_exact(backend: str | Backend | None) -> bool:

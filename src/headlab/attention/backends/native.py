@@ -32,7 +32,6 @@ from __future__ import annotations
 import hashlib
 import importlib
 import importlib.util
-import os
 import re
 import sys
 import threading
@@ -42,8 +41,8 @@ from pathlib import Path
 import torch
 
 from headlab.environment import native_enabled
-from headlab.spec.masks import MaskFn, band_of
 from headlab.spec.attention_spec import AttentionSpec
+from headlab.spec.masks import MaskFn, band_of
 
 _SOURCE = Path(__file__).resolve().parent / "csrc" / "onepass.cpp"
 # the extension setup.py builds from _SOURCE at install time, and the tag it carries (onepass.cpp)
@@ -117,7 +116,7 @@ def kernel():
         if enabled():
             try:
                 mod = _load()
-            except Exception as exc:  # not built, stale, or not loadable: the PyTorch path stands in
+            except Exception as exc:  # noqa: BLE001  (not built, stale, or not loadable: the PyTorch path stands in)
                 _STATE["error"] = f"{type(exc).__name__}: {exc}"
                 if installed() is not None:  # a kernel that was built but is refused: say so once
                     print(f"headlab: not using the compiled attention kernel: {exc}", file=sys.stderr, flush=True)

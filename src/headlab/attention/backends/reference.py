@@ -19,10 +19,10 @@ from __future__ import annotations
 import torch
 
 from headlab.attention.backends.base import Backend, Capabilities, get, names, register
-from headlab.spec.memory_guard import check_fits
-from headlab.spec.attention_spec import AttentionSpec, dense_mask, mask_numel, materialized_bytes
-from headlab.spec.visibility import additive_bias, is_additive
 from headlab.costs.dense import reference_cost
+from headlab.spec.attention_spec import AttentionSpec, dense_mask, mask_numel, materialized_bytes
+from headlab.spec.memory_guard import check_fits
+from headlab.spec.visibility import additive_bias, is_additive
 
 
 def working_set_bytes(spec: AttentionSpec) -> int:

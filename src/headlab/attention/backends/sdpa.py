@@ -15,15 +15,14 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from headlab.attention.backends.base import Backend, Capabilities, register
-from headlab.spec.memory_guard import check_fits
-from headlab.spec.masks import MaskFn
-from headlab.spec.attention_spec import AttentionSpec, dense_mask, mask_numel, materialized_bytes
-from headlab.spec.visibility import additive_bias, is_additive
 from headlab.costs.dense import sdpa_cost
+from headlab.spec.attention_spec import AttentionSpec, dense_mask, mask_numel, materialized_bytes
+from headlab.spec.masks import MaskFn
+from headlab.spec.memory_guard import check_fits
+from headlab.spec.visibility import additive_bias, is_additive
 
 
 def materializes(spec: AttentionSpec) -> bool:

@@ -77,15 +77,16 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from headlab.spec.masks import MaskFn
-from headlab.spec.attention_spec import check_scale, validate
-from headlab.attention.stats.exact import _probs_at
-from headlab.attention.stats.stats_result import SDPA_STATS, STATS, AttentionStats, Method, _index_tensor, _wanted
-from headlab.attention.stats.sdpa import _sdpa
+from headlab import checks
 from headlab.attention.backends import native
-from headlab.attention.stats.fused import _fused, fits
-from headlab.attention.stats.tiled import DEFAULT_CACHE_BYTES, _auto_block_q, _tiled
+from headlab.attention.stats.exact import probs_at
+from headlab.attention.stats.fused import fits, fused_stats
+from headlab.attention.stats.sdpa import sdpa_stats
+from headlab.attention.stats.stats_result import SDPA_STATS, STATS, AttentionStats, Method, index_tensor, wanted_stats
+from headlab.attention.stats.tiled import DEFAULT_CACHE_BYTES, auto_block_q, tiled_stats
 from headlab.errors import BackendUnsupportedError, ConfigError, MaskError
+from headlab.spec.attention_spec import check_scale, validate
+from headlab.spec.masks import MaskFn
 
 __all__ = ["STATS", "SDPA_STATS", "AttentionStats", "attention_stats"]
 
@@ -149,11 +150,10 @@ def attention_stats(
     if method not in ("tiled", "sdpa"):
         raise ConfigError(f"unknown method {method!r}; use 'tiled' (every statistic) or 'sdpa' (torch's fused kernel)")
     for name, val in (("block_k", block_k), ("block_q", block_q)):
-        if val is not None and (not isinstance(val, int) or isinstance(val, bool) or val <= 0):
-            raise ConfigError(f"{name} must be a positive integer, got {val!r}")
-    if not isinstance(cache_bytes, int) or cache_bytes < 0:
-        raise ConfigError(f"cache_bytes must be a non-negative integer, got {cache_bytes!r}")
-    want = _wanted(stats, method, key_positions, query_rows)
+        if val is not None:
+            checks.positive_int(name, val)
+    checks.non_negative_int("cache_bytes", cache_bytes)
+    want = wanted_stats(stats, method, key_positions, query_rows)
     if isinstance(k, torch.Tensor) and k.dim() == 4:
         v_check = v if v is not None else k.new_empty(()).expand(*k.shape[:-1], 1)  # (B, Hkv, Lk, 1) view
     else:
@@ -172,9 +172,9 @@ def attention_stats(
             raise BackendUnsupportedError("method 'sdpa' cannot apply a score_mod (torch's fused kernel adds none); "
                                           "use method='tiled'")
     ct = torch.float64 if spec.dtype == torch.float64 else torch.float32
-    kp = _index_tensor("key_positions", key_positions, spec.kv_len, spec.batch, per_batch_ok=True) \
+    kp = index_tensor("key_positions", key_positions, spec.kv_len, spec.batch, per_batch_ok=True) \
         if key_positions is not None else None
-    qr = _index_tensor("query_rows", query_rows, spec.q_len, spec.batch, per_batch_ok=False) \
+    qr = index_tensor("query_rows", query_rows, spec.q_len, spec.batch, per_batch_ok=False) \
         if query_rows is not None else None
     kp = kp.to(spec.device) if kp is not None else None
     qr = qr.to(spec.device) if qr is not None else None
@@ -186,18 +186,18 @@ def attention_stats(
             if one_pass and native.declines(spec, norm_mask, ct) is None:
                 res = native.statistics(q, k, v, norm_mask, scale, want, causal=spec.causal)
             elif one_pass and fits(spec, cache_bytes, itemsize):
-                res = _fused(q, k, v, spec, norm_mask, scale, want, ct, block_k)
+                res = fused_stats(q, k, v, spec, norm_mask, scale, want, ct, block_k)
             else:
-                bq = block_q or _auto_block_q(spec, block_k, itemsize)
-                res = _tiled(q, k, v, spec, norm_mask, scale, want, ct, bq, block_k, score_mod=score_mod)
+                bq = block_q or auto_block_q(spec, block_k, itemsize)
+                res = tiled_stats(q, k, v, spec, norm_mask, scale, want, ct, bq, block_k, score_mod=score_mod)
             res["visible"] = ~torch.isneginf(res["lse"])
         else:
-            res = _sdpa(q, k, v, spec, norm_mask, scale, want, ct)
+            res = sdpa_stats(q, k, v, spec, norm_mask, scale, want, ct)
         lse = res["lse"]
         if "key_mass" in want:
-            res["key_mass"] = _probs_at(q, k, spec, norm_mask, scale, ct, lse, None, kp, score_mod)  # (B, H, Lq, M)
+            res["key_mass"] = probs_at(q, k, spec, norm_mask, scale, ct, lse, None, kp, score_mod)  # (B, H, Lq, M)
         if "rows" in want:
-            res["rows"] = _probs_at(q, k, spec, norm_mask, scale, ct, lse, qr, None, score_mod)  # (B, H, R, Lk)
+            res["rows"] = probs_at(q, k, spec, norm_mask, scale, ct, lse, qr, None, score_mod)  # (B, H, R, Lk)
     kept = {name: res.get(name) for name in STATS if name in want}
     return AttentionStats(**kept, output=res.get("output"), key_positions=kp, query_rows=qr,
                           visible=res["visible"], method=method)

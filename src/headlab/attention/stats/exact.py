@@ -8,6 +8,7 @@ import torch
 from headlab.spec.attention_spec import AttentionSpec
 from headlab.spec.visibility import visible
 
+
 def _scores_at(q: torch.Tensor, k: torch.Tensor, spec: AttentionSpec, scale: float, ct: torch.dtype,
                q_idx: torch.Tensor | None, kv_idx: torch.Tensor | None) -> torch.Tensor:
     """Scores ``q_i . k_j * scale`` for chosen queries and/or keys: (B, H, R, M) in ``ct``."""
@@ -25,7 +26,7 @@ def _scores_at(q: torch.Tensor, k: torch.Tensor, spec: AttentionSpec, scale: flo
     return s.view(B, H, R, -1).mul_(scale)  # (B, H, R, M)
 
 
-def _probs_at(q, k, spec, mask, scale, ct, lse, q_idx, kv_idx, score_mod=None) -> torch.Tensor:
+def probs_at(q, k, spec, mask, scale, ct, lse, q_idx, kv_idx, score_mod=None) -> torch.Tensor:
     """Exact ``P_ij`` for the chosen queries / keys from the final ``lse``: (B, H, R, M)."""
     s = _scores_at(q, k, spec, scale, ct, q_idx, kv_idx)
     if score_mod is not None:

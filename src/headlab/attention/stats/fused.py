@@ -72,7 +72,7 @@ def _first_max(t: torch.Tensor) -> torch.Tensor:
     return idx.gather(-1, pos).squeeze(-1)
 
 
-def _fused(q, k, v, spec: AttentionSpec, mask, scale: float, want: set[str], ct: torch.dtype, block_k: int):
+def fused_stats(q, k, v, spec: AttentionSpec, mask, scale: float, want: set[str], ct: torch.dtype, block_k: int):
     B, H, Lq, D = q.shape
     Hkv, G, Lk = spec.kv_heads, spec.group, spec.kv_len
     BHkv, dev = B * Hkv, q.device

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import torch
 
+from headlab.errors import BackendUnsupportedError
 from headlab.spec.attention_spec import AttentionSpec
 from headlab.spec.visibility import visible
-from headlab.errors import BackendUnsupportedError
+
 
 def _sdpa_ops():
     try:
@@ -29,7 +30,7 @@ def _sdpa_ops():
 _POS_CHUNK = 32
 
 
-def _sdpa(q, k, v, spec: AttentionSpec, mask, scale: float, want: set[str], ct: torch.dtype):
+def sdpa_stats(q, k, v, spec: AttentionSpec, mask, scale: float, want: set[str], ct: torch.dtype):
     if spec.device.type != "cpu":
         raise BackendUnsupportedError(f"method='sdpa' uses torch's CPU flash kernel; tensors are on {spec.device}. "
                                       "Use method='tiled'")

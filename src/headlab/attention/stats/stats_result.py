@@ -67,6 +67,7 @@ class AttentionStats:
 
     def head_means(self) -> dict[str, torch.Tensor]:
         """Per-head means ``(B, H)`` of the per-query statistics over the visible query rows."""
+        assert self.visible is not None  # every method fills it
         vis = self.visible.to(self.lse.dtype if self.lse is not None else torch.float32)
         count = vis.sum(-1).clamp_min(1)
         out = {}
@@ -79,7 +80,7 @@ class AttentionStats:
 
 # -- argument checks ----------------------------------------------------------------------------
 
-def _wanted(stats, method: str, key_positions, query_rows) -> set[str]:
+def wanted_stats(stats, method: str, key_positions, query_rows) -> set[str]:
     supported = STATS if method == "tiled" else SDPA_STATS
     if stats is None:
         want = set(supported)
@@ -107,7 +108,7 @@ def _wanted(stats, method: str, key_positions, query_rows) -> set[str]:
     return want
 
 
-def _index_tensor(name: str, value, length: int, batch: int, *, per_batch_ok: bool) -> torch.Tensor:
+def index_tensor(name: str, value, length: int, batch: int, *, per_batch_ok: bool) -> torch.Tensor:
     if isinstance(value, torch.Tensor):
         t = value
     else:

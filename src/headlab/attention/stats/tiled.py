@@ -37,7 +37,7 @@ class _Tiles:
         return False, visible(self.spec, self.mask, (r0, r1), (c0, c1))
 
 
-def _auto_block_q(spec: AttentionSpec, block_k: int, itemsize: int) -> int:
+def auto_block_q(spec: AttentionSpec, block_k: int, itemsize: int) -> int:
     """Query rows per chunk: a power of two that keeps one (B, H, block_q, block_k) tile near 16 MiB."""
     per_row = spec.batch * spec.heads * min(block_k, spec.kv_len) * itemsize
     bq = max(16, _TILE_BYTES // max(1, per_row))
@@ -45,7 +45,7 @@ def _auto_block_q(spec: AttentionSpec, block_k: int, itemsize: int) -> int:
     return min(bq, 1024, max(16, 1 << (spec.q_len - 1).bit_length()))
 
 
-def _tiled(q, k, v, spec: AttentionSpec, mask, scale: float, want: set[str], ct: torch.dtype,
+def tiled_stats(q, k, v, spec: AttentionSpec, mask, scale: float, want: set[str], ct: torch.dtype,
            block_q: int, block_k: int, score_mod=None):
     B, H, Lq, D = q.shape
     Hkv, G, Lk = spec.kv_heads, spec.group, spec.kv_len

@@ -30,9 +30,9 @@ from __future__ import annotations
 
 from math import gcd, lcm
 
-from headlab.spec.tile_states import EMPTY
 from headlab.costs.tiles.floor_sums import floor_sums
 from headlab.costs.tiles.grid import Grid, Unsupported, rectangles
+from headlab.spec.tile_states import EMPTY
 
 __all__ = ["count_diagonal"]
 
@@ -46,7 +46,7 @@ class Ctx:
 
     __slots__ = ("grid", "t", "hgt", "wid", "I", "J", "bits", "seen")
 
-    def __init__(self, grid: Grid, hgt: int, wid: int, I: int, J: int):  # noqa: E741
+    def __init__(self, grid: Grid, hgt: int, wid: int, I: int, J: int):
         self.grid, self.hgt, self.wid, self.I, self.J = grid, hgt, wid, I, J
         self.t = 0
         self.bits: dict | None = None  # None: compute every bit; a dict: use (and record) these
@@ -153,8 +153,8 @@ def _rect(g: Grid, tree, ia: int, ib: int, ja: int, jb: int, hgt: int, wid: int,
             lo, hi = m_lo - n_hi, m_hi - n_lo + 1  # diagonals [lo, hi) hold tiles
             ws = {lo, hi, m_hi - n_hi, m_lo - n_lo}
             ws |= {-((c - t) // L) for t in bps}  # first diagonal with t >= breakpoint
-            ws = sorted(w for w in ws if lo <= w <= hi)
-            for w0, w1 in zip(ws, ws[1:]):
+            wl = sorted(w for w in ws if lo <= w <= hi)
+            for w0, w1 in zip(wl, wl[1:]):
                 k = sum(1 for t in bps if t <= w0 * L + c)  # the stretch of t holding diagonal w0
                 dt, dp = _stretch(tree, ctx, w0, w1, L, c, nfun, *tables[k], cut)
                 tiles, pairs = tiles + dt, pairs + dp

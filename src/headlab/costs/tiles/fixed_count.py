@@ -27,7 +27,7 @@ import numpy as np
 
 from headlab.costs.tiles.grid import Grid, Row, Unsupported
 from headlab.costs.tiles.logic_nodes import CAUSAL, And
-from headlab.costs.tiles.offset_nodes import Node, _band_sets
+from headlab.costs.tiles.offset_nodes import Node, band_sets
 
 __all__ = ["Fixed", "count_fixed"]
 
@@ -61,7 +61,7 @@ class Fixed(Node):
             raise Unsupported("full tiles of the fixed pattern (under ~)")
         g = row.grid
         if row.wid >= self.s:
-            return (_band_sets(row, 0, None)[0] if self.causal else row.all()), None
+            return (band_sets(row, 0, None)[0] if self.causal else row.all()), None
         if row.j0.b != g.n_kb - 1:
             raise Unsupported(f"fixed stride {self.s} wider than the key tiles ({g.block_k})")
         ks, ke = row.j0.b * g.block_k, g.kv_len - 1

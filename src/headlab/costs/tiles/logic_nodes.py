@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from headlab.spec.tile_states import EMPTY, FULL, PARTIAL
 from headlab.costs.tiles.grid import Grid, Row
 from headlab.costs.tiles.offset_nodes import Node, Offset
+from headlab.spec.tile_states import EMPTY, FULL, PARTIAL
 
 __all__ = ["CAUSAL", "And", "Combine", "Not", "Or"]
 

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from headlab.spec.tile_states import EMPTY, FULL, PARTIAL
 from headlab.costs.tiles.grid import Grid, Row, Unsupported
+from headlab.spec.tile_states import EMPTY, FULL, PARTIAL
 
 __all__ = ["Node", "Offset", "leaf_state"]
 
@@ -46,7 +46,7 @@ class Node:
         raise Unsupported(f"{type(self).__name__} is not a pattern of offsets or of runs of rows and columns")
 
 
-def _band_sets(row: Row, lo: int | None, hi: int | None):
+def band_sets(row: Row, lo: int | None, hi: int | None):
     """Key tiles of the block row that see some / only offsets in ``[lo, hi]`` (None: unbounded).
 
     A tile sees the offsets ``[t - (wid - 1), t + (hgt - 1)]`` with ``t = I bq - J bk``.
@@ -115,7 +115,7 @@ class Offset(Node):
                 raise Unsupported(f"dilation {self.dilation} is wider than a tile's offsets ({span})")
             # every interval of >= dilation offsets holds a multiple; the band's ends are multiples
             if span > 1:
-                ne = [_band_sets(row, lo, hi)[0] for lo, hi in bands]
+                ne = [band_sets(row, lo, hi)[0] for lo, hi in bands]
                 return _union_all(row, ne), ([] if need_full else None)
         if self.strided:
             s = self.strided
@@ -123,14 +123,14 @@ class Offset(Node):
                 raise Unsupported(f"stride {s} is wider than a tile's offsets ({span})")
             # every tile that reaches past the local band holds a multiple of the stride
             causal = bands[0][0] == 0  # strided(s): d >= 0; strided(s, non-causal): every d
-            ne, full = _band_sets(row, 0 if causal else None, None)
+            ne, full = band_sets(row, 0 if causal else None, None)
             if s == 1:  # every offset (every offset >= 0) is a multiple of 1
                 return ne, full
             if span == 1 and need_full:
                 raise Unsupported("full tiles of a strided pattern on 1x1 tiles")
             # a tile holding two consecutive offsets beyond the local band holds a hidden one
-            return ne, _band_sets(row, *bands[0])[1]
-        parts = [_band_sets(row, lo, hi) for lo, hi in bands]
+            return ne, band_sets(row, *bands[0])[1]
+        parts = [band_sets(row, lo, hi) for lo, hi in bands]
         return _union_all(row, [p[0] for p in parts]), _union_all(row, [p[1] for p in parts])
 
     # -- for diagonals: the visible offsets as pieces, and the state of one tile's offsets -------
@@ -141,7 +141,7 @@ class Offset(Node):
             if s == 1:
                 return [(0 if causal else None, None, 1)]
             # the local band, then the multiples of s beyond it (s itself is in the band)
-            out = [(0, s, 1) if causal else (-s, s, 1), (2 * s, None, s)]
+            out: list[tuple[int | None, int | None, int]] = [(0, s, 1) if causal else (-s, s, 1), (2 * s, None, s)]
             return out if causal else [(None, -2 * s, s), *out]
         shift = g.kv_len - g.q_len if self.kv_minus_q else 0
         return [(None if lo is None else lo - shift, None if hi is None else hi - shift, self.dilation)

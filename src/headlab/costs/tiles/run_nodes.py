@@ -15,10 +15,10 @@ from functools import lru_cache
 
 import numpy as np
 
-from headlab.spec.tile_states import EMPTY, FULL, PARTIAL
 from headlab.costs.tiles.grid import Grid, Lin, Row, Unsupported
 from headlab.costs.tiles.offset_nodes import Node
 from headlab.errors import MaskError
+from headlab.spec.tile_states import EMPTY, FULL, PARTIAL
 
 __all__ = ["Documents", "Global", "KeyPrefix", "Layout", "runs_of"]
 

@@ -16,9 +16,6 @@ import math
 
 import torch
 
-from headlab.spec.blocks import block_rows
-from headlab.spec.masks import causal, full
-from headlab.spec.tile_states import EMPTY, FULL, PARTIAL
 from headlab.costs.model import AttentionShape
 from headlab.costs.tiles.grid import Grid
 from headlab.costs.tiles.interval_count import count_tiles
@@ -26,6 +23,9 @@ from headlab.costs.tiles.logic_nodes import CAUSAL, And, Or
 from headlab.costs.tiles.offset_nodes import Offset
 from headlab.costs.tiles.run_nodes import Global
 from headlab.errors import CountTooLargeError
+from headlab.spec.blocks import block_rows
+from headlab.spec.masks import causal, full
+from headlab.spec.tile_states import EMPTY, FULL, PARTIAL
 
 __all__ = ["CHUNK", "STREAM_BUDGET", "pairs", "tiles", "work"]
 

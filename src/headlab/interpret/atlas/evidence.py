@@ -28,7 +28,6 @@ from headlab.interpret.capture import capture
 from headlab.models.loader import resolve
 
 
-
 def evidence_maps(model, heads: dict[str, list[tuple[int, int]]], *, repeated_ids: torch.Tensor | None,
                   text_ids: torch.Tensor | None, tokens: Callable[[int], str]) -> dict[str, dict]:
     """``{"kind:l.h": {"kind", "layer", "head", "tokens", "map" (n x n, 3 decimals)}}`` for ``heads[kind]``.

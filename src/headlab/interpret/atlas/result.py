@@ -185,6 +185,9 @@ class Atlas:
             data = read_json_file(path, what="the atlas.json that `headlab atlas --out DIR` wrote")
         if isinstance(data, str):
             data = json.loads(data)
+        if not isinstance(data, dict):  # a JSON list or number: AttributeError on .get before
+            raise InputError(f"not an atlas: a JSON {type(data).__name__}, not an object; give the atlas.json that "
+                             "`headlab atlas --out DIR` wrote")
         if data.get("kind_of_result") != "head_atlas":
             raise InputError(f"not an atlas: kind_of_result is {data.get('kind_of_result')!r}, expected 'head_atlas'")
         return cls(model=data["model"], family=data["family"], causal=data["causal"], n_layers=data["n_layers"],

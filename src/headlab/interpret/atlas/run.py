@@ -17,8 +17,8 @@ configurations are split over the ranks and gathered back, which gives the one-p
 score passes are small and run on every rank. On a model sharded by tensor parallelism
 (``headlab.load(..., tensor_parallel=True)``) the ranks of a tensor-parallel group make the same calls: every
 score pass, and every needle trial and check configuration (a data rank's share of them on a data x tensor
-mesh, :func:`~headlab.models.tensor_parallel.study_examples`). Each rank scores the heads it holds, from its own
-recording, and the grids are added over the group (pattern labels read every head's gathered statistics); the
+mesh: ``adapter.placement.examples``, :mod:`headlab.distributed.placement`). Each rank scores the heads it
+holds, from its own recording, and the grids are added over the group (pattern labels read every head's gathered statistics); the
 checks' gates land on the ranks holding the heads; each rank takes the OV copying score of its own heads.
 With ``resume=``, finished phases survive an interrupt.
 """
@@ -31,6 +31,7 @@ from collections.abc import Sequence
 
 import torch
 
+from headlab.checks import int_at_least, int_in_range  # `checks` is atlas()'s own argument
 from headlab.errors import ConfigError, InputError
 from headlab.interpret.atlas import scores as S
 from headlab.interpret.atlas import tasks as T
@@ -40,6 +41,7 @@ from headlab.interpret.atlas.result import Atlas, Thresholds
 from headlab.interpret.atlas.resume import Checkpoint, fingerprint
 from headlab.models.loader import load, resolve
 from headlab.progress import Progress, reporter
+
 
 def _kinds(kinds, run: Run) -> tuple[list[str], dict[str, str]]:
     """The kinds to score and, for the default set, those left out with the reason; an explicit
@@ -113,12 +115,10 @@ def atlas(model, *, kinds: Sequence[str] | str | None = None, texts=None, treeba
                             ("n_texts", n_texts, 1), ("needle_trials", needle_trials, 1), ("n_boot", n_boot, 2),
                             ("window", window, 2), ("max_tokens", max_tokens, 8), ("haystack_tokens", haystack_tokens, 8),
                             ("max_rows", max_rows, 1)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-                raise ConfigError(f"{name} must be an integer of at least {lo}, got {v!r}")
+            int_at_least(name, v, lo, message="{name} must be an integer of at least {low}, got {value!r}")
         total = sum(adapter.layer_heads)
         k = k if k is not None else max(1, min(10, round(0.05 * total)))
-        if not isinstance(k, int) or not 1 <= k < total:
-            raise ConfigError(f"k (heads gated per check) must be an integer in 1..{total - 1}, got {k!r}")
+        int_in_range("k (heads gated per check)", k, 1, total - 1)
         if treebank is not None and loaded is None:
             raise InputError("the syntactic kind needs a model with a tokenizer (headlab.load(...)) for the treebank")
         kinds_todo = [KINDS[kd] for kd in todo]

@@ -34,11 +34,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from headlab.spec import masks
 from headlab.attention.stats import attention_stats
-from headlab.distributed.data import all_reduce_sum
 from headlab.errors import ConfigError, ModelError
-from headlab.models.tensor_parallel import full_weight
+from headlab.spec import masks
+
 
 def _lse(q: torch.Tensor, k: torch.Tensor, call_args: dict, keep=None) -> torch.Tensor:
     """``(B, H, Lq)`` log-normalisers of the layer's rows, over the keys ``keep`` lets through (a mask
@@ -112,22 +111,24 @@ def ov_copying(adapter) -> torch.Tensor:
     """``(n_layers, H)``: Olsson et al.'s copying score ``sum(lambda) / sum(|lambda|)`` of each head's
     OV circuit (see the module docstring); NaN for heads a pruned layer no longer has.
 
-    On a model sharded by tensor parallelism the weights are read whole (``full_weight``: a collective, every
-    rank alike), each rank takes the eigenvalues of the heads it holds and the grid is added over its tensor-parallel group."""
-    tp = getattr(adapter, "tp", None)
+    On a model sharded by tensor parallelism the weights are read whole (``placement.full``: a collective, every
+    rank alike), each rank takes the eigenvalues of the heads it holds and the grid is added over its tensor-parallel
+    group (``placement.sum_group``)."""
+    place = adapter.placement
+    full = place.full
     w_e, w_u, _ = embeddings(adapter.model)
-    g = (full_weight(w_u).double() @ full_weight(w_e).double())  # (E, E): embed a token, then read its logit back
-    out = torch.full((adapter.n_layers, adapter.n_heads), 0.0 if tp is not None else float("nan"))
+    g = (full(w_u).double() @ full(w_e).double())  # (E, E): embed a token, then read its logit back
+    out = torch.full((adapter.n_layers, adapter.n_heads), 0.0 if place.sharded else float("nan"))
     for layer in range(adapter.n_layers):
-        wv = full_weight(adapter.W_V(layer).detach()).double()  # (Hkv, E, d)
-        wo = full_weight(adapter.W_O(layer).detach()).double()  # (H, d, E)
+        wv = full(adapter.W_V(layer).detach()).double()  # (Hkv, E, d)
+        wo = full(adapter.W_O(layer).detach()).double()  # (H, d, E)
         H, Hkv = wo.shape[0], wv.shape[0]
-        for h in (range(H) if tp is None else tp.heads()):
+        for h in (place.heads() if place.sharded else range(H)):
             m = wo[h] @ g @ wv[h // (H // Hkv)]  # (d, d) = W_O (W_U W_E) W_V
             lam = torch.linalg.eigvals(m)
             den = float(lam.abs().sum())
             out[layer, h] = float(lam.sum().real) / den if den > 0 else 0.0
-    return out if tp is None else all_reduce_sum(out, tp.group)  # each head from its owner, zeros elsewhere
+    return place.sum_group(out)  # sharded: each head from its owner, zeros elsewhere
 
 
 __all__ = ["embeddings", "offset_mass", "ov_copying", "position_mass", "row_mass", "window_mass"]

@@ -23,7 +23,7 @@ class ActivationCache(Mapping):
         call_args: ``{layer: {"mask", "causal", "scale"}}``, what each layer whose ``stats`` were captured
             passed to its attention (the model's own mask and scale), so a map for one head can be
             recomputed exactly as the model computed it.
-        shards: the :class:`~headlab.models.tensor_parallel.HeadShards` of a tensor-parallel capture made with
+        shards: the :class:`~headlab.distributed.placement.Placement` of a tensor-parallel capture made with
             ``gather="none"`` (each rank keeps its own heads; :meth:`heads` says which), else None.
     """
 

@@ -6,10 +6,9 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Literal
 
 import torch
-from torch import nn
 
 from headlab.attention import backends as _backends
-from headlab.errors import ConfigError, InputError
+from headlab.errors import ConfigError, InputError, SiteError
 from headlab.interpret.capture.cache import ActivationCache
 from headlab.interpret.capture.probe import Probe
 from headlab.models.base import ModelAdapter
@@ -22,12 +21,15 @@ def _select(adapter: ModelAdapter, sites: str | Sequence[str] | None) -> dict[in
     if sites is None:
         patterns = [g for k in SITE_KINDS if k != "stats" for g in adapter.sites(k)]
     else:
-        patterns = [sites] if isinstance(sites, str) else list(sites)
+        patterns = [sites] if isinstance(sites, str) else list(sites) if isinstance(sites, (list, tuple)) else None
+        if patterns is None or not all(isinstance(p, str) for p in patterns):  # 5: a TypeError before
+            raise SiteError(f"sites must be a site name or glob, or a list of them (e.g. 'blocks.*.attn.pattern'), "
+                            f"got {sites!r}")
     return {layer: set(kinds) for layer, kinds in match_sites(patterns, adapter.n_layers, SITE_KINDS + STREAM_KINDS,
                                                               prefixes=adapter.site_prefixes).items()}
 
 
-def _prepare_inputs(inputs, loaded) -> dict | torch.Tensor:
+def prepare_inputs(inputs, loaded) -> dict | torch.Tensor:
     if isinstance(inputs, (str, list, tuple)) and (isinstance(inputs, str) or all(isinstance(t, str) for t in inputs)):
         if loaded is None:
             raise InputError("text inputs need a LoadedModel (headlab.load(...)) to tokenise them; "
@@ -93,7 +95,7 @@ def capture(
             raise ConfigError(f"grads=True takes gradients at the sites inside attention (q, k, v, pattern, z, "
                               f"head_out, ...), not at {', '.join(flat)}; capture those without grads, or take "
                               "gradients at a site inside attention")
-    model_inputs = _prepare_inputs(inputs, loaded)
+    model_inputs = prepare_inputs(inputs, loaded)
     probe = Probe(wanted, grads, dict(stats_kwargs or {}), adapter.site_name)
     chosen = backend or adapter.backend or "auto"
     value = None
@@ -112,13 +114,12 @@ def capture(
             grad_map = {n: (torch.zeros_like(probe.live[n]) if g is None else g.detach()) for n, g in zip(names, got)}
             value = value.detach()
     data, shards = probe.data, None
-    if adapter.tp is not None and "gates" in grad_map:  # each rank's gates act on its own heads (zeros elsewhere)
-        from headlab.distributed.data import all_reduce_sum
-
-        grad_map["gates"] = all_reduce_sum(grad_map["gates"], adapter.tp.group)
-    if adapter.tp is not None and to != "none":  # tensor parallelism: each rank holds its heads; in global order to
-        data = adapter.tp.gather_sites(data, to)  # every rank, or rank 0; their gradients alike (each rank's heads
-        grad_map = adapter.tp.gather_sites(grad_map, to) if grad_map else grad_map  # get theirs whole: tp_grads)
-    elif adapter.tp is not None:
-        shards = adapter.tp  # kept where they are: cache.heads(site) says which
+    place = adapter.placement
+    if place.sharded and "gates" in grad_map:  # each rank's gates act on its own heads (zeros elsewhere)
+        grad_map["gates"] = place.sum_group(grad_map["gates"])
+    if place.sharded and to != "none":  # tensor parallelism: each rank holds its heads; in global order to
+        data = place.gather_sites(data, to)  # every rank, or rank 0; their gradients alike (each rank's heads
+        grad_map = place.gather_sites(grad_map, to) if grad_map else grad_map  # get theirs whole: tp_grads)
+    elif place.sharded:
+        shards = place  # kept where they are: cache.heads(site) says which
     return ActivationCache(data, grad_map, outputs, value, adapter, probe.call_args, shards=shards)

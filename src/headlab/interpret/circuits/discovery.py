@@ -38,16 +38,17 @@ Every argument is checked (typed :class:`~headlab.errors.ConfigError`) before th
 from __future__ import annotations
 
 import heapq
-import math
 import time
 from dataclasses import dataclass
 
 import torch
 
+from headlab import checks
 from headlab.errors import ConfigError, InputError
 from headlab.interpret.circuits import nodes
 from headlab.interpret.circuits.circuit import Circuit, on_paths, receiver_nodes
-from headlab.interpret.circuits.graph import Graph, graph as build_graph
+from headlab.interpret.circuits.graph import Graph
+from headlab.interpret.circuits.graph import graph as build_graph
 from headlab.interpret.circuits.patching import ABLATIONS, ablated_outputs, patched_metric
 from headlab.interpret.circuits.result import EdgeScores
 from headlab.interpret.patching import runs
@@ -70,10 +71,10 @@ def check_ablation(ablation) -> str:
 
 
 def check_int(name: str, value, low: int, high: int | None = None, why: str = "") -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value > high):
-        span = f"from {low} to {high}" if high is not None else f"of {low} or more"
-        raise ConfigError(f"{name}={value!r}: give a whole number {span}{why}")
-    return value
+    """:func:`headlab.checks.int_at_least` (``high`` None) or :func:`~headlab.checks.int_in_range`."""
+    if high is None:
+        return checks.int_at_least(name, value, low, what=why)
+    return checks.int_in_range(name, value, low, high, what=why)
 
 
 def check_progress(progress) -> None:
@@ -219,8 +220,7 @@ def discover(model, clean, corrupted, metric, *, method: str = "top-n", n_edges:
     t0 = time.perf_counter()
     if method not in METHODS:
         raise ConfigError(f"method={method!r}: choose from {', '.join(METHODS)}")
-    if not isinstance(absolute, bool):
-        raise ConfigError(f"absolute must be True or False, got {absolute!r}")
+    checks.boolean("absolute", absolute)
     check_ablation(ablation)
     check_int("seed", seed, 0)
     check_progress(progress)
@@ -232,11 +232,9 @@ def discover(model, clean, corrupted, metric, *, method: str = "top-n", n_edges:
             raise ConfigError("n_edges is top-n's and greedy's; ACDC's size follows from threshold")
         if scores is not None:
             raise ConfigError("ACDC measures each edge itself and takes no scores; pass scores to 'top-n' or 'greedy'")
-        if isinstance(threshold, bool) or not isinstance(threshold, int | float) or not math.isfinite(threshold) \
-                or threshold < 0:
-            raise ConfigError(f"threshold={threshold!r}: ACDC needs a number >= 0 (it removes an edge when the "
-                              f"{'KL divergence' if criterion == 'kl' else '|metric change|'} grows by at most that; "
-                              "Conmy et al. sweep 1e-4 to 1e-1)")
+        checks.at_least("threshold", threshold, 0, what=f" (ACDC removes an edge when the "
+                        f"{'KL divergence' if criterion == 'kl' else '|metric change|'} grows by at most that; "
+                        "Conmy et al. sweep 1e-4 to 1e-1)")
         check_int("acdc_max_edges", acdc_max_edges, 1)
     else:
         if threshold is not None:

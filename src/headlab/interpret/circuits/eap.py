@@ -32,9 +32,11 @@ import time
 
 import torch
 
+from headlab import checks
 from headlab.errors import ConfigError
 from headlab.interpret.circuits import nodes
-from headlab.interpret.circuits.graph import Graph, graph as build_graph
+from headlab.interpret.circuits.graph import Graph
+from headlab.interpret.circuits.graph import graph as build_graph
 from headlab.interpret.circuits.result import EdgeScores
 from headlab.interpret.patching import runs
 from headlab.interpret.patching.metrics import evaluate, logits_of
@@ -164,9 +166,7 @@ def edge_scores(model, clean, corrupted, metric, *, method: str = "eap", steps: 
     if edges is not None:
         raise ConfigError("edges= chooses the edges of exact patching; EAP and EAP-IG score every edge at once")
     if method == "eap-ig":
-        if isinstance(steps, bool) or not isinstance(steps, int) or not 1 <= steps <= 1000:
-            raise ConfigError(f"steps={steps!r}: give a whole number of interpolation steps from 1 to 1000 "
-                              "(Hanna et al. use 5 to 100)")
+        checks.int_in_range("steps", steps, 1, 1000, what=" (EAP-IG's interpolation steps; Hanna et al. use 5 to 100)")
         if ig not in IG_KINDS:
             raise ConfigError(f"ig={ig!r}: choose 'inputs' (interpolate the input embeddings) or 'activations'")
     else:

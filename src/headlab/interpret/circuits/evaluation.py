@@ -51,10 +51,10 @@ from pathlib import Path
 
 import torch
 
+from headlab import checks
 from headlab.errors import ConfigError, InputError, ShapeError
 from headlab.interpret.circuits.circuit import Circuit, on_paths
-from headlab.interpret.circuits.discovery import (check_ablation, check_int, check_progress, check_scores,
-                                                 record_runs)
+from headlab.interpret.circuits.discovery import check_ablation, check_int, check_progress, check_scores, record_runs
 from headlab.interpret.circuits.graph import graph as build_graph
 from headlab.interpret.circuits.patching import ablated_outputs, patched_metric
 from headlab.interpret.circuits.result import EdgeScores
@@ -149,7 +149,7 @@ class Faithfulness:
                 row.append(f"{min(per):.{d}f}..{max(per):.{d}f}" if per else "-")
             rows.append(row)
         width = [max(len(c), *(len(r[j]) for r in rows)) for j, c in enumerate(cols)]
-        line = lambda r: "  ".join(v.rjust(w) for v, w in zip(r, width))  # noqa: E731
+        line = lambda r: "  ".join(v.rjust(w) for v, w in zip(r, width))
         out = [f"circuit faithfulness of {self.source} on {self.model}: {self.n_graph_edges} edges, "
                f"{self.n_examples} pairs, ablation {self.ablation}, metric {self.metric} "
                f"(full {self.full:.4g}, all ablated {self.empty:.4g})", line(cols)] + [line(r) for r in rows]
@@ -180,7 +180,7 @@ class Faithfulness:
         if r.kind != cls.kind:
             raise InputError(f"this file holds a {r.kind!r} result, not circuit faithfulness")
         f, s = r.figures, r.settings
-        back = lambda v: [float("nan") if x is None else x for x in v]  # noqa: E731
+        back = lambda v: [float("nan") if x is None else x for x in v]
         try:
             return cls(model=r.model or "", metric=s.get("metric", "metric"), source=s.get("source", ""),
                        ablation=s.get("ablation", "patch"), n_examples=int(f["n_examples"]),
@@ -279,8 +279,7 @@ def faithfulness(model, circuit_or_scores: Circuit | EdgeScores, clean, corrupte
     if seeds > 1 and ablation != "resample":
         raise ConfigError(f"seeds={seeds}: only ablation='resample' depends on a seed; '{ablation}' gives the same "
                           "circuit values every time")
-    if not isinstance(absolute, bool):
-        raise ConfigError(f"absolute must be True or False, got {absolute!r}")
+    checks.boolean("absolute", absolute)
     if isinstance(templates, torch.Tensor):
         templates = templates.tolist()
     if templates is not None and (isinstance(templates, str | bytes) or not isinstance(templates, Sequence)):
@@ -328,7 +327,7 @@ def faithfulness(model, circuit_or_scores: Circuit | EdgeScores, clean, corrupte
     none = torch.zeros(N, dtype=torch.bool)
     full = run(torch.ones(N, dtype=torch.bool), 0)
     empty = [run(none, s) for s in range(seeds)]
-    for s, e in enumerate(empty):
+    for e in empty:
         if abs(float(full.mean()) - float(e.mean())) < 1e-9:
             raise InputError(f"the metric is {float(full.mean()):.6g} with no edge ablated and {float(e.mean()):.6g} "
                              f"with every edge ablated ('{ablation}'): f would be 0/0; choose another ablation or "

@@ -184,7 +184,7 @@ def check_stream(adapter) -> list[bool]:
         raise UnsupportedArchitectureError(
             f"circuits need one stack of unshared blocks; the {family!r} model has stacks {', '.join(adapter.stacks)}"
             f"{' and shares blocks across layers' if adapter.shared_layers else ''}")
-    if getattr(adapter, "tp", None) is not None:
+    if adapter.placement.sharded:
         raise UnsupportedArchitectureError("circuits run on one process: the model is sharded by tensor parallelism; "
                                            "load it without --tensor-parallel (the graph splits pairs, not heads)")
     parallel = []

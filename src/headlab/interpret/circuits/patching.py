@@ -28,7 +28,8 @@ import torch
 
 from headlab.errors import ConfigError
 from headlab.interpret.circuits import nodes
-from headlab.interpret.circuits.graph import Graph, graph as build_graph
+from headlab.interpret.circuits.graph import Graph
+from headlab.interpret.circuits.graph import graph as build_graph
 from headlab.interpret.circuits.result import EdgeScores
 from headlab.interpret.patching import runs
 from headlab.interpret.patching.metrics import evaluate, logits_of

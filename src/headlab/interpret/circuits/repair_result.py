@@ -30,7 +30,8 @@ import os
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
-from headlab.errors import ConfigError, InputError
+from headlab import checks
+from headlab.errors import InputError
 from headlab.interpret.circuits.graph import head as head_name
 from headlab.results import Result
 
@@ -50,12 +51,8 @@ class Rules:
 
     def __post_init__(self) -> None:
         for name in ("tol", "repaired", "alone", "joint"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < math.inf:
-                raise ConfigError(f"Rules.{name} must be a fraction of at least 0 (e.g. {getattr(Rules, name)}), "
-                                  f"got {v!r}")
-        if isinstance(self.top, bool) or not isinstance(self.top, int) or self.top < 1:
-            raise ConfigError(f"Rules.top (compensators named per head) must be a positive int, got {self.top!r}")
+            checks.at_least(f"Rules.{name}", getattr(self, name), 0, what=f" (a fraction, e.g. {getattr(Rules, name)})")
+        checks.positive_int("Rules.top (compensators named per head)", self.top)
 
     def text(self) -> list[str]:
         """The rules in words, with this object's numbers (stored with every result)."""

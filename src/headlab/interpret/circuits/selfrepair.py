@@ -68,10 +68,12 @@ import torch
 from headlab.errors import ConfigError
 from headlab.interpret.capture import capture
 from headlab.interpret.circuits import nodes
-from headlab.interpret.circuits.graph import Graph, graph as build_graph, head as head_name, mlp as mlp_name
+from headlab.interpret.circuits.graph import Graph
+from headlab.interpret.circuits.graph import graph as build_graph
+from headlab.interpret.circuits.graph import head as head_name
+from headlab.interpret.circuits.graph import mlp as mlp_name
 from headlab.interpret.circuits.patching import ABLATIONS, ablated_outputs
-from headlab.interpret.circuits.repair_result import (KIND, VERDICTS, HeadRepair, Rules, SelfRepair, compensators,
-                                                      judge)
+from headlab.interpret.circuits.repair_result import KIND, VERDICTS, HeadRepair, Rules, SelfRepair, compensators, judge
 from headlab.interpret.patching import runs
 from headlab.interpret.patching.metrics import evaluate, logits_of
 from headlab.models.readout import readout_of

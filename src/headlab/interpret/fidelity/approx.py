@@ -43,12 +43,12 @@ from dataclasses import dataclass, field
 import torch
 
 from headlab.attention import backends as _backends
-from headlab.attention.core import attention as _attention_fn
 from headlab.attention.backends.linear import FEATURE_MAP_ALIASES
 from headlab.attention.backends.linear import from_string as linear_from_string
-from headlab.spec.visibility import visible
-from headlab.spec.attention_spec import default_scale, normalize_mask, validate
+from headlab.attention.core import attention as _attention_fn
 from headlab.errors import ConfigError
+from headlab.spec.attention_spec import default_scale, normalize_mask, validate
+from headlab.spec.visibility import visible
 
 __all__ = ["ApproxReport", "FeatureSweep", "ModelShift", "SweepPoint", "compare", "compare_model", "feature_sweep"]
 
@@ -325,7 +325,7 @@ def feature_sweep(
             errs.append(r.out_rel_error)
             tvds.append(r.weights_tvd_mean)
         e, t = torch.tensor(errs, dtype=torch.float64), torch.tensor(tvds, dtype=torch.float64)
-        sd = (lambda x: float(x.std()) if len(x) > 1 else 0.0)  # noqa: E731
+        sd = (lambda x: float(x.std()) if len(x) > 1 else 0.0)
         points.append(SweepPoint(int(m), float(e.mean()), sd(e), float(t.mean()), sd(t)))
     slope = float("nan")
     if len(points) > 1:

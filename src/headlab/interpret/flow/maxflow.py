@@ -39,15 +39,17 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from headlab.spec.memory_guard import available_memory, human_bytes
+from headlab import checks
 from headlab.errors import ConfigError, MemoryBudgetError
 from headlab.interpret.flow.record import prepare, record
-from headlab.models.loader import resolve
 from headlab.interpret.flow.rollout import augment, layer_matrices
+from headlab.models.loader import resolve
 from headlab.progress import Progress, increments, reporter
 from headlab.results import envelope
+from headlab.spec.memory_guard import available_memory, human_bytes
 
 BYTES_PER_EDGE = {"scipy": 72, "networkx": 600}  # measured order of magnitude, both directions included
+_SOURCE = "source token {value!r} out of range for {length} tokens (0..{high})"
 
 
 @dataclass
@@ -114,8 +116,7 @@ def _check_graph(A: np.ndarray, source: int, source_layer: int) -> tuple[int, in
     if source_layer == 0:
         raise ConfigError("the output node is in the input layer (node layer 0): flow goes from a node of layer "
                           f"1..{L} down to the input tokens; pick source_layer >= 1")
-    if not isinstance(source, (int, np.integer)) or isinstance(source, bool) or not 0 <= source < n:
-        raise ConfigError(f"source token {source!r} out of range for {n} tokens (0..{n - 1})")
+    checks.index("source token", source, n, negative=False, message=_SOURCE)
     return L, n
 
 
@@ -264,23 +265,20 @@ def attention_flow(loaded, text_or_inputs, *, source: int = 0, layer: int = -1, 
             patch or frame inputs, after the attention maps are recorded: the model alone says their number).
         stack: for an encoder-decoder, ``"encoder"`` or ``"decoder"`` (self-attention), as for rollout.
     """
-    from headlab.interpret.flow.rollout import _stack
+    from headlab.interpret.flow.rollout import stack_layers
 
     adapter, loaded_model = resolve(loaded)
-    chain = _stack(adapter, stack)  # the layers that chain: the one stack, or an encoder-decoder's encoder/decoder
+    chain = stack_layers(adapter, stack)  # the layers that chain: the one stack, or an encoder-decoder's encoder/decoder
     L = len(chain)
-    if not isinstance(layer, int) or isinstance(layer, bool) or not -L <= layer < L:
-        raise ConfigError(f"layer {layer!r} out of range: the model has {L} layers (0..{L - 1}, or -1 for the "
-                          f"last); the input layer holds no output node")
-    top = layer % L
+    top = checks.index("layer", layer, L, message="layer {value!r} out of range: the model has {length} layers "
+                                                  "(0..{high}, or -1 for the last); the input layer holds no output node")
     inputs, _ = prepare(loaded_model, adapter, text_or_inputs)
     ids = inputs.get("input_ids") if isinstance(inputs, dict) else inputs
     rec = None
     if ids is None:  # patches or audio frames: the model says how many positions (its maps are small beside the graph)
         rec = record(loaded, text_or_inputs, chain[:top + 1], maps=True, backend=backend)
     n = int(ids.shape[1]) if ids is not None else rec.n
-    if not isinstance(source, int) or isinstance(source, bool) or not -n <= source < n:
-        raise ConfigError(f"source token {source!r} out of range for {n} tokens (0..{n - 1})")
+    checks.index("source token", source, n, message=_SOURCE)
     _check_memory(n, top + 1, solver if solver in BYTES_PER_EDGE else "scipy", memory_limit)
     if rec is None:
         rec = record(loaded, text_or_inputs, chain[:top + 1], maps=True, backend=backend)

@@ -34,6 +34,7 @@ from typing import Literal
 
 import torch
 
+from headlab import checks
 from headlab.errors import ConfigError
 from headlab.interpret.flow.gram import NormGram, gram, head_tile, layer_tile
 from headlab.interpret.flow.record import Recording, record
@@ -119,16 +120,12 @@ def maps_from_pattern(pattern: torch.Tensor, ng: NormGram) -> tuple[torch.Tensor
     return head_tile(p, pos, 0, p.shape[-1], ng), layer_tile(p, pos, 0, p.shape[-1], ng)
 
 
-def _check_positions(name: str, value, n: int) -> list[int]:
+def check_positions(name: str, value, n: int) -> list[int]:
     vals = [value] if isinstance(value, int) else list(value)
     if not vals:
         raise ConfigError(f"{name} is empty; give at least one token position")
-    out = []
-    for v in vals:
-        if not isinstance(v, int) or isinstance(v, bool) or not -n <= v < n:
-            raise ConfigError(f"{name}: position {v!r} out of range for {n} tokens (0..{n - 1}, negatives count from the end)")
-        out.append(v % n)
-    return out
+    return [checks.index(name, v, n, message="{name}: position {value!r} out of range for {length} tokens (0..{high}, "
+                                            "negatives count from the end)") for v in vals]
 
 
 def summarise(q, k, lse, ng: NormGram, *, scale: float, causal: bool, key_positions: list[int],
@@ -137,7 +134,7 @@ def summarise(q, k, lse, ng: NormGram, *, scale: float, causal: bool, key_positi
     H, n, _ = q.shape
     ct = torch.float64 if q.dtype == torch.float64 else torch.float32
     dev = q.device
-    z = lambda *s: torch.zeros(*s, dtype=ct, device=dev)  # noqa: E731
+    z = lambda *s: torch.zeros(*s, dtype=ct, device=dev)
     M = len(key_positions)
     kp = torch.tensor(key_positions, device=dev)
     rec_w, rec_n, rec_l = z(H, n), z(H, n), z(n)
@@ -164,7 +161,7 @@ def summarise(q, k, lse, ng: NormGram, *, scale: float, causal: bool, key_positi
             key_w[:, r0:r1, inside] = p[:, :, cols]
             key_n[:, r0:r1, inside] = hn[:, :, cols]
             key_l[r0:r1, inside] = ln[:, cols]
-    safe = lambda t: torch.where(t > 0, t, torch.ones((), dtype=ct))  # noqa: E731
+    safe = lambda t: torch.where(t > 0, t, torch.ones((), dtype=ct))
     return NormSummary(key_positions, rec_w, rec_n, key_w, key_n / safe(row_n).unsqueeze(-1), dist_w,
                        dist_n / safe(row_n), rec_l, key_l / safe(row_l).unsqueeze(-1), dist_l / safe(row_l))
 
@@ -213,8 +210,8 @@ def attention_norms(loaded, text_or_inputs, *, layers=None, mode: Mode = "attent
     rec: Recording = record(loaded, text_or_inputs, layers, maps=not streaming, residual=mode == "residual",
                             backend=backend)
     n = rec.n
-    row_pos = _check_positions("rows", rows, n) if rows is not None else None
-    kpos = _check_positions("key_positions", key_positions if key_positions is not None else [0, n - 1], n)
+    row_pos = check_positions("rows", rows, n) if rows is not None else None
+    kpos = check_positions("key_positions", key_positions if key_positions is not None else [0, n - 1], n)
     res = NormsResult(mode, sorted(rec.layers), n, rec.tokens, rows=row_pos, notes=notes)
     with torch.no_grad():
         for l, lr in rec.layers.items():

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from headlab import checks
 from headlab.attention import backends as _backends
 from headlab.errors import BackendUnsupportedError, ConfigError, InputError
 from headlab.interpret.capture import capture
@@ -62,12 +63,7 @@ def check_layers(adapter: ModelAdapter, layers) -> list[int]:
         return list(range(L))
     if isinstance(layers, int):
         layers = [layers]
-    out = []
-    for i in layers:
-        if not isinstance(i, int) or isinstance(i, bool) or not -L <= i < L:
-            raise ConfigError(f"layer {i!r} out of range: the model has {L} layers (0..{L - 1}, or -1 for the last)")
-        out.append(i % L)
-    return sorted(set(out))
+    return sorted({checks.index("layer", i, L, message="layer {value!r} out of range: the model has {length} layers (0..{high}, or -1 for the last)") for i in layers})
 
 
 def check_backend(backend) -> None:

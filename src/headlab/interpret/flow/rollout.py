@@ -33,13 +33,14 @@ from typing import Literal
 
 import torch
 
+from headlab import checks
 from headlab.errors import ConfigError
 from headlab.interpret.flow.gram import gram, layer_tile
-from headlab.interpret.flow.norms import _check_positions, maps_from_pattern
+from headlab.interpret.flow.norms import check_positions, maps_from_pattern
 from headlab.interpret.flow.record import record
+from headlab.interpret.flow.tiles import prob_tiles, weighted_colsum
 from headlab.models.loader import resolve
 from headlab.results import envelope
-from headlab.interpret.flow.tiles import prob_tiles, weighted_colsum
 
 Method = Literal["mean", "norm"]
 
@@ -108,9 +109,7 @@ def layer_matrices(rec, method: str) -> torch.Tensor:
 
 def _check_layer(adapter, layer) -> int:
     L = adapter.n_layers
-    if not isinstance(layer, int) or isinstance(layer, bool) or not -L <= layer < L:
-        raise ConfigError(f"layer {layer!r} out of range: the model has {L} layers (0..{L - 1}, or -1 for the last)")
-    return layer % L
+    return checks.index("layer", layer, L, message="layer {value!r} out of range: the model has {length} layers (0..{high}, or -1 for the last)")
 
 
 def _step_mean(lr, r, scale, causal):
@@ -138,7 +137,7 @@ def _step_norm(adapter, l, lr, r, scale, causal, block=512):
     return 0.5 * out + 0.5 * w
 
 
-def _stack(adapter, stack: str | None) -> list[int]:
+def stack_layers(adapter, stack: str | None) -> list[int]:
     """The layers rollout multiplies: the one stack of most models; an encoder-decoder's ``"encoder"`` or
     ``"decoder"`` (self-attention), each by Abnar and Zuidema's definition within the stack."""
     stacks = adapter.stacks
@@ -173,7 +172,7 @@ def rollout(loaded, text_or_inputs, *, method: Method = "mean", rows=None, layer
     if method not in ("mean", "norm"):
         raise ConfigError(f"unknown rollout method {method!r}; use 'mean' (mean of heads) or 'norm' (norm maps)")
     adapter, _ = resolve(loaded)
-    chain = _stack(adapter, stack)
+    chain = stack_layers(adapter, stack)
     top = chain[-1] if layer == -1 else _check_layer(adapter, layer)
     if top not in chain:
         raise ConfigError(f"layer {layer} is not in the stack rollout runs through (layers {chain[0]}..{chain[-1]})")
@@ -183,7 +182,7 @@ def rollout(loaded, text_or_inputs, *, method: Method = "mean", rows=None, layer
             maps = rollout_maps(augment(layer_matrices(rec, method))).float()
         return RolloutResult(method, rec.n, chain[-1], rec.tokens, maps=maps)
     rec = record(loaded, text_or_inputs, [l for l in chain if l <= top], maps=False, backend=backend)
-    pos = _check_positions("rows", rows, rec.n)
+    pos = check_positions("rows", rows, rec.n)
     with torch.no_grad():
         first = rec.layers[chain[0]]
         ct = torch.float64 if first.q.dtype == torch.float64 else torch.float32

@@ -40,13 +40,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from headlab.progress import Progress, reporter
+from headlab import checks
 from headlab.errors import ConfigError, InputError
 from headlab.interpret.heads import examples as C
-from headlab.models.loader import resolve
 from headlab.interpret.heads.edits import KINDS, Runner, mean_z
-from headlab.models.tensor_parallel import full_weight
+from headlab.models.loader import resolve
+from headlab.progress import Progress, reporter
 from headlab.results import envelope, read_json, write_json
+
+MAX_BOOT = 100_000  # bootstrap resamples: a (MAX_BOOT, examples) table of counts, seconds at most
 
 
 @dataclass
@@ -189,9 +191,10 @@ def config_masks(adapter, configs: list[list[tuple[int, int]]]) -> torch.Tensor:
 
 def check_bootstrap(n_boot, alpha) -> None:
     """:class:`~headlab.errors.ConfigError` unless ``n_boot`` is an integer >= 2 and ``0 < alpha < 1``."""
-    if isinstance(n_boot, bool) or not isinstance(n_boot, int) or n_boot < 2:
-        raise ConfigError(f"n_boot (bootstrap resamples; CLI --boot) must be an integer of at least 2, got {n_boot!r}; "
-                          "1000 is the default")
+    checks.int_at_least("n_boot (bootstrap resamples; CLI --boot)", n_boot, 2, hint="; 1000 is the default")
+    if n_boot > MAX_BOOT:  # 10**12 resamples loaded the model and then drew (n_boot, examples) counts without end
+        raise ConfigError(f"n_boot (bootstrap resamples; CLI --boot) must be at most {MAX_BOOT:,}, got {n_boot:,}; "
+                          "1000 is the default (more resamples barely move a 95% interval)")
     if not 0 < alpha < 1:
         raise ConfigError(f"alpha must lie in (0, 1) (0.05 gives 95% intervals), got {alpha!r}")
 
@@ -327,7 +330,8 @@ def ablate(loaded, texts, labels=None, *, kind: str = "zero", loss: C.Loss = "au
     cka_t = None
     if cka and K and zs_for_cka:
         cka_t = torch.full((K, K), float("nan"))
-        w_o = {l: full_weight(adapter.W_O(l).detach()) for l in sorted({h[0] for h in pair_heads})}  # (H, d, E)
+        full = adapter.placement.full  # a sharded W^O whole on every rank
+        w_o = {l: full(adapter.W_O(l).detach()) for l in sorted({h[0] for h in pair_heads})}  # (H, d, E)
         W_O = w_o.__getitem__
         for (a, b) in pair_list:
             v = linear_cka(zs_for_cka[a], zs_for_cka[b], W_O(a[0])[a[1]], W_O(b[0])[b[1]])

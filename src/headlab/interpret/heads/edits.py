@@ -102,8 +102,8 @@ def mean_z(adapter, data, *, over: str, backend: str) -> dict:
             n_tok += float(b.mask.sum())
             c = b.mask.to(torch.float64).sum(0)  # (Lq,)
             pos_cnt = c if pos_cnt is None else _pad1(pos_cnt, max(len(pos_cnt), len(c))) + _pad1(c, max(len(pos_cnt), len(c)))
-    tp = getattr(adapter, "tp", None)
-    if tp is not None:  # each rank summed its heads: (H/world, ...) -> (H, ...) in global order
+    tp = adapter.placement
+    if tp.sharded:  # each rank summed its heads: (H/world, ...) -> (H, ...) in global order
         tok_sum = [tp.gather(s[None], "z")[0] for s in tok_sum]
         pos_sum = [None if p is None else tp.gather(p[None], "z")[0] for p in pos_sum]
     token = [s / max(n_tok, 1.0) for s in tok_sum]
@@ -152,8 +152,8 @@ class Runner:
 
     def every_head(self, zs: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
         """:meth:`clean`'s z of every layer with every head, in global order (gathered on a sharded model)."""
-        tp = getattr(self.adapter, "tp", None)
-        return zs if tp is None else {layer: tp.gather(z, "z") for layer, z in sorted(zs.items())}
+        tp = self.adapter.placement
+        return {layer: tp.gather(z, "z") for layer, z in sorted(zs.items())} if tp.sharded else zs
 
     # -- ablated passes ---------------------------------------------------------------------------------------------
     def run(self, b: C.Batch, clean: dict, masks: torch.Tensor, advance=None) -> torch.Tensor:

@@ -47,7 +47,8 @@ def read_texts(path: str | Path, *, limit: int | None = None,
     dataset (a ``sentence`` or ``text`` column, an optional integer ``label``), ``.conllu`` the ``# text =``
     of each sentence, anything else one text per line; the first ``limit`` of them. ``option`` names the
     file in messages."""
-    from headlab.reading import read_conllu, read_texts as read_lines, read_tsv
+    from headlab.reading import read_conllu, read_tsv
+    from headlab.reading import read_texts as read_lines
 
     suffix = Path(path).suffix.lower()
     labels = None

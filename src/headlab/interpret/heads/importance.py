@@ -40,13 +40,12 @@ from pathlib import Path
 
 import torch
 
-from headlab.progress import Progress, reporter
+from headlab.distributed.data import is_main
 from headlab.errors import ConfigError, InputError
 from headlab.interpret.heads import examples as C
-from headlab.distributed.data import all_reduce_sum, is_main
 from headlab.interpret.heads.edits import head_hooks
-from headlab.models import tensor_parallel as _tp
 from headlab.models.loader import resolve
+from headlab.progress import Progress, reporter
 from headlab.results import envelope, read_json, write_json
 
 
@@ -95,21 +94,22 @@ def head_importance(loaded, texts, labels=None, *, loss: C.Loss = "auto", batch_
         >>> head_importance(m, texts, loss="lm", batch_size=3).shape
         torch.Size([2, 4])
     """
-    return _importance(loaded, texts, labels, loss=loss, batch_size=batch_size, normalize=normalize,
+    return importance_scores(loaded, texts, labels, loss=loss, batch_size=batch_size, normalize=normalize,
                        backend=backend, seed=seed, max_length=max_length, progress=progress)[0]
 
 
-def _importance(loaded, texts, labels, *, loss, batch_size, normalize, backend, seed, max_length, progress):
+def importance_scores(loaded, texts, labels, *, loss, batch_size, normalize, backend, seed, max_length, progress):
     adapter, ld = resolve(loaded)
     loss = C.choose_loss(adapter, loss, labels)
     C.check_data(texts, labels, loss)
     # under torchrun each rank takes every W-th example and the sums are added (identity on one process); a
     # sharded model runs every example on every rank, and each head's sum is made on its owner
-    mine = _tp.study_examples(adapter, len(texts))
+    place = adapter.placement
+    mine = place.examples(len(texts))
     data = C.batches(ld, adapter, [texts[i] for i in mine], None if labels is None else [labels[i] for i in mine],
                      batch_size, max_length=max_length) if mine else []
     progress = progress if is_main() else False  # rank 0 reports
-    gen = torch.Generator().manual_seed(seed + _tp.data_rank(adapter))
+    gen = torch.Generator().manual_seed(seed + place.data_rank)
     L, H = adapter.n_layers, adapter.n_heads
     total = torch.zeros(L, H, dtype=torch.float64)
     holder: dict = {}
@@ -138,7 +138,7 @@ def _importance(loaded, texts, labels, *, loss, batch_size, normalize, backend, 
     finally:
         holder.clear()
         adapter.model.train(was_training)
-    total = _tp.sum_heads(adapter, total)
+    total = place.sum_heads(total)
     imp = (total / len(texts)).float()
     counts = adapter.layer_heads
     for layer, n in enumerate(counts):
@@ -159,7 +159,8 @@ def head_confidence(loaded, texts, *, batch_size: int = 16, max_length: int | No
 
     adapter, ld = resolve(loaded)
     C.check_data(texts, None, "cosine")
-    mine = _tp.study_examples(adapter, len(texts))  # data-parallel under torchrun, as in head_importance
+    place = adapter.placement
+    mine = place.examples(len(texts))  # data-parallel under torchrun, as in head_importance
     data = C.batches(ld, adapter, [texts[i] for i in mine], None, batch_size, max_length=max_length) if mine else []
     progress = progress if is_main() else False  # rank 0 reports
     L, H = adapter.n_layers, adapter.n_heads
@@ -178,13 +179,13 @@ def head_confidence(loaded, texts, *, batch_size: int = 16, max_length: int | No
                 total[layer, heads.start:heads.stop] += (mw * m[:, None, :]).sum((0, 2)).cpu()
             count += float(m.sum())
             say("confidence", n, len(data))
-    if adapter.tp is None:  # the examples were split over the ranks: add their sums and token counts
-        summed = all_reduce_sum(torch.cat([total.flatten(), torch.tensor([count], dtype=torch.float64)]))
+    if not place.sharded:  # the examples were split over the ranks: add their sums and token counts
+        summed = place.sum_over_data(torch.cat([total.flatten(), torch.tensor([count], dtype=torch.float64)]))
         total, count = summed[:-1].view(L, H), float(summed[-1])
     else:  # a tensor-parallel group ran its examples; each head's sum was made on the rank holding it
-        total = _tp.sum_heads(adapter, total)
+        total = place.sum_heads(total)
         # the token count is the same on every rank of a group: add it over the groups of a 2-D mesh only
-        count = float(_tp.tp_mesh.sum_counts(torch.tensor([count], dtype=torch.float64), adapter.tp)[0])
+        count = float(place.sum_over_data(torch.tensor([count], dtype=torch.float64))[0])
     conf = (total / max(count, 1.0)).float()
     for layer, n in enumerate(adapter.layer_heads):
         conf[layer, n:] = float("nan")
@@ -276,7 +277,7 @@ def importance_study(loaded, texts, labels=None, *, loss: C.Loss = "auto", batch
     ``single_effects`` (an ``(n_layers, H)`` grid from :func:`headlab.ablate`), when given."""
     if single_effects is not None and not isinstance(single_effects, torch.Tensor):
         raise ConfigError("single_effects must be an (n_layers, H) tensor, e.g. ablate(...).single")
-    imp, used, secs = _importance(loaded, texts, labels, loss=loss, batch_size=batch_size, normalize=False,
+    imp, used, secs = importance_scores(loaded, texts, labels, loss=loss, batch_size=batch_size, normalize=False,
                                   backend=backend, seed=seed, max_length=max_length, progress=progress)
     norms = torch.nan_to_num(imp).norm(dim=-1, keepdim=True).clamp_min(1e-20)
     conf = head_confidence(loaded, texts, batch_size=batch_size, max_length=max_length,

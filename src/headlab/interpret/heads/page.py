@@ -191,7 +191,7 @@ def head_annotations(result_or_path) -> dict[tuple[int, int], str]:
                     add((l, h), f"{obj.get('kind', '')} ablation +{v:.3g}" if v >= 0 else f"ablation {v:.3g}")
     for v in obj.get("verdicts", []) or []:
         add((v["layer"], v["head"]), v["label"])
-    for key, inner in (("importance_result", None), ("ablation_result", None)):
+    for key in ("importance_result", "ablation_result"):
         if isinstance(obj.get(key), dict):
             for k2, t in head_annotations(obj[key]).items():
                 add(k2, t)

@@ -21,12 +21,12 @@ from pathlib import Path
 
 import torch
 
-from headlab.progress import Progress, reporter
 from headlab.errors import ConfigError
 from headlab.interpret.heads import examples as C
+from headlab.interpret.heads.importance import importance_scores
 from headlab.models.loader import resolve
-from headlab.interpret.heads.importance import _importance
 from headlab.models.pruned import PrunedModel, prune_heads
+from headlab.progress import Progress, reporter
 from headlab.results import envelope
 
 __all__ = ["PrunedModel", "PruningCurve", "evaluate", "order_heads", "prune_heads", "pruning_curve"]
@@ -201,7 +201,7 @@ def pruning_curve(loaded, texts, labels=None, *, loss: C.Loss = "auto", importan
     kw = dict(loss=loss, batch_size=batch_size, normalize=normalize, backend=backend, seed=seed,
               max_length=max_length, progress=False)
     if importance is None:  # its own bar when progress is one (a callable is not shared with importance.py)
-        importance = _importance(loaded, texts, labels, **{**kw, "progress": progress is True})[0]
+        importance = importance_scores(loaded, texts, labels, **{**kw, "progress": progress is True})[0]
     order = order_heads(importance)
     total = len(order)
     n_steps = int(round(max_fraction / step))
@@ -216,7 +216,7 @@ def pruning_curve(loaded, texts, labels=None, *, loss: C.Loss = "auto", importan
             for f in fractions:
                 target = int(round(f * total))
                 if recompute and gone and target > len(gone):  # rank again, on the model pruned so far
-                    imp = _importance(loaded, texts, labels, **kw)[0]
+                    imp = importance_scores(loaded, texts, labels, **kw)[0]
                     order = [hd for hd in order_heads(imp) if hd not in set(gone)]
                     gone += order[: target - len(gone)]
                 else:

@@ -16,10 +16,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from headlab.progress import Progress, reporter
 from headlab.interpret.heads import examples as C
 from headlab.models.loader import resolve
 from headlab.models.pruned import prune_heads
+from headlab.progress import Progress, reporter
 from headlab.results import envelope
 
 

@@ -8,15 +8,29 @@ command table (:mod:`headlab.cli.table`) makes it a command. Two register from t
 ``train-gates`` from :mod:`headlab.decode.instrument`. See docs/instruments.md.
 """
 
-from headlab.interpret.instruments.base import (REQUIRED, Context, Instrument, InstrumentResult, Option, Outcome,
-                                                Output, Part, Registry, Unit, at_least, get, register, registered,
-                                                unregister)
+import pkgutil as _pkgutil
+from importlib import import_module as _import_module
+
+from headlab.interpret.instruments.base import (
+    REQUIRED,
+    Context,
+    Instrument,
+    InstrumentResult,
+    Option,
+    Outcome,
+    Output,
+    Part,
+    Registry,
+    Unit,
+    at_least,
+    get,
+    register,
+    registered,
+    unregister,
+)
 
 # every module of this package but the contract and the runner is an instrument: importing it registers it (a new
 # instrument is one file here; the command table, headlab.cli.table, reads the same files for the CLI's rows)
-import pkgutil as _pkgutil  # noqa: E402  (after the contract the instruments import)
-from importlib import import_module as _import_module  # noqa: E402
-
 for _m in _pkgutil.iter_modules(__path__):
     if _m.name not in ("base", "runner"):
         _import_module(f"{__name__}.{_m.name}")

@@ -26,14 +26,23 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from headlab.results import print_json
 from headlab.errors import ConfigError, InputError
 from headlab.interpret.atlas.kinds import KINDS
 from headlab.interpret.atlas.resume import finished_phases
+from headlab.interpret.instruments.base import (
+    REQUIRED,
+    Context,
+    Instrument,
+    InstrumentResult,
+    Option,
+    Output,
+    at_least,
+    register,
+)
 from headlab.models.peek import peek_max_positions
-from headlab.interpret.instruments.base import REQUIRED, Context, Instrument, InstrumentResult, Option, Output, \
-    at_least, register
+from headlab.results import print_json
 
+MAX_DRAWS = 1000  # --draws: random head sets gated per check
 PARTIAL = "atlas.partial.json"  # the finished phases of an interrupted run; the same command resumes from it
 
 
@@ -58,6 +67,13 @@ def parse_kinds(spec: str | None) -> list[str] | None:
     if bad or not asked:
         raise ConfigError(f"--kinds: unknown {', '.join(map(repr, bad)) or 'empty list'}; choose from {', '.join(KINDS)}")
     return asked
+
+
+def _draws(value, option: Option, options: dict) -> None:
+    at_least(1)(value, option, options)
+    if value > MAX_DRAWS:  # 10**12 loaded the model, then gated random head sets without end
+        raise ConfigError(f"{option.label} must be at most {MAX_DRAWS:,} (random draws per check, a forward each; "
+                          f"10 is the default), got {value:,}")
 
 
 def _check_kinds(value, option: Option, options: dict) -> None:
@@ -206,7 +222,7 @@ the checks' configurations across the processes; rank 0 shows the progress and w
         Option("checks", "--checks", bool, True, "run the causal checks (gating heads)", off="--no-checks"),
         Option("top_k", "--top-k", int, None, "heads gated per check (default 5% of the heads, 1 to 10)",
                check=at_least(1)),
-        Option("draws", "--draws", int, 10, "random draws per check", check=at_least(1)),
+        Option("draws", "--draws", int, 10, "random draws per check", check=_draws),
         Option("half", "--half", int, 50, "length of the repeated half of the random sequences", check=at_least(2)),
         Option("n_texts", "--n-texts", int, 4, "natural-text pieces", check=at_least(1)),
         Option("max_tokens", "--max-tokens", int, 128, "tokens per natural-text piece", check=at_least(8)),

@@ -148,6 +148,9 @@ class Context:
     world: int = 1
     tensor_parallel: bool | int = False  # the model is sharded by heads over the ranks (True: all; N: groups of N)
     state: dict = field(default_factory=dict)  # the instrument's own, from one hook to the next
+    # the values of the units finished so far, by key: a resumed run's from the file, then each unit's as it ends
+    # (units that build on the one before, such as training steps, read the last one here)
+    kept: dict = field(default_factory=dict)
 
     @property
     def settings(self) -> dict:
@@ -188,8 +191,21 @@ class Outcome:
     ctx: Context | None = field(default=None, repr=False)  # the run's context (options, inputs, model, state)
 
 
+#: ``--json`` of an instrument that declares none: its command prints the result envelope as JSON on stdout
+ENVELOPE_JSON = Option("as_json", "--json", bool, False, "print the result as JSON", setting=False)
+
+
 class Instrument(Part):
-    """One analysis. Subclasses set ``name`` and ``options`` and implement :meth:`run_unit` and :meth:`finish`."""
+    """One analysis. Subclasses set ``name`` and ``options`` and implement :meth:`run_unit` and :meth:`finish`.
+
+    Options without a ``--json`` of their own get :data:`ENVELOPE_JSON` (every command prints its result as JSON
+    on request)."""
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        opts = cls.__dict__.get("options")
+        if opts and not any(o.flag == "--json" for o in opts):
+            cls.options = (*opts, ENVELOPE_JSON)
 
     kind: ClassVar[str | None] = None  # the result kind (default: ``name``)
     summary: ClassVar[str] = ""  # the CLI's help text
@@ -313,5 +329,5 @@ def unregister(name: str) -> None:
     _INSTRUMENTS.unregister(name)
 
 
-__all__ = ["Context", "Instrument", "InstrumentResult", "Option", "Outcome", "Output", "Part", "REQUIRED", "Registry",
+__all__ = ["ENVELOPE_JSON", "Context", "Instrument", "InstrumentResult", "Option", "Outcome", "Output", "Part", "REQUIRED", "Registry",
            "Unit", "at_least", "get", "register", "registered", "unregister"]

@@ -29,19 +29,27 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from headlab.distributed.data import shard_indices
 from headlab.errors import ConfigError, InputError
 from headlab.interpret.circuits.discovery import METHODS as DISCOVER_METHODS
 from headlab.interpret.circuits.eap import METHODS as SCORE_METHODS
 from headlab.interpret.circuits.patching import ABLATIONS
 from headlab.interpret.circuits.tasks import TASKS
-from headlab.interpret.instruments.base import Context, Instrument, InstrumentResult, Option, Output, Unit, \
-    at_least, register
+from headlab.interpret.instruments.base import (
+    Context,
+    Instrument,
+    InstrumentResult,
+    Option,
+    Output,
+    Unit,
+    at_least,
+    register,
+)
 from headlab.results import print_json
 
 EXACT_MAX_EDGES = 20_000  # --method exact on a larger graph is refused with its cost (SmolLM2: 70,651 edges)
 DEFAULT_EDGES = "1%"  # circuit size: 1% of the graph's edges (SmolLM2-135M: about 700 of 70,000)
 FILES = ("scores.json", "circuit.json", "faithfulness.json", "circuit.html")
+MAX_RANDOM = 1000  # --random: random circuits per size, one forward each
 
 
 def parse_edges(spec: str | None) -> int | float | None:
@@ -92,25 +100,30 @@ def _steps(value, option: Option, options: dict) -> None:
                           f"to 100), got {value}")
 
 
+def _random(value, option: Option, options: dict) -> None:
+    at_least(0)(value, option, options)
+    if value > MAX_RANDOM:  # 10**12 loaded the model, then ran a forward per random circuit without end
+        raise ConfigError(f"{option.label} must be at most {MAX_RANDOM} (random circuits per size, a forward each; "
+                          f"the default 2 draws the baseline band), got {value:,}")
+
+
 def _threshold(value, option: Option, options: dict) -> None:
     if not math.isfinite(value) or value < 0:
         raise ConfigError(f"{option.label} must be a number of 0 or more (ACDC removes an edge when the criterion "
                           f"grows by at most that; Conmy et al. sweep 1e-4 to 1e-1), got {value}")
 
 
-def added_over_ranks(s, n_pairs: int):
+def added_over_ranks(s, n_pairs: int, placement):
     """One rank's :class:`~headlab.interpret.circuits.result.EdgeScores` of its share of the pairs, made the scores
     of all ``n_pairs``: every figure is a mean over pairs, so the ranks' figures are added weighted by their pairs
-    (``torch.distributed``'s sum; the same result on every rank)."""
+    (``placement.sum_over_data``; the same result on every rank)."""
     import dataclasses
 
     import torch
 
-    from headlab.distributed.data import all_reduce_sum
-
     part = torch.cat([s.values * s.n_examples, torch.tensor([s.clean, s.corrupted], dtype=torch.float64) * s.n_examples,
                       torch.tensor([s.seconds], dtype=torch.float64)])
-    total = all_reduce_sum(part)
+    total = placement.sum_over_data(part)
     values, clean, corrupted = total[:-3] / n_pairs, float(total[-3]) / n_pairs, float(total[-2]) / n_pairs
     return dataclasses.replace(s, values=values, clean=clean, corrupted=corrupted, n_examples=n_pairs,
                                notes=[*s.notes, f"pairs split across the ranks and their scores added (seconds: "
@@ -173,7 +186,7 @@ class CircuitStudy(Instrument):
         Option("faithfulness", "--faithfulness", bool, True, "measure the faithfulness curve over circuit sizes",
                off="--no-faithfulness"),
         Option("random", "--random", int, 2, "random circuits per size (the curve's baseline band; a forward each)",
-               check=at_least(0)),
+               check=_random),
         Option("seed", "--seed", int, 0, "the pairs' draw, the random circuits and resample ablation",
                check=at_least(0)),
         Option("atlas", "--atlas", Path, None, "an atlas.json (headlab atlas --out) whose head roles label the page",
@@ -239,11 +252,10 @@ class CircuitStudy(Instrument):
 
     def check_loaded(self, ctx: Context) -> None:
         """The model's graph (refused for post-norm models) and the sizes against it, before the pairs."""
+        from headlab.errors import UnsupportedArchitectureError
         from headlab.interpret.circuits.discovery import ACDC_MAX_EDGES
         from headlab.interpret.circuits.graph import graph
         from headlab.interpret.circuits.tasks import task
-
-        from headlab.errors import UnsupportedArchitectureError
 
         o = ctx.options
         try:
@@ -294,13 +306,14 @@ class CircuitStudy(Instrument):
             ctx.state["scores"] = ctx.state["given"]
             return ctx.state["scores"]
         seen: dict = {}
-        mine = p if ctx.world == 1 else p.subset(shard_indices(len(p)))  # torchrun: this rank's share of the pairs
+        place = ctx.loaded.adapter.placement
+        mine = p if place.alone else p.subset(place.examples(len(p)))  # torchrun: this rank's share of the pairs
         s = edge_scores(ctx.loaded, mine.clean, mine.corrupted, mine.metric, method=o["method"], steps=o["steps"],
                         progress=_progress(ctx, seen))
         if _unfinished(seen):  # exact patching caught Ctrl-C and kept NaN for the rest: not a finished unit
             raise KeyboardInterrupt
-        if ctx.world > 1:
-            s = added_over_ranks(s, len(p))
+        if not place.alone:
+            s = added_over_ranks(s, len(p), place)
         ctx.state["scores"] = s
         return s
 
@@ -380,7 +393,7 @@ class CircuitStudy(Instrument):
         v = outcome.result.native
         s, c, f = v["scores"], v["circuit"], v["faithfulness"]
         p = ctx.state["pairs"]
-        say = lambda line: console.print(line, highlight=False, soft_wrap=True)  # noqa: E731
+        say = lambda line: console.print(line, highlight=False, soft_wrap=True)
         say(f"{c.model}: task {o['task']}, {len(p)} pairs, metric {s.metric}: clean {s.clean:.4g}, corrupted "
             f"{s.corrupted:.4g}")
         how = f"{s.method}" + (f" ({s.steps} steps)" if s.method == "eap-ig" else "")

@@ -22,11 +22,19 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from headlab.results import print_json
 from headlab.errors import ConfigError, InputError
-from headlab.interpret.instruments.base import REQUIRED, Context, Instrument, InstrumentResult, Option, Output, \
-    at_least, register
+from headlab.interpret.instruments.base import (
+    REQUIRED,
+    Context,
+    Instrument,
+    InstrumentResult,
+    Option,
+    Output,
+    at_least,
+    register,
+)
 from headlab.interpret.saliency.explanation import DEFAULT_METHODS, METHODS
+from headlab.results import print_json
 
 SHORT = {"attention": "attention", "gradient": "gradient", "grad_x_input": "grad*input",
          "integrated_gradients": "IG", "leave_one_out": "LOO", "rollout": "rollout", "norm_rollout": "norm roll",

@@ -10,10 +10,18 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from headlab.results import print_json
 from headlab.errors import ConfigError, InputError
-from headlab.interpret.instruments.base import REQUIRED, Context, Instrument, InstrumentResult, Option, Output, \
-    at_least, register
+from headlab.interpret.instruments.base import (
+    REQUIRED,
+    Context,
+    Instrument,
+    InstrumentResult,
+    Option,
+    Output,
+    at_least,
+    register,
+)
+from headlab.results import print_json
 
 METHODS = ("rollout", "norm-rollout", "flow", "norms")
 MODES = ("attention", "residual")
@@ -101,6 +109,13 @@ Example: headlab flow "The cat sat on the mat." --method flow --rows cls"""
                 raise ConfigError(f"{option} acts only with --method {used_by}; drop it, or add --method {used_by} "
                                   f"(--method {o['method']} would ignore it)")
         ctx.state["rows"] = rows = parse_rows(o["rows"])
+        from headlab.models.loader import peek_layer_heads
+
+        heads = peek_layer_heads(o["model"])  # the config files alone: --layer 99 was refused only after the load
+        if heads is not None and not -len(heads) <= o["layer"] < len(heads):
+            n = len(heads)
+            raise ConfigError(f"--layer {o['layer']} is out of range: {o['model']} has {n} layers (0..{n - 1}, or -1 "
+                              "for the last)")
         if o["method"] == "flow" and rows is not None and len(rows) > 1:
             raise ConfigError(f"--rows {o['rows']}: --method flow follows one source token; give one position "
                               "(e.g. --rows cls)")

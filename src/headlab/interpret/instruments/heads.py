@@ -13,10 +13,18 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from headlab.results import print_json
 from headlab.errors import ConfigError, InputError
-from headlab.interpret.instruments.base import REQUIRED, Context, Instrument, InstrumentResult, Option, Output, \
-    at_least, register
+from headlab.interpret.instruments.base import (
+    REQUIRED,
+    Context,
+    Instrument,
+    InstrumentResult,
+    Option,
+    Output,
+    at_least,
+    register,
+)
+from headlab.results import print_json
 
 
 def read_examples(path, option: str = "--data", *, limit: int | None = None) -> tuple[list[str], list[int] | None]:

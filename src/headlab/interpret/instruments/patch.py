@@ -27,10 +27,19 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from headlab.results import print_json
 from headlab.errors import ConfigError, InputError
-from headlab.interpret.instruments.base import REQUIRED, Context, Instrument, InstrumentResult, Option, Output, \
-    Unit, at_least, register
+from headlab.interpret.instruments.base import (
+    REQUIRED,
+    Context,
+    Instrument,
+    InstrumentResult,
+    Option,
+    Output,
+    Unit,
+    at_least,
+    register,
+)
+from headlab.results import print_json
 
 METHODS = ("exact", "attribution", "both")
 

@@ -15,11 +15,19 @@ from pathlib import Path
 
 from rich.text import Text
 
-from headlab.results import print_json
 from headlab.attention.backends.sparse.plan import pattern_density
 from headlab.errors import ConfigError
-from headlab.interpret.instruments.base import REQUIRED, Context, Instrument, InstrumentResult, Option, Output, \
-    at_least, register
+from headlab.interpret.instruments.base import (
+    REQUIRED,
+    Context,
+    Instrument,
+    InstrumentResult,
+    Option,
+    Output,
+    at_least,
+    register,
+)
+from headlab.results import print_json
 from headlab.spec import masks
 
 # largest sequence drawn densely (a PNG of n x n pixels; the terminal is downsampled anyway)

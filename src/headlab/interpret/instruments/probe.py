@@ -13,11 +13,18 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from headlab.results import print_json
 from headlab.errors import InputError
-
-from headlab.interpret.instruments.base import REQUIRED, Context, Instrument, InstrumentResult, Option, Output, \
-    at_least, register
+from headlab.interpret.instruments.base import (
+    REQUIRED,
+    Context,
+    Instrument,
+    InstrumentResult,
+    Option,
+    Output,
+    at_least,
+    register,
+)
+from headlab.results import print_json
 
 
 def _loss_model(value: str, option: Option, options: dict) -> None:
@@ -25,6 +32,8 @@ def _loss_model(value: str, option: Option, options: dict) -> None:
     from headlab.models.named_models import ALIASES, KNOWN_MODELS
 
     key = value.strip().lower()
+    if not key:  # '' reached the load and was refused there as "the model name is empty", after the main load
+        raise InputError("--loss-model is empty; give 'auto', 'none', a known model name or a model folder")
     if key in ("auto", "none") or ALIASES.get(key, key) in KNOWN_MODELS:
         return
     path = Path(value).expanduser()

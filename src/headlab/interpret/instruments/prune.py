@@ -15,12 +15,20 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from headlab.results import print_json
 from headlab.errors import ConfigError, InputError
-from headlab.interpret.instruments.base import REQUIRED, Context, Instrument, InstrumentResult, Option, Output, \
-    Unit, register
 from headlab.interpret.heads.naming import check_heads_in_config
+from headlab.interpret.instruments.base import (
+    REQUIRED,
+    Context,
+    Instrument,
+    InstrumentResult,
+    Option,
+    Output,
+    Unit,
+    register,
+)
 from headlab.interpret.instruments.heads import BATCH, DATA, JSON, LIMIT, LOSS, MODEL, read_examples
+from headlab.results import print_json
 
 DATA_FILE = "a .tsv with a 'sentence' column, a .conllu or a .txt"
 

@@ -22,17 +22,16 @@
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from headlab.errors import HeadlabError, InputError
 from headlab.interpret.instruments.base import REQUIRED, Context, Instrument, Outcome, Unit
+from headlab.locks import output_lock
 from headlab.progress import reporter
 from headlab.reading import read
-from headlab.locks import output_lock
-from headlab.results import Result, check_output_dir, check_output_file
+from headlab.results import Result, check_output_dir, check_output_file, to_json_value
 
 UNITS_KEY = "units"  # where a file keeps its units' values (interrupted files, and finished resumable ones)
 INTERRUPTED_KEY = "interrupted"
@@ -93,21 +92,25 @@ def _read_inputs(ctx: Context) -> None:
 
 def _earlier(ctx: Context, keys: Sequence[str]) -> dict:
     """The units' values a resumed run keeps from the output file (none when there is no file yet)."""
-    if ctx.path is None or not ctx.path.is_file():
+    if ctx.path is None:
+        return {}
+    partial = _partial_path(ctx)  # an interrupted run of a result that is not JSON kept its units beside it
+    source = partial if partial.is_file() else ctx.path
+    if not source.is_file():
         return {}
     flag = ctx.instrument.option(ctx.instrument.output.option).label
-    earlier = Result.load(ctx.path, what=f"a {ctx.instrument.result_kind} result to resume")
+    earlier = Result.load(source, what=f"a {ctx.instrument.result_kind} result to resume")
     if earlier.kind != ctx.instrument.result_kind:
-        raise InputError(f"{flag} {str(ctx.path)!r} holds a {earlier.kind} result, not {ctx.instrument.result_kind}; "
+        raise InputError(f"{flag} {str(source)!r} holds a {earlier.kind} result, not {ctx.instrument.result_kind}; "
                          "drop --resume or choose another path")
-    now = json.loads(json.dumps(ctx.settings, default=str))
+    units = earlier.figures.get(UNITS_KEY)
+    if not isinstance(units, dict):
+        raise InputError(f"--resume: {str(ctx.path)!r} keeps no units to resume from; drop --resume to start again")
+    now = to_json_value(ctx.settings)  # as the file holds them (NaN as null, paths as strings)
     if earlier.settings != now:
         diff = sorted(k for k in set(now) | set(earlier.settings) if now.get(k) != earlier.settings.get(k))
         raise InputError(f"--resume: {str(ctx.path)!r} was computed with other settings ({', '.join(diff)}); run "
                          "with the same options, or drop --resume to start again")
-    units = earlier.figures.get(UNITS_KEY)
-    if not isinstance(units, dict):
-        raise InputError(f"--resume: {str(ctx.path)!r} keeps no units to resume from; drop --resume to start again")
     return {k: ctx.instrument.unit_from_json(units[k]) for k in keys if k in units}
 
 
@@ -214,7 +217,11 @@ def _load_and_work(ctxs: list[Context], *, resume: bool, progress, transient: bo
         for ctx in ctxs:
             ctx.loaded = loaded
             ctx.instrument.check_loaded(ctx)
-        return _work(ctxs, resume=resume, announce=announce, show=show, say=say, command=command)
+        said: list[str] = []  # the runner's lines wait until the display has closed (its last line is not "done")
+        outcomes = _work(ctxs, resume=resume, announce=announce, show=show, say=said.append, command=command)
+    for line in said:
+        say(line)
+    return outcomes
 
 
 def _work(ctxs: list[Context], *, resume: bool, announce: bool, show, say, command=None) -> list[Outcome]:
@@ -229,6 +236,8 @@ def _work(ctxs: list[Context], *, resume: bool, announce: bool, show, say, comma
     if len(set(keys)) != len(keys):
         raise InputError(f"{lead.instrument.name}: two units share a key; every unit needs its own")
     values = [_earlier(ctx, keys) if resume else {} for ctx in ctxs]
+    for ctx, v in zip(ctxs, values):
+        ctx.kept = dict(v)
     todo = [i for i, k in enumerate(keys) if not all(k in v for v in values)]
     sharded = lead.world > 1 and all(c.instrument.parallel == "units" for c in ctxs)
     share, shares = _data_axis(lead)  # a (data, tensor) mesh: a tensor-parallel group runs its units together
@@ -255,7 +264,7 @@ def _work(ctxs: list[Context], *, resume: bool, announce: bool, show, say, comma
                     raise lead.instrument.recording_refused(lead, e) from None
             for j, (ctx, us) in enumerate(plans):
                 if keys[i] not in values[j]:
-                    found[j][keys[i]] = ctx.instrument.run_unit(ctx, us[i], recording)
+                    found[j][keys[i]] = ctx.kept[keys[i]] = ctx.instrument.run_unit(ctx, us[i], recording)
             recording = None  # not held through the next unit, or through finish and write
             if announce and len(keys) > 1:  # rank 0's share under torchrun
                 show(stage, done0 + n + 1, done0 + len(mine))

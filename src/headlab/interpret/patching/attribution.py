@@ -23,7 +23,6 @@ import time
 
 import torch
 
-from headlab.distributed.data import all_reduce_sum
 from headlab.interpret.capture import capture
 from headlab.interpret.patching import runs
 from headlab.interpret.patching.metrics import evaluate, logits_of
@@ -51,7 +50,7 @@ def attribution_patch(model, clean, corrupted, metric, *, sites: str | list[str]
     def scalar(outputs):
         return evaluate(metric, logits_of(outputs), pair.n).mean()
 
-    if a.tp is not None:  # sharded by tensor parallelism: each rank its own heads, added over the group
+    if a.placement.sharded:  # sharded by tensor parallelism: each rank its own heads, added over the group
         raw, m_clean, m_corrupt = _sharded(a, pair, names, kinds, pos, scalar, metric, backend)
     else:
         raw, m_clean, m_corrupt = _one_process(a, pair, names, kinds, pos, scalar, metric, backend)
@@ -110,7 +109,7 @@ def _sharded(a, pair, names, kinds, pos, scalar, metric, backend):
             name = a.site_name(l, kind)
             heads = sg.heads[name]
             grid[l, heads.start:heads.stop] = _per_head(corrupt_cache[name] - sg.values[name], sg.grads[name], pos)
-        raw[kind] = all_reduce_sum(grid, a.tp.group).float()  # each head from its owner, zeros elsewhere
+        raw[kind] = a.placement.sum_group(grid).float()  # each head from its owner, zeros elsewhere
     return raw, sg.scalar, m_corrupt
 
 

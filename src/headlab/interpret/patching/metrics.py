@@ -25,7 +25,7 @@ from headlab.errors import ConfigError, InputError, ShapeError
 Metric = Callable[[torch.Tensor], torch.Tensor]
 
 
-def _ids(x, name: str, vocab: int | None = None) -> torch.Tensor:
+def ids_of(x, name: str, vocab: int | None = None) -> torch.Tensor:
     """``x`` as a 1-d tensor of token ids; ConfigError for anything else (floats, booleans, nesting), InputError
     for an id outside ``0..vocab - 1`` (a negative id would index from the end of the vocabulary)."""
     try:
@@ -69,7 +69,7 @@ def check_position(position, length: int, batch: int, name: str = "position") ->
     return pos.expand(batch) % length
 
 
-def _rows(logits: torch.Tensor, position) -> torch.Tensor:
+def logit_rows(logits: torch.Tensor, position) -> torch.Tensor:
     """``(B, V)``: each example's logits at its ``position`` (an int, or one index per example)."""
     if logits.dim() != 3:
         raise ShapeError(f"a metric reads logits of shape (batch, seq, vocab); got {tuple(logits.shape)}")
@@ -87,7 +87,7 @@ def logit_diff(correct: int | Sequence[int] | torch.Tensor, wrong: int | Sequenc
         position: where the answer is predicted: an int (default -1, the last token) or one index per
             example (the last real token of each right-padded prompt).
     """
-    c, w = _ids(correct, "correct"), _ids(wrong, "wrong")
+    c, w = ids_of(correct, "correct"), ids_of(wrong, "wrong")
     n = max(c.numel(), w.numel())
     if c.numel() in (1, n) and w.numel() in (1, n):
         same = (c.expand(n) == w.expand(n)).nonzero().flatten()
@@ -96,7 +96,7 @@ def logit_diff(correct: int | Sequence[int] | torch.Tensor, wrong: int | Sequenc
                              f"{int(same[0])}: their logit difference is 0 on every run, so it measures nothing")
 
     def metric(logits: torch.Tensor) -> torch.Tensor:
-        rows = _rows(logits, position)  # (B, V)
+        rows = logit_rows(logits, position)  # (B, V)
         B, V = rows.shape
         for name, t in (("correct", c), ("wrong", w)):
             if t.numel() not in (1, B):
@@ -111,10 +111,10 @@ def logit_diff(correct: int | Sequence[int] | torch.Tensor, wrong: int | Sequenc
 
 def logit_of(token: int | Sequence[int] | torch.Tensor, *, position=-1) -> Metric:
     """``metric(logits) = logits[b, pos_b, token_b]``: one logit, shape ``(B,)``."""
-    t = _ids(token, "token")
+    t = ids_of(token, "token")
 
     def metric(logits: torch.Tensor) -> torch.Tensor:
-        rows = _rows(logits, position)
+        rows = logit_rows(logits, position)
         B = rows.shape[0]
         if t.numel() not in (1, B):
             raise ShapeError(f"token has {t.numel()} ids for a batch of {B}; give one id or one per example")

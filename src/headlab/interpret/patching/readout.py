@@ -29,8 +29,8 @@ import torch
 
 from headlab.errors import ShapeError, UnsupportedArchitectureError
 from headlab.interpret.capture import capture
-from headlab.interpret.capture.run import _prepare_inputs
-from headlab.interpret.patching.metrics import _ids, _rows, check_position
+from headlab.interpret.capture.run import prepare_inputs
+from headlab.interpret.patching.metrics import check_position, ids_of, logit_rows
 from headlab.models.loader import resolve
 from headlab.models.tp_weights import readout as readout_of  # the unembedding whole under tensor parallelism
 from headlab.results import envelope
@@ -63,7 +63,7 @@ class LensResult:
     def logit_diff(self, correct, wrong) -> torch.Tensor:
         """``(n_layers + 1, B)``: logit of ``correct`` minus ``wrong`` (one id, or one per example) at every depth."""
         S, B, V = self.logits.shape
-        c, w = _ids(correct, "correct", V).expand(B), _ids(wrong, "wrong", V).expand(B)
+        c, w = ids_of(correct, "correct", V).expand(B), ids_of(wrong, "wrong", V).expand(B)
         ar = torch.arange(B)
         return self.logits[:, ar, c] - self.logits[:, ar, w]
 
@@ -87,7 +87,7 @@ def logit_lens(model, inputs, *, position=-1, backend: str | None = None) -> Len
     adapter, loaded = resolve(model)
     readout = readout_of(adapter)
     n = adapter.n_layers
-    prepared = _prepare_inputs(inputs, loaded)
+    prepared = prepare_inputs(inputs, loaded)
     _check_position_before(prepared, position)
     cache = capture(adapter, prepared,
                     [adapter.site_name(0, "resid_pre"), *(adapter.site_name(l, "resid_post") for l in range(n))],
@@ -143,8 +143,8 @@ def direct_logit_attribution(model, inputs, correct, wrong, *, position=-1, back
     readout = readout_of(adapter)
     n = adapter.n_layers
     V = readout.W_U.shape[0]
-    c0, w0 = _ids(correct, "correct", V), _ids(wrong, "wrong", V)
-    prepared = _prepare_inputs(inputs, loaded)
+    c0, w0 = ids_of(correct, "correct", V), ids_of(wrong, "wrong", V)
+    prepared = prepare_inputs(inputs, loaded)
     B0 = _check_position_before(prepared, position)
     for name, t in (("correct", c0), ("wrong", w0)):
         if B0 is not None and t.numel() not in (1, B0):
@@ -163,7 +163,7 @@ def direct_logit_attribution(model, inputs, correct, wrong, *, position=-1, back
         rest = ((readout.linear(x - outs.sum((1, 2)), s) + readout.bias) * direction).sum(-1)  # (B,)
         if readout.b_U is not None:
             rest = rest + readout.b_U[c] - readout.b_U[w]
-        rows = _rows(cache.outputs.logits, position)  # (B, V): the model's own logits
+        rows = logit_rows(cache.outputs.logits, position)  # (B, V): the model's own logits
         ld = rows[torch.arange(B), c] - rows[torch.arange(B), w]
     name = getattr(loaded, "name", None) or type(adapter.model).__name__
     return DLAResult(name, per.mean(0).float(), per.float(), rest.float(), ld.float())

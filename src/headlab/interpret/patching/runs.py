@@ -11,14 +11,20 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from headlab import checks
 from headlab.errors import ConfigError, InputError, ShapeError
 from headlab.interpret.capture import capture
-from headlab.interpret.capture.run import _prepare_inputs
+from headlab.interpret.capture.run import prepare_inputs
 from headlab.interpret.patching.metrics import evaluate, logits_of
 from headlab.models.loader import resolve
+
+if TYPE_CHECKING:
+    from headlab.models.base import ModelAdapter
+    from headlab.models.loaded_model import LoadedModel
 
 HEAD_KINDS = ("z", "q", "k", "v", "pattern")  # patchable per head; k and v count kv heads
 RESID_KINDS = ("resid_pre", "resid_post", "mlp_out")  # patchable per layer: one "head" column
@@ -28,8 +34,8 @@ RESID_KINDS = ("resid_pre", "resid_post", "mlp_out")  # patchable per layer: one
 class Pair:
     """A clean and a corrupted input, prepared; ``B`` examples each."""
 
-    adapter: object
-    loaded: object
+    adapter: ModelAdapter
+    loaded: LoadedModel | None
     clean: dict | torch.Tensor
     corrupted: dict | torch.Tensor
     n: int  # B
@@ -37,14 +43,14 @@ class Pair:
     model_name: str
 
 
-def _ids_of(x) -> torch.Tensor:
+def _ids_of(x) -> Any:  # the ids tensor, or x itself (a dict without input_ids: checked by the caller)
     return x["input_ids"] if isinstance(x, dict) and "input_ids" in x else x
 
 
 def prepare(model, clean, corrupted) -> Pair:
     """Both inputs tokenised/checked: same keys and shapes, same attention mask (positions must align)."""
     adapter, loaded = resolve(model)
-    a, b = _prepare_inputs(clean, loaded), _prepare_inputs(corrupted, loaded)
+    a, b = prepare_inputs(clean, loaded), prepare_inputs(corrupted, loaded)
     ta, tb = _ids_of(a), _ids_of(b)
     length = None
     if isinstance(a, dict) and isinstance(b, dict) and "input_ids" not in a and hasattr(adapter.model, "config"):
@@ -64,7 +70,8 @@ def prepare(model, clean, corrupted) -> Pair:
                          "corrupted words with the same number of tokens)")
     if isinstance(a, dict) != isinstance(b, dict) or (isinstance(a, dict) and set(a) != set(b)):
         raise InputError("clean and corrupted must be given the same way (both tensors, or dicts with the same keys)")
-    if isinstance(a, dict) and "attention_mask" in a and not torch.equal(a["attention_mask"], b["attention_mask"]):
+    if (isinstance(a, dict) and isinstance(b, dict) and "attention_mask" in a
+            and not torch.equal(a["attention_mask"], b["attention_mask"])):
         raise InputError("clean and corrupted have different attention masks (padding); give prompts of equal "
                          "token lengths so the same positions are real in both")
     if torch.equal(ta, tb) and (not isinstance(a, dict) or all(
@@ -133,11 +140,8 @@ def check_positions(positions, length: int) -> list[int] | None:
         if positions != "each":
             raise ConfigError(f"positions={positions!r}: give None (all at once), 'each', or a list of positions")
         return list(range(length))
-    out = []
-    for p in positions:
-        if isinstance(p, bool) or not isinstance(p, int) or not -length <= p < length:
-            raise ConfigError(f"position {p!r} is not an index into {length} positions")
-        out.append(p % length)
+    out = [checks.index("position", p, length, message="position {value!r} is not an index into {length} positions")
+           for p in positions]
     if not out:
         raise ConfigError("positions is empty; give None (all positions at once), 'each', or a list")
     return out
@@ -163,6 +167,4 @@ def chunks(items: Sequence, size: int):
 
 
 def copies_per_forward(n: int, max_rows: int) -> int:
-    if isinstance(max_rows, bool) or not isinstance(max_rows, int) or max_rows < 1:
-        raise ConfigError(f"max_rows (rows per forward) must be a positive integer, got {max_rows!r}")
-    return max(1, max_rows // n)
+    return max(1, checks.positive_int("max_rows (rows per forward)", max_rows) // n)

@@ -13,8 +13,8 @@ punctuation/neighbours, entropy, the gradient test, the Jensen-Shannon head map)
 (the PNGs and the HTML page).
 """
 
-from headlab.interpret.probing.probe_result import BestHead, ProbeResult, head_annotations
 from headlab.interpret.probing.head_scores import probe
+from headlab.interpret.probing.probe_result import BestHead, ProbeResult, head_annotations
 from headlab.interpret.probing.treebank import Sentence, Treebank, read_treebank
 
 __all__ = ["BestHead", "ProbeResult", "Sentence", "Treebank", "head_annotations", "probe", "read_treebank"]

@@ -23,7 +23,6 @@ import numpy as np
 import torch
 
 from headlab.distributed.data import is_main
-from headlab.models.tensor_parallel import study_examples, sum_examples
 from headlab.errors import InputError, ModelError
 from headlab.interpret.capture import capture
 from headlab.interpret.probing import align as al
@@ -177,7 +176,7 @@ def _gradient_test(chosen, sentences, causal: bool, budget: int, backend, say) -
     K = sum(heads)
     items, _ = al.align_sentences(chosen.tokenizer, sentences, max_positions=chosen.max_positions)
     total = len(items)
-    items = [items[i] for i in study_examples(chosen.adapter, total)]  # data-parallel under torchrun (by groups of
+    items = [items[i] for i in chosen.adapter.placement.examples(total)]  # data-parallel under torchrun (by groups of
     # a sharded model's ranks, which make the same forwards), as the main pass
     sums = [torch.zeros(K, dtype=torch.float64) for _ in range(3)]
     counts = [0.0, 0.0, 0.0]
@@ -193,7 +192,7 @@ def _gradient_test(chosen, sentences, causal: bool, budget: int, backend, say) -
     finally:
         for p in params:
             p.requires_grad_(True)
-    *sums, counts = sum_examples(chosen.adapter, [*sums, counts])
+    *sums, counts = chosen.adapter.placement.sum_over_data([*sums, counts])
     return {name: _on_grid((sums[i] / max(float(counts[i]), 1.0)).numpy(), heads)
             for i, name in enumerate(("grad_sep", "grad_other", "grad_first"))}
 
@@ -308,7 +307,7 @@ def probe(
         done, n_tokens, in_map = 0, 0, 0
         # under torchrun each rank takes every W-th sentence and the sums are added (identity on one process); the
         # ranks of a model sharded by tensor parallelism run the same sentences (the captures are gathered)
-        mine = [items[i] for i in study_examples(loaded.adapter, len(items))]
+        mine = [items[i] for i in loaded.adapter.placement.examples(len(items))]
         if not is_main():
             say = _silent
         say("sentences", 0, len(mine))
@@ -337,9 +336,9 @@ def probe(
         except KeyboardInterrupt:
             notes.append(f"interrupted after {done} of {len(items)} sentences: the figures cover those")
         # the sums of every rank (one message; nothing changes on one process)
-        sums = sum_examples(loaded.adapter, [correct, gold.count, gold.visible, gold.correct, js,
-                                *surface.sums.values(), [surface.n_query, surface.n_pairs, float(surface.any_sep),
-                                                         js_rows, done, n_tokens, in_map]])
+        sums = loaded.adapter.placement.sum_over_data([
+            correct, gold.count, gold.visible, gold.correct, js, *surface.sums.values(),
+            [surface.n_query, surface.n_pairs, float(surface.any_sep), js_rows, done, n_tokens, in_map]])
         correct, js = sums[0].float(), sums[4]
         gold = GoldCounts(sums[1].numpy(), sums[2].numpy(), sums[3].numpy())
         surface.sums = dict(zip(surface.sums, sums[5:-1]))

@@ -20,12 +20,16 @@ import base64
 import html
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from headlab.interpret import shell
 from headlab.interpret.probing.gold import DIRECTIONS
 from headlab.results import check_output_dir
+
+if TYPE_CHECKING:
+    from headlab.interpret.probing.probe_result import ProbeResult
 
 OUTPUT_FILES = ("relations.csv", "relations.json", "relations_heatmap.png", "head_map.png", "probe.html")
 MAX_HEATMAP_RELATIONS = 30  # the most frequent relations drawn in the heatmap

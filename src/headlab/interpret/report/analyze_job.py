@@ -46,6 +46,11 @@ from headlab._version import __version__
 from headlab.errors import InputError, MemoryBudgetError
 from headlab.interpret import shell
 from headlab.interpret.capture import capture
+from headlab.interpret.heads.labels import HeadRecord, LabelThresholds
+from headlab.interpret.heads.naming import check_heads_in_config  # public here too
+from headlab.interpret.report.html import render_html
+from headlab.interpret.report.sections import Job, Section, registered
+from headlab.interpret.report.sections.heads import HeadsTable, initial_head, memory_hint
 from headlab.interpret.report.selection import (  # noqa: F401  (public here too)
     DRAWN_HEADS,
     MAX_EMBEDDED_BYTES,
@@ -56,11 +61,6 @@ from headlab.interpret.report.selection import (  # noqa: F401  (public here too
     interesting_heads,
     parse_heads,
 )
-from headlab.interpret.heads.labels import HeadRecord, LabelThresholds
-from headlab.interpret.heads.naming import check_heads_in_config  # noqa: F401  (public here too)
-from headlab.interpret.report.html import render_html
-from headlab.interpret.report.sections import Job, Section, registered
-from headlab.interpret.report.sections.heads import HeadsTable, initial_head, memory_hint
 from headlab.progress import Progress, messages, reporter
 from headlab.results import Unwritable, check_output_dir, envelope
 from headlab.results import write_json as _write_json

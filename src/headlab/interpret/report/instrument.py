@@ -27,10 +27,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from headlab.results import print_json
 from headlab.errors import ConfigError
 from headlab.interpret.instruments.base import REQUIRED, Context, Instrument, InstrumentResult, Option, Output, register
 from headlab.interpret.report.analyze_job import MAX_FULL_TOKENS, ReportResult, heads_text
+from headlab.results import print_json
 
 
 def render_summary(r: ReportResult, console) -> None:
@@ -113,14 +113,14 @@ TEXT must be valid UTF-8: other bytes (Latin-1 text, say) are refused with their
         check_out_dir(o["out"], force=o["force"])
 
     def prepare(self, ctx: Context) -> None:
-        """The other studies' results (--probe, --heads-result) read, then the folder made (with --force, a
-        previous report's files removed), still before the load."""
-        from headlab.interpret.report.analyze_job import prepare_out_dir
+        """The other studies' results (--probe, --heads-result) read, still before the load; the folder is checked,
+        not made: a refusal after this (the load, the memory guard) leaves nothing behind (:meth:`write` makes it)."""
+        from headlab.interpret.report.analyze_job import check_out_dir
         from headlab.interpret.report.annotations import study_annotations
 
         o = ctx.options
         ctx.state["annotations"] = study_annotations(probe=o["probe"], heads=o["heads_result"]) or None
-        ctx.state["out"] = prepare_out_dir(o["out"], force=o["force"])
+        ctx.state["out"] = check_out_dir(o["out"], force=o["force"])
 
     def check_loaded(self, ctx: Context) -> None:
         """The job on the model (--heads and the annotations against its heads, the text against its positions),
@@ -176,10 +176,11 @@ TEXT must be valid UTF-8: other bytes (Latin-1 text, say) are refused with their
                                 native=values[self.name])
 
     def write(self, ctx: Context, result: InstrumentResult, path: Path) -> list[Path]:
-        from headlab.interpret.report.analyze_job import write_report
+        from headlab.interpret.report.analyze_job import prepare_out_dir, write_report
         from headlab.results import Result
 
         s = ctx.state
+        prepare_out_dir(path, force=ctx.options["force"])  # made now, with the work done (--force: old files go)
         before = {p: p.stat().st_mtime_ns for p in path.iterdir() if p.is_file()}
         report = write_report(s["job"], s["sections"], result.native, s["notes"])
         written = Result.load(report.json, what="the heads.json just written")

@@ -30,7 +30,7 @@ class PairAgreement:
     n: int  # tokens compared
 
     def to_json(self) -> dict:
-        clean = lambda v: None if v is None or (isinstance(v, float) and math.isnan(v)) else v  # noqa: E731
+        clean = lambda v: None if v is None or (isinstance(v, float) and math.isnan(v)) else v
         return {"a": self.a, "b": self.b, "kendall_tau": clean(self.kendall_tau), "kendall_p": clean(self.kendall_p),
                 "spearman": clean(self.spearman), "spearman_p": clean(self.spearman_p), "n": self.n}
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
+
 import torch
 
 from headlab.interpret.capture import capture

@@ -1,14 +1,17 @@
 """The corpus study: every method over a labelled dataset, Jain and Wallace's tables, ERASER faithfulness.
 
-    result = study(loaded_or_path, "validation.tsv", "out/")     # resumable; see :func:`study`
+    result = study(loaded_or_path, "validation.tsv", "out/")     # see :func:`study`
 
-Per instance (one JSON line in ``out/instances.jsonl``, appended as soon as it is done, so an
-interrupted run resumes where it stopped): the tokens, label, prediction, every method's scores,
-Kendall tau (and p) of attention with each other method, the completeness gap, the permutation
-test, the adversarial-attention search (:mod:`.counterfactual`) and the ERASER measures
-(:mod:`.faithfulness`). The corpus tables (:mod:`.tables`) are computed from those lines and
-written to ``out/study.json``, with figures (``tau_hist.png``, ``permutation.png``,
-``adversarial.png``).
+Per instance (:func:`instance`, one record per row, kept in ``out/instances.json`` under ``"units"`` by the
+row's key): the tokens, label, prediction, every method's scores, Kendall tau (and p) of attention with each
+other method, the completeness gap, the permutation test, the adversarial-attention search
+(:mod:`.counterfactual`) and the ERASER measures (:mod:`.faithfulness`). The corpus tables (:mod:`.tables`)
+are computed from those records and written to ``out/study.json``, with figures (``tau_hist.png``,
+``permutation.png``, ``adversarial.png``).
+
+The rows are the units of the ``explain`` instrument (``headlab explain --dataset``): its runner splits them
+over torchrun's ranks, keeps the finished ones on Ctrl-C (in ``instances.json``, the same file) and resumes
+from them with ``--resume``; :func:`study` is the same computation in one call, without a resume.
 
 The dataset is a TSV file with a header: a text column (``sentence`` or ``text``) and a ``label``
 column (an integer class). It is checked completely before the first model call.
@@ -16,26 +19,23 @@ column (an integer class). It is checked completely before the first model call.
 
 from __future__ import annotations
 
-import contextlib
-import json
 import os
 import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from headlab.distributed.comm import world
 from headlab.distributed.data import any_rank, gather_objects
 from headlab.errors import InputError
-from headlab.tsv import TEXT_COLUMNS, Row, read_dataset  # noqa: F401  (public here too)
 from headlab.interpret.saliency.counterfactual import adversarial_attention, permutation_test
 from headlab.interpret.saliency.explanation import DEFAULT_METHODS, check_options, explain, resolve_model
 from headlab.interpret.saliency.faithfulness import eraser
 from headlab.interpret.saliency.objective import make_objective
 from headlab.progress import Progress, reporter
-from headlab.results import check_output_dir, envelope, write_json
+from headlab.results import Result, check_output_dir, envelope, write_json
+from headlab.tsv import TEXT_COLUMNS, Row, read_dataset  # noqa: F401  (public here too)
 
-INSTANCES = "instances.jsonl"
+INSTANCES = "instances.json"  # the records by row key: the explain instrument's units file
 
 
 @dataclass
@@ -112,17 +112,42 @@ def _clean(x):
     return x
 
 
-def load_records(path: Path) -> list[dict]:
-    """The JSON lines written so far (a torn last line, from an interrupted run, is dropped)."""
-    if not path.is_file():
-        return []
-    out = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return out
+def row_value(loaded, row: Row, opts: StudyOptions) -> dict:
+    """One row's value (a unit of the ``explain`` instrument): its :func:`instance` record, or
+    ``{"key", "line", "skipped": why}`` when the model refuses the row (a sentence longer than its positions)."""
+    try:
+        return instance(loaded, row, opts)
+    except InputError as e:
+        return {"key": row.key, "line": row.line, "skipped": f"line {row.line}: {e}"}
+
+
+def conclude(loaded, dataset, out: Path, values: list[dict], opts: StudyOptions, skipped: list[str] | None = None,
+             *, figures: bool = True, settings: dict | None = None) -> StudyResult:
+    """The corpus tables from the rows' values (in the dataset's order), written to ``out``: the records to
+    ``instances.json`` (the ``explain`` instrument's units file: a result envelope whose ``"units"`` hold each
+    row's value by its key), ``study.json`` and the figures. ``skipped``: more lines for the result's
+    ``skipped`` (a time budget); ``settings``: those the records were made with (the instrument's options)."""
+    from headlab.interpret.saliency.tables import summarize
+
+    records = [v for v in values if "skipped" not in v and "not_run" not in v]
+    tables = summarize(records, opts)
+    tables["options"] = opts.to_json()
+    tables["model"] = loaded.name
+    tables["dataset"] = str(dataset)
+    out.mkdir(parents=True, exist_ok=True)
+    kept = [v for v in values if "not_run" not in v]  # a row the time budget left out is not kept: a resume runs it
+    Result("explain", model=loaded.name, settings=settings if settings is not None else
+           {**opts.to_json(), "dataset": str(dataset)}, figures={"units": {v["key"]: v for v in kept}}).save(
+        out / INSTANCES)
+    files = [INSTANCES, "study.json"]
+    if figures and records:
+        from headlab.interpret.saliency.figures import study_figures
+
+        files += study_figures(records, tables, out)
+    result = StudyResult(tables, out, len(records), [v["skipped"] for v in values if "skipped" in v]
+                         + list(skipped or []), files)
+    write_json(out / "study.json", result.to_json(), indent=2)
+    return result
 
 
 def study(loaded_or_path, dataset: str | os.PathLike, out: str | os.PathLike, *, limit: int | None = None,
@@ -133,86 +158,50 @@ def study(loaded_or_path, dataset: str | os.PathLike, out: str | os.PathLike, *,
     Args:
         loaded_or_path: a LoadedModel or a model name/folder (a classifier; decoders explain their next token).
         dataset: TSV with columns ``sentence`` (or ``text``) and ``label``.
-        out: folder for ``instances.jsonl``, ``study.json`` and the figures (created; an existing
-            ``instances.jsonl`` is resumed: rows already there are skipped).
+        out: folder for ``instances.json``, ``study.json`` and the figures (created; files of an earlier study
+            in it are replaced).
         limit: only the first ``limit`` rows.
         options: :class:`StudyOptions`.
         progress: a bar on stderr (True), nothing (False) or ``progress(stage, done, total)``
             (:mod:`headlab.progress`); only rank 0 reports.
-        max_seconds: stop starting new instances after this long (the tables cover what is done;
-            a rerun resumes). The result's ``skipped`` says how many rows were left.
+        max_seconds: stop starting new instances after this long (the tables cover what is done). The
+            result's ``skipped`` says how many rows were left.
+
+    A run to interrupt and resume is the ``explain`` instrument's, whose units are the rows:
+    ``headlab explain --dataset ... --out DIR`` (Ctrl-C keeps the finished rows, ``--resume`` runs the rest), or
+    ``headlab.interpret.instruments.runner.run("explain", {...}, resume=True)`` from Python.
 
     Data-parallel under ``torchrun`` (a process group from :func:`headlab.distributed.data.init_from_env`):
     each rank explains every W-th row, rank 0 gathers the records, writes them and the tables and
     returns the result; the other ranks return None. On a model sharded by tensor parallelism the ranks of
     a tensor-parallel group explain the same rows together (a 2-D mesh: the groups split the rows).
     """
-    from headlab.interpret.saliency.tables import summarize
-
     opts = options or StudyOptions()
     opts.methods = tuple(check_options(opts.methods, opts.ig_steps, opts.backend, opts.loo))
     rows = read_dataset(dataset, limit)
-    outdir = check_output_dir(out, "--out", allow_existing=True)  # reruns resume in it
+    outdir = check_output_dir(out, "--out", allow_existing=True)  # an earlier study's files are replaced
     loaded = resolve_model(loaded_or_path)
-    outdir.mkdir(parents=True, exist_ok=True)
-    jsonl = outdir / INSTANCES
-    # a row is done when its record has every asked method (a resumed run with more methods redoes
-    # the rows it has only some of: the tables never mix instances explained by different methods)
-    done = {r.get("key") for r in load_records(jsonl) if set(opts.methods) <= set(r.get("scores", {}))}
-    done = gather_objects(done)[0]  # rank 0's file decides (other nodes may not see it)
-    todo = [r for r in rows if r.key not in done]
+    found: dict[str, dict] = {}
     skipped: list[str] = []
     t0 = time.perf_counter()
-    # under torchrun each rank explains every W-th row of a round; rank 0 gathers the records and writes
-    # them (one file, resumable as with one process); rows are seeded by their line, so the records are
-    # the ones one process would write
-    rank, size = world()
-    main = rank == 0
-    tp = getattr(loaded.adapter, "tp", None)  # a model sharded by heads: a tensor-parallel group's ranks (consecutive)
-    group = tp.world if tp is not None else 1  # explain the same row together, and one of them reports it
-    rank, size = rank // group, size // group
-    with (open(jsonl, "a", encoding="utf-8") if main else contextlib.nullcontext()) as f, \
-            reporter(progress if main else False) as say:
-        done_rows = len(rows) - len(todo)
-        say("explain", done_rows, len(rows))
-        for start in range(0, len(todo), size):
+    # under torchrun each rank explains every W-th row of a round and rank 0 gathers the values; rows are
+    # seeded by their line, so the records are the ones one process makes
+    place = loaded.adapter.placement  # sharded by heads: a tensor-parallel group's ranks explain the same row
+    main, group = place.rank == 0, place.tensor_size  # and one of them (its tensor rank 0) reports it
+    rank, size = place.unit_share()
+    with reporter(progress if main else False) as say:
+        say("explain", 0, len(rows))
+        for start in range(0, len(rows), size):
             if any_rank(max_seconds is not None and time.perf_counter() - t0 > max_seconds):
-                skipped.append(f"time budget of {max_seconds:.0f} s reached: {len(todo) - start} of {len(rows)} rows "
-                               "not run yet (run again to resume)")
+                skipped.append(f"time budget of {max_seconds:.0f} s reached: {len(rows) - start} of {len(rows)} rows "
+                               "not run")
                 break
-            rec, why = None, None
-            if start + rank < len(todo):
-                r = todo[start + rank]
-                try:
-                    rec = instance(loaded, r, opts)
-                except InputError as e:  # e.g. a sentence longer than the model's positions
-                    why = f"line {r.line}: {e}"
-            for rec_j, why_j in gather_objects((rec, why))[::group]:
-                if not main or (rec_j is None and why_j is None):
-                    continue
-                if why_j is not None:
-                    skipped.append(why_j)
-                else:
-                    f.write(json.dumps(rec_j) + "\n")
-                done_rows += 1
-                say("explain", done_rows, len(rows))
-            if main:
-                f.flush()
+            value = row_value(loaded, rows[start + rank], opts) if start + rank < len(rows) else None
+            for got in gather_objects(value)[::group]:
+                if main and got is not None:
+                    found[got["key"]] = got
+                    say("explain", len(found), len(rows))
     if not main:
         return None
-    keys = {r.key for r in rows}
-    latest = {r.get("key"): r for r in load_records(jsonl)}  # the last record of a key supersedes earlier ones
-    records = [r for key, r in latest.items() if key in keys and set(opts.methods) <= set(r.get("scores", {}))]
-    tables = summarize(records, opts)
-    tables["options"] = opts.to_json()
-    tables["model"] = loaded.name
-    tables["dataset"] = str(dataset)
-    files = [INSTANCES, "study.json"]
-    if figures and records:
-        from headlab.interpret.saliency.figures import study_figures
-
-        files += study_figures(records, tables, outdir)
-    result = StudyResult(tables, outdir, len(records), skipped, files)
-    write_json(outdir / "study.json", result.to_json(), indent=2)
-    return result
-
+    return conclude(loaded, dataset, outdir, [found[r.key] for r in rows if r.key in found], opts, skipped,
+                    figures=figures, settings={**opts.to_json(), "dataset": str(dataset), "limit": limit})

@@ -86,15 +86,13 @@ def _gradient(objective: Objective, div: torch.Tensor, over: torch.Tensor, theta
     """``d (sum(-div + over)) / d theta``. On a model sharded by tensor parallelism the edited map's heads live on
     their ranks, so each rank's backward through the model (``over``) reaches only its own heads' rows: those parts
     are added over the tensor-parallel group, while ``div`` (computed from ``theta`` alike on every rank) is not."""
-    tp = getattr(objective.loaded.adapter, "tp", None)
-    if tp is None:
+    place = objective.loaded.adapter.placement
+    if not place.sharded:
         (g,) = torch.autograd.grad((-div + over).sum(), [theta])
         return g
-    from headlab.distributed.data import all_reduce_sum
-
     (g_div,) = torch.autograd.grad((-div).sum(), [theta], retain_graph=True)
     (g_over,) = torch.autograd.grad(over.sum(), [theta], allow_unused=True)
-    return g_div + all_reduce_sum(torch.zeros_like(theta) if g_over is None else g_over, tp.group)
+    return g_div + place.sum_group(torch.zeros_like(theta) if g_over is None else g_over)
 def adversarial_attention(objective: Objective, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                           row: torch.Tensor, *, budget: float = 0.01, steps: int = 30, restarts: int = 4,
                           lr: float = 0.5, penalty: float = 100.0, seed: int = 0) -> AdversarialResult:

@@ -137,7 +137,7 @@ class Explanation:
         return (rows.mean(0) if head is None else rows[head]).tolist()
 
     def to_json(self, *, heads: bool = False) -> dict:
-        clean = lambda v: None if v is None or (isinstance(v, float) and not math.isfinite(v)) else v  # noqa: E731
+        clean = lambda v: None if v is None or (isinstance(v, float) and not math.isfinite(v)) else v
         out = {"text": self.text, "tokens": self.tokens, "special": self.special, "kind": self.kind,
                "target": self.target, "target_label": self.target_label, "probs": self.probs, "y": self.y,
                "scores": self.scores, "agreement": self.agreement().to_json() if len(self.scores) > 1 else None,

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from headlab import checks
 from headlab.errors import ConfigError
 from headlab.interpret.saliency.gradients import embedding_gradient, embeddings
 from headlab.interpret.saliency.objective import Objective, embedding_module
@@ -52,8 +53,7 @@ MAX_STEPS = 10_000
 
 def quadrature(steps: int, method: str = "gausslegendre") -> tuple[np.ndarray, np.ndarray]:
     """``(alphas, weights)`` on [0, 1] for ``steps`` points; the weights sum to 1."""
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-        raise ConfigError(f"ig_steps must be a positive integer (50 is the usual choice), got {steps!r}")
+    checks.positive_int("ig_steps", steps, what=" (50 is the usual choice)")
     if steps > MAX_STEPS:  # leggauss builds a steps x steps matrix: 10**6 steps asked for terabytes
         raise ConfigError(f"ig_steps must be at most {MAX_STEPS:,} (Gauss-Legendre converges in tens of steps), "
                           f"got {steps:,}")

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from headlab import checks
 from headlab.errors import ConfigError, InputError, ModelError
 from headlab.models.loader import LoadedModel
 
@@ -189,9 +190,7 @@ def make_objective(loaded: LoadedModel, enc: dict, target: int | None, compare_t
                          "sequence classifier, or use compare_to='...' with the bare encoder")
     if target is None:
         target = int(row.argmax())
-    elif isinstance(target, bool) or not isinstance(target, int):
-        raise InputError(f"target must be an integer class (or token id), got {target!r}")
-    elif not 0 <= target < n:
+    elif not 0 <= checks.integer("target", target, what=" class (or token id)", error=InputError) < n:
         what = "classes" if kind == "classifier" else "tokens in the vocabulary"
         raise InputError(f"target {target} is out of range: the model has {n} {what} (0..{n - 1})")
     return Objective(loaded, kind, int(target), causal), {"labels": labels}

@@ -34,7 +34,9 @@ from headlab.models.hf import (  # noqa: F401  (each registers its family)
     stablelm,
     vit,
 )
-from headlab.models.hf import structure  # noqa: F401  (serves the types no family declares)
+
+# isort: split
+from headlab.models.hf import structure  # noqa: F401  (after the families: serves the types none declares)
 from headlab.models.hf.family import HFAdapter
 from headlab.models.hf.registry import (
     FAMILIES,

@@ -37,9 +37,9 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from headlab.spec.score_mods import bias_tensor, softcap
 from headlab.errors import BackendUnsupportedError, MaskError
 from headlab.models.sites import run_attention
+from headlab.spec.score_mods import bias_tensor, softcap
 
 IMPLEMENTATION = "headlab"
 

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import torch.nn.functional as F
 
-from headlab.spec.score_mods import bias_tensor
 from headlab.models.hf.attention_fn import hf_mask_to_bool
 from headlab.models.hf.family import Fused, Norms, Out, OwnForwardAdapter, bound_forward, merge_heads
 from headlab.models.hf.registry import register
 from headlab.models.sites import run_attention
+from headlab.spec.score_mods import bias_tensor
 
 
 @register

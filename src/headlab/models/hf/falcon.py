@@ -4,11 +4,11 @@ MLP in parallel, and an attention module that computes attention itself (no atte
 
 from __future__ import annotations
 
-from headlab.spec.score_mods import bias_tensor
-from headlab.models.hf.family import Fused, Norms, Out, OwnForwardAdapter, merge_heads
 from headlab.models.hf.attention_fn import hf_mask_and_bias, hf_mask_to_bool
+from headlab.models.hf.family import Fused, Norms, Out, OwnForwardAdapter, merge_heads
 from headlab.models.hf.registry import register
 from headlab.models.sites import run_attention
+from headlab.spec.score_mods import bias_tensor
 
 
 @register

@@ -33,8 +33,8 @@ from torch import nn
 from headlab.errors import ModelError
 from headlab.models.base import ModelAdapter
 from headlab.models.hf import attention_fn
-from headlab.models.projections import Fused, Out, Separate, get_module
 from headlab.models.norm_layout import BlockNorms
+from headlab.models.projections import Fused, Out, Separate, get_module
 
 
 @dataclass(frozen=True)

@@ -11,22 +11,24 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from headlab import checks
 from headlab.models.hf.family import Norms
 from headlab.models.hf.trace import (
-    _Call,
-    _conv1d,
-    _in_features,
-    _is_norm,
-    _out_features,
+    Call,
     close,
     continues_from,
+    in_features,
+    is_conv1d,
     is_linear,
+    is_norm,
     mark_norms,
+    out_features,
     recording,
     refuse,
     trace,
 )
 from headlab.models.projections import Fused, Out, Separate
+
 
 @dataclass
 class Layout:
@@ -46,7 +48,7 @@ class _StackLayout:
     out_module: nn.Module
 
 
-def stack_layout(model, x, block: nn.Module, attn_path: str, call: _Call, H, Hkv, d, mt, stack) -> _StackLayout:
+def stack_layout(model, x, block: nn.Module, attn_path: str, call: Call, H, Hkv, d, mt, stack) -> _StackLayout:
     """Projections, W^O and the norm layout of one stack, from its first block run on ``x``."""
     named = dict(block.named_modules())
     with recording({n: m for n, m in named.items()}) as rec:
@@ -64,7 +66,7 @@ def stack_layout(model, x, block: nn.Module, attn_path: str, call: _Call, H, Hkv
         out = rec_rel[n][1]
         if out is None:
             continue
-        f = _out_features(m)
+        f = out_features(m)
         if f == Hkv * d and close(out, v_flat):
             projections = _separate(n, lin, rec_rel, H, Hkv, d, call, mt)
             break
@@ -72,7 +74,7 @@ def stack_layout(model, x, block: nn.Module, attn_path: str, call: _Call, H, Hkv
             for order in ("blocks", "per_head", "grouped"):
                 if order == "per_head" and H != Hkv:
                     continue
-                fused = Fused(n, order, conv1d=_conv1d(m))
+                fused = Fused(n, order, conv1d=is_conv1d(m))
                 rows = fused._rows("v", range(Hkv), H, Hkv, d)
                 if close(out[..., rows], v_flat):
                     projections = fused
@@ -86,7 +88,7 @@ def stack_layout(model, x, block: nn.Module, attn_path: str, call: _Call, H, Hkv
     # W^O: the linear map whose input is the attention output merged to (B, L, H*d)
     Bq, _, Lq, _ = call.out.shape
     merged = call.out.transpose(1, 2).reshape(Bq, Lq, H * d)
-    out_name = next((n for n, m in named.items() if is_linear(m) and n in rec and _in_features(m) == H * d
+    out_name = next((n for n, m in named.items() if is_linear(m) and n in rec and in_features(m) == H * d
                      and close(rec[n][0], merged)), None)
     if out_name is None:
         raise refuse(mt, f"no linear map in its {stack} block reads the attention output ({H} x {d} features) as it "
@@ -94,21 +96,21 @@ def stack_layout(model, x, block: nn.Module, attn_path: str, call: _Call, H, Hkv
     out_mod = named[out_name]
     notes: list[str] = []
     norms, why = _norms(block, named, rec, attn_path, out_name, stack)
-    return _StackLayout(Layout(attention=attn_path, projections=projections, out=Out(out_name, conv1d=_conv1d(out_mod)),
+    return _StackLayout(Layout(attention=attn_path, projections=projections, out=Out(out_name, conv1d=is_conv1d(out_mod)),
                                norms=norms, norms_why=why, notes=notes), out_mod)
 
 
-def _separate(v_name, lin, rec, H, Hkv, d, call: _Call, mt) -> Separate:
+def _separate(v_name, lin, rec, H, Hkv, d, call: Call, mt) -> Separate:
     """q and k beside W_V: by count, then by name, then by value (a projection whose output is the q or k the
     call received, when no rotation or norm comes between)."""
     B, _, Lq, _ = call.q.shape
     q_flat = call.q.transpose(1, 2).reshape(B, Lq, H * d)
     k_flat = call.k.transpose(1, 2).reshape(call.k.shape[0], call.k.shape[2], Hkv * d)
-    conv = _conv1d(lin[v_name])
+    conv = is_conv1d(lin[v_name])
 
     def pick(letter, width, target, exclude):
-        cands = [n for n, m in lin.items() if n not in exclude and _out_features(m) == width
-                 and _in_features(m) == _in_features(lin[v_name])]
+        cands = [n for n, m in lin.items() if n not in exclude and out_features(m) == width
+                 and in_features(m) == in_features(lin[v_name])]
         exact = [n for n in cands if close(rec[n][1], target)]
         if len(exact) == 1:
             return exact[0]
@@ -163,8 +165,8 @@ def _norms(block, named, rec, attn_path, out_name, stack) -> tuple[Norms | None,
         return None, "the block's input or its attention's input was not seen"
     if stack == "cross":
         return None, "cross-attention has no residual decomposition over its keys"
-    in_attn = lambda n: n == attn_path or n.startswith(f"{attn_path}.") or n == out_name  # noqa: E731
-    norms = {n: m for n, m in named.items() if n and _is_norm(m) and n in rec and not in_attn(n)
+    in_attn = lambda n: n == attn_path or n.startswith(f"{attn_path}.") or n == out_name
+    norms = {n: m for n, m in named.items() if n and is_norm(m) and n in rec and not in_attn(n)
              and rec[n][0] is not None and rec[n][1] is not None}
     if close(attn_in, x):
         pre = None
@@ -206,7 +208,7 @@ def head_attrs(attn: nn.Module, H: int, Hkv: int, d: int) -> dict[str, str]:
     G = H // Hkv
     found: dict[str, str] = {}
     for name, v in vars(attn).items():
-        if isinstance(v, bool) or not isinstance(v, int) or name.startswith("_"):
+        if not checks.is_int(v) or name.startswith("_"):
             continue
         low = name.lower()
         if low in ("head_dim", "head_size", "attention_head_size", "rotary_ndims", "rotary_dim"):

@@ -13,8 +13,8 @@ import torch
 from torch import nn
 
 from headlab.models.hf.family import HFAdapter, Norms
-from headlab.models.projections import feature_rows, keep_features
 from headlab.models.hf.registry import register
+from headlab.models.projections import feature_rows, keep_features
 
 
 class KeepColumns(nn.Module):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from headlab.models.hf.family import HFAdapter, Norms, Out, Separate
+from headlab.models.hf.family import HFAdapter, Norms, Out
 from headlab.models.hf.registry import register
 
 

@@ -12,8 +12,17 @@ from __future__ import annotations
 from torch import nn
 
 from headlab.errors import ModelError, UnsupportedArchitectureError
+from headlab.registry import Registry
 
-FAMILIES: list[type] = []  # registered HFAdapter subclasses, in registration order
+
+def _taken(cls, types: list[str]) -> ModelError:
+    return ModelError(f"{cls.__name__} registers model types {sorted(types)} that another family already has")
+
+
+# registered HFAdapter subclasses, each under its config.model_types, in registration order
+_FAMILIES: Registry[type] = Registry("a model family", "transformers' config.model_type picks it", instances=False,
+                                     key=lambda cls: cls.model_types, taken=_taken)
+FAMILIES: list[type] = _FAMILIES.items
 # what serves the types no family declares: headlab.models.hf.structure registers its adapt_by_structure,
 # max_positions and nearest_by_structure here when the package imports it (the registry imports no family)
 BY_STRUCTURE: dict = {}
@@ -35,21 +44,16 @@ REFUSED: dict[str, str] = {
 
 def register(cls):
     """Class decorator: add a family to the registry (its ``model_types`` become loadable)."""
-    taken = {t for fam in FAMILIES for t in fam.model_types}
-    clash = taken.intersection(cls.model_types)
-    if clash:
-        raise ModelError(f"{cls.__name__} registers model types {sorted(clash)} that another family already has")
-    FAMILIES.append(cls)
-    return cls
+    return _FAMILIES.register(cls)
 
 
 def supported_model_types() -> list[str]:
     """Every ``config.model_type`` a registered family adapts."""
-    return [t for fam in FAMILIES for t in fam.model_types]
+    return _FAMILIES.names()
 
 
 def adapter_class(model_type: str | None):
-    return next((fam for fam in FAMILIES if model_type in fam.model_types), None)
+    return _FAMILIES.find(model_type) if model_type is not None else None
 
 
 def adapter_for(model: nn.Module, *, check: bool = True):

@@ -41,10 +41,11 @@ from headlab.models.hf.family import HFAdapter, Norms
 from headlab.models.hf.layout import Layout, head_attrs, stack_layout
 from headlab.models.hf.registry import BY_STRUCTURE, FAMILIES
 from headlab.models.hf.seq2seq import EncoderDecoderAdapter
+from headlab.models.hf.trace import TRACE, Call, is_norm, out_features, refuse, trace
 from headlab.models.hf.verify import config_key, verify
-from headlab.models.hf.trace import TRACE, _Call, _is_norm, _out_features, refuse, trace
 from headlab.models.inputs import example_inputs, input_kind, is_encoder_decoder
 from headlab.models.projections import Separate
+
 
 @dataclass
 class Found:
@@ -109,7 +110,7 @@ def discover(model: nn.Module) -> Found:
     model.eval()
     try:
         calls = trace(model, x)
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:  # noqa: BLE001  (any failure of the trial run: the type is refused, saying why)
         raise refuse(mt, f"the model does not run through transformers' attention interface "
                           f"({type(e).__name__}: {str(e).splitlines()[0][:160]})") from None
     finally:
@@ -148,7 +149,7 @@ def discover(model: nn.Module) -> Found:
                           "into the batch, as Swin's shifted windows do)")
 
     # stacks: one, or encoder / decoder / cross for an encoder-decoder
-    stacks: dict[str, list[_Call]] = {}
+    stacks: dict[str, list[Call]] = {}
     if is_encoder_decoder(model):
         enc = model.get_encoder() if hasattr(model, "get_encoder") else None
         enc_ids = {id(m) for m in enc.modules()} if enc is not None else set()
@@ -184,7 +185,7 @@ def discover(model: nn.Module) -> Found:
 
     layouts = {stack: stack_layout(model, x, blocks0[stack], attn_rel[stack], cs[0], H, Hkv, d, mt, stack)
                for stack, cs in stacks.items()}
-    E = _out_features(layouts[next(iter(layouts))].out_module)
+    E = out_features(layouts[next(iter(layouts))].out_module)
     attn0 = calls[0].module
     heads = head_attrs(attn0, H, Hkv, d)
     first_self = stacks.get("decoder", stacks.get("blocks"))[0].module
@@ -250,7 +251,7 @@ def _cut(self, attn, out, q_heads, kv_heads, H, Hkv):
     d = self.head_dim
     for n, m in attn.named_modules():
         w = getattr(m, "weight", None)
-        if _is_norm(m) and isinstance(w, torch.Tensor) and w.dim() == 1 and w.numel() in (H * d, Hkv * d) and w.numel() != d:
+        if is_norm(m) and isinstance(w, torch.Tensor) and w.dim() == 1 and w.numel() in (H * d, Hkv * d) and w.numel() != d:
             raise PruneError(f"the {self.family!r} attention normalises all heads' features together ({n}: "
                              f"{w.numel()} features), so removing a head would change the others; gate heads "
                              "instead (adapter.gates), or declare the layout in a family class as OLMo 2's does")
@@ -283,19 +284,19 @@ def _max_positions(cfg, found: Found) -> int:
 
 def _signature(fam) -> dict:
     """What a family's structure looks like: projections' layout, W^O's kind, norm layout, stacks, decoding."""
-    from headlab.models.hf.support import _norm_layout
+    from headlab.models.hf.support import norm_layout_of
 
     p = fam.__dict__.get("projections", getattr(fam, "projections", None))
     proj = getattr(p, "order", "separate") if p is not None and not isinstance(p, property) else "?"
     conv = bool(getattr(p, "conv1d", False)) if p is not None and not isinstance(p, property) else False
-    return {"projections": proj, "conv1d": conv, "norms": _norm_layout(fam), "stacks": issubclass(fam, EncoderDecoderAdapter),
+    return {"projections": proj, "conv1d": conv, "norms": norm_layout_of(fam), "stacks": issubclass(fam, EncoderDecoderAdapter),
             "decoder": bool(fam.is_decoder)}
 
 
 def nearest_by_structure(model_type: str) -> str | None:
     """The registered family whose declared structure is nearest the one found for ``model_type`` (by
     :mod:`headlab.models.hf.structure` in this process), or None when nothing was found for it."""
-    from headlab.models.hf.support import _norm_layout
+    from headlab.models.hf.support import norm_layout_of
 
     found = next((f for f in _FOUND.values() if f.model_type == model_type), None)
     if found is None:
@@ -303,7 +304,7 @@ def nearest_by_structure(model_type: str) -> str | None:
     lay = next(iter(found.layouts.values()))
     p = lay.projections
     mine = {"projections": getattr(p, "order", "separate"), "conv1d": bool(p.conv1d),
-            "norms": _norm_layout(type("F", (), {"norms": lay.norms})) if lay.norms else "?",
+            "norms": norm_layout_of(type("F", (), {"norms": lay.norms})) if lay.norms else "?",
             "stacks": "encoder" in found.layouts, "decoder": found.is_decoder}
     best = max(FAMILIES, key=lambda fam: sum(_signature(fam)[k] == v for k, v in mine.items()), default=None)
     return None if best is None else best.family

@@ -39,7 +39,7 @@ def _declared(fam, name):
     return None
 
 
-def _norm_layout(fam) -> str:
+def norm_layout_of(fam) -> str:
     n = _declared(fam, "norms")
     if n is None:
         return "by config"
@@ -56,7 +56,7 @@ def support_rows() -> list[dict]:
         limits = dict(getattr(fam, "limits", {}))
         row = {"family": fam.family, "model_types": list(fam.model_types), "description": fam.description,
                "positions": _declared(fam, "positions") or "by config", "score_mods": fam.score_mods or "-",
-               "norm_layout": _norm_layout(fam)}
+               "norm_layout": norm_layout_of(fam)}
         for step in STEPS:
             row[step] = "yes" + (f": {limits[step]}" if step in limits else "")
         rows.append(row)

@@ -48,7 +48,7 @@ def _trace_attention(module, query, key, value, attention_mask, dropout=0.0, sca
     if _RECORD is not None:
         biased = attention_mask is not None and attention_mask.is_floating_point() and bool(
             ((attention_mask != 0) & (attention_mask > torch.finfo(attention_mask.dtype).min / 2)).any())
-        _RECORD.append(_Call(module, query.detach(), key.detach(), value.detach(), out.detach(),
+        _RECORD.append(Call(module, query.detach(), key.detach(), value.detach(), out.detach(),
                              sorted(kwargs) + (["mask_bias"] if biased else [])))
     return out.transpose(1, 2).contiguous(), p
 
@@ -65,7 +65,7 @@ _register()
 
 
 @dataclass
-class _Call:
+class Call:
     module: nn.Module
     q: torch.Tensor  # (B, H, Lq, d)
     k: torch.Tensor  # (B, Hkv, Lk, d)
@@ -97,10 +97,10 @@ def implementation(model: nn.Module, name: str):
             model.set_attn_implementation(saved)
 
 
-def trace(model: nn.Module, inputs: dict) -> list[_Call]:
+def trace(model: nn.Module, inputs: dict) -> list[Call]:
     """The attention calls of one forward of ``model`` on ``inputs`` (no gradients)."""
     global _RECORD
-    calls: list[_Call] = []
+    calls: list[Call] = []
     _RECORD = calls
     try:
         with torch.no_grad(), implementation(model, TRACE):
@@ -144,19 +144,19 @@ def is_linear(m: nn.Module) -> bool:
     return isinstance(m, nn.Linear) or type(m).__name__ == "Conv1D"
 
 
-def _conv1d(m: nn.Module) -> bool:
+def is_conv1d(m: nn.Module) -> bool:
     return type(m).__name__ == "Conv1D"
 
 
-def _out_features(m: nn.Module) -> int:
-    return int(m.weight.shape[1] if _conv1d(m) else m.weight.shape[0])
+def out_features(m: nn.Module) -> int:
+    return int(m.weight.shape[1] if is_conv1d(m) else m.weight.shape[0])
 
 
-def _in_features(m: nn.Module) -> int:
-    return int(m.weight.shape[0] if _conv1d(m) else m.weight.shape[1])
+def in_features(m: nn.Module) -> int:
+    return int(m.weight.shape[0] if is_conv1d(m) else m.weight.shape[1])
 
 
-def _is_norm(m: nn.Module) -> bool:
+def is_norm(m: nn.Module) -> bool:
     return "norm" in type(m).__name__.lower() and not isinstance(m, nn.modules.batchnorm._BatchNorm)
 
 
@@ -196,7 +196,7 @@ def mark_norms(rec: dict, named: dict) -> dict:
     """``rec`` with every norm's entry also under ``name + _NORM_MARK`` (what :func:`continues_from` reads)."""
     out = dict(rec)
     for n, m in named.items():
-        if n and _is_norm(m) and n in rec:
+        if n and is_norm(m) and n in rec:
             out[n + _NORM_MARK] = rec[n]
     return out
 

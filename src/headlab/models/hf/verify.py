@@ -380,7 +380,7 @@ def _residual(adapter, plan, rec: dict, tol: float) -> Check:
         marked = mark_norms({n: v for n, v in mine.items() if not inside(n) or n in (out_name, "@out")},
                             {n: m for n, m in ((k[len(f"{l}/"):], v) for k, v in named.items() if k.startswith(f"{l}/"))
                              if not inside(n)})
-        skip = lambda n: n in (out_name, "@out")  # noqa: E731
+        skip = lambda n: n in (out_name, "@out")
         failures = []
         if bn.pre is not None:
             if not close(io(bn.pre)[1], a_in, tol):

@@ -13,8 +13,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from headlab.spec.tile_states import EMPTY, FULL, PARTIAL
 from headlab.errors import ConfigError, MaskError
+from headlab.spec.tile_states import EMPTY, FULL, PARTIAL
 
 # fn(b, h, q_idx, kv_idx, q_len, kv_len) -> bool tensor broadcastable to the index shapes
 _Inner = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, int], torch.Tensor]
@@ -248,7 +248,7 @@ def as_mask(f) -> MaskFn:
 
 # -- block classifiers with closed forms ----------------------------------------------------
 
-def _block_bounds(n: int, block: int, device, rows: Rows = None) -> tuple[torch.Tensor, torch.Tensor]:
+def block_bounds(n: int, block: int, device, rows: Rows = None) -> tuple[torch.Tensor, torch.Tensor]:
     """First and last position of every tile (of the tiles ``[i0, i1)`` with ``rows``)."""
     i0, i1 = rows if rows is not None else (0, -(-n // block))
     start = torch.arange(i0 * block, min(n, i1 * block), block, device=device)
@@ -260,8 +260,8 @@ def _diagonal_blocks(offset: int):
     """Blocks of ``q_idx + offset >= kv_idx``."""
 
     def blocks(lq, lk, bq, bk, device, rows=None):
-        qs, qe = _block_bounds(lq, bq, device, rows)
-        ks, ke = _block_bounds(lk, bk, device)
+        qs, qe = block_bounds(lq, bq, device, rows)
+        ks, ke = block_bounds(lk, bk, device)
         full = (qs[:, None] + offset) >= ke[None, :]
         any_ = (qe[:, None] + offset) >= ks[None, :]
         state = torch.where(full, FULL, torch.where(any_, PARTIAL, EMPTY)).to(torch.int8)
@@ -324,7 +324,7 @@ def padding(lengths: Sequence[int] | torch.Tensor) -> MaskFn:
     def blocks(lq, lk, bq, bk, device, rows=None):
         # exact: a key tile is FULL when its last key is valid, EMPTY when its first is not (every row alike)
         n_qb = -(-lq // bq) if rows is None else rows[1] - rows[0]
-        ks, ke = _block_bounds(lk, bk, device)
+        ks, ke = block_bounds(lk, bk, device)
         n = lengths_t.to(device)[:, None]
         state = torch.where(ke[None, :] < n, FULL, torch.where(ks[None, :] < n, PARTIAL, EMPTY)).to(torch.int8)
         return state[:, None, None, :].expand(-1, 1, n_qb, -1).contiguous()  # (B, 1, n_qb, n_kb)
@@ -335,26 +335,7 @@ def padding(lengths: Sequence[int] | torch.Tensor) -> MaskFn:
     return m
 
 
-
-# -- argument checks shared by the patterns -------------------------------------------------
-
-def _positive(name: str, value, what: str = "a positive integer") -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(f"{name} must be {what}, got {value!r}")
-    if value <= 0:
-        raise ConfigError(f"{name} must be {what}, got {value}; a pattern needs at least one position")
-    return value
-
-
-def _nonneg(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(f"{name} must be an integer >= 0, got {value!r}")
-    if value < 0:
-        raise ConfigError(f"{name} must be >= 0, got {value}")
-    return value
-
-
-def _prefix(flags: torch.Tensor) -> torch.Tensor:
+def prefix_length(flags: torch.Tensor) -> torch.Tensor:
     """``out[i] = flags[:i].sum()`` (length ``len(flags) + 1``) for interval counts."""
     return torch.nn.functional.pad(torch.cumsum(flags.to(torch.long), 0), (1, 0))
 

@@ -8,11 +8,14 @@ from collections.abc import Sequence
 
 import torch
 
-from headlab.spec.masks.algebra import MaskFn, _block_bounds, _nonneg, _positive, _prefix
-from headlab.spec.tile_states import EMPTY, FULL, PARTIAL
+from headlab import checks
 from headlab.errors import ConfigError, MaskError
+from headlab.spec.masks.algebra import MaskFn, block_bounds, prefix_length
+from headlab.spec.tile_states import EMPTY, FULL, PARTIAL
 
 __all__ = ["bigbird", "block_layout", "documents", "global_tokens"]
+
+_COUNT = "{name} must be >= 0 (a whole number of blocks), got {value!r}"
 
 
 def _index_set(name: str, indices) -> torch.Tensor:
@@ -60,9 +63,9 @@ def global_tokens(indices: Sequence[int] | torch.Tensor) -> MaskFn:
         return f[q] | f[kv]
 
     def blocks(lq, lk, bq, bk, device, rows=None):
-        cq, ck = _prefix(flags(lq, device)), _prefix(flags(lk, device))
-        qs, qe = _block_bounds(lq, bq, device, rows)
-        ks, ke = _block_bounds(lk, bk, device)
+        cq, ck = prefix_length(flags(lq, device)), prefix_length(flags(lk, device))
+        qs, qe = block_bounds(lq, bq, device, rows)
+        ks, ke = block_bounds(lk, bk, device)
         nq, nk = cq[qe + 1] - cq[qs], ck[ke + 1] - ck[ks]  # global rows / columns per tile
         full = (nq == qe - qs + 1)[:, None] | (nk == ke - ks + 1)[None, :]
         any_ = (nq > 0)[:, None] | (nk > 0)[None, :]
@@ -97,8 +100,8 @@ def _layout_mask(get_layout, bq_: int, bk_: int, name: str, *, heads: int | None
         return lay[h, qc, kc]
 
     def blocks(lq, lk, bq, bk, device, rows=None):
-        qs, qe = _block_bounds(lq, bq, device, rows)
-        ks, ke = _block_bounds(lk, bk, device)
+        qs, qe = block_bounds(lq, bq, device, rows)
+        ks, ke = block_bounds(lk, bk, device)
         first = int(qs[0]) // bq_  # the cell rows these tiles touch: [first, last]
         lay = cells(lq, lk, device, first, int(qe[-1]) // bq_ + 1).to(torch.long)  # (Hm, rows, nk)
         cs = torch.nn.functional.pad(lay.cumsum(1).cumsum(2), (1, 0, 1, 0))  # (Hm, rows + 1, nk + 1)
@@ -142,12 +145,12 @@ def bigbird(block: int, window_blocks: int = 3, global_blocks: int = 2, random_b
                 [1, 1, 0, 0, 1, 1],
                 [1, 1, 0, 0, 1, 1]], dtype=torch.int32)
     """
-    bsz = _positive("bigbird block", block)
-    w = _positive("bigbird window_blocks", window_blocks)
+    bsz = checks.positive_int("bigbird block", block)
+    w = checks.positive_int("bigbird window_blocks", window_blocks)
     if w % 2 == 0:
         raise ConfigError(f"bigbird window_blocks must be odd (the block and as many on each side), got {w}")
-    g = _nonneg("bigbird global_blocks", global_blocks)
-    r = _nonneg("bigbird random_blocks", random_blocks)
+    g = checks.non_negative_int("bigbird global_blocks", global_blocks, message=_COUNT)
+    r = checks.non_negative_int("bigbird random_blocks", random_blocks, message=_COUNT)
     seed = int(seed)
     cache: dict[tuple, torch.Tensor] = {}
     states: dict[tuple, dict[int, torch.Tensor]] = {}  # (nq, nk) -> {block row: generator state before it}
@@ -226,8 +229,8 @@ def block_layout(layout: torch.Tensor, block: int | tuple[int, int]) -> MaskFn:
             f"block_layout needs a (n_q_blocks, n_kv_blocks) or (heads, n_q_blocks, n_kv_blocks) layout, "
             f"got shape {tuple(lay.shape)}")
     bq_, bk_ = (block, block) if not isinstance(block, tuple | list) else tuple(block)
-    bq_ = _positive("block_layout block_q", bq_)
-    bk_ = _positive("block_layout block_k", bk_)
+    bq_ = checks.positive_int("block_layout block_q", bq_)
+    bk_ = checks.positive_int("block_layout block_k", bk_)
     lay3 = lay if lay.dim() == 3 else lay.unsqueeze(0)  # (Hm, nq, nk)
     heads = lay3.shape[0] if lay.dim() == 3 else None
 
@@ -281,8 +284,8 @@ def documents(lengths: Sequence[int] | torch.Tensor) -> MaskFn:
 
     def blocks(lq, lk, bq, bk, device, rows=None):
         d = doc_ids(max(lq, lk), lq, lk, device)
-        qs, qe = _block_bounds(lq, bq, device, rows)
-        ks, ke = _block_bounds(lk, bk, device)
+        qs, qe = block_bounds(lq, bq, device, rows)
+        ks, ke = block_bounds(lk, bk, device)
         dq0, dq1, dk0, dk1 = d[qs][:, None], d[qe][:, None], d[ks][None, :], d[ke][None, :]
         any_ = (dq0 <= dk1) & (dk0 <= dq1)  # document ranges overlap (ids are sorted)
         full = (dq0 == dq1) & (dk0 == dk1) & (dq0 == dk0)

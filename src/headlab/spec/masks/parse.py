@@ -6,10 +6,10 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable
 
+from headlab.errors import ConfigError
 from headlab.spec.masks.algebra import MaskFn, causal, causal_lower_right, full, padding
 from headlab.spec.masks.layouts import bigbird, documents, global_tokens
 from headlab.spec.masks.patterns import dilated_window, fixed, sliding_window, strided
-from headlab.errors import ConfigError
 
 __all__ = ["from_string", "pattern", "pattern_names"]
 

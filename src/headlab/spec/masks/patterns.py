@@ -18,9 +18,10 @@ from __future__ import annotations
 
 import torch
 
-from headlab.spec.masks.algebra import MaskFn, _block_bounds, _positive, _prefix
-from headlab.spec.tile_states import EMPTY, FULL, PARTIAL
+from headlab import checks
 from headlab.errors import ConfigError
+from headlab.spec.masks.algebra import MaskFn, block_bounds, prefix_length
+from headlab.spec.tile_states import EMPTY, FULL, PARTIAL
 
 __all__ = ["dilated_window", "fixed", "sliding_window", "strided"]
 
@@ -35,8 +36,8 @@ def _offset_blocks(visible_offset):
     """
 
     def blocks(lq, lk, bq, bk, device, rows=None):
-        qs, qe = _block_bounds(lq, bq, device, rows)
-        ks, ke = _block_bounds(lk, bk, device)
+        qs, qe = block_bounds(lq, bq, device, rows)
+        ks, ke = block_bounds(lk, bk, device)
         d0 = int(qs[0]) - (lk - 1) if len(qs) else 0  # the smallest offset these rows can have
         deltas = torch.arange(d0, int(qe[-1]) + 1 if len(qe) else 0, device=device)  # every offset they see
         vis = visible_offset(deltas, lq, lk).to(torch.long)
@@ -85,7 +86,7 @@ def sliding_window(window: int, causal: bool = False) -> MaskFn:
                 [0, 1, 1, 1, 0],
                 [0, 0, 1, 1, 1]], dtype=torch.int32)
     """
-    w = _positive("sliding_window window", window)
+    w = checks.positive_int("sliding_window window", window)
     if causal:
         return _offset_mask(lambda d, lq, lk: (d >= 0) & (d <= w), f"sliding_window({w}, causal)", (0, w))
     return _offset_mask(lambda d, lq, lk: d.abs() <= w, f"sliding_window({w})", (-w, w))
@@ -107,8 +108,8 @@ def dilated_window(window: int, dilation: int, causal: bool = False) -> MaskFn:
                 [0, 0, 1, 0, 1, 0],
                 [0, 0, 0, 1, 0, 1]], dtype=torch.int32)
     """
-    w = _positive("dilated_window window", window)
-    s = _positive("dilated_window dilation", dilation)
+    w = checks.positive_int("dilated_window window", window)
+    s = checks.positive_int("dilated_window dilation", dilation)
     reach = w * s
     band = ((0 if causal else -reach), reach) if s == 1 else None  # dilation 1: every offset of the reach
     if causal:
@@ -134,7 +135,7 @@ def strided(stride: int, causal: bool = True) -> MaskFn:
                 [1, 0, 1, 1, 1, 0],
                 [0, 1, 0, 1, 1, 1]], dtype=torch.int32)
     """
-    s = _positive("strided stride", stride)
+    s = checks.positive_int("strided stride", stride)
     if causal:
         return _offset_mask(lambda d, lq, lk: (d >= 0) & ((d <= s) | (d % s == 0)), f"strided({s})")
     return _offset_mask(lambda d, lq, lk: (d.abs() <= s) | (d % s == 0), f"strided({s}, non-causal)")
@@ -162,8 +163,8 @@ def fixed(stride: int, summary: int = 1, causal: bool = True) -> MaskFn:
                 [0, 0, 1, 1, 1, 1, 0],
                 [0, 0, 1, 0, 0, 1, 1]], dtype=torch.int32)
     """
-    s = _positive("fixed stride", stride)
-    c = _positive("fixed summary", summary)
+    s = checks.positive_int("fixed stride", stride)
+    c = checks.positive_int("fixed summary", summary)
     if c > s:
         raise ConfigError(f"fixed summary={c} must be <= stride={s} (it counts cells inside each block)")
 
@@ -176,8 +177,8 @@ def fixed(stride: int, summary: int = 1, causal: bool = True) -> MaskFn:
         # then a tile is FULL when each of its rows sees all its keys, EMPTY when none sees any.
         i0, i1 = rows if rows is not None else (0, -(-lq // bq))
         qi = torch.arange(i0 * bq, min(lq, i1 * bq), device=device)
-        ks, ke = _block_bounds(lk, bk, device)
-        summ = _prefix(torch.arange(lk, device=device) % s >= s - c)  # (lk + 1,)
+        ks, ke = block_bounds(lk, bk, device)
+        summ = prefix_length(torch.arange(lk, device=device) % s >= s - c)  # (lk + 1,)
         hi_cap = qi[:, None] if causal else torch.full_like(qi[:, None], lk - 1)
         lo, hi = ks[None, :], torch.minimum(ke[None, :], hi_cap)  # keys of the tile the row may see
 

@@ -63,16 +63,23 @@ import math
 
 import torch
 
-from headlab.spec import feature_maps
 from headlab.attention.backends.base import Backend, Capabilities, register
-from headlab.spec.memory_guard import check_fits
-from headlab.spec.attention_spec import AttentionSpec, default_scale, validate
-from headlab.attention.backends.linear.compute import _causal, _exp_minus, _key_mask, _noncausal
-from headlab.attention.backends.linear.config import (DEFAULT_CHUNK, DEFAULT_FAVOR_FEATURES, FEATURE_MAP_ALIASES,
-                                                      LinearConfig, LinearState, _compute_dtype, _mix_seed,
-                                                      working_set_bytes)
+from headlab.attention.backends.linear.compute import causal_sum, exp_minus, key_mask_of, noncausal_sum
+from headlab.attention.backends.linear.config import (
+    DEFAULT_CHUNK,
+    DEFAULT_FAVOR_FEATURES,
+    FEATURE_MAP_ALIASES,
+    LinearConfig,
+    LinearState,
+    compute_dtype,
+    mix_seed,
+    working_set_bytes,
+)
 from headlab.costs.linear import linear_cost_for
 from headlab.errors import BackendUnsupportedError, ConfigError, ShapeError
+from headlab.spec import feature_maps
+from headlab.spec.attention_spec import AttentionSpec, default_scale, validate
+from headlab.spec.memory_guard import check_fits
 
 __all__ = ["DEFAULT_CHUNK", "DEFAULT_FAVOR_FEATURES", "FEATURE_MAP_ALIASES", "LinearBackend", "LinearConfig",
            "LinearState", "from_string", "working_set_bytes"]
@@ -128,8 +135,8 @@ class LinearBackend(Backend):
             raise ConfigError(f"feature map {self.config.feature_map!r} has no random projection; use 'favor'")
         w = self._proj.get(head_dim)
         if w is None:
-            gen = torch.Generator().manual_seed(_mix_seed(self.config.seed, self._draw, head_dim))
-            w = feature_maps.orthogonal_gaussian(self.config.num_features, head_dim, gen)
+            gen = torch.Generator().manual_seed(mix_seed(self.config.seed, self._draw, head_dim))
+            w = feature_maps.orthogonal_gaussian(self.config.features(head_dim), head_dim, gen)  # favor: num_features
             self._proj[head_dim] = w
         key = (head_dim, str(device), dtype)
         cast = self._proj_cast.get(key)
@@ -187,8 +194,8 @@ class LinearBackend(Backend):
 
     def forward(self, q, k, v, spec, *, mask, scale, score_mod=None):
         self._maybe_redraw()
-        key_mask = _key_mask(spec, mask)  # (Bm, Hm, Lk) or None
-        cdt = _compute_dtype(q.dtype)
+        key_mask = key_mask_of(spec, mask)  # (Bm, Hm, Lk) or None
+        cdt = compute_dtype(q.dtype)
         q_, k_, v_ = q.to(cdt), k.to(cdt), v.to(cdt)
         group = spec.group
         if key_mask is not None and key_mask.shape[1] > 1 and group > 1:
@@ -198,9 +205,9 @@ class LinearBackend(Backend):
             group = 1
         fq, fk = self._features(q_, k_, scale, key_mask)  # (B, H, Lq, F), (B, Hk, Lk, F)
         if spec.causal:
-            out = _causal(fq, fk, v_, group, self.config.chunk_size)
+            out = causal_sum(fq, fk, v_, group, self.config.chunk_size)
         else:
-            out = _noncausal(fq, fk, v_, group)
+            out = noncausal_sum(fq, fk, v_, group)
         return out.to(q.dtype), None, None
 
     def _features(self, q: torch.Tensor, k: torch.Tensor, scale: float,
@@ -222,7 +229,7 @@ class LinearBackend(Backend):
         s = scale ** 0.5  # exp(q.k * scale) = exp((q s).(k s))
         # queries: exp(W q - |q|^2/2) / sqrt(m) and exp(W q - max_l (W q)_l) differ by a factor per row
         lq = torch.matmul(q, w.T * s)  # (B, H, Lq, m)
-        fq = _exp_minus(lq, lq.detach().amax(-1, keepdim=True))
+        fq = exp_minus(lq, lq.detach().amax(-1, keepdim=True))
         # keys: exp(W k - |k|^2/2 - shift) with one shift per (batch, kv head) over all keys
         lk = torch.matmul(k, w.T * s)  # (B, Hk, Lk, m)
         half_sq = (0.5 * scale) * (k * k).sum(-1, keepdim=True)  # (B, Hk, Lk, 1)
@@ -231,7 +238,7 @@ class LinearBackend(Backend):
             top = top.masked_fill(~km, float("-inf"))
         shift = top.amax(dim=-2, keepdim=True)  # (B, Hk, 1, 1)
         shift = torch.where(torch.isfinite(shift), shift, torch.zeros_like(shift))
-        fk = _exp_minus(lk, half_sq + shift, hide=None if km is None else ~km)  # hidden keys: exp(-inf) = 0
+        fk = exp_minus(lk, half_sq + shift, hide=None if km is None else ~km)  # hidden keys: exp(-inf) = 0
         return fq, fk
 
     # -- diagnostics and decoding ----------------------------------------------------------
@@ -260,8 +267,8 @@ class LinearBackend(Backend):
             raise ShapeError(f"rows must be query positions in [0, {Lq}), got {rows_t.tolist()[:8]}...")
         rows_t = rows_t.to(q.device)
         scale = default_scale(spec.head_dim) if scale is None else float(scale)
-        key_mask = _key_mask(spec, norm)
-        cdt = _compute_dtype(q.dtype)
+        key_mask = key_mask_of(spec, norm)
+        cdt = compute_dtype(q.dtype)
         k_ = k.to(cdt)
         group = spec.group
         if key_mask is not None and key_mask.shape[1] > 1 and group > 1:
@@ -305,7 +312,7 @@ class LinearBackend(Backend):
                              "fit: batch must agree, k_t must have q_t's head_dim, heads a multiple of kv heads")
         G = H // Hk
         scale = default_scale(D) if scale is None else float(scale)
-        cdt = _compute_dtype(q_t.dtype)
+        cdt = compute_dtype(q_t.dtype)
         q_, k_, v_ = q_t.to(cdt), k_t.to(cdt), v_t.to(cdt)
         if self.config.feature_map == "favor":
             w = self.projection(D, q_t.device, cdt)

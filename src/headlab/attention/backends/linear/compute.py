@@ -5,11 +5,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from headlab.spec.masks import MaskFn
-from headlab.spec.attention_spec import AttentionSpec
 from headlab.errors import BackendUnsupportedError
+from headlab.spec.attention_spec import AttentionSpec
+from headlab.spec.masks import MaskFn
 
-def _exp_minus(x: torch.Tensor, shift: torch.Tensor, hide: torch.Tensor | None = None) -> torch.Tensor:
+
+def exp_minus(x: torch.Tensor, shift: torch.Tensor, hide: torch.Tensor | None = None) -> torch.Tensor:
     """``exp(x - shift)``, 0 where ``hide``; in place when autograd does not need ``x``.
 
     Hidden entries are set to -inf before ``exp`` (not zeroed after), so a large hidden
@@ -31,7 +32,7 @@ def _with_ones(v: torch.Tensor) -> torch.Tensor:
     return torch.cat([v, v.new_ones(v.shape[:-1] + (1,))], dim=-1)  # (B, Hk, Lk, Dv + 1)
 
 
-def _noncausal(fq: torch.Tensor, fk: torch.Tensor, v: torch.Tensor, group: int) -> torch.Tensor:
+def noncausal_sum(fq: torch.Tensor, fk: torch.Tensor, v: torch.Tensor, group: int) -> torch.Tensor:
     B, H, Lq, Fn = fq.shape
     Hk = fk.shape[1]
     kv = torch.matmul(fk.transpose(-1, -2), v)  # (B, Hk, F, Dv): the whole state
@@ -43,7 +44,7 @@ def _noncausal(fq: torch.Tensor, fk: torch.Tensor, v: torch.Tensor, group: int) 
     return num / den if num.requires_grad else num.div_(den)
 
 
-def _causal(fq: torch.Tensor, fk: torch.Tensor, v: torch.Tensor, group: int, chunk: int) -> torch.Tensor:
+def causal_sum(fq: torch.Tensor, fk: torch.Tensor, v: torch.Tensor, group: int, chunk: int) -> torch.Tensor:
     B, H, Lq, Fn = fq.shape
     Hk = fk.shape[1]
     Lk = min(fk.shape[2], Lq)  # top-left causal: keys at positions >= Lq are never visible
@@ -74,7 +75,7 @@ def _causal(fq: torch.Tensor, fk: torch.Tensor, v: torch.Tensor, group: int, chu
     return _normalise(out)
 
 
-def _key_mask(spec: AttentionSpec, mask: torch.Tensor | MaskFn | None) -> torch.Tensor | None:
+def key_mask_of(spec: AttentionSpec, mask: torch.Tensor | MaskFn | None) -> torch.Tensor | None:
     """The key padding as ``(Bm, Hm, Lk)`` bool, or None. Refuses masks that depend on the query."""
     if mask is None:
         return None

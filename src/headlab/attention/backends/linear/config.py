@@ -8,8 +8,9 @@ from typing import Literal
 
 import torch
 
-from headlab.spec.attention_spec import AttentionSpec
+from headlab import checks
 from headlab.errors import ConfigError
+from headlab.spec.attention_spec import AttentionSpec
 
 FeatureMapName = Literal["elu", "relu", "favor"]
 
@@ -38,25 +39,19 @@ class LinearConfig:
         object.__setattr__(self, "feature_map", fm)
         if fm == "favor":
             m = DEFAULT_FAVOR_FEATURES if self.num_features is None else self.num_features
-            if isinstance(m, bool) or not isinstance(m, int) or m <= 0:
-                raise ConfigError(
-                    f"FAVOR+ needs a positive whole number of random features, got num_features={m!r}; "
-                    f"try num_features={DEFAULT_FAVOR_FEATURES} (more features: smaller error, more time)"
-                )
+            m = checks.positive_int("num_features", m, what=" (FAVOR+'s random features)",
+                                    hint=f"; try num_features={DEFAULT_FAVOR_FEATURES} (more features: smaller "
+                                         "error, more time)")
             object.__setattr__(self, "num_features", m)
         elif self.num_features is not None:
             raise ConfigError(
                 f"feature map {fm!r} has head_dim features; num_features={self.num_features!r} applies to "
                 "favor only (e.g. LinearBackend('favor', num_features=256))"
             )
-        for name in ("chunk_size",):
-            val = getattr(self, name)
-            if isinstance(val, bool) or not isinstance(val, int) or val <= 0:
-                raise ConfigError(f"{name} must be a positive integer, got {val!r}")
-        if isinstance(self.redraw_every, bool) or not isinstance(self.redraw_every, int) or self.redraw_every < 0:
-            raise ConfigError(f"redraw_every must be an integer >= 0 (0: never), got {self.redraw_every!r}")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
-            raise ConfigError(f"seed must be an integer, got {self.seed!r}")
+        object.__setattr__(self, "chunk_size", checks.positive_int("chunk_size", self.chunk_size))
+        object.__setattr__(self, "redraw_every", checks.non_negative_int("redraw_every", self.redraw_every,
+                                                                         what=" (0: never)"))
+        object.__setattr__(self, "seed", checks.integer("seed", self.seed))
 
     def label(self) -> str:
         if self.feature_map == "favor":
@@ -65,7 +60,10 @@ class LinearConfig:
 
     def features(self, head_dim: int) -> int:
         """Number of features F for a head dim: ``head_dim`` for elu/relu, ``num_features`` for favor."""
-        return self.num_features if self.feature_map == "favor" else head_dim
+        if self.feature_map == "favor":
+            assert self.num_features is not None  # set by __post_init__ for favor
+            return self.num_features
+        return head_dim
 
 
 @dataclass
@@ -84,7 +82,7 @@ class LinearState:
     position: int = 0
 
 
-def _mix_seed(*parts: int) -> int:
+def mix_seed(*parts: int) -> int:
     """One 63-bit seed from several integers (splitmix64 over each in turn): nearby inputs give
     unrelated streams, the same inputs the same stream."""
     x = 0
@@ -96,7 +94,7 @@ def _mix_seed(*parts: int) -> int:
     return x >> 1
 
 
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """Features and sums run in float32 for half inputs (sums of n positive terms overflow fp16)."""
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
@@ -111,7 +109,7 @@ def working_set_bytes(spec: AttentionSpec, num_features: int | None = None,
     phase (prefix, ``n x C`` blocks, two ``n x E`` partial outputs). No term grows as ``n^2`` or
     ``n F d_v``. Measured peaks agree within a few percent (``benchmarks/bench_linear.py``)."""
     Fn = num_features or spec.head_dim
-    s = torch.empty((), dtype=_compute_dtype(spec.dtype)).element_size()
+    s = torch.empty((), dtype=compute_dtype(spec.dtype)).element_size()
     B, H, Hk, Lq, Lk, Dv = spec.batch, spec.heads, spec.kv_heads, spec.q_len, spec.kv_len, spec.v_dim
     E = Dv + 1
     if not spec.causal:

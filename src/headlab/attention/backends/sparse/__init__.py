@@ -49,14 +49,21 @@ import torch
 
 from headlab.attention.backends.base import Backend, Capabilities, register
 from headlab.attention.backends.sparse.kernel import SparseAttention
-from headlab.attention.backends.sparse.plan import (BLOCK_K, BLOCK_Q, SparsePlan, block_map, effective_mask,
-                                                    plan_for, visited_tiles)
+from headlab.attention.backends.sparse.plan import (
+    BLOCK_K,
+    BLOCK_Q,
+    SparsePlan,
+    block_map,
+    effective_mask,
+    plan_for,
+    visited_tiles,
+)
 from headlab.attention.backends.sparse.tiles import CHUNK_ELEMENTS
-from headlab.spec.memory_guard import check_fits
-from headlab.spec.masks import MaskFn
-from headlab.spec.attention_spec import AttentionSpec, check_scale, validate
 from headlab.costs.sparse import sparse_cost
 from headlab.errors import BackendUnsupportedError
+from headlab.spec.attention_spec import AttentionSpec, check_scale, validate
+from headlab.spec.masks import MaskFn
+from headlab.spec.memory_guard import check_fits
 
 
 def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: MaskFn, *,

@@ -10,8 +10,8 @@ import threading
 import torch
 
 from headlab.attention.backends import _threads, native
-from headlab.attention.backends.sparse.plan import SparsePlan, _Group
-from headlab.attention.backends.sparse.tiles import _chunks, _from_flat, _hidden, _scores, _to_flat
+from headlab.attention.backends.sparse.plan import SparsePlan, TileGroup
+from headlab.attention.backends.sparse.tiles import from_flat, group_chunks, hidden_cells, tile_scores, to_flat
 from headlab.spec.masks import MaskFn
 
 # Scores per forward work unit (2 MiB in float32): a unit is a rectangle of (head copies x
@@ -19,7 +19,7 @@ from headlab.spec.masks import MaskFn
 UNIT_ELEMS = 1 << 19
 
 
-def _units(plan: SparsePlan) -> list[tuple[_Group, int, int, int, int, tuple | None]]:
+def _units(plan: SparsePlan) -> list[tuple[TileGroup, int, int, int, int, tuple | None]]:
     """``(group, c0, c1, r0, r1, view)`` forward work units, the most expensive groups first (so
     that a dynamic schedule ends with the cheap ones); each holds about UNIT_ELEMS scores.
     ``view = (first key block, block step between copies)`` when the unit's key blocks can be
@@ -54,16 +54,16 @@ def _units(plan: SparsePlan) -> list[tuple[_Group, int, int, int, int, tuple | N
 
 def _forward(plan: SparsePlan, mask: MaskFn, q, k, v, scale, score_mod=None):
     dev = q.device
-    q_flat = _to_flat(q, plan, plan.block_q, plan.n_qb)
-    k_flat = _to_flat(k, plan, plan.block_k, plan.n_kb)
-    v_flat = _to_flat(v, plan, plan.block_k, plan.n_kb)
+    q_flat = to_flat(q, plan, plan.block_q, plan.n_qb)
+    k_flat = to_flat(k, plan, plan.block_k, plan.n_kb)
+    v_flat = to_flat(v, plan, plan.block_k, plan.n_kb)
     n_items = q_flat.shape[0]
     d, dv = q_flat.shape[-1], v_flat.shape[-1]
     out_flat = q.new_zeros(n_items, plan.rows, dv)
     ml_flat = q.new_zeros(n_items, plan.rows, 2)  # per row [m, log l]; lse = m + log l
     ml_flat[..., 1] = float("inf")  # log l = +inf: the row sees no key
     for grp in plan.groups:
-        _hidden(plan, grp, mask, dev)  # evaluate the partial-tile masks here, not in the workers
+        hidden_cells(plan, grp, mask, dev)  # evaluate the partial-tile masks here, not in the workers
     units = _units(plan)
     # per-unit sizes: scores, gathered q rows, gathered key (and value) rows
     max_n = max(((c1 - c0) * (r1 - r0) for _, c0, c1, r0, r1, _ in units), default=0)
@@ -85,7 +85,7 @@ def _forward(plan: SparsePlan, mask: MaskFn, q, k, v, scale, score_mod=None):
                 q.new_empty(max_s * plan.rows * plan.block_k), q.new_empty(max_n * plan.rows * d),
                 q.new_empty(max_s * plan.block_k * d), q.new_empty(max_s * plan.block_k * dv),
                 q.new_empty(max_n * plan.rows * dv))
-        s, items, kv, _, _, hidden_rows = _scores(plan, grp, c0, c1, q_flat, k_flat, scale, mask, dev, r0, r1,
+        s, items, kv, _, _, hidden_rows = tile_scores(plan, grp, c0, c1, q_flat, k_flat, scale, mask, dev, r0, r1,
                                                   bufs[:3], kg, score_mod=score_mod)
         n = len(items)
         m = s.amax(-1, keepdim=True)  # (n, rows, 1)
@@ -116,17 +116,17 @@ def _backward(plan: SparsePlan, mask: MaskFn, q, k, v, out_flat, ml_flat, dout, 
     gradients of the score_mod's trainable ``params`` (a list, None where one got none)."""
     pgrads = [None] * len(params)
     dev = q.device
-    q_flat = _to_flat(q, plan, plan.block_q, plan.n_qb)
-    k_flat = _to_flat(k, plan, plan.block_k, plan.n_kb)
-    v_flat = _to_flat(v, plan, plan.block_k, plan.n_kb)
-    do_flat = _to_flat(dout, plan, plan.block_q, plan.n_qb)
+    q_flat = to_flat(q, plan, plan.block_q, plan.n_qb)
+    k_flat = to_flat(k, plan, plan.block_k, plan.n_kb)
+    v_flat = to_flat(v, plan, plan.block_k, plan.n_kb)
+    do_flat = to_flat(dout, plan, plan.block_q, plan.n_qb)
     dq_flat = torch.zeros_like(q_flat)
     dk_flat = torch.zeros_like(k_flat)
     dv_flat = torch.zeros_like(v_flat)
     bk = plan.block_k
     for grp in plan.groups:
-        for c0, c1 in _chunks(plan, grp):
-            s, items, kv, qg, kg, _, back = _scores(plan, grp, c0, c1, q_flat, k_flat, scale, mask, dev,
+        for c0, c1 in group_chunks(plan, grp):
+            s, items, kv, qg, kg, _, back = tile_scores(plan, grp, c0, c1, q_flat, k_flat, scale, mask, dev,
                                                     score_mod=score_mod, vjp=True, params=params, grads=pgrads)
             n = len(items)
             ml = ml_flat.index_select(0, items)  # (n, rows, 2)
@@ -142,7 +142,7 @@ def _backward(plan: SparsePlan, mask: MaskFn, q, k, v, out_flat, ml_flat, dout, 
             dq_flat.index_copy_(0, items, torch.bmm(ds, kg).mul_(scale))
             dk_flat.index_add_(0, kv, torch.bmm(ds.transpose(1, 2), qg).view(n * grp.k, bk, -1))  # qg is scaled
     B, Hkv = plan.batch, plan.kv_heads
-    dq = _from_flat(dq_flat, plan)
+    dq = from_flat(dq_flat, plan)
     dk = dk_flat.view(B, Hkv, plan.n_kb * bk, -1)[:, :, : plan.kv_len]
     dv = dv_flat.view(B, Hkv, plan.n_kb * bk, -1)[:, :, : plan.kv_len]
     return dq, dk, dv, pgrads
@@ -166,8 +166,8 @@ class SparseAttention(torch.autograd.Function):
         else:
             out_flat, ml_flat = _forward(plan, mask, q, k, v, scale, score_mod)
             ctx.save_for_backward(q, k, v, ml_flat)
-            out = _from_flat(out_flat, plan)
-            lse = _from_flat(ml_flat[..., :1] + ml_flat[..., 1:], plan).squeeze(-1)
+            out = from_flat(out_flat, plan)
+            lse = from_flat(ml_flat[..., :1] + ml_flat[..., 1:], plan).squeeze(-1)
         ctx.mark_non_differentiable(lse)
         return out, lse
 

@@ -9,11 +9,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from headlab.errors import ConfigError, MaskError
 from headlab.spec.blocks import BlockMap, cached_per_mask
 from headlab.spec.blocks import block_map as _compile
 from headlab.spec.masks import MaskFn, causal, full
 from headlab.spec.tile_states import EMPTY, FULL, PARTIAL
-from headlab.errors import ConfigError, MaskError
 
 # Tile sizes of the kernel; the cost model reads the same constants.
 BLOCK_Q = 128
@@ -118,7 +118,7 @@ def pattern_density(mask: MaskFn, seq_len: int, *, tile: int | None = None, head
 
 
 @dataclass
-class _Group:
+class TileGroup:
     """Items that visit ``k`` key blocks; the compact part is shared by ``reps`` (batch, head) copies."""
 
     k: int
@@ -146,7 +146,7 @@ class SparsePlan:
     head_dependent: bool  # items are (batch, query head, q block); else (batch, kv head, q block)
     n_qb: int
     n_kb: int
-    groups: list[_Group] = field(default_factory=list)
+    groups: list[TileGroup] = field(default_factory=list)
     tiles: int = 0  # visited (batch, query head, q tile, k tile) tiles
     units: list | None = None  # forward work units (see _units), built on first use
 
@@ -210,11 +210,11 @@ def _build_plan(mask, B, H, Hkv, Lq, Lk, bq, bk) -> SparsePlan:
         kv = kv.expand(items.shape[0], items.shape[1], k).contiguous()
         nd = need[sb, sh, sq][torch.arange(len(sq))[:, None], slots]  # (n0, k)
         pairs = torch.nonzero(nd)
-        grp = _Group(k, sq, items, kv, slots, None, None)
+        grp = TileGroup(k, sq, items, kv, slots, None, None)
         if pairs.numel():
             grp.need = pairs
             cols = sorted(set(pairs[:, 1].tolist()))
-            runs = []
+            runs: list[list[int]] = []
             for c in cols:  # consecutive slot columns merged into runs
                 if runs and runs[-1][1] == c:
                     runs[-1][1] = c + 1

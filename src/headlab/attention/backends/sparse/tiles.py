@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from headlab.attention.backends.sparse.plan import SparsePlan, _Group
+from headlab.attention.backends.sparse.plan import SparsePlan, TileGroup
 from headlab.spec.masks import MaskFn
 from headlab.spec.score_mods import param_vjp
 from headlab.spec.visibility import pairs
@@ -14,7 +14,7 @@ from headlab.spec.visibility import pairs
 CHUNK_ELEMENTS = 1 << 20
 
 
-def _hidden(plan: SparsePlan, grp: _Group, mask: MaskFn, device):
+def hidden_cells(plan: SparsePlan, grp: TileGroup, mask: MaskFn, device):
     """``([(j0, j1, bias (n0, block_q, j1 - j0, block_k))], dead rows (n0, block_q) or None)``,
     or None when every tile of the group is FULL. ``bias`` is 0 where a score is visible and
     -inf where it is hidden, for each run ``[j0, j1)`` of slot columns holding partial tiles.
@@ -27,6 +27,7 @@ def _hidden(plan: SparsePlan, grp: _Group, mask: MaskFn, device):
         ci, cs = grp.need[:, 0], grp.need[:, 1]
         q = grp.qb[ci][:, None, None] * bq + torch.arange(bq)[None, :, None]  # (P, bq, 1)
         kv = grp.slots[ci, cs][:, None, None] * bk + torch.arange(bk)[None, None, :]  # (P, 1, bk)
+        assert grp.need_bh is not None  # set with need, by the plan
         b = grp.need_bh[:, 0].view(-1, 1, 1)
         h = grp.need_bh[:, 1].view(-1, 1, 1)
         # padded rows / columns: the visibility module clamps rows and hides columns past the end
@@ -47,7 +48,7 @@ def _hidden(plan: SparsePlan, grp: _Group, mask: MaskFn, device):
     return grp.tile_masks
 
 
-def _chunks(plan: SparsePlan, grp: _Group):
+def group_chunks(plan: SparsePlan, grp: TileGroup):
     """Ranges of compact items per chunk, keeping about CHUNK_ELEMENTS scores in flight."""
     reps, n0 = grp.items.shape
     per_item = reps * plan.rows * grp.k * plan.block_k
@@ -73,7 +74,7 @@ def score_index(plan: SparsePlan, items: torch.Tensor, kv: torch.Tensor, k: int)
     return b.expand(n, plan.rows, 1), h, qi, kvi
 
 
-def _scores(plan, grp, c0, c1, q_flat, k_flat, scale, mask, device, r0=0, r1=None, bufs=None, kg=None,
+def tile_scores(plan, grp, c0, c1, q_flat, k_flat, scale, mask, device, r0=0, r1=None, bufs=None, kg=None,
             score_mod=None, vjp=False, params=(), grads=None):
     """Masked scores of a chunk ``(r * c, rows, k * block_k)`` (reps ``[r0, r1)`` of compact items
     ``[c0, c1)``), the gathered (scaled) q and k, the index tensors, the dead-row mask
@@ -108,7 +109,7 @@ def _scores(plan, grp, c0, c1, q_flat, k_flat, scale, mask, device, r0=0, r1=Non
         else:  # through autograd; the score_mod's trainable tensors get their gradients in grads
             s, back = param_vjp(score_mod, s, (b, h, qi, kvi), params, grads)
             s = s.contiguous()
-    hid = _hidden(plan, grp, mask, device)
+    hid = hidden_cells(plan, grp, mask, device)
     dead = None
     if hid is not None:
         biases, dead_rows, _ = hid
@@ -123,7 +124,7 @@ def _scores(plan, grp, c0, c1, q_flat, k_flat, scale, mask, device, r0=0, r1=Non
     return s, items, kv, qg, kg, dead
 
 
-def _to_flat(t: torch.Tensor, plan: SparsePlan, block: int, n_blocks: int) -> torch.Tensor:
+def to_flat(t: torch.Tensor, plan: SparsePlan, block: int, n_blocks: int) -> torch.Tensor:
     """(B, H, L, D) -> (B * slots * n_blocks, rows, D): one row block per item (zero padded)."""
     B, Hx, L, D = t.shape
     pad = n_blocks * block - L
@@ -136,8 +137,8 @@ def _to_flat(t: torch.Tensor, plan: SparsePlan, block: int, n_blocks: int) -> to
     return t.reshape(B * plan.kv_heads * n_blocks, G * block, D)
 
 
-def _from_flat(t: torch.Tensor, plan: SparsePlan) -> torch.Tensor:
-    """Inverse of :func:`_to_flat` for query-side tensors: -> (B, H, q_len, D)."""
+def from_flat(t: torch.Tensor, plan: SparsePlan) -> torch.Tensor:
+    """Inverse of :func:`to_flat` for query-side tensors: -> (B, H, q_len, D)."""
     B, H, nqb, bq, D = plan.batch, plan.heads, plan.n_qb, plan.block_q, t.shape[-1]
     if plan.head_dependent:
         return t.view(B, H, nqb * bq, D)[:, :, : plan.q_len]

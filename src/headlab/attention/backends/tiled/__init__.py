@@ -57,9 +57,9 @@ from headlab.attention.backends.tiled.backward import TiledAttention
 from headlab.attention.backends.tiled.memory import working_set_bytes
 from headlab.attention.backends.tiled.plan import BLOCK_K, BLOCK_Q, check_blocks, make_plan, tile_states
 from headlab.attention.backends.tiled.textbook import flash_attention_textbook
-from headlab.spec.memory_guard import check_fits
-from headlab.spec.attention_spec import AttentionSpec, check_scale, validate
 from headlab.costs.tiled import tiled_cost
+from headlab.spec.attention_spec import AttentionSpec, check_scale, validate
+from headlab.spec.memory_guard import check_fits
 
 __all__ = ["BLOCK_K", "BLOCK_Q", "TiledBackend", "flash_attention_textbook", "tile_states", "tiled_attention",
            "working_set_bytes"]

@@ -21,8 +21,17 @@ import torch
 
 from headlab.attention.backends import native
 from headlab.attention.backends.tiled.forward import forward
-from headlab.attention.backends.tiled.plan import (BLOCK_K, BLOCK_Q, Plan, from_rows, index_grid, mask_tile,
-                                                   prepare_kv, scaled_query, to_rows)
+from headlab.attention.backends.tiled.plan import (
+    BLOCK_K,
+    BLOCK_Q,
+    Plan,
+    from_rows,
+    index_grid,
+    mask_tile,
+    prepare_kv,
+    scaled_query,
+    to_rows,
+)
 from headlab.spec.score_mods import param_vjp
 from headlab.spec.tile_states import EMPTY, PARTIAL
 
@@ -31,6 +40,7 @@ def _score_mod_vjp(p: Plan, s_raw, i0, i1, j0, j1, params=(), grads=None):
     """``(score_mod(s_raw), vjp)``, where ``vjp(ds)`` gives ``ds * d score_mod / d s_raw`` and, for
     the score_mod's trainable tensors ``params``, adds ``ds``'s vector-Jacobian product to ``grads``."""
     b, h, qi, kv = index_grid(p, i0, i1, j0, j1, 0, s_raw.shape[0], s_raw.device)
+    assert p.score_mod is not None  # called only for a plan with a score_mod
     if not params and getattr(p.score_mod, "additive", False):  # score + bias: the derivative is 1
         return p.score_mod(s_raw, b, h, qi, kv), lambda ds: ds
     return param_vjp(p.score_mod, s_raw, (b, h, qi, kv), params, grads)

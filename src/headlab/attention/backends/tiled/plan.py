@@ -14,11 +14,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from headlab import checks
 from headlab.spec import visibility
+from headlab.spec.attention_spec import AttentionSpec
 from headlab.spec.masks import MaskFn
 from headlab.spec.score_mods import ScoreMod
-from headlab.spec.attention_spec import AttentionSpec
-from headlab.errors import ConfigError
 
 # Default tile: query positions x key positions per tile. Chosen by measurement (docs/tiled.md).
 BLOCK_Q = 256
@@ -27,9 +27,8 @@ BLOCK_K = 512
 
 def check_blocks(block_q, block_k) -> None:
     """The one validation of tile sizes (the function and the backend class both call it)."""
-    if not (isinstance(block_q, int) and isinstance(block_k, int)) or isinstance(block_q, bool) \
-            or isinstance(block_k, bool) or block_q <= 0 or block_k <= 0:
-        raise ConfigError(f"block_q and block_k must be positive integers, got block_q={block_q!r}, block_k={block_k!r}")
+    checks.positive_int("block_q", block_q)
+    checks.positive_int("block_k", block_k)
 
 
 @dataclass

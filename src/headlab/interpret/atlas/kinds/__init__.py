@@ -6,7 +6,10 @@ removes one.
 """
 
 from headlab.interpret.atlas.kinds.base import KINDS, ROLE, Kind, Measure, Run, Task, register, unregister
-from headlab.interpret.atlas.kinds import previous_token, duplicate_token, induction  # noqa: F401, I001  (page order)
-from headlab.interpret.atlas.kinds import retrieval, sink, local, syntactic  # noqa: F401, I001
+
+# isort: off
+from headlab.interpret.atlas.kinds import previous_token, duplicate_token, induction  # noqa: F401  (page order)
+from headlab.interpret.atlas.kinds import retrieval, sink, local, syntactic  # noqa: F401  (page order)
+# isort: on
 
 __all__ = ["KINDS", "ROLE", "Kind", "Measure", "Run", "Task", "register", "unregister"]

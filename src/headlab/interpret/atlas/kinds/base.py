@@ -31,7 +31,9 @@ from typing import Any
 
 import torch
 
+from headlab import checks
 from headlab.errors import ConfigError
+from headlab.registry import Registry
 
 
 @dataclass(frozen=True)
@@ -48,7 +50,7 @@ class Measure:
 class Task:
     """A causal check's task. Kinds with the same task share its data and one ungated run."""
 
-    name: str  # the group's name: its progress stage and its checkpoint phase ("repeated", "text", ...)
+    name: str  # the group's name: its progress stage and its unit of the atlas ("check repeated", ...)
     summary: str  # the task in a few words
     prepare: Callable[[Run, Any, int], Measure | str]  # (run, the atlas so far, k) -> a Measure, or why not run
     no_lm: str | None = None  # why it needs a language-model head (None: it runs without one)
@@ -75,7 +77,17 @@ class Kind:
     unavailable: Callable[[Run], str | None] = _available  # why this model or these inputs cannot score it
 
 
-KINDS: dict[str, Kind] = {}  # every registered kind, in page order
+def _taken(kind: Kind, names: list[str]) -> ConfigError:
+    return ConfigError(f"an atlas kind named {kind.name!r} is already registered; unregister({kind.name!r}) first")
+
+
+def _unknown(name: str, names: list[str]) -> ConfigError:
+    return ConfigError(f"no atlas kind {name!r} is registered; the kinds: {', '.join(names)}")
+
+
+_KINDS: Registry[Kind] = Registry("an atlas kind", "its scores are keyed by it", instances=False, taken=_taken,
+                                  unknown=_unknown, strict=True)
+KINDS: Mapping[str, Kind] = _KINDS.table  # every registered kind by name, in page order (live)
 
 
 def register(kind: Kind) -> Kind:
@@ -85,21 +97,18 @@ def register(kind: Kind) -> Kind:
     if not kind.name.isidentifier():
         raise ConfigError(f"an atlas kind's name is its key in scores and JSON: a Python identifier, got {kind.name!r}")
     if kind.name in KINDS:
-        raise ConfigError(f"an atlas kind named {kind.name!r} is already registered; unregister({kind.name!r}) first")
-    thr = kind.threshold
-    if isinstance(thr, bool) or not isinstance(thr, int | float) or not math.isfinite(thr):
-        raise ConfigError(f"kind {kind.name!r}: the threshold must be a finite number, got {kind.threshold!r}")
+        raise _taken(kind, [kind.name])
+    checks.finite_float(f"kind {kind.name!r}: the threshold", kind.threshold)
     if len(kind.letter) != 1 or not callable(kind.score):
         raise ConfigError(f"kind {kind.name!r}: give one letter for the role grid and a callable score(run)")
-    KINDS[kind.name] = kind
-    return kind
+    return _KINDS.register(kind)
 
 
 def unregister(name: str) -> Kind:
     """Remove the kind ``name`` from :data:`KINDS` and return its record."""
-    if name not in KINDS:
-        raise ConfigError(f"no atlas kind {name!r} is registered; the kinds: {', '.join(KINDS)}")
-    return KINDS.pop(name)
+    kind = _KINDS.unregister(name)
+    assert kind is not None  # a strict registry raises for an unknown name
+    return kind
 
 
 class _Roles(Mapping):
@@ -124,8 +133,10 @@ class Run:
 
     ``repeated_ids`` ``(n, P + 2 half + S)`` with ``start = P`` (:func:`.tasks.repeated`); ``pieces`` the
     natural-text pieces (:func:`.tasks.natural`); ``sizes`` the atlas's arguments (``half``, ``window``,
-    ``n_repeated``, ``needle_trials``, ``seed``, ...). A score adds to ``settings`` and ``notes`` (they go
-    into the :class:`~headlab.interpret.atlas.result.Atlas`) and leaves what its task needs in ``state``."""
+    ``n_repeated``, ``needle_trials``, ``seed``, ...). A score adds to ``settings``, ``notes`` and ``syntactic``
+    (they go into the :class:`~headlab.interpret.atlas.result.Atlas`) and leaves what its task needs in ``state``;
+    all of it is kept with the score's phase (a unit of the run) as JSON (:mod:`headlab.interpret.atlas.codec`: tensors, numbers,
+    strings, lists, dicts), so that a resumed run's check reads the same ``state``."""
 
     adapter: Any
     loaded: Any  # the LoadedModel (tokenizer, name, max_positions), or None for a bare module
@@ -136,7 +147,6 @@ class Run:
     sizes: dict
     vocab: int
     max_rows: int
-    checkpoint: Any  # a resume.Checkpoint: a score that runs long keeps its parts there
     say: Callable[[str, int, int], None]
     repeated_ids: torch.Tensor | None = None
     start: int = 0

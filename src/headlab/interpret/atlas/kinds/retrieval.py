@@ -3,9 +3,8 @@
 Score: on needle-in-a-haystack prompts (:func:`headlab.interpret.atlas.tasks.needles`), decoded greedily,
 the share of the answer's tokens a head copies (its top-1 key inside the needle and holding the generated
 token; :mod:`headlab.interpret.atlas.retrieval`), meaned over trials. Under torchrun the trials are split
-over the ranks and gathered back (on a model sharded by tensor parallelism, over its data ranks);
-each trial is kept in the checkpoint as it finishes. Checked on the teacher-forced needle accuracy. Needs a
-decoder with a language-model head.
+over the ranks and gathered back (on a model sharded by tensor parallelism, over its data ranks). Checked
+on the teacher-forced needle accuracy. Needs a decoder with a language-model head.
 """
 
 from __future__ import annotations
@@ -18,30 +17,30 @@ from headlab.interpret.atlas import causal as CK
 from headlab.interpret.atlas import tasks as T
 from headlab.interpret.atlas.checks import sharded_gated
 from headlab.interpret.atlas.kinds.base import Kind, Measure, Task, register
-from headlab.interpret.atlas.resume import encode
 from headlab.interpret.atlas.retrieval import retrieval_trial
-from headlab.models.tensor_parallel import study_examples
+
+
+def _trials(run) -> list:
+    """The needle prompts, built from the seed: the same for the score and for the check (resumed or not)."""
+    sz = run.sizes
+    return T.needles(run.tokenizer, texts=run.texts, n=sz["needle_trials"], haystack_tokens=sz["haystack_tokens"],
+                     seed=sz["seed"], vocab=run.vocab)
 
 
 def score(run):
-    sz, ck = run.sizes, run.checkpoint
-    trials = T.needles(run.tokenizer, texts=run.texts, n=sz["needle_trials"], haystack_tokens=sz["haystack_tokens"],
-                       seed=sz["seed"], vocab=run.vocab)
-    run.state["trials"] = trials
+    trials = _trials(run)
     acc = run.grid(0.0)
     # under torchrun each rank decodes every W-th trial; on a model sharded by tensor parallelism every rank of a
     # tensor-parallel group decodes the same trials (each forward needs the whole group), the ranks of a group
     # gather identical copies
-    mine, runs = study_examples(run.adapter, len(trials)), {}
+    mine, runs = run.adapter.placement.examples(len(trials)), {}
     for n, i in enumerate(mine):
         run.say("needle decoding", n, len(mine))
-        runs[i] = ck.run(f"needle {i}", lambda tr=trials[i]: retrieval_trial(run.adapter, tr))
+        runs[i] = retrieval_trial(run.adapter, trials[i])
     for part in gather_objects(runs):
         runs.update(part)
     kept = []
     for i in range(len(trials)):
-        if ck.get(f"needle {i}") is None:
-            ck.put(f"needle {i}", encode(runs[i]))
         trial = dict(runs[i])
         acc += trial.pop("score")
         kept.append(trial)
@@ -53,7 +52,7 @@ def score(run):
 def _accuracy(run, result, k: int) -> Measure:
     def values(configs):
         cols = []
-        for tr in run.state["trials"]:
+        for tr in _trials(run):
             ids = torch.cat([tr.ids, tr.answer])[None].to(run.device)
             inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
             cols.append(sharded_gated(run.adapter, inputs, configs, CK.answer_accuracy(len(tr.ids), tr.answer),

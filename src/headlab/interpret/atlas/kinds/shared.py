@@ -22,7 +22,6 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from headlab.distributed.data import all_reduce_sum
 from headlab.errors import InputError
 from headlab.interpret.atlas import causal as CK
 from headlab.interpret.atlas import tasks as T
@@ -46,7 +45,7 @@ def _capture_qk(adapter, ids: torch.Tensor, stats_kwargs: dict | None = None):
 def _place(grid: torch.Tensor, cache, adapter, layer: int, v: torch.Tensor) -> None:
     """Row ``layer`` of ``grid`` at the heads ``v`` ``(heads here,)`` scores: a rank's own heads under tensor
     parallelism, else the layer's first ``len(v)`` (all of them; fewer in a pruned layer)."""
-    if adapter.tp is None:
+    if not adapter.placement.sharded:
         grid[layer, :v.shape[0]] = v
     else:
         heads = cache.heads(adapter.site_name(layer, "q"))
@@ -56,7 +55,7 @@ def _place(grid: torch.Tensor, cache, adapter, layer: int, v: torch.Tensor) -> N
 def _added(adapter, grid: torch.Tensor) -> torch.Tensor:
     """A grid each rank filled at its own heads (zeros elsewhere), added over its tensor-parallel group (every
     group scored the same inputs); unsharded, ``grid`` itself."""
-    return grid if adapter.tp is None else all_reduce_sum(grid, adapter.tp.group)
+    return adapter.placement.sum_group(grid)
 
 
 def _layer(cache, adapter, layer: int):
@@ -70,7 +69,7 @@ def repeated_grid(run: Run, per_layer: Callable) -> torch.Tensor:
     them (``lse`` ``(B, H_l, L)`` the rows' full log-normalisers, from the same forward)."""
     adapter = run.adapter
     cache = run.memo("repeated", lambda: _capture_qk(adapter, run.repeated_ids, {"stats": ["lse"]}))
-    out = run.grid() if adapter.tp is None else run.grid(0.0)
+    out = run.grid(0.0) if adapter.placement.sharded else run.grid()
     for layer in range(adapter.n_layers):
         q, k, ca, st = _layer(cache, adapter, layer)
         v = per_layer(q, k, ca, st.lse)  # (B, H_l): this rank's heads under tensor parallelism
@@ -115,9 +114,9 @@ def pattern_labels(run: Run) -> list[list[list[str]]]:
     adapter, tok = run.adapter, run.tokenizer
     ids, sinks, cache = _text(run)[0]
     stats = [_layer(cache, adapter, layer)[3] for layer in range(adapter.n_layers)]
-    if adapter.tp is not None:  # every head's statistics (rows, no maps), in global order on every rank
+    if adapter.placement.sharded:  # every head's statistics (rows, no maps), in global order on every rank
         names = [adapter.site_name(layer, "stats") for layer in range(adapter.n_layers)]
-        got = adapter.tp.gather_sites(dict(zip(names, stats)))
+        got = adapter.placement.gather_sites(dict(zip(names, stats)))
         stats = [got[n] for n in names]
     rows = [LB.row_stats_from_attention_stats(st, sink_positions=sinks, causal=adapter.causal) for st in stats]
     toks = tok.convert_ids_to_tokens(ids.tolist()) if tok is not None else [str(t) for t in ids.tolist()]

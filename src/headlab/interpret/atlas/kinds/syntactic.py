@@ -40,20 +40,18 @@ def _probe(loaded, treebank, limit, grid) -> tuple[dict[str, list[str]], list[st
 def score(run):
     limit = run.sizes["treebank_limit"]
     run.say("treebank probe", 0, 1)
-    rel, more, grid, best = run.checkpoint.run("syntactic", lambda: _probe(run.loaded, run.treebank, limit, run.grid()))
+    rel, more, grid, best = _probe(run.loaded, run.treebank, limit, run.grid())
     run.syntactic.update(rel)
     run.notes += more
-    run.state["syntax"] = {"treebank": run.treebank, "limit": limit, "max_positions": run.loaded.max_positions,
-                           "relations": best}
+    run.state["relations"] = best  # each head's relation of largest margin: what the check gates on (kept as JSON)
     return grid
 
 
 def _dependents_loss(run, result, k: int) -> Measure | str:
-    syntax = run.state["syntax"]
-    relations = sorted({syntax["relations"][f"{l}.{h}"] for l, h in result.top("syntactic", k)
-                        if f"{l}.{h}" in syntax["relations"]})
-    found = D.examples(run.tokenizer, syntax["treebank"], limit=syntax["limit"], relations=relations,
-                       max_positions=syntax["max_positions"]) if relations else []
+    best = run.state["relations"]
+    relations = sorted({best[f"{l}.{h}"] for l, h in result.top("syntactic", k) if f"{l}.{h}" in best})
+    found = D.examples(run.tokenizer, run.treebank, limit=run.sizes["treebank_limit"], relations=relations,
+                       max_positions=run.loaded.max_positions) if relations else []
     if len(found) < 2:
         return (f"not run: {len(found)} treebank sentence(s) hold a dependent of the top heads' relations "
                 f"({', '.join(relations) or 'none with enough cases'}) past the first token; the bootstrap "

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from headlab import checks
 from headlab.errors import ConfigError, InputError, ModelError, ShapeError
 from headlab.interpret.patching.metrics import Metric, check_ids, check_position, logit_diff
 from headlab.models.loaded_model import resolve
@@ -162,8 +163,7 @@ MAX_PAIRS = 10_000  # every pair is a row of every forward: more would not fit a
 
 
 def check_n(n) -> int:
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ConfigError(f"n (the number of clean/corrupted pairs) must be a positive int, got {n!r}; pass e.g. n=64")
+    checks.positive_int("n", n, what=" (the number of clean/corrupted pairs)", hint="; pass e.g. n=64")
     if n > MAX_PAIRS:
         raise ConfigError(f"n={n:,} pairs: a task builds at most {MAX_PAIRS:,} (each pair is a row of every forward); "
                           "pass e.g. n=64")
@@ -171,9 +171,7 @@ def check_n(n) -> int:
 
 
 def check_seed(seed) -> int:
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise ConfigError(f"seed must be an int, got {seed!r}")
-    return seed
+    return checks.integer("seed", seed)
 
 
 def text_tokenizer(model, task: str):

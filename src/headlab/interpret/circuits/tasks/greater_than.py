@@ -7,8 +7,16 @@ import random
 import torch
 
 from headlab.errors import InputError
-from headlab.interpret.circuits.tasks.base import (PairMetric, TaskPairs, check_n, check_seed, max_draws,
-                                                   signed_prob, text_tokenizer, too_few)
+from headlab.interpret.circuits.tasks.base import (
+    PairMetric,
+    TaskPairs,
+    check_n,
+    check_seed,
+    max_draws,
+    signed_prob,
+    text_tokenizer,
+    too_few,
+)
 
 GREATER_THAN = "The {noun} lasted from the year {century}{yy} to the year {century}"
 CENTURY = "17"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from headlab import checks
 from headlab.errors import ConfigError, InputError, ModelError
 from headlab.interpret.atlas.scores import embeddings
 from headlab.interpret.atlas.tasks import repeated
@@ -36,8 +37,8 @@ def induction(model, n: int = 64, *, half: int = 16, seed: int = 0, vocab: int |
     check_seed(seed)
     adapter, loaded = resolve(model)
     tok = getattr(loaded, "tokenizer", None)
-    if vocab is not None and (isinstance(vocab, bool) or not isinstance(vocab, int) or vocab < 2):
-        raise ConfigError(f"vocab must be an int of at least 2 (ids are drawn from 0..vocab - 1), got {vocab!r}")
+    if vocab is not None:
+        checks.int_at_least("vocab", vocab, 2, what=" (ids are drawn from 0..vocab - 1)")
     try:
         rows = int(embeddings(adapter.model)[0].shape[0])
     except ModelError:

@@ -8,8 +8,17 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from headlab.errors import ConfigError, InputError
-from headlab.interpret.circuits.tasks.base import (PairMetric, TaskPairs, check_n, check_seed, max_draws,
-                                                   pair_logit_diff, single_token, text_tokenizer, too_few)
+from headlab.interpret.circuits.tasks.base import (
+    PairMetric,
+    TaskPairs,
+    check_n,
+    check_seed,
+    max_draws,
+    pair_logit_diff,
+    single_token,
+    text_tokenizer,
+    too_few,
+)
 from headlab.interpret.patching.prompts import prompt_pair
 
 # Wang et al.'s BABA templates: [B] is the subject S, [A] the indirect object IO (the answer).

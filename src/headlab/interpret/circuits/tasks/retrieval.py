@@ -8,8 +8,17 @@ import random
 import torch
 
 from headlab.errors import InputError
-from headlab.interpret.circuits.tasks.base import (PairMetric, TaskPairs, check_n, check_seed, max_draws,
-                                                   pair_logit_diff, single_token, text_tokenizer, too_few)
+from headlab.interpret.circuits.tasks.base import (
+    PairMetric,
+    TaskPairs,
+    check_n,
+    check_seed,
+    max_draws,
+    pair_logit_diff,
+    single_token,
+    text_tokenizer,
+    too_few,
+)
 from headlab.interpret.circuits.tasks.ioi import NAMES
 from headlab.interpret.patching.prompts import prompt_pair
 

@@ -8,9 +8,11 @@ and gives its part of the page. Adding one to the report is that file plus its l
 from headlab.interpret.report.sections.base import Job, PagePart, Section, register, registered
 
 # registration (import) order is page order; a later section may read the results of earlier ones
-from headlab.interpret.report.sections import heads  # noqa: E402,F401  (the table and the maps)
-from headlab.interpret.report.sections import saliency  # noqa: E402,F401  (the saliency strip)
-from headlab.interpret.report.sections import flow  # noqa: E402,F401  (norm maps and rollout)
-from headlab.interpret.report.sections import atlas  # noqa: E402,F401  (each head's roles from the head atlas)
+# isort: off
+from headlab.interpret.report.sections import heads  # noqa: F401  (the table and the maps)
+from headlab.interpret.report.sections import saliency  # noqa: F401  (the saliency strip)
+from headlab.interpret.report.sections import flow  # noqa: F401  (norm maps and rollout)
+from headlab.interpret.report.sections import atlas  # noqa: F401  (each head's roles from the head atlas)
+# isort: on
 
 __all__ = ["Job", "PagePart", "Section", "register", "registered"]

@@ -15,6 +15,7 @@ import html
 
 from headlab.interpret.report.sections.base import Job, PagePart, Section, register
 
+
 def _kinds(tokenizer) -> list[str]:
     """The kinds of the atlas's two small inputs: the repeated tokens and, with a tokenizer, the shipped text."""
     from headlab.interpret.atlas.kinds import KINDS

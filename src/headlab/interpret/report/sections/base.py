@@ -20,7 +20,8 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from headlab.interpret.heads.labels import LabelThresholds
-from headlab.interpret.instruments.base import Part, Registry
+from headlab.interpret.instruments.base import Part
+from headlab.registry import Registry
 
 
 @dataclass

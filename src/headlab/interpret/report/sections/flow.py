@@ -55,7 +55,7 @@ class FlowView:
         """The JSON the page reads (``None`` when skipped); the rollout map goes as uint16 like the weight maps."""
         if self.skipped is not None:
             return None
-        num = lambda a: [float(f"{v:.7g}") for v in np.asarray(a, dtype=np.float64)]  # noqa: E731
+        num = lambda a: [float(f"{v:.7g}") for v in np.asarray(a, dtype=np.float64)]
         roll = {"layer": self.rollout_layer, "note": self.note,
                 "rows": {str(p): num(r) for p, r in self.rollout_rows.items()}}
         if self.rollout_map is not None:
