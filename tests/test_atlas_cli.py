@@ -113,19 +113,41 @@ def test_analyze_report_lists_the_atlas_roles(tmp_path):
     assert not (want["induction"] >= 0.3).any() and (want["sink"] >= 0.5).sum() > 2
 
 
-def test_the_command_resumes_into_its_own_folder(tmp_path, saved_decoder, capsys):
-    # a folder holding only the checkpoint of an interrupted run is not "not empty": the command resumes there
+def test_resume_takes_only_its_own_runs_phases(tmp_path, saved_decoder, capsys):
+    # --resume reads the phases an interrupted run kept in --out/atlas.json (the runner's units): phases of other
+    # options, or of the same options on other inputs (the --texts file changed), are refused; a file of kept
+    # phases given to atlas(resume=...) for other settings is replaced, and the atlas says so
+    import headlab
+    from headlab.interpret.instruments import get
+    from headlab.interpret.instruments.base import Context
+    from headlab.interpret.instruments.runner import check_options
+    from headlab.results import Result
+
     out = tmp_path / "out"
     out.mkdir()
-    (out / "atlas.partial.json").write_text('{"key": {}, "phases": {}}')
     texts = tmp_path / "ids.txt"
     texts.write_text("\n".join(" ".join(str((i * 7 + j) % 39 + 1) for j in range(40)) for i in range(4)) + "\n")
-    code, so, se = run_cli(["atlas", "--model", saved_decoder, "--texts", texts, "--out", out, "--half", "6",
-                            "--max-tokens", "24", "--n-texts", "3", "--needles", "2", "--haystack", "30",
-                            "--kinds", "induction,sink", "--top-k", "1"], capsys)
-    assert code == 0, se
-    assert (out / "atlas.json").is_file() and not (out / "atlas.partial.json").exists()
-    assert "another run" in json.loads((out / "atlas.json").read_text())["notes"][-1]
+    args = ["atlas", "--model", saved_decoder, "--texts", texts, "--out", out, "--half", "6", "--max-tokens", "24",
+            "--n-texts", "3", "--needles", "2", "--haystack", "30", "--kinds", "induction,sink", "--top-k", "1"]
+    kept = {"interrupted": {"kept": 1, "of": 6}, "units": {"repeated": {"key": "another run's", "seconds": 0.1}}}
+    Result("head_atlas", settings={"seed": 1}, figures=kept).save(out / "atlas.json")
+    code, _, se = run_cli([*args, "--resume"], capsys)
+    assert code == 2 and "was computed with other settings" in se, se
+    inst = get("atlas")
+    options = {"model": str(saved_decoder), "texts": texts, "out": out, "half": 6, "max_tokens": 24, "n_texts": 3,
+               "needles": 2, "haystack": 30, "kinds": "induction,sink", "top_k": 1}
+    Result("head_atlas", settings=Context(inst, check_options(inst, options)).settings, figures=kept).save(
+        out / "atlas.json")
+    code, _, se = run_cli([*args, "--resume"], capsys)
+    assert code == 2 and "keeps phases (repeated) computed from other inputs" in " ".join(se.split()), se
+    assert json.loads((out / "atlas.json").read_text())["units"] == kept["units"]  # refused: nothing replaced
+
+    partial = tmp_path / "atlas.partial.json"
+    partial.write_text(json.dumps({"units": kept["units"]}))
+    ids = [[(i * 7 + j) % 39 + 1 for j in range(40)] for i in range(4)]
+    a = headlab.atlas(headlab.load(saved_decoder), kinds=["induction"], texts=ids, half=6, n_repeated=2, k=1,
+                      checks=False, evidence=False, resume=partial)
+    assert "held another run's units" in a.notes[-1] and not partial.exists()
 
 
 def test_the_atlas_takes_a_model_name_as_its_docstring_says():

@@ -744,8 +744,6 @@ LEAD_EMPTY_MODEL = ("lead (instruments/base.py or runner.py): refuse --model '' 
                     "the second line of stderr, after the run made --out)")
 LEAD_INF = ("lead (instruments/base.py, at_least): a non-finite value is refused as 'must be at least {low}, got inf', "
             "which inf is; say 'must be a finite number of at least {low}, got inf'")
-CHECKS_HEADS = ("checks (decode/kv.py, Policy.from_spec): refuse a spec that is not a mapping, e.g. "
-                "'policy file ...: \"heads\" must be an object {\"layer.kv_head\": rule}, got null', before .items()")
 
 
 def _files3(tmp: Path) -> dict:
@@ -782,10 +780,10 @@ REFUSED3 = [
     case(["memory", "--kv-len", "-1"], "clean", r"kv_len must be a positive integer, got -1"),
     case(["memory", "--kv-heads", "-2"], "clean", r"kv_heads must be a positive integer, got -2"),
     case(["memory", "--link-bandwidth", "0", "--peak-flops", "1e12"], "clean", r"--link-bandwidth must be a positive"),
-    case(["memory", "--link-bandwidth", "-1e9", "--peak-flops", "1e12"], "clean", r"--link-bandwidth .*got -1000000000"),
+    case(["memory", "--link-bandwidth", "-1e9", "--peak-flops", "1e12"], "clean", r"--link-bandwidth .*-1000000000"),
     case(["memory", "--link-bandwidth", "1e9"], "clean", r"needs both --link-bandwidth and --peak-flops"),
     case(["memory", "--peak-flops", "1e12"], "clean", r"needs both --link-bandwidth and --peak-flops"),
-    case(["memory", "--link-bandwidth", "1e9", "--peak-flops", "inf"], "clean", r"--peak-flops must be a positive .*inf"),
+    case(["memory", "--link-bandwidth", "1e9", "--peak-flops", "inf"], "clean", r"--peak-flops must be .*inf"),
     case(["memory", "--link-bandwidth", "abc"], "clean", r"Invalid value for '--link-bandwidth'"),
     case(["memory", "--ranks", "1000000000000"], "clean", r"--seq-len 4096 does not split into 1000000000000"),
     case(["memory", "--seq-len", "1e12"], "clean", r"Invalid value for '--seq-len'"),
@@ -795,8 +793,9 @@ REFUSED3 = [
     case(["memory", "--kv-policy", "{number}"], "clean", r"policy file .*number.json': expected"),
     case(["memory", "--kv-policy", "{defnum}"], "clean", r"policy file .*defnum.json': expected"),
     case(["memory", "--kv-policy", "{headsbad}"], "clean", r"a kv rule is kv.full, .*got 5"),
-    case(["memory", "--kv-policy", "{headsnull}"], "traceback", r"\"heads\".*null", fix=CHECKS_HEADS),
-    case(["memory", "--kv-policy", "{headslist}"], "traceback", r"\"heads\".*list", fix=CHECKS_HEADS),
+    # fixed by the helper 'checks' in decode/kv.py (Policy.from_spec): an AttributeError on .items() before
+    case(["memory", "--kv-policy", "{headsnull}"], "traceback", r"\"heads\".*null"),
+    case(["memory", "--kv-policy", "{headslist}"], "traceback", r"\"heads\".*list"),
     case(["memory", "--kv-policy", "snapkv:abc"], "clean", r"budget takes an integer, got 'abc'"),
     case(["memory", "--kv-policy", "adakv:-1"], "clean", r"budget=-1 must be at least 1"),
     case(["memory", "--kv-policy", "full:bits=5"], "clean", r"bits=5: a kv head stores keys and values at 16"),
@@ -816,11 +815,11 @@ REFUSED3 = [
     case(["analyze", "the cat", "--heads-result", "{null}", *O], "clean", r"--heads-result .*a JSON NoneType"),
     case(["analyze", "the cat", "--heads-result", "{number}", *O], "clean", r"--heads-result .*a JSON int"),
     case(["analyze", "the cat", "--backend", "BOGUS", *O], "clean", r"unknown backend 'BOGUS'"),
-    case(["analyze", "the cat", "--tensor-parallel", "--tensor-size", "0", *O], "clean", r"--tensor-size must be at least 1"),
+    case(["analyze", "the cat", "--tensor-parallel", "--tensor-size", "0", *O], "clean", r"--tensor-size must be"),
     case(["analyze", "the cat", "--tensor-size", "-1", *O], "clean", r"--tensor-size acts only with --tensor-parallel"),
     case(["demo", "--model", "", *O], "clean", r"the model name is empty"),
     # pattern
-    case(["pattern", "causal", "--seq-len", "1000000000000"], "clean", r"--seq-len must be in 1..8192 .*got 1000000000000"),
+    case(["pattern", "causal", "--seq-len", "1000000000000"], "clean", r"must be in 1..8192 .*got 1000000000000"),
     case(["pattern", "causal", "--seq-len", "8193"], "clean", r"--seq-len must be in 1..8192 .*got 8193"),
     case(["pattern", "dilated_window"], "clean", r"pattern 'dilated_window' needs --window"),
     case(["pattern", "bigbird"], "clean", r"pattern 'bigbird' needs --block"),
@@ -840,7 +839,7 @@ REFUSED3 = [
     case(["pattern", "causal", "--block", "4"], "clean", r"--block acts only with bigbird"),
     # probe
     case(["probe", "--treebank", "{conllu}"], "clean", r"bad.conllu:1: not CoNLL-U: expected 10 tab-separated"),
-    case(["probe", "--treebank", "{good}", "--loss-model", "{file}"], "clean", r"--loss-model .*is a file, not a model"),
+    case(["probe", "--treebank", "{good}", "--loss-model", "{file}"], "clean", r"--loss-model .*is a file"),
     case(["probe", "--treebank", "{good}", "--loss-model", ""], "bug",
          r"--loss-model is empty"),  # fixed in instruments/probe.py: was "the model name is empty" after the load
     case(["probe", "--treebank", "{good}", "--tensor-parallel", "--tensor-size", "0"], "clean", r"--tensor-size must"),
@@ -880,7 +879,7 @@ REFUSED3 = [
     case(["generate", "hi", "--kv-from", "{null}"], "clean", r"--kv-from .*null.json': expected a policy"),
     case(["generate", "hi", "--kv-from", "{number}"], "clean", r"--kv-from .*number.json': expected a policy"),
     case(["generate", "hi", "--kv-from", "{defnum}"], "clean", r"--kv-from .*defnum.json': expected a policy"),
-    case(["generate", "hi", "--kv-from", "{headsnull}"], "traceback", r"\"heads\".*null", fix=CHECKS_HEADS),
+    case(["generate", "hi", "--kv-from", "{headsnull}"], "traceback", r"\"heads\".*null"),  # fixed by 'checks'
     case(["generate", "hi", "--kv-from", "{other}", "--keep", "inf"], "clean", r"--keep inf: give the fraction"),
     case(["generate", "hi", "--policy", "snapkv:-1"], "clean", r"budget=-1 must be at least 1"),
     case(["generate", "hi", "--policy", "adakv:0"], "clean", r"budget=0 must be at least 1"),
@@ -1016,7 +1015,7 @@ LOAD_REFUSES3 = [
     case(["models", "--check", "{cfgnotype}"], "clean", r"cfgnotype/config.json is not a Hugging Face config"),
     case(["models", "--check", "{cfglatin}"], "clean", r"cfglatin/config.json is not a Hugging Face config"),
     case(["models", "--check", "{cfgdir}"], "clean", r"cfgdir is not a Hugging Face model folder"),
-    case(["atlas", "--model", "", *O], "clean", r"the model name is empty"),
+    case(["atlas", "--model", "", *O], "clean", r"the model name is empty", fix=LEAD_EMPTY_MODEL),
     case(["patch", *PAIR, "--model", ""], "clean", r"the model name is empty"),
     case(["probe", "--treebank", "{good}", "--model", ""], "clean", r"the model name is empty"),
     case(["flow", "the cat", "--model", ""], "clean", r"the model name is empty"),
@@ -1054,8 +1053,6 @@ def test_census3_odd_but_valid_command_lines(args, check, capsys, no_load):
 
 
 X5 = torch.randn(1, 5, 16, generator=torch.Generator().manual_seed(2))  # (batch, seq, embed) for MultiHeadAttention
-CHECKS_MHA = "checks (attention/module.py, MultiHeadAttention.__init__ / forward): "
-CHECKS_MASKS = "checks (spec/masks/algebra.py): "
 RESULTS = "results (results.py): "
 
 
@@ -1112,33 +1109,29 @@ API_REFUSED3 = [
         r"dropout must be in \[0, 1\), got nan", "clean"),
     api("c3 mha kv heads 0", lambda f: headlab.MultiHeadAttention(16, 4, num_kv_heads=0), ConfigError,
         r"got 16, 4, 0", "clean"),
+    # the next five were fixed by the helper 'checks' in attention/module.py after this census marked them
     api("c3 mha dropout 'x'", lambda f: headlab.MultiHeadAttention(16, 4, dropout="x"), ConfigError,
-        r"dropout must be a number", "untyped",
-        fix=CHECKS_MHA + "check dropout is a number (checks.in_range('dropout', ...)) before 0 <= dropout (TypeError)"),
+        r"dropout must be a number", "untyped"),
     api("c3 mha backend 5", lambda f: headlab.MultiHeadAttention(16, 4, backend=5), UnknownBackendError,
-        r"unknown backend 5", "bug",
-        fix=CHECKS_MHA + "look up any backend that is not 'auto' or a Backend object (5 is accepted, refused at the "
-                         "first call)"),
+        r"unknown backend 5", "bug"),
     api("c3 mha kdim 0", lambda f: headlab.MultiHeadAttention(16, 4, kdim=0), ConfigError, r"kdim must be a positive",
-        "silently wrong", fix=CHECKS_MHA + "kdim=0 is read as 'not given' (kdim or embed_dim): check kdim/vdim "
-                                           "with checks.positive_int when not None"),
+        "silently wrong"),
     api("c3 mha kdim -3", lambda f: headlab.MultiHeadAttention(16, 4, kdim=-3), ConfigError,
-        r"kdim must be a positive integer, got -3", "untyped",
-        fix=CHECKS_MHA + "the same check (a RuntimeError from nn.Linear's negative dimension)"),
+        r"kdim must be a positive integer, got -3", "untyped"),
     api("c3 mha fp16 input", lambda f: headlab.MultiHeadAttention(16, 4)(X5.half()), DTypeError,
         r"query is torch.float16 but the module's weights are torch.float32", "clean"),
     api("c3 mha int input", lambda f: headlab.MultiHeadAttention(16, 4)(X5.long()), DTypeError,
         r"query is torch.int64, but attention needs floating-point", "clean"),
     api("c3 mha meta input", lambda f: headlab.MultiHeadAttention(16, 4)(X5.to("meta")), HeadlabError,
-        r"query is on meta but the module's weights are on cpu", "untyped",
-        fix=CHECKS_MHA + "check the inputs' device against the weights' beside _check_dtypes (a RuntimeError)"),
+        r"query is on meta but the module's weights are on cpu", "untyped"),
     api("c3 mha empty sequence", lambda f: headlab.MultiHeadAttention(16, 4)(torch.randn(1, 0, 16)), ShapeError,
         r"empty dimension", "clean"),
     api("c3 mha key padding int", lambda f: headlab.MultiHeadAttention(16, 4)(
-        X5, key_padding_mask=torch.zeros(1, 5, dtype=torch.long)), MaskError, r"key_padding_mask must be bool", "clean"),
+        X5, key_padding_mask=torch.zeros(1, 5, dtype=torch.long)), MaskError, r"must be bool", "clean"),
     api("c3 mha attn_mask 3x3 for 5", lambda f: headlab.MultiHeadAttention(16, 4)(
         X5, attn_mask=torch.zeros(3, 3, dtype=torch.bool)), MaskError, r"attn_mask must have torch's shape", "clean"),
-    api("c3 mha batch 2 vs 3", lambda f: headlab.MultiHeadAttention(16, 4)(torch.randn(2, 5, 16), torch.randn(3, 5, 16)),
+    api("c3 mha batch 2 vs 3", lambda f: headlab.MultiHeadAttention(16, 4)(torch.randn(2, 5, 16),
+                                                                           torch.randn(3, 5, 16)),
         ShapeError, r"must share the batch size", "clean"),
     api("c3 mha key 3 value 4 long", lambda f: headlab.MultiHeadAttention(16, 4)(
         X5, torch.randn(1, 3, 16), torch.randn(1, 4, 16)), ShapeError, r"key and value the sequence length", "clean"),
@@ -1152,25 +1145,21 @@ API_REFUSED3 = [
     api("c3 mha input a list", lambda f: headlab.MultiHeadAttention(16, 4)([[1.0] * 16]), ShapeError,
         r"query must be \(batch, seq, features\), got list", "clean"),
     # masks
+    # the next six were fixed by the helper 'checks' in spec/masks/algebra.py after this census marked them
     api("c3 padding 1 length for batch 2", lambda f: headlab.masks.padding([3]).dense(batch=2, heads=1, q_len=4,
                                                                                       kv_len=4),
-        MaskError, r"padding\(\[3\]\) has 1 length.*batch of 2", "untyped",
-        fix=CHECKS_MASKS + "MaskFn.dense / check_sizes: refuse a batch-dependent mask whose batch_size differs from "
-                           "the call's batch (an IndexError in padding's fn)"),
+        MaskError, r"padding\(\[3\]\) has 1 length.*batch of 2", "untyped"),
     api("c3 padding 1 length in attention batch 2", lambda f: headlab.attention(
         *[Q.repeat(2, 1, 1, 1)] * 3, mask=headlab.masks.padding([3])), MaskError, r"padding\(\[3\]\) has 1 length",
-        "untyped", fix=CHECKS_MASKS + "the same check, reached through validate -> norm.check_sizes(B, H)"),
+        "untyped"),
     api("c3 padding [2.5]", lambda f: headlab.masks.padding([2.5]), ConfigError, r"padding lengths must be whole",
-        "silently wrong", fix=CHECKS_MASKS + "padding(): refuse non-integer lengths (2.5 is truncated to 2 by "
-                                             "torch.as_tensor(dtype=long))"),
+        "silently wrong"),
     api("c3 padding None", lambda f: headlab.masks.padding(None), ConfigError, r"padding\(lengths\) needs",
-        "untyped", fix=CHECKS_MASKS + "padding(): refuse None / non-sequences before torch.as_tensor (TypeError)"),
+        "untyped"),
     api("c3 dense batch 0", lambda f: headlab.masks.causal().dense(batch=0, heads=1, q_len=4, kv_len=4), ConfigError,
-        r"batch must be a positive integer, got 0", "silently wrong",
-        fix=CHECKS_MASKS + "MaskFn.dense: check batch, heads, q_len, kv_len with checks.positive_int (batch=0 gave a "
-                           "batch of 1)"),
+        r"batch must be a positive integer, got 0", "silently wrong"),
     api("c3 dense q_len -1", lambda f: headlab.masks.causal().dense(batch=1, heads=1, q_len=-1, kv_len=4), ConfigError,
-        r"q_len must be a positive integer, got -1", "untyped", fix=CHECKS_MASKS + "the same check (a RuntimeError)"),
+        r"q_len must be a positive integer, got -1", "untyped"),
     api("c3 documents [0]", lambda f: headlab.masks.documents([0]), ConfigError, r"document lengths must be >= 1",
         "clean"),
     api("c3 dilated dilation 0", lambda f: headlab.masks.dilated_window(2, 0), ConfigError,
@@ -1222,7 +1211,7 @@ API_REFUSED3 = [
     api("c3 capture ids a list", lambda f: headlab.capture(_tm(), [[1, 2]], "blocks.*.attn.pattern"), InputError,
         r"got list", "clean"),
     api("c3 capture ids 3-D", lambda f: _capture(IDS[None]), ShapeError, r"input_ids must be \(batch, seq\)", "clean"),
-    api("c3 capture id -1", lambda f: _capture(torch.tensor([[1, -1]])), InputError, r"token id -1 is outside", "clean"),
+    api("c3 capture id -1", lambda f: _capture(torch.tensor([[1, -1]])), InputError, r"token id -1 is", "clean"),
     api("c3 capture model a str", lambda f: headlab.capture("x", IDS, "blocks.*.attn.pattern"), ConfigError,
         r"expected a model, a LoadedModel .*got str", "clean"),
     api("c3 capture bool ids", lambda f: _capture(torch.tensor([[True, False]])), InputError, r"dtype torch.bool",
@@ -1311,15 +1300,14 @@ API_REFUSED3 = [
         r"expected \{\"default\"", "clean"),
     api("c3 policy load null", lambda f: _kv().Policy.load(_write(f, "n.json", "null")), InputError,
         r"expected \{\"default\"", "clean"),
-    api("c3 policy spec None", lambda f: _kv().Policy.from_spec(None), ConfigError, r"must be an object", "untyped",
-        fix=CHECKS_HEADS),
+    # fixed by the helper 'checks' in decode/kv.py (Policy.from_spec), each was an AttributeError on .items():
+    api("c3 policy spec None", lambda f: _kv().Policy.from_spec(None), ConfigError, r"must be an object", "untyped"),
     api("c3 policy load heads null", lambda f: _kv().Policy.load(_write(f, "h.json", '{"heads": null}')), HeadlabError,
-        r"\"heads\".*null", "untyped", fix=CHECKS_HEADS),
+        r"\"heads\".*null", "untyped"),
     api("c3 policy load heads list", lambda f: _kv().Policy.load(_write(f, "h.json", '{"heads": [1]}')), HeadlabError,
-        r"\"heads\".*list", "untyped", fix=CHECKS_HEADS),
+        r"\"heads\".*list", "untyped"),
     api("c3 policy key 0.-1", lambda f: _kv().Policy.from_spec({"0.-1": "drop"}), ConfigError, r"0.-1",
-        "silently wrong", fix="checks (decode/kv.py, Policy.from_spec): refuse a negative layer or kv head in a "
-                              "'layer.kv_head' key (0.-1 became the rule of kv head -1)"),
+        "silently wrong"),  # fixed by 'checks' (decode/kv.py): 0.-1 became the rule of kv head -1
     api("c3 policy random keep 2", lambda f: _kv().Policy.random(_llama(), keep=2.0), ConfigError,
         r"keep must be a number in \[0, 1\].*got 2.0", "clean"),
     api("c3 policy scores keep inf", lambda f: _kv().Policy.from_scores(_llama(), torch.ones(2, 4), keep=math.inf),

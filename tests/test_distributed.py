@@ -229,8 +229,7 @@ def test_data_parallel_probe_and_explain_study_equal_one_process(tmp_path):
                progress=False, figures=False)
     recs = {}
     for name in ("study", "one"):
-        lines = (tmp_path / name / "instances.jsonl").read_text().splitlines()
-        recs[name] = {r["key"]: r for r in map(json.loads, lines)}
+        recs[name] = json.loads((tmp_path / name / "instances.json").read_text())["units"]
     assert len(recs["study"]) == len(recs["one"]) == 5  # every row once, written by rank 0
     for key, r in recs["one"].items():
         got = recs["study"][key]

@@ -1,7 +1,7 @@
 """``headlab atlas`` is a row: the ``atlas`` instrument's options are the command's (the flags, short flags and
 defaults it has always had), a bad option is refused before any model loads, what the row writes is what
-``headlab.atlas`` computes on the same model, and Ctrl-C inside the one unit keeps the atlas's finished phases
-(its own checkpoint), from which the same command resumes to the uninterrupted result."""
+``headlab.atlas`` computes on the same model, and Ctrl-C keeps the finished phases (the runner's units), from
+which the printed command (``--resume``) runs only the rest, to the uninterrupted result."""
 
 from __future__ import annotations
 
@@ -47,7 +47,7 @@ def test_the_command_is_the_instruments_row():
     inst = get("atlas")
     assert type(inst).__name__ == "HeadAtlas" and inst.result_kind == "head_atlas"
     params = command_params("atlas")
-    assert set(params) == {o.name for o in inst.options} | {"tensor_parallel", "tensor_size"}
+    assert set(params) == {o.name for o in inst.options} | {"tensor_parallel", "tensor_size", "resume"}
     assert [o.name for o in inst.options] == [name for name, _, _ in OPTIONS]
     for name, flags, default in OPTIONS:
         p = params[name]
@@ -94,10 +94,11 @@ def test_the_row_writes_what_the_library_computes(tmp_path, saved_decoder, ids_f
     assert "induction" in so and "sink" in so
 
 
-def test_ctrl_c_keeps_the_finished_phases_and_the_same_command_resumes(tmp_path, saved_decoder, ids_file, capsys,
-                                                                        monkeypatch):
+def test_ctrl_c_keeps_the_finished_phases_and_the_printed_command_resumes(tmp_path, saved_decoder, ids_file, capsys,
+                                                                         monkeypatch):
+    import shlex
+
     import headlab.interpret.atlas.kinds.retrieval as retrieval
-    from headlab.interpret.instruments.base import Context
 
     real, calls = retrieval.retrieval_trial, []
 
@@ -112,26 +113,30 @@ def test_ctrl_c_keeps_the_finished_phases_and_the_same_command_resumes(tmp_path,
     args = ["atlas", "--model", saved_decoder, "--texts", ids_file, "--out", out, "--kinds", "induction,retrieval",
             *SIZES]
     code, _, se = run_cli(args, capsys)
-    assert code == 130 and "interrupted" in se
-    assert not (out / "atlas.json").exists()
-    partial = json.loads((out / "atlas.partial.json").read_text())
-    assert list(partial["phases"]) == ["repeated", "copying", "text", "needle 0"]  # what had finished, nothing more
-    inst = get("atlas")
-    said = inst.kept_inside(Context(inst, {}, path=out / "atlas.json"))
-    assert "(repeated, copying, text, needle 0)" in said and str(out / "atlas.partial.json") in said
-    assert inst.kept_inside(Context(inst, {}, path=tmp_path / "none" / "atlas.json")).startswith("no phase")
+    phases = ["repeated", "copying", "text", "retrieval", "check repeated", "check needle", "evidence"]
+    assert code == 130 and f"interrupted: kept 3 of {len(phases)} units in {out / 'atlas.json'}" in se, se
+    partial = json.loads((out / "atlas.json").read_text())  # the runner's units: what had finished, nothing more
+    assert partial["interrupted"] == {"kept": 3, "of": len(phases)}
+    assert list(partial["units"]) == ["repeated", "copying", "text"] and not (out / "atlas.html").exists()
+    command = [ln for ln in se.splitlines() if ln.startswith("interrupted")][0].split("to finish the rest: ", 1)[1]
+    assert command.startswith("headlab atlas ") and command.endswith(" --resume"), command
 
-    monkeypatch.setattr(retrieval, "retrieval_trial", real)
-    code, _, se = run_cli(args, capsys)  # the folder holds only the checkpoint: no --force needed
+    monkeypatch.setattr(retrieval, "retrieval_trial", lambda adapter, trial: calls.append(trial) or real(adapter, trial))
+    calls.clear()
+    ran, real_unit = [], type(get("atlas")).run_unit
+    monkeypatch.setattr(type(get("atlas")), "run_unit",
+                        lambda self, ctx, unit, recording=None: ran.append(unit.key) or real_unit(self, ctx, unit))
+    code, _, se = run_cli(shlex.split(command)[1:], capsys)  # the printed line, as a user would paste it
     assert code == 0, se
-    assert not (out / "atlas.partial.json").exists()
+    assert ran == phases[3:] and len(calls) == 3, ran  # only the rest ran (the three needle trials among them)
     resumed = Atlas.from_json(out / "atlas.json")
-    assert any(n.startswith("resumed: repeated, copying, text, needle 0 read back") for n in resumed.notes), resumed.notes
+    assert any(n.startswith("resumed: repeated, copying, text read back") for n in resumed.notes), resumed.notes
     code, _, se = run_cli(["atlas", "--model", saved_decoder, "--texts", ids_file, "--out", tmp_path / "fresh",
                            "--kinds", "induction,retrieval", *SIZES], capsys)
     assert code == 0, se
     fresh = Atlas.from_json(tmp_path / "fresh" / "atlas.json")
-    for kind in fresh.scores:  # resumed from the checkpoint = computed in one go
+    for kind in fresh.scores:  # resumed from the kept phases = computed in one go
         assert torch.allclose(resumed.scores[kind], fresh.scores[kind], atol=1e-12, equal_nan=True), kind
     assert resumed.verdicts == fresh.verdicts
     assert resumed.settings["needle_runs"] == fresh.settings["needle_runs"]
+    assert resumed.evidence == fresh.evidence

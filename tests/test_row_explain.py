@@ -2,7 +2,8 @@
 has always had), a bad option, a study option without ``--dataset`` or a dataset without its label column is
 refused before any model loads, ``--tensor-parallel`` outside torchrun is refused before it, what the row prints is what
 :func:`headlab.explain` computes on the same model, and Ctrl-C in the corpus study keeps every finished row
-(the study's own file), from which the same command resumes and explains only the rest."""
+(the runner's units, in ``instances.json``), from which the printed ``--resume`` command explains only the rest
+and ends with the result an uninterrupted run writes."""
 
 from __future__ import annotations
 
@@ -57,7 +58,7 @@ def test_the_command_is_the_instruments_row():
     inst = get("explain")
     assert type(inst).__name__ == "Explain" and inst.result_kind == "explain"
     params = command_params("explain")
-    assert set(params) == {o.name for o in inst.options} | {"tensor_parallel", "tensor_size"}
+    assert set(params) == {o.name for o in inst.options} | {"tensor_parallel", "tensor_size", "resume"}
     assert [o.name for o in inst.options] == [name for name, _, _ in OPTIONS]
     for name, flags, default in OPTIONS:
         assert set(params[name].opts) - {name} == flags and params[name].default == default, name
@@ -126,12 +127,55 @@ def test_ctrl_c_in_the_study_keeps_the_finished_rows_and_a_rerun_does_only_the_r
     args = ["explain", "--dataset", data, "--model", clf_dir, "--methods", "attention,gradient", "--no-counterfactual",
             "--out", out]
     code, _, err = run_cli(args, capsys)
-    assert code == 130 and f"{out / 'instances.jsonl'} keeps 2 explained rows" in err, err
-    assert [json.loads(line)["line"] for line in (out / "instances.jsonl").read_text().splitlines()] == [2, 3]
+    assert code == 130 and f"interrupted: kept 2 of 4 units in {out / 'instances.json'}" in err, err
+    kept = json.loads((out / "instances.json").read_text())
+    assert kept["interrupted"] == {"kept": 2, "of": 4}
+    assert [u["line"] for u in kept["units"].values()] == [2, 3]
     assert not (out / "study.json").exists()
+    again = err.split("to finish the rest: ")[1].split()  # the printed command line, pasted back
+    assert again[0] == "headlab" and again[-1] == "--resume"
     seen.clear()
-    code, stdout, err = run_cli(args, capsys)  # the same command, into the folder it left: it resumes
+    code, stdout, err = run_cli(again[1:], capsys)
     assert code == 0, err
     assert seen == ROWS[2:]  # only the rows not yet explained
     doc = json.loads((out / "study.json").read_text())
     assert doc["instances"] == 4 and doc["n"] == 4 and "4 instances" in stdout
+    monkeypatch.setattr(corpus_study, "instance", real)  # the same study, never interrupted: the same result
+    code, _, err = run_cli([*args[:-1], tmp_path / "whole"], capsys)
+    assert code == 0, err
+    whole = json.loads((tmp_path / "whole" / "study.json").read_text())
+    for k in ("n", "accuracy", "kendall", "faithfulness", "options", "skipped"):
+        assert doc[k] == whole[k], k
+    resumed, once = (json.loads((d / "instances.json").read_text())["units"] for d in (out, tmp_path / "whole"))
+    assert resumed == once and "interrupted" not in json.loads((out / "instances.json").read_text())
+
+
+def test_a_study_folder_is_resumed_or_replaced_only_when_asked(clf_dir, data, tmp_path, capsys):
+    """A finished study's folder: a rerun is refused (nothing computed), --resume keeps every row and explains
+    none, --limit may grow under --resume (the new rows only), and --force starts again."""
+    from headlab.interpret.saliency import corpus_study
+
+    out = tmp_path / "study"
+    args = ["explain", "--dataset", data, "--model", clf_dir, "--methods", "attention,gradient", "--no-counterfactual",
+            "--out", out]
+    assert run_cli([*args, "--limit", "2"], capsys)[0] == 0
+    code, _, err = run_cli(args, capsys)
+    assert code == 2 and "exists and is not empty" in err, err
+    seen = []
+    real = corpus_study.instance
+
+    def counted(loaded, row, opts):
+        seen.append(row.line)
+        return real(loaded, row, opts)
+
+    corpus_study.instance, saved = counted, corpus_study.instance
+    try:
+        code, stdout, err = run_cli([*args, "--resume"], capsys)
+        assert code == 0 and seen == [4, 5] and "4 instances" in stdout, err
+        seen.clear()
+        assert run_cli([*args, "--resume"], capsys)[0] == 0 and seen == []
+        code, _, err = run_cli([*args, "--resume", "--methods", "attention"], capsys)
+        assert code == 2 and "other settings (methods)" in err, err
+        assert run_cli([*args, "--force"], capsys)[0] == 0 and seen == [2, 3, 4, 5]
+    finally:
+        corpus_study.instance = saved

@@ -423,13 +423,15 @@ def test_study_tables_and_resume(clf, tmp_path):
     data = _tsv(tmp_path, "sentence\tlabel\na gripping film\t1\na dull , tired film\t0\n")
     opts = StudyOptions(methods=("attention", "gradient", "integrated_gradients"), ig_steps=4, permutations=6,
                         adversarial_steps=2, bootstrap=50)
+    def units():  # the records, by row key: the explain instrument's units file (its runner resumes from it)
+        return __import__("json").loads((tmp_path / "out" / "instances.json").read_text())["units"]
+
     r = study(clf, data, tmp_path / "out", limit=1, options=opts, progress=False)
     assert r.instances == 1 and (tmp_path / "out" / "tau_hist.png").is_file()
-    lines = (tmp_path / "out" / "instances.jsonl").read_text().splitlines()
-    assert len(lines) == 1
-    r2 = study(clf, data, tmp_path / "out", options=opts, progress=False)  # resumes: only line 3 is new
-    assert r2.instances == 2 and len((tmp_path / "out" / "instances.jsonl").read_text().splitlines()) == 2
-    recs = [__import__("json").loads(x) for x in (tmp_path / "out" / "instances.jsonl").read_text().splitlines()]
+    assert len(units()) == 1
+    r2 = study(clf, data, tmp_path / "out", options=opts, progress=False)  # the earlier files are replaced
+    assert r2.instances == 2 and len(units()) == 2
+    recs = list(units().values())
     taus = [x["tau"]["attention|gradient"][0] for x in recs]
     assert r2.tables["kendall"]["gradient"]["mean"] == pytest.approx(np.mean([t for t in taus if t is not None]))
     acc = np.mean([x["pred"] == x["label"] for x in recs])
@@ -437,11 +439,11 @@ def test_study_tables_and_resume(clf, tmp_path):
     f = r2.tables["faithfulness"]["integrated_gradients"]["comprehensiveness@20"]
     vals = [x["eraser"]["integrated_gradients"]["comprehensiveness"]["20"] for x in recs]
     assert f["mean"] == pytest.approx(np.mean(vals)) and f["lo"] <= f["mean"] <= f["hi"]
-    # resuming with one more method redoes both rows instead of mixing records of two method sets
+    # a run with one more method explains both rows again: records of two method sets are never mixed
     more = StudyOptions(methods=opts.methods + ("grad_x_input",), ig_steps=4, permutations=6, adversarial_steps=2,
                         bootstrap=50)
     r3 = study(clf, data, tmp_path / "out", options=more, progress=False)
-    assert r3.instances == 2 and len((tmp_path / "out" / "instances.jsonl").read_text().splitlines()) == 4
+    assert r3.instances == 2 and all("grad_x_input" in u["scores"] for u in units().values())
     assert "grad_x_input" in r3.tables["kendall"]
 
 

@@ -178,7 +178,7 @@ def test_study_tables_carry_the_flow_methods(clf, tmp_path):
     assert set(r.tables["faithfulness"]) == {*methods, "random"}
     assert set(r.tables["kendall"]) == {"gradient", *FLOW}
     assert "rollout|attention_flow" in r.tables["pairs"]
-    recs = [json.loads(x) for x in (tmp_path / "out" / "instances.jsonl").read_text().splitlines()]
+    recs = list(json.loads((tmp_path / "out" / "instances.json").read_text())["units"].values())
     for rec, text in zip(recs, ("a gripping film", "a dull , tired film")):
         ex = explain(clf, text, methods=FLOW)
         for m in FLOW:

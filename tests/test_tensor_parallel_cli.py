@@ -31,7 +31,7 @@ import tp_cli_worker  # noqa: E402
 # the files each command writes that hold its figures (pictures and pages are drawn from them)
 FILES = {"analyze": ["analyze/heads.json", "analyze/saliency.json"], "flow": ["flow/norms.json"],
          "importance": ["importance/importance.json"], "probe": ["probe/relations.json"], "patch": ["patch.json"],
-         "generate": ["generate.json"], "explain": ["explain/instances.jsonl", "explain/study.json"]}
+         "generate": ["generate.json"], "explain": ["explain/instances.json", "explain/study.json"]}
 SET_ASIDE = {"version", "out_dir", "path", "dataset", "treebank", "data", "model", "files", "out", "elapsed",
              "time_ratio", "kv_bytes_per_rank"}  # the last: None in one process (checked below)
 

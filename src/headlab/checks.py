@@ -113,6 +113,14 @@ def index(name: str, value, length: int, *, negative: bool = True, what: str = "
     return int(value) % length
 
 
+def number(name: str, value, *, what: str = "", hint: str = "", error=ConfigError, message: str | None = None):
+    """A real number, an int or a float (NaN and infinity pass: bound it with :func:`in_range` or
+    :func:`finite_float`)."""
+    if not is_number(value):
+        raise _refuse(error, message, "a number", name, value, what, hint)
+    return value
+
+
 def at_least(name: str, value, low, *, what: str = "", hint: str = "", error=ConfigError,
              message: str | None = None):
     """A finite number ``>= low`` (an int or a float; use :func:`int_at_least` where only an integer fits)."""
@@ -176,4 +184,5 @@ def boolean(name: str, value, *, what: str = "", hint: str = "", error=ConfigErr
 
 
 __all__ = ["at_least", "boolean", "finite_float", "in_range", "index", "int_at_least", "int_in_range", "integer",
-           "is_int", "is_number", "non_negative_int", "one_of", "positive_float", "positive_int", "probability"]
+           "is_int", "is_number", "non_negative_int", "number", "one_of", "positive_float", "positive_int",
+           "probability"]

@@ -170,7 +170,7 @@ def peak_memory_growth(run: Callable, *args, setup: Callable | None = None, time
         cls = MemoryBudgetError if a == "MemoryBudgetError" else BackendUnsupportedError
         if cls is MemoryBudgetError:
             raise MemoryBudgetError(b, estimate_bytes=0, available_bytes=0, alternative=None)
-        raise cls(b)
+        raise BackendUnsupportedError(b)
     raise RuntimeError(f"memory measurement failed: {a}: {b}")
 
 
@@ -178,7 +178,7 @@ def peak_memory_growth(run: Callable, *args, setup: Callable | None = None, time
 # Attention benchmarks
 # ------------------------------------------------------------------------------------------
 
-def _inputs(cfg: dict, requires_grad: bool):
+def _inputs(cfg: dict, requires_grad: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(cfg["seed"])
     dtype = cfg["dtype"]
     B, H, L, D = cfg["batch"], cfg["heads"], cfg["seq_len"], cfg["head_dim"]

@@ -16,7 +16,7 @@ from torch import nn
 from headlab import checks
 from headlab.attention import backends as _backends
 from headlab.attention.core import attention_with_weights
-from headlab.errors import BackendUnsupportedError, ConfigError, DTypeError, MaskError, ShapeError
+from headlab.errors import BackendUnsupportedError, ConfigError, DeviceError, DTypeError, MaskError, ShapeError
 from headlab.spec.masks import MaskFn, as_mask
 
 
@@ -47,6 +47,8 @@ class MultiHeadAttention(nn.Module):
         (torch.Size([4, 32, 8]), torch.Size([4, 8, 32]))
     """
 
+    head_gate: torch.Tensor  # a buffer (H,): one gate per head (a view of the adapter's gates once adapted)
+
     def __init__(
         self,
         embed_dim: int,
@@ -65,8 +67,12 @@ class MultiHeadAttention(nn.Module):
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         for name, val in (("embed_dim", embed_dim), ("num_heads", num_heads), ("num_kv_heads", num_kv_heads)):
             checks.integer(name, val)  # 16.0 would fail inside torch
-        if isinstance(backend, str) and backend != "auto":
+        for name, dim in (("kdim", kdim), ("vdim", vdim)):
+            if dim is not None:  # 0 would read as "not given" below, a negative fail inside nn.Linear
+                checks.positive_int(name, dim)
+        if not (isinstance(backend, str) and backend == "auto"):
             _backends.get(backend)  # UnknownBackendError listing the known ones now, not at the first call
+        checks.number("dropout", dropout)
         if embed_dim <= 0 or num_heads <= 0 or num_kv_heads <= 0:
             raise ConfigError(f"embed_dim, num_heads and num_kv_heads must be positive, got {embed_dim}, {num_heads}, {num_kv_heads}")
         if embed_dim % num_heads:
@@ -197,10 +203,13 @@ class MultiHeadAttention(nn.Module):
         return out, weights
 
     def _check_dtypes(self, *inputs: torch.Tensor) -> None:
-        """The inputs are floating and, outside autocast, of the weights' dtype (torch's own message,
-        "mat1 and mat2 must have the same dtype", names neither the module nor the cure)."""
-        w = self.q_proj.weight.dtype
+        """The inputs are on the weights' device, floating and, outside autocast, of the weights' dtype (torch's
+        own message, "mat1 and mat2 must have the same dtype", names neither the module nor the cure)."""
+        w, dev = self.q_proj.weight.dtype, self.q_proj.weight.device
         for name, t in zip(("query", "key", "value"), inputs):
+            if t.device != dev:
+                raise DeviceError(f"{name} is on {t.device} but the module's weights are on {dev}; move one to the "
+                                  f"other: {name}.to({str(dev)!r}) or module.to({str(t.device)!r})")
             if not t.is_floating_point():
                 raise DTypeError(f"{name} is {t.dtype}, but attention needs floating-point inputs; cast it, e.g. "
                                  f"{name}.to({w})")

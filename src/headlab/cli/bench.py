@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 import typer
 from rich.table import Table
@@ -51,7 +52,7 @@ def _check_inputs_fit(n: int, *, batch: int, heads: int, head_dim: int, dtype: s
     per row and lists as skipped; inputs past the whole machine would fail the allocation itself.)"""
     import os
 
-    from headlab.costs import AttentionShape
+    from headlab.costs import AttentionShape, parse_dtype
     from headlab.errors import MemoryBudgetError
     from headlab.units import human_bytes
 

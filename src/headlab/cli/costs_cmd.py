@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 import typer
 from rich.table import Table
 
@@ -136,7 +138,7 @@ def _ring_plan(shape, ranks: int, link_bandwidth: float | None, peak_flops: floa
     c = ring_cost(shape, ranks)
     plan = c.as_dict()
     if link_bandwidth is not None:
-        hw = costs.Hardware("per rank", peak_flops=peak_flops, bandwidth=link_bandwidth)  # type: ignore[arg-type]  (only its bandwidth is read: peak_flops may be None)
+        hw = costs.Hardware("per rank", peak_flops=peak_flops, bandwidth=link_bandwidth)  # type: ignore[arg-type]  # only its bandwidth is read: peak_flops may be None
         plan["link_bandwidth"] = link_bandwidth
         plan["peak_flops"] = peak_flops
         plan["compute_to_communication_forward"] = c.compute_to_communication(hw, link_bandwidth)

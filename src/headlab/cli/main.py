@@ -13,7 +13,8 @@ from importlib import import_module
 import typer
 from rich.markup import escape
 
-from headlab.cli.app import INTERRUPTED_EXIT, app, err_console, invoked
+from headlab.cli.app import app, err_console, invoked
+from headlab.cli.terminal import INTERRUPTED_BEFORE, INTERRUPTED_EXIT
 from headlab.environment import memory_limit_override, native_enabled
 from headlab.errors import CLI_EXIT_CODE, HeadlabError
 
@@ -47,11 +48,11 @@ def main(argv: list[str] | None = None) -> None:
     except PARSE_ERRORS as e:
         sys.exit(_parse_error(e))
     except KeyboardInterrupt:  # Ctrl-C outside the units (reading, loading): nothing was computed yet
-        err_console.print("interrupted before any work was done; nothing was written", highlight=False)
+        err_console.print(INTERRUPTED_BEFORE, highlight=False)
         sys.exit(INTERRUPTED_EXIT)
     except typer.Abort as e:  # click turns Ctrl-C into Abort too: the shell's 130, as in the units
         if isinstance(e.__cause__, KeyboardInterrupt) or isinstance(e.__context__, KeyboardInterrupt):
-            err_console.print("interrupted before any work was done; nothing was written", highlight=False)
+            err_console.print(INTERRUPTED_BEFORE, highlight=False)
             sys.exit(INTERRUPTED_EXIT)
         err_console.print("Aborted!", highlight=False)  # end of input at a prompt
         sys.exit(1)

@@ -17,7 +17,7 @@ import inspect
 
 import typer
 
-from headlab.cli.terminal import INTERRUPTED_EXIT, console, err_console, invoked
+from headlab.cli.terminal import INTERRUPTED_BEFORE, INTERRUPTED_EXIT, console, err_console, invoked
 from headlab.errors import InputError
 from headlab.interpret.instruments.base import ENVELOPE_JSON, REQUIRED, Instrument, Option, get
 from headlab.results import print_json
@@ -61,18 +61,23 @@ def command(instrument: Instrument | str):
             raise InputError("--tensor-size acts only with --tensor-parallel; add --tensor-parallel or drop it")
         if size is not None and size < 1:  # 0 would read as "no tensor parallelism" further down
             raise InputError(f"--tensor-size must be at least 1 (ranks per tensor-parallel group), got {size}")
-        outcome = run(inst, options, resume=resume, progress=True, transient=True,
-                      say=lambda line: err_console.print(line, highlight=False, soft_wrap=True),
-                      tensor_parallel=(size if size is not None else True) if tp else False,
-                      command=_command_line(invoked))
+        try:
+            outcome = run(inst, options, resume=resume, progress=True, transient=True,
+                          say=lambda line: err_console.print(line, highlight=False, soft_wrap=True),
+                          tensor_parallel=(size if size is not None else True) if tp else False,
+                          command=_command_line(invoked))
+        except KeyboardInterrupt:  # Ctrl-C before the units (reading, loading): nothing computed, nothing written
+            err_console.print(INTERRUPTED_BEFORE, highlight=False)
+            raise typer.Exit(INTERRUPTED_EXIT) from None
         if outcome.interrupted:
             raise typer.Exit(INTERRUPTED_EXIT)
         if outcome.main and envelope and outcome.result is not None:  # --json of an instrument without its own
             print_json(outcome.result.to_json())
         elif outcome.main:
+            assert outcome.ctx is not None  # the main rank's outcome carries its context
             inst.render(outcome.ctx, outcome, console, err_console)
 
-    run_row.__signature__ = inspect.Signature(params)
+    run_row.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]  # typer reads it: the row's options
     run_row.__name__ = f"{inst.name.replace('-', '_')}_cmd"
     run_row.__doc__ = inst.summary or inst.__doc__
     return run_row

@@ -22,6 +22,7 @@ def _piped_width(stream) -> int | None:
 
 console = Console(width=_piped_width(sys.stdout))
 err_console = Console(stderr=True, width=_piped_width(sys.stderr))
+INTERRUPTED_BEFORE = "interrupted before any work was done; nothing was written"  # Ctrl-C before the units
 invoked: list[str] = []  # the arguments of the running command line (headlab.cli.main.main sets them)
 
-__all__ = ["INTERRUPTED_EXIT", "console", "err_console", "invoked"]
+__all__ = ["INTERRUPTED_BEFORE", "INTERRUPTED_EXIT", "console", "err_console", "invoked"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Protocol
+from typing import Literal, Protocol
 
 import torch
 
@@ -42,10 +42,11 @@ class AttentionShape:
     heads: int = 8  # query heads H
     q_len: int = 1024  # query positions
     batch: int = 1
-    kv_heads: int | None = None  # key/value heads (GQA); default H
-    kv_len: int | None = None  # key positions; default q_len
+    # None: the default, filled in by __post_init__ (so each is an int once built)
+    kv_heads: int = None  # type: ignore[assignment]  # key/value heads (GQA); default H
+    kv_len: int = None  # type: ignore[assignment]  # key positions; default q_len
     head_dim: int = 128  # of q and k (128 = 4096-wide model with 32 heads)
-    v_dim: int | None = None  # of v; default head_dim
+    v_dim: int = None  # type: ignore[assignment]  # of v; default head_dim
     layers: int = 1  # identical attention calls in sequence (one per transformer layer)
     dtype: str | torch.dtype = "float32"
     causal: bool = False  # torch's is_causal
@@ -68,16 +69,16 @@ class AttentionShape:
 
     @property
     def itemsize(self) -> int:
-        return torch.empty((), dtype=self.dtype).element_size()
+        return torch.empty((), dtype=parse_dtype(self.dtype)).element_size()  # parse_dtype: a no-op once built
 
     def spec(self, *, requires_grad: bool = False, device: str = "cpu") -> AttentionSpec:
         """The :class:`AttentionSpec` of one layer's call (what backends' memory formulas read)."""
-        kind = "function" if self.mask is not None else "none"
+        kind: Literal["function", "none"] = "function" if self.mask is not None else "none"
         mask_shape = (function_mask_shape(self.mask, self.batch, self.heads, self.q_len, self.kv_len)
                       if self.mask is not None else None)
         return AttentionSpec(
             batch=self.batch, heads=self.heads, kv_heads=self.kv_heads, q_len=self.q_len, kv_len=self.kv_len,
-            head_dim=self.head_dim, v_dim=self.v_dim, dtype=self.dtype, device=torch.device(device),
+            head_dim=self.head_dim, v_dim=self.v_dim, dtype=parse_dtype(self.dtype), device=torch.device(device),
             causal=self.causal, mask_kind=kind, mask_shape=mask_shape, dropout_p=self.dropout_p,
             requires_grad=requires_grad,
         )
@@ -146,7 +147,8 @@ class CostedBackend(Protocol):
     its name, its configuration (tile sizes, feature map: attributes a formula documents), and its
     memory formula."""
 
-    name: str
+    @property
+    def name(self) -> str: ...  # read-only here: a backend class declares it (a ClassVar)
 
     def working_set_bytes(self, spec: AttentionSpec) -> int: ...
 

@@ -28,12 +28,12 @@ a run that cannot happen. Without a ``layout``, causal attention takes zigzag wh
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Literal
+from typing import Literal, cast
 
 import torch
 
 from headlab import checks
-from headlab.costs.model import AttentionShape, Hardware
+from headlab.costs.model import AttentionShape, Hardware, parse_dtype
 from headlab.errors import ConfigError, ShapeError
 
 __all__ = ["LAYOUTS", "MIN_BLOCK_BYTES", "SPLIT", "TILE", "Layout", "RingCost", "check_layout", "chunks",
@@ -76,7 +76,7 @@ def chunks(n: int, *, rank: int, world_size: int, layout: Layout = "contiguous")
 
 def split_of(n: int, world_size: int, layout: str) -> int:
     """Pieces per chunk: :data:`SPLIT` when the chunks divide evenly, else 1."""
-    cl = chunks(n, rank=0, world_size=world_size, layout=layout)[0][1]
+    cl = chunks(n, rank=0, world_size=world_size, layout=cast(Layout, layout))[0][1]  # checked by the callers
     return SPLIT if cl % SPLIT == 0 else 1
 
 
@@ -160,7 +160,7 @@ def ring_cost(shape: AttentionShape, ranks: int, *, layout: str | None = None) -
                          f"sequence to {pad:,} positions{other}")
     local = n // R
     B, H, Hkv, d, dv, s = shape.batch, shape.heads, shape.kv_heads, shape.head_dim, shape.v_dim, shape.itemsize
-    ts = _tile_itemsize(shape.dtype)
+    ts = _tile_itemsize(parse_dtype(shape.dtype))  # parse_dtype: a no-op once the shape is built
     pairs = shape.visible_pairs() * B * H  # visible (query, key) pairs of one layer, all heads
     per_rank = pairs // R
     fwd = 2 * per_rank * (d + dv)  # S = q k^T (2d per pair) and P V (2dv)

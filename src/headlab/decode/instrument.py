@@ -173,6 +173,7 @@ class Generate(_Decoding):
     """Continue a prompt with a per-head KV cache."""
 
     name = "generate"
+    reads_text = True  # a model folder without a tokenizer is refused before the load
     kind = "generation"
     summary = """Continue PROMPT with a per-head KV cache; print the text, the cache's bytes against the full cache's, and speed.
 

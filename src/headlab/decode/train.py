@@ -241,9 +241,9 @@ class GateTrainer:
         ids, pos = self.data[i]
         if i not in self.targets:
             with torch.no_grad():
-                self.targets[i] = hf.base_model(input_ids=ids).last_hidden_state[0, pos].float()
+                self.targets[i] = hf.base_model(input_ids=ids).last_hidden_state[0, pos].float()  # type: ignore[operator]  # torch types module attributes Tensor | Module
         with gated(self.adapter, self.param, self.rule):
-            h = hf.base_model(input_ids=ids).last_hidden_state[0, pos].float()
+            h = hf.base_model(input_ids=ids).last_hidden_state[0, pos].float()  # type: ignore[operator]  # as above
         loss = ((h - self.targets[i]) ** 2).mean() + self.l1 * self.param.abs().mean()
         self.opt.zero_grad()
         loss.backward()

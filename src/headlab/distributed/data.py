@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from headlab.distributed.comm import talking, world
+from headlab.errors import DistributedError
 
 DEFAULT_TIMEOUT = timedelta(minutes=30)  # a rank that stops answering ends the others after this
 
@@ -25,14 +26,35 @@ def init_from_env(*, timeout: timedelta = DEFAULT_TIMEOUT) -> tuple[int, int]:
     """Join the process group torchrun describes (``WORLD_SIZE``, ``RANK``, ``MASTER_ADDR``, ``MASTER_PORT``).
 
     gloo on CPU, NCCL when CUDA is available. Returns ``(rank, world_size)``; ``(0, 1)`` when not launched
-    by torchrun (or with one process), without creating a group.
+    by torchrun (or with one process), without creating a group. ``WORLD_SIZE`` above 1 without the rest of
+    torchrun's environment, or a group that cannot be joined, is a :class:`~headlab.errors.DistributedError`
+    saying to start the command under torchrun.
     """
     if dist.is_available() and dist.is_initialized():
         return world()
-    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+    size = os.environ.get("WORLD_SIZE", "1").strip() or "1"
+    under = "start the command under torchrun (torchrun --nproc-per-node N -m headlab ...), or unset WORLD_SIZE " \
+            "to run in one process"
+    if not size.isdigit():
+        raise DistributedError(f"WORLD_SIZE={size!r} is not a number of processes; {under}")
+    if int(size) <= 1:
         return 0, 1
+    missing = [v for v in ("RANK", "MASTER_ADDR", "MASTER_PORT") if not os.environ.get(v, "").strip()]
+    if missing or not dist.is_available():
+        why = f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not set" if missing else \
+            "this torch has no torch.distributed"
+        raise DistributedError(f"WORLD_SIZE={size} says this is one of {size} processes, but {why}; {under}")
+    rank = os.environ["RANK"].strip()
+    if not rank.isdigit() or int(rank) >= int(size):
+        raise DistributedError(f"RANK={rank!r} is not a rank of WORLD_SIZE={size} (0..{int(size) - 1}); {under}")
     backend = "nccl" if torch.cuda.is_available() else "gloo"
-    dist.init_process_group(backend, timeout=timeout)
+    try:
+        dist.init_process_group(backend, timeout=timeout)
+    except (ValueError, RuntimeError) as e:  # a bad RANK, an address that cannot be reached or bound
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise DistributedError(f"could not join the process group of {size} processes (RANK="
+                               f"{os.environ['RANK']}, MASTER_ADDR={os.environ['MASTER_ADDR']}, MASTER_PORT="
+                               f"{os.environ['MASTER_PORT']}): {first}; {under}") from e
     return world()
 
 

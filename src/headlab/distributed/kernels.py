@@ -76,6 +76,7 @@ def _visible_tile(pair: Pair, B: int, H: int, r0: int, r1: int, c0: int, c1: int
         return ki <= qi
     b = torch.arange(B, device=device).view(-1, 1, 1, 1)
     h = torch.arange(H, device=device).view(1, -1, 1, 1)
+    assert pair.fn is not None  # kind "fn"
     return torch.as_tensor(pair.fn(b, h, qi, ki), device=device).bool()
 
 

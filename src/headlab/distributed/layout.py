@@ -55,7 +55,7 @@ def unshard(shards: list[torch.Tensor], *, dim: int = 2, layout: Layout = "conti
     if any(s.shape[dim] != n_local for s in shards):
         raise ShapeError(f"shards have unequal lengths along dim {dim}: {[s.shape[dim] for s in shards]}")
     n = n_local * W
-    out = [None] * (W if layout == "contiguous" else 2 * W)
+    out: list = [None] * (W if layout == "contiguous" else 2 * W)  # every slot is filled below
     for r, s in enumerate(shards):
         offset = 0
         for start, ln in chunks(n, rank=r, world_size=W, layout=layout):

@@ -267,7 +267,7 @@ class Placement:
             value, kind = data[name], name.rsplit(".", 1)[-1]
             if isinstance(value, torch.Tensor):
                 out[name] = self.gather(value, kind, to)
-            elif kind == "stats" and dataclasses.is_dataclass(value):
+            elif kind == "stats" and dataclasses.is_dataclass(value) and not isinstance(value, type):
                 got = {f: self.gather(getattr(value, f), "q", to) for f in STATS_FIELDS
                        if isinstance(getattr(value, f, None), torch.Tensor)}
                 out[name] = dataclasses.replace(value, **got)

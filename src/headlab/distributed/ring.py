@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import math
+from typing import cast
 
 import torch
 
@@ -52,7 +53,7 @@ def pieces(n: int, rank: int, world_size: int, layout: str, split: int) -> list[
     """``rank``'s shard as its chunks, each cut into ``split`` equal pieces ``(global start, length, offset in
     the shard)``."""
     out, off = [], 0
-    for c0, cl in chunks(n, rank=rank, world_size=world_size, layout=layout):
+    for c0, cl in chunks(n, rank=rank, world_size=world_size, layout=cast(Layout, layout)):  # checked by the caller
         pl = cl // split
         out.append([(c0 + t * pl, pl, off + t * pl) for t in range(split)])
         off += cl

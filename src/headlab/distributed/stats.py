@@ -99,7 +99,7 @@ def ring_attention_stats(q: torch.Tensor, k: torch.Tensor, *, causal: bool = Fal
     l_safe = torch.where(live, st["l"], torch.ones_like(st["l"]))
     lse = torch.where(live, st["m"] + torch.log(l_safe), torch.full_like(st["l"], -math.inf))
     zero = torch.zeros_like(lse)
-    fields = {"visible": live, "lse": lse if "lse" in want else None}
+    fields: dict[str, torch.Tensor | None] = {"visible": live, "lse": lse if "lse" in want else None}
     if "entropy" in want:
         fields["entropy"] = torch.where(live, lse - st["a"] / l_safe, zero)
     if "mean_distance" in want:
@@ -111,7 +111,7 @@ def ring_attention_stats(q: torch.Tensor, k: torch.Tensor, *, causal: bool = Fal
     if "received" in want:
         inv_l = torch.where(live, 1.0 / l_safe, torch.zeros_like(l_safe))
         fields["received"] = _received(q, k, st["m"], inv_l, n, rank, world_size, layout, causal, mask, scale, ring, ct)
-    return AttentionStats(**fields)
+    return AttentionStats(**fields)  # type: ignore[arg-type]  # mypy reads **dict against every field, the str method too
 
 
 def _received(q, k, m, inv_l, n, rank, world_size, layout, causal, mask, scale, ring, ct) -> torch.Tensor:
@@ -140,6 +140,7 @@ def _received(q, k, m, inv_l, n, rank, world_size, layout, causal, mask, scale, 
         if pending is not None:
             kk, reqs = pending
             ring.finish(reqs)
+    assert acc is not None  # the loop above ran at least once
     home, reqs = acc
     ring.finish(reqs)
     return home

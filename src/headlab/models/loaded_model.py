@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -33,8 +34,8 @@ class LoadedModel:
         max_positions: the longest input, in tokens (special tokens included).
     """
 
-    model: nn.Module
-    tokenizer: object | None
+    model: Any  # an nn.Module: a transformers model or headlab's Transformer (its config read by name)
+    tokenizer: Any  # a Hugging Face tokenizer, or None
     adapter: ModelAdapter
     name: str
     family: str
@@ -113,7 +114,7 @@ def adapt(model: nn.Module, *, check: bool = True) -> ModelAdapter:
         from headlab.models.hf import unsupported_message
 
         raise UnsupportedArchitectureError(unsupported_message(type(model).__name__))
-    model._headlab_adapter = adapter
+    model._headlab_adapter = adapter  # type: ignore[assignment]  # torch types module attributes Tensor | Module
     return adapter
 
 

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from headlab.models.peek import TOKENIZER_FILES
 from headlab.distributed.placement import TensorParallel
 from headlab.errors import ConfigError, DeviceError, ModelError, UnsupportedArchitectureError
 from headlab.models.loaded_model import LoadedModel, TruncationWarning, adapt, resolve  # noqa: F401  (public here too)
@@ -218,8 +219,7 @@ def _load_hf(path: Path, name: str, *, device, dtype, check: bool = True,
             transformers.logging.enable_progress_bar()
     model = (model if sharding else model.to(device)).eval()  # a sharded model stays where transformers put it
     tokenizer = None
-    if any((path / f).is_file() for f in ("tokenizer.json", "vocab.txt", "vocab.json", "tokenizer.model",
-                                          "tokenizer_config.json")):
+    if any((path / f).is_file() for f in TOKENIZER_FILES):
         try:
             tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
         except Exception as e:  # noqa: BLE001  (the tokenizer's loaders raise many kinds: said as a ModelError)

@@ -46,6 +46,31 @@ def peek_max_positions(model: str) -> int | None:
         return None
 
 
+#: the files transformers reads a tokenizer from: a folder with none of them has no tokenizer
+TOKENIZER_FILES = ("tokenizer.json", "vocab.txt", "vocab.json", "tokenizer.model", "tokenizer_config.json")
+
+
+def peek_has_tokenizer(model: str) -> bool | None:
+    """Whether a model folder holds tokenizer files, from the folder alone (no weights read): False for a folder of
+    config and weights without any of :data:`TOKENIZER_FILES`; None when it cannot say (a known name, no such
+    folder: the load decides, and says why).
+
+    >>> import tempfile, pathlib
+    >>> d = pathlib.Path(tempfile.mkdtemp()); (d / "config.json").write_text("{}") and None
+    >>> peek_has_tokenizer(str(d)), peek_has_tokenizer("minilm")
+    (False, None)
+    """
+    from headlab.models.named_models import ALIASES, KNOWN_MODELS
+
+    raw = os.fspath(model)
+    if ALIASES.get(raw.lower(), raw.lower()) in KNOWN_MODELS or raw.lower() == "smollm2":
+        return None
+    path = Path(raw).expanduser()
+    if not (path / "config.json").is_file():
+        return None
+    return any((path / f).is_file() for f in TOKENIZER_FILES)
+
+
 def _gguf_context_length(path: Path) -> int | None:
     """``*.context_length`` from a GGUF file's header (read up to that key, not the whole vocabulary)."""
     import struct
@@ -85,4 +110,4 @@ def _gguf_context_length(path: Path) -> int | None:
     return None
 
 
-__all__ = ["peek_max_positions"]
+__all__ = ["TOKENIZER_FILES", "peek_has_tokenizer", "peek_max_positions"]

@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass, field
+from typing import Any
 from pathlib import Path
 
 import torch
@@ -118,7 +119,7 @@ def prune_heads(loaded, heads: dict, *, allow_empty_layers: bool = False, gqa: s
         with ``gqa="strict"``, or (sharded) a removal that would leave the ranks holding unequal heads.
     """
     adapter, ld = resolve(loaded)
-    r: PruneResult = prune(adapter, heads, allow_empty_layers=allow_empty_layers, gqa=gqa)
+    r: PruneResult = prune(adapter, heads, allow_empty_layers=allow_empty_layers, gqa=gqa)  # type: ignore[arg-type]  # checked by prune
     name = ld.name if ld is not None else type(adapter.model).__name__
     max_pos = ld.max_positions if ld is not None else _max_positions(r.model)
     tok = ld.tokenizer if ld is not None else None
@@ -127,7 +128,7 @@ def prune_heads(loaded, heads: dict, *, allow_empty_layers: bool = False, gqa: s
                        notes=notes, original_heads=_original_heads(adapter, ld))
 
 
-def _max_positions(model: nn.Module) -> int:
+def _max_positions(model: Any) -> int:  # a transformers model or headlab's Transformer
     cfg = model.config
     if hasattr(cfg, "max_positions"):
         return int(cfg.max_positions)
@@ -171,7 +172,7 @@ def load_pruned(path: str | os.PathLike, *, device: str | torch.device = "cpu",
         raise ModelError(f"{path} has a pruning manifest but no {WEIGHTS}")
     missing, unexpected = load_model(model, str(weights), strict=False)
     if hasattr(model, "tie_weights"):
-        model.tie_weights()
+        model.tie_weights()  # type: ignore[operator]  # torch types module attributes Tensor | Module
     tied = {n for n, _ in model.named_parameters()}  # what remains missing after tying is real
     real_missing = [m for m in missing if m in tied and not _is_tied(model, m)]
     if real_missing or unexpected:

@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
+from typing import cast
 
 import torch
 from torch import nn
@@ -98,7 +99,7 @@ class Attention(MultiHeadAttention):
     ``gates[layer]`` and the adapter's W^O pre-hook applies it; before that, this module applies it.
     """
 
-    def forward(self, x: torch.Tensor, *, key_mask: torch.Tensor | None = None, causal: bool = False,
+    def forward(self, x: torch.Tensor, *, key_mask: torch.Tensor | None = None, causal: bool = False,  # type: ignore[override]  # self-attention on x only: the block's call, not MultiHeadAttention's (q, k, v)
                 need_weights: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Self-attention on ``x (B, L, E)``; ``key_mask (B, L)`` bool, True = a real token."""
         B, L, _ = x.shape
@@ -217,13 +218,15 @@ class TransformerAdapter(ModelAdapter):
 
     family = "headlab"
     own_model = True
+    model: Transformer
 
     def __init__(self, model: Transformer) -> None:
         cfg = model.config
+        blocks = cast("list[Block]", list(model.blocks))
         super().__init__(model, n_layers=cfg.n_layers, n_heads=cfg.n_heads, n_kv_heads=cfg.kv_heads,
-                         head_dim=cfg.head_dim, d_model=cfg.d_model, attn_modules=[b.attn for b in model.blocks],
-                         out_projs=[b.attn.out_proj for b in model.blocks])
-        self._gates = torch.stack([b.attn.head_gate.detach() for b in model.blocks]).float()
+                         head_dim=cfg.head_dim, d_model=cfg.d_model, attn_modules=[b.attn for b in blocks],
+                         out_projs=[b.attn.out_proj for b in blocks])
+        self._gates = torch.stack([b.attn.head_gate.detach() for b in blocks]).float()
         self._share_gates()
 
     @property
@@ -235,9 +238,9 @@ class TransformerAdapter(ModelAdapter):
         for i, am in enumerate(self.attn_modules):
             am.head_gate = self._gates[i]
 
-    @ModelAdapter.gates.setter
+    @ModelAdapter.gates.setter  # type: ignore[attr-defined]  # mypy cannot follow a setter added to the parent's property
     def gates(self, value: torch.Tensor) -> None:
-        ModelAdapter.gates.fset(self, value)
+        ModelAdapter.gates.fset(self, value)  # type: ignore[attr-defined]  # as above
         self._share_gates()
 
     def reset_gates(self) -> None:

@@ -108,7 +108,9 @@ def fused_stats(q, k, v, spec: AttentionSpec, mask, scale: float, want: set[str]
            for qb, sp in enumerate(spans)]  # per query block: shared by every head
     R_max = G * min(r, Lq)
     nh = max(1, min(BHkv, UNIT_ELEMS // (R_max * w_max)))  # (batch, kv head) slices per unit
-    order = sorted(range(n_qb), key=lambda qb: -(spans[qb][1] - spans[qb][0] if spans[qb] else 0))
+    def width(sp: tuple[int, int] | None) -> int:
+        return sp[1] - sp[0] if sp else 0
+    order = sorted(range(n_qb), key=lambda qb: -width(spans[qb]))
     units = [(qb, h0, min(BHkv, h0 + nh)) for qb in order for h0 in range(0, BHkv, nh)]
     scratch: dict[int, tuple[torch.Tensor, ...]] = {}
 
@@ -144,6 +146,7 @@ def fused_stats(q, k, v, spec: AttentionSpec, mask, scale: float, want: set[str]
         cols, ii, dist = aux[qb]  # (w, 1 or 3) [1 | w | sigma]; (R,) i - i0; (n, wd) |i - j| of the diagonal
         oa = None
         if v is not None:
+            assert obuf is not None and vc is not None  # allocated with v
             o = torch.bmm(e, vc[h0:h1, c0:c1], out=obuf[: m_ * R * (Dv + 1)].view(m_, R, Dv + 1))  # [P V | l]
             l = o[..., Dv]
             if want_md:
@@ -173,6 +176,7 @@ def fused_stats(q, k, v, spec: AttentionSpec, mask, scale: float, want: set[str]
         if v is not None:
             put("output", o[..., :Dv] * inv_l.unsqueeze(-1), 0.0)
         if want_md:
+            assert oa is not None  # set above whenever want_md
             md = torch.addcmul(oa[..., 0], ii, oa[..., 1]).double()
             if dist is not None:  # the diagonal block, summed directly
                 d0 = max(i0, c0)
@@ -231,6 +235,7 @@ def _mask_span(s4, spec, mask, row_states, block_k: int, i0: int, i1: int, c0: i
             sl.fill_(NEG)
             continue
         vis = visible(spec, mask, (i0, i1), (j0, j1))  # (Bm, Hm, n, wj) bool
+        assert vis is not None  # a partial tile: some pair is hidden
         Bm, Hm = vis.shape[:2]
         flat = torch.arange(h0, h0 + m_, device=vis.device)  # flattened (b, kv head) of each slice
         b_idx = flat // Hkv if Bm > 1 else torch.zeros_like(flat)

@@ -84,7 +84,8 @@ class Combine(Node):
     parts: tuple
 
     def sets(self, row: Row, need_full: bool):
-        ne, full = [], None
+        ne: list = []
+        full = None
         for p in self.parts:
             n, f = p.sets(row, need_full)
             ne = row.run.union(ne, n)
@@ -99,7 +100,8 @@ class Combine(Node):
         return [t for p in self.parts for t in p.t_breaks(g, hgt, wid)]
 
     def cuts(self, g: Grid):
-        rows, cols = [], []
+        rows: list = []
+        cols: list = []
         for p in self.parts:
             r, c = p.cuts(g)
             rows, cols = rows + r, cols + c

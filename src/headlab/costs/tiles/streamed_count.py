@@ -20,7 +20,7 @@ from headlab.costs.model import AttentionShape
 from headlab.costs.tiles.grid import Grid
 from headlab.costs.tiles.interval_count import count_tiles
 from headlab.costs.tiles.logic_nodes import CAUSAL, And, Or
-from headlab.costs.tiles.offset_nodes import Offset
+from headlab.costs.tiles.offset_nodes import Node, Offset
 from headlab.costs.tiles.run_nodes import Global
 from headlab.errors import CountTooLargeError
 from headlab.spec.blocks import block_rows
@@ -101,13 +101,13 @@ def _bigbird_bounds(shape: AttentionShape, block_q: int, block_k: int) -> tuple[
     columns (``h = window_blocks // 2``, ``b`` the block); each random block adds at most the tiles
     one block touches."""
     bb = getattr(shape.mask, "bigbird", None)
-    if bb is None or getattr(shape.mask, "parts", ()):
+    if bb is None or getattr(shape.mask, "parts", None):
         return None
     b, h, g, r = bb["block"], bb["window_blocks"] // 2, bb["global_blocks"], bb["random_blocks"]
     grid = Grid(shape.q_len, shape.kv_len, block_q, block_k)
     out = []
     for reach in (h * b, (h + 1) * b - 1):
-        tree = Offset(((-reach, reach),))
+        tree: Node = Offset(((-reach, reach),))
         if g:
             tree = Or(tree, Global(((0, g * b - 1),)))
         out.append(count_tiles(grid, And(tree, CAUSAL) if shape.causal else tree)[0])
@@ -126,12 +126,12 @@ def tiles(shape: AttentionShape, block_q: int, block_k: int, why: Exception) -> 
     n_qb, n_kb = -(-shape.q_len // block_q), -(-shape.kv_len // block_k)
     bm = shape.batch if mask.batch_dependent else 1
     hm = shape.heads if mask.head_dependent else 1
-    total, slices = 0, (1, 1)
+    total, slices = 0, (1, 1)  # (mask batch, mask heads) of the block rows
     for i0, i1 in _chunks(n_qb, n_kb * bm * hm):
         st = block_rows(mask, shape.q_len, shape.kv_len, block_q, block_k, i0, i1, batch=shape.batch,
                         heads=shape.heads)
         total += int((st != EMPTY).sum())
-        slices = st.shape[:2]
+        slices = (int(st.shape[0]), int(st.shape[1]))
     return total * (shape.batch // slices[0]) * (shape.heads // slices[1])
 
 

@@ -59,12 +59,13 @@ def _tree(shape: AttentionShape):
 def exact(grid: Grid, tree, causal_cut: bool = False) -> tuple[int, int]:
     """``(tiles, entries)`` of one tree by the first counter that reads it, or ``Unsupported``
     with the reason of :func:`~headlab.costs.tiles.interval_count.count_tiles`, the general one."""
-    why = None
+    why: Unsupported | None = None
     for counter in _COUNTERS:
         try:
             return counter(grid, tree, causal_cut=causal_cut)
         except Unsupported as e:
             why = e if counter is count_tiles else why
+    assert why is not None  # count_tiles, the general counter, is among them
     raise why
 
 

@@ -1,46 +1,58 @@
 """``headlab.atlas(model)``: score every head on every kind, then check each label causally.
 
 The kinds are records in :data:`~headlab.interpret.atlas.kinds.KINDS` (one module each under ``kinds/``);
-this module only runs them, in phases, each recorded once (:func:`headlab.capture` of q, k and the
-map-free statistics; :mod:`.kinds.shared`):
+this module only runs them, as an :class:`AtlasRun` of units (phases), each input recorded once
+(:func:`headlab.capture` of q, k and the map-free statistics; :mod:`.kinds.shared`):
 
-1. repeated random tokens -> every kind that ``reads="repeated"`` (previous_token, duplicate_token,
-   induction); the OV copying score from the weights alone;
-2. natural text -> every kind that ``reads="text"`` (sink, local), and the pattern labels of
+1. ``repeated``: repeated random tokens -> every kind that ``reads="repeated"`` (previous_token,
+   duplicate_token, induction); ``copying``: the OV copying score from the weights alone;
+2. ``text``: natural text -> every kind that ``reads="text"`` (sink, local), and the pattern labels of
    :mod:`headlab.interpret.heads.labels`;
-3. every other kind, each in a phase of its own that builds its own input (retrieval: needle-in-a-haystack
-   decoding, decoders only; syntactic: the probe on a treebank, when given);
-4. the causal checks (:mod:`.checks`) of every scored kind with a task.
+3. every other kind, each a unit of its own that builds its own input (``retrieval``: needle-in-a-haystack
+   decoding, decoders only; ``syntactic``: the probe on a treebank, when given);
+4. ``check TASK``: the causal checks (:mod:`.checks`) of the scored kinds of each task;
+5. ``evidence``: the attention maps of each kind's top heads on one short input.
 
-Under torchrun (``torchrun --nproc-per-node N -m headlab atlas ...``) the needle trials and the checks'
-configurations are split over the ranks and gathered back, which gives the one-process result; the
-score passes are small and run on every rank. On a model sharded by tensor parallelism
-(``headlab.load(..., tensor_parallel=True)``) the ranks of a tensor-parallel group make the same calls: every
-score pass, and every needle trial and check configuration (a data rank's share of them on a data x tensor
-mesh: ``adapter.placement.examples``, :mod:`headlab.distributed.placement`). Each rank scores the heads it
-holds, from its own recording, and the grids are added over the group (pattern labels read every head's gathered statistics); the
-checks' gates land on the ranks holding the heads; each rank takes the OV copying score of its own heads.
-With ``resume=``, finished phases survive an interrupt.
+A unit's value is JSON (:mod:`.codec`) and a unit reads only the values of the units before it, so a run
+resumed from any unit gives the numbers of a run in one go: every random choice is seeded from ``seed``
+where it is made (the repeated tokens, the needle trials, each task's sequences, its random draws and its
+bootstrap). ``headlab atlas`` runs these units through the study runner (its ``--resume`` and Ctrl-C);
+:func:`atlas` runs them here, and with ``resume=PATH`` keeps their values in ``PATH``.
+
+Under torchrun (``torchrun --nproc-per-node N -m headlab atlas ...``) every rank runs every unit, and inside a
+unit the needle trials and the checks' configurations are split over the ranks and gathered back, which gives
+the one-process result; the score passes are small and run on every rank. On a model sharded by tensor
+parallelism (``headlab.load(..., tensor_parallel=True)``) the ranks of a tensor-parallel group make the same
+calls: every score pass, and every needle trial and check configuration (a data rank's share of them on a data x
+tensor mesh: ``adapter.placement.examples``, :mod:`headlab.distributed.placement`). Each rank scores the heads it
+holds, from its own recording, and the grids are added over the group (pattern labels read every head's gathered
+statistics); the checks' gates land on the ranks holding the heads; each rank takes the OV copying score of its
+own heads.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 
 from headlab.checks import int_at_least, int_in_range  # `checks` is atlas()'s own argument
+from headlab.distributed.data import is_main
 from headlab.errors import ConfigError, InputError
 from headlab.interpret.atlas import scores as S
 from headlab.interpret.atlas import tasks as T
+from headlab.interpret.atlas.checks import check_task, task_groups
+from headlab.interpret.atlas.codec import decode, encode, fingerprint
 from headlab.interpret.atlas.kinds import KINDS, Run
 from headlab.interpret.atlas.kinds.shared import INPUTS, pattern_labels
 from headlab.interpret.atlas.result import Atlas, Thresholds
-from headlab.interpret.atlas.resume import Checkpoint, fingerprint
 from headlab.models.loader import load, resolve
 from headlab.progress import Progress, reporter
+from headlab.results import write_json
 
 
 def _kinds(kinds, run: Run) -> tuple[list[str], dict[str, str]]:
@@ -69,6 +81,190 @@ def _text_scores(run: Run, kinds) -> dict:
     return {**{kd.name: kd.score(run) for kd in kinds}, "labels": pattern_labels(run)}
 
 
+class AtlasRun:
+    """One atlas as units: :meth:`units` names them in order, :meth:`unit` computes one from the values of the
+    units before it, :meth:`finish` puts every value together into the :class:`Atlas`.
+
+    The arguments are :func:`atlas`'s (``say``: ``progress(stage, done, total)``); they are checked here,
+    before any unit runs. ``key`` digests what a unit's value depends on (the model's name and heads, the kinds,
+    the sizes, the texts, the treebank): each value carries it, so a value kept for another run is told apart."""
+
+    def __init__(self, model, *, kinds: Sequence[str] | str | None = None, texts=None, treebank=None,
+                 treebank_limit: int = 200, checks: bool = True, copying: bool = True, k: int | None = None,
+                 n_draws: int = 10, half: int = 50, n_repeated: int = 8, window: int = 16, max_tokens: int = 128,
+                 n_texts: int = 4, needle_trials: int = 4, haystack_tokens: int = 256, n_boot: int = 1000,
+                 seed: int = 0, max_rows: int = 32, thresholds: Thresholds = Thresholds(), evidence: bool = True,
+                 say: Progress = lambda stage, done, total: None) -> None:
+        if isinstance(model, str | os.PathLike):  # a known name or a model folder, as the docstring promises
+            model = load(model)
+        adapter, loaded = resolve(model)
+        tok = getattr(loaded, "tokenizer", None)
+        get_out = getattr(adapter.model, "get_output_embeddings", None)
+        has_logits = adapter.causal and ((callable(get_out) and get_out() is not None)
+                                         or hasattr(adapter.model, "tok_emb"))
+        run = Run(adapter=adapter, loaded=loaded, tokenizer=tok, has_logits=has_logits, treebank=treebank, texts=texts,
+                  sizes={}, vocab=0, max_rows=max_rows, say=say)
+        todo, skipped = _kinds(kinds, run)
+        for name, v, lo in (("n_draws", n_draws, 1), ("half", half, 2), ("n_repeated", n_repeated, 2),
+                            ("n_texts", n_texts, 1), ("needle_trials", needle_trials, 1), ("n_boot", n_boot, 2),
+                            ("window", window, 2), ("max_tokens", max_tokens, 8),
+                            ("haystack_tokens", haystack_tokens, 8), ("max_rows", max_rows, 1)):
+            int_at_least(name, v, lo, message="{name} must be an integer of at least {low}, got {value!r}")
+        total = sum(adapter.layer_heads)
+        k = k if k is not None else max(1, min(10, round(0.05 * total)))
+        int_in_range("k (heads gated per check)", k, 1, total - 1)
+        if treebank is not None and loaded is None:
+            raise InputError("the syntactic kind needs a model with a tokenizer (headlab.load(...)) for the treebank")
+        self.kinds = [KINDS[kd] for kd in todo]
+        run.vocab = S.embeddings(adapter.model)[0].shape[0]
+        run.pieces = T.natural(tok, texts, max_tokens=max_tokens, n=n_texts) \
+            if any(kd.reads in ("text", "needles") for kd in self.kinds) else []
+        run.sizes = sizes = {
+            "k": k, "n_draws": n_draws, "half": half, "n_repeated": n_repeated, "window": window,
+            "max_tokens": max_tokens, "n_texts": len(run.pieces), "needle_trials": needle_trials,
+            "haystack_tokens": haystack_tokens, "seed": seed, "n_boot": n_boot, "treebank_limit": treebank_limit}
+        if checks:  # the sizes each task needs, refused before any work
+            for task in dict.fromkeys(kd.task for kd in self.kinds if kd.task is not None and kd.task.validate):
+                task.validate(run)
+        run.repeated_ids, run.start = T.repeated(tok, vocab=run.vocab, n=n_repeated, half=half, seed=seed)
+        self.run, self.todo, self.skipped, self.thresholds = run, todo, skipped, thresholds
+        self.copying, self.evidence, self.given_texts = copying, evidence, texts is not None
+        self.name = getattr(loaded, "name", None) or type(adapter.model).__name__
+        self.tasks = {f"check {task.name}": (task, names) for task, names in task_groups(self.kinds)} if checks else {}
+        self.checks = checks
+        self.key = fingerprint({"model": self.name, "heads": adapter.layer_heads, "kinds": todo, "checks": checks,
+                                "copying": copying, "texts": fingerprint(texts), "treebank": str(treebank), **sizes})
+
+    def units(self) -> list[str]:
+        """The units' keys, in the order they run."""
+        out = ["repeated"] if any(kd.reads == "repeated" for kd in self.kinds) else []
+        out += (["copying"] if self.copying else []) + (["text"] if self.run.pieces else [])
+        out += [kd.name for kd in self.kinds if kd.reads not in INPUTS]
+        return out + list(self.tasks) + (["evidence"] if self.evidence else [])
+
+    def unit(self, key: str, kept: dict) -> dict:
+        """The value of unit ``key`` as JSON (:mod:`.codec`), from the values of the units before it (``kept``, by
+        key, as :meth:`unit` returned them or as a file kept them)."""
+        run, t0 = self.run, time.perf_counter()
+        if key == "repeated":
+            value = self._scoring("repeated tokens", lambda: _repeated_scores(
+                run, [kd for kd in self.kinds if kd.reads == "repeated"]))
+        elif key == "copying":
+            value = self._scoring("copying (OV circuits)", lambda: {"copying": S.ov_copying(run.adapter).double()})
+        elif key == "text":
+            value = self._scoring("natural text", lambda: _text_scores(
+                run, [kd for kd in self.kinds if kd.reads == "text"]))
+            value["labels"] = value["scores"].pop("labels")
+        elif key in self.tasks:
+            task, names = self.tasks[key]
+            sz = run.sizes
+            value = check_task(self._scored(kept), run, task, names, k=sz["k"], n_draws=sz["n_draws"],
+                               seed=sz["seed"], n_boot=sz["n_boot"])
+        elif key == "evidence":
+            value = {"evidence": self._evidence(self._scored(kept))}
+        else:  # a kind of its own input: its score says its own progress
+            value = self._scoring(None, lambda: {key: KINDS[key].score(run)})
+        run.forget()  # the recordings of an input live as long as its unit
+        return encode({**value, "seconds": time.perf_counter() - t0, "key": self.key})
+
+    def _scoring(self, stage: str | None, compute) -> dict:
+        """Scores, with what the scores left in the run (settings, notes, syntactic relations, their task's
+        state): all of it kept with the unit."""
+        run = self.run
+        run.settings, run.notes, run.syntactic, run.state = {}, [], {}, {}
+        if stage:
+            run.say(stage, 0, 1)
+        scores = compute()
+        if stage:
+            run.say(stage, 1, 1)
+        return {"scores": scores, "settings": run.settings, "notes": run.notes, "syntactic": run.syntactic,
+                "state": run.state}
+
+    def _scored(self, values: dict) -> Atlas:
+        """The atlas of the score units in ``values`` (no verdicts yet); ``run.state`` as their scores left it."""
+        run, adapter = self.run, self.run.adapter
+        grids, labels, notes, settings, syntactic, state = {}, [], [], {}, {}, {}
+        for key in self.units():
+            if key not in values or key in self.tasks or key == "evidence":
+                continue
+            v = decode(values[key])
+            grids.update(v["scores"])
+            notes += v["notes"]
+            settings.update(v["settings"])
+            syntactic.update(v["syntactic"])
+            state.update(v["state"])
+            labels = v.get("labels", labels)
+        run.state = state
+        scores = {kind: grids[kind] for kind in self.todo}
+        if self.copying:
+            scores["copying"] = grids["copying"]
+            notes.append("copying: sum(eigenvalues) / sum(|eigenvalues|) of W_E W_V W_O W_U (Olsson et al.), no layer "
+                         "norms; " + ("the unembedding is the embedding's transpose" if S.embeddings(adapter.model)[2]
+                                      else "the model's own unembedding"))
+        H, Hkv = adapter.n_heads, adapter.n_kv_heads
+        kv_group = torch.arange(H).div(H // Hkv, rounding_mode="floor").expand(adapter.n_layers, H).clone()
+        return Atlas(model=self.name, family=adapter.family, causal=adapter.causal, n_layers=adapter.n_layers,
+                     n_heads=H, n_kv_heads=Hkv, kv_group=kv_group, scores=scores, thresholds=self.thresholds.as_dict(),
+                     labels=labels, syntactic=syntactic, skipped=dict(self.skipped), notes=notes,
+                     settings={**run.sizes, "start": run.start,
+                               "texts": "given" if self.given_texts else "shipped passage", **settings})
+
+    def _evidence(self, result: Atlas) -> dict:
+        from headlab.interpret.atlas.evidence import evidence_maps
+
+        run, k = self.run, self.run.sizes["k"]
+        run.say("evidence maps", 0, 1)
+        tok = run.tokenizer
+        short = T.repeated(tok, vocab=run.vocab, n=1, half=min(run.sizes["half"], 12), seed=run.sizes["seed"])[0][0]
+        name = (lambda t: tok.convert_ids_to_tokens(t)) if tok is not None else str
+        maps = evidence_maps(run.adapter, {kd.name: result.top(kd.name, k) for kd in self.kinds if kd.reads in INPUTS},
+                             repeated_ids=short, text_ids=run.pieces[0][:24] if run.pieces else None, tokens=name)
+        run.say("evidence maps", 1, 1)
+        return maps
+
+    def foreign(self, values: dict) -> list[str]:
+        """The units of ``values`` kept for another run (other inputs: a changed texts file, other weights)."""
+        return [key for key, v in values.items() if not isinstance(v, dict) or v.get("key") != self.key]
+
+    def finish(self, values: dict, *, resumed: Sequence[str] = (), source=None) -> Atlas:
+        """The :class:`Atlas` from every unit's value; ``resumed``: the units read back from ``source``."""
+        result = self._scored(values)
+        seconds = {"repeated": 0.0, "natural_text": 0.0}
+        for key in self.units():
+            v = decode(values[key])
+            if key in self.tasks:
+                result.verdicts.update(v["verdicts"])
+                result.skipped.update(v["skipped"])
+            elif key == "evidence":
+                result.evidence = v["evidence"]
+            group = {"copying": "repeated", "text": "natural_text", "evidence": None}.get(key, key)
+            if key in self.tasks:
+                group = "checks"
+            if group is not None:
+                seconds[group] = seconds.get(group, 0.0) + v["seconds"]
+        if self.checks:
+            seconds.setdefault("checks", 0.0)
+        if resumed:
+            result.notes.append(f"resumed: {', '.join(resumed)} read back from {source}")
+        result.seconds = {n: round(s, 3) for n, s in seconds.items()}
+        return result
+
+
+def _read_units(path: Path | None, run: AtlasRun) -> tuple[dict, bool]:
+    """The units ``path`` keeps for this run, and whether it held another run's."""
+    if path is None or not path.is_file():
+        return {}, False
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, OSError):
+        return {}, True
+    units = data.get("units") if isinstance(data, dict) else None
+    if not isinstance(units, dict):
+        return {}, True
+    foreign = run.foreign(units)
+    return {k: v for k, v in units.items() if k not in foreign and k in run.units()}, bool(foreign)
+
+
 def atlas(model, *, kinds: Sequence[str] | str | None = None, texts=None, treebank=None, treebank_limit: int = 200,
           checks: bool = True, copying: bool = True, k: int | None = None, n_draws: int = 10, half: int = 50,
           n_repeated: int = 8,
@@ -95,116 +291,34 @@ def atlas(model, *, kinds: Sequence[str] | str | None = None, texts=None, treeba
         progress: a bar on stderr (True), nothing (None, False) or ``progress(stage, done, total)``
             (:mod:`headlab.progress`).
         evidence: keep the attention maps of each kind's top heads on one short input (:mod:`.evidence`).
-        resume: a file that keeps each finished phase (:mod:`.resume`); a rerun with the same settings
-            after an interrupt reads them back and runs only the rest. Removed when the atlas is complete.
+        resume: a JSON file that keeps each finished unit of the run (:class:`AtlasRun`: the score phases, each
+            task's checks, the evidence maps); a rerun with the same settings after an interrupt reads them
+            back and runs only the rest (units kept for other settings are replaced). Removed when the atlas is
+            complete.
 
     Returns:
         :class:`~headlab.interpret.atlas.result.Atlas`.
     """
-    if isinstance(model, str | os.PathLike):  # a known name or a model folder, as the docstring promises
-        model = load(model)
-    adapter, loaded = resolve(model)
-    tok = getattr(loaded, "tokenizer", None)
-    get_out = getattr(adapter.model, "get_output_embeddings", None)
-    has_logits = adapter.causal and ((callable(get_out) and get_out() is not None) or hasattr(adapter.model, "tok_emb"))
     with reporter(progress) as say:  # the one display (headlab.progress)
-        run = Run(adapter=adapter, loaded=loaded, tokenizer=tok, has_logits=has_logits, treebank=treebank, texts=texts,
-                  sizes={}, vocab=0, max_rows=max_rows, checkpoint=None, say=say)
-        todo, skipped = _kinds(kinds, run)
-        for name, v, lo in (("n_draws", n_draws, 1), ("half", half, 2), ("n_repeated", n_repeated, 2),
-                            ("n_texts", n_texts, 1), ("needle_trials", needle_trials, 1), ("n_boot", n_boot, 2),
-                            ("window", window, 2), ("max_tokens", max_tokens, 8), ("haystack_tokens", haystack_tokens, 8),
-                            ("max_rows", max_rows, 1)):
-            int_at_least(name, v, lo, message="{name} must be an integer of at least {low}, got {value!r}")
-        total = sum(adapter.layer_heads)
-        k = k if k is not None else max(1, min(10, round(0.05 * total)))
-        int_in_range("k (heads gated per check)", k, 1, total - 1)
-        if treebank is not None and loaded is None:
-            raise InputError("the syntactic kind needs a model with a tokenizer (headlab.load(...)) for the treebank")
-        kinds_todo = [KINDS[kd] for kd in todo]
-        run.vocab = vocab = S.embeddings(adapter.model)[0].shape[0]
-        run.pieces = pieces = T.natural(tok, texts, max_tokens=max_tokens, n=n_texts) \
-            if any(kd.reads in ("text", "needles") for kd in kinds_todo) else []
-        run.sizes = sizes = {
-            "k": k, "n_draws": n_draws, "half": half, "n_repeated": n_repeated, "window": window, "max_tokens": max_tokens,
-            "n_texts": len(pieces), "needle_trials": needle_trials, "haystack_tokens": haystack_tokens, "seed": seed,
-            "n_boot": n_boot, "treebank_limit": treebank_limit}
-        if checks:  # the sizes each task needs, refused before any work
-            for task in dict.fromkeys(kd.task for kd in kinds_todo if kd.task is not None and kd.task.validate):
-                task.validate(run)
-        seconds, notes = {}, []
-        run.checkpoint = ck = Checkpoint(resume, {
-            "model": getattr(loaded, "name", None) or type(adapter.model).__name__, "heads": adapter.layer_heads,
-            "kinds": todo, "checks": checks, "copying": copying, "texts": fingerprint(texts), "treebank": str(treebank),
-            **sizes})
-        grids = {}
-        run.repeated_ids, run.start = T.repeated(tok, vocab=vocab, n=n_repeated, half=half, seed=seed)
-        t0 = time.perf_counter()
-        rep = [kd for kd in kinds_todo if kd.reads == "repeated"]
-        if rep:
-            say("repeated tokens", 0, 1)
-            grids.update(ck.run("repeated", lambda: _repeated_scores(run, rep)))
-            say("repeated tokens", 1, 1)
-        copying_grid = None
-        if copying:
-            say("copying (OV circuits)", 0, 1)
-            copying_grid = ck.run("copying", lambda: S.ov_copying(adapter).double())
-            say("copying (OV circuits)", 1, 1)
-        seconds["repeated"] = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        labels = []
-        if pieces:
-            say("natural text", 0, 1)
-            got = ck.run("text", lambda: _text_scores(run, [kd for kd in kinds_todo if kd.reads == "text"]))
-            labels = got.pop("labels")
-            grids.update(got)
-            say("natural text", 1, 1)
-        seconds["natural_text"] = time.perf_counter() - t0
-        for kd in kinds_todo:  # the kinds of their own input (needles, a treebank, ...), each its own phase
-            if kd.reads not in INPUTS:
-                t0 = time.perf_counter()
-                grids[kd.name] = kd.score(run)
-                seconds[kd.name] = time.perf_counter() - t0
-        run.forget()  # the recordings of the inputs: the checks run their own forwards
-        notes += run.notes
-        scores = {kind: grids[kind] for kind in todo}
-        if copying_grid is not None:
-            scores["copying"] = copying_grid
-        H, Hkv = adapter.n_heads, adapter.n_kv_heads
-        kv_group = torch.arange(H).div(H // Hkv, rounding_mode="floor").expand(adapter.n_layers, H).clone()
-        tied = S.embeddings(adapter.model)[2]
-        if copying_grid is not None:
-            notes.append("copying: sum(eigenvalues) / sum(|eigenvalues|) of W_E W_V W_O W_U (Olsson et al.), no layer norms; "
-                         + ("the unembedding is the embedding's transpose" if tied else "the model's own unembedding"))
-        result = Atlas(model=getattr(loaded, "name", None) or type(adapter.model).__name__, family=adapter.family,
-                       causal=adapter.causal, n_layers=adapter.n_layers, n_heads=H, n_kv_heads=Hkv, kv_group=kv_group,
-                       scores=scores, thresholds=thresholds.as_dict(), labels=labels, syntactic=run.syntactic,
-                       skipped=skipped, notes=notes,
-                       settings={**sizes, "start": run.start, "texts": "given" if texts is not None else "shipped passage",
-                                 **run.settings})
-        if checks:
-            t0 = time.perf_counter()
-            from headlab.interpret.atlas.checks import run_checks
-
-            run_checks(result, run, kinds_todo, k=k, n_draws=n_draws, seed=seed, n_boot=n_boot)
-            seconds["checks"] = time.perf_counter() - t0
-        if ck.resumed:
-            result.notes.append(f"resumed: {', '.join(ck.resumed)} read back from {ck.path} (their seconds are not counted)")
-        if ck.stale:
-            result.notes.append(f"{ck.path} held another run's phases (other settings); they were replaced")
-        if evidence:
-            from headlab.interpret.atlas.evidence import evidence_maps
-
-            say("evidence maps", 0, 1)
-            short = T.repeated(tok, vocab=vocab, n=1, half=min(half, 12), seed=seed)[0][0]
-            name = (lambda t: tok.convert_ids_to_tokens(t)) if tok is not None else str
-            result.evidence = evidence_maps(adapter, {kd.name: result.top(kd.name, k) for kd in kinds_todo
-                                                      if kd.reads in INPUTS},
-                                            repeated_ids=short, text_ids=pieces[0][:24] if pieces else None, tokens=name)
-            say("evidence maps", 1, 1)
-        ck.finish()
-        result.seconds = {n: round(s, 3) for n, s in seconds.items()}
+        run = AtlasRun(model, kinds=kinds, texts=texts, treebank=treebank, treebank_limit=treebank_limit,
+                       checks=checks, copying=copying, k=k, n_draws=n_draws, half=half, n_repeated=n_repeated,
+                       window=window, max_tokens=max_tokens, n_texts=n_texts, needle_trials=needle_trials,
+                       haystack_tokens=haystack_tokens, n_boot=n_boot, seed=seed, max_rows=max_rows,
+                       thresholds=thresholds, evidence=evidence, say=say)
+        path = None if resume is None else Path(resume).expanduser()
+        values, stale = _read_units(path, run)  # under torchrun every rank reads the file, rank 0 writes it
+        resumed = list(values)
+        for key in run.units():
+            if key not in values:
+                values[key] = run.unit(key, values)
+                if path is not None and is_main():
+                    write_json(path, {"units": values}, indent=None)  # atomic: a kill keeps the last unit
+        result = run.finish(values, resumed=[k for k in run.units() if k in resumed], source=path)
+        if stale:
+            result.notes.append(f"{path} held another run's units (other settings); they were replaced")
+        if path is not None and path.is_file() and is_main():
+            path.unlink()
         return result
 
 
-__all__ = ["atlas"]
+__all__ = ["AtlasRun", "atlas"]

@@ -10,16 +10,18 @@ as early as what it needs allows:
 3. once the model is loaded (:meth:`HeadAtlas.check_loaded`): what only the weights tell (its positions when the
    config did not say, a tokenizer or none, its vocabulary, its heads, the needle trial's own tokens).
 
-**One unit.** The atlas runs in phases (repeated tokens, OV copying, natural text, each kind with its own
-input, the causal checks, the evidence maps) that share one :class:`~headlab.interpret.atlas.kinds.Run`: the
-checks read every phase's scores, and the seed of every random choice runs through them in order. The
-library already keeps each finished phase (:mod:`headlab.interpret.atlas.resume`: ``--out/atlas.partial.json``,
-written atomically, keyed by the settings, removed when the atlas is complete) and resumes from it when the
-same command runs again; it also splits the needle trials and the checks' configurations over torchrun ranks
-itself (``parallel = "inside"``). Units driven by the runner would be a second resume mechanism beside that
-one, so the whole atlas is one unit: Ctrl-C keeps the finished phases in that file
-(:meth:`HeadAtlas.kept_inside` says which), and a folder holding only that file is the same run resuming, not a
-"not empty" one. Progress is the library's own phases, on the runner's display.
+**The units are the atlas's phases** (:class:`~headlab.interpret.atlas.run.AtlasRun`: repeated tokens, OV
+copying, natural text, each kind with its own input, each task's causal checks, the evidence maps). A unit
+reads the values of the units before it (``ctx.kept``: a check gates the top heads of the scores), and every
+value is JSON, so the runner keeps the finished phases on Ctrl-C (``--out/atlas.json`` says
+``"interrupted"``) and ``--resume`` runs only the rest, to the numbers of a run in one go (every random choice
+is seeded from ``--seed`` where it is made).
+
+**Why every rank runs every unit** (``parallel = "inside"``): the causal checks and the evidence maps read the
+scores of every earlier phase on every rank (each rank gates its share of a check's configurations on the top
+heads), while the runner's split gathers the units' values on rank 0 only, at the end; and on a model sharded
+by tensor parallelism each score phase is a collective of its group. So under torchrun each unit splits its own
+work over the ranks (the needle trials, the checks' configurations: :mod:`headlab.interpret.atlas.run`).
 """
 
 from __future__ import annotations
@@ -28,7 +30,6 @@ from pathlib import Path
 
 from headlab.errors import ConfigError, InputError
 from headlab.interpret.atlas.kinds import KINDS
-from headlab.interpret.atlas.resume import finished_phases
 from headlab.interpret.instruments.base import (
     REQUIRED,
     Context,
@@ -36,6 +37,7 @@ from headlab.interpret.instruments.base import (
     InstrumentResult,
     Option,
     Output,
+    Unit,
     at_least,
     register,
 )
@@ -43,7 +45,6 @@ from headlab.models.peek import peek_max_positions
 from headlab.results import print_json
 
 MAX_DRAWS = 1000  # --draws: random head sets gated per check
-PARTIAL = "atlas.partial.json"  # the finished phases of an interrupted run; the same command resumes from it
 
 
 def _reading(*inputs: str) -> list[str]:
@@ -205,9 +206,9 @@ class HeadAtlas(Instrument):
 
 Example: headlab atlas --model smollm2 --out atlas-smollm2
 
-Interrupted (Ctrl-C), the finished phases stay in DIR/atlas.partial.json; the same command resumes from them.
-Data-parallel with torchrun: `torchrun --nproc-per-node 2 -m headlab atlas ...` splits the needle trials and
-the checks' configurations across the processes; rank 0 shows the progress and writes the output."""
+Interrupted (Ctrl-C), the finished phases stay in DIR/atlas.json; the same command with --resume runs only
+the rest. Data-parallel with torchrun: `torchrun --nproc-per-node 2 -m headlab atlas ...` splits the needle
+trials and the checks' configurations across the processes; rank 0 shows the progress and writes the output."""
     options = (
         Option("model", "--model", str, "minilm", "a known model name (minilm, smollm2) or a model folder", short="-m"),
         Option("kinds", "--kinds", str, None, f"comma-separated kinds (default: all the model allows): "
@@ -231,10 +232,13 @@ the checks' configurations across the processes; rank 0 shows the progress and w
         Option("seed", "--seed", int, 0, check=at_least(0)),
         Option("as_json", "--json", bool, False, "print the summary as JSON", setting=False),
     )
-    # a folder holding only an interrupted run's checkpoint is that run resuming, not a busy folder
-    output = Output("out", folder=True, file="atlas.json", force="force", checkpoint=PARTIAL)
-    parallel = "inside"  # atlas() splits the needle trials and the checks' configurations over the ranks itself
-    announce = False  # the command's stderr stays as it was: the atlas's own phases only
+    output = Output("out", folder=True, file="atlas.json", force="force")
+    resumable = True  # Ctrl-C keeps the finished phases in atlas.json; --resume runs the rest
+    # every rank runs every phase, and a phase splits its needle trials and check configurations over the ranks:
+    # the checks read every earlier phase's scores on every rank (see the module's docstring)
+    parallel = "inside"
+    stage = "atlas phases"
+
     def check(self, ctx: Context) -> None:
         ctx.state["kinds"] = parse_kinds(ctx.options["kinds"])
 
@@ -255,34 +259,36 @@ the checks' configurations across the processes; rank 0 shows the progress and w
         check_loaded(ctx.loaded, o["model"], ctx.state["kinds"], texts=texts, checks=o["checks"], half=o["half"],
                      max_tokens=o["max_tokens"], n_texts=o["n_texts"], haystack=o["haystack"], needles=o["needles"],
                      top_k=o["top_k"], seed=o["seed"])
+        from headlab.interpret.atlas.run import AtlasRun  # looked up at call time
 
-    def run_unit(self, ctx: Context, unit, recording=None):
-        from headlab.interpret.atlas import atlas  # looked up at call time
+        ctx.state["atlas"] = AtlasRun(
+            ctx.loaded, kinds=ctx.state["kinds"], texts=texts, treebank=o["treebank"], checks=o["checks"],
+            k=o["top_k"], n_draws=o["draws"], half=o["half"], n_texts=o["n_texts"], max_tokens=o["max_tokens"],
+            needle_trials=o["needles"], haystack_tokens=o["haystack"], seed=o["seed"], say=ctx.progress)
+        ctx.state["ran"] = []  # the phases this run computes (the others are resumed)
 
-        o, out = ctx.options, ctx.path.parent
-        if ctx.main:  # the checkpoint goes in --out as soon as a phase is done
-            out.mkdir(parents=True, exist_ok=True)
-        return atlas(ctx.loaded, kinds=ctx.state["kinds"], texts=ctx.state["texts"], treebank=o["treebank"],
-                     checks=o["checks"], k=o["top_k"], n_draws=o["draws"], half=o["half"], n_texts=o["n_texts"],
-                     max_tokens=o["max_tokens"], needle_trials=o["needles"], haystack_tokens=o["haystack"],
-                     seed=o["seed"], progress=ctx.progress, resume=out / PARTIAL)
+    def units(self, ctx: Context) -> list[Unit]:
+        return [Unit(key) for key in ctx.state["atlas"].units()]
 
-    def kept_inside(self, ctx: Context) -> str | None:
-        """After Ctrl-C stopped the unit: what the atlas kept itself (its finished phases), in one line."""
-        if ctx.path is None:
-            return None
-        partial = ctx.path.parent / PARTIAL
-        phases = finished_phases(partial)
-        if not phases:
-            return "no phase of the atlas had finished"
-        return (f"the atlas's finished phases ({', '.join(phases)}) are kept in {partial}; run the same command "
-                "again to resume from them")
+    def _same_inputs(self, ctx: Context, values: dict) -> None:
+        """Phases kept by an earlier run on other inputs (the --texts or --treebank file, or the model's weights,
+        changed; the runner has compared the options) are refused."""
+        foreign = ctx.state["atlas"].foreign(values)
+        if foreign:
+            raise InputError(f"--resume: {ctx.path} keeps phases ({', '.join(foreign)}) computed from other inputs "
+                             "(a changed --texts or --treebank file, or other weights); drop --resume to start again")
 
-    def unit_to_json(self, value):
-        return value.to_json()
+    def run_unit(self, ctx: Context, unit: Unit, recording=None):
+        if not ctx.state["ran"]:
+            self._same_inputs(ctx, ctx.kept)
+        ctx.state["ran"].append(unit.key)
+        return ctx.state["atlas"].unit(unit.key, ctx.kept)  # JSON already: the file keeps it as it is
 
     def finish(self, ctx: Context, values: dict) -> InstrumentResult:
-        return InstrumentResult.of(values[self.name])
+        run = ctx.state["atlas"]
+        self._same_inputs(ctx, values)
+        resumed = [k for k in run.units() if k not in ctx.state["ran"]]
+        return InstrumentResult.of(run.finish(values, resumed=resumed, source=ctx.path))
 
     def write(self, ctx: Context, result, path: Path) -> list[Path]:
         from headlab.interpret.atlas.page import render_page
@@ -315,4 +321,4 @@ the checks' configurations across the processes; rank 0 shows the progress and w
             console.print(f"[bold]wrote:[/] {outcome.files[0]}, {outcome.files[1]}", highlight=False, soft_wrap=True)
 
 
-__all__ = ["HeadAtlas", "PARTIAL", "check_loaded", "check_positions", "parse_kinds"]
+__all__ = ["HeadAtlas", "check_loaded", "check_positions", "parse_kinds"]

@@ -223,6 +223,9 @@ class Instrument(Part):
     # a string says why not, and the runner refuses --tensor-parallel with it before anything is read
     sharded: ClassVar[bool | str] = True
     stage: ClassVar[str] = "units"  # the progress stage of the units
+    # the work reads text through the model's tokenizer: a model folder without tokenizer files is refused before
+    # the load (the runner), instead of after it
+    reads_text: ClassVar[bool] = False
 
     @property
     def result_kind(self) -> str:

@@ -8,18 +8,20 @@ checks them before the model loads, and shows the result.
 
 **One text** is one unit; its page, PNG and JSON go to ``--out`` (a new or empty folder, or ``--force``).
 
-**The study** is one unit too, because the saliency room already owns what units would give: it appends each
-row's record to ``OUT/instances.jsonl`` as soon as it is done, so an interrupted run keeps every finished row
-and a rerun resumes from them (its own resume, kept: a second one here would disagree with it); it reports its
-own ``explain`` stage on the runner's display; ``--max-minutes`` stops it starting new rows; and under torchrun
-it splits the rows over the ranks itself (``parallel = "inside"``; on a model sharded by heads, over the
-tensor-parallel groups). Its ``--out`` may therefore hold files. A Ctrl-C during the study says how many rows
-the file keeps (:meth:`Explain.kept`) before the runner's line.
+**The study**: every dataset row is a unit (keyed ``line:sha1`` of its text), whose value is the row's record
+(:func:`~headlab.interpret.saliency.corpus_study.row_value`); ``finish`` makes the corpus tables from them
+(:func:`~headlab.interpret.saliency.corpus_study.conclude`, what :func:`~headlab.interpret.saliency.study`
+computes). The runner does the rest: the ``explain`` stage on its display, the rows split over torchrun's ranks
+(on a model sharded by heads, over the tensor-parallel groups) and gathered on rank 0, and on Ctrl-C the
+finished rows kept in ``OUT/instances.json`` (the result file: the records under ``"units"``), from which
+``--resume`` runs only the rest. ``--max-minutes`` stops starting rows: those left are not kept, so a
+``--resume`` explains them.
 """
 
 from __future__ import annotations
 
 import math
+import time
 from pathlib import Path
 
 from headlab.errors import ConfigError, InputError
@@ -30,6 +32,7 @@ from headlab.interpret.instruments.base import (
     InstrumentResult,
     Option,
     Output,
+    Unit,
     at_least,
     register,
 )
@@ -78,20 +81,21 @@ Examples: headlab explain "a gripping , funny film" --model ~/.cache/headlab/min
                "for a model with no head: explain cosine similarity to this text", reads="text"),
         Option("truncate", "--truncate", bool, False, "cut text longer than the model's positions (warned)"),
         Option("dataset", "--dataset", Path, None, "TSV (sentence, label): run the corpus study instead"),
-        Option("limit", "--limit", int, None, "with --dataset: only the first N rows"),
+        Option("limit", "--limit", int, None, "with --dataset: only the first N rows", setting=False),
         Option("no_counterfactual", "--no-counterfactual", bool, False,
                "with --dataset: skip permutation and adversarial tests"),
         Option("max_minutes", "--max-minutes", float, None,
-               "with --dataset: stop starting new rows after this long (rerun resumes)"),
+               "with --dataset: stop starting new rows after this long (--resume runs the rest)", setting=False),
         Option("out", "--out", Path, None, "folder for the HTML page + PNG (or the study's files)", short="-o",
                setting=False),
-        Option("force", "--force", bool, False, "write into a non-empty --out folder (one explanation)",
-               setting=False),
+        Option("force", "--force", bool, False, "write into a non-empty --out folder (a study starts again; "
+               "--resume continues it)", setting=False),
         Option("as_json", "--json", bool, False, "print the result as JSON", setting=False),
     )
-    output = Output("out", folder=True, file=None, force="force")
-    parallel = "inside"  # the study splits its rows over the torchrun ranks itself; one text is one unit
-    announce = False  # the command's stderr stays as it was: the study's own "explain" stage only
+    # the study's units are kept in OUT/instances.json (its records); one text writes its page beside
+    output = Output("out", folder=True, file="instances.json", force="force")
+    resumable = True  # --resume: the study's rows already in OUT/instances.json are kept
+    stage = "explain"
 
     def check(self, ctx: Context) -> None:
         """The options alone, in the order the command has always checked them."""
@@ -114,9 +118,6 @@ Examples: headlab explain "a gripping , funny film" --model ~/.cache/headlab/min
             at_least(1, " row")(o["limit"], self.option("limit"), o)
         if o["max_minutes"] is not None and not 0 < o["max_minutes"] < math.inf:
             raise ConfigError(f"--max-minutes must be a number > 0, got {o['max_minutes']}")
-        # the study resumes in its folder: files already there are its own earlier rows (what --force allows
-        # for one explanation), so the runner's output check lets a non-empty --out through
-        o["force"] = True
 
     def prepare(self, ctx: Context) -> None:
         """Before the load: the dataset file (not UTF-8, empty, no label column), then the methods and their
@@ -130,11 +131,23 @@ Examples: headlab explain "a gripping , funny film" --model ~/.cache/headlab/min
 
             read_file(Path(o["dataset"]), "--dataset", "texts",
                       what="a TSV file with a header row (columns sentence, label)")
-        check_options(o["methods"], o["ig_steps"], o["backend"], o["loo"])
+        methods = check_options(o["methods"], o["ig_steps"], o["backend"], o["loo"])
         if o["dataset"] is not None:
+            from headlab.interpret.saliency import StudyOptions
             from headlab.tsv import read_dataset
 
-            read_dataset(o["dataset"], o["limit"])  # the study reads it again: a missing column stops here
+            ctx.state["rows"] = read_dataset(o["dataset"], o["limit"])  # a missing column stops here
+            ctx.state["study"] = StudyOptions(methods=tuple(methods), ig_steps=o["ig_steps"], backend=o["backend"],
+                                              loo=o["loo"], counterfactual=not o["no_counterfactual"])
+
+    def check_loaded(self, ctx: Context) -> None:
+        ctx.state["t0"] = time.perf_counter()  # --max-minutes counts from here
+
+    def units(self, ctx: Context) -> list[Unit]:
+        """One text: one unit; the study: one per dataset row, keyed by its line and text."""
+        if ctx.options["dataset"] is None:
+            return [Unit(self.name)]
+        return [Unit(row.key, row) for row in ctx.state["rows"]]
 
     def run_unit(self, ctx: Context, unit, recording=None):
         o = ctx.options
@@ -144,38 +157,47 @@ Examples: headlab explain "a gripping , funny film" --model ~/.cache/headlab/min
             return explain(ctx.loaded, ctx.data["text"], target=o["target"], methods=o["methods"],
                            ig_steps=o["ig_steps"], backend=o["backend"], loo=o["loo"],
                            compare_to=ctx.data.get("compare_to"), truncate=o["truncate"])
-        from headlab.interpret.saliency import StudyOptions, study
+        from headlab.interpret.saliency import corpus_study
 
-        opts = StudyOptions(methods=tuple(m.strip() for m in o["methods"].split(",") if m.strip()),
-                            ig_steps=o["ig_steps"], backend=o["backend"], loo=o["loo"],
-                            counterfactual=not o["no_counterfactual"])
-        return study(ctx.loaded, o["dataset"], o["out"], limit=o["limit"], options=opts,
-                     progress=False if o["as_json"] else ctx.progress,
-                     max_seconds=None if o["max_minutes"] is None else 60 * o["max_minutes"])
+        row = unit.payload
+        if self._over_budget(ctx):
+            return {"key": row.key, "line": row.line, "not_run": True}
+        return corpus_study.row_value(ctx.loaded, row, ctx.state["study"])
 
-    def kept_inside(self, ctx: Context) -> str | None:
-        """After Ctrl-C in the study: how many rows its file keeps, and that the same command resumes from them
-        (None for one text: nothing is kept)."""
-        if ctx.options["dataset"] is None:
-            return None
-        from headlab.interpret.saliency.corpus_study import INSTANCES, load_records
+    @staticmethod
+    def _over_budget(ctx: Context) -> bool:
+        """--max-minutes spent; the ranks of a tensor-parallel group agree (they run each row together)."""
+        budget = ctx.options["max_minutes"]
+        over = budget is not None and time.perf_counter() - ctx.state["t0"] > 60 * budget
+        place = ctx.loaded.adapter.placement
+        if budget is not None and place.sharded:
+            import torch
 
-        path = Path(ctx.options["out"]).expanduser() / INSTANCES
-        return (f"{path} keeps {len(load_records(path))} explained rows; run the same command again to resume from "
-                "them")
+            over = bool(place.sum_group(torch.tensor([float(over)], dtype=torch.float64))[0] > 0)
+        return over
 
     def unit_to_json(self, value):
-        return None if value is None else value.to_json()
+        return value.to_json() if hasattr(value, "to_json") else value  # one text's Explanation; a row's record
 
     def finish(self, ctx: Context, values: dict) -> InstrumentResult:
-        return InstrumentResult.of(values[self.name])
+        o = ctx.options
+        if o["dataset"] is None:
+            return InstrumentResult.of(values[self.name])
+        from headlab.interpret.saliency.corpus_study import conclude
+
+        rows = list(values.values())  # in the dataset's order
+        left = sum("not_run" in v for v in rows)
+        skipped = [f"time budget of {60 * o['max_minutes']:.0f} s reached: {left} of {len(rows)} rows not run yet "
+                   "(run again with --resume to explain them)"] if left else []
+        return InstrumentResult.of(conclude(ctx.loaded, o["dataset"], ctx.path.parent, rows, ctx.state["study"],
+                                            skipped, settings=ctx.settings))
 
     def write(self, ctx: Context, result, path: Path) -> list[Path]:
-        if ctx.options["dataset"] is not None:  # the study wrote its files as it went
-            return [path / f for f in result.native.files]
+        if ctx.options["dataset"] is not None:  # finish wrote the records, the tables and the figures
+            return [path.parent / f for f in result.native.files]
         from headlab.interpret.saliency.html import write_explanation
 
-        ctx.state["paths"] = paths = write_explanation(result.native, path)
+        ctx.state["paths"] = paths = write_explanation(result.native, path.parent)  # path: OUT/instances.json
         return list(paths.values())
 
     def render(self, ctx: Context, outcome, console, err) -> None:

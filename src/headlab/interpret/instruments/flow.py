@@ -80,6 +80,7 @@ class Flow(Instrument):
     """How much of each input token reaches an output token, for one text."""
 
     name = "flow"
+    reads_text = True  # a model folder without a tokenizer is refused before the load
     summary = """How much of each input token reaches an output token: rollout, flow (Abnar and Zuidema 2020) or
 value-aware norms (Kobayashi et al. 2020, 2021).
 

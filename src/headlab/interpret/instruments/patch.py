@@ -108,6 +108,7 @@ class Patch(Instrument):
     """Patch each head's activation from the corrupted prompt into the clean one and rank the heads."""
 
     name = "patch"
+    reads_text = True  # a model folder without a tokenizer is refused before the load
     summary = """Patch each head's activation from the corrupted prompt into the clean one and rank the heads.
 
 The metric is the logit difference answer - wrong at the last token; an effect is

@@ -47,6 +47,7 @@ class Probe(Instrument):
     """Every head scored on every dependency relation of a treebank, against the best fixed-offset baseline."""
 
     name = "probe"
+    reads_text = True  # a model folder without a tokenizer is refused before the load
     summary = """Score every head on every dependency relation of a treebank against the best fixed-offset baseline.
 
 Example: headlab probe --treebank en_ewt-ud-dev.conllu --limit 200 --out probe-minilm

@@ -189,6 +189,19 @@ def run_together(runs: Sequence[tuple[Instrument | str, dict]], *, resume: bool 
         return _load_and_work(ctxs, resume=resume, progress=progress, transient=transient, say=say, command=command)
 
 
+def check_tokenizer(ctx: Context) -> None:
+    """An instrument that reads text, given a model folder without tokenizer files: refused before the load."""
+    model = ctx.options.get("model")
+    if not ctx.instrument.reads_text or not isinstance(model, str | Path):
+        return
+    from headlab.models.peek import TOKENIZER_FILES, peek_has_tokenizer
+
+    if peek_has_tokenizer(str(model)) is False:
+        raise InputError(f"--model {str(model)!r} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}), and "
+                         f"{ctx.instrument.name} reads text; save the tokenizer beside the weights "
+                         "(tokenizer.save_pretrained(folder)) or choose another model")
+
+
 def _guarded(ctx: Context) -> Path:
     """The path a run's lock guards: the output folder (a folder output), else the result file."""
     spec = ctx.instrument.output
@@ -200,6 +213,7 @@ def _load_and_work(ctxs: list[Context], *, resume: bool, progress, transient: bo
     for ctx in ctxs:  # 2. inputs
         _read_inputs(ctx)
         ctx.instrument.prepare(ctx)
+        check_tokenizer(ctx)
     from headlab.distributed.data import init_from_env
 
     rank, world = init_from_env()

@@ -70,6 +70,7 @@ class Analyze(Instrument):
     """Every head of a model on one text: per-layer pictures, an interactive page and a per-head table."""
 
     name = "analyze"
+    reads_text = True  # a model folder without a tokenizer is refused before the load
     summary = """Write a report on every attention head: per-layer pictures, an interactive page, a per-head table.
 
 Example: headlab analyze "The cat sat on the mat because it was tired." --out cat-report

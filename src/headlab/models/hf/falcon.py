@@ -38,7 +38,7 @@ class FalconAdapter(OwnForwardAdapter):
             return Fused("query_key_value", "grouped")
         return Fused("query_key_value", "blocks" if cfg.multi_query else "per_head")
 
-    @property
+    @property  # type: ignore[override]  # read from the config: a property where other families declare a ClassVar
     def norms(self) -> Norms:
         cfg = self.model.config
         pre = "ln_attn" if cfg.new_decoder_architecture and cfg.num_ln_in_parallel_attn == 2 else "input_layernorm"
@@ -46,7 +46,7 @@ class FalconAdapter(OwnForwardAdapter):
             return Norms(pre=pre, kind="layernorm", parallel="mlp")
         return Norms(pre=pre, kind="layernorm")
 
-    @property
+    @property  # type: ignore[override]  # read from the config, as norms
     def positions(self) -> str:
         return "alibi" if self.model.config.alibi else "rotary"
 

@@ -25,7 +25,7 @@ decoder that uses the standard attention function is a declaration and nothing e
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 from torch import nn
@@ -66,6 +66,7 @@ def _first(cfg, names, default=None):
 class HFAdapter(ModelAdapter):
     """A Hugging Face family (see the module docstring for the declaration)."""
 
+    model: Any  # a transformers PreTrainedModel: its config and methods are read by name, family by family
     model_types: ClassVar[tuple[str, ...]] = ()  # the config.model_type values this family adapts
     description: ClassVar[str] = ""  # how the support table and the unsupported-architecture message name it
     layers: ClassVar[str] = "layers"

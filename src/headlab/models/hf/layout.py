@@ -7,6 +7,7 @@ stack of a decoder or encoder; an encoder-decoder's encoder, decoder and cross-a
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 from torch import nn
@@ -61,7 +62,7 @@ def stack_layout(model, x, block: nn.Module, attn_path: str, call: Call, H, Hkv,
     attn_prefix = f"{attn_path}." if attn_path else ""
     lin = {n[len(attn_prefix):]: m for n, m in named.items() if n.startswith(attn_prefix) and is_linear(m) and n in rec}
     rec_rel = {n[len(attn_prefix):]: rec[n] for n in rec if n.startswith(attn_prefix)}
-    projections = None
+    projections: Separate | Fused | None = None
     for n, m in lin.items():
         out = rec_rel[n][1]
         if out is None:
@@ -134,7 +135,7 @@ def _named(letter: str, name: str) -> bool:
         (f"_{letter}", f"{letter}_proj", f"{letter}_lin"))
 
 
-def _norm_kind(m: nn.Module, z: torch.Tensor, y: torch.Tensor) -> tuple[str, float] | None:
+def _norm_kind(m: nn.Module, z: torch.Tensor, y: torch.Tensor) -> tuple[Literal["layernorm", "rmsnorm"], float] | None:
     """``(kind, offset)`` of a norm from one input/output pair: LayerNorm or RMSNorm, weight ``w`` or ``1 + w``."""
     z = z.double()
     eps = float(next((getattr(m, n) for n in ("eps", "variance_epsilon", "epsilon") if hasattr(m, n)), 1e-5))

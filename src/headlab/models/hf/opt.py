@@ -17,7 +17,7 @@ class OPTAdapter(HFAdapter):
     head_attrs = {"num_heads": "H"}
     positions = "absolute"
 
-    @property
+    @property  # type: ignore[override]  # read from the config: a property where other families declare a ClassVar
     def norms(self) -> Norms:
         if getattr(self.model.config, "do_layer_norm_before", True):
             return Norms(pre="self_attn_layer_norm", kind="layernorm")

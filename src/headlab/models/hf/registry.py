@@ -9,10 +9,15 @@ the registered family nearest the structure found (:func:`nearest_by_structure`)
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from torch import nn
 
 from headlab.errors import ModelError, UnsupportedArchitectureError
 from headlab.registry import Registry
+
+if TYPE_CHECKING:
+    from headlab.models.hf.family import HFAdapter
 
 
 def _taken(cls, types: list[str]) -> ModelError:
@@ -20,9 +25,9 @@ def _taken(cls, types: list[str]) -> ModelError:
 
 
 # registered HFAdapter subclasses, each under its config.model_types, in registration order
-_FAMILIES: Registry[type] = Registry("a model family", "transformers' config.model_type picks it", instances=False,
-                                     key=lambda cls: cls.model_types, taken=_taken)
-FAMILIES: list[type] = _FAMILIES.items
+_FAMILIES: Registry[type[HFAdapter]] = Registry("a model family", "transformers' config.model_type picks it",
+                                                instances=False, key=lambda cls: cls.model_types, taken=_taken)
+FAMILIES: list[type[HFAdapter]] = _FAMILIES.items
 # what serves the types no family declares: headlab.models.hf.structure registers its adapt_by_structure,
 # max_positions and nearest_by_structure here when the package imports it (the registry imports no family)
 BY_STRUCTURE: dict = {}

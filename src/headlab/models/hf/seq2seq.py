@@ -15,7 +15,7 @@ that reason; over the whole model the self-attention layers answer and a note sa
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from torch import nn
 
@@ -38,7 +38,7 @@ class EncoderDecoderAdapter(HFAdapter):
     decoder_norms: ClassVar[Norms] = Norms()
     cross_norms: ClassVar[Norms] = Norms()
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: Any) -> None:  # a transformers encoder-decoder
         root = model.base_model
         self.encoder_blocks = list(get_module(root, self.encoder_layers))
         self.decoder_blocks = list(get_module(root, self.decoder_layers))

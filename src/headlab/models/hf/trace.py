@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -85,7 +86,7 @@ def _first_tensor(x):
 
 
 @contextlib.contextmanager
-def implementation(model: nn.Module, name: str):
+def implementation(model: Any, name: str):  # a transformers model
     """The model on attention implementation ``name`` for the block (restored after)."""
     saved = model.config._attn_implementation
     if saved != name:
@@ -148,11 +149,11 @@ def is_conv1d(m: nn.Module) -> bool:
     return type(m).__name__ == "Conv1D"
 
 
-def out_features(m: nn.Module) -> int:
+def out_features(m: Any) -> int:  # a Linear or transformers' Conv1D
     return int(m.weight.shape[1] if is_conv1d(m) else m.weight.shape[0])
 
 
-def in_features(m: nn.Module) -> int:
+def in_features(m: Any) -> int:  # as out_features
     return int(m.weight.shape[0] if is_conv1d(m) else m.weight.shape[1])
 
 

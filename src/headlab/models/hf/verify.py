@@ -147,7 +147,7 @@ def _main(out) -> torch.Tensor:
 def _eager_maps(adapter, out) -> list[torch.Tensor] | None:
     if set(adapter.stacks) == {"encoder", "decoder", "cross"}:
         parts = [getattr(out, n, None) for n in ("encoder_attentions", "decoder_attentions", "cross_attentions")]
-        return None if any(p is None for p in parts) else [m for p in parts for m in p]
+        return None if any(p is None for p in parts) else [m for p in parts if p is not None for m in p]
     maps = getattr(out, "attentions", None)
     return None if maps is None else list(maps)
 

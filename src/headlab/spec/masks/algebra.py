@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from headlab.errors import ConfigError, MaskError
+from headlab import checks
 from headlab.spec.tile_states import EMPTY, FULL, PARTIAL
 
 # fn(b, h, q_idx, kv_idx, q_len, kv_len) -> bool tensor broadcastable to the index shapes
@@ -49,6 +50,14 @@ class MaskFn:
             ``lo <= q_idx - kv_idx <= hi`` (None = unbounded), for every ``b``, ``h`` and length.
             A leaf declares it; :func:`headlab.masks.band_of` derives the band of a composition.
     """
+
+    # set by the pattern builders on the masks they make (the cost model and the name read them); absent otherwise
+    lengths: list[int]  # padding, documents: a length per batch element / per document
+    indices: list[int]  # global tokens
+    cell: tuple[int, int]  # cell patterns: positions per cell (rows, columns)
+    cell_rows: Callable  # cell_rows(q_len, kv_len, device, c0, c1) -> bool (Hm, c1 - c0, n_kv_cells)
+    bigbird: dict[str, int]
+    layout: torch.Tensor  # bool (Hm, n_q_blocks, n_kv_blocks)
 
     def __init__(
         self,
@@ -100,7 +109,14 @@ class MaskFn:
         return out
 
     def check_sizes(self, batch: int, heads: int) -> None:
-        if self.batch_size is not None and self.batch_size not in (1, batch):
+        # a mask that depends on the batch index is evaluated at every index of the call's batch: it must have been
+        # built for that batch (padding([3]) for a batch of 2 has no length for the second element)
+        if self.batch_dependent and self.batch_size is not None and self.batch_size != batch \
+                and getattr(self, "lengths", None) is not None:
+            n = len(self.lengths)
+            raise MaskError(f"{self.name} has {n} length{'s' if n != 1 else ''} but the call has a batch of {batch}; "
+                            "give one valid key length per batch element")
+        if self.batch_size is not None and self.batch_size not in ((batch,) if self.batch_dependent else (1, batch)):
             raise MaskError(
                 f"mask {self.name!r} was built for batch size {self.batch_size} but the call has batch {batch}; "
                 "build the mask for this batch"
@@ -137,6 +153,8 @@ class MaskFn:
         subset of query positions (then the third dim is ``len(rows)``).
         """
         kv_len = q_len if kv_len is None else kv_len
+        for name, val in (("batch", batch), ("heads", heads), ("q_len", q_len), ("kv_len", kv_len)):
+            checks.positive_int(name, val)
         self.check_sizes(batch, heads)
         device = torch.device(device) if device is not None else torch.device("cpu")
         q_rows = torch.arange(q_len, device=device) if rows is None else rows
@@ -312,7 +330,15 @@ def padding(lengths: Sequence[int] | torch.Tensor) -> MaskFn:
     Args:
         lengths: valid key length per batch element, shape ``(batch,)``.
     """
-    lengths_t = torch.as_tensor(lengths, dtype=torch.long).flatten()
+    try:
+        given = torch.as_tensor(lengths)
+    except (TypeError, ValueError, RuntimeError):  # None, a string, a dict, a ragged list
+        raise ConfigError(f"padding(lengths) needs one length per batch element (a list or a 1-D tensor of "
+                          f"integers); got {type(lengths).__name__}") from None
+    if given.dtype == torch.bool or given.is_complex() or (given.is_floating_point() and not bool(
+            (torch.isfinite(given) & (given == given.round())).all())):  # 2.5 would be truncated to 2, True read as 1
+        raise ConfigError(f"padding lengths must be whole numbers, one per batch element; got {given.tolist()}")
+    lengths_t = given.to(torch.long).flatten()
     if lengths_t.numel() == 0:
         raise ConfigError("padding(lengths) needs one length per batch element; got an empty list")
     if bool((lengths_t < 0).any()):

@@ -95,11 +95,14 @@ class Plan:
         """``~visible`` of a tile, ``(Bm, Hm', rows, cols)``; kept per tile when it is the same for
         every (batch, head) (causal without a mask): every head's unit of the tile reuses it."""
         if self.mask is not None or not self.causal:
-            return ~self._to_tile(visibility.visible(self.spec, self.mask, (i0, i1), (j0, j1)), i0, i1, j0, j1)
+            vis = visibility.visible(self.spec, self.mask, (i0, i1), (j0, j1))
+            assert vis is not None  # called for partial tiles only
+            return ~self._to_tile(vis, i0, i1, j0, j1)
         key = (i0, i1, j0, j1, str(device))
         hid = self._hidden.get(key)
         if hid is None:
             vis = visibility.visible(self.spec, None, (i0, i1), (j0, j1))
+            assert vis is not None  # causal: a partial tile hides some pair
             hid = self._hidden[key] = ~self._to_tile(vis, i0, i1, j0, j1)
         return hid
 
@@ -248,4 +251,5 @@ def index_grid(p: Plan, i0, i1, j0, j1, h0: int, n: int, device):
 def modify_scores(s: torch.Tensor, p: Plan, i0, i1, j0, j1, h0: int = 0) -> torch.Tensor:
     """``score_mod(s, b, h, q_idx, kv_idx)`` on a tile of natural-unit scores ``(n, rows, cols)``."""
     b, h, qi, kv = index_grid(p, i0, i1, j0, j1, h0, s.shape[0], s.device)
+    assert p.score_mod is not None  # called only for a plan with a score_mod
     return p.score_mod(s, b, h, qi, kv)
