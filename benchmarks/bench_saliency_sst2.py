@@ -5,9 +5,10 @@
 Runs ``headlab explain --dataset validation.tsv`` (GLUE's 872 SST-2 dev sentences) on the classifier
 made by ``benchmarks/models/minilm_sst2.py``: every method, Kendall tau of attention with each one,
 the permutation test, the adversarial-attention search and ERASER faithfulness with bootstrap
-intervals. Resumable: the per-instance lines accumulate in ``--out`` (default
-``benchmarks/results/saliency_sst2/``), so ``--limit 200`` now and no limit later adds the rest.
-Prints the tables and writes ``benchmarks/results/saliency_sst2.json``.
+intervals. The per-instance records go to ``--out`` (default ``benchmarks/results/saliency_sst2/``,
+``instances.json``); this script runs every row in one go (for a run to interrupt and resume, use
+``headlab explain --dataset ... --out DIR`` and its ``--resume``). Prints the tables and writes
+``benchmarks/results/saliency_sst2.json``.
 
 Jain and Wallace's model is a one-layer BiLSTM with additive attention over its states, so their
 figures are a reference point for the question, not a number this transformer should reproduce.
@@ -53,15 +54,15 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default=str(cache_dir("minilm-sst2")))
     ap.add_argument("--dataset", type=Path, default=DATA / "validation.tsv")
     ap.add_argument("--out", type=Path, default=RESULTS / "saliency_sst2")
-    ap.add_argument("--limit", type=int, default=None, help="only the first N sentences (resumable)")
+    ap.add_argument("--limit", type=int, default=None, help="only the first N sentences")
     ap.add_argument("--backend", default="sdpa")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--adversarial-steps", type=int, default=20)
     ap.add_argument("--no-counterfactual", action="store_true")
     ap.add_argument("--max-minutes", type=float, default=None, help="stop starting new sentences after this long")
     ap.add_argument("--methods", default="attention,gradient,grad_x_input,integrated_gradients,leave_one_out",
-                    help="comma-separated explain methods (default: the study's five, so that a resumed run "
-                         "continues the same records; rollout, norm_rollout, attention_norm, attention_flow too)")
+                    help="comma-separated explain methods (default: the study's five; rollout, norm_rollout, "
+                         "attention_norm, attention_flow too)")
     args = ap.parse_args(argv)
     if not (Path(args.model).expanduser() / "config.json").is_file():
         raise SystemExit(f"no classifier at {args.model}: run benchmarks/models/minilm_sst2.py first")

@@ -160,8 +160,8 @@ def test_the_atlas_takes_a_model_name_as_its_docstring_says():
 def test_what_the_loaded_model_tells_is_checked_before_the_work(tmp_path, saved_decoder, capsys, monkeypatch):
     """A 128-position decoder without a tokenizer: sizes past its positions (the needle trial's own tokens
     measured), too few needles or pieces, ids outside its vocabulary: exit 2, one line, the CLI's names,
-    and the atlas never starts."""
-    import headlab.interpret.atlas as atlas_pkg
+    and the atlas never starts (no unit of it runs)."""
+    from headlab.interpret.atlas.run import AtlasRun
 
     class Reached(Exception):
         pass
@@ -169,8 +169,8 @@ def test_what_the_loaded_model_tells_is_checked_before_the_work(tmp_path, saved_
     def reached(*a, **k):
         raise Reached
 
-    real = atlas_pkg.atlas
-    monkeypatch.setattr(atlas_pkg, "atlas", reached)
+    real = AtlasRun.unit
+    monkeypatch.setattr(AtlasRun, "unit", reached)
     ids = tmp_path / "ids.txt"
     g = torch.Generator().manual_seed(0)
     ids.write_text("\n".join(" ".join(str(int(x)) for x in torch.randint(1, 40, (40,), generator=g)) for _ in range(4)))
@@ -193,7 +193,7 @@ def test_what_the_loaded_model_tells_is_checked_before_the_work(tmp_path, saved_
         assert code == 2 and len(se.strip().splitlines()) == 1 and re.search(match, se), (more, se)
     with pytest.raises(Reached):  # no special tokens: 2 x 64 fills the 128 positions exactly, and is let through
         run_cli([*base, "--texts", ids, "--half", "64", "--haystack", "30", "--kinds", "induction"], capsys)
-    monkeypatch.setattr(atlas_pkg, "atlas", real)
+    monkeypatch.setattr(AtlasRun, "unit", real)
     code, so, se = run_cli([*base, "--texts", ids, "--haystack", "112", "--needles", "2", "--draws", "1", "--top-k", "2",
                             "--kinds", "retrieval", "--json"], capsys)  # the needle edge runs
     assert code == 0, se

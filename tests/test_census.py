@@ -871,9 +871,8 @@ REFUSED3 = [
     case(["train-classifier", "--train", "{dir}", "--validation", "{data}"], "clean", r"--train .*adir' is a folder"),
     case(["train-classifier", "--validation", "{data}"], "clean", r"no data: give --data FOLDER"),
     case([*TC3, "--data", "{tmp}"], "clean", r"give --data FOLDER, or --train FILE and --validation FILE, not both"),
-    case([*TC3, "--threads", "1000000000000"], "traceback", r"threads must be at most 1,024",
-         fix="lead (cli/train.py): call cfg.check() right after TrainingConfig(...), before 'fine-tuning ...' (the "
-             "bound is in models/finetune.py, TrainingConfig.check; was a ValueError from torch.set_num_threads)"),
+    case([*TC3, "--threads", "1000000000000"], "traceback", r"threads must be at most 1,024"),  # fixed: cli/train.py
+    # calls TrainingConfig.check() before 'fine-tuning ...' (was a ValueError from torch.set_num_threads)
     # generate
     case(["generate", "hi", "-n", "1000000000000"], "clean", r"--max-new-tokens 1000000000000: .*positions"),
     case(["generate", "hi", "--kv-from", "{null}"], "clean", r"--kv-from .*null.json': expected a policy"),
@@ -910,10 +909,10 @@ REFUSED3 = [
     case([*GATES, "--contexts", "-1"], "clean", r"--contexts must be at least 1, got -1"),
     case([*GATES, "--keys", "-1"], "clean", r"--keys must be at least 1, got -1"),
     case([*GATES, "--lr", "-1"], "clean", r"--lr must be at least 1e-09, got -1.0"),
-    case([*GATES, "--l1", "nan"], "clean", r"--l1 must be at least 0, got nan"),
-    case([*GATES, "--seconds", "inf"], "bug", r"--seconds must be a finite number", fix=LEAD_INF),
-    case([*GATES, "--lr", "inf"], "bug", r"--lr must be a finite number", fix=LEAD_INF),
-    case([*GATES, "--l1", "inf"], "bug", r"--l1 must be a finite number", fix=LEAD_INF),
+    case([*GATES, "--l1", "nan"], "clean", r"--l1 must be a finite number of at least 0, got nan"),
+    case([*GATES, "--seconds", "inf"], "bug", r"--seconds must be a finite number"),  # fixed: at_least says finite
+    case([*GATES, "--lr", "inf"], "bug", r"--lr must be a finite number"),  # fixed: at_least says finite
+    case([*GATES, "--l1", "inf"], "bug", r"--l1 must be a finite number"),  # fixed: at_least says finite
     case([*GATES, "--checkpoint", "{file}/x.ckpt"], "clean", r"--checkpoint .*x.ckpt' does not exist"),
     case([*GATES, "--checkpoint", "{empty}"], "clean", r"--checkpoint .*empty.txt' is not a train-gates checkpoint"),
     case([*GATES, "--checkpoint", "{notjson}"], "clean", r"--checkpoint .*notjson.json' is not a train-gates"),
@@ -980,7 +979,7 @@ REFUSED3 = [
     case([*BA3, "--head-dim", "-1"], "clean", r"head_dim must be an integer >= 1, got -1"),
     case([*BA3, "--batch", "-1"], "clean", r"batch must be an integer >= 1, got -1"),
     case([*BA3, "--json", "{file}/sub.json"], "clean", r"--json .*file' is a file, not a folder"),
-    case([*BA3, "--feature-map", "favor:-1"], "clean", r"num_features must be a positive integer .*got -1"),
+    case([*BA3, "--feature-map", "favor:-1"], "clean", r"positive .*num_features=-1|num_features .* got -1"),
     case([*BA3, "--feature-map", "favor:abc"], "clean", r"'abc' is not a whole number"),
     case([*BA3, "--backends", ""], "clean", r"--backends is empty"),
     # heads importance / ablate / prune
@@ -1015,13 +1014,13 @@ LOAD_REFUSES3 = [
     case(["models", "--check", "{cfgnotype}"], "clean", r"cfgnotype/config.json is not a Hugging Face config"),
     case(["models", "--check", "{cfglatin}"], "clean", r"cfglatin/config.json is not a Hugging Face config"),
     case(["models", "--check", "{cfgdir}"], "clean", r"cfgdir is not a Hugging Face model folder"),
-    case(["atlas", "--model", "", *O], "clean", r"the model name is empty", fix=LEAD_EMPTY_MODEL),
+    case(["atlas", "--model", "", *O], "clean", r"the model name is empty"),
     case(["patch", *PAIR, "--model", ""], "clean", r"the model name is empty"),
     case(["probe", "--treebank", "{good}", "--model", ""], "clean", r"the model name is empty"),
     case(["flow", "the cat", "--model", ""], "clean", r"the model name is empty"),
-    case(["analyze", "the cat", "--model", "", *O], "bug", r"the model name is empty", fix=LEAD_EMPTY_MODEL),
-    case(["circuit", "--model", "", *O], "bug", r"the model name is empty", fix=LEAD_EMPTY_MODEL),
-    case(["heads", "importance", "--model", "", *D, *O], "bug", r"the model name is empty", fix=LEAD_EMPTY_MODEL),
+    case(["analyze", "the cat", "--model", "", *O], "bug", r"the model name is empty"),  # fixed: the runner refuses it with the other checks
+    case(["circuit", "--model", "", *O], "bug", r"the model name is empty"),  # fixed: the runner refuses it with the other checks
+    case(["heads", "importance", "--model", "", *D, *O], "bug", r"the model name is empty"),  # fixed: the runner refuses it with the other checks
 ]
 
 

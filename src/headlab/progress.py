@@ -51,6 +51,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Literal
 
 from headlab.errors import ConfigError
 
@@ -132,7 +133,7 @@ class PlainProgress:
             threading.Thread(target=self._heartbeat, args=(self._stop,), daemon=True, name="headlab-progress").start()
         return self
 
-    def __exit__(self, *exc) -> bool:
+    def __exit__(self, *exc) -> Literal[False]:
         if self._stop is not None:
             self._stop.set()
             self._stop = None
@@ -222,8 +223,19 @@ class Stages:
         return self
 
     def __exit__(self, *exc) -> bool:
-        self._end_step()
+        self._end_step(said=exc[0] is None)
         return self.display.__exit__(*exc)
+
+    def quiet_step(self, stage: str) -> None:
+        """A step of unknown length whose plain line waits for its end ("loading model minilm: 2.3 s", when the
+        next stage starts or the display closes) or for the heartbeat, if it runs long: a refusal raised inside
+        it (a load refused, a check on the loaded model) stays the one line on stderr. On a terminal it is a
+        step as any other (the display is redrawn in place)."""
+        if not isinstance(self.display, PlainProgress):
+            self(stage, 0, 0)
+            return
+        self._end_step()
+        self.tasks[stage] = self._step = self.display.add_task(stage, total=None, announce=False)
 
     def __call__(self, stage: str, done: int, total: int) -> None:
         known = total if total and total > 0 else None
@@ -235,10 +247,13 @@ class Stages:
         else:
             self.display.update(self.tasks[stage], completed=done, total=known)
 
-    def _end_step(self) -> None:
+    def _end_step(self, said: bool = True) -> None:
         if self._step is None:
             return
         if isinstance(self.display, PlainProgress):
+            if said and not self.display.tasks[self._step].shown:  # a quiet step that ended well: its line now
+                with self.display._lock:
+                    self.display._line(self.display.tasks[self._step])
             self.display.finish(self._step)
         else:  # rich: a full bar instead of a pulsing one
             self.display.update(self._step, total=1, completed=1)

@@ -95,7 +95,7 @@ class Registry(Generic[T]):
         clash = [n for n in names if self.find(n) is not None]
         if clash and not replace:
             raise self.taken_error(obj, clash)
-        self._add(obj() if self.instances else obj, clash)  # type: ignore[operator]
+        self._add(obj() if self.instances else obj, clash)  # type: ignore[operator, arg-type]  # instances: T is the class's instance type
         return obj
 
     def _add(self, item: T, clash: list[str]) -> None:

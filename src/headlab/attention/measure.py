@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from headlab import checks
+import headlab.checks as checks
 from headlab.costs.model import parse_dtype
 from headlab.errors import BackendUnsupportedError, ConfigError, HeadlabError, MemoryBudgetError
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from headlab import checks
+import headlab.checks as checks
 from headlab.attention import backends as _backends
 from headlab.attention.core import attention_with_weights
 from headlab.errors import BackendUnsupportedError, ConfigError, DeviceError, DTypeError, MaskError, ShapeError

@@ -21,8 +21,8 @@ from headlab.errors import CLI_EXIT_CODE, HeadlabError
 try:  # typer >= 0.2x carries its own click, whose errors derive from typer.TyperException; older ones raise click's
     from click.exceptions import ClickException as _ClickException
 except ImportError:  # pragma: no cover
-    _ClickException = None
-PARSE_ERRORS = tuple({getattr(typer, "TyperException", None), _ClickException} - {None})
+    _ClickException = None  # type: ignore[misc, assignment]  # no click: no such class
+PARSE_ERRORS = tuple({e for e in (getattr(typer, "TyperException", None), _ClickException) if e is not None})
 
 # The plain commands: each module registers its commands on the app when imported (the instruments' rows come
 # from the command table).

@@ -18,7 +18,7 @@ import inspect
 import typer
 
 from headlab.cli.terminal import INTERRUPTED_BEFORE, INTERRUPTED_EXIT, console, err_console, invoked
-from headlab.errors import InputError
+from headlab.distributed.placement import TensorParallel
 from headlab.interpret.instruments.base import ENVELOPE_JSON, REQUIRED, Instrument, Option, get
 from headlab.results import print_json
 
@@ -56,15 +56,11 @@ def command(instrument: Instrument | str):
 
         resume = bool(options.pop("resume", False))
         envelope = any(o is ENVELOPE_JSON for o in inst.options) and bool(options.get("as_json"))
-        tp, size = bool(options.pop("tensor_parallel", False)), options.pop("tensor_size", None)
-        if size is not None and not tp:
-            raise InputError("--tensor-size acts only with --tensor-parallel; add --tensor-parallel or drop it")
-        if size is not None and size < 1:  # 0 would read as "no tensor parallelism" further down
-            raise InputError(f"--tensor-size must be at least 1 (ranks per tensor-parallel group), got {size}")
+        tp = TensorParallel.from_flags(bool(options.pop("tensor_parallel", False)), options.pop("tensor_size", None))
         try:
             outcome = run(inst, options, resume=resume, progress=True, transient=True,
                           say=lambda line: err_console.print(line, highlight=False, soft_wrap=True),
-                          tensor_parallel=(size if size is not None else True) if tp else False,
+                          tensor_parallel=tp,
                           command=_command_line(invoked))
         except KeyboardInterrupt:  # Ctrl-C before the units (reading, loading): nothing computed, nothing written
             err_console.print(INTERRUPTED_BEFORE, highlight=False)

@@ -75,7 +75,7 @@ def _read_source(module: str, path: Path) -> list[Entry]:
         for stmt in cls.body:
             target = stmt.targets[0] if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 else getattr(stmt, "target", None)
             if isinstance(target, ast.Name) and getattr(stmt, "value", None) is not None:
-                values[target.id] = _literal(stmt.value)
+                values[target.id] = _literal(stmt.value)  # type: ignore[attr-defined]  # an Assign or AnnAssign: both have it (checked above)
         name = values.get("name")
         if isinstance(name, str):
             command = values.get("command") or name
@@ -138,6 +138,7 @@ class CommandGroup(TyperGroup):
     """
 
     path: tuple[str, ...] = ()
+    commands: _Commands  # click's dict of commands, wrapped: built from the table on first use
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)

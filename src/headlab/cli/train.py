@@ -53,6 +53,7 @@ def train_classifier_cmd(
     check_at_least("--limit", limit, 1, what=" row")
     check_at_least("--seed", seed, 0)
     cfg = TrainingConfig(epochs=epochs, seed=seed, threads=threads, subset=subset, limit=limit)
+    cfg.check()  # the settings' bounds (threads, epochs), before the output check and the minutes of training
     target = out or default_folder()
     check_output_dir(Path(target), "--out", force=force)  # before the minutes of training
     err_console.print(f"fine-tuning all-MiniLM-L6-v2 on {train} -> {target}", highlight=False, soft_wrap=True)

@@ -35,7 +35,7 @@ from collections.abc import Sequence
 
 import torch
 
-from headlab import checks
+import headlab.checks as checks
 from headlab.costs.model import parse_dtype
 from headlab.errors import ConfigError
 

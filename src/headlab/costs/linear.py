@@ -36,7 +36,7 @@ def linear_flops(shape: AttentionShape, num_features: int, *, favor: bool = Fals
     """Forward matmul FLOPs of one layer with ``num_features`` features per position (``chunk_size``:
     the causal chunk C, by default the registered ``linear`` backend's)."""
     if chunk_size is None:
-        chunk_size = registered("linear").config.chunk_size  # type: ignore[attr-defined]
+        chunk_size = registered("linear").config.chunk_size  # type: ignore[attr-defined]  # a LinearBackend: costs imports no backend
     B, H, Hk, Lq, Lk, d = shape.batch, shape.heads, shape.kv_heads, shape.q_len, shape.kv_len, shape.head_dim
     Fn, E = num_features, shape.v_dim + 1
     flops = 2 * B * (H * Lq + Hk * Lk) * d * Fn if favor else 0
@@ -56,13 +56,13 @@ def linear_cost(shape: AttentionShape, *, feature_map: str = "elu", num_features
     """Cost of ``shape`` on a linear backend configured like ``LinearBackend(feature_map, ...)``
     (an instance of the registered ``linear`` backend's class, so the configuration is validated as there)."""
     options = {"num_features": num_features} | ({} if chunk_size is None else {"chunk_size": chunk_size})
-    return linear_cost_for(shape, type(registered("linear"))(feature_map, **options))  # type: ignore[call-arg]
+    return linear_cost_for(shape, type(registered("linear"))(feature_map, **options))  # type: ignore[call-arg]  # as above: its class takes these
 
 
 def linear_cost_for(shape: AttentionShape, backend: CostedBackend) -> AttentionCost:
     """Cost of ``shape`` on a configured instance (``from_string("favor:256")`` ...): reads its ``config``
     (feature map, features, chunk) and its memory formula. The formula the ``linear`` backend registers."""
-    cfg = backend.config  # type: ignore[attr-defined]
+    cfg = backend.config  # type: ignore[attr-defined]  # a LinearBackend, as above
     chunk_size = cfg.chunk_size
     favor = cfg.feature_map == "favor"
     Fn = cfg.features(shape.head_dim)

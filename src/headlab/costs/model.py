@@ -9,7 +9,7 @@ from typing import Literal, Protocol
 
 import torch
 
-from headlab import checks
+import headlab.checks as checks
 from headlab.errors import ConfigError, CostModelError, UnknownBackendError
 from headlab.spec.attention_spec import AttentionSpec, function_mask_shape
 from headlab.spec.masks import MaskFn

@@ -32,7 +32,7 @@ from typing import Literal, cast
 
 import torch
 
-from headlab import checks
+import headlab.checks as checks
 from headlab.costs.model import AttentionShape, Hardware, parse_dtype
 from headlab.errors import ConfigError, ShapeError
 

@@ -36,14 +36,14 @@ def visited_tiles(shape: AttentionShape, block_q: int | None = None, block_k: in
     registered ``sparse`` backend's."""
     if block_q is None or block_k is None:
         b = registered("sparse")
-        block_q, block_k = block_q or b.block_q, block_k or b.block_k  # type: ignore[attr-defined]
+        block_q, block_k = block_q or b.block_q, block_k or b.block_k  # type: ignore[attr-defined]  # a SparseBackend: costs imports no backend
     return visited.tiles(shape, block_q, block_k)
 
 
 def sparse_cost(shape: AttentionShape, backend: CostedBackend) -> AttentionCost:
     """The ``sparse`` backend (``backend``: a ``SparseBackend``, whose tiles and memory formula are read)."""
     L = shape.layers
-    bq, bk = backend.block_q, backend.block_k  # type: ignore[attr-defined]
+    bq, bk = backend.block_q, backend.block_k  # type: ignore[attr-defined]  # as above
     d, dv, s = shape.head_dim, shape.v_dim, shape.itemsize
     tiles = visited_tiles(shape, bq, bk)
     area = tiles * bq * bk

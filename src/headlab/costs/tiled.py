@@ -37,7 +37,7 @@ __all__ = ["tiled_cost", "tiled_flops", "visited_pairs"]
 def _tiles(block_q: int | None, block_k: int | None) -> tuple[int, int]:
     """The given tile sizes, or those of the registered ``tiled`` backend."""
     b = registered("tiled") if block_q is None or block_k is None else None
-    return (block_q or b.block_q, block_k or b.block_k)  # type: ignore[union-attr]
+    return (block_q or b.block_q, block_k or b.block_k)  # type: ignore[union-attr]  # b: a TiledBackend when a size is missing
 
 
 def visited_pairs(shape: AttentionShape, block_q: int | None = None, block_k: int | None = None) -> int:
@@ -62,7 +62,7 @@ def tiled_flops(shape: AttentionShape, block_q: int | None = None, block_k: int 
 
 def tiled_cost(shape: AttentionShape, backend: CostedBackend) -> AttentionCost:
     """The ``tiled`` backend (``backend``: a ``TiledBackend``, whose tiles and memory formula are read)."""
-    block_q, block_k = backend.block_q, backend.block_k  # type: ignore[attr-defined]
+    block_q, block_k = backend.block_q, backend.block_k  # type: ignore[attr-defined]  # a TiledBackend: costs imports no backend
     L = shape.layers
     spec = shape.spec()
     plan = visited.plan_tiles(shape, block_q, block_k)  # the kernel's list of tile states

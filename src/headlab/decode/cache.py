@@ -200,6 +200,8 @@ class HeadCache(Cache):
         peak_bytes: the most bytes the cache's tensors held after any layer's step.
     """
 
+    layers: list[HeadLayer]  # type: ignore[assignment]  # transformers types them as any cache layer: here, ours
+
     def __init__(self, model, policy: Policy | None = None):
         from headlab.models.loaded_model import resolve
 
@@ -215,13 +217,13 @@ class HeadCache(Cache):
         self.placement = adapter.placement
         layers = [HeadLayer(*_rank_share(self.policy.layer_rules(l, g), h, self.placement), self, l)
                   for l, (h, g) in enumerate(zip(heads, kvh))]
-        super().__init__(layers=layers)
+        super().__init__(layers=layers)  # type: ignore[arg-type]  # list is invariant: HeadLayer is a CacheLayerMixin
         self._bytes = [0] * len(layers)  # each layer's, after its last step
         self._total = 0
         self.peak_bytes = 0
         hf = getattr(adapter, "model", None)
         impl = getattr(getattr(hf, "config", None), "_attn_implementation", None)
-        if impl is not None and impl != "headlab" and hasattr(hf, "set_attn_implementation"):
+        if impl is not None and impl != "headlab" and hf is not None and hasattr(hf, "set_attn_implementation"):
             hf.set_attn_implementation("headlab")  # registered by headlab.models.hf.attention_fn, imported above
 
     def nbytes(self) -> int:

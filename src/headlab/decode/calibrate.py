@@ -86,6 +86,7 @@ def _window_loss(adapter, prompts, rule, rows, say) -> torch.Tensor:
             scale = cache.call_args.get(layer, {}).get("scale")
             everything = attention_stats(q, k, mask=visible, scale=scale, stats=["lse"]).lse
             lost = attention_stats(q, k, mask=evicted, scale=scale, stats=["lse"]).lse
+            assert everything is not None and lost is not None  # asked for
             mass = torch.exp(lost - everything).nan_to_num(0.0)  # a row with nothing evicted: -inf -> 0
             total[layer, :h] += mass[0].double().mean(-1)
         say("window loss", i + 1, len(prompts))

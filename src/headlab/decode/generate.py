@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from headlab import checks
+import headlab.checks as checks
 from headlab.costs.kv import kv_cache_bytes, policy_cache_bytes
 from headlab.costs.tensor_parallel import kv_cache_bytes_per_rank
 from headlab.decode.cache import HeadCache

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from headlab.decode import quant
-from headlab.decode.rules import Rule, key_boundary, value_boundary
+from headlab.decode.rules import Full, Rule, Window, key_boundary, value_boundary
 from headlab.decode.store import KVStore, register_store
 
 SPARSE_PREFILL = 128  # below this many queries a window's tiles are too few for the sparse kernel to pay
@@ -53,6 +53,8 @@ class PlainStore(KVStore):
     a rule with a ``ring``, in ring order once full (each new key overwrites the oldest past the sinks)."""
 
     name = "plain"
+    keys: torch.Tensor | None
+    values: torch.Tensor | None
 
     def reset(self) -> None:
         self.keys = self.values = None       # (B, heads, held, d)
@@ -63,7 +65,7 @@ class PlainStore(KVStore):
         return sum(t.numel() * t.element_size() for t in (self.keys, self.values) if t is not None)
 
     @property
-    def v_dim(self) -> int | None:
+    def v_dim(self) -> int | None:  # type: ignore[override]  # from what it holds: a property over the base's None
         return self.values.shape[-1] if self.values is not None else None
 
     def positions(self) -> list[torch.Tensor]:
@@ -80,6 +82,7 @@ class PlainStore(KVStore):
             if r.ring == r.sinks:  # only the sinks are ever visible: the new key is never read
                 return
             slot = self.slot
+            assert self.values is not None  # held with the keys
             self.keys[:, :, slot] = k[:, :, 0]
             self.values[:, :, slot] = v[:, :, 0]
             self.pos[slot] = new_pos[0]
@@ -87,6 +90,7 @@ class PlainStore(KVStore):
         elif self.keys is None:
             self.keys, self.values, self.pos = k.contiguous(), v.contiguous(), new_pos.clone()
         else:
+            assert self.values is not None  # held with the keys
             self.keys, self.values = torch.cat([self.keys, k], dim=2), torch.cat([self.values, v], dim=2)
             self.pos = torch.cat([self.pos, new_pos])
 
@@ -100,6 +104,7 @@ class PlainStore(KVStore):
             return
         idx = keep.nonzero().squeeze(1)
         idx = idx[self.pos[idx].argsort()]
+        assert self.values is not None  # held with the keys
         self.keys = self.keys.index_select(2, idx.to(self.keys.device)).contiguous()
         self.values = self.values.index_select(2, idx.to(self.values.device)).contiguous()
         self.pos = self.pos[idx]
@@ -111,6 +116,7 @@ class PlainStore(KVStore):
         m, last = q.shape[2], int(q_pos[-1])
         if m == 1 and hf is None:
             self.evict(last)  # the store holds what the new query may see (a decode step evicted in place)
+            assert self.keys is not None and self.values is not None  # a decode step follows the prefill
             if softcap is None:  # every held key is visible: torch's fused kernel, NaN kept as NaN
                 o = F.scaled_dot_product_attention(q, self.keys, self.values, scale=scaling, enable_gqa=True)
             else:
@@ -152,6 +158,20 @@ class QuantStore(KVStore):
     """
 
     name = "quant"
+    rule: Full | Window  # a rule with a precision (bits, group, residual)
+    # what reset() sets, None while nothing of the kind is held
+    sink_k: torch.Tensor | None
+    sink_v: torch.Tensor | None
+    kq: torch.Tensor | None
+    ks: torch.Tensor | None
+    kz: torch.Tensor | None
+    kr: torch.Tensor | None
+    vq: torch.Tensor | None
+    vs: torch.Tensor | None
+    vz: torch.Tensor | None
+    vr: torch.Tensor | None
+    comp_k: torch.Tensor | None
+    comp_v: torch.Tensor | None
 
     def __init__(self, rule: Rule, kv_heads: list[int], rep: int, n_kv: int):
         super().__init__(rule, kv_heads, rep, n_kv)
@@ -178,7 +198,7 @@ class QuantStore(KVStore):
         return sum(t.numel() * t.element_size() for t in self._tensors() if t is not None)
 
     @property
-    def v_dim(self) -> int | None:
+    def v_dim(self) -> int | None:  # type: ignore[override]  # from what it holds: a property over the base's None
         v = self.sink_v if self.sink_v is not None else self.vr if self.vr is not None else self.vs
         if v is None:
             return None
@@ -211,6 +231,7 @@ class QuantStore(KVStore):
             return None
         pos = self.kq_pos if idx is None else self.kq_pos[idx]
         codes = self.kq if idx is None else _rows(self.kq, idx)
+        assert codes is not None and self.ks is not None and self.kz is not None  # held with the codes
         rows = self._key_scales(pos).to(self.ks.device)
         return quant.dequantize_keys(codes, self.ks.index_select(2, rows), self.kz.index_select(2, rows),
                                      bits=self.rule.bits)
@@ -218,10 +239,12 @@ class QuantStore(KVStore):
     def _values(self, idx: torch.Tensor | None = None) -> torch.Tensor | None:
         if self.vq is None:
             return None
+        assert self.vs is not None and self.vz is not None  # held with the codes
         if idx is None:
             return quant.dequantize_values(self.vq, self.vs, self.vz, bits=self.rule.bits)
-        return quant.dequantize_values(_rows(self.vq, idx), _rows(self.vs, idx), _rows(self.vz, idx),
-                                       bits=self.rule.bits)
+        return quant.dequantize_values(self.vq.index_select(2, idx.to(self.vq.device)),
+                                       self.vs.index_select(2, idx.to(self.vs.device)),
+                                       self.vz.index_select(2, idx.to(self.vz.device)), bits=self.rule.bits)
 
     def evict(self, last: int) -> None:
         """Drop what the query at ``last`` no longer sees (past the sinks, positions before the rule's horizon);
@@ -241,6 +264,7 @@ class QuantStore(KVStore):
                 idx = torch.arange(drop)
                 t = (self._keys(idx) if name == "kq" else self._values(idx) if name == "vq"
                      else _rows(getattr(self, name), idx))
+                assert t is not None  # the part holds the keys it drops
                 sums[name[0]].append(t.float().sum(2, keepdim=True))
                 gone += drop if name[0] == "k" else 0
             keep = torch.arange(drop, pos.numel())
@@ -262,7 +286,9 @@ class QuantStore(KVStore):
         if gone:
             sk, sv, n = sum(sums["k"]), sum(sums["v"]), self.comp_n
             if self.comp_k is not None:
+                assert self.comp_v is not None  # kept with comp_k
                 sk, sv = sk + self.comp_k.float() * n, sv + self.comp_v.float() * n
+            assert isinstance(sk, torch.Tensor) and isinstance(sv, torch.Tensor)  # gone > 0: some sum was added
             self.comp_k, self.comp_v = (sk / (n + gone)).to(self.dtype), (sv / (n + gone)).to(self.dtype)
             self.comp_n = n + gone
 
@@ -344,6 +370,7 @@ class QuantStore(KVStore):
             n_t = torch.full((1,), self.comp_n, dtype=torch.float32)
             if self.comp_n == 0:
                 return o
+            assert self.comp_k is not None and self.comp_v is not None  # comp_n > 0
             ck, cv = self.comp_k.float(), self.comp_v.float()  # (B, h, 1, d)
         else:
             c = torch.searchsorted(pos_past, self.rule.horizon(q_pos))  # held past-sink keys each query no longer sees
@@ -353,6 +380,7 @@ class QuantStore(KVStore):
             sv = torch.cat([zeros_v, v_past.float().cumsum(2)], 2).index_select(2, c.to(v_past.device))
             n_t = (c + self.comp_n).float()
             if self.comp_n:
+                assert self.comp_k is not None and self.comp_v is not None  # comp_n > 0
                 sk = sk + self.comp_k.float() * self.comp_n
                 sv = sv + self.comp_v.float() * self.comp_n
             div = n_t.clamp(min=1).to(sk.device)[None, None, :, None]

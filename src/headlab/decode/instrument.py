@@ -76,6 +76,7 @@ def build_policy(loaded, policy: str, kv_from: Path | None, keep: float | None, 
     keep = 0.5 if keep is None else keep
     if data is None:
         return kv.Policy.uniform(rule)
+    assert kv_from is not None  # data is read from it
     if "heads" in data:
         if policy.strip().lower() != "full":
             raise ConfigError(f"--kv-from {kv_from} is a whole policy; drop --policy {policy} (it would be ignored)")
@@ -314,9 +315,9 @@ Interrupted (Ctrl-C), --out keeps the finished steps; the same command with --re
     display = True  # the runner's display, where run_unit shows the steps (no "loading model" line: a load's
     announce = False  # refusal stays the one line on stderr)
     stage = "training gates"
-    # the steps follow one another (each starts from the gates the one before left): every rank runs the units
-    # and only rank 0 trains, as one process would (the runner splits units only when they stand alone)
-    parallel = "inside"
+    # the steps follow one another (each starts from the gates the one before left): the runner gives them all to
+    # rank 0, which trains as one process would
+    chained = True
     sharded = ("its gates mix each head's full and windowed attention in an attention function of its own, written "
                "for a whole model on one process; train the gates on one process and use them with generate")
 
@@ -325,7 +326,7 @@ Interrupted (Ctrl-C), --out keeps the finished steps; the same command with --re
 
         o = ctx.options
         ctx.state["rule"] = rule = kv.as_rule(f"streaming:{o['window']}")
-        low = rule.sink + rule.recent + 64
+        low = rule.sink + rule.recent + 64  # type: ignore[attr-defined]  # a streaming rule: a Window
         if o["tokens"] < low:
             raise ConfigError(f"--tokens must be at least {low} (the window's sink + recent + 64), got {o['tokens']}")
         self.check_positions(ctx)
@@ -381,8 +382,6 @@ Interrupted (Ctrl-C), --out keeps the finished steps; the same command with --re
         ctx.state["at"] = i
 
     def run_unit(self, ctx: Context, unit, recording=None):
-        if not ctx.main:  # one process trains (see ``parallel``)
-            return None
         i, tr, o = unit.payload, ctx.state["trainer"], ctx.options
         if ctx.state["at"] != i:
             self._catch_up(ctx, i)

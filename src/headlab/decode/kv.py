@@ -54,7 +54,7 @@ from pathlib import Path
 
 import torch
 
-from headlab import checks
+import headlab.checks as checks
 from headlab.decode.heads import check_decoder, kv_layout  # noqa: F401  (re-exported)
 from headlab.decode.rule_checks import check_policy_data
 from headlab.decode.rules import (  # noqa: F401  (re-exported)
@@ -78,7 +78,7 @@ from headlab.decode.rules import (  # noqa: F401  (re-exported)
 )
 from headlab.decode.snap_rule import POOLINGS, Snap, adakv, snap  # noqa: F401  (re-exported)
 from headlab.decode.train import GateTraining, per_query_head, train_gates
-from headlab.errors import ConfigError, InputError
+from headlab.errors import ConfigError
 from headlab.results import envelope, write_json
 
 __all__ = ["Full", "Window", "Drop", "Snap", "Rule", "Layout", "full", "drop", "window", "snap", "adakv", "Policy",
@@ -153,9 +153,11 @@ class Policy:
                     key = tuple(int(p) for p in key.split("."))
                 except ValueError:
                     key = ()
-            if not (isinstance(key, tuple) and len(key) == 2 and all(checks.is_int(i) and i >= 0 for i in key)):
-                raise ConfigError(f"policy key {given!r}: use (layer, kv_head) pairs of integers >= 0, or "
-                                  "'layer.kv_head'")
+            if not (isinstance(key, tuple) and len(key) == 2 and all(checks.is_int(i) for i in key)):
+                raise ConfigError(f"policy key {given!r}: use (layer, kv_head) pairs of integers, or 'layer.kv_head'")
+            if min(key) < 0:  # -1 is no "last" here: it would name a head no model has
+                raise ConfigError(f"policy key {given!r} names layer {key[0]}, kv head {key[1]}: layers and kv heads "
+                                  "count from 0")
             rules[key] = as_rule(rule)
         return cls(rules, as_rule(default), name)
 
@@ -185,7 +187,8 @@ class Policy:
             if bad.numel():
                 raise ConfigError(f"scores hold NaN (layer {layer}, head {int(bad[0, 0])}, ...): a NaN cannot be "
                                   "ranked; compute the scores again or replace the NaN with a number")
-        checks.probability("keep", keep, what=" (the fraction of kv heads kept full)")
+        checks.probability("keep", keep, message="keep={value!r} is the fraction of kv heads kept full: keep must be "
+                                                  "a number in [0, 1], got {value!r}")
         per_kv = []
         for layer, (h, g) in enumerate(zip(heads, kvh)):
             rep = h // g
@@ -245,7 +248,7 @@ class Policy:
         r = as_rule(rest) if rest is not None else window(4, 256)
         if r.kind != "window":
             raise ConfigError(f"rest={rest!r}: a learned split windows the heads it does not keep; give kv.window(...)")
-        gates = train_gates(model, rest=window(r.sink, r.recent), **options)
+        gates = train_gates(model, rest=window(r.sink, r.recent), **options)  # type: ignore[attr-defined]  # kind "window": a Window
         return cls.from_gates(model, gates, keep=keep, rest=r, kept=kept)
 
     @classmethod
@@ -358,7 +361,7 @@ class Policy:
                 for j, lay in zip(heads, rule.layouts(len(heads), tokens, prompt)):
                     row[j] = lay
             out.append(row)
-        return out
+        return out  # type: ignore[return-value]  # every head filled: each rule answers for its own
 
     def check_shape(self, kv_heads: Sequence[int], head_dim: int, v_dim: int | None = None) -> None:
         """Refuse quantized rules whose groups or packing do not fit ``head_dim`` (and ``v_dim``)."""
@@ -367,10 +370,11 @@ class Policy:
             for j, r in enumerate(self.layer_rules(l, g)):
                 if r.bits == 16:
                     continue
-                if v_dim % r.group:
-                    raise ConfigError(f"kv head {j} of layer {l}: group={r.group} does not divide the head dimension "
+                group: int = r.group  # type: ignore[attr-defined]  # a quantized rule (bits != 16) has a group
+                if v_dim % group:
+                    raise ConfigError(f"kv head {j} of layer {l}: group={group} does not divide the head dimension "
                                       f"{v_dim} (values are quantized per token in groups of channels); give a group "
-                                      f"that divides it, e.g. group={math.gcd(v_dim, r.group)}")
+                                      f"that divides it, e.g. group={math.gcd(v_dim, group)}")
                 for what, d in (("head", head_dim), ("value", v_dim)):
                     if d * r.bits % 8:
                         raise ConfigError(f"kv head {j} of layer {l}: a {what} dimension of {d} at {r.bits} bits "

@@ -28,7 +28,7 @@ from importlib import resources
 
 import torch
 
-from headlab import checks
+import headlab.checks as checks
 from headlab.errors import ConfigError, InputError
 
 __all__ = ["REPEATED", "LABELS", "Prompt", "Recital", "answered", "draw_keys", "filler", "prompt", "recital"]

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from headlab import checks
+import headlab.checks as checks
 from headlab.errors import ConfigError, InputError
 
 __all__ = ["BITS", "GROUP", "POLICY_FORMAT", "RESIDUAL", "RULE_COUNT", "check_count", "check_policy_data",
@@ -93,8 +93,8 @@ def check_policy_data(data, source: str) -> Mapping:
     kind = head.get("kind") if isinstance(head, dict) else None
     if kind is not None and kind != "kv_policy":
         what = _NOT_POLICIES.get(kind, "a headlab result of another kind")
-        raise InputError(f"{source} holds a result of kind {kind!r}, {what}, not a KV policy; a policy file holds "
-                         f"{POLICY_FORMAT}, as Policy.save writes it")
+        raise InputError(f"{source}: expected a KV policy, {POLICY_FORMAT} (as Policy.save writes it); it holds a "
+                         f"result of kind {kind!r}, {what}")
     if not isinstance(data, dict) or "heads" not in data:
         raise InputError(f"{source}: expected {POLICY_FORMAT}")
     heads = data["heads"]

@@ -61,6 +61,7 @@ def snap_select(scores: torch.Tensor, rule: Snap, n: int) -> list[torch.Tensor]:
         top = cand[torch.sort(scores.flatten()[cand], descending=True, stable=True).indices[:rest]]
         chosen.view(-1)[top] = True
         return [torch.cat([chosen[h].nonzero().squeeze(1), window]) for h in range(heads)]
+    assert rule.budget is not None  # not adaptive: SnapKV's fixed budget
     if rule.budget >= n:
         return [torch.arange(n)] * heads
     order = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :rule.budget - rule.window]
@@ -77,6 +78,11 @@ class SnapStore(KVStore):
     all a head holds."""
 
     name = "snap"
+    rule: Snap
+    keys: list[torch.Tensor] | None  # per head
+    values: list[torch.Tensor] | None
+    pos: list[torch.Tensor] | None
+    prompt: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
 
     def reset(self) -> None:
         self.keys = self.values = self.pos = None  # per head: (B, 1, kept, d), (B, 1, kept, dv), (kept,)
@@ -91,7 +97,7 @@ class SnapStore(KVStore):
         return sum(t.numel() * t.element_size() for t in self._tensors())
 
     @property
-    def v_dim(self) -> int | None:
+    def v_dim(self) -> int | None:  # type: ignore[override]  # from what it holds: a property over the base's None
         ts = self._tensors()
         return ts[-1].shape[-1] if ts else None
 
@@ -111,6 +117,7 @@ class SnapStore(KVStore):
                 raise AssertionError("headlab: a SnapKV group took two chunks before its prefill's attention")
             self.prompt = (k, v, new_pos.clone())
             return
+        assert self.values is not None and self.pos is not None  # held with the keys
         for i in range(len(self.keys)):
             self.keys[i] = torch.cat([self.keys[i], k[:, i:i + 1]], 2)
             self.values[i] = torch.cat([self.values[i], v[:, i:i + 1]], 2)
@@ -130,6 +137,7 @@ class SnapStore(KVStore):
             self._select(q, k, v, pos, vis, scaling, softcap)
             return o
         outs = []
+        assert self.keys is not None and self.values is not None and self.pos is not None  # selected at the prefill
         for i, (k, v, pos) in enumerate(zip(self.keys, self.values, self.pos)):
             qi = q[:, i * rep:(i + 1) * rep]
             if m == 1 and hf is None:  # every held key is visible to the newest query

@@ -50,7 +50,10 @@ class Snap(Rule):
 
     def group_total(self, heads: int) -> int:
         """The prompt tokens ``heads`` kv heads under this rule keep together (prompts longer than that)."""
-        return self.total if self.total is not None else self.budget * heads
+        if self.total is not None:
+            return self.total
+        assert self.budget is not None  # exactly one of budget, total is given
+        return self.budget * heads
 
     def floor_for(self, heads: int) -> int:
         """Ada-KV's floor for a layer of ``heads`` heads under this rule: ``floor``, or by default the window plus
@@ -78,6 +81,7 @@ class Snap(Rule):
             raise ConfigError(f"prompt={p} and tokens={tokens}: give 0 <= prompt <= tokens")
         after = tokens - p
         if not self.adaptive:
+            assert self.budget is not None  # SnapKV's fixed budget
             n = min(p, self.budget) + after
             return [Layout(n, n)] * heads
         q, r = divmod(min(self.group_total(heads), heads * p), heads) if heads else (0, 0)
@@ -197,6 +201,7 @@ def adakv(budget: int | None = None, *, total: int | None = None, floor: int | N
                           "exactly one of them, e.g. adakv(256) or adakv(total=768)")
     _check_snap(window, pool, pooling)
     size = budget if budget is not None else total
+    assert size is not None  # exactly one of them, checked above
     check_count("budget" if budget is not None else "total", size, low=1)
     if budget is not None and budget < window:
         raise ConfigError(f"adakv(budget={budget}, window={window}): the budget counts the observation window every "

@@ -49,7 +49,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.masking_utils import sdpa_mask
 
-from headlab import checks
+import headlab.checks as checks
 from headlab.attention.core import attention as _attention
 from headlab.decode.heads import check_decoder, kv_layout
 from headlab.decode.rules import Window

@@ -137,9 +137,9 @@ class Placement:
 
     @classmethod
     def of(cls, loaded) -> Placement:
-        """The placement of a loaded model (or adapter), or this process's own (:meth:`here`) for None."""
-        adapter = getattr(loaded, "adapter", loaded)
-        return cls.here() if adapter is None else adapter.placement
+        """The placement of a loaded model (or adapter), or this process's own (:meth:`here`) for None (no model)."""
+        place = getattr(getattr(loaded, "adapter", loaded), "placement", None)
+        return place if isinstance(place, Placement) else cls.here()
 
     # -- the mesh ------------------------------------------------------------------------------------------------
     @property

@@ -98,7 +98,7 @@ class ModelAdapter:
             if id(op) in hooked:
                 continue
             hooked.add(id(op))
-            am._headlab = op._headlab = self.states[i]
+            am._headlab = op._headlab = self.states[i]  # type: ignore[assignment]  # torch types module attributes Tensor | Module
             self._handles.append(op.register_forward_pre_hook(gate))
             self._handles.append(op.register_forward_hook(out))
         shared = self.shared_layers
@@ -170,7 +170,7 @@ class ModelAdapter:
     def value_input(self, layer: int, args: tuple, kwargs: dict) -> torch.Tensor:
         """The tensor layer ``layer``'s keys and values are computed from, out of its attention module's call
         arguments: the module's input (``hidden_states``); an encoder-decoder's cross-attention says otherwise."""
-        return args[0] if args else kwargs.get("hidden_states")
+        return args[0] if args else kwargs.get("hidden_states")  # type: ignore[return-value]  # every attention module is given them
 
     @property
     def causal(self) -> bool:
@@ -435,7 +435,7 @@ class ModelAdapter:
                 raise InputError(f"token ids must be an integer tensor, got dtype {ids.dtype}; convert them with "
                                  ".long(), or encode text with the model's own tokenizer (loaded.encode(text))")
             return
-        emb = self.model.get_input_embeddings() if hasattr(self.model, "get_input_embeddings") else None
+        emb = self.model.get_input_embeddings() if hasattr(self.model, "get_input_embeddings") else None  # type: ignore[operator]  # torch types module attributes Tensor | Module
         if (n := getattr(emb, "num_embeddings", None)) is None:
             return
         lo, hi = int(ids.min()), int(ids.max())

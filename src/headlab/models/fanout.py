@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import cast
 
 import torch
 from torch import nn
@@ -41,7 +42,7 @@ def blocks(adapter) -> list[nn.Module] | None:
     model's layers are not the elements of one ``nn.ModuleList`` holding the attention modules."""
     cached = getattr(adapter, "_fanout_blocks", False)
     if cached is not False:
-        return cached
+        return cast("list[nn.Module] | None", cached)
     found = None
     attn = adapter.attn_modules
     for module in adapter.model.modules():

@@ -29,6 +29,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import cast
 
 from headlab.errors import ConfigError, InputError
 from headlab.results import envelope, read_json
@@ -221,7 +222,7 @@ def train_classifier(train: str | os.PathLike, validation: str | os.PathLike, *,
             return tok([r.text for r in rows], truncation=True, max_length=MAX_TOKENS)["input_ids"]
 
         tr_ids, va_ids = enc(tr), enc(va)
-        tr_y, va_y = [r.label for r in tr], [r.label for r in va]
+        tr_y, va_y = [r.label for r in tr], [cast(int, r.label) for r in va]  # every label checked in LABELS above
         rng = random.Random(config.seed)
         lengths = [len(s) for s in tr_ids]
         plan = [_bucketed(lengths, config.batch_size, rng) for _ in range(max(1, math.ceil(config.epochs)))]

@@ -22,14 +22,15 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from headlab.models.peek import TOKENIZER_FILES
 from headlab.distributed.placement import TensorParallel
 from headlab.errors import ConfigError, DeviceError, ModelError, UnsupportedArchitectureError
 from headlab.models.loaded_model import LoadedModel, TruncationWarning, adapt, resolve  # noqa: F401  (public here too)
 from headlab.models.named_models import ALIASES, KNOWN_MODELS, known_names
+from headlab.models.peek import TOKENIZER_FILES
 
 
 def load(name_or_path: str | os.PathLike = "minilm", *, device: str | torch.device = "cpu",
@@ -178,15 +179,17 @@ def _load_hf(path: Path, name: str, *, device, dtype, check: bool = True,
         raise ModelError(f"{path}/config.json is not a Hugging Face config transformers can read: {why}") from None
     if config.model_type in REFUSED:  # known and refused, with the reason, before the weights load
         raise UnsupportedArchitectureError(unsupported_message(config.model_type))
-    sharding, world, size = {}, 1, 1
+    sharding: dict[str, Any] = {}
+    world, size = 1, 1
     if request is not None:  # refused from the config (no plan, heads the world does not divide), then sharded
         from transformers.distributed import DistributedConfig
 
         from headlab.models import tensor_parallel as tp
+        from headlab.models.tp_mesh import check_before_load
 
         world = tp.world_size()
         size = request.group_size(world)  # ranks per tensor-parallel group (a 2-D mesh if < world)
-        tp.check_before_load(config, size)
+        check_before_load(config, size)
         sharding = {"distributed_config": DistributedConfig(tp_plan="auto", tp_size=world)} if size == world > 1 else {}
     arch = (getattr(config, "architectures", None) or [None])[0]
     cls = getattr(transformers, arch, None) if arch else None
@@ -228,7 +231,7 @@ def _load_hf(path: Path, name: str, *, device, dtype, check: bool = True,
             tokenizer.pad_token = tokenizer.eos_token  # GPT-2 style: pad with EOS (masked anyway)
         tokenizer.padding_side = "right"
     adapter = adapt(model, check=check)  # a type no family declares: found by structure and checked on these weights
-    return LoadedModel(model, tokenizer, adapter, name, adapter.family, type(adapter).max_positions(model.config))
+    return LoadedModel(model, tokenizer, adapter, name, adapter.family, type(adapter).max_positions(model.config))  # type: ignore[attr-defined]  # a transformers model's adapter: an HFAdapter
 
 
 def _check_weights_fit(cls, config, name: str, *, dtype: torch.dtype, device, world: int) -> None:

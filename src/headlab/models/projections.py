@@ -21,12 +21,14 @@ layout                        rows of the projection's output                   
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 
 
-def get_module(module: nn.Module, path: str) -> nn.Module:
+def get_module(module: Any, path: str) -> Any:
+    """The submodule at a dotted path (digits index a ModuleList)."""
     for part in path.split("."):
         module = module[int(part)] if part.isdigit() else getattr(module, part)
     return module
@@ -36,7 +38,7 @@ def feature_rows(heads, d: int, offset: int = 0) -> list[int]:
     return [offset + h * d + i for h in heads for i in range(d)]
 
 
-def keep_features(module: nn.Module, idx: list[int], *, conv1d: bool, side: str) -> None:
+def keep_features(module: Any, idx: list[int], *, conv1d: bool, side: str) -> None:
     """Keep output features (``side="out"``) or input features (``"in"``) ``idx`` of a Linear/Conv1D, in place."""
     w = module.weight.data
     t = torch.tensor(idx, dtype=torch.long, device=w.device)
@@ -155,7 +157,7 @@ class Out:
     path: str
     conv1d: bool = False
 
-    def weight(self, op: nn.Module, H: int, d: int) -> torch.Tensor:
+    def weight(self, op: Any, H: int, d: int) -> torch.Tensor:  # op: a Linear or transformers' Conv1D
         """``(H, d, E)``, a view."""
         w = op.weight
         if self.conv1d:
@@ -165,7 +167,7 @@ class Out:
     def cut(self, op: nn.Module, q_heads, d: int) -> None:
         keep_features(op, feature_rows(q_heads, d), conv1d=self.conv1d, side="in")
 
-    def zero(self, op: nn.Module, local_heads, d: int) -> None:
+    def zero(self, op: Any, local_heads, d: int) -> None:
         """Set W^O's block of ``local_heads`` (indices in the layer as it is now) to zero."""
         if not local_heads:
             return

@@ -102,7 +102,7 @@ def readout_of(adapter) -> Readout:
     b_U = getattr(head, "bias", None)
     b_U = None if b_U is None or not isinstance(head, nn.Linear) else b_U.detach()
     inside = {id(m) for i in range(adapter.n_layers) for m in adapter.block(i).modules()}
-    seen: list[tuple[nn.Module, torch.Tensor, torch.Tensor]] = []
+    seen: list[tuple[nn.Module, torch.Tensor | None, torch.Tensor]] = []
     hooks = [m.register_forward_hook(lambda mod, a, o: seen.append((mod, _first(a) if a else None, _first(o))))
              for m in model.modules() if not list(m.children()) and id(m) not in inside and m is not head]
     recorded: dict[str, torch.Tensor] = {}

@@ -214,6 +214,7 @@ def run_attention(
         out, weights = attention_with_weights(q, k, v, mask=mask, causal=causal, scale=scale, dropout_p=dropout_p,
                                               backend="reference", need_weights=True, **extra)
         if state is not None:
+            assert weights is not None  # need_weights
             weights = visit(state, "pattern", weights)  # (B, H, Lq, Lk)
             if edit_pattern:
                 out = _pattern_times_v(weights, v)  # (B, H, Lq, d), from the edited map
@@ -227,7 +228,7 @@ def run_attention(
 def gate_hook(module: nn.Module, args: tuple):
     """Pre-hook: split W^O's input into heads, edit and report z, multiply by the gates, join again."""
     x = args[0]
-    state: LayerState = module._headlab
+    state: LayerState = module._headlab  # type: ignore[assignment]  # torch types module attributes Tensor | Module
     H, d = state.n_heads, state.head_dim
     lead = x.shape[:-1]
     z = x.reshape(*lead, H, d).movedim(-2, -3)  # (B, L, H*d) -> (B, H, L, d)
@@ -242,7 +243,7 @@ def gate_hook(module: nn.Module, args: tuple):
 def head_out_hook(module: nn.Module, args: tuple, output: torch.Tensor):
     """Hook: edit and report head_out[h] = gated z_h @ W_O[h] (B, H, L, E); rebuild the output from it when
     it was edited or its gradient is wanted."""
-    state: LayerState = module._headlab
+    state: LayerState = module._headlab  # type: ignore[assignment]  # torch types module attributes Tensor | Module
     zg, state.z_gated = state.z_gated, None
     if zg is None:
         return None

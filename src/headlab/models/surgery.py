@@ -43,11 +43,11 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal, cast
 
 from torch import nn
 
-from headlab import checks
+import headlab.checks as checks
 from headlab.errors import ConfigError, PruneError
 from headlab.models import tp_mesh  # a sharded model's DTensors: copied, unwrapped to this rank's shard, rewrapped
 from headlab.models.base import ModelAdapter
@@ -246,7 +246,13 @@ def _stripped_copy(model: nn.Module, memo: dict | None = None) -> nn.Module:
 
 
 # -- the adapter of a pruned model: per-layer head counts ------------------------------------------------------
-class _PrunedMixin:
+if TYPE_CHECKING:  # a mixin of adapters: typed as one, placed before the family's class in the MRO
+    _MixinBase = ModelAdapter
+else:
+    _MixinBase = object
+
+
+class _PrunedMixin(_MixinBase):
     """Per-layer head counts on top of a family adapter (placed first in the MRO).
 
     ``n_heads`` is the largest count of any layer; ``gates`` is ``(n_layers, n_heads)`` and the
@@ -282,10 +288,10 @@ _BASE_STATE = {"model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_mode
 def pruned_adapter(template: ModelAdapter, model: nn.Module, plans: list[LocalPlan],
                    original_plans: list[LayerPlan], attn: list, outs: list) -> ModelAdapter:
     """An adapter for the cut ``model``, of the template's family class with per-layer counts."""
-    fam_cls = type(template)
+    fam_cls: type = type(template)
     if isinstance(template, _PrunedMixin):
         fam_cls = next(c for c in fam_cls.__mro__[1:] if not issubclass(c, _PrunedMixin))
-    cls = type(f"Pruned{fam_cls.__name__}", (_PrunedMixin, fam_cls), {})
+    cls = cast("type[_PrunedMixin]", type(f"Pruned{fam_cls.__name__}", (_PrunedMixin, fam_cls), {}))
     q_counts = [len(p.plan.q) for p in plans]
     kv_counts = [len(p.plan.kv) for p in plans]
     pa = cls.__new__(cls)
@@ -310,7 +316,7 @@ def pruned_adapter(template: ModelAdapter, model: nn.Module, plans: list[LocalPl
                           head_dim=template.head_dim, d_model=template.d_model, attn_modules=attn, out_projs=outs)
     for st, n in zip(pa.states, q_counts):  # the gate hook splits W^O's input by the layer's own count
         st.n_heads = n // pa.placement.tensor_size  # sharded: this rank's heads
-    model._headlab_adapter = pa
+    model._headlab_adapter = pa  # type: ignore[assignment]  # torch types module attributes Tensor | Module
     return pa
 
 
@@ -353,8 +359,8 @@ def check_balanced(plans: list[LayerPlan], tp, asked: dict[int, list[int]]) -> N
         return
     where = "; ".join(f"layer {l}: " + ", ".join(f"rank {r} {q}q/{kv}kv" for r, (q, kv) in enumerate(s))
                       for l, s in enumerate(shares))
-    hint = balanced_removal(tp, asked, plans)
-    hint = (f"e.g. {hint}" if hint is not None else "whole kv groups of each rank") + " (gqa='pad')"
+    found = balanced_removal(tp, asked, plans)
+    hint = (f"e.g. {found}" if found is not None else "whole kv groups of each rank") + " (gqa='pad')"
     raise PruneError(
         f"pruning this model, sharded over {tp.tensor_size} ranks, would leave unequal shards ({where}; query/kv "
         f"heads kept): each rank holds {tp.local_heads} query heads of every layer (rank 0 {list(tp.heads(0))}, "

@@ -12,7 +12,7 @@ alone. Everything headlab needs to know about that lives here, read from the sha
   heads ``[r*Hkv/T, (r+1)*Hkv/T)`` (the offset of each shard is read from its ``DTensor``, not assumed). The
   placement answers which heads a rank holds, gathers a site's per-rank tensors back in global head order (an
   all-gather on the mesh's process group) and makes the sums over the ranks.
-- :func:`check_before_load`: the refusals that need only the config (no plan in transformers for the family,
+- :func:`headlab.models.tp_mesh.check_before_load`: the refusals that need only the config (no plan in transformers for the family,
   a world size that does not divide the query or the kv heads), made before any weight is read.
 - :func:`gate_hook`, :func:`head_out_hook`: the two W^O hooks of a sharded layer (this rank's heads, the gates of
   their global indices, this rank's slice of W^O).
@@ -106,35 +106,6 @@ def placement_of(model: nn.Module, adapter) -> Placement | None:
     total = dist.get_world_size() if dist.is_initialized() else world
     return Placement(world=total, rank=ranks[0] + rank, tensor_size=world, n_heads=H, n_kv_heads=Hkv, sharded=True,
                      group=group)
-
-
-def check_before_load(config, world: int) -> None:
-    """Refuse, from the config alone, a model transformers cannot shard by heads over ``world`` ranks."""
-    mt = getattr(config, "model_type", "?")
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    plan = getattr(text, "base_model_tp_plan", None) or getattr(config, "base_model_tp_plan", None)
-    if not plan:
-        raise UnsupportedArchitectureError(
-            f"model type {mt!r} has no tensor-parallel plan in transformers (its config's base_model_tp_plan is "
-            "empty), so it cannot be sharded by heads; load it without tensor_parallel")
-    from headlab.models.hf.registry import adapter_class  # the families headlab declares (the loader imported them)
-    if adapter_class(mt) is None:  # read by structure: discovery probes a rank's H/world heads as the config's H
-        raise UnsupportedArchitectureError(
-            f"model type {mt!r} has a tensor-parallel plan, but no headlab family class declares it: headlab reads it "
-            "by structure, and that discovery takes one rank's H/world heads for all H; load it without "
-            "tensor_parallel, or declare its family (headlab.models.hf)")
-    H = getattr(text, "num_attention_heads", None)
-    Hkv = getattr(text, "num_key_value_heads", None) or H
-    if H is None:
-        raise UnsupportedArchitectureError(f"cannot read the query heads of a {mt!r} config")
-    if H % world:
-        raise ConfigError(f"tensor parallelism over {world} ranks: the model has {H} query heads, which {world} does "
-                          f"not divide; use a world size that divides {H}")
-    if Hkv % world:
-        raise ConfigError(
-            f"tensor parallelism over {world} ranks: the model has {Hkv} key/value heads, which {world} does not "
-            "divide; transformers' plan cuts k_proj and v_proj into equal row blocks, so a kv head would be split "
-            f"across ranks (it does not replicate kv heads); use at most {Hkv} ranks, a divisor of {Hkv}")
 
 
 def world_size() -> int:
@@ -254,5 +225,5 @@ def data_rank(adapter) -> int:
     return adapter.placement.data_rank
 
 
-__all__ = ["by_heads", "check_before_load", "data_rank", "gate_hook", "global_edit", "head_out_hook", "hooks_for",
+__all__ = ["by_heads", "data_rank", "gate_hook", "global_edit", "head_out_hook", "hooks_for",
            "local_W_O", "placement_of", "study_examples", "world_size"]

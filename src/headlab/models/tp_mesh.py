@@ -37,16 +37,39 @@ import os
 import torch
 from torch import nn
 
-from headlab.distributed.placement import TensorParallel, is_dtensor
-from headlab.errors import UnsupportedArchitectureError
+from headlab.distributed.placement import is_dtensor
+from headlab.errors import ConfigError, UnsupportedArchitectureError
 
-__all__ = ["load_sharded", "reinstall_forwards", "rewrap", "sharded_memo", "tensor_size", "unwrap"]
+__all__ = ["check_before_load", "load_sharded", "reinstall_forwards", "rewrap", "sharded_memo", "unwrap"]
 
 
-def tensor_size(tensor_parallel, world: int) -> int:
-    """Ranks per tensor-parallel group: ``TensorParallel.request(tensor_parallel).group_size(world)``. Kept for the
-    study runner until it reads the loaded model's ``placement.unit_share()``; remove then."""
-    return TensorParallel.request(tensor_parallel).group_size(world)
+def check_before_load(config, world: int) -> None:
+    """Refuse, from the config alone, a model transformers cannot shard by heads over ``world`` ranks."""
+    mt = getattr(config, "model_type", "?")
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    plan = getattr(text, "base_model_tp_plan", None) or getattr(config, "base_model_tp_plan", None)
+    if not plan:
+        raise UnsupportedArchitectureError(
+            f"model type {mt!r} has no tensor-parallel plan in transformers (its config's base_model_tp_plan is "
+            "empty), so it cannot be sharded by heads; load it without tensor_parallel")
+    from headlab.models.hf.registry import adapter_class  # the families headlab declares (the loader imported them)
+    if adapter_class(mt) is None:  # read by structure: discovery probes a rank's H/world heads as the config's H
+        raise UnsupportedArchitectureError(
+            f"model type {mt!r} has a tensor-parallel plan, but no headlab family class declares it: headlab reads it "
+            "by structure, and that discovery takes one rank's H/world heads for all H; load it without "
+            "tensor_parallel, or declare its family (headlab.models.hf)")
+    H = getattr(text, "num_attention_heads", None)
+    Hkv = getattr(text, "num_key_value_heads", None) or H
+    if H is None:
+        raise UnsupportedArchitectureError(f"cannot read the query heads of a {mt!r} config")
+    if H % world:
+        raise ConfigError(f"tensor parallelism over {world} ranks: the model has {H} query heads, which {world} does "
+                          f"not divide; use a world size that divides {H}")
+    if Hkv % world:
+        raise ConfigError(
+            f"tensor parallelism over {world} ranks: the model has {Hkv} key/value heads, which {world} does not "
+            "divide; transformers' plan cuts k_proj and v_proj into equal row blocks, so a kv head would be split "
+            f"across ranks (it does not replicate kv heads); use at most {Hkv} ranks, a divisor of {Hkv}")
 
 
 def load_sharded(cls, path, *, tp_size: int, dtype: torch.dtype):

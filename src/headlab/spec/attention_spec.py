@@ -15,7 +15,7 @@ from typing import Literal
 
 import torch
 
-from headlab import checks
+import headlab.checks as checks
 from headlab.errors import ConfigError, DeviceError, DTypeError, MaskError, ShapeError
 from headlab.spec import visibility
 from headlab.spec.masks import MaskFn, as_mask

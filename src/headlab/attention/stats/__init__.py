@@ -77,7 +77,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from headlab import checks
+import headlab.checks as checks
 from headlab.attention.backends import native
 from headlab.attention.stats.exact import probs_at
 from headlab.attention.stats.fused import fits, fused_stats

@@ -61,7 +61,7 @@ def check_task(result, run, task, names, *, k, n_draws, seed, n_boot) -> dict:
     measure = task.prepare(run, result, k)
     if isinstance(measure, str):  # the task's reason for not running
         return {"verdicts": {}, "skipped": {f"{kd} check": measure for kd in names}}
-    sets = [[]]
+    sets: list[list] = [[]]
     for i, kd in enumerate(names):
         top = result.top(kd, k)
         draws = CK.draw_sets(adapter.n_layers, adapter.layer_heads, top, n_draws=n_draws, seed=seed + 101 * (i + 1))

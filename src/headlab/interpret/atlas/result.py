@@ -39,6 +39,7 @@ class Thresholds:
     """
 
     __slots__ = ("_given",)
+    _given: dict[str, float]
 
     def __init__(self, **given: float) -> None:
         bad = [k for k in given if k not in KINDS]
@@ -78,7 +79,7 @@ def _thresholds(given: dict) -> Thresholds:
 
 def _grid(t) -> list:
     a = np.asarray(t.detach().cpu().double() if isinstance(t, torch.Tensor) else t, dtype=np.float64)
-    return np.where(np.isnan(a), None, np.round(a, 6)).tolist()
+    return np.where(np.isnan(a), None, np.round(a, 6)).tolist()  # type: ignore[call-overload]  # numpy's stubs take no None; an object array is meant
 
 
 def _ungrid(rows) -> torch.Tensor:

@@ -125,6 +125,7 @@ class AtlasRun:
             "haystack_tokens": haystack_tokens, "seed": seed, "n_boot": n_boot, "treebank_limit": treebank_limit}
         if checks:  # the sizes each task needs, refused before any work
             for task in dict.fromkeys(kd.task for kd in self.kinds if kd.task is not None and kd.task.validate):
+                assert task.validate is not None  # chosen above
                 task.validate(run)
         run.repeated_ids, run.start = T.repeated(tok, vocab=run.vocab, n=n_repeated, half=half, seed=seed)
         self.run, self.todo, self.skipped, self.thresholds = run, todo, skipped, thresholds
@@ -183,7 +184,8 @@ class AtlasRun:
     def _scored(self, values: dict) -> Atlas:
         """The atlas of the score units in ``values`` (no verdicts yet); ``run.state`` as their scores left it."""
         run, adapter = self.run, self.run.adapter
-        grids, labels, notes, settings, syntactic, state = {}, [], [], {}, {}, {}
+        grids, notes, settings, syntactic, state = {}, [], {}, {}, {}
+        labels: list = []
         for key in self.units():
             if key not in values or key in self.tasks or key == "evidence":
                 continue

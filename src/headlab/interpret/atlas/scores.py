@@ -55,6 +55,7 @@ def _lse(q: torch.Tensor, k: torch.Tensor, call_args: dict, keep=None) -> torch.
         else:
             mask = masks.as_mask(mask) & keep
     st = attention_stats(q.float().contiguous(), k.float().contiguous(), mask=mask, causal=causal, scale=scale, stats=["lse"], **args)
+    assert st.lse is not None  # asked for
     return st.lse
 
 

@@ -21,10 +21,11 @@ def _select(adapter: ModelAdapter, sites: str | Sequence[str] | None) -> dict[in
     if sites is None:
         patterns = [g for k in SITE_KINDS if k != "stats" for g in adapter.sites(k)]
     else:
-        patterns = [sites] if isinstance(sites, str) else list(sites) if isinstance(sites, (list, tuple)) else None
-        if patterns is None or not all(isinstance(p, str) for p in patterns):  # 5: a TypeError before
+        given = [sites] if isinstance(sites, str) else list(sites) if isinstance(sites, (list, tuple)) else None
+        if given is None or not all(isinstance(p, str) for p in given):  # 5: a TypeError before
             raise SiteError(f"sites must be a site name or glob, or a list of them (e.g. 'blocks.*.attn.pattern'), "
                             f"got {sites!r}")
+        patterns = given
     return {layer: set(kinds) for layer, kinds in match_sites(patterns, adapter.n_layers, SITE_KINDS + STREAM_KINDS,
                                                               prefixes=adapter.site_prefixes).items()}
 
@@ -103,6 +104,7 @@ def capture(
     with adapter.use_backend(chosen), adapter.hooks(edits or {}), adapter.probing(probe), torch.set_grad_enabled(grads):
         outputs = adapter.forward(model_inputs)
         if grads:
+            assert scalar is not None  # checked above
             value = scalar(outputs)
             if not isinstance(value, torch.Tensor) or value.numel() != 1:
                 raise ConfigError(f"scalar(outputs) must return a one-element tensor, got "

@@ -259,9 +259,10 @@ class Circuit:
     def faithfulness(self) -> float | None:
         """``(m(C) - m(empty)) / (m(full) - m(empty))`` with ``m(full)`` the clean run's metric: 1 = the circuit
         alone keeps the model's behaviour, 0 = no better than ablating everything (None: not measured)."""
-        if None in (self.circuit_metric, self.empty, self.clean) or self.clean == self.empty:
+        c, e, full = self.circuit_metric, self.empty, self.clean
+        if c is None or e is None or full is None or full == e:
             return None
-        return (self.circuit_metric - self.empty) / (self.clean - self.empty)
+        return (c - e) / (full - e)
 
     # -- files -----------------------------------------------------------------------------------------------
 

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 
 import torch
 
-from headlab import checks
+import headlab.checks as checks
 from headlab.errors import ConfigError, InputError
 from headlab.interpret.circuits import nodes
 from headlab.interpret.circuits.circuit import Circuit, on_paths, receiver_nodes
@@ -258,7 +258,7 @@ def discover(model, clean, corrupted, metric, *, method: str = "top-n", n_edges:
         raise ConfigError(f"method='acdc' runs one forward per edge and this graph has {g.n_edges:,} edges (it takes "
                           f"{acdc_max_edges:,}); score the edges with EAP-IG and use method='top-n' or 'greedy', or "
                           f"pass acdc_max_edges={g.n_edges} to wait for {g.n_edges:,} forwards")
-    if method != "acdc" and n_edges > g.n_edges:
+    if method != "acdc" and n_edges is not None and n_edges > g.n_edges:  # checked above: given for these
         raise ConfigError(f"n_edges={n_edges}: this graph has {g.n_edges} edges")
     values = check_scores(scores, g) if scores is not None else None
     name = getattr(metric, "__name__", "metric")
@@ -268,6 +268,7 @@ def discover(model, clean, corrupted, metric, *, method: str = "top-n", n_edges:
     if method == "acdc":
         recorded = record_runs(pair, g, metric, backend)
         ablated = ablated_outputs(recorded.clean_out, recorded.corrupt_out, ablation, seed=seed)
+        assert threshold is not None  # checked above for acdc
         mask, tried, acdc_notes = _acdc(pair, g, metric, recorded, ablated, threshold, criterion, backend, progress)
         notes += acdc_notes
         chosen_scores = tried
@@ -281,6 +282,7 @@ def discover(model, clean, corrupted, metric, *, method: str = "top-n", n_edges:
             values = check_scores(scores, g)
         recorded = record_runs(pair, g, metric, backend)
         ablated = ablated_outputs(recorded.clean_out, recorded.corrupt_out, ablation, seed=seed)
+        assert scores is not None and n_edges is not None  # scored above; n_edges checked above
         towards = values * (1.0 if scores.corrupted >= scores.clean else -1.0)  # > 0: the patch moves m to corrupted
         if method == "top-n" and not absolute:
             mask = torch.zeros(values.shape[0], dtype=torch.bool)

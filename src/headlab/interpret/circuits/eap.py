@@ -32,7 +32,7 @@ import time
 
 import torch
 
-from headlab import checks
+import headlab.checks as checks
 from headlab.errors import ConfigError
 from headlab.interpret.circuits import nodes
 from headlab.interpret.circuits.graph import Graph
@@ -79,8 +79,8 @@ def _receiver_grads(stash: _Stash, value: torch.Tensor):
     a, g, live = stash.a, stash.g, stash.live
     outs = [live[a.site_name(l, k)] for l in range(g.n_layers) for k in ("q", "k", "v", "mlp_out")]
     final = live[a.site_name(g.n_layers - 1, "resid_post")]
-    got = torch.autograd.grad(value, outs + [final], retain_graph=True, allow_unused=True)
-    got = [torch.zeros_like(o) if d is None else d for o, d in zip(outs + [final], got)]
+    grads = torch.autograd.grad(value, outs + [final], retain_graph=True, allow_unused=True)
+    got = [torch.zeros_like(o) if d is None else d for o, d in zip(outs + [final], grads)]
     for l in range(g.n_layers):
         R = live[a.site_name(l, "resid_pre")]
         layer: list[torch.Tensor] = []
@@ -201,6 +201,7 @@ def edge_scores(model, clean, corrupted, metric, *, method: str = "eap", steps: 
             part = _clean_pass(pair, g, pair.clean, metric, replace, backend, delta)
             total = part if total is None else total + part
             say("edge attribution" if steps == 1 else "EAP-IG steps", k + 1, steps)
+    assert total is not None  # steps >= 1
     scores = total / steps
     where = ("at the clean run" if method == "eap" else
              f"averaged over {steps} points from the corrupted input towards the clean one (Hanna et al.'s EAP-IG)"

@@ -48,10 +48,11 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from headlab import checks
+import headlab.checks as checks
 from headlab.errors import ConfigError, InputError, ShapeError
 from headlab.interpret.circuits.circuit import Circuit, on_paths
 from headlab.interpret.circuits.discovery import check_ablation, check_int, check_progress, check_scores, record_runs
@@ -293,7 +294,7 @@ def faithfulness(model, circuit_or_scores: Circuit | EdgeScores, clean, corrupte
         raise ShapeError(f"templates has {len(templates)} ids for {pair.n} pairs; give one per pair")
     if ablation == "resample" and pair.n < 2:
         raise ConfigError("ablation='resample' takes another pair's corrupted run: give at least 2 pairs")
-    if is_circuit:
+    if isinstance(circuit_or_scores, Circuit):  # is_circuit
         fixed = circuit_or_scores.mask(g)
         sizes_, fractions = [int(fixed.sum())], [int(fixed.sum()) / N]
         source = f"{circuit_or_scores.method} circuit"
@@ -342,7 +343,7 @@ def faithfulness(model, circuit_or_scores: Circuit | EdgeScores, clean, corrupte
         return empty[s] if not bool(mask_in.any()) else run(mask_in, s)
 
     gen = torch.Generator().manual_seed(seed)
-    out = dict(kept=[], values=[], f=[], rmean=[], rsd=[], sd=[], tmpl={k: [] for k in groups})
+    out: dict[str, Any] = dict(kept=[], values=[], f=[], rmean=[], rsd=[], sd=[], tmpl={k: [] for k in groups})
     notes: list[str] = []
     done = 0
     with reporter(progress) as say:
@@ -353,6 +354,7 @@ def faithfulness(model, circuit_or_scores: Circuit | EdgeScores, clean, corrupte
                     mask = fixed
                 else:
                     mask = torch.zeros(N, dtype=torch.bool)
+                    assert order is not None  # scores: ranked above
                     mask[order[:k]] = True
                     mask = on_paths(g, mask)
                 vals = [evaluate(mask, s) for s in range(seeds)]

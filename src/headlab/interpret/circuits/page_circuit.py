@@ -130,7 +130,7 @@ def _layout(edges: list[str], groups, labels: dict[str, str]):
         ends.append((got[0], got[1], _kind(r)))
     if groups is not None:  # a kv node's query heads: those of its group that the circuit holds
         for n in nodes.values():
-            if n.kind == "kv" and n.layer < len(groups[0]) and groups[1][n.layer]:
+            if n.kind == "kv" and n.layer is not None and n.layer < len(groups[0]) and groups[1][n.layer]:
                 per = groups[0][n.layer] // groups[1][n.layer]
                 n.group = [h for h in range(n.index * per, (n.index + 1) * per) if f"a{n.layer}.h{h}" in nodes]
     layers = sorted({n.layer for n in nodes.values() if n.layer is not None})
@@ -210,7 +210,7 @@ def svg_circuit(circuit, labels: dict[str, str], graph) -> tuple[str, list[dict]
             parts.append(f'<path class="group" d="M{n.x:.1f},{n.y:.1f} L{q.x:.1f},{q.y:.1f}" stroke="#ced4da" '
                          'stroke-width="1" fill="none"/>')
     data = []
-    order = sorted(range(len(edges)), key=lambda i: -1.0 if values[i] is None else abs(values[i]))  # strong on top
+    order = sorted(range(len(edges)), key=lambda i: -1.0 if (v := values[i]) is None else abs(v))  # strong on top
     for i in order:
         e, (s, r, kind), v = edges[i], ends[i], values[i]
         t = 0.0 if v is None or top == 0 else abs(v) / top

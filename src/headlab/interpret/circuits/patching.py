@@ -179,7 +179,7 @@ def _edge_chunk(pair, g: Graph, metric, configs, delta, backend) -> torch.Tensor
         else:
             site = a.site_name(r.layer, "resid_pre")
         adds.setdefault(site, {})[c] = delta[j]
-        kept[a.site_name(r.layer, "mlp_out" if r.kind == "mlp" else r.kind)] = None
+        kept[a.site_name(r.layer, "mlp_out" if r.kind == "mlp" else r.kind)] = None  # type: ignore[assignment]  # a placeholder: the keep hook below fills it first
         top = max(top, r.layer)
     if adds:
         def keep(t, site):

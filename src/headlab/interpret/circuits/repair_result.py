@@ -30,7 +30,7 @@ import os
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
-from headlab import checks
+import headlab.checks as checks
 from headlab.errors import InputError
 from headlab.interpret.circuits.graph import head as head_name
 from headlab.results import Result

@@ -254,7 +254,8 @@ def self_repair(model, clean, corrupted, metric, heads, *, ablation: str = "patc
                     comps[i] = dict(zip(down, values.tolist()))
                     best = compensators(comps[i], direct[i])
                     partners[i] = best[0][0] if best else None
-                configs, owners = [], []
+                configs: list[list[int]] = []
+                owners: list[str | int] = []  # a partner's name (alone) or the index of a pair
                 for i in chunk:
                     k = partners[i]
                     if k is None:
@@ -273,8 +274,8 @@ def self_repair(model, clean, corrupted, metric, heads, *, ablation: str = "patc
                         else:
                             pairs[who] = v
                 for i in chunk:
-                    if partners[i] is not None:
-                        alone[i] = alone_of[partners[i]]
+                    if (k := partners[i]) is not None:
+                        alone[i] = alone_of[k]
                 done = chunk[-1] + 1
                 say("self-repair: heads", done, len(names))
     except KeyboardInterrupt:  # keep what was measured: the rest is unmeasured, and the notes say so

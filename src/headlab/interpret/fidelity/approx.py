@@ -250,12 +250,15 @@ def _scan_rows(report, q, k, spec, norm, base, pattern: bool, scale: float) -> N
     for r0 in range(0, Lq, step):
         rows = torch.arange(r0, min(Lq, r0 + step), device=q.device)
         vis = _visibility(norm, spec, rows)  # (Bm, Hm, r, Lk) under the variant
+        assert vis is not None  # the variant has a mask (norm is not None)
         empty += int((~vis.any(-1)).expand(B, H, len(rows)).sum())
         if pattern:
+            assert mass is not None  # allocated for a pattern
             p = _exact_rows(q, k, rows, _visibility(base, spec, rows), scale)  # (B, H, r, Lk)
             mass[:, :, r0:r0 + len(rows)] = p.masked_fill(vis, 0.0).sum(-1).double().cpu()
     report.empty_rows = empty
     if pattern:
+        assert mass is not None  # allocated for a pattern
         report.mass_outside = mass.to(torch.float32)
 
 

@@ -104,6 +104,7 @@ def gram(adapter, layer: int, rec, mode: str) -> NormGram:
         var = z.var(-1, unbiased=False) if rec.norms.kind == "layernorm" else (z * z).mean(-1)
         inv_s = torch.rsqrt(var + rec.norms.eps())
         if branch:  # ||g_i(a) + r||^2 = (||a||_M^2 + 2 s <a, r>_g + s^2 ||r||^2) / s^2
+            assert cross is not None and rr is not None  # residual
             s = 1.0 / inv_s
             cross, rr = cross * s.unsqueeze(1), rr * s * s
     return NormGram(torch.cat(ws, 1), torch.cat(Gs, 0), inv_s, cross, rr)
@@ -119,6 +120,7 @@ def layer_tile(p: torch.Tensor, qpos: torch.Tensor, c0: int, c1: int, ng: NormGr
         ii, jj = eq.nonzero(as_tuple=True)
         if ii.numel():
             pos = qpos[ii]
+            assert ng.rr is not None  # held with cross
             n2[ii, jj] += 2 * (p[:, ii, jj] * ng.cross[pos].T.to(p.dtype)).sum(0) + ng.rr[pos].to(p.dtype)
     return n2.clamp_min_(0).sqrt_() * _inv_s(ng, qpos, p.dtype).unsqueeze(1)
 

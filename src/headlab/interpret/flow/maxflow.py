@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from headlab import checks
+import headlab.checks as checks
 from headlab.errors import ConfigError, MemoryBudgetError
 from headlab.interpret.flow.record import prepare, record
 from headlab.interpret.flow.rollout import augment, layer_matrices
@@ -277,7 +277,11 @@ def attention_flow(loaded, text_or_inputs, *, source: int = 0, layer: int = -1, 
     rec = None
     if ids is None:  # patches or audio frames: the model says how many positions (its maps are small beside the graph)
         rec = record(loaded, text_or_inputs, chain[:top + 1], maps=True, backend=backend)
-    n = int(ids.shape[1]) if ids is not None else rec.n
+    if ids is not None:
+        n = int(ids.shape[1])
+    else:
+        assert rec is not None  # recorded just above
+        n = rec.n
     checks.index("source token", source, n, message=_SOURCE)
     _check_memory(n, top + 1, solver if solver in BYTES_PER_EDGE else "scipy", memory_limit)
     if rec is None:

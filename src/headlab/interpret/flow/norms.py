@@ -34,7 +34,7 @@ from typing import Literal
 
 import torch
 
-from headlab import checks
+import headlab.checks as checks
 from headlab.errors import ConfigError
 from headlab.interpret.flow.gram import NormGram, gram, head_tile, layer_tile
 from headlab.interpret.flow.record import Recording, record
@@ -217,6 +217,7 @@ def attention_norms(loaded, text_or_inputs, *, layers=None, mode: Mode = "attent
         for l, lr in rec.layers.items():
             ng = gram(rec.adapter, l, lr, mode)
             if not streaming:
+                assert lr.pattern is not None  # recorded with maps
                 res.weights[l] = lr.pattern
                 res.per_head[l], res.layer[l] = maps_from_pattern(lr.pattern, ng)
                 continue

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from headlab import checks
+import headlab.checks as checks
 from headlab.attention import backends as _backends
 from headlab.errors import BackendUnsupportedError, ConfigError, InputError
 from headlab.interpret.capture import capture

@@ -33,7 +33,7 @@ from typing import Literal
 
 import torch
 
-from headlab import checks
+import headlab.checks as checks
 from headlab.errors import ConfigError
 from headlab.interpret.flow.gram import gram, layer_tile
 from headlab.interpret.flow.norms import check_positions, maps_from_pattern
@@ -185,6 +185,7 @@ def rollout(loaded, text_or_inputs, *, method: Method = "mean", rows=None, layer
     pos = check_positions("rows", rows, rec.n)
     with torch.no_grad():
         first = rec.layers[chain[0]]
+        assert first.q is not None  # recorded without maps: q and k are kept
         ct = torch.float64 if first.q.dtype == torch.float64 else torch.float32
         r = torch.zeros(len(pos), rec.n, dtype=ct, device=first.q.device)
         r[torch.arange(len(pos)), torch.tensor(pos)] = 1.0

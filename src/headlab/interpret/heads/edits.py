@@ -21,6 +21,7 @@ uniform     the head's attention pattern replaced by uniform weights over the ke
 from __future__ import annotations
 
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 
@@ -75,9 +76,9 @@ def mean_z(adapter, data, *, over: str, backend: str) -> dict:
     if over not in ("token", "position"):
         raise ConfigError(f"mean_over must be 'token' or 'position', got {over!r}")
     L = adapter.n_layers
-    tok_sum = [None] * L
-    pos_sum = [None] * L
-    pos_cnt = None
+    tok_sum: list = [None] * L  # a (H_l, d) sum per layer, once the layer has run
+    pos_sum: list = [None] * L
+    pos_cnt: torch.Tensor | None = None
     n_tok = 0.0
 
     def fn(layer, z, heads):  # (B, H, Lq, d)
@@ -107,8 +108,9 @@ def mean_z(adapter, data, *, over: str, backend: str) -> dict:
         tok_sum = [tp.gather(s[None], "z")[0] for s in tok_sum]
         pos_sum = [None if p is None else tp.gather(p[None], "z")[0] for p in pos_sum]
     token = [s / max(n_tok, 1.0) for s in tok_sum]
-    out = {"token": token}
+    out: dict[str, Any] = {"token": token}
     if over == "position":
+        assert pos_cnt is not None  # the data had a batch
         out["position"] = [ps / pos_cnt.clamp_min(1.0).to(ps.dtype)[None, :, None] for ps in pos_sum]
         out["position_count"] = pos_cnt
     return out
@@ -177,6 +179,7 @@ class Runner:
             out[idx.to(got.device)] = got
             if advance is not None:
                 advance(len(idx))
+        assert out is not None  # at least one chunk ran
         return out
 
     def _run_chunk(self, b: C.Batch, clean: dict, masks: torch.Tensor, start: int = 0) -> torch.Tensor:
@@ -219,6 +222,7 @@ class Runner:
         if self.kind == "zero":
             return torch.zeros((), dtype=z5.dtype, device=z5.device)
         if self.kind == "mean":
+            assert self.means is not None  # kind "mean" is built with its means
             tok = self.means["token"][layer][sel].to(z5.dtype)  # (H, d)
             if "position" not in self.means:
                 return tok[None, None, :, None, :]

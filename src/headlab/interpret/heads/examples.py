@@ -24,7 +24,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Literal, cast
 
 import torch
 import torch.nn.functional as F
@@ -55,7 +55,7 @@ def read_texts(path: str | Path, *, limit: int | None = None,
     if suffix == ".tsv":
         rows = read_tsv(path, option)
         texts = [r.text for r in rows]
-        labels = None if rows[0].label is None else [r.label for r in rows]
+        labels = None if rows[0].label is None else [cast(int, r.label) for r in rows]  # a label column gives every row one
     elif suffix == ".conllu":
         texts = read_conllu(path, option).texts()
     else:
@@ -157,7 +157,7 @@ def _token_counts(loaded, texts) -> list[int]:
     return [len(t) for t in texts]  # token-id sequences (text without a tokenizer is refused by batches)
 
 
-def choose_loss(adapter: ModelAdapter, loss: str, labels) -> str:
+def choose_loss(adapter: ModelAdapter, loss: str, labels) -> Loss:
     if loss == "auto":
         if labels is not None and _is_classifier(adapter):  # labels in a file meant for another model: not a task
             return "task"
@@ -169,7 +169,7 @@ def choose_loss(adapter: ModelAdapter, loss: str, labels) -> str:
     if loss == "lm" and not is_causal(adapter):
         raise ConfigError("loss='lm' (next-token NLL) needs a decoder; this model is an encoder: use 'task', 'kl' "
                           "or 'cosine'")
-    return loss
+    return cast(Loss, loss)  # checked in LOSSES above
 
 
 def _is_classifier(adapter: ModelAdapter) -> bool:
@@ -187,7 +187,7 @@ def logits_of(out) -> torch.Tensor:
     return lg
 
 
-def pooled(out, mask: torch.Tensor) -> torch.Tensor:
+def pooled(out, mask: torch.Tensor | None) -> torch.Tensor:
     """Mean of ``last_hidden_state (B, L, E)`` over real tokens: ``(B, E)``."""
     h = getattr(out, "last_hidden_state", None)
     if h is None:
@@ -245,6 +245,7 @@ def per_example(loss: str, out, batch: Batch, ref: dict, *, surrogate: bool = Fa
     if loss == "lm":
         lg = up(logits_of(out))
         ids, mask = batch.inputs["input_ids"], batch.mask
+        assert mask is not None  # text: the tokenizer gave an attention mask
         nll = F.cross_entropy(lg[:, :-1].transpose(1, 2), ids[:, 1:], reduction="none")  # (B, L-1)
         return _token_mean(nll, mask[:, 1:] & mask[:, :-1])
     if loss == "kl":

@@ -33,6 +33,7 @@ from the streaming statistics (:func:`headlab.attention_stats`, capture site ``s
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from dataclasses import dataclass, field
@@ -98,55 +99,104 @@ def head_importance(loaded, texts, labels=None, *, loss: C.Loss = "auto", batch_
                        backend=backend, seed=seed, max_length=max_length, progress=progress)[0]
 
 
-def importance_scores(loaded, texts, labels, *, loss, batch_size, normalize, backend, seed, max_length, progress):
+def importance_scores(loaded, texts, labels, *, loss, batch_size, normalize, backend, seed, max_length, progress,
+                      local: bool = False):
+    """``(grid, loss used, seconds)`` of :func:`head_importance`. ``local``: every example on this process, no sum
+    over the data ranks (a caller running on one rank of several, as a unit of the study runner does); a model
+    sharded by heads still adds each head's sum over its group."""
     adapter, ld = resolve(loaded)
     loss = C.choose_loss(adapter, loss, labels)
     C.check_data(texts, labels, loss)
     # under torchrun each rank takes every W-th example and the sums are added (identity on one process); a
     # sharded model runs every example on every rank, and each head's sum is made on its owner
     place = adapter.placement
-    mine = place.examples(len(texts))
+    mine = list(range(len(texts))) if local else place.examples(len(texts))
     data = C.batches(ld, adapter, [texts[i] for i in mine], None if labels is None else [labels[i] for i in mine],
                      batch_size, max_length=max_length) if mine else []
     progress = progress if is_main() else False  # rank 0 reports
-    gen = torch.Generator().manual_seed(seed + place.data_rank)
-    L, H = adapter.n_layers, adapter.n_heads
-    total = torch.zeros(L, H, dtype=torch.float64)
+    gen = torch.Generator().manual_seed(seed + (0 if local else place.data_rank))
+    total = torch.zeros(adapter.n_layers, adapter.n_heads, dtype=torch.float64)
+    t0 = time.perf_counter()
+    with gated(adapter, backend) as holder, reporter(progress) as say:
+        stage = f"importance ({loss})"
+        say(stage, 0, len(data))
+        for n, b in enumerate(data, 1):
+            total += importance_sums(adapter, b, holder, loss, gen)
+            say(stage, n, len(data))
+    total = place.sum_group(total) if local else place.sum_heads(total)
+    return importance_grid(adapter, total, len(texts), normalize), loss, time.perf_counter() - t0
+
+
+@contextlib.contextmanager
+def gated(adapter, backend: str):
+    """The model in eval mode with per-example gates on every head (``holder['xi']``, set per batch by
+    :func:`importance_sums`), on ``backend``; the training mode is restored after."""
     holder: dict = {}
     was_training = adapter.model.training
     adapter.model.eval()
-    t0 = time.perf_counter()
     try:
-        with adapter.use_backend(backend), _gates_hook(adapter, holder), reporter(progress) as say:
-            stage = f"importance ({loss})"
-            say(stage, 0, len(data))
-            for n, b in enumerate(data, 1):
-                ref = {}
-                if loss in ("kl", "cosine"):
-                    holder["xi"] = None
-                    with torch.no_grad():
-                        ref = C.reference(loss, adapter.forward(b.inputs), b, generator=gen)
-                xi = torch.ones(b.size, L, H, dtype=torch.float32, device=b.device,
-                                requires_grad=True)
-                holder["xi"] = xi
-                with torch.enable_grad():
-                    per = C.per_example(loss, adapter.forward(b.inputs), b, ref, surrogate=True)  # (B,)
-                    (grad,) = torch.autograd.grad(per.sum(), xi, allow_unused=True)
-                if grad is not None:
-                    total += grad.detach().abs().sum(0).double().cpu()
-                say(stage, n, len(data))
+        with adapter.use_backend(backend), _gates_hook(adapter, holder):
+            yield holder
     finally:
         holder.clear()
         adapter.model.train(was_training)
-    total = place.sum_heads(total)
-    imp = (total / len(texts)).float()
-    counts = adapter.layer_heads
-    for layer, n in enumerate(counts):
-        imp[layer, n:] = float("nan")  # a pruned model's missing heads
+
+
+def importance_sums(adapter, b: C.Batch, holder: dict, loss: str, gen: torch.Generator) -> torch.Tensor:
+    """``sum_x |dL(x)/d xi_h|`` over the examples of batch ``b``, ``(n_layers, H)`` float64 (inside :func:`gated`;
+    on a sharded model, the heads this rank holds, zero elsewhere). ``gen``: the label-free surrogates' draws."""
+    ref = {}
+    if loss in ("kl", "cosine"):
+        holder["xi"] = None
+        with torch.no_grad():
+            ref = C.reference(loss, adapter.forward(b.inputs), b, generator=gen)
+    xi = torch.ones(b.size, adapter.n_layers, adapter.n_heads, dtype=torch.float32, device=b.device,
+                    requires_grad=True)
+    holder["xi"] = xi
+    with torch.enable_grad():
+        per = C.per_example(loss, adapter.forward(b.inputs), b, ref, surrogate=True)  # (B,)
+        (grad,) = torch.autograd.grad(per.sum(), xi, allow_unused=True)
+    if grad is None:
+        return torch.zeros(adapter.n_layers, adapter.n_heads, dtype=torch.float64)
+    return grad.detach().abs().sum(0).double().cpu()
+
+
+def importance_grid(adapter, total: torch.Tensor, n: int, normalize: bool) -> torch.Tensor:
+    """The importance ``(n_layers, H)`` from the sums over ``n`` examples: NaN for a pruned model's missing heads,
+    each layer divided by its L2 norm with ``normalize``."""
+    imp = (total / n).float()
+    for layer, count in enumerate(adapter.layer_heads):
+        imp[layer, count:] = float("nan")  # a pruned model's missing heads
     if normalize:
         norms = torch.nan_to_num(imp).norm(dim=-1, keepdim=True)
         imp = imp / norms.clamp_min(1e-20)
-    return imp, loss, time.perf_counter() - t0
+    return imp
+
+
+def confidence_sums(adapter, b: C.Batch) -> tuple[torch.Tensor, float]:
+    """``(sum of max_j P_ij over the real query rows (n_layers, H) float64, the rows counted)`` for batch ``b``
+    (on a sharded model, the heads this rank holds, zero elsewhere; the count alike on every rank)."""
+    from headlab.interpret.capture import capture
+
+    total = torch.zeros(adapter.n_layers, adapter.n_heads, dtype=torch.float64)
+    # statistics made where the heads live; a sharded model keeps them there (gather="none")
+    cache = capture(adapter, b.inputs, adapter.sites("stats"), gather="none",
+                    stats_kwargs={"stats": ["max_weight"], "method": "tiled"})
+    assert b.mask is not None  # text: the tokenizer gave an attention mask
+    m = b.mask.to(torch.float64)  # (B, L) real query rows
+    for layer in range(adapter.n_layers):
+        site = adapter.site_name(layer, "stats")
+        mw, heads = cache[site].max_weight.double(), cache.heads(site)  # (B, H_l, L), their global indices
+        total[layer, heads.start:heads.stop] += (mw * m[:, None, :]).sum((0, 2)).cpu()
+    return total, float(m.sum())
+
+
+def confidence_grid(adapter, total: torch.Tensor, count: float) -> torch.Tensor:
+    """Voita's confidence ``(n_layers, H)`` from the sums and the rows counted (NaN for missing heads)."""
+    conf = (total / max(count, 1.0)).float()
+    for layer, n in enumerate(adapter.layer_heads):
+        conf[layer, n:] = float("nan")
+    return conf
 
 
 def head_confidence(loaded, texts, *, batch_size: int = 16, max_length: int | None = None,
@@ -155,8 +205,6 @@ def head_confidence(loaded, texts, *, batch_size: int = 16, max_length: int | No
 
     Computed from streaming statistics (``stats`` site, ``max_weight``, tiled method): no
     ``n x n`` map is ever held."""
-    from headlab.interpret.capture import capture
-
     adapter, ld = resolve(loaded)
     C.check_data(texts, None, "cosine")
     place = adapter.placement
@@ -169,15 +217,9 @@ def head_confidence(loaded, texts, *, batch_size: int = 16, max_length: int | No
     with reporter(progress) as say:
         say("confidence", 0, len(data))
         for n, b in enumerate(data, 1):
-            # statistics made where the heads live; a sharded model keeps them there (gather="none")
-            cache = capture(adapter, b.inputs, adapter.sites("stats"), gather="none",
-                            stats_kwargs={"stats": ["max_weight"], "method": "tiled"})
-            m = b.mask.to(torch.float64)  # (B, L) real query rows
-            for layer in range(L):
-                site = adapter.site_name(layer, "stats")
-                mw, heads = cache[site].max_weight.double(), cache.heads(site)  # (B, H_l, L), their global indices
-                total[layer, heads.start:heads.stop] += (mw * m[:, None, :]).sum((0, 2)).cpu()
-            count += float(m.sum())
+            sums, rows = confidence_sums(adapter, b)
+            total += sums
+            count += rows
             say("confidence", n, len(data))
     if not place.sharded:  # the examples were split over the ranks: add their sums and token counts
         summed = place.sum_over_data(torch.cat([total.flatten(), torch.tensor([count], dtype=torch.float64)]))
@@ -186,10 +228,7 @@ def head_confidence(loaded, texts, *, batch_size: int = 16, max_length: int | No
         total = place.sum_heads(total)
         # the token count is the same on every rank of a group: add it over the groups of a 2-D mesh only
         count = float(place.sum_over_data(torch.tensor([count], dtype=torch.float64))[0])
-    conf = (total / max(count, 1.0)).float()
-    for layer, n in enumerate(adapter.layer_heads):
-        conf[layer, n:] = float("nan")
-    return conf
+    return confidence_grid(adapter, total, count)
 
 
 @dataclass
@@ -279,14 +318,20 @@ def importance_study(loaded, texts, labels=None, *, loss: C.Loss = "auto", batch
         raise ConfigError("single_effects must be an (n_layers, H) tensor, e.g. ablate(...).single")
     imp, used, secs = importance_scores(loaded, texts, labels, loss=loss, batch_size=batch_size, normalize=False,
                                   backend=backend, seed=seed, max_length=max_length, progress=progress)
-    norms = torch.nan_to_num(imp).norm(dim=-1, keepdim=True).clamp_min(1e-20)
     conf = head_confidence(loaded, texts, batch_size=batch_size, max_length=max_length,
                            progress=progress) if confidence else None
-    _, ld = resolve(loaded)
-    name = ld.name if ld is not None else type(resolve(loaded)[0].model).__name__
+    return study_result(loaded, imp, used, len(texts), secs, conf, single_effects)
+
+
+def study_result(loaded, imp: torch.Tensor, used: str, n: int, seconds: float, conf: torch.Tensor | None,
+                 single_effects: torch.Tensor | None = None) -> ImportanceResult:
+    """:func:`importance_study`'s result from the raw importance grid and the confidence (or None)."""
+    norms = torch.nan_to_num(imp).norm(dim=-1, keepdim=True).clamp_min(1e-20)
+    adapter, ld = resolve(loaded)
+    name = ld.name if ld is not None else type(adapter.model).__name__
     notes = []
     if used in ("kl", "cosine"):
         notes.append(f"loss={used}: its derivative is zero at the unpruned model; importance uses the first-order "
                      "surrogate whose squared derivative estimates its curvature (see headlab.head_importance)")
-    return ImportanceResult(name, used, len(texts), imp, imp / norms, conf, secs,
+    return ImportanceResult(name, used, n, imp, imp / norms, conf, seconds,
                             correlate(importance=imp, confidence=conf, ablation=single_effects), notes)

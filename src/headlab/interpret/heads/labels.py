@@ -255,7 +255,7 @@ def head_records(layers: Sequence[RowStats], tokens: Sequence[str], *, separator
                 cpos = int(np.flatnonzero(content)[np.argmax(recv[content])])
                 ctok, cshare = tokens[cpos], float(recv[cpos] / lq)
             else:
-                cpos = ctok = cshare = None
+                cpos = ctok = cshare = None  # type: ignore[assignment]  # no content key: the row says so with nulls
             sink_total = float(mass_first[h] + (mass_sep[h] if seps else 0.0))
             labels, evidence = [], []
             for name in ("previous-token", "next-token", "self"):

@@ -148,11 +148,11 @@ def render_page(*, title: str, importance=None, ablation=None, curve=None, curve
         body.append(f"<h2>Pruning curve: {html.escape(curve.summary())}</h2>{img}"
                     f"<table class='vt'><tr><th>removed</th><th>{curve.metric}</th></tr>{pts}</table>")
     if savings is not None:
-        rows = "".join(f"<tr><td>{100 * r['fraction_removed']:.0f}%</td><td>{r['batch']}</td>"
+        srows = "".join(f"<tr><td>{100 * r['fraction_removed']:.0f}%</td><td>{r['batch']}</td>"
                        f"<td>{r['unpruned_examples_per_s']:.1f}</td><td>{r['pruned_examples_per_s']:.1f}</td>"
                        f"<td>{r['throughput_gain_pct']:+.1f}%</td><td>{r['params']:,}</td></tr>" for r in savings.rows)
         body.append("<h2>Measured savings</h2><table class='vt'><tr><th>removed</th><th>batch</th><th>unpruned ex/s</th>"
-                    f"<th>pruned ex/s</th><th>gain</th><th>parameters</th></tr>{rows}</table>")
+                    f"<th>pruned ex/s</th><th>gain</th><th>parameters</th></tr>{srows}</table>")
     data = {"grids": [{"name": n, "values": g} for n, g in grids], "verdicts": verdicts, "k": k}
     return shell.page(title=title, body="".join(body), data=data, data_id="heads-data", script=_JS,
                       generator="headlab heads")

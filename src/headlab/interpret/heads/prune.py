@@ -43,7 +43,7 @@ def evaluate(adapter, data: list[C.Batch], loss: str, *, backend: str = "auto") 
             out = adapter.forward(b.inputs)
             ref = {}
             if loss in ("kl", "cosine"):
-                ref = b.ref  # set by pruning_curve from the unpruned model
+                ref = b.ref  # type: ignore[attr-defined]  # set by pruning_curve from the unpruned model
             per = C.per_example(loss, out, b, ref)
             tot_loss += float(per.sum())
             n += b.size
@@ -53,6 +53,7 @@ def evaluate(adapter, data: list[C.Batch], loss: str, *, backend: str = "auto") 
             else:
                 tot_acc += float(acc.sum())
             if loss == "lm":
+                assert b.mask is not None  # text: the tokenizer gave an attention mask
                 m = (b.mask[:, 1:] & b.mask[:, :-1]).sum(-1).double()
                 nll_sum += float((per.double() * m).sum())
                 tok += float(m.sum())
@@ -179,12 +180,15 @@ def _fmt(metric: str, v: float) -> str:
 def pruning_curve(loaded, texts, labels=None, *, loss: C.Loss = "auto", importance: torch.Tensor | None = None,
                   normalize: bool = True, step: float = 0.1, max_fraction: float = 0.9, recompute: bool = False,
                   within: float = 1.0, batch_size: int = 16, backend: str = "auto", seed: int = 0,
-                  max_length: int | None = None, progress: bool | Progress = False) -> PruningCurve:
+                  max_length: int | None = None, progress: bool | Progress = False,
+                  local: bool = False) -> PruningCurve:
     """Metric after removing 0, 10, ..., 90% of the heads in ascending importance (see the module docstring).
 
     ``importance``: an ``(n_layers, H)`` grid to rank by (default: :func:`headlab.head_importance`
     on the same texts with ``loss``, normalised per layer when ``normalize``). ``progress``: a bar (True),
-    nothing (False) or ``progress(stage, done, total)`` (:mod:`headlab.progress`)."""
+    nothing (False) or ``progress(stage, done, total)`` (:mod:`headlab.progress`). ``local``: importance over
+    every example on this process, not split over torchrun's ranks (for a caller that runs the curve on one rank
+    of several, as the study runner's ``heads prune`` does)."""
     adapter, ld = resolve(loaded)
     loss = C.choose_loss(adapter, loss, labels)
     C.check_data(texts, labels, loss)
@@ -194,12 +198,12 @@ def pruning_curve(loaded, texts, labels=None, *, loss: C.Loss = "auto", importan
     if loss in ("kl", "cosine"):
         with torch.no_grad(), adapter.use_backend(backend):
             for b in data:
-                b.ref = C.reference(loss, adapter.forward(b.inputs), b)
+                b.ref = C.reference(loss, adapter.forward(b.inputs), b)  # type: ignore[attr-defined]  # read by evaluate
     else:
         for b in data:
-            b.ref = {}
+            b.ref = {}  # type: ignore[attr-defined]  # as above
     kw = dict(loss=loss, batch_size=batch_size, normalize=normalize, backend=backend, seed=seed,
-              max_length=max_length, progress=False)
+              max_length=max_length, progress=False, local=local)
     if importance is None:  # its own bar when progress is one (a callable is not shared with importance.py)
         importance = importance_scores(loaded, texts, labels, **{**kw, "progress": progress is True})[0]
     order = order_heads(importance)
@@ -209,7 +213,7 @@ def pruning_curve(loaded, texts, labels=None, *, loss: C.Loss = "auto", importan
     saved = adapter.gates.detach().clone()
     values, losses, removed = [], [], []
     gone: list[tuple[int, int]] = []
-    metric = None
+    metric: str | None = None
     try:
         with reporter(progress) as say:
             say("pruning curve", 0, len(fractions))
@@ -232,6 +236,7 @@ def pruning_curve(loaded, texts, labels=None, *, loss: C.Loss = "auto", importan
                 say("pruning curve", len(values), len(fractions))
     finally:
         adapter.gates = saved
+    assert metric is not None  # set at the first fraction (fractions is not empty)
     higher = metric == "accuracy"
     share = prunable_share(metric, loss, fractions, values, within)
     name = ld.name if ld is not None else type(adapter.model).__name__

@@ -13,6 +13,7 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -73,7 +74,7 @@ def measure_savings(loaded, order: list[tuple[int, int]], *, fractions=(0.25, 0.
 
     ``progress``: a bar (True), nothing (False) or ``progress(stage, done, total)`` (:mod:`headlab.progress`)."""
     adapter, ld = resolve(loaded)
-    model = adapter.model
+    model: Any = adapter.model  # a transformers model or headlab's Transformer
     vocab = model.get_input_embeddings().weight.shape[0] if hasattr(model, "get_input_embeddings") else \
         model.config.vocab_size
     gen = torch.Generator().manual_seed(0)

@@ -78,7 +78,9 @@ def _draws(value, option: Option, options: dict) -> None:
 
 
 def _check_kinds(value, option: Option, options: dict) -> None:
-    on_treebank = [k for k in parse_kinds(value) if k in _reading("treebank")]
+    kinds = parse_kinds(value)
+    assert kinds is not None  # a given --kinds (validate skips None)
+    on_treebank = [k for k in kinds if k in _reading("treebank")]
     if on_treebank and options.get("treebank") is None:
         raise ConfigError(f"--kinds {on_treebank[0]} needs --treebank FILE.conllu (the dependency trees it is "
                           "checked on)")
@@ -237,7 +239,7 @@ trials and the checks' configurations across the processes; rank 0 shows the pro
     # every rank runs every phase, and a phase splits its needle trials and check configurations over the ranks:
     # the checks read every earlier phase's scores on every rank (see the module's docstring)
     parallel = "inside"
-    stage = "atlas phases"
+    stage = "atlas phases"  # the runner's count of the phases, beside each phase's own progress
 
     def check(self, ctx: Context) -> None:
         ctx.state["kinds"] = parse_kinds(ctx.options["kinds"])

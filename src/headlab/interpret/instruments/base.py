@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
+from headlab.distributed.placement import TensorParallel
 from headlab.errors import ConfigError
 from headlab.reading import KINDS
 from headlab.registry import Registry  # the one registry type, re-exported here
@@ -106,7 +107,9 @@ class Option:
 def at_least(low, what: str = "") -> Callable[[Any, Option, dict], None]:
     """An :class:`Option` check: the value is finite and ``>= low`` (the CLI's ``check_at_least`` message)."""
     def check(value, option: Option, options: dict) -> None:
-        if (isinstance(value, float) and not math.isfinite(value)) or value < low:
+        if isinstance(value, float) and not math.isfinite(value):  # inf is at least anything, and not a setting
+            raise ConfigError(f"{option.label} must be a finite number of at least {low}{what}, got {value}")
+        if value < low:
             raise ConfigError(f"{option.label} must be at least {low}{what}, got {value}")
     return check
 
@@ -121,8 +124,6 @@ class Output:
     allow_existing: bool = False  # the folder may hold other files (commands that add theirs beside others)
     replace: bool = False  # an earlier result file of the same name is replaced without --force
     force: str | None = None  # the Option (by name) that allows writing into a non-empty folder / over a file
-    checkpoint: str | None = None  # a file the library keeps in the folder while it works: a folder holding only
-    # it is that run, interrupted, going on (no --force needed)
 
 
 @dataclass(frozen=True)
@@ -146,7 +147,8 @@ class Context:
     progress: Callable[[str, int, int], None] = lambda stage, done, total: None
     rank: int = 0
     world: int = 1
-    tensor_parallel: bool | int = False  # the model is sharded by heads over the ranks (True: all; N: groups of N)
+    # the model is sharded by heads over the ranks (the request in its one form; None: not sharded); the runner sets it
+    tensor_parallel: TensorParallel | None = None
     state: dict = field(default_factory=dict)  # the instrument's own, from one hook to the next
     # the values of the units finished so far, by key: a resumed run's from the file, then each unit's as it ends
     # (units that build on the one before, such as training steps, read the last one here)
@@ -215,6 +217,9 @@ class Instrument(Part):
     options: ClassVar[tuple[Option, ...]] = ()
     output: ClassVar[Output | None] = None
     parallel: ClassVar[str] = "units"  # torchrun: "units" split across ranks; "inside": the library shards itself
+    # each unit starts from where the one before left (training steps): under torchrun the units are not split,
+    # the first data rank runs them all, as one process would, and the runner gathers them as any other
+    chained: ClassVar[bool] = False
     resumable: ClassVar[bool] = False  # the CLI row gets --resume, and finished files keep their units
     announce: ClassVar[bool] = True  # the runner shows its own phases (loading, units) on the display
     display: ClassVar[bool] = True  # the runner opens the display (False: the library draws its own bars)
@@ -252,7 +257,7 @@ class Instrument(Part):
         heads over the ranks when the run asks for tensor parallelism (``ctx.tensor_parallel``)."""
         import headlab.models
 
-        if ctx.tensor_parallel:
+        if ctx.tensor_parallel is not None:
             return headlab.models.load(ctx.options["model"], tensor_parallel=ctx.tensor_parallel)
         return headlab.models.load(ctx.options["model"])
 
@@ -281,15 +286,15 @@ class Instrument(Part):
         """One unit's value (``recording``: an ActivationCache of :meth:`sites` for this unit, or None)."""
         raise NotImplementedError
 
-    def kept_inside(self, ctx: Context) -> str | None:
-        """After Ctrl-C stopped a unit whose library keeps its own finished parts (a checkpoint file): one line
-        saying what was kept and how to go on (None: nothing was kept inside the unit)."""
-        return None
-
     def write_kept(self, ctx: Context, values: dict[str, Any], path: Path) -> list[Path]:
         """After Ctrl-C, for an instrument whose output is a folder of its own files (``output.file`` None): write
         what the finished units allow into ``path`` and return the files (default: nothing)."""
         return []
+
+    def resumes(self, ctx: Context) -> bool:
+        """Whether this run keeps units ``--resume`` can take (default :attr:`resumable`; an instrument some of whose
+        runs keep none, such as one explanation beside the corpus study, says no for those)."""
+        return self.resumable
 
     def unit_to_json(self, value):
         """A unit's value as JSON (what an interrupted file keeps); default: the value itself."""

@@ -352,6 +352,7 @@ class CircuitStudy(Instrument):
         from headlab.results import envelope
 
         scores, circuit, faith = values.get("scores"), values.get("circuit"), values.get("faithfulness")
+        assert scores is not None and circuit is not None  # both units always run
         p, o = ctx.state["pairs"], ctx.options
         doc = {"task": o["task"], "description": p.description, "n_pairs": len(p), "metric": scores.metric,
                "clean": scores.clean, "corrupted": scores.corrupted, "n_graph_edges": len(scores.edges),

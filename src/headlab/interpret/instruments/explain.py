@@ -96,6 +96,11 @@ Examples: headlab explain "a gripping , funny film" --model ~/.cache/headlab/min
     output = Output("out", folder=True, file="instances.json", force="force")
     resumable = True  # --resume: the study's rows already in OUT/instances.json are kept
     stage = "explain"
+    reads_text = True  # a model folder without a tokenizer is refused before the load
+
+    def resumes(self, ctx: Context) -> bool:
+        """Only the corpus study keeps units (its rows); one explanation has nothing to resume."""
+        return ctx.options["dataset"] is not None
 
     def check(self, ctx: Context) -> None:
         """The options alone, in the order the command has always checked them."""
@@ -161,8 +166,10 @@ Examples: headlab explain "a gripping , funny film" --model ~/.cache/headlab/min
 
         row = unit.payload
         if self._over_budget(ctx):
-            return {"key": row.key, "line": row.line, "not_run": True}
-        return corpus_study.row_value(ctx.loaded, row, ctx.state["study"])
+            value = {"key": row.key, "line": row.line, "not_run": True}
+        else:
+            value = corpus_study.row_value(ctx.loaded, row, ctx.state["study"])
+        return value
 
     @staticmethod
     def _over_budget(ctx: Context) -> bool:
@@ -189,8 +196,9 @@ Examples: headlab explain "a gripping , funny film" --model ~/.cache/headlab/min
         left = sum("not_run" in v for v in rows)
         skipped = [f"time budget of {60 * o['max_minutes']:.0f} s reached: {left} of {len(rows)} rows not run yet "
                    "(run again with --resume to explain them)"] if left else []
-        return InstrumentResult.of(conclude(ctx.loaded, o["dataset"], ctx.path.parent, rows, ctx.state["study"],
-                                            skipped, settings=ctx.settings))
+        study = conclude(ctx.loaded, o["dataset"], Path(o["out"]).expanduser(), rows, ctx.state["study"], skipped,
+                         settings=ctx.settings)
+        return InstrumentResult.of(study)
 
     def write(self, ctx: Context, result, path: Path) -> list[Path]:
         if ctx.options["dataset"] is not None:  # finish wrote the records, the tables and the figures

@@ -52,6 +52,10 @@ def parse_rows(spec: str | None) -> list[int] | None:
     return out
 
 
+def _check_rows(value, option, options) -> None:
+    parse_rows(value)  # refuses a bad --rows before the load
+
+
 def check_loaded(loaded, text: str, layer: int, rows: list[int] | None) -> None:
     """--layer against the model's layers and --rows against the text's tokens, before the work."""
     from headlab.models.loader import resolve
@@ -89,7 +93,7 @@ Example: headlab flow "The cat sat on the mat." --method flow --rows cls"""
         Option("text", None, str, REQUIRED, "the text (quote it)", metavar="TEXT", reads="text"),
         Option("method", "--method", str, "rollout", "rollout | norm-rollout | flow | norms", choices=METHODS),
         Option("rows", "--rows", str, None, "output tokens: cls, last, or positions 0,5 (flow: the source)",
-               check=lambda v, o, opts: parse_rows(v)),
+               check=_check_rows),
         Option("layer", "--layer", int, -1, "the top layer (default the last)"),
         Option("model", "--model", str, "minilm", "a known model name (minilm) or a model folder", short="-m"),
         Option("mode", "--mode", str, None, "norms: attention (Kobayashi 2020, the default) or residual (2021)",
@@ -101,7 +105,6 @@ Example: headlab flow "The cat sat on the mat." --method flow --rows cls"""
         Option("as_json", "--json", bool, False, "print the result as JSON", setting=False),
     )
     output = Output("out", folder=True, file="{method}.json", allow_existing=True, replace=True)
-    announce = False  # the command's stderr stays as it was: flow's own bar only
 
     def check(self, ctx: Context) -> None:
         o = ctx.options
@@ -138,7 +141,7 @@ Example: headlab flow "The cat sat on the mat." --method flow --rows cls"""
                                   solver=o["solver"] or SOLVERS[0], progress=ctx.progress)
         from headlab.interpret.flow.norms import attention_norms
 
-        return attention_norms(ctx.loaded, text, mode=o["mode"] or MODES[0], stream=True, rows=rows,
+        return attention_norms(ctx.loaded, text, mode=o["mode"] or MODES[0], stream=True, rows=rows,  # type: ignore[arg-type]  # --mode: one of MODES (its choices)
                                key_positions=[0, -1])
 
     def unit_to_json(self, value):

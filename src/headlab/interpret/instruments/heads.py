@@ -1,17 +1,22 @@
 """``heads importance`` and ``heads ablate``: which heads matter, as instruments.
 
 The computations are the heads room's (:func:`~headlab.interpret.heads.importance.importance_study`,
-:func:`~headlab.interpret.heads.ablation.ablate`), each one unit; importance splits the examples across
-torchrun ranks itself (``parallel = "inside"``). ``--data`` is read by :mod:`headlab.reading` as its suffix
-says (``.tsv`` a dataset with a ``sentence`` or ``text`` column and an optional ``label``, ``.conllu`` the
-``# text =`` of each sentence, anything else one text per line), before the model loads. Both report on
-the runner's display: its "loading model" step, then the heads room's own stages (``importance (task)``,
-``confidence``, ``single + keep-one``, the pairs) through the protocol ``progress(stage, done, total)``.
+:func:`~headlab.interpret.heads.ablation.ablate`), cut into the runner's units by
+:mod:`headlab.interpret.heads.units`: importance is one unit per batch of examples (its sums; under torchrun the
+runner splits the batches across the data ranks and gathers them on rank 0, which adds them), the ablation one
+unit per batch for the single and keep-one configurations, then one per batch for the pairs, then the CKA
+(``chained``: the pairs are chosen from every single effect). Both keep their finished units on Ctrl-C and go on
+with ``--resume``. ``--data`` is read by :mod:`headlab.reading` as its suffix says (``.tsv`` a dataset with a
+``sentence`` or ``text`` column and an optional ``label``, ``.conllu`` the ``# text =`` of each sentence,
+anything else one text per line), before the model loads. Both report on the runner's display: its "loading
+model" step, then the batches done.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from headlab.errors import ConfigError, InputError
 from headlab.interpret.instruments.base import (
@@ -21,6 +26,7 @@ from headlab.interpret.instruments.base import (
     InstrumentResult,
     Option,
     Output,
+    Unit,
     at_least,
     register,
 )
@@ -63,8 +69,10 @@ JSON = Option("as_json", "--json", bool, False, "print the result as JSON", sett
 class _HeadStudy(Instrument):
     """What both studies share: --data read before the load, token ids for a model without a tokenizer."""
 
-    parallel = "inside"
     file = ""  # the result file in --out
+    resumable = True  # the units are kept in the result file: --resume finishes an interrupted run
+    stage = "batches"
+    envelope: Callable[[Any], dict]  # each study's own: its result's JSON document
 
     def check(self, ctx: Context) -> None:
         if ctx.options["data"] is None:
@@ -78,8 +86,11 @@ class _HeadStudy(Instrument):
 
         return token_ids_if_needed(ctx.loaded, ctx.data["texts"])
 
+    def units(self, ctx: Context) -> list[Unit]:
+        return [Unit(k) for k in ctx.state["work"].keys()]
+
     def finish(self, ctx: Context, values: dict) -> InstrumentResult:
-        r = values[self.name]
+        r = self.result(ctx, values)
         return InstrumentResult.of(r, self.envelope(r))
 
     def render_json(self, outcome) -> bool:
@@ -99,20 +110,40 @@ class HeadImportance(_HeadStudy):
     summary = """Michel et al.'s importance E|dL/dxi| of every head (one backward per batch), and confidence.
 
 Data-parallel with torchrun: `torchrun --nproc-per-node 2 -m headlab heads importance ...` splits the
-examples across the processes and adds their sums; rank 0 shows the progress and writes the output."""
+batches across the processes and adds their sums; rank 0 shows the progress and writes the output."""
     options = (MODEL, DATA, LOSS, OUT, LIMIT, BATCH, BACKEND,
                Option("confidence", "--confidence", bool, True, "also Voita's confidence (streaming statistics)",
                       off="--no-confidence"),
                JSON)
     output = Output("out", folder=True, file="importance.json", allow_existing=True, replace=True)
 
-    def run_unit(self, ctx: Context, unit, recording=None):
-        from headlab.interpret.heads.importance import importance_study
+    def check_loaded(self, ctx: Context) -> None:
+        from headlab.interpret.heads.units import ImportanceUnits
 
         o = ctx.options
-        return importance_study(ctx.loaded, self.examples(ctx), ctx.data["labels"], loss=o["loss"],
-                                batch_size=o["batch_size"], backend=o["backend"], confidence=o["confidence"],
-                                progress=ctx.progress)
+        ctx.state["work"] = ImportanceUnits(ctx.loaded, self.examples(ctx), ctx.data["labels"], loss=o["loss"],
+                                            batch_size=o["batch_size"], backend=o["backend"],
+                                            confidence=o["confidence"])
+
+    def run_unit(self, ctx: Context, unit, recording=None):
+        i = int(unit.key.split()[-1])
+        return ctx.state["work"].run(i, ctx.kept.get(f"batch {i - 1}"))
+
+    def unit_to_json(self, value):
+        from headlab.interpret.heads.units import ImportanceUnits
+
+        return ImportanceUnits.to_json(value)
+
+    def unit_from_json(self, data):
+        from headlab.interpret.heads.units import ImportanceUnits
+
+        return ImportanceUnits.from_json(data)
+
+    def result(self, ctx: Context, values: dict):
+        work = ctx.state["work"]
+        for v in values.values():  # the generator's states are for resuming an unfinished run: a finished one
+            v["rng"] = None  # keeps its sums alone
+        return work.finish([values[k] for k in work.keys()])
 
     def envelope(self, r) -> dict:
         from headlab.results import envelope
@@ -173,13 +204,31 @@ class HeadAblation(_HeadStudy):
                BACKEND, JSON)
     output = Output("out", folder=True, file="ablation.json", allow_existing=True, replace=True)
 
-    def run_unit(self, ctx: Context, unit, recording=None):
-        from headlab.interpret.heads.ablation import ablate
+    chained = True  # the pairs are the k lowest of every single effect: the units run in order, on one data rank
+
+    def check_loaded(self, ctx: Context) -> None:
+        from headlab.interpret.heads.units import AblationUnits
 
         o = ctx.options
-        return ablate(ctx.loaded, self.examples(ctx), ctx.data["labels"], kind=o["kind"], loss=o["loss"], k=o["k"],
-                      keep_one=o["keep_one"], batch_size=o["batch_size"], n_boot=o["boot"], backend=o["backend"],
-                      progress=ctx.progress)
+        ctx.state["work"] = AblationUnits(ctx.loaded, self.examples(ctx), ctx.data["labels"], kind=o["kind"],
+                                          loss=o["loss"], k=o["k"], keep_one=o["keep_one"],
+                                          batch_size=o["batch_size"], n_boot=o["boot"], backend=o["backend"])
+
+    def run_unit(self, ctx: Context, unit, recording=None):
+        return ctx.state["work"].run(unit.key, ctx.kept)
+
+    def unit_to_json(self, value):
+        from headlab.interpret.heads.units import AblationUnits
+
+        return AblationUnits.to_json(value)
+
+    def unit_from_json(self, data):
+        from headlab.interpret.heads.units import AblationUnits
+
+        return AblationUnits.from_json(data)
+
+    def result(self, ctx: Context, values: dict):
+        return ctx.state["work"].finish(values)
 
     def envelope(self, r) -> dict:
         from headlab.results import envelope

@@ -133,7 +133,6 @@ The metric is the logit difference answer - wrong at the last token; an effect i
         Option("as_json", "--json", bool, False, "print the result as JSON", setting=False),
     )
     output = Output("out", folder=False, force="force")
-    announce = False  # the command's stderr stays as it was: the sweep's own "patching" bar only
 
     def check(self, ctx: Context) -> None:
         """The options alone, in the order the command has always checked them (a load takes time)."""

@@ -184,7 +184,7 @@ Example: headlab pattern sliding_window --window 4 --seq-len 32"""
                 "rows_without_keys": d.rows_without_keys}
         return InstrumentResult(self.result_kind, settings=ctx.settings, figures=info, native=d)
 
-    def write(self, ctx: Context, result: InstrumentResult, path: Path) -> list[Path]:
+    def write(self, ctx: Context, result: InstrumentResult, path: Path) -> list[Path]:  # type: ignore[override]  # the runner passes this instrument's own result
         d, f = result.native, result.figures
         _save_png(d.visible, str(path), f"{f['pattern']}  n={d.seq_len}  pairs {d.pair_density:.1%}  tiles "
                                         f"{d.tile_density:.1%}")

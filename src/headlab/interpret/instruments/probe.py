@@ -1,12 +1,15 @@
 """``probe``: which heads track which dependency relations of a treebank (Clark et al. 2019), as an instrument.
 
-The computation is the probing room's :func:`~headlab.interpret.probing.head_scores.probe`, which batches the
-sentences itself and, under torchrun, splits them across the ranks and adds their sums (``parallel =
-"inside"``: every rank runs the one unit, rank 0 writes). The runner reads ``--treebank`` as CoNLL-U before
-the model loads (a missing file, a folder, bytes that are not UTF-8 or a line that is not CoNLL-U get one
-line); :meth:`Probe.prepare` then builds the trees from what was read and checks ``--relations`` against them,
-still before the load; :func:`probe` gets the trees, so the file is read once. The result goes to ``--out``
-as relations.csv/.json, two PNGs and probe.html.
+The units are the probing room's :class:`~headlab.interpret.probing.head_scores.ProbeRun`'s, decided after the
+load from the trees and the model: each batch of sentences (its sums: hits per head, relation and direction, gold
+counts, surface sums, the Jensen-Shannon sums of the head-map sentences it holds) and each batch of the gradient
+test; the runner splits them over the ranks under torchrun, gathers them on rank 0, keeps them on Ctrl-C (in
+``OUT/relations.json``) and resumes them with ``--resume``; :meth:`Probe.finish` adds them in order into the
+:class:`~headlab.interpret.probing.probe_result.ProbeResult` ``headlab.probe`` returns. The runner reads
+``--treebank`` as CoNLL-U before the model loads (a missing file, a folder, bytes that are not UTF-8 or a line
+that is not CoNLL-U get one line); :meth:`Probe.prepare` then builds the trees from what was read and checks
+``--relations`` against them, still before the load, so the file is read once. The result goes to ``--out`` as
+relations.csv/.json, two PNGs and probe.html.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from headlab.interpret.instruments.base import (
     InstrumentResult,
     Option,
     Output,
+    Unit,
     at_least,
     register,
 )
@@ -53,7 +57,8 @@ class Probe(Instrument):
 Example: headlab probe --treebank en_ewt-ud-dev.conllu --limit 200 --out probe-minilm
 
 Data-parallel with torchrun: `torchrun --nproc-per-node 2 -m headlab probe --treebank FILE ...` splits
-the sentences across the processes and adds their sums; rank 0 shows the progress and writes the output."""
+the batches of sentences across the processes and adds their sums; rank 0 shows the progress and writes the
+output. Ctrl-C keeps the finished batches in OUT/relations.json; --resume finishes the rest."""
     options = (
         Option("treebank", "--treebank", Path, REQUIRED, "a CoNLL-U file with gold trees (e.g. UD English-EWT dev)",
                short="-t", reads="conllu"),
@@ -69,9 +74,10 @@ the sentences across the processes and adds their sums; rank 0 shows the progres
                "model whose loss the [SEP] gradient test uses ('auto', 'none' or a folder)", check=_loss_model),
         Option("as_json", "--json", bool, False, "print the best head per relation as JSON", setting=False),
     )
-    output = Output("out", folder=True, file=None, force="force")
-    parallel = "inside"  # probe() shards the sentences and adds the sums itself
-    announce = False  # probe() shows its own phases (sentences, gradients)
+    # relations.json is the result file: an interrupted run keeps its units there, and --resume reads them back
+    output = Output("out", folder=True, file="relations.json", force="force")
+    resumable = True
+    stage = "batches"
 
     def prepare(self, ctx: Context) -> None:
         """The trees, built from the file the runner read (``ctx.data["treebank"]``, read once: neither this
@@ -85,24 +91,30 @@ the sentences across the processes and adds their sums; rank 0 shows the progres
         choose_relations(tb, o["relations"])
         ctx.state["treebank"] = tb
 
-    def run_unit(self, ctx: Context, unit, recording=None):
-        from headlab.interpret.probing.head_scores import probe
+    def units(self, ctx: Context) -> list[Unit]:
+        """The batches of sentences, then the gradient test's (:class:`ProbeRun`, planned from the trees and the
+        loaded model; the loss model of the gradient test is resolved here)."""
+        from headlab.interpret.probing.head_scores import ProbeRun
 
         o = ctx.options
-        return probe(ctx.loaded, ctx.state["treebank"], limit=o["limit"], relations=o["relations"],
-                     fold_subtypes=o["fold_subtypes"],
-                     loss_model=None if o["loss_model"].lower() == "none" else o["loss_model"], progress=ctx.progress)
+        run = ProbeRun(ctx.loaded, ctx.state["treebank"], limit=o["limit"], relations=o["relations"],
+                       fold_subtypes=o["fold_subtypes"],
+                       loss_model=None if o["loss_model"].lower() == "none" else o["loss_model"])
+        ctx.state["run"] = run
+        return [Unit(key) for key in run.units()]
 
-    def unit_to_json(self, value):
-        return value.to_json()
+    def run_unit(self, ctx: Context, unit, recording=None):
+        return ctx.state["run"].unit(unit.key)  # the batch's sums, as JSON-able lists
 
     def finish(self, ctx: Context, values: dict) -> InstrumentResult:
-        return InstrumentResult.of(values[self.name])
+        return InstrumentResult.of(ctx.state["run"].finish(values))
 
     def write(self, ctx: Context, result, path: Path) -> list[Path]:
+        """relations.csv/.json, the PNGs and probe.html beside ``path`` (relations.json, the result file: the
+        finished file is :meth:`ProbeResult.to_json`, without the units)."""
         from headlab.interpret.probing.render import write_outputs
 
-        return write_outputs(result.native, path)
+        return write_outputs(result.native, path.parent)
 
     def render(self, ctx: Context, outcome, console, err) -> None:
         r = outcome.result.native

@@ -5,8 +5,10 @@ The computations are the heads room's and the models layer's: the heads to remov
 are the ``--fraction`` least important (:func:`~headlab.interpret.heads.importance.head_importance`, normalised
 per layer, ranked by :func:`~headlab.interpret.heads.prune.order_heads`); :func:`~headlab.models.pruned.prune_heads`
 cuts them out; :func:`~headlab.interpret.heads.prune.pruning_curve` measures the metric as 0%, 10%, ... of
-the heads go. The work is two units, ``model`` (the choice and the surgery) and, with ``--curve``, ``curve``;
-each library function draws its own bar (importance, the curve's steps), so the runner opens no display.
+the heads go. The work is the runner's units: with ``--fraction``, importance one batch at a time (``heads
+importance``'s own units, :class:`~headlab.interpret.heads.units.ImportanceUnits`), then ``model`` (the choice
+and the surgery) and, with ``--curve``, ``curve`` (ranked by the same importance; its steps on the runner's
+display). The units build on each other (``chained``): under torchrun the first rank runs them, as one process.
 ``--out`` must be a new or empty folder: it receives the pruned model (reloadable with ``headlab.load``) and,
 with ``--curve``, curve.json, curve.png and heads.html.
 """
@@ -81,9 +83,7 @@ class Prune(Instrument):
     # a new or empty folder (checked in check(), in prune's words: it has no --force); the runner's check then
     # refuses a file in the way, FILE/sub and an unwritable place
     output = Output("out", folder=True, file=None, allow_existing=True)
-    parallel = "inside"  # head_importance splits its examples across torchrun ranks itself; rank 0 writes
-    display = False  # importance and the curve draw their own bars
-    announce = False
+    chained = True  # the surgery reads every importance unit, the curve the same ranking: in order, on one rank
     sharded = ("the pruned model is written by PrunedModel.save, which saves one process's whole model, not the "
                "shards of a model sharded by heads; prune on one process")
     def check(self, ctx: Context) -> None:
@@ -116,27 +116,45 @@ class Prune(Instrument):
     def check_loaded(self, ctx: Context) -> None:
         from headlab.interpret.heads.examples import token_ids_if_needed
 
+        o = ctx.options
+        ctx.state["importance"] = None
         if ctx.data["texts"] is not None:
             ctx.data["texts"] = token_ids_if_needed(ctx.loaded, ctx.data["texts"])
+        if o["fraction"] is not None:  # the ranking: head importance, one batch a unit (as heads importance)
+            from headlab.interpret.heads.units import ImportanceUnits
+
+            ctx.state["importance"] = ImportanceUnits(ctx.loaded, ctx.data["texts"], ctx.data["labels"],
+                                                      loss=o["loss"], batch_size=o["batch_size"], confidence=False)
 
     def units(self, ctx: Context) -> list[Unit]:
-        return [Unit("model")] + ([Unit("curve")] if ctx.options["curve"] else [])
+        work = ctx.state["importance"]
+        batches = [Unit(f"importance {k}") for k in work.keys()] if work is not None else []
+        return batches + [Unit("model")] + ([Unit("curve")] if ctx.options["curve"] else [])
+
+    def _ranking(self, ctx: Context):
+        """The normalised importance of every head from the importance units (None with --heads)."""
+        work = ctx.state["importance"]
+        if work is None:
+            return None
+        return work.grid([ctx.kept[f"importance {k}"] for k in work.keys()], normalize=True)
 
     def run_unit(self, ctx: Context, unit: Unit, recording=None):
         o, texts, labels = ctx.options, ctx.data["texts"], ctx.data["labels"]
+        if unit.key.startswith("importance "):
+            i = int(unit.key.split()[-1])
+            return ctx.state["importance"].run(i, ctx.kept.get(f"importance batch {i - 1}"))
         if unit.key == "curve":
             from headlab.interpret.heads.prune import pruning_curve
 
-            return pruning_curve(ctx.loaded, texts, labels, loss=o["loss"], recompute=o["recompute"],
-                                 batch_size=o["batch_size"], progress=True)
+            # local: this rank runs the curve alone (the runner's chained units), so its importance is not split
+            return pruning_curve(ctx.loaded, texts, labels, loss=o["loss"], importance=self._ranking(ctx),
+                                 recompute=o["recompute"], batch_size=o["batch_size"], progress=ctx.progress,
+                                 local=True)
         from headlab.interpret.heads.prune import order_heads, prune_heads
 
         spec = ctx.state["heads"]
         if spec is None:
-            from headlab.interpret.heads.importance import head_importance
-
-            order = order_heads(head_importance(ctx.loaded, texts, labels, loss=o["loss"], batch_size=o["batch_size"],
-                                                normalize=True, progress=True))
+            order = order_heads(self._ranking(ctx))
             spec = {}
             for l, h in order[: int(round(o["fraction"] * len(order)))]:
                 spec.setdefault(l, []).append(h)
@@ -147,6 +165,10 @@ class Prune(Instrument):
             pruned, spec = value
             return {"heads_per_layer": pruned.adapter.layer_heads, "removed": {str(k): v for k, v in spec.items()},
                     "notes": pruned.notes}
+        if isinstance(value, dict):  # an importance batch's sums
+            from headlab.interpret.heads.units import ImportanceUnits
+
+            return ImportanceUnits.to_json(value)
         return value.to_json()
 
     def finish(self, ctx: Context, values: dict) -> InstrumentResult:

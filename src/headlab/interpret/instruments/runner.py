@@ -26,6 +26,7 @@ import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from headlab.distributed.placement import Placement, TensorParallel
 from headlab.errors import HeadlabError, InputError
 from headlab.interpret.instruments.base import REQUIRED, Context, Instrument, Outcome, Unit
 from headlab.locks import output_lock
@@ -66,8 +67,6 @@ def output_path(ctx: Context, *, resume: bool = False) -> Path | None:
     value = Path(ctx.options[spec.option]).expanduser()
     flag = ctx.instrument.option(spec.option).label
     force = bool(spec.force and ctx.options.get(spec.force))
-    if spec.folder and spec.checkpoint and value.is_dir() and [p.name for p in value.iterdir()] == [spec.checkpoint]:
-        force = True  # the folder holds only the library's checkpoint: that run going on
     if not spec.folder:
         return check_output_file(value, flag, force=force or spec.replace or resume)
     folder = check_output_dir(value, flag, force=force, allow_existing=spec.allow_existing or resume)
@@ -136,11 +135,13 @@ def run(instrument: Instrument | str, options: dict | None = None, *, resume: bo
                         say=say, tensor_parallel=tensor_parallel, command=command)[0]
 
 
-def check_tensor_parallel(instruments: Sequence[Instrument], tensor_parallel: bool | int) -> None:
-    """``--tensor-parallel`` checked before anything is read: an instrument that cannot run sharded says why, and
-    one process (no torchrun) is refused with the launch line."""
-    if not tensor_parallel:
-        return
+def check_tensor_parallel(instruments: Sequence[Instrument], tensor_parallel) -> TensorParallel | None:
+    """``--tensor-parallel`` checked before anything is read (the request in its one form,
+    :class:`~headlab.distributed.placement.TensorParallel`, returned): an instrument that cannot run sharded says
+    why, and one process (no torchrun) is refused with the launch line."""
+    request = TensorParallel.request(tensor_parallel)
+    if request is None:
+        return None
     for inst in instruments:
         if inst.sharded is not True:
             why = f": {inst.sharded}" if isinstance(inst.sharded, str) else ""
@@ -148,15 +149,12 @@ def check_tensor_parallel(instruments: Sequence[Instrument], tensor_parallel: bo
                              "drop --tensor-parallel")
         if not inst.needs_model:
             raise InputError(f"--tensor-parallel: {inst.name} loads no model; drop --tensor-parallel")
-    if tensor_parallel is not True and (not isinstance(tensor_parallel, int) or tensor_parallel < 1):
-        raise InputError(f"--tensor-size must be at least 1, got {tensor_parallel}")
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world <= 1:
         raise InputError("--tensor-parallel shards the model over several processes: launch with torchrun, e.g. "
                          "`torchrun --nproc_per_node 2 -m headlab ... --tensor-parallel`")
-    if tensor_parallel is not True and world % tensor_parallel:
-        raise InputError(f"--tensor-size {tensor_parallel} does not divide the {world} ranks torchrun started; give a "
-                         f"divisor of {world}")
+    request.group_size(world, flag=True)
+    return request
 
 
 def run_together(runs: Sequence[tuple[Instrument | str, dict]], *, resume: bool = False, progress=None,
@@ -170,11 +168,16 @@ def run_together(runs: Sequence[tuple[Instrument | str, dict]], *, resume: bool 
     ctxs = []
     for inst, opts in runs:  # 1. options and output paths, before anything else
         inst = get(inst) if isinstance(inst, str) else inst
-        ctx = Context(inst, check_options(inst, opts), tensor_parallel=tensor_parallel)
+        ctx = Context(inst, check_options(inst, opts))
+        check_model_name(ctx)
         inst.check(ctx)
         ctxs.append(ctx)
-    check_tensor_parallel([c.instrument for c in ctxs], tensor_parallel)
+    request = check_tensor_parallel([c.instrument for c in ctxs], tensor_parallel)
     for ctx in ctxs:
+        ctx.tensor_parallel = request
+    for ctx in ctxs:
+        if resume and not ctx.instrument.resumes(ctx):  # before the output check lets --resume write into a folder
+            raise InputError(f"--resume: {ctx.instrument.name} keeps no units with these options; drop --resume")
         ctx.path = output_path(ctx, resume=resume)
         if resume and (ctx.path is None or ctx.instrument.output.file is None):
             what = (f"give {ctx.instrument.option(ctx.instrument.output.option).label}"
@@ -187,6 +190,16 @@ def run_together(runs: Sequence[tuple[Instrument | str, dict]], *, resume: bool 
                 if ctx.path is not None:
                     held.enter_context(output_lock(_guarded(ctx), ctx.instrument.option(ctx.instrument.output.option).label))
         return _load_and_work(ctxs, resume=resume, progress=progress, transient=transient, say=say, command=command)
+
+
+def check_model_name(ctx: Context) -> None:
+    """An empty ``--model`` is refused with the other checks, before anything is read, made or loaded."""
+    model = ctx.options.get("model")
+    if ctx.instrument.needs_model and isinstance(model, str) and not model.strip():
+        from headlab.errors import ModelError
+        from headlab.models.named_models import known_names
+
+        raise ModelError(f"the model name is empty; give a known name ({', '.join(known_names())}) or a model folder")
 
 
 def check_tokenizer(ctx: Context) -> None:
@@ -225,8 +238,9 @@ def _load_and_work(ctxs: list[Context], *, resume: bool, progress, transient: bo
         announce = any(c.instrument.announce for c in ctxs)
         loaded = None
         if any(c.instrument.needs_model for c in ctxs):  # 3. the model, once
-            if announce:
-                show(f"loading model {lead.options.get('model', '')}".rstrip(), 0, 0)
+            if announce:  # quiet: a refusal by the load or by check_loaded stays the one line on stderr
+                loading = f"loading model {lead.options.get('model', '')}".rstrip()
+                show.quiet_step(loading) if hasattr(show, "quiet_step") else show(loading, 0, 0)
             loaded = lead.instrument.load(lead)
         for ctx in ctxs:
             ctx.loaded = loaded
@@ -254,8 +268,13 @@ def _work(ctxs: list[Context], *, resume: bool, announce: bool, show, say, comma
         ctx.kept = dict(v)
     todo = [i for i, k in enumerate(keys) if not all(k in v for v in values)]
     sharded = lead.world > 1 and all(c.instrument.parallel == "units" for c in ctxs)
-    share, shares = _data_axis(lead)  # a (data, tensor) mesh: a tensor-parallel group runs its units together
-    mine = todo[share::shares] if sharded else todo
+    # the one answer to which rank runs which units: a tensor-parallel group runs its units together
+    place = Placement.of(lead.loaded) if lead.instrument.needs_model else Placement.here()
+    share, shares = place.unit_share()
+    if sharded and any(c.instrument.chained for c in ctxs):
+        mine = todo if share == 0 else []  # chained units: the first data rank (its whole group) runs them in order
+    else:
+        mine = todo[share::shares] if sharded else todo
     sites = sorted({s for c in ctxs for s in c.instrument.sites(c)})
     stats = set().union(*(c.instrument.stats(c) for c in ctxs))
     stage = lead.instrument.stage
@@ -287,7 +306,8 @@ def _work(ctxs: list[Context], *, resume: bool, announce: bool, show, say, comma
     if sharded:  # every rank's units, on every rank (one message), so rank 0 writes them all
         from headlab.distributed.data import gather_objects
 
-        got = gather_objects((found, interrupted))
+        # a tensor-parallel group's ranks hold the same values: its first rank sends them, the others only their flag
+        got = gather_objects((found if place.tensor_rank == 0 else [{} for _ in ctxs], interrupted))
         interrupted = any(flag for _, flag in got)
         found = [{k: v for part, _ in got for k, v in part[j].items()} for j in range(len(ctxs))]
     outcomes = []
@@ -303,18 +323,6 @@ def _partial_path(ctx: Context) -> Path:
     ``.partial.json`` beside it (``--out report.html`` keeps its units as JSON, not in the page's name)."""
     path = ctx.path
     return path if path.suffix.lower() == ".json" else path.with_name(path.stem + ".partial.json")
-
-
-def _data_axis(ctx: Context) -> tuple[int, int]:
-    """This rank's share of the units and how many shares: one per rank, or on a model sharded by tensor
-    parallelism one per tensor-parallel group (every rank of a group runs the same units: its forwards are
-    collectives)."""
-    if not ctx.tensor_parallel or ctx.world == 1:
-        return ctx.rank, ctx.world
-    from headlab.models.tp_mesh import tensor_size
-
-    size = tensor_size(ctx.tensor_parallel, ctx.world)
-    return ctx.rank // size, ctx.world // size
 
 
 def resume_line(command: str) -> str:
@@ -337,8 +345,7 @@ def _close(ctx: Context, kept: dict, total: int, interrupted: bool, say, command
         again = f": {resume_line(command)}" if command else ""
         where = (f"in {files[0]}" + (f"; run again with --resume to finish the rest{again}" if inst.resumable else "")
                  if files else "nothing was written" + ("" if kept else " (no unit had finished)"))
-        inside = inst.kept_inside(ctx) if len(kept) < total else None
-        say(f"interrupted: kept {len(kept)} of {total} units" + (f"; {inside}" if inside else f" {where}"))
+        say(f"interrupted: kept {len(kept)} of {total} units {where}")
         return Outcome(None, files[0] if files else None, files, interrupted=True, kept=len(kept), total=total,
                        ctx=ctx)
     result = inst.finish(ctx, kept)

@@ -154,15 +154,15 @@ def compare(exact: PatchResult, approx: PatchResult, kind: str = "z", k: int = 1
 
     a, b = exact.effects[kind].flatten().double(), approx.effects[kind].flatten().double()
     ok = ~(torch.isnan(a) | torch.isnan(b))
-    a, b = a[ok].numpy(), b[ok].numpy()
+    an, bn = a[ok].numpy(), b[ok].numpy()
     top_a = {(l, h) for l, h, _ in exact.top(k, kind)}
     top_b = {(l, h) for l, h, _ in approx.top(k, kind)}
     out = {"kind": kind, "n": int(ok.sum()), "spearman": None, "pearson": None,
            f"top{k}_overlap": len(top_a & top_b)}
-    if len(a) > 2 and np.std(a) > 0 and np.std(b) > 0:
-        out["spearman"] = float(spearmanr(a, b).statistic)
-        out["pearson"] = float(pearsonr(a, b).statistic)
-        out["spearman_abs"] = float(spearmanr(np.abs(a), np.abs(b)).statistic)
+    if len(an) > 2 and np.std(an) > 0 and np.std(bn) > 0:
+        out["spearman"] = float(spearmanr(an, bn).statistic)
+        out["pearson"] = float(pearsonr(an, bn).statistic)
+        out["spearman_abs"] = float(spearmanr(np.abs(an), np.abs(bn)).statistic)
     if exact.seconds and approx.seconds:
         out["time_ratio"] = exact.seconds / approx.seconds  # how many times faster the approximation ran
     return out

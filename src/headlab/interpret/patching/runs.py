@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from headlab import checks
+import headlab.checks as checks
 from headlab.errors import ConfigError, InputError, ShapeError
 from headlab.interpret.capture import capture
 from headlab.interpret.capture.run import prepare_inputs

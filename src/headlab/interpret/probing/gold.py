@@ -68,7 +68,7 @@ def gold_counts(sentences: Sequence[Sentence], rel_index: dict[str, int]) -> Gol
         d = np.flatnonzero(r >= 0)  # dependents with a studied relation
         np.add.at(g.count[0], r[d], 1)
         np.add.at(g.visible[0], r[d], (h[d] < d).astype(float))
-        units = {}  # (head word, relation) -> visible
+        units: dict = {}  # (head word, relation) -> visible
         for dep in d:
             key = (int(h[dep]), int(r[dep]))
             units[key] = units.get(key, False) or dep < h[dep]

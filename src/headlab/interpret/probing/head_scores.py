@@ -5,16 +5,20 @@ under ``batch_bytes``. Per batch, all heads of all layers at once: the maps ``(B
 (K = layers x heads), word-level attention by two matrix products, the most-attended other word,
 and per-relation hits by ``scatter_add``; no Python loop over words or heads. The head map uses the
 first ``head_map_sentences`` sentences and the gradient test the first ``grad_sentences`` (a
-second pass with autograd on the loss model).
+second pass with autograd on the loss model, :mod:`.gradient`).
 
-Data-parallel under ``torchrun``: each rank takes every W-th sentence (of both passes), the sums
-(hits, gold counts, surface measures, Jensen-Shannon sums, gradients) are added across ranks with one
-all-reduce per pass, so every rank returns the single-process result; rank 0 shows progress.
+The work is :class:`ProbeRun`'s units, decided before any of it: each batch of the main pass and each batch
+of the gradient test is one unit whose value is its sums (hits, gold counts, surface measures, Jensen-Shannon
+sums of the head-map sentences it holds; gradient sums), as JSON; the result adds them in order. ``headlab
+probe`` runs them through the study runner (split over the ranks under torchrun, gathered on rank 0, kept on
+Ctrl-C, resumed with ``--resume``); :func:`probe` runs them all in order, on every rank.
 """
 
 from __future__ import annotations
 
+import hashlib
 import inspect
+import json
 import os
 import time
 from collections.abc import Sequence
@@ -23,11 +27,12 @@ import numpy as np
 import torch
 
 from headlab.distributed.data import is_main
-from headlab.errors import InputError, ModelError
+from headlab.errors import InputError
 from headlab.interpret.capture import capture
 from headlab.interpret.probing import align as al
 from headlab.interpret.probing.gold import OFFSETS, GoldCounts, gold_counts
-from headlab.interpret.probing.measures import SurfaceStats, classical_mds, grad_sums, js_sums
+from headlab.interpret.probing.gradient import GRADS, gradient_batch, resolve_loss_model
+from headlab.interpret.probing.measures import SurfaceStats, classical_mds, js_sums
 from headlab.interpret.probing.probe_result import MEASURES, ProbeResult
 from headlab.interpret.probing.treebank import Skipped, Treebank, read_treebank
 from headlab.progress import Progress, reporter
@@ -37,10 +42,6 @@ MAX_BATCH = 256
 HEAD_MAP_SENTENCES = 100
 HEAD_MAP_BUDGET = 100_000_000  # K^2 * t * rows elements over the head-map sentences (the JS cost)
 GRAD_SENTENCES = 50
-
-
-def _silent(stage: str, done: int, total: int) -> None:
-    """The progress callback of ranks other than 0 (one bar, on rank 0)."""
 
 
 def _is_causal(loaded) -> bool:
@@ -63,7 +64,7 @@ def _batches(items: Sequence[al.Aligned], K: int, budget: int) -> list[list[al.A
 
 
 def _model_inputs(loaded, batch: al.Batch) -> dict:
-    inputs = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask}
+    inputs: dict[str, torch.Tensor | int] = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask}
     forward = getattr(type(loaded.model), "forward", None)
     if forward is not None and "logits_to_keep" in inspect.signature(forward).parameters:
         inputs["logits_to_keep"] = 1  # an LM head over every position is a fifth of a small decoder's cost
@@ -109,118 +110,161 @@ def choose_relations(treebank: Treebank, relations: Sequence[str] | str | None) 
     return [r for r in known if r in wanted]
 
 
-def _loss_kind(model) -> str | None:
-    name = type(model).__name__
-    if name.endswith(("ForCausalLM", "LMHeadModel")) or name == "Transformer":
-        return "causal-lm"
-    if name.endswith(("ForMaskedLM", "ForPreTraining")):
-        return "masked-lm"
-    if name.endswith("ForSequenceClassification"):
-        return "classifier"
-    return None
+class ProbeRun:
+    """One probe as units, decided before any work from the treebank and the model: ``batch N`` (a batch of the
+    main pass, sorted by length and cut by ``batch_bytes``: its hits, gold counts, surface sums and the
+    Jensen-Shannon sums of the head-map sentences it holds) and ``gradients N`` (a batch of the gradient test).
+    :meth:`unit` computes one as JSON-able sums (so an interrupted run keeps it), :meth:`finish` adds them in
+    the order of :meth:`units` into the :class:`ProbeResult`. The arguments are :func:`probe`'s, checked here.
+    Every unit stands alone: under torchrun the study runner splits them over the ranks and gathers them."""
 
+    def __init__(self, loaded, treebank: str | os.PathLike | Treebank, *, limit: int | None = None,
+                 backend: str | None = "auto", relations: Sequence[str] | str | None = None,
+                 fold_subtypes: bool = False, head_map_sentences: int = HEAD_MAP_SENTENCES,
+                 head_map_budget: int = HEAD_MAP_BUDGET, grad_sentences: int = GRAD_SENTENCES, loss_model="auto",
+                 min_count: int = 10, batch_bytes: int = BATCH_BYTES) -> None:
+        from headlab.models.loader import LoadedModel, load
 
-def resolve_loss_model(loaded, loss_model) -> tuple[object | None, str]:
-    """The model whose loss the gradient test differentiates, and a sentence saying which loss."""
-    from headlab.models.cache import cache_dir
-    from headlab.models.loader import LoadedModel, load
+        self.t0 = time.perf_counter()
+        for name, v in (("head_map_sentences", head_map_sentences), ("grad_sentences", grad_sentences)):
+            if v < 0:
+                raise InputError(f"{name} must be 0 or more, got {v}")
+        tb = (treebank if isinstance(treebank, Treebank) else  # already read (the probe instrument)
+              read_treebank(treebank, fold_subtypes=fold_subtypes, limit=limit))  # bad input first, then the model
+        names = choose_relations(tb, relations)
+        if not isinstance(loaded, LoadedModel):
+            loaded = load(loaded)
+        al.check_fast(loaded.tokenizer, loaded.name)
+        chosen, grad_note = (resolve_loss_model(loaded, loss_model) if grad_sentences else
+                             (None, "gradient test not run (grad_sentences=0)"))
+        heads = loaded.adapter.layer_heads  # a pruned model's layers may differ
+        K = sum(heads)
+        items, align_skips = al.align_sentences(loaded.tokenizer, tb.sentences, max_positions=loaded.max_positions)
+        skipped = list(tb.skipped) + [Skipped(i, why) for i, why in align_skips]
+        if not items:
+            raise InputError(f"no sentence of {tb.path} can be probed with {loaded.name}: "
+                             f"{skipped[0].sent_id}: {skipped[0].reason}" if skipped else "no sentence")
+        mean_t = float(np.mean([a.n_tokens for a in items[:head_map_sentences]])) if head_map_sentences else 1.0
+        self.rows_each = max(1, int(head_map_budget / (K * K * mean_t * max(1, min(head_map_sentences, len(items))))))
+        self.map_ids = {id(a) for a in items[:head_map_sentences]}
+        self.batches = _batches(items, K, batch_bytes)
+        self.grad_batches: list[list[al.Aligned]] = []
+        if chosen is not None:
+            sentences = [a.sentence for a in items[:grad_sentences]]
+            grad_items, _ = al.align_sentences(chosen.tokenizer, sentences, max_positions=chosen.max_positions)
+            self.grad_batches = _batches(grad_items, K * 4, batch_bytes)  # autograd keeps activations: smaller
+            self.grad_count = min(grad_sentences, len(items))
+        self.loaded, self.tb, self.names, self.chosen, self.grad_note = loaded, tb, names, chosen, grad_note
+        self.items, self.skipped, self.backend, self.min_count = items, skipped, backend, min_count
+        self.rel_index = {r: i for i, r in enumerate(names)}
+        self.causal = _is_causal(loaded)
+        self.key = hashlib.sha256(json.dumps([  # what a unit's value depends on: a value kept for another is refused
+            loaded.name, heads, names, [(a.sentence.sent_id, a.n_tokens) for a in items], head_map_sentences,
+            self.rows_each, grad_sentences, chosen is not None and chosen.name, batch_bytes]).encode()).hexdigest()[:16]
 
-    if loss_model is None:
-        return None, "gradient test not run (loss_model=None)"
-    if loss_model == "auto":
-        if _loss_kind(loaded.model) is not None:
-            chosen = loaded
-        else:
-            sst2 = cache_dir("minilm-sst2")
-            if loaded.name == "minilm" and (sst2 / "config.json").is_file():
-                chosen = load(sst2)
-            else:
-                return None, (f"gradient test not run: {loaded.name} ({type(loaded.model).__name__}) has no head that "
-                              "defines a loss (no LM or classification head); pass loss_model= a model of the same "
-                              "shape that has one, e.g. the fine-tuned SST-2 classifier")
-    elif isinstance(loss_model, LoadedModel):
-        chosen = loss_model
-    else:
-        chosen = load(loss_model)
-    kind = _loss_kind(chosen.model)
-    if kind is None:
-        raise ModelError(f"loss_model {chosen.name} ({type(chosen.model).__name__}) has no LM or classification head, "
-                         "so it defines no loss to differentiate")
-    if chosen.adapter.layer_heads != loaded.adapter.layer_heads:
-        raise ModelError(f"loss_model {chosen.name} has heads per layer {chosen.adapter.layer_heads}, "
-                         f"the probed model {loaded.adapter.layer_heads}; they must match")
-    what = {"causal-lm": "next-token cross-entropy (the model's own LM loss)",
-            "masked-lm": "masked-LM cross-entropy of every token, no token masked",
-            "classifier": "cross-entropy of the classifier against its own predicted label (the treebank has no "
-                          "labels for its task)"}[kind]
-    return chosen, f"d loss / d attention from {chosen.name}: {what}"
+    def units(self) -> list[str]:
+        """The units' keys, in the order :meth:`finish` adds them."""
+        return [f"batch {i + 1}" for i in range(len(self.batches))] + \
+            [f"gradients {i + 1}" for i in range(len(self.grad_batches))]
 
+    def unit(self, key: str) -> dict:
+        """The sums of unit ``key`` as JSON-able lists."""
+        what, n = key.split(" ")
+        if what == "gradients":
+            sums, counts = gradient_batch(self.chosen, self.grad_batches[int(n) - 1], self.causal, self.backend)
+            return {"plan": self.key, "sums": [s.tolist() for s in sums], "counts": counts}
+        group = self.batches[int(n) - 1]
+        K = sum(self.loaded.adapter.layer_heads)
+        pad = getattr(self.loaded.tokenizer, "pad_token_id", None)
+        b = al.make_batch(group, self.rel_index, 0 if pad is None else pad)
+        surface = SurfaceStats(K)
+        js, js_rows, in_map = None, 0.0, 0
+        with torch.inference_mode():
+            att = _patterns(self.loaded, b, self.backend)  # (B, K, T, T)
+            valid = b.attention_mask.bool()
+            correct = al.score(al.predict(al.word_attention(att, b.a_to), b.candidates), b, len(self.names))
+            gold = gold_counts([a.sentence for a in group], self.rel_index)
+            surface.add(att, valid, b.sep, b.punct)
+            for k, a in enumerate(group):
+                if id(a) in self.map_ids:
+                    t = a.n_tokens
+                    # evenly spaced from the last row back (a decoder's first row is all on token 0)
+                    rows = np.unique(np.linspace(t - 1, 0, min(t, self.rows_each) + 1)[:min(t, self.rows_each)]
+                                     .round().astype(int))
+                    js = js_sums(att[k, :, rows, :t]) if js is None else js + js_sums(att[k, :, rows, :t])
+                    js_rows += len(rows)
+                    in_map += 1
+        return {"plan": self.key, "sentences": len(group), "tokens": int(valid.sum()), "correct": correct.tolist(),
+                "gold": [gold.count.tolist(), gold.visible.tolist(), gold.correct.tolist()],
+                "surface": {k: v.tolist() for k, v in surface.sums.items()}, "n_query": surface.n_query,
+                "n_pairs": surface.n_pairs, "any_sep": surface.any_sep, "js": None if js is None else js.tolist(),
+                "js_rows": js_rows, "in_map": in_map}
 
-def _loss_fn(kind: str, ids: torch.Tensor, mask: torch.Tensor):
-    def scalar(out):
-        logits = out.logits.float()
-        if kind == "classifier":
-            return torch.nn.functional.cross_entropy(logits, logits.argmax(-1).detach(), reduction="sum")
-        if kind == "causal-lm":
-            logits, target, m = logits[:, :-1], ids[:, 1:], mask[:, 1:].float()
-        else:
-            target, m = ids, mask.float()
-        ce = torch.nn.functional.cross_entropy(logits.transpose(1, 2), target, reduction="none")  # (B, T)
-        return ((ce * m).sum(1) / m.sum(1).clamp(min=1)).sum()  # each sentence's mean, summed
-    return scalar
-
-
-def _gradient_test(chosen, sentences, causal: bool, budget: int, backend, say) -> dict[str, np.ndarray]:
-    kind = _loss_kind(chosen.model)
-    heads = chosen.adapter.layer_heads
-    K = sum(heads)
-    items, _ = al.align_sentences(chosen.tokenizer, sentences, max_positions=chosen.max_positions)
-    total = len(items)
-    items = [items[i] for i in chosen.adapter.placement.examples(total)]  # data-parallel under torchrun (by groups of
-    # a sharded model's ranks, which make the same forwards), as the main pass
-    sums = [torch.zeros(K, dtype=torch.float64) for _ in range(3)]
-    counts = [0.0, 0.0, 0.0]
-    batches = _batches(items, K * 4, budget)  # autograd keeps activations: smaller batches
-    done = 0
-    params = [p for p in chosen.model.parameters() if p.requires_grad]
-    for p in params:  # only d loss / d attention is wanted: no weight gradients (half the backward)
-        p.requires_grad_(False)
-    try:
-        for group in batches:
-            done = _gradient_batch(chosen, group, kind, causal, backend, sums, counts, done)
-            say("gradients", done, len(items))
-    finally:
-        for p in params:
-            p.requires_grad_(True)
-    *sums, counts = chosen.adapter.placement.sum_over_data([*sums, counts])
-    return {name: _on_grid((sums[i] / max(float(counts[i]), 1.0)).numpy(), heads)
-            for i, name in enumerate(("grad_sep", "grad_other", "grad_first"))}
-
-
-def _gradient_batch(chosen, group, kind, causal, backend, sums, counts, done) -> int:
-    """One batch of the gradient test: add its |d loss / d attention| sums into ``sums``, ``counts``."""
-    L = chosen.adapter.n_layers
-    pad = chosen.tokenizer.pad_token_id if chosen.tokenizer.pad_token_id is not None else 0
-    b = al.make_batch(group, {}, pad)
-    cache = capture(chosen, {"input_ids": b.input_ids, "attention_mask": b.attention_mask},
-                    chosen.adapter.sites("pattern"), grads=True, scalar=_loss_fn(kind, b.input_ids, b.attention_mask),
-                    backend=backend)
-    g = torch.cat([cache.grads[chosen.adapter.site_name(i, "pattern")] for i in range(L)], dim=1)  # (B, K, T, T)
-    valid = b.attention_mask.bool()
-    sink = b.sep.clone() if not causal else torch.zeros_like(valid)
-    if causal or not sink.any():  # decoders (and encoders without [SEP]): the first token is the sink
-        sink[:, 0] = True
-    s_sink, n_sink, s_other, n_other = grad_sums(g, valid, sink, causal=causal)
-    sums[0] += s_sink
-    sums[1] += s_other
-    counts[0] += n_sink
-    counts[1] += n_other
-    first = torch.zeros_like(valid)
-    first[:, 0] = True  # [CLS] (an encoder's other sink) or a decoder's first token
-    s_first, n_first, _, _ = grad_sums(g, valid, first, causal=causal)
-    sums[2] += s_first
-    counts[2] += n_first
-    return done + len(group)
+    def finish(self, values: dict) -> ProbeResult:
+        """The :class:`ProbeResult` of the units in ``values`` (by key), added in order. Missing batches (an
+        interrupted :func:`probe`) leave a note and no gradient test; no batch at all is a KeyboardInterrupt."""
+        stale = sorted(k for k, v in values.items() if v.get("plan") != self.key)
+        if stale:
+            raise InputError(f"the kept units {', '.join(stale)} were computed for another treebank, model or "
+                             "batching; drop --resume to start again")
+        loaded, heads, R = self.loaded, self.loaded.adapter.layer_heads, len(self.names)
+        L, H, K = loaded.adapter.n_layers, loaded.adapter.n_heads, sum(heads)
+        correct = torch.zeros(2, K, R)
+        gold = GoldCounts(np.zeros((2, R)), np.zeros((2, R)), np.zeros((2, len(OFFSETS), R)))
+        surface = SurfaceStats(K)
+        js = torch.zeros(K, K, dtype=torch.float64)
+        js_rows, done, n_tokens, in_map = 0.0, 0, 0, 0
+        batches = [values[k] for k in self.units() if k.startswith("batch ") and k in values]
+        for v in batches:
+            correct += torch.tensor(v["correct"], dtype=correct.dtype)
+            gold += GoldCounts(*(np.asarray(x, dtype=float) for x in v["gold"]))
+            for k, s in v["surface"].items():
+                surface.sums[k] += torch.tensor(s, dtype=torch.float64)
+            surface.n_query += v["n_query"]
+            surface.n_pairs += v["n_pairs"]
+            surface.any_sep = surface.any_sep or v["any_sep"]
+            if v["js"] is not None:
+                js += torch.tensor(v["js"], dtype=torch.float64)
+            js_rows += v["js_rows"]
+            done, n_tokens, in_map = done + v["sentences"], n_tokens + v["tokens"], in_map + v["in_map"]
+        if not batches:
+            raise KeyboardInterrupt
+        graded = self.chosen is not None and len(batches) == len(self.batches)  # not after an interrupt
+        notes = [] if len(batches) == len(self.batches) else [
+            f"interrupted after {done} of {len(self.items)} sentences: the figures cover those"]
+        per_head = {k: np.full((L, H), np.nan) for k in MEASURES}
+        for measure, grid in surface.means().items():
+            per_head[measure] = _on_grid(grid, heads)
+        if graded:
+            sums = [torch.zeros(K, dtype=torch.float64) for _ in GRADS]
+            counts = [0.0 for _ in GRADS]
+            for k in self.units():
+                if k.startswith("gradients ") and k in values:
+                    for i in range(len(GRADS)):
+                        sums[i] += torch.tensor(values[k]["sums"][i], dtype=torch.float64)
+                        counts[i] += values[k]["counts"][i]
+            per_head.update({name: _on_grid((sums[i] / max(counts[i], 1.0)).numpy(), heads)
+                             for i, name in enumerate(GRADS)})
+        head_map = None
+        if in_map >= 1 and js_rows:
+            head_map = _on_grid(classical_mds(np.sqrt((js / js_rows).numpy())), heads).reshape(L * H, 2)
+        count = gold.count
+        acc = _on_grid(correct.numpy() / np.maximum(count[:, None, :], 1), heads, axis=1)  # (2, L, H, R)
+        base = gold.correct / np.maximum(count[:, None, :], 1)  # (2, O, R)
+        best = base.argmax(1)
+        offsets = np.asarray(OFFSETS)[best]
+        base_acc = np.take_along_axis(base, best[:, None, :], 1)[:, 0]
+        if self.causal:
+            notes.append("causal model: a word sees only earlier words, so dep->head can be right only when the head "
+                         "comes first and head->dep only when a dependent does (the 'visible' share of each relation)")
+        return ProbeResult(
+            model=loaded.name, family=loaded.family, causal=self.causal, treebank=self.tb.path, n_layers=L, n_heads=H,
+            sentences=done, tokens=n_tokens, relation_names=self.names, accuracy=acc, count=count,
+            visible=gold.visible, baseline_accuracy=base_acc, baseline_offset=offsets, per_head=per_head,
+            skipped=self.skipped, head_map=head_map, head_map_sentences=in_map,
+            grad_note=self.grad_note + (f" ({self.grad_count} sentences)" if graded else ""),
+            seconds=time.perf_counter() - self.t0, notes=notes, fold_subtypes=self.tb.fold_subtypes,
+            min_count=self.min_count)
 
 
 def probe(
@@ -263,117 +307,36 @@ def probe(
         progress: a bar on stderr (True), nothing (None, False) or ``progress(stage, done, total)``
             (:mod:`headlab.progress`); only rank 0 reports.
 
+    Every unit of :class:`ProbeRun` runs here, in order (Ctrl-C in the sentences keeps the batches done, with a
+    note, and skips the gradient test); under torchrun every rank runs all of them and returns the same result.
+    ``headlab probe`` runs the same units through the study runner, which splits them over the ranks, keeps
+    them on Ctrl-C and resumes them.
+
     Returns:
         :class:`~headlab.interpret.probing.probe_result.ProbeResult`.
     """
-    from headlab.models.loader import LoadedModel, load
-
-    t0 = time.perf_counter()
-    with reporter(progress) as say:  # the one display (headlab.progress)
-        for name, v in (("head_map_sentences", head_map_sentences), ("grad_sentences", grad_sentences)):
-            if v < 0:
-                raise InputError(f"{name} must be 0 or more, got {v}")
-        tb = (treebank_path if isinstance(treebank_path, Treebank) else  # already read (the probe instrument)
-              read_treebank(treebank_path, fold_subtypes=fold_subtypes, limit=limit))  # bad input first, then the model
-        names = choose_relations(tb, relations)
-        if not isinstance(loaded, LoadedModel):
-            loaded = load(loaded)
-        al.check_fast(loaded.tokenizer, loaded.name)
-        rel_index = {r: i for i, r in enumerate(names)}
-        chosen, grad_note = (resolve_loss_model(loaded, loss_model) if grad_sentences else
-                             (None, "gradient test not run (grad_sentences=0)"))
-
-        adapter = loaded.adapter
-        L, H, heads = adapter.n_layers, adapter.n_heads, adapter.layer_heads  # a pruned model's layers may differ
-        K, R = sum(heads), len(names)
-        causal = _is_causal(loaded)
-        items, align_skips = al.align_sentences(loaded.tokenizer, tb.sentences, max_positions=loaded.max_positions)
-        skipped = list(tb.skipped) + [Skipped(i, why) for i, why in align_skips]
-        if not items:
-            raise InputError(f"no sentence of {tb.path} can be probed with {loaded.name}: "
-                             f"{skipped[0].sent_id}: {skipped[0].reason}" if skipped else "no sentence")
-        map_ids = {id(a) for a in items[:head_map_sentences]}
-        mean_t = float(np.mean([a.n_tokens for a in items[:head_map_sentences]])) if head_map_sentences else 1.0
-        rows_each = max(1, int(head_map_budget / (K * K * mean_t * max(1, min(head_map_sentences, len(items))))))
-        pad = getattr(loaded.tokenizer, "pad_token_id", None)
-        pad = 0 if pad is None else pad
-
-        correct = torch.zeros(2, K, R)
-        gold = GoldCounts(np.zeros((2, R)), np.zeros((2, R)), np.zeros((2, len(OFFSETS), R)))
-        surface = SurfaceStats(K)
-        js = torch.zeros(K, K, dtype=torch.float64)
-        js_rows = 0.0
-        notes: list[str] = []
-        done, n_tokens, in_map = 0, 0, 0
-        # under torchrun each rank takes every W-th sentence and the sums are added (identity on one process); the
-        # ranks of a model sharded by tensor parallelism run the same sentences (the captures are gathered)
-        mine = [items[i] for i in loaded.adapter.placement.examples(len(items))]
-        if not is_main():
-            say = _silent
-        say("sentences", 0, len(mine))
+    with reporter(progress if is_main() else False) as say:  # the one display (headlab.progress), on rank 0
+        run = ProbeRun(loaded, treebank_path, limit=limit, backend=backend, relations=relations,
+                       fold_subtypes=fold_subtypes, head_map_sentences=head_map_sentences,
+                       head_map_budget=head_map_budget, grad_sentences=grad_sentences, loss_model=loss_model,
+                       min_count=min_count, batch_bytes=batch_bytes)
+        values: dict[str, dict] = {}
+        done = 0
+        say("sentences", 0, len(run.items))
         try:
-            with torch.inference_mode():
-                for group in _batches(mine, K, batch_bytes):
-                    b = al.make_batch(group, rel_index, pad)
-                    att = _patterns(loaded, b, backend)  # (B, K, T, T)
-                    valid = b.attention_mask.bool()
-                    pred = al.predict(al.word_attention(att, b.a_to), b.candidates)  # (B, K, N)
-                    correct += al.score(pred, b, R)
-                    gold += gold_counts([a.sentence for a in group], rel_index)
-                    surface.add(att, valid, b.sep, b.punct)
-                    for k, a in enumerate(group):
-                        if id(a) in map_ids:
-                            t = a.n_tokens
-                            # evenly spaced from the last row back (a decoder's first row is all on token 0)
-                            rows = np.unique(np.linspace(t - 1, 0, min(t, rows_each) + 1)[:min(t, rows_each)].round()
-                                             .astype(int))
-                            js += js_sums(att[k, :, rows, :t])
-                            js_rows += len(rows)
-                            in_map += 1
-                    done += len(group)
-                    n_tokens += int(valid.sum())
-                    say("sentences", done, len(mine))
+            for key, group in zip(run.units(), run.batches):
+                values[key] = run.unit(key)
+                done += len(group)
+                say("sentences", done, len(run.items))
         except KeyboardInterrupt:
-            notes.append(f"interrupted after {done} of {len(items)} sentences: the figures cover those")
-        # the sums of every rank (one message; nothing changes on one process)
-        sums = loaded.adapter.placement.sum_over_data([
-            correct, gold.count, gold.visible, gold.correct, js, *surface.sums.values(),
-            [surface.n_query, surface.n_pairs, float(surface.any_sep), js_rows, done, n_tokens, in_map]])
-        correct, js = sums[0].float(), sums[4]
-        gold = GoldCounts(sums[1].numpy(), sums[2].numpy(), sums[3].numpy())
-        surface.sums = dict(zip(surface.sums, sums[5:-1]))
-        surface.n_query, surface.n_pairs, any_sep, js_rows, done, n_tokens, in_map = sums[-1].tolist()
-        surface.any_sep = any_sep > 0
-        done, n_tokens, in_map = int(done), int(n_tokens), int(in_map)
-        if done == 0:
-            raise KeyboardInterrupt
-
-        per_head = {k: np.full((L, H), np.nan) for k in MEASURES}
-        for k, v in surface.means().items():
-            per_head[k] = _on_grid(v, heads)
-        if chosen is not None and not notes:
-            per_head.update(_gradient_test(chosen, [a.sentence for a in items[:grad_sentences]], causal,
-                                           batch_bytes, backend, say))
-            grad_note += f" ({min(grad_sentences, len(items))} sentences)"
-        head_map = None
-        if in_map >= 1 and js_rows:
-            head_map = _on_grid(classical_mds(np.sqrt((js / js_rows).numpy())), heads).reshape(L * H, 2)
-
-        count = gold.count
-        acc = _on_grid(correct.numpy() / np.maximum(count[:, None, :], 1), heads, axis=1)  # (2, L, H, R)
-        base = gold.correct / np.maximum(count[:, None, :], 1)  # (2, O, R)
-        best = base.argmax(1)
-        offsets = np.asarray(OFFSETS)[best]
-        base_acc = np.take_along_axis(base, best[:, None, :], 1)[:, 0]
-        if causal:
-            notes.append("causal model: a word sees only earlier words, so dep->head can be right only when the head "
-                         "comes first and head->dep only when a dependent does (the 'visible' share of each relation)")
-        return ProbeResult(
-            model=loaded.name, family=loaded.family, causal=causal, treebank=tb.path, n_layers=L, n_heads=H,
-            sentences=done, tokens=n_tokens, relation_names=names, accuracy=acc, count=count, visible=gold.visible,
-            baseline_accuracy=base_acc, baseline_offset=offsets, per_head=per_head, skipped=skipped,
-            head_map=head_map, head_map_sentences=in_map, grad_note=grad_note, seconds=time.perf_counter() - t0,
-            notes=notes, fold_subtypes=fold_subtypes, min_count=min_count)
+            pass
+        if len(values) == len(run.batches):  # the gradient test, on every sentence or not at all
+            done, total = 0, sum(len(g) for g in run.grad_batches)
+            for key, group in zip(run.units()[len(run.batches):], run.grad_batches):
+                values[key] = run.unit(key)
+                done += len(group)
+                say("gradients", done, total)
+        return run.finish(values)
 
 
-__all__ = ["BATCH_BYTES", "choose_relations", "probe", "resolve_loss_model"]
+__all__ = ["BATCH_BYTES", "ProbeRun", "choose_relations", "probe", "resolve_loss_model"]

@@ -91,13 +91,13 @@ class LayerMeasures:
     """Clark et al.'s surface measurements averaged over the heads of one layer (None: not measured)."""
 
     layer: int
-    to_first: float
+    to_first: float | None
     to_sep: float | None
-    to_punct: float
-    to_next: float
-    to_prev: float
-    to_self: float
-    entropy: float
+    to_punct: float | None
+    to_next: float | None
+    to_prev: float | None
+    to_self: float | None
+    entropy: float | None
     grad_sep: float | None
     grad_other: float | None
     grad_first: float | None

@@ -20,7 +20,7 @@ import base64
 import html
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any
 
 import numpy as np
 
@@ -28,8 +28,8 @@ from headlab.interpret import shell
 from headlab.interpret.probing.gold import DIRECTIONS
 from headlab.results import check_output_dir
 
-if TYPE_CHECKING:
-    from headlab.interpret.probing.probe_result import ProbeResult
+# a ProbeResult: probe_result imports this module (for its page), so the class is named, not imported, here
+_ProbeResult = Any
 
 OUTPUT_FILES = ("relations.csv", "relations.json", "relations_heatmap.png", "head_map.png", "probe.html")
 MAX_HEATMAP_RELATIONS = 30  # the most frequent relations drawn in the heatmap
@@ -63,7 +63,7 @@ def _figure(w: float, h: float):
     return fig
 
 
-def heatmap_png(r: ProbeResult, path: str | os.PathLike) -> Path:
+def heatmap_png(r: _ProbeResult, path: str | os.PathLike) -> Path:
     """Accuracy of every head (columns, layer by layer) on the most frequent relations (rows), one
     panel per direction; a dot marks each relation's best head, ``*`` a relation whose best head
     beats its baseline."""
@@ -93,7 +93,7 @@ def heatmap_png(r: ProbeResult, path: str | os.PathLike) -> Path:
     return path
 
 
-def head_map_png(r: ProbeResult, path: str | os.PathLike) -> Path:
+def head_map_png(r: _ProbeResult, path: str | os.PathLike) -> Path:
     """The heads embedded in 2-D by classical MDS of their Jensen-Shannon distances, coloured by layer
     (Clark et al. 2019, figure 6)."""
     fig = _figure(6.5, 5.5)
@@ -123,7 +123,7 @@ def _pct(x) -> str:
     return "" if x is None else f"{100 * x:.1f}"
 
 
-def render_html(r: ProbeResult, heatmap: Path, head_map: Path) -> str:
+def render_html(r: _ProbeResult, heatmap: Path, head_map: Path) -> str:
     """The page: summary, best head per relation and direction, the two pictures, the per-layer table,
     the skipped sentences."""
     e = html.escape
@@ -180,7 +180,7 @@ heads of the layer; entropy in nats. Gradient: {e(r.grad_note)}.</p>{layers}</se
                       banner=" ".join(r.notes) or None, generator="headlab probe")
 
 
-def write_outputs(r: ProbeResult, out_dir: str | os.PathLike) -> list[Path]:
+def write_outputs(r: _ProbeResult, out_dir: str | os.PathLike) -> list[Path]:
     """Write :data:`OUTPUT_FILES` into ``out_dir`` (which must exist) and return their paths."""
     out = Path(out_dir)
     csv_path = r.to_csv(out / "relations.csv")

@@ -161,9 +161,14 @@ def _sentence(path: str, block: list[tuple[int, str]], *, fold_subtypes: bool) -
     except Exception as e:  # noqa: BLE001  (conllu raises ParseException and ValueError)
         raise TreebankError(f"{path}:{first}: not CoNLL-U: {e}") from None
     text = tokens.metadata.get("text")
-    words, heads, rels, upos, parents, word_lines = [], [], [], [], [], []
+    words: list[str] = []
+    heads: list[int] = []
+    rels: list[str] = []
+    upos: list[str] = []
+    parents: list[int] = []
+    word_lines: list[int] = []
     surface: list[tuple[str, bool]] = []
-    ranges: dict[int, tuple[int, int, int]] = {}  # first word -> (last word, surface index)
+    ranges: dict[int, tuple[int, int]] = {}  # first word -> (last word, surface index)
     lines = iter(body)
     for tok in tokens:
         lineno = next(lines)[0]
@@ -222,7 +227,7 @@ def _word_spans(words, parents, surface, sspans) -> list[tuple[int, int]]:
         else:  # du = de + le: every word is the whole token
             for w in ws:
                 spans[w] = (start, end)
-    return spans  # type: ignore[return-value]
+    return spans  # type: ignore[return-value]  # every word's span is filled by the loop above
 
 
 def read_treebank(path: str | os.PathLike | Conllu, *, fold_subtypes: bool = False, limit: int | None = None,
@@ -247,7 +252,10 @@ def read_treebank(path: str | os.PathLike | Conllu, *, fold_subtypes: bool = Fal
     skipped: list[Skipped] = []
     for block in read.sentences[:limit]:
         got = _sentence(where, block, fold_subtypes=fold_subtypes)
-        (sentences if isinstance(got, Sentence) else skipped).append(got)
+        if isinstance(got, Sentence):
+            sentences.append(got)
+        else:
+            skipped.append(got)
     if not sentences:
         raise TreebankError(f"{where}: none of its {len(skipped)} sentences has a valid tree; first: "
                             f"{skipped[0].sent_id}: {skipped[0].reason}")

@@ -41,6 +41,7 @@ import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import cast
 
 from headlab._version import __version__
 from headlab.errors import InputError, MemoryBudgetError
@@ -289,7 +290,7 @@ def write_report(job: Job, sections: Sequence[Section], results: Mapping[str, ob
     n_layers, n_heads, counts = job.adapter.n_layers, job.adapter.n_heads, job.adapter.layer_heads
     notes = list(notes)
     provenance, approx_warning = backend_provenance(job.backend, job.mode)
-    table: HeadsTable = results["heads"]
+    table = cast(HeadsTable, results["heads"])  # the heads section runs first, always
     notes += table.notes
     if approx_warning:
         notes.append(approx_warning)

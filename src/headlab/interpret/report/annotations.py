@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 from headlab.errors import InputError
@@ -20,7 +21,7 @@ def study_annotations(*, probe: str | os.PathLike | None = None,
     Files are read here, before any model work, so a bad path fails at once.
     """
     out: dict[tuple[int, int], list[str]] = {}
-    sources = []
+    sources: list[tuple[str, str | os.PathLike, Callable]] = []
     if probe is not None:
         from headlab.interpret.probing import head_annotations as probe_notes
 
@@ -38,7 +39,7 @@ def study_annotations(*, probe: str | os.PathLike | None = None,
         except (ValueError, KeyError, TypeError) as e:
             raise InputError(f"--{what} {path} is not a headlab {what} result: {e}") from None
         for key, text in found.items():
-            out.setdefault(tuple(key), []).append(text)
+            out.setdefault((int(key[0]), int(key[1])), []).append(text)
     return out
 
 

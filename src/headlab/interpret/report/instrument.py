@@ -17,8 +17,8 @@ inputs), the sink positions (the first token and each [SEP]), as :func:`record_o
 A memory refusal of the full mode's recording says how to stream (:meth:`Analyze.recording_refused`).
 
 One text is one unit: an interrupted run has no finished unit to keep (the runner says so). The unit's value is
-the sections' results in memory (``parallel = "inside"``: under torchrun every rank runs the one unit, as the
-sharded forwards of ``--tensor-parallel`` need, and rank 0 writes). ``heads.json`` is the result's envelope;
+the sections' results in memory. Under torchrun the runner gives the unit to the first data rank: with
+``--tensor-parallel`` that is every rank of the group (its sharded forwards are collectives), and rank 0 writes. ``heads.json`` is the result's envelope;
 its notes include what the sections said while writing their files, so :meth:`Analyze.write` completes the
 result's figures from the file it wrote.
 """
@@ -97,7 +97,6 @@ TEXT must be valid UTF-8: other bytes (Latin-1 text, say) are refused with their
     )
     # the report folder; checked first in the report's own words by check(), then by the runner
     output = Output("out", folder=True, file=None, force="force")
-    parallel = "inside"  # one unit (the text): every rank runs it (sharded forwards), rank 0 writes
 
     def check(self, ctx: Context) -> None:
         """The text, --heads (against the model's config files, no weights), the numbers, the backend and the
@@ -176,7 +175,7 @@ TEXT must be valid UTF-8: other bytes (Latin-1 text, say) are refused with their
         return InstrumentResult(self.result_kind, model=ctx.loaded.name, settings=ctx.settings,
                                 native=values[self.name])
 
-    def write(self, ctx: Context, result: InstrumentResult, path: Path) -> list[Path]:
+    def write(self, ctx: Context, result: InstrumentResult, path: Path) -> list[Path]:  # type: ignore[override]  # the runner passes this instrument's own result
         from headlab.interpret.report.analyze_job import prepare_out_dir, write_report
         from headlab.results import Result
 

@@ -257,9 +257,9 @@ def explain(loaded_or_path, text: str, target: int | None = None, methods=DEFAUL
             elif m == "leave_one_out":
                 ex.scores[m] = leave_one_out(objective, ids, mask, special, loo).tolist()
             elif m in FLOW_METHODS:
-                exact, note = exact_backend(backend)
-                if note and note not in ex.notes:
-                    ex.notes.append(note)
+                exact, flow_note = exact_backend(backend)
+                if flow_note and flow_note not in ex.notes:
+                    ex.notes.append(flow_note)
                 ex.scores[m], more = flow_score(loaded, enc, ex.position, m, exact)
                 if more:
                     ex.notes.append(more)

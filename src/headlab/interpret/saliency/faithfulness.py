@@ -61,7 +61,7 @@ def eraser(objective: Objective, input_ids: torch.Tensor, attention_mask: torch.
     ids = input_ids[0].tolist()
     keep = [i for i, s in enumerate(special) if not s]
     n = len(keep)
-    rankings = {m: sorted(keep, key=lambda i, s=s: -s[i]) for m, s in scores.items()}
+    rankings = {m: sorted(keep, key=lambda i, s=s: -s[i]) for m, s in scores.items()}  # type: ignore[misc]  # mypy cannot type a lambda's default-bound argument
     if random_baseline:
         order = list(keep)
         random.Random(seed).shuffle(order)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from headlab import checks
+import headlab.checks as checks
 from headlab.errors import ConfigError
 from headlab.interpret.saliency.gradients import embedding_gradient, embeddings
 from headlab.interpret.saliency.objective import Objective, embedding_module

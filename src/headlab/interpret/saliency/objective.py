@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from headlab import checks
+import headlab.checks as checks
 from headlab.errors import ConfigError, InputError, ModelError
 from headlab.models.loader import LoadedModel
 
@@ -86,7 +86,7 @@ class Objective:
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, embeds: torch.Tensor | None = None):
         """Model outputs on ``input_ids (B, L)``; with ``embeds (B, L, E)`` they replace the word embeddings."""
-        kw = {"input_ids": input_ids, "attention_mask": attention_mask}
+        kw: dict[str, torch.Tensor | int] = {"input_ids": input_ids, "attention_mask": attention_mask}
         if self.kind == "next_token" and self._keeps_logits() and bool(attention_mask.all()):
             kw["logits_to_keep"] = 1  # only the last position's logits: (B, 1, V), not (B, L, V)
         if embeds is None:
@@ -114,6 +114,7 @@ class Objective:
     def value(self, outputs, attention_mask: torch.Tensor) -> torch.Tensor:
         """``(B,)``: y for each row."""
         if self.kind == "similarity":
+            assert self.reference is not None  # a similarity objective is built with its reference
             pooled = mean_pool(outputs.last_hidden_state, attention_mask)  # (B, E)
             return torch.nn.functional.cosine_similarity(pooled, self.reference.to(pooled.dtype)[None], dim=-1)
         return self.logits(outputs, attention_mask)[:, self.target]

@@ -76,7 +76,11 @@ def output_change(objective: Objective, ref_y: torch.Tensor, ref_p: torch.Tensor
         for s in range(0, len(input_ids), batch_size):
             ids, m = input_ids[s:s + batch_size].to(dev), attention_mask[s:s + batch_size].to(dev)
             y, p = objective.y_and_probs(ids, m)
-            out.append((y - ref_y).abs() if ref_p is None else tvd(p, ref_p[None]))
+            if ref_p is None:
+                out.append((y - ref_y).abs())
+            else:
+                assert p is not None  # the objective gave probabilities for the reference: it gives them here
+                out.append(tvd(p, ref_p[None]))
     return torch.cat(out)
 
 

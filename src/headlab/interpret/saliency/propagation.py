@@ -45,18 +45,19 @@ def flow_score(loaded, enc: dict, position: int, method: str, backend) -> tuple[
     """``(score per token, a note or None)`` of one of :data:`FLOW_METHODS` for the input ``enc``
     (one sequence, as :meth:`LoadedModel.encode` gives it)."""
     note = None
-    if method == "rollout":
-        row = rollout(loaded, enc, method="mean", rows=[position], backend=backend).rows[0]
-    elif method == "norm_rollout":
-        row = rollout(loaded, enc, method="norm", rows=[position], backend=backend).rows[0]
+    if method in ("rollout", "norm_rollout"):
+        rows = rollout(loaded, enc, method="mean" if method == "rollout" else "norm", rows=[position],
+                       backend=backend).rows
+        assert rows is not None  # rows asked for
+        row = rows[0]
     elif method == "attention_flow":
         res = attention_flow(loaded, enc, source=position, layer=-1, backend=backend)
         row = res.flow
         if res.gap > FLOW_GAP_NOTE:
             note = f"attention flow: certificate gap {res.gap:.2g} (upper minus lower bound of a max-flow value)"
     elif method == "attention_norm":
-        res = attention_norms(loaded, enc, layers=[-1], rows=[position], backend=backend)
-        row = res.row_layer[res.layers[-1]][0]
+        nres = attention_norms(loaded, enc, layers=[-1], rows=[position], backend=backend)
+        row = nres.row_layer[nres.layers[-1]][0]
     else:  # explain checks the names first
         raise KeyError(method)
     return [float(v) for v in row.tolist()], note

@@ -38,16 +38,16 @@ class FalconAdapter(OwnForwardAdapter):
             return Fused("query_key_value", "grouped")
         return Fused("query_key_value", "blocks" if cfg.multi_query else "per_head")
 
-    @property  # type: ignore[override]  # read from the config: a property where other families declare a ClassVar
-    def norms(self) -> Norms:
+    @property
+    def norms(self) -> Norms:  # type: ignore[override]  # read from the config: a property where other families declare a ClassVar
         cfg = self.model.config
         pre = "ln_attn" if cfg.new_decoder_architecture and cfg.num_ln_in_parallel_attn == 2 else "input_layernorm"
         if cfg.new_decoder_architecture or cfg.parallel_attn:
             return Norms(pre=pre, kind="layernorm", parallel="mlp")
         return Norms(pre=pre, kind="layernorm")
 
-    @property  # type: ignore[override]  # read from the config, as norms
-    def positions(self) -> str:
+    @property
+    def positions(self) -> str:  # type: ignore[override]  # read from the config, as norms
         return "alibi" if self.model.config.alibi else "rotary"
 
     def cut_heads(self, attn, out, q_heads, kv_heads, H, Hkv):

@@ -17,8 +17,8 @@ class GPTNeoXAdapter(HFAdapter):
     projections = Fused("query_key_value", "per_head")
     out = Out("attention.dense")
 
-    @property  # type: ignore[override]  # read from the config: a property where other families declare a ClassVar
-    def norms(self) -> Norms:
+    @property
+    def norms(self) -> Norms:  # type: ignore[override]  # read from the config: a property where other families declare a ClassVar
         if getattr(self.model.config, "use_parallel_residual", True):
             return Norms(pre="input_layernorm", kind="layernorm", parallel="mlp")
         return Norms(pre="input_layernorm", kind="layernorm")

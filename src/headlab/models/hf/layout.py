@@ -12,7 +12,7 @@ from typing import Literal
 import torch
 from torch import nn
 
-from headlab import checks
+import headlab.checks as checks
 from headlab.models.hf.family import Norms
 from headlab.models.hf.trace import (
     Call,

@@ -17,8 +17,8 @@ class OPTAdapter(HFAdapter):
     head_attrs = {"num_heads": "H"}
     positions = "absolute"
 
-    @property  # type: ignore[override]  # read from the config: a property where other families declare a ClassVar
-    def norms(self) -> Norms:
+    @property
+    def norms(self) -> Norms:  # type: ignore[override]  # read from the config: a property where other families declare a ClassVar
         if getattr(self.model.config, "do_layer_norm_before", True):
             return Norms(pre="self_attn_layer_norm", kind="layernorm")
         return Norms(post="self_attn_layer_norm", kind="layernorm")

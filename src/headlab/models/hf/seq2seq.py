@@ -17,8 +17,6 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-from torch import nn
-
 from headlab.errors import ConfigError
 from headlab.models.hf.family import HFAdapter, Norms
 from headlab.models.hf.registry import register

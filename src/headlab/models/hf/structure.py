@@ -32,6 +32,7 @@ it). Nothing found here is trusted before :mod:`headlab.models.hf.verify` checks
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -94,7 +95,7 @@ def _split_block(path: str, model_type: str) -> tuple[str, str]:
     return ".".join(parts[:cut]), ".".join(parts[cut + 1:])
 
 
-def discover(model: nn.Module) -> Found:
+def discover(model: Any) -> Found:  # a transformers model
     """Read a Hugging Face model's attention layout from its structure (see the module docstring).
 
     Raises :class:`~headlab.errors.UnsupportedArchitectureError` naming what could not be found.
@@ -188,7 +189,9 @@ def discover(model: nn.Module) -> Found:
     E = out_features(layouts[next(iter(layouts))].out_module)
     attn0 = calls[0].module
     heads = head_attrs(attn0, H, Hkv, d)
-    first_self = stacks.get("decoder", stacks.get("blocks"))[0].module
+    selves = stacks.get("decoder", stacks.get("blocks"))
+    assert selves is not None  # a model has a decoder stack or one stack of blocks
+    first_self = selves[0].module
     is_decoder = bool(getattr(first_self, "is_causal", False)) and not is_encoder_decoder(model)
     seen = max(c.k.shape[2] for c in calls)
     return Found(model_type=mt, shape=(H, Hkv, d, E), is_decoder=is_decoder, input_kind=input_kind(model),

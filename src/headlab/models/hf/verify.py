@@ -27,6 +27,7 @@ import json
 import time
 from dataclasses import InitVar, asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -79,6 +80,7 @@ class Verdict:
         from headlab.models.hf.registry import ADDING_A_FAMILY, BY_STRUCTURE
 
         c = self.failed
+        assert c is not None  # said only of a verdict that failed
         near = BY_STRUCTURE["nearest"](self.model_type) if "nearest" in BY_STRUCTURE else None
         hint = f"; its structure is nearest the {near!r} family, whose class shows what to declare" if near else ""
         return (f"no headlab adapter for {self.model_type!r}: adapted by structure, it failed the load-time check "
@@ -100,7 +102,7 @@ class Verdict:
 _VERDICTS: dict[str, Verdict] = {}
 
 
-def config_key(model: nn.Module) -> str:
+def config_key(model: Any) -> str:  # a transformers model
     """A stable key of a model's architecture: its class and config (what a verdict is cached under)."""
     import transformers
 

@@ -13,8 +13,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+import headlab.checks as checks
 from headlab.errors import ConfigError, MaskError
-from headlab import checks
 from headlab.spec.tile_states import EMPTY, FULL, PARTIAL
 
 # fn(b, h, q_idx, kv_idx, q_len, kv_len) -> bool tensor broadcastable to the index shapes
@@ -114,8 +114,8 @@ class MaskFn:
         if self.batch_dependent and self.batch_size is not None and self.batch_size != batch \
                 and getattr(self, "lengths", None) is not None:
             n = len(self.lengths)
-            raise MaskError(f"{self.name} has {n} length{'s' if n != 1 else ''} but the call has a batch of {batch}; "
-                            "give one valid key length per batch element")
+            raise MaskError(f"{self.name} has {n} length{'s' if n != 1 else ''} (it was built for batch size {n}) but "
+                            f"the call has a batch of {batch}; give one valid key length per batch element")
         if self.batch_size is not None and self.batch_size not in ((batch,) if self.batch_dependent else (1, batch)):
             raise MaskError(
                 f"mask {self.name!r} was built for batch size {self.batch_size} but the call has batch {batch}; "

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 import torch
 
-from headlab import checks
+import headlab.checks as checks
 from headlab.errors import ConfigError, MaskError
 from headlab.spec.masks.algebra import MaskFn, block_bounds, prefix_length
 from headlab.spec.tile_states import EMPTY, FULL, PARTIAL

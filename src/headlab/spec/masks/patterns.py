@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from headlab import checks
+import headlab.checks as checks
 from headlab.errors import ConfigError
 from headlab.spec.masks.algebra import MaskFn, block_bounds, prefix_length
 from headlab.spec.tile_states import EMPTY, FULL, PARTIAL

@@ -110,7 +110,7 @@ class LinearBackend(Backend):
 
     def __init__(self, feature_map: str = "elu", *, num_features: int | None = None, seed: int = 0,
                  chunk_size: int = DEFAULT_CHUNK, redraw_every: int = 0) -> None:
-        self.config = LinearConfig(feature_map, num_features, seed, chunk_size, redraw_every)  # type: ignore[arg-type]
+        self.config = LinearConfig(feature_map, num_features, seed, chunk_size, redraw_every)  # type: ignore[arg-type]  # feature_map: checked by LinearConfig
         self.training = False
         self._draw = 0  # how many redraws so far
         self._calls = 0  # forward calls in training mode since the last automatic redraw

@@ -8,7 +8,7 @@ from typing import Literal
 
 import torch
 
-from headlab import checks
+import headlab.checks as checks
 from headlab.errors import ConfigError
 from headlab.spec.attention_spec import AttentionSpec
 
@@ -39,9 +39,9 @@ class LinearConfig:
         object.__setattr__(self, "feature_map", fm)
         if fm == "favor":
             m = DEFAULT_FAVOR_FEATURES if self.num_features is None else self.num_features
-            m = checks.positive_int("num_features", m, what=" (FAVOR+'s random features)",
-                                    hint=f"; try num_features={DEFAULT_FAVOR_FEATURES} (more features: smaller "
-                                         "error, more time)")
+            m = checks.positive_int("num_features", m, message="FAVOR+ needs a positive whole number of random "
+                                    "features, got num_features={value!r}; try num_features="
+                                    f"{DEFAULT_FAVOR_FEATURES} (more features: smaller error, more time)")
             object.__setattr__(self, "num_features", m)
         elif self.num_features is not None:
             raise ConfigError(

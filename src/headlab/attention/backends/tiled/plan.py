@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from headlab import checks
+import headlab.checks as checks
 from headlab.spec import visibility
 from headlab.spec.attention_spec import AttentionSpec
 from headlab.spec.masks import MaskFn

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from headlab import checks
+import headlab.checks as checks
 from headlab.errors import ConfigError
 from headlab.registry import Registry
 

@@ -68,7 +68,9 @@ def repeated_grid(run: Run, per_layer: Callable) -> torch.Tensor:
     """``(n_layers, H)``: ``per_layer(q, k, call_args, lse) -> (B, H_l)`` on the repeated sequences, meaned over
     them (``lse`` ``(B, H_l, L)`` the rows' full log-normalisers, from the same forward)."""
     adapter = run.adapter
-    cache = run.memo("repeated", lambda: _capture_qk(adapter, run.repeated_ids, {"stats": ["lse"]}))
+    ids = run.repeated_ids
+    assert ids is not None  # drawn by the run before any kind measures
+    cache = run.memo("repeated", lambda: _capture_qk(adapter, ids, {"stats": ["lse"]}))
     out = run.grid(0.0) if adapter.placement.sharded else run.grid()
     for layer in range(adapter.n_layers):
         q, k, ca, st = _layer(cache, adapter, layer)
@@ -122,7 +124,7 @@ def pattern_labels(run: Run) -> list[list[list[str]]]:
     toks = tok.convert_ids_to_tokens(ids.tolist()) if tok is not None else [str(t) for t in ids.tolist()]
     recs = LB.head_records(rows, toks, separator_positions=None if adapter.causal or len(sinks) == 1 else sinks[1:],
                            thresholds=LB.LabelThresholds())
-    labels = [[[] for _ in range(adapter.n_heads)] for _ in range(adapter.n_layers)]
+    labels: list[list[list]] = [[[] for _ in range(adapter.n_heads)] for _ in range(adapter.n_layers)]
     for r in recs:
         labels[r.layer][r.head] = list(r.labels)
     return labels

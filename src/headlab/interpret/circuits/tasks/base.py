@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from headlab import checks
+import headlab.checks as checks
 from headlab.errors import ConfigError, InputError, ModelError, ShapeError
 from headlab.interpret.patching.metrics import Metric, check_ids, check_position, logit_diff
 from headlab.models.loaded_model import resolve
@@ -101,7 +101,8 @@ def check_logits(logits: torch.Tensor, batch: int, name: str) -> tuple[int, int,
     if logits.shape[0] != batch:
         raise ShapeError(f"{name} was built for {batch} pairs but got logits for {logits.shape[0]}; use "
                          "TaskPairs.subset(idx) for a subset of the pairs")
-    return tuple(logits.shape)
+    B, L, V = logits.shape
+    return B, L, V
 
 
 def signed_prob(ids: torch.Tensor, sign: torch.Tensor, position: torch.Tensor) -> Metric:

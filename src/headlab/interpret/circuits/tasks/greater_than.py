@@ -50,7 +50,7 @@ def _year_tokens(tok, prompt: str) -> tuple[str, list[int]]:
         rest[c] = full[len(base):]
     if all(len(r) == 1 for r in rest.values()) and len({r[0] for r in rest.values()}) == 100:
         return "pair", [rest[f"{y:02d}"][0] for y in range(100)]
-    tens = {}
+    tens: dict = {}
     for c, r in rest.items():
         tens.setdefault(c[0], set()).add(r[0] if len(r) == 2 else None)
     if all(len(r) == 2 for r in rest.values()) and all(len(v) == 1 for v in tens.values()) \
@@ -98,7 +98,8 @@ def greater_than(model, n: int = 64, *, seed: int = 0) -> TaskPairs:
     mode, ids = _year_tokens(tok, GREATER_THAN.format(noun=NOUNS[0], century=CENTURY, yy="32"))
     low, high = (2, 98) if mode == "pair" else (10, 89)
     rng = random.Random(check_seed(seed))
-    kept, tried = [], 0
+    kept: list[tuple[str, str, int, int]] = []
+    tried = 0
     while len(kept) < n:
         if tried >= max_draws(n):
             raise too_few("greater-than", len(kept), n, tried, "years that tokenise to different lengths")
@@ -108,10 +109,10 @@ def greater_than(model, n: int = 64, *, seed: int = 0) -> TaskPairs:
         corrupt = GREATER_THAN.format(noun=NOUNS[k], century=CENTURY, yy="01")
         if len(tok(clean)["input_ids"]) == len(tok(corrupt)["input_ids"]):
             kept.append((clean, corrupt, k, yy))
-    clean, corrupt, k, yy = (list(x) for x in zip(*kept))
-    a, b = model.encode(clean), model.encode(corrupt)
+    cleans, corrupts, ks, yys = (list(x) for x in zip(*kept))
+    a, b = model.encode(cleans), model.encode(corrupts)
     last = a["attention_mask"].sum(-1).cpu() - 1  # (B,) the last real token: the century's last token
-    years = torch.tensor(yy)[:, None]  # (B, 1)
+    years = torch.tensor(yys)[:, None]  # (B, 1)
     if mode == "pair":
         sign = torch.where(torch.arange(100)[None, :] > years, 1.0, -1.0)  # (B, 100): +1 for y > YY
         how = "p(year > YY) - p(year <= YY) over the two-digit year tokens"
@@ -120,6 +121,6 @@ def greater_than(model, n: int = 64, *, seed: int = 0) -> TaskPairs:
         how = ("p(tens digit > YY's) - p(tens digit < YY's) over the next digit (digits are single tokens; YY's own "
                "decade counts neither way)")
     metric = PairMetric("prob_diff", signed_prob, {"sign": sign, "position": last}, ids=torch.tensor(ids))
-    return TaskPairs("greater-than", a, b, metric, k,
+    return TaskPairs("greater-than", a, b, metric, ks,
                      f"greater-than (Hanna et al. 2023): 'The war lasted from the year 17YY to the year 17', "
                      f"corrupted YY=01; metric {how}")

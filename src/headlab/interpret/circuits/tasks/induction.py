@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from headlab import checks
+import headlab.checks as checks
 from headlab.errors import ConfigError, InputError, ModelError
 from headlab.interpret.atlas.scores import embeddings
 from headlab.interpret.atlas.tasks import repeated

@@ -140,7 +140,8 @@ def ioi(model, n: int = 64, *, seed: int = 0, templates=None) -> TaskPairs:
     check_n(n)
     tok = text_tokenizer(model, "ioi")
     stream = _ioi_stream(tok, check_seed(seed), templates)
-    kept, tried = [], 0
+    kept: list[tuple[str, str, str, str, int]] = []
+    tried = 0
     while len(kept) < n:
         if tried >= max_draws(n):
             raise too_few("ioi", len(kept), n, tried, "clean and corrupted prompts of different lengths")
@@ -148,12 +149,12 @@ def ioi(model, n: int = 64, *, seed: int = 0, templates=None) -> TaskPairs:
         tried += 1
         if len(tok(clean)["input_ids"]) == len(tok(corrupt)["input_ids"]):
             kept.append((clean, corrupt, io, s, k))
-    clean, corrupt, io, s, k = (list(x) for x in zip(*kept))
-    a, b, _ = prompt_pair(model, clean, corrupt, [" " + w for w in io], [" " + w for w in s])
-    io_ids = torch.tensor([tok(" " + w, add_special_tokens=False)["input_ids"][0] for w in io])
-    s_ids = torch.tensor([tok(" " + w, add_special_tokens=False)["input_ids"][0] for w in s])
+    cleans, corrupts, ios, ss, ks = (list(x) for x in zip(*kept))
+    a, b, _ = prompt_pair(model, cleans, corrupts, [" " + w for w in ios], [" " + w for w in ss])
+    io_ids = torch.tensor([tok(" " + w, add_special_tokens=False)["input_ids"][0] for w in ios])
+    s_ids = torch.tensor([tok(" " + w, add_special_tokens=False)["input_ids"][0] for w in ss])
     last = a["attention_mask"].sum(-1).cpu() - 1  # (B,) the last real token of each right-padded prompt
     metric = PairMetric("logit_diff", pair_logit_diff, {"correct": io_ids, "wrong": s_ids, "position": last})
-    return TaskPairs("ioi", a, b, metric, k,
+    return TaskPairs("ioi", a, b, metric, ks,
                      "IOI (Wang et al. 2022): BABA/ABBA templates, corrupted by ABC (three other all-different names); "
                      "metric logit(IO) - logit(S) at the last token")

@@ -57,7 +57,8 @@ def retrieval(model, n: int = 64, *, seed: int = 0) -> TaskPairs:
                              f"keeps {have} and splits or lacks {[w for w in pool if w not in have][:8]}: use a model "
                              "whose vocabulary has them")
     rng = random.Random(check_seed(seed))
-    kept, tried = [], 0
+    kept: list[tuple[str, str, str, str, int]] = []
+    tried = 0
     while len(kept) < n:
         if tried >= max_draws(n):
             raise too_few("retrieval", len(kept), n, tried, "clean and corrupted prompts of different lengths")
@@ -70,13 +71,13 @@ def retrieval(model, n: int = 64, *, seed: int = 0) -> TaskPairs:
         clean, corrupt = context + keys[q], context + keys[q2]
         if len(tok(clean)["input_ids"]) == len(tok(corrupt)["input_ids"]):
             kept.append((clean, corrupt, " " + values[q], " " + values[q2], k))
-    clean, corrupt, right, wrong, k = (list(x) for x in zip(*kept))
-    a, b, _ = prompt_pair(model, clean, corrupt, right, wrong)
+    cleans, corrupts, right, wrong, ks = (list(x) for x in zip(*kept))
+    a, b, _ = prompt_pair(model, cleans, corrupts, right, wrong)
     last = a["attention_mask"].sum(-1).cpu() - 1
     metric = PairMetric("logit_diff", pair_logit_diff, {
         "correct": torch.tensor([tok(w, add_special_tokens=False)["input_ids"][0] for w in right]),
         "wrong": torch.tensor([tok(w, add_special_tokens=False)["input_ids"][0] for w in wrong]), "position": last})
-    return TaskPairs("retrieval", a, b, metric, k,
+    return TaskPairs("retrieval", a, b, metric, ks,
                      f"associative recall (Fu et al. 2023, Arora et al. 2023) in words: {FACTS} 'name city' facts then "
                      "one name again, corrupted by querying another name of the context; metric logit(V) - logit(V') "
                      "at the last token")

@@ -81,11 +81,11 @@ class Section(Part):
         and the results of the sections before it (by name)."""
         raise NotImplementedError
 
-    def write(self, job: Job, result, results: dict[str, object]) -> list[str]:
+    def write(self, job: Job, result, results: Mapping[str, object]) -> list[str]:
         """Write this section's files beside the page; returns notes."""
         return []
 
-    def page(self, job: Job, result, results: dict[str, object]) -> PagePart:
+    def page(self, job: Job, result, results: Mapping[str, object]) -> PagePart:
         """This section's part of the page."""
         return PagePart()
 

@@ -77,11 +77,13 @@ def flow_view(loaded, recording: Recording, *, mode: str, drawn: Sequence[tuple[
         view.value_norms = {(l, h): norms[l][h].double().cpu().numpy() for l, h in drawn}
         if mode == "full":
             roll = rollout(loaded, recording)
+            assert roll.maps is not None  # every row: the maps
             view.rollout_map = roll.maps[-1].double().cpu().numpy()
             view.rollout_rows = {p: view.rollout_map[p] for p in sorted({0, n - 1})}
             view.note = "rollout through the last layer: row i says how much of each input token reaches token i"
         else:
             roll = rollout(loaded, recording, rows=sorted({0, n - 1}))
+            assert roll.row_positions is not None and roll.rows is not None  # rows asked for
             view.rollout_rows = {p: r.double().cpu().numpy() for p, r in zip(roll.row_positions, roll.rows)}
             limit = f" > {max_full_tokens}" if max_full_tokens is not None else ""
             view.note = (f"rollout rows only: {n} tokens{limit} is past the full-map length, so only the rows of "
