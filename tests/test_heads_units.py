@@ -149,3 +149,33 @@ def test_a_resume_with_other_settings_is_refused(saved, ids, tmp_path, capsys, m
     assert run_cli(args, capsys)[0] == 130
     code, _, se = run_cli([*args[:-3], "3", "--out", out, "--resume"], capsys)
     assert code == 2 and "other settings (batch_size)" in se, se
+
+
+@pytest.mark.distributed
+def test_under_torchrun_the_runner_s_split_gives_one_process_s_files(saved, ids, tmp_path, capsys):
+    """2 gloo ranks (torchrun, 127.0.0.1): importance's batches split across the ranks, the ablation's and the
+    pruning's chained units on the first; every number in the files equals one process's (the same batches, added
+    in the same order), the pruning curve recomputing importance on the first rank alone (no collective waits)."""
+    import sys
+    from pathlib import Path
+
+    from test_tensor_parallel import run_world
+
+    worker = Path(__file__).parent / "workers" / "heads_dp_worker.py"
+    sys.path.insert(0, str(worker.parent))
+    import heads_dp_worker
+
+    (saved.parent / "ids.txt").write_text(ids.read_text())
+    codes = run_world(2, saved, tmp_path / "dp", torchrun=True, worker=worker, timeout=600)
+    assert all(c == {"importance": 0, "ablate": 0, "prune": 0} for c in codes), codes
+    for args in heads_dp_worker.commands(str(saved), saved.parent / "ids.txt", tmp_path / "one").values():
+        assert run_cli(args, capsys)[0] == 0
+    for name in ("importance/importance.json", "ablate/ablation.json", "prune/curve.json"):
+        got, one = (json.loads((tmp_path / w / name).read_text()) for w in ("dp", "one"))
+        for d in (got, one):
+            d.pop("seconds", None), d.pop("version", None)
+            for u in d.get("units", {}).values():
+                u.pop("seconds", None)
+        assert got == one, name
+    assert sorted(p.name for p in (tmp_path / "dp" / "prune").iterdir()) == \
+        sorted(p.name for p in (tmp_path / "one" / "prune").iterdir())

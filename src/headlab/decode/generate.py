@@ -30,7 +30,7 @@ from headlab.costs.tensor_parallel import kv_cache_bytes_per_rank
 from headlab.decode.cache import HeadCache
 from headlab.decode.kv import Policy, check_decoder, full, kv_layout
 from headlab.errors import ConfigError, InputError, UnsupportedArchitectureError
-from headlab.progress import progress_bar
+from headlab.progress import Progress, reporter
 from headlab.results import envelope, write_json
 from headlab.spec.memory_guard import check_fits
 
@@ -173,7 +173,7 @@ def _next(logits: torch.Tensor, *, sample: bool, temperature: float, top_k: int 
 
 def generate(model, prompt, *, policy: Policy | None = None, max_new_tokens: int = 32, sample: bool = False,
              temperature: float = 1.0, top_k: int | None = None, seed: int | None = None, stop_at_eos: bool = True,
-             progress: bool = False, question=None) -> Generation:
+             progress: bool | Progress | None = False, question=None) -> Generation:
     """Decode ``max_new_tokens`` tokens after ``prompt`` with a KV cache shaped by ``policy``.
 
     Args:
@@ -184,7 +184,8 @@ def generate(model, prompt, *, policy: Policy | None = None, max_new_tokens: int
         max_new_tokens: how many tokens to generate (fewer when the model emits its end-of-sequence token
             and ``stop_at_eos``).
         sample, temperature, top_k, seed: sampling instead of greedy decoding, reproducible with ``seed``.
-        progress: a progress bar over the steps.
+        progress: the steps' progress (:mod:`headlab.progress`): a display on stderr (True), nothing (False,
+            None) or ``progress(stage, done, total)``.
         question: a text or ids fed as one more forward after the prompt's prefill, before the first new token.
             SnapKV / Ada-KV rules select from the prefill, so with ``question`` the selection does not know the
             question (query-agnostic, as kvpress evaluates: compress the context, then ask); without it, a
@@ -234,13 +235,12 @@ def generate(model, prompt, *, policy: Policy | None = None, max_new_tokens: int
         if nq:  # after the prefill (and SnapKV's selection): the question, as one more chunk
             logits = hf(input_ids=q_ids, cache=cache, use_cache=True, logits_to_keep=1).logits[0, -1]
         t1 = time.perf_counter()
-        with progress_bar(progress) as bar:
-            task = bar.add_task("decoding", total=max_new_tokens)
+        with reporter(progress) as say:  # the one protocol: a display of its own (True) or the caller's
             for step in range(max_new_tokens):
                 logits_seen.append(logits.float())
                 tok = _next(logits, sample=sample, temperature=temperature, top_k=top_k, gen=gen)
                 out_ids.append(tok)
-                bar.advance(task)
+                say("decoding", step + 1, max_new_tokens)
                 if tok in eos or step == max_new_tokens - 1:
                     break
                 logits = hf(input_ids=torch.tensor([[tok]], device=ids.device), cache=cache, use_cache=True).logits[0, -1]

@@ -143,10 +143,12 @@ def _window(value, option, options) -> None:
 
 
 class _Decoding(Instrument):
-    """What both share: the library draws its own bars, so the runner opens no display of its own."""
+    """What both share: the model's positions, peeked before the load (the runner's display shows their progress)."""
 
-    display = False
+    # stderr holds the decoding (or training) progress and the runner's one line on Ctrl-C, without a "loading
+    # model" line: a log of many prompts reads as one line per prompt (tests/test_row_generate.py)
     announce = False
+
     def positions(self, ctx: Context) -> int | None:
         """The model's positions: peeked before the load, or the loaded model's."""
         if ctx.loaded is not None:
@@ -241,7 +243,7 @@ headlab generate "The capital of France is" --policy streaming:4,256 --max-new-t
         return generate(ctx.loaded, o["prompt"], policy=ctx.state["policy"], max_new_tokens=o["max_new_tokens"],
                         sample=o["sample"], temperature=1.0 if o["temperature"] is None else o["temperature"],
                         top_k=o["top_k"], seed=(o["seed"] or 0) if o["sample"] else None,
-                        progress=not o["as_json"])
+                        progress=None if o["as_json"] else ctx.progress)
 
     def unit_to_json(self, value):
         return value.to_json()
@@ -312,8 +314,6 @@ Interrupted (Ctrl-C), --out keeps the finished steps; the same command with --re
     )
     output = Output("out", folder=False, force="force")
     resumable = True  # the steps are units: --resume continues from the last one kept in --out
-    display = True  # the runner's display, where run_unit shows the steps (no "loading model" line: a load's
-    announce = False  # refusal stays the one line on stderr)
     stage = "training gates"
     # the steps follow one another (each starts from the gates the one before left): the runner gives them all to
     # rank 0, which trains as one process would

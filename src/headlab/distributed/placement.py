@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 import torch
 import torch.distributed as dist
@@ -43,13 +43,16 @@ from headlab.distributed.comm import talking
 from headlab.distributed.comm import world as _world
 from headlab.errors import ConfigError, InputError
 
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
+
 Q_KINDS = ("q", "pattern", "z", "head_out")  # sites whose axis 1 is the query heads
 KV_KINDS = ("k", "v")  # sites whose axis 1 is the kv heads
 STATS_FIELDS = ("lse", "entropy", "max_weight", "argmax", "mean_distance", "key_mass", "received", "rows",
                 "output", "visible")  # AttentionStats fields with a head axis (axis 1)
 
 
-def is_dtensor(t) -> bool:
+def is_dtensor(t) -> TypeGuard[DTensor]:
     """Whether ``t`` is a ``torch.distributed.tensor.DTensor`` (read by name: nothing is imported)."""
     return type(t).__name__ == "DTensor" and hasattr(t, "placements")
 

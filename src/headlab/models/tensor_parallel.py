@@ -55,7 +55,9 @@ def _offset(t) -> int:
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     _, off = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
-    return off[_placement_dim(t)]
+    dim = _placement_dim(t)
+    assert dim is not None  # read of a sharded weight only
+    return off[dim]
 
 
 def placement_of(model: nn.Module, adapter) -> Placement | None:
@@ -126,7 +128,7 @@ def gate_hook(module: nn.Module, args: tuple):
     """Pre-hook on a row-parallel W^O: its input is this rank's heads ``(B, L, H/world*d)``; split, report z, apply
     the gates of these heads' global indices, join again."""
     x = args[0]
-    state: LayerState = module._headlab
+    state: LayerState = module._headlab  # type: ignore[assignment]  # torch types module attributes Tensor | Module
     H, d = state.n_heads, state.head_dim  # local heads
     lead = x.shape[:-1]
     z = visit(state, "z", x.reshape(*lead, H, d).movedim(-2, -3))  # (B, H_local, L, d)
@@ -147,7 +149,7 @@ def local_W_O(module: nn.Module, n_local: int, head_dim: int) -> torch.Tensor:
 def head_out_hook(module: nn.Module, args: tuple, output: torch.Tensor):
     """Hook on a row-parallel W^O: head_out for this rank's heads; when edited (or its gradient is wanted), the
     output is rebuilt as the sum over every rank's heads (an all-reduce, as the row-parallel layer does) plus the bias."""
-    state: LayerState = module._headlab
+    state: LayerState = module._headlab  # type: ignore[assignment]  # torch types module attributes Tensor | Module
     zg, state.z_gated = state.z_gated, None
     if zg is None:
         return None
@@ -204,6 +206,7 @@ def global_edit(adapter, fn: Callable, kind: str) -> Callable:
 
     def edit(t: torch.Tensor, site: str) -> torch.Tensor:
         full = tp.gather(t, kind)
+        assert full is not None  # to="all": every rank gets it
         new = fn(full, site)
         if isinstance(new, torch.Tensor) and new.shape != full.shape:
             raise ShapeError(f"the edit of {site} returned shape {tuple(new.shape)}; the site has shape "

@@ -65,6 +65,7 @@ def check_before_load(config, world: int) -> None:
     if H % world:
         raise ConfigError(f"tensor parallelism over {world} ranks: the model has {H} query heads, which {world} does "
                           f"not divide; use a world size that divides {H}")
+    assert Hkv is not None  # or H, read above
     if Hkv % world:
         raise ConfigError(
             f"tensor parallelism over {world} ranks: the model has {Hkv} key/value heads, which {world} does not "
@@ -151,6 +152,7 @@ def reinstall_forwards(model: nn.Module) -> None:
         code = getattr(fn, "__code__", None)
         if code is None or not {"self", "mesh", "module"} <= set(code.co_freevars):
             continue
+        assert fn is not None  # it has a __code__
         cells = dict(zip(code.co_freevars, fn.__closure__))
         style, mesh = cells["self"].cell_contents, cells["mesh"].cell_contents
         del m.forward

@@ -29,6 +29,8 @@ adapter's own views, detached, and move nothing.
 
 from __future__ import annotations
 
+from typing import overload
+
 import torch
 from torch import nn
 
@@ -54,6 +56,10 @@ def value_path(adapter, layer: int) -> tuple[torch.Tensor, torch.Tensor | None, 
     return WV, bV, WO
 
 
+@overload
+def whole(t: torch.Tensor) -> torch.Tensor: ...
+@overload
+def whole(t: None) -> None: ...
 def whole(t: torch.Tensor | None) -> torch.Tensor | None:
     """``t`` as one plain tensor on every rank (a sharded weight gathered, detached), None as None."""
     return None if t is None else Placement.full(t.detach())
