@@ -111,6 +111,24 @@ def test_ctrl_c_before_any_batch_writes_nothing(setup, tmp_path, capsys, monkeyp
     assert not (tmp_path / "o" / "relations.json").exists()
 
 
+def test_resume_refuses_units_kept_for_another_treebank(setup, one_per_batch, tmp_path, capsys, monkeypatch):
+    folder, tb = setup
+    real = ProbeRun.unit
+
+    def second_stops(self, key):
+        if key == "batch 2":
+            raise KeyboardInterrupt
+        return real(self, key)
+
+    monkeypatch.setattr(ProbeRun, "unit", second_stops)
+    args = ["probe", "--treebank", tb, "--model", folder, "--out", tmp_path / "o"]
+    assert run_cli(args, capsys)[0] == 130
+    monkeypatch.setattr(ProbeRun, "unit", real)
+    tb.write_text(CONLLU.replace("\tShe\t", "\tHe\t") * 3, encoding="utf-8")  # the same path, other sentences
+    code, _, err = run_cli([*args, "--resume"], capsys)
+    assert code == 2 and "the kept units batch 1 were computed for another treebank" in err, err
+
+
 RANK_SCRIPT = '''
 import json, os, sys
 from pathlib import Path

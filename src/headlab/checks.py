@@ -126,7 +126,8 @@ def at_least(name: str, value, low, *, what: str = "", hint: str = "", error=Con
     """A finite number ``>= low`` (an int or a float; use :func:`int_at_least` where only an integer fits)."""
     ok = is_number(value) and (is_int(value) or math.isfinite(value)) and value >= low
     if not ok:  # infinity is at least anything: say it is the finiteness that fails
-        expected = f"a finite number of at least {low}" if is_number(value) and value == math.inf else f"at least {low}"
+        finite = not is_number(value) or is_int(value) or math.isfinite(value)
+        expected = f"at least {low}" if finite else f"a finite number of at least {low}"  # inf and NaN: not a setting
         raise _refuse(error, message, expected, name, value, what, hint, low=low)
     return value
 

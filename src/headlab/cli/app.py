@@ -13,9 +13,9 @@ from pathlib import Path
 
 import typer
 
+import headlab.checks as checks
 from headlab.cli.table import CommandGroup
 from headlab.cli.terminal import INTERRUPTED_EXIT, console, err_console, invoked
-from headlab.errors import ConfigError
 from headlab.reading import read_file, read_text
 from headlab.results import check_output_dir, check_output_file, print_json
 from headlab.units import human_bytes, human_flops
@@ -47,10 +47,8 @@ def check_text(text: str, option: str) -> str:
 
 def check_at_least(option: str, value, low, *, what: str = "") -> None:
     """``value >= low`` (and finite), or a ConfigError in the option's name."""
-    if value is None:
-        return
-    if value != value or value in (float("inf"), float("-inf")) or value < low:
-        raise ConfigError(f"{option} must be at least {low}{what}, got {value}")
+    if value is not None:
+        checks.at_least(option, value, low, what=what)
 
 
 def __getattr__(name: str):

@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> None:
         native_enabled()
         code = app(args=argv, prog_name="headlab", standalone_mode=False)  # parse errors come back to us
     except HeadlabError as e:
-        err_console.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
+        err_console.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
         sys.exit(CLI_EXIT_CODE)
     except PARSE_ERRORS as e:
         sys.exit(_parse_error(e))

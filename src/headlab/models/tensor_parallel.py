@@ -39,7 +39,7 @@ from torch import nn
 
 from headlab.distributed.comm import talking
 from headlab.distributed.placement import KV_KINDS, Q_KINDS, Placement, is_dtensor
-from headlab.errors import ConfigError, DistributedError, ShapeError, UnsupportedArchitectureError
+from headlab.errors import DistributedError, ShapeError, UnsupportedArchitectureError
 from headlab.models.sites import LayerState, visit
 
 

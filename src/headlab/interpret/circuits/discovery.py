@@ -71,10 +71,13 @@ def check_ablation(ablation) -> str:
 
 
 def check_int(name: str, value, low: int, high: int | None = None, why: str = "") -> int:
-    """:func:`headlab.checks.int_at_least` (``high`` None) or :func:`~headlab.checks.int_in_range`."""
+    """:func:`headlab.checks.int_at_least` (``high`` None) or :func:`~headlab.checks.int_in_range`, in the
+    circuits' words: ``"n_edges=0: give a whole number of 1 or more"``."""
+    span = f"from {low} to {high}" if high is not None else f"of {low} or more"
+    message = "{name}={value!r}: give a whole number " + f"{span}{why}".replace("{", "{{").replace("}", "}}")
     if high is None:
-        return checks.int_at_least(name, value, low, what=why)
-    return checks.int_in_range(name, value, low, high, what=why)
+        return checks.int_at_least(name, value, low, message=message)
+    return checks.int_in_range(name, value, low, high, message=message)
 
 
 def check_progress(progress) -> None:
@@ -232,9 +235,9 @@ def discover(model, clean, corrupted, metric, *, method: str = "top-n", n_edges:
             raise ConfigError("n_edges is top-n's and greedy's; ACDC's size follows from threshold")
         if scores is not None:
             raise ConfigError("ACDC measures each edge itself and takes no scores; pass scores to 'top-n' or 'greedy'")
-        checks.at_least("threshold", threshold, 0, what=f" (ACDC removes an edge when the "
-                        f"{'KL divergence' if criterion == 'kl' else '|metric change|'} grows by at most that; "
-                        "Conmy et al. sweep 1e-4 to 1e-1)")
+        checks.at_least("threshold", threshold, 0, message="threshold={value!r}: ACDC needs a number >= 0 (it removes "
+                        f"an edge when the {'KL divergence' if criterion == 'kl' else '|metric change|'} grows by at "
+                        "most that; Conmy et al. sweep 1e-4 to 1e-1)")
         check_int("acdc_max_edges", acdc_max_edges, 1)
     else:
         if threshold is not None:

@@ -166,7 +166,8 @@ def edge_scores(model, clean, corrupted, metric, *, method: str = "eap", steps: 
     if edges is not None:
         raise ConfigError("edges= chooses the edges of exact patching; EAP and EAP-IG score every edge at once")
     if method == "eap-ig":
-        checks.int_in_range("steps", steps, 1, 1000, what=" (EAP-IG's interpolation steps; Hanna et al. use 5 to 100)")
+        checks.int_in_range("steps", steps, 1, 1000, message="steps={value!r}: give a whole number of interpolation "
+                            "steps from 1 to 1000 (Hanna et al. use 5 to 100)")
         if ig not in IG_KINDS:
             raise ConfigError(f"ig={ig!r}: choose 'inputs' (interpolate the input embeddings) or 'activations'")
     else:

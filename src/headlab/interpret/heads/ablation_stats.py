@@ -61,7 +61,7 @@ def linear_cka(zx: torch.Tensor, zy: torch.Tensor, wx: torch.Tensor, wy: torch.T
     return float(num / den) if float(den) > 0 else float("nan")
 
 
-def collect_z(store: dict, heads, zs: dict, mask: torch.Tensor, cap: int) -> None:
+def collect_z(store: dict, heads, zs: dict, mask: torch.Tensor | None, cap: int) -> None:
     """Append z_h at real tokens ``(n, d)`` for the CKA, up to ``cap`` tokens per head."""
     for (l, h) in heads:
         have = store.get((l, h))

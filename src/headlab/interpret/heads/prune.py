@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -202,8 +203,8 @@ def pruning_curve(loaded, texts, labels=None, *, loss: C.Loss = "auto", importan
     else:
         for b in data:
             b.ref = {}  # type: ignore[attr-defined]  # as above
-    kw = dict(loss=loss, batch_size=batch_size, normalize=normalize, backend=backend, seed=seed,
-              max_length=max_length, progress=False, local=local)
+    kw: dict[str, Any] = dict(loss=loss, batch_size=batch_size, normalize=normalize, backend=backend, seed=seed,
+                              max_length=max_length, progress=False, local=local)
     if importance is None:  # its own bar when progress is one (a callable is not shared with importance.py)
         importance = importance_scores(loaded, texts, labels, **{**kw, "progress": progress is True})[0]
     order = order_heads(importance)

@@ -28,12 +28,12 @@ and the sites and statistics it reads, declared before the one recording.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
+import headlab.checks as checks
 from headlab.distributed.placement import TensorParallel
 from headlab.errors import ConfigError
 from headlab.reading import KINDS
@@ -107,10 +107,7 @@ class Option:
 def at_least(low, what: str = "") -> Callable[[Any, Option, dict], None]:
     """An :class:`Option` check: the value is finite and ``>= low`` (the CLI's ``check_at_least`` message)."""
     def check(value, option: Option, options: dict) -> None:
-        if isinstance(value, float) and not math.isfinite(value):  # inf is at least anything, and not a setting
-            raise ConfigError(f"{option.label} must be a finite number of at least {low}{what}, got {value}")
-        if value < low:
-            raise ConfigError(f"{option.label} must be at least {low}{what}, got {value}")
+        checks.at_least(option.label, value, low, what=what)  # inf and NaN: "a finite number of at least ..."
     return check
 
 

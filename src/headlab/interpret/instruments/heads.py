@@ -73,6 +73,7 @@ class _HeadStudy(Instrument):
     resumable = True  # the units are kept in the result file: --resume finishes an interrupted run
     stage = "batches"
     envelope: Callable[[Any], dict]  # each study's own: its result's JSON document
+    result: Callable[[Context, dict], Any]  # each study's own: its result from the units' values
 
     def check(self, ctx: Context) -> None:
         if ctx.options["data"] is None:

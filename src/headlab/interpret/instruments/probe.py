@@ -104,7 +104,9 @@ output. Ctrl-C keeps the finished batches in OUT/relations.json; --resume finish
         return [Unit(key) for key in run.units()]
 
     def run_unit(self, ctx: Context, unit, recording=None):
-        return ctx.state["run"].unit(unit.key)  # the batch's sums, as JSON-able lists
+        run = ctx.state["run"]
+        run.check(ctx.kept)  # units kept by --resume for another treebank or model: refused before any work
+        return run.unit(unit.key)  # the batch's sums, as JSON-able lists
 
     def finish(self, ctx: Context, values: dict) -> InstrumentResult:
         return InstrumentResult.of(ctx.state["run"].finish(values))

@@ -158,22 +158,23 @@ class Prune(Instrument):
             spec = {}
             for l, h in order[: int(round(o["fraction"] * len(order)))]:
                 spec.setdefault(l, []).append(h)
-        return prune_heads(ctx.loaded, spec, allow_empty_layers=o["allow_empty_layers"], gqa=o["gqa"]), spec
+        # the pruned model stays with the rank that made it (the runner's values travel between ranks as JSON-able
+        # objects); the unit's value is what was removed and what is left
+        pruned = ctx.state["pruned"] = prune_heads(ctx.loaded, spec, allow_empty_layers=o["allow_empty_layers"],
+                                                   gqa=o["gqa"])
+        return {"heads_per_layer": pruned.adapter.layer_heads, "removed": {str(k): v for k, v in spec.items()},
+                "notes": pruned.notes}
 
     def unit_to_json(self, value):
-        if isinstance(value, tuple):  # the model unit: what was removed and what is left (the weights are written)
-            pruned, spec = value
-            return {"heads_per_layer": pruned.adapter.layer_heads, "removed": {str(k): v for k, v in spec.items()},
-                    "notes": pruned.notes}
-        if isinstance(value, dict):  # an importance batch's sums
+        if isinstance(value, dict):  # the model unit's summary, or an importance batch's sums
             from headlab.interpret.heads.units import ImportanceUnits
 
-            return ImportanceUnits.to_json(value)
+            return value if "removed" in value else ImportanceUnits.to_json(value)
         return value.to_json()
 
     def finish(self, ctx: Context, values: dict) -> InstrumentResult:
-        pruned, spec = values["model"]
-        summary = {"out": str(Path(ctx.options["out"])), **self.unit_to_json(values["model"])}
+        pruned = ctx.state["pruned"]  # rank 0 ran the chained units
+        summary = {"out": str(Path(ctx.options["out"])), **values["model"]}
         curve = values.get("curve")
         if curve is not None:
             summary["curve"] = curve.summary()
@@ -182,7 +183,7 @@ class Prune(Instrument):
 
     def write_kept(self, ctx: Context, values: dict, path: Path) -> list[Path]:
         """Interrupted in the curve: the pruned model is finished, so it is saved, as the command always did."""
-        return [values["model"][0].save(path)] if "model" in values else []
+        return [ctx.state["pruned"].save(path)] if "model" in values else []
 
     def write(self, ctx: Context, result, path: Path) -> list[Path]:
         """The pruned model into ``path`` (the --out folder); with a curve, curve.json, curve.png, heads.html."""

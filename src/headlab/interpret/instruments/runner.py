@@ -35,6 +35,7 @@ from headlab.reading import read
 from headlab.results import Result, check_output_dir, check_output_file, to_json_value
 
 UNITS_KEY = "units"  # where a file keeps its units' values (interrupted files, and finished resumable ones)
+UNITS_SETTINGS_KEY = "units_settings"  # the run's settings beside them, when the result's own are other
 INTERRUPTED_KEY = "interrupted"
 
 
@@ -97,6 +98,7 @@ def _earlier(ctx: Context, keys: Sequence[str]) -> dict:
     source = partial if partial.is_file() else ctx.path
     if not source.is_file():
         return {}
+    assert ctx.instrument.output is not None  # a path comes from the instrument's output
     flag = ctx.instrument.option(ctx.instrument.output.option).label
     earlier = Result.load(source, what=f"a {ctx.instrument.result_kind} result to resume")
     if earlier.kind != ctx.instrument.result_kind:
@@ -106,8 +108,9 @@ def _earlier(ctx: Context, keys: Sequence[str]) -> dict:
     if not isinstance(units, dict):
         raise InputError(f"--resume: {str(ctx.path)!r} keeps no units to resume from; drop --resume to start again")
     now = to_json_value(ctx.settings)  # as the file holds them (NaN as null, paths as strings)
-    if earlier.settings != now:
-        diff = sorted(k for k in set(now) | set(earlier.settings) if now.get(k) != earlier.settings.get(k))
+    saved = earlier.figures.get(UNITS_SETTINGS_KEY, earlier.settings)
+    if saved != now:
+        diff = sorted(k for k in set(now) | set(saved) if now.get(k) != saved.get(k))
         raise InputError(f"--resume: {str(ctx.path)!r} was computed with other settings ({', '.join(diff)}); run "
                          "with the same options, or drop --resume to start again")
     return {k: ctx.instrument.unit_from_json(units[k]) for k in keys if k in units}
@@ -122,7 +125,7 @@ def _partial(ctx: Context, values: dict, total: int) -> Result:
 
 def run(instrument: Instrument | str, options: dict | None = None, *, resume: bool = False,
         progress=None, transient: bool = False, say: Callable[[str], None] = _stderr,
-        tensor_parallel: bool | int = False, command: str | None = None) -> Outcome:
+        tensor_parallel: bool | int | TensorParallel | None = False, command: str | None = None) -> Outcome:
     """Run one instrument through the whole lifecycle (see the module docstring); returns its :class:`Outcome`.
 
     ``instrument``: an instance or a registered name; ``options``: by Python name (defaults filled in);
@@ -159,7 +162,8 @@ def check_tensor_parallel(instruments: Sequence[Instrument], tensor_parallel) ->
 
 def run_together(runs: Sequence[tuple[Instrument | str, dict]], *, resume: bool = False, progress=None,
                  transient: bool = False, say: Callable[[str], None] = _stderr,
-                 tensor_parallel: bool | int = False, command: str | None = None) -> list[Outcome]:
+                 tensor_parallel: bool | int | TensorParallel | None = False,
+                 command: str | None = None) -> list[Outcome]:
     """Run several instruments on one model: one load, and per unit key one recording of the union of their
     sites (units of the same key must share their inputs). Each writes its own result. An output another run is
     writing is refused (:func:`headlab.results.output_lock`, a lock file beside it, held until the run ends)."""
@@ -179,7 +183,7 @@ def run_together(runs: Sequence[tuple[Instrument | str, dict]], *, resume: bool 
         if resume and not ctx.instrument.resumes(ctx):  # before the output check lets --resume write into a folder
             raise InputError(f"--resume: {ctx.instrument.name} keeps no units with these options; drop --resume")
         ctx.path = output_path(ctx, resume=resume)
-        if resume and (ctx.path is None or ctx.instrument.output.file is None):
+        if resume and (ctx.path is None or ctx.instrument.output is None or ctx.instrument.output.file is None):
             what = (f"give {ctx.instrument.option(ctx.instrument.output.option).label}"
                     if ctx.instrument.output is not None and ctx.path is None else "drop --resume")
             raise InputError(f"--resume keeps the units of {ctx.instrument.name}'s result file, and this run writes "
@@ -187,7 +191,7 @@ def run_together(runs: Sequence[tuple[Instrument | str, dict]], *, resume: bool 
     with contextlib.ExitStack() as held:
         if os.environ.get("RANK", "0") == "0":  # torchrun's ranks share the output: rank 0 holds it
             for ctx in ctxs:
-                if ctx.path is not None:
+                if ctx.path is not None and ctx.instrument.output is not None:  # a path comes from the output
                     held.enter_context(output_lock(_guarded(ctx), ctx.instrument.option(ctx.instrument.output.option).label))
         return _load_and_work(ctxs, resume=resume, progress=progress, transient=transient, say=say, command=command)
 
@@ -218,6 +222,7 @@ def check_tokenizer(ctx: Context) -> None:
 def _guarded(ctx: Context) -> Path:
     """The path a run's lock guards: the output folder (a folder output), else the result file."""
     spec = ctx.instrument.output
+    assert spec is not None and ctx.path is not None  # called for a run that writes
     folder = Path(ctx.options[spec.option]).expanduser()
     return folder if spec.folder else ctx.path
 
@@ -322,6 +327,7 @@ def _partial_path(ctx: Context) -> Path:
     """Where an interrupted run's units go: the result file when it is JSON (a resumed run reads it back), else a
     ``.partial.json`` beside it (``--out report.html`` keeps its units as JSON, not in the page's name)."""
     path = ctx.path
+    assert path is not None  # called for a run that writes
     return path if path.suffix.lower() == ".json" else path.with_name(path.stem + ".partial.json")
 
 
@@ -335,8 +341,8 @@ def _close(ctx: Context, kept: dict, total: int, interrupted: bool, say, command
     if not ctx.main:
         return Outcome(None, ctx.path, interrupted=interrupted, kept=len(kept), total=total, main=False, ctx=ctx)
     if interrupted:
-        files = []
-        if ctx.path is not None and kept and inst.output.file is not None:
+        files: list[Path] = []
+        if ctx.path is not None and kept and inst.output is not None and inst.output.file is not None:
             ctx.path.parent.mkdir(parents=True, exist_ok=True)
             files = [_partial(ctx, kept, total).save(_partial_path(ctx))]
         elif ctx.path is not None and kept:  # a folder of the instrument's own files: it writes what it can
@@ -351,8 +357,11 @@ def _close(ctx: Context, kept: dict, total: int, interrupted: bool, say, command
     result = inst.finish(ctx, kept)
     if inst.resumable:
         result.figures[UNITS_KEY] = {k: inst.unit_to_json(v) for k, v in kept.items()}
-    files: list[Path] = []
+        if to_json_value(result.settings) != to_json_value(ctx.settings):  # the result's own settings differ: the
+            result.figures[UNITS_SETTINGS_KEY] = ctx.settings  # run's are kept beside its units, for --resume
+    files = []
     if ctx.path is not None:
+        assert inst.output is not None  # a path comes from the instrument's output
         (ctx.path if inst.output.folder and inst.output.file is None else ctx.path.parent).mkdir(parents=True,
                                                                                                 exist_ok=True)
         files = inst.write(ctx, result, ctx.path)

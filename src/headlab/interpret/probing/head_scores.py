@@ -159,7 +159,8 @@ class ProbeRun:
         self.rel_index = {r: i for i, r in enumerate(names)}
         self.causal = _is_causal(loaded)
         self.key = hashlib.sha256(json.dumps([  # what a unit's value depends on: a value kept for another is refused
-            loaded.name, heads, names, [(a.sentence.sent_id, a.n_tokens) for a in items], head_map_sentences,
+            loaded.name, heads, names, [(a.sentence.sent_id, a.sentence.text, a.sentence.heads.tolist(),
+                                         list(a.sentence.relations), a.n_tokens) for a in items], head_map_sentences,
             self.rows_each, grad_sentences, chosen is not None and chosen.name, batch_bytes]).encode()).hexdigest()[:16]
 
     def units(self) -> list[str]:
@@ -200,13 +201,18 @@ class ProbeRun:
                 "n_pairs": surface.n_pairs, "any_sep": surface.any_sep, "js": None if js is None else js.tolist(),
                 "js_rows": js_rows, "in_map": in_map}
 
-    def finish(self, values: dict) -> ProbeResult:
-        """The :class:`ProbeResult` of the units in ``values`` (by key), added in order. Missing batches (an
-        interrupted :func:`probe`) leave a note and no gradient test; no batch at all is a KeyboardInterrupt."""
-        stale = sorted(k for k, v in values.items() if v.get("plan") != self.key)
+    def check(self, values: dict) -> None:
+        """Units kept from an earlier run (``--resume``) must be this plan's: another treebank, model or batching
+        under the same options is an :class:`InputError`."""
+        stale = sorted(k for k, v in values.items() if not isinstance(v, dict) or v.get("plan") != self.key)
         if stale:
             raise InputError(f"the kept units {', '.join(stale)} were computed for another treebank, model or "
                              "batching; drop --resume to start again")
+
+    def finish(self, values: dict) -> ProbeResult:
+        """The :class:`ProbeResult` of the units in ``values`` (by key), added in order. Missing batches (an
+        interrupted :func:`probe`) leave a note and no gradient test; no batch at all is a KeyboardInterrupt."""
+        self.check(values)
         loaded, heads, R = self.loaded, self.loaded.adapter.layer_heads, len(self.names)
         L, H, K = loaded.adapter.n_layers, loaded.adapter.n_heads, sum(heads)
         correct = torch.zeros(2, K, R)
