@@ -739,11 +739,6 @@ C3 = "census3"  # every test of this section carries it: pytest -k census3
 GATES = ["train-gates", "--out", "{tmp}/g.json"]
 TC3 = ["train-classifier", "--train", "{data}", "--validation", "{data}"]
 BA3 = ["bench", "attention", "--seq-lens", "16"]
-LEAD_EMPTY_MODEL = ("lead (instruments/base.py or runner.py): refuse --model '' with the other checks, before the "
-                    "'loading model' line and before --out is made (today the load says 'the model name is empty' as "
-                    "the second line of stderr, after the run made --out)")
-LEAD_INF = ("lead (instruments/base.py, at_least): a non-finite value is refused as 'must be at least {low}, got inf', "
-            "which inf is; say 'must be a finite number of at least {low}, got inf'")
 
 
 def _files3(tmp: Path) -> dict:
@@ -1052,7 +1047,6 @@ def test_census3_odd_but_valid_command_lines(args, check, capsys, no_load):
 
 
 X5 = torch.randn(1, 5, 16, generator=torch.Generator().manual_seed(2))  # (batch, seq, embed) for MultiHeadAttention
-RESULTS = "results (results.py): "
 
 
 def _write(f, name, text):
@@ -1279,12 +1273,10 @@ API_REFUSED3 = [
         r"x is a set", "clean"),
     api("c3 write_json a folder", lambda f: headlab.write_json(f["dir"], {"x": 1}), InputError, r"adir' is a folder",
         "clean"),
-    api("c3 Result.load None", lambda f: headlab.Result.load(None), InputError, r"got NoneType", "untyped",
-        fix=RESULTS + "Result.load / read_json: refuse a path that is not str or os.PathLike (a TypeError from "
-                      "pathlib)"),
+    api("c3 Result.load None", lambda f: headlab.Result.load(None), InputError, r"got NoneType", "untyped"),
+    # fixed: reading.read_json_file refuses a path that is not str or os.PathLike (was a TypeError from pathlib)
     api("c3 Result kind 5", lambda f: headlab.Result(5), ConfigError, r"kind must be a non-empty string, got 5",
-        "silently wrong", fix=RESULTS + "Result.__post_init__: refuse a kind that is not a non-empty str (written to "
-                                        "disk as 5, read back as an unknown kind)"),
+        "silently wrong"),  # fixed: Result.__post_init__ (was written to disk as 5, read back as an unknown kind)
     # KV rules and policies
     api("c3 policy parse snapkv:-1", lambda f: _kv().Policy.parse("snapkv:-1"), ConfigError, r"budget=-1", "clean"),
     api("c3 policy parse adakv:abc", lambda f: _kv().Policy.parse("adakv:abc"), ConfigError,

@@ -6,6 +6,7 @@ and Ctrl-C keeps the finished sweeps (an interrupted sweep is not one of them)."
 from __future__ import annotations
 
 import json
+import shlex
 
 import pytest
 import torch
@@ -48,8 +49,8 @@ def test_the_command_is_the_instruments_row():
     inst = get("patch")
     assert type(inst).__name__ == "Patch" and inst.result_kind == "patch"
     params = command_params("patch")
-    assert set(params) == {o.name for o in inst.options} | {"tensor_parallel", "tensor_size"}
-    assert [o.name for o in inst.options] == [name for name, _, _ in OPTIONS]
+    assert set(params) == {o.name for o in inst.options} | {"tensor_parallel", "tensor_size", "resume"}  # the sweeps
+    assert [o.name for o in inst.options] == [name for name, _, _ in OPTIONS]  # are units: --resume (issue 39)
     for name, flags, default in OPTIONS:
         assert set(params[name].opts) == flags and params[name].default == default, name
     assert all(params[n].required for n in ("clean", "corrupted", "answer", "wrong"))
@@ -123,6 +124,26 @@ def test_ctrl_c_keeps_the_finished_sweeps(tiny_folder, tmp_path, capsys, monkeyp
         got = torch.tensor(kept["units"][f"exact {kind}"]["raw"][kind], dtype=torch.float32)
         assert torch.allclose(got, want, atol=1e-5)
     monkeypatch.setattr(patching, "attribution_patch", attribution_patch)
+    line = [ln for ln in err.splitlines() if ln.startswith("interrupted")][0]
+    again = shlex.split(line.split("to finish the rest: ", 1)[1])  # the printed command, pasted back
+    assert again[:2] == ["headlab", "patch"] and again[-1] == "--resume"
+    sweeps = []
+    monkeypatch.setattr(patching, "patch", lambda *a, **k: sweeps.append(k) or patch(*a, **k))
+    code, _, err = run_cli(again[1:], capsys)
+    assert code == 0 and sweeps == [], err  # only attribution ran: both sweeps came from the file
+    done = json.loads((tmp_path / "a.json").read_text())
+    fresh = tmp_path / "fresh.json"
+    assert run_cli([*args, "--method", "both", "--out", fresh], capsys)[0] == 0
+    want = json.loads(fresh.read_text())
+    for method in ("exact", "attribution"):
+        assert done[method]["effects"] == want[method]["effects"], method  # equal to an uninterrupted run
+    for kind, row in want["agreement"].items():  # the kept grids are to 6 decimals
+        assert {k: v for k, v in done["agreement"][kind].items() if not isinstance(v, float)} == \
+            {k: v for k, v in row.items() if not isinstance(v, float)}, kind
+        far = {k: (done["agreement"][kind][k], v) for k, v in row.items()
+               if isinstance(v, float) and k != "time_ratio"  # a measured time, not a number of the grids
+               and done["agreement"][kind][k] != pytest.approx(v, rel=1e-6, abs=1e-9)}
+        assert not far, (kind, far)
 
     real, forwards = runs.run_metric, []
 

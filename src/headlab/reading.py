@@ -249,6 +249,9 @@ def _check_conllu_line(path: str, option: str, n: int, line: str) -> None:
 
 def read_json_file(path: str | os.PathLike, option: str = "", *, what: str | None = None):
     """A JSON document, or one line naming the option, the line and column where it stops being JSON."""
+    if not isinstance(path, str | os.PathLike):  # Path(None) is a TypeError from pathlib
+        raise InputError(f"{option or 'the path'} must be a file path (a str or a pathlib.Path), got "
+                         f"{type(path).__name__}; give {what or WHAT['json']}")
     p = Path(path).expanduser()
     text = read_file(path, option, "json", what=what)
     try:

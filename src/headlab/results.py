@@ -52,7 +52,7 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePath
 
 from headlab._version import __version__
-from headlab.errors import HeadlabError, InputError
+from headlab.errors import ConfigError, HeadlabError, InputError
 
 HEADER = "headlab"  # the key the envelope's header sits under
 # results whose files named their kind in a bare "kind" before the envelope (others use "kind" for their own
@@ -84,6 +84,10 @@ class Result:
     version: str = __version__  # the headlab that computed it
     # what the writer noted (values JSON cannot hold, written as null), read back from the header's "notes"
     notes: list = field(default_factory=list, compare=False)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.kind, str) or not self.kind.strip():  # it names the result on disk and for readers
+            raise ConfigError(f"a result's kind must be a non-empty string, got {self.kind!r}")
 
     def to_json(self) -> dict:
         head: dict = {"kind": self.kind, "version": self.version, "model": self.model, "settings": self.settings}

@@ -112,12 +112,12 @@ class ImportanceUnits:
                             sum(v["seconds"] for v in values), conf)
 
     @staticmethod
-    def to_json(value: dict) -> dict:
+    def unit_to_json(value: dict) -> dict:
         """A batch's value as JSON (float64 sums as lists: they read back exactly)."""
         return {k: (v.tolist() if isinstance(v, torch.Tensor) else v) for k, v in value.items()}
 
     @staticmethod
-    def from_json(data: dict) -> dict:
+    def unit_from_json(data: dict) -> dict:
         out = dict(data)
         for k in ("importance", "confidence"):
             if out.get(k) is not None:
@@ -192,7 +192,7 @@ class AblationUnits:
         return plan.result(d_all, base, acc, heads, pairs, d_pair, cka_t, seconds)
 
     @staticmethod
-    def to_json(value: dict) -> dict:
+    def unit_to_json(value: dict) -> dict:
         """A unit's value as JSON (arrays as lists; a CKA not measurable, NaN, as null)."""
         out = {k: (v.tolist() if isinstance(v, np.ndarray) else v) for k, v in value.items()}
         if "cka" in out:
@@ -200,7 +200,7 @@ class AblationUnits:
         return out
 
     @staticmethod
-    def from_json(data: dict) -> dict:
+    def unit_from_json(data: dict) -> dict:
         out = dict(data)
         for k in ("d", "base", "acc", "cka"):
             if out.get(k) is not None:

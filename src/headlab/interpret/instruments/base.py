@@ -218,6 +218,8 @@ class Instrument(Part):
     # the first data rank runs them all, as one process would, and the runner gathers them as any other
     chained: ClassVar[bool] = False
     resumable: ClassVar[bool] = False  # the CLI row gets --resume, and finished files keep their units
+    keeps_units: ClassVar[bool] = True  # with resumable: False, a finished file is the result alone (its units are
+    # in it already, or too large); --resume then finishes interrupted runs only
     announce: ClassVar[bool] = True  # the runner shows its own phases (loading, units) on the display
     display: ClassVar[bool] = True  # the runner opens the display (False: the library draws its own bars)
     needs_model: ClassVar[bool] = True

@@ -133,12 +133,12 @@ batches across the processes and adds their sums; rank 0 shows the progress and 
     def unit_to_json(self, value):
         from headlab.interpret.heads.units import ImportanceUnits
 
-        return ImportanceUnits.to_json(value)
+        return ImportanceUnits.unit_to_json(value)
 
     def unit_from_json(self, data):
         from headlab.interpret.heads.units import ImportanceUnits
 
-        return ImportanceUnits.from_json(data)
+        return ImportanceUnits.unit_from_json(data)
 
     def result(self, ctx: Context, values: dict):
         work = ctx.state["work"]
@@ -221,12 +221,12 @@ class HeadAblation(_HeadStudy):
     def unit_to_json(self, value):
         from headlab.interpret.heads.units import AblationUnits
 
-        return AblationUnits.to_json(value)
+        return AblationUnits.unit_to_json(value)
 
     def unit_from_json(self, data):
         from headlab.interpret.heads.units import AblationUnits
 
-        return AblationUnits.from_json(data)
+        return AblationUnits.unit_from_json(data)
 
     def result(self, ctx: Context, values: dict):
         return ctx.state["work"].finish(values)

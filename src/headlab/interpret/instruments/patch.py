@@ -133,6 +133,8 @@ The metric is the logit difference answer - wrong at the last token; an effect i
         Option("as_json", "--json", bool, False, "print the result as JSON", setting=False),
     )
     output = Output("out", folder=False, force="force")
+    resumable = True  # each site kind's sweep and attribution are units: --resume runs those not kept
+    keeps_units = False  # a finished file is the result (every unit's grids are in it already)
 
     def check(self, ctx: Context) -> None:
         """The options alone, in the order the command has always checked them (a load takes time)."""
@@ -195,6 +197,11 @@ The metric is the logit difference answer - wrong at the last token; an effect i
 
     def unit_to_json(self, value):
         return value.to_json()
+
+    def unit_from_json(self, data):
+        from headlab.interpret.patching.result import PatchResult
+
+        return PatchResult.from_json(data)
 
     def finish(self, ctx: Context, values: dict) -> InstrumentResult:
         from headlab.interpret.patching import compare

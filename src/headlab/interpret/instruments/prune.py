@@ -169,7 +169,7 @@ class Prune(Instrument):
         if isinstance(value, dict):  # the model unit's summary, or an importance batch's sums
             from headlab.interpret.heads.units import ImportanceUnits
 
-            return value if "removed" in value else ImportanceUnits.to_json(value)
+            return value if "removed" in value else ImportanceUnits.unit_to_json(value)
         return value.to_json()
 
     def finish(self, ctx: Context, values: dict) -> InstrumentResult:

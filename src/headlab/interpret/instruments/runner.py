@@ -96,7 +96,7 @@ def _earlier(ctx: Context, keys: Sequence[str]) -> dict:
         return {}
     partial = _partial_path(ctx)  # an interrupted run of a result that is not JSON kept its units beside it
     source = partial if partial.is_file() else ctx.path
-    if not source.is_file():
+    if not source.is_file() or source.suffix.lower() != ".json":  # a finished page keeps no units: all run again
         return {}
     assert ctx.instrument.output is not None  # a path comes from the instrument's output
     flag = ctx.instrument.option(ctx.instrument.output.option).label
@@ -355,7 +355,7 @@ def _close(ctx: Context, kept: dict, total: int, interrupted: bool, say, command
         return Outcome(None, files[0] if files else None, files, interrupted=True, kept=len(kept), total=total,
                        ctx=ctx)
     result = inst.finish(ctx, kept)
-    if inst.resumable:
+    if inst.resumable and inst.keeps_units:
         result.figures[UNITS_KEY] = {k: inst.unit_to_json(v) for k, v in kept.items()}
         if to_json_value(result.settings) != to_json_value(ctx.settings):  # the result's own settings differ: the
             result.figures[UNITS_SETTINGS_KEY] = ctx.settings  # run's are kept beside its units, for --resume

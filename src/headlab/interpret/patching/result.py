@@ -105,6 +105,18 @@ class PatchResult:
                 "top": {k: [list(t) for t in self.top(10, k)] for k in self.effects},
                 "seconds": self.seconds, "notes": self.notes}, model=self.model, settings=settings)
 
+    @classmethod
+    def from_json(cls, data: dict) -> PatchResult:
+        """The result :meth:`to_json` wrote (grids to 6 decimals, None where a head was not measured, as NaN)."""
+        def grid(rows) -> torch.Tensor:
+            return torch.tensor(np.array(rows, dtype=float), dtype=torch.float64)
+
+        return cls(model=data["model"], method=data["method"], metric=data["metric"], n_examples=data["n_examples"],
+                   clean=data["clean"], corrupted=data["corrupted"],
+                   effects={k: grid(v) for k, v in data["effects"].items()},
+                   raw={k: grid(v) for k, v in data["raw"].items()}, positions=data.get("positions"),
+                   receivers=data.get("receivers"), seconds=data.get("seconds", 0.0), notes=list(data.get("notes", [])))
+
     def html(self) -> str:
         """The page body: one heatmap table per site kind (blue = towards the corrupted run, red = away)."""
         parts = []
