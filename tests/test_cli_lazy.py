@@ -200,6 +200,15 @@ def test_memory_and_command_help_import_no_transformers(argv):
     assert got["code"] in (0, None) and not got["transformers"], got
 
 
+@pytest.mark.parametrize("argv", [["flow", "the cat", "--top", "0"], ["generate", "hi", "--top-k", "0"],
+                                  ["train-gates", "--out", "g.json", "--steps", "0"], ["atlas", "--draws", "0"],
+                                  ["heads", "ablate", "--boot", "1"], ["probe", "--treebank", "missing.conllu"],
+                                  ["circuit", "--pairs", "0"], ["analyze", ""], ["patch", "--clean", "a"]])
+def test_a_refusal_that_needs_no_model_imports_no_transformers(argv):
+    got = _python(PROBE.format(argv=argv))
+    assert got["code"] == 2 and not got["transformers"], got
+
+
 def test_the_table_read_from_the_sources_is_the_registry():
     """Every shipped instrument, read from its source without importing it, is the registered class: its name,
     command words and help."""

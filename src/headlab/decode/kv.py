@@ -77,12 +77,21 @@ from headlab.decode.rules import (  # noqa: F401  (re-exported)
     window,
 )
 from headlab.decode.snap_rule import POOLINGS, Snap, adakv, snap  # noqa: F401  (re-exported)
-from headlab.decode.train import GateTraining, per_query_head, train_gates
 from headlab.errors import ConfigError
 from headlab.results import envelope, write_json
 
 __all__ = ["Full", "Window", "Drop", "Snap", "Rule", "Layout", "full", "drop", "window", "snap", "adakv", "Policy",
            "kv_layout", "as_rule", "RULES", "register_rule", "unregister_rule"]
+
+
+def __getattr__(name: str):
+    """The gate training's names (``kv.GateTraining``, ``kv.train_gates``, ``kv.per_query_head``), loaded on first use:
+    training imports transformers, and parsing or checking a policy (the commands' refusals) should not."""
+    if name in ("GateTraining", "per_query_head", "train_gates"):
+        from headlab.decode import train
+
+        return getattr(train, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def visibility(rule: Rule, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
@@ -245,6 +254,8 @@ class Policy:
         ``options`` these are: ``steps``, ``seconds``, ``checkpoint``, ``progress``, ...), keep the ``keep`` share
         with the highest gates full and give the rest ``rest`` (default ``window(4, 256)``; the gates are trained
         against its window at 16 bits)."""
+        from headlab.decode.train import train_gates  # here: training imports transformers, a policy does not
+
         r = as_rule(rest) if rest is not None else window(4, 256)
         if r.kind != "window":
             raise ConfigError(f"rest={rest!r}: a learned split windows the heads it does not keep; give kv.window(...)")
@@ -256,6 +267,8 @@ class Policy:
         """The ``keep`` share of kv heads with the highest trained gates full, the rest ``rest`` (default: the window
         the gates were trained against). ``gates``: a :class:`~headlab.decode.train.GateTraining`, its saved JSON
         file, or a ``(layers, kv_heads)`` tensor."""
+        from headlab.decode.train import GateTraining, per_query_head  # here: training imports transformers
+
         if isinstance(gates, str | os.PathLike):
             gates = GateTraining.load(gates)
         g = gates.gates if isinstance(gates, GateTraining) else torch.as_tensor(gates, dtype=torch.float64)
