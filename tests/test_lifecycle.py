@@ -62,3 +62,55 @@ def test_ctrl_c_while_loading_exits_130_with_one_line(monkeypatch, capsys):
     code, out, err = run_cli(["flow", "the cat sat"], capsys)
     lines = [ln for ln in err.splitlines() if ln.strip() and not ln.startswith("loading")]
     assert code == 130 and lines == ["interrupted before any work was done; nothing was written"], err
+
+
+WORDS = ["<pad>", "<unk>", "the", "cat", "sat", "on", "mat", "a", "dog", "ran"]
+
+
+@pytest.fixture(scope="module")
+def tiny_gpt2(tmp_path_factory):
+    import torch
+    import transformers
+
+    from conftest import save_word_level
+
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=len(WORDS), n_embd=32, n_layer=2, n_head=4, n_positions=32, attn_implementation="eager")).eval()
+    return save_word_level(tmp_path_factory.mktemp("tiny-gpt2"), model, WORDS)
+
+
+@pytest.mark.parametrize("name, options", [
+    ("flow", {"text": "the cat sat on the mat"}),
+    ("heads-importance", {"data": "{tmp}/ex.txt", "loss": "lm", "batch_size": 1}),
+    ("patch", {"clean": "the cat sat", "corrupted": "the dog sat", "answer": " on", "wrong": " a"}),
+])
+def test_from_python_the_runner_takes_a_model_loaded_already(name, options, tiny_gpt2, tmp_path, monkeypatch):
+    """``runner.run(name, {..., "model": loaded})``: the load hook hands the loaded model over (no second load), the
+    settings name it, and the result equals the run that loads the same folder by its path."""
+    import headlab
+    import headlab.models
+    from headlab.interpret.instruments import runner
+
+    (tmp_path / "ex.txt").write_text("the cat sat on the mat\na dog ran\n")
+    opts = {k: (v.format(tmp=tmp_path) if isinstance(v, str) and "{tmp}" in v else v) for k, v in options.items()}
+    by_path = runner.run(name, {**opts, "model": str(tiny_gpt2)}).result
+    loaded = headlab.load(str(tiny_gpt2))
+    monkeypatch.setattr(headlab.models, "load", lambda *a, **k: pytest.fail("loaded a second time"))
+    given = runner.run(name, {**opts, "model": loaded}).result
+    assert given.settings.get("model", loaded.name) == loaded.name
+    a, b = given.to_json(), by_path.to_json()
+    for key in ("headlab",):
+        a.pop(key), b.pop(key)
+    drop = ("seconds", "time_ratio", "model")
+
+    def same(x, y):
+        if isinstance(x, dict):
+            return set(x) == set(y) and all(k in drop or same(x[k], y[k]) for k in x)
+        if isinstance(x, list):
+            return len(x) == len(y) and all(same(i, j) for i, j in zip(x, y, strict=True))
+        if isinstance(x, float) and isinstance(y, float):
+            return x == pytest.approx(y, rel=1e-6, abs=1e-9, nan_ok=True)
+        return x == y
+
+    assert same(a, b)

@@ -114,6 +114,8 @@ def peek_layer_heads(name_or_path: str | os.PathLike) -> list[int] | None:
 
     from headlab.models.transformer import CONFIG_FILE
 
+    if hasattr(name_or_path, "adapter"):  # a model loaded already: its own heads per layer
+        return list(name_or_path.adapter.layer_heads)
     raw = os.fspath(name_or_path)
     key = ALIASES.get(raw.lower(), raw.lower())
     try:

@@ -154,8 +154,10 @@ class Context:
     @property
     def settings(self) -> dict:
         """The options that are settings (JSON-able: paths as strings)."""
-        return {o.name: (str(v) if isinstance(v := self.options.get(o.name), Path) else v)
-                for o in self.instrument.options if o.setting}
+        def plain(v):  # a path as its string, a model loaded already (from Python) as its name
+            return str(v) if isinstance(v, Path) else getattr(v, "name", v) if hasattr(v, "adapter") else v
+
+        return {o.name: plain(self.options.get(o.name)) for o in self.instrument.options if o.setting}
 
     @property
     def main(self) -> bool:
@@ -256,6 +258,8 @@ class Instrument(Part):
         heads over the ranks when the run asks for tensor parallelism (``ctx.tensor_parallel``)."""
         import headlab.models
 
+        if hasattr(ctx.options["model"], "adapter"):  # a model loaded already (runner.run from Python): used as is
+            return ctx.options["model"]
         if ctx.tensor_parallel is not None:
             return headlab.models.load(ctx.options["model"], tensor_parallel=ctx.tensor_parallel)
         return headlab.models.load(ctx.options["model"])
