@@ -14,15 +14,25 @@ from importlib import import_module as _import_module
 
 from headlab._version import __version__ as __version__  # public: headlab.__version__
 
-__all__ = ["MultiHeadAttention", "Result", "attention", "attention_weights", "backends", "costs", "errors", "masks",
-           "read_json", "write_json"]
+__all__ = [
+    "MultiHeadAttention",
+    "Result",
+    "attention",
+    "attention_weights",
+    "backends",
+    "costs",
+    "errors",
+    "masks",
+    "read_json",
+    "write_json",
+]
 
 # Every name loads on first use, so `import headlab` imports neither torch nor transformers (the command line's
 # `headlab --help` and `headlab memory` stay quick and small); `headlab.attention(q, k, v)` imports the engines.
 _LAZY = {
     "errors": "headlab.errors",
     "attention": "headlab.attention",  # a callable package: headlab.attention(q, k, v, ...)
-    "masks": "headlab.spec.masks",     # headlab.masks is headlab.spec.masks (one module object)
+    "masks": "headlab.spec.masks",  # headlab.masks is headlab.spec.masks (one module object)
     "attention_weights": ("headlab.attention.core", "attention_weights"),
     "backends": ("headlab.attention.core", "backends"),
     "MultiHeadAttention": ("headlab.attention.module", "MultiHeadAttention"),

@@ -69,47 +69,78 @@ def integer(name: str, value, *, what: str = "", hint: str = "", error=ConfigErr
     return int(value)
 
 
-def int_in_range(name: str, value, low: int, high: int, *, what: str = "", hint: str = "", error=ConfigError,
-                 message: str | None = None) -> int:
+def int_in_range(
+    name: str,
+    value,
+    low: int,
+    high: int,
+    *,
+    what: str = "",
+    hint: str = "",
+    error=ConfigError,
+    message: str | None = None,
+) -> int:
     """An integer with ``low <= value <= high`` (both ends included)."""
     if not is_int(value) or not low <= value <= high:
         raise _refuse(error, message, f"an integer in {low}..{high}", name, value, what, hint, low=low, high=high)
     return int(value)
 
 
-def int_at_least(name: str, value, low: int, *, what: str = "", hint: str = "", error=ConfigError,
-                 message: str | None = None) -> int:
+def int_at_least(
+    name: str, value, low: int, *, what: str = "", hint: str = "", error=ConfigError, message: str | None = None
+) -> int:
     """An integer ``>= low``."""
     if not is_int(value) or value < low:
         raise _refuse(error, message, f"an integer >= {low}", name, value, what, hint, low=low)
     return int(value)
 
 
-def positive_int(name: str, value, *, what: str = "", hint: str = "", error=ConfigError,
-                 message: str | None = None) -> int:
+def positive_int(
+    name: str, value, *, what: str = "", hint: str = "", error=ConfigError, message: str | None = None
+) -> int:
     """An integer ``>= 1`` (a count, a size)."""
     if not is_int(value) or value < 1:
         raise _refuse(error, message, "a positive integer", name, value, what, hint, low=1)
     return int(value)
 
 
-def non_negative_int(name: str, value, *, what: str = "", hint: str = "", error=ConfigError,
-                     message: str | None = None) -> int:
+def non_negative_int(
+    name: str, value, *, what: str = "", hint: str = "", error=ConfigError, message: str | None = None
+) -> int:
     """An integer ``>= 0`` (a count that may be none)."""
     if not is_int(value) or value < 0:
         raise _refuse(error, message, "an integer >= 0", name, value, what, hint, low=0)
     return int(value)
 
 
-def index(name: str, value, length: int, *, negative: bool = True, what: str = "", hint: str = "",
-          error=ConfigError, message: str | None = None) -> int:
+def index(
+    name: str,
+    value,
+    length: int,
+    *,
+    negative: bool = True,
+    what: str = "",
+    hint: str = "",
+    error=ConfigError,
+    message: str | None = None,
+) -> int:
     """An index into ``length`` items, returned in ``0..length - 1``; ``negative`` allows ``-length..-1``
     counted from the end, as Python's indexing does."""
     low = -length if negative else 0
     if not is_int(value) or not low <= value < length:
         span = f"{low}..{length - 1}" if length else "none: there is nothing to index"
-        raise _refuse(error, message, f"an index into {length} items ({span})", name, value, what, hint,
-                      low=low, high=length - 1, length=length)
+        raise _refuse(
+            error,
+            message,
+            f"an index into {length} items ({span})",
+            name,
+            value,
+            what,
+            hint,
+            low=low,
+            high=length - 1,
+            length=length,
+        )
     return int(value) % length
 
 
@@ -121,8 +152,7 @@ def number(name: str, value, *, what: str = "", hint: str = "", error=ConfigErro
     return value
 
 
-def at_least(name: str, value, low, *, what: str = "", hint: str = "", error=ConfigError,
-             message: str | None = None):
+def at_least(name: str, value, low, *, what: str = "", hint: str = "", error=ConfigError, message: str | None = None):
     """A finite number ``>= low`` (an int or a float; use :func:`int_at_least` where only an integer fits)."""
     ok = is_number(value) and (is_int(value) or math.isfinite(value)) and value >= low
     if not ok:  # infinity is at least anything: say it is the finiteness that fails
@@ -132,36 +162,51 @@ def at_least(name: str, value, low, *, what: str = "", hint: str = "", error=Con
     return value
 
 
-def finite_float(name: str, value, *, what: str = "", hint: str = "", error=ConfigError,
-                 message: str | None = None) -> float:
+def finite_float(
+    name: str, value, *, what: str = "", hint: str = "", error=ConfigError, message: str | None = None
+) -> float:
     """A finite number (NaN and infinity refused), returned as a float."""
     if not is_number(value) or (not is_int(value) and not math.isfinite(value)):
         raise _refuse(error, message, "a finite number", name, value, what, hint)
     return float(value)
 
 
-def positive_float(name: str, value, *, what: str = "", hint: str = "", error=ConfigError,
-                   message: str | None = None) -> float:
+def positive_float(
+    name: str, value, *, what: str = "", hint: str = "", error=ConfigError, message: str | None = None
+) -> float:
     """A finite number ``> 0`` (a rate, a size in bytes per second), returned as a float."""
     if not is_number(value) or not 0 < value < math.inf:
         raise _refuse(error, message, "a positive finite number", name, value, what, hint, low=0)
     return float(value)
 
 
-def in_range(name: str, value, low, high, *, low_open: bool = False, high_open: bool = False, what: str = "",
-             hint: str = "", error=ConfigError, message: str | None = None):
+def in_range(
+    name: str,
+    value,
+    low,
+    high,
+    *,
+    low_open: bool = False,
+    high_open: bool = False,
+    what: str = "",
+    hint: str = "",
+    error=ConfigError,
+    message: str | None = None,
+):
     """A number between ``low`` and ``high``, each end included unless ``low_open``/``high_open``
     (``in_range("dropout_p", p, 0, 1, high_open=True)`` is ``0 <= p < 1``); NaN is refused."""
-    ok = is_number(value) and (low < value if low_open else low <= value) and (value < high if high_open
-                                                                              else value <= high)
+    ok = (
+        is_number(value)
+        and (low < value if low_open else low <= value)
+        and (value < high if high_open else value <= high)
+    )
     if not ok:
         span = f"{'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}"
         raise _refuse(error, message, f"a number in {span}", name, value, what, hint, low=low, high=high)
     return value
 
 
-def probability(name: str, value, *, what: str = "", hint: str = "", error=ConfigError,
-                message: str | None = None):
+def probability(name: str, value, *, what: str = "", hint: str = "", error=ConfigError, message: str | None = None):
     """A number in ``[0, 1]`` (a share, a fraction kept, a probability)."""
     return in_range(name, value, 0, 1, what=what, hint=hint, error=error, message=message)
 
@@ -177,14 +222,28 @@ def one_of(name: str, value, choices: Iterable, *, error=ConfigError, message: s
     return value
 
 
-def boolean(name: str, value, *, what: str = "", hint: str = "", error=ConfigError,
-            message: str | None = None) -> bool:
+def boolean(name: str, value, *, what: str = "", hint: str = "", error=ConfigError, message: str | None = None) -> bool:
     """``True`` or ``False`` (not 0, 1 or a string that reads as one)."""
     if not isinstance(value, bool):
         raise _refuse(error, message, "True or False", name, value, what, hint)
     return value
 
 
-__all__ = ["at_least", "boolean", "finite_float", "in_range", "index", "int_at_least", "int_in_range", "integer",
-           "is_int", "is_number", "non_negative_int", "number", "one_of", "positive_float", "positive_int",
-           "probability"]
+__all__ = [
+    "at_least",
+    "boolean",
+    "finite_float",
+    "in_range",
+    "index",
+    "int_at_least",
+    "int_in_range",
+    "integer",
+    "is_int",
+    "is_number",
+    "non_negative_int",
+    "number",
+    "one_of",
+    "positive_float",
+    "positive_int",
+    "probability",
+]

@@ -29,8 +29,10 @@ def memory_limit_override() -> int | None:
         return None
     n = parse_bytes(raw)
     if n is None:
-        raise ConfigError(f"HEADLAB_MEMORY_LIMIT={raw!r} is not a size; give bytes (17179869184) or a size "
-                          "such as 16GiB, 512M, 1.5G (powers of 1024), or unset it")
+        raise ConfigError(
+            f"HEADLAB_MEMORY_LIMIT={raw!r} is not a size; give bytes (17179869184) or a size "
+            "such as 16GiB, 512M, 1.5G (powers of 1024), or unset it"
+        )
     return n
 
 
@@ -39,6 +41,8 @@ def native_enabled() -> bool:
     any other value is a :class:`~headlab.errors.ConfigError` (the CLI reads it before any work)."""
     raw = os.environ.get("HEADLAB_NATIVE", "").strip()
     if raw not in ("", "0", "1"):
-        raise ConfigError(f"HEADLAB_NATIVE={raw!r} is not 0 or 1; set HEADLAB_NATIVE=0 to use the PyTorch paths "
-                          "only, 1 (or unset it) to use the compiled kernel")
+        raise ConfigError(
+            f"HEADLAB_NATIVE={raw!r} is not 0 or 1; set HEADLAB_NATIVE=0 to use the PyTorch paths "
+            "only, 1 (or unset it) to use the compiled kernel"
+        )
     return raw != "0"

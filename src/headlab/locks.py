@@ -63,8 +63,10 @@ def output_lock(path: Path, option: str = "--out") -> Iterator[Path]:
             except (OSError, ValueError):
                 pid = 0
             if pid and _alive(pid):
-                raise InputError(f"{option} {str(path)!r} is being written by another headlab run (process {pid}); "
-                                 "wait for it to finish, or choose another path") from None
+                raise InputError(
+                    f"{option} {str(path)!r} is being written by another headlab run (process {pid}); "
+                    "wait for it to finish, or choose another path"
+                ) from None
             with contextlib.suppress(OSError):
                 lock.unlink()
             continue

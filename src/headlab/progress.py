@@ -84,8 +84,13 @@ def progress(*columns, transient: bool = False, console=None, description: str =
         TimeRemainingColumn,
     )
 
-    columns = columns or (TextColumn(description), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                          TimeRemainingColumn())
+    columns = columns or (
+        TextColumn(description),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+    )
     return Progress(*columns, console=console or Console(stderr=True), transient=transient)
 
 
@@ -151,8 +156,9 @@ class PlainProgress:
                     if not t.finished and now - t.last_line >= self.every:
                         self._line(t)
 
-    def add_task(self, description: str, total: float | None = None, completed: float = 0, *,
-                 announce: bool = False, **_) -> int:
+    def add_task(
+        self, description: str, total: float | None = None, completed: float = 0, *, announce: bool = False, **_
+    ) -> int:
         with self._lock:
             tid = len(self.tasks)
             self.tasks[tid] = t = _Task(description, total, float(completed), first=float(completed))
@@ -163,8 +169,16 @@ class PlainProgress:
     def advance(self, task_id: int, advance: float = 1) -> None:
         self.update(task_id, advance=advance)
 
-    def update(self, task_id: int, *, completed: float | None = None, total: float | None = None,
-               advance: float | None = None, description: str | None = None, **_) -> None:
+    def update(
+        self,
+        task_id: int,
+        *,
+        completed: float | None = None,
+        total: float | None = None,
+        advance: float | None = None,
+        description: str | None = None,
+        **_,
+    ) -> None:
         with self._lock:
             t = self.tasks[task_id]
             renamed = description is not None and description != t.description
@@ -181,8 +195,9 @@ class PlainProgress:
             first = not t.shown and t.completed > 0
             if t.total and t.completed >= t.total and not t.finished:
                 self._line(t, end=True)
-            elif not t.finished and (first or renamed or now - t.last_line >= self.every
-                                     or share - t.last_share >= 0.1):
+            elif not t.finished and (
+                first or renamed or now - t.last_line >= self.every or share - t.last_share >= 0.1
+            ):
                 self._line(t)  # a new step's name, or enough time or work since the last line
 
     def finish(self, task_id: int) -> None:
@@ -302,8 +317,9 @@ def increments(fn: Callable[[int], None]) -> Progress:
 
 
 @contextlib.contextmanager
-def reporter(progress: bool | Progress | None, *, legacy: Callable[[Callable], Progress] | None = None,
-             transient: bool = False) -> Iterator[Progress]:
+def reporter(
+    progress: bool | Progress | None, *, legacy: Callable[[Callable], Progress] | None = None, transient: bool = False
+) -> Iterator[Progress]:
     """The callable behind a library function's ``progress=`` argument, for as long as the work runs.
 
     ``True``: a :class:`Stages` display on stderr (closed when the work ends or is interrupted);
@@ -327,8 +343,10 @@ def reporter(progress: bool | Progress | None, *, legacy: Callable[[Callable], P
     elif callable(progress):
         yield legacy(progress) if legacy is not None and _one_argument(progress) else progress
     else:
-        raise ConfigError(f"progress must be True, False or a callable progress(stage, done, total), "
-                          f"got {type(progress).__name__} {progress!r}")
+        raise ConfigError(
+            f"progress must be True, False or a callable progress(stage, done, total), "
+            f"got {type(progress).__name__} {progress!r}"
+        )
 
 
 def progress_bar(enabled: bool):
@@ -354,5 +372,14 @@ class _Silent:
         pass
 
 
-__all__ = ["PlainProgress", "Progress", "Stages", "increments", "messages", "plain_wanted", "progress",
-           "progress_bar", "reporter"]
+__all__ = [
+    "PlainProgress",
+    "Progress",
+    "Stages",
+    "increments",
+    "messages",
+    "plain_wanted",
+    "progress",
+    "progress_bar",
+    "reporter",
+]

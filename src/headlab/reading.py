@@ -42,9 +42,13 @@ from headlab.errors import InputError, TreebankError
 
 KINDS = ("text", "texts", "tsv", "conllu", "json")
 # how each kind is described in a message: what to give, the noun of a missing file, the format's name
-WHAT = {"text": "a text", "texts": "a plain-text file (UTF-8), one text per line",
-        "tsv": "a TSV file whose header names a sentence (or text) column and an optional integer label",
-        "conllu": "a CoNLL-U file (.conllu)", "json": "a JSON file"}
+WHAT = {
+    "text": "a text",
+    "texts": "a plain-text file (UTF-8), one text per line",
+    "tsv": "a TSV file whose header names a sentence (or text) column and an optional integer label",
+    "conllu": "a CoNLL-U file (.conllu)",
+    "json": "a JSON file",
+}
 _NOUN = {"texts": "text", "tsv": "dataset", "conllu": "treebank", "json": "JSON"}
 _FORMAT = {"tsv": None, "texts": None, "conllu": "CoNLL-U", "json": "JSON"}
 _ERROR = {"conllu": TreebankError}
@@ -76,8 +80,12 @@ class Conllu:
 
     def texts(self) -> list[str]:
         """Each sentence's ``# text = ...`` comment (sentences without one are left out)."""
-        return [line.split("=", 1)[1].strip() for block in self.sentences for _, line in block
-                if line.startswith("# text =")]
+        return [
+            line.split("=", 1)[1].strip()
+            for block in self.sentences
+            for _, line in block
+            if line.startswith("# text =")
+        ]
 
 
 def check_utf8(text: str) -> str:
@@ -93,10 +101,11 @@ def check_utf8(text: str) -> str:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
         raw = text.encode("utf-8", "surrogateescape")
-        bad = text[e.start:e.end].encode("utf-8", "surrogateescape")
-        pos = len(text[:e.start].encode("utf-8", "surrogateescape"))
-        raise InputError(f"the text is not valid UTF-8: byte 0x{bad[0]:02x} at byte {pos} of {len(raw)}; "
-                         f"{_ICONV}") from None
+        bad = text[e.start : e.end].encode("utf-8", "surrogateescape")
+        pos = len(text[: e.start].encode("utf-8", "surrogateescape"))
+        raise InputError(
+            f"the text is not valid UTF-8: byte 0x{bad[0]:02x} at byte {pos} of {len(raw)}; {_ICONV}"
+        ) from None
     return text
 
 
@@ -140,12 +149,12 @@ def read_file(path: str | os.PathLike, option: str, kind: str = "texts", *, what
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
         fmt = f"not {_FORMAT[kind]}: " if _FORMAT.get(kind) else ""
-        raise error(f"{name} is {fmt}not UTF-8 text: byte 0x{raw[e.start]:02x} at byte {e.start} "
-                    f"of {len(raw)}; {_ICONV}") from None
+        raise error(
+            f"{name} is {fmt}not UTF-8 text: byte 0x{raw[e.start]:02x} at byte {e.start} of {len(raw)}; {_ICONV}"
+        ) from None
     if not text.strip():
         if kind == "conllu":
-            raise error(f"{name} holds no sentence (the file is empty or has only comments); "
-                        f"give {what}")
+            raise error(f"{name} holds no sentence (the file is empty or has only comments); give {what}")
         raise error(f"{name} is empty; give {what}")
     return text
 
@@ -156,8 +165,9 @@ def read_texts(path: str | os.PathLike, option: str, *, limit: int | None = None
     return texts[:limit] if limit else texts
 
 
-def read_tsv(path: str | os.PathLike, option: str, *, limit: int | None = None, labelled: bool = False,
-             blank_rows: bool = True) -> list[Row]:
+def read_tsv(
+    path: str | os.PathLike, option: str, *, limit: int | None = None, labelled: bool = False, blank_rows: bool = True
+) -> list[Row]:
     """The rows of a TSV dataset (see the module docstring); one line naming the file's line when malformed.
 
     ``labelled``: the ``label`` column is required (a classifier's training and study files);
@@ -170,22 +180,27 @@ def read_tsv(path: str | os.PathLike, option: str, *, limit: int | None = None, 
     text_col = next((c for c in TEXT_COLUMNS if c in lower), None)
     if labelled and (text_col is None or "label" not in lower):
         missing = [n for n, ok in (("sentence (or text)", text_col), ("label", "label" in lower)) if not ok]
-        raise InputError(f"{name}: no column {' and '.join(missing)}; the header has {header}. The dataset needs a "
-                         "text column named sentence or text and an integer label column")
+        raise InputError(
+            f"{name}: no column {' and '.join(missing)}; the header has {header}. The dataset needs a "
+            "text column named sentence or text and an integer label column"
+        )
     if text_col is None:
-        raise InputError(f"{name}: no 'sentence' or 'text' column; the header has {header}. Give a TSV whose "
-                         "header names the text column sentence (or text), with an optional integer label")
+        raise InputError(
+            f"{name}: no 'sentence' or 'text' column; the header has {header}. Give a TSV whose "
+            "header names the text column sentence (or text), with an optional integer label"
+        )
     ti, li = lower.index(text_col), (lower.index("label") if "label" in lower else None)
     rows: list[Row] = []
     for n, rec in enumerate(reader, start=2):
         if not rec or not any(c.strip() for c in rec):
             if blank_rows:
                 continue  # a blank line between examples
-            raise InputError(f"{name} line {n}: empty row; remove it (every row needs a {text_col}"
-                             f"{' and a label' if li is not None else ''})")
+            raise InputError(
+                f"{name} line {n}: empty row; remove it (every row needs a {text_col}"
+                f"{' and a label' if li is not None else ''})"
+            )
         if len(rec) <= max(ti, li or 0):
-            raise InputError(f"{name} line {n}: {len(rec)} field(s) for a header of {len(header)}; "
-                             "is a tab missing?")
+            raise InputError(f"{name} line {n}: {len(rec)} field(s) for a header of {len(header)}; is a tab missing?")
         value = rec[ti].strip()
         if not value:
             raise InputError(f"{name} line {n}: the {text_col} is empty; give every row a text")
@@ -227,8 +242,9 @@ def read_conllu(path: str | os.PathLike, option: str = "", *, limit: int | None 
     if block and not (limit and len(blocks) >= limit):
         blocks.append(block)
     if not any(not line.startswith("#") for b in blocks for _, line in b):
-        raise TreebankError(f"{_name(option, p)} holds no sentence (the file is empty or has only comments); "
-                            f"give {WHAT['conllu']}")
+        raise TreebankError(
+            f"{_name(option, p)} holds no sentence (the file is empty or has only comments); give {WHAT['conllu']}"
+        )
     return Conllu(p, blocks)
 
 
@@ -237,12 +253,15 @@ def _check_conllu_line(path: str, option: str, n: int, line: str) -> None:
     where = f"{option + ' ' if option else ''}{path}:{n}: not CoNLL-U"
     if len(cols) != 10:
         hint = " (columns must be separated by tabs, not spaces)" if len(cols) == 1 and " " in line else ""
-        raise TreebankError(f"{where}: expected 10 tab-separated columns (ID FORM LEMMA UPOS XPOS FEATS HEAD DEPREL "
-                            f"DEPS MISC), got {len(cols)}{hint}: {line[:60]!r}")
+        raise TreebankError(
+            f"{where}: expected 10 tab-separated columns (ID FORM LEMMA UPOS XPOS FEATS HEAD DEPREL "
+            f"DEPS MISC), got {len(cols)}{hint}: {line[:60]!r}"
+        )
     m = _CONLLU_ID.match(cols[0])
     if m is None:
-        raise TreebankError(f"{where}: ID {cols[0]!r} is not a word index (1, 2, ...), a multi-word range (3-4) "
-                            "or an empty node (8.1)")
+        raise TreebankError(
+            f"{where}: ID {cols[0]!r} is not a word index (1, 2, ...), a multi-word range (3-4) or an empty node (8.1)"
+        )
     if m.group(2) is None and m.group(3) is None and cols[6] != "_" and not cols[6].isdigit():
         raise TreebankError(f"{where}: HEAD {cols[6]!r} of word {cols[0]} is not a word index (0 for the root)")
 
@@ -250,15 +269,18 @@ def _check_conllu_line(path: str, option: str, n: int, line: str) -> None:
 def read_json_file(path: str | os.PathLike, option: str = "", *, what: str | None = None):
     """A JSON document, or one line naming the option, the line and column where it stops being JSON."""
     if not isinstance(path, str | os.PathLike):  # Path(None) is a TypeError from pathlib
-        raise InputError(f"{option or 'the path'} must be a file path (a str or a pathlib.Path), got "
-                         f"{type(path).__name__}; give {what or WHAT['json']}")
+        raise InputError(
+            f"{option or 'the path'} must be a file path (a str or a pathlib.Path), got "
+            f"{type(path).__name__}; give {what or WHAT['json']}"
+        )
     p = Path(path).expanduser()
     text = read_file(path, option, "json", what=what)
     try:
         return json.loads(text)
     except json.JSONDecodeError as e:
-        raise InputError(f"{_name(option, p)} is not JSON: {e.msg} at line {e.lineno} column {e.colno}; "
-                         f"give {what or WHAT['json']}") from None
+        raise InputError(
+            f"{_name(option, p)} is not JSON: {e.msg} at line {e.lineno} column {e.colno}; give {what or WHAT['json']}"
+        ) from None
 
 
 def read(kind: str, value, option: str, *, limit: int | None = None):
@@ -276,5 +298,18 @@ def read(kind: str, value, option: str, *, limit: int | None = None):
     raise InputError(f"no reader for inputs of kind {kind!r}; use one of {', '.join(KINDS)}")
 
 
-__all__ = ["Conllu", "KINDS", "Row", "TEXT_COLUMNS", "WHAT", "check_utf8", "read", "read_conllu", "read_file", "read_json_file", "read_text",
-           "read_texts", "read_tsv"]
+__all__ = [
+    "Conllu",
+    "KINDS",
+    "Row",
+    "TEXT_COLUMNS",
+    "WHAT",
+    "check_utf8",
+    "read",
+    "read_conllu",
+    "read_file",
+    "read_json_file",
+    "read_text",
+    "read_texts",
+    "read_tsv",
+]

@@ -49,10 +49,17 @@ class Registry(Generic[T]):
     registered is that error too (else it does nothing).
     """
 
-    def __init__(self, what: str, why: str = "", *, instances: bool = True,
-                 key: Callable[[Any], str | tuple[str, ...] | None] = _name,
-                 taken: Callable[[Any, list[str]], Exception] | None = None,
-                 unknown: Callable[[str, list[str]], Exception] | None = None, strict: bool = False) -> None:
+    def __init__(
+        self,
+        what: str,
+        why: str = "",
+        *,
+        instances: bool = True,
+        key: Callable[[Any], str | tuple[str, ...] | None] = _name,
+        taken: Callable[[Any, list[str]], Exception] | None = None,
+        unknown: Callable[[str, list[str]], Exception] | None = None,
+        strict: bool = False,
+    ) -> None:
         self.what, self.why, self.instances, self.key, self.strict = what, why, instances, key, strict
         self._taken, self._unknown = taken, unknown
         self.items: list[T] = []  # kept as one list object: callers may hold it
@@ -81,8 +88,9 @@ class Registry(Generic[T]):
     def unknown_error(self, name: str) -> Exception:
         if self._unknown is not None:
             return self._unknown(name, self.names())
-        return ConfigError(f"no {self.what.split(' ', 1)[-1]} named {name!r}; registered: "
-                           f"{', '.join(self.names()) or 'none'}")
+        return ConfigError(
+            f"no {self.what.split(' ', 1)[-1]} named {name!r}; registered: {', '.join(self.names()) or 'none'}"
+        )
 
     # -- registering ---------------------------------------------------------------------------------------
     def register(self, obj: T | type[T], *, replace: bool = False) -> Any:

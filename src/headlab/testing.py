@@ -58,10 +58,16 @@ class BackendReport:
         return {n: e / max(p, self.floors.get(n, 0.0), 1e-300) for n, (e, p, b) in self.errors.items()}
 
     def failures(self) -> list[str]:
-        out = [f"{n}: max|backend - ref64| = {e:.3g} > bound {b:.3g} (plain same-precision error {p:.3g})"
-               for n, (e, p, b) in self.errors.items() if e > b]
-        out += [f"{n}: mean|backend - ref64| = {e:.3g} > bound {b:.3g} (plain mean error {p:.3g})"
-                for n, (e, p, b) in self.means.items() if e > b]
+        out = [
+            f"{n}: max|backend - ref64| = {e:.3g} > bound {b:.3g} (plain same-precision error {p:.3g})"
+            for n, (e, p, b) in self.errors.items()
+            if e > b
+        ]
+        out += [
+            f"{n}: mean|backend - ref64| = {e:.3g} > bound {b:.3g} (plain mean error {p:.3g})"
+            for n, (e, p, b) in self.means.items()
+            if e > b
+        ]
         return out
 
 
@@ -82,8 +88,13 @@ def plain_attention(q, k, v, *, mask=None, causal=False, scale=None, reorder_ops
         s = (q * scale) @ kk.transpose(-1, -2)
     if score_mod is not None:
         B, H, Lq, Lk = s.shape
-        s = score_mod(s, torch.arange(B).view(B, 1, 1, 1), torch.arange(H).view(1, H, 1, 1),
-                      torch.arange(Lq).view(1, 1, Lq, 1), torch.arange(Lk).view(1, 1, 1, Lk))
+        s = score_mod(
+            s,
+            torch.arange(B).view(B, 1, 1, 1),
+            torch.arange(H).view(1, H, 1, 1),
+            torch.arange(Lq).view(1, 1, Lq, 1),
+            torch.arange(Lk).view(1, 1, 1, Lk),
+        )
     bias = additive_bias(spec, norm, dtype=s.dtype)
     if bias is not None:
         s = s + bias
@@ -145,15 +156,32 @@ def compare_backend(
 
     def call(be, dt):
         def fn(qq, kk, vv):
-            out, _ = attention_with_weights(qq, kk, vv, mask=mask_as(dt), causal=causal, scale=scale,
-                                            backend=be, need_weights=False, score_mod=score_mod)
+            out, _ = attention_with_weights(
+                qq,
+                kk,
+                vv,
+                mask=mask_as(dt),
+                causal=causal,
+                scale=scale,
+                backend=be,
+                need_weights=False,
+                score_mod=score_mod,
+            )
             return out
+
         return fn
 
     ref = _run(call("reference", torch.float64), q.double(), k.double(), v.double(), grad_out, grads)
-    plain = _run(lambda a, b, c: plain_attention(a, b, c, mask=mask_as(q.dtype), causal=causal, scale=scale,
-                                                 score_mod=score_mod),
-                 q, k, v, grad_out, grads)
+    plain = _run(
+        lambda a, b, c: plain_attention(
+            a, b, c, mask=mask_as(q.dtype), causal=causal, scale=scale, score_mod=score_mod
+        ),
+        q,
+        k,
+        v,
+        grad_out,
+        grads,
+    )
     test = _run(call(backend, q.dtype), q, k, v, grad_out, grads)
     name = backend if isinstance(backend, str) else getattr(backend, "name", str(backend))
     report = BackendReport(name)
@@ -165,8 +193,7 @@ def compare_backend(
         e_test, e_plain = float(d_test.max()), float(d_plain.max())
         factor = out_factor if key == "out" else grad_factor
         report.errors[key] = (e_test, e_plain, factor * e_plain + floor)
-        mf = mean_factor if mean_factor is not None else (
-            1.5 if q.dtype in (torch.float16, torch.bfloat16) else factor)
+        mf = mean_factor if mean_factor is not None else (1.5 if q.dtype in (torch.float16, torch.bfloat16) else factor)
         report.means[key] = (float(d_test.mean()), float(d_plain.mean()), mf * float(d_plain.mean()) + floor)
         if not torch.isfinite(test[key]).all():
             report.errors[key] = (float("inf"), e_plain, 0.0)

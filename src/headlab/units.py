@@ -33,8 +33,14 @@ def human_flops(n: float) -> str:
     """``8.8e12 -> '8.80 TFLOP'``; past 1000 EFLOP in powers of ten."""
     if n >= 1e21:
         return f"{n:.2e} FLOP"
-    for unit, scale in (("EFLOP", 1e18), ("PFLOP", 1e15), ("TFLOP", 1e12), ("GFLOP", 1e9), ("MFLOP", 1e6),
-                        ("kFLOP", 1e3)):
+    for unit, scale in (
+        ("EFLOP", 1e18),
+        ("PFLOP", 1e15),
+        ("TFLOP", 1e12),
+        ("GFLOP", 1e9),
+        ("MFLOP", 1e6),
+        ("kFLOP", 1e3),
+    ):
         if n >= scale:
             return f"{n / scale:.2f} {unit}"
     return f"{n:.0f} FLOP"
@@ -51,4 +57,4 @@ def parse_bytes(text: str) -> int | None:
     if m is None or (m.group(3) and not m.group(2)):
         return None
     power = " KMGTP".index(m.group(2).upper() or " ")
-    return int(float(m.group(1)) * 1024 ** power)
+    return int(float(m.group(1)) * 1024**power)

@@ -72,8 +72,19 @@ def attention(
         >>> lse.shape
         torch.Size([2, 8, 10])
     """
-    out, _, lse = _run(q, k, v, mask=mask, causal=causal, scale=scale, dropout_p=dropout_p, backend=backend,
-                       need_weights=False, need_lse=return_lse, score_mod=score_mod)
+    out, _, lse = _run(
+        q,
+        k,
+        v,
+        mask=mask,
+        causal=causal,
+        scale=scale,
+        dropout_p=dropout_p,
+        backend=backend,
+        need_weights=False,
+        need_lse=return_lse,
+        score_mod=score_mod,
+    )
     return (out, lse) if return_lse else out
 
 
@@ -94,14 +105,34 @@ def attention_with_weights(
 
     With ``need_weights`` the backend must return weights (``reference`` does; ``auto`` picks it);
     the model adapters and :class:`~headlab.attention.module.MultiHeadAttention` call this."""
-    out, weights, _ = _run(q, k, v, mask=mask, causal=causal, scale=scale, dropout_p=dropout_p, backend=backend,
-                           need_weights=need_weights, need_lse=False, score_mod=score_mod)
+    out, weights, _ = _run(
+        q,
+        k,
+        v,
+        mask=mask,
+        causal=causal,
+        scale=scale,
+        dropout_p=dropout_p,
+        backend=backend,
+        need_weights=need_weights,
+        need_lse=False,
+        score_mod=score_mod,
+    )
     return out, weights
 
 
 def _run(q, k, v, *, mask, causal, scale, dropout_p, backend, need_weights, need_lse, score_mod):
-    spec, norm_mask = validate(q, k, v, mask=mask, causal=causal, dropout_p=dropout_p, need_weights=need_weights,
-                               need_lse=need_lse, score_mod=score_mod)
+    spec, norm_mask = validate(
+        q,
+        k,
+        v,
+        mask=mask,
+        causal=causal,
+        dropout_p=dropout_p,
+        need_weights=need_weights,
+        need_lse=need_lse,
+        score_mod=score_mod,
+    )
     scale = check_scale(scale, spec.head_dim)
     chosen = resolve_backend(backend, spec)  # auto has already checked memory
     if not (isinstance(backend, str) and backend == "auto"):
@@ -188,8 +219,9 @@ def attention_weights(
         True
     """
     v = k.new_zeros(k.shape[:-1] + (1,))  # (B, Hkv, Lk, 1): the output is discarded
-    _, weights = attention_with_weights(q, k, v, mask=mask, causal=causal, scale=scale, backend="reference",
-                                        need_weights=True, score_mod=score_mod)
+    _, weights = attention_with_weights(
+        q, k, v, mask=mask, causal=causal, scale=scale, backend="reference", need_weights=True, score_mod=score_mod
+    )
     assert weights is not None  # need_weights=True
     return weights
 

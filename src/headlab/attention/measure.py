@@ -53,6 +53,7 @@ def time_call(fn: Callable[[], Any], *, repeats: int = 5, warmup: int = 1) -> fl
 # Peak memory in a fresh process
 # ------------------------------------------------------------------------------------------
 
+
 def _status_kib(field: str) -> int | None:
     try:
         with open("/proc/self/status") as f:
@@ -160,8 +161,10 @@ def peak_memory_growth(run: Callable, *args, setup: Callable | None = None, time
         kind, a, b = parent.recv()
     except EOFError:
         proc.join()
-        raise RuntimeError(f"memory measurement process died (exit code {proc.exitcode}); "
-                           "it was probably killed for using too much memory") from None
+        raise RuntimeError(
+            f"memory measurement process died (exit code {proc.exitcode}); "
+            "it was probably killed for using too much memory"
+        ) from None
     finally:
         proc.join(timeout=10)
     if kind == "ok":
@@ -177,6 +180,7 @@ def peak_memory_growth(run: Callable, *args, setup: Callable | None = None, time
 # ------------------------------------------------------------------------------------------
 # Attention benchmarks
 # ------------------------------------------------------------------------------------------
+
 
 def _inputs(cfg: dict, requires_grad: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(cfg["seed"])
@@ -204,8 +208,12 @@ def _mem_setup(cfg: dict, backend):
         cfg = {**cfg, "mask": from_string(cfg["mask"])}
     # one tiny call first: one-time initialisation (kernels, thread pools) is not the call's cost
     warm_mask = cfg.get("mask") if not isinstance(cfg.get("mask"), torch.Tensor) else None  # functions fit any length
-    _call({**cfg, "seq_len": 16, "mask": warm_mask}, backend, *_inputs({**cfg, "seq_len": 16}, cfg["backward"]),
-          torch.ones(cfg["batch"], cfg["heads"], 16, cfg["head_dim"], dtype=cfg["dtype"]) if cfg["backward"] else None)
+    _call(
+        {**cfg, "seq_len": 16, "mask": warm_mask},
+        backend,
+        *_inputs({**cfg, "seq_len": 16}, cfg["backward"]),
+        torch.ones(cfg["batch"], cfg["heads"], 16, cfg["head_dim"], dtype=cfg["dtype"]) if cfg["backward"] else None,
+    )
     q, k, v = _inputs(cfg, cfg["backward"])
     grad_out = torch.ones_like(q) if cfg["backward"] else None
     return cfg, backend, q, k, v, grad_out
@@ -245,8 +253,9 @@ def check_counts(**counts: int) -> None:
     for what, val in counts.items():
         checks.int_at_least(what, val, 0 if what == "warmup" else 1)
         if what in ("repeats", "warmup") and val > MAX_REPEATS:  # a timing loop that would run for days
-            raise ConfigError(f"{what} must be at most {MAX_REPEATS:,} (the median settles after a few rounds), "
-                              f"got {val:,}")
+            raise ConfigError(
+                f"{what} must be at most {MAX_REPEATS:,} (the median settles after a few rounds), got {val:,}"
+            )
 
 
 def bench_attention(
@@ -313,8 +322,20 @@ def bench_attention(
     for b in backends:
         _registry.get(b)  # UnknownBackendError listing the known names
     rows: list[dict] = []
-    cfgs = {L: {"seq_len": L, "batch": batch, "heads": heads, "head_dim": head_dim, "dtype": dtype,
-                "causal": causal, "backward": backward, "mask": pattern, "seed": seed} for L in seq_lens}
+    cfgs = {
+        L: {
+            "seq_len": L,
+            "batch": batch,
+            "heads": heads,
+            "head_dim": head_dim,
+            "dtype": dtype,
+            "causal": causal,
+            "backward": backward,
+            "mask": pattern,
+            "seed": seed,
+        }
+        for L in seq_lens
+    }
     # every refusal (memory guard, missing feature) is known before anything runs
     refusals = {L: {_backend_name(b): _refusal(cfgs[L], b) for b in [*backends, "sdpa"]} for L in seq_lens}
     for L in seq_lens:
@@ -336,8 +357,9 @@ def bench_attention(
                     continue
                 if progress is not None:
                     role = " (peer, for the ratio)" if b in peers else ""
-                    progress(f"{name}{role} @ {L}: {'warm-up' if rnd < warmup else 'time'} "
-                             f"{rnd + 1}/{warmup + repeats}")
+                    progress(
+                        f"{name}{role} @ {L}: {'warm-up' if rnd < warmup else 'time'} {rnd + 1}/{warmup + repeats}"
+                    )
                 try:
                     t0 = time.perf_counter()
                     _call(cfg, b, q, k, v, grad_out)
@@ -351,11 +373,23 @@ def bench_attention(
         sdpa_t = statistics.median(times["sdpa"]) if times.get("sdpa") else None
         for b in backends:
             name = _backend_name(b)
-            row = {"seq_len": L, "backend": name, "status": "ok", "reason": "", "median_s": None,
-                   "ratio_to_sdpa": None, "sdpa_median_s": sdpa_t, "peak_extra_bytes": None,
-                   "causal": causal, "backward": backward, "dtype": str(dtype).removeprefix("torch."),
-                   "batch": batch, "heads": heads, "head_dim": head_dim,
-                   "pattern": pattern_text or getattr(pattern, "name", None)}
+            row = {
+                "seq_len": L,
+                "backend": name,
+                "status": "ok",
+                "reason": "",
+                "median_s": None,
+                "ratio_to_sdpa": None,
+                "sdpa_median_s": sdpa_t,
+                "peak_extra_bytes": None,
+                "causal": causal,
+                "backward": backward,
+                "dtype": str(dtype).removeprefix("torch."),
+                "batch": batch,
+                "heads": heads,
+                "head_dim": head_dim,
+                "pattern": pattern_text or getattr(pattern, "name", None),
+            }
             why = reasons.get(name) or errors.get(name)
             if why:
                 row.update(status="skipped", reason=why)
@@ -383,5 +417,3 @@ def _linear_from_string(text: str):
     from headlab.attention.backends.linear import from_string
 
     return from_string(text)
-
-

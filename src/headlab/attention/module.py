@@ -74,7 +74,9 @@ class MultiHeadAttention(nn.Module):
             _backends.get(backend)  # UnknownBackendError listing the known ones now, not at the first call
         checks.number("dropout", dropout)
         if embed_dim <= 0 or num_heads <= 0 or num_kv_heads <= 0:
-            raise ConfigError(f"embed_dim, num_heads and num_kv_heads must be positive, got {embed_dim}, {num_heads}, {num_kv_heads}")
+            raise ConfigError(
+                f"embed_dim, num_heads and num_kv_heads must be positive, got {embed_dim}, {num_heads}, {num_kv_heads}"
+            )
         if embed_dim % num_heads:
             raise ConfigError(f"embed_dim={embed_dim} is not divisible by num_heads={num_heads}")
         if num_heads % num_kv_heads:
@@ -162,18 +164,27 @@ class MultiHeadAttention(nn.Module):
         """
         key = query if key is None else key
         value = key if value is None else value
-        widths = (("query", query, self.embed_dim, "embed_dim"), ("key", key, self.kdim, "kdim"),
-                  ("value", value, self.vdim, "vdim"))
+        widths = (
+            ("query", query, self.embed_dim, "embed_dim"),
+            ("key", key, self.kdim, "kdim"),
+            ("value", value, self.vdim, "vdim"),
+        )
         for name, t, width, arg in widths:
             if not isinstance(t, torch.Tensor) or t.dim() != 3:
-                raise ShapeError(f"{name} must be (batch, seq, features), got "
-                                 f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
+                raise ShapeError(
+                    f"{name} must be (batch, seq, features), got "
+                    f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}"
+                )
             if t.shape[-1] != width:
-                raise ShapeError(f"{name} has {t.shape[-1]} features in its last dimension (shape {tuple(t.shape)}) "
-                                 f"but the module expects {arg}={width}; the input must be (batch, seq, {width})")
+                raise ShapeError(
+                    f"{name} has {t.shape[-1]} features in its last dimension (shape {tuple(t.shape)}) "
+                    f"but the module expects {arg}={width}; the input must be (batch, seq, {width})"
+                )
         if key.shape[:2] != value.shape[:2] or key.shape[0] != query.shape[0]:
-            raise ShapeError(f"query {tuple(query.shape)}, key {tuple(key.shape)} and value {tuple(value.shape)} must "
-                             "share the batch size, and key and value the sequence length")
+            raise ShapeError(
+                f"query {tuple(query.shape)}, key {tuple(key.shape)} and value {tuple(value.shape)} must "
+                "share the batch size, and key and value the sequence length"
+            )
         self._check_dtypes(query, key, value)
         B, Lq, _ = query.shape
         Lk = key.shape[1]
@@ -183,21 +194,31 @@ class MultiHeadAttention(nn.Module):
         v = self.v_proj(value).view(B, Lk, Hkv, d).transpose(1, 2)  # (B, Hkv, Lk, d)
         if attn_mask is not None:
             if mask is not None:
-                raise MaskError("give either mask= (headlab's: True = may attend) or attn_mask= (torch's: True = "
-                                "masked out), not both")
+                raise MaskError(
+                    "give either mask= (headlab's: True = may attend) or attn_mask= (torch's: True = "
+                    "masked out), not both"
+                )
             mask = _from_torch_attn_mask(attn_mask, B, H, Lq, Lk)
         full_mask = _combine_masks(mask, key_padding_mask, B, Lk)
         chosen = self.backend if backend is None else backend
         if need_weights:
             chosen = _weights_backend(chosen)
         z, weights = attention_with_weights(
-            q, k, v, mask=full_mask, causal=causal, scale=None,
+            q,
+            k,
+            v,
+            mask=full_mask,
+            causal=causal,
+            scale=None,
             dropout_p=self.dropout if self.training else 0.0,
-            backend=chosen, need_weights=need_weights,
+            backend=chosen,
+            need_weights=need_weights,
         )  # z: (B, H, Lq, d)
         if tuple(self.head_gate.shape) != (H,):
-            raise ShapeError(f"head_gate has shape {tuple(self.head_gate.shape)} but the module has {H} heads; "
-                             f"give one gate per head, e.g. torch.ones({H}) with 0 for each head to silence")
+            raise ShapeError(
+                f"head_gate has shape {tuple(self.head_gate.shape)} but the module has {H} heads; "
+                f"give one gate per head, e.g. torch.ones({H}) with 0 for each head to silence"
+            )
         z = z * self.head_gate.view(1, H, 1, 1).to(z.dtype)
         out = self.out_proj(z.transpose(1, 2).reshape(B, Lq, H * d))  # (B, Lq, E)
         return out, weights
@@ -208,15 +229,20 @@ class MultiHeadAttention(nn.Module):
         w, dev = self.q_proj.weight.dtype, self.q_proj.weight.device
         for name, t in zip(("query", "key", "value"), inputs):
             if t.device != dev:
-                raise DeviceError(f"{name} is on {t.device} but the module's weights are on {dev}; move one to the "
-                                  f"other: {name}.to({str(dev)!r}) or module.to({str(t.device)!r})")
+                raise DeviceError(
+                    f"{name} is on {t.device} but the module's weights are on {dev}; move one to the "
+                    f"other: {name}.to({str(dev)!r}) or module.to({str(t.device)!r})"
+                )
             if not t.is_floating_point():
-                raise DTypeError(f"{name} is {t.dtype}, but attention needs floating-point inputs; cast it, e.g. "
-                                 f"{name}.to({w})")
+                raise DTypeError(
+                    f"{name} is {t.dtype}, but attention needs floating-point inputs; cast it, e.g. {name}.to({w})"
+                )
             if t.dtype != w and not torch.is_autocast_enabled(t.device.type):
-                raise DTypeError(f"{name} is {t.dtype} but the module's weights are {w}; cast the module "
-                                 f"(module.to({t.dtype})) or the input ({name}.to({w})), or run under "
-                                 "torch.autocast")
+                raise DTypeError(
+                    f"{name} is {t.dtype} but the module's weights are {w}; cast the module "
+                    f"(module.to({t.dtype})) or the input ({name}.to({w})), or run under "
+                    "torch.autocast"
+                )
 
     # -- interop ---------------------------------------------------------------------------------
     @classmethod
@@ -228,34 +254,47 @@ class MultiHeadAttention(nn.Module):
         if not isinstance(m, nn.MultiheadAttention):
             raise ConfigError(f"from_torch expects torch.nn.MultiheadAttention, got {type(m).__name__}")
         if m.bias_k is not None or m.add_zero_attn:
-            raise ConfigError("from_torch: add_bias_kv / add_zero_attn are not supported; build the module without them")
+            raise ConfigError(
+                "from_torch: add_bias_kv / add_zero_attn are not supported; build the module without them"
+            )
         E = m.embed_dim
         has_bias = m.in_proj_bias is not None
         w = m.in_proj_weight if m._qkv_same_embed_dim else None
         p = next(m.parameters())
-        new = cls(E, m.num_heads, kdim=m.kdim, vdim=m.vdim, bias=has_bias, dropout=m.dropout,
-                  backend=backend, device=p.device, dtype=p.dtype)
+        new = cls(
+            E,
+            m.num_heads,
+            kdim=m.kdim,
+            vdim=m.vdim,
+            bias=has_bias,
+            dropout=m.dropout,
+            backend=backend,
+            device=p.device,
+            dtype=p.dtype,
+        )
         with torch.no_grad():
             if w is not None:
                 new.q_proj.weight.copy_(w[:E])
-                new.k_proj.weight.copy_(w[E:2 * E])
-                new.v_proj.weight.copy_(w[2 * E:])
+                new.k_proj.weight.copy_(w[E : 2 * E])
+                new.v_proj.weight.copy_(w[2 * E :])
             else:
                 new.q_proj.weight.copy_(m.q_proj_weight)
                 new.k_proj.weight.copy_(m.k_proj_weight)
                 new.v_proj.weight.copy_(m.v_proj_weight)
             if has_bias:
                 new.q_proj.bias.copy_(m.in_proj_bias[:E])
-                new.k_proj.bias.copy_(m.in_proj_bias[E:2 * E])
-                new.v_proj.bias.copy_(m.in_proj_bias[2 * E:])
+                new.k_proj.bias.copy_(m.in_proj_bias[E : 2 * E])
+                new.v_proj.bias.copy_(m.in_proj_bias[2 * E :])
             new.out_proj.weight.copy_(m.out_proj.weight)
             if m.out_proj.bias is not None and new.out_proj.bias is not None:
                 new.out_proj.bias.copy_(m.out_proj.bias)
         return new
 
     def extra_repr(self) -> str:
-        return (f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, "
-                f"head_dim={self.head_dim}, backend={self.backend!r}")
+        return (
+            f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, "
+            f"head_dim={self.head_dim}, backend={self.backend!r}"
+        )
 
 
 def _weights_backend(backend):
@@ -267,7 +306,8 @@ def _weights_backend(backend):
     if not b.capabilities.returns_weights:
         raise BackendUnsupportedError(
             f"need_weights=True needs a backend that materialises the weights, but backend {b.name!r} does not; "
-            "use backend='reference' (or 'auto') for this call, or need_weights=False")
+            "use backend='reference' (or 'auto') for this call, or need_weights=False"
+        )
     return b
 
 
@@ -281,8 +321,10 @@ def _from_torch_attn_mask(attn_mask: torch.Tensor, batch: int, heads: int, q_len
     elif attn_mask.dim() == 3 and tuple(attn_mask.shape) == (batch * heads, q_len, kv_len):
         m = attn_mask.view(batch, heads, q_len, kv_len)
     else:
-        raise MaskError(f"attn_mask must have torch's shape (L, S) = {(q_len, kv_len)} or (N * num_heads, L, S) = "
-                        f"{(batch * heads, q_len, kv_len)}, got {tuple(attn_mask.shape)}")
+        raise MaskError(
+            f"attn_mask must have torch's shape (L, S) = {(q_len, kv_len)} or (N * num_heads, L, S) = "
+            f"{(batch * heads, q_len, kv_len)}, got {tuple(attn_mask.shape)}"
+        )
     if m.dtype == torch.bool:
         return ~m
     if m.is_floating_point():
@@ -299,7 +341,9 @@ def _combine_masks(mask, key_padding_mask, batch: int, kv_len: int):
             "convert a 0/1 attention mask with `key_padding_mask = attention_mask == 0`"
         )
     if tuple(key_padding_mask.shape) != (batch, kv_len):
-        raise MaskError(f"key_padding_mask must have shape (batch, kv_len) = {(batch, kv_len)}, got {tuple(key_padding_mask.shape)}")
+        raise MaskError(
+            f"key_padding_mask must have shape (batch, kv_len) = {(batch, kv_len)}, got {tuple(key_padding_mask.shape)}"
+        )
     keep = ~key_padding_mask.view(batch, 1, 1, kv_len)  # True = may attend
     if mask is None:
         return keep

@@ -32,7 +32,6 @@ bench_app = typer.Typer(help="Benchmarks: time and memory of attention backends.
 app.add_typer(bench_app, name="bench")
 
 
-
 def read_text_file(path: Path, option: str, *, what: str = "a plain-text file (UTF-8)", kind: str = "texts") -> str:
     """The text of an input file, or one line saying why not: missing, a folder, unreadable, not UTF-8
     (with the byte and how to convert), or empty; :func:`headlab.reading.read_file` (the one reader)."""
@@ -64,5 +63,19 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["INTERRUPTED_EXIT", "app", "bench_app", "check_at_least", "check_output_dir", "check_output_file", "check_text", "console",
-           "err_console", "human_bytes", "human_flops", "invoked", "print_json", "read_text_file"]
+__all__ = [
+    "INTERRUPTED_EXIT",
+    "app",
+    "bench_app",
+    "check_at_least",
+    "check_output_dir",
+    "check_output_file",
+    "check_text",
+    "console",
+    "err_console",
+    "human_bytes",
+    "human_flops",
+    "invoked",
+    "print_json",
+    "read_text_file",
+]

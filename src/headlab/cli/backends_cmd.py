@@ -22,8 +22,20 @@ def list_backends(as_json: bool = typer.Option(False, "--json", help="print JSON
     t.add_column("capability")
     for r in rows:
         t.add_column(r["name"], justify="center")
-    caps = ["exact", "materializes", "returns_weights", "returns_lse", "causal", "bool_mask", "additive_mask",
-            "mask_fn", "score_mod", "gqa", "dropout", "grad"]
+    caps = [
+        "exact",
+        "materializes",
+        "returns_weights",
+        "returns_lse",
+        "causal",
+        "bool_mask",
+        "additive_mask",
+        "mask_fn",
+        "score_mod",
+        "gqa",
+        "dropout",
+        "grad",
+    ]
 
     def cell(v):
         if isinstance(v, bool):

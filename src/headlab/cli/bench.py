@@ -64,10 +64,14 @@ def _check_inputs_fit(n: int, *, batch: int, heads: int, head_dim: int, dtype: s
     except (OSError, ValueError):
         return
     if need > total:
-        raise MemoryBudgetError(f"--seq-lens {n}: the inputs of one row ({tensors} tensors of {batch}x{heads}x{n}x"
-                                f"{head_dim}) need about {human_bytes(need)}, more than this machine's "
-                                f"{human_bytes(total)} of memory; give shorter --seq-lens",
-                                estimate_bytes=need, available_bytes=total, alternative=None)
+        raise MemoryBudgetError(
+            f"--seq-lens {n}: the inputs of one row ({tensors} tensors of {batch}x{heads}x{n}x"
+            f"{head_dim}) need about {human_bytes(need)}, more than this machine's "
+            f"{human_bytes(total)} of memory; give shorter --seq-lens",
+            estimate_bytes=need,
+            available_bytes=total,
+            alternative=None,
+        )
 
 
 @bench_app.command("attention")
@@ -106,15 +110,34 @@ def attention_cmd(
         check_output_file(json_file, "--json", force=force)  # before the run, so no result is lost
     _check_inputs_fit(max(lens), batch=batch, heads=heads, head_dim=head_dim, dtype=dtype, backward=backward)
     with reporter(True, transient=True) as say:
-        rows = bench_attention(lens, names, causal=causal, backward=backward, dtype=dtype, batch=batch,
-                               heads=heads, head_dim=head_dim, pattern=pattern, feature_map=feature_map,
-                               repeats=repeats, memory=memory, progress=_measuring(say))
-    title = (f"attention {'forward + backward' if backward else 'forward'}: batch {batch}, {heads} heads, "
-             f"head dim {head_dim}, {dtype}{', causal' if causal else ''}{f', pattern {pattern}' if pattern else ''}")
+        rows = bench_attention(
+            lens,
+            names,
+            causal=causal,
+            backward=backward,
+            dtype=dtype,
+            batch=batch,
+            heads=heads,
+            head_dim=head_dim,
+            pattern=pattern,
+            feature_map=feature_map,
+            repeats=repeats,
+            memory=memory,
+            progress=_measuring(say),
+        )
+    title = (
+        f"attention {'forward + backward' if backward else 'forward'}: batch {batch}, {heads} heads, "
+        f"head dim {head_dim}, {dtype}{', causal' if causal else ''}{f', pattern {pattern}' if pattern else ''}"
+    )
     t = Table(title=title)
     cols: tuple[tuple[str, Literal["left", "right"]], ...] = (
-        ("seq len", "right"), ("backend", "left"), ("median time", "right"),
-        ("peak extra memory", "right"), ("time / sdpa", "right"), ("note", "left"))
+        ("seq len", "right"),
+        ("backend", "left"),
+        ("median time", "right"),
+        ("peak extra memory", "right"),
+        ("time / sdpa", "right"),
+        ("note", "left"),
+    )
     for col, just in cols:
         t.add_column(col, justify=just)
     notes: dict[str, int] = {}  # full reason -> its number under the table
@@ -130,8 +153,11 @@ def attention_cmd(
         ratio = f"{r['ratio_to_sdpa']:.2f}" if r["ratio_to_sdpa"] is not None else "-"
         t.add_row(str(r["seq_len"]), r["backend"], f"{r['median_s'] * 1e3:.1f} ms", mem, ratio, note)
     console.print(t)
-    console.print("time / sdpa: median time over torch SDPA's median in the same run (below 1: faster than SDPA)",
-                  highlight=False, soft_wrap=True)
+    console.print(
+        "time / sdpa: median time over torch SDPA's median in the same run (below 1: faster than SDPA)",
+        highlight=False,
+        soft_wrap=True,
+    )
     for reason, k in notes.items():
         console.print(f"[yellow]\\[{k}] {_gist(reason)}:[/] {reason}", highlight=False, soft_wrap=True)
     if json_file is not None:

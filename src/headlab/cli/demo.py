@@ -8,8 +8,10 @@ import typer
 
 from headlab.cli.app import app, console
 
-DEMO_TEXT = ("The model reads the sentence once, and each head decides which earlier or later words "
-             "matter for the word it is looking at.")
+DEMO_TEXT = (
+    "The model reads the sentence once, and each head decides which earlier or later words "
+    "matter for the word it is looking at."
+)
 
 
 @app.command()

@@ -11,6 +11,9 @@ import typer
 from headlab.cli.app import app
 from headlab.cli.table import group
 
-heads_app = typer.Typer(cls=group("heads"), help="Which heads matter: importance, ablation verdicts, physical pruning.",
-                        no_args_is_help=True)
+heads_app = typer.Typer(
+    cls=group("heads"),
+    help="Which heads matter: importance, ablation verdicts, physical pruning.",
+    no_args_is_help=True,
+)
 app.add_typer(heads_app, name="heads")

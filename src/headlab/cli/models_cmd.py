@@ -10,10 +10,16 @@ from headlab.cli.app import app, console, print_json
 
 
 @app.command("models")
-def list_models(as_json: bool = typer.Option(False, "--json", help="print JSON"),
-                check: str = typer.Option(None, "--check", metavar="PATH",
-                                          help="load this model (a folder or known name) and print each load-time "
-                                               "check of headlab's view against its own eager attention")) -> None:
+def list_models(
+    as_json: bool = typer.Option(False, "--json", help="print JSON"),
+    check: str = typer.Option(
+        None,
+        "--check",
+        metavar="PATH",
+        help="load this model (a folder or known name) and print each load-time "
+        "check of headlab's view against its own eager attention",
+    ),
+) -> None:
     """List the Hugging Face families headlab declares, their model types, and per step what is supported;
     any other type is adapted by structure and checked at load (--check PATH shows the checks)."""
     import headlab.models.hf  # noqa: F401  (registers the families)
@@ -32,8 +38,13 @@ def list_models(as_json: bool = typer.Option(False, "--json", help="print JSON")
     for r in rows:
         if r["family"] is None:
             continue
-        t.add_row(r["family"], ", ".join(r["model_types"]), r["positions"], r["norm_layout"],
-                  *(r[s].replace("yes: ", "yes*: ") for s in STEPS))
+        t.add_row(
+            r["family"],
+            ", ".join(r["model_types"]),
+            r["positions"],
+            r["norm_layout"],
+            *(r[s].replace("yes: ", "yes*: ") for s in STEPS),
+        )
     console.print(t)
     for r in rows:
         if r["family"] is None:
@@ -41,11 +52,18 @@ def list_models(as_json: bool = typer.Option(False, "--json", help="print JSON")
     from headlab.models.hf.support import STRUCTURE_LIMITS, VERIFIED_BY_STRUCTURE
 
     served = ", ".join(f"{t} ({STRUCTURE_LIMITS[t]})" if t in STRUCTURE_LIMITS else t for t in VERIFIED_BY_STRUCTURE)
-    console.print(f"Adapted by structure and run through every step by the test suite ({len(VERIFIED_BY_STRUCTURE)} "
-                  f"types): {served}", highlight=False, markup=False)
-    console.print("Any other Hugging Face type is adapted by its structure and checked on its weights at load "
-                  "(headlab models --check PATH prints the checks); to declare what structure cannot show: "
-                  "docs/adding-a-family.md", highlight=False)
+    console.print(
+        f"Adapted by structure and run through every step by the test suite ({len(VERIFIED_BY_STRUCTURE)} "
+        f"types): {served}",
+        highlight=False,
+        markup=False,
+    )
+    console.print(
+        "Any other Hugging Face type is adapted by its structure and checked on its weights at load "
+        "(headlab models --check PATH prints the checks); to declare what structure cannot show: "
+        "docs/adding-a-family.md",
+        highlight=False,
+    )
 
 
 def _check(path: str, as_json: bool) -> None:
@@ -61,18 +79,29 @@ def _check(path: str, as_json: bool) -> None:
         print_json({"verdict": verdict.to_json(), "structure": found.summary() if found else None})
     else:
         how = "adapted by structure" if found is not None else f"declared family {a.family!r}"
-        console.print(f"{loaded.name}: {verdict.model_type}, {how}; {a.n_layers} attention layers, {a.n_heads} heads "
-                      f"({a.n_kv_heads} kv), head size {a.head_dim}, width {a.d_model}", highlight=False)
+        console.print(
+            f"{loaded.name}: {verdict.model_type}, {how}; {a.n_layers} attention layers, {a.n_heads} heads "
+            f"({a.n_kv_heads} kv), head size {a.head_dim}, width {a.d_model}",
+            highlight=False,
+        )
         if found is not None:
             for stack, desc in found.summary().items():
                 if isinstance(desc, dict) and "projections" in desc:
-                    console.print(f"  {stack}: attention {desc['attention']!r}, {desc['projections']}, W^O "
-                                  f"{desc['out']!r}, norms {desc['norms']}", highlight=False, markup=False)
+                    console.print(
+                        f"  {stack}: attention {desc['attention']!r}, {desc['projections']}, W^O "
+                        f"{desc['out']!r}, norms {desc['norms']}",
+                        highlight=False,
+                        markup=False,
+                    )
         for c in verdict.checks:
             mark = "pass" if c.passed else "FAIL"
-            console.print(f"  {mark}  {c.name:<9} worst {c.worst:.2e} (tolerance {c.tol:.0e})  {c.detail}", highlight=False,
-                          markup=False)
-        console.print(f"{'served' if verdict.passed else 'refused'}: checks took {verdict.seconds:.2f} s",
-                      highlight=False)
+            console.print(
+                f"  {mark}  {c.name:<9} worst {c.worst:.2e} (tolerance {c.tol:.0e})  {c.detail}",
+                highlight=False,
+                markup=False,
+            )
+        console.print(
+            f"{'served' if verdict.passed else 'refused'}: checks took {verdict.seconds:.2f} s", highlight=False
+        )
     if not verdict.passed:
         raise typer.Exit(1)

@@ -39,17 +39,40 @@ def command(instrument: Instrument | str):
     params = [_parameter(o) for o in inst.options]
     if inst.needs_model and inst.sharded is True:
         params += [
-            inspect.Parameter("tensor_parallel", inspect.Parameter.KEYWORD_ONLY, annotation=bool, default=typer.Option(
-                False, "--tensor-parallel", help="under torchrun: shard the model by heads over the ranks with "
-                "transformers' tensor parallelism (torchrun --nproc_per_node 2 -m headlab ... --tensor-parallel)")),
-            inspect.Parameter("tensor_size", inspect.Parameter.KEYWORD_ONLY, annotation=int, default=typer.Option(
-                None, "--tensor-size", help="with --tensor-parallel: ranks per tensor-parallel group (a divisor of "
-                "the world size; the groups split the work, a (data, tensor) mesh); default every rank")),
+            inspect.Parameter(
+                "tensor_parallel",
+                inspect.Parameter.KEYWORD_ONLY,
+                annotation=bool,
+                default=typer.Option(
+                    False,
+                    "--tensor-parallel",
+                    help="under torchrun: shard the model by heads over the ranks with "
+                    "transformers' tensor parallelism (torchrun --nproc_per_node 2 -m headlab ... --tensor-parallel)",
+                ),
+            ),
+            inspect.Parameter(
+                "tensor_size",
+                inspect.Parameter.KEYWORD_ONLY,
+                annotation=int,
+                default=typer.Option(
+                    None,
+                    "--tensor-size",
+                    help="with --tensor-parallel: ranks per tensor-parallel group (a divisor of "
+                    "the world size; the groups split the work, a (data, tensor) mesh); default every rank",
+                ),
+            ),
         ]
     if inst.resumable:
-        params.append(inspect.Parameter("resume", inspect.Parameter.KEYWORD_ONLY, annotation=bool,
-                                        default=typer.Option(False, "--resume", help="keep the units already in the "
-                                                             "output file and compute only the rest")))
+        params.append(
+            inspect.Parameter(
+                "resume",
+                inspect.Parameter.KEYWORD_ONLY,
+                annotation=bool,
+                default=typer.Option(
+                    False, "--resume", help="keep the units already in the output file and compute only the rest"
+                ),
+            )
+        )
 
     def run_row(**options) -> None:
         from headlab.interpret.instruments.runner import run
@@ -58,10 +81,16 @@ def command(instrument: Instrument | str):
         envelope = any(o is ENVELOPE_JSON for o in inst.options) and bool(options.get("as_json"))
         tp = TensorParallel.from_flags(bool(options.pop("tensor_parallel", False)), options.pop("tensor_size", None))
         try:
-            outcome = run(inst, options, resume=resume, progress=True, transient=True,
-                          say=lambda line: err_console.print(line, highlight=False, soft_wrap=True),
-                          tensor_parallel=tp,
-                          command=_command_line(invoked))
+            outcome = run(
+                inst,
+                options,
+                resume=resume,
+                progress=True,
+                transient=True,
+                say=lambda line: err_console.print(line, highlight=False, soft_wrap=True),
+                tensor_parallel=tp,
+                command=_command_line(invoked),
+            )
         except KeyboardInterrupt:  # Ctrl-C before the units (reading, loading): nothing computed, nothing written
             err_console.print(INTERRUPTED_BEFORE, highlight=False)
             raise typer.Exit(INTERRUPTED_EXIT) from None

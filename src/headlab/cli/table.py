@@ -51,7 +51,9 @@ def _home_files() -> list[tuple[str, Path]]:
     for home in HOMES:
         rel = Path(*home.split(".")[1:])
         if (root / rel).is_dir():
-            files += [(f"{home}.{p.stem}", p) for p in sorted((root / rel).glob("*.py")) if p.stem not in _NOT_INSTRUMENTS]
+            files += [
+                (f"{home}.{p.stem}", p) for p in sorted((root / rel).glob("*.py")) if p.stem not in _NOT_INSTRUMENTS
+            ]
         else:
             files.append((home, root / rel.with_suffix(".py")))
     return files
@@ -69,11 +71,16 @@ def _read_source(module: str, path: Path) -> list[Entry]:
     entries = []
     for cls in ast.parse(path.read_text(encoding="utf-8")).body:
         if not isinstance(cls, ast.ClassDef) or not any(
-                (d.id if isinstance(d, ast.Name) else getattr(d, "attr", None)) == "register" for d in cls.decorator_list):
+            (d.id if isinstance(d, ast.Name) else getattr(d, "attr", None)) == "register" for d in cls.decorator_list
+        ):
             continue
         values = {}
         for stmt in cls.body:
-            target = stmt.targets[0] if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 else getattr(stmt, "target", None)
+            target = (
+                stmt.targets[0]
+                if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1
+                else getattr(stmt, "target", None)
+            )
             if isinstance(target, ast.Name) and getattr(stmt, "value", None) is not None:
                 values[target.id] = _literal(stmt.value)  # type: ignore[attr-defined]  # an Assign or AnnAssign: both have it (checked above)
         name = values.get("name")
@@ -175,8 +182,9 @@ class CommandGroup(TyperGroup):
             return None
         n = len(self.path) + 1
         if any(len(e.command) > n for e in rows):
-            cmd = group(*self.path, cmd_name)(name=cmd_name, no_args_is_help=True,
-                                              help=", ".join(" ".join(e.command[n - 1:]) for e in rows))
+            cmd = group(*self.path, cmd_name)(
+                name=cmd_name, no_args_is_help=True, help=", ".join(" ".join(e.command[n - 1 :]) for e in rows)
+            )
         else:
             cmd = build(rows[0])
         dict.__setitem__(self.commands, cmd_name, cmd)

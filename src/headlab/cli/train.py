@@ -13,12 +13,17 @@ from headlab.reading import read_tsv
 
 @app.command("train-classifier")
 def train_classifier_cmd(
-    data: Path = typer.Option(None, "--data", "-d", help="a folder holding train.tsv and validation.tsv "
-                                                         "(SST-2's GLUE files: sentence, label)"),
+    data: Path = typer.Option(
+        None, "--data", "-d", help="a folder holding train.tsv and validation.tsv (SST-2's GLUE files: sentence, label)"
+    ),
     train: Path = typer.Option(None, "--train", help="the training TSV (instead of --data)"),
     validation: Path = typer.Option(None, "--validation", help="the validation TSV (instead of --data)"),
-    out: Path = typer.Option(None, "--out", "-o", help="the model folder (default: ~/.cache/headlab/minilm-sst2, "
-                                                        "where explain and probe look)"),
+    out: Path = typer.Option(
+        None,
+        "--out",
+        "-o",
+        help="the model folder (default: ~/.cache/headlab/minilm-sst2, where explain and probe look)",
+    ),
     subset: int = typer.Option(40000, "--subset", help="train on a seeded sample of N training rows (0: all)"),
     limit: int = typer.Option(None, "--limit", help="only the first N training rows (a smoke run)"),
     epochs: float = typer.Option(1.0, "--epochs"),
@@ -42,8 +47,11 @@ def train_classifier_cmd(
     if train is None or validation is None:
         raise InputError("no data: give --data FOLDER (with train.tsv and validation.tsv) or --train and --validation")
     for p, option in ((train, "--train"), (validation, "--validation")):
-        read_text_file(Path(p), "--data" if data is not None else option,  # missing, a folder, not UTF-8, empty
-                       what="SST-2's train.tsv and validation.tsv (columns sentence, label)")
+        read_text_file(
+            Path(p),
+            "--data" if data is not None else option,  # missing, a folder, not UTF-8, empty
+            what="SST-2's train.tsv and validation.tsv (columns sentence, label)",
+        )
         # the header (a sentence and a label column) and the first row, before the start line and the model
         read_tsv(Path(p), "--data" if data is not None else option, labelled=True, limit=1)
     if not 0 < epochs < float("inf"):
@@ -58,11 +66,20 @@ def train_classifier_cmd(
     check_output_dir(Path(target), "--out", force=force)  # before the minutes of training
     err_console.print(f"fine-tuning all-MiniLM-L6-v2 on {train} -> {target}", highlight=False, soft_wrap=True)
     with reporter(True) as say:  # train_classifier's progress(step, steps, loss), as the one protocol
-        r = train_classifier(train, validation, out=out, config=cfg, force=force,
-                             progress=lambda step, steps, loss: say("train", step, steps))
+        r = train_classifier(
+            train,
+            validation,
+            out=out,
+            config=cfg,
+            force=force,
+            progress=lambda step, steps, loss: say("train", step, steps),
+        )
     if as_json:
         print_json(r.to_json())
         return
-    console.print(f"validation accuracy {r.validation_accuracy:.4f} on {r.validation_sentences} sentences; "
-                  f"{r.steps} steps on {r.train_sentences} sentences in {r.train_seconds / 60:.1f} min; saved {r.out}",
-                  highlight=False, soft_wrap=True)
+    console.print(
+        f"validation accuracy {r.validation_accuracy:.4f} on {r.validation_sentences} sentences; "
+        f"{r.steps} steps on {r.train_sentences} sentences in {r.train_seconds / 60:.1f} min; saved {r.out}",
+        highlight=False,
+        soft_wrap=True,
+    )

@@ -38,5 +38,18 @@ from headlab.costs.model import (
 )
 from headlab.costs.ring import RingCost, ring_cost
 
-__all__ = ["full_cache_bytes", "kv_cache_bytes", "policy_cache_bytes", "AttentionCost", "AttentionShape", "Hardware", "RingCost", "estimate", "estimate_all", "formulas",
-           "parse_dtype", "register_cost", "ring_cost"]
+__all__ = [
+    "full_cache_bytes",
+    "kv_cache_bytes",
+    "policy_cache_bytes",
+    "AttentionCost",
+    "AttentionShape",
+    "Hardware",
+    "RingCost",
+    "estimate",
+    "estimate_all",
+    "formulas",
+    "parse_dtype",
+    "register_cost",
+    "ring_cost",
+]

@@ -42,16 +42,18 @@ from headlab.errors import ConfigError
 __all__ = ["kv_cache_bytes", "full_cache_bytes", "policy_cache_bytes", "policy_peak_bytes", "layout_bytes"]
 
 
-def kv_cache_bytes(kept: Sequence[Sequence[int]], *, head_dim: int, dtype="float32", v_dim: int | None = None,
-                   batch: int = 1) -> int:
+def kv_cache_bytes(
+    kept: Sequence[Sequence[int]], *, head_dim: int, dtype="float32", v_dim: int | None = None, batch: int = 1
+) -> int:
     """Bytes of keys and values held, given ``kept[layer][kv_head]`` token counts."""
     size = torch.empty((), dtype=parse_dtype(dtype)).element_size()
     v_dim = head_dim if v_dim is None else v_dim
     if head_dim <= 0 or v_dim <= 0 or batch <= 0:
         raise ConfigError(f"head_dim, v_dim and batch must be positive, got {head_dim}, {v_dim}, {batch}")
     if not isinstance(kept, (list, tuple)):  # None: a TypeError from the loop before
-        raise ConfigError(f"kept must be token counts per layer and kv head, kept[layer][kv_head], got "
-                          f"{type(kept).__name__}")
+        raise ConfigError(
+            f"kept must be token counts per layer and kv head, kept[layer][kv_head], got {type(kept).__name__}"
+        )
     total = 0
     for layer in kept:
         for n in layer:
@@ -63,8 +65,9 @@ def kv_cache_bytes(kept: Sequence[Sequence[int]], *, head_dim: int, dtype="float
     return batch * total * (head_dim + v_dim) * size
 
 
-def full_cache_bytes(*, layers: int, kv_heads: int, tokens: int, head_dim: int, dtype="float32",
-                     v_dim: int | None = None, batch: int = 1) -> int:
+def full_cache_bytes(
+    *, layers: int, kv_heads: int, tokens: int, head_dim: int, dtype="float32", v_dim: int | None = None, batch: int = 1
+) -> int:
     """The ordinary cache: every layer's every kv head keeps all ``tokens``."""
     for name, val in (("layers", layers), ("kv_heads", kv_heads)):  # a negative count would give 0 bytes, not an error
         checks.positive_int(name, val)
@@ -79,8 +82,14 @@ def layout_bytes(layout, *, head_dim: int, dtype="float32", v_dim: int | None = 
     v_dim = head_dim if v_dim is None else v_dim
     if head_dim <= 0 or v_dim <= 0 or batch <= 0:
         raise ConfigError(f"head_dim, v_dim and batch must be positive, got {head_dim}, {v_dim}, {batch}")
-    counts = (layout.full_keys, layout.full_values, layout.quant_keys, layout.quant_values, layout.key_groups,
-              layout.compensation)
+    counts = (
+        layout.full_keys,
+        layout.full_values,
+        layout.quant_keys,
+        layout.quant_values,
+        layout.key_groups,
+        layout.compensation,
+    )
     if any(c < 0 for c in counts):
         raise ConfigError(f"a kv head cannot hold a negative count: {layout}")
     plain = (layout.full_keys + layout.compensation) * head_dim + (layout.full_values + layout.compensation) * v_dim
@@ -94,8 +103,17 @@ def layout_bytes(layout, *, head_dim: int, dtype="float32", v_dim: int | None = 
     return batch * total
 
 
-def policy_cache_bytes(policy, *, kv_heads: Sequence[int], tokens: int, head_dim: int, dtype="float32",
-                       v_dim: int | None = None, batch: int = 1, prompt: int | None = None) -> int:
+def policy_cache_bytes(
+    policy,
+    *,
+    kv_heads: Sequence[int],
+    tokens: int,
+    head_dim: int,
+    dtype="float32",
+    v_dim: int | None = None,
+    batch: int = 1,
+    prompt: int | None = None,
+) -> int:
     """The cache a per-head policy holds after ``tokens`` tokens: the sum of :func:`layout_bytes` over its kv heads
     (``policy``: a :class:`headlab.kv.Policy`, or anything with ``kept(tokens, kv_heads) -> [[count per kv head]
     per layer]``, counted at the cache's dtype).
@@ -104,16 +122,29 @@ def policy_cache_bytes(policy, *, kv_heads: Sequence[int], tokens: int, head_dim
     Only SnapKV's rules read it: they keep ``min(prompt, budget)`` prompt tokens per head (Ada-KV: ``min(total,
     heads x prompt)`` per layer) and every token after the prompt."""
     if not hasattr(policy, "layouts"):
-        return kv_cache_bytes(policy.kept(tokens, list(kv_heads)), head_dim=head_dim, dtype=dtype, v_dim=v_dim,
-                              batch=batch)
+        return kv_cache_bytes(
+            policy.kept(tokens, list(kv_heads)), head_dim=head_dim, dtype=dtype, v_dim=v_dim, batch=batch
+        )
     if hasattr(policy, "check_shape"):
         policy.check_shape(list(kv_heads), head_dim, v_dim)
-    return sum(layout_bytes(lay, head_dim=head_dim, dtype=dtype, v_dim=v_dim, batch=batch)
-               for layer in policy.layouts(tokens, list(kv_heads), prompt) for lay in layer)
+    return sum(
+        layout_bytes(lay, head_dim=head_dim, dtype=dtype, v_dim=v_dim, batch=batch)
+        for layer in policy.layouts(tokens, list(kv_heads), prompt)
+        for lay in layer
+    )
 
 
-def policy_peak_bytes(policy, *, kv_heads: Sequence[int], prompt: int, tokens: int, head_dim: int, dtype="float32",
-                      v_dim: int | None = None, batch: int = 1) -> int:
+def policy_peak_bytes(
+    policy,
+    *,
+    kv_heads: Sequence[int],
+    prompt: int,
+    tokens: int,
+    head_dim: int,
+    dtype="float32",
+    v_dim: int | None = None,
+    batch: int = 1,
+) -> int:
     """The most a per-head cache holds while it takes a ``prompt``-token prefill and then one token at a time up
     to ``tokens``, counted after each layer's step as :attr:`headlab.decode.HeadCache.peak_bytes` is.
 
@@ -123,17 +154,21 @@ def policy_peak_bytes(policy, *, kv_heads: Sequence[int], prompt: int, tokens: i
     when a layer's full-precision key residual is quantized (KIVI), so its peak can come earlier, or in the
     middle of a step (layers before the one that shrank already grown)."""
     if not hasattr(policy, "layouts"):
-        return policy_cache_bytes(policy, kv_heads=kv_heads, tokens=tokens, head_dim=head_dim, dtype=dtype,
-                                  v_dim=v_dim, batch=batch)
-    checks.int_in_range("prompt", prompt, 1, tokens,
-                        message="prompt={value} and tokens={high}: give 1 <= prompt <= tokens")
+        return policy_cache_bytes(
+            policy, kv_heads=kv_heads, tokens=tokens, head_dim=head_dim, dtype=dtype, v_dim=v_dim, batch=batch
+        )
+    checks.int_in_range(
+        "prompt", prompt, 1, tokens, message="prompt={value} and tokens={high}: give 1 <= prompt <= tokens"
+    )
     kvh = list(kv_heads)
     if hasattr(policy, "check_shape"):
         policy.check_shape(kvh, head_dim, v_dim)
 
     def per_layer(t: int) -> list[int]:
-        return [sum(layout_bytes(lay, head_dim=head_dim, dtype=dtype, v_dim=v_dim, batch=batch) for lay in layer)
-                for layer in policy.layouts(t, kvh, prompt)]
+        return [
+            sum(layout_bytes(lay, head_dim=head_dim, dtype=dtype, v_dim=v_dim, batch=batch) for lay in layer)
+            for layer in policy.layouts(t, kvh, prompt)
+        ]
 
     prev = per_layer(prompt)
     peak = run = sum(prev)

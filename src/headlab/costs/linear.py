@@ -31,8 +31,9 @@ from headlab.costs.model import AttentionCost, AttentionShape, CostedBackend, re
 __all__ = ["linear_cost", "linear_cost_for", "linear_flops"]
 
 
-def linear_flops(shape: AttentionShape, num_features: int, *, favor: bool = False,
-                 chunk_size: int | None = None) -> int:
+def linear_flops(
+    shape: AttentionShape, num_features: int, *, favor: bool = False, chunk_size: int | None = None
+) -> int:
     """Forward matmul FLOPs of one layer with ``num_features`` features per position (``chunk_size``:
     the causal chunk C, by default the registered ``linear`` backend's)."""
     if chunk_size is None:
@@ -51,8 +52,9 @@ def linear_flops(shape: AttentionShape, num_features: int, *, favor: bool = Fals
     return flops
 
 
-def linear_cost(shape: AttentionShape, *, feature_map: str = "elu", num_features: int | None = None,
-                chunk_size: int | None = None) -> AttentionCost:
+def linear_cost(
+    shape: AttentionShape, *, feature_map: str = "elu", num_features: int | None = None, chunk_size: int | None = None
+) -> AttentionCost:
     """Cost of ``shape`` on a linear backend configured like ``LinearBackend(feature_map, ...)``
     (an instance of the registered ``linear`` backend's class, so the configuration is validated as there)."""
     options = {"num_features": num_features} | ({} if chunk_size is None else {"chunk_size": chunk_size})

@@ -15,10 +15,17 @@ from headlab.spec.attention_spec import AttentionSpec, function_mask_shape
 from headlab.spec.masks import MaskFn
 
 _DTYPES = {
-    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
-    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
-    "float64": torch.float64, "fp64": torch.float64, "double": torch.float64,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+    "float64": torch.float64,
+    "fp64": torch.float64,
+    "double": torch.float64,
 }
 
 
@@ -74,12 +81,25 @@ class AttentionShape:
     def spec(self, *, requires_grad: bool = False, device: str = "cpu") -> AttentionSpec:
         """The :class:`AttentionSpec` of one layer's call (what backends' memory formulas read)."""
         kind: Literal["function", "none"] = "function" if self.mask is not None else "none"
-        mask_shape = (function_mask_shape(self.mask, self.batch, self.heads, self.q_len, self.kv_len)
-                      if self.mask is not None else None)
+        mask_shape = (
+            function_mask_shape(self.mask, self.batch, self.heads, self.q_len, self.kv_len)
+            if self.mask is not None
+            else None
+        )
         return AttentionSpec(
-            batch=self.batch, heads=self.heads, kv_heads=self.kv_heads, q_len=self.q_len, kv_len=self.kv_len,
-            head_dim=self.head_dim, v_dim=self.v_dim, dtype=parse_dtype(self.dtype), device=torch.device(device),
-            causal=self.causal, mask_kind=kind, mask_shape=mask_shape, dropout_p=self.dropout_p,
+            batch=self.batch,
+            heads=self.heads,
+            kv_heads=self.kv_heads,
+            q_len=self.q_len,
+            kv_len=self.kv_len,
+            head_dim=self.head_dim,
+            v_dim=self.v_dim,
+            dtype=parse_dtype(self.dtype),
+            device=torch.device(device),
+            causal=self.causal,
+            mask_kind=kind,
+            mask_shape=mask_shape,
+            dropout_p=self.dropout_p,
             requires_grad=requires_grad,
         )
 
@@ -95,8 +115,14 @@ class AttentionShape:
     def io_bytes(self) -> int:
         """Bytes of q, k, v and the output of one layer."""
         b, s = self.batch, self.itemsize
-        return s * b * (self.heads * self.q_len * (self.head_dim + self.v_dim)
-                        + self.kv_heads * self.kv_len * (self.head_dim + self.v_dim))
+        return (
+            s
+            * b
+            * (
+                self.heads * self.q_len * (self.head_dim + self.v_dim)
+                + self.kv_heads * self.kv_len * (self.head_dim + self.v_dim)
+            )
+        )
 
 
 @dataclass(frozen=True)
@@ -183,7 +209,9 @@ def registered(name: str) -> CostedBackend:
     try:
         return _BACKENDS[name]
     except KeyError:
-        raise UnknownBackendError(f"unknown backend {name!r}; known backends: {', '.join(['auto', *_BACKENDS])}") from None
+        raise UnknownBackendError(
+            f"unknown backend {name!r}; known backends: {', '.join(['auto', *_BACKENDS])}"
+        ) from None
 
 
 def estimate(shape: AttentionShape, backend: str | CostedBackend) -> AttentionCost:
@@ -194,14 +222,18 @@ def estimate(shape: AttentionShape, backend: str | CostedBackend) -> AttentionCo
     Raises :class:`~headlab.errors.CostModelError` for a backend without a formula (never zero).
     """
     if not isinstance(shape, AttentionShape):
-        raise ConfigError(f"estimate costs an AttentionShape, got {type(shape).__name__}; build one, e.g. "
-                          "costs.AttentionShape(heads=32, q_len=4096)")
+        raise ConfigError(
+            f"estimate costs an AttentionShape, got {type(shape).__name__}; build one, e.g. "
+            "costs.AttentionShape(heads=32, q_len=4096)"
+        )
     if isinstance(backend, str):
         name, instance = backend, _BACKENDS.get(backend)
         formula = _FORMULAS.get(name)
     elif not isinstance(getattr(backend, "name", None), str):  # a list or a number: AttributeError before
-        raise UnknownBackendError(f"unknown backend {backend!r}: give a backend name (one of "
-                                  f"{', '.join(['auto', *_BACKENDS])}) or a backend object")
+        raise UnknownBackendError(
+            f"unknown backend {backend!r}: give a backend name (one of "
+            f"{', '.join(['auto', *_BACKENDS])}) or a backend object"
+        )
     else:
         name, instance = backend.name, backend
         formula = getattr(type(backend), "cost", None) or _FORMULAS.get(name)

@@ -36,8 +36,19 @@ import headlab.checks as checks
 from headlab.costs.model import AttentionShape, Hardware, parse_dtype
 from headlab.errors import ConfigError, ShapeError
 
-__all__ = ["LAYOUTS", "MIN_BLOCK_BYTES", "SPLIT", "TILE", "Layout", "RingCost", "check_layout", "chunks",
-           "kv_heads_per_trip", "ring_cost", "split_of"]
+__all__ = [
+    "LAYOUTS",
+    "MIN_BLOCK_BYTES",
+    "SPLIT",
+    "TILE",
+    "Layout",
+    "RingCost",
+    "check_layout",
+    "chunks",
+    "kv_heads_per_trip",
+    "ring_cost",
+    "split_of",
+]
 
 TILE = 512  # query x key tile of the ring kernels (headlab.distributed.kernels.TILE)
 
@@ -66,8 +77,10 @@ def chunks(n: int, *, rank: int, world_size: int, layout: Layout = "contiguous")
         raise ConfigError(f"rank {rank} is not in 0..{world_size - 1} (world size {world_size})")
     parts = world_size if layout == "contiguous" else 2 * world_size
     if n % parts:
-        raise ShapeError(f"a sequence of {n} positions does not split into {parts} equal chunks "
-                         f"({layout} layout on {world_size} ranks); pad it to a multiple of {parts}")
+        raise ShapeError(
+            f"a sequence of {n} positions does not split into {parts} equal chunks "
+            f"({layout} layout on {world_size} ranks); pad it to a multiple of {parts}"
+        )
     c = n // parts
     if layout == "contiguous":
         return [(rank * c, c)]
@@ -143,7 +156,9 @@ def ring_cost(shape: AttentionShape, ranks: int, *, layout: str | None = None) -
     refuses it: pad the sequence to the length the message names."""
     checks.positive_int("ranks", ranks)
     if shape.q_len != shape.kv_len:
-        raise ConfigError(f"ring attention shards one sequence: q_len ({shape.q_len}) must equal kv_len ({shape.kv_len})")
+        raise ConfigError(
+            f"ring attention shards one sequence: q_len ({shape.q_len}) must equal kv_len ({shape.kv_len})"
+        )
     n, R = shape.q_len, ranks
     if layout is not None:
         check_layout(layout)
@@ -154,10 +169,14 @@ def ring_cost(shape: AttentionShape, ranks: int, *, layout: str | None = None) -
     parts = R if layout == "contiguous" else 2 * R
     if n % parts:
         pad = -(-n // parts) * parts
-        other = "" if layout == "contiguous" or n % R else f", or use layout='contiguous' ({n:,} splits into {R} shards)"
-        raise ShapeError(f"ring attention holds equal shards: {n:,} positions do not cut into {parts} equal chunks "
-                         f"({layout} layout on {R} ranks), so headlab.distributed.ring_attention refuses them; pad the "
-                         f"sequence to {pad:,} positions{other}")
+        other = (
+            "" if layout == "contiguous" or n % R else f", or use layout='contiguous' ({n:,} splits into {R} shards)"
+        )
+        raise ShapeError(
+            f"ring attention holds equal shards: {n:,} positions do not cut into {parts} equal chunks "
+            f"({layout} layout on {R} ranks), so headlab.distributed.ring_attention refuses them; pad the "
+            f"sequence to {pad:,} positions{other}"
+        )
     local = n // R
     B, H, Hkv, d, dv, s = shape.batch, shape.heads, shape.kv_heads, shape.head_dim, shape.v_dim, shape.itemsize
     ts = _tile_itemsize(parse_dtype(shape.dtype))  # parse_dtype: a no-op once the shape is built
@@ -173,9 +192,15 @@ def ring_cost(shape: AttentionShape, ranks: int, *, layout: str | None = None) -
     trip = block * kv_heads_per_trip(B, Hkv, local // split, d, s) // Hkv // split  # a trip carries 1/split
     working = trip + B * H * local * (ts + 8 + dv * ts) + 3 * B * H * TILE * TILE * ts
     return RingCost(
-        ranks=R, steps=R, shard_len=local,
-        forward_flops_per_rank=fwd, backward_flops_per_rank=bwd,
-        sent_forward_bytes=(R - 1) * block, sent_backward_bytes=(R - 1) * block + R * acc_block,
+        ranks=R,
+        steps=R,
+        shard_len=local,
+        forward_flops_per_rank=fwd,
+        backward_flops_per_rank=bwd,
+        sent_forward_bytes=(R - 1) * block,
+        sent_backward_bytes=(R - 1) * block + R * acc_block,
         shard_bytes=B * local * s * (H * (d + dv) + Hkv * (d + dv)),
-        working_set_bytes=working, layers=shape.layers, layout=layout,
+        working_set_bytes=working,
+        layers=shape.layers,
+        layout=layout,
     )

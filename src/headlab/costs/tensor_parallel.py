@@ -40,15 +40,32 @@ from dataclasses import dataclass, field
 
 from headlab.errors import ConfigError
 
-__all__ = ["STYLES", "TPWeights", "activation_bytes", "gather_bytes", "kv_cache_bytes_per_rank", "local_size",
-           "patch_bytes", "plan_style", "site_bytes", "weight_bytes"]
+__all__ = [
+    "STYLES",
+    "TPWeights",
+    "activation_bytes",
+    "gather_bytes",
+    "kv_cache_bytes_per_rank",
+    "local_size",
+    "patch_bytes",
+    "plan_style",
+    "site_bytes",
+    "weight_bytes",
+]
 
 # which dimension of a weight (2-D) and of a bias (1-D) each transformers style cuts; None: replicated
 STYLES: dict[str, tuple[int | None, int | None]] = {
-    "colwise": (0, 0), "colwise_gather_output": (0, 0), "colwise_rep": (0, 0),
-    "rowwise": (1, None), "rowwise_split_input": (1, None), "rowwise_rep": (1, None),
-    "embedding_rowwise": (0, None), "embedding_colwise": (1, None),
-    "replicate": (None, None), "sequence_parallel": (None, None), "replicated_with_grad_allreduce": (None, None),
+    "colwise": (0, 0),
+    "colwise_gather_output": (0, 0),
+    "colwise_rep": (0, 0),
+    "rowwise": (1, None),
+    "rowwise_split_input": (1, None),
+    "rowwise_rep": (1, None),
+    "embedding_rowwise": (0, None),
+    "embedding_colwise": (1, None),
+    "replicate": (None, None),
+    "sequence_parallel": (None, None),
+    "replicated_with_grad_allreduce": (None, None),
 }
 Q_SITES = ("q", "z", "head_out", "pattern")  # sites whose axis 1 is the query heads
 KV_SITES = ("k", "v")
@@ -88,7 +105,9 @@ def plan_style(param: str, plan: Mapping[str, str]) -> str | None:
 def _group(name: str) -> str:
     """Which part of the model a parameter belongs to, by its name (for the report; the bytes do not depend on it)."""
     low = name.lower()
-    if "norm" in ([""] + low.split("."))[-2] or ".ln" in low:  # the module's own name: post_attention_layernorm is a norm
+    if (
+        "norm" in ([""] + low.split("."))[-2] or ".ln" in low
+    ):  # the module's own name: post_attention_layernorm is a norm
         return "norms"
     if any(k in low for k in ("attn", "attention")):
         return "attention"
@@ -115,8 +134,14 @@ class TPWeights:
         return self.sharded + self.replicated
 
 
-def weight_bytes(shapes: Mapping[str, Sequence[int]], plan: Mapping[str, str], *, world: int, rank: int = 0,
-                 itemsize: int | Mapping[str, int] = 4) -> TPWeights:
+def weight_bytes(
+    shapes: Mapping[str, Sequence[int]],
+    plan: Mapping[str, str],
+    *,
+    world: int,
+    rank: int = 0,
+    itemsize: int | Mapping[str, int] = 4,
+) -> TPWeights:
     """Parameter bytes rank ``rank`` holds when ``plan`` shards parameters of global ``shapes`` over ``world``.
 
     ``itemsize``: bytes per number, one for all or per parameter. A style this module does not know is a
@@ -130,8 +155,10 @@ def weight_bytes(shapes: Mapping[str, Sequence[int]], plan: Mapping[str, str], *
         size = itemsize[name] if isinstance(itemsize, Mapping) else itemsize
         style = plan_style(name, plan) if world > 1 else None
         if style is not None and style not in STYLES:
-            raise ConfigError(f"the plan gives {name} the style {style!r}, which the cost model does not know; "
-                              f"known styles: {', '.join(sorted(STYLES))}")
+            raise ConfigError(
+                f"the plan gives {name} the style {style!r}, which the cost model does not know; "
+                f"known styles: {', '.join(sorted(STYLES))}"
+            )
         dim = None if style is None else STYLES[style][0 if len(shape) >= 2 else 1]
         n = math.prod(shape)
         if dim is None:
@@ -146,8 +173,17 @@ def weight_bytes(shapes: Mapping[str, Sequence[int]], plan: Mapping[str, str], *
     return TPWeights(rank, world, sharded, replicated, groups, per)
 
 
-def kv_cache_bytes_per_rank(policy, *, kv_heads: Sequence[int], world: int, tokens: int, head_dim: int,
-                            dtype="float32", v_dim: int | None = None, prompt: int | None = None) -> list[int]:
+def kv_cache_bytes_per_rank(
+    policy,
+    *,
+    kv_heads: Sequence[int],
+    world: int,
+    tokens: int,
+    head_dim: int,
+    dtype="float32",
+    v_dim: int | None = None,
+    prompt: int | None = None,
+) -> list[int]:
     """What each rank's per-head KV cache holds after ``tokens`` tokens (``prompt`` of them the prefill): a kv head's
     keys and values live on the rank that holds it (rank ``r`` holds kv heads ``[r g / w, (r + 1) g / w)`` of a
     layer with ``g``). ``policy``: a :class:`headlab.kv.Policy` (its ``layouts``, or ``kept``); the entries add up to
@@ -160,11 +196,15 @@ def kv_cache_bytes_per_rank(policy, *, kv_heads: Sequence[int], world: int, toke
         if g % world:
             raise ConfigError(f"{g} kv heads over {world} ranks: a kv head cannot be split across ranks")
     if hasattr(policy, "layouts"):
-        per = [[layout_bytes(lay, head_dim=head_dim, dtype=dtype, v_dim=v_dim) for lay in layer]
-               for layer in policy.layouts(tokens, kvh, prompt)]
+        per = [
+            [layout_bytes(lay, head_dim=head_dim, dtype=dtype, v_dim=v_dim) for lay in layer]
+            for layer in policy.layouts(tokens, kvh, prompt)
+        ]
     else:
-        per = [[kv_cache_bytes([[n]], head_dim=head_dim, dtype=dtype, v_dim=v_dim) for n in layer]
-               for layer in policy.kept(tokens, kvh)]
+        per = [
+            [kv_cache_bytes([[n]], head_dim=head_dim, dtype=dtype, v_dim=v_dim) for n in layer]
+            for layer in policy.kept(tokens, kvh)
+        ]
     out = [0] * world
     for g, layer in zip(kvh, per):
         for j, b in enumerate(layer):
@@ -172,14 +212,30 @@ def kv_cache_bytes_per_rank(policy, *, kv_heads: Sequence[int], world: int, toke
     return out
 
 
-def site_bytes(kind: str, *, batch: int, seq: int, heads: int, kv_heads: int, head_dim: int, d_model: int,
-               itemsize: int, world: int = 1) -> int:
+def site_bytes(
+    kind: str,
+    *,
+    batch: int,
+    seq: int,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    d_model: int,
+    itemsize: int,
+    world: int = 1,
+) -> int:
     """Bytes of one layer's capture site on one rank (``world`` ranks each holding ``1 / world`` of the heads):
     q and z ``(B, H/w, L, d)``, k and v ``(B, Hkv/w, L, d)``, pattern ``(B, H/w, L, L)``, head_out
     ``(B, H/w, L, E)``; a residual site ``(B, L, E)`` is whole on every rank."""
     h, hkv = heads // world, kv_heads // world
-    per = {"q": h * seq * head_dim, "z": h * seq * head_dim, "k": hkv * seq * head_dim, "v": hkv * seq * head_dim,
-           "pattern": h * seq * seq, "head_out": h * seq * d_model}
+    per = {
+        "q": h * seq * head_dim,
+        "z": h * seq * head_dim,
+        "k": hkv * seq * head_dim,
+        "v": hkv * seq * head_dim,
+        "pattern": h * seq * seq,
+        "head_out": h * seq * d_model,
+    }
     if kind.startswith("resid") or kind in ("attn_out", "mlp_out"):
         return batch * seq * d_model * itemsize
     if kind not in per:

@@ -86,5 +86,5 @@ def tiled_cost(shape: AttentionShape, backend: CostedBackend) -> AttentionCost:
         bytes_moved=L * moved,
         saved_for_backward_bytes=L * saved,
         notes=f"online softmax over {block_q}x{block_k} tiles; backward recomputes P"
-              + (f"; the kernel's tile plan alone would take {human_bytes(plan)}" if plan > visited.MAP_BUDGET else ""),
+        + (f"; the kernel's tile plan alone would take {human_bytes(plan)}" if plan > visited.MAP_BUDGET else ""),
     )

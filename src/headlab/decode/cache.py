@@ -92,8 +92,10 @@ class HeadLayer(CacheLayerMixin):
         """Append ``(B, Hkv, m, d)`` new keys/values; returns ``(GroupedKV, GroupedKV)`` for the attention."""
         self.is_initialized = True
         if key_states.shape[0] != 1:
-            raise ShapeError(f"a per-head KV cache holds one sequence, got a batch of {key_states.shape[0]}; decode "
-                             "the sequences one at a time (or use the model's own cache for batches)")
+            raise ShapeError(
+                f"a per-head KV cache holds one sequence, got a batch of {key_states.shape[0]}; decode "
+                "the sequences one at a time (or use the model's own cache for batches)"
+            )
         m = key_states.shape[2]
         new_pos = torch.arange(self.seen, self.seen + m)
         for g in self.groups:
@@ -130,8 +132,9 @@ class HeadLayer(CacheLayerMixin):
             self.owner._note_bytes(self.index, 0)
 
     def crop(self, max_length: int) -> None:
-        raise ConfigError("a per-head KV cache cannot be cropped (evicted keys are gone); use a full cache "
-                          "for assisted decoding")
+        raise ConfigError(
+            "a per-head KV cache cannot be cropped (evicted keys are gone); use a full cache for assisted decoding"
+        )
 
     def reorder_cache(self, beam_idx) -> None:
         raise ConfigError("a per-head KV cache does not support beam search; decode greedily or by sampling")
@@ -151,8 +154,15 @@ class GroupedKV(SelfAttendingKeys):
     def __init__(self, layer: HeadLayer, first: int, m: int):
         self.layer, self.first, self.m = layer, first, m
 
-    def headlab_attend(self, module, query: torch.Tensor, attention_mask: torch.Tensor | None, *,
-                       scaling: float | None, softcap: float | None = None) -> tuple[torch.Tensor, None]:
+    def headlab_attend(
+        self,
+        module,
+        query: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        *,
+        scaling: float | None,
+        softcap: float | None = None,
+    ) -> tuple[torch.Tensor, None]:
         """Attention of ``query (B, H, m, d)`` against each group's keys; returns ``(out (B, m, H, d), None)``.
 
         ``attention_mask``: the model's own mask (boolean or additive, ``(B, 1, m, seen)``) or None for
@@ -162,8 +172,9 @@ class GroupedKV(SelfAttendingKeys):
         layer, m = self.layer, self.m
         B, H, _, d = query.shape
         if B != 1:
-            raise ShapeError(f"a per-head KV cache holds one sequence, got a batch of {B}; decode the sequences one "
-                             "at a time")
+            raise ShapeError(
+                f"a per-head KV cache holds one sequence, got a batch of {B}; decode the sequences one at a time"
+            )
         out = query.new_zeros(B, H, m, next((g.v_dim for g in layer.groups if g.v_dim is not None), d))
         hf = hf_mask_to_bool(attention_mask)
         extra = {"score_mod": _softcap(softcap)} if softcap is not None else {}
@@ -215,8 +226,10 @@ class HeadCache(Cache):
             self.policy.check_shape(kvh, head_dim)
         # sharded by tensor parallelism: this rank's cache holds its own kv heads (and serves its query heads) only
         self.placement = adapter.placement
-        layers = [HeadLayer(*_rank_share(self.policy.layer_rules(l, g), h, self.placement), self, l)
-                  for l, (h, g) in enumerate(zip(heads, kvh))]
+        layers = [
+            HeadLayer(*_rank_share(self.policy.layer_rules(l, g), h, self.placement), self, l)
+            for l, (h, g) in enumerate(zip(heads, kvh))
+        ]
         super().__init__(layers=layers)  # type: ignore[arg-type]  # list is invariant: HeadLayer is a CacheLayerMixin
         self._bytes = [0] * len(layers)  # each layer's, after its last step
         self._total = 0
@@ -248,4 +261,4 @@ def _rank_share(rules: list[Rule], n_heads: int, placement) -> tuple[list[Rule],
     if not placement.sharded:
         return rules, n_heads
     mine = placement.kv_heads()
-    return rules[mine.start:mine.stop], n_heads // placement.tensor_size
+    return rules[mine.start : mine.stop], n_heads // placement.tensor_size

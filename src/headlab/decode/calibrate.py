@@ -40,8 +40,9 @@ from headlab.spec import masks
 __all__ = ["window_loss"]
 
 
-def window_loss(model, prompts: Sequence[torch.Tensor], rule, *, rows: int = 8,
-                progress: bool | Progress = False) -> torch.Tensor:
+def window_loss(
+    model, prompts: Sequence[torch.Tensor], rule, *, rows: int = 8, progress: bool | Progress = False
+) -> torch.Tensor:
     """``(layers, heads)`` float64: the mean attention mass ``rule`` would evict, over the last ``rows`` rows.
 
     Args:
@@ -73,8 +74,10 @@ def _window_loss(adapter, prompts, rule, rows, say) -> torch.Tensor:
     for i, ids in enumerate(prompts):
         n = ids.shape[-1]
         if n <= rule.ring + rows:
-            raise InputError(f"prompt {i} has {n} tokens; window_loss reads rows whose evicted keys exist, so give "
-                             f"prompts longer than sink + recent + rows = {rule.ring + rows}")
+            raise InputError(
+                f"prompt {i} has {n} tokens; window_loss reads rows whose evicted keys exist, so give "
+                f"prompts longer than sink + recent + rows = {rule.ring + rows}"
+            )
         off = n - rows
         visible = masks.as_mask(lambda b, h, qi, kv: kv <= qi + off)
         evicted = masks.as_mask(lambda b, h, qi, kv: (kv <= qi + off) & ~rule.visible(qi + off, kv))  # what it hides
@@ -82,7 +85,7 @@ def _window_loss(adapter, prompts, rule, rows, say) -> torch.Tensor:
             cache = capture(adapter, ids.reshape(1, -1), sites, stats_kwargs={"stats": ["lse"]})
         for layer, h in enumerate(heads):
             q = cache[adapter.site_name(layer, "q")][:, :, off:].float()  # (1, H, rows, d)
-            k = cache[adapter.site_name(layer, "k")].float()             # (1, Hkv, n, d)
+            k = cache[adapter.site_name(layer, "k")].float()  # (1, Hkv, n, d)
             scale = cache.call_args.get(layer, {}).get("scale")
             everything = attention_stats(q, k, mask=visible, scale=scale, stats=["lse"]).lse
             lost = attention_stats(q, k, mask=evicted, scale=scale, stats=["lse"]).lse

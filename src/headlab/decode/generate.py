@@ -1,18 +1,18 @@
 """Decoding with a per-head KV cache: :func:`generate`, and :func:`perplexity` under a policy.
 
-    >>> import torch, headlab
-    >>> from transformers import LlamaConfig, LlamaForCausalLM
-    >>> torch.manual_seed(0)  # doctest: +ELLIPSIS
-    <torch._C.Generator object at ...>
-    >>> lm = LlamaForCausalLM(LlamaConfig(vocab_size=61, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-    ...     num_key_value_heads=2, intermediate_size=64, attn_implementation="eager")).eval()
-    >>> prompt = torch.randint(0, 61, (1, 20))
-    >>> g = headlab.generate(lm, prompt, policy=headlab.kv.Policy.uniform(headlab.kv.window(sink=2, recent=6)),
-    ...                      max_new_tokens=5)
-    >>> g.ids.shape, g.step_logits.shape
-    (torch.Size([1, 5]), torch.Size([5, 61]))
-    >>> g.kv_bytes   # 2 layers x 2 kv heads x 8 keys x (key + value) x head dim 8 x 4 bytes
-    2048
+>>> import torch, headlab
+>>> from transformers import LlamaConfig, LlamaForCausalLM
+>>> torch.manual_seed(0)  # doctest: +ELLIPSIS
+<torch._C.Generator object at ...>
+>>> lm = LlamaForCausalLM(LlamaConfig(vocab_size=61, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+...     num_key_value_heads=2, intermediate_size=64, attn_implementation="eager")).eval()
+>>> prompt = torch.randint(0, 61, (1, 20))
+>>> g = headlab.generate(lm, prompt, policy=headlab.kv.Policy.uniform(headlab.kv.window(sink=2, recent=6)),
+...                      max_new_tokens=5)
+>>> g.ids.shape, g.step_logits.shape
+(torch.Size([1, 5]), torch.Size([5, 61]))
+>>> g.kv_bytes   # 2 layers x 2 kv heads x 8 keys x (key + value) x head dim 8 x 4 bytes
+2048
 """
 
 from __future__ import annotations
@@ -82,14 +82,26 @@ class Generation:
         """The figures in headlab's envelope (kind ``generation``), the policy nested as plain data. The step
         logits stay out (``(new, vocab)`` floats): the tokens and the cache's bytes are the result (with each
         rank's share, ``kv_bytes_per_rank``, on a model sharded by tensor parallelism; None on one process)."""
-        return envelope("generation", {
-            "ids": self.ids[0].tolist(), "text": self.text, "prompt_tokens": self.prompt_tokens,
-            "question_tokens": self.question_tokens,
-            "kv_bytes": self.kv_bytes, "kv_bytes_full": self.kv_bytes_full, "kv_bytes_per_rank": self.kv_bytes_per_rank,
-            "kv_ratio": self.kv_bytes / self.kv_bytes_full if self.kv_bytes_full else None,
-            "prefill_seconds": self.prefill_seconds, "decode_seconds": self.decode_seconds,
-            "tokens_per_second": self.tokens_per_second, "policy": self.policy.as_dict(), "heads": self.counts},
-            model=self.model, settings=self.settings)
+        return envelope(
+            "generation",
+            {
+                "ids": self.ids[0].tolist(),
+                "text": self.text,
+                "prompt_tokens": self.prompt_tokens,
+                "question_tokens": self.question_tokens,
+                "kv_bytes": self.kv_bytes,
+                "kv_bytes_full": self.kv_bytes_full,
+                "kv_bytes_per_rank": self.kv_bytes_per_rank,
+                "kv_ratio": self.kv_bytes / self.kv_bytes_full if self.kv_bytes_full else None,
+                "prefill_seconds": self.prefill_seconds,
+                "decode_seconds": self.decode_seconds,
+                "tokens_per_second": self.tokens_per_second,
+                "policy": self.policy.as_dict(),
+                "heads": self.counts,
+            },
+            model=self.model,
+            settings=self.settings,
+        )
 
     def save(self, path: str | os.PathLike) -> Path:
         """Write :meth:`to_json` to ``path`` (atomically; read it back with :meth:`headlab.results.Result.load`)."""
@@ -100,8 +112,10 @@ def prompt_ids(adapter, loaded, prompt) -> torch.Tensor:
     """``(1, n)`` token ids from a text (the model's tokenizer) or a tensor of ids, checked."""
     if isinstance(prompt, str):
         if loaded is None or loaded.tokenizer is None:
-            raise InputError("a text prompt needs the model's tokenizer: pass a LoadedModel (headlab.load) or "
-                             "token ids of shape (1, n)")
+            raise InputError(
+                "a text prompt needs the model's tokenizer: pass a LoadedModel (headlab.load) or "
+                "token ids of shape (1, n)"
+            )
         return loaded.encode(prompt)["input_ids"]
     if not isinstance(prompt, torch.Tensor):
         raise InputError(f"prompt must be a text or a (1, n) tensor of token ids, got {type(prompt).__name__}")
@@ -112,7 +126,9 @@ def prompt_ids(adapter, loaded, prompt) -> torch.Tensor:
         raise InputError(f"prompt ids must be integers, got {ids.dtype}")
     vocab = getattr(getattr(adapter.model, "config", None), "vocab_size", None)
     if vocab is not None and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
-        raise InputError(f"prompt ids must lie in 0..{vocab - 1} (the vocabulary); saw {int(ids.min())}..{int(ids.max())}")
+        raise InputError(
+            f"prompt ids must lie in 0..{vocab - 1} (the vocabulary); saw {int(ids.min())}..{int(ids.max())}"
+        )
     return ids.long().to(next(adapter.model.parameters()).device)
 
 
@@ -122,19 +138,24 @@ def _setup(model, policy):
     adapter, loaded = resolve(model)
     check_decoder(adapter, getattr(loaded, "name", None) or type(adapter.model).__name__)
     if not hasattr(adapter.model, "get_output_embeddings") or adapter.model.get_output_embeddings() is None:
-        raise ConfigError(f"{type(adapter.model).__name__} has no language-model head to decode with; load the "
-                          "...ForCausalLM class (headlab.load does)")
+        raise ConfigError(
+            f"{type(adapter.model).__name__} has no language-model head to decode with; load the "
+            "...ForCausalLM class (headlab.load does)"
+        )
     policy = policy if policy is not None else Policy.uniform("full")
     if not isinstance(policy, Policy):
-        raise ConfigError(f"policy must be a headlab.kv.Policy (e.g. kv.Policy.uniform(kv.window(4, 256))), "
-                          f"got {type(policy).__name__}")
+        raise ConfigError(
+            f"policy must be a headlab.kv.Policy (e.g. kv.Policy.uniform(kv.window(4, 256))), "
+            f"got {type(policy).__name__}"
+        )
     kvh = kv_layout(adapter)[1]
     policy.check(kvh)
     plain = all(r == full for l, g in enumerate(kvh) for r in policy.layer_rules(l, g))
     if hasattr(adapter, "attention_forward") and not plain:
         raise UnsupportedArchitectureError(
             f"{type(adapter.model).__name__} computes attention in its own modules (not through transformers' "
-            "attention interface), so its cache cannot be shaped per head; decode it with policy=None (the full cache)")
+            "attention interface), so its cache cannot be shaped per head; decode it with policy=None (the full cache)"
+        )
     return adapter, loaded, policy
 
 
@@ -151,8 +172,12 @@ def _new_cache(adapter, policy):
 def _held_bytes(cache) -> int:
     if isinstance(cache, HeadCache):
         return cache.peak_bytes
-    return sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values)
-               if isinstance(t, torch.Tensor))
+    return sum(
+        t.numel() * t.element_size()
+        for layer in cache.layers
+        for t in (layer.keys, layer.values)
+        if isinstance(t, torch.Tensor)
+    )
 
 
 def _limit(adapter, loaded) -> int | None:
@@ -171,9 +196,20 @@ def _next(logits: torch.Tensor, *, sample: bool, temperature: float, top_k: int 
     return int(torch.multinomial(torch.softmax(z, -1), 1, generator=gen))
 
 
-def generate(model, prompt, *, policy: Policy | None = None, max_new_tokens: int = 32, sample: bool = False,
-             temperature: float = 1.0, top_k: int | None = None, seed: int | None = None, stop_at_eos: bool = True,
-             progress: bool | Progress | None = False, question=None) -> Generation:
+def generate(
+    model,
+    prompt,
+    *,
+    policy: Policy | None = None,
+    max_new_tokens: int = 32,
+    sample: bool = False,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    seed: int | None = None,
+    stop_at_eos: bool = True,
+    progress: bool | Progress | None = False,
+    question=None,
+) -> Generation:
     """Decode ``max_new_tokens`` tokens after ``prompt`` with a KV cache shaped by ``policy``.
 
     Args:
@@ -207,23 +243,36 @@ def generate(model, prompt, *, policy: Policy | None = None, max_new_tokens: int
     nq = q_ids.shape[1]
     limit = _limit(adapter, loaded)
     if limit is not None and n + nq + max_new_tokens > limit:
-        raise InputError(f"the prompt ({n} tokens{f' and a {nq}-token question' if nq else ''}) plus {max_new_tokens} "
-                         f"new tokens exceeds the {limit} positions the model was trained for; shorten the prompt or "
-                         "ask for fewer tokens")
+        raise InputError(
+            f"the prompt ({n} tokens{f' and a {nq}-token question' if nq else ''}) plus {max_new_tokens} "
+            f"new tokens exceeds the {limit} positions the model was trained for; shorten the prompt or "
+            "ask for fewer tokens"
+        )
     hf = adapter.model
     kvh = kv_layout(adapter)[1]
     dtype = next(hf.parameters()).dtype
     policy.check_shape(kvh, adapter.head_dim)
-    predicted = policy_cache_bytes(policy, kv_heads=kvh, tokens=n + nq + max_new_tokens, head_dim=adapter.head_dim,
-                                   dtype=dtype, prompt=n)
+    predicted = policy_cache_bytes(
+        policy, kv_heads=kvh, tokens=n + nq + max_new_tokens, head_dim=adapter.head_dim, dtype=dtype, prompt=n
+    )
     place = adapter.placement
     if place.sharded:  # this rank holds its kv heads' share
-        predicted = kv_cache_bytes_per_rank(policy, kv_heads=kvh, world=place.tensor_size, prompt=n,
-                                            tokens=n + nq + max_new_tokens, head_dim=adapter.head_dim,
-                                            dtype=dtype)[place.tensor_rank]
-    check_fits(predicted, what=f"the KV cache at {n + nq + max_new_tokens} tokens under {policy.name}"
-               f"{f' on rank {place.tensor_rank} of {place.tensor_size}' if place.sharded else ''}",
-               device=ids.device, alternative=None)
+        predicted = kv_cache_bytes_per_rank(
+            policy,
+            kv_heads=kvh,
+            world=place.tensor_size,
+            prompt=n,
+            tokens=n + nq + max_new_tokens,
+            head_dim=adapter.head_dim,
+            dtype=dtype,
+        )[place.tensor_rank]
+    check_fits(
+        predicted,
+        what=f"the KV cache at {n + nq + max_new_tokens} tokens under {policy.name}"
+        f"{f' on rank {place.tensor_rank} of {place.tensor_size}' if place.sharded else ''}",
+        device=ids.device,
+        alternative=None,
+    )
     eos = getattr(getattr(hf, "generation_config", None), "eos_token_id", None)
     eos = set(eos if isinstance(eos, list) else [eos]) - {None} if stop_at_eos else set()
     gen = torch.Generator().manual_seed(seed) if seed is not None else None
@@ -243,12 +292,16 @@ def generate(model, prompt, *, policy: Policy | None = None, max_new_tokens: int
                 say("decoding", step + 1, max_new_tokens)
                 if tok in eos or step == max_new_tokens - 1:
                     break
-                logits = hf(input_ids=torch.tensor([[tok]], device=ids.device), cache=cache, use_cache=True).logits[0, -1]
+                logits = hf(input_ids=torch.tensor([[tok]], device=ids.device), cache=cache, use_cache=True).logits[
+                    0, -1
+                ]
         t2 = time.perf_counter()
     held = n + nq + len(out_ids) - 1  # the last token is never fed back
     full_bytes = kv_cache_bytes([[held] * g for g in kvh], head_dim=adapter.head_dim, dtype=dtype)  # all kept
     new = torch.tensor([out_ids], dtype=torch.long)
-    text = loaded.tokenizer.decode(out_ids, skip_special_tokens=True) if loaded is not None and loaded.tokenizer else None
+    text = (
+        loaded.tokenizer.decode(out_ids, skip_special_tokens=True) if loaded is not None and loaded.tokenizer else None
+    )
     settings = {"policy": policy.name, "max_new_tokens": max_new_tokens, "sample": sample, "stop_at_eos": stop_at_eos}
     if sample:
         settings.update(temperature=temperature, top_k=top_k, seed=seed)
@@ -259,12 +312,27 @@ def generate(model, prompt, *, policy: Policy | None = None, max_new_tokens: int
 
         per_rank = [int(b) for b in gather_objects(kv_held, place.group)]
         kv_held = sum(per_rank)
-    return Generation(new, torch.stack(logits_seen), kv_held, full_bytes, n, t1 - t0, t2 - t1, policy, text,
-                      policy.counts(kvh), nq, name, settings, kv_bytes_per_rank=per_rank)
+    return Generation(
+        new,
+        torch.stack(logits_seen),
+        kv_held,
+        full_bytes,
+        n,
+        t1 - t0,
+        t2 - t1,
+        policy,
+        text,
+        policy.counts(kvh),
+        nq,
+        name,
+        settings,
+        kv_bytes_per_rank=per_rank,
+    )
 
 
-def perplexity(model, ids: torch.Tensor, *, policy: Policy | None = None, chunk: int = 512,
-               prefill: int | None = None) -> float:
+def perplexity(
+    model, ids: torch.Tensor, *, policy: Policy | None = None, chunk: int = 512, prefill: int | None = None
+) -> float:
     """Perplexity of ``ids (1, n)`` under ``policy``: one forward with the policy's per-head visibility.
 
     Equal to decoding the text token by token under the policy (keys keep their positions), which
@@ -294,13 +362,15 @@ def perplexity(model, ids: torch.Tensor, *, policy: Policy | None = None, chunk:
         else:
             rows = [hf.base_model(input_ids=ids[:, :prefill], cache=cache, use_cache=True).last_hidden_state[0]]
             for t in range(prefill, ids.shape[1]):
-                rows.append(hf.base_model(input_ids=ids[:, t:t + 1], cache=cache, use_cache=True).last_hidden_state[0])
+                rows.append(
+                    hf.base_model(input_ids=ids[:, t : t + 1], cache=cache, use_cache=True).last_hidden_state[0]
+                )
             hidden = torch.cat(rows)
         for s in range(0, ids.shape[1] - 1, chunk):
             e = min(s + chunk, ids.shape[1] - 1)
             z = head(hidden[s:e]).float()
             if cap:
                 z = torch.tanh(z / cap) * cap
-            nll += float(torch.nn.functional.cross_entropy(z, ids[0, s + 1:e + 1], reduction="sum"))
+            nll += float(torch.nn.functional.cross_entropy(z, ids[0, s + 1 : e + 1], reduction="sum"))
             count += e - s
     return float(torch.exp(torch.tensor(nll / count)))

@@ -57,7 +57,7 @@ class PlainStore(KVStore):
     values: torch.Tensor | None
 
     def reset(self) -> None:
-        self.keys = self.values = None       # (B, heads, held, d)
+        self.keys = self.values = None  # (B, heads, held, d)
         self.pos = torch.zeros(0, dtype=torch.long)  # positions of the held keys
         self.slot = self.rule.sinks  # ring: where the next key goes once full, the slot of the oldest past the sinks
 
@@ -122,8 +122,9 @@ class PlainStore(KVStore):
             else:
                 o = attention(q, self.keys, self.values, scale=scaling)
         elif fresh and hf is None:  # the rule's own prefill: causal, a window's band and sinks, ...
-            o = self.rule.prefill(attention, q, self.keys, self.values, scaling,
-                                  backend="sparse" if m >= SPARSE_PREFILL else "auto")
+            o = self.rule.prefill(
+                attention, q, self.keys, self.values, scaling, backend="sparse" if m >= SPARSE_PREFILL else "auto"
+            )
         else:  # general: positions held, the model's mask, the rule
             vis = self.rule.visible(q_pos[:, None], self.pos[None, :]).to(q.device)  # (m, held)
             if hf is not None:
@@ -181,18 +182,30 @@ class QuantStore(KVStore):
     def reset(self) -> None:
         self.sink_k = self.sink_v = None
         self.sink_pos = _NO_POS
-        self.kq = self.ks = self.kz = None     # codes (B, h, t, d*bits/8); scale, zero (B, h, groups, d)
+        self.kq = self.ks = self.kz = None  # codes (B, h, t, d*bits/8); scale, zero (B, h, groups, d)
         self.kq_pos, self.k_gid = _NO_POS, _NO_POS
-        self.kr, self.kr_pos = None, _NO_POS    # full-precision keys past the key boundary
-        self.vq = self.vs = self.vz = None     # codes (B, h, t, dv*bits/8); scale, zero (B, h, t, dv/group)
+        self.kr, self.kr_pos = None, _NO_POS  # full-precision keys past the key boundary
+        self.vq = self.vs = self.vz = None  # codes (B, h, t, dv*bits/8); scale, zero (B, h, t, dv/group)
         self.vq_pos = _NO_POS
-        self.vr, self.vr_pos = None, _NO_POS    # full-precision values past the value boundary
-        self.comp_k = self.comp_v = None       # (B, h, 1, d): the mean of the evicted keys and values
+        self.vr, self.vr_pos = None, _NO_POS  # full-precision values past the value boundary
+        self.comp_k = self.comp_v = None  # (B, h, 1, d): the mean of the evicted keys and values
         self.comp_n = 0
 
     def _tensors(self):
-        return (self.sink_k, self.sink_v, self.kq, self.ks, self.kz, self.kr, self.vq, self.vs, self.vz, self.vr,
-                self.comp_k, self.comp_v)
+        return (
+            self.sink_k,
+            self.sink_v,
+            self.kq,
+            self.ks,
+            self.kz,
+            self.kr,
+            self.vq,
+            self.vs,
+            self.vz,
+            self.vr,
+            self.comp_k,
+            self.comp_v,
+        )
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self._tensors() if t is not None)
@@ -233,8 +246,9 @@ class QuantStore(KVStore):
         codes = self.kq if idx is None else _rows(self.kq, idx)
         assert codes is not None and self.ks is not None and self.kz is not None  # held with the codes
         rows = self._key_scales(pos).to(self.ks.device)
-        return quant.dequantize_keys(codes, self.ks.index_select(2, rows), self.kz.index_select(2, rows),
-                                     bits=self.rule.bits)
+        return quant.dequantize_keys(
+            codes, self.ks.index_select(2, rows), self.kz.index_select(2, rows), bits=self.rule.bits
+        )
 
     def _values(self, idx: torch.Tensor | None = None) -> torch.Tensor | None:
         if self.vq is None:
@@ -242,9 +256,12 @@ class QuantStore(KVStore):
         assert self.vs is not None and self.vz is not None  # held with the codes
         if idx is None:
             return quant.dequantize_values(self.vq, self.vs, self.vz, bits=self.rule.bits)
-        return quant.dequantize_values(self.vq.index_select(2, idx.to(self.vq.device)),
-                                       self.vs.index_select(2, idx.to(self.vs.device)),
-                                       self.vz.index_select(2, idx.to(self.vz.device)), bits=self.rule.bits)
+        return quant.dequantize_values(
+            self.vq.index_select(2, idx.to(self.vq.device)),
+            self.vs.index_select(2, idx.to(self.vs.device)),
+            self.vz.index_select(2, idx.to(self.vz.device)),
+            bits=self.rule.bits,
+        )
 
     def evict(self, last: int) -> None:
         """Drop what the query at ``last`` no longer sees (past the sinks, positions before the rule's horizon);
@@ -262,8 +279,13 @@ class QuantStore(KVStore):
             drop = int(torch.searchsorted(pos, torch.tensor(cut)))
             if self.compensate:
                 idx = torch.arange(drop)
-                t = (self._keys(idx) if name == "kq" else self._values(idx) if name == "vq"
-                     else _rows(getattr(self, name), idx))
+                t = (
+                    self._keys(idx)
+                    if name == "kq"
+                    else self._values(idx)
+                    if name == "vq"
+                    else _rows(getattr(self, name), idx)
+                )
                 assert t is not None  # the part holds the keys it drops
                 sums[name[0]].append(t.float().sum(2, keepdim=True))
                 gone += drop if name[0] == "k" else 0
@@ -344,8 +366,12 @@ class QuantStore(KVStore):
         elif m == 1 and hf is None:
             o, lse = attention(q, k, v, scale=scaling, return_lse=True)
         elif fresh and hf is None:  # the rule's own prefill
-            o, lse = _split(self.rule.prefill(attention, q, k, v, scaling, return_lse=need,
-                                              backend="sparse" if m >= SPARSE_PREFILL else "auto"), need)
+            o, lse = _split(
+                self.rule.prefill(
+                    attention, q, k, v, scaling, return_lse=need, backend="sparse" if m >= SPARSE_PREFILL else "auto"
+                ),
+                need,
+            )
         else:
             vis = self.rule.visible(q_pos[:, None], pos[None, :]).to(q.device)
             if hf is not None:
@@ -400,4 +426,3 @@ class QuantStore(KVStore):
 
 def _split(res, need: bool):
     return res if need else (res, None)
-

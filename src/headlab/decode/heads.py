@@ -21,5 +21,7 @@ def kv_layout(model) -> tuple[list[int], list[int]]:
 def check_decoder(adapter, name: str = "the model") -> None:
     """Refuse a model that cannot decode (an encoder-only model has no causal attention nor LM head)."""
     if not adapter.causal:
-        raise ModelError(f"{name} is an encoder-only model (bidirectional attention, no next-token head): a KV cache "
-                         "and decoding need a causal language model such as smollm2")
+        raise ModelError(
+            f"{name} is an encoder-only model (bidirectional attention, no next-token head): a KV cache "
+            "and decoding need a causal language model such as smollm2"
+        )

@@ -34,11 +34,25 @@ from headlab.errors import ConfigError, InputError
 __all__ = ["REPEATED", "LABELS", "Prompt", "Recital", "answered", "draw_keys", "filler", "prompt", "recital"]
 
 REPEATED = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
-INTRO = ("There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
-         "I will quiz you about the important information there.\n\n")
+INTRO = (
+    "There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
+    "I will quiz you about the important information there.\n\n"
+)
 # what a multi-key needle is the key *of* (RULER's "special magic number for X")
-LABELS = ("red door", "blue box", "green gate", "old clock", "north tower", "small boat", "stone bridge", "iron key",
-          "white horse", "silver coin", "yellow kite", "glass jar")
+LABELS = (
+    "red door",
+    "blue box",
+    "green gate",
+    "old clock",
+    "north tower",
+    "small boat",
+    "stone bridge",
+    "iron key",
+    "white horse",
+    "silver coin",
+    "yellow kite",
+    "glass jar",
+)
 
 
 def filler(kind: str = "repeated", seed: int = 0) -> list[str]:
@@ -110,8 +124,9 @@ def _check(tokens, depths, keys, labels):
         raise ConfigError(f"give one label per key: {len(labels)} labels for {len(keys)} keys")
 
 
-def prompt(tok, tokens: int, depths, keys, *, labels=None, ask: int = 0, kind: str = "repeated",
-           seed: int = 0) -> Prompt:
+def prompt(
+    tok, tokens: int, depths, keys, *, labels=None, ask: int = 0, kind: str = "repeated", seed: int = 0
+) -> Prompt:
     """The passkey test: ``keys`` at ``depths`` (shares of the filler) in a prompt of exactly ``tokens`` tokens.
 
     One key without ``labels`` is the classic test ("The pass key is K. Remember it. K is the pass key.", then
@@ -129,8 +144,11 @@ def prompt(tok, tokens: int, depths, keys, *, labels=None, ask: int = 0, kind: s
     else:
         needles = [f" The pass key for the {lab} is {k}. Remember it." for k, lab in zip(keys, labels)]
         question = f"\nWhat is the pass key for the {labels[ask]}? The pass key for the {labels[ask]} is"
-    head = ([tok.bos_token_id] if getattr(tok, "bos_token_id", None) is not None
-            and getattr(tok, "add_bos_token", False) else []) + _encode(tok, INTRO)
+    head = (
+        [tok.bos_token_id]
+        if getattr(tok, "bos_token_id", None) is not None and getattr(tok, "add_bos_token", False)
+        else []
+    ) + _encode(tok, INTRO)
     pieces = [_encode(tok, n) for n in needles]
     tail = _encode(tok, question)
     room = tokens - len(head) - len(tail) - sum(map(len, pieces))
@@ -146,8 +164,15 @@ def prompt(tok, tokens: int, depths, keys, *, labels=None, ask: int = 0, kind: s
         at[i] = len(ids)
         ids += pieces[i]
     ids += body[last:] + tail
-    return Prompt(torch.tensor([ids]), keys[ask], list(keys), None if labels is None else list(labels), at,
-                  [float(d) for d in depths], len(tail))
+    return Prompt(
+        torch.tensor([ids]),
+        keys[ask],
+        list(keys),
+        None if labels is None else list(labels),
+        at,
+        [float(d) for d in depths],
+        len(tail),
+    )
 
 
 def answered(text: str | None, key: str) -> bool:
@@ -168,8 +193,10 @@ def recital(tok, tokens: int, n_keys: int, rng: random.Random, *, kind: str = "h
     labels = rng.sample(LABELS, n_keys)
     keys = draw_keys(n_keys, rng)
     needles = [_encode(tok, f" The pass key for the {lab} is {k}. Remember it.") for k, lab in zip(keys, labels)]
-    recite = [(_encode(tok, f" The pass key for the {lab} is"), _encode(tok, f" {k}"), _encode(tok, "."))
-              for k, lab in zip(keys, labels)]
+    recite = [
+        (_encode(tok, f" The pass key for the {lab} is"), _encode(tok, f" {k}"), _encode(tok, "."))
+        for k, lab in zip(keys, labels)
+    ]
     head = _encode(tok, INTRO)
     tail_len = len(_encode(tok, "\nRecite the pass keys.")) + sum(len(a) + len(b) + len(c) for a, b, c in recite)
     room = tokens - len(head) - tail_len - sum(map(len, needles))

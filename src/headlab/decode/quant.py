@@ -68,8 +68,9 @@ def _minmax_codes(x: torch.Tensor, dim: int, bits: int):
     return codes, scale, zero
 
 
-def quantize_keys(x: torch.Tensor, bits: int,
-                  group: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def quantize_keys(
+    x: torch.Tensor, bits: int, group: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Keys per channel in groups of ``group`` tokens (default: all of ``x``'s tokens, one group): ``x (B, h, t,
     d)`` -> packed codes ``(B, h, t, d * bits / 8)``, scale and zero ``(B, h, t / group, d)``."""
     B, h, t, d = x.shape
@@ -78,8 +79,9 @@ def quantize_keys(x: torch.Tensor, bits: int,
     return pack(codes.reshape(B, h, t, d), bits), scale.squeeze(3), zero.squeeze(3)
 
 
-def dequantize_keys(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, *, bits: int,
-                    group: int = 1) -> torch.Tensor:
+def dequantize_keys(
+    codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, *, bits: int, group: int = 1
+) -> torch.Tensor:
     """Keys read back: ``codes (B, h, t, d * bits / 8)``; ``scale``, ``zero (B, h, t / group, d)``, one row per
     ``group`` consecutive tokens (``group=1``: a row per token, as gathered by the cache)."""
     c = unpack(codes, bits)

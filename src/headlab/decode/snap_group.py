@@ -15,8 +15,16 @@ from headlab.decode.store import KVStore, register_store
 from headlab.errors import InputError
 
 
-def snap_scores(q_win: torch.Tensor, k: torch.Tensor, *, scale: float | None = None, softcap: float | None = None,
-                mask: torch.Tensor | None = None, pool: int = 7, pooling: str = "max") -> torch.Tensor:
+def snap_scores(
+    q_win: torch.Tensor,
+    k: torch.Tensor,
+    *,
+    scale: float | None = None,
+    softcap: float | None = None,
+    mask: torch.Tensor | None = None,
+    pool: int = 7,
+    pooling: str = "max",
+) -> torch.Tensor:
     """SnapKV's scores of the prompt keys before the observation window (Li et al. 2024), per kv head.
 
     ``q_win (B, H, w, d)``: the window's queries (the last ``w`` of the prompt), ``H = rep x Hkv`` in kv-head order;
@@ -29,13 +37,13 @@ def snap_scores(q_win: torch.Tensor, k: torch.Tensor, *, scale: float | None = N
     g, n = k.shape[1], k.shape[2]
     rep = H // g
     s = (q_win.float().reshape(B, g, rep * w, d) @ k.float().transpose(-1, -2)).reshape(B, H, w, n)
-    s = s * (scale if scale is not None else d ** -0.5)
+    s = s * (scale if scale is not None else d**-0.5)
     if softcap is not None:
         s = torch.tanh(s / softcap) * softcap
     if mask is None:
         mask = torch.arange(n, device=s.device)[None, :] <= torch.arange(n - w, n, device=s.device)[:, None]
     a = torch.softmax(s.masked_fill(~mask.to(s.device), float("-inf")), -1).nan_to_num(0.0)
-    votes = a[..., :n - w].sum(-2)  # (B, H, n - w)
+    votes = a[..., : n - w].sum(-2)  # (B, H, n - w)
     if pool > 1:
         fn = F.max_pool1d if pooling == "max" else F.avg_pool1d
         votes = fn(votes, kernel_size=pool, stride=1, padding=pool // 2)
@@ -64,7 +72,7 @@ def snap_select(scores: torch.Tensor, rule: Snap, n: int) -> list[torch.Tensor]:
     assert rule.budget is not None  # not adaptive: SnapKV's fixed budget
     if rule.budget >= n:
         return [torch.arange(n)] * heads
-    order = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :rule.budget - rule.window]
+    order = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, : rule.budget - rule.window]
     return [torch.cat([order[h].sort().values, window]) for h in range(heads)]
 
 
@@ -86,7 +94,7 @@ class SnapStore(KVStore):
 
     def reset(self) -> None:
         self.keys = self.values = self.pos = None  # per head: (B, 1, kept, d), (B, 1, kept, dv), (kept,)
-        self.prompt = None                         # (keys, values, positions) of the prefill, before selection
+        self.prompt = None  # (keys, values, positions) of the prefill, before selection
 
     def _tensors(self):
         if self.prompt is not None:
@@ -119,8 +127,8 @@ class SnapStore(KVStore):
             return
         assert self.values is not None and self.pos is not None  # held with the keys
         for i in range(len(self.keys)):
-            self.keys[i] = torch.cat([self.keys[i], k[:, i:i + 1]], 2)
-            self.values[i] = torch.cat([self.values[i], v[:, i:i + 1]], 2)
+            self.keys[i] = torch.cat([self.keys[i], k[:, i : i + 1]], 2)
+            self.values[i] = torch.cat([self.values[i], v[:, i : i + 1]], 2)
             self.pos[i] = torch.cat([self.pos[i], new_pos])
 
     def attend(self, attention, q, q_pos: torch.Tensor, hf, scaling, softcap, *, fresh: bool) -> torch.Tensor:
@@ -139,7 +147,7 @@ class SnapStore(KVStore):
         outs = []
         assert self.keys is not None and self.values is not None and self.pos is not None  # selected at the prefill
         for i, (k, v, pos) in enumerate(zip(self.keys, self.values, self.pos)):
-            qi = q[:, i * rep:(i + 1) * rep]
+            qi = q[:, i * rep : (i + 1) * rep]
             if m == 1 and hf is None:  # every held key is visible to the newest query
                 if softcap is None:
                     outs.append(F.scaled_dot_product_attention(qi, k, v, scale=scaling, enable_gqa=True))
@@ -155,18 +163,21 @@ class SnapStore(KVStore):
     def _select(self, q, k, v, pos, vis, scaling, softcap) -> None:
         r, n = self.rule, k.shape[2]
         if r.window > n:
-            raise InputError(f"{r!r}: the observation window is {r.window} tokens but the prompt has {n}: give a "
-                             f"prompt of at least {r.window} tokens, or a smaller window (window={max(1, n // 4)})")
+            raise InputError(
+                f"{r!r}: the observation window is {r.window} tokens but the prompt has {n}: give a "
+                f"prompt of at least {r.window} tokens, or a smaller window (window={max(1, n // 4)})"
+            )
         heads = k.shape[1]
         keep_all = (r.group_total(heads) >= heads * n) if r.adaptive else r.budget >= n
         if keep_all:
             idx = [torch.arange(n)] * heads
         else:
-            rows = None if vis is None else vis[..., n - r.window:, :]
-            scores = snap_scores(q[:, :, n - r.window:], k, scale=scaling, softcap=softcap, mask=rows, pool=r.pool,
-                                 pooling=r.pooling)[0].cpu()  # (heads, n - window): one sequence
+            rows = None if vis is None else vis[..., n - r.window :, :]
+            scores = snap_scores(
+                q[:, :, n - r.window :], k, scale=scaling, softcap=softcap, mask=rows, pool=r.pool, pooling=r.pooling
+            )[0].cpu()  # (heads, n - window): one sequence
             idx = snap_select(scores, r, n)
-        self.keys = [k[:, i:i + 1].index_select(2, j.to(k.device)).contiguous() for i, j in enumerate(idx)]
-        self.values = [v[:, i:i + 1].index_select(2, j.to(v.device)).contiguous() for i, j in enumerate(idx)]
+        self.keys = [k[:, i : i + 1].index_select(2, j.to(k.device)).contiguous() for i, j in enumerate(idx)]
+        self.values = [v[:, i : i + 1].index_select(2, j.to(v.device)).contiguous() for i, j in enumerate(idx)]
         self.pos = [pos[j] for j in idx]
         self.prompt = None

@@ -35,13 +35,13 @@ class Snap(Rule):
     its query heads (grouped-query models, as kvpress does). Ties go to the earlier position (Ada-KV: the lower
     kv head first). Build one with :func:`snap` or :func:`adakv`."""
 
-    budget: int | None           # prompt tokens a head keeps, window included (Ada-KV: on average)
-    window: int = 32             # the observation window: the last prompt queries, whose keys are kept
-    pool: int = 7                # width of the 1-D pooling of the scores (odd; 1: none)
+    budget: int | None  # prompt tokens a head keeps, window included (Ada-KV: on average)
+    window: int = 32  # the observation window: the last prompt queries, whose keys are kept
+    pool: int = 7  # width of the 1-D pooling of the scores (odd; 1: none)
     pooling: str = "max"
-    adaptive: bool = False       # Ada-KV: the heads of a layer under this rule share their budgets
-    total: int | None = None     # Ada-KV: the prompt tokens those heads keep together (else budget x heads)
-    floor: int | None = None     # Ada-KV: the fewest prompt tokens a head keeps, window included
+    adaptive: bool = False  # Ada-KV: the heads of a layer under this rule share their budgets
+    total: int | None = None  # Ada-KV: the prompt tokens those heads keep together (else budget x heads)
+    floor: int | None = None  # Ada-KV: the fewest prompt tokens a head keeps, window included
 
     kind = "snap"
     names = ("snapkv", "snap", "adakv")
@@ -68,10 +68,12 @@ class Snap(Rule):
             return
         total, floor = self.group_total(heads), self.floor_for(heads)
         if total < heads * max(floor, self.window):
-            raise ConfigError(f"layer {layer}: {heads} kv heads share total={total} prompt tokens under Ada-KV, but "
-                              f"each keeps at least floor={max(floor, self.window)} (its observation window "
-                              f"included): {heads} x {max(floor, self.window)} > {total}; raise the total or lower "
-                              "the floor")
+            raise ConfigError(
+                f"layer {layer}: {heads} kv heads share total={total} prompt tokens under Ada-KV, but "
+                f"each keeps at least floor={max(floor, self.window)} (its observation window "
+                f"included): {heads} x {max(floor, self.window)} > {total}; raise the total or lower "
+                "the floor"
+            )
 
     def layouts(self, heads: int, tokens: int, prompt: int | None = None) -> list[Layout]:
         """The prompt's kept tokens (``min(prompt, budget)`` per head; Ada-KV: ``min(total, heads x prompt)`` split
@@ -89,17 +91,21 @@ class Snap(Rule):
 
     def layout(self, tokens: int, prompt: int | None = None) -> Layout:
         if self.adaptive and self.total is not None:
-            raise ConfigError("an Ada-KV rule with a total shares it among the heads of a layer: ask "
-                              "Policy.layouts (or rule.layouts(heads, ...)) for what each head holds")
+            raise ConfigError(
+                "an Ada-KV rule with a total shares it among the heads of a layer: ask "
+                "Policy.layouts (or rule.layouts(heads, ...)) for what each head holds"
+            )
         return self.layouts(1, tokens, prompt)[0]
 
     def kept(self, tokens: int, prompt: int | None = None) -> int:
         return self.layout(tokens, prompt).full_keys
 
     def visible(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
-        raise ConfigError(f"{self!r} keeps the prompt tokens its observation window attends to: which ones depends on "
-                          "the prompt, not on positions alone; HeadCache.positions(layer, kv_head) gives them after "
-                          "the prefill")
+        raise ConfigError(
+            f"{self!r} keeps the prompt tokens its observation window attends to: which ones depends on "
+            "the prompt, not on positions alone; HeadCache.positions(layer, kv_head) gives them after "
+            "the prefill"
+        )
 
     def text(self) -> str:
         """What :func:`as_rule` reads back: ``snapkv:256,window=32,pool=7``, ``adakv:total=768,floor=64,...``."""
@@ -129,8 +135,10 @@ class Snap(Rule):
             if not eq and i == 0:
                 key, val = "budget", key
             elif key not in allowed or not eq:
-                raise ConfigError(f"kv rule {text!r}: unknown option {item!r}; {name} takes "
-                                  f"{', '.join(a + '=' for a in allowed)} (e.g. {example})")
+                raise ConfigError(
+                    f"kv rule {text!r}: unknown option {item!r}; {name} takes "
+                    f"{', '.join(a + '=' for a in allowed)} (e.g. {example})"
+                )
             if key == "pooling":
                 opts[key] = val
                 continue
@@ -145,8 +153,9 @@ class Snap(Rule):
         if name == "adakv":
             return adakv(budget, **opts)
         if budget is None:
-            raise ConfigError(f"kv rule {text!r}: write {name}:BUDGET, the prompt tokens each kv head keeps (e.g. "
-                              f"{example})")
+            raise ConfigError(
+                f"kv rule {text!r}: write {name}:BUDGET, the prompt tokens each kv head keeps (e.g. {example})"
+            )
         return snap(budget, **opts)
 
     def __repr__(self) -> str:
@@ -162,8 +171,10 @@ def _check_snap(window, pool, pooling) -> None:
     check_count("window", window, low=1)
     check_count("pool", pool, low=1)
     if pool % 2 == 0:
-        raise ConfigError(f"pool={pool}: SnapKV pools the scores over an odd number of positions (centred on each "
-                          "key), e.g. pool=7; pool=1 pools nothing")
+        raise ConfigError(
+            f"pool={pool}: SnapKV pools the scores over an odd number of positions (centred on each "
+            "key), e.g. pool=7; pool=1 pools nothing"
+        )
     if pooling not in POOLINGS:
         raise ConfigError(f"pooling={pooling!r}: use 'max' (SnapKV's) or 'avg' (kvpress's)")
 
@@ -179,13 +190,22 @@ def snap(budget: int, window: int = 32, pool: int = 7, *, pooling: str = "max") 
     check_count("budget", budget, low=1)
     _check_snap(window, pool, pooling)
     if budget < window:
-        raise ConfigError(f"snap(budget={budget}, window={window}): the budget counts the observation window it "
-                          f"always keeps; give budget >= window (e.g. snap({max(budget, 4 * window)}, window={window}))")
+        raise ConfigError(
+            f"snap(budget={budget}, window={window}): the budget counts the observation window it "
+            f"always keeps; give budget >= window (e.g. snap({max(budget, 4 * window)}, window={window}))"
+        )
     return Snap(budget, window, pool, pooling)
 
 
-def adakv(budget: int | None = None, *, total: int | None = None, floor: int | None = None, window: int = 32,
-          pool: int = 7, pooling: str = "max") -> Snap:
+def adakv(
+    budget: int | None = None,
+    *,
+    total: int | None = None,
+    floor: int | None = None,
+    window: int = 32,
+    pool: int = 7,
+    pooling: str = "max",
+) -> Snap:
     """Ada-KV's rule (Feng et al. 2024) on SnapKV's scores: the kv heads of a layer that follow it keep ``total``
     prompt tokens together (or ``budget`` per head on average: ``budget x heads``), the highest scores over all
     of them jointly, each head at least ``floor`` (its window included; default: the window plus a fifth of the
@@ -197,21 +217,29 @@ def adakv(budget: int | None = None, *, total: int | None = None, floor: int | N
     total``.
     """
     if (budget is None) == (total is None):
-        raise ConfigError("adakv takes budget= (prompt tokens per kv head, on average) or total= (per layer), "
-                          "exactly one of them, e.g. adakv(256) or adakv(total=768)")
+        raise ConfigError(
+            "adakv takes budget= (prompt tokens per kv head, on average) or total= (per layer), "
+            "exactly one of them, e.g. adakv(256) or adakv(total=768)"
+        )
     _check_snap(window, pool, pooling)
     size = budget if budget is not None else total
     assert size is not None  # exactly one of them, checked above
     check_count("budget" if budget is not None else "total", size, low=1)
     if budget is not None and budget < window:
-        raise ConfigError(f"adakv(budget={budget}, window={window}): the budget counts the observation window every "
-                          "head keeps; give budget >= window")
+        raise ConfigError(
+            f"adakv(budget={budget}, window={window}): the budget counts the observation window every "
+            "head keeps; give budget >= window"
+        )
     if floor is not None:
         check_count("floor", floor, low=1)
         if floor < window:
-            raise ConfigError(f"floor={floor} < window={window}: every head keeps its observation window, so its "
-                              f"floor is at least the window (floor counts it)")
+            raise ConfigError(
+                f"floor={floor} < window={window}: every head keeps its observation window, so its "
+                f"floor is at least the window (floor counts it)"
+            )
         if floor > size:
-            raise ConfigError(f"floor={floor} is more than the {'budget' if budget is not None else 'total'} "
-                              f"{size}: each head would keep more than the heads share")
+            raise ConfigError(
+                f"floor={floor} is more than the {'budget' if budget is not None else 'total'} "
+                f"{size}: each head would keep more than the heads share"
+            )
     return Snap(budget, window, pool, pooling, True, total, floor)

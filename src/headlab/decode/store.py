@@ -56,8 +56,9 @@ class KVStore:
     def append(self, k: torch.Tensor, v: torch.Tensor, new_pos: torch.Tensor) -> None:  # pragma: no cover
         raise NotImplementedError
 
-    def attend(self, attention, q: torch.Tensor, q_pos: torch.Tensor, hf, scaling, softcap, *,
-               fresh: bool) -> torch.Tensor:  # pragma: no cover
+    def attend(
+        self, attention, q: torch.Tensor, q_pos: torch.Tensor, hf, scaling, softcap, *, fresh: bool
+    ) -> torch.Tensor:  # pragma: no cover
         """``attention``: :func:`headlab.attention`'s signature; ``hf``: the model's boolean mask or None; ``scaling``,
         ``softcap``: the model's; ``fresh``: a prefill into an empty cache (the rule's own prefill may run)."""
         raise NotImplementedError
@@ -72,8 +73,9 @@ class KVStore:
         else:
             self.append(k.index_select(1, self.kv.to(k.device)), v.index_select(1, self.kv.to(v.device)), new_pos)
 
-    def read(self, attention, query: torch.Tensor, q_pos: torch.Tensor, hf, scaling, softcap, *,
-             fresh: bool) -> torch.Tensor | None:
+    def read(
+        self, attention, query: torch.Tensor, q_pos: torch.Tensor, hf, scaling, softcap, *, fresh: bool
+    ) -> torch.Tensor | None:
         """The output ``(B, heads of store, m, dv)`` of this store's query heads of ``query (B, H, m, d)``."""
         q = query if self.whole else query.index_select(1, self.q.to(query.device))  # (B, heads of store, m, d)
         return self.attend(attention, q, q_pos, hf, scaling, softcap, fresh=fresh)
@@ -84,16 +86,19 @@ class KVStore:
 
 
 def _taken(cls: type[KVStore], names: list[str]) -> ConfigError:
-    return ConfigError(f"a kv store named {names[0]!r} is already registered ({STORES[names[0]].__name__}); "
-                       f"unregister_store({names[0]!r}) first")
+    return ConfigError(
+        f"a kv store named {names[0]!r} is already registered ({STORES[names[0]].__name__}); "
+        f"unregister_store({names[0]!r}) first"
+    )
 
 
 def _unknown(name: str, names: list[str]) -> ConfigError:
     return ConfigError(f"no kv store {name!r} is registered; the stores: {', '.join(names)}")
 
 
-_STORES: Registry[type[KVStore]] = Registry("a kv store", "a rule's store names it", instances=False, strict=True,
-                                            taken=_taken, unknown=_unknown)
+_STORES: Registry[type[KVStore]] = Registry(
+    "a kv store", "a rule's store names it", instances=False, strict=True, taken=_taken, unknown=_unknown
+)
 STORES: Mapping[str, type[KVStore]] = _STORES.table  # a store's name -> its class (what rule.store names), live
 
 
@@ -102,12 +107,14 @@ def register_store(cls: type[KVStore]) -> type[KVStore]:
     Refuses a class that is not a complete :class:`KVStore`, or a name taken."""
     if not (isinstance(cls, type) and issubclass(cls, KVStore)):
         raise ConfigError(f"register_store takes a subclass of headlab.decode.store.KVStore, got {cls!r}")
-    own = set().union(*(vars(c) for c in cls.__mro__[:cls.__mro__.index(KVStore)]))
+    own = set().union(*(vars(c) for c in cls.__mro__[: cls.__mro__.index(KVStore)]))
     need = ["reset", "nbytes"] + (["append", "attend"] if not {"take", "read"} <= own else [])
     missing = [m for m in need if m not in own]
     if missing:
-        raise ConfigError(f"kv store {cls.__name__} does not define {', '.join(missing)}: a store takes its heads' "
-                          "keys, attends with their queries, counts its bytes and forgets (see KVStore)")
+        raise ConfigError(
+            f"kv store {cls.__name__} does not define {', '.join(missing)}: a store takes its heads' "
+            "keys, attends with their queries, counts its bytes and forgets (see KVStore)"
+        )
     if not isinstance(cls.name, str) or not cls.name:
         raise ConfigError(f"kv store {cls.__name__} has no name: set name = '...', the name a rule's store gives")
     return _STORES.register(cls)
@@ -123,8 +130,10 @@ def unregister_store(name: str) -> type[KVStore]:
 def store_for(rule: Rule) -> type[KVStore]:
     """The store class that holds ``rule``'s heads (its ``rule.store``)."""
     if rule.store not in STORES:
-        raise ConfigError(f"{rule!r} is held by the store {rule.store!r}, which is not one of the cache's stores "
-                          f"({', '.join(STORES)}); register it with headlab.decode.store.register_store")
+        raise ConfigError(
+            f"{rule!r} is held by the store {rule.store!r}, which is not one of the cache's stores "
+            f"({', '.join(STORES)}); register it with headlab.decode.store.register_store"
+        )
     return STORES[rule.store]
 
 

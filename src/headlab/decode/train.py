@@ -105,7 +105,7 @@ def gated(adapter, gates: torch.Tensor, rule: Window):
 
     heads, kvh = adapter.layer_heads, adapter.layer_kv_heads
     for layer, am in enumerate(adapter.attn_modules):
-        _ACTIVE[id(am)] = (gates[layer, :kvh[layer]], rule, heads[layer] // kvh[layer])
+        _ACTIVE[id(am)] = (gates[layer, : kvh[layer]], rule, heads[layer] // kvh[layer])
     try:
         with implementation(adapter.model, IMPLEMENTATION):
             yield
@@ -120,8 +120,10 @@ def per_query_head(model, gates: torch.Tensor) -> torch.Tensor:
     heads, kvh = kv_layout(model)
     g = torch.as_tensor(gates, dtype=torch.float64)
     if g.dim() != 2 or g.shape[0] != len(heads) or g.shape[1] < max(kvh):
-        raise ConfigError(f"gates of shape {tuple(g.shape)} do not fit this model: expected (layers, kv heads) = "
-                          f"({len(heads)}, {max(kvh)})")
+        raise ConfigError(
+            f"gates of shape {tuple(g.shape)} do not fit this model: expected (layers, kv heads) = "
+            f"({len(heads)}, {max(kvh)})"
+        )
     out = torch.full((len(heads), max(heads)), -1.0, dtype=torch.float64)
     for layer, (h, n) in enumerate(zip(heads, kvh)):
         out[layer, :h] = g[layer, :n].repeat_interleave(h // n)
@@ -146,10 +148,22 @@ class GateTraining:
         """The gates in headlab's envelope (kind ``kv_gates``; its settings: the training's and the window),
         beside the keys gate files have always had (``"kind": "headlab.kv.gates"`` among them)."""
         rest = {"sink": self.rest.sink, "recent": self.rest.recent}
-        return envelope("kv_gates", {
-            "kind": "headlab.kv.gates", "model": self.model, "gates": self.gates.tolist(), "rest": rest,
-            "losses": self.losses, "steps": self.steps, "seconds": self.seconds, "stopped": self.stopped,
-            "settings": self.settings}, model=self.model, settings={**self.settings, "rest": rest})
+        return envelope(
+            "kv_gates",
+            {
+                "kind": "headlab.kv.gates",
+                "model": self.model,
+                "gates": self.gates.tolist(),
+                "rest": rest,
+                "losses": self.losses,
+                "steps": self.steps,
+                "seconds": self.seconds,
+                "stopped": self.stopped,
+                "settings": self.settings,
+            },
+            model=self.model,
+            settings={**self.settings, "rest": rest},
+        )
 
     def save(self, path: str | os.PathLike) -> Path:
         """Write :meth:`to_json` to ``path`` (atomically, :func:`headlab.results.write_json`)."""
@@ -164,8 +178,16 @@ class GateTraining:
         try:
             rest = Window(int(d["rest"]["sink"]), int(d["rest"]["recent"]))
             model = d.get("model") if isinstance(d.get("model"), str) else None
-            return cls(torch.tensor(d["gates"]), rest, d.get("losses", []), d.get("steps", 0), d.get("seconds", 0.0),
-                       d.get("stopped", "steps"), d.get("settings", {}), model)
+            return cls(
+                torch.tensor(d["gates"]),
+                rest,
+                d.get("losses", []),
+                d.get("steps", 0),
+                d.get("seconds", 0.0),
+                d.get("stopped", "steps"),
+                d.get("settings", {}),
+                model,
+            )
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise InputError(f"{path}: not a gate file written by GateTraining.save ({e})") from None
 
@@ -184,10 +206,22 @@ class GateTrainer:
     which keeps each finished step's :meth:`snapshot` (JSON) and continues from it (:meth:`restore`) with
     ``--resume``. The arguments are :func:`train_gates`'s, checked the same way, before any step."""
 
-    def __init__(self, model, *, rest: Window = Window(4, 256),
-                 data: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None, contexts: int = 16,
-                 tokens: int = 512, keys: int = 4, steps: int = 100, lr: float = 0.05, l1: float = 0.05,
-                 seconds: float | None = None, seed: int = 0, save_every: int = 1) -> None:
+    def __init__(
+        self,
+        model,
+        *,
+        rest: Window = Window(4, 256),
+        data: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None,
+        contexts: int = 16,
+        tokens: int = 512,
+        keys: int = 4,
+        steps: int = 100,
+        lr: float = 0.05,
+        l1: float = 0.05,
+        seconds: float | None = None,
+        seed: int = 0,
+        save_every: int = 1,
+    ) -> None:
         from headlab.models.loaded_model import resolve
 
         adapter, loaded = resolve(model)
@@ -204,11 +238,15 @@ class GateTrainer:
         if data is None:
             tok = getattr(loaded, "tokenizer", None)
             if tok is None:
-                raise ConfigError("give data=[(ids, positions), ...], or a LoadedModel (headlab.load) whose tokenizer "
-                                  "builds the passkey contexts")
+                raise ConfigError(
+                    "give data=[(ids, positions), ...], or a LoadedModel (headlab.load) whose tokenizer "
+                    "builds the passkey contexts"
+                )
             if tokens <= rule.sink + rule.recent:
-                raise ConfigError(f"tokens={tokens}: contexts no longer than the window ({rule.sink}+{rule.recent}) "
-                                  "evict nothing to learn from; give more tokens")
+                raise ConfigError(
+                    f"tokens={tokens}: contexts no longer than the window ({rule.sink}+{rule.recent}) "
+                    "evict nothing to learn from; give more tokens"
+                )
             data = _recitals(tok, contexts, tokens, keys, seed, far=rule.recent)
         if not data:
             raise InputError("data is empty: give at least one (ids, positions) pair")
@@ -216,9 +254,20 @@ class GateTrainer:
         kvh = adapter.layer_kv_heads
         self.param = torch.nn.Parameter(torch.ones(len(kvh), max(kvh)))
         self.opt = torch.optim.Adam([self.param], lr=lr)
-        self.state = GateTraining(self.param.detach(), rule, settings={
-            "lr": lr, "l1": l1, "tokens": tokens, "keys": keys, "contexts": len(data), "seed": seed, "steps": steps},
-            model=getattr(loaded, "name", None) or type(adapter.model).__name__)
+        self.state = GateTraining(
+            self.param.detach(),
+            rule,
+            settings={
+                "lr": lr,
+                "l1": l1,
+                "tokens": tokens,
+                "keys": keys,
+                "contexts": len(data),
+                "seed": seed,
+                "steps": steps,
+            },
+            model=getattr(loaded, "name", None) or type(adapter.model).__name__,
+        )
         self.targets: dict[int, torch.Tensor] = {}  # the full model's hidden states per context (computed once)
 
     @contextlib.contextmanager
@@ -257,8 +306,11 @@ class GateTrainer:
         moments and step count."""
         adam = self.opt.state.get(self.param, {})
         moment = {k: adam[k].tolist() for k in ("exp_avg", "exp_avg_sq") if k in adam}
-        return {"gates": self.param.detach().tolist(), "adam_step": float(adam["step"]) if "step" in adam else 0.0,
-                **moment}
+        return {
+            "gates": self.param.detach().tolist(),
+            "adam_step": float(adam["step"]) if "step" in adam else 0.0,
+            **moment,
+        }
 
     def restore(self, snap: dict, *, steps: int, losses: Sequence[float] = (), seconds: float = 0.0) -> None:
         """Continue from a :meth:`snapshot` taken after ``steps`` steps (``losses``: theirs, if known)."""
@@ -266,9 +318,11 @@ class GateTrainer:
             self.param.copy_(torch.tensor(snap["gates"], dtype=self.param.dtype))
         self.opt.state.clear()
         if "exp_avg" in snap:
-            self.opt.state[self.param] = {"step": torch.tensor(float(snap["adam_step"]), dtype=torch.float32),
-                                          "exp_avg": torch.tensor(snap["exp_avg"], dtype=self.param.dtype),
-                                          "exp_avg_sq": torch.tensor(snap["exp_avg_sq"], dtype=self.param.dtype)}
+            self.opt.state[self.param] = {
+                "step": torch.tensor(float(snap["adam_step"]), dtype=torch.float32),
+                "exp_avg": torch.tensor(snap["exp_avg"], dtype=self.param.dtype),
+                "exp_avg_sq": torch.tensor(snap["exp_avg_sq"], dtype=self.param.dtype),
+            }
         self.state.steps, self.state.losses, self.state.seconds = steps, list(losses), seconds
 
     def load_checkpoint(self, path: str | os.PathLike) -> None:
@@ -277,10 +331,14 @@ class GateTrainer:
         ck, rule, state = Path(path), self.rule, self.state
         saved = torch.load(ck, weights_only=False)
         same = {k: v for k, v in saved.get("settings", {}).items() if k != "steps"}
-        if same != {k: v for k, v in state.settings.items() if k != "steps"} or \
-                list(saved.get("rest", ())) != [rule.sink, rule.recent]:
-            raise ConfigError(f"{ck} holds a run with other settings ({saved.get('settings')}, rest "
-                              f"{saved.get('rest')}); give the same settings to resume it, or another checkpoint path")
+        if same != {k: v for k, v in state.settings.items() if k != "steps"} or list(saved.get("rest", ())) != [
+            rule.sink,
+            rule.recent,
+        ]:
+            raise ConfigError(
+                f"{ck} holds a run with other settings ({saved.get('settings')}, rest "
+                f"{saved.get('rest')}); give the same settings to resume it, or another checkpoint path"
+            )
         self.param.data.copy_(saved["gates"])
         self.opt.load_state_dict(saved["optim"])
         state.losses, state.steps, state.seconds = saved["losses"], saved["steps"], saved["seconds"]
@@ -290,23 +348,52 @@ class GateTrainer:
         the previous checkpoint whole)."""
         ck, st = Path(path), self.state
         tmp = ck.with_suffix(ck.suffix + ".tmp")
-        torch.save({"gates": self.param.detach().clone(), "optim": self.opt.state_dict(), "losses": st.losses,
-                    "steps": st.steps, "seconds": st.seconds, "rest": [self.rule.sink, self.rule.recent],
-                    "settings": st.settings}, tmp)
+        torch.save(
+            {
+                "gates": self.param.detach().clone(),
+                "optim": self.opt.state_dict(),
+                "losses": st.losses,
+                "steps": st.steps,
+                "seconds": st.seconds,
+                "rest": [self.rule.sink, self.rule.recent],
+                "settings": st.settings,
+            },
+            tmp,
+        )
         os.replace(tmp, ck)
 
     def result(self, stopped: str = "steps") -> GateTraining:
         """The gates so far (a copy) with the losses, steps and seconds."""
         st = self.state
-        return GateTraining(self.param.detach().clone(), self.rule, list(st.losses), st.steps, st.seconds, stopped,
-                            dict(st.settings), st.model)
+        return GateTraining(
+            self.param.detach().clone(),
+            self.rule,
+            list(st.losses),
+            st.steps,
+            st.seconds,
+            stopped,
+            dict(st.settings),
+            st.model,
+        )
 
 
-def train_gates(model, *, rest: Window = Window(4, 256), data: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None,
-                contexts: int = 16, tokens: int = 512, keys: int = 4, steps: int = 100, lr: float = 0.05,
-                l1: float = 0.05, seconds: float | None = None, seed: int = 0,
-                checkpoint: str | os.PathLike | None = None, save_every: int = 10,
-                progress: bool | Progress = True) -> GateTraining:
+def train_gates(
+    model,
+    *,
+    rest: Window = Window(4, 256),
+    data: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None,
+    contexts: int = 16,
+    tokens: int = 512,
+    keys: int = 4,
+    steps: int = 100,
+    lr: float = 0.05,
+    l1: float = 0.05,
+    seconds: float | None = None,
+    seed: int = 0,
+    checkpoint: str | os.PathLike | None = None,
+    save_every: int = 10,
+    progress: bool | Progress = True,
+) -> GateTraining:
     """Train one gate per kv head (DuoAttention): see the module docstring.
 
     Args:
@@ -324,8 +411,20 @@ def train_gates(model, *, rest: Window = Window(4, 256), data: Sequence[tuple[to
         progress: a display (True), nothing (False), or ``progress(stage, done, total)`` (headlab's protocol;
             the losses are on the result).
     """
-    trainer = GateTrainer(model, rest=rest, data=data, contexts=contexts, tokens=tokens, keys=keys, steps=steps,
-                          lr=lr, l1=l1, seconds=seconds, seed=seed, save_every=save_every)
+    trainer = GateTrainer(
+        model,
+        rest=rest,
+        data=data,
+        contexts=contexts,
+        tokens=tokens,
+        keys=keys,
+        steps=steps,
+        lr=lr,
+        l1=l1,
+        seconds=seconds,
+        seed=seed,
+        save_every=save_every,
+    )
     ck = Path(checkpoint) if checkpoint is not None else None
     if ck is not None and ck.is_file():
         trainer.load_checkpoint(ck)

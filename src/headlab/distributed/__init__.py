@@ -16,5 +16,4 @@ from headlab.distributed.layout import LAYOUTS, chunks, positions, shard, unshar
 from headlab.distributed.ring import ring_attention
 from headlab.distributed.stats import RING_STATS, ring_attention_stats
 
-__all__ = ["LAYOUTS", "RING_STATS", "chunks", "positions", "ring_attention", "ring_attention_stats", "shard",
-           "unshard"]
+__all__ = ["LAYOUTS", "RING_STATS", "chunks", "positions", "ring_attention", "ring_attention_stats", "shard", "unshard"]

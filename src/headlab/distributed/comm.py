@@ -43,7 +43,8 @@ def talking(what: str, rank: int, peer: int | None = None):
         raise DistributedError(
             f"rank {rank}: {what}{who} failed: {str(e).splitlines()[0] if str(e) else type(e).__name__}. A rank that "
             "died or stopped answering ends the others after the process group's timeout "
-            "(init_process_group(timeout=...))") from e
+            "(init_process_group(timeout=...))"
+        ) from e
 
 
 def agree(rank: int, world_size: int, group, *, device=None, **facts: int | str | torch.dtype) -> None:
@@ -55,7 +56,7 @@ def agree(rank: int, world_size: int, group, *, device=None, **facts: int | str 
         if isinstance(value, torch.dtype):
             codes.append(_DTYPES.index(value) if value in _DTYPES else -1)
         elif isinstance(value, str):
-            codes.append(sum(ord(c) * 31 ** i for i, c in enumerate(value)) % (2**31))
+            codes.append(sum(ord(c) * 31**i for i, c in enumerate(value)) % (2**31))
         else:
             codes.append(int(value))
     mine = torch.tensor(codes, dtype=torch.int64, device=device)  # on the tensors' device (NCCL needs the GPU)
@@ -65,14 +66,18 @@ def agree(rank: int, world_size: int, group, *, device=None, **facts: int | str 
     table = torch.stack(everyone).cpu()  # (world, facts)
     differ = [i for i in range(len(names)) if bool((table[:, i] != table[0, i]).any())]
     if differ:
+
         def show(i, r):
             code = int(table[r, i])
             if isinstance(facts[names[i]], torch.dtype):
                 return str(_DTYPES[code]).replace("torch.", "") if 0 <= code < len(_DTYPES) else "?"
             return str(code) if not isinstance(facts[names[i]], str) else f"code {code}"
+
         parts = [f"{names[i]}: " + ", ".join(f"rank {r} has {show(i, r)}" for r in range(world_size)) for i in differ]
-        raise DistributedError("the ranks disagree before ring attention (every rank must pass shards of the same "
-                               "length, dtype and head counts, and the same options): " + "; ".join(parts))
+        raise DistributedError(
+            "the ranks disagree before ring attention (every rank must pass shards of the same "
+            "length, dtype and head counts, and the same options): " + "; ".join(parts)
+        )
 
 
 class Ring:
@@ -93,10 +98,12 @@ class Ring:
         flight at once (K/V and the dK/dV accumulators) use different tags."""
         recv = torch.empty_like(send)
         with talking("a ring shift", self.rank, self.next):
-            reqs = dist.batch_isend_irecv([
-                dist.P2POp(dist.isend, send.contiguous(), self._global(self.next), self.group, tag),
-                dist.P2POp(dist.irecv, recv, self._global(self.prev), self.group, tag),
-            ])
+            reqs = dist.batch_isend_irecv(
+                [
+                    dist.P2POp(dist.isend, send.contiguous(), self._global(self.next), self.group, tag),
+                    dist.P2POp(dist.irecv, recv, self._global(self.prev), self.group, tag),
+                ]
+            )
         self.sent_bytes += send.numel() * send.element_size()
         _SENT[0] += send.numel() * send.element_size()
         return recv, reqs

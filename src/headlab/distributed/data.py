@@ -33,16 +33,21 @@ def init_from_env(*, timeout: timedelta = DEFAULT_TIMEOUT) -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return world()
     size = os.environ.get("WORLD_SIZE", "1").strip() or "1"
-    under = "start the command under torchrun (torchrun --nproc-per-node N -m headlab ...), or unset WORLD_SIZE " \
-            "to run in one process"
+    under = (
+        "start the command under torchrun (torchrun --nproc-per-node N -m headlab ...), or unset WORLD_SIZE "
+        "to run in one process"
+    )
     if not size.isdigit():
         raise DistributedError(f"WORLD_SIZE={size!r} is not a number of processes; {under}")
     if int(size) <= 1:
         return 0, 1
     missing = [v for v in ("RANK", "MASTER_ADDR", "MASTER_PORT") if not os.environ.get(v, "").strip()]
     if missing or not dist.is_available():
-        why = f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not set" if missing else \
-            "this torch has no torch.distributed"
+        why = (
+            f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not set"
+            if missing
+            else "this torch has no torch.distributed"
+        )
         raise DistributedError(f"WORLD_SIZE={size} says this is one of {size} processes, but {why}; {under}")
     rank = os.environ["RANK"].strip()
     if not rank.isdigit() or int(rank) >= int(size):
@@ -52,9 +57,11 @@ def init_from_env(*, timeout: timedelta = DEFAULT_TIMEOUT) -> tuple[int, int]:
         dist.init_process_group(backend, timeout=timeout)
     except (ValueError, RuntimeError) as e:  # a bad RANK, an address that cannot be reached or bound
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise DistributedError(f"could not join the process group of {size} processes (RANK="
-                               f"{os.environ['RANK']}, MASTER_ADDR={os.environ['MASTER_ADDR']}, MASTER_PORT="
-                               f"{os.environ['MASTER_PORT']}): {first}; {under}") from e
+        raise DistributedError(
+            f"could not join the process group of {size} processes (RANK="
+            f"{os.environ['RANK']}, MASTER_ADDR={os.environ['MASTER_ADDR']}, MASTER_PORT="
+            f"{os.environ['MASTER_PORT']}): {first}; {under}"
+        ) from e
     return world()
 
 
@@ -81,7 +88,7 @@ def all_reduce_many(parts: list, group=None) -> list[torch.Tensor]:
     flat = all_reduce_sum(torch.cat([t.reshape(-1) for t in ts]) if ts else torch.zeros(0, dtype=torch.float64), group)
     out, at = [], 0
     for t in ts:
-        out.append(flat[at:at + t.numel()].view(t.shape))
+        out.append(flat[at : at + t.numel()].view(t.shape))
         at += t.numel()
     return out
 

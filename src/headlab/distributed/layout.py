@@ -30,8 +30,17 @@ import torch
 from headlab.costs.ring import LAYOUTS, MIN_BLOCK_BYTES, Layout, check_layout, chunks, kv_heads_per_trip
 from headlab.errors import ConfigError, ShapeError
 
-__all__ = ["LAYOUTS", "MIN_BLOCK_BYTES", "Layout", "check_layout", "chunks", "kv_heads_per_trip", "positions", "shard",
-           "unshard"]
+__all__ = [
+    "LAYOUTS",
+    "MIN_BLOCK_BYTES",
+    "Layout",
+    "check_layout",
+    "chunks",
+    "kv_heads_per_trip",
+    "positions",
+    "shard",
+    "unshard",
+]
 
 
 def positions(n: int, *, rank: int, world_size: int, layout: Layout = "contiguous") -> torch.Tensor:

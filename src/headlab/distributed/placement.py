@@ -48,8 +48,18 @@ if TYPE_CHECKING:
 
 Q_KINDS = ("q", "pattern", "z", "head_out")  # sites whose axis 1 is the query heads
 KV_KINDS = ("k", "v")  # sites whose axis 1 is the kv heads
-STATS_FIELDS = ("lse", "entropy", "max_weight", "argmax", "mean_distance", "key_mass", "received", "rows",
-                "output", "visible")  # AttentionStats fields with a head axis (axis 1)
+STATS_FIELDS = (
+    "lse",
+    "entropy",
+    "max_weight",
+    "argmax",
+    "mean_distance",
+    "key_mass",
+    "received",
+    "rows",
+    "output",
+    "visible",
+)  # AttentionStats fields with a head axis (axis 1)
 
 
 def is_dtensor(t) -> TypeGuard[DTensor]:
@@ -61,10 +71,10 @@ def is_dtensor(t) -> TypeGuard[DTensor]:
 class TensorParallel:
     """A request to shard the model by heads: over every rank (``size`` None) or groups of ``size`` ranks.
 
-        >>> TensorParallel.request(True), TensorParallel.request(2), TensorParallel.request(False)
-        (TensorParallel(size=None), TensorParallel(size=2), None)
-        >>> TensorParallel.request(2).group_size(4), TensorParallel.request(True).group_size(4)
-        (2, 4)
+    >>> TensorParallel.request(True), TensorParallel.request(2), TensorParallel.request(False)
+    (TensorParallel(size=None), TensorParallel(size=2), None)
+    >>> TensorParallel.request(2).group_size(4), TensorParallel.request(True).group_size(4)
+    (2, 4)
     """
 
     size: int | None = None
@@ -79,9 +89,16 @@ class TensorParallel:
             return None
         if value is True:
             return cls()
-        return cls(positive_int("tensor_parallel", value, message=(
-            "tensor_parallel={value!r}: give True (every rank in one tensor-parallel group) or the ranks per group, "
-            "a positive integer dividing the world size")))
+        return cls(
+            positive_int(
+                "tensor_parallel",
+                value,
+                message=(
+                    "tensor_parallel={value!r}: give True (every rank in one tensor-parallel group) or the ranks per group, "
+                    "a positive integer dividing the world size"
+                ),
+            )
+        )
 
     @classmethod
     def from_flags(cls, on: bool, size: int | None) -> TensorParallel | None:
@@ -99,10 +116,14 @@ class TensorParallel:
             return world
         if world % self.size:
             if flag:
-                raise InputError(f"--tensor-size {self.size} does not divide the {world} ranks torchrun started; "
-                                 f"give a divisor of {world}")
-            raise ConfigError(f"tensor_parallel={self.size} over {world} ranks: the ranks per tensor-parallel group "
-                              f"must divide the world size; use a divisor of {world}")
+                raise InputError(
+                    f"--tensor-size {self.size} does not divide the {world} ranks torchrun started; "
+                    f"give a divisor of {world}"
+                )
+            raise ConfigError(
+                f"tensor_parallel={self.size} over {world} ranks: the ranks per tensor-parallel group "
+                f"must divide the world size; use a divisor of {world}"
+            )
         return self.size
 
 
@@ -122,14 +143,20 @@ class Placement:
 
     def __post_init__(self) -> None:
         if self.world < 1 or not 0 <= self.rank < self.world:
-            raise ConfigError(f"a placement of rank {self.rank} in a world of {self.world}: give a world of at least "
-                              "1 and a rank in [0, world)")
+            raise ConfigError(
+                f"a placement of rank {self.rank} in a world of {self.world}: give a world of at least "
+                "1 and a rank in [0, world)"
+            )
         if self.tensor_size < 1 or self.world % self.tensor_size:
-            raise ConfigError(f"a tensor-parallel group of {self.tensor_size} ranks in a world of {self.world}: the "
-                              "group's size must divide the world size")
+            raise ConfigError(
+                f"a tensor-parallel group of {self.tensor_size} ranks in a world of {self.world}: the "
+                "group's size must divide the world size"
+            )
         if self.n_heads % self.tensor_size or self.n_kv_heads % self.tensor_size:
-            raise ConfigError(f"{self.n_heads} query and {self.n_kv_heads} kv heads over {self.tensor_size} ranks: "
-                              "every rank of a group must hold as many heads as the others")
+            raise ConfigError(
+                f"{self.n_heads} query and {self.n_kv_heads} kv heads over {self.tensor_size} ranks: "
+                "every rank of a group must hold as many heads as the others"
+            )
 
     @classmethod
     def here(cls, n_heads: int = 0, n_kv_heads: int = 0) -> Placement:
@@ -178,7 +205,7 @@ class Placement:
 
     def units(self, todo) -> list:
         """This rank's share of the work list ``todo``: every data-size-th item from its data rank."""
-        return list(todo)[self.data_rank::self.data_size]
+        return list(todo)[self.data_rank :: self.data_size]
 
     def examples(self, n: int) -> list[int]:
         """The indices (of ``n`` examples) this rank runs: :meth:`units` of ``range(n)``."""
@@ -238,7 +265,7 @@ class Placement:
         if not self.sharded or kind not in Q_KINDS + KV_KINDS:
             return t
         r = self.heads_of(kind)
-        return t[:, r.start:r.stop]
+        return t[:, r.start : r.stop]
 
     def gather(self, t: torch.Tensor, kind: str, to: str = "all") -> torch.Tensor | None:
         """``t`` (this rank's heads on axis 1) from every rank of the group, concatenated in global head order: on
@@ -271,8 +298,11 @@ class Placement:
             if isinstance(value, torch.Tensor):
                 out[name] = self.gather(value, kind, to)
             elif kind == "stats" and dataclasses.is_dataclass(value) and not isinstance(value, type):
-                got = {f: self.gather(getattr(value, f), "q", to) for f in STATS_FIELDS
-                       if isinstance(getattr(value, f, None), torch.Tensor)}
+                got = {
+                    f: self.gather(getattr(value, f), "q", to)
+                    for f in STATS_FIELDS
+                    if isinstance(getattr(value, f, None), torch.Tensor)
+                }
                 out[name] = dataclasses.replace(value, **got)
             else:
                 out[name] = value

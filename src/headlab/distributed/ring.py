@@ -60,8 +60,9 @@ def pieces(n: int, rank: int, world_size: int, layout: str, split: int) -> list[
     return out
 
 
-def ring_pairs(n: int, rank: int, src: int, world_size: int, layout: str, causal: bool, mask, split: int = 1,
-           part: int = 0):
+def ring_pairs(
+    n: int, rank: int, src: int, world_size: int, layout: str, causal: bool, mask, split: int = 1, part: int = 0
+):
     """(query slice of the shard, key slice of the trip's block, Pair) for every piece of this rank's queries
     against the pieces ``part`` of ``src``'s chunks (the block a trip carries, in chunk order)."""
     out = []
@@ -88,8 +89,9 @@ def trip_kv_heads(k: torch.Tensor, n: int, world_size: int, layout: str) -> int:
     return min(Hkv, max(size, -(-threads // B)))
 
 
-def trips(k: torch.Tensor, heads: int, n: int, world_size: int, layout: str,
-          size: int | None = None) -> list[tuple[slice, slice, int, list]]:
+def trips(
+    k: torch.Tensor, heads: int, n: int, world_size: int, layout: str, size: int | None = None
+) -> list[tuple[slice, slice, int, list]]:
     """``(query heads, kv heads, part, the part's slices of the shard)``: what goes round the ring, one trip
     after the other.
 
@@ -104,9 +106,16 @@ def trips(k: torch.Tensor, heads: int, n: int, world_size: int, layout: str,
     mine = pieces(n, 0, world_size, layout, split)  # every rank's pieces have these offsets and lengths
     size = size or trip_kv_heads(k, n, world_size, layout)
     G = heads // Hkv
-    return [(slice(h0 * G, min(Hkv, h0 + size) * G), slice(h0, min(Hkv, h0 + size)), t,
-             [slice(chunk[t][2], chunk[t][2] + chunk[t][1]) for chunk in mine])
-            for h0 in range(0, Hkv, size) for t in range(split)]
+    return [
+        (
+            slice(h0 * G, min(Hkv, h0 + size) * G),
+            slice(h0, min(Hkv, h0 + size)),
+            t,
+            [slice(chunk[t][2], chunk[t][2] + chunk[t][1]) for chunk in mine],
+        )
+        for h0 in range(0, Hkv, size)
+        for t in range(split)
+    ]
 
 
 def _gather(t: torch.Tensor, where: list[slice]) -> torch.Tensor:
@@ -119,12 +128,13 @@ def _scatter(dst: torch.Tensor, where: list[slice], block: torch.Tensor) -> None
     off = 0
     for w in where:
         ln = w.stop - w.start
-        dst[:, :, w] = block[:, :, off:off + ln]
+        dst[:, :, w] = block[:, :, off : off + ln]
         off += ln
 
 
-def _ring_forward(q, k, v, causal, mask, scale, layout, ring, on_kernel: bool, m, l, acc, split: int,
-                  part: int) -> None:
+def _ring_forward(
+    q, k, v, causal, mask, scale, layout, ring, on_kernel: bool, m, l, acc, split: int, part: int
+) -> None:
     """One trip round the ring (``k``, ``v``: this rank's block of the trip, see :func:`trips`): fold every
     block into the state (m, l, acc), in place."""
     n = q.shape[2] * ring.world_size
@@ -134,17 +144,27 @@ def _ring_forward(q, k, v, causal, mask, scale, layout, ring, on_kernel: bool, m
         pending = ring.start_pair(kk, vv) if step < ring.world_size - 1 else None  # overlaps the compute
         for qs, ks, pair in ring_pairs(n, ring.rank, src, ring.world_size, layout, causal, mask, split, part):
             if on_kernel and pair.kind in ("full", "causal"):
-                native_pair_update(q[:, :, qs], kk[:, :, ks], vv[:, :, ks], pair.kind == "causal", scale,
-                                   m[:, :, qs], l[:, :, qs], acc[:, :, qs])
+                native_pair_update(
+                    q[:, :, qs],
+                    kk[:, :, ks],
+                    vv[:, :, ks],
+                    pair.kind == "causal",
+                    scale,
+                    m[:, :, qs],
+                    l[:, :, qs],
+                    acc[:, :, qs],
+                )
             else:
-                pair_update(q[:, :, qs], kk[:, :, ks], vv[:, :, ks], pair, scale, m[:, :, qs], l[:, :, qs],
-                            acc[:, :, qs])
+                pair_update(
+                    q[:, :, qs], kk[:, :, ks], vv[:, :, ks], pair, scale, m[:, :, qs], l[:, :, qs], acc[:, :, qs]
+                )
         if pending is not None:
             kk, vv = ring.finish_pair(pending)
 
 
-def _ring_backward(q, k, v, dout, m, inv_l, log_l, D, causal, mask, scale, layout, ring, on_kernel: bool, dq,
-                   split: int, part: int):
+def _ring_backward(
+    q, k, v, dout, m, inv_l, log_l, D, causal, mask, scale, layout, ring, on_kernel: bool, dq, split: int, part: int
+):
     """One backward trip: adds into ``dq`` (tile precision) and returns this rank's ``(dk, dv)`` of the
     trip's block.
 
@@ -166,12 +186,35 @@ def _ring_backward(q, k, v, dout, m, inv_l, log_l, D, causal, mask, scale, layou
             mk, mv = ring.finish_pair(incoming)  # src's accumulators, with the shares of the ranks before
         for qs, ks, pair in ring_pairs(n, ring.rank, src, ring.world_size, layout, causal, mask, split, part):
             if on_kernel and pair.kind in ("full", "causal"):
-                native_pair_backward(q[:, :, qs], kk[:, :, ks], vv[:, :, ks], dout[:, :, qs], m[:, :, qs],
-                                     log_l[:, :, qs], D[:, :, qs], pair.kind == "causal", scale, dq[:, :, qs],
-                                     mk[:, :, ks], mv[:, :, ks])
+                native_pair_backward(
+                    q[:, :, qs],
+                    kk[:, :, ks],
+                    vv[:, :, ks],
+                    dout[:, :, qs],
+                    m[:, :, qs],
+                    log_l[:, :, qs],
+                    D[:, :, qs],
+                    pair.kind == "causal",
+                    scale,
+                    dq[:, :, qs],
+                    mk[:, :, ks],
+                    mv[:, :, ks],
+                )
             else:
-                pair_backward(q[:, :, qs], kk[:, :, ks], vv[:, :, ks], dout[:, :, qs], m[:, :, qs], inv_l[:, :, qs],
-                              D[:, :, qs], pair, scale, dq[:, :, qs], mk[:, :, ks], mv[:, :, ks])  # views: in place
+                pair_backward(
+                    q[:, :, qs],
+                    kk[:, :, ks],
+                    vv[:, :, ks],
+                    dout[:, :, qs],
+                    m[:, :, qs],
+                    inv_l[:, :, qs],
+                    D[:, :, qs],
+                    pair,
+                    scale,
+                    dq[:, :, qs],
+                    mk[:, :, ks],
+                    mv[:, :, ks],
+                )  # views: in place
         incoming = ring.start_pair(mk, mv, tag=2)  # on with their block; the last send takes them home
         del mk, mv
         if pending is not None:
@@ -192,8 +235,22 @@ class _RingAttention(torch.autograd.Function):
         n = nq * ring.world_size
         split = split_of(n, ring.world_size, layout)
         for qh, kh, part, where in trips(k, H, n, ring.world_size, layout, size):
-            _ring_forward(q[:, qh], _gather(k[:, kh], where), _gather(v[:, kh], where), causal, mask, scale, layout,
-                          ring, on_kernel, m[:, qh], l[:, qh], acc[:, qh], split, part)
+            _ring_forward(
+                q[:, qh],
+                _gather(k[:, kh], where),
+                _gather(v[:, kh], where),
+                causal,
+                mask,
+                scale,
+                layout,
+                ring,
+                on_kernel,
+                m[:, qh],
+                l[:, qh],
+                acc[:, qh],
+                split,
+                part,
+            )
         out, _lse, _inv_l = finish_state(m, l, acc)
         ctx.save_for_backward(q, k, v, out, m, l)
         ctx.args = (causal, mask, scale, layout, ring, size)
@@ -215,9 +272,25 @@ class _RingAttention(torch.autograd.Function):
         n = q.shape[2] * ring.world_size
         split = split_of(n, ring.world_size, layout)
         for qh, kh, part, where in trips(k, q.shape[1], n, ring.world_size, layout, size):
-            gk, gv = _ring_backward(q[:, qh], _gather(k[:, kh], where), _gather(v[:, kh], where), dout[:, qh],
-                                    m[:, qh], inv_l[:, qh], log_l[:, qh], D[:, qh], causal, mask, scale, layout, ring,
-                                    on_kernel, dq[:, qh], split, part)
+            gk, gv = _ring_backward(
+                q[:, qh],
+                _gather(k[:, kh], where),
+                _gather(v[:, kh], where),
+                dout[:, qh],
+                m[:, qh],
+                inv_l[:, qh],
+                log_l[:, qh],
+                D[:, qh],
+                causal,
+                mask,
+                scale,
+                layout,
+                ring,
+                on_kernel,
+                dq[:, qh],
+                split,
+                part,
+            )
             _scatter(dk[:, kh], where, gk)
             _scatter(dv[:, kh], where, gv)
         return dq.to(q.dtype), dk, dv, None, None, None, None, None, None
@@ -227,28 +300,45 @@ def check_inputs(q, k, v, *, dropout_p: float, layout: str) -> None:
     check_layout(layout)
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
-            raise ShapeError(f"{name} must be a (batch, heads, seq_shard, head_dim) tensor, got "
-                             f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
+            raise ShapeError(
+                f"{name} must be a (batch, heads, seq_shard, head_dim) tensor, got "
+                f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}"
+            )
         if not t.is_floating_point():
             raise DTypeError(f"{name} has dtype {t.dtype}; ring attention needs floating tensors")
     if q.dtype != k.dtype or k.dtype != v.dtype:
         raise DTypeError(f"q, k, v have dtypes {q.dtype}, {k.dtype}, {v.dtype}; give one dtype")
     if q.shape[0] != k.shape[0] or k.shape[:3] != v.shape[:3] or q.shape[-1] != k.shape[-1]:
-        raise ShapeError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not fit: batch, kv heads, "
-                         "shard length and head_dim must agree (q's heads a multiple of k's)")
+        raise ShapeError(
+            f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not fit: batch, kv heads, "
+            "shard length and head_dim must agree (q's heads a multiple of k's)"
+        )
     if q.shape[1] % k.shape[1]:
         raise ShapeError(f"{q.shape[1]} query heads cannot share {k.shape[1]} kv heads (not a multiple)")
     if q.shape[2] != k.shape[2]:
-        raise ShapeError(f"q's shard has {q.shape[2]} positions and k's {k.shape[2]}: ring attention is self-attention "
-                         "over one sharded sequence, so every shard of q, k and v has the same length")
+        raise ShapeError(
+            f"q's shard has {q.shape[2]} positions and k's {k.shape[2]}: ring attention is self-attention "
+            "over one sharded sequence, so every shard of q, k and v has the same length"
+        )
     if dropout_p:
-        raise ConfigError(f"dropout_p={dropout_p}: ring attention does not implement dropout (the keep-masks would have "
-                          "to be drawn identically on every rank); use dropout_p=0, or headlab.attention on one process")
+        raise ConfigError(
+            f"dropout_p={dropout_p}: ring attention does not implement dropout (the keep-masks would have "
+            "to be drawn identically on every rank); use dropout_p=0, or headlab.attention on one process"
+        )
 
 
-def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False, mask=None,
-                   scale: float | None = None, layout: Layout = "contiguous", group=None,
-                   dropout_p: float = 0.0) -> torch.Tensor:
+def ring_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = False,
+    mask=None,
+    scale: float | None = None,
+    layout: Layout = "contiguous",
+    group=None,
+    dropout_p: float = 0.0,
+) -> torch.Tensor:
     """Exact attention over a sequence sharded along dim 2; returns this rank's output shard.
 
     Args:
@@ -270,17 +360,32 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal:
     """
     check_inputs(q, k, v, dropout_p=dropout_p, layout=layout)
     if mask is not None and (isinstance(mask, torch.Tensor) or not callable(mask)):
-        raise ConfigError("ring attention takes masks as functions of global positions (headlab.masks, or "
-                          "f(b, h, q_idx, kv_idx) -> bool); a tensor mask would have to be sharded in two dims")
+        raise ConfigError(
+            "ring attention takes masks as functions of global positions (headlab.masks, or "
+            "f(b, h, q_idx, kv_idx) -> bool); a tensor mask would have to be sharded in two dims"
+        )
     rank, world_size = comm.world(group)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     if world_size == 1:
         log.debug("ring_attention with world size 1: running the local kernel")
         return attention(q, k, v, mask=mask, causal=causal, scale=scale, backend="tiled")
-    comm.agree(rank, world_size, group, device=q.device, dtype=q.dtype, batch=q.shape[0], heads=q.shape[1], kv_heads=k.shape[1],
-               shard=q.shape[2], head_dim=q.shape[3], v_dim=v.shape[3], layout=layout, causal=int(causal),
-               masked=int(mask is not None),
-               threads=torch.get_num_threads() if q.device.type == "cpu" else 1)  # they decide the trips
+    comm.agree(
+        rank,
+        world_size,
+        group,
+        device=q.device,
+        dtype=q.dtype,
+        batch=q.shape[0],
+        heads=q.shape[1],
+        kv_heads=k.shape[1],
+        shard=q.shape[2],
+        head_dim=q.shape[3],
+        v_dim=v.shape[3],
+        layout=layout,
+        causal=int(causal),
+        masked=int(mask is not None),
+        threads=torch.get_num_threads() if q.device.type == "cpu" else 1,
+    )  # they decide the trips
     n = q.shape[2] * world_size
     chunks(n, rank=rank, world_size=world_size, layout=layout)  # the shard splits evenly
     ring = comm.Ring(rank, world_size, group)

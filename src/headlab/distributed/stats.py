@@ -39,8 +39,11 @@ def _first_pass(q, k, pair, qpos, kpos, scale, st) -> None:
         e = torch.exp(S - m_safe.unsqueeze(-1))  # 0 where hidden
         gi = qpos[r0:r1].double().view(1, 1, -1, 1)
         gj = kpos[c0:c1].double().view(1, 1, 1, -1)
-        for name, add in (("l", e.sum(-1)), ("a", torch.where(e > 0, e * S, torch.zeros_like(e)).sum(-1)),
-                          ("c", (e * (gi - gj).abs()).sum(-1))):
+        for name, add in (
+            ("l", e.sum(-1)),
+            ("a", torch.where(e > 0, e * S, torch.zeros_like(e)).sum(-1)),
+            ("c", (e * (gi - gj).abs()).sum(-1)),
+        ):
             st[name][:, :, r0:r1] = st[name][:, :, r0:r1] * alpha + add
         st["m"][:, :, r0:r1] = m_new
         better = tmax > st["best"][:, :, r0:r1]
@@ -48,9 +51,17 @@ def _first_pass(q, k, pair, qpos, kpos, scale, st) -> None:
         st["arg"][:, :, r0:r1] = torch.where(better, kpos[c0:c1][targ], st["arg"][:, :, r0:r1])
 
 
-def ring_attention_stats(q: torch.Tensor, k: torch.Tensor, *, causal: bool = False, mask=None,
-                         scale: float | None = None, layout: Layout = "contiguous", group=None,
-                         stats=RING_STATS) -> AttentionStats:
+def ring_attention_stats(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    *,
+    causal: bool = False,
+    mask=None,
+    scale: float | None = None,
+    layout: Layout = "contiguous",
+    group=None,
+    stats=RING_STATS,
+) -> AttentionStats:
     """Statistics of ring attention for this rank's shard (same fields as :func:`headlab.attention_stats`).
 
     ``lse``, ``entropy``, ``max_weight``, ``argmax`` (a *global* key position), ``mean_distance``
@@ -68,8 +79,21 @@ def ring_attention_stats(q: torch.Tensor, k: torch.Tensor, *, causal: bool = Fal
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     if world_size == 1:
         return attention_stats(q, k, mask=mask, causal=causal, scale=scale, stats=sorted(want))
-    comm.agree(rank, world_size, group, device=q.device, dtype=q.dtype, batch=q.shape[0], heads=q.shape[1], kv_heads=k.shape[1],
-               shard=q.shape[2], head_dim=q.shape[3], layout=layout, causal=int(causal), masked=int(mask is not None))
+    comm.agree(
+        rank,
+        world_size,
+        group,
+        device=q.device,
+        dtype=q.dtype,
+        batch=q.shape[0],
+        heads=q.shape[1],
+        kv_heads=k.shape[1],
+        shard=q.shape[2],
+        head_dim=q.shape[3],
+        layout=layout,
+        causal=int(causal),
+        masked=int(mask is not None),
+    )
     n = q.shape[2] * world_size
     ring = comm.Ring(rank, world_size, group)
     B, H, nq, _ = q.shape

@@ -10,8 +10,17 @@ Names load lazily so that ``import headlab.models`` does not import transformers
 
 from importlib import import_module as _import_module
 
-__all__ = ["KNOWN_MODELS", "LoadedModel", "ModelAdapter", "Transformer", "TransformerConfig",
-           "TruncationWarning", "adapt", "cache_dir", "load"]
+__all__ = [
+    "KNOWN_MODELS",
+    "LoadedModel",
+    "ModelAdapter",
+    "Transformer",
+    "TransformerConfig",
+    "TruncationWarning",
+    "adapt",
+    "cache_dir",
+    "load",
+]
 
 _LAZY = {
     "load": "headlab.models.loader",

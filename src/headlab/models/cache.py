@@ -41,6 +41,8 @@ def writable_cache_dir(*parts: str) -> Path:
             pass
     except OSError as e:
         where = "HEADLAB_CACHE" if os.environ.get("HEADLAB_CACHE") else "the cache folder"
-        raise ConfigError(f"{where} {path.parent} is not writable ({e.strerror or e}); set HEADLAB_CACHE to a "
-                          "folder you can write, e.g. HEADLAB_CACHE=/tmp/headlab-cache") from None
+        raise ConfigError(
+            f"{where} {path.parent} is not writable ({e.strerror or e}); set HEADLAB_CACHE to a "
+            "folder you can write, e.g. HEADLAB_CACHE=/tmp/headlab-cache"
+        ) from None
     return path

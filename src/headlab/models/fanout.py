@@ -46,8 +46,11 @@ def blocks(adapter) -> list[nn.Module] | None:
     found = None
     attn = adapter.attn_modules
     for module in adapter.model.modules():
-        if isinstance(module, nn.ModuleList) and len(module) == adapter.n_layers and all(
-                any(m is a for m in blk.modules()) for blk, a in zip(module, attn)):
+        if (
+            isinstance(module, nn.ModuleList)
+            and len(module) == adapter.n_layers
+            and all(any(m is a for m in blk.modules()) for blk, a in zip(module, attn))
+        ):
             found = list(module)
             break
     adapter._fanout_blocks = found
@@ -90,8 +93,9 @@ def fan_out(adapter, start: int, copies: int, *, share_attention: bool = True) -
     :func:`blocks` first) or ``start`` is not a layer."""
     found = blocks(adapter)
     if found is None:
-        raise ConfigError(f"fan_out: the blocks of {type(adapter.model).__name__} are not one layer list; "
-                          "repeat the inputs instead")
+        raise ConfigError(
+            f"fan_out: the blocks of {type(adapter.model).__name__} are not one layer list; repeat the inputs instead"
+        )
     if not 0 <= start < len(found):
         raise ConfigError(f"fan_out: start={start} is not a layer (0..{len(found) - 1})")
     if copies == 1:
@@ -121,7 +125,7 @@ def fan_out(adapter, start: int, copies: int, *, share_attention: bool = True) -
         return _repeat(args, state["batch"], copies)
 
     handles = [found[start].register_forward_pre_hook(first, with_kwargs=True)]
-    handles += [blk.register_forward_pre_hook(later, with_kwargs=True) for blk in found[start + 1:]]
+    handles += [blk.register_forward_pre_hook(later, with_kwargs=True) for blk in found[start + 1 :]]
     if share_attention:
         handles.append(adapter.attn_modules[start].register_forward_pre_hook(core_in, with_kwargs=True))
         handles.append(adapter.out_projs[start].register_forward_pre_hook(core_out, prepend=True))

@@ -60,8 +60,10 @@ class TrainingConfig:
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)!r}")
         if self.threads > MAX_THREADS:  # 10**12 overflowed inside torch.set_num_threads (a ValueError traceback)
-            raise ConfigError(f"threads must be at most {MAX_THREADS:,} (torch threads; this machine has "
-                              f"{os.cpu_count()} cores, and 1 is fastest on a shared 2-core machine), got {self.threads:,}")
+            raise ConfigError(
+                f"threads must be at most {MAX_THREADS:,} (torch threads; this machine has "
+                f"{os.cpu_count()} cores, and 1 is fastest on a shared 2-core machine), got {self.threads:,}"
+            )
         if not 0 <= self.warmup < 1:
             raise ConfigError(f"warmup is a share of the steps in [0, 1), got {self.warmup!r}")
         if self.subset < 0 or (self.limit is not None and self.limit < 1):
@@ -95,9 +97,18 @@ class TrainingResult:
         """A result from :meth:`to_json`, or an earlier ``headlab-training.json`` (no header; extra keys such as
         the versions and the date are left out)."""
         try:
-            return cls(Path(d["out"]), float(d["validation_accuracy"]), int(d["validation_sentences"]),
-                       int(d["train_sentences"]), int(d["steps"]), float(d["train_seconds"]), float(d["total_seconds"]),
-                       TrainingConfig(**d["config"]), list(d.get("history", [])), d.get("model", BASE))
+            return cls(
+                Path(d["out"]),
+                float(d["validation_accuracy"]),
+                int(d["validation_sentences"]),
+                int(d["train_sentences"]),
+                int(d["steps"]),
+                float(d["train_seconds"]),
+                float(d["total_seconds"]),
+                TrainingConfig(**d["config"]),
+                list(d.get("history", [])),
+                d.get("model", BASE),
+            )
         except (KeyError, TypeError, ValueError) as e:
             raise InputError(f"not a training record (headlab-training.json): {type(e).__name__} {e}") from None
 
@@ -105,8 +116,11 @@ class TrainingResult:
     def load(cls, path: str | os.PathLike) -> TrainingResult:
         """The record of a trained classifier: its ``headlab-training.json``, or the folder holding it."""
         p = Path(path).expanduser()
-        return cls.from_json(read_json(p / "headlab-training.json" if p.is_dir() else p,
-                                       what="a trained classifier's headlab-training.json"))
+        return cls.from_json(
+            read_json(
+                p / "headlab-training.json" if p.is_dir() else p, what="a trained classifier's headlab-training.json"
+            )
+        )
 
 
 def default_folder() -> Path:
@@ -123,8 +137,8 @@ def _bucketed(lengths: list[int], batch_size: int, rng: random.Random, chunk: in
     span = batch_size * chunk
     out = []
     for s in range(0, len(order), span):
-        part = sorted(order[s:s + span], key=lambda i: lengths[i])
-        out += [part[j:j + batch_size] for j in range(0, len(part), batch_size)]
+        part = sorted(order[s : s + span], key=lambda i: lengths[i])
+        out += [part[j : j + batch_size] for j in range(0, len(part), batch_size)]
     rng.shuffle(out)
     return out
 
@@ -136,8 +150,8 @@ def _pad(ids: list[list[int]], pad_id: int):
     x = torch.full((len(ids), n), pad_id, dtype=torch.long)  # (B, n)
     m = torch.zeros((len(ids), n), dtype=torch.long)  # (B, n)
     for r, seq in enumerate(ids):
-        x[r, :len(seq)] = torch.tensor(seq)
-        m[r, :len(seq)] = 1
+        x[r, : len(seq)] = torch.tensor(seq)
+        m[r, : len(seq)] = 1
     return x, m
 
 
@@ -151,7 +165,7 @@ def accuracy(model, ids: list[list[int]], labels: list[int], pad_id: int, batch_
     correct = 0
     with torch.no_grad():
         for s in range(0, len(order), batch_size):
-            idx = order[s:s + batch_size]
+            idx = order[s : s + batch_size]
             x, m = _pad([ids[i] for i in idx], pad_id)
             pred = model(input_ids=x, attention_mask=m).logits.argmax(-1)
             correct += int((pred == torch.tensor([labels[i] for i in idx])).sum())
@@ -159,9 +173,15 @@ def accuracy(model, ids: list[list[int]], labels: list[int], pad_id: int, batch_
     return correct / max(len(ids), 1)
 
 
-def train_classifier(train: str | os.PathLike, validation: str | os.PathLike, *, out: str | os.PathLike | None = None,
-                     config: TrainingConfig = TrainingConfig(), force: bool = False,  # noqa: B008  (only read, never mutated)
-                     progress: Callable[[int, int, float], None] | None = None) -> TrainingResult:
+def train_classifier(
+    train: str | os.PathLike,
+    validation: str | os.PathLike,
+    *,
+    out: str | os.PathLike | None = None,
+    config: TrainingConfig = TrainingConfig(),  # noqa: B008  (only read, never mutated)
+    force: bool = False,
+    progress: Callable[[int, int, float], None] | None = None,
+) -> TrainingResult:
     """Fine-tune all-MiniLM-L6-v2 on ``train`` (a TSV with ``sentence`` and integer ``label``
     columns), evaluate on ``validation``, save to ``out`` (default :func:`default_folder`).
 
@@ -172,14 +192,17 @@ def train_classifier(train: str | os.PathLike, validation: str | os.PathLike, *,
     config.check()
     out = Path(out).expanduser() if out is not None else default_folder()
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
-        raise InputError(f"{out} exists and is not empty (a trained classifier?); choose another --out, or pass "
-                         "--force to train again and replace it")
+        raise InputError(
+            f"{out} exists and is not empty (a trained classifier?); choose another --out, or pass "
+            "--force to train again and replace it"
+        )
     tr = read_dataset(train, config.limit)
     va = read_dataset(validation)
     if any(r.label not in LABELS for r in tr + va):
         bad = next(r for r in tr + va if r.label not in LABELS)
-        raise InputError(f"line {bad.line}: label {bad.label} is not 0 or 1; the classifier has two classes "
-                         "(0 negative, 1 positive)")
+        raise InputError(
+            f"line {bad.line}: label {bad.label} is not 0 or 1; the classifier has two classes (0 negative, 1 positive)"
+        )
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -199,15 +222,17 @@ def train_classifier(train: str | os.PathLike, validation: str | os.PathLike, *,
     try:
         src = minilm_dir()
         tok = AutoTokenizer.from_pretrained(src, local_files_only=True)
-        cfg = BertConfig.from_pretrained(src, num_labels=2, id2label=dict(LABELS),
-                                         label2id={v: k for k, v in LABELS.items()})
+        cfg = BertConfig.from_pretrained(
+            src, num_labels=2, id2label=dict(LABELS), label2id={v: k for k, v in LABELS.items()}
+        )
         cfg.architectures = ["BertForSequenceClassification"]
         level, bars = transformers.logging.get_verbosity(), transformers.logging.is_progress_bar_enabled()
         transformers.logging.set_verbosity_error()  # "classifier weights newly initialised" is the point
         transformers.logging.disable_progress_bar()
         try:
-            model = BertForSequenceClassification.from_pretrained(src, config=cfg, local_files_only=True,
-                                                                  attn_implementation="sdpa")
+            model = BertForSequenceClassification.from_pretrained(
+                src, config=cfg, local_files_only=True, attn_implementation="sdpa"
+            )
         finally:
             transformers.logging.set_verbosity(level)
             if bars:
@@ -218,6 +243,7 @@ def train_classifier(train: str | os.PathLike, validation: str | os.PathLike, *,
         if config.subset and 0 < config.subset < len(tr):
             pick = sorted(random.Random(config.seed).sample(range(len(tr)), config.subset))
             tr = [tr[i] for i in pick]
+
         def enc(rows):
             return tok([r.text for r in rows], truncation=True, max_length=MAX_TOKENS)["input_ids"]
 
@@ -230,11 +256,19 @@ def train_classifier(train: str | os.PathLike, validation: str | os.PathLike, *,
         warm = max(1, int(config.warmup * steps))
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         no_decay = ("bias", "LayerNorm")
-        opt = torch.optim.AdamW([
-            {"params": [p for n, p in named if not any(k in n for k in no_decay)], "weight_decay": config.weight_decay},
-            {"params": [p for n, p in named if any(k in n for k in no_decay)], "weight_decay": 0.0}], lr=config.lr)
+        opt = torch.optim.AdamW(
+            [
+                {
+                    "params": [p for n, p in named if not any(k in n for k in no_decay)],
+                    "weight_decay": config.weight_decay,
+                },
+                {"params": [p for n, p in named if any(k in n for k in no_decay)], "weight_decay": 0.0},
+            ],
+            lr=config.lr,
+        )
         sched = torch.optim.lr_scheduler.LambdaLR(
-            opt, lambda s: (s + 1) / warm if s < warm else max(0.0, (steps - s) / max(1, steps - warm)))
+            opt, lambda s: (s + 1) / warm if s < warm else max(0.0, (steps - s) / max(1, steps - warm))
+        )
         t0 = time.perf_counter()
         step, running, history = 0, None, []
         for batches in plan:
@@ -254,7 +288,9 @@ def train_classifier(train: str | os.PathLike, validation: str | os.PathLike, *,
                     progress(step, steps, running)
                 if config.eval_every and step % config.eval_every == 0:
                     acc = accuracy(model, va_ids, va_y, tok.pad_token_id)
-                    history.append({"step": step, "validation_accuracy": acc, "seconds": round(time.perf_counter() - t0, 1)})
+                    history.append(
+                        {"step": step, "validation_accuracy": acc, "seconds": round(time.perf_counter() - t0, 1)}
+                    )
         train_s = time.perf_counter() - t0
         acc = accuracy(model, va_ids, va_y, tok.pad_token_id)
         total_s = time.perf_counter() - t0
@@ -268,11 +304,19 @@ def train_classifier(train: str | os.PathLike, validation: str | os.PathLike, *,
             if bars:
                 transformers.logging.enable_progress_bar()
         tok.save_pretrained(tmp)
-        result = TrainingResult(out, acc, len(va_ids), len(tr_ids), steps, round(train_s, 1), round(total_s, 1),
-                                config, history)
-        record = {**result.to_json(), "train": str(train), "validation": str(validation), "base": str(src),
-                  "torch": torch.__version__, "transformers": transformers.__version__,
-                  "load_avg_1min": os.getloadavg()[0], "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+        result = TrainingResult(
+            out, acc, len(va_ids), len(tr_ids), steps, round(train_s, 1), round(total_s, 1), config, history
+        )
+        record = {
+            **result.to_json(),
+            "train": str(train),
+            "validation": str(validation),
+            "base": str(src),
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "load_avg_1min": os.getloadavg()[0],
+            "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        }
         (tmp / "headlab-training.json").write_text(json.dumps(record, indent=2) + "\n")
         if out.exists():
             old = out.parent / f".{out.name}.old-{os.getpid()}"

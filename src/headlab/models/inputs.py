@@ -99,15 +99,18 @@ def complete_inputs(model: nn.Module, inputs: dict) -> dict:
     kind = input_kind(model)
     if kind != "input_ids" and kind not in inputs:
         given = ", ".join(sorted(inputs)) or "nothing"
-        raise InputError(f"{type(model).__name__} takes {kind!r} (an {'image' if kind == 'pixel_values' else 'audio'} "
-                         f"batch), got {given}; pass a dict {{'{kind}': tensor}} per example "
-                         "(headlab.models.inputs.example_inputs(model) shows the shape)")
+        raise InputError(
+            f"{type(model).__name__} takes {kind!r} (an {'image' if kind == 'pixel_values' else 'audio'} "
+            f"batch), got {given}; pass a dict {{'{kind}': tensor}} per example "
+            "(headlab.models.inputs.example_inputs(model) shows the shape)"
+        )
     if not is_encoder_decoder(model) or "decoder_input_ids" in inputs or "decoder_inputs_embeds" in inputs:
         return inputs
     ids = inputs.get("input_ids")
     if ids is None:
-        raise InputError(f"{type(model).__name__} is an encoder-decoder: give 'decoder_input_ids' beside "
-                         f"{', '.join(sorted(inputs))}")
+        raise InputError(
+            f"{type(model).__name__} is an encoder-decoder: give 'decoder_input_ids' beside {', '.join(sorted(inputs))}"
+        )
     cfg = model.config
     start = getattr(cfg, "decoder_start_token_id", None)
     if start is None:

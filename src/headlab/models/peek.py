@@ -77,6 +77,7 @@ def _gguf_context_length(path: Path) -> int | None:
 
     sizes = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
     with open(path, "rb") as f:
+
         def u(fmt):
             n = struct.calcsize(fmt)
             return struct.unpack(fmt, f.read(n))[0]

@@ -137,8 +137,11 @@ class Fused:
 
     def cut(self, attn, q_heads, kv_heads, H, Hkv, d) -> None:
         if self.order == "blocks":
-            idx = [*self._rows("q", q_heads, H, Hkv, d), *self._rows("k", kv_heads, H, Hkv, d),
-                   *self._rows("v", kv_heads, H, Hkv, d)]
+            idx = [
+                *self._rows("q", q_heads, H, Hkv, d),
+                *self._rows("k", kv_heads, H, Hkv, d),
+                *self._rows("v", kv_heads, H, Hkv, d),
+            ]
         elif self.order == "per_head":  # no grouped-query attention in this layout: q_heads == kv_heads
             idx = [h * 3 * d + j for h in q_heads for j in range(3 * d)]
         else:  # grouped: every kept group, its kept query heads, then its k and v

@@ -59,7 +59,9 @@ class PrunedModel(LoadedModel):
     def stock_hf(self) -> bool:
         """Whether :meth:`save` also writes a stock Hugging Face folder (every layer alike, and a family
         whose config can say the counts: ``stock_config``)."""
-        return bool(getattr(self.adapter, "stock_config", False)) and len({(len(p.q), len(p.kv)) for p in self.plans}) == 1
+        return (
+            bool(getattr(self.adapter, "stock_config", False)) and len({(len(p.q), len(p.kv)) for p in self.plans}) == 1
+        )
 
     def save(self, path: str | os.PathLike, *, force: bool = False) -> Path:
         """Write the folder (see the module docstring); refuses a non-empty folder unless ``force``."""
@@ -73,11 +75,18 @@ class PrunedModel(LoadedModel):
         cfg = self.model.config.to_dict()
         if base == "hf":
             cfg.pop("_attn_implementation_autoset", None)
-        manifest = {"format": 1, "family": self.family, "base": base, "source": self.name,
-                    "original_heads": list(self.original_heads), "config": cfg,
-                    "class": type(self.model).__name__, "stock_hf": self.stock_hf,
-                    "plans": [{"q": list(p.q), "kv": list(p.kv), "zeroed": list(p.zeroed)} for p in self.plans],
-                    "notes": self.notes}
+        manifest = {
+            "format": 1,
+            "family": self.family,
+            "base": base,
+            "source": self.name,
+            "original_heads": list(self.original_heads),
+            "config": cfg,
+            "class": type(self.model).__name__,
+            "stock_hf": self.stock_hf,
+            "plans": [{"q": list(p.q), "kv": list(p.kv), "zeroed": list(p.zeroed)} for p in self.plans],
+            "notes": self.notes,
+        }
         if self.stock_hf:
             import transformers
 
@@ -124,8 +133,17 @@ def prune_heads(loaded, heads: dict, *, allow_empty_layers: bool = False, gqa: s
     max_pos = ld.max_positions if ld is not None else _max_positions(r.model)
     tok = ld.tokenizer if ld is not None else None
     notes = [*(ld.notes if isinstance(ld, PrunedModel) else []), *r.notes]
-    return PrunedModel(r.model, tok, r.adapter, f"{name} (pruned)", adapter.family, max_pos, plans=r.plans,
-                       notes=notes, original_heads=_original_heads(adapter, ld))
+    return PrunedModel(
+        r.model,
+        tok,
+        r.adapter,
+        f"{name} (pruned)",
+        adapter.family,
+        max_pos,
+        plans=r.plans,
+        notes=notes,
+        original_heads=_original_heads(adapter, ld),
+    )
 
 
 def _max_positions(model: Any) -> int:  # a transformers model or headlab's Transformer
@@ -137,8 +155,9 @@ def _max_positions(model: Any) -> int:  # a transformers model or headlab's Tran
     return max_positions(cfg)
 
 
-def load_pruned(path: str | os.PathLike, *, device: str | torch.device = "cpu",
-                dtype: torch.dtype = torch.float32) -> PrunedModel:
+def load_pruned(
+    path: str | os.PathLike, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
+) -> PrunedModel:
     """Read a folder written by :meth:`PrunedModel.save` (``headlab.load`` calls this)."""
     from safetensors.torch import load_model
 
@@ -176,13 +195,24 @@ def load_pruned(path: str | os.PathLike, *, device: str | torch.device = "cpu",
     tied = {n for n, _ in model.named_parameters()}  # what remains missing after tying is real
     real_missing = [m for m in missing if m in tied and not _is_tied(model, m)]
     if real_missing or unexpected:
-        raise ModelError(f"{weights} does not match its manifest: missing {real_missing[:5]}, unexpected {unexpected[:5]}")
+        raise ModelError(
+            f"{weights} does not match its manifest: missing {real_missing[:5]}, unexpected {unexpected[:5]}"
+        )
     for layer, p in enumerate(plans):
         adapter.gates[layer, [i for i, h in enumerate(p.q) if h in p.zeroed]] = 0.0
     model = model.to(device)
     tokenizer = _tokenizer(path)
-    return PrunedModel(model, tokenizer, adapter, str(path), man["family"], max_pos, plans=plans,
-                       notes=list(man.get("notes", [])), original_heads=(H, Hkv))
+    return PrunedModel(
+        model,
+        tokenizer,
+        adapter,
+        str(path),
+        man["family"],
+        max_pos,
+        plans=plans,
+        notes=list(man.get("notes", [])),
+        original_heads=(H, Hkv),
+    )
 
 
 def _is_tied(model: nn.Module, name: str) -> bool:

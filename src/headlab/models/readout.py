@@ -96,18 +96,26 @@ def readout_of(adapter) -> Readout:
     if head is None and adapter.own_model:
         head = model.tok_emb  # headlab's Transformer ties its unembedding: logits = h @ tok_emb.weight^T
     if head is None or getattr(head, "weight", None) is None:
-        raise UnsupportedArchitectureError(f"{type(model).__name__} has no output embedding (a language-model head): "
-                                           "the logit lens and direct logit attribution need one")
+        raise UnsupportedArchitectureError(
+            f"{type(model).__name__} has no output embedding (a language-model head): "
+            "the logit lens and direct logit attribution need one"
+        )
     W_U = head.weight.detach()
     b_U = getattr(head, "bias", None)
     b_U = None if b_U is None or not isinstance(head, nn.Linear) else b_U.detach()
     inside = {id(m) for i in range(adapter.n_layers) for m in adapter.block(i).modules()}
     seen: list[tuple[nn.Module, torch.Tensor | None, torch.Tensor]] = []
-    hooks = [m.register_forward_hook(lambda mod, a, o: seen.append((mod, _first(a) if a else None, _first(o))))
-             for m in model.modules() if not list(m.children()) and id(m) not in inside and m is not head]
+    hooks = [
+        m.register_forward_hook(lambda mod, a, o: seen.append((mod, _first(a) if a else None, _first(o))))
+        for m in model.modules()
+        if not list(m.children()) and id(m) not in inside and m is not head
+    ]
     recorded: dict[str, torch.Tensor] = {}
-    hooks.append(adapter.block(adapter.n_layers - 1).register_forward_hook(
-        lambda mod, a, o: recorded.__setitem__("x", _first(o))))
+    hooks.append(
+        adapter.block(adapter.n_layers - 1).register_forward_hook(
+            lambda mod, a, o: recorded.__setitem__("x", _first(o))
+        )
+    )
     ids = torch.tensor([[1, 2, 3]], device=W_U.device)
     try:
         with torch.no_grad():
@@ -131,7 +139,8 @@ def readout_of(adapter) -> Readout:
         raise UnsupportedArchitectureError(
             f"{type(model).__name__}'s logits are not norm(x) @ W_U^T + b_U of its last block's output x with a "
             "norm g * P(x) / s(x) + b (it scales or caps its logits, or its final norm has another form): "
-            "the logit lens and direct logit attribution would misread it")
+            "the logit lens and direct logit attribution would misread it"
+        )
     adapter._headlab_readout = r
     return r
 

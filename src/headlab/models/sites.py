@@ -62,8 +62,9 @@ def default_prefixes(n_layers: int) -> list[str]:
     return [f"blocks.{i}.attn" for i in range(n_layers)]
 
 
-def match_sites(patterns: Iterable[str], n_layers: int, kinds: tuple[str, ...] = SITE_KINDS,
-                prefixes: list[str] | None = None) -> dict[int, dict[str, list[str]]]:
+def match_sites(
+    patterns: Iterable[str], n_layers: int, kinds: tuple[str, ...] = SITE_KINDS, prefixes: list[str] | None = None
+) -> dict[int, dict[str, list[str]]]:
     """``{layer: {kind: [pattern, ...]}}`` for site names or globs; a pattern matching nothing is a SiteError.
 
     ``prefixes[i]`` names layer i (default ``blocks.{i}.attn``; an encoder-decoder's adapter passes its own).
@@ -81,9 +82,11 @@ def match_sites(patterns: Iterable[str], n_layers: int, kinds: tuple[str, ...] =
         hits = fnmatch.filter(names, pat)
         if not hits:
             stacks = sorted({p.split(".")[0] + ".{l}." + p.split(".")[2] for p in prefixes})
-            raise SiteError(f"site {pat!r} matches nothing; sites look like '{prefixes[0]}.{kinds[0]}' "
-                            f"({', '.join(s + '.{kind}' for s in stacks)}; {len(prefixes)} attention layers, kinds "
-                            f"{', '.join(kinds)}); globs allowed")
+            raise SiteError(
+                f"site {pat!r} matches nothing; sites look like '{prefixes[0]}.{kinds[0]}' "
+                f"({', '.join(s + '.{kind}' for s in stacks)}; {len(prefixes)} attention layers, kinds "
+                f"{', '.join(kinds)}); globs allowed"
+            )
         for h in hits:
             layer, kind = where[h]
             chosen.setdefault(layer, {}).setdefault(kind, []).append(pat)
@@ -130,11 +133,14 @@ def apply_edits(state: LayerState, kind: str, t: torch.Tensor) -> torch.Tensor:
     for fn in state.edits.get(kind, ()):
         new = fn(t, site)
         if not isinstance(new, torch.Tensor):
-            raise ShapeError(f"the edit of {site} returned {type(new).__name__}; it must return a tensor of shape "
-                             f"{tuple(t.shape)}")
+            raise ShapeError(
+                f"the edit of {site} returned {type(new).__name__}; it must return a tensor of shape {tuple(t.shape)}"
+            )
         if new.shape != t.shape:
-            raise ShapeError(f"the edit of {site} returned shape {tuple(new.shape)}; the site has shape "
-                             f"{tuple(t.shape)}: return a tensor of the same shape")
+            raise ShapeError(
+                f"the edit of {site} returned shape {tuple(new.shape)}; the site has shape "
+                f"{tuple(t.shape)}: return a tensor of the same shape"
+            )
         t = new.to(t.dtype)
     return t
 
@@ -204,23 +210,49 @@ def run_attention(
         if probe is not None and probe.wants(state.layer, "stats"):
             # the statistics' own pass gives the exact output too: no second attention call, unless
             # the layer needs weights, dropout, gradients, or a backend that is not exact attention
-            reuse = (not need_weights and dropout_p == 0 and not probe.grads and not torch.is_grad_enabled()
-                     and _stats_may_serve(backend, q, k, v, mask, causal, extra))
-            st = probe.record_stats(state.layer, q, k, v if reuse else None, mask=mask, causal=causal, scale=scale,
-                                    **extra)
+            reuse = (
+                not need_weights
+                and dropout_p == 0
+                and not probe.grads
+                and not torch.is_grad_enabled()
+                and _stats_may_serve(backend, q, k, v, mask, causal, extra)
+            )
+            st = probe.record_stats(
+                state.layer, q, k, v if reuse else None, mask=mask, causal=causal, scale=scale, **extra
+            )
             if reuse:
                 return st.output.to(v.dtype), None
     if need_weights:
-        out, weights = attention_with_weights(q, k, v, mask=mask, causal=causal, scale=scale, dropout_p=dropout_p,
-                                              backend="reference", need_weights=True, **extra)
+        out, weights = attention_with_weights(
+            q,
+            k,
+            v,
+            mask=mask,
+            causal=causal,
+            scale=scale,
+            dropout_p=dropout_p,
+            backend="reference",
+            need_weights=True,
+            **extra,
+        )
         if state is not None:
             assert weights is not None  # need_weights
             weights = visit(state, "pattern", weights)  # (B, H, Lq, Lk)
             if edit_pattern:
                 out = _pattern_times_v(weights, v)  # (B, H, Lq, d), from the edited map
         return out, weights
-    out, _ = attention_with_weights(q, k, v, mask=mask, causal=causal, scale=scale, dropout_p=dropout_p,
-                                    backend=backend, need_weights=False, **extra)
+    out, _ = attention_with_weights(
+        q,
+        k,
+        v,
+        mask=mask,
+        causal=causal,
+        scale=scale,
+        dropout_p=dropout_p,
+        backend=backend,
+        need_weights=False,
+        **extra,
+    )
     return out, None
 
 

@@ -61,18 +61,21 @@ def stream_hooks(adapter, probe) -> Iterator[None]:
                     record(layer, "input", x)
                 if probe.wants(layer, "resid_pre") and adapter.attention_norm(layer).pre is None:
                     record(layer, "resid_pre", x)
+
         return hook
 
     def input_of(layer, kind):
         def hook(module, args, kwargs):
             if _current(adapter, layer):
                 record(layer, kind, args[0] if args else next(iter(kwargs.values())))
+
         return hook
 
     def output_of(layer, kind):
         def hook(module, args, output):
             if _current(adapter, layer):
                 record(layer, kind, output[0] if isinstance(output, tuple) else output)
+
         return hook
 
     try:
@@ -121,11 +124,13 @@ def stream_edit_hooks(adapter, chosen: dict[int, set[str]]) -> Iterator[None]:
             if args:
                 return (apply_edits(state, "resid_pre", args[0]), *args[1:]), kwargs
             return args, {**kwargs, "hidden_states": apply_edits(state, "resid_pre", kwargs["hidden_states"])}
+
         return hook
 
     def output(state, kind):
         def hook(module, args, out):
             return _with_first(out, apply_edits(state, kind, _first(out)))
+
         return hook
 
     try:

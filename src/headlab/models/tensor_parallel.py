@@ -73,41 +73,56 @@ def placement_of(model: nn.Module, adapter) -> Placement | None:
     fam = f"the {adapter.family!r} model"
     mesh = weights[0].device_mesh if is_dtensor(weights[0]) else None
     if mesh is None or mesh.ndim != 1:
-        raise UnsupportedArchitectureError(f"{fam} is sharded on a {getattr(mesh, 'ndim', '?')}-D device mesh; "
-                                           "headlab reads tensor parallelism on a 1-D mesh only")
+        raise UnsupportedArchitectureError(
+            f"{fam} is sharded on a {getattr(mesh, 'ndim', '?')}-D device mesh; "
+            "headlab reads tensor parallelism on a 1-D mesh only"
+        )
     rank, world = mesh.get_local_rank(), mesh.size()
     if len(set(adapter.layer_heads)) > 1 or H % world or Hkv % world:
-        raise UnsupportedArchitectureError(f"{fam} has {H} query and {Hkv} kv heads per layer over {world} ranks: "
-                                           "every layer's query and kv heads must split evenly across the ranks")
+        raise UnsupportedArchitectureError(
+            f"{fam} has {H} query and {Hkv} kv heads per layer over {world} ranks: "
+            "every layer's query and kv heads must split evenly across the ranks"
+        )
     for layer, (am, op, w) in enumerate(zip(adapter.attn_modules, adapter.out_projs, weights)):
         if not is_dtensor(w) or _placement_dim(w) != w.ndim - 1 or w.shape[-1] != H * d:
             how = getattr(w, "placements", "not sharded")
             raise UnsupportedArchitectureError(
                 f"{fam}: layer {layer}'s output projection is {how}, not cut by the heads' columns (transformers' "
-                "'rowwise' style): this family's tensor-parallel plan does not keep whole heads on each rank")
+                "'rowwise' style): this family's tensor-parallel plan does not keep whole heads on each rank"
+            )
         if _offset(w) != rank * H * d // world:
-            raise UnsupportedArchitectureError(f"{fam}: layer {layer}'s W^O shard on rank {rank} starts at column "
-                                               f"{_offset(w)}, not {rank * H * d // world}")
+            raise UnsupportedArchitectureError(
+                f"{fam}: layer {layer}'s W^O shard on rank {rank} starts at column "
+                f"{_offset(w)}, not {rank * H * d // world}"
+            )
         outs = {id(p) for p in op.parameters()}  # W^O may sit inside the attention module (o_proj)
-        cut = [(n, p) for n, p in am.named_parameters()
-               if id(p) not in outs and p.ndim == 2 and p.shape[0] in (H * d, Hkv * d)]
+        cut = [
+            (n, p)
+            for n, p in am.named_parameters()
+            if id(p) not in outs and p.ndim == 2 and p.shape[0] in (H * d, Hkv * d)
+        ]
         if not cut:
-            raise UnsupportedArchitectureError(f"{fam}: layer {layer}'s attention has no query/key/value weights "
-                                               "this adapter recognises as cut by heads")
+            raise UnsupportedArchitectureError(
+                f"{fam}: layer {layer}'s attention has no query/key/value weights "
+                "this adapter recognises as cut by heads"
+            )
         for n, p in cut:
             if not is_dtensor(p) or _placement_dim(p) != 0 or _offset(p) != rank * p.shape[0] // world:
                 raise UnsupportedArchitectureError(
                     f"{fam}: layer {layer}'s {n} is {getattr(p, 'placements', 'not sharded')}, not cut by rows "
-                    "into whole heads in rank order (transformers' 'colwise' style)")
+                    "into whole heads in rank order (transformers' 'colwise' style)"
+                )
     group = mesh.get_group()
     ranks = sorted(dist.get_process_group_ranks(group)) if dist.is_initialized() else list(range(world))
     if ranks != list(range(ranks[0], ranks[0] + world)) or ranks[0] % world:
         raise UnsupportedArchitectureError(
             f"the tensor-parallel group holds ranks {ranks}; headlab splits examples across groups of consecutive "
-            f"ranks (a (data, tensor) mesh, the tensor axis last), as headlab.load(..., tensor_parallel=N) makes")
+            f"ranks (a (data, tensor) mesh, the tensor axis last), as headlab.load(..., tensor_parallel=N) makes"
+        )
     total = dist.get_world_size() if dist.is_initialized() else world
-    return Placement(world=total, rank=ranks[0] + rank, tensor_size=world, n_heads=H, n_kv_heads=Hkv, sharded=True,
-                     group=group)
+    return Placement(
+        world=total, rank=ranks[0] + rank, tensor_size=world, n_heads=H, n_kv_heads=Hkv, sharded=True, group=group
+    )
 
 
 def world_size() -> int:
@@ -119,8 +134,10 @@ def world_size() -> int:
         return dist.get_world_size()
     if "WORLD_SIZE" in os.environ:
         return int(os.environ["WORLD_SIZE"])
-    raise DistributedError("tensor_parallel=True needs several processes: launch with torchrun "
-                           "(torchrun --nproc_per_node N script.py) or call torch.distributed.init_process_group first")
+    raise DistributedError(
+        "tensor_parallel=True needs several processes: launch with torchrun "
+        "(torchrun --nproc_per_node N script.py) or call torch.distributed.init_process_group first"
+    )
 
 
 # -- the two W^O hooks of a sharded layer (the unsharded ones are headlab.models.sites.gate_hook / head_out_hook) --
@@ -133,7 +150,7 @@ def gate_hook(module: nn.Module, args: tuple):
     lead = x.shape[:-1]
     z = visit(state, "z", x.reshape(*lead, H, d).movedim(-2, -3))  # (B, H_local, L, d)
     heads = state.adapter.placement.heads()
-    g = state.adapter.gates[state.layer, heads.start:heads.stop].to(device=z.device, dtype=z.dtype).view(H, 1, 1)
+    g = state.adapter.gates[state.layer, heads.start : heads.stop].to(device=z.device, dtype=z.dtype).view(H, 1, 1)
     zg = z * g
     state.z_gated = zg if state.wants("head_out") else None
     return (zg.movedim(-3, -2).reshape(*lead, H * d), *args[1:])
@@ -209,8 +226,10 @@ def global_edit(adapter, fn: Callable, kind: str) -> Callable:
         assert full is not None  # to="all": every rank gets it
         new = fn(full, site)
         if isinstance(new, torch.Tensor) and new.shape != full.shape:
-            raise ShapeError(f"the edit of {site} returned shape {tuple(new.shape)}; the site has shape "
-                             f"{tuple(full.shape)} (all heads, in global order): return a tensor of the same shape")
+            raise ShapeError(
+                f"the edit of {site} returned shape {tuple(new.shape)}; the site has shape "
+                f"{tuple(full.shape)} (all heads, in global order): return a tensor of the same shape"
+            )
         return tp.local(new, kind) if isinstance(new, torch.Tensor) else new
 
     return edit
@@ -228,5 +247,15 @@ def data_rank(adapter) -> int:
     return adapter.placement.data_rank
 
 
-__all__ = ["by_heads", "data_rank", "gate_hook", "global_edit", "head_out_hook", "hooks_for",
-           "local_W_O", "placement_of", "study_examples", "world_size"]
+__all__ = [
+    "by_heads",
+    "data_rank",
+    "gate_hook",
+    "global_edit",
+    "head_out_hook",
+    "hooks_for",
+    "local_W_O",
+    "placement_of",
+    "study_examples",
+    "world_size",
+]

@@ -68,13 +68,19 @@ def site_grads(adapter, inputs, sites: Mapping[str, str], scalar: Callable, *, b
             raise ConfigError(f"scalar(outputs) must return a one-element tensor, got {type(value).__name__}")
         missing = [n for n in sites if n not in kept]
         if missing:
-            raise ConfigError(f"the forward never reached the site(s) {', '.join(missing)}; give sites this model has "
-                              "(adapter.sites(kind))")
+            raise ConfigError(
+                f"the forward never reached the site(s) {', '.join(missing)}; give sites this model has "
+                "(adapter.sites(kind))"
+            )
         names = list(sites)
         got = torch.autograd.grad(value.reshape(()), [kept[n][0] for n in names], allow_unused=True)
-    return SiteGrads(values={n: kept[n][0].detach() for n in names},
-                     grads={n: torch.zeros_like(kept[n][0]) if g is None else g.detach() for n, g in zip(names, got)},
-                     heads={n: kept[n][1] for n in names}, scalar=float(value.detach()), outputs=outputs)
+    return SiteGrads(
+        values={n: kept[n][0].detach() for n in names},
+        grads={n: torch.zeros_like(kept[n][0]) if g is None else g.detach() for n, g in zip(names, got)},
+        heads={n: kept[n][1] for n in names},
+        scalar=float(value.detach()),
+        outputs=outputs,
+    )
 
 
 __all__ = ["SiteGrads", "site_grads"]

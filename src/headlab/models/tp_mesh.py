@@ -51,26 +51,32 @@ def check_before_load(config, world: int) -> None:
     if not plan:
         raise UnsupportedArchitectureError(
             f"model type {mt!r} has no tensor-parallel plan in transformers (its config's base_model_tp_plan is "
-            "empty), so it cannot be sharded by heads; load it without tensor_parallel")
+            "empty), so it cannot be sharded by heads; load it without tensor_parallel"
+        )
     from headlab.models.hf.registry import adapter_class  # the families headlab declares (the loader imported them)
+
     if adapter_class(mt) is None:  # read by structure: discovery probes a rank's H/world heads as the config's H
         raise UnsupportedArchitectureError(
             f"model type {mt!r} has a tensor-parallel plan, but no headlab family class declares it: headlab reads it "
             "by structure, and that discovery takes one rank's H/world heads for all H; load it without "
-            "tensor_parallel, or declare its family (headlab.models.hf)")
+            "tensor_parallel, or declare its family (headlab.models.hf)"
+        )
     H = getattr(text, "num_attention_heads", None)
     Hkv = getattr(text, "num_key_value_heads", None) or H
     if H is None:
         raise UnsupportedArchitectureError(f"cannot read the query heads of a {mt!r} config")
     if H % world:
-        raise ConfigError(f"tensor parallelism over {world} ranks: the model has {H} query heads, which {world} does "
-                          f"not divide; use a world size that divides {H}")
+        raise ConfigError(
+            f"tensor parallelism over {world} ranks: the model has {H} query heads, which {world} does "
+            f"not divide; use a world size that divides {H}"
+        )
     assert Hkv is not None  # or H, read above
     if Hkv % world:
         raise ConfigError(
             f"tensor parallelism over {world} ranks: the model has {Hkv} key/value heads, which {world} does not "
             "divide; transformers' plan cuts k_proj and v_proj into equal row blocks, so a kv head would be split "
-            f"across ranks (it does not replicate kv heads); use at most {Hkv} ranks, a divisor of {Hkv}")
+            f"across ranks (it does not replicate kv heads); use at most {Hkv} ranks, a divisor of {Hkv}"
+        )
 
 
 def load_sharded(cls, path, *, tp_size: int, dtype: torch.dtype):
@@ -110,9 +116,12 @@ def sharded_memo(model: nn.Module) -> dict:
         for p in m._parameters.values():
             if p is not None and is_dtensor(p) and id(p) not in memo:
                 local = p.to_local().detach().clone()
-                memo[id(p)] = nn.Parameter(DTensor.from_local(local, p.device_mesh, p.placements, run_check=False,
-                                                              shape=p.shape, stride=p.stride()),
-                                           requires_grad=p.requires_grad)
+                memo[id(p)] = nn.Parameter(
+                    DTensor.from_local(
+                        local, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
+                    ),
+                    requires_grad=p.requires_grad,
+                )
         for k, v in [*vars(m).items(), *vars(getattr(m, "config", None) or m).items()]:
             if distributed(v) or k in ("_headlab", "_headlab_adapter"):  # headlab's own: dropped from the copy
                 memo[id(v)] = v
@@ -138,8 +147,9 @@ def rewrap(wrapped: list) -> None:
 
     for m, name, mesh, placements, grad in wrapped:
         local = m._parameters[name].detach()
-        m._parameters[name] = nn.Parameter(DTensor.from_local(local, mesh, placements, run_check=False),
-                                           requires_grad=grad)
+        m._parameters[name] = nn.Parameter(
+            DTensor.from_local(local, mesh, placements, run_check=False), requires_grad=grad
+        )
         if name == "weight" and isinstance(m, nn.Linear):
             m.out_features, m.in_features = m.weight.shape
 

@@ -99,8 +99,14 @@ class Attention(MultiHeadAttention):
     ``gates[layer]`` and the adapter's W^O pre-hook applies it; before that, this module applies it.
     """
 
-    def forward(self, x: torch.Tensor, *, key_mask: torch.Tensor | None = None, causal: bool = False,  # type: ignore[override]  # self-attention on x only: the block's call, not MultiHeadAttention's (q, k, v)
-                need_weights: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(  # type: ignore[override]  # self-attention on x only: the block's call, not MultiHeadAttention's (q, k, v)
+        self,
+        x: torch.Tensor,
+        *,
+        key_mask: torch.Tensor | None = None,
+        causal: bool = False,
+        need_weights: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Self-attention on ``x (B, L, E)``; ``key_mask (B, L)`` bool, True = a real token."""
         B, L, _ = x.shape
         H, Hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
@@ -108,8 +114,17 @@ class Attention(MultiHeadAttention):
         k = self.k_proj(x).view(B, L, Hkv, d).transpose(1, 2)  # (B, Hkv, L, d)
         v = self.v_proj(x).view(B, L, Hkv, d).transpose(1, 2)  # (B, Hkv, L, d)
         mask = None if key_mask is None else key_mask.view(B, 1, 1, L)  # (B, 1, 1, L)
-        z, w = run_attention(self, q, k, v, mask, causal=causal, scale=None,
-                             dropout_p=self.dropout if self.training else 0.0, need_weights=need_weights)
+        z, w = run_attention(
+            self,
+            q,
+            k,
+            v,
+            mask,
+            causal=causal,
+            scale=None,
+            dropout_p=self.dropout if self.training else 0.0,
+            need_weights=need_weights,
+        )
         if state_of(self.out_proj) is None:  # not adapted: the module's own gate (the adapter's hook does it otherwise)
             z = z * self.head_gate.view(1, H, 1, 1).to(z.dtype)  # (B, H, L, d)
         return self.out_proj(z.transpose(1, 2).reshape(B, L, H * d)), w  # (B, L, E)
@@ -160,8 +175,9 @@ class Transformer(nn.Module):
         if isinstance(m, nn.Linear) and m.bias is not None:
             nn.init.zeros_(m.bias)
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                output_attentions: bool = False) -> TransformerOutput:
+    def forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, output_attentions: bool = False
+    ) -> TransformerOutput:
         """``input_ids (B, L)`` ints; ``attention_mask (B, L)`` 1/True = a real token, 0 = padding."""
         if input_ids.dim() != 2:
             raise ShapeError(f"input_ids must be (batch, seq), got shape {tuple(input_ids.shape)}")
@@ -190,8 +206,9 @@ class Transformer(nn.Module):
 
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
-        (path / CONFIG_FILE).write_text(json.dumps({"model_type": "headlab-transformer", **self.config.to_dict()},
-                                                   indent=2) + "\n")
+        (path / CONFIG_FILE).write_text(
+            json.dumps({"model_type": "headlab-transformer", **self.config.to_dict()}, indent=2) + "\n"
+        )
         state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
         save_file(state, str(path / WEIGHTS_FILE))
         return path
@@ -209,7 +226,9 @@ class Transformer(nn.Module):
         model = cls(TransformerConfig.from_dict(raw))
         missing, unexpected = model.load_state_dict(load_file(str(path / WEIGHTS_FILE)), strict=False)
         if missing or unexpected:
-            raise ModelError(f"{path / WEIGHTS_FILE} does not match its config: missing {missing}, unexpected {unexpected}")
+            raise ModelError(
+                f"{path / WEIGHTS_FILE} does not match its config: missing {missing}, unexpected {unexpected}"
+            )
         return model.to(device).eval()
 
 
@@ -223,9 +242,16 @@ class TransformerAdapter(ModelAdapter):
     def __init__(self, model: Transformer) -> None:
         cfg = model.config
         blocks = cast("list[Block]", list(model.blocks))
-        super().__init__(model, n_layers=cfg.n_layers, n_heads=cfg.n_heads, n_kv_heads=cfg.kv_heads,
-                         head_dim=cfg.head_dim, d_model=cfg.d_model, attn_modules=[b.attn for b in blocks],
-                         out_projs=[b.attn.out_proj for b in blocks])
+        super().__init__(
+            model,
+            n_layers=cfg.n_layers,
+            n_heads=cfg.n_heads,
+            n_kv_heads=cfg.kv_heads,
+            head_dim=cfg.head_dim,
+            d_model=cfg.d_model,
+            attn_modules=[b.attn for b in blocks],
+            out_projs=[b.attn.out_proj for b in blocks],
+        )
         self._gates = torch.stack([b.attn.head_gate.detach() for b in blocks]).float()
         self._share_gates()
 

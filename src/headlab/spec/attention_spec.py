@@ -184,9 +184,7 @@ def validate(
             f"q and k must have the same head_dim, got q {tuple(q.shape)} (head_dim {D}) and k {tuple(k.shape)} (head_dim {Dk})"
         )
     if Hv != Hkv or Lv != Lk:
-        raise ShapeError(
-            f"k and v must agree on kv_heads and kv_len, got k {tuple(k.shape)} and v {tuple(v.shape)}"
-        )
+        raise ShapeError(f"k and v must agree on kv_heads and kv_len, got k {tuple(k.shape)} and v {tuple(v.shape)}")
     if Hkv == 0 or H % Hkv != 0:
         raise ShapeError(
             f"query heads must be a multiple of kv heads (grouped-query attention), got heads={H} and kv_heads={Hkv}; "
@@ -203,16 +201,35 @@ def validate(
         raise DeviceError(f"mask is on {norm.device} but q is on {q.device}; move it with mask.to(q.device)")
     if isinstance(norm, MaskFn):
         norm.check_sizes(B, H)
-    kind: MaskKind = ("none" if norm is None else "function" if isinstance(norm, MaskFn)
-                      else "additive" if norm.is_floating_point() else "bool")
+    kind: MaskKind = (
+        "none"
+        if norm is None
+        else "function"
+        if isinstance(norm, MaskFn)
+        else "additive"
+        if norm.is_floating_point()
+        else "bool"
+    )
     spec = AttentionSpec(
-        batch=B, heads=H, kv_heads=Hkv, q_len=Lq, kv_len=Lk, head_dim=D, v_dim=Dv,
-        dtype=q.dtype, device=q.device, causal=bool(causal), mask_kind=kind,
-        mask_shape=tuple(norm.shape) if isinstance(norm, torch.Tensor) else (
-            function_mask_shape(norm, B, H, Lq, Lk) if isinstance(norm, MaskFn) else None),
+        batch=B,
+        heads=H,
+        kv_heads=Hkv,
+        q_len=Lq,
+        kv_len=Lk,
+        head_dim=D,
+        v_dim=Dv,
+        dtype=q.dtype,
+        device=q.device,
+        causal=bool(causal),
+        mask_kind=kind,
+        mask_shape=tuple(norm.shape)
+        if isinstance(norm, torch.Tensor)
+        else (function_mask_shape(norm, B, H, Lq, Lk) if isinstance(norm, MaskFn) else None),
         dropout_p=float(dropout_p),
         requires_grad=torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad),
-        need_weights=need_weights, need_lse=bool(need_lse), score_mod=score_mod is not None,
+        need_weights=need_weights,
+        need_lse=bool(need_lse),
+        score_mod=score_mod is not None,
     )
     return spec, norm
 

@@ -95,8 +95,13 @@ class BlockMap:
         hint = mask.block_hint(q_len, kv_len, block_q, block_k, device)
         if hint is not None:
             return BlockMap(q_len, kv_len, block_q, block_k, hint.to(torch.int8))
-        return BlockMap(q_len, kv_len, block_q, block_k,
-                        _classify_dense(mask, q_len, kv_len, block_q, block_k, batch, heads, device))
+        return BlockMap(
+            q_len,
+            kv_len,
+            block_q,
+            block_k,
+            _classify_dense(mask, q_len, kv_len, block_q, block_k, batch, heads, device),
+        )
 
 
 def _classify_dense(mask, q_len, kv_len, block_q, block_k, batch, heads, device, rows=None) -> torch.Tensor:
@@ -121,12 +126,23 @@ def _classify_dense(mask, q_len, kv_len, block_q, block_k, batch, heads, device,
         shape = (bm, hm, qb1 - qb0, block_q, n_kb, block_k)
         any_b = any_t.reshape(shape).any(dim=5).any(dim=3)
         all_b = all_t.reshape(shape).all(dim=5).all(dim=3)
-        out[:, :, qb0 - i0:qb1 - i0] = torch.where(all_b, FULL, torch.where(any_b, PARTIAL, EMPTY)).to(torch.int8)
+        out[:, :, qb0 - i0 : qb1 - i0] = torch.where(all_b, FULL, torch.where(any_b, PARTIAL, EMPTY)).to(torch.int8)
     return out
 
 
-def block_rows(mask, q_len: int, kv_len: int, block_q: int, block_k: int, i0: int, i1: int, *, batch: int = 1,
-               heads: int = 1, device: torch.device | str | None = None) -> torch.Tensor:
+def block_rows(
+    mask,
+    q_len: int,
+    kv_len: int,
+    block_q: int,
+    block_k: int,
+    i0: int,
+    i1: int,
+    *,
+    batch: int = 1,
+    heads: int = 1,
+    device: torch.device | str | None = None,
+) -> torch.Tensor:
     """The tile rows ``[i0, i1)`` of the block map of ``mask``, int8 ``(Bm, Hm, i1 - i0, n_kv_blocks)``,
     computed by the same classifier as :func:`block_map` (or the same dense evaluation) but without
     the other rows, so a map too large to hold can be walked a few rows at a time."""
@@ -154,13 +170,34 @@ def cached_per_mask(store: weakref.WeakKeyDictionary, mask, key, build, limit: i
     return value
 
 
-def block_map(mask, q_len: int, kv_len: int, block_q: int = 128, block_k: int = 128, *, batch: int = 1,
-              heads: int = 1, device: torch.device | str | None = None) -> BlockMap:
+def block_map(
+    mask,
+    q_len: int,
+    kv_len: int,
+    block_q: int = 128,
+    block_k: int = 128,
+    *,
+    batch: int = 1,
+    heads: int = 1,
+    device: torch.device | str | None = None,
+) -> BlockMap:
     """Compile a mask function (:class:`headlab.masks.MaskFn`) to a :class:`BlockMap`, cached per
     (mask, shape): from its closed-form classifier when it has one, else by dense evaluation in
     row chunks (memory bounded by about ``2**22 * kv_len`` booleans per distinct (batch, head))."""
     device = torch.device(device) if device is not None else torch.device("cpu")
-    key = (q_len, kv_len, block_q, block_k, batch if mask.batch_dependent else 1,
-           heads if mask.head_dependent else 1, str(device))
-    return cached_per_mask(_CACHE, mask, key, lambda: BlockMap.from_mask(
-        mask, q_len, kv_len, block_q, block_k, batch=batch, heads=heads, device=device), limit=16)
+    key = (
+        q_len,
+        kv_len,
+        block_q,
+        block_k,
+        batch if mask.batch_dependent else 1,
+        heads if mask.head_dependent else 1,
+        str(device),
+    )
+    return cached_per_mask(
+        _CACHE,
+        mask,
+        key,
+        lambda: BlockMap.from_mask(mask, q_len, kv_len, block_q, block_k, batch=batch, heads=heads, device=device),
+        limit=16,
+    )

@@ -42,8 +42,9 @@ class ScoreMod:
         tensors: the tensors ``fn`` reads that may require grad (their gradients are returned).
     """
 
-    def __init__(self, fn: Callable, name: str = "score_mod", *, additive: bool = False,
-                 tensors: tuple[torch.Tensor, ...] = ()) -> None:
+    def __init__(
+        self, fn: Callable, name: str = "score_mod", *, additive: bool = False, tensors: tuple[torch.Tensor, ...] = ()
+    ) -> None:
         self._fn = fn
         self.name = name
         self.additive = additive
@@ -68,7 +69,9 @@ def as_score_mod(f) -> ScoreMod:
     if isinstance(f, ScoreMod):
         return f
     if not callable(f):
-        raise ConfigError(f"score_mod must be a function f(score, b, h, q_idx, kv_idx) -> score, got {type(f).__name__}")
+        raise ConfigError(
+            f"score_mod must be a function f(score, b, h, q_idx, kv_idx) -> score, got {type(f).__name__}"
+        )
     return ScoreMod(f, getattr(f, "__name__", "score_mod"))
 
 
@@ -159,8 +162,9 @@ def bias_tensor(bias: torch.Tensor, name: str = "bias") -> ScoreMod:
     """
     t = torch.as_tensor(bias)
     if not t.is_floating_point() or t.dim() != 4:
-        raise ConfigError(f"bias_tensor needs a float (B, H, Lq, Lk) tensor (size-1 axes broadcast), got "
-                          f"{tuple(t.shape)} {t.dtype}")
+        raise ConfigError(
+            f"bias_tensor needs a float (B, H, Lq, Lk) tensor (size-1 axes broadcast), got {tuple(t.shape)} {t.dtype}"
+        )
     sizes = tuple(t.shape)
 
     def fn(score, b, h, q, kv):

@@ -31,8 +31,16 @@ from headlab.spec.masks import MaskFn
 from headlab.spec.masks import causal as _causal
 from headlab.spec.tile_states import EMPTY, FULL, PARTIAL
 
-__all__ = ["additive_bias", "causal_tri", "eval_mask", "is_additive", "pairs", "tensor_states", "tile_states",
-           "visible"]
+__all__ = [
+    "additive_bias",
+    "causal_tri",
+    "eval_mask",
+    "is_additive",
+    "pairs",
+    "tensor_states",
+    "tile_states",
+    "visible",
+]
 
 Index = tuple[int, int] | torch.Tensor | None  # a range [i0, i1), explicit positions, or everything
 
@@ -58,8 +66,9 @@ def causal_tri(rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
     return rows.view(1, 1, -1, 1) >= c
 
 
-def eval_mask(mask: MaskFn, batch: int, heads: int, q_len: int, kv_len: int,
-              rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+def eval_mask(
+    mask: MaskFn, batch: int, heads: int, q_len: int, kv_len: int, rows: torch.Tensor, cols: torch.Tensor
+) -> torch.Tensor:
     """A mask function at the given positions: ``(Bm, Hm, R, C)`` bool, or ``(B, Hm, R, M)`` when
     ``cols`` is a ``(B, M)`` tensor of per-batch positions."""
     per_batch = cols.dim() == 2
@@ -86,11 +95,11 @@ def pairs(mask: MaskFn, b, h, q_idx, kv_idx, q_len: int, kv_len: int) -> torch.T
 def _tensor_at(t: torch.Tensor, spec, rows: Index, cols: Index) -> torch.Tensor:
     """A 4-D tensor mask ``(Bm, Hm, Lq or 1, Lk or 1)`` at rows x cols (views for ranges)."""
     if isinstance(rows, tuple) and t.shape[2] != 1:
-        t = t[:, :, rows[0]:rows[1]]
+        t = t[:, :, rows[0] : rows[1]]
     elif isinstance(rows, torch.Tensor) and t.shape[2] != 1:
         t = t[:, :, rows.to(t.device)]
     if isinstance(cols, tuple) and t.shape[3] != 1:
-        t = t[:, :, :, cols[0]:cols[1]]
+        t = t[:, :, :, cols[0] : cols[1]]
     elif isinstance(cols, torch.Tensor) and cols.dim() == 2:  # per-batch keys (B, M): gather
         t = t.expand(spec.batch, t.shape[1], t.shape[2], spec.kv_len)
         t = torch.gather(t, 3, cols.view(spec.batch, 1, 1, -1).expand(spec.batch, t.shape[1], t.shape[2], -1))
@@ -106,8 +115,15 @@ def visible(spec, mask, rows: Index = None, cols: Index = None) -> torch.Tensor 
     dev = spec.device
     vis = None
     if isinstance(mask, MaskFn):
-        vis = eval_mask(mask, spec.batch, spec.heads, spec.q_len, spec.kv_len,
-                        _positions(rows, spec.q_len, dev), _positions(cols, spec.kv_len, dev))
+        vis = eval_mask(
+            mask,
+            spec.batch,
+            spec.heads,
+            spec.q_len,
+            spec.kv_len,
+            _positions(rows, spec.q_len, dev),
+            _positions(cols, spec.kv_len, dev),
+        )
     elif isinstance(mask, torch.Tensor):
         t = _tensor_at(mask, spec, rows, cols)
         vis = ~torch.isneginf(t) if t.is_floating_point() else t

@@ -49,7 +49,9 @@ _SOURCE = Path(__file__).resolve().parent / "csrc" / "onepass.cpp"
 EXTENSION = "headlab.attention.backends._onepass"
 _TAG_PREFIX = "headlab-onepass-source:"
 _TAG = re.compile(re.escape(_TAG_PREFIX).encode() + rb"sha1_([0-9a-f]{40})")
-REBUILD = "re-run `pip install -e . --no-build-isolation` (or `make venv`) to rebuild it; meanwhile the PyTorch paths run"
+REBUILD = (
+    "re-run `pip install -e . --no-build-isolation` (or `make venv`) to rebuild it; meanwhile the PyTorch paths run"
+)
 _LOCK = threading.Lock()
 _STATE: dict = {}
 # A finite stand-in for -inf in the key bias: exp(NEG - m) is 0 and 0 * (NEG - m) is 0, not NaN.
@@ -90,20 +92,26 @@ def _load():
     :class:`ImportError` saying why and how to rebuild it."""
     path = installed()
     if path is None:
-        raise ImportError(f"{EXTENSION} is not installed: the install built no kernel (no C++ compiler, or torch "
-                          f"not importable while building); {REBUILD}")
+        raise ImportError(
+            f"{EXTENSION} is not installed: the install built no kernel (no C++ compiler, or torch "
+            f"not importable while building); {REBUILD}"
+        )
     want, have = source_hash(), built_from(path)
     if have is None or (want is not None and have != want):
-        seen = "carries no source hash (a build cut short?)" if have is None else \
-            f"was built from another version of csrc/onepass.cpp (sha1 {have[:12]}, the source is now {want[:12]})"
+        seen = (
+            "carries no source hash (a build cut short?)"
+            if have is None
+            else f"was built from another version of csrc/onepass.cpp (sha1 {have[:12]}, the source is now {want[:12]})"
+        )
         raise ImportError(f"the installed kernel {path.name} {seen}; refusing to load it: {REBUILD}")
     try:
         mod = importlib.import_module(EXTENSION)
     except ImportError as exc:  # e.g. built against another torch: undefined symbols
         raise ImportError(f"the installed kernel {path.name} does not load ({exc}); {REBUILD}") from exc
     if getattr(mod, "source_tag", None) != f"{_TAG_PREFIX}sha1_{have}":
-        raise ImportError(f"the installed kernel {path.name} does not carry the source hash it was built with; "
-                          f"{REBUILD}")
+        raise ImportError(
+            f"the installed kernel {path.name} does not carry the source hash it was built with; {REBUILD}"
+        )
     return mod
 
 
@@ -141,6 +149,7 @@ def _module():
 
 # -- which calls the kernel takes ------------------------------------------------------------------
 
+
 def window(mask) -> tuple[int, int] | None:
     """The kernel's ``(before, after)`` for a mask function that is one band of offsets around the
     diagonal (:func:`headlab.masks.band_of` ``(lo, hi)`` with ``lo <= 0 <= hi``): query ``i`` sees keys
@@ -157,12 +166,17 @@ def window(mask) -> tuple[int, int] | None:
 
 def _key_padding(mask, kv_len: int) -> bool:
     """Whether the mask is a key-padding mask: a bool tensor of shape ``(Bb, 1, 1, Lk)``."""
-    return (isinstance(mask, torch.Tensor) and mask.dtype == torch.bool and mask.dim() == 4
-            and tuple(mask.shape[1:]) == (1, 1, kv_len))
+    return (
+        isinstance(mask, torch.Tensor)
+        and mask.dtype == torch.bool
+        and mask.dim() == 4
+        and tuple(mask.shape[1:]) == (1, 1, kv_len)
+    )
 
 
-def declines(spec: AttentionSpec, mask, dtype: torch.dtype, *, dropout_p: float = 0.0, score_mod=None,
-             own_tiles: bool = False) -> str | None:
+def declines(
+    spec: AttentionSpec, mask, dtype: torch.dtype, *, dropout_p: float = 0.0, score_mod=None, own_tiles: bool = False
+) -> str | None:
     """Why the kernel does not take this call, or None when it does (and is built).
 
     Args:
@@ -192,8 +206,11 @@ def declines(spec: AttentionSpec, mask, dtype: torch.dtype, *, dropout_p: float 
     if not (mask is None or window(mask) is not None or _key_padding(mask, spec.kv_len)):
         if isinstance(mask, MaskFn):
             band = band_of(mask)
-            seen = f"{mask.name}: its band {band} leaves out the diagonal" if band is not None else \
-                f"{mask.name}, which is no band (masks.band_of)"
+            seen = (
+                f"{mask.name}: its band {band} leaves out the diagonal"
+                if band is not None
+                else f"{mask.name}, which is no band (masks.band_of)"
+            )
         else:
             seen = f"a tensor of shape {tuple(mask.shape)}"
         return f"it walks no mask, causal, a band of offsets around the diagonal or key padding, not {seen}"
@@ -263,14 +280,36 @@ def _onepass(q, k, v, mask, scale: float, want: set[str], *, causal: bool, shift
     bufs["out"] = qs.new_empty(BH, Lq, v.shape[-1]) if v is not None else qs.new_empty(0)
     bufs["received"] = qs.new_zeros(BH, Lk) if want_rec else qs.new_empty(0)
     bufs["shift"] = qs.new_empty(BH, Lq) if shift else qs.new_empty(0)
-    _module().onepass(qs, kc, vc, _key_bias(mask, qs, Lk), H, H // Hkv, bool(causal), "entropy" in want,
-                      "mean_distance" in want, want_rec, "argmax" in want, unit_rows(mask, Lk), BLOCK_K,
-                      bufs["lse"], bufs["max_weight"], bufs["entropy"], bufs["mean_distance"], bufs["argmax"],
-                      bufs["out"], bufs["received"], bufs["shift"], *_window_args(mask), float(scale))
+    _module().onepass(
+        qs,
+        kc,
+        vc,
+        _key_bias(mask, qs, Lk),
+        H,
+        H // Hkv,
+        bool(causal),
+        "entropy" in want,
+        "mean_distance" in want,
+        want_rec,
+        "argmax" in want,
+        unit_rows(mask, Lk),
+        BLOCK_K,
+        bufs["lse"],
+        bufs["max_weight"],
+        bufs["entropy"],
+        bufs["mean_distance"],
+        bufs["argmax"],
+        bufs["out"],
+        bufs["received"],
+        bufs["shift"],
+        *_window_args(mask),
+        float(scale),
+    )
     return bufs
 
 
 # -- what callers get --------------------------------------------------------------------------------
+
 
 def statistics(q, k, v, mask, scale: float, want: set[str], *, causal: bool) -> dict:
     """Every statistic in ``want`` (and the output with ``v``), as :mod:`headlab.attention.stats.fused`
@@ -325,8 +364,12 @@ def forward(q, k, v, mask, scale: float, *, causal: bool) -> Forward:
     (query head ``h`` reads kv head ``h // (H // Hkv)``); ``mask`` as :func:`declines` took it."""
     B, H, Lq, _ = q.shape
     bufs = _onepass(q, k, v, mask, scale, set(), causal=causal, shift=True)
-    return Forward(out=bufs["out"].view(B, H, Lq, -1), lse=bufs["lse"].view(B, H, Lq),
-                   m=bufs["shift"].view(B, H, Lq), inv_l=bufs["max_weight"].view(B, H, Lq))
+    return Forward(
+        out=bufs["out"].view(B, H, Lq, -1),
+        lse=bufs["lse"].view(B, H, Lq),
+        m=bufs["shift"].view(B, H, Lq),
+        inv_l=bufs["max_weight"].view(B, H, Lq),
+    )
 
 
 def backward(q, k, v, dout, m, log_l, mask, scale: float, *, causal: bool, out=None, delta=None, into=None):
@@ -345,17 +388,38 @@ def backward(q, k, v, dout, m, log_l, mask, scale: float, *, causal: bool, out=N
     qs, kc, vc, do = _flat(q), _flat(k), _flat(v), _flat(dout)
     delta = (do * _flat(out)).sum(-1) if delta is None else _rows(delta)  # (BH, Lq): rowsum(dO * O)
     if into is None:
-        into = (q.new_zeros(B, H, Lq, D, dtype=f32), k.new_zeros(B, Hkv, Lk, D, dtype=f32),
-                v.new_zeros(B, Hkv, Lk, Dv, dtype=f32))
+        into = (
+            q.new_zeros(B, H, Lq, D, dtype=f32),
+            k.new_zeros(B, Hkv, Lk, D, dtype=f32),
+            v.new_zeros(B, Hkv, Lk, Dv, dtype=f32),
+        )
     # the kernel adds into its gradient buffers: a contiguous float32 accumulator is passed as it is,
     # any other is added to from a temporary
     direct = [t.dtype == f32 and t.is_contiguous() for t in into]
-    bufs = [t.view(-1, t.shape[2], t.shape[3]) if ok else torch.zeros(t.shape[0] * t.shape[1], t.shape[2],
-                                                                       t.shape[3], dtype=f32, device=t.device)
-            for t, ok in zip(into, direct)]
-    _module().onepass_backward(qs, kc, vc, _key_bias(mask, qs, Lk), H, H // Hkv, bool(causal), do, _rows(m),
-                               _rows(log_l), delta, unit_rows(mask, Lk), BLOCK_K, *bufs, *_window_args(mask),
-                               float(scale))
+    bufs = [
+        t.view(-1, t.shape[2], t.shape[3])
+        if ok
+        else torch.zeros(t.shape[0] * t.shape[1], t.shape[2], t.shape[3], dtype=f32, device=t.device)
+        for t, ok in zip(into, direct)
+    ]
+    _module().onepass_backward(
+        qs,
+        kc,
+        vc,
+        _key_bias(mask, qs, Lk),
+        H,
+        H // Hkv,
+        bool(causal),
+        do,
+        _rows(m),
+        _rows(log_l),
+        delta,
+        unit_rows(mask, Lk),
+        BLOCK_K,
+        *bufs,
+        *_window_args(mask),
+        float(scale),
+    )
     for t, g, ok in zip(into, bufs, direct):
         if not ok:
             t += g.view(t.shape).to(t.dtype)

@@ -53,9 +53,13 @@ class ReferenceBackend(Backend):
         return working_set_bytes(spec)
 
     def check_memory(self, spec: AttentionSpec) -> None:
-        check_fits(working_set_bytes(spec), what=f"backend 'reference' at {spec.q_len}x{spec.kv_len} "
-                   f"({spec.batch}x{spec.heads} maps, {str(spec.dtype).removeprefix('torch.')})",
-                   device=spec.device, alternative=_alternative(spec))
+        check_fits(
+            working_set_bytes(spec),
+            what=f"backend 'reference' at {spec.q_len}x{spec.kv_len} "
+            f"({spec.batch}x{spec.heads} maps, {str(spec.dtype).removeprefix('torch.')})",
+            device=spec.device,
+            alternative=_alternative(spec),
+        )
 
     def forward(self, q, k, v, spec, *, mask, scale, score_mod=None):
         B, H, Lq, D = q.shape
@@ -65,8 +69,13 @@ class ReferenceBackend(Backend):
         s.mul_(scale)  # in place: matmul saves its inputs, not its output
         if score_mod is not None:
             dev = s.device
-            s = score_mod(s, torch.arange(B, device=dev).view(B, 1, 1, 1), torch.arange(H, device=dev).view(1, H, 1, 1),
-                          torch.arange(Lq, device=dev).view(1, 1, Lq, 1), torch.arange(Lk, device=dev).view(1, 1, 1, Lk))
+            s = score_mod(
+                s,
+                torch.arange(B, device=dev).view(B, 1, 1, 1),
+                torch.arange(H, device=dev).view(1, H, 1, 1),
+                torch.arange(Lq, device=dev).view(1, 1, Lq, 1),
+                torch.arange(Lk, device=dev).view(1, 1, 1, Lk),
+            )
         if is_additive(mask):
             s = s + additive_bias(spec, mask, dtype=s.dtype)  # float mask and causal, -inf = hidden
             dead = torch.isneginf(s).all(-1, keepdim=True)  # (B, H, Lq, 1): rows that see no key

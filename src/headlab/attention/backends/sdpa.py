@@ -73,8 +73,12 @@ class SdpaBackend(Backend):
 
     def check_memory(self, spec: AttentionSpec) -> None:
         if materializes(spec) or spec.mask_kind in ("function", "additive"):
-            check_fits(working_set_bytes(spec), what=f"backend 'sdpa' at {spec.q_len}x{spec.kv_len}",
-                       device=spec.device, alternative="tiled")
+            check_fits(
+                working_set_bytes(spec),
+                what=f"backend 'sdpa' at {spec.q_len}x{spec.kv_len}",
+                device=spec.device,
+                alternative="tiled",
+            )
 
     def forward(self, q, k, v, spec, *, mask, scale, score_mod=None):
         attn_mask = None
@@ -90,8 +94,9 @@ class SdpaBackend(Backend):
             with sdpa_kernel(SDPBackend.MATH):
                 out = _call(q, k, v, attn_mask, spec, is_causal, scale, spec.dropout_p)
             return _zero_dead(out, attn_mask), None, None
-        if spec.need_lse or (spec.requires_grad and spec.group > 1 and spec.dropout_p == 0
-                             and q.dtype in (torch.float16, torch.bfloat16)):
+        if spec.need_lse or (
+            spec.requires_grad and spec.group > 1 and spec.dropout_p == 0 and q.dtype in (torch.float16, torch.bfloat16)
+        ):
             out, lse = _flash_with_lse(q, k, v, attn_mask, spec, is_causal, scale)
             return out, None, lse
         out = _call(q, k, v, attn_mask, spec, is_causal, scale, spec.dropout_p)
@@ -101,8 +106,9 @@ class SdpaBackend(Backend):
 
 
 def _call(q, k, v, attn_mask, spec, is_causal, scale, dropout_p):
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
-                                          scale=scale, enable_gqa=spec.group > 1)
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale, enable_gqa=spec.group > 1
+    )
 
 
 def _dead_rows(attn_mask) -> torch.Tensor | None:
@@ -133,7 +139,8 @@ def _flash_with_lse(q, k, v, attn_mask, spec, is_causal, scale):
     if q.device.type == "cpu":
         q, k, v, v_dim = _common_head_dim(q, k, v)
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q, k, v, 0.0, is_causal, attn_mask=attn_mask, scale=scale)
+            q, k, v, 0.0, is_causal, attn_mask=attn_mask, scale=scale
+        )
         out = out[..., :v_dim]
     else:
         out, lse = _cuda_with_lse(q, k, v, attn_mask, is_causal, scale)
@@ -166,7 +173,8 @@ def _cuda_with_lse(q, k, v, attn_mask, is_causal, scale):
         if attn_mask is not None:
             s = s + attn_mask.float()
         if is_causal:
-            s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril_().logical_not_(),
-                              float("-inf"))
+            s = s.masked_fill(
+                torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril_().logical_not_(), float("-inf")
+            )
         lse = torch.logsumexp(s, -1)
     return out, lse

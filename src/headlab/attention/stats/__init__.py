@@ -160,22 +160,31 @@ def attention_stats(
         v_check = v if v is not None else k
     spec, norm_mask = validate(q, k, v_check, mask=mask, causal=causal)
     if spec.mask_kind == "additive":
-        raise MaskError("attention_stats takes a boolean mask (True = may attend) or a mask function, got an additive "
-                        "float mask; its -inf entries as a boolean mask: `mask = ~torch.isneginf(float_mask)` (the other "
-                        "values are not supported)")
+        raise MaskError(
+            "attention_stats takes a boolean mask (True = may attend) or a mask function, got an additive "
+            "float mask; its -inf entries as a boolean mask: `mask = ~torch.isneginf(float_mask)` (the other "
+            "values are not supported)"
+        )
     scale = check_scale(scale, spec.head_dim)
     if score_mod is not None:
         from headlab.spec.score_mods import as_score_mod
 
         score_mod = as_score_mod(score_mod)
         if method != "tiled":
-            raise BackendUnsupportedError("method 'sdpa' cannot apply a score_mod (torch's fused kernel adds none); "
-                                          "use method='tiled'")
+            raise BackendUnsupportedError(
+                "method 'sdpa' cannot apply a score_mod (torch's fused kernel adds none); use method='tiled'"
+            )
     ct = torch.float64 if spec.dtype == torch.float64 else torch.float32
-    kp = index_tensor("key_positions", key_positions, spec.kv_len, spec.batch, per_batch_ok=True) \
-        if key_positions is not None else None
-    qr = index_tensor("query_rows", query_rows, spec.q_len, spec.batch, per_batch_ok=False) \
-        if query_rows is not None else None
+    kp = (
+        index_tensor("key_positions", key_positions, spec.kv_len, spec.batch, per_batch_ok=True)
+        if key_positions is not None
+        else None
+    )
+    qr = (
+        index_tensor("query_rows", query_rows, spec.q_len, spec.batch, per_batch_ok=False)
+        if query_rows is not None
+        else None
+    )
     kp = kp.to(spec.device) if kp is not None else None
     qr = qr.to(spec.device) if qr is not None else None
 
@@ -199,5 +208,6 @@ def attention_stats(
         if "rows" in want:
             res["rows"] = probs_at(q, k, spec, norm_mask, scale, ct, lse, qr, None, score_mod)  # (B, H, R, Lk)
     kept = {name: res.get(name) for name in STATS if name in want}
-    return AttentionStats(**kept, output=res.get("output"), key_positions=kp, query_rows=qr,
-                          visible=res["visible"], method=method)
+    return AttentionStats(
+        **kept, output=res.get("output"), key_positions=kp, query_rows=qr, visible=res["visible"], method=method
+    )

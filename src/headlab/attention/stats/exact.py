@@ -9,8 +9,15 @@ from headlab.spec.attention_spec import AttentionSpec
 from headlab.spec.visibility import visible
 
 
-def _scores_at(q: torch.Tensor, k: torch.Tensor, spec: AttentionSpec, scale: float, ct: torch.dtype,
-               q_idx: torch.Tensor | None, kv_idx: torch.Tensor | None) -> torch.Tensor:
+def _scores_at(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    spec: AttentionSpec,
+    scale: float,
+    ct: torch.dtype,
+    q_idx: torch.Tensor | None,
+    kv_idx: torch.Tensor | None,
+) -> torch.Tensor:
     """Scores ``q_i . k_j * scale`` for chosen queries and/or keys: (B, H, R, M) in ``ct``."""
     B, H, Hkv, G = spec.batch, spec.heads, spec.kv_heads, spec.group
     qs = q if q_idx is None else q[:, :, q_idx]  # (B, H, R, D)
@@ -39,8 +46,9 @@ def probs_at(q, k, spec, mask, scale, ct, lse, q_idx, kv_idx, score_mod=None) ->
             kv = kv_idx.to(dev).view(B, 1, 1, M)
         else:
             kv = kv_idx.to(dev).view(1, 1, 1, M)
-        s = score_mod(s, torch.arange(B, device=dev).view(B, 1, 1, 1), torch.arange(H, device=dev).view(1, H, 1, 1),
-                      qi, kv)
+        s = score_mod(
+            s, torch.arange(B, device=dev).view(B, 1, 1, 1), torch.arange(H, device=dev).view(1, H, 1, 1), qi, kv
+        )
     vis = visible(spec, mask, q_idx, kv_idx)
     l_sel = lse if q_idx is None else lse[:, :, q_idx]  # (B, H, R)
     dead = torch.isneginf(l_sel).unsqueeze(-1)
@@ -48,5 +56,3 @@ def probs_at(q, k, spec, mask, scale, ct, lse, q_idx, kv_idx, score_mod=None) ->
     if vis is not None:
         p = p.masked_fill(~vis, 0.0)
     return p.masked_fill(dead, 0.0)
-
-

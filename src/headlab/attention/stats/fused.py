@@ -64,7 +64,7 @@ def _first_max(t: torch.Tensor) -> torch.Tensor:
     else:
         parts = [t[..., : nb * bs].unfold(2, bs, bs).amax(-1)] if nb else []
     if W % bs:
-        parts.append(t[..., nb * bs:].amax(-1, keepdim=True))
+        parts.append(t[..., nb * bs :].amax(-1, keepdim=True))
     heads = torch.cat(parts, -1) if len(parts) > 1 else parts[0]
     blk = (heads == 0).to(torch.uint8).argmax(-1, keepdim=True)  # (N, R, 1): first block holding the max
     idx = (blk * bs + torch.arange(bs, device=t.device)).clamp_max_(W - 1)  # (N, R, bs)
@@ -93,23 +93,30 @@ def fused_stats(q, k, v, spec: AttentionSpec, mask, scale: float, want: set[str]
         t = torch.empty(*shape, dtype=dtype, device=dev)
         return t if fill is None else t.fill_(fill)
 
-    acc = {"lse": new(BHkv, G, Lq), "max_weight": new(BHkv, G, Lq) if "max_weight" in want else None,
-           "entropy": new(BHkv, G, Lq) if want_ent else None,
-           "mean_distance": new(BHkv, G, Lq) if want_md else None,
-           "argmax": new(BHkv, G, Lq, dtype=torch.long) if want_arg else None,
-           "output": new(BHkv, G, Lq, Dv) if v is not None else None}
+    acc = {
+        "lse": new(BHkv, G, Lq),
+        "max_weight": new(BHkv, G, Lq) if "max_weight" in want else None,
+        "entropy": new(BHkv, G, Lq) if want_ent else None,
+        "mean_distance": new(BHkv, G, Lq) if want_md else None,
+        "argmax": new(BHkv, G, Lq, dtype=torch.long) if want_arg else None,
+        "output": new(BHkv, G, Lq, Dv) if v is not None else None,
+    }
     received: dict[int, torch.Tensor] = {}  # per worker thread: (BHkv * G, 1, Lk) column sums
     spans = []
     for qb in range(n_qb):
         hit = (states[qb] != EMPTY).nonzero().flatten().tolist()
         spans.append((hit[0] * block_k, min(Lk, (hit[-1] + 1) * block_k)) if hit else None)
     w_max = max((c1 - c0 for c0, c1 in filter(None, spans)), default=1)
-    aux = [None if sp is None else _distance_columns(qb * r, min(Lq, qb * r + r), *sp, G, ct, dev, want_md, v is None)
-           for qb, sp in enumerate(spans)]  # per query block: shared by every head
+    aux = [
+        None if sp is None else _distance_columns(qb * r, min(Lq, qb * r + r), *sp, G, ct, dev, want_md, v is None)
+        for qb, sp in enumerate(spans)
+    ]  # per query block: shared by every head
     R_max = G * min(r, Lq)
     nh = max(1, min(BHkv, UNIT_ELEMS // (R_max * w_max)))  # (batch, kv head) slices per unit
+
     def width(sp: tuple[int, int] | None) -> int:
         return sp[1] - sp[0] if sp else 0
+
     order = sorted(range(n_qb), key=lambda qb: -width(spans[qb]))
     units = [(qb, h0, min(BHkv, h0 + nh)) for qb in order for h0 in range(0, BHkv, nh)]
     scratch: dict[int, tuple[torch.Tensor, ...]] = {}
@@ -180,7 +187,7 @@ def fused_stats(q, k, v, spec: AttentionSpec, mask, scale: float, want: set[str]
             md = torch.addcmul(oa[..., 0], ii, oa[..., 1]).double()
             if dist is not None:  # the diagonal block, summed directly
                 d0 = max(i0, c0)
-                ed = e.view(m_, G, n, w)[..., d0 - c0: d0 - c0 + dist.shape[1]]
+                ed = e.view(m_, G, n, w)[..., d0 - c0 : d0 - c0 + dist.shape[1]]
                 md += (ed * dist).sum(-1, dtype=torch.float64).view(m_, R)
             put("mean_distance", (md * inv_l.double()).to(ct), 0.0)
         if want_rec:
@@ -189,7 +196,7 @@ def fused_stats(q, k, v, spec: AttentionSpec, mask, scale: float, want: set[str]
                 rec = received[tid] = torch.zeros(BHkv * G, 1, Lk, dtype=ct, device=dev)
             ew = e.view(m_ * G, n, w)
             wts = inv_l.masked_fill(dead2, 0.0) if any_dead else inv_l
-            rec[h0 * G: h1 * G, :, c0:c1].baddbmm_(wts.view(m_ * G, 1, n), ew)  # sum_i e_ij / l_i
+            rec[h0 * G : h1 * G, :, c0:c1].baddbmm_(wts.view(m_ * G, 1, n), ew)  # sum_i e_ij / l_i
 
     _threads.run_units(unit, units)
     res = {name: t.view(B, H, Lq, *t.shape[3:]) for name, t in acc.items() if t is not None}
@@ -230,7 +237,7 @@ def _mask_span(s4, spec, mask, row_states, block_k: int, i0: int, i1: int, c0: i
         if st == FULL:
             continue
         j0, j1 = kb * block_k, min(c1, kb * block_k + block_k)
-        sl = s4[..., j0 - c0: j1 - c0]  # (m, G, n, wj)
+        sl = s4[..., j0 - c0 : j1 - c0]  # (m, G, n, wj)
         if st == EMPTY:
             sl.fill_(NEG)
             continue

@@ -16,8 +16,10 @@ from headlab.spec.visibility import visible
 
 def _sdpa_ops():
     try:
-        return (torch.ops.aten._scaled_dot_product_flash_attention_for_cpu,
-                torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward)
+        return (
+            torch.ops.aten._scaled_dot_product_flash_attention_for_cpu,
+            torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward,
+        )
     except (AttributeError, RuntimeError):  # pragma: no cover - depends on the torch build
         raise BackendUnsupportedError(
             f"method='sdpa' needs torch's CPU flash kernel (aten::_scaled_dot_product_flash_attention_for_cpu), "
@@ -32,8 +34,9 @@ _POS_CHUNK = 32
 
 def sdpa_stats(q, k, v, spec: AttentionSpec, mask, scale: float, want: set[str], ct: torch.dtype):
     if spec.device.type != "cpu":
-        raise BackendUnsupportedError(f"method='sdpa' uses torch's CPU flash kernel; tensors are on {spec.device}. "
-                                      "Use method='tiled'")
+        raise BackendUnsupportedError(
+            f"method='sdpa' uses torch's CPU flash kernel; tensors are on {spec.device}. Use method='tiled'"
+        )
     fwd, bwd = _sdpa_ops()
     B, H, Lq, D = q.shape
     Hkv, G, Lk = spec.kv_heads, spec.group, spec.kv_len
@@ -81,7 +84,8 @@ def sdpa_stats(q, k, v, spec: AttentionSpec, mask, scale: float, want: set[str],
         res["received"] = gv[..., 0].contiguous()  # (B, H, Lk)
     if v is not None:
         o = torch.nn.functional.scaled_dot_product_attention(
-            q.to(ct), k.to(ct), v.to(ct), attn_mask=attn_mask, is_causal=is_causal, scale=scale, enable_gqa=G > 1)
+            q.to(ct), k.to(ct), v.to(ct), attn_mask=attn_mask, is_causal=is_causal, scale=scale, enable_gqa=G > 1
+        )
         res["output"] = o.masked_fill(~visible_.unsqueeze(-1), 0.0)
     return res
 

@@ -58,8 +58,7 @@ class AttentionStats:
 
     def as_dict(self) -> dict[str, torch.Tensor]:
         """The tensors present, by name."""
-        return {f.name: getattr(self, f.name) for f in fields(self)
-                if isinstance(getattr(self, f.name), torch.Tensor)}
+        return {f.name: getattr(self, f.name) for f in fields(self) if isinstance(getattr(self, f.name), torch.Tensor)}
 
     def nbytes(self) -> int:
         """Bytes held by the tensors (what keeping these statistics costs)."""
@@ -79,6 +78,7 @@ class AttentionStats:
 
 
 # -- argument checks ----------------------------------------------------------------------------
+
 
 def wanted_stats(stats, method: str, key_positions, query_rows) -> set[str]:
     supported = STATS if method == "tiled" else SDPA_STATS
@@ -130,5 +130,3 @@ def index_tensor(name: str, value, length: int, batch: int, *, per_batch_ok: boo
     if bool(((t < 0) | (t >= length)).any()):
         raise ConfigError(f"{name} must lie in [0, {length}), got {t.tolist()}")
     return t
-
-

@@ -45,8 +45,19 @@ def auto_block_q(spec: AttentionSpec, block_k: int, itemsize: int) -> int:
     return min(bq, 1024, max(16, 1 << (spec.q_len - 1).bit_length()))
 
 
-def tiled_stats(q, k, v, spec: AttentionSpec, mask, scale: float, want: set[str], ct: torch.dtype,
-           block_q: int, block_k: int, score_mod=None):
+def tiled_stats(
+    q,
+    k,
+    v,
+    spec: AttentionSpec,
+    mask,
+    scale: float,
+    want: set[str],
+    ct: torch.dtype,
+    block_q: int,
+    block_k: int,
+    score_mod=None,
+):
     B, H, Lq, D = q.shape
     Hkv, G, Lk = spec.kv_heads, spec.group, spec.kv_len
     dev = q.device
@@ -77,10 +88,13 @@ def tiled_stats(q, k, v, spec: AttentionSpec, mask, scale: float, want: set[str]
             kt = k[:, :, c0:c1].to(ct)  # (B, Hkv, w, D)
             s = torch.matmul(qc, kt.transpose(-1, -2)).view(B, H, n, c1 - c0)  # (B, H, n, w)
             if score_mod is not None:  # on the scaled scores, before the mask (as headlab.attention)
-                s = score_mod(s, torch.arange(B, device=dev).view(B, 1, 1, 1),
-                              torch.arange(H, device=dev).view(1, H, 1, 1),
-                              torch.arange(r0, r1, device=dev).view(1, 1, n, 1),
-                              torch.arange(c0, c1, device=dev).view(1, 1, 1, c1 - c0))
+                s = score_mod(
+                    s,
+                    torch.arange(B, device=dev).view(B, 1, 1, 1),
+                    torch.arange(H, device=dev).view(1, H, 1, 1),
+                    torch.arange(r0, r1, device=dev).view(1, 1, n, 1),
+                    torch.arange(c0, c1, device=dev).view(1, 1, 1, c1 - c0),
+                )
             if vis is not None:
                 s.masked_fill_(~vis, fill)
             return s
@@ -159,5 +173,3 @@ def _chunk_streamed(acc, tiles, scores, r0, r1, v, ct):
         acc["entropy"][:, :, r0:r1] = ent
     if dist is not None:
         acc["mean_distance"][:, :, r0:r1] = dist.to(m.dtype)
-
-

@@ -73,8 +73,7 @@ class _Floors:
         r = r.astype(np.int64)
         rho = rho.astype(np.int64)
         t = self.table
-        return (n * q0 + k * t[r, self.per] + self.per * self.step * (k * (k - 1) // 2)
-                + t[r, rho] + rho * k * self.step)
+        return n * q0 + k * t[r, self.per] + self.per * self.step * (k * (k - 1) // 2) + t[r, rho] + rho * k * self.step
 
 
 def _first(x, bq: int, bk: int, c):
@@ -167,7 +166,7 @@ def count_documents(grid: Grid, tree, *, causal_cut: bool = False) -> tuple[int,
     last = np.array([g.n_qb - 1], dtype=np.int64)
     tiles = pairs = 0
     for k in range(0, len(r0), _CHUNK):
-        a, b = r0[k:k + _CHUNK], r1[k:k + _CHUNK]
+        a, b = r0[k : k + _CHUNK], r1[k : k + _CHUNK]
         t, p = _count(g, docs, band, a, b, g.block_q, causal_cut, _dtype(g, int((b - a).max())))
         tiles, pairs = tiles + t, pairs + p
     t, p = _count(g, docs, band, last, last + 1, hq, causal_cut, _dtype(g, 1))

@@ -28,9 +28,11 @@ def _fgh(a: int, b: int, c: int, n: int) -> tuple[int, int, int]:
         qa, qb = a // c, b // c
         f, g, h = _fgh(a % c, b % c, c, n)
         s2 = n * (n + 1) * (2 * n + 1) // 6
-        return (f + qa * s1 + qb * (n + 1),
-                g + qa * s2 + qb * s1,
-                h + qa * qa * s2 + qb * qb * (n + 1) + 2 * qa * qb * s1 + 2 * qb * f + 2 * qa * g)
+        return (
+            f + qa * s1 + qb * (n + 1),
+            g + qa * s2 + qb * s1,
+            h + qa * qa * s2 + qb * qb * (n + 1) + 2 * qa * qb * s1 + 2 * qb * f + 2 * qa * g,
+        )
     m = (a * n + b) // c
     if m == 0:
         return 0, 0, 0

@@ -12,7 +12,6 @@ from math import gcd
 __all__ = ["Grid", "Lin", "Poly", "Row", "Run", "Unsupported", "rectangles"]
 
 
-
 class Unsupported(Exception):
     """This pattern (or this tile class of it) has no closed form here; use the block map."""
 
@@ -115,8 +114,10 @@ class Run:
         if len({lo.a for lo, _ in ivs}) <= 1:  # starts of one slope keep their order on every row
             ivs.sort(key=lambda iv: iv[0].b)
         elif not all(self.le(p[0], q[0]) for p, q in zip(ivs, ivs[1:])):
+
             def starts(p: tuple[Lin, Lin], q: tuple[Lin, Lin]) -> int:
                 return 0 if p[0] == q[0] else (-1 if self.le(p[0], q[0]) else 1)
+
             ivs.sort(key=cmp_to_key(starts))
         out: list[tuple[Lin, Lin]] = []
         for lo, hi in ivs:

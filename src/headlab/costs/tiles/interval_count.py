@@ -56,8 +56,10 @@ def count_tiles(grid: Grid, tree, *, causal_cut: bool = False) -> tuple[int, int
     col_classes = [(0, n_kb - 2, g.block_k), (n_kb - 1, n_kb - 1, wk)]
     breaks = sorted(set(tree.breaks(g)))
     if len(breaks) * P > WORK_BUDGET:  # at least one run of rows between two changes, per residue
-        raise Unsupported(f"{len(breaks) * P:,} runs of block rows to follow (the pattern changes "
-                          f"{len(breaks):,} times along the rows)")
+        raise Unsupported(
+            f"{len(breaks) * P:,} runs of block rows to follow (the pattern changes "
+            f"{len(breaks):,} times along the rows)"
+        )
     tiles = pairs2 = work = 0  # pairs2: twice the score entries (a cut tile's area has a half in it)
     for ia, ib, hgt, ja, jb, wid in rectangles(row_classes, col_classes):
         for r in range(P):
@@ -77,8 +79,10 @@ def count_tiles(grid: Grid, tree, *, causal_cut: bool = False) -> tuple[int, int
                     s = run.limit
                     work += run.work + len(nonempty) + 1
                     if work > WORK_BUDGET:
-                        raise Unsupported(f"more than {WORK_BUDGET:,} intervals of key tiles to follow "
-                                          f"over {len(breaks):,} changes of the pattern along the rows")
+                        raise Unsupported(
+                            f"more than {WORK_BUDGET:,} intervals of key tiles to follow "
+                            f"over {len(breaks):,} changes of the pattern along the rows"
+                        )
     return tiles, pairs2 // 2
 
 

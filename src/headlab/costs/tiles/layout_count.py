@@ -94,7 +94,7 @@ def count_layout(grid: Grid, tree, *, causal_cut: bool = False) -> tuple[int, in
     tiles = pairs = 0
     for i0, i1, hgt, c0, c1 in _row_runs(g, layout):
         n = i1 - i0
-        s, e = _segments(cells[c0:c1 + 1].any(0), ck, g)
+        s, e = _segments(cells[c0 : c1 + 1].any(0), ck, g)
         last_on = bool(len(e) and e[-1] == nf)
         e = np.minimum(e, nf - 1)  # full-width tiles [s, e]
         keep = s <= e

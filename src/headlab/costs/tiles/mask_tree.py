@@ -38,6 +38,7 @@ MAX_SLICES = 4096  # distinct (batch, head) slices of a mask read one by one, at
 
 # -- reading a mask's name ----------------------------------------------------------------------
 
+
 def _split_top(text: str, seps: tuple[str, ...]):
     """Split ``text`` at a separator outside any brackets: ``(left, sep, right)`` or None."""
     depth = 0
@@ -49,7 +50,7 @@ def _split_top(text: str, seps: tuple[str, ...]):
         elif depth == 0:
             for sep in seps:
                 if text.startswith(sep, i):
-                    return text[:i], sep, text[i + len(sep):]
+                    return text[:i], sep, text[i + len(sep) :]
     return None
 
 
@@ -122,6 +123,7 @@ def _parse(text: str):
 
 # -- reading a mask object ----------------------------------------------------------------------
 
+
 def _attr_leaf(mask, b: int, h: int):
     """The leaf of a built-in pattern read from its public attributes, or None."""
     name = str(mask.name)
@@ -155,8 +157,9 @@ def structure(mask, b: int = 0, h: int = 0):
     if leaf is not None:
         return leaf
     if getattr(mask, "_blocks", None) is None:
-        raise Unsupported(f"{mask.name!r} is not a built-in pattern: a function of your own is evaluated "
-                          "element by element")
+        raise Unsupported(
+            f"{mask.name!r} is not a built-in pattern: a function of your own is evaluated element by element"
+        )
     if getattr(mask, "batch_dependent", False) or getattr(mask, "head_dependent", False):
         raise Unsupported(f"{mask.name!r} changes with the batch or head index in a way headlab cannot read")
     return _parse(str(mask.name))

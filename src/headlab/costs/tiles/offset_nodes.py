@@ -144,8 +144,10 @@ class Offset(Node):
             out: list[tuple[int | None, int | None, int]] = [(0, s, 1) if causal else (-s, s, 1), (2 * s, None, s)]
             return out if causal else [(None, -2 * s, s), *out]
         shift = g.kv_len - g.q_len if self.kv_minus_q else 0
-        return [(None if lo is None else lo - shift, None if hi is None else hi - shift, self.dilation)
-                for lo, hi in self.bands]  # a dilated band's ends are multiples of the dilation
+        return [
+            (None if lo is None else lo - shift, None if hi is None else hi - shift, self.dilation)
+            for lo, hi in self.bands
+        ]  # a dilated band's ends are multiples of the dilation
 
     def t_breaks(self, g: Grid, hgt: int, wid: int) -> list[int]:
         """Values of ``t`` where ``R(t)`` starts or stops holding a piece's end, or holds only it."""

@@ -66,8 +66,10 @@ def _global_cols(runs: tuple, kv_len: int, bk: int, wid: int, ja: int, jb: int):
         if a >= kv_len:
             break
         b = min(b, kv_len - 1)
-        for out, lo, hi in ((ne, max(ja, a // bk), min(jb, b // bk)),
-                            (full, max(ja, -(-a // bk)), min(jb, (b - wid + 1) // bk))):
+        for out, lo, hi in (
+            (ne, max(ja, a // bk), min(jb, b // bk)),
+            (full, max(ja, -(-a // bk)), min(jb, (b - wid + 1) // bk)),
+        ):
             if lo > hi:
                 continue
             if out and lo <= out[-1][1] + 1:
@@ -140,8 +142,10 @@ class Documents(_Runs):
 
     def _check(self, g: Grid):
         if g.q_len != self.ends[-1] or g.kv_len != self.ends[-1]:  # what the mask itself says when evaluated
-            raise MaskError(f"documents of {len(self.ends):,} lengths cover {self.ends[-1]:,} positions but the call "
-                            f"has q_len={g.q_len}, kv_len={g.kv_len}; the lengths must add up to the sequence length")
+            raise MaskError(
+                f"documents of {len(self.ends):,} lengths cover {self.ends[-1]:,} positions but the call "
+                f"has q_len={g.q_len}, kv_len={g.kv_len}; the lengths must add up to the sequence length"
+            )
 
     def sets(self, row: Row, need_full: bool):
         g = row.grid
@@ -189,8 +193,9 @@ class KeyPrefix(_Runs):
         return ne, full
 
     def cuts(self, g: Grid):
-        return [], _edge_cuts([self.n, self.n - g.block_k, self.n - (g.kv_len - (g.n_kb - 1) * g.block_k)],
-                              g.block_k, g.kv_len)
+        return [], _edge_cuts(
+            [self.n, self.n - g.block_k, self.n - (g.kv_len - (g.n_kb - 1) * g.block_k)], g.block_k, g.kv_len
+        )
 
     def state_at(self, ctx) -> int:
         ks = ctx.J * ctx.grid.block_k
@@ -216,10 +221,12 @@ class Layout(_Runs):
     def _check(self, g: Grid):
         want = (-(-g.q_len // self.cell[0]), -(-g.kv_len // self.cell[1]))
         if self.cells.shape != want:  # what the mask itself says when evaluated
-            raise MaskError(f"block_layout has {self.cells.shape[0]} x {self.cells.shape[1]} blocks of "
-                            f"{self.cell[0]} x {self.cell[1]} but the call needs {want[0]} x {want[1]} "
-                            f"(ceil(q_len / {self.cell[0]}) x ceil(kv_len / {self.cell[1]})); build the layout "
-                            "for this length")
+            raise MaskError(
+                f"block_layout has {self.cells.shape[0]} x {self.cells.shape[1]} blocks of "
+                f"{self.cell[0]} x {self.cell[1]} but the call needs {want[0]} x {want[1]} "
+                f"(ceil(q_len / {self.cell[0]}) x ceil(kv_len / {self.cell[1]})); build the layout "
+                "for this length"
+            )
         if self.cells.size > MAX_CELLS:
             raise Unsupported(f"a layout of {self.cells.size:,} cells")
 
@@ -231,7 +238,7 @@ class Layout(_Runs):
         key = (c0, c1, wid, ja, jb)
         got = self._rows.get(key)
         if got is None:
-            part = self.cells[c0:c1 + 1]
+            part = self.cells[c0 : c1 + 1]
             ck, bk = self.cell[1], g.block_k
             out = []
             for on in (part.any(0), part.all(0)):
@@ -242,8 +249,9 @@ class Layout(_Runs):
             runs_ne = zip(out[0][0].tolist(), out[0][1].tolist())  # Python ints: the ends grow past int64
             runs_full = zip(out[1][0].tolist(), out[1][1].tolist())
             ne = [(max(ja, a * ck // bk), min(jb, (min((b + 1) * ck, g.kv_len) - 1) // bk)) for a, b in runs_ne]
-            full = [(max(ja, -(-(a * ck) // bk)), min(jb, (min((b + 1) * ck, g.kv_len) - wid) // bk))
-                    for a, b in runs_full]
+            full = [
+                (max(ja, -(-(a * ck) // bk)), min(jb, (min((b + 1) * ck, g.kv_len) - wid) // bk)) for a, b in runs_full
+            ]
             got = self._rows[key] = tuple([(lo, hi) for lo, hi in iv if lo <= hi] for iv in (ne, full))
         return got
 
@@ -252,8 +260,10 @@ class Layout(_Runs):
         self._check(g)
         c0, c1 = self._cell_rows(g, row.row * g.block_q, row.hgt)
         ne, full = self._columns(g, c0, c1, row.wid, row.j0.b, row.j1.b)
-        return (row.run.norm([(Lin(0, a), Lin(0, b)) for a, b in ne]),  # runs of cells can share a tile
-                row.run.norm([(Lin(0, a), Lin(0, b)) for a, b in full]) if need_full else None)
+        return (
+            row.run.norm([(Lin(0, a), Lin(0, b)) for a, b in ne]),  # runs of cells can share a tile
+            row.run.norm([(Lin(0, a), Lin(0, b)) for a, b in full]) if need_full else None,
+        )
 
     def breaks(self, g: Grid):
         self._check(g)
@@ -276,5 +286,5 @@ class Layout(_Runs):
         g = ctx.grid
         c0, c1 = self._cell_rows(g, ctx.I * g.block_q, ctx.hgt)
         ks = ctx.J * g.block_k
-        part = self.cells[c0:c1 + 1, ks // self.cell[1]:(ks + ctx.wid - 1) // self.cell[1] + 1]
+        part = self.cells[c0 : c1 + 1, ks // self.cell[1] : (ks + ctx.wid - 1) // self.cell[1] + 1]
         return _state(bool(part.all()), bool(part.any()))

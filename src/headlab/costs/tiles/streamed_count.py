@@ -82,15 +82,21 @@ def _check(shape: AttentionShape, block_q: int, block_k: int, why: Exception) ->
     name = getattr(shape.mask, "name", "the mask")
     max_len = int(max(lq, lk) * math.sqrt(STREAM_BUDGET / w))  # the work grows with the square of the length
     bounds = _bigbird_bounds(shape, block_q, block_k)
-    msg = (f"the tiles of {name} at {lq}x{lk} have no closed form here ({why}); counting them on the block "
-           f"map row by row ({n_qb:,} x {n_kb:,} tiles of {block_q}x{block_k}) would evaluate about {w:,} tile "
-           f"states, more than the {STREAM_BUDGET:,} (about half a second) headlab spends on one prediction")
+    msg = (
+        f"the tiles of {name} at {lq}x{lk} have no closed form here ({why}); counting them on the block "
+        f"map row by row ({n_qb:,} x {n_kb:,} tiles of {block_q}x{block_k}) would evaluate about {w:,} tile "
+        f"states, more than the {STREAM_BUDGET:,} (about half a second) headlab spends on one prediction"
+    )
     if bounds is not None:
-        msg += (f"; its window and global blocks alone visit {bounds[0]:,} to {bounds[1]:,} of the "
-                f"{n_qb * n_kb:,} tiles per (batch, head), and its random blocks add at most {bounds[2]:,}")
-    msg += (f"; for an exact count use a length up to about {max_len:,} tokens, or a pattern counted in closed "
-            "form at any length (full, causal, sliding_window, dilated_window, strided, fixed, global_tokens, "
-            "documents, padding, block_layout, and & | ~ of them)")
+        msg += (
+            f"; its window and global blocks alone visit {bounds[0]:,} to {bounds[1]:,} of the "
+            f"{n_qb * n_kb:,} tiles per (batch, head), and its random blocks add at most {bounds[2]:,}"
+        )
+    msg += (
+        f"; for an exact count use a length up to about {max_len:,} tokens, or a pattern counted in closed "
+        "form at any length (full, causal, sliding_window, dilated_window, strided, fixed, global_tokens, "
+        "documents, padding, block_layout, and & | ~ of them)"
+    )
     low_high = (bounds[0], min(n_qb * n_kb, bounds[1] + bounds[2])) if bounds is not None else None
     raise CountTooLargeError(msg, work=w, budget=STREAM_BUDGET, max_len=max_len, bounds=low_high)
 
@@ -128,8 +134,7 @@ def tiles(shape: AttentionShape, block_q: int, block_k: int, why: Exception) -> 
     hm = shape.heads if mask.head_dependent else 1
     total, slices = 0, (1, 1)  # (mask batch, mask heads) of the block rows
     for i0, i1 in _chunks(n_qb, n_kb * bm * hm):
-        st = block_rows(mask, shape.q_len, shape.kv_len, block_q, block_k, i0, i1, batch=shape.batch,
-                        heads=shape.heads)
+        st = block_rows(mask, shape.q_len, shape.kv_len, block_q, block_k, i0, i1, batch=shape.batch, heads=shape.heads)
         total += int((st != EMPTY).sum())
         slices = (int(st.shape[0]), int(st.shape[1]))
     return total * (shape.batch // slices[0]) * (shape.heads // slices[1])

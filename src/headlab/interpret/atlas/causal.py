@@ -54,18 +54,29 @@ def verdict(targeted, draws, *, n_boot: int = 1000, alpha: float = 0.05, ratio: 
     ok_ratio = t_mean > 0 and t_mean >= ratio * max(r_mean, 0.0)
     ok_ci = float(lo[0]) > r_hi
     times = t_mean / r_mean if r_mean > 0 else None
-    return {"verdict": "causal" if ok_ratio and ok_ci else "not confirmed",
-            "targeted": t_mean, "targeted_ci": [float(lo[0]), float(hi[0])],
-            "random": d_means.tolist(), "random_ci": np.stack([lo[1:], hi[1:]], -1).tolist(),
-            "random_mean": r_mean, "random_max_upper": r_hi, "times_random": times,
-            "passes_ratio": bool(ok_ratio), "clears_random": bool(ok_ci),
-            "rule": f"causal when targeted >= {ratio:g} x max(random mean, 0), targeted > 0, and the targeted "
-                    f"{100 * (1 - alpha):.0f}% bootstrap interval's lower end is above every random draw's upper end",
-            "n_boot": n_boot, "alpha": alpha, "ratio": ratio, "seed": seed}
+    return {
+        "verdict": "causal" if ok_ratio and ok_ci else "not confirmed",
+        "targeted": t_mean,
+        "targeted_ci": [float(lo[0]), float(hi[0])],
+        "random": d_means.tolist(),
+        "random_ci": np.stack([lo[1:], hi[1:]], -1).tolist(),
+        "random_mean": r_mean,
+        "random_max_upper": r_hi,
+        "times_random": times,
+        "passes_ratio": bool(ok_ratio),
+        "clears_random": bool(ok_ci),
+        "rule": f"causal when targeted >= {ratio:g} x max(random mean, 0), targeted > 0, and the targeted "
+        f"{100 * (1 - alpha):.0f}% bootstrap interval's lower end is above every random draw's upper end",
+        "n_boot": n_boot,
+        "alpha": alpha,
+        "ratio": ratio,
+        "seed": seed,
+    }
 
 
-def draw_sets(n_layers: int, layer_heads: list[int], top: list[tuple[int, int]], *, n_draws: int,
-              seed: int) -> list[list[tuple[int, int]]]:
+def draw_sets(
+    n_layers: int, layer_heads: list[int], top: list[tuple[int, int]], *, n_draws: int, seed: int
+) -> list[list[tuple[int, int]]]:
     """``n_draws`` sets of ``len(top)`` heads drawn without replacement from the heads not in ``top``
     (from every head when too few are left)."""
     every = [(l, h) for l in range(n_layers) for h in range(layer_heads[l])]
@@ -76,8 +87,9 @@ def draw_sets(n_layers: int, layer_heads: list[int], top: list[tuple[int, int]],
     return [[pool[i] for i in sorted(rng.choice(len(pool), size=len(top), replace=False))] for _ in range(n_draws)]
 
 
-def gated(adapter, inputs: dict, configs: torch.Tensor, metric: Callable, *, max_rows: int = 32,
-          max_tokens: int = 4096) -> torch.Tensor:
+def gated(
+    adapter, inputs: dict, configs: torch.Tensor, metric: Callable, *, max_rows: int = 32, max_tokens: int = 4096
+) -> torch.Tensor:
     """``(C, B)``: ``metric(outputs, inputs) -> (rows,)`` with each configuration's heads gated off.
 
     ``inputs``: ``input_ids`` and ``attention_mask`` ``(B, L)``; ``configs``: bool ``(C, n_layers, H)``
@@ -89,14 +101,15 @@ def gated(adapter, inputs: dict, configs: torch.Tensor, metric: Callable, *, max
     per = max(1, min(max_rows, max_tokens // max(L, 1)) // B)
     out = []
     for s in range(0, configs.shape[0], per):
-        chunk = configs[s:s + per]
+        chunk = configs[s : s + per]
         c = chunk.shape[0]
         rep = {k: v.repeat(c, *([1] * (v.dim() - 1))) for k, v in inputs.items()}
 
         def make(layer):
             def edit(z, site, heads):  # z (c*B, heads, L, d): every head, or this rank's under tensor parallelism
-                keep = (~chunk[:, layer, heads.start:heads.stop]).to(z.dtype).repeat_interleave(B, 0)  # (c*B, heads)
+                keep = (~chunk[:, layer, heads.start : heads.stop]).to(z.dtype).repeat_interleave(B, 0)  # (c*B, heads)
                 return z * keep[:, :, None, None].to(z.device)
+
             return by_heads(edit)
 
         with torch.no_grad(), adapter.hooks({adapter.site_name(l, "z"): make(l) for l in range(adapter.n_layers)}):
@@ -114,10 +127,12 @@ def _logits(out) -> torch.Tensor:
 
 def span_loss(first: int, stop: int) -> Callable:
     """Metric: mean next-token NLL of the tokens at positions ``first..stop-1`` (the repeated half)."""
+
     def metric(out, inputs):
-        lg = _logits(out)[:, first - 1:stop - 1]  # rows predicting positions first..stop-1
+        lg = _logits(out)[:, first - 1 : stop - 1]  # rows predicting positions first..stop-1
         tgt = inputs["input_ids"][:, first:stop]
         return F.cross_entropy(lg.transpose(1, 2), tgt, reduction="none").mean(-1)
+
     return metric
 
 
@@ -125,11 +140,13 @@ def target_loss(targets: torch.Tensor) -> Callable:
     """Metric: per row, the mean next-token NLL of the tokens at the positions ``targets`` ``(B, L)`` (bool)
     marks, each predicted from the logits one position before (position 0 is never scored): the syntactic
     task's loss on dependents (:mod:`.dependents`)."""
+
     def metric(out, inputs):
         lg = _logits(out)[:, :-1]
         nll = F.cross_entropy(lg.transpose(1, 2), inputs["input_ids"][:, 1:], reduction="none")  # (rows, L - 1)
         keep = targets[:, 1:].to(nll.device).repeat(nll.shape[0] // targets.shape[0], 1).to(nll.dtype)
         return (nll * keep).sum(-1) / keep.sum(-1).clamp_min(1.0)
+
     return metric
 
 
@@ -155,8 +172,9 @@ def answer_accuracy(start: int, answer: torch.Tensor) -> Callable:
     n = len(answer)
 
     def metric(out, inputs):
-        lg = _logits(out)[:, start - 1:start - 1 + n]
+        lg = _logits(out)[:, start - 1 : start - 1 + n]
         return (lg.argmax(-1) == answer.to(lg.device)[None]).double().mean(-1)
+
     return metric
 
 

@@ -73,13 +73,21 @@ def check_task(result, run, task, names, *, k, n_draws, seed, n_boot) -> dict:
     effects = measure.harm * (vals[1:] - vals[:1])  # (C - 1, N): how much worse each configuration makes each example
     verdicts = {}
     for i, kd in enumerate(names):
-        rows = effects[i * (1 + n_draws):(i + 1) * (1 + n_draws)].numpy()
+        rows = effects[i * (1 + n_draws) : (i + 1) * (1 + n_draws)].numpy()
         v = CK.verdict(rows[0], rows[1:], n_boot=n_boot, seed=seed)
-        v.update({"kind": kd, "task": measure.task, "k": k, "heads": [list(x) for x in sets[1 + i * (1 + n_draws)]],
-                  "draws": [[list(x) for x in s] for s in sets[2 + i * (1 + n_draws):1 + (i + 1) * (1 + n_draws)]],
-                  "baseline": float(vals[0].mean()), "n_examples": int(vals.shape[1]),
-                  "effects": {"targeted": rows[0].round(8).tolist(), "random": rows[1:].round(8).tolist()},
-                  "evidence": _evidence(v, k)})
+        v.update(
+            {
+                "kind": kd,
+                "task": measure.task,
+                "k": k,
+                "heads": [list(x) for x in sets[1 + i * (1 + n_draws)]],
+                "draws": [[list(x) for x in s] for s in sets[2 + i * (1 + n_draws) : 1 + (i + 1) * (1 + n_draws)]],
+                "baseline": float(vals[0].mean()),
+                "n_examples": int(vals.shape[1]),
+                "effects": {"targeted": rows[0].round(8).tolist(), "random": rows[1:].round(8).tolist()},
+                "evidence": _evidence(v, k),
+            }
+        )
         v.update(measure.extra)
         verdicts[kd] = v
     return {"verdicts": verdicts, "skipped": {}}
@@ -88,9 +96,11 @@ def check_task(result, run, task, names, *, k, n_draws, seed, n_boot) -> dict:
 def _evidence(v: dict, k: int) -> str:
     lo, hi = v["targeted_ci"]
     times = "n/a (random mean <= 0)" if v["times_random"] is None else f"{v['times_random']:.1f}x"
-    return (f"{v['verdict']}: gating the top {k} raises the harm by {v['targeted']:.4g} [{lo:.4g}, {hi:.4g}]; "
-            f"{len(v['random'])} random draws of {k}: mean {v['random_mean']:.4g}, largest upper end "
-            f"{v['random_max_upper']:.4g}; {times} random")
+    return (
+        f"{v['verdict']}: gating the top {k} raises the harm by {v['targeted']:.4g} [{lo:.4g}, {hi:.4g}]; "
+        f"{len(v['random'])} random draws of {k}: mean {v['random_mean']:.4g}, largest upper end "
+        f"{v['random_max_upper']:.4g}; {times} random"
+    )
 
 
 __all__ = ["check_task", "sharded_gated", "task_groups"]

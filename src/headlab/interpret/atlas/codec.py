@@ -23,12 +23,14 @@ import torch
 
 def fingerprint(obj) -> str:
     """A short stable digest of JSON-able data (or token-id sequences): what a kept phase was computed from."""
+
     def norm(x):
         if hasattr(x, "tolist"):
             return x.tolist()
         if isinstance(x, (list, tuple)):
             return [norm(y) for y in x]
         return x
+
     return hashlib.sha256(json.dumps(norm(obj), sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 

@@ -39,10 +39,12 @@ import torch
 from headlab.interpret.probing.align import align_sentences
 from headlab.interpret.probing.treebank import read_treebank
 
-NO_LM = ("not run: the task is a causal language model's own prediction of each dependent's first token from its "
-         "left context, and this model makes none (an encoder, or a decoder without a language-model head; a "
-         "masked LM's prediction from both sides is another task, not built); the label rests on the probe's "
-         "accuracy margin alone")
+NO_LM = (
+    "not run: the task is a causal language model's own prediction of each dependent's first token from its "
+    "left context, and this model makes none (an encoder, or a decoder without a language-model head; a "
+    "masked LM's prediction from both sides is another task, not built); the label rests on the probe's "
+    "accuracy margin alone"
+)
 
 
 @dataclass(frozen=True)
@@ -60,8 +62,9 @@ def head_relations(margin: torch.Tensor, names: list[str]) -> dict[str, str]:
     _, L, H, R = margin.shape
     flat = margin.permute(1, 2, 0, 3).reshape(L, H, 2 * R)
     best, arg = flat.max(-1)
-    return {f"{l}.{h}": names[int(arg[l, h]) % R] for l in range(L) for h in range(H)
-            if math.isfinite(float(best[l, h]))}
+    return {
+        f"{l}.{h}": names[int(arg[l, h]) % R] for l in range(L) for h in range(H) if math.isfinite(float(best[l, h]))
+    }
 
 
 def examples(tokenizer, treebank, *, limit: int | None, relations, max_positions: int | None) -> list[Example]:
@@ -85,8 +88,9 @@ def examples(tokenizer, treebank, *, limit: int | None, relations, max_positions
     return sorted(out, key=lambda e: len(e.ids))
 
 
-def batches(items: list[Example], *, pad_id: int, max_rows: int,
-            max_tokens: int = 4096) -> Iterator[tuple[dict, torch.Tensor]]:
+def batches(
+    items: list[Example], *, pad_id: int, max_rows: int, max_tokens: int = 4096
+) -> Iterator[tuple[dict, torch.Tensor]]:
     """Consecutive examples, right-padded, at most ``max_rows`` of them and about
     ``max_tokens`` tokens per batch: ``(inputs, targets)``, ``targets`` ``(B, L)`` bool."""
     group: list[Example] = []
@@ -97,7 +101,7 @@ def batches(items: list[Example], *, pad_id: int, max_rows: int,
         att = torch.zeros(len(group), L, dtype=torch.long)
         tgt = torch.zeros(len(group), L, dtype=torch.bool)
         for i, e in enumerate(group):
-            ids[i, :len(e.ids)], att[i, :len(e.ids)] = e.ids, 1
+            ids[i, : len(e.ids)], att[i, : len(e.ids)] = e.ids, 1
             tgt[i, list(e.targets)] = True
         return {"input_ids": ids, "attention_mask": att}, tgt
 
@@ -112,8 +116,10 @@ def batches(items: list[Example], *, pad_id: int, max_rows: int,
 
 
 def task_name(relations: list[str]) -> str:
-    return (f"loss on the dependents of {', '.join(relations)} (nats per first token of each such word, predicted "
-            "from its left context; treebank sentences)")
+    return (
+        f"loss on the dependents of {', '.join(relations)} (nats per first token of each such word, predicted "
+        "from its left context; treebank sentences)"
+    )
 
 
 __all__ = ["NO_LM", "Example", "batches", "examples", "head_relations", "task_name"]

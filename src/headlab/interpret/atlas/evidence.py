@@ -28,8 +28,14 @@ from headlab.interpret.capture import capture
 from headlab.models.loader import resolve
 
 
-def evidence_maps(model, heads: dict[str, list[tuple[int, int]]], *, repeated_ids: torch.Tensor | None,
-                  text_ids: torch.Tensor | None, tokens: Callable[[int], str]) -> dict[str, dict]:
+def evidence_maps(
+    model,
+    heads: dict[str, list[tuple[int, int]]],
+    *,
+    repeated_ids: torch.Tensor | None,
+    text_ids: torch.Tensor | None,
+    tokens: Callable[[int], str],
+) -> dict[str, dict]:
     """``{"kind:l.h": {"kind", "layer", "head", "tokens", "map" (n x n, 3 decimals)}}`` for ``heads[kind]``.
 
     ``repeated_ids`` / ``text_ids``: ``(n,)`` inputs for the kinds that read the repeated tokens and the text;
@@ -45,8 +51,13 @@ def evidence_maps(model, heads: dict[str, list[tuple[int, int]]], *, repeated_id
         strs = [tokens(int(t)) for t in ids.tolist()]
         for kd, (layer, h) in wanted:
             p = cache[adapter.site_name(layer, "pattern")][0, h]  # (n, n)
-            out[f"{kd}:{layer}.{h}"] = {"kind": kd, "layer": layer, "head": h, "tokens": strs,
-                                        "map": [[round(float(v), 3) for v in row] for row in p.tolist()]}
+            out[f"{kd}:{layer}.{h}"] = {
+                "kind": kd,
+                "layer": layer,
+                "head": h,
+                "tokens": strs,
+                "map": [[round(float(v), 3) for v in row] for row in p.tolist()],
+            }
     return out
 
 

@@ -118,28 +118,40 @@ def _strongest(a, layer: int, head: int) -> str | None:
 
 def _role_grid(a) -> str:
     head = "".join(f"<th>{h}</th>" for h in range(a.n_heads))
-    groups = "".join(f"<th class='note'>kv{int(g)}</th>" for g in a.kv_group[0].tolist()) if a.n_kv_heads < a.n_heads \
-        else ""
+    groups = (
+        "".join(f"<th class='note'>kv{int(g)}</th>" for g in a.kv_group[0].tolist()) if a.n_kv_heads < a.n_heads else ""
+    )
     rows = []
     for layer in range(a.n_layers):
         cells = []
         for h in range(a.n_heads):
             main = _strongest(a, layer, h)
-            letters = "".join(KINDS[k].letter for k in a.kinds if _num(a.scores[k][layer, h]) is not None
-                              and float(a.scores[k][layer, h]) >= a.thresholds.get(k, math.inf))
+            letters = "".join(
+                KINDS[k].letter
+                for k in a.kinds
+                if _num(a.scores[k][layer, h]) is not None
+                and float(a.scores[k][layer, h]) >= a.thresholds.get(k, math.inf)
+            )
             roles = a.roles(layer, h)
             tip = html.escape(f"{layer}.{h}: " + (", ".join(roles) if roles else "no role"), quote=True)
             colour = KINDS[main].colour if main else "#f4f4f4"
             fg = "#fff" if main else "#333"
-            cells.append(f'<td data-l="{layer}" data-h="{h}" title="{tip}" style="background-color:{colour};'
-                         f'color:{fg};text-align:center;font-size:11px;min-width:22px">{letters}</td>')
+            cells.append(
+                f'<td data-l="{layer}" data-h="{h}" title="{tip}" style="background-color:{colour};'
+                f'color:{fg};text-align:center;font-size:11px;min-width:22px">{letters}</td>'
+            )
         rows.append(f"<tr><th>{layer}</th>{''.join(cells)}</tr>")
     extra = f"<tr><th></th>{groups}</tr>" if groups else ""
-    legend = " ".join(f'<span style="background:{KINDS[k].colour};color:#fff;padding:0 4px">{KINDS[k].letter} '
-                      f"{html.escape(ROLE[k])}</span>" for k in a.kinds)
-    return (f'<h2>Roles</h2><table class="hm" data-grid="roles"><tr><th></th>{head}</tr>{extra}{"".join(rows)}</table>'
-            f"<div class='note'>layers down, query heads across; colour: the strongest role (score / threshold); "
-            f"letters: every role. {legend}</div>{_pattern_note(a)}<div id='focus'></div><div id='evidence'></div>")
+    legend = " ".join(
+        f'<span style="background:{KINDS[k].colour};color:#fff;padding:0 4px">{KINDS[k].letter} '
+        f"{html.escape(ROLE[k])}</span>"
+        for k in a.kinds
+    )
+    return (
+        f'<h2>Roles</h2><table class="hm" data-grid="roles"><tr><th></th>{head}</tr>{extra}{"".join(rows)}</table>'
+        f"<div class='note'>layers down, query heads across; colour: the strongest role (score / threshold); "
+        f"letters: every role. {legend}</div>{_pattern_note(a)}<div id='focus'></div><div id='evidence'></div>"
+    )
 
 
 def _pattern_note(a) -> str:
@@ -147,11 +159,13 @@ def _pattern_note(a) -> str:
     if not a.labels:
         return ""
     t = LabelThresholds()
-    return ("<div class='note'>roles marked (pattern) are the pattern labels of the first text piece "
-            "(headlab.interpret.heads.labels), another measure than the kinds': previous-token, next-token and self "
-            f"when at least {t.positional:g} of the rows have their largest weight at offset -1, +1 or 0 (the kind "
-            "previous-token is the mean weight one step back, on random tokens), separator-sink at a mean "
-            f"{t.sink:g} on the sinks, broad at a normalised entropy of {t.broad:g}.</div>")
+    return (
+        "<div class='note'>roles marked (pattern) are the pattern labels of the first text piece "
+        "(headlab.interpret.heads.labels), another measure than the kinds': previous-token, next-token and self "
+        f"when at least {t.positional:g} of the rows have their largest weight at offset -1, +1 or 0 (the kind "
+        "previous-token is the mean weight one step back, on random tokens), separator-sink at a mean "
+        f"{t.sink:g} on the sinks, broad at a normalised entropy of {t.broad:g}.</div>"
+    )
 
 
 def _heatmap(name: str, grid) -> str:
@@ -161,11 +175,16 @@ def _heatmap(name: str, grid) -> str:
     head = "".join(f"<th>{h}</th>" for h in range(len(vals[0])))
     rows = []
     for layer, r in enumerate(vals):
-        cells = "".join(f'<td data-l="{layer}" data-h="{h}" title="{layer}.{h}: {"n/a" if v is None else f"{v:.4g}"}" '
-                        f'style="background-color:{_shade(v, lo, hi)}"></td>' for h, v in enumerate(r))
+        cells = "".join(
+            f'<td data-l="{layer}" data-h="{h}" title="{layer}.{h}: {"n/a" if v is None else f"{v:.4g}"}" '
+            f'style="background-color:{_shade(v, lo, hi)}"></td>'
+            for h, v in enumerate(r)
+        )
         rows.append(f"<tr><th>{layer}</th>{cells}</tr>")
-    return (f'<div><h3 style="font-size:14px">{html.escape(name)}</h3><table class="hm" data-grid="{html.escape(name)}">'
-            f"<tr><th></th>{head}</tr>{''.join(rows)}</table><div class='note'>{lo:.3g} .. {hi:.3g}</div></div>")
+    return (
+        f'<div><h3 style="font-size:14px">{html.escape(name)}</h3><table class="hm" data-grid="{html.escape(name)}">'
+        f"<tr><th></th>{head}</tr>{''.join(rows)}</table><div class='note'>{lo:.3g} .. {hi:.3g}</div></div>"
+    )
 
 
 def _verdicts(a) -> str:
@@ -176,14 +195,18 @@ def _verdicts(a) -> str:
         lo, hi = v["targeted_ci"]
         times = "n/a" if v.get("times_random") is None else f"{v['times_random']:.1f}x"
         heads = ", ".join(f"{l}.{h}" for l, h in v["heads"])
-        rows.append(f'<tr data-kind="{html.escape(k)}"><td>{html.escape(ROLE.get(k, k))}</td><td>{html.escape(v["task"])}</td>'
-                    f"<td>{html.escape(heads)}</td><td>{v['targeted']:.4g} [{lo:.4g}, {hi:.4g}]</td>"
-                    f"<td>{v['random_mean']:.4g} (max upper {v['random_max_upper']:.4g}, {len(v['random'])} draws)</td>"
-                    f"<td>{times}</td><td><b>{html.escape(v['verdict'])}</b></td></tr>")
+        rows.append(
+            f'<tr data-kind="{html.escape(k)}"><td>{html.escape(ROLE.get(k, k))}</td><td>{html.escape(v["task"])}</td>'
+            f"<td>{html.escape(heads)}</td><td>{v['targeted']:.4g} [{lo:.4g}, {hi:.4g}]</td>"
+            f"<td>{v['random_mean']:.4g} (max upper {v['random_max_upper']:.4g}, {len(v['random'])} draws)</td>"
+            f"<td>{times}</td><td><b>{html.escape(v['verdict'])}</b></td></tr>"
+        )
     rule = html.escape(next(iter(a.verdicts.values()))["rule"])
-    return ("<h2>Causal checks</h2><table class='verdicts'><tr><th>kind</th><th>task</th><th>top-k gated</th>"
-            "<th>effect [95% CI]</th><th>random draws</th><th>ratio</th><th>verdict</th></tr>"
-            f"{''.join(rows)}</table><div class='note'>{rule}</div>")
+    return (
+        "<h2>Causal checks</h2><table class='verdicts'><tr><th>kind</th><th>task</th><th>top-k gated</th>"
+        "<th>effect [95% CI]</th><th>random draws</th><th>ratio</th><th>verdict</th></tr>"
+        f"{''.join(rows)}</table><div class='note'>{rule}</div>"
+    )
 
 
 def _evidence(a) -> dict[str, list]:
@@ -191,30 +214,50 @@ def _evidence(a) -> dict[str, list]:
     out: dict[str, list] = {}
     for ev in a.evidence.values():
         out.setdefault(f"{ev['layer']}.{ev['head']}", []).append(
-            {"kind": ev["kind"], "tokens": ev["tokens"], "map": ev["map"]})
+            {"kind": ev["kind"], "tokens": ev["tokens"], "map": ev["map"]}
+        )
     return out
 
 
 def render_page(a, *, title: str | None = None) -> str:
     """The whole page for one :class:`~headlab.interpret.atlas.result.Atlas` ``a``."""
-    body = [_role_grid(a), "<h2>Scores</h2><div class='grids'>"
-            + "".join(_heatmap(k, v) for k, v in a.scores.items()) + "</div>", _verdicts(a)]
+    body = [
+        _role_grid(a),
+        "<h2>Scores</h2><div class='grids'>" + "".join(_heatmap(k, v) for k, v in a.scores.items()) + "</div>",
+        _verdicts(a),
+    ]
     if a.skipped:
-        body.append("<h2>Not run</h2><ul>" + "".join(f"<li>{html.escape(k)}: {html.escape(r)}</li>"
-                                                    for k, r in a.skipped.items()) + "</ul>")
-    summary = [f"{a.model} ({a.family}{', causal' if a.causal else ''}): {a.n_layers} layers x {a.n_heads} heads"
-               + (f" on {a.n_kv_heads} kv heads" if a.n_kv_heads < a.n_heads else "")]
+        body.append(
+            "<h2>Not run</h2><ul>"
+            + "".join(f"<li>{html.escape(k)}: {html.escape(r)}</li>" for k, r in a.skipped.items())
+            + "</ul>"
+        )
+    summary = [
+        f"{a.model} ({a.family}{', causal' if a.causal else ''}): {a.n_layers} layers x {a.n_heads} heads"
+        + (f" on {a.n_kv_heads} kv heads" if a.n_kv_heads < a.n_heads else "")
+    ]
     for k, s in a.summary().items():
-        summary.append(f"{ROLE[k]}: {s['count']} heads ({100 * s['share']:.1f}%) at >= {s['threshold']}"
-                       + (f"; check: {s['verdict']}" if s["verdict"] else ""))
-    data = {"scores": {k: [[_num(x) for x in r] for r in v.tolist()] for k, v in a.scores.items()},
-            "roles": [[a.roles(l, h) for h in range(a.n_heads)] for l in range(a.n_layers)],
-            "kv_group": a.kv_group.tolist(),
-            "verdicts": {k: {"verdict": v["verdict"], "heads": v["heads"]} for k, v in a.verdicts.items()},
-            "evidence": _evidence(a)}
-    return shell.page(title=title or f"head atlas: {a.model}", body="\n".join(body), summary_lines=summary,
-                      banner="; ".join(a.notes) if a.notes else None, data=data, data_id="atlas-data", script=_JS,
-                      generator="headlab atlas")
+        summary.append(
+            f"{ROLE[k]}: {s['count']} heads ({100 * s['share']:.1f}%) at >= {s['threshold']}"
+            + (f"; check: {s['verdict']}" if s["verdict"] else "")
+        )
+    data = {
+        "scores": {k: [[_num(x) for x in r] for r in v.tolist()] for k, v in a.scores.items()},
+        "roles": [[a.roles(l, h) for h in range(a.n_heads)] for l in range(a.n_layers)],
+        "kv_group": a.kv_group.tolist(),
+        "verdicts": {k: {"verdict": v["verdict"], "heads": v["heads"]} for k, v in a.verdicts.items()},
+        "evidence": _evidence(a),
+    }
+    return shell.page(
+        title=title or f"head atlas: {a.model}",
+        body="\n".join(body),
+        summary_lines=summary,
+        banner="; ".join(a.notes) if a.notes else None,
+        data=data,
+        data_id="atlas-data",
+        script=_JS,
+        generator="headlab atlas",
+    )
 
 
 __all__ = ["render_page"]

@@ -44,8 +44,9 @@ class Thresholds:
     def __init__(self, **given: float) -> None:
         bad = [k for k in given if k not in KINDS]
         if bad:
-            raise ConfigError(f"no atlas kind {', '.join(map(repr, bad))} to set a threshold for; the kinds: "
-                              f"{', '.join(KINDS)}")
+            raise ConfigError(
+                f"no atlas kind {', '.join(map(repr, bad))} to set a threshold for; the kinds: {', '.join(KINDS)}"
+            )
         object.__setattr__(self, "_given", {k: float(v) for k, v in given.items()})
 
     def __getattr__(self, name: str) -> float:
@@ -157,22 +158,44 @@ class Atlas:
         out = {}
         for k in self.kinds:
             v = self.verdicts.get(k)
-            out[k] = {"heads": [f"{l}.{h}" for l, h in self.heads_of(k)], "count": len(self.heads_of(k)),
-                      "share": round(self.share(k), 4), "threshold": self.thresholds.get(k),
-                      "verdict": None if v is None else v["verdict"],
-                      "times_random": None if v is None else v.get("times_random"),
-                      "check_skipped": self.skipped.get(f"{k} check")}
+            out[k] = {
+                "heads": [f"{l}.{h}" for l, h in self.heads_of(k)],
+                "count": len(self.heads_of(k)),
+                "share": round(self.share(k), 4),
+                "threshold": self.thresholds.get(k),
+                "verdict": None if v is None else v["verdict"],
+                "times_random": None if v is None else v.get("times_random"),
+                "check_skipped": self.skipped.get(f"{k} check"),
+            }
         return out
 
     def to_json(self) -> dict:
-        return envelope("head_atlas", {
-                "kind_of_result": "head_atlas", "model": self.model, "family": self.family, "causal": self.causal,
-                "n_layers": self.n_layers, "n_heads": self.n_heads, "n_kv_heads": self.n_kv_heads,
-                "kv_group": self.kv_group.tolist(), "scores": {k: _grid(v) for k, v in self.scores.items()},
-                "thresholds": dict(self.thresholds), "labels": self.labels, "syntactic": self.syntactic,
-                "verdicts": self.verdicts, "skipped": self.skipped, "settings": self.settings,
-                "seconds": self.seconds, "notes": self.notes, "evidence": self.evidence, "summary": self.summary()},
-            model=self.model, settings=self.settings)
+        return envelope(
+            "head_atlas",
+            {
+                "kind_of_result": "head_atlas",
+                "model": self.model,
+                "family": self.family,
+                "causal": self.causal,
+                "n_layers": self.n_layers,
+                "n_heads": self.n_heads,
+                "n_kv_heads": self.n_kv_heads,
+                "kv_group": self.kv_group.tolist(),
+                "scores": {k: _grid(v) for k, v in self.scores.items()},
+                "thresholds": dict(self.thresholds),
+                "labels": self.labels,
+                "syntactic": self.syntactic,
+                "verdicts": self.verdicts,
+                "skipped": self.skipped,
+                "settings": self.settings,
+                "seconds": self.seconds,
+                "notes": self.notes,
+                "evidence": self.evidence,
+                "summary": self.summary(),
+            },
+            model=self.model,
+            settings=self.settings,
+        )
 
     @classmethod
     def from_json(cls, data: dict | str | Path) -> Atlas:
@@ -187,26 +210,45 @@ class Atlas:
         if isinstance(data, str):
             data = json.loads(data)
         if not isinstance(data, dict):  # a JSON list or number: AttributeError on .get before
-            raise InputError(f"not an atlas: a JSON {type(data).__name__}, not an object; give the atlas.json that "
-                             "`headlab atlas --out DIR` wrote")
+            raise InputError(
+                f"not an atlas: a JSON {type(data).__name__}, not an object; give the atlas.json that "
+                "`headlab atlas --out DIR` wrote"
+            )
         if data.get("kind_of_result") != "head_atlas":
             raise InputError(f"not an atlas: kind_of_result is {data.get('kind_of_result')!r}, expected 'head_atlas'")
-        return cls(model=data["model"], family=data["family"], causal=data["causal"], n_layers=data["n_layers"],
-                   n_heads=data["n_heads"], n_kv_heads=data["n_kv_heads"],
-                   kv_group=torch.tensor(data["kv_group"], dtype=torch.long),
-                   scores={k: _ungrid(v) for k, v in data["scores"].items()}, thresholds=data["thresholds"],
-                   labels=data.get("labels", []), syntactic=data.get("syntactic", {}),
-                   verdicts=data.get("verdicts", {}), skipped=data.get("skipped", {}),
-                   settings=data.get("settings", {}), seconds=data.get("seconds", {}), notes=data.get("notes", []),
-                   evidence=data.get("evidence", {}))
+        return cls(
+            model=data["model"],
+            family=data["family"],
+            causal=data["causal"],
+            n_layers=data["n_layers"],
+            n_heads=data["n_heads"],
+            n_kv_heads=data["n_kv_heads"],
+            kv_group=torch.tensor(data["kv_group"], dtype=torch.long),
+            scores={k: _ungrid(v) for k, v in data["scores"].items()},
+            thresholds=data["thresholds"],
+            labels=data.get("labels", []),
+            syntactic=data.get("syntactic", {}),
+            verdicts=data.get("verdicts", {}),
+            skipped=data.get("skipped", {}),
+            settings=data.get("settings", {}),
+            seconds=data.get("seconds", {}),
+            notes=data.get("notes", []),
+            evidence=data.get("evidence", {}),
+        )
 
     def recheck(self, kind: str) -> dict:
         """The kind's verdict recomputed from the per-example effects stored with it (what the JSON reproduces)."""
         from headlab.interpret.atlas.causal import verdict
 
         v = self.verdicts[kind]
-        return verdict(v["effects"]["targeted"], v["effects"]["random"], n_boot=v["n_boot"], alpha=v["alpha"],
-                       ratio=v["ratio"], seed=v["seed"])
+        return verdict(
+            v["effects"]["targeted"],
+            v["effects"]["random"],
+            n_boot=v["n_boot"],
+            alpha=v["alpha"],
+            ratio=v["ratio"],
+            seed=v["seed"],
+        )
 
     def _repr_html_(self) -> str:
         """This atlas's page inline in a notebook (headlab's shell in a sandboxed frame; no network)."""

@@ -28,7 +28,9 @@ from headlab.interpret.atlas.tasks import Needle
 from headlab.interpret.capture import capture
 
 
-def copy_hits(argmax: torch.Tensor, ids: torch.Tensor, generated: torch.Tensor, needle: tuple[int, int]) -> torch.Tensor:
+def copy_hits(
+    argmax: torch.Tensor, ids: torch.Tensor, generated: torch.Tensor, needle: tuple[int, int]
+) -> torch.Tensor:
     """``(n_layers, H)`` copy events: ``argmax`` ``(n_layers, H, steps)`` the top-attended key of each
     decoding step, ``ids`` ``(L,)`` the tokens at the keys, ``generated`` ``(steps,)``, ``needle`` a span."""
     lo, hi = needle
@@ -51,8 +53,12 @@ def greedy(adapter, ids: torch.Tensor, steps: int) -> torch.Tensor:
 
 
 def _record(adapter, full: torch.Tensor):
-    return capture(adapter, {"input_ids": full[None], "attention_mask": torch.ones(1, len(full), dtype=torch.long)},
-                   adapter.sites("stats"), stats_kwargs={"stats": ["argmax"]})
+    return capture(
+        adapter,
+        {"input_ids": full[None], "attention_mask": torch.ones(1, len(full), dtype=torch.long)},
+        adapter.sites("stats"),
+        stats_kwargs={"stats": ["argmax"]},
+    )
 
 
 def retrieval_trial(adapter, trial: Needle) -> dict:
@@ -64,11 +70,11 @@ def retrieval_trial(adapter, trial: Needle) -> dict:
     n, P = len(trial.answer), len(trial.ids)
     full = torch.cat([trial.ids, trial.answer[:-1]])
     cache = _record(adapter, full)
-    pred = cache.outputs.logits[0, P - 1:P - 1 + n].argmax(-1).cpu()
+    pred = cache.outputs.logits[0, P - 1 : P - 1 + n].argmax(-1).cpu()
     miss = (pred != trial.answer).nonzero()
     if len(miss):  # greedy leaves the answer at step m: decode the rest, then record the generated sequence
         m = int(miss[0])
-        head = torch.cat([trial.answer[:m], pred[m:m + 1]])
+        head = torch.cat([trial.answer[:m], pred[m : m + 1]])
         gen = torch.cat([head, greedy(adapter, torch.cat([trial.ids, head]), n - m - 1)])
         full = torch.cat([trial.ids, gen[:-1]])
         cache = _record(adapter, full)
@@ -79,10 +85,14 @@ def retrieval_trial(adapter, trial: Needle) -> dict:
     argmax = torch.full((adapter.n_layers, H, n), -1, dtype=torch.long)
     for layer in range(adapter.n_layers):
         a = cache[adapter.site_name(layer, "stats")].argmax[0][:, rows]  # (H_l, n)
-        argmax[layer, :a.shape[0]] = a
+        argmax[layer, : a.shape[0]] = a
     hits = copy_hits(argmax, full, gen, trial.needle)
-    return {"generated": gen.tolist(), "exact": bool(torch.equal(gen, trial.answer)),
-            "token_accuracy": float((gen == trial.answer).double().mean()), "score": hits / n}
+    return {
+        "generated": gen.tolist(),
+        "exact": bool(torch.equal(gen, trial.answer)),
+        "token_accuracy": float((gen == trial.answer).double().mean()),
+        "score": hits / n,
+    }
 
 
 __all__ = ["copy_hits", "greedy", "retrieval_trial"]

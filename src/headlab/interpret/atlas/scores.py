@@ -49,12 +49,15 @@ def _lse(q: torch.Tensor, k: torch.Tensor, call_args: dict, keep=None) -> torch.
             mask = keep
         elif isinstance(mask, torch.Tensor):
             if mask.dtype != torch.bool:
-                raise ConfigError(f"the model's own mask is a {mask.dtype} tensor; the atlas reads boolean masks "
-                                  "and mask functions")
+                raise ConfigError(
+                    f"the model's own mask is a {mask.dtype} tensor; the atlas reads boolean masks and mask functions"
+                )
             mask = mask & keep.dense(q_len=q.shape[2], kv_len=k.shape[2]).to(mask.device)
         else:
             mask = masks.as_mask(mask) & keep
-    st = attention_stats(q.float().contiguous(), k.float().contiguous(), mask=mask, causal=causal, scale=scale, stats=["lse"], **args)
+    st = attention_stats(
+        q.float().contiguous(), k.float().contiguous(), mask=mask, causal=causal, scale=scale, stats=["lse"], **args
+    )
     assert st.lse is not None  # asked for
     return st.lse
 
@@ -98,8 +101,10 @@ def embeddings(model: nn.Module) -> tuple[torch.Tensor, torch.Tensor, bool]:
     get = getattr(model, "get_input_embeddings", None)
     emb = get() if callable(get) else getattr(model, "tok_emb", None)
     if not isinstance(emb, nn.Embedding):
-        raise ModelError(f"cannot find the token embedding of {type(model).__name__} (get_input_embeddings() or "
-                         "tok_emb); the copying score needs one")
+        raise ModelError(
+            f"cannot find the token embedding of {type(model).__name__} (get_input_embeddings() or "
+            "tok_emb); the copying score needs one"
+        )
     get_out = getattr(model, "get_output_embeddings", None)
     out = get_out() if callable(get_out) else None
     w_e = emb.weight.detach()
@@ -118,13 +123,13 @@ def ov_copying(adapter) -> torch.Tensor:
     place = adapter.placement
     full = place.full
     w_e, w_u, _ = embeddings(adapter.model)
-    g = (full(w_u).double() @ full(w_e).double())  # (E, E): embed a token, then read its logit back
+    g = full(w_u).double() @ full(w_e).double()  # (E, E): embed a token, then read its logit back
     out = torch.full((adapter.n_layers, adapter.n_heads), 0.0 if place.sharded else float("nan"))
     for layer in range(adapter.n_layers):
         wv = full(adapter.W_V(layer).detach()).double()  # (Hkv, E, d)
         wo = full(adapter.W_O(layer).detach()).double()  # (H, d, E)
         H, Hkv = wo.shape[0], wv.shape[0]
-        for h in (place.heads() if place.sharded else range(H)):
+        for h in place.heads() if place.sharded else range(H):
             m = wo[h] @ g @ wv[h // (H // Hkv)]  # (d, d) = W_O (W_U W_E) W_V
             lam = torch.linalg.eigvals(m)
             den = float(lam.abs().sum())

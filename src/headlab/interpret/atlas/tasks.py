@@ -55,8 +55,8 @@ def _specials(tokenizer) -> tuple[list[int], list[int]]:
     bare = list(tokenizer("a", add_special_tokens=False)["input_ids"])
     full = list(tokenizer("a")["input_ids"])
     for i in range(len(full) - len(bare) + 1):
-        if full[i:i + len(bare)] == bare:
-            return full[:i], full[i + len(bare):]
+        if full[i : i + len(bare)] == bare:
+            return full[:i], full[i + len(bare) :]
     return [], []
 
 
@@ -80,8 +80,9 @@ def repeated(tokenizer, *, vocab: int, n: int, half: int, seed: int) -> tuple[to
     g = torch.Generator().manual_seed(seed)
     x = allowed[torch.randint(0, len(allowed), (n, half), generator=g)]
     body = torch.cat([x, x], 1)
-    ids = torch.cat([torch.tensor(pre, dtype=torch.long).expand(n, -1), body,
-                     torch.tensor(post, dtype=torch.long).expand(n, -1)], 1)
+    ids = torch.cat(
+        [torch.tensor(pre, dtype=torch.long).expand(n, -1), body, torch.tensor(post, dtype=torch.long).expand(n, -1)], 1
+    )
     return ids, len(pre)
 
 
@@ -92,8 +93,10 @@ def natural(tokenizer, texts, *, max_tokens: int, n: int) -> list[torch.Tensor]:
     or None for the shipped passage."""
     if texts is None:
         if tokenizer is None:
-            raise InputError("a model without a tokenizer needs texts= as token-id sequences for its natural-text "
-                             "tasks (sink, local, retrieval)")
+            raise InputError(
+                "a model without a tokenizer needs texts= as token-id sequences for its natural-text "
+                "tasks (sink, local, retrieval)"
+            )
         texts = [haystack_text()]
     pre, post = _specials(tokenizer)
     room = max_tokens - len(pre) - len(post)
@@ -108,7 +111,7 @@ def natural(tokenizer, texts, *, max_tokens: int, n: int) -> list[torch.Tensor]:
         else:
             ids = [int(x) for x in torch.as_tensor(t).reshape(-1).tolist()]
         for s in range(0, len(ids), room):
-            piece = ids[s:s + room]
+            piece = ids[s : s + room]
             if len(piece) >= min(room, 8):
                 out.append(torch.tensor(pre + piece + post, dtype=torch.long))
     if not out:
@@ -135,15 +138,15 @@ def needles(tokenizer, *, texts, n: int, haystack_tokens: int, seed: int, vocab:
         raise ConfigError(f"needle trials must be at least 1, got {n!r}")
     g = torch.Generator().manual_seed(seed)
     pre, _ = _specials(tokenizer)
-    hay_src = natural(tokenizer, texts, max_tokens=10 ** 9, n=10 ** 6)
-    hay = torch.cat([h[len(pre):] for h in hay_src])  # one long stream (specials of each piece dropped)
+    hay_src = natural(tokenizer, texts, max_tokens=10**9, n=10**6)
+    hay = torch.cat([h[len(pre) :] for h in hay_src])  # one long stream (specials of each piece dropped)
     if len(hay) < haystack_tokens:
         hay = hay.repeat(haystack_tokens // max(len(hay), 1) + 1)
     out = []
     for i in range(n):
         depth = 0.1 + 0.8 * (i + 0.5) / n
         off = int(torch.randint(0, max(1, len(hay) - haystack_tokens), (1,), generator=g))
-        chunk = hay[off:off + haystack_tokens].tolist()
+        chunk = hay[off : off + haystack_tokens].tolist()
         if tokenizer is not None:
             key_text, ans_text = _NEEDLES[i % len(_NEEDLES)]
             key, ans = _encode(tokenizer, " " + key_text), _encode(tokenizer, ans_text)
@@ -158,8 +161,14 @@ def needles(tokenizer, *, texts, n: int, haystack_tokens: int, seed: int, vocab:
         before = pre + chunk[:cut]
         needle = key + ans + dot
         ids = before + needle + chunk[cut:] + query
-        out.append(Needle(torch.tensor(ids, dtype=torch.long), (len(before), len(before) + len(needle)),
-                          torch.tensor(ans, dtype=torch.long), depth))
+        out.append(
+            Needle(
+                torch.tensor(ids, dtype=torch.long),
+                (len(before), len(before) + len(needle)),
+                torch.tensor(ans, dtype=torch.long),
+                depth,
+            )
+        )
     return out
 
 

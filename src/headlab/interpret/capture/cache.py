@@ -27,8 +27,16 @@ class ActivationCache(Mapping):
             ``gather="none"`` (each rank keeps its own heads; :meth:`heads` says which), else None.
     """
 
-    def __init__(self, data: dict, grads: dict, outputs, scalar, adapter: ModelAdapter,
-                 call_args: dict | None = None, shards=None) -> None:
+    def __init__(
+        self,
+        data: dict,
+        grads: dict,
+        outputs,
+        scalar,
+        adapter: ModelAdapter,
+        call_args: dict | None = None,
+        shards=None,
+    ) -> None:
         self._data = data
         self.shards = shards
         self.call_args = call_args or {}
@@ -55,8 +63,10 @@ class ActivationCache(Mapping):
         without a head axis (the residual stream) is a :class:`~headlab.errors.SiteError`."""
         kind = site.rsplit(".", 1)[-1]
         if kind not in SITE_KINDS:
-            raise SiteError(f"site {site!r} has no head axis ({kind} is (B, L, E), the same on every rank); "
-                            f"heads are on axis 1 of the kinds {', '.join(SITE_KINDS)}")
+            raise SiteError(
+                f"site {site!r} has no head axis ({kind} is (B, L, E), the same on every rank); "
+                f"heads are on axis 1 of the kinds {', '.join(SITE_KINDS)}"
+            )
         self[site]  # a SiteError when it was not captured
         if self.shards is not None:
             return self.shards.heads_of(kind)
@@ -74,12 +84,16 @@ class ActivationCache(Mapping):
         """``kind`` of every layer stacked on a new first axis: pattern -> ``(n_layers, B, H, Lq, Lk)``."""
         got = self.layer(kind)
         if len(got) != self.adapter.n_layers:
-            raise SiteError(f"{kind!r} was captured for {len(got)} of {self.adapter.n_layers} layers; "
-                           f"capture sites={self.adapter.sites(kind)} to stack it")
+            raise SiteError(
+                f"{kind!r} was captured for {len(got)} of {self.adapter.n_layers} layers; "
+                f"capture sites={self.adapter.sites(kind)} to stack it"
+            )
         return torch.stack(got)
 
     def __repr__(self) -> str:
-        shapes = ", ".join(f"{k}: {tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__}"
-                           for k, v in list(self._data.items())[:6])
+        shapes = ", ".join(
+            f"{k}: {tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__}"
+            for k, v in list(self._data.items())[:6]
+        )
         more = f", ... ({len(self._data)} sites)" if len(self._data) > 6 else ""
         return f"ActivationCache({shapes}{more}{', with grads' if self.grads else ''})"

@@ -41,7 +41,14 @@ class Probe:
         with torch.no_grad():
             # contiguous: HF hands q/k over as transposed views, which attention_stats may .view()
             st = attention_stats(
-                q.detach().contiguous(), k.detach().contiguous(), None if v is None else v.detach().contiguous(),
-                mask=mask, causal=causal, scale=scale, **score_kwargs, **self.stats_kwargs)
+                q.detach().contiguous(),
+                k.detach().contiguous(),
+                None if v is None else v.detach().contiguous(),
+                mask=mask,
+                causal=causal,
+                scale=scale,
+                **score_kwargs,
+                **self.stats_kwargs,
+            )
         self.data[self.name(layer, "stats")] = st if v is None else dataclasses.replace(st, output=None)
         return st

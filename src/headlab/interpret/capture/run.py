@@ -23,25 +23,34 @@ def _select(adapter: ModelAdapter, sites: str | Sequence[str] | None) -> dict[in
     else:
         given = [sites] if isinstance(sites, str) else list(sites) if isinstance(sites, (list, tuple)) else None
         if given is None or not all(isinstance(p, str) for p in given):  # 5: a TypeError before
-            raise SiteError(f"sites must be a site name or glob, or a list of them (e.g. 'blocks.*.attn.pattern'), "
-                            f"got {sites!r}")
+            raise SiteError(
+                f"sites must be a site name or glob, or a list of them (e.g. 'blocks.*.attn.pattern'), got {sites!r}"
+            )
         patterns = given
-    return {layer: set(kinds) for layer, kinds in match_sites(patterns, adapter.n_layers, SITE_KINDS + STREAM_KINDS,
-                                                              prefixes=adapter.site_prefixes).items()}
+    return {
+        layer: set(kinds)
+        for layer, kinds in match_sites(
+            patterns, adapter.n_layers, SITE_KINDS + STREAM_KINDS, prefixes=adapter.site_prefixes
+        ).items()
+    }
 
 
 def prepare_inputs(inputs, loaded) -> dict | torch.Tensor:
     if isinstance(inputs, (str, list, tuple)) and (isinstance(inputs, str) or all(isinstance(t, str) for t in inputs)):
         if loaded is None:
-            raise InputError("text inputs need a LoadedModel (headlab.load(...)) to tokenise them; "
-                             "pass token ids or a dict of tensors for a bare model")
+            raise InputError(
+                "text inputs need a LoadedModel (headlab.load(...)) to tokenise them; "
+                "pass token ids or a dict of tensors for a bare model"
+            )
         return loaded.encode(inputs)
     if isinstance(inputs, Mapping):  # a dict, or a tokenizer's BatchEncoding
         return dict(inputs)
     if isinstance(inputs, torch.Tensor):
         return inputs
-    raise InputError(f"inputs must be text, a dict of tensors (input_ids, attention_mask) or an input_ids tensor; "
-                     f"got {type(inputs).__name__}")
+    raise InputError(
+        f"inputs must be text, a dict of tensors (input_ids, attention_mask) or an input_ids tensor; "
+        f"got {type(inputs).__name__}"
+    )
 
 
 def capture(
@@ -84,18 +93,24 @@ def capture(
     adapter, loaded = resolve(model_or_loaded_or_adapter)
     to = {True: "all", False: "none"}.get(gather, gather) if isinstance(gather, bool) else gather
     if to not in ("all", "rank0", "none"):
-        raise ConfigError(f"gather={gather!r}: give 'all' (every rank gets every head), 'rank0' (only rank 0 does) "
-                          "or 'none' (each rank keeps its own heads)")
+        raise ConfigError(
+            f"gather={gather!r}: give 'all' (every rank gets every head), 'rank0' (only rank 0 does) "
+            "or 'none' (each rank keeps its own heads)"
+        )
     wanted = _select(adapter, sites)
     if grads and scalar is None:
-        raise ConfigError("grads=True needs scalar=, a function of the model outputs returning a 0-dim tensor, "
-                          "e.g. scalar=lambda out: out.logits[0, -1].max()")
+        raise ConfigError(
+            "grads=True needs scalar=, a function of the model outputs returning a 0-dim tensor, "
+            "e.g. scalar=lambda out: out.logits[0, -1].max()"
+        )
     if grads:  # the stream sites and the statistics are recorded beside the model's graph, not in it
         flat = sorted({k for kinds in wanted.values() for k in kinds if k in STREAM_KINDS or k == "stats"})
         if flat:
-            raise ConfigError(f"grads=True takes gradients at the sites inside attention (q, k, v, pattern, z, "
-                              f"head_out, ...), not at {', '.join(flat)}; capture those without grads, or take "
-                              "gradients at a site inside attention")
+            raise ConfigError(
+                f"grads=True takes gradients at the sites inside attention (q, k, v, pattern, z, "
+                f"head_out, ...), not at {', '.join(flat)}; capture those without grads, or take "
+                "gradients at a site inside attention"
+            )
     model_inputs = prepare_inputs(inputs, loaded)
     probe = Probe(wanted, grads, dict(stats_kwargs or {}), adapter.site_name)
     chosen = backend or adapter.backend or "auto"
@@ -107,8 +122,10 @@ def capture(
             assert scalar is not None  # checked above
             value = scalar(outputs)
             if not isinstance(value, torch.Tensor) or value.numel() != 1:
-                raise ConfigError(f"scalar(outputs) must return a one-element tensor, got "
-                                  f"{type(value).__name__}{tuple(value.shape) if isinstance(value, torch.Tensor) else ''}")
+                raise ConfigError(
+                    f"scalar(outputs) must return a one-element tensor, got "
+                    f"{type(value).__name__}{tuple(value.shape) if isinstance(value, torch.Tensor) else ''}"
+                )
             if adapter.gates.requires_grad:
                 probe.live["gates"] = adapter.gates  # head importance: d scalar / d gates (n_layers, H)
             names = list(probe.live)

@@ -22,6 +22,23 @@ from headlab.interpret.circuits.result import EdgeScores
 from headlab.interpret.circuits.selfrepair import SelfRepair, self_repair
 from headlab.interpret.circuits.tasks import TASKS, TaskPairs, task
 
-__all__ = ["ABLATIONS", "TASKS", "Circuit", "EdgeScores", "Faithfulness", "Graph", "Receiver", "SelfRepair",
-           "TaskPairs", "ablated_outputs", "discover", "edge_patch", "edge_scores", "faithfulness", "graph",
-           "patched_metric", "self_repair", "task"]
+__all__ = [
+    "ABLATIONS",
+    "TASKS",
+    "Circuit",
+    "EdgeScores",
+    "Faithfulness",
+    "Graph",
+    "Receiver",
+    "SelfRepair",
+    "TaskPairs",
+    "ablated_outputs",
+    "discover",
+    "edge_patch",
+    "edge_scores",
+    "faithfulness",
+    "graph",
+    "patched_metric",
+    "self_repair",
+    "task",
+]

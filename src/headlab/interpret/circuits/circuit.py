@@ -47,6 +47,7 @@ METHODS = ("top-n", "greedy", "acdc", "manual")  # how a circuit was chosen; "ma
 
 # ---- paths over a graph, on edge masks ----------------------------------------------------------------------
 
+
 def receiver_nodes(g: Graph) -> list[list[int]]:
     """Per receiver (in :attr:`Graph.receivers` order), the nodes it feeds, as sender indices (the logits are
     ``len(g.senders)``): a q receiver its head, a k or v receiver every query head of its kv group."""
@@ -80,7 +81,7 @@ def paths(g: Graph, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tor
     fwd[0] = True  # the input
     for i, r in enumerate(g.receivers):  # every sender upstream of r is settled before r's nodes
         n = g.n_upstream(r)
-        if bool((mask[offsets[i]:offsets[i] + n] & fwd[:n]).any()):
+        if bool((mask[offsets[i] : offsets[i] + n] & fwd[:n]).any()):
             fwd[targets[i]] = True
     bwd = torch.zeros(S + 1, dtype=torch.bool)
     bwd[S] = True
@@ -89,12 +90,12 @@ def paths(g: Graph, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tor
         if bool(bwd[targets[i]].any()):
             live[i] = True
             n = g.n_upstream(g.receivers[i])
-            bwd[:n] |= mask[offsets[i]:offsets[i] + n]
+            bwd[:n] |= mask[offsets[i] : offsets[i] + n]
     keep = torch.zeros_like(mask)
     for i, r in enumerate(g.receivers):
         if live[i]:
             n = g.n_upstream(r)
-            keep[offsets[i]:offsets[i] + n] = mask[offsets[i]:offsets[i] + n] & fwd[:n]
+            keep[offsets[i] : offsets[i] + n] = mask[offsets[i] : offsets[i] + n] & fwd[:n]
     return keep, fwd, bwd
 
 
@@ -160,8 +161,10 @@ class Circuit:
             raise ConfigError(f"method={self.method!r}: a circuit is chosen by one of {', '.join(METHODS)}")
         bad = [e for e in self.edges if not isinstance(e, str) or not _EDGE.match(e)]
         if bad:
-            raise ConfigError(f"{bad[0]!r} is not an edge name: give 'sender->receiver' such as 'input->a0.h1<q>', "
-                              "'a0.h1->a2.h0<k>', 'm1->m2' or 'a1.h3->logits'")
+            raise ConfigError(
+                f"{bad[0]!r} is not an edge name: give 'sender->receiver' such as 'input->a0.h1<q>', "
+                "'a0.h1->a2.h0<k>', 'm1->m2' or 'a1.h3->logits'"
+            )
         seen: set[str] = set()
         for e in self.edges:
             if e in seen:
@@ -184,8 +187,14 @@ class Circuit:
             for e in edges:
                 mask[g.edge_index(e)] = True
         fields.setdefault("model", g.model)
-        c = cls(edges=[g.edges[i] for i in mask.nonzero().flatten().tolist()], heads=list(g.heads),
-                kv_heads=list(g.kv_heads), parallel=list(g.parallel), n_graph_edges=g.n_edges, **fields)
+        c = cls(
+            edges=[g.edges[i] for i in mask.nonzero().flatten().tolist()],
+            heads=list(g.heads),
+            kv_heads=list(g.kv_heads),
+            parallel=list(g.parallel),
+            n_graph_edges=g.n_edges,
+            **fields,
+        )
         c._graph = g
         return c
 
@@ -196,9 +205,11 @@ class Circuit:
         if self._graph is None:
             g = Graph(self.model, list(self.heads), list(self.kv_heads), list(self.parallel))
             if g.n_edges != self.n_graph_edges:
-                raise InputError(f"the circuit says its graph has {self.n_graph_edges} edges, but its layout "
-                                 f"({len(self.heads)} layers of {self.heads} heads) gives {g.n_edges}; the file is "
-                                 "damaged or was edited by hand")
+                raise InputError(
+                    f"the circuit says its graph has {self.n_graph_edges} edges, but its layout "
+                    f"({len(self.heads)} layers of {self.heads} heads) gives {g.n_edges}; the file is "
+                    "damaged or was edited by hand"
+                )
             self._graph = g
         return self._graph
 
@@ -208,10 +219,15 @@ class Circuit:
         InputError if ``graph`` is another layout (another model); ConfigError names an edge it lacks.
         """
         g = self.graph() if graph is None else graph
-        if (list(g.heads), list(g.kv_heads), list(g.parallel)) != (list(self.heads), list(self.kv_heads),
-                                                                   list(self.parallel)):
-            raise InputError(f"this circuit is of a model with heads {self.heads} (kv heads {self.kv_heads}) per "
-                             f"layer; the graph given has {g.heads} (kv {g.kv_heads}): use the model it was found on")
+        if (list(g.heads), list(g.kv_heads), list(g.parallel)) != (
+            list(self.heads),
+            list(self.kv_heads),
+            list(self.parallel),
+        ):
+            raise InputError(
+                f"this circuit is of a model with heads {self.heads} (kv heads {self.kv_heads}) per "
+                f"layer; the graph given has {g.heads} (kv {g.kv_heads}): use the model it was found on"
+            )
         m = torch.zeros(g.n_edges, dtype=torch.bool)
         for e in self.edges:
             m[g.edge_index(e)] = True
@@ -241,17 +257,33 @@ class Circuit:
         dropped = int(before.sum()) - int(keep.sum())
         notes = list(self.notes)
         if dropped:
-            notes.append(f"pruned {dropped} of {int(before.sum())} edges that lie on no path from the input to the "
-                         "logits")
-        out = Circuit(model=self.model, edges=[g.edges[i] for i in keep.nonzero().flatten().tolist()],
-                      heads=list(self.heads), kv_heads=list(self.kv_heads), parallel=list(self.parallel),
-                      n_graph_edges=self.n_graph_edges, method=self.method, scores=dict(self.scores),
-                      ablation=self.ablation, metric=self.metric, clean=self.clean, corrupted=self.corrupted,
-                      empty=self.empty, circuit_metric=self.circuit_metric if not dropped else None,
-                      settings=dict(self.settings), seconds=self.seconds, notes=notes)
+            notes.append(
+                f"pruned {dropped} of {int(before.sum())} edges that lie on no path from the input to the logits"
+            )
+        out = Circuit(
+            model=self.model,
+            edges=[g.edges[i] for i in keep.nonzero().flatten().tolist()],
+            heads=list(self.heads),
+            kv_heads=list(self.kv_heads),
+            parallel=list(self.parallel),
+            n_graph_edges=self.n_graph_edges,
+            method=self.method,
+            scores=dict(self.scores),
+            ablation=self.ablation,
+            metric=self.metric,
+            clean=self.clean,
+            corrupted=self.corrupted,
+            empty=self.empty,
+            circuit_metric=self.circuit_metric if not dropped else None,
+            settings=dict(self.settings),
+            seconds=self.seconds,
+            notes=notes,
+        )
         if dropped and self.circuit_metric is not None:
-            out.notes.append("circuit_metric was measured before pruning; measure the pruned circuit again "
-                             "(faithfulness(...)) for its own figure")
+            out.notes.append(
+                "circuit_metric was measured before pruning; measure the pruned circuit again "
+                "(faithfulness(...)) for its own figure"
+            )
         out._graph = g
         return out
 
@@ -268,11 +300,23 @@ class Circuit:
 
     def to_result(self) -> Result:
         settings = {"method": self.method, "ablation": self.ablation, "metric": self.metric, **self.settings}
-        figures = {"edges": self.edges, "n_edges": self.n_edges, "n_graph_edges": self.n_graph_edges,
-                   "nodes": self.nodes, "heads": self.heads, "kv_heads": self.kv_heads, "parallel": self.parallel,
-                   "scores": {k: _num(v) for k, v in self.scores.items()}, "clean": self.clean,
-                   "corrupted": self.corrupted, "empty": self.empty, "circuit_metric": self.circuit_metric,
-                   "faithfulness": self.faithfulness, "seconds": self.seconds, "notes": self.notes}
+        figures = {
+            "edges": self.edges,
+            "n_edges": self.n_edges,
+            "n_graph_edges": self.n_graph_edges,
+            "nodes": self.nodes,
+            "heads": self.heads,
+            "kv_heads": self.kv_heads,
+            "parallel": self.parallel,
+            "scores": {k: _num(v) for k, v in self.scores.items()},
+            "clean": self.clean,
+            "corrupted": self.corrupted,
+            "empty": self.empty,
+            "circuit_metric": self.circuit_metric,
+            "faithfulness": self.faithfulness,
+            "seconds": self.seconds,
+            "notes": self.notes,
+        }
         return Result(self.kind, model=self.model, settings=settings, figures=figures)
 
     def save(self, path: str | os.PathLike) -> Path:
@@ -285,13 +329,25 @@ class Circuit:
         f, s = r.figures, dict(r.settings)
         try:
             method, ablation, metric = s.pop("method"), s.pop("ablation", "patch"), s.pop("metric", "metric")
-            return cls(model=r.model or "", edges=list(f["edges"]), heads=[int(h) for h in f["heads"]],
-                       kv_heads=[int(h) for h in f["kv_heads"]], parallel=[bool(p) for p in f["parallel"]],
-                       n_graph_edges=int(f["n_graph_edges"]), method=method,
-                       scores={k: float("nan") if v is None else float(v) for k, v in f.get("scores", {}).items()},
-                       ablation=ablation, metric=metric, clean=f.get("clean"), corrupted=f.get("corrupted"),
-                       empty=f.get("empty"), circuit_metric=f.get("circuit_metric"), settings=s,
-                       seconds=float(f.get("seconds", 0.0)), notes=list(f.get("notes", [])))
+            return cls(
+                model=r.model or "",
+                edges=list(f["edges"]),
+                heads=[int(h) for h in f["heads"]],
+                kv_heads=[int(h) for h in f["kv_heads"]],
+                parallel=[bool(p) for p in f["parallel"]],
+                n_graph_edges=int(f["n_graph_edges"]),
+                method=method,
+                scores={k: float("nan") if v is None else float(v) for k, v in f.get("scores", {}).items()},
+                ablation=ablation,
+                metric=metric,
+                clean=f.get("clean"),
+                corrupted=f.get("corrupted"),
+                empty=f.get("empty"),
+                circuit_metric=f.get("circuit_metric"),
+                settings=s,
+                seconds=float(f.get("seconds", 0.0)),
+                notes=list(f.get("notes", [])),
+            )
         except (KeyError, TypeError, ValueError) as e:
             raise InputError(f"this circuit file lacks or garbles {e}; write it again with Circuit.save") from None
 
@@ -309,8 +365,10 @@ class Circuit:
 
     def __repr__(self) -> str:
         f = self.faithfulness
-        return (f"Circuit({self.model}, {self.method}, {self.n_edges} of {self.n_graph_edges} edges, "
-                f"{len(self.nodes)} nodes{'' if f is None else f', faithfulness {f:.3g}'})")
+        return (
+            f"Circuit({self.model}, {self.method}, {self.n_edges} of {self.n_graph_edges} edges, "
+            f"{len(self.nodes)} nodes{'' if f is None else f', faithfulness {f:.3g}'})"
+        )
 
 
 def _num(v: float) -> float | None:

@@ -63,10 +63,13 @@ ACDC_MAX_EDGES = 2000  # one forward per edge (of K = 2 + H + 2 Hkv copies of th
 
 # ---- shared checks and runs (faithfulness uses them too) -----------------------------------------------------
 
+
 def check_ablation(ablation) -> str:
     if ablation not in ABLATIONS:
-        raise ConfigError(f"ablation={ablation!r}: choose from {', '.join(ABLATIONS)} (what an edge outside the "
-                          "circuit carries: the corrupted run's sender output, its mean, another pair's, or zero)")
+        raise ConfigError(
+            f"ablation={ablation!r}: choose from {', '.join(ABLATIONS)} (what an edge outside the "
+            "circuit carries: the corrupted run's sender output, its mean, another pair's, or zero)"
+        )
     return ablation
 
 
@@ -82,20 +85,25 @@ def check_int(name: str, value, low: int, high: int | None = None, why: str = ""
 
 def check_progress(progress) -> None:
     if not (progress is None or isinstance(progress, bool | int) or callable(progress)):
-        raise ConfigError(f"progress must be True, False or a callable progress(stage, done, total), got "
-                          f"{type(progress).__name__}")
+        raise ConfigError(
+            f"progress must be True, False or a callable progress(stage, done, total), got {type(progress).__name__}"
+        )
 
 
 def check_scores(scores: EdgeScores, g: Graph) -> torch.Tensor:
     """The scores' values as ``(n_edges,)`` float64, after checking they are of this graph and complete."""
     if list(scores.edges) != list(g.edges):
-        raise InputError(f"the edge scores are of a graph of {len(scores.edges)} edges ({scores.model}); this "
-                         f"model's graph has {g.n_edges}: score this model (edge_scores) and pass those")
+        raise InputError(
+            f"the edge scores are of a graph of {len(scores.edges)} edges ({scores.model}); this "
+            f"model's graph has {g.n_edges}: score this model (edge_scores) and pass those"
+        )
     v = scores.values.double()
     bad = torch.isnan(v).nonzero().flatten()
     if bad.numel():
-        raise InputError(f"{bad.numel()} of {g.n_edges} edge scores are NaN (not measured), e.g. "
-                         f"{g.edges[int(bad[0])]!r}; score every edge (edge_scores with edges=None)")
+        raise InputError(
+            f"{bad.numel()} of {g.n_edges} edge scores are NaN (not measured), e.g. "
+            f"{g.edges[int(bad[0])]!r}; score every edge (edge_scores with edges=None)"
+        )
     return v
 
 
@@ -148,6 +156,7 @@ def kl_metric(reference: torch.Tensor, position: torch.Tensor):
 
 # ---- choosing edges from scores ------------------------------------------------------------------------------
 
+
 def top_n(values: torch.Tensor, n: int) -> torch.Tensor:
     """``(n_edges,)`` bool: the ``n`` largest ``|values|`` (ties: the earlier edge in graph order)."""
     order = torch.sort(-values.abs(), stable=True).indices[:n]
@@ -193,11 +202,28 @@ def greedy(g: Graph, values: torch.Tensor, n: int) -> torch.Tensor:
 
 # ---- discovery ------------------------------------------------------------------------------------------------
 
-def discover(model, clean, corrupted, metric, *, method: str = "top-n", n_edges: int | None = None,
-             scores: EdgeScores | None = None, score_method: str = "eap-ig", steps: int = 5,
-             threshold: float | None = None, criterion: str = "kl", ablation: str = "patch", prune: bool = True,
-             seed: int = 0, acdc_max_edges: int = ACDC_MAX_EDGES, absolute: bool = True,
-             backend: str | None = None, progress: bool | Progress = False) -> Circuit:
+
+def discover(
+    model,
+    clean,
+    corrupted,
+    metric,
+    *,
+    method: str = "top-n",
+    n_edges: int | None = None,
+    scores: EdgeScores | None = None,
+    score_method: str = "eap-ig",
+    steps: int = 5,
+    threshold: float | None = None,
+    criterion: str = "kl",
+    ablation: str = "patch",
+    prune: bool = True,
+    seed: int = 0,
+    acdc_max_edges: int = ACDC_MAX_EDGES,
+    absolute: bool = True,
+    backend: str | None = None,
+    progress: bool | Progress = False,
+) -> Circuit:
     """Find a circuit of ``model`` for the patch corrupted -> clean (the module docstring says how).
 
     Args:
@@ -228,16 +254,23 @@ def discover(model, clean, corrupted, metric, *, method: str = "top-n", n_edges:
     check_int("seed", seed, 0)
     check_progress(progress)
     if criterion not in CRITERIA:
-        raise ConfigError(f"criterion={criterion!r}: ACDC compares 'kl' (KL divergence to the full model) or "
-                          "'metric' (|change of the metric|)")
+        raise ConfigError(
+            f"criterion={criterion!r}: ACDC compares 'kl' (KL divergence to the full model) or "
+            "'metric' (|change of the metric|)"
+        )
     if method == "acdc":
         if n_edges is not None:
             raise ConfigError("n_edges is top-n's and greedy's; ACDC's size follows from threshold")
         if scores is not None:
             raise ConfigError("ACDC measures each edge itself and takes no scores; pass scores to 'top-n' or 'greedy'")
-        checks.at_least("threshold", threshold, 0, message="threshold={value!r}: ACDC needs a number >= 0 (it removes "
-                        f"an edge when the {'KL divergence' if criterion == 'kl' else '|metric change|'} grows by at "
-                        "most that; Conmy et al. sweep 1e-4 to 1e-1)")
+        checks.at_least(
+            "threshold",
+            threshold,
+            0,
+            message="threshold={value!r}: ACDC needs a number >= 0 (it removes "
+            f"an edge when the {'KL divergence' if criterion == 'kl' else '|metric change|'} grows by at "
+            "most that; Conmy et al. sweep 1e-4 to 1e-1)",
+        )
         check_int("acdc_max_edges", acdc_max_edges, 1)
     else:
         if threshold is not None:
@@ -251,16 +284,19 @@ def discover(model, clean, corrupted, metric, *, method: str = "top-n", n_edges:
             if score_method == "eap-ig":
                 check_int("steps", steps, 1, 1000, " (EAP-IG's interpolation steps; Hanna et al. use 5 to 100)")
         elif not isinstance(scores, EdgeScores):
-            raise ConfigError(f"scores must be EdgeScores (edge_scores(...) or EdgeScores.load), got "
-                              f"{type(scores).__name__}")
+            raise ConfigError(
+                f"scores must be EdgeScores (edge_scores(...) or EdgeScores.load), got {type(scores).__name__}"
+            )
     pair = runs.prepare(model, clean, corrupted)
     g = build_graph(pair.adapter)
     if ablation == "resample" and pair.n < 2:
         raise ConfigError("ablation='resample' takes another pair's corrupted run: give at least 2 pairs")
     if method == "acdc" and g.n_edges > acdc_max_edges:
-        raise ConfigError(f"method='acdc' runs one forward per edge and this graph has {g.n_edges:,} edges (it takes "
-                          f"{acdc_max_edges:,}); score the edges with EAP-IG and use method='top-n' or 'greedy', or "
-                          f"pass acdc_max_edges={g.n_edges} to wait for {g.n_edges:,} forwards")
+        raise ConfigError(
+            f"method='acdc' runs one forward per edge and this graph has {g.n_edges:,} edges (it takes "
+            f"{acdc_max_edges:,}); score the edges with EAP-IG and use method='top-n' or 'greedy', or "
+            f"pass acdc_max_edges={g.n_edges} to wait for {g.n_edges:,} forwards"
+        )
     if method != "acdc" and n_edges is not None and n_edges > g.n_edges:  # checked above: given for these
         raise ConfigError(f"n_edges={n_edges}: this graph has {g.n_edges} edges")
     values = check_scores(scores, g) if scores is not None else None
@@ -280,8 +316,9 @@ def discover(model, clean, corrupted, metric, *, method: str = "top-n", n_edges:
         if values is None:
             from headlab.interpret.circuits.eap import edge_scores
 
-            scores = edge_scores(model, clean, corrupted, metric, method=score_method, steps=steps, backend=backend,
-                                 progress=progress)
+            scores = edge_scores(
+                model, clean, corrupted, metric, method=score_method, steps=steps, backend=backend, progress=progress
+            )
             values = check_scores(scores, g)
         recorded = record_runs(pair, g, metric, backend)
         ablated = ablated_outputs(recorded.clean_out, recorded.corrupt_out, ablation, seed=seed)
@@ -294,14 +331,18 @@ def discover(model, clean, corrupted, metric, *, method: str = "top-n", n_edges:
             mask = top_n(values, n_edges) if method == "top-n" else greedy(g, values, n_edges)
         chosen_scores = {g.edges[i]: float(values[i]) for i in mask.nonzero().flatten().tolist()}
         settings.update(n_edges=n_edges, score_method=scores.method, steps=scores.steps, absolute=absolute)
-        notes.append(f"chosen by {'|score|' if absolute or method != 'top-n' else 'signed score'} of {scores.method} edge scores (estimated m_patched - m_clean of each edge "
-                     "alone)" + (", grown greedily from the logits" if method == "greedy" else ""))
+        notes.append(
+            f"chosen by {'|score|' if absolute or method != 'top-n' else 'signed score'} of {scores.method} edge scores (estimated m_patched - m_clean of each edge "
+            "alone)" + (", grown greedily from the logits" if method == "greedy" else "")
+        )
     chosen = int(mask.sum())
     if prune:
         kept = on_paths(g, mask)
         if int(kept.sum()) < chosen:
-            notes.append(f"pruned {chosen - int(kept.sum())} of {chosen} chosen edges that lie on no path from the "
-                         "input to the logits")
+            notes.append(
+                f"pruned {chosen - int(kept.sum())} of {chosen} chosen edges that lie on no path from the "
+                "input to the logits"
+            )
         mask = kept
     settings["chosen"] = chosen
     if ablation == "resample":
@@ -309,9 +350,21 @@ def discover(model, clean, corrupted, metric, *, method: str = "top-n", n_edges:
     with torch.no_grad():
         m_circuit = float(patched_metric(pair, g, metric, ~mask, ablated, backend).mean())
         m_empty = float(patched_metric(pair, g, metric, torch.ones_like(mask), ablated, backend).mean())
-    c = Circuit.of(g, mask, model=pair.model_name, method=method, scores=chosen_scores, ablation=ablation,
-                   metric=name, clean=recorded.m_clean, corrupted=recorded.m_corrupt, empty=m_empty,
-                   circuit_metric=m_circuit, settings=settings, notes=notes)
+    c = Circuit.of(
+        g,
+        mask,
+        model=pair.model_name,
+        method=method,
+        scores=chosen_scores,
+        ablation=ablation,
+        metric=name,
+        clean=recorded.m_clean,
+        corrupted=recorded.m_corrupt,
+        empty=m_empty,
+        circuit_metric=m_circuit,
+        settings=settings,
+        notes=notes,
+    )
     c.seconds = time.perf_counter() - t0
     return c
 
@@ -359,19 +412,32 @@ def _acdc(pair, g: Graph, metric, recorded: Runs, ablated, threshold: float, cri
                     done += 1
                     say("acdc edges", done, g.n_edges)
                 if live:
-                    reaches[:n] |= keep[offsets[i]:offsets[i] + n]
+                    reaches[:n] |= keep[offsets[i] : offsets[i] + n]
         except KeyboardInterrupt:
             if pending is not None:
                 keep[pending] = True
-            notes.append(f"interrupted after {done} of {g.n_edges} edges; the {g.n_edges - done} not tried stay in "
-                         "the circuit")
-    what = ("KL(full || circuit) at the last real position" if criterion == "kl"
-            else "|change of the metric's mean|")
+            notes.append(
+                f"interrupted after {done} of {g.n_edges} edges; the {g.n_edges - done} not tried stay in the circuit"
+            )
+    what = "KL(full || circuit) at the last real position" if criterion == "kl" else "|change of the metric's mean|"
     notes.append(f"ACDC: an edge was removed when {what} grew by at most {threshold:g}; {forwards} forwards")
     if cut:
         notes.append(f"{cut} edges into receivers no longer connected to the logits were removed without a forward")
     return keep, tried, notes
 
 
-__all__ = ["ACDC_MAX_EDGES", "CRITERIA", "METHODS", "Runs", "check_ablation", "check_int", "check_scores",
-           "discover", "greedy", "kl_metric", "last_positions", "record_runs", "top_n"]
+__all__ = [
+    "ACDC_MAX_EDGES",
+    "CRITERIA",
+    "METHODS",
+    "Runs",
+    "check_ablation",
+    "check_int",
+    "check_scores",
+    "discover",
+    "greedy",
+    "kl_metric",
+    "last_positions",
+    "record_runs",
+    "top_n",
+]

@@ -106,11 +106,11 @@ def _receiver_grads(stash: _Stash, value: torch.Tensor):
 def _layer_scores(graph: Graph, flat: torch.Tensor, first: int, grads: list[torch.Tensor]) -> list[torch.Tensor]:
     """``delta_s . grad_r`` for the receivers ``first ..`` of one layer: one product against the senders the widest
     of them reads; ``flat`` is the senders' differences ``(S, B * L * E)``."""
-    receivers = graph.receivers[first:first + len(grads)]
+    receivers = graph.receivers[first : first + len(grads)]
     widest = max(graph.n_upstream(r) for r in receivers)
     G = torch.stack([g.reshape(-1) for g in grads], 1).to(flat.dtype)  # (B * L * E, receivers)
     prod = (flat[:widest] @ G).double()  # (senders, receivers)
-    return [prod[:graph.n_upstream(r), k] for k, r in enumerate(receivers)]
+    return [prod[: graph.n_upstream(r), k] for k, r in enumerate(receivers)]
 
 
 def _clean_pass(pair, graph, inputs, metric, replace, backend, delta: torch.Tensor) -> torch.Tensor:
@@ -118,8 +118,11 @@ def _clean_pass(pair, graph, inputs, metric, replace, backend, delta: torch.Tens
     stash = _Stash(pair.adapter, graph, replace)
     flat = delta.reshape(delta.shape[0], -1)
     out: list[torch.Tensor] = []
-    with pair.adapter.use_backend(backend or pair.adapter.backend or "auto"), pair.adapter.hooks(stash.edits()), \
-            torch.enable_grad():
+    with (
+        pair.adapter.use_backend(backend or pair.adapter.backend or "auto"),
+        pair.adapter.hooks(stash.edits()),
+        torch.enable_grad(),
+    ):
         outputs = pair.adapter.forward(inputs)
         value = evaluate(metric, logits_of(outputs), pair.n).mean()
         first = 0
@@ -129,9 +132,20 @@ def _clean_pass(pair, graph, inputs, metric, replace, backend, delta: torch.Tens
     return torch.cat(out)
 
 
-def edge_scores(model, clean, corrupted, metric, *, method: str = "eap", steps: int = 5, ig: str = "inputs",
-                edges=None, max_rows: int = 256, backend: str | None = None,
-                progress: bool | Progress = False) -> EdgeScores:
+def edge_scores(
+    model,
+    clean,
+    corrupted,
+    metric,
+    *,
+    method: str = "eap",
+    steps: int = 5,
+    ig: str = "inputs",
+    edges=None,
+    max_rows: int = 256,
+    backend: str | None = None,
+    progress: bool | Progress = False,
+) -> EdgeScores:
     """Score every edge of ``model``'s graph for the patch corrupted -> clean.
 
     Args:
@@ -161,13 +175,20 @@ def edge_scores(model, clean, corrupted, metric, *, method: str = "eap", steps: 
     if method == "exact":
         from headlab.interpret.circuits.patching import edge_patch
 
-        return edge_patch(model, clean, corrupted, metric, edges=edges, max_rows=max_rows, backend=backend,
-                          progress=progress)
+        return edge_patch(
+            model, clean, corrupted, metric, edges=edges, max_rows=max_rows, backend=backend, progress=progress
+        )
     if edges is not None:
         raise ConfigError("edges= chooses the edges of exact patching; EAP and EAP-IG score every edge at once")
     if method == "eap-ig":
-        checks.int_in_range("steps", steps, 1, 1000, message="steps={value!r}: give a whole number of interpolation "
-                            "steps from 1 to 1000 (Hanna et al. use 5 to 100)")
+        checks.int_in_range(
+            "steps",
+            steps,
+            1,
+            1000,
+            message="steps={value!r}: give a whole number of interpolation "
+            "steps from 1 to 1000 (Hanna et al. use 5 to 100)",
+        )
         if ig not in IG_KINDS:
             raise ConfigError(f"ig={ig!r}: choose 'inputs' (interpolate the input embeddings) or 'activations'")
     else:
@@ -196,7 +217,9 @@ def edge_scores(model, clean, corrupted, metric, *, method: str = "eap", steps: 
                 replace[a.site_name(0, "resid_pre")] = clean_out[0] + alpha * delta[0]
                 i = 1
                 for l, H in enumerate(g.heads):
-                    replace[a.site_name(l, "head_out")] = (clean_out[i:i + H] + alpha * delta[i:i + H]).transpose(0, 1)
+                    replace[a.site_name(l, "head_out")] = (clean_out[i : i + H] + alpha * delta[i : i + H]).transpose(
+                        0, 1
+                    )
                     replace[a.site_name(l, "mlp_out")] = clean_out[i + H] + alpha * delta[i + H]
                     i += H + 1
             part = _clean_pass(pair, g, pair.clean, metric, replace, backend, delta)
@@ -204,15 +227,29 @@ def edge_scores(model, clean, corrupted, metric, *, method: str = "eap", steps: 
             say("edge attribution" if steps == 1 else "EAP-IG steps", k + 1, steps)
     assert total is not None  # steps >= 1
     scores = total / steps
-    where = ("at the clean run" if method == "eap" else
-             f"averaged over {steps} points from the corrupted input towards the clean one (Hanna et al.'s EAP-IG)"
-             if ig == "inputs" else f"averaged over {steps} points from the clean run towards the corrupted one, "
-             "every sender's output interpolated")
+    where = (
+        "at the clean run"
+        if method == "eap"
+        else f"averaged over {steps} points from the corrupted input towards the clean one (Hanna et al.'s EAP-IG)"
+        if ig == "inputs"
+        else f"averaged over {steps} points from the clean run towards the corrupted one, "
+        "every sender's output interpolated"
+    )
     notes = ["first-order estimate: (out_corrupted - out_clean) of the sender . d metric / d receiver input, " + where]
-    return EdgeScores(model=pair.model_name, method=method,
-                      metric=getattr(metric, "__name__", "metric"), n_examples=pair.n, clean=m_clean,
-                      corrupted=m_corrupt, edges=list(g.edges), values=scores, steps=steps,
-                      ig=ig if method == "eap-ig" else None, seconds=time.perf_counter() - t0, notes=notes)
+    return EdgeScores(
+        model=pair.model_name,
+        method=method,
+        metric=getattr(metric, "__name__", "metric"),
+        n_examples=pair.n,
+        clean=m_clean,
+        corrupted=m_corrupt,
+        edges=list(g.edges),
+        values=scores,
+        steps=steps,
+        ig=ig if method == "eap-ig" else None,
+        seconds=time.perf_counter() - t0,
+        notes=notes,
+    )
 
 
 __all__ = ["IG_KINDS", "METHODS", "edge_scores"]

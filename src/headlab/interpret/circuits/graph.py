@@ -129,21 +129,25 @@ class Graph:
         return self._start[r.layer]
 
     def upstream(self, r: Receiver) -> list[str]:
-        return self.senders[:self.n_upstream(r)]
+        return self.senders[: self.n_upstream(r)]
 
     def sender_index(self, name: str) -> int:
         try:
             return self._index[name]
         except KeyError:
-            raise ConfigError(f"{name!r} is not a sender of this graph: give 'input', 'a{{layer}}.h{{head}}' or "
-                              f"'m{{layer}}' ({self.n_layers} layers of {max(self.heads, default=0)} heads)") from None
+            raise ConfigError(
+                f"{name!r} is not a sender of this graph: give 'input', 'a{{layer}}.h{{head}}' or "
+                f"'m{{layer}}' ({self.n_layers} layers of {max(self.heads, default=0)} heads)"
+            ) from None
 
     def edge_index(self, name: str) -> int:
         try:
             return self._edge_index[name]
         except KeyError:
-            raise ConfigError(f"{name!r} is not an edge of this graph ({self.n_edges} edges, named like "
-                              f"{self.edges[0]!r}); a sender reaches only receivers downstream of it") from None
+            raise ConfigError(
+                f"{name!r} is not an edge of this graph ({self.n_edges} edges, named like "
+                f"{self.edges[0]!r}); a sender reaches only receivers downstream of it"
+            ) from None
 
     def parse(self, edge: str) -> tuple[int, Receiver]:
         """``(sender index, receiver)`` of an edge name."""
@@ -160,7 +164,9 @@ class Graph:
         try:
             return self._receiver(name)
         except KeyError:
-            raise ConfigError(f"{name!r} is not a receiver: give 'a{{l}}.h{{h}}<q|k|v>', 'm{{l}}' or 'logits'") from None
+            raise ConfigError(
+                f"{name!r} is not a receiver: give 'a{{l}}.h{{h}}<q|k|v>', 'm{{l}}' or 'logits'"
+            ) from None
 
     def formula(self) -> int:
         """The edge count from the closed form in the module docstring (a check on :attr:`edges`)."""
@@ -173,8 +179,10 @@ class Graph:
         return total + 1 + sum(n)
 
     def __repr__(self) -> str:
-        return (f"Graph({self.model}: {self.n_layers} layers, {self.n_nodes} nodes, {self.n_edges} edges, "
-                f"{len(self.receivers)} receivers)")
+        return (
+            f"Graph({self.model}: {self.n_layers} layers, {self.n_nodes} nodes, {self.n_edges} edges, "
+            f"{len(self.receivers)} receivers)"
+        )
 
 
 def check_stream(adapter) -> list[bool]:
@@ -183,10 +191,13 @@ def check_stream(adapter) -> list[bool]:
     if set(adapter.stacks) != {"blocks"} or adapter.shared_layers:
         raise UnsupportedArchitectureError(
             f"circuits need one stack of unshared blocks; the {family!r} model has stacks {', '.join(adapter.stacks)}"
-            f"{' and shares blocks across layers' if adapter.shared_layers else ''}")
+            f"{' and shares blocks across layers' if adapter.shared_layers else ''}"
+        )
     if adapter.placement.sharded:
-        raise UnsupportedArchitectureError("circuits run on one process: the model is sharded by tensor parallelism; "
-                                           "load it without --tensor-parallel (the graph splits pairs, not heads)")
+        raise UnsupportedArchitectureError(
+            "circuits run on one process: the model is sharded by tensor parallelism; "
+            "load it without --tensor-parallel (the graph splits pairs, not heads)"
+        )
     parallel = []
     for l in range(adapter.n_layers):
         norms = adapter.attention_norm(l)
@@ -194,7 +205,8 @@ def check_stream(adapter) -> list[bool]:
             raise UnsupportedArchitectureError(
                 f"the {family!r} model normalises after attention ({norms.layout}-norm blocks): its residual stream "
                 "is not the sum of its heads' and MLPs' outputs, so edges between them are not defined; circuits "
-                "take pre-norm models (GPT-2, Llama, Qwen, Mistral, Gemma 1, OLMo, ...) and parallel blocks")
+                "take pre-norm models (GPT-2, Llama, Qwen, Mistral, Gemma 1, OLMo, ...) and parallel blocks"
+            )
         adapter.mlp(l)  # UnsupportedArchitectureError: no MLP module on the stream alone
         parallel.append(norms.parallel is not None)
     return parallel

@@ -39,6 +39,7 @@ __all__ = ["curve_points", "head_labels", "inline", "render", "write"]
 
 # ---- labels --------------------------------------------------------------------------------------------------------
 
+
 def head_labels(labels) -> dict[str, str]:
     """``{"a3.h2": "induction, previous-token"}`` from what ``render`` takes as ``labels``:
 
@@ -55,8 +56,9 @@ def head_labels(labels) -> dict[str, str]:
     if not isinstance(labels, dict):
         from headlab.errors import InputError
 
-        raise InputError(f"labels: give a dict such as {{'a3.h2': 'induction'}} or an atlas result, not "
-                         f"{type(labels).__name__}")
+        raise InputError(
+            f"labels: give a dict such as {{'a3.h2': 'induction'}} or an atlas result, not {type(labels).__name__}"
+        )
     out = {}
     for key, value in labels.items():
         if isinstance(key, tuple) and len(key) == 2:
@@ -128,28 +130,42 @@ def _table(circuit, data: list[dict], labels: dict[str, str], top: int) -> str:
     rows = []
     for i, d in enumerate(ranked, 1):
         s, node = d["from"], d["to"]
-        who = "; ".join(x for x in (f"{s}: {labels[s]}" if s in labels else "",
-                                    f"{node}: {labels[node]}" if node in labels else "") if x)
+        who = "; ".join(
+            x
+            for x in (f"{s}: {labels[s]}" if s in labels else "", f"{node}: {labels[node]}" if node in labels else "")
+            if x
+        )
         share = "" if d["score"] is None else f"{100 * abs(d['score']) / total:.1f}%"
-        rows.append(f'<tr data-edge="{html.escape(d["edge"], quote=True)}"><td class="num">{i}</td>'
-                    f'<td class="text"><code>{html.escape(d["edge"])}</code></td><td class="text">{d["kind"]}</td>'
-                    f'<td class="num">{fmt_number(d["score"])}</td><td class="num">{share}</td>'
-                    f'<td class="text">{html.escape(who)}</td></tr>')
+        rows.append(
+            f'<tr data-edge="{html.escape(d["edge"], quote=True)}"><td class="num">{i}</td>'
+            f'<td class="text"><code>{html.escape(d["edge"])}</code></td><td class="text">{d["kind"]}</td>'
+            f'<td class="num">{fmt_number(d["score"])}</td><td class="num">{share}</td>'
+            f'<td class="text">{html.escape(who)}</td></tr>'
+        )
     more = len(data) - len(ranked)
-    tail = f"<div class='note'>{more} more edges in the circuit (every edge is in the page's data)</div>" if more > 0 \
+    tail = (
+        f"<div class='note'>{more} more edges in the circuit (every edge is in the page's data)</div>"
+        if more > 0
         else ""
-    return (f"<h2>Top edges</h2><table class='stats edges'><tr><th>#</th><th class='text'>edge</th>"
-            "<th class='text'>input</th><th>score</th><th>share of |score|</th><th class='text'>labels</th></tr>"
-            f"{''.join(rows)}</table>{tail}<div class='note'>{html.escape(_score_note(circuit))}</div>")
+    )
+    return (
+        f"<h2>Top edges</h2><table class='stats edges'><tr><th>#</th><th class='text'>edge</th>"
+        "<th class='text'>input</th><th>score</th><th>share of |score|</th><th class='text'>labels</th></tr>"
+        f"{''.join(rows)}</table>{tail}<div class='note'>{html.escape(_score_note(circuit))}</div>"
+    )
 
 
 def _score_note(circuit) -> str:
     if getattr(circuit, "method", None) == "acdc":
-        return ("score: how much removing the edge grew ACDC's criterion when it was tried (the edges kept are those "
-                "whose removal grew it past the threshold)")
+        return (
+            "score: how much removing the edge grew ACDC's criterion when it was tried (the edges kept are those "
+            "whose removal grew it past the threshold)"
+        )
     how = (getattr(circuit, "settings", None) or {}).get("score_method")
-    return ("score: the change of the metric's mean when this edge alone carries the corrupted run's sender output "
-            f"(m_patched - m_clean){f', as {how} estimated it' if how else ''}")
+    return (
+        "score: the change of the metric's mean when this edge alone carries the corrupted run's sender output "
+        f"(m_patched - m_clean){f', as {how} estimated it' if how else ''}"
+    )
 
 
 def render(circuit, faithfulness=None, labels=None, *, graph=None, top: int = 30, title: str | None = None) -> str:
@@ -176,21 +192,34 @@ def render(circuit, faithfulness=None, labels=None, *, graph=None, top: int = 30
     node_names = {n for e in edges for n in split_edge(e)}
     on_path = getattr(circuit, "nodes", None)  # a Circuit's nodes on a path from the input to the logits
     n_nodes = len(on_path) if on_path is not None else len(node_names)
-    summary = [f"{model}: {len(edges)} edges{share}, {n_nodes} nodes; method "
-               f"{getattr(circuit, 'method', None) or 'n/a'}, ablation {getattr(circuit, 'ablation', None) or 'n/a'}"]
-    figures = [(name, as_number(getattr(circuit, attr, None))) for name, attr in (
-        ("clean", "clean"), ("corrupted", "corrupted"), ("every edge ablated", "empty"),
-        ("the circuit alone", "circuit_metric"))]
+    summary = [
+        f"{model}: {len(edges)} edges{share}, {n_nodes} nodes; method "
+        f"{getattr(circuit, 'method', None) or 'n/a'}, ablation {getattr(circuit, 'ablation', None) or 'n/a'}"
+    ]
+    figures = [
+        (name, as_number(getattr(circuit, attr, None)))
+        for name, attr in (
+            ("clean", "clean"),
+            ("corrupted", "corrupted"),
+            ("every edge ablated", "empty"),
+            ("the circuit alone", "circuit_metric"),
+        )
+    ]
     if any(v is not None for _, v in figures):
         f = as_number(getattr(circuit, "faithfulness", None))  # Circuit.faithfulness: the circuit's own f, or None
-        summary.append(f"metric {getattr(circuit, 'metric', None) or 'm'}: "
-                       + ", ".join(f"{k} {v:.4g}" for k, v in figures if v is not None)
-                       + ("" if f is None else f"; f = {f:.3g}"))
+        summary.append(
+            f"metric {getattr(circuit, 'metric', None) or 'm'}: "
+            + ", ".join(f"{k} {v:.4g}" for k, v in figures if v is not None)
+            + ("" if f is None else f"; f = {f:.3g}")
+        )
     notes = list(getattr(circuit, "notes", None) or [])
     in_circuit = sorted(k for k in names if k in node_names)
     if in_circuit:
-        summary.append("labelled heads in the circuit: " + ", ".join(f"{k} ({names[k]})" for k in in_circuit[:12])
-                       + (" ..." if len(in_circuit) > 12 else ""))
+        summary.append(
+            "labelled heads in the circuit: "
+            + ", ".join(f"{k} ({names[k]})" for k in in_circuit[:12])
+            + (" ..." if len(in_circuit) > 12 else "")
+        )
     body = [_CSS, "<h2>Circuit</h2>"]
     body.append(svg if edges else svg + "<p class='note'>the circuit has no edges</p>")
     body.append(legend(getattr(circuit, "method", None)))
@@ -202,10 +231,16 @@ def render(circuit, faithfulness=None, labels=None, *, graph=None, top: int = 30
         if stats:
             summary.append("faithfulness: " + ", ".join(stats))
     body.append(_table(circuit, data, names, top))
-    return shell.page(title=title or f"circuit: {model}", body="\n".join(body), summary_lines=summary,
-                      banner="; ".join(notes) if notes else None,
-                      data={"edges": data, "curve": curve}, data_id="circuit-data", script=_JS,
-                      generator="headlab circuit")
+    return shell.page(
+        title=title or f"circuit: {model}",
+        body="\n".join(body),
+        summary_lines=summary,
+        banner="; ".join(notes) if notes else None,
+        data={"edges": data, "curve": curve},
+        data_id="circuit-data",
+        script=_JS,
+        generator="headlab circuit",
+    )
 
 
 def inline(circuit, faithfulness=None, labels=None, **kw) -> str:

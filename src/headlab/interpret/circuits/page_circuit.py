@@ -55,7 +55,6 @@ def _kind(receiver: str) -> str:
     return m.group(3) if m else ("logits" if receiver == "logits" else "mlp")
 
 
-
 # ---- the circuit's layout ------------------------------------------------------------------------------------------
 
 W, H_NODE, GAP, ROW, PAD, GUTTER = 58, 34, 14, 86, 24, 44  # node width and height, spacing, layer height, margins
@@ -117,8 +116,10 @@ def _sender_node(sender: str) -> tuple[str, str, int | None, int]:
 
 def _layout(edges: list[str], groups, labels: dict[str, str]):
     """The nodes (placed) and, per edge, (sender node, receiver node, input kind)."""
-    nodes: dict[str, _Node] = {"input": _Node("input", "input", None, width=80),
-                               "logits": _Node("logits", "logits", None, width=80)}
+    nodes: dict[str, _Node] = {
+        "input": _Node("input", "input", None, width=80),
+        "logits": _Node("logits", "logits", None, width=80),
+    }
     ends = []
     for e in edges:
         s, r = split_edge(e)
@@ -134,8 +135,13 @@ def _layout(edges: list[str], groups, labels: dict[str, str]):
                 per = groups[0][n.layer] // groups[1][n.layer]
                 n.group = [h for h in range(n.index * per, (n.index + 1) * per) if f"a{n.layer}.h{h}" in nodes]
     layers = sorted({n.layer for n in nodes.values() if n.layer is not None})
-    rows = {l: sorted((n for n in nodes.values() if n.layer == l and n.kind in ("head", "kv")),
-                      key=lambda n: (n.kind == "kv", n.index)) for l in layers}
+    rows = {
+        l: sorted(
+            (n for n in nodes.values() if n.layer == l and n.kind in ("head", "kv")),
+            key=lambda n: (n.kind == "kv", n.index),
+        )
+        for l in layers
+    }
     mlps = {n.layer: n for n in nodes.values() if n.kind == "mlp"}
     widest = max([len(rows[l]) + (l in mlps) for l in layers] + [2])
     width = GUTTER + 2 * PAD + widest * (W + GAP)
@@ -200,15 +206,19 @@ def svg_circuit(circuit, labels: dict[str, str], graph) -> tuple[str, list[dict]
     on = _on_path(circuit)
     values = [as_number(scores.get(e)) for e in edges]
     top = max([abs(v) for v in values if v is not None] + [0.0])
-    parts = [f'<svg class="circuit" width="{width:.0f}" height="{height:.0f}" viewBox="0 0 {width:.0f} {height:.0f}" '
-             'role="img" aria-label="the circuit: input at the bottom, logits at the top">']
+    parts = [
+        f'<svg class="circuit" width="{width:.0f}" height="{height:.0f}" viewBox="0 0 {width:.0f} {height:.0f}" '
+        'role="img" aria-label="the circuit: input at the bottom, logits at the top">'
+    ]
     for level, l in enumerate(layers, 1):
         parts.append(f'<text class="layer" x="6" y="{y_of(level) + 4:.1f}" font-size="11" fill="#5b6475">L{l}</text>')
     for n in nodes.values():  # a kv node's group: thin grey lines to its query heads
         for h in n.group:
             q = nodes[f"a{n.layer}.h{h}"]
-            parts.append(f'<path class="group" d="M{n.x:.1f},{n.y:.1f} L{q.x:.1f},{q.y:.1f}" stroke="#ced4da" '
-                         'stroke-width="1" fill="none"/>')
+            parts.append(
+                f'<path class="group" d="M{n.x:.1f},{n.y:.1f} L{q.x:.1f},{q.y:.1f}" stroke="#ced4da" '
+                'stroke-width="1" fill="none"/>'
+            )
     data = []
     order = sorted(range(len(edges)), key=lambda i: -1.0 if (v := values[i]) is None else abs(v))  # strong on top
     for i in order:
@@ -216,14 +226,15 @@ def svg_circuit(circuit, labels: dict[str, str], graph) -> tuple[str, list[dict]
         t = 0.0 if v is None or top == 0 else abs(v) / top
         colour = SIGN_COLOURS[0 if v is None else (1 if v > 0 else -1)]
         dash = f' stroke-dasharray="{DASH[kind]}"' if DASH.get(kind) else ""
-        parts.append(f'<line class="edge" data-edge="{html.escape(e, quote=True)}" data-kind="{kind}" '
-                     f'data-from="{html.escape(s.name)}" data-to="{html.escape(r.name)}" x1="{s.x:.1f}" '
-                     f'y1="{s.top:.1f}" x2="{_port(r, kind):.1f}" y2="{r.bottom:.1f}" stroke="{colour}" '
-                     f'stroke-width="{0.75 + 4.25 * t:.2f}" stroke-opacity="{0.2 + 0.8 * t:.2f}"{dash}>'
-                     f"<title>{html.escape(e)}: {fmt_number(v)}</title></line>")
+        parts.append(
+            f'<line class="edge" data-edge="{html.escape(e, quote=True)}" data-kind="{kind}" '
+            f'data-from="{html.escape(s.name)}" data-to="{html.escape(r.name)}" x1="{s.x:.1f}" '
+            f'y1="{s.top:.1f}" x2="{_port(r, kind):.1f}" y2="{r.bottom:.1f}" stroke="{colour}" '
+            f'stroke-width="{0.75 + 4.25 * t:.2f}" stroke-opacity="{0.2 + 0.8 * t:.2f}"{dash}>'
+            f"<title>{html.escape(e)}: {fmt_number(v)}</title></line>"
+        )
     for i, e in enumerate(edges):
-        data.append({"edge": e, "score": values[i], "kind": ends[i][2], "from": ends[i][0].name,
-                     "to": ends[i][1].name})
+        data.append({"edge": e, "score": values[i], "kind": ends[i][2], "from": ends[i][0].name, "to": ends[i][1].name})
     fills = {"input": "#e9ecef", "logits": "#e9ecef", "mlp": "#f3f0ff", "kv": "#f8f9fa"}
     for n in nodes.values():
         shown = {"head": n.name[1:], "kv": f"kv{n.index}"}.get(n.kind, n.name)
@@ -231,24 +242,29 @@ def svg_circuit(circuit, labels: dict[str, str], graph) -> tuple[str, list[dict]
         w = n.width if n.kind != "kv" else 34
         tip = n.name + (f": {n.label}" if n.label else "")
         if n.kind == "kv":
-            tip = (f"a{n.layer} kv head {n.index}: the k and v inputs shared by its query heads"
-                   + (f" ({', '.join(f'h{h}' for h in n.group)} in the circuit)" if n.group else ""))
+            tip = f"a{n.layer} kv head {n.index}: the k and v inputs shared by its query heads" + (
+                f" ({', '.join(f'h{h}' for h in n.group)} in the circuit)" if n.group else ""
+            )
         # a node on no path from the input to the logits (its edges change nothing under patch ablation): faded
         off = on is not None and n.kind in ("head", "mlp") and n.name not in on
         if off:
             tip += " (on no path from the input to the logits)"
         faded = ' opacity="0.5"' if off else ""
-        parts.append(f'<g class="node{" off" if off else ""}" data-node="{html.escape(n.name)}" data-kind="{n.kind}"'
-                     f'{faded}>'
-                     f"<title>{html.escape(tip)}</title>"
-                     f'<rect x="{n.x - w / 2:.1f}" y="{n.top:.1f}" width="{w:.0f}" height="{H_NODE}" rx="4" '
-                     f'fill="{fill}" stroke="#495057" stroke-width="1"/>'
-                     f'<text x="{n.x:.1f}" y="{n.y - (3 if n.label else -4):.1f}" text-anchor="middle" '
-                     f'font-size="12">{html.escape(shown)}</text>')
+        parts.append(
+            f'<g class="node{" off" if off else ""}" data-node="{html.escape(n.name)}" data-kind="{n.kind}"'
+            f'{faded}>'
+            f"<title>{html.escape(tip)}</title>"
+            f'<rect x="{n.x - w / 2:.1f}" y="{n.top:.1f}" width="{w:.0f}" height="{H_NODE}" rx="4" '
+            f'fill="{fill}" stroke="#495057" stroke-width="1"/>'
+            f'<text x="{n.x:.1f}" y="{n.y - (3 if n.label else -4):.1f}" text-anchor="middle" '
+            f'font-size="12">{html.escape(shown)}</text>'
+        )
         if n.label:
             short = n.label if len(n.label) <= 11 else n.label[:10] + "\u2026"
-            parts.append(f'<text class="label" x="{n.x:.1f}" y="{n.y + 11:.1f}" text-anchor="middle" font-size="9" '
-                         f'fill="#0b7285">{html.escape(short)}</text>')
+            parts.append(
+                f'<text class="label" x="{n.x:.1f}" y="{n.y + 11:.1f}" text-anchor="middle" font-size="9" '
+                f'fill="#0b7285">{html.escape(short)}</text>'
+            )
         parts.append("</g>")
     parts.append("</svg>")
     return "".join(parts), data
@@ -256,16 +272,36 @@ def svg_circuit(circuit, labels: dict[str, str], graph) -> tuple[str, list[dict]
 
 def legend(method: str | None) -> str:
     """The note under the drawing: what the lines' colours, dashes and widths say."""
+
     def sample(colour, dash=""):
         d = f' stroke-dasharray="{dash}"' if dash else ""
-        return (f'<svg width="34" height="10"><line x1="1" y1="5" x2="33" y2="5" stroke="{colour}" '
-                f'stroke-width="2.5"{d}/></svg>')
+        return (
+            f'<svg width="34" height="10"><line x1="1" y1="5" x2="33" y2="5" stroke="{colour}" '
+            f'stroke-width="2.5"{d}/></svg>'
+        )
 
-    signs = ([sample(SIGN_COLOURS[1]), "how much removing the edge grew ACDC's criterion;"] if method == "acdc" else
-             [sample(SIGN_COLOURS[1]), "score &gt; 0 (patching the edge raises the metric)",
-              sample(SIGN_COLOURS[-1]), "score &lt; 0 (lowers it);"])
-    return ("<div class='note'>" + " ".join([
-        *signs,
-        sample("#495057"), "into q", sample("#495057", DASH["k"]), "into k", sample("#495057", DASH["v"]),
-        "into v (ports left to right on a head's lower edge); width and opacity: |score| against the largest.",
-    ]) + "</div>")
+    signs = (
+        [sample(SIGN_COLOURS[1]), "how much removing the edge grew ACDC's criterion;"]
+        if method == "acdc"
+        else [
+            sample(SIGN_COLOURS[1]),
+            "score &gt; 0 (patching the edge raises the metric)",
+            sample(SIGN_COLOURS[-1]),
+            "score &lt; 0 (lowers it);",
+        ]
+    )
+    return (
+        "<div class='note'>"
+        + " ".join(
+            [
+                *signs,
+                sample("#495057"),
+                "into q",
+                sample("#495057", DASH["k"]),
+                "into k",
+                sample("#495057", DASH["v"]),
+                "into v (ports left to right on a head's lower edge); width and opacity: |score| against the largest.",
+            ]
+        )
+        + "</div>"
+    )

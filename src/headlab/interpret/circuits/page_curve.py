@@ -55,10 +55,18 @@ def curve_points(faith, n_graph_edges: int | None = None) -> dict:
     sd = [as_number(x) for x in _listed(_get(faith, "random_sd"))] or [None] * len(mean)
     lo = [None if m is None else m - (d or 0.0) for m, d in zip(mean, sd)]
     hi = [None if m is None else m + (d or 0.0) for m, d in zip(mean, sd)]
-    return {"fractions": fractions, "sizes": sizes, "kept": [int(k) for k in _listed(_get(faith, "kept"))],
-            "f": [as_number(x) for x in _listed(_get(faith, "f"))], "random_lo": lo, "random_mean": mean,
-            "random_hi": hi, "cpr": as_number(_get(faith, "cpr")), "cmd": as_number(_get(faith, "cmd")),
-            "source": _get(faith, "source", default="")}
+    return {
+        "fractions": fractions,
+        "sizes": sizes,
+        "kept": [int(k) for k in _listed(_get(faith, "kept"))],
+        "f": [as_number(x) for x in _listed(_get(faith, "f"))],
+        "random_lo": lo,
+        "random_mean": mean,
+        "random_hi": hi,
+        "cpr": as_number(_get(faith, "cpr")),
+        "cmd": as_number(_get(faith, "cmd")),
+        "source": _get(faith, "source", default=""),
+    }
 
 
 def _svg_curve(pts: dict, own: tuple[float, float] | None = None) -> str:
@@ -67,8 +75,11 @@ def _svg_curve(pts: dict, own: tuple[float, float] | None = None) -> str:
     if not xs:
         return "<p class='note'>no circuit sizes to draw</p>"
     w, h, ml, mr, mt, mb = 560, 300, 52, 16, 14, 42
-    ys = [v for k in ("f", "random_lo", "random_hi") for v in pts[k] if v is not None] + [0.0, 1.0] \
+    ys = (
+        [v for k in ("f", "random_lo", "random_hi") for v in pts[k] if v is not None]
+        + [0.0, 1.0]
         + ([own[1]] if own else [])
+    )
     y0, y1 = min(ys), max(ys)
     y0, y1 = y0 - 0.05 * (y1 - y0), y1 + 0.05 * (y1 - y0)
     lx0, lx1 = math.floor(math.log10(min(xs))), max(0, math.ceil(math.log10(max(xs))))
@@ -81,52 +92,83 @@ def _svg_curve(pts: dict, own: tuple[float, float] | None = None) -> str:
     def Y(v: float) -> float:
         return mt + (y1 - v) / (y1 - y0) * (h - mt - mb)
 
-    out = [f'<svg class="faithfulness" width="{w}" height="{h}" viewBox="0 0 {w} {h}" role="img" '
-           'aria-label="faithfulness against the fraction of edges">',
-           f'<rect x="{ml}" y="{mt}" width="{w - ml - mr}" height="{h - mt - mb}" fill="#fff" stroke="#c8cdd8"/>']
+    out = [
+        f'<svg class="faithfulness" width="{w}" height="{h}" viewBox="0 0 {w} {h}" role="img" '
+        'aria-label="faithfulness against the fraction of edges">',
+        f'<rect x="{ml}" y="{mt}" width="{w - ml - mr}" height="{h - mt - mb}" fill="#fff" stroke="#c8cdd8"/>',
+    ]
     for k in range(lx0, lx1 + 1):
-        x = X(10.0 ** k)
-        label = f"{100 * 10.0 ** k:g}%"
-        out.append(f'<line x1="{x:.1f}" y1="{mt}" x2="{x:.1f}" y2="{h - mb}" stroke="#eef0f4"/>'
-                   f'<text x="{x:.1f}" y="{h - mb + 14}" text-anchor="middle" font-size="10">{label}</text>')
+        x = X(10.0**k)
+        label = f"{100 * 10.0**k:g}%"
+        out.append(
+            f'<line x1="{x:.1f}" y1="{mt}" x2="{x:.1f}" y2="{h - mb}" stroke="#eef0f4"/>'
+            f'<text x="{x:.1f}" y="{h - mb + 14}" text-anchor="middle" font-size="10">{label}</text>'
+        )
     step = next(s for s in (0.1, 0.2, 0.25, 0.5, 1, 2, 2.5, 5, 10, 20, 50, 100, math.inf) if (y1 - y0) / s <= 8)
     ticks = [i * step for i in range(math.ceil(y0 / step), math.floor(y1 / step) + 1)] if math.isfinite(step) else []
     for v in ticks:
-        out.append(f'<line class="grid" x1="{ml}" y1="{Y(v):.1f}" x2="{w - mr}" y2="{Y(v):.1f}" stroke="#eef0f4"/>'
-                   f'<text x="{ml - 6}" y="{Y(v) + 4:.1f}" text-anchor="end" font-size="10">{v:g}</text>')
+        out.append(
+            f'<line class="grid" x1="{ml}" y1="{Y(v):.1f}" x2="{w - mr}" y2="{Y(v):.1f}" stroke="#eef0f4"/>'
+            f'<text x="{ml - 6}" y="{Y(v) + 4:.1f}" text-anchor="end" font-size="10">{v:g}</text>'
+        )
     for v in (0.0, 1.0):  # f = 0 (every edge ablated) and f = 1 (the model)
-        out.append(f'<line class="ref" x1="{ml}" y1="{Y(v):.1f}" x2="{w - mr}" y2="{Y(v):.1f}" stroke="#868e96" '
-                   'stroke-dasharray="4 3"/>')
-    out.append(f'<text x="{(ml + w - mr) / 2:.0f}" y="{h - 6}" text-anchor="middle" font-size="11">fraction of the '
-               f"graph's edges in the circuit (log)</text>"
-               f'<text x="12" y="{(mt + h - mb) / 2:.0f}" font-size="11" text-anchor="middle" '
-               f'transform="rotate(-90 12 {(mt + h - mb) / 2:.0f})">faithfulness f</text>')
-    band = [(X(x), Y(a), Y(b)) for x, a, b in zip(pts["fractions"], pts["random_lo"], pts["random_hi"])
-            if x and x > 0 and a is not None and b is not None]
+        out.append(
+            f'<line class="ref" x1="{ml}" y1="{Y(v):.1f}" x2="{w - mr}" y2="{Y(v):.1f}" stroke="#868e96" '
+            'stroke-dasharray="4 3"/>'
+        )
+    out.append(
+        f'<text x="{(ml + w - mr) / 2:.0f}" y="{h - 6}" text-anchor="middle" font-size="11">fraction of the '
+        f"graph's edges in the circuit (log)</text>"
+        f'<text x="12" y="{(mt + h - mb) / 2:.0f}" font-size="11" text-anchor="middle" '
+        f'transform="rotate(-90 12 {(mt + h - mb) / 2:.0f})">faithfulness f</text>'
+    )
+    band = [
+        (X(x), Y(a), Y(b))
+        for x, a, b in zip(pts["fractions"], pts["random_lo"], pts["random_hi"])
+        if x and x > 0 and a is not None and b is not None
+    ]
     if band:
-        poly = " ".join(f"{x:.1f},{b:.1f}" for x, _, b in band) + " " + \
-            " ".join(f"{x:.1f},{a:.1f}" for x, a, _ in reversed(band))
-        out.append(f'<polygon class="random-band" points="{poly}" fill="#adb5bd" fill-opacity="0.35" stroke="none">'
-                   "<title>random circuits of the same sizes: mean -+ one standard deviation</title></polygon>")
+        poly = (
+            " ".join(f"{x:.1f},{b:.1f}" for x, _, b in band)
+            + " "
+            + " ".join(f"{x:.1f},{a:.1f}" for x, a, _ in reversed(band))
+        )
+        out.append(
+            f'<polygon class="random-band" points="{poly}" fill="#adb5bd" fill-opacity="0.35" stroke="none">'
+            "<title>random circuits of the same sizes: mean -+ one standard deviation</title></polygon>"
+        )
         mean = [(X(x), Y(m)) for x, m in zip(pts["fractions"], pts["random_mean"]) if x and x > 0 and m is not None]
-        out.append('<polyline class="random-mean" points="' + " ".join(f"{x:.1f},{y:.1f}" for x, y in mean)
-                   + '" fill="none" stroke="#868e96" stroke-dasharray="5 3"/>')
+        out.append(
+            '<polyline class="random-mean" points="'
+            + " ".join(f"{x:.1f},{y:.1f}" for x, y in mean)
+            + '" fill="none" stroke="#868e96" stroke-dasharray="5 3"/>'
+        )
     n = len(pts["fractions"])
     sizes, kept = pts["sizes"] or [None] * n, pts["kept"] or [None] * n
-    line = [(X(x), Y(v), x, v, s, k) for x, v, s, k in zip(pts["fractions"], pts["f"], sizes, kept)
-            if x and x > 0 and v is not None]
+    line = [
+        (X(x), Y(v), x, v, s, k)
+        for x, v, s, k in zip(pts["fractions"], pts["f"], sizes, kept)
+        if x and x > 0 and v is not None
+    ]
     if line:
-        out.append('<polyline class="curve" points="' + " ".join(f"{x:.1f},{y:.1f}" for x, y, *_ in line)
-                   + f'" fill="none" stroke="{SIGN_COLOURS[1]}" stroke-width="2"/>')
+        out.append(
+            '<polyline class="curve" points="'
+            + " ".join(f"{x:.1f},{y:.1f}" for x, y, *_ in line)
+            + f'" fill="none" stroke="{SIGN_COLOURS[1]}" stroke-width="2"/>'
+        )
         for x, y, frac, v, s, k in line:
             size = "" if s is None else f"top {s} edges" + ("" if k is None else f" ({k} after pruning)") + ", "
-            out.append(f'<circle class="point" cx="{x:.1f}" cy="{y:.1f}" r="3.5" fill="{SIGN_COLOURS[1]}">'
-                       f"<title>{size}{100 * frac:.3g}% of the edges: f = {v:.4g}</title></circle>")
+            out.append(
+                f'<circle class="point" cx="{x:.1f}" cy="{y:.1f}" r="3.5" fill="{SIGN_COLOURS[1]}">'
+                f"<title>{size}{100 * frac:.3g}% of the edges: f = {v:.4g}</title></circle>"
+            )
     if own and own[0] > 0:
         x, y = X(own[0]), Y(own[1])
-        out.append(f'<path class="own" d="M{x:.1f},{y - 7:.1f} L{x + 7:.1f},{y:.1f} L{x:.1f},{y + 7:.1f} '
-                   f'L{x - 7:.1f},{y:.1f} Z" fill="{SIGN_COLOURS[-1]}" stroke="#fff"><title>this circuit: '
-                   f"{100 * own[0]:.3g}% of the edges, f = {own[1]:.4g}</title></path>")
+        out.append(
+            f'<path class="own" d="M{x:.1f},{y - 7:.1f} L{x + 7:.1f},{y:.1f} L{x:.1f},{y + 7:.1f} '
+            f'L{x - 7:.1f},{y:.1f} Z" fill="{SIGN_COLOURS[-1]}" stroke="#fff"><title>this circuit: '
+            f"{100 * own[0]:.3g}% of the edges, f = {own[1]:.4g}</title></path>"
+        )
     out.append("</svg>")
     return "".join(out)
 
@@ -142,10 +184,16 @@ def faithfulness_section(faith, circuit, n_graph_edges) -> tuple[str, dict]:
         stats.append(f"CPR {pts['cpr']:.4g} (area under f: higher is better)")
     if pts["cmd"] is not None:
         stats.append(f"CMD {pts['cmd']:.4g} (area between f and 1: lower is better)")
-    note = ("f = (m(circuit) - m(empty)) / (m(model) - m(empty)): 1 is the whole model's behaviour, 0 that of a "
-            "circuit with no edge (everything ablated); blue: the top-k edges by the scores"
-            + (f" ({pts['source']})" if pts["source"] else "") + " at each size, pruned to the edges on a path; grey: "
-            "random circuits of the same sizes (dashed: their mean, band: one standard deviation)"
-            + ("; orange diamond: this circuit" if own else ""))
-    return (f"<h2>Faithfulness</h2>{_svg_curve(pts, own)}<div class='note'>{html.escape('; '.join(stats))}</div>"
-            f"<div class='note'>{html.escape(note)}</div>", pts)
+    note = (
+        "f = (m(circuit) - m(empty)) / (m(model) - m(empty)): 1 is the whole model's behaviour, 0 that of a "
+        "circuit with no edge (everything ablated); blue: the top-k edges by the scores"
+        + (f" ({pts['source']})" if pts["source"] else "")
+        + " at each size, pruned to the edges on a path; grey: "
+        "random circuits of the same sizes (dashed: their mean, band: one standard deviation)"
+        + ("; orange diamond: this circuit" if own else "")
+    )
+    return (
+        f"<h2>Faithfulness</h2>{_svg_curve(pts, own)}<div class='note'>{html.escape('; '.join(stats))}</div>"
+        f"<div class='note'>{html.escape(note)}</div>",
+        pts,
+    )

@@ -61,8 +61,17 @@ def _edge_list(g: Graph, edges) -> list[int]:
     return out
 
 
-def edge_patch(model, clean, corrupted, metric, edges: Iterable[str] | None = None, *, max_rows: int = 256,
-               backend: str | None = None, progress: bool | Progress = False) -> EdgeScores:
+def edge_patch(
+    model,
+    clean,
+    corrupted,
+    metric,
+    edges: Iterable[str] | None = None,
+    *,
+    max_rows: int = 256,
+    backend: str | None = None,
+    progress: bool | Progress = False,
+) -> EdgeScores:
     """Exact patching of each edge alone: ``.scores[edge]`` is ``m_patched - m_clean`` of the metric's mean.
 
     Args:
@@ -92,15 +101,26 @@ def edge_patch(model, clean, corrupted, metric, edges: Iterable[str] | None = No
                 say("edge patching", done, len(chosen))
     except KeyboardInterrupt:
         pass
-    notes = ["each edge patched alone: the receiver's input gets the sender's corrupted-minus-clean output; "
-             "everything downstream recomputes"]
+    notes = [
+        "each edge patched alone: the receiver's input gets the sender's corrupted-minus-clean output; "
+        "everything downstream recomputes"
+    ]
     if done < len(chosen):
         notes.append(f"interrupted after {done} of {len(chosen)} edges; the others are NaN")
     elif len(chosen) < g.n_edges:
         notes.append(f"{len(chosen)} of {g.n_edges} edges measured; the others are NaN")
-    return EdgeScores(model=pair.model_name, method="exact", metric=getattr(metric, "__name__", "metric"),
-                      n_examples=pair.n, clean=m_clean, corrupted=m_corrupt, edges=list(g.edges), values=values,
-                      seconds=time.perf_counter() - t0, notes=notes)
+    return EdgeScores(
+        model=pair.model_name,
+        method="exact",
+        metric=getattr(metric, "__name__", "metric"),
+        n_examples=pair.n,
+        clean=m_clean,
+        corrupted=m_corrupt,
+        edges=list(g.edges),
+        values=values,
+        seconds=time.perf_counter() - t0,
+        notes=notes,
+    )
 
 
 def _add(C: int, n: int, deltas: dict[int, torch.Tensor], head: bool = False):
@@ -146,13 +166,18 @@ def _run(pair, C: int, start: int, edits: dict, backend, stop_after: int | None 
     a = pair.adapter
     handle = None
     if stop_after is not None:
+
         def stop(module, args, out):
             raise _Stop
 
         handle = a.block(stop_after).register_forward_hook(stop)
     try:
-        with torch.no_grad(), fan_out(a, start, C, share_attention=False), \
-                a.use_backend(backend or a.backend or "auto"), a.hooks(edits):
+        with (
+            torch.no_grad(),
+            fan_out(a, start, C, share_attention=False),
+            a.use_backend(backend or a.backend or "auto"),
+            a.hooks(edits),
+        ):
             return a.forward(pair.clean)
     except _Stop:
         return None
@@ -182,6 +207,7 @@ def _edge_chunk(pair, g: Graph, metric, configs, delta, backend) -> torch.Tensor
         kept[a.site_name(r.layer, "mlp_out" if r.kind == "mlp" else r.kind)] = None  # type: ignore[assignment]  # a placeholder: the keep hook below fills it first
         top = max(top, r.layer)
     if adds:
+
         def keep(t, site):
             kept[site] = t.detach().clone()
             return t
@@ -206,7 +232,10 @@ def _edge_chunk(pair, g: Graph, metric, configs, delta, backend) -> torch.Tensor
 
 # ---- a set of edges at once ---------------------------------------------------------------------------------
 
-def ablated_outputs(clean_out: torch.Tensor, corrupt_out: torch.Tensor, ablation: str, *, seed: int = 0) -> torch.Tensor:
+
+def ablated_outputs(
+    clean_out: torch.Tensor, corrupt_out: torch.Tensor, ablation: str, *, seed: int = 0
+) -> torch.Tensor:
     """``(S, B, L, E)``: what each sender's output becomes on an ablated edge (see the module docstring)."""
     if ablation == "patch":
         return corrupt_out
@@ -245,7 +274,7 @@ class _Split:
     def _corr(self, i: int) -> torch.Tensor | None:
         r = self.g.receivers[i]
         n_up = self.g.n_upstream(r)
-        w = self.patched[self.offsets[i]:self.offsets[i] + n_up]
+        w = self.patched[self.offsets[i] : self.offsets[i] + n_up]
         if not bool(w.any()):
             return None
         idx = w.nonzero().flatten()
@@ -281,10 +310,11 @@ class _Split:
                 if corr is not None:
                     out[self.copy_of(i)] -= corr.to(t)
             return out.reshape(t.shape)
+
         return edit
 
     def _corr_before(self, i: int, stop: int) -> torch.Tensor | None:
-        w = self.patched[self.offsets[i]:self.offsets[i] + stop]
+        w = self.patched[self.offsets[i] : self.offsets[i] + stop]
         if not bool(w.any()):
             return None
         return self.diff[w.nonzero().flatten()].sum(0)
@@ -296,6 +326,7 @@ class _Split:
             v = self.view(t)
             picked = torch.stack([v[base + h, :, h] for h in range(t.shape[1])], 1)  # (B, heads, L, d)
             return picked.unsqueeze(0).expand_as(v).reshape(t.shape)
+
         return edit
 
     def head_out(self, layer: int):
@@ -304,25 +335,29 @@ class _Split:
             main = v[0]  # (B, H, L, E): every copy's heads are the same here
             s0 = self.first[layer]
             H = main.shape[1]
-            self.diff[s0:s0 + H] = main.to(self.diff).transpose(0, 1) - self.ablated[s0:s0 + H]
+            self.diff[s0 : s0 + H] = main.to(self.diff).transpose(0, 1) - self.ablated[s0 : s0 + H]
             if self.g.parallel[layer]:
                 return t
             i = self.by_layer[layer][-1]  # the MLP receiver of this layer
-            w = self.patched[self.offsets[i] + s0:self.offsets[i] + s0 + H]
+            w = self.patched[self.offsets[i] + s0 : self.offsets[i] + s0 + H]
             if not bool(w.any()):
                 return t
             out = v.clone()
             for h in w.nonzero().flatten().tolist():
                 out[self.K - 1, :, h] = self.ablated[s0 + h].to(t)
             return out.reshape(t.shape)
+
         return edit
 
     def mlp_out(self, layer: int):
         def edit(t, site):
             v = self.view(t)
             m = v[self.K - 1]
-            self.diff[self.first[layer] + self.g.heads[layer]] = m.to(self.diff) - self.ablated[self.first[layer] + self.g.heads[layer]]
+            self.diff[self.first[layer] + self.g.heads[layer]] = (
+                m.to(self.diff) - self.ablated[self.first[layer] + self.g.heads[layer]]
+            )
             return m.unsqueeze(0).expand_as(v).reshape(t.shape)
+
         return edit
 
     def final(self):
@@ -332,6 +367,7 @@ class _Split:
             if corr is not None:
                 main = main - corr.to(t)
             return main.unsqueeze(0).expand(self.K, *main.shape).reshape(t.shape)
+
         return edit
 
     def edits(self) -> dict:
@@ -354,13 +390,19 @@ def patched_metric(pair, g: Graph, metric, patched: torch.Tensor, ablated: torch
     if blocks(a) is None:
         from headlab.errors import UnsupportedArchitectureError
 
-        raise UnsupportedArchitectureError(f"the blocks of {type(a.model).__name__} are not one layer list: a set of "
-                                           "edges cannot be patched in one forward")
+        raise UnsupportedArchitectureError(
+            f"the blocks of {type(a.model).__name__} are not one layer list: a set of "
+            "edges cannot be patched in one forward"
+        )
     split = _Split(a, g, pair.n, patched.bool(), ablated)
-    with torch.no_grad(), fan_out(a, 0, split.K, share_attention=False), \
-            a.use_backend(backend or a.backend or "auto"), a.hooks(split.edits()):
+    with (
+        torch.no_grad(),
+        fan_out(a, 0, split.K, share_attention=False),
+        a.use_backend(backend or a.backend or "auto"),
+        a.hooks(split.edits()),
+    ):
         outputs = a.forward(pair.clean)
-    logits = logits_of(outputs)[:pair.n]
+    logits = logits_of(outputs)[: pair.n]
     return evaluate(metric, logits, pair.n)[0].detach()
 
 

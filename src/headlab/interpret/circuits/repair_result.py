@@ -57,16 +57,27 @@ class Rules:
     def text(self) -> list[str]:
         """The rules in words, with this object's numbers (stored with every result)."""
         keep = 1 - self.repaired
-        return [f"t = {self.tol:g} x |gap|; effects are m_ablated - m_clean; undone = (direct - total) / direct",
-                "unused: |direct| < t and |total| < t",
-                f"irreplaceable: |direct| < t <= |total|, or |total| > {keep:g} |direct|",
-                f"duplicated: |total| <= {self.alone:g} |direct| and |pair(h, k*)| - max(|total|, |k* alone|) >= "
-                f"{self.joint:g} |direct|",
-                f"compensated: |total| <= {keep:g} |direct| otherwise"]
+        return [
+            f"t = {self.tol:g} x |gap|; effects are m_ablated - m_clean; undone = (direct - total) / direct",
+            "unused: |direct| < t and |total| < t",
+            f"irreplaceable: |direct| < t <= |total|, or |total| > {keep:g} |direct|",
+            f"duplicated: |total| <= {self.alone:g} |direct| and |pair(h, k*)| - max(|total|, |k* alone|) >= "
+            f"{self.joint:g} |direct|",
+            f"compensated: |total| <= {keep:g} |direct| otherwise",
+        ]
 
 
-def judge(total: float, direct: float, gap: float, rules: Rules = Rules(), *, partner: str | None = None,
-          pair: float = math.nan, partner_alone: float = math.nan, by: Sequence[str] = ()) -> tuple[str, str]:
+def judge(
+    total: float,
+    direct: float,
+    gap: float,
+    rules: Rules = Rules(),
+    *,
+    partner: str | None = None,
+    pair: float = math.nan,
+    partner_alone: float = math.nan,
+    by: Sequence[str] = (),
+) -> tuple[str, str]:
     """``(verdict, evidence)`` of one head from its measured effects (the rules of the module docstring); ``by``
     names the top compensators in a "compensated" verdict's evidence. A value that is exactly 0 counts as below
     the tolerance, even when ``rules.tol`` is 0.
@@ -84,22 +95,31 @@ def judge(total: float, direct: float, gap: float, rules: Rules = Rules(), *, pa
         return abs(x) < t or x == 0
 
     if small(direct) and small(total):
-        return "unused", (f"|direct| {abs(direct):.3g} and |total| {abs(total):.3g} below {t:.3g} ({rules.tol:g} of "
-                          "the gap)")
+        return "unused", (
+            f"|direct| {abs(direct):.3g} and |total| {abs(total):.3g} below {t:.3g} ({rules.tol:g} of the gap)"
+        )
     if small(direct):
-        return "irreplaceable", (f"acts through downstream components: total {total:.3g}, direct {direct:.3g} below "
-                                 f"{t:.3g}")
+        return "irreplaceable", (
+            f"acts through downstream components: total {total:.3g}, direct {direct:.3g} below {t:.3g}"
+        )
     undone = (direct - total) / direct
     if abs(total) > (1 - rules.repaired) * abs(direct):
         if undone > 1:
-            return "irreplaceable", (f"total {total:.3g} against direct {direct:.3g}: downstream components "
-                                     f"over-correct ({undone:.0%} undone), acting beyond its direct path")
+            return "irreplaceable", (
+                f"total {total:.3g} against direct {direct:.3g}: downstream components "
+                f"over-correct ({undone:.0%} undone), acting beyond its direct path"
+            )
         return "irreplaceable", f"total {total:.3g} keeps {1 - undone:.0%} of direct {direct:.3g}"
-    if (partner is not None and abs(total) <= rules.alone * abs(direct) and not math.isnan(pair)
-            and not math.isnan(partner_alone)
-            and abs(pair) - max(abs(total), abs(partner_alone)) >= rules.joint * abs(direct)):
-        return "duplicated", (f"alone {total:.3g} of direct {direct:.3g}; with {partner} {pair:.3g} ({partner} alone "
-                              f"{partner_alone:.3g})")
+    if (
+        partner is not None
+        and abs(total) <= rules.alone * abs(direct)
+        and not math.isnan(pair)
+        and not math.isnan(partner_alone)
+        and abs(pair) - max(abs(total), abs(partner_alone)) >= rules.joint * abs(direct)
+    ):
+        return "duplicated", (
+            f"alone {total:.3g} of direct {direct:.3g}; with {partner} {pair:.3g} ({partner} alone {partner_alone:.3g})"
+        )
     names = f" by {', '.join(by)}" if by else ""
     return "compensated", f"{undone:.0%} of direct {direct:.3g} undone{names} (total {total:.3g})"
 
@@ -148,7 +168,7 @@ class HeadRepair:
     @property
     def top(self) -> list[tuple[str, float]]:
         """The components that undo most of the direct effect, strongest first: ``[(name, comp), ...]``."""
-        return compensators(self.compensation, self.direct)[:self.n_top]
+        return compensators(self.compensation, self.direct)[: self.n_top]
 
 
 @dataclass
@@ -194,6 +214,7 @@ class SelfRepair:
 
     def table(self, digits: int = 3) -> str:
         """A plain-text table for the terminal: one row per head, then the rules."""
+
         def f(x: float) -> str:
             return "nan" if math.isnan(x) else f"{x:.{digits}g}"
 
@@ -206,8 +227,10 @@ class SelfRepair:
             undone = "-" if math.isnan(h.undone) or abs(h.direct) < t else f"{h.undone:.0%}"  # 0/0-like below t
             rows.append([h.head, f(h.total), f(h.direct), f(h.self_repair), undone, f(h.other), top, verdict])
         widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
-        lines = [f"self-repair: {self.model}, metric {self.metric}, ablation {self.ablation}, {self.n_examples} "
-                 f"examples; clean {f(self.clean)}, corrupted {f(self.corrupted)}; effects are m_ablated - m_clean"]
+        lines = [
+            f"self-repair: {self.model}, metric {self.metric}, ablation {self.ablation}, {self.n_examples} "
+            f"examples; clean {f(self.clean)}, corrupted {f(self.corrupted)}; effects are m_ablated - m_clean"
+        ]
         lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
         lines += ["rules: " + "; ".join(self.rules.text())] + [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
@@ -217,14 +240,33 @@ class SelfRepair:
             return None if math.isnan(x) else x
 
         settings = {"metric": self.metric, "ablation": self.ablation, "rules": asdict(self.rules)}
-        figures = {"n_examples": self.n_examples, "clean": self.clean, "corrupted": self.corrupted,
-                   "heads": [{"head": h.head, "total": num(h.total), "direct": num(h.direct),
-                              "self_repair": num(h.self_repair), "undone": num(h.undone), "other": num(h.other),
-                              "compensation": {k: num(v) for k, v in h.compensation.items()},
-                              "top": [[k, v] for k, v in h.top], "partner": h.partner, "pair": num(h.pair),
-                              "partner_alone": num(h.partner_alone), "verdict": h.verdict, "evidence": h.evidence}
-                             for h in self.heads],
-                   "counts": self.counts(), "rules": self.rules.text(), "seconds": self.seconds, "notes": self.notes}
+        figures = {
+            "n_examples": self.n_examples,
+            "clean": self.clean,
+            "corrupted": self.corrupted,
+            "heads": [
+                {
+                    "head": h.head,
+                    "total": num(h.total),
+                    "direct": num(h.direct),
+                    "self_repair": num(h.self_repair),
+                    "undone": num(h.undone),
+                    "other": num(h.other),
+                    "compensation": {k: num(v) for k, v in h.compensation.items()},
+                    "top": [[k, v] for k, v in h.top],
+                    "partner": h.partner,
+                    "pair": num(h.pair),
+                    "partner_alone": num(h.partner_alone),
+                    "verdict": h.verdict,
+                    "evidence": h.evidence,
+                }
+                for h in self.heads
+            ],
+            "counts": self.counts(),
+            "rules": self.rules.text(),
+            "seconds": self.seconds,
+            "notes": self.notes,
+        }
         return Result(self.kind, model=self.model, settings=settings, figures=figures)
 
     def save(self, path: str | os.PathLike):
@@ -233,8 +275,10 @@ class SelfRepair:
     @classmethod
     def from_result(cls, r: Result) -> SelfRepair:
         if r.kind != cls.kind:
-            raise InputError(f"this file holds a {r.kind!r} result, not self-repair ({cls.kind}); give a file that "
-                             "SelfRepair.save wrote")
+            raise InputError(
+                f"this file holds a {r.kind!r} result, not self-repair ({cls.kind}); give a file that "
+                "SelfRepair.save wrote"
+            )
 
         def num(x) -> float:
             return math.nan if x is None else float(x)
@@ -242,16 +286,38 @@ class SelfRepair:
         try:
             f, s = r.figures, r.settings
             rules = Rules(**s.get("rules", {}))
-            heads = [HeadRepair(h["head"], num(h["total"]), num(h["direct"]), num(h["self_repair"]),
-                                {k: num(v) for k, v in h["compensation"].items()}, h.get("partner"), num(h.get("pair")),
-                                num(h.get("partner_alone")), h["verdict"], h.get("evidence", ""), rules.top)
-                     for h in f["heads"]]
-            return cls(model=r.model or "", metric=s.get("metric", ""), ablation=s.get("ablation", ""),
-                       n_examples=int(f["n_examples"]), clean=float(f["clean"]), corrupted=float(f["corrupted"]),
-                       heads=heads, rules=rules, seconds=float(f.get("seconds", 0.0)), notes=list(f.get("notes", [])))
+            heads = [
+                HeadRepair(
+                    h["head"],
+                    num(h["total"]),
+                    num(h["direct"]),
+                    num(h["self_repair"]),
+                    {k: num(v) for k, v in h["compensation"].items()},
+                    h.get("partner"),
+                    num(h.get("pair")),
+                    num(h.get("partner_alone")),
+                    h["verdict"],
+                    h.get("evidence", ""),
+                    rules.top,
+                )
+                for h in f["heads"]
+            ]
+            return cls(
+                model=r.model or "",
+                metric=s.get("metric", ""),
+                ablation=s.get("ablation", ""),
+                n_examples=int(f["n_examples"]),
+                clean=float(f["clean"]),
+                corrupted=float(f["corrupted"]),
+                heads=heads,
+                rules=rules,
+                seconds=float(f.get("seconds", 0.0)),
+                notes=list(f.get("notes", [])),
+            )
         except (KeyError, TypeError, ValueError) as e:
-            raise InputError(f"not a complete self-repair result ({type(e).__name__}: {e}); give a file that "
-                             "SelfRepair.save wrote") from None
+            raise InputError(
+                f"not a complete self-repair result ({type(e).__name__}: {e}); give a file that SelfRepair.save wrote"
+            ) from None
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> SelfRepair:

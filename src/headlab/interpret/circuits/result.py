@@ -55,9 +55,15 @@ class EdgeScores:
 
     def to_result(self) -> Result:
         settings = {"method": self.method, "metric": self.metric, "steps": self.steps, "ig": self.ig}
-        figures = {"n_examples": self.n_examples, "clean": self.clean, "corrupted": self.corrupted,
-                   "edges": self.edges, "scores": [None if v != v else v for v in self.values.tolist()],
-                   "seconds": self.seconds, "notes": self.notes}
+        figures = {
+            "n_examples": self.n_examples,
+            "clean": self.clean,
+            "corrupted": self.corrupted,
+            "edges": self.edges,
+            "scores": [None if v != v else v for v in self.values.tolist()],
+            "seconds": self.seconds,
+            "notes": self.notes,
+        }
         return Result(self.kind, model=self.model, settings=settings, figures=figures)
 
     def save(self, path: str | os.PathLike):
@@ -68,20 +74,30 @@ class EdgeScores:
         if r.kind != cls.kind:
             raise InputError(f"this file holds a {r.kind!r} result, not edge scores (headlab circuit scores ...)")
         f, s = r.figures, r.settings
-        return cls(model=r.model or "", method=s.get("method", ""), metric=s.get("metric", ""),
-                   n_examples=int(f["n_examples"]), clean=float(f["clean"]), corrupted=float(f["corrupted"]),
-                   edges=list(f["edges"]), values=torch.tensor([float("nan") if v is None else v for v in f["scores"]],
-                                                               dtype=torch.float64),
-                   steps=int(s.get("steps") or 1), ig=s.get("ig"), seconds=float(f.get("seconds", 0.0)),
-                   notes=list(f.get("notes", [])))
+        return cls(
+            model=r.model or "",
+            method=s.get("method", ""),
+            metric=s.get("metric", ""),
+            n_examples=int(f["n_examples"]),
+            clean=float(f["clean"]),
+            corrupted=float(f["corrupted"]),
+            edges=list(f["edges"]),
+            values=torch.tensor([float("nan") if v is None else v for v in f["scores"]], dtype=torch.float64),
+            steps=int(s.get("steps") or 1),
+            ig=s.get("ig"),
+            seconds=float(f.get("seconds", 0.0)),
+            notes=list(f.get("notes", [])),
+        )
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> EdgeScores:
         return cls.from_result(Result.load(path, what="an edge-scores file headlab wrote"))
 
     def __repr__(self) -> str:
-        return (f"EdgeScores({self.model}, {self.method}, {len(self.edges)} edges, clean {self.clean:.4g}, "
-                f"corrupted {self.corrupted:.4g}, top {self.top(1)})")
+        return (
+            f"EdgeScores({self.model}, {self.method}, {len(self.edges)} edges, clean {self.clean:.4g}, "
+            f"corrupted {self.corrupted:.4g}, top {self.top(1)})"
+        )
 
 
 __all__ = ["EdgeScores"]

@@ -92,11 +92,14 @@ def check_heads(g: Graph, heads) -> list[str]:
     try:
         items = list(heads)
     except TypeError:
-        raise ConfigError(f"heads must be a list of head names ('a1.h2') or (layer, head) pairs, "
-                          f"got {heads!r}") from None
+        raise ConfigError(
+            f"heads must be a list of head names ('a1.h2') or (layer, head) pairs, got {heads!r}"
+        ) from None
     if not items:
-        raise ConfigError("heads is empty: give the heads to ablate, as names ('a1.h2') or (layer, head) pairs, e.g. "
-                          "the heads of a circuit")
+        raise ConfigError(
+            "heads is empty: give the heads to ablate, as names ('a1.h2') or (layer, head) pairs, e.g. "
+            "the heads of a circuit"
+        )
     out: list[str] = []
     for item in items:
         if isinstance(item, str):
@@ -108,12 +111,15 @@ def check_heads(g: Graph, heads) -> list[str]:
                     raise TypeError
                 name = head_name(int(l), int(h))
             except (TypeError, ValueError):
-                raise ConfigError(f"heads: {item!r} is neither a head name ('a1.h2') nor a (layer, head) "
-                                  "pair") from None
+                raise ConfigError(
+                    f"heads: {item!r} is neither a head name ('a1.h2') nor a (layer, head) pair"
+                ) from None
         if not name.startswith("a") or name not in g.senders:
-            raise ConfigError(f"heads: {item!r} is not a head of this model ({g.n_layers} layers of "
-                              f"{max(g.heads, default=0)} heads): name heads 'a{{layer}}.h{{head}}', e.g. "
-                              f"{head_name(g.n_layers - 1, 0)!r}, or give (layer, head) pairs")
+            raise ConfigError(
+                f"heads: {item!r} is not a head of this model ({g.n_layers} layers of "
+                f"{max(g.heads, default=0)} heads): name heads 'a{{layer}}.h{{head}}', e.g. "
+                f"{head_name(g.n_layers - 1, 0)!r}, or give (layer, head) pairs"
+            )
         if name in out:
             raise ConfigError(f"heads: {name!r} is listed twice; give each head once")
         out.append(name)
@@ -161,8 +167,9 @@ def _ablated_run(pair, g: Graph, metric, configs: list[list[int]], ablated: torc
                 site, h = a.site_name(l, "mlp_out"), None
             by_site.setdefault(site, {}).setdefault(c, []).append((h, ablated[s]))
     edits = {site: _replace(C, n, items) for site, items in by_site.items()}
-    vals, cache = runs.run_metric(pair, metric, pair.clean, C, edits=edits,
-                                  sites=nodes.sites(a, g) if record else None, backend=backend)
+    vals, cache = runs.run_metric(
+        pair, metric, pair.clean, C, edits=edits, sites=nodes.sites(a, g) if record else None, backend=backend
+    )
     outs = None
     if record:
         outs = nodes.stack(a, g, cache)
@@ -177,14 +184,25 @@ def _readout_means(readout, metric, x_final: torch.Tensor, deltas: torch.Tensor,
     per = runs.copies_per_forward(n, max_rows)
     with torch.no_grad():
         for i in range(0, deltas.shape[0], per):
-            d = deltas[i:i + per]
+            d = deltas[i : i + per]
             x = (x_final.unsqueeze(0) + d.to(x_final)).reshape(-1, *x_final.shape[1:])  # (k * B, L, E)
             out.append(evaluate(metric, readout.logits(x), n).double().mean(1))
     return torch.cat(out) if out else torch.zeros(0, dtype=torch.float64)
 
 
-def self_repair(model, clean, corrupted, metric, heads, *, ablation: str = "patch", rules: Rules = Rules(),
-                max_rows: int = 64, backend: str | None = None, progress: bool | Progress = False) -> SelfRepair:
+def self_repair(
+    model,
+    clean,
+    corrupted,
+    metric,
+    heads,
+    *,
+    ablation: str = "patch",
+    rules: Rules = Rules(),
+    max_rows: int = 64,
+    backend: str | None = None,
+    progress: bool | Progress = False,
+) -> SelfRepair:
     """Total and direct effect, self-repair, compensating components and a verdict for each of ``heads``.
 
     Args:
@@ -229,8 +247,9 @@ def self_repair(model, clean, corrupted, metric, heads, *, ablation: str = "patc
     ablated = ablated_outputs(clean_out, corrupt_out, ablation)
     idx = [g.sender_index(h) for h in names]
     with torch.no_grad():
-        direct = (_readout_means(readout, metric, x_final, ablated[idx] - clean_out[idx], n, max_rows)
-                  - m_clean).tolist()
+        direct = (
+            _readout_means(readout, metric, x_final, ablated[idx] - clean_out[idx], n, max_rows) - m_clean
+        ).tolist()
     nan = math.nan
     total = [nan] * len(names)
     comps: list[dict[str, float]] = [{} for _ in names]
@@ -287,26 +306,61 @@ def self_repair(model, clean, corrupted, metric, heads, *, ablation: str = "patc
             t, comps[i], partners[i], pairs[i], alone[i] = nan, {}, None, nan, nan
         else:
             t = total[i]
-        top = [k for k, _ in compensators(comps[i], direct[i])[:rules.top]]
-        verdict, evidence = judge(t, direct[i], gap, rules, partner=partners[i], pair=pairs[i],
-                                  partner_alone=alone[i], by=top)
-        results.append(HeadRepair(name, t, direct[i], t - direct[i], comps[i], partners[i], pairs[i], alone[i],
-                                  verdict, evidence, rules.top))
-    notes = [f"total: the head's output replaced by its {ablation} ablation, everything downstream recomputed",
-             "direct: only the edge head->logits carries the ablated output; the final norm's scale is recomputed, so "
-             "the norm's response to the head's own removal is part of the direct effect (Rushing and Nanda freeze "
-             "it at the clean run and count it as self-repair)",
-             "self_repair = total - direct (Rushing and Nanda): opposite in sign to direct when downstream components "
-             "repair; undone = self_repair / -direct is the fraction repaired",
-             "compensation of k: only the edge k->logits carries k's output from the head-ablated run, everything "
-             "else clean (k's clean direct effect is then 0); other = self_repair - sum of compensations (the final "
-             "norm's rescaling, the edges' non-additivity through it)"]
+        top = [k for k, _ in compensators(comps[i], direct[i])[: rules.top]]
+        verdict, evidence = judge(
+            t, direct[i], gap, rules, partner=partners[i], pair=pairs[i], partner_alone=alone[i], by=top
+        )
+        results.append(
+            HeadRepair(
+                name,
+                t,
+                direct[i],
+                t - direct[i],
+                comps[i],
+                partners[i],
+                pairs[i],
+                alone[i],
+                verdict,
+                evidence,
+                rules.top,
+            )
+        )
+    notes = [
+        f"total: the head's output replaced by its {ablation} ablation, everything downstream recomputed",
+        "direct: only the edge head->logits carries the ablated output; the final norm's scale is recomputed, so "
+        "the norm's response to the head's own removal is part of the direct effect (Rushing and Nanda freeze "
+        "it at the clean run and count it as self-repair)",
+        "self_repair = total - direct (Rushing and Nanda): opposite in sign to direct when downstream components "
+        "repair; undone = self_repair / -direct is the fraction repaired",
+        "compensation of k: only the edge k->logits carries k's output from the head-ablated run, everything "
+        "else clean (k's clean direct effect is then 0); other = self_repair - sum of compensations (the final "
+        "norm's rescaling, the edges' non-additivity through it)",
+    ]
     if done < len(names):
         notes.append(f"interrupted after {done} of {len(names)} heads; the others are unmeasured")
-    return SelfRepair(model=pair.model_name, metric=getattr(metric, "__name__", "metric"), ablation=ablation,
-                      n_examples=n, clean=m_clean, corrupted=m_corrupt, heads=results, rules=rules,
-                      seconds=time.perf_counter() - t0, notes=notes)
+    return SelfRepair(
+        model=pair.model_name,
+        metric=getattr(metric, "__name__", "metric"),
+        ablation=ablation,
+        n_examples=n,
+        clean=m_clean,
+        corrupted=m_corrupt,
+        heads=results,
+        rules=rules,
+        seconds=time.perf_counter() - t0,
+        notes=notes,
+    )
 
 
-__all__ = ["HeadRepair", "KIND", "Rules", "SelfRepair", "VERDICTS", "check_heads", "compensators", "downstream",
-           "judge", "self_repair"]
+__all__ = [
+    "HeadRepair",
+    "KIND",
+    "Rules",
+    "SelfRepair",
+    "VERDICTS",
+    "check_heads",
+    "compensators",
+    "downstream",
+    "judge",
+    "self_repair",
+]

@@ -22,7 +22,8 @@ def layer_norms(adapter, layer: int) -> BlockNorms:
             raise
         raise UnsupportedArchitectureError(
             f"the residual-aware norms do not know the block structure of family {adapter.family!r} (its adapter "
-            "has no attention_norm); use mode='attention' for the attention-only norms") from e
+            "has no attention_norm); use mode='attention' for the attention-only norms"
+        ) from e
 
 
 def is_causal(adapter) -> bool:

@@ -74,6 +74,7 @@ def _metric_fn(norms):
         v = v - v.mean(-1, keepdim=True) if norms.kind == "layernorm" else v
         gamma = norms.scale(v.dtype)
         return v * gamma if gamma is not None else v
+
     return g0
 
 
@@ -87,11 +88,11 @@ def gram(adapter, layer: int, rec, mode: str) -> NormGram:
     ws, Gs, cs, rrs = [], [], [], []
     weights = value_path(adapter, layer)  # once per layer (a gather under tensor parallelism)
     for a in range(0, n, _CHUNK):
-        f = g0(value_vectors(adapter, layer, x[a:a + _CHUNK], weights))  # (H, c, E)
+        f = g0(value_vectors(adapter, layer, x[a : a + _CHUNK], weights))  # (H, c, E)
         Gs.append(torch.einsum("hne,kne->nhk", f, f))  # (c, H, H)
         ws.append(f.norm(dim=-1))  # (H, c)
         if residual:
-            r = rec.resid[a:a + _CHUNK].to(f.dtype)  # (c, E)
+            r = rec.resid[a : a + _CHUNK].to(f.dtype)  # (c, E)
             r = r if branch else g0(r)  # a sandwich block adds the stream after its post norm
             cs.append(torch.einsum("hne,ne->nh", f, r))
             rrs.append((r * r).sum(-1))

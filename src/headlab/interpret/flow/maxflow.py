@@ -77,18 +77,29 @@ class FlowResult:
     solver: str
     seconds: float
 
-
     def _repr_html_(self) -> str:
         """This result's page inline in a notebook (headlab's shell in a sandboxed frame; no network)."""
         from headlab.interpret import shell
         from headlab.interpret.flow.page import flow_page
 
         return shell.inline(flow_page(self))
+
     def to_json(self) -> dict:
-        return envelope("attention_flow", {
-            "source": self.source, "layer": self.layer, "n": self.n, "tokens": self.tokens, "flow": self.flow.tolist(),
-            "values": self.values.tolist(), "gap": self.gap, "solver": self.solver, "seconds": self.seconds},
-            settings={"source": self.source, "layer": self.layer, "solver": self.solver})
+        return envelope(
+            "attention_flow",
+            {
+                "source": self.source,
+                "layer": self.layer,
+                "n": self.n,
+                "tokens": self.tokens,
+                "flow": self.flow.tolist(),
+                "values": self.values.tolist(),
+                "gap": self.gap,
+                "solver": self.solver,
+                "seconds": self.seconds,
+            },
+            settings={"source": self.source, "layer": self.layer, "solver": self.solver},
+        )
 
 
 def estimate_bytes(n: int, layers: int, solver: str = "scipy") -> int:
@@ -104,7 +115,10 @@ def _check_memory(n: int, layers: int, solver: str, limit: int | None) -> None:
             f"attention flow over {layers} layers of {n} tokens ({layers * n * n:,} edges) needs about "
             f"{human_bytes(need)} with solver {solver!r}, but only {human_bytes(have)} is available; "
             f"use rollout (headlab.rollout(..., rows=[...])) for long inputs, or a shorter text",
-            estimate_bytes=need, available_bytes=have, alternative="rollout")
+            estimate_bytes=need,
+            available_bytes=have,
+            alternative="rollout",
+        )
 
 
 def _check_graph(A: np.ndarray, source: int, source_layer: int) -> tuple[int, int]:
@@ -114,8 +128,10 @@ def _check_graph(A: np.ndarray, source: int, source_layer: int) -> tuple[int, in
     if not isinstance(source_layer, (int, np.integer)) or not 0 <= source_layer <= L:
         raise ConfigError(f"source_layer {source_layer!r} out of range: node layers are 0 (the input) .. {L}")
     if source_layer == 0:
-        raise ConfigError("the output node is in the input layer (node layer 0): flow goes from a node of layer "
-                          f"1..{L} down to the input tokens; pick source_layer >= 1")
+        raise ConfigError(
+            "the output node is in the input layer (node layer 0): flow goes from a node of layer "
+            f"1..{L} down to the input tokens; pick source_layer >= 1"
+        )
     checks.index("source token", source, n, negative=False, message=_SOURCE)
     return L, n
 
@@ -144,11 +160,11 @@ def _solve_group(src, dst, cap, N, u, group):
     from scipy.sparse.csgraph import breadth_first_order, maximum_flow
 
     m = len(group)
-    scale = float(2 ** 30 // m)
+    scale = float(2**30 // m)
     icap = np.floor(cap * scale).astype(np.int32)
     off = (np.arange(m) * N)[:, None]
     s_star, t_star = m * N, m * N + 1
-    big = np.int32(2 ** 31 - 1)  # never saturated: a copy's flow is at most 1 * scale, all of them 2^30
+    big = np.int32(2**31 - 1)  # never saturated: a copy's flow is at most 1 * scale, all of them 2^30
     r = np.concatenate([(src + off).ravel(), np.full(m, s_star), np.asarray(group) + off.ravel()])
     c = np.concatenate([(dst + off).ravel(), u + off.ravel(), np.full(m, t_star)])
     d = np.concatenate([np.tile(icap, m), np.full(2 * m, big, dtype=np.int32)])
@@ -163,7 +179,7 @@ def _solve_group(src, dst, cap, N, u, group):
     out = res.flow[s_star].toarray().ravel()
     got = []
     for i in range(m):
-        rc = reach[i * N:(i + 1) * N]
+        rc = reach[i * N : (i + 1) * N]
         got.append((float(cap[rc[src] & ~rc[dst]].sum()), out[u + i * N] / scale))  # the copy's cut, real capacities
     return got
 
@@ -181,7 +197,7 @@ def _scipy(A, source, S, n, sinks, say, tol=1e-6):
     sinks = list(sinks)
     k = _batch(n, S)
     for b0 in range(0, len(sinks), k):
-        group = sinks[b0:b0 + k]
+        group = sinks[b0 : b0 + k]
         for v, (upper, lower) in zip(group, _solve_group(src, dst, cap, N, u, group)):
             if upper - lower > tol and len(group) > 1:
                 upper, lower = _solve_group(src, dst, cap, N, u, [v])[0]
@@ -201,8 +217,9 @@ def networkx_graph(A: np.ndarray, S: int | None = None):
     G.add_nodes_from(range((S + 1) * n))
     for t in range(1, S + 1):
         i, j = np.nonzero(A[t - 1] > 0)
-        G.add_edges_from((int(t * n + a), int((t - 1) * n + b), {"capacity": float(A[t - 1][a, b])})
-                         for a, b in zip(i, j))
+        G.add_edges_from(
+            (int(t * n + a), int((t - 1) * n + b), {"capacity": float(A[t - 1][a, b])}) for a, b in zip(i, j)
+        )
     return G
 
 
@@ -218,8 +235,16 @@ def _networkx(A, source, S, n, sinks, say):
     return vals, 0.0
 
 
-def flow_values(A_hat, source: int, source_layer: int, *, solver: str = "scipy", sinks=None,
-                progress: bool | Progress | None = None, memory_limit: int | None = None) -> FlowValues:
+def flow_values(
+    A_hat,
+    source: int,
+    source_layer: int,
+    *,
+    solver: str = "scipy",
+    sinks=None,
+    progress: bool | Progress | None = None,
+    memory_limit: int | None = None,
+) -> FlowValues:
     """Max-flow values from node ``(source_layer, source)`` to every input node ``(0, j)``.
 
     Args:
@@ -232,7 +257,11 @@ def flow_values(A_hat, source: int, source_layer: int, *, solver: str = "scipy",
             call, still works.
         memory_limit: bytes the graph may take (default: what the machine has available).
     """
-    A = A_hat.detach().double().cpu().numpy() if isinstance(A_hat, torch.Tensor) else np.asarray(A_hat, dtype=np.float64)
+    A = (
+        A_hat.detach().double().cpu().numpy()
+        if isinstance(A_hat, torch.Tensor)
+        else np.asarray(A_hat, dtype=np.float64)
+    )
     L, n = _check_graph(A, source, source_layer)
     if solver not in ("scipy", "networkx"):
         raise ConfigError(f"unknown flow solver {solver!r}; use 'scipy' (fast, certified) or 'networkx' (the paper's)")
@@ -248,9 +277,18 @@ def flow_values(A_hat, source: int, source_layer: int, *, solver: str = "scipy",
     return FlowValues(vals, gap, solver, time.perf_counter() - t0)
 
 
-def attention_flow(loaded, text_or_inputs, *, source: int = 0, layer: int = -1, solver: str = "scipy",
-                   backend="auto", progress: bool | Progress | None = None,
-                   memory_limit: int | None = None, stack: str | None = None) -> FlowResult:
+def attention_flow(
+    loaded,
+    text_or_inputs,
+    *,
+    source: int = 0,
+    layer: int = -1,
+    solver: str = "scipy",
+    backend="auto",
+    progress: bool | Progress | None = None,
+    memory_limit: int | None = None,
+    stack: str | None = None,
+) -> FlowResult:
     """Normalised attention flow ``(n,)`` from token ``source`` at the output of layer ``layer`` to every
     input token (see the module docstring).
 
@@ -268,15 +306,22 @@ def attention_flow(loaded, text_or_inputs, *, source: int = 0, layer: int = -1, 
     from headlab.interpret.flow.rollout import stack_layers
 
     adapter, loaded_model = resolve(loaded)
-    chain = stack_layers(adapter, stack)  # the layers that chain: the one stack, or an encoder-decoder's encoder/decoder
+    chain = stack_layers(
+        adapter, stack
+    )  # the layers that chain: the one stack, or an encoder-decoder's encoder/decoder
     L = len(chain)
-    top = checks.index("layer", layer, L, message="layer {value!r} out of range: the model has {length} layers "
-                                                  "(0..{high}, or -1 for the last); the input layer holds no output node")
+    top = checks.index(
+        "layer",
+        layer,
+        L,
+        message="layer {value!r} out of range: the model has {length} layers "
+        "(0..{high}, or -1 for the last); the input layer holds no output node",
+    )
     inputs, _ = prepare(loaded_model, adapter, text_or_inputs)
     ids = inputs.get("input_ids") if isinstance(inputs, dict) else inputs
     rec = None
     if ids is None:  # patches or audio frames: the model says how many positions (its maps are small beside the graph)
-        rec = record(loaded, text_or_inputs, chain[:top + 1], maps=True, backend=backend)
+        rec = record(loaded, text_or_inputs, chain[: top + 1], maps=True, backend=backend)
     if ids is not None:
         n = int(ids.shape[1])
     else:
@@ -285,7 +330,7 @@ def attention_flow(loaded, text_or_inputs, *, source: int = 0, layer: int = -1, 
     checks.index("source token", source, n, message=_SOURCE)
     _check_memory(n, top + 1, solver if solver in BYTES_PER_EDGE else "scipy", memory_limit)
     if rec is None:
-        rec = record(loaded, text_or_inputs, chain[:top + 1], maps=True, backend=backend)
+        rec = record(loaded, text_or_inputs, chain[: top + 1], maps=True, backend=backend)
     with torch.no_grad():
         A = augment(layer_matrices(rec, "mean"))  # (top + 1, n, n)
     fv = flow_values(A, source % n, top + 1, solver=solver, progress=progress, memory_limit=memory_limit)

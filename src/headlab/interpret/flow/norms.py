@@ -92,13 +92,13 @@ class NormsResult:
     weights: dict[int, torch.Tensor] = field(default_factory=dict)  # (H, n, n) the attention maps (maps mode)
     notes: list[str] = field(default_factory=list)  # what was left out and why (cross-attention in residual mode)
 
-
     def _repr_html_(self) -> str:
         """This result's page inline in a notebook (headlab's shell in a sandboxed frame; no network)."""
         from headlab.interpret import shell
         from headlab.interpret.flow.page import flow_page
 
         return shell.inline(flow_page(self))
+
     def to_json(self) -> dict:
         d = {"mode": self.mode, "layers": self.layers, "n": self.n, "tokens": self.tokens, "rows": self.rows}
         for name in ("per_head", "layer", "row_per_head", "row_layer"):
@@ -124,12 +124,21 @@ def check_positions(name: str, value, n: int) -> list[int]:
     vals = [value] if isinstance(value, int) else list(value)
     if not vals:
         raise ConfigError(f"{name} is empty; give at least one token position")
-    return [checks.index(name, v, n, message="{name}: position {value!r} out of range for {length} tokens (0..{high}, "
-                                            "negatives count from the end)") for v in vals]
+    return [
+        checks.index(
+            name,
+            v,
+            n,
+            message="{name}: position {value!r} out of range for {length} tokens (0..{high}, "
+            "negatives count from the end)",
+        )
+        for v in vals
+    ]
 
 
-def summarise(q, k, lse, ng: NormGram, *, scale: float, causal: bool, key_positions: list[int],
-              block: int = _STREAM_BLOCK) -> NormSummary:
+def summarise(
+    q, k, lse, ng: NormGram, *, scale: float, causal: bool, key_positions: list[int], block: int = _STREAM_BLOCK
+) -> NormSummary:
     """One pass over the probability tiles of one layer: every :class:`NormSummary` field, O(n) memory."""
     H, n, _ = q.shape
     ct = torch.float64 if q.dtype == torch.float64 else torch.float32
@@ -162,8 +171,18 @@ def summarise(q, k, lse, ng: NormGram, *, scale: float, causal: bool, key_positi
             key_n[:, r0:r1, inside] = hn[:, :, cols]
             key_l[r0:r1, inside] = ln[:, cols]
     safe = lambda t: torch.where(t > 0, t, torch.ones((), dtype=ct))
-    return NormSummary(key_positions, rec_w, rec_n, key_w, key_n / safe(row_n).unsqueeze(-1), dist_w,
-                       dist_n / safe(row_n), rec_l, key_l / safe(row_l).unsqueeze(-1), dist_l / safe(row_l))
+    return NormSummary(
+        key_positions,
+        rec_w,
+        rec_n,
+        key_w,
+        key_n / safe(row_n).unsqueeze(-1),
+        dist_w,
+        dist_n / safe(row_n),
+        rec_l,
+        key_l / safe(row_l).unsqueeze(-1),
+        dist_l / safe(row_l),
+    )
 
 
 def _rows(q, k, lse, ng, positions, *, scale, causal):
@@ -176,8 +195,17 @@ def _rows(q, k, lse, ng, positions, *, scale, causal):
     return torch.cat(heads, -1), torch.cat(layer, -1)
 
 
-def attention_norms(loaded, text_or_inputs, *, layers=None, mode: Mode = "attention", backend="auto",
-                    rows=None, stream: bool = False, key_positions=None) -> NormsResult:
+def attention_norms(
+    loaded,
+    text_or_inputs,
+    *,
+    layers=None,
+    mode: Mode = "attention",
+    backend="auto",
+    rows=None,
+    stream: bool = False,
+    key_positions=None,
+) -> NormsResult:
     """Norm maps ``||alpha f(x)||`` of every head and of each layer, for one input.
 
     Args:
@@ -205,10 +233,13 @@ def attention_norms(loaded, text_or_inputs, *, layers=None, mode: Mode = "attent
         cross = adapter.stacks.get("cross", [])
         if cross:  # an encoder-decoder: answer for the self-attention layers, say why cross-attention is left out
             layers = [l for l in range(adapter.n_layers) if l not in cross]
-            notes.append(f"cross-attention layers {cross[0]}..{cross[-1]} have no residual mode (their residual "
-                         "belongs to the decoder token, not to any key): left out; use mode='attention' for them")
-    rec: Recording = record(loaded, text_or_inputs, layers, maps=not streaming, residual=mode == "residual",
-                            backend=backend)
+            notes.append(
+                f"cross-attention layers {cross[0]}..{cross[-1]} have no residual mode (their residual "
+                "belongs to the decoder token, not to any key): left out; use mode='attention' for them"
+            )
+    rec: Recording = record(
+        loaded, text_or_inputs, layers, maps=not streaming, residual=mode == "residual", backend=backend
+    )
     n = rec.n
     row_pos = check_positions("rows", rows, n) if rows is not None else None
     kpos = check_positions("key_positions", key_positions if key_positions is not None else [0, n - 1], n)
@@ -222,11 +253,13 @@ def attention_norms(loaded, text_or_inputs, *, layers=None, mode: Mode = "attent
                 res.per_head[l], res.layer[l] = maps_from_pattern(lr.pattern, ng)
                 continue
             if row_pos is not None:
-                res.row_per_head[l], res.row_layer[l] = _rows(lr.q, lr.k, lr.lse, ng, row_pos,
-                                                              scale=rec.scale[l], causal=rec.causal)
+                res.row_per_head[l], res.row_layer[l] = _rows(
+                    lr.q, lr.k, lr.lse, ng, row_pos, scale=rec.scale[l], causal=rec.causal
+                )
             if stream:
-                res.summaries[l] = summarise(lr.q, lr.k, lr.lse, ng, scale=rec.scale[l], causal=rec.causal,
-                                             key_positions=kpos)
+                res.summaries[l] = summarise(
+                    lr.q, lr.k, lr.lse, ng, scale=rec.scale[l], causal=rec.causal, key_positions=kpos
+                )
     return res
 
 

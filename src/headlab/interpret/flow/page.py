@@ -52,8 +52,11 @@ def _strip(label: str, values, tokens: list[str] | None) -> str:
     v = np.asarray(values, dtype=np.float64)
     peak = max(float(v.max()), 1e-30) if v.size else 1.0
     toks = tokens if tokens is not None else [str(i) for i in range(v.size)]
-    spans = "".join(f'<span class="tok" title="{html.escape(t)}: {x:.4g}" style="background: rgba(47, 158, 68, '
-                    f'{max(0.0, x / peak):.3f})">{html.escape(t)}</span>' for t, x in zip(toks, v))
+    spans = "".join(
+        f'<span class="tok" title="{html.escape(t)}: {x:.4g}" style="background: rgba(47, 158, 68, '
+        f'{max(0.0, x / peak):.3f})">{html.escape(t)}</span>'
+        for t, x in zip(toks, v)
+    )
     return f'<p class="strip-title">{html.escape(label)}</p><div class="strip">{spans}</div>'
 
 
@@ -69,20 +72,29 @@ def flow_page(result) -> str:
             body.append(f"<section><h2>Layer norm maps</h2>{_png(maps[:MAX_MAPS], tokens)}</section>")
         for l in sorted(result.row_layer):
             rows = result.row_layer[l]
-            body.append(f"<section><h2>Layer {l}: chosen rows</h2>" + "".join(
-                _strip(f"row {p}", rows[i], tokens) for i, p in enumerate(result.rows or [])) + "</section>")
+            body.append(
+                f"<section><h2>Layer {l}: chosen rows</h2>"
+                + "".join(_strip(f"row {p}", rows[i], tokens) for i, p in enumerate(result.rows or []))
+                + "</section>"
+            )
         if result.summaries:
-            lines.append(f"streaming summaries of layers {', '.join(map(str, sorted(result.summaries)))} "
-                         "(see .to_json())")
+            lines.append(
+                f"streaming summaries of layers {', '.join(map(str, sorted(result.summaries)))} (see .to_json())"
+            )
         lines.append("Kobayashi et al. 2020 (attention mode) / 2021 (residual mode); each row scaled to its maximum")
     elif kind == "RolloutResult":
         title = f"attention rollout ({result.method}), through layer {result.layer}"
         if result.maps is not None:
-            body.append(f"<section><h2>Rollout through the last layer</h2>"
-                        f"{_png([(f'layer {result.layer}', result.maps[-1])], tokens)}</section>")
+            body.append(
+                f"<section><h2>Rollout through the last layer</h2>"
+                f"{_png([(f'layer {result.layer}', result.maps[-1])], tokens)}</section>"
+            )
         if result.rows is not None:
-            body.append("<section><h2>Rows</h2>" + "".join(
-                _strip(f"token {p}", result.rows[i], tokens) for i, p in enumerate(result.row_positions)) + "</section>")
+            body.append(
+                "<section><h2>Rows</h2>"
+                + "".join(_strip(f"token {p}", result.rows[i], tokens) for i, p in enumerate(result.row_positions))
+                + "</section>"
+            )
         lines.append("Abnar and Zuidema 2020: per layer 0.5 A + 0.5 I, multiplied from the first layer up")
     elif kind == "FlowResult":
         title = f"attention flow from token {result.source} at layer {result.layer}"
@@ -90,8 +102,9 @@ def flow_page(result) -> str:
         lines.append(f"Abnar and Zuidema 2020, max-flow ({result.solver}; certificate gap {result.gap:.2g})")
     else:
         raise TypeError(f"no flow page for {kind}")
-    return shell.page(title=title, body="".join(body) or "<p>nothing to draw</p>", summary_lines=lines,
-                      generator="headlab flow")
+    return shell.page(
+        title=title, body="".join(body) or "<p>nothing to draw</p>", summary_lines=lines, generator="headlab flow"
+    )
 
 
 __all__ = ["flow_page"]

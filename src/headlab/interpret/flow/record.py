@@ -63,7 +63,17 @@ def check_layers(adapter: ModelAdapter, layers) -> list[int]:
         return list(range(L))
     if isinstance(layers, int):
         layers = [layers]
-    return sorted({checks.index("layer", i, L, message="layer {value!r} out of range: the model has {length} layers (0..{high}, or -1 for the last)") for i in layers})
+    return sorted(
+        {
+            checks.index(
+                "layer",
+                i,
+                L,
+                message="layer {value!r} out of range: the model has {length} layers (0..{high}, or -1 for the last)",
+            )
+            for i in layers
+        }
+    )
 
 
 def check_backend(backend) -> None:
@@ -71,23 +81,28 @@ def check_backend(backend) -> None:
     if not _backends.is_exact(backend):
         raise BackendUnsupportedError(
             f"backend {_backends.get(backend).name!r} approximates softmax attention, but norms, rollout and flow "
-            f"are defined on the exact maps; use backend='auto' or one of {', '.join(map(repr, _backends.exact_names()))}")
+            f"are defined on the exact maps; use backend='auto' or one of {', '.join(map(repr, _backends.exact_names()))}"
+        )
 
 
 def prepare(loaded, adapter, inputs) -> tuple[dict | torch.Tensor, list[str] | None]:
     """Model inputs for one sequence (batch 1, padding cropped) and its token strings when known."""
     if isinstance(inputs, str):
         if loaded is None:
-            raise InputError("text inputs need a LoadedModel (headlab.load(...)) to tokenise them; "
-                             "pass an input_ids tensor (1, n) for a bare model")
+            raise InputError(
+                "text inputs need a LoadedModel (headlab.load(...)) to tokenise them; "
+                "pass an input_ids tensor (1, n) for a bare model"
+            )
         enc = loaded.encode(inputs)
     elif isinstance(inputs, Mapping):
         enc = dict(inputs)
     elif isinstance(inputs, torch.Tensor):
         enc = {"input_ids": inputs}
     else:
-        raise InputError(f"inputs must be one text, a dict of tensors (input_ids, attention_mask) or an input_ids "
-                         f"tensor of shape (1, n); got {type(inputs).__name__}")
+        raise InputError(
+            f"inputs must be one text, a dict of tensors (input_ids, attention_mask) or an input_ids "
+            f"tensor of shape (1, n); got {type(inputs).__name__}"
+        )
     ids = enc.get("input_ids")
     if ids is None and enc and all(isinstance(t, torch.Tensor) and t.shape[0] == 1 for t in enc.values()):
         return enc, None  # one image (pixel_values) or other non-text input: the model says its length
@@ -103,8 +118,14 @@ def prepare(loaded, adapter, inputs) -> tuple[dict | torch.Tensor, list[str] | N
         if n == 0 or not bool(keep[:n].all()):
             raise InputError("the attention_mask must be ones followed by (right) padding for one sequence")
         L = am.shape[1]  # crop what runs along the input (not a decoder's own ids)
-        enc = {k: (v[:, :n] if isinstance(v, torch.Tensor) and v.dim() == 2 and v.shape[1] == L
-                   and not k.startswith("decoder_") else v) for k, v in enc.items()}
+        enc = {
+            k: (
+                v[:, :n]
+                if isinstance(v, torch.Tensor) and v.dim() == 2 and v.shape[1] == L and not k.startswith("decoder_")
+                else v
+            )
+            for k, v in enc.items()
+        }
     tokens = None
     tok = getattr(loaded, "tokenizer", None) if loaded is not None else None
     if tok is not None:
@@ -118,11 +139,10 @@ def _scale(adapter: ModelAdapter, layer: int) -> float:
     s = getattr(adapter.attn_modules[layer], "scaling", None)
     if s is None:
         s = getattr(adapter.attn_modules[layer], "scale", None)
-    return float(s) if isinstance(s, (int, float)) else adapter.head_dim ** -0.5
+    return float(s) if isinstance(s, (int, float)) else adapter.head_dim**-0.5
 
 
-def sites_for(adapter: ModelAdapter, layers: Sequence[int], *, maps: bool | None,
-              residual: bool = False) -> list[str]:
+def sites_for(adapter: ModelAdapter, layers: Sequence[int], *, maps: bool | None, residual: bool = False) -> list[str]:
     """The capture sites a :class:`Recording` of ``layers`` needs (see the module docstring); ``maps=None``:
     the attention inputs only (what the value norms read)."""
     kinds = ["input"] + ([] if maps is None else ["pattern"] if maps else ["q", "k", "stats"])
@@ -131,8 +151,15 @@ def sites_for(adapter: ModelAdapter, layers: Sequence[int], *, maps: bool | None
     return [adapter.site_name(l, kind) for l in layers for kind in kinds]
 
 
-def from_cache(adapter: ModelAdapter, cache, layers: Sequence[int], *, maps: bool | None, residual: bool = False,
-               tokens: list[str] | None = None) -> Recording:
+def from_cache(
+    adapter: ModelAdapter,
+    cache,
+    layers: Sequence[int],
+    *,
+    maps: bool | None,
+    residual: bool = False,
+    tokens: list[str] | None = None,
+) -> Recording:
     """A :class:`Recording` of ``layers`` out of a capture that asked for (at least) :func:`sites_for`'s sites,
     so one run of the model can feed the table, the norms and the rollout (``headlab analyze``)."""
     if maps is False:
@@ -140,7 +167,8 @@ def from_cache(adapter: ModelAdapter, cache, layers: Sequence[int], *, maps: boo
         if modded:
             raise BackendUnsupportedError(
                 f"layers {modded} modify their scores ({cache.call_args[modded[0]]['score_mod']!r}: soft-capping, "
-                "ALiBi), which the map-free norm, rollout and flow tiles do not apply; run them with stream=False")
+                "ALiBi), which the map-free norm, rollout and flow tiles do not apply; run them with stream=False"
+            )
     name = adapter.site_name
     n = int(cache[name(layers[0], "input")].shape[1])
     rec = Recording(adapter, n, is_causal(adapter), [_scale(adapter, l) for l in range(adapter.n_layers)], tokens)
@@ -176,33 +204,40 @@ def record(target, inputs, layers=None, *, maps: bool | None, residual: bool = F
     check_backend(backend)
     chosen = check_layers(adapter, layers)
     if maps is False and len(adapter.stacks) > 1:
-        raise ConfigError(f"the map-free tiles assume one stack; this model has {', '.join(adapter.stacks)} "
-                          "(causal and not): compute its norms and rollout with the maps (stream=False, rows=None)")
+        raise ConfigError(
+            f"the map-free tiles assume one stack; this model has {', '.join(adapter.stacks)} "
+            "(causal and not): compute its norms and rollout with the maps (stream=False, rows=None)"
+        )
     if residual:
         for l in chosen:
             layer_norms(adapter, l)  # UnsupportedArchitectureError before running anything
     model_inputs, tokens = prepare(loaded, adapter, inputs)
-    cache = capture(adapter, model_inputs, sites_for(adapter, chosen, maps=maps, residual=residual), backend=backend,
-                    stats_kwargs={"stats": ["lse"]})
+    cache = capture(
+        adapter,
+        model_inputs,
+        sites_for(adapter, chosen, maps=maps, residual=residual),
+        backend=backend,
+        stats_kwargs={"stats": ["lse"]},
+    )
     return from_cache(adapter, cache, chosen, maps=maps, residual=residual, tokens=tokens)
 
 
-def _reuse(rec: Recording, adapter: ModelAdapter, layers: list[int], *, maps: bool | None,
-           residual: bool) -> Recording:
+def _reuse(rec: Recording, adapter: ModelAdapter, layers: list[int], *, maps: bool | None, residual: bool) -> Recording:
     if rec.adapter is not adapter:
         raise ConfigError("this recording was made on another model; record it on the model you analyse")
     missing = [l for l in layers if l not in rec.layers]
     form = "x" if maps is None else "pattern" if maps else "lse"
     lacking = [l for l in layers if l in rec.layers and getattr(rec.layers[l], form) is None]
     if missing or lacking or (residual and any(rec.layers[l].resid is None for l in layers)):
-        raise ConfigError(f"the recording lacks what this analysis needs (layers {missing or lacking or layers}: "
-                          f"{'inputs' if maps is None else 'maps' if maps else 'q, k and lse'}"
-                          f"{', residual' if residual else ''}); "
-                          "record those layers with flow.record.record(..., maps=..., residual=...)")
+        raise ConfigError(
+            f"the recording lacks what this analysis needs (layers {missing or lacking or layers}: "
+            f"{'inputs' if maps is None else 'maps' if maps else 'q, k and lse'}"
+            f"{', residual' if residual else ''}); "
+            "record those layers with flow.record.record(..., maps=..., residual=...)"
+        )
     sub = Recording(rec.adapter, rec.n, rec.causal, rec.scale, rec.tokens)
     sub.layers = {l: rec.layers[l] for l in layers}
     return sub
 
 
-__all__ = ["LayerRecord", "Recording", "check_backend", "check_layers", "from_cache", "prepare", "record",
-           "sites_for"]
+__all__ = ["LayerRecord", "Recording", "check_backend", "check_layers", "from_cache", "prepare", "record", "sites_for"]

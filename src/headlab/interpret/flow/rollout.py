@@ -58,22 +58,26 @@ class RolloutResult:
     rows: torch.Tensor | None = None
     row_positions: list[int] | None = None
 
-
     def _repr_html_(self) -> str:
         """This result's page inline in a notebook (headlab's shell in a sandboxed frame; no network)."""
         from headlab.interpret import shell
         from headlab.interpret.flow.page import flow_page
 
         return shell.inline(flow_page(self))
+
     def to_json(self) -> dict:
-        d = {"method": self.method, "n": self.n, "layer": self.layer, "tokens": self.tokens,
-             "row_positions": self.row_positions}
+        d = {
+            "method": self.method,
+            "n": self.n,
+            "layer": self.layer,
+            "tokens": self.tokens,
+            "row_positions": self.row_positions,
+        }
         if self.maps is not None:
             d["maps"] = self.maps.tolist()
         if self.rows is not None:
             d["rows"] = self.rows.tolist()
-        return envelope("rollout", d, settings={"method": self.method, "layer": self.layer,
-                                                "rows": self.row_positions})
+        return envelope("rollout", d, settings={"method": self.method, "layer": self.layer, "rows": self.row_positions})
 
 
 def augment(A: torch.Tensor) -> torch.Tensor:
@@ -103,13 +107,20 @@ def layer_matrices(rec, method: str) -> torch.Tensor:
         if method == "mean":
             mats.append(lr.pattern.double().mean(0))
         else:
-            mats.append(_row_normalise(maps_from_pattern(lr.pattern.double(), gram(rec.adapter, l, lr, "attention"))[1]))
+            mats.append(
+                _row_normalise(maps_from_pattern(lr.pattern.double(), gram(rec.adapter, l, lr, "attention"))[1])
+            )
     return torch.stack(mats)
 
 
 def _check_layer(adapter, layer) -> int:
     L = adapter.n_layers
-    return checks.index("layer", layer, L, message="layer {value!r} out of range: the model has {length} layers (0..{high}, or -1 for the last)")
+    return checks.index(
+        "layer",
+        layer,
+        L,
+        message="layer {value!r} out of range: the model has {length} layers (0..{high}, or -1 for the last)",
+    )
 
 
 def _step_mean(lr, r, scale, causal):
@@ -144,18 +155,30 @@ def stack_layers(adapter, stack: str | None) -> list[int]:
     if stack is None:
         if len(stacks) == 1:
             return next(iter(stacks.values()))
-        raise ConfigError(f"this model has the stacks {', '.join(stacks)}: rollout runs within one; pass "
-                          "stack='encoder' or stack='decoder'")
+        raise ConfigError(
+            f"this model has the stacks {', '.join(stacks)}: rollout runs within one; pass "
+            "stack='encoder' or stack='decoder'"
+        )
     if stack == "cross":
-        raise ConfigError("rollout multiplies a stack's maps with the identity added for the residual; cross-attention "
-                          "maps decoder tokens onto encoder tokens, so they do not chain: use stack='encoder' or 'decoder'")
+        raise ConfigError(
+            "rollout multiplies a stack's maps with the identity added for the residual; cross-attention "
+            "maps decoder tokens onto encoder tokens, so they do not chain: use stack='encoder' or 'decoder'"
+        )
     if stack not in stacks:
         raise ConfigError(f"unknown stack {stack!r}; this model has {', '.join(stacks)}")
     return stacks[stack]
 
 
-def rollout(loaded, text_or_inputs, *, method: Method = "mean", rows=None, layer: int = -1,
-            backend="auto", stack: str | None = None) -> RolloutResult:
+def rollout(
+    loaded,
+    text_or_inputs,
+    *,
+    method: Method = "mean",
+    rows=None,
+    layer: int = -1,
+    backend="auto",
+    stack: str | None = None,
+) -> RolloutResult:
     """Attention rollout of one input.
 
     Args:

@@ -24,9 +24,17 @@ import torch
 DEFAULT_BLOCK = 1024
 
 
-def prob_tiles(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, *, scale: float, causal: bool,
-               block: int = DEFAULT_BLOCK, q_pos: torch.Tensor | None = None,
-               rows: tuple[int, int] | None = None) -> Iterator[tuple[int, int, int, int, torch.Tensor]]:
+def prob_tiles(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    lse: torch.Tensor,
+    *,
+    scale: float,
+    causal: bool,
+    block: int = DEFAULT_BLOCK,
+    q_pos: torch.Tensor | None = None,
+    rows: tuple[int, int] | None = None,
+) -> Iterator[tuple[int, int, int, int, torch.Tensor]]:
     """Yield ``(r0, r1, c0, c1, P)`` with ``P = probs[:, r0:r1, c0:c1]`` ``(H, r1-r0, c1-c0)``.
 
     Args:
@@ -60,8 +68,9 @@ def prob_tiles(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, *, scale: fl
             yield r0, r1, c0, c1, p
 
 
-def weighted_colsum(q, k, lse, w: torch.Tensor, *, scale: float, causal: bool,
-                    block: int = DEFAULT_BLOCK) -> torch.Tensor:
+def weighted_colsum(
+    q, k, lse, w: torch.Tensor, *, scale: float, causal: bool, block: int = DEFAULT_BLOCK
+) -> torch.Tensor:
     """``out[h, r, j] = sum_i w[r, i] P_h[i, j]`` ``(H, R, Lk)`` for weights ``w (R, Lq)`` (or ``(H, R, Lq)``),
     in O((R + H) * n) memory: the products ``w P`` that carry rollout rows top-down."""
     H, Lq, _ = q.shape

@@ -1,8 +1,8 @@
 """Small readings of flow results for tables (the CLI and the studies render these, never compute).
 
-    >>> import torch
-    >>> ranked(torch.tensor([0.1, 0.6, 0.3]), ["a", "b", "c"], k=2)
-    [(1, 'b', 0.6000000238418579), (2, 'c', 0.30000001192092896)]
+>>> import torch
+>>> ranked(torch.tensor([0.1, 0.6, 0.3]), ["a", "b", "c"], k=2)
+[(1, 'b', 0.6000000238418579), (2, 'c', 0.30000001192092896)]
 """
 
 from __future__ import annotations
@@ -21,12 +21,16 @@ def key_shares(summary) -> dict[str, list[float]]:
     """Mean over heads and queries of the share of attention weight and of attention norm that each
     chosen key receives (one value per key position of the :class:`~headlab.interpret.flow.norms.NormSummary`),
     and the same for the layer norm map (``"layer_norm"``)."""
-    return {"weight": summary.key_weight.mean(dim=(0, 1)).tolist(),
-            "norm": summary.key_norm_share.mean(dim=(0, 1)).tolist(),
-            "layer_norm": summary.key_share.mean(0).tolist()}
+    return {
+        "weight": summary.key_weight.mean(dim=(0, 1)).tolist(),
+        "norm": summary.key_norm_share.mean(dim=(0, 1)).tolist(),
+        "layer_norm": summary.key_share.mean(0).tolist(),
+    }
 
 
-def category_shares(weights: torch.Tensor, norms: torch.Tensor, categories: dict[str, list[int]]) -> dict[str, tuple[float, float]]:
+def category_shares(
+    weights: torch.Tensor, norms: torch.Tensor, categories: dict[str, list[int]]
+) -> dict[str, tuple[float, float]]:
     """Share of the weight map and of the norm map that falls on each category of keys.
 
     Args:

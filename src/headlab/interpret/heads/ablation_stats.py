@@ -24,11 +24,17 @@ def config_masks(adapter, configs: list[list[tuple[int, int]]]) -> torch.Tensor:
 
 def check_bootstrap(n_boot, alpha) -> None:
     """:class:`~headlab.errors.ConfigError` unless ``n_boot`` is an integer >= 2 and ``0 < alpha < 1``."""
-    checks.int_at_least("n_boot (bootstrap resamples; CLI --boot)", n_boot, 2,
-                        message="{name} must be an integer of at least {low}, got {value!r}; 1000 is the default")
+    checks.int_at_least(
+        "n_boot (bootstrap resamples; CLI --boot)",
+        n_boot,
+        2,
+        message="{name} must be an integer of at least {low}, got {value!r}; 1000 is the default",
+    )
     if n_boot > MAX_BOOT:  # 10**12 resamples loaded the model and then drew (n_boot, examples) counts without end
-        raise ConfigError(f"n_boot (bootstrap resamples; CLI --boot) must be at most {MAX_BOOT:,}, got {n_boot:,}; "
-                          "1000 is the default (more resamples barely move a 95% interval)")
+        raise ConfigError(
+            f"n_boot (bootstrap resamples; CLI --boot) must be at most {MAX_BOOT:,}, got {n_boot:,}; "
+            "1000 is the default (more resamples barely move a 95% interval)"
+        )
     if not 0 < alpha < 1:
         raise ConfigError(f"alpha must lie in (0, 1) (0.05 gives 95% intervals), got {alpha!r}")
 
@@ -63,7 +69,7 @@ def linear_cka(zx: torch.Tensor, zy: torch.Tensor, wx: torch.Tensor, wy: torch.T
 
 def collect_z(store: dict, heads, zs: dict, mask: torch.Tensor | None, cap: int) -> None:
     """Append z_h at real tokens ``(n, d)`` for the CKA, up to ``cap`` tokens per head."""
-    for (l, h) in heads:
+    for l, h in heads:
         have = store.get((l, h))
         if have is not None and have.shape[0] >= cap:
             continue

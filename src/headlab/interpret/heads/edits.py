@@ -48,6 +48,7 @@ def head_hooks(adapter, fn):
         def edit(z, site, heads):
             new = fn(layer, z, heads)
             return z if new is None else new
+
         return by_heads(edit)
 
     with adapter.hooks({adapter.site_name(layer, "z"): site_fn(layer) for layer in range(adapter.n_layers)}):
@@ -102,7 +103,11 @@ def mean_z(adapter, data, *, over: str, backend: str) -> dict:
             adapter.forward(b.inputs)
             n_tok += float(b.mask.sum())
             c = b.mask.to(torch.float64).sum(0)  # (Lq,)
-            pos_cnt = c if pos_cnt is None else _pad1(pos_cnt, max(len(pos_cnt), len(c))) + _pad1(c, max(len(pos_cnt), len(c)))
+            pos_cnt = (
+                c
+                if pos_cnt is None
+                else _pad1(pos_cnt, max(len(pos_cnt), len(c))) + _pad1(c, max(len(pos_cnt), len(c)))
+            )
     tp = adapter.placement
     if tp.sharded:  # each rank summed its heads: (H/world, ...) -> (H, ...) in global order
         tok_sum = [tp.gather(s[None], "z")[0] for s in tok_sum]
@@ -127,8 +132,9 @@ def _pad1(t: torch.Tensor, n: int) -> torch.Tensor:
 class Runner:
     """Runs configurations on batches: ``clean(batch)`` then ``run(batch, masks)``."""
 
-    def __init__(self, adapter, *, kind: str, loss: str, backend: str, means: dict | None, max_rows: int,
-                 causal: bool) -> None:
+    def __init__(
+        self, adapter, *, kind: str, loss: str, backend: str, means: dict | None, max_rows: int, causal: bool
+    ) -> None:
         if kind not in KINDS:
             raise ConfigError(f"unknown ablation kind {kind!r}; use one of {', '.join(KINDS)}")
         self.adapter, self.kind, self.loss, self.backend = adapter, kind, loss, backend
@@ -173,7 +179,7 @@ class Runner:
         order = sorted(range(masks.shape[0]), key=keys.__getitem__)
         out = None
         for s in range(0, len(order), per):
-            idx = torch.as_tensor(order[s:s + per])
+            idx = torch.as_tensor(order[s : s + per])
             got = self._run_chunk(b, clean, masks[idx], start=_first_difference(masks[idx]))  # (chunk, B)
             out = got.new_empty(masks.shape[0], B) if out is None else out
             out[idx.to(got.device)] = got
@@ -196,7 +202,7 @@ class Runner:
         def fn(layer, z, heads):  # z (c*B, H, Lq, d), or (B, H, Lq, d) below the fan-out; heads: their global indices
             H = z.shape[1]
             n = z.shape[0] // B  # copies in this tensor: c, or 1 below the fan-out
-            m = masks[:n, layer, heads.start:heads.stop]  # (n, H): every configuration, or the first (all agree)
+            m = masks[:n, layer, heads.start : heads.stop]  # (n, H): every configuration, or the first (all agree)
             if not bool(m.any()):
                 return None
             z5 = z.view(n, B, H, *z.shape[2:])  # (n, B, H, Lq, d)
@@ -206,8 +212,7 @@ class Runner:
 
         ctx = value_hooks(self.adapter, values) if self.kind == "uniform" else _null()
         # uniform reads the layer's values per copy: its attention core must run per copy too
-        fan = (fan_out(self.adapter, start, c, share_attention=self.kind != "uniform") if shared and c > 1
-               else _null())
+        fan = fan_out(self.adapter, start, c, share_attention=self.kind != "uniform") if shared and c > 1 else _null()
         with torch.no_grad(), self.adapter.use_backend(self.backend), ctx, head_hooks(self.adapter, fn), fan:
             out = self.adapter.forward(b.inputs if shared or c == 1 else rep)
         ref = {k: v.repeat(c, *([1] * (v.dim() - 1))) for k, v in clean["ref"].items()}

@@ -41,8 +41,9 @@ def is_causal(adapter: ModelAdapter) -> bool:
     return adapter.causal
 
 
-def read_texts(path: str | Path, *, limit: int | None = None,
-               option: str = "--data") -> tuple[list[str], list[int] | None]:
+def read_texts(
+    path: str | Path, *, limit: int | None = None, option: str = "--data"
+) -> tuple[list[str], list[int] | None]:
     """``(texts, labels or None)`` of a file, read by :mod:`headlab.reading` as its suffix says: ``.tsv`` a
     dataset (a ``sentence`` or ``text`` column, an optional integer ``label``), ``.conllu`` the ``# text =``
     of each sentence, anything else one text per line; the first ``limit`` of them. ``option`` names the
@@ -55,7 +56,9 @@ def read_texts(path: str | Path, *, limit: int | None = None,
     if suffix == ".tsv":
         rows = read_tsv(path, option)
         texts = [r.text for r in rows]
-        labels = None if rows[0].label is None else [cast(int, r.label) for r in rows]  # a label column gives every row one
+        labels = (
+            None if rows[0].label is None else [cast(int, r.label) for r in rows]
+        )  # a label column gives every row one
     elif suffix == ".conllu":
         texts = read_conllu(path, option).texts()
     else:
@@ -101,14 +104,25 @@ def check_data(texts, labels, loss: str) -> None:
     if texts is None or len(texts) == 0:
         raise InputError("no examples: pass at least one text (an empty dataset)")
     if loss == "task" and labels is None:
-        raise InputError("loss='task' needs gold labels (labels=..., or a 'label' column in the data file); "
-                         "without labels use loss='kl' (classifiers, decoders) or 'cosine' (sentence encoders)")
+        raise InputError(
+            "loss='task' needs gold labels (labels=..., or a 'label' column in the data file); "
+            "without labels use loss='kl' (classifiers, decoders) or 'cosine' (sentence encoders)"
+        )
     if labels is not None and len(labels) != len(texts):
         raise InputError(f"{len(texts)} texts but {len(labels)} labels")
 
 
-def batches(loaded, adapter: ModelAdapter, texts, labels, batch_size: int, *, max_length: int | None = None,
-            min_size: int = 1, by_length: bool = False) -> list[Batch]:
+def batches(
+    loaded,
+    adapter: ModelAdapter,
+    texts,
+    labels,
+    batch_size: int,
+    *,
+    max_length: int | None = None,
+    min_size: int = 1,
+    by_length: bool = False,
+) -> list[Batch]:
     """Consecutive batches (a tail smaller than ``min_size`` joins the batch before it); with
     ``by_length``, of examples sorted by token count, so a batch pads little (``Batch.index`` says
     where each example came from; only for studies whose result per example ignores its batch)."""
@@ -132,8 +146,10 @@ def batches(loaded, adapter: ModelAdapter, texts, labels, batch_size: int, *, ma
             enc = {k: torch.cat([torch.as_tensor(t[k]) for t in chunk]).to(device) for k in chunk[0]}
         elif all(isinstance(t, str) for t in chunk):
             if loaded is None or loaded.tokenizer is None:
-                raise InputError("text inputs need a LoadedModel with a tokenizer (headlab.load); "
-                                 "for headlab's own models pass token-id sequences")
+                raise InputError(
+                    "text inputs need a LoadedModel with a tokenizer (headlab.load); "
+                    "for headlab's own models pass token-id sequences"
+                )
             enc = loaded.encode(list(chunk), max_length=max_length, truncate=max_length is not None)
         else:
             seqs = [torch.as_tensor(t, dtype=torch.long).reshape(-1) for t in chunk]
@@ -167,8 +183,9 @@ def choose_loss(adapter: ModelAdapter, loss: str, labels) -> Loss:
     if loss not in LOSSES:
         raise ConfigError(f"unknown loss {loss!r}; use one of {', '.join(LOSSES)} (or 'auto')")
     if loss == "lm" and not is_causal(adapter):
-        raise ConfigError("loss='lm' (next-token NLL) needs a decoder; this model is an encoder: use 'task', 'kl' "
-                          "or 'cosine'")
+        raise ConfigError(
+            "loss='lm' (next-token NLL) needs a decoder; this model is an encoder: use 'task', 'kl' or 'cosine'"
+        )
     return cast(Loss, loss)  # checked in LOSSES above
 
 
@@ -183,7 +200,9 @@ def _has_task_head(adapter: ModelAdapter) -> bool:
 def logits_of(out) -> torch.Tensor:
     lg = getattr(out, "logits", None)
     if lg is None:
-        raise ConfigError(f"the model returns no logits ({type(out).__name__}); for a sentence encoder use loss='cosine'")
+        raise ConfigError(
+            f"the model returns no logits ({type(out).__name__}); for a sentence encoder use loss='cosine'"
+        )
     return lg
 
 
@@ -191,8 +210,10 @@ def pooled(out, mask: torch.Tensor | None) -> torch.Tensor:
     """Mean of ``last_hidden_state (B, L, E)`` over real tokens: ``(B, E)``."""
     h = getattr(out, "last_hidden_state", None)
     if h is None:
-        raise ConfigError(f"loss='cosine' needs a sentence encoder's last_hidden_state; {type(out).__name__} has none "
-                          "(use loss='kl' for a classifier or decoder)")
+        raise ConfigError(
+            f"loss='cosine' needs a sentence encoder's last_hidden_state; {type(out).__name__} has none "
+            "(use loss='kl' for a classifier or decoder)"
+        )
     if mask is None:
         return h.mean(1)
     m = mask.to(h.dtype).unsqueeze(-1)  # (B, L, 1)
@@ -275,8 +296,6 @@ def accuracy(out, batch: Batch) -> torch.Tensor | None:
     return (lg.argmax(-1) == batch.labels).float()
 
 
-
-
 @contextmanager
 def pre_hooks(adapter: ModelAdapter, fn) -> Iterator[None]:
     """``fn(layer, z (B, H_l, L, d)) -> z or None`` edits every layer's per-head outputs z.
@@ -284,10 +303,12 @@ def pre_hooks(adapter: ModelAdapter, fn) -> Iterator[None]:
     Through the adapter's hook sites (``adapter.hooks({"blocks.L.attn.z": ...})``: before the gates,
     on every backend); adapters without them get a pre-hook on W^O's input (after the gates)."""
     if hasattr(adapter, "hooks"):
+
         def site_fn(layer):
             def edit(z, site):
                 new = fn(layer, z)
                 return z if new is None else new
+
             return edit
 
         with adapter.hooks({adapter.site_name(layer, "z"): site_fn(layer) for layer in range(adapter.n_layers)}):
@@ -306,6 +327,7 @@ def pre_hooks(adapter: ModelAdapter, fn) -> Iterator[None]:
             if z2 is None or z2 is z:
                 return None
             return (z2.movedim(-3, -2).reshape(*lead, H * d), *args[1:])
+
         return hook
 
     try:
@@ -342,6 +364,8 @@ def token_ids_if_needed(loaded, texts: list[str]) -> list:
         try:
             out.append([int(x) for x in t.split()])
         except ValueError:
-            raise InputError(f"this model has no tokenizer, so each example must be space-separated token ids; "
-                             f"example {i + 1} is {t[:40]!r}") from None
+            raise InputError(
+                f"this model has no tokenizer, so each example must be space-separated token ids; "
+                f"example {i + 1} is {t[:40]!r}"
+            ) from None
     return out

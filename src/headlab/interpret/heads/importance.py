@@ -58,15 +58,25 @@ def _gates_hook(adapter, holder: dict):
         xi = holder.get("xi")
         if xi is None:
             return None
-        g = xi[:, layer, heads.start:heads.stop].to(z.dtype)  # (B, H_l)
+        g = xi[:, layer, heads.start : heads.stop].to(z.dtype)  # (B, H_l)
         return z * g[:, :, None, None]
 
     return head_hooks(adapter, fn)
 
 
-def head_importance(loaded, texts, labels=None, *, loss: C.Loss = "auto", batch_size: int = 16,
-                    normalize: bool = False, backend: str = "auto", seed: int = 0, max_length: int | None = None,
-                    progress: bool | Progress = False) -> torch.Tensor:
+def head_importance(
+    loaded,
+    texts,
+    labels=None,
+    *,
+    loss: C.Loss = "auto",
+    batch_size: int = 16,
+    normalize: bool = False,
+    backend: str = "auto",
+    seed: int = 0,
+    max_length: int | None = None,
+    progress: bool | Progress = False,
+) -> torch.Tensor:
     """Michel et al.'s ``I_h = E_x |dL(x)/d xi_h|`` for every head: ``(n_layers, H)``.
 
     Args:
@@ -95,12 +105,23 @@ def head_importance(loaded, texts, labels=None, *, loss: C.Loss = "auto", batch_
         >>> head_importance(m, texts, loss="lm", batch_size=3).shape
         torch.Size([2, 4])
     """
-    return importance_scores(loaded, texts, labels, loss=loss, batch_size=batch_size, normalize=normalize,
-                       backend=backend, seed=seed, max_length=max_length, progress=progress)[0]
+    return importance_scores(
+        loaded,
+        texts,
+        labels,
+        loss=loss,
+        batch_size=batch_size,
+        normalize=normalize,
+        backend=backend,
+        seed=seed,
+        max_length=max_length,
+        progress=progress,
+    )[0]
 
 
-def importance_scores(loaded, texts, labels, *, loss, batch_size, normalize, backend, seed, max_length, progress,
-                      local: bool = False):
+def importance_scores(
+    loaded, texts, labels, *, loss, batch_size, normalize, backend, seed, max_length, progress, local: bool = False
+):
     """``(grid, loss used, seconds)`` of :func:`head_importance`. ``local``: every example on this process, no sum
     over the data ranks (a caller running on one rank of several, as a unit of the study runner does); a model
     sharded by heads still adds each head's sum over its group."""
@@ -111,8 +132,18 @@ def importance_scores(loaded, texts, labels, *, loss, batch_size, normalize, bac
     # sharded model runs every example on every rank, and each head's sum is made on its owner
     place = adapter.placement
     mine = list(range(len(texts))) if local else place.examples(len(texts))
-    data = C.batches(ld, adapter, [texts[i] for i in mine], None if labels is None else [labels[i] for i in mine],
-                     batch_size, max_length=max_length) if mine else []
+    data = (
+        C.batches(
+            ld,
+            adapter,
+            [texts[i] for i in mine],
+            None if labels is None else [labels[i] for i in mine],
+            batch_size,
+            max_length=max_length,
+        )
+        if mine
+        else []
+    )
     progress = progress if is_main() else False  # rank 0 reports
     gen = torch.Generator().manual_seed(seed + (0 if local else place.data_rank))
     total = torch.zeros(adapter.n_layers, adapter.n_heads, dtype=torch.float64)
@@ -150,8 +181,7 @@ def importance_sums(adapter, b: C.Batch, holder: dict, loss: str, gen: torch.Gen
         holder["xi"] = None
         with torch.no_grad():
             ref = C.reference(loss, adapter.forward(b.inputs), b, generator=gen)
-    xi = torch.ones(b.size, adapter.n_layers, adapter.n_heads, dtype=torch.float32, device=b.device,
-                    requires_grad=True)
+    xi = torch.ones(b.size, adapter.n_layers, adapter.n_heads, dtype=torch.float32, device=b.device, requires_grad=True)
     holder["xi"] = xi
     with torch.enable_grad():
         per = C.per_example(loss, adapter.forward(b.inputs), b, ref, surrogate=True)  # (B,)
@@ -180,14 +210,19 @@ def confidence_sums(adapter, b: C.Batch) -> tuple[torch.Tensor, float]:
 
     total = torch.zeros(adapter.n_layers, adapter.n_heads, dtype=torch.float64)
     # statistics made where the heads live; a sharded model keeps them there (gather="none")
-    cache = capture(adapter, b.inputs, adapter.sites("stats"), gather="none",
-                    stats_kwargs={"stats": ["max_weight"], "method": "tiled"})
+    cache = capture(
+        adapter,
+        b.inputs,
+        adapter.sites("stats"),
+        gather="none",
+        stats_kwargs={"stats": ["max_weight"], "method": "tiled"},
+    )
     assert b.mask is not None  # text: the tokenizer gave an attention mask
     m = b.mask.to(torch.float64)  # (B, L) real query rows
     for layer in range(adapter.n_layers):
         site = adapter.site_name(layer, "stats")
         mw, heads = cache[site].max_weight.double(), cache.heads(site)  # (B, H_l, L), their global indices
-        total[layer, heads.start:heads.stop] += (mw * m[:, None, :]).sum((0, 2)).cpu()
+        total[layer, heads.start : heads.stop] += (mw * m[:, None, :]).sum((0, 2)).cpu()
     return total, float(m.sum())
 
 
@@ -199,8 +234,9 @@ def confidence_grid(adapter, total: torch.Tensor, count: float) -> torch.Tensor:
     return conf
 
 
-def head_confidence(loaded, texts, *, batch_size: int = 16, max_length: int | None = None,
-                    progress: bool | Progress = False) -> torch.Tensor:
+def head_confidence(
+    loaded, texts, *, batch_size: int = 16, max_length: int | None = None, progress: bool | Progress = False
+) -> torch.Tensor:
     """Voita et al.'s confidence: mean over real query tokens of ``max_j P_ij``, ``(n_layers, H)``.
 
     Computed from streaming statistics (``stats`` site, ``max_weight``, tiled method): no
@@ -245,46 +281,76 @@ class ImportanceResult:
     correlations: dict[str, float | None] = field(default_factory=dict)  # Spearman, e.g. importance~ablation
     notes: list[str] = field(default_factory=list)
 
-
     def _repr_html_(self) -> str:
         """This result's page inline in a notebook (headlab's shell in a sandboxed frame; no network)."""
         from headlab.interpret import shell
         from headlab.interpret.heads.page import render_page
 
         return shell.inline(render_page(title=f"heads: {self.model}", importance=self))
+
     def ranking(self, ascending: bool = True) -> list[tuple[int, int]]:
         """(layer, head) by importance (ascending: the first to prune first)."""
-        flat = [(float(self.importance[l, h]), l, h) for l in range(self.importance.shape[0])
-                for h in range(self.importance.shape[1]) if not torch.isnan(self.importance[l, h])]
+        flat = [
+            (float(self.importance[l, h]), l, h)
+            for l in range(self.importance.shape[0])
+            for h in range(self.importance.shape[1])
+            if not torch.isnan(self.importance[l, h])
+        ]
         flat.sort(reverse=not ascending)
         return [(l, h) for _, l, h in flat]
 
     def to_json(self) -> dict:
         """The result in headlab's envelope (kind ``head_importance``) beside the keys files have always had;
         NaN (a layer's missing heads) is written as null."""
+
         def grid(t):
             return None if t is None else [[C.safe_float(x) for x in row] for row in t.tolist()]
 
-        return envelope("head_importance", {
-            "kind": "head_importance", "model": self.model, "loss": self.loss, "n_examples": self.n_examples,
-            "importance": grid(self.importance), "normalized": grid(self.normalized),
-            "confidence": grid(self.confidence), "seconds": self.seconds,
-            "correlations": self.correlations, "notes": self.notes}, model=self.model, settings={"loss": self.loss})
+        return envelope(
+            "head_importance",
+            {
+                "kind": "head_importance",
+                "model": self.model,
+                "loss": self.loss,
+                "n_examples": self.n_examples,
+                "importance": grid(self.importance),
+                "normalized": grid(self.normalized),
+                "confidence": grid(self.confidence),
+                "seconds": self.seconds,
+                "correlations": self.correlations,
+                "notes": self.notes,
+            },
+            model=self.model,
+            settings={"loss": self.loss},
+        )
 
     @classmethod
     def from_json(cls, d: dict) -> ImportanceResult:
         """The result from its JSON: this version's envelope or an earlier file (the same keys, no header)."""
+
         def grid(x):
-            return None if x is None else torch.tensor([[float("nan") if v is None else v for v in row] for row in x],
-                                                       dtype=torch.float32)
+            return (
+                None
+                if x is None
+                else torch.tensor([[float("nan") if v is None else v for v in row] for row in x], dtype=torch.float32)
+            )
 
         try:
-            return cls(d["model"], d["loss"], int(d["n_examples"]), grid(d["importance"]), grid(d["normalized"]),
-                       grid(d.get("confidence")), float(d.get("seconds", 0.0)), dict(d.get("correlations", {})),
-                       list(d.get("notes", [])))
+            return cls(
+                d["model"],
+                d["loss"],
+                int(d["n_examples"]),
+                grid(d["importance"]),
+                grid(d["normalized"]),
+                grid(d.get("confidence")),
+                float(d.get("seconds", 0.0)),
+                dict(d.get("correlations", {})),
+                list(d.get("notes", [])),
+            )
         except (KeyError, TypeError, ValueError) as e:
-            raise InputError(f"not an importance result (headlab heads importance's importance.json): "
-                             f"{type(e).__name__} {e}") from None
+            raise InputError(
+                f"not an importance result (headlab heads importance's importance.json): {type(e).__name__} {e}"
+            ) from None
 
     def save(self, path: str | os.PathLike) -> Path:
         """Write :meth:`to_json` to ``path`` (atomically, :func:`headlab.results.write_json`)."""
@@ -302,36 +368,78 @@ def correlate(**grids: torch.Tensor | None) -> dict[str, float | None]:
     out: dict[str, float | None] = {}
     keys = list(named)
     for i, a in enumerate(keys):
-        for b in keys[i + 1:]:
+        for b in keys[i + 1 :]:
             x, y = named[a].flatten(), named[b].flatten()
             ok = ~(torch.isnan(x) | torch.isnan(y))
             out[f"{a}~{b}"] = C.spearman(x[ok].tolist(), y[ok].tolist()) if int(ok.sum()) > 2 else None
     return out
 
 
-def importance_study(loaded, texts, labels=None, *, loss: C.Loss = "auto", batch_size: int = 16,
-                     backend: str = "auto", seed: int = 0, confidence: bool = True, single_effects=None,
-                     max_length: int | None = None, progress: bool | Progress = False) -> ImportanceResult:
+def importance_study(
+    loaded,
+    texts,
+    labels=None,
+    *,
+    loss: C.Loss = "auto",
+    batch_size: int = 16,
+    backend: str = "auto",
+    seed: int = 0,
+    confidence: bool = True,
+    single_effects=None,
+    max_length: int | None = None,
+    progress: bool | Progress = False,
+) -> ImportanceResult:
     """Importance, normalised importance, confidence, and Spearman correlations between them and
     ``single_effects`` (an ``(n_layers, H)`` grid from :func:`headlab.ablate`), when given."""
     if single_effects is not None and not isinstance(single_effects, torch.Tensor):
         raise ConfigError("single_effects must be an (n_layers, H) tensor, e.g. ablate(...).single")
-    imp, used, secs = importance_scores(loaded, texts, labels, loss=loss, batch_size=batch_size, normalize=False,
-                                  backend=backend, seed=seed, max_length=max_length, progress=progress)
-    conf = head_confidence(loaded, texts, batch_size=batch_size, max_length=max_length,
-                           progress=progress) if confidence else None
+    imp, used, secs = importance_scores(
+        loaded,
+        texts,
+        labels,
+        loss=loss,
+        batch_size=batch_size,
+        normalize=False,
+        backend=backend,
+        seed=seed,
+        max_length=max_length,
+        progress=progress,
+    )
+    conf = (
+        head_confidence(loaded, texts, batch_size=batch_size, max_length=max_length, progress=progress)
+        if confidence
+        else None
+    )
     return study_result(loaded, imp, used, len(texts), secs, conf, single_effects)
 
 
-def study_result(loaded, imp: torch.Tensor, used: str, n: int, seconds: float, conf: torch.Tensor | None,
-                 single_effects: torch.Tensor | None = None) -> ImportanceResult:
+def study_result(
+    loaded,
+    imp: torch.Tensor,
+    used: str,
+    n: int,
+    seconds: float,
+    conf: torch.Tensor | None,
+    single_effects: torch.Tensor | None = None,
+) -> ImportanceResult:
     """:func:`importance_study`'s result from the raw importance grid and the confidence (or None)."""
     norms = torch.nan_to_num(imp).norm(dim=-1, keepdim=True).clamp_min(1e-20)
     adapter, ld = resolve(loaded)
     name = ld.name if ld is not None else type(adapter.model).__name__
     notes = []
     if used in ("kl", "cosine"):
-        notes.append(f"loss={used}: its derivative is zero at the unpruned model; importance uses the first-order "
-                     "surrogate whose squared derivative estimates its curvature (see headlab.head_importance)")
-    return ImportanceResult(name, used, n, imp, imp / norms, conf, seconds,
-                            correlate(importance=imp, confidence=conf, ablation=single_effects), notes)
+        notes.append(
+            f"loss={used}: its derivative is zero at the unpruned model; importance uses the first-order "
+            "surrogate whose squared derivative estimates its curvature (see headlab.head_importance)"
+        )
+    return ImportanceResult(
+        name,
+        used,
+        n,
+        imp,
+        imp / norms,
+        conf,
+        seconds,
+        correlate(importance=imp, confidence=conf, ablation=single_effects),
+        notes,
+    )

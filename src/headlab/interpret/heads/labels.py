@@ -122,8 +122,10 @@ def row_stats_from_maps(maps, *, sink_positions: Sequence[int], causal: bool = F
     """
     P = np.asarray(maps.detach().cpu() if hasattr(maps, "detach") else maps, dtype=np.float64)
     if P.ndim != 3:
-        raise ShapeError(f"attention maps must be (heads, q_len, k_len); got shape {P.shape}. "
-                         "Pass one layer of one sequence, e.g. pattern[0] for pattern (B, H, Lq, Lk).")
+        raise ShapeError(
+            f"attention maps must be (heads, q_len, k_len); got shape {P.shape}. "
+            "Pass one layer of one sequence, e.g. pattern[0] for pattern (B, H, Lq, Lk)."
+        )
     _, lq, lk = P.shape
     with np.errstate(divide="ignore", invalid="ignore"):
         plogp = np.where(P > 0, P * np.log(np.where(P > 0, P, 1.0)), 0.0)
@@ -141,8 +143,9 @@ def row_stats_from_maps(maps, *, sink_positions: Sequence[int], causal: bool = F
     )
 
 
-def row_stats_from_attention_stats(stats, *, sink_positions: Sequence[int], causal: bool = False,
-                                   batch_index: int = 0) -> RowStats:
+def row_stats_from_attention_stats(
+    stats, *, sink_positions: Sequence[int], causal: bool = False, batch_index: int = 0
+) -> RowStats:
     """Row statistics from :func:`headlab.attention_stats` output (streaming; no ``n x n`` map).
 
     ``stats`` must have been computed with ``key_positions=sink_positions``; its fields are
@@ -158,8 +161,10 @@ def row_stats_from_attention_stats(stats, *, sink_positions: Sequence[int], caus
     key_mass = getattr(stats, "key_mass", None)
     sink = np_(key_mass) if (key_mass is not None and pos) else np.zeros(entropy.shape + (0,))
     if sink.shape[-1] != len(pos):
-        raise ShapeError(f"statistics carry mass on {sink.shape[-1]} key positions but {len(pos)} sink "
-                         f"positions were named ({pos}); compute them with key_positions={pos}.")
+        raise ShapeError(
+            f"statistics carry mass on {sink.shape[-1]} key positions but {len(pos)} sink "
+            f"positions were named ({pos}); compute them with key_positions={pos}."
+        )
     return RowStats(
         entropy=entropy,
         max_weight=np_(stats.max_weight),
@@ -218,8 +223,13 @@ def _offset_share(argmax: np.ndarray, offset: int, k_len: int, visible: np.ndarr
     return (argmax[:, ok] == target[ok]).mean(1), n
 
 
-def head_records(layers: Sequence[RowStats], tokens: Sequence[str], *, separator_positions: Sequence[int] | None,
-                 thresholds: LabelThresholds = LabelThresholds()) -> list[HeadRecord]:
+def head_records(
+    layers: Sequence[RowStats],
+    tokens: Sequence[str],
+    *,
+    separator_positions: Sequence[int] | None,
+    thresholds: LabelThresholds = LabelThresholds(),
+) -> list[HeadRecord]:
     """One :class:`HeadRecord` per (layer, head), layer-major.
 
     Args:
@@ -235,8 +245,10 @@ def head_records(layers: Sequence[RowStats], tokens: Sequence[str], *, separator
     out: list[HeadRecord] = []
     for li, rs in enumerate(layers):
         if list(rs.sink_positions) != [0] + seps:
-            raise ShapeError(f"layer {li}: row statistics carry sink positions {list(rs.sink_positions)}, "
-                             f"expected [0] + separators = {[0] + seps}.")
+            raise ShapeError(
+                f"layer {li}: row statistics carry sink positions {list(rs.sink_positions)}, "
+                f"expected [0] + separators = {[0] + seps}."
+            )
         lq = rs.entropy.shape[1]
         lk = rs.received.shape[1]
         if len(tokens) != lk:
@@ -264,8 +276,11 @@ def head_records(layers: Sequence[RowStats], tokens: Sequence[str], *, separator
                     hits = int(round(share[h] * n))
                     labels.append(name)
                     off = _OFFSETS[name]
-                    evidence.append(f"{name}: {share[h]:.0%} of rows argmax at offset {off:+d}" if off else
-                                    f"{name}: {share[h]:.0%} of rows argmax at offset 0")
+                    evidence.append(
+                        f"{name}: {share[h]:.0%} of rows argmax at offset {off:+d}"
+                        if off
+                        else f"{name}: {share[h]:.0%} of rows argmax at offset 0"
+                    )
                     evidence[-1] += f" ({hits} of {n} rows)"
             if sink_total >= thresholds.sink:
                 where = "[CLS]/[SEP]" if seps else "the first token"
@@ -273,25 +288,43 @@ def head_records(layers: Sequence[RowStats], tokens: Sequence[str], *, separator
                 evidence.append(f"separator-sink: mean {sink_total:.0%} of each row's weight on {where}")
             if norm_ent[h] >= thresholds.broad:
                 labels.append("broad")
-                evidence.append(f"broad: mean normalised entropy {norm_ent[h]:.2f} "
-                                f"(about {math.exp(float(rs.entropy[h].mean())):.1f} keys' worth per row)")
-            out.append(HeadRecord(
-                layer=li, head=h,
-                entropy=float(rs.entropy[h].mean()),
-                norm_entropy=float(norm_ent[h]),
-                mean_distance=float(rs.mean_distance[h].mean()),
-                confidence=float(rs.max_weight[h].mean()),
-                mass_first=float(mass_first[h]),
-                mass_sep=float(mass_sep[h]) if separator_positions is not None else None,
-                top_token=tokens[top], top_token_pos=top, top_token_share=float(recv[top] / lq),
-                top_content_token=ctok, top_content_pos=cpos, top_content_share=cshare,
-                prev_share=float(shares["previous-token"][0][h]),
-                next_share=float(shares["next-token"][0][h]),
-                self_share=float(shares["self"][0][h]),
-                labels=tuple(labels), evidence=tuple(evidence),
-            ))
+                evidence.append(
+                    f"broad: mean normalised entropy {norm_ent[h]:.2f} "
+                    f"(about {math.exp(float(rs.entropy[h].mean())):.1f} keys' worth per row)"
+                )
+            out.append(
+                HeadRecord(
+                    layer=li,
+                    head=h,
+                    entropy=float(rs.entropy[h].mean()),
+                    norm_entropy=float(norm_ent[h]),
+                    mean_distance=float(rs.mean_distance[h].mean()),
+                    confidence=float(rs.max_weight[h].mean()),
+                    mass_first=float(mass_first[h]),
+                    mass_sep=float(mass_sep[h]) if separator_positions is not None else None,
+                    top_token=tokens[top],
+                    top_token_pos=top,
+                    top_token_share=float(recv[top] / lq),
+                    top_content_token=ctok,
+                    top_content_pos=cpos,
+                    top_content_share=cshare,
+                    prev_share=float(shares["previous-token"][0][h]),
+                    next_share=float(shares["next-token"][0][h]),
+                    self_share=float(shares["self"][0][h]),
+                    labels=tuple(labels),
+                    evidence=tuple(evidence),
+                )
+            )
     return out
 
 
-__all__ = ["LABELS", "HeadRecord", "LabelThresholds", "RowStats", "head_records", "row_stats_from_attention_stats",
-           "row_stats_from_maps", "visible_keys"]
+__all__ = [
+    "LABELS",
+    "HeadRecord",
+    "LabelThresholds",
+    "RowStats",
+    "head_records",
+    "row_stats_from_attention_stats",
+    "row_stats_from_maps",
+    "visible_keys",
+]

@@ -24,8 +24,9 @@ def per_layer_counts(n_layers: int, n_heads: int | Sequence[int]) -> list[int]:
     return counts
 
 
-def parse_heads(spec: str | Sequence[tuple[int, int]] | None, n_layers: int,
-                n_heads: int | Sequence[int]) -> list[tuple[int, int]] | None:
+def parse_heads(
+    spec: str | Sequence[tuple[int, int]] | None, n_layers: int, n_heads: int | Sequence[int]
+) -> list[tuple[int, int]] | None:
     """``"0.3,2.5"`` -> ``[(0, 3), (2, 5)]``, checked against the model's shape (``n_heads``: one
     count, or a count per layer for a pruned model).
 
@@ -63,8 +64,11 @@ def check_head(layer: int, head: int, n_layers: int, n_heads: int | Sequence[int
         which = f" and heads 0..{counts[0] - 1}" if len(set(counts)) == 1 else ""
         raise InputError(f"head {layer}.{head} does not exist: the model has layers 0..{n_layers - 1}{which}")
     if not 0 <= head < counts[layer]:
-        which = f"heads 0..{counts[layer] - 1}" if len(set(counts)) == 1 else \
-            f"heads 0..{counts[layer] - 1} in layer {layer} (a pruned model: heads per layer {counts})"
+        which = (
+            f"heads 0..{counts[layer] - 1}"
+            if len(set(counts)) == 1
+            else f"heads 0..{counts[layer] - 1} in layer {layer} (a pruned model: heads per layer {counts})"
+        )
         raise InputError(f"head {layer}.{head} does not exist: the model has layers 0..{n_layers - 1} and {which}")
 
 

@@ -88,16 +88,22 @@ def _heatmap(name: str, grid, diverging=False) -> str:
     head = "".join(f"<th>{h}</th>" for h in range(max(len(r) for r in grid)))
     rows = []
     for l, r in enumerate(grid):
-        cells = "".join(f'<td data-l="{l}" data-h="{h}" title="{l}.{h}: {"n/a" if v is None else f"{v:.4g}"}" '
-                        f'style="background-color:{_colour(v, lo, hi, diverging)}"></td>' for h, v in enumerate(r))
+        cells = "".join(
+            f'<td data-l="{l}" data-h="{h}" title="{l}.{h}: {"n/a" if v is None else f"{v:.4g}"}" '
+            f'style="background-color:{_colour(v, lo, hi, diverging)}"></td>'
+            for h, v in enumerate(r)
+        )
         rows.append(f"<tr><th>{l}</th>{cells}</tr>")
     rng = f"{lo:.3g} .. {hi:.3g}" if vals else "no values"
-    return (f'<div><h3 style="font-size:14px">{html.escape(name)}</h3><table class="hm" data-grid="{html.escape(name)}">'
-            f"<tr><th></th>{head}</tr>{''.join(rows)}</table><div class='note'>layers down, heads across; {rng}</div></div>")
+    return (
+        f'<div><h3 style="font-size:14px">{html.escape(name)}</h3><table class="hm" data-grid="{html.escape(name)}">'
+        f"<tr><th></th>{head}</tr>{''.join(rows)}</table><div class='note'>layers down, heads across; {rng}</div></div>"
+    )
 
 
-def render_page(*, title: str, importance=None, ablation=None, curve=None, curve_png: Path | None = None,
-                savings=None) -> str:
+def render_page(
+    *, title: str, importance=None, ablation=None, curve=None, curve_png: Path | None = None, savings=None
+) -> str:
     """The page for any of an ImportanceResult, an AblationResult, a PruningCurve and Savings."""
     grids, body = [], []
     if importance is not None:
@@ -110,8 +116,11 @@ def render_page(*, title: str, importance=None, ablation=None, curve=None, curve
         if ablation.keep_one is not None:
             grids.append(("keep only this head in its layer", _clean(ablation.keep_one)))
     if grids:
-        body.append("<h2>Per head</h2><div class='grids'>" + "".join(
-            _heatmap(n, g, diverging=n.startswith("single")) for n, g in grids) + "</div><div id='focus'></div>")
+        body.append(
+            "<h2>Per head</h2><div class='grids'>"
+            + "".join(_heatmap(n, g, diverging=n.startswith("single")) for n, g in grids)
+            + "</div><div id='focus'></div>"
+        )
     verdicts = {}
     k = 0
     if ablation is not None:
@@ -126,36 +135,53 @@ def render_page(*, title: str, importance=None, ablation=None, curve=None, curve
                 cells = "".join(
                     f'<td class="ic" title="I({a}.{b}, {c}.{d}) = {"n/a" if v is None else f"{v:.4g}"}" '
                     f'style="background-color:{_colour(v, lo, hi, True)}"></td>'
-                    for (c, d), v in zip(ablation.pair_heads, inter[i]))
+                    for (c, d), v in zip(ablation.pair_heads, inter[i])
+                )
                 rows.append(f"<tr><th>{a}.{b}</th>{cells}</tr>")
-            body.append(f"<h2>Pair interactions I(h, g) = E(h, g) - E(h) - E(g) ({k} lowest-effect heads)</h2>"
-                        f'<table class="hm" data-grid="interaction"><tr><th></th>{hdr}</tr>{"".join(rows)}</table>'
-                        f"<div class='note'>red: removing both costs more than the two alone (redundancy); "
-                        f"threshold {ablation.threshold:.3g}, noise floor {ablation.floor_text()}</div>")
+            body.append(
+                f"<h2>Pair interactions I(h, g) = E(h, g) - E(h) - E(g) ({k} lowest-effect heads)</h2>"
+                f'<table class="hm" data-grid="interaction"><tr><th></th>{hdr}</tr>{"".join(rows)}</table>'
+                f"<div class='note'>red: removing both costs more than the two alone (redundancy); "
+                f"threshold {ablation.threshold:.3g}, noise floor {ablation.floor_text()}</div>"
+            )
         rows = []
         for v in ablation.verdicts:
             verdicts[f"{v.layer}.{v.head}"] = v.label()
-            rows.append(f'<tr id="v-{v.layer}-{v.head}"><td>{v.layer}.{v.head}</td><td>{html.escape(v.label())}</td>'
-                        f"<td>{html.escape(v.evidence)}</td></tr>")
+            rows.append(
+                f'<tr id="v-{v.layer}-{v.head}"><td>{v.layer}.{v.head}</td><td>{html.escape(v.label())}</td>'
+                f"<td>{html.escape(v.evidence)}</td></tr>"
+            )
         counts = ", ".join(f"{n} {c}" for c, n in ablation.counts().items())
-        body.append(f"<h2>Verdicts ({html.escape(counts)})</h2><div class='note'>{html.escape(json.dumps(ablation.thresholds))}"
-                    f"</div><table class='vt'><tr><th>head</th><th>verdict</th><th>evidence</th></tr>{''.join(rows)}</table>")
+        body.append(
+            f"<h2>Verdicts ({html.escape(counts)})</h2><div class='note'>{html.escape(json.dumps(ablation.thresholds))}"
+            f"</div><table class='vt'><tr><th>head</th><th>verdict</th><th>evidence</th></tr>{''.join(rows)}</table>"
+        )
     if curve is not None:
         img = ""
         if curve_png is not None and Path(curve_png).is_file():
             img = f'<img alt="pruning curve" src="data:image/png;base64,{base64.b64encode(Path(curve_png).read_bytes()).decode()}">'
-        pts = "".join(f"<tr><td>{100 * f:.0f}%</td><td>{v:.4g}</td></tr>" for f, v in zip(curve.fractions, curve.values))
-        body.append(f"<h2>Pruning curve: {html.escape(curve.summary())}</h2>{img}"
-                    f"<table class='vt'><tr><th>removed</th><th>{curve.metric}</th></tr>{pts}</table>")
+        pts = "".join(
+            f"<tr><td>{100 * f:.0f}%</td><td>{v:.4g}</td></tr>" for f, v in zip(curve.fractions, curve.values)
+        )
+        body.append(
+            f"<h2>Pruning curve: {html.escape(curve.summary())}</h2>{img}"
+            f"<table class='vt'><tr><th>removed</th><th>{curve.metric}</th></tr>{pts}</table>"
+        )
     if savings is not None:
-        srows = "".join(f"<tr><td>{100 * r['fraction_removed']:.0f}%</td><td>{r['batch']}</td>"
-                       f"<td>{r['unpruned_examples_per_s']:.1f}</td><td>{r['pruned_examples_per_s']:.1f}</td>"
-                       f"<td>{r['throughput_gain_pct']:+.1f}%</td><td>{r['params']:,}</td></tr>" for r in savings.rows)
-        body.append("<h2>Measured savings</h2><table class='vt'><tr><th>removed</th><th>batch</th><th>unpruned ex/s</th>"
-                    f"<th>pruned ex/s</th><th>gain</th><th>parameters</th></tr>{srows}</table>")
+        srows = "".join(
+            f"<tr><td>{100 * r['fraction_removed']:.0f}%</td><td>{r['batch']}</td>"
+            f"<td>{r['unpruned_examples_per_s']:.1f}</td><td>{r['pruned_examples_per_s']:.1f}</td>"
+            f"<td>{r['throughput_gain_pct']:+.1f}%</td><td>{r['params']:,}</td></tr>"
+            for r in savings.rows
+        )
+        body.append(
+            "<h2>Measured savings</h2><table class='vt'><tr><th>removed</th><th>batch</th><th>unpruned ex/s</th>"
+            f"<th>pruned ex/s</th><th>gain</th><th>parameters</th></tr>{srows}</table>"
+        )
     data = {"grids": [{"name": n, "values": g} for n, g in grids], "verdicts": verdicts, "k": k}
-    return shell.page(title=title, body="".join(body), data=data, data_id="heads-data", script=_JS,
-                      generator="headlab heads")
+    return shell.page(
+        title=title, body="".join(body), data=data, data_id="heads-data", script=_JS, generator="headlab heads"
+    )
 
 
 def head_annotations(result_or_path) -> dict[tuple[int, int], str]:

@@ -58,14 +58,21 @@ def evaluate(adapter, data: list[C.Batch], loss: str, *, backend: str = "auto") 
                 m = (b.mask[:, 1:] & b.mask[:, :-1]).sum(-1).double()
                 nll_sum += float((per.double() * m).sum())
                 tok += float(m.sum())
-    return {"loss": tot_loss / n, "accuracy": tot_acc / n if has_acc else None,
-            "perplexity": math.exp(nll_sum / tok) if loss == "lm" and tok else None}
+    return {
+        "loss": tot_loss / n,
+        "accuracy": tot_acc / n if has_acc else None,
+        "perplexity": math.exp(nll_sum / tok) if loss == "lm" and tok else None,
+    }
 
 
 def order_heads(importance: torch.Tensor) -> list[tuple[int, int]]:
     """Every (layer, head) by ascending importance (NaN = absent heads skipped; ties by position)."""
-    flat = [(float(importance[l, h]), l, h) for l in range(importance.shape[0]) for h in range(importance.shape[1])
-            if not math.isnan(float(importance[l, h]))]
+    flat = [
+        (float(importance[l, h]), l, h)
+        for l in range(importance.shape[0])
+        for h in range(importance.shape[1])
+        if not math.isnan(float(importance[l, h]))
+    ]
     flat.sort()
     return [(l, h) for _, l, h in flat]
 
@@ -94,31 +101,57 @@ class PruningCurve:
 
     @classmethod
     def from_json(cls, d: dict) -> PruningCurve:
-        return cls(d["model"], d["metric"], d["loss"], d["recompute"], d["fractions"], d["values"], d["losses"],
-                   [[tuple(h) for h in r] for r in d["removed"]], d["within"],
-                   prunable_share(d["metric"], d["loss"], d["fractions"], d["values"], d["within"]),
-                   d["higher_is_better"], d.get("notes", []))
+        return cls(
+            d["model"],
+            d["metric"],
+            d["loss"],
+            d["recompute"],
+            d["fractions"],
+            d["values"],
+            d["losses"],
+            [[tuple(h) for h in r] for r in d["removed"]],
+            d["within"],
+            prunable_share(d["metric"], d["loss"], d["fractions"], d["values"], d["within"]),
+            d["higher_is_better"],
+            d.get("notes", []),
+        )
 
     def share_within(self, within: float) -> float:
         """The prunable share at another tolerance (same units as ``within``)."""
         return prunable_share(self.metric, self.loss, self.fractions, self.values, within)
 
     def summary(self) -> str:
-        return (f"{100 * self.prunable_share:.0f}% of heads prunable within {self.within:g} "
-                f"{'point' if self.within == 1 else 'points'} of the unpruned "
-                f"{'cosine distance' if self.loss == 'cosine' else self.metric} "
-                f"({_fmt(self.metric, self.values[0])})")
+        return (
+            f"{100 * self.prunable_share:.0f}% of heads prunable within {self.within:g} "
+            f"{'point' if self.within == 1 else 'points'} of the unpruned "
+            f"{'cosine distance' if self.loss == 'cosine' else self.metric} "
+            f"({_fmt(self.metric, self.values[0])})"
+        )
 
     def to_json(self) -> dict:
         settings = {"metric": self.metric, "loss": self.loss, "recompute": self.recompute, "within": self.within}
-        return envelope("pruning_curve", {
-            "kind_of_result": "pruning_curve", "model": self.model, "metric": self.metric, "loss": self.loss,
-            "recompute": self.recompute, "fractions": self.fractions, "values": self.values,
-            "losses": self.losses, "removed": [[list(h) for h in r] for r in self.removed],
-            "within": self.within, "prunable_share": self.prunable_share, "summary": self.summary(),
-            "higher_is_better": self.higher_is_better, "notes": self.notes,
-            "prunable_share_within": {str(w): self.share_within(w) for w in (1, 2, 5, 10)}},
-            model=self.model, settings=settings)
+        return envelope(
+            "pruning_curve",
+            {
+                "kind_of_result": "pruning_curve",
+                "model": self.model,
+                "metric": self.metric,
+                "loss": self.loss,
+                "recompute": self.recompute,
+                "fractions": self.fractions,
+                "values": self.values,
+                "losses": self.losses,
+                "removed": [[list(h) for h in r] for r in self.removed],
+                "within": self.within,
+                "prunable_share": self.prunable_share,
+                "summary": self.summary(),
+                "higher_is_better": self.higher_is_better,
+                "notes": self.notes,
+                "prunable_share_within": {str(w): self.share_within(w) for w in (1, 2, 5, 10)},
+            },
+            model=self.model,
+            settings=settings,
+        )
 
     def plot(self, path: str | Path) -> Path:
         """A PNG of the metric against the share of heads removed."""
@@ -178,11 +211,25 @@ def _fmt(metric: str, v: float) -> str:
     return f"{100 * v:.2f}%" if metric == "accuracy" else f"{v:.4g}"
 
 
-def pruning_curve(loaded, texts, labels=None, *, loss: C.Loss = "auto", importance: torch.Tensor | None = None,
-                  normalize: bool = True, step: float = 0.1, max_fraction: float = 0.9, recompute: bool = False,
-                  within: float = 1.0, batch_size: int = 16, backend: str = "auto", seed: int = 0,
-                  max_length: int | None = None, progress: bool | Progress = False,
-                  local: bool = False) -> PruningCurve:
+def pruning_curve(
+    loaded,
+    texts,
+    labels=None,
+    *,
+    loss: C.Loss = "auto",
+    importance: torch.Tensor | None = None,
+    normalize: bool = True,
+    step: float = 0.1,
+    max_fraction: float = 0.9,
+    recompute: bool = False,
+    within: float = 1.0,
+    batch_size: int = 16,
+    backend: str = "auto",
+    seed: int = 0,
+    max_length: int | None = None,
+    progress: bool | Progress = False,
+    local: bool = False,
+) -> PruningCurve:
     """Metric after removing 0, 10, ..., 90% of the heads in ascending importance (see the module docstring).
 
     ``importance``: an ``(n_layers, H)`` grid to rank by (default: :func:`headlab.head_importance`
@@ -203,8 +250,16 @@ def pruning_curve(loaded, texts, labels=None, *, loss: C.Loss = "auto", importan
     else:
         for b in data:
             b.ref = {}  # type: ignore[attr-defined]  # as above
-    kw: dict[str, Any] = dict(loss=loss, batch_size=batch_size, normalize=normalize, backend=backend, seed=seed,
-                              max_length=max_length, progress=False, local=local)
+    kw: dict[str, Any] = dict(
+        loss=loss,
+        batch_size=batch_size,
+        normalize=normalize,
+        backend=backend,
+        seed=seed,
+        max_length=max_length,
+        progress=False,
+        local=local,
+    )
     if importance is None:  # its own bar when progress is one (a callable is not shared with importance.py)
         importance = importance_scores(loaded, texts, labels, **{**kw, "progress": progress is True})[0]
     order = order_heads(importance)
@@ -230,7 +285,9 @@ def pruning_curve(loaded, texts, labels=None, *, loss: C.Loss = "auto", importan
                     adapter.gates[l, h] = 0.0
                 ev = evaluate(adapter, data, loss, backend=backend)
                 if metric is None:
-                    metric = "accuracy" if ev["accuracy"] is not None else ("perplexity" if ev["perplexity"] else "loss")
+                    metric = (
+                        "accuracy" if ev["accuracy"] is not None else ("perplexity" if ev["perplexity"] else "loss")
+                    )
                 values.append(float(ev[metric]))
                 losses.append(float(ev["loss"]))
                 removed.append(list(gone))
@@ -241,6 +298,8 @@ def pruning_curve(loaded, texts, labels=None, *, loss: C.Loss = "auto", importan
     higher = metric == "accuracy"
     share = prunable_share(metric, loss, fractions, values, within)
     name = ld.name if ld is not None else type(adapter.model).__name__
-    notes = [f"ranked by {'normalised ' if normalize else ''}importance (loss={loss}); heads removed by gates, "
-             "which equal physical removal to 1e-5"]
+    notes = [
+        f"ranked by {'normalised ' if normalize else ''}importance (loss={loss}); heads removed by gates, "
+        "which equal physical removal to 1e-5"
+    ]
     return PruningCurve(name, metric, loss, recompute, fractions, values, losses, removed, within, share, higher, notes)

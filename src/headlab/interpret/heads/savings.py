@@ -62,21 +62,42 @@ class Savings:
     notes: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict:
-        return envelope("pruning_savings", {"kind_of_result": "pruning_savings", "model": self.model, "seq": self.seq,
-                                            "rows": self.rows, "notes": self.notes},
-                        model=self.model, settings={"seq": self.seq})
+        return envelope(
+            "pruning_savings",
+            {
+                "kind_of_result": "pruning_savings",
+                "model": self.model,
+                "seq": self.seq,
+                "rows": self.rows,
+                "notes": self.notes,
+            },
+            model=self.model,
+            settings={"seq": self.seq},
+        )
 
 
-def measure_savings(loaded, order: list[tuple[int, int]], *, fractions=(0.25, 0.5, 0.75), batch_sizes=(1, 16, 64),
-                    seq: int = 128, repeats: int = 3, rounds: int = 2, gqa: str = "pad",
-                    progress: bool | Progress = False) -> Savings:
+def measure_savings(
+    loaded,
+    order: list[tuple[int, int]],
+    *,
+    fractions=(0.25, 0.5, 0.75),
+    batch_sizes=(1, 16, 64),
+    seq: int = 128,
+    repeats: int = 3,
+    rounds: int = 2,
+    gqa: str = "pad",
+    progress: bool | Progress = False,
+) -> Savings:
     """Throughput of the physically pruned model against the unpruned one (see the module docstring).
 
     ``progress``: a bar (True), nothing (False) or ``progress(stage, done, total)`` (:mod:`headlab.progress`)."""
     adapter, ld = resolve(loaded)
     model: Any = adapter.model  # a transformers model or headlab's Transformer
-    vocab = model.get_input_embeddings().weight.shape[0] if hasattr(model, "get_input_embeddings") else \
-        model.config.vocab_size
+    vocab = (
+        model.get_input_embeddings().weight.shape[0]
+        if hasattr(model, "get_input_embeddings")
+        else model.config.vocab_size
+    )
     gen = torch.Generator().manual_seed(0)
     total = len(order)
     causal = C.is_causal(adapter)
@@ -103,19 +124,33 @@ def measure_savings(loaded, order: list[tuple[int, int]], *, fractions=(0.25, 0.
                     t_pruned.append(_time(p.model, inputs, repeats))
                 tb, tp = min(t[0] for t in t_base), min(t[0] for t in t_pruned)
                 cb, cp = min(t[1] for t in t_base), min(t[1] for t in t_pruned)
-                out.rows.append({
-                    "fraction_removed": f, "heads_removed": n, "heads_live": live,
-                    "heads_computed": sum(len(pl.q) for pl in p.plans), "batch": B,
-                    "unpruned_examples_per_s": B / tb, "pruned_examples_per_s": B / tp,
-                    "throughput_gain_pct": 100 * (tb / tp - 1),
-                    "unpruned_cpu_s": cb, "pruned_cpu_s": cp, "cpu_time_gain_pct": 100 * (cb / cp - 1),
-                    "params": sum(q.numel() for q in p.model.parameters()), "params_unpruned": base_params,
-                    "attention_params": attention_params(pa), "attention_params_unpruned": base_attn,
-                    "kv_cache_bytes_per_token": kv_cache_bytes_per_token(pa) if causal else None,
-                    "kv_cache_bytes_per_token_unpruned": base_kv, "notes": p.notes})
+                out.rows.append(
+                    {
+                        "fraction_removed": f,
+                        "heads_removed": n,
+                        "heads_live": live,
+                        "heads_computed": sum(len(pl.q) for pl in p.plans),
+                        "batch": B,
+                        "unpruned_examples_per_s": B / tb,
+                        "pruned_examples_per_s": B / tp,
+                        "throughput_gain_pct": 100 * (tb / tp - 1),
+                        "unpruned_cpu_s": cb,
+                        "pruned_cpu_s": cp,
+                        "cpu_time_gain_pct": 100 * (cb / cp - 1),
+                        "params": sum(q.numel() for q in p.model.parameters()),
+                        "params_unpruned": base_params,
+                        "attention_params": attention_params(pa),
+                        "attention_params_unpruned": base_attn,
+                        "kv_cache_bytes_per_token": kv_cache_bytes_per_token(pa) if causal else None,
+                        "kv_cache_bytes_per_token_unpruned": base_kv,
+                        "notes": p.notes,
+                    }
+                )
                 say("throughput", len(out.rows), len(fractions) * len(batch_sizes))
             del p
-    out.notes.append(f"""forward pass only, no grad, the model's own attention path; sequence {seq}; median of "
+    out.notes.append(
+        f"""forward pass only, no grad, the model's own attention path; sequence {seq}; median of "
                      f"{repeats} runs after a warm-up, best of {rounds} alternating rounds; examples/s = batch / time; the CPU-time gain (process CPU seconds per forward, unpruned / pruned
-                     - 1) is the steadier figure on a shared machine""".replace("\n                     ", " "))
+                     - 1) is the steadier figure on a shared machine""".replace("\n                     ", " ")
+    )
     return out

@@ -46,8 +46,19 @@ LABEL_FREE = ("kl", "cosine")  # the losses whose surrogate draws from a generat
 class ImportanceUnits:
     """Head importance (and confidence) over ``texts``, one unit per batch of ``batch_size`` examples."""
 
-    def __init__(self, loaded, texts, labels=None, *, loss: C.Loss = "auto", batch_size: int = 16,
-                 backend: str = "auto", seed: int = 0, confidence: bool = True, max_length: int | None = None) -> None:
+    def __init__(
+        self,
+        loaded,
+        texts,
+        labels=None,
+        *,
+        loss: C.Loss = "auto",
+        batch_size: int = 16,
+        backend: str = "auto",
+        seed: int = 0,
+        confidence: bool = True,
+        max_length: int | None = None,
+    ) -> None:
         self.loaded = loaded
         self.adapter, self.ld = resolve(loaded)
         self.loss = C.choose_loss(self.adapter, loss, labels)
@@ -77,15 +88,25 @@ class ImportanceUnits:
         """Batch ``i``'s sums (``before``: the value of batch ``i - 1`` when kept, for the generator's state)."""
         s, e = self.spans[i]
         adapter, place = self.adapter, self.adapter.placement
-        b = C.batches(self.ld, adapter, self.texts[s:e], None if self.labels is None else self.labels[s:e],
-                      self.batch_size, max_length=self.max_length)[0]
+        b = C.batches(
+            self.ld,
+            adapter,
+            self.texts[s:e],
+            None if self.labels is None else self.labels[s:e],
+            self.batch_size,
+            max_length=self.max_length,
+        )[0]
         gen = self._generator(before)
         t0 = time.perf_counter()
         with gated(adapter, self.backend) as holder:
             sums = importance_sums(adapter, b, holder, self.loss, gen)
-        value: dict = {"importance": place.sum_group(sums), "seconds": time.perf_counter() - t0,
-                       "rng": gen.get_state().numpy().tobytes().hex() if self.loss in LABEL_FREE else None,
-                       "confidence": None, "rows": 0.0}
+        value: dict = {
+            "importance": place.sum_group(sums),
+            "seconds": time.perf_counter() - t0,
+            "rng": gen.get_state().numpy().tobytes().hex() if self.loss in LABEL_FREE else None,
+            "confidence": None,
+            "rows": 0.0,
+        }
         if self.confidence:
             conf, rows = confidence_sums(adapter, b)
             value["confidence"], value["rows"] = place.sum_group(conf), rows
@@ -108,8 +129,9 @@ class ImportanceUnits:
                 total += v["confidence"]
                 rows += v["rows"]
             conf = confidence_grid(self.adapter, total, rows)
-        return study_result(self.loaded, self.grid(values), self.loss, len(self.texts),
-                            sum(v["seconds"] for v in values), conf)
+        return study_result(
+            self.loaded, self.grid(values), self.loss, len(self.texts), sum(v["seconds"] for v in values), conf
+        )
 
     @staticmethod
     def unit_to_json(value: dict) -> dict:
@@ -187,8 +209,10 @@ class AblationUnits:
                 d_pair[:, np.asarray(v["index"], dtype=np.int64)] = v["d"]
         cka = values.get("cka")
         cka_t = torch.from_numpy(np.asarray(cka["cka"], dtype=np.float64)).float() if cka is not None else None
-        seconds = {"single_and_keep_one": sum(v["seconds"] for k, v in values.items() if k.startswith("single")),
-                   "pairs": sum(v["seconds"] for k, v in values.items() if not k.startswith("single"))}
+        seconds = {
+            "single_and_keep_one": sum(v["seconds"] for k, v in values.items() if k.startswith("single")),
+            "pairs": sum(v["seconds"] for k, v in values.items() if not k.startswith("single")),
+        }
         return plan.result(d_all, base, acc, heads, pairs, d_pair, cka_t, seconds)
 
     @staticmethod

@@ -35,5 +35,20 @@ for _m in _pkgutil.iter_modules(__path__):
     if _m.name not in ("base", "runner"):
         _import_module(f"{__name__}.{_m.name}")
 
-__all__ = ["Context", "Instrument", "InstrumentResult", "Option", "Outcome", "Output", "Part", "REQUIRED", "Registry",
-           "Unit", "at_least", "get", "register", "registered", "unregister"]
+__all__ = [
+    "Context",
+    "Instrument",
+    "InstrumentResult",
+    "Option",
+    "Outcome",
+    "Output",
+    "Part",
+    "REQUIRED",
+    "Registry",
+    "Unit",
+    "at_least",
+    "get",
+    "register",
+    "registered",
+    "unregister",
+]

@@ -66,15 +66,19 @@ def parse_kinds(spec: str | None) -> list[str] | None:
     asked = [k.strip() for k in spec.split(",") if k.strip()]
     bad = [k for k in asked if k not in KINDS]
     if bad or not asked:
-        raise ConfigError(f"--kinds: unknown {', '.join(map(repr, bad)) or 'empty list'}; choose from {', '.join(KINDS)}")
+        raise ConfigError(
+            f"--kinds: unknown {', '.join(map(repr, bad)) or 'empty list'}; choose from {', '.join(KINDS)}"
+        )
     return asked
 
 
 def _draws(value, option: Option, options: dict) -> None:
     at_least(1)(value, option, options)
     if value > MAX_DRAWS:  # 10**12 loaded the model, then gated random head sets without end
-        raise ConfigError(f"{option.label} must be at most {MAX_DRAWS:,} (random draws per check, a forward each; "
-                          f"10 is the default), got {value:,}")
+        raise ConfigError(
+            f"{option.label} must be at most {MAX_DRAWS:,} (random draws per check, a forward each; "
+            f"10 is the default), got {value:,}"
+        )
 
 
 def _check_kinds(value, option: Option, options: dict) -> None:
@@ -82,12 +86,22 @@ def _check_kinds(value, option: Option, options: dict) -> None:
     assert kinds is not None  # a given --kinds (validate skips None)
     on_treebank = [k for k in kinds if k in _reading("treebank")]
     if on_treebank and options.get("treebank") is None:
-        raise ConfigError(f"--kinds {on_treebank[0]} needs --treebank FILE.conllu (the dependency trees it is "
-                          "checked on)")
+        raise ConfigError(
+            f"--kinds {on_treebank[0]} needs --treebank FILE.conllu (the dependency trees it is checked on)"
+        )
 
 
-def check_positions(model: str, limit: int | None, kinds: list[str] | None, *, half: int, max_tokens: int,
-                    haystack: int | None = None, room: int = 0, specials: int | None = None) -> None:
+def check_positions(
+    model: str,
+    limit: int | None,
+    kinds: list[str] | None,
+    *,
+    half: int,
+    max_tokens: int,
+    haystack: int | None = None,
+    room: int = 0,
+    specials: int | None = None,
+) -> None:
     """Sizes past the model's positions, refused with the limit (``limit`` None: not known yet).
     ``specials``: the special tokens around a sequence (None before the load: the tokenizer is not read
     yet, so only what is past the limit without them is refused, and the advice leaves room for 2)."""
@@ -95,18 +109,28 @@ def check_positions(model: str, limit: int | None, kinds: list[str] | None, *, h
         return
     todo = set(kinds) if kinds is not None else None
     if (todo is None or todo & set(_reading("repeated"))) and 2 * half + (specials or 0) > limit:
-        more = (" plus the special tokens" if specials is None else
-                f" plus {specials} special token{'s' if specials > 1 else ''}" if specials else "")
-        raise ConfigError(f"--half {half}: the repeated sequences are 2 x {half} tokens{more}, past the {limit:,} "
-                          f"positions of {model}; give --half {(limit - (2 if specials is None else specials)) // 2} "
-                          "or less")
+        more = (
+            " plus the special tokens"
+            if specials is None
+            else f" plus {specials} special token{'s' if specials > 1 else ''}"
+            if specials
+            else ""
+        )
+        raise ConfigError(
+            f"--half {half}: the repeated sequences are 2 x {half} tokens{more}, past the {limit:,} "
+            f"positions of {model}; give --half {(limit - (2 if specials is None else specials)) // 2} "
+            "or less"
+        )
     if (todo is None or todo & set(_reading("text", "needles"))) and max_tokens > limit:
-        raise ConfigError(f"--max-tokens {max_tokens} is past the {limit:,} positions of {model}; give --max-tokens "
-                          f"{limit} or less")
+        raise ConfigError(
+            f"--max-tokens {max_tokens} is past the {limit:,} positions of {model}; give --max-tokens {limit} or less"
+        )
     if haystack is not None and (todo is None or todo & set(_reading("needles"))) and haystack + room > limit:
-        raise ConfigError(f"--haystack {haystack}: a needle trial adds {room} tokens to it (the needle, the question "
-                          f"and the answer), past the {limit:,} positions of {model}; give --haystack "
-                          f"{limit - room} or less")
+        raise ConfigError(
+            f"--haystack {haystack}: a needle trial adds {room} tokens to it (the needle, the question "
+            f"and the answer), past the {limit:,} positions of {model}; give --haystack "
+            f"{limit - room} or less"
+        )
 
 
 def _check_treebank(path: Path) -> None:
@@ -148,15 +172,29 @@ def _needle_room(adapter, loaded, texts, needles: int, seed: int) -> int | None:
 
     try:
         vocab = S.embeddings(adapter.model)[0].shape[0]
-        trials = T.needles(getattr(loaded, "tokenizer", None), texts=texts, n=needles, haystack_tokens=8, seed=seed,
-                           vocab=vocab)
+        trials = T.needles(
+            getattr(loaded, "tokenizer", None), texts=texts, n=needles, haystack_tokens=8, seed=seed, vocab=vocab
+        )
     except HeadlabError:
         return None
     return max(len(t.ids) + len(t.answer) for t in trials) - 8  # the check reads the prompt and the whole answer
 
 
-def check_loaded(loaded, model: str, kinds, *, texts, checks: bool, half: int, max_tokens: int, n_texts: int,
-                 haystack: int, needles: int, top_k, seed: int) -> None:
+def check_loaded(
+    loaded,
+    model: str,
+    kinds,
+    *,
+    texts,
+    checks: bool,
+    half: int,
+    max_tokens: int,
+    n_texts: int,
+    haystack: int,
+    needles: int,
+    top_k,
+    seed: int,
+) -> None:
     """What only the loaded model tells (its positions when the config did not say, decoder or not, its
     heads), checked in the CLI's names before the work."""
     from headlab.interpret.atlas import scores as S
@@ -166,33 +204,48 @@ def check_loaded(loaded, model: str, kinds, *, texts, checks: bool, half: int, m
     adapter, _ = resolve(loaded)
     text_kinds = _reading("text", "needles")
     if getattr(loaded, "tokenizer", None) is None and texts is None and (kinds is None or set(kinds) & set(text_kinds)):
-        raise InputError(f"{model} has no tokenizer: give --texts FILE with lines of space-separated token ids (the "
-                         f"natural text of {', '.join(text_kinds)}), or --kinds without those")
+        raise InputError(
+            f"{model} has no tokenizer: give --texts FILE with lines of space-separated token ids (the "
+            f"natural text of {', '.join(text_kinds)}), or --kinds without those"
+        )
     if texts is not None and texts and not isinstance(texts[0], str):  # token-id lines: inside the vocabulary
         V = S.embeddings(adapter.model)[0].shape[0]
         for i, ids in enumerate(texts):
             bad = [x for x in ids if not 0 <= x < V]
             if bad:
-                raise InputError(f"--texts example {i + 1}: token id {bad[0]} is outside the vocabulary of {model} "
-                                 f"(0..{V - 1})")
+                raise InputError(
+                    f"--texts example {i + 1}: token id {bad[0]} is outside the vocabulary of {model} (0..{V - 1})"
+                )
     limit = getattr(loaded, "max_positions", None)
     needles_run = adapter.causal and (kinds is None or bool(set(kinds) & set(_reading("needles"))))
     room = _needle_room(adapter, loaded, texts, needles, seed) if needles_run and limit is not None else None
     specials = sum(map(len, T._specials(getattr(loaded, "tokenizer", None))))
-    check_positions(model, limit, kinds, half=half, max_tokens=max_tokens,
-                    haystack=haystack if room is not None else None, room=room or 0, specials=specials)
+    check_positions(
+        model,
+        limit,
+        kinds,
+        half=half,
+        max_tokens=max_tokens,
+        haystack=haystack if room is not None else None,
+        room=room or 0,
+        specials=specials,
+    )
     on_text = _checked_on("text")
     if checks and (kinds is None or set(on_text) & set(kinds)):
         pieces = len(T.natural(getattr(loaded, "tokenizer", None), texts, max_tokens=max_tokens, n=n_texts))
         if pieces < 2:
-            raise InputError(f"the {' and '.join(on_text)} checks need at least 2 pieces of text for their bootstrap; "
-                             f"{'--texts' if texts is not None else 'the shipped passage'} gives {pieces} of at most "
-                             f"--max-tokens {max_tokens} tokens with --n-texts {n_texts}: give more text, a smaller "
-                             "--max-tokens, --n-texts 2 or more, or --no-checks")
+            raise InputError(
+                f"the {' and '.join(on_text)} checks need at least 2 pieces of text for their bootstrap; "
+                f"{'--texts' if texts is not None else 'the shipped passage'} gives {pieces} of at most "
+                f"--max-tokens {max_tokens} tokens with --n-texts {n_texts}: give more text, a smaller "
+                "--max-tokens, --n-texts 2 or more, or --no-checks"
+            )
     if checks and needles_run and needles < 2:
         names = " and ".join(_checked_on("needle"))
-        raise ConfigError(f"--needles {needles}: the {names} check needs at least 2 trials for its bootstrap interval; "
-                          "give --needles 2 or more, or --no-checks")
+        raise ConfigError(
+            f"--needles {needles}: the {names} check needs at least 2 trials for its bootstrap interval; "
+            "give --needles 2 or more, or --no-checks"
+        )
     total = sum(adapter.layer_heads)
     if top_k is not None and top_k >= total:
         raise ConfigError(f"--top-k {top_k}: {model} has {total} heads; gate at most {total - 1} per check")
@@ -213,18 +266,32 @@ the rest. Data-parallel with torchrun: `torchrun --nproc-per-node 2 -m headlab a
 trials and the checks' configurations across the processes; rank 0 shows the progress and writes the output."""
     options = (
         Option("model", "--model", str, "minilm", "a known model name (minilm, smollm2) or a model folder", short="-m"),
-        Option("kinds", "--kinds", str, None, f"comma-separated kinds (default: all the model allows): "
-               f"{', '.join(KINDS)}", short="-k", check=_check_kinds),
+        Option(
+            "kinds",
+            "--kinds",
+            str,
+            None,
+            f"comma-separated kinds (default: all the model allows): {', '.join(KINDS)}",
+            short="-k",
+            check=_check_kinds,
+        ),
         # read whole by prepare (not reads="texts", one text per line): the atlas cuts its pieces from the file's
         # text as it is, and a model without a tokenizer reads its lines as token ids
-        Option("texts", "--texts", Path, None, "natural text for sink/local/needle (default: a shipped "
-               "public-domain passage); token-id lines for a model without a tokenizer"),
+        Option(
+            "texts",
+            "--texts",
+            Path,
+            None,
+            "natural text for sink/local/needle (default: a shipped "
+            "public-domain passage); token-id lines for a model without a tokenizer",
+        ),
         Option("treebank", "--treebank", Path, None, "a CoNLL-U file: adds the syntactic kind", short="-t"),
         Option("out", "--out", Path, REQUIRED, "folder for atlas.json and atlas.html", short="-o", setting=False),
         Option("force", "--force", bool, False, "write into a non-empty --out folder", setting=False),
         Option("checks", "--checks", bool, True, "run the causal checks (gating heads)", off="--no-checks"),
-        Option("top_k", "--top-k", int, None, "heads gated per check (default 5% of the heads, 1 to 10)",
-               check=at_least(1)),
+        Option(
+            "top_k", "--top-k", int, None, "heads gated per check (default 5% of the heads, 1 to 10)", check=at_least(1)
+        ),
         Option("draws", "--draws", int, 10, "random draws per check", check=_draws),
         Option("half", "--half", int, 50, "length of the repeated half of the random sequences", check=at_least(2)),
         Option("n_texts", "--n-texts", int, 4, "natural-text pieces", check=at_least(1)),
@@ -248,8 +315,11 @@ trials and the checks' configurations across the processes; rank 0 shows the pro
         from headlab.reading import read_file
 
         o = ctx.options
-        ctx.data["texts"] = None if o["texts"] is None else \
-            [read_file(o["texts"], "--texts", "texts", what="a plain-text file (UTF-8)")]
+        ctx.data["texts"] = (
+            None
+            if o["texts"] is None
+            else [read_file(o["texts"], "--texts", "texts", what="a plain-text file (UTF-8)")]
+        )
         if o["treebank"] is not None:
             _check_treebank(o["treebank"])
         limit = peek_max_positions(o["model"])  # from the config files alone: no weights read
@@ -258,15 +328,38 @@ trials and the checks' configurations across the processes; rank 0 shows the pro
     def check_loaded(self, ctx: Context) -> None:
         o, raw = ctx.options, ctx.data["texts"]
         ctx.state["texts"] = texts = None if raw is None else _ids_if_needed(ctx.loaded, raw)
-        check_loaded(ctx.loaded, o["model"], ctx.state["kinds"], texts=texts, checks=o["checks"], half=o["half"],
-                     max_tokens=o["max_tokens"], n_texts=o["n_texts"], haystack=o["haystack"], needles=o["needles"],
-                     top_k=o["top_k"], seed=o["seed"])
+        check_loaded(
+            ctx.loaded,
+            o["model"],
+            ctx.state["kinds"],
+            texts=texts,
+            checks=o["checks"],
+            half=o["half"],
+            max_tokens=o["max_tokens"],
+            n_texts=o["n_texts"],
+            haystack=o["haystack"],
+            needles=o["needles"],
+            top_k=o["top_k"],
+            seed=o["seed"],
+        )
         from headlab.interpret.atlas.run import AtlasRun  # looked up at call time
 
         ctx.state["atlas"] = AtlasRun(
-            ctx.loaded, kinds=ctx.state["kinds"], texts=texts, treebank=o["treebank"], checks=o["checks"],
-            k=o["top_k"], n_draws=o["draws"], half=o["half"], n_texts=o["n_texts"], max_tokens=o["max_tokens"],
-            needle_trials=o["needles"], haystack_tokens=o["haystack"], seed=o["seed"], say=ctx.progress)
+            ctx.loaded,
+            kinds=ctx.state["kinds"],
+            texts=texts,
+            treebank=o["treebank"],
+            checks=o["checks"],
+            k=o["top_k"],
+            n_draws=o["draws"],
+            half=o["half"],
+            n_texts=o["n_texts"],
+            max_tokens=o["max_tokens"],
+            needle_trials=o["needles"],
+            haystack_tokens=o["haystack"],
+            seed=o["seed"],
+            say=ctx.progress,
+        )
         ctx.state["ran"] = []  # the phases this run computes (the others are resumed)
 
     def units(self, ctx: Context) -> list[Unit]:
@@ -277,8 +370,10 @@ trials and the checks' configurations across the processes; rank 0 shows the pro
         changed; the runner has compared the options) are refused."""
         foreign = ctx.state["atlas"].foreign(values)
         if foreign:
-            raise InputError(f"--resume: {ctx.path} keeps phases ({', '.join(foreign)}) computed from other inputs "
-                             "(a changed --texts or --treebank file, or other weights); drop --resume to start again")
+            raise InputError(
+                f"--resume: {ctx.path} keeps phases ({', '.join(foreign)}) computed from other inputs "
+                "(a changed --texts or --treebank file, or other weights); drop --resume to start again"
+            )
 
     def run_unit(self, ctx: Context, unit: Unit, recording=None):
         if not ctx.state["ran"]:
@@ -307,15 +402,24 @@ trials and the checks' configurations across the processes; rank 0 shows the pro
         if ctx.options["as_json"]:
             print_json(a.summary())
             return
-        console.print(f"{a.model} ({a.family}): {a.n_layers} layers x {a.n_heads} heads; "
-                      f"{sum(a.seconds.values()):.1f} s", highlight=False, soft_wrap=True)
-        console.print(f"{'kind':<16} {'heads':>5} {'share':>6}  {'check':<14} {'x random':>8}  heads with the role",
-                      highlight=False)
+        console.print(
+            f"{a.model} ({a.family}): {a.n_layers} layers x {a.n_heads} heads; {sum(a.seconds.values()):.1f} s",
+            highlight=False,
+            soft_wrap=True,
+        )
+        console.print(
+            f"{'kind':<16} {'heads':>5} {'share':>6}  {'check':<14} {'x random':>8}  heads with the role",
+            highlight=False,
+        )
         for kind, s in a.summary().items():
             v = a.verdicts.get(kind)
             times = "" if v is None or v["times_random"] is None else f"{v['times_random']:.1f}"
-            console.print(f"{kind:<16} {s['count']:>5} {100 * s['share']:5.1f}%  {(s['verdict'] or '-'):<14} "
-                          f"{times:>8}  {', '.join(s['heads'][:8]) or '-'}", highlight=False, soft_wrap=True)
+            console.print(
+                f"{kind:<16} {s['count']:>5} {100 * s['share']:5.1f}%  {(s['verdict'] or '-'):<14} "
+                f"{times:>8}  {', '.join(s['heads'][:8]) or '-'}",
+                highlight=False,
+                soft_wrap=True,
+            )
         for k, r in a.skipped.items():  # in the CLI's names
             r = r.replace("treebank=FILE.conllu", "--treebank FILE.conllu")
             console.print(f"[yellow]not run:[/] {k}: {r}", highlight=False, soft_wrap=True)

@@ -106,8 +106,10 @@ class Option:
 
 def at_least(low, what: str = "") -> Callable[[Any, Option, dict], None]:
     """An :class:`Option` check: the value is finite and ``>= low`` (the CLI's ``check_at_least`` message)."""
+
     def check(value, option: Option, options: dict) -> None:
         checks.at_least(option.label, value, low, what=what)  # inf and NaN: "a finite number of at least ..."
+
     return check
 
 
@@ -154,6 +156,7 @@ class Context:
     @property
     def settings(self) -> dict:
         """The options that are settings (JSON-able: paths as strings)."""
+
         def plain(v):  # a path as its string, a model loaded already (from Python) as its name
             return str(v) if isinstance(v, Path) else getattr(v, "name", v) if hasattr(v, "adapter") else v
 
@@ -340,5 +343,21 @@ def unregister(name: str) -> None:
     _INSTRUMENTS.unregister(name)
 
 
-__all__ = ["ENVELOPE_JSON", "Context", "Instrument", "InstrumentResult", "Option", "Outcome", "Output", "Part", "REQUIRED", "Registry",
-           "Unit", "at_least", "get", "register", "registered", "unregister"]
+__all__ = [
+    "ENVELOPE_JSON",
+    "Context",
+    "Instrument",
+    "InstrumentResult",
+    "Option",
+    "Outcome",
+    "Output",
+    "Part",
+    "REQUIRED",
+    "Registry",
+    "Unit",
+    "at_least",
+    "get",
+    "register",
+    "registered",
+    "unregister",
+]

@@ -39,9 +39,17 @@ from headlab.interpret.instruments.base import (
 from headlab.interpret.saliency.explanation import DEFAULT_METHODS, METHODS
 from headlab.results import print_json
 
-SHORT = {"attention": "attention", "gradient": "gradient", "grad_x_input": "grad*input",
-         "integrated_gradients": "IG", "leave_one_out": "LOO", "rollout": "rollout", "norm_rollout": "norm roll",
-         "attention_flow": "flow", "attention_norm": "norm"}  # the column heads of the terminal tables
+SHORT = {
+    "attention": "attention",
+    "gradient": "gradient",
+    "grad_x_input": "grad*input",
+    "integrated_gradients": "IG",
+    "leave_one_out": "LOO",
+    "rollout": "rollout",
+    "norm_rollout": "norm roll",
+    "attention_flow": "flow",
+    "attention_norm": "norm",
+}  # the column heads of the terminal tables
 STUDY_ONLY = (("limit", "--limit"), ("max_minutes", "--max-minutes"), ("no_counterfactual", "--no-counterfactual"))
 
 
@@ -49,8 +57,10 @@ def _ig_steps(value, option: Option, options: dict) -> None:
     from headlab.interpret.saliency.integrated import MAX_STEPS
 
     if value > MAX_STEPS:  # below 1: the library's own check says so
-        raise ConfigError(f"--ig-steps must be at most {MAX_STEPS:,} (Gauss-Legendre converges in tens of steps; 50 "
-                          f"is the usual choice), got {value:,}")
+        raise ConfigError(
+            f"--ig-steps must be at most {MAX_STEPS:,} (Gauss-Legendre converges in tens of steps; 50 "
+            f"is the usual choice), got {value:,}"
+        )
 
 
 @register
@@ -67,29 +77,72 @@ Examples: headlab explain "a gripping , funny film" --model ~/.cache/headlab/min
           torchrun --nproc-per-node 2 -m headlab explain --dataset validation.tsv --model PATH --out study/
           (data-parallel: each process explains every 2nd row; rank 0 writes the files and prints)"""
     options = (
-        Option("text", None, str, None, "the text whose prediction to explain (omit with --dataset)", metavar="TEXT",
-               reads="text"),
-        Option("model", "--model", str, REQUIRED, "a model folder (e.g. the SST-2 classifier) or known name",
-               short="-m"),
-        Option("methods", "--methods", str, ",".join(DEFAULT_METHODS),
-               "comma-separated, of: " + ", ".join(METHODS) + " (default: all but attention_flow)"),
+        Option(
+            "text",
+            None,
+            str,
+            None,
+            "the text whose prediction to explain (omit with --dataset)",
+            metavar="TEXT",
+            reads="text",
+        ),
+        Option(
+            "model", "--model", str, REQUIRED, "a model folder (e.g. the SST-2 classifier) or known name", short="-m"
+        ),
+        Option(
+            "methods",
+            "--methods",
+            str,
+            ",".join(DEFAULT_METHODS),
+            "comma-separated, of: " + ", ".join(METHODS) + " (default: all but attention_flow)",
+        ),
         Option("target", "--target", int, None, "class (or next-token id) to explain; default the prediction"),
         Option("ig_steps", "--ig-steps", int, 50, "integrated-gradients steps", check=_ig_steps),
         Option("backend", "--backend", str, "auto", "attention backend for every pass (sdpa, tiled, ...)"),
         Option("loo", "--loo", str, "delete", "leave-one-out: delete, mask or unk"),
-        Option("compare_to", "--compare-to", str, None,
-               "for a model with no head: explain cosine similarity to this text", reads="text"),
+        Option(
+            "compare_to",
+            "--compare-to",
+            str,
+            None,
+            "for a model with no head: explain cosine similarity to this text",
+            reads="text",
+        ),
         Option("truncate", "--truncate", bool, False, "cut text longer than the model's positions (warned)"),
         Option("dataset", "--dataset", Path, None, "TSV (sentence, label): run the corpus study instead"),
         Option("limit", "--limit", int, None, "with --dataset: only the first N rows", setting=False),
-        Option("no_counterfactual", "--no-counterfactual", bool, False,
-               "with --dataset: skip permutation and adversarial tests"),
-        Option("max_minutes", "--max-minutes", float, None,
-               "with --dataset: stop starting new rows after this long (--resume runs the rest)", setting=False),
-        Option("out", "--out", Path, None, "folder for the HTML page + PNG (or the study's files)", short="-o",
-               setting=False),
-        Option("force", "--force", bool, False, "write into a non-empty --out folder (a study starts again; "
-               "--resume continues it)", setting=False),
+        Option(
+            "no_counterfactual",
+            "--no-counterfactual",
+            bool,
+            False,
+            "with --dataset: skip permutation and adversarial tests",
+        ),
+        Option(
+            "max_minutes",
+            "--max-minutes",
+            float,
+            None,
+            "with --dataset: stop starting new rows after this long (--resume runs the rest)",
+            setting=False,
+        ),
+        Option(
+            "out",
+            "--out",
+            Path,
+            None,
+            "folder for the HTML page + PNG (or the study's files)",
+            short="-o",
+            setting=False,
+        ),
+        Option(
+            "force",
+            "--force",
+            bool,
+            False,
+            "write into a non-empty --out folder (a study starts again; --resume continues it)",
+            setting=False,
+        ),
         Option("as_json", "--json", bool, False, "print the result as JSON", setting=False),
     )
     # the study's units are kept in OUT/instances.json (its records); one text writes its page beside
@@ -110,8 +163,10 @@ Examples: headlab explain "a gripping , funny film" --model ~/.cache/headlab/min
         if o["dataset"] is None:  # the study's options would be ignored silently
             alone = [flag for name, flag in STUDY_ONLY if o[name] is not None and o[name] is not False]
             if alone:
-                raise InputError(f"{', '.join(alone)}: {'it acts' if len(alone) == 1 else 'they act'} only with "
-                                 "--dataset FILE.tsv (the corpus study); drop it, or add --dataset")
+                raise InputError(
+                    f"{', '.join(alone)}: {'it acts' if len(alone) == 1 else 'they act'} only with "
+                    "--dataset FILE.tsv (the corpus study); drop it, or add --dataset"
+                )
             if o["text"] is None:
                 raise InputError("no text: give TEXT to explain, or --dataset FILE.tsv with --out DIR")
             return
@@ -134,16 +189,22 @@ Examples: headlab explain "a gripping , funny film" --model ~/.cache/headlab/min
         if o["dataset"] is not None and Path(o["dataset"]).is_file():
             from headlab.reading import read_file
 
-            read_file(Path(o["dataset"]), "--dataset", "texts",
-                      what="a TSV file with a header row (columns sentence, label)")
+            read_file(
+                Path(o["dataset"]), "--dataset", "texts", what="a TSV file with a header row (columns sentence, label)"
+            )
         methods = check_options(o["methods"], o["ig_steps"], o["backend"], o["loo"])
         if o["dataset"] is not None:
             from headlab.interpret.saliency import StudyOptions
             from headlab.tsv import read_dataset
 
             ctx.state["rows"] = read_dataset(o["dataset"], o["limit"])  # a missing column stops here
-            ctx.state["study"] = StudyOptions(methods=tuple(methods), ig_steps=o["ig_steps"], backend=o["backend"],
-                                              loo=o["loo"], counterfactual=not o["no_counterfactual"])
+            ctx.state["study"] = StudyOptions(
+                methods=tuple(methods),
+                ig_steps=o["ig_steps"],
+                backend=o["backend"],
+                loo=o["loo"],
+                counterfactual=not o["no_counterfactual"],
+            )
 
     def check_loaded(self, ctx: Context) -> None:
         ctx.state["t0"] = time.perf_counter()  # --max-minutes counts from here
@@ -159,9 +220,17 @@ Examples: headlab explain "a gripping , funny film" --model ~/.cache/headlab/min
         if o["dataset"] is None:
             from headlab.interpret.saliency import explain
 
-            return explain(ctx.loaded, ctx.data["text"], target=o["target"], methods=o["methods"],
-                           ig_steps=o["ig_steps"], backend=o["backend"], loo=o["loo"],
-                           compare_to=ctx.data.get("compare_to"), truncate=o["truncate"])
+            return explain(
+                ctx.loaded,
+                ctx.data["text"],
+                target=o["target"],
+                methods=o["methods"],
+                ig_steps=o["ig_steps"],
+                backend=o["backend"],
+                loo=o["loo"],
+                compare_to=ctx.data.get("compare_to"),
+                truncate=o["truncate"],
+            )
         from headlab.interpret.saliency import corpus_study
 
         row = unit.payload
@@ -194,10 +263,23 @@ Examples: headlab explain "a gripping , funny film" --model ~/.cache/headlab/min
 
         rows = list(values.values())  # in the dataset's order
         left = sum("not_run" in v for v in rows)
-        skipped = [f"time budget of {60 * o['max_minutes']:.0f} s reached: {left} of {len(rows)} rows not run yet "
-                   "(run again with --resume to explain them)"] if left else []
-        study = conclude(ctx.loaded, o["dataset"], Path(o["out"]).expanduser(), rows, ctx.state["study"], skipped,
-                         settings=ctx.settings)
+        skipped = (
+            [
+                f"time budget of {60 * o['max_minutes']:.0f} s reached: {left} of {len(rows)} rows not run yet "
+                "(run again with --resume to explain them)"
+            ]
+            if left
+            else []
+        )
+        study = conclude(
+            ctx.loaded,
+            o["dataset"],
+            Path(o["out"]).expanduser(),
+            rows,
+            ctx.state["study"],
+            skipped,
+            settings=ctx.settings,
+        )
         return InstrumentResult.of(study)
 
     def write(self, ctx: Context, result, path: Path) -> list[Path]:
@@ -213,9 +295,12 @@ Examples: headlab explain "a gripping , funny film" --model ~/.cache/headlab/min
         if o["as_json"]:
             if o["dataset"] is None:
                 j = r.to_json()
-                doc = ({k: j[k] for k in ("tokens", "target", "probs", "scores", "agreement", "completeness_gap")}
-                       | {"special": j["special"], "kind": j["kind"], "notes": j["notes"],
-                          "files": {k: str(v) for k, v in ctx.state.get("paths", {}).items()}})
+                doc = {k: j[k] for k in ("tokens", "target", "probs", "scores", "agreement", "completeness_gap")} | {
+                    "special": j["special"],
+                    "kind": j["kind"],
+                    "notes": j["notes"],
+                    "files": {k: str(v) for k, v in ctx.state.get("paths", {}).items()},
+                }
             else:
                 doc = r.to_json()
             print_json(doc)
@@ -235,10 +320,17 @@ def render_explanation(ex, console) -> None:
 
     from headlab.interpret.saliency.tables import fmt
 
-    what = {"classifier": f"class {ex.target}" + (f" ({ex.target_label})" if ex.target_label else ""),
-            "next_token": f"next token id {ex.target}", "similarity": "cosine similarity"}[ex.kind]
-    console.print(f"explaining {what}: y = {ex.y:.4g}" + ("" if ex.probs is None else
-                  "  probs " + ", ".join(f"{p:.3f}" for p in ex.probs)), highlight=False, soft_wrap=True)
+    what = {
+        "classifier": f"class {ex.target}" + (f" ({ex.target_label})" if ex.target_label else ""),
+        "next_token": f"next token id {ex.target}",
+        "similarity": "cosine similarity",
+    }[ex.kind]
+    console.print(
+        f"explaining {what}: y = {ex.y:.4g}"
+        + ("" if ex.probs is None else "  probs " + ", ".join(f"{p:.3f}" for p in ex.probs)),
+        highlight=False,
+        soft_wrap=True,
+    )
     t = Table(show_edge=False)
     t.add_column("#", justify="right")
     t.add_column("token")
@@ -249,8 +341,11 @@ def render_explanation(ex, console) -> None:
         t.add_row(str(i), tok, *(f"{ex.scores[m][i]:.4g}" for m in ex.methods), style=style)
     console.print(t)
     if ex.completeness_gap is not None:
-        console.print(f"IG completeness gap: {100 * ex.completeness_gap:.3f}% of y(x) - y(baseline) = "
-                      f"{ex.y - ex.y_baseline:.4g} ({ex.ig_steps} steps)", highlight=False)
+        console.print(
+            f"IG completeness gap: {100 * ex.completeness_gap:.3f}% of y(x) - y(baseline) = "
+            f"{ex.y - ex.y_baseline:.4g} ({ex.ig_steps} steps)",
+            highlight=False,
+        )
     if len(ex.methods) > 1:
         agr = ex.agreement()
         a = Table(title="Kendall tau over |scores|, special tokens excluded (* p < 0.05)", show_edge=False)
@@ -277,16 +372,32 @@ def render_study(r, console) -> None:
     from headlab.interpret.saliency.tables import fmt, fmt_ci
 
     tb = r.tables
-    console.print(f"{tb['n']} instances -> {r.out}/ ({', '.join(r.files)})"
-                  + (f"; accuracy {tb['accuracy']:.4f}" if "accuracy" in tb else ""), highlight=False, soft_wrap=True)
+    console.print(
+        f"{tb['n']} instances -> {r.out}/ ({', '.join(r.files)})"
+        + (f"; accuracy {tb['accuracy']:.4f}" if "accuracy" in tb else ""),
+        highlight=False,
+        soft_wrap=True,
+    )
     if tb.get("kendall"):
         t = Table(title="Kendall tau of attention with each method (per instance)", show_edge=False)
-        for c in ("method", "mean", "std", "median", "significant", *[f"mean | pred {k}" for k in
-                                                                       next(iter(tb["kendall"].values()))["by_class"]]):
+        for c in (
+            "method",
+            "mean",
+            "std",
+            "median",
+            "significant",
+            *[f"mean | pred {k}" for k in next(iter(tb["kendall"].values()))["by_class"]],
+        ):
             t.add_column(c, justify="right")
         for m, d in tb["kendall"].items():
-            t.add_row(m, fmt(d.get("mean")), fmt(d.get("std")), fmt(d.get("q50")), fmt(d.get("significant")),
-                      *(fmt(c.get("mean")) for c in d["by_class"].values()))
+            t.add_row(
+                m,
+                fmt(d.get("mean")),
+                fmt(d.get("std")),
+                fmt(d.get("q50")),
+                fmt(d.get("significant")),
+                *(fmt(c.get("mean")) for c in d["by_class"].values()),
+            )
         console.print(t)
     if tb.get("permutation"):
         p = tb["permutation"]
@@ -298,11 +409,16 @@ def render_study(r, console) -> None:
         console.print(t)
     if tb.get("adversarial"):
         a = tb["adversarial"]
-        console.print(f"adversarial attention (output TVD <= {a['tvd_budget']}): max JSD mean {fmt(a['max_jsd'].get('mean'))}, "
-                      f"median {fmt(a['max_jsd'].get('q50'))}, share > 0.5: {fmt(a['share_above_0.5'])}", highlight=False)
+        console.print(
+            f"adversarial attention (output TVD <= {a['tvd_budget']}): max JSD mean {fmt(a['max_jsd'].get('mean'))}, "
+            f"median {fmt(a['max_jsd'].get('q50'))}, share > 0.5: {fmt(a['share_above_0.5'])}",
+            highlight=False,
+        )
     if tb.get("faithfulness"):
-        t = Table(title="ERASER faithfulness: mean [95% bootstrap CI]; comprehensiveness up, sufficiency down",
-                  show_edge=False)
+        t = Table(
+            title="ERASER faithfulness: mean [95% bootstrap CI]; comprehensiveness up, sufficiency down",
+            show_edge=False,
+        )
         cols = [c for c in next(iter(tb["faithfulness"].values()))]
         t.add_column("method")
         for c in cols:

@@ -45,8 +45,9 @@ def parse_rows(spec: str | None) -> list[int] | None:
         try:
             out.append(int(part))
         except ValueError:
-            raise ConfigError(f"--rows takes token positions or names ({', '.join(_NAMED_ROWS)}), "
-                              f"comma-separated; got {spec!r}") from None
+            raise ConfigError(
+                f"--rows takes token positions or names ({', '.join(_NAMED_ROWS)}), comma-separated; got {spec!r}"
+            ) from None
     if not out:
         raise ConfigError("--rows is empty; give e.g. --rows cls or --rows 0,5")
     return out
@@ -62,21 +63,26 @@ def check_loaded(loaded, text: str, layer: int, rows: list[int] | None) -> None:
 
     n = resolve(loaded)[0].n_layers
     if not -n <= layer < n:
-        raise ConfigError(f"--layer {layer} is out of range: {loaded.name} has {n} layers (0..{n - 1}, or -1 for the last)")
+        raise ConfigError(
+            f"--layer {layer} is out of range: {loaded.name} has {n} layers (0..{n - 1}, or -1 for the last)"
+        )
     tok = getattr(loaded, "tokenizer", None)
     if tok is None:
         return
     t = len(tok(text, verbose=False)["input_ids"])
     limit = getattr(loaded, "max_positions", None)
     if limit is not None and t > limit:
-        raise InputError(f"TEXT is {t} tokens long (special tokens included) but {loaded.name} reads at most {limit}; "
-                         "shorten it")
+        raise InputError(
+            f"TEXT is {t} tokens long (special tokens included) but {loaded.name} reads at most {limit}; shorten it"
+        )
     if rows is None:
         return
     bad = [r for r in rows if not -t <= r < t]
     if bad:
-        raise ConfigError(f"--rows {','.join(map(str, bad))} is out of range: the text is {t} tokens (0..{t - 1}, "
-                          "negatives count from the end)")
+        raise ConfigError(
+            f"--rows {','.join(map(str, bad))} is out of range: the text is {t} tokens (0..{t - 1}, "
+            "negatives count from the end)"
+        )
 
 
 @register
@@ -92,14 +98,32 @@ Example: headlab flow "The cat sat on the mat." --method flow --rows cls"""
     options = (
         Option("text", None, str, REQUIRED, "the text (quote it)", metavar="TEXT", reads="text"),
         Option("method", "--method", str, "rollout", "rollout | norm-rollout | flow | norms", choices=METHODS),
-        Option("rows", "--rows", str, None, "output tokens: cls, last, or positions 0,5 (flow: the source)",
-               check=_check_rows),
+        Option(
+            "rows",
+            "--rows",
+            str,
+            None,
+            "output tokens: cls, last, or positions 0,5 (flow: the source)",
+            check=_check_rows,
+        ),
         Option("layer", "--layer", int, -1, "the top layer (default the last)"),
         Option("model", "--model", str, "minilm", "a known model name (minilm) or a model folder", short="-m"),
-        Option("mode", "--mode", str, None, "norms: attention (Kobayashi 2020, the default) or residual (2021)",
-               choices=MODES),
-        Option("solver", "--solver", str, None, "flow: scipy (fast, certified; the default) or networkx (the paper's)",
-               choices=SOLVERS),
+        Option(
+            "mode",
+            "--mode",
+            str,
+            None,
+            "norms: attention (Kobayashi 2020, the default) or residual (2021)",
+            choices=MODES,
+        ),
+        Option(
+            "solver",
+            "--solver",
+            str,
+            None,
+            "flow: scipy (fast, certified; the default) or networkx (the paper's)",
+            choices=SOLVERS,
+        ),
         Option("top", "--top", int, 10, "tokens shown per row", check=at_least(1), setting=False),
         Option("out", "--out", Path, None, "write <method>.json into this folder", short="-o", setting=False),
         Option("as_json", "--json", bool, False, "print the result as JSON", setting=False),
@@ -110,19 +134,23 @@ Example: headlab flow "The cat sat on the mat." --method flow --rows cls"""
         o = ctx.options
         for option, value, used_by in (("--mode", o["mode"], "norms"), ("--solver", o["solver"], "flow")):
             if value is not None and o["method"] != used_by:
-                raise ConfigError(f"{option} acts only with --method {used_by}; drop it, or add --method {used_by} "
-                                  f"(--method {o['method']} would ignore it)")
+                raise ConfigError(
+                    f"{option} acts only with --method {used_by}; drop it, or add --method {used_by} "
+                    f"(--method {o['method']} would ignore it)"
+                )
         ctx.state["rows"] = rows = parse_rows(o["rows"])
         from headlab.models.loader import peek_layer_heads
 
         heads = peek_layer_heads(o["model"])  # the config files alone: --layer 99 was refused only after the load
         if heads is not None and not -len(heads) <= o["layer"] < len(heads):
             n = len(heads)
-            raise ConfigError(f"--layer {o['layer']} is out of range: {o['model']} has {n} layers (0..{n - 1}, or -1 "
-                              "for the last)")
+            raise ConfigError(
+                f"--layer {o['layer']} is out of range: {o['model']} has {n} layers (0..{n - 1}, or -1 for the last)"
+            )
         if o["method"] == "flow" and rows is not None and len(rows) > 1:
-            raise ConfigError(f"--rows {o['rows']}: --method flow follows one source token; give one position "
-                              "(e.g. --rows cls)")
+            raise ConfigError(
+                f"--rows {o['rows']}: --method flow follows one source token; give one position (e.g. --rows cls)"
+            )
 
     def check_loaded(self, ctx: Context) -> None:
         check_loaded(ctx.loaded, ctx.data["text"], ctx.options["layer"], ctx.state["rows"])
@@ -132,17 +160,34 @@ Example: headlab flow "The cat sat on the mat." --method flow --rows cls"""
         if o["method"] in ("rollout", "norm-rollout"):
             from headlab.interpret.flow.rollout import rollout
 
-            return rollout(ctx.loaded, text, method="norm" if o["method"] == "norm-rollout" else "mean", rows=rows,
-                           layer=o["layer"])
+            return rollout(
+                ctx.loaded,
+                text,
+                method="norm" if o["method"] == "norm-rollout" else "mean",
+                rows=rows,
+                layer=o["layer"],
+            )
         if o["method"] == "flow":
             from headlab.interpret.flow.maxflow import attention_flow
 
-            return attention_flow(ctx.loaded, text, source=rows[0] if rows else 0, layer=o["layer"],
-                                  solver=o["solver"] or SOLVERS[0], progress=ctx.progress)
+            return attention_flow(
+                ctx.loaded,
+                text,
+                source=rows[0] if rows else 0,
+                layer=o["layer"],
+                solver=o["solver"] or SOLVERS[0],
+                progress=ctx.progress,
+            )
         from headlab.interpret.flow.norms import attention_norms
 
-        return attention_norms(ctx.loaded, text, mode=o["mode"] or MODES[0], stream=True, rows=rows,  # type: ignore[arg-type]  # --mode: one of MODES (its choices)
-                               key_positions=[0, -1])
+        return attention_norms(
+            ctx.loaded,
+            text,
+            mode=o["mode"] or MODES[0],  # type: ignore[arg-type]  # --mode: one of MODES (its choices)
+            stream=True,
+            rows=rows,
+            key_positions=[0, -1],
+        )
 
     def unit_to_json(self, value):
         return value.to_json()
@@ -171,19 +216,33 @@ Example: headlab flow "The cat sat on the mat." --method flow --rows cls"""
             shown = res.rows if res.rows is not None else res.maps[-1][:1]
             labels = res.row_positions if res.row_positions is not None else [0]
             for p, v in zip(labels, shown):
-                console.print(_table(f"{method} through layer {res.layer}, row {p} "
-                                     f"({res.tokens[p] if res.tokens else p})", ranked(v, res.tokens, top)))
+                console.print(
+                    _table(
+                        f"{method} through layer {res.layer}, row {p} ({res.tokens[p] if res.tokens else p})",
+                        ranked(v, res.tokens, top),
+                    )
+                )
         elif method == "flow":
-            console.print(_table(f"flow from token {res.source} at layer {res.layer} ({res.solver}, "
-                                 f"{res.seconds:.2f} s, gap {res.gap:.1e})", ranked(res.flow, res.tokens, top)))
+            console.print(
+                _table(
+                    f"flow from token {res.source} at layer {res.layer} ({res.solver}, "
+                    f"{res.seconds:.2f} s, gap {res.gap:.1e})",
+                    ranked(res.flow, res.tokens, top),
+                )
+            )
         else:
-            t = Table(title=f"share on the first / last token per layer ({o['mode'] or MODES[0]} norms, mean of heads "
-                            "and queries)", title_justify="left")
+            t = Table(
+                title=f"share on the first / last token per layer ({o['mode'] or MODES[0]} norms, mean of heads "
+                "and queries)",
+                title_justify="left",
+            )
             for h in ("layer", "weight first", "norm first", "weight last", "norm last"):
                 t.add_column(h)
             for l, s in res.summaries.items():
                 ks = key_shares(s)
-                t.add_row(str(l), *(f"{v:.3f}" for v in (ks["weight"][0], ks["norm"][0], ks["weight"][1], ks["norm"][1])))
+                t.add_row(
+                    str(l), *(f"{v:.3f}" for v in (ks["weight"][0], ks["norm"][0], ks["weight"][1], ks["norm"][1]))
+                )
             console.print(t)
 
 

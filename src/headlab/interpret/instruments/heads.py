@@ -56,8 +56,9 @@ def _check_backend(value, option, options) -> None:
 
 
 MODEL = Option("model", "--model", str, REQUIRED, "a known model name or a local model folder", short="-m")
-DATA = Option("data", "--data", Path, None, ".tsv (sentence[, label] header), .conllu (# text = lines) or .txt",
-              short="-d")
+DATA = Option(
+    "data", "--data", Path, None, ".tsv (sentence[, label] header), .conllu (# text = lines) or .txt", short="-d"
+)
 LOSS = Option("loss", "--loss", str, "auto", "task | lm | kl | cosine | auto", check=_check_loss)
 OUT = Option("out", "--out", Path, None, "folder for the JSON result and the HTML page", short="-o", setting=False)
 LIMIT = Option("limit", "--limit", int, None, "use only the first N examples", check=at_least(1, " example"))
@@ -112,19 +113,39 @@ class HeadImportance(_HeadStudy):
 
 Data-parallel with torchrun: `torchrun --nproc-per-node 2 -m headlab heads importance ...` splits the
 batches across the processes and adds their sums; rank 0 shows the progress and writes the output."""
-    options = (MODEL, DATA, LOSS, OUT, LIMIT, BATCH, BACKEND,
-               Option("confidence", "--confidence", bool, True, "also Voita's confidence (streaming statistics)",
-                      off="--no-confidence"),
-               JSON)
+    options = (
+        MODEL,
+        DATA,
+        LOSS,
+        OUT,
+        LIMIT,
+        BATCH,
+        BACKEND,
+        Option(
+            "confidence",
+            "--confidence",
+            bool,
+            True,
+            "also Voita's confidence (streaming statistics)",
+            off="--no-confidence",
+        ),
+        JSON,
+    )
     output = Output("out", folder=True, file="importance.json", allow_existing=True, replace=True)
 
     def check_loaded(self, ctx: Context) -> None:
         from headlab.interpret.heads.units import ImportanceUnits
 
         o = ctx.options
-        ctx.state["work"] = ImportanceUnits(ctx.loaded, self.examples(ctx), ctx.data["labels"], loss=o["loss"],
-                                            batch_size=o["batch_size"], backend=o["backend"],
-                                            confidence=o["confidence"])
+        ctx.state["work"] = ImportanceUnits(
+            ctx.loaded,
+            self.examples(ctx),
+            ctx.data["labels"],
+            loss=o["loss"],
+            batch_size=o["batch_size"],
+            backend=o["backend"],
+            confidence=o["confidence"],
+        )
 
     def run_unit(self, ctx: Context, unit, recording=None):
         i = int(unit.key.split()[-1])
@@ -165,8 +186,12 @@ batches across the processes and adds their sums; rank 0 shows the progress and 
             return
         r = outcome.result.native
         rank = r.ranking()
-        console.print(f"{r.model}: importance ({r.loss} loss) of {len(rank)} heads over {r.n_examples} examples, "
-                      f"{r.seconds:.1f} s", highlight=False, soft_wrap=True)
+        console.print(
+            f"{r.model}: importance ({r.loss} loss) of {len(rank)} heads over {r.n_examples} examples, "
+            f"{r.seconds:.1f} s",
+            highlight=False,
+            soft_wrap=True,
+        )
         console.print("least important: " + ", ".join(f"{l}.{h}" for l, h in rank[:8]), highlight=False)
         console.print("most important:  " + ", ".join(f"{l}.{h}" for l, h in rank[::-1][:8]), highlight=False)
         for k, v in r.correlations.items():
@@ -197,12 +222,20 @@ class HeadAblation(_HeadStudy):
     command = "heads ablate"
     kind = "head_ablation"
     summary = "Single, pair and keep-one ablation effects with intervals, and the verdicts unused / redundant / unique."
-    options = (MODEL, DATA, LOSS, OUT, LIMIT, BATCH,
-               Option("kind", "--kind", str, "zero", "zero | mean | resample | uniform", check=_check_kind),
-               Option("k", "--k", int, 16, "pairs among the k lowest single effects", check=at_least(0)),
-               Option("boot", "--boot", int, 1000, "bootstrap resamples", check=_check_boot),
-               Option("keep_one", "--keep-one", bool, True, "each layer reduced to one head", off="--no-keep-one"),
-               BACKEND, JSON)
+    options = (
+        MODEL,
+        DATA,
+        LOSS,
+        OUT,
+        LIMIT,
+        BATCH,
+        Option("kind", "--kind", str, "zero", "zero | mean | resample | uniform", check=_check_kind),
+        Option("k", "--k", int, 16, "pairs among the k lowest single effects", check=at_least(0)),
+        Option("boot", "--boot", int, 1000, "bootstrap resamples", check=_check_boot),
+        Option("keep_one", "--keep-one", bool, True, "each layer reduced to one head", off="--no-keep-one"),
+        BACKEND,
+        JSON,
+    )
     output = Output("out", folder=True, file="ablation.json", allow_existing=True, replace=True)
 
     chained = True  # the pairs are the k lowest of every single effect: the units run in order, on one data rank
@@ -211,9 +244,18 @@ class HeadAblation(_HeadStudy):
         from headlab.interpret.heads.units import AblationUnits
 
         o = ctx.options
-        ctx.state["work"] = AblationUnits(ctx.loaded, self.examples(ctx), ctx.data["labels"], kind=o["kind"],
-                                          loss=o["loss"], k=o["k"], keep_one=o["keep_one"],
-                                          batch_size=o["batch_size"], n_boot=o["boot"], backend=o["backend"])
+        ctx.state["work"] = AblationUnits(
+            ctx.loaded,
+            self.examples(ctx),
+            ctx.data["labels"],
+            kind=o["kind"],
+            loss=o["loss"],
+            k=o["k"],
+            keep_one=o["keep_one"],
+            batch_size=o["batch_size"],
+            n_boot=o["boot"],
+            backend=o["backend"],
+        )
 
     def run_unit(self, ctx: Context, unit, recording=None):
         return ctx.state["work"].run(unit.key, ctx.kept)
@@ -234,8 +276,12 @@ class HeadAblation(_HeadStudy):
     def envelope(self, r) -> dict:
         from headlab.results import envelope
 
-        return envelope("head_ablation", r.to_json(), model=r.model,
-                        settings={"kind": r.kind, "mean_over": r.mean_over, "loss": r.loss})
+        return envelope(
+            "head_ablation",
+            r.to_json(),
+            model=r.model,
+            settings={"kind": r.kind, "mean_over": r.mean_over, "loss": r.loss},
+        )
 
     def write(self, ctx: Context, result, path: Path) -> list[Path]:
         from headlab.interpret.heads.page import render_page
@@ -250,9 +296,12 @@ class HeadAblation(_HeadStudy):
         if self.render_json(outcome):
             return
         r = outcome.result.native
-        console.print(f"{r.model}: {r.kind} ablation, {r.loss} loss {r.baseline:.4g} unablated, {r.n_examples} "
-                      f"examples; threshold {r.threshold:.3g} (noise floor {r.floor_text()})", highlight=False,
-                      soft_wrap=True)
+        console.print(
+            f"{r.model}: {r.kind} ablation, {r.loss} loss {r.baseline:.4g} unablated, {r.n_examples} "
+            f"examples; threshold {r.threshold:.3g} (noise floor {r.floor_text()})",
+            highlight=False,
+            soft_wrap=True,
+        )
         console.print("verdicts: " + ", ".join(f"{n} {c}" for c, n in r.counts().items()), highlight=False)
         for note in r.notes[1:]:  # the first says what the effects are; the others are cautions
             console.print(f"[yellow]note:[/] {note}", highlight=False, soft_wrap=True)

@@ -68,8 +68,11 @@ def parse_sites(sites: str, method: str) -> list[str]:
     kinds = [s.strip() for s in sites.split(",") if s.strip()]
     allowed = HEAD_KINDS + RESID_KINDS if method == "exact" else HEAD_KINDS
     if not kinds or any(k not in allowed for k in kinds):
-        why = ("k and v per kv head; resid_pre, resid_post and mlp_out per layer" if method == "exact" else
-               f"--method {method}: attribution patching reads gradients at the head sites only")
+        why = (
+            "k and v per kv head; resid_pre, resid_post and mlp_out per layer"
+            if method == "exact"
+            else f"--method {method}: attribution patching reads gradients at the head sites only"
+        )
         raise ConfigError(f"--sites {sites!r}: choose from the kinds {', '.join(allowed)} ({why})")
     return kinds
 
@@ -96,11 +99,20 @@ def merge(parts: list):
 
     first = parts[0]
     notes = list(dict.fromkeys(n for p in parts for n in p.notes))
-    return PatchResult(model=first.model, method=first.method, metric=first.metric, n_examples=first.n_examples,
-                       clean=first.clean, corrupted=first.corrupted,
-                       effects={k: v for p in parts for k, v in p.effects.items()},
-                       raw={k: v for p in parts for k, v in p.raw.items()}, positions=first.positions,
-                       receivers=first.receivers, seconds=sum(p.seconds for p in parts), notes=notes)
+    return PatchResult(
+        model=first.model,
+        method=first.method,
+        metric=first.metric,
+        n_examples=first.n_examples,
+        clean=first.clean,
+        corrupted=first.corrupted,
+        effects={k: v for p in parts for k, v in p.effects.items()},
+        raw={k: v for p in parts for k, v in p.raw.items()},
+        positions=first.positions,
+        receivers=first.receivers,
+        seconds=sum(p.seconds for p in parts),
+        notes=notes,
+    )
 
 
 @register
@@ -114,21 +126,41 @@ class Patch(Instrument):
 The metric is the logit difference answer - wrong at the last token; an effect is
 (m_patched - m_clean) / (m_corrupted - m_clean): 0 = no change, 1 = the whole gap."""
     options = (
-        Option("clean", "--clean", str, REQUIRED, "the clean prompt, e.g. \"When Mary and John went to the store, "
-                                                  "John gave a drink to\"", reads="text"),
-        Option("corrupted", "--corrupted", str, REQUIRED, "the same prompt with other names (as many tokens)",
-               reads="text"),
-        Option("answer", "--answer", str, REQUIRED, "the right next token, with its leading space: \" Mary\"",
-               reads="text"),
+        Option(
+            "clean",
+            "--clean",
+            str,
+            REQUIRED,
+            "the clean prompt, e.g. \"When Mary and John went to the store, John gave a drink to\"",
+            reads="text",
+        ),
+        Option(
+            "corrupted", "--corrupted", str, REQUIRED, "the same prompt with other names (as many tokens)", reads="text"
+        ),
+        Option(
+            "answer", "--answer", str, REQUIRED, "the right next token, with its leading space: \" Mary\"", reads="text"
+        ),
         Option("wrong", "--wrong", str, REQUIRED, "the wrong next token: \" John\"", reads="text"),
         Option("model", "--model", str, "smollm2", "a known model name or a model folder", short="-m"),
-        Option("sites", "--sites", str, "z", "comma-separated: z, q, k, v, pattern (per head); resid_pre, "
-                                             "resid_post, mlp_out (per layer, exact only)"),
+        Option(
+            "sites",
+            "--sites",
+            str,
+            "z",
+            "comma-separated: z, q, k, v, pattern (per head); resid_pre, resid_post, mlp_out (per layer, exact only)",
+        ),
         Option("positions", "--positions", str, None, "'each' (every position separately) or 3,5,-1"),
         Option("method", "--method", str, "exact", "exact | attribution | both (with their rank correlation)"),
         Option("top", "--top", int, 10, "how many heads to list", setting=False),
-        Option("out", "--out", Path, None, "write the result: FILE.json (data) or FILE.html (page)", short="-o",
-               setting=False),
+        Option(
+            "out",
+            "--out",
+            Path,
+            None,
+            "write the result: FILE.json (data) or FILE.html (page)",
+            short="-o",
+            setting=False,
+        ),
         Option("force", "--force", bool, False, "replace an existing --out file", setting=False),
         Option("as_json", "--json", bool, False, "print the result as JSON", setting=False),
     )
@@ -151,11 +183,15 @@ The metric is the logit difference answer - wrong at the last token; an effect i
         """The degenerate pairs, refused before the load: every effect would be 0/0."""
         d = ctx.data
         if d["answer"] == d["wrong"]:
-            raise InputError(f"--answer and --wrong are both {d['answer']!r}: their logit difference is 0 on every "
-                             "run, so every effect would be 0/0; give the right and a wrong next token")
+            raise InputError(
+                f"--answer and --wrong are both {d['answer']!r}: their logit difference is 0 on every "
+                "run, so every effect would be 0/0; give the right and a wrong next token"
+            )
         if d["clean"] == d["corrupted"]:
-            raise InputError("--clean and --corrupted are the same text: patching one into the other changes "
-                             "nothing (every effect would be 0/0); give a corrupted prompt with other names")
+            raise InputError(
+                "--clean and --corrupted are the same text: patching one into the other changes "
+                "nothing (every effect would be 0/0); give a corrupted prompt with other names"
+            )
 
     def check_loaded(self, ctx: Context) -> None:
         """The prompts through the tokenizer (single tokens, equal lengths, not alike) and --positions against
@@ -218,8 +254,12 @@ The metric is the logit difference answer - wrong at the last token; an effect i
         if len(results) == 2:
             run.doc["agreement"] = {k: compare(results["exact"], results["attribution"], k) for k in kinds}
         o = ctx.options
-        payload = envelope("patch", run.doc, model=run.main.model,
-                           settings={"method": o["method"], "sites": kinds, "positions": o["positions"]})
+        payload = envelope(
+            "patch",
+            run.doc,
+            model=run.main.model,
+            settings={"method": o["method"], "sites": kinds, "positions": o["positions"]},
+        )
         return InstrumentResult.of(run, payload)
 
     def write(self, ctx: Context, result, path: Path) -> list[Path]:
@@ -237,20 +277,32 @@ The metric is the logit difference answer - wrong at the last token; an effect i
             print_json(run.doc)
             return
         main = run.main
-        console.print(f"{main.model}: logit diff {o['answer']!r} - {o['wrong']!r}: clean {main.clean:.3f}, corrupted "
-                      f"{main.corrupted:.3f}", highlight=False, soft_wrap=True)
+        console.print(
+            f"{main.model}: logit diff {o['answer']!r} - {o['wrong']!r}: clean {main.clean:.3f}, corrupted "
+            f"{main.corrupted:.3f}",
+            highlight=False,
+            soft_wrap=True,
+        )
         for name, r in run.results.items():
             for kind in run.kinds:
                 per_layer = kind in RESID_KINDS  # one value per layer
-                console.print(f"{name} patching, {kind}: top {'layers (layer' if per_layer else 'heads (layer.head'} "
-                              "effect)", highlight=False)
-                console.print("  " + ", ".join(f"{l}{'' if per_layer else f'.{h}'} {e:+.3f}"
-                                               for l, h, e in r.top(o["top"], kind)), highlight=False, soft_wrap=True)
+                console.print(
+                    f"{name} patching, {kind}: top {'layers (layer' if per_layer else 'heads (layer.head'} effect)",
+                    highlight=False,
+                )
+                console.print(
+                    "  "
+                    + ", ".join(f"{l}{'' if per_layer else f'.{h}'} {e:+.3f}" for l, h, e in r.top(o["top"], kind)),
+                    highlight=False,
+                    soft_wrap=True,
+                )
         for kind, c in run.doc.get("agreement", {}).items():
             sp = "n/a" if c["spearman"] is None else f"{c['spearman']:.3f}"
-            console.print(f"attribution vs exact ({kind}): Spearman {sp}, top-10 overlap "
-                          f"{c['top10_overlap']}/{min(10, c['n'])}, {c.get('time_ratio', float('nan')):.1f}x faster",
-                          highlight=False)
+            console.print(
+                f"attribution vs exact ({kind}): Spearman {sp}, top-10 overlap "
+                f"{c['top10_overlap']}/{min(10, c['n'])}, {c.get('time_ratio', float('nan')):.1f}x faster",
+                highlight=False,
+            )
         if outcome.files:
             console.print(f"wrote {o['out']}", highlight=False)
 

@@ -35,14 +35,36 @@ MAX_DENSE = 8192
 _SHADES = " ░▒▓█"
 
 # CLI option of each constructor parameter (the constructors and their names: headlab.masks)
-_OPTION = {"window": "--window", "dilation": "--dilation", "stride": "--stride", "summary": "--summary",
-           "block": "--block", "window_blocks": "--window-blocks", "global_blocks": "--global",
-           "indices": "--global (token indices, e.g. 0,5)", "random_blocks": "--random", "seed": "--seed",
-           "lengths": "--lengths (e.g. 10,12,10)"}
+_OPTION = {
+    "window": "--window",
+    "dilation": "--dilation",
+    "stride": "--stride",
+    "summary": "--summary",
+    "block": "--block",
+    "window_blocks": "--window-blocks",
+    "global_blocks": "--global",
+    "indices": "--global (token indices, e.g. 0,5)",
+    "random_blocks": "--random",
+    "seed": "--seed",
+    "lengths": "--lengths (e.g. 10,12,10)",
+}
 
 
-def spec(name: str, *, window=None, dilation=2, stride=None, summary=1, block=None, window_blocks=3,
-         global_=None, random=2, seed=0, causal=False, lengths=None) -> str:
+def spec(
+    name: str,
+    *,
+    window=None,
+    dilation=2,
+    stride=None,
+    summary=1,
+    block=None,
+    window_blocks=3,
+    global_=None,
+    random=2,
+    seed=0,
+    causal=False,
+    lengths=None,
+) -> str:
     """The :func:`headlab.masks.from_string` spec the command's options stand for.
 
     ``name`` is a pattern of :func:`headlab.masks.pattern`, whose constructor receives the options
@@ -64,17 +86,35 @@ def spec(name: str, *, window=None, dilation=2, stride=None, summary=1, block=No
     for option, text in (("--global", global_), ("--lengths", lengths)):
         if text is not None and not re.fullmatch(r"[0-9,\s-]*", text):  # no letters, no spec operators
             raise ConfigError(f"{option} must be comma-separated integers such as 0,5,9; got {text!r}")
-    given = {"window": window, "dilation": dilation, "stride": stride, "summary": summary, "block": block,
-             "window_blocks": window_blocks, "global_blocks": global_, "indices": global_,
-             "random_blocks": random, "seed": seed, "lengths": lengths}
-    for option, keys, value in (("--window", ("window",), window), ("--stride", ("stride",), stride),
-                                ("--block", ("block",), block), ("--lengths", ("lengths",), lengths),
-                                ("--global", ("global_blocks", "indices"), global_)):
+    given = {
+        "window": window,
+        "dilation": dilation,
+        "stride": stride,
+        "summary": summary,
+        "block": block,
+        "window_blocks": window_blocks,
+        "global_blocks": global_,
+        "indices": global_,
+        "random_blocks": random,
+        "seed": seed,
+        "lengths": lengths,
+    }
+    for option, keys, value in (
+        ("--window", ("window",), window),
+        ("--stride", ("stride",), stride),
+        ("--block", ("block",), block),
+        ("--lengths", ("lengths",), lengths),
+        ("--global", ("global_blocks", "indices"), global_),
+    ):
         if value is not None and not any(k in params for k in keys):  # an option the pattern would ignore
-            takers = [n for n in masks.pattern_names()
-                      if any(k in inspect.signature(masks.pattern(n)).parameters for k in keys)]
-            raise ConfigError(f"{option} acts only with {', '.join(takers)}; pattern {name!r} does not read it, so "
-                              "drop it")
+            takers = [
+                n
+                for n in masks.pattern_names()
+                if any(k in inspect.signature(masks.pattern(n)).parameters for k in keys)
+            ]
+            raise ConfigError(
+                f"{option} acts only with {', '.join(takers)}; pattern {name!r} does not read it, so drop it"
+            )
     args = []
     for p in params.values():
         if p.name == "causal":
@@ -135,8 +175,14 @@ class Pattern(Instrument):
 
 Example: headlab pattern sliding_window --window 4 --seq-len 32"""
     options = (
-        Option("name", None, str, REQUIRED, f"one of {', '.join(masks.pattern_names())}, or a mask spec like "
-                                            "'sliding_window:4&causal'", metavar="NAME"),
+        Option(
+            "name",
+            None,
+            str,
+            REQUIRED,
+            f"one of {', '.join(masks.pattern_names())}, or a mask spec like 'sliding_window:4&causal'",
+            metavar="NAME",
+        ),
         Option("seq_len", "--seq-len", int, 32, "positions (queries = keys)", short="-n", check=_check_seq_len),
         Option("window", "--window", int, None, "sliding/dilated window: keys on each side"),
         Option("dilation", "--dilation", int, 2, "dilated_window: step between keys"),
@@ -151,10 +197,24 @@ Example: headlab pattern sliding_window --window 4 --seq-len 32"""
         Option("lengths", "--lengths", str, None, "documents: lengths such as 10,12,10"),
         Option("tile", "--tile", int, None, "tile size for the tile density (default: min(kernel tile, n/8))"),
         Option("head", "--head", int, 0, "head to draw for per-head patterns"),
-        Option("png", "--png", str, None, "write the pattern as a PNG picture to this file", setting=False,
-               check=_check_png),
-        Option("width", "--width", int, 64, "largest drawing in the terminal, in characters",
-               check=at_least(1, " character"), setting=False),
+        Option(
+            "png",
+            "--png",
+            str,
+            None,
+            "write the pattern as a PNG picture to this file",
+            setting=False,
+            check=_check_png,
+        ),
+        Option(
+            "width",
+            "--width",
+            int,
+            64,
+            "largest drawing in the terminal, in characters",
+            check=at_least(1, " character"),
+            setting=False,
+        ),
         Option("as_json", "--json", bool, False, "print the densities as JSON, no drawing", setting=False),
     )
     # a file; an existing PNG is replaced. (file= only tells the runner to make the PNG's folder, not the PNG)
@@ -164,9 +224,20 @@ Example: headlab pattern sliding_window --window 4 --seq-len 32"""
     def check(self, ctx: Context) -> None:
         """The mask the options stand for (an unknown pattern, a missing or bad parameter) and --head within it."""
         o = ctx.options
-        m = build(o["name"], window=o["window"], dilation=o["dilation"], stride=o["stride"], summary=o["summary"],
-                  block=o["block"], window_blocks=o["window_blocks"], global_=o["global_"], random=o["random"],
-                  seed=o["seed"], causal=o["causal"], lengths=o["lengths"])
+        m = build(
+            o["name"],
+            window=o["window"],
+            dilation=o["dilation"],
+            stride=o["stride"],
+            summary=o["summary"],
+            block=o["block"],
+            window_blocks=o["window_blocks"],
+            global_=o["global_"],
+            random=o["random"],
+            seed=o["seed"],
+            causal=o["causal"],
+            lengths=o["lengths"],
+        )
         heads = m.num_heads or 1
         if not 0 <= o["head"] < heads:
             raise ConfigError(f"--head must be in 0..{heads - 1} for this pattern, got {o['head']}")
@@ -178,16 +249,27 @@ Example: headlab pattern sliding_window --window 4 --seq-len 32"""
 
     def finish(self, ctx: Context, values: dict) -> InstrumentResult:
         d, m = values[self.name], ctx.state["mask"]
-        info = {"pattern": m.name, "seq_len": d.seq_len, "visible_pairs": d.visible_pairs,
-                "pair_density": d.pair_density, "tile": d.tile, "visited_tiles": d.visited_tiles, "tiles": d.tiles,
-                "tile_density": d.tile_density, "full_tile_share": d.full_tile_share,
-                "rows_without_keys": d.rows_without_keys}
+        info = {
+            "pattern": m.name,
+            "seq_len": d.seq_len,
+            "visible_pairs": d.visible_pairs,
+            "pair_density": d.pair_density,
+            "tile": d.tile,
+            "visited_tiles": d.visited_tiles,
+            "tiles": d.tiles,
+            "tile_density": d.tile_density,
+            "full_tile_share": d.full_tile_share,
+            "rows_without_keys": d.rows_without_keys,
+        }
         return InstrumentResult(self.result_kind, settings=ctx.settings, figures=info, native=d)
 
     def write(self, ctx: Context, result: InstrumentResult, path: Path) -> list[Path]:  # type: ignore[override]  # the runner passes this instrument's own result
         d, f = result.native, result.figures
-        _save_png(d.visible, str(path), f"{f['pattern']}  n={d.seq_len}  pairs {d.pair_density:.1%}  tiles "
-                                        f"{d.tile_density:.1%}")
+        _save_png(
+            d.visible,
+            str(path),
+            f"{f['pattern']}  n={d.seq_len}  pairs {d.pair_density:.1%}  tiles {d.tile_density:.1%}",
+        )
         return [path]
 
     def render(self, ctx: Context, outcome, console, err) -> None:
@@ -196,10 +278,13 @@ Example: headlab pattern sliding_window --window 4 --seq-len 32"""
             print_json(f)
             return
         console.print(_render(d.visible, o["width"]), end="")
-        console.print(f"{f['pattern']}: {d.seq_len}x{d.seq_len}, {d.pair_density:.1%} of pairs visible; "
-                      f"{d.visited_tiles}/{d.tiles} tiles of {d.tile}x{d.tile} visited ({d.tile_density:.1%}, "
-                      f"{d.full_tile_share:.1%} full)" + (f"; {d.rows_without_keys} rows see no key (output zeros)"
-                                                          if d.rows_without_keys else ""), highlight=False)
+        console.print(
+            f"{f['pattern']}: {d.seq_len}x{d.seq_len}, {d.pair_density:.1%} of pairs visible; "
+            f"{d.visited_tiles}/{d.tiles} tiles of {d.tile}x{d.tile} visited ({d.tile_density:.1%}, "
+            f"{d.full_tile_share:.1%} full)"
+            + (f"; {d.rows_without_keys} rows see no key (output zeros)" if d.rows_without_keys else ""),
+            highlight=False,
+        )
         if o["png"]:
             console.print(f"wrote {o['png']}", highlight=False)
 

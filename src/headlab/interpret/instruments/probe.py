@@ -42,8 +42,10 @@ def _loss_model(value: str, option: Option, options: dict) -> None:
         return
     path = Path(value).expanduser()
     if not path.is_dir():
-        raise InputError(f"--loss-model {value!r}: {'is a file, not a model folder' if path.exists() else 'does not exist'}"
-                         "; give 'auto', 'none', a known model name or a model folder")
+        raise InputError(
+            f"--loss-model {value!r}: {'is a file, not a model folder' if path.exists() else 'does not exist'}"
+            "; give 'auto', 'none', a known model name or a model folder"
+        )
 
 
 @register
@@ -60,18 +62,45 @@ Data-parallel with torchrun: `torchrun --nproc-per-node 2 -m headlab probe --tre
 the batches of sentences across the processes and adds their sums; rank 0 shows the progress and writes the
 output. Ctrl-C keeps the finished batches in OUT/relations.json; --resume finishes the rest."""
     options = (
-        Option("treebank", "--treebank", Path, REQUIRED, "a CoNLL-U file with gold trees (e.g. UD English-EWT dev)",
-               short="-t", reads="conllu"),
+        Option(
+            "treebank",
+            "--treebank",
+            Path,
+            REQUIRED,
+            "a CoNLL-U file with gold trees (e.g. UD English-EWT dev)",
+            short="-t",
+            reads="conllu",
+        ),
         Option("model", "--model", str, "minilm", "a known model name (minilm) or a local model folder", short="-m"),
-        Option("limit", "--limit", int, None, "read at most N sentences from the top of the file", short="-n",
-               check=at_least(1, " sentence")),
+        Option(
+            "limit",
+            "--limit",
+            int,
+            None,
+            "read at most N sentences from the top of the file",
+            short="-n",
+            check=at_least(1, " sentence"),
+        ),
         Option("relations", "--relations", str, None, "study only these, e.g. det,nsubj,obj", short="-r"),
         Option("fold_subtypes", "--fold-subtypes", bool, False, "count nmod:poss as nmod, obl:tmod as obl, ..."),
-        Option("out", "--out", Path, None, "write relations.csv/.json, two PNGs and probe.html here", short="-o",
-               setting=False),
+        Option(
+            "out",
+            "--out",
+            Path,
+            None,
+            "write relations.csv/.json, two PNGs and probe.html here",
+            short="-o",
+            setting=False,
+        ),
         Option("force", "--force", bool, False, "write into a non-empty --out folder", setting=False),
-        Option("loss_model", "--loss-model", str, "auto",
-               "model whose loss the [SEP] gradient test uses ('auto', 'none' or a folder)", check=_loss_model),
+        Option(
+            "loss_model",
+            "--loss-model",
+            str,
+            "auto",
+            "model whose loss the [SEP] gradient test uses ('auto', 'none' or a folder)",
+            check=_loss_model,
+        ),
         Option("as_json", "--json", bool, False, "print the best head per relation as JSON", setting=False),
     )
     # relations.json is the result file: an interrupted run keeps its units there, and --resume reads them back
@@ -97,9 +126,14 @@ output. Ctrl-C keeps the finished batches in OUT/relations.json; --resume finish
         from headlab.interpret.probing.head_scores import ProbeRun
 
         o = ctx.options
-        run = ProbeRun(ctx.loaded, ctx.state["treebank"], limit=o["limit"], relations=o["relations"],
-                       fold_subtypes=o["fold_subtypes"],
-                       loss_model=None if o["loss_model"].lower() == "none" else o["loss_model"])
+        run = ProbeRun(
+            ctx.loaded,
+            ctx.state["treebank"],
+            limit=o["limit"],
+            relations=o["relations"],
+            fold_subtypes=o["fold_subtypes"],
+            loss_model=None if o["loss_model"].lower() == "none" else o["loss_model"],
+        )
         ctx.state["run"] = run
         return [Unit(key) for key in run.units()]
 
@@ -123,22 +157,31 @@ output. Ctrl-C keeps the finished batches in OUT/relations.json; --resume finish
         if ctx.options["as_json"]:
             print_json(r.summary())
             return
-        console.print(f"{r.model} ({r.family}{', causal' if r.causal else ''}): {r.sentences} sentences, {r.tokens} "
-                      f"tokens, {len(r.skipped)} skipped, {r.seconds:.1f} s", highlight=False, soft_wrap=True)
-        console.print(f"{'relation':<14} {'direction':<10} {'head':>6} {'acc %':>6} {'offset':>6} {'base %':>6} "
-                      f"{'count':>6}", highlight=False)
+        console.print(
+            f"{r.model} ({r.family}{', causal' if r.causal else ''}): {r.sentences} sentences, {r.tokens} "
+            f"tokens, {len(r.skipped)} skipped, {r.seconds:.1f} s",
+            highlight=False,
+            soft_wrap=True,
+        )
+        console.print(
+            f"{'relation':<14} {'direction':<10} {'head':>6} {'acc %':>6} {'offset':>6} {'base %':>6} {'count':>6}",
+            highlight=False,
+        )
         for b in r.best_heads:
             if b.count < r.min_count:
                 continue
             mark = "*" if b.margin > 0 else " "
-            console.print(f"{b.relation:<14} {b.direction:<10} {f'{b.layer}-{b.head}':>6} {100 * b.accuracy:6.1f} "
-                          f"{b.baseline_offset:+6d} {100 * b.baseline_accuracy:6.1f} {b.count:6d} {mark}",
-                          highlight=False)
+            console.print(
+                f"{b.relation:<14} {b.direction:<10} {f'{b.layer}-{b.head}':>6} {100 * b.accuracy:6.1f} "
+                f"{b.baseline_offset:+6d} {100 * b.baseline_accuracy:6.1f} {b.count:6d} {mark}",
+                highlight=False,
+            )
         for note in r.notes:
             console.print(f"[yellow]note:[/] {note}", highlight=False, soft_wrap=True)
         if outcome.files:
-            console.print(f"[bold]wrote:[/] {', '.join(str(f) for f in outcome.files)}", highlight=False,
-                          soft_wrap=True)
+            console.print(
+                f"[bold]wrote:[/] {', '.join(str(f) for f in outcome.files)}", highlight=False, soft_wrap=True
+            )
 
 
 __all__ = ["Probe"]

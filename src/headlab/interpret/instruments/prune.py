@@ -71,9 +71,13 @@ class Prune(Instrument):
         MODEL,
         Option("out", "--out", Path, REQUIRED, "new folder for the pruned model", short="-o", setting=False),
         Option("heads", "--heads", str, None, "heads to remove, LAYER.HEAD,... e.g. 0.3,2.5"),
-        Option("fraction", "--fraction", float, None, "remove this share of heads, least important first (needs "
-               "--data)"),
-        DATA, LOSS, LIMIT, BATCH,
+        Option(
+            "fraction", "--fraction", float, None, "remove this share of heads, least important first (needs --data)"
+        ),
+        DATA,
+        LOSS,
+        LIMIT,
+        BATCH,
         Option("curve", "--curve", bool, False, "also the pruning curve on --data (PNG, JSON)"),
         Option("recompute", "--recompute", bool, False, "curve: recompute importance at each step"),
         Option("allow_empty_layers", "--allow-empty-layers", bool, False, "allow removing every head of a layer"),
@@ -84,8 +88,11 @@ class Prune(Instrument):
     # refuses a file in the way, FILE/sub and an unwritable place
     output = Output("out", folder=True, file=None, allow_existing=True)
     chained = True  # the surgery reads every importance unit, the curve the same ranking: in order, on one rank
-    sharded = ("the pruned model is written by PrunedModel.save, which saves one process's whole model, not the "
-               "shards of a model sharded by heads; prune on one process")
+    sharded = (
+        "the pruned model is written by PrunedModel.save, which saves one process's whole model, not the "
+        "shards of a model sharded by heads; prune on one process"
+    )
+
     def check(self, ctx: Context) -> None:
         o = ctx.options
         if (o["heads"] is None) == (o["fraction"] is None):
@@ -98,8 +105,10 @@ class Prune(Instrument):
         ctx.state["heads"] = parse_heads(o["heads"]) if o["heads"] is not None else None
         check_heads_in_config(o["model"], o["heads"])  # from the config files alone: no weights read
         if o["recompute"] and not o["curve"]:
-            raise InputError("--recompute acts only with --curve (it recomputes importance at each step of the "
-                             "curve); add --curve, or drop --recompute")
+            raise InputError(
+                "--recompute acts only with --curve (it recomputes importance at each step of the "
+                "curve); add --curve, or drop --recompute"
+            )
         if o["data"] is None and (o["fraction"] is not None or o["curve"]):
             raise InputError("--data FILE is required: a .tsv, .conllu or .txt of examples")
 
@@ -123,8 +132,14 @@ class Prune(Instrument):
         if o["fraction"] is not None:  # the ranking: head importance, one batch a unit (as heads importance)
             from headlab.interpret.heads.units import ImportanceUnits
 
-            ctx.state["importance"] = ImportanceUnits(ctx.loaded, ctx.data["texts"], ctx.data["labels"],
-                                                      loss=o["loss"], batch_size=o["batch_size"], confidence=False)
+            ctx.state["importance"] = ImportanceUnits(
+                ctx.loaded,
+                ctx.data["texts"],
+                ctx.data["labels"],
+                loss=o["loss"],
+                batch_size=o["batch_size"],
+                confidence=False,
+            )
 
     def units(self, ctx: Context) -> list[Unit]:
         work = ctx.state["importance"]
@@ -147,9 +162,17 @@ class Prune(Instrument):
             from headlab.interpret.heads.prune import pruning_curve
 
             # local: this rank runs the curve alone (the runner's chained units), so its importance is not split
-            return pruning_curve(ctx.loaded, texts, labels, loss=o["loss"], importance=self._ranking(ctx),
-                                 recompute=o["recompute"], batch_size=o["batch_size"], progress=ctx.progress,
-                                 local=True)
+            return pruning_curve(
+                ctx.loaded,
+                texts,
+                labels,
+                loss=o["loss"],
+                importance=self._ranking(ctx),
+                recompute=o["recompute"],
+                batch_size=o["batch_size"],
+                progress=ctx.progress,
+                local=True,
+            )
         from headlab.interpret.heads.prune import order_heads, prune_heads
 
         spec = ctx.state["heads"]
@@ -160,10 +183,14 @@ class Prune(Instrument):
                 spec.setdefault(l, []).append(h)
         # the pruned model stays with the rank that made it (the runner's values travel between ranks as JSON-able
         # objects); the unit's value is what was removed and what is left
-        pruned = ctx.state["pruned"] = prune_heads(ctx.loaded, spec, allow_empty_layers=o["allow_empty_layers"],
-                                                   gqa=o["gqa"])
-        return {"heads_per_layer": pruned.adapter.layer_heads, "removed": {str(k): v for k, v in spec.items()},
-                "notes": pruned.notes}
+        pruned = ctx.state["pruned"] = prune_heads(
+            ctx.loaded, spec, allow_empty_layers=o["allow_empty_layers"], gqa=o["gqa"]
+        )
+        return {
+            "heads_per_layer": pruned.adapter.layer_heads,
+            "removed": {str(k): v for k, v in spec.items()},
+            "notes": pruned.notes,
+        }
 
     def unit_to_json(self, value):
         if isinstance(value, dict):  # the model unit's summary, or an importance batch's sums
@@ -178,8 +205,13 @@ class Prune(Instrument):
         curve = values.get("curve")
         if curve is not None:
             summary["curve"] = curve.summary()
-        return InstrumentResult(self.result_kind, model=getattr(ctx.loaded, "name", None), settings=ctx.settings,
-                                figures=summary, native=(pruned, curve))
+        return InstrumentResult(
+            self.result_kind,
+            model=getattr(ctx.loaded, "name", None),
+            settings=ctx.settings,
+            figures=summary,
+            native=(pruned, curve),
+        )
 
     def write_kept(self, ctx: Context, values: dict, path: Path) -> list[Path]:
         """Interrupted in the curve: the pruned model is finished, so it is saved, as the command always did."""
@@ -204,8 +236,11 @@ class Prune(Instrument):
         if ctx.options["as_json"]:
             print_json(summary)
             return
-        console.print(f"saved the pruned model to {summary['out']}/ (heads per layer {summary['heads_per_layer']})",
-                      highlight=False, soft_wrap=True)
+        console.print(
+            f"saved the pruned model to {summary['out']}/ (heads per layer {summary['heads_per_layer']})",
+            highlight=False,
+            soft_wrap=True,
+        )
         for n in summary["notes"]:
             console.print(f"[yellow]note:[/] {n}", highlight=False, soft_wrap=True)
         if "curve" in summary:

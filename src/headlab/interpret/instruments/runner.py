@@ -50,8 +50,10 @@ def check_options(instrument: Instrument, options: dict) -> dict:
     given = dict(options)
     unknown = set(given) - {o.name for o in instrument.options}
     if unknown:
-        raise InputError(f"{instrument.name} takes no option {', '.join(sorted(unknown))}; its options are "
-                         f"{', '.join(o.name for o in instrument.options)}")
+        raise InputError(
+            f"{instrument.name} takes no option {', '.join(sorted(unknown))}; its options are "
+            f"{', '.join(o.name for o in instrument.options)}"
+        )
     full = {**instrument.defaults(), **given}
     for o in instrument.options:
         if full[o.name] is REQUIRED:
@@ -76,8 +78,10 @@ def output_path(ctx: Context, *, resume: bool = False) -> Path | None:
     name = spec.file.format(name=ctx.instrument.name, **ctx.options)
     path = folder / name
     if path.is_dir():
-        raise InputError(f"{flag} {str(value)!r}: {name} in it is a folder, where the result would go; move it "
-                         "away or choose another folder")
+        raise InputError(
+            f"{flag} {str(value)!r}: {name} in it is a folder, where the result would go; move it "
+            "away or choose another folder"
+        )
     if folder.is_dir():
         check_output_file(path, flag, force=force or spec.replace or resume)
     return path
@@ -102,8 +106,10 @@ def _earlier(ctx: Context, keys: Sequence[str]) -> dict:
     flag = ctx.instrument.option(ctx.instrument.output.option).label
     earlier = Result.load(source, what=f"a {ctx.instrument.result_kind} result to resume")
     if earlier.kind != ctx.instrument.result_kind:
-        raise InputError(f"{flag} {str(source)!r} holds a {earlier.kind} result, not {ctx.instrument.result_kind}; "
-                         "drop --resume or choose another path")
+        raise InputError(
+            f"{flag} {str(source)!r} holds a {earlier.kind} result, not {ctx.instrument.result_kind}; "
+            "drop --resume or choose another path"
+        )
     units = earlier.figures.get(UNITS_KEY)
     if not isinstance(units, dict):
         raise InputError(f"--resume: {str(ctx.path)!r} keeps no units to resume from; drop --resume to start again")
@@ -111,21 +117,37 @@ def _earlier(ctx: Context, keys: Sequence[str]) -> dict:
     saved = earlier.figures.get(UNITS_SETTINGS_KEY, earlier.settings)
     if saved != now:
         diff = sorted(k for k in set(now) | set(saved) if now.get(k) != saved.get(k))
-        raise InputError(f"--resume: {str(ctx.path)!r} was computed with other settings ({', '.join(diff)}); run "
-                         "with the same options, or drop --resume to start again")
+        raise InputError(
+            f"--resume: {str(ctx.path)!r} was computed with other settings ({', '.join(diff)}); run "
+            "with the same options, or drop --resume to start again"
+        )
     return {k: ctx.instrument.unit_from_json(units[k]) for k in keys if k in units}
 
 
 def _partial(ctx: Context, values: dict, total: int) -> Result:
     inst = ctx.instrument
-    return Result(inst.result_kind, model=getattr(ctx.loaded, "name", None), settings=ctx.settings,
-                  figures={INTERRUPTED_KEY: {"kept": len(values), "of": total},
-                           UNITS_KEY: {k: inst.unit_to_json(v) for k, v in values.items()}})
+    return Result(
+        inst.result_kind,
+        model=getattr(ctx.loaded, "name", None),
+        settings=ctx.settings,
+        figures={
+            INTERRUPTED_KEY: {"kept": len(values), "of": total},
+            UNITS_KEY: {k: inst.unit_to_json(v) for k, v in values.items()},
+        },
+    )
 
 
-def run(instrument: Instrument | str, options: dict | None = None, *, resume: bool = False,
-        progress=None, transient: bool = False, say: Callable[[str], None] = _stderr,
-        tensor_parallel: bool | int | TensorParallel | None = False, command: str | None = None) -> Outcome:
+def run(
+    instrument: Instrument | str,
+    options: dict | None = None,
+    *,
+    resume: bool = False,
+    progress=None,
+    transient: bool = False,
+    say: Callable[[str], None] = _stderr,
+    tensor_parallel: bool | int | TensorParallel | None = False,
+    command: str | None = None,
+) -> Outcome:
     """Run one instrument through the whole lifecycle (see the module docstring); returns its :class:`Outcome`.
 
     ``instrument``: an instance or a registered name; ``options``: by Python name (defaults filled in);
@@ -134,8 +156,15 @@ def run(instrument: Instrument | str, options: dict | None = None, *, resume: bo
     heads over every rank (True) or over groups of N ranks (N: a (data, tensor) mesh, the units split across
     the groups), as :func:`headlab.load` does; ``command``: the command line that started the run (the CLI's
     rows pass it), so the line said on Ctrl-C is the command that resumes it."""
-    return run_together([(instrument, options or {})], resume=resume, progress=progress, transient=transient,
-                        say=say, tensor_parallel=tensor_parallel, command=command)[0]
+    return run_together(
+        [(instrument, options or {})],
+        resume=resume,
+        progress=progress,
+        transient=transient,
+        say=say,
+        tensor_parallel=tensor_parallel,
+        command=command,
+    )[0]
 
 
 def check_tensor_parallel(instruments: Sequence[Instrument], tensor_parallel) -> TensorParallel | None:
@@ -148,22 +177,31 @@ def check_tensor_parallel(instruments: Sequence[Instrument], tensor_parallel) ->
     for inst in instruments:
         if inst.sharded is not True:
             why = f": {inst.sharded}" if isinstance(inst.sharded, str) else ""
-            raise InputError(f"--tensor-parallel: {inst.name} does not run on a model sharded by heads{why}; "
-                             "drop --tensor-parallel")
+            raise InputError(
+                f"--tensor-parallel: {inst.name} does not run on a model sharded by heads{why}; drop --tensor-parallel"
+            )
         if not inst.needs_model:
             raise InputError(f"--tensor-parallel: {inst.name} loads no model; drop --tensor-parallel")
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world <= 1:
-        raise InputError("--tensor-parallel shards the model over several processes: launch with torchrun, e.g. "
-                         "`torchrun --nproc_per_node 2 -m headlab ... --tensor-parallel`")
+        raise InputError(
+            "--tensor-parallel shards the model over several processes: launch with torchrun, e.g. "
+            "`torchrun --nproc_per_node 2 -m headlab ... --tensor-parallel`"
+        )
     request.group_size(world, flag=True)
     return request
 
 
-def run_together(runs: Sequence[tuple[Instrument | str, dict]], *, resume: bool = False, progress=None,
-                 transient: bool = False, say: Callable[[str], None] = _stderr,
-                 tensor_parallel: bool | int | TensorParallel | None = False,
-                 command: str | None = None) -> list[Outcome]:
+def run_together(
+    runs: Sequence[tuple[Instrument | str, dict]],
+    *,
+    resume: bool = False,
+    progress=None,
+    transient: bool = False,
+    say: Callable[[str], None] = _stderr,
+    tensor_parallel: bool | int | TensorParallel | None = False,
+    command: str | None = None,
+) -> list[Outcome]:
     """Run several instruments on one model: one load, and per unit key one recording of the union of their
     sites (units of the same key must share their inputs). Each writes its own result. An output another run is
     writing is refused (:func:`headlab.results.output_lock`, a lock file beside it, held until the run ends)."""
@@ -184,15 +222,21 @@ def run_together(runs: Sequence[tuple[Instrument | str, dict]], *, resume: bool 
             raise InputError(f"--resume: {ctx.instrument.name} keeps no units with these options; drop --resume")
         ctx.path = output_path(ctx, resume=resume)
         if resume and (ctx.path is None or ctx.instrument.output is None or ctx.instrument.output.file is None):
-            what = (f"give {ctx.instrument.option(ctx.instrument.output.option).label}"
-                    if ctx.instrument.output is not None and ctx.path is None else "drop --resume")
-            raise InputError(f"--resume keeps the units of {ctx.instrument.name}'s result file, and this run writes "
-                             f"none; {what}")
+            what = (
+                f"give {ctx.instrument.option(ctx.instrument.output.option).label}"
+                if ctx.instrument.output is not None and ctx.path is None
+                else "drop --resume"
+            )
+            raise InputError(
+                f"--resume keeps the units of {ctx.instrument.name}'s result file, and this run writes none; {what}"
+            )
     with contextlib.ExitStack() as held:
         if os.environ.get("RANK", "0") == "0":  # torchrun's ranks share the output: rank 0 holds it
             for ctx in ctxs:
                 if ctx.path is not None and ctx.instrument.output is not None:  # a path comes from the output
-                    held.enter_context(output_lock(_guarded(ctx), ctx.instrument.option(ctx.instrument.output.option).label))
+                    held.enter_context(
+                        output_lock(_guarded(ctx), ctx.instrument.option(ctx.instrument.output.option).label)
+                    )
         return _load_and_work(ctxs, resume=resume, progress=progress, transient=transient, say=say, command=command)
 
 
@@ -214,9 +258,11 @@ def check_tokenizer(ctx: Context) -> None:
     from headlab.models.peek import TOKENIZER_FILES, peek_has_tokenizer
 
     if peek_has_tokenizer(str(model)) is False:
-        raise InputError(f"--model {str(model)!r} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}), and "
-                         f"{ctx.instrument.name} reads text; save the tokenizer beside the weights "
-                         "(tokenizer.save_pretrained(folder)) or choose another model")
+        raise InputError(
+            f"--model {str(model)!r} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}), and "
+            f"{ctx.instrument.name} reads text; save the tokenizer beside the weights "
+            "(tokenizer.save_pretrained(folder)) or choose another model"
+        )
 
 
 def _guarded(ctx: Context) -> Path:
@@ -264,8 +310,9 @@ def _work(ctxs: list[Context], *, resume: bool, announce: bool, show, say, comma
     keys = [u.key for u in units]
     for ctx, us in plans:
         if [u.key for u in us] != keys:
-            raise InputError(f"{ctx.instrument.name} and {lead.instrument.name} split the work differently; run "
-                             "them separately")
+            raise InputError(
+                f"{ctx.instrument.name} and {lead.instrument.name} split the work differently; run them separately"
+            )
     if len(set(keys)) != len(keys):
         raise InputError(f"{lead.instrument.name}: two units share a key; every unit needs its own")
     values = [_earlier(ctx, keys) if resume else {} for ctx in ctxs]
@@ -296,8 +343,9 @@ def _work(ctxs: list[Context], *, resume: bool, announce: bool, show, say, comma
                 extra = dict(lead.instrument.capture_options(lead))
                 skw = {**extra.pop("stats_kwargs", {}), **({"stats": sorted(stats)} if stats else {})} or None
                 try:
-                    recording = capture(lead.loaded, lead.instrument.unit_inputs(lead, unit), sites=sites,
-                                        stats_kwargs=skw, **extra)
+                    recording = capture(
+                        lead.loaded, lead.instrument.unit_inputs(lead, unit), sites=sites, stats_kwargs=skw, **extra
+                    )
                 except HeadlabError as e:  # e.g. the memory guard: said in the instrument's words, with its advice
                     raise lead.instrument.recording_refused(lead, e) from None
             for j, (ctx, us) in enumerate(plans):
@@ -317,8 +365,7 @@ def _work(ctxs: list[Context], *, resume: bool, announce: bool, show, say, comma
         found = [{k: v for part, _ in got for k, v in part[j].items()} for j in range(len(ctxs))]
     outcomes = []
     for j, ctx in enumerate(ctxs):
-        kept = {k: (found[j][k] if k in found[j] else values[j][k]) for k in keys
-                if k in found[j] or k in values[j]}
+        kept = {k: (found[j][k] if k in found[j] else values[j][k]) for k in keys if k in found[j] or k in values[j]}
         outcomes.append(_close(ctx, kept, len(keys), interrupted, say, command))
     return outcomes
 
@@ -349,11 +396,13 @@ def _close(ctx: Context, kept: dict, total: int, interrupted: bool, say, command
             ctx.path.mkdir(parents=True, exist_ok=True)
             files = inst.write_kept(ctx, kept, ctx.path)
         again = f": {resume_line(command)}" if command else ""
-        where = (f"in {files[0]}" + (f"; run again with --resume to finish the rest{again}" if inst.resumable else "")
-                 if files else "nothing was written" + ("" if kept else " (no unit had finished)"))
+        where = (
+            f"in {files[0]}" + (f"; run again with --resume to finish the rest{again}" if inst.resumable else "")
+            if files
+            else "nothing was written" + ("" if kept else " (no unit had finished)")
+        )
         say(f"interrupted: kept {len(kept)} of {total} units {where}")
-        return Outcome(None, files[0] if files else None, files, interrupted=True, kept=len(kept), total=total,
-                       ctx=ctx)
+        return Outcome(None, files[0] if files else None, files, interrupted=True, kept=len(kept), total=total, ctx=ctx)
     result = inst.finish(ctx, kept)
     if inst.resumable and inst.keeps_units:
         result.figures[UNITS_KEY] = {k: inst.unit_to_json(v) for k, v in kept.items()}
@@ -362,10 +411,19 @@ def _close(ctx: Context, kept: dict, total: int, interrupted: bool, say, command
     files = []
     if ctx.path is not None:
         assert inst.output is not None  # a path comes from the instrument's output
-        (ctx.path if inst.output.folder and inst.output.file is None else ctx.path.parent).mkdir(parents=True,
-                                                                                                exist_ok=True)
+        (ctx.path if inst.output.folder and inst.output.file is None else ctx.path.parent).mkdir(
+            parents=True, exist_ok=True
+        )
         files = inst.write(ctx, result, ctx.path)
     return Outcome(result, ctx.path, files, kept=len(kept), total=total, ctx=ctx)
 
 
-__all__ = ["INTERRUPTED_KEY", "UNITS_KEY", "check_options", "check_tensor_parallel", "output_path", "run", "run_together"]
+__all__ = [
+    "INTERRUPTED_KEY",
+    "UNITS_KEY",
+    "check_options",
+    "check_tensor_parallel",
+    "output_path",
+    "run",
+    "run_together",
+]

@@ -22,5 +22,18 @@ from headlab.interpret.patching.prompts import prompt_pair
 from headlab.interpret.patching.readout import DLAResult, LensResult, direct_logit_attribution, logit_lens
 from headlab.interpret.patching.result import CONVENTION, PatchResult, compare
 
-__all__ = ["CONVENTION", "DLAResult", "LensResult", "PatchResult", "attribution_patch", "compare",
-           "direct_logit_attribution", "logit_diff", "logit_lens", "logit_of", "patch", "path_patch", "prompt_pair"]
+__all__ = [
+    "CONVENTION",
+    "DLAResult",
+    "LensResult",
+    "PatchResult",
+    "attribution_patch",
+    "compare",
+    "direct_logit_attribution",
+    "logit_diff",
+    "logit_lens",
+    "logit_of",
+    "patch",
+    "path_patch",
+    "prompt_pair",
+]

@@ -30,8 +30,9 @@ from headlab.interpret.patching.result import PatchResult, normalise
 from headlab.models.tp_grads import site_grads
 
 
-def attribution_patch(model, clean, corrupted, metric, *, sites: str | list[str] = "z", positions=None,
-                      backend: str | None = None) -> PatchResult:
+def attribution_patch(
+    model, clean, corrupted, metric, *, sites: str | list[str] = "z", positions=None, backend: str | None = None
+) -> PatchResult:
     """Attribution patching of every head (and position) in one forward + backward on the clean run.
 
     Arguments as :func:`~headlab.interpret.patching.exact.patch` (no ``max_rows``: the clean batch runs
@@ -54,19 +55,30 @@ def attribution_patch(model, clean, corrupted, metric, *, sites: str | list[str]
         raw, m_clean, m_corrupt = _sharded(a, pair, names, kinds, pos, scalar, metric, backend)
     else:
         raw, m_clean, m_corrupt = _one_process(a, pair, names, kinds, pos, scalar, metric, backend)
-    notes = ["first-order estimate (gradient at the clean run times the corrupted-minus-clean activation); "
-             "compare with exact patching before trusting a ranking"]
-    return PatchResult(model=pair.model_name, method="attribution", metric=getattr(metric, "__name__", "metric"),
-                       n_examples=pair.n, clean=m_clean, corrupted=m_corrupt,
-                       effects={k: normalise(v, m_clean, m_corrupt) for k, v in raw.items()}, raw=raw,
-                       positions=pos, seconds=time.perf_counter() - t0, notes=notes)
+    notes = [
+        "first-order estimate (gradient at the clean run times the corrupted-minus-clean activation); "
+        "compare with exact patching before trusting a ranking"
+    ]
+    return PatchResult(
+        model=pair.model_name,
+        method="attribution",
+        metric=getattr(metric, "__name__", "metric"),
+        n_examples=pair.n,
+        clean=m_clean,
+        corrupted=m_corrupt,
+        effects={k: normalise(v, m_clean, m_corrupt) for k, v in raw.items()},
+        raw=raw,
+        positions=pos,
+        seconds=time.perf_counter() - t0,
+        notes=notes,
+    )
 
 
 def _grid(parts: list[torch.Tensor], width: int) -> torch.Tensor:
     """``(n_layers, width, ...)`` float64, NaN where a (pruned) layer has fewer heads than ``width``."""
     grid = torch.full((len(parts), width, *parts[0].shape[1:]), float("nan"), dtype=torch.float64)
     for l, t in enumerate(parts):
-        grid[l, :t.shape[0]] = t
+        grid[l, : t.shape[0]] = t
     return grid
 
 
@@ -86,8 +98,14 @@ def _one_process(a, pair, names, kinds, pos, scalar, metric, backend):
     runs.check_gap(m_clean, m_corrupt)  # no gap: every effect would be 0/0
     raw = {}
     for kind in kinds:
-        grids = [_per_head(corrupt_cache[a.site_name(l, kind)] - grad_cache[a.site_name(l, kind)],
-                           grad_cache.grads[a.site_name(l, kind)], pos) for l in range(a.n_layers)]
+        grids = [
+            _per_head(
+                corrupt_cache[a.site_name(l, kind)] - grad_cache[a.site_name(l, kind)],
+                grad_cache.grads[a.site_name(l, kind)],
+                pos,
+            )
+            for l in range(a.n_layers)
+        ]
         raw[kind] = _grid(grids, max(t.shape[0] for t in grids)).float()
     return raw, m_clean, m_corrupt
 
@@ -108,7 +126,7 @@ def _sharded(a, pair, names, kinds, pos, scalar, metric, backend):
         for l in range(a.n_layers):
             name = a.site_name(l, kind)
             heads = sg.heads[name]
-            grid[l, heads.start:heads.stop] = _per_head(corrupt_cache[name] - sg.values[name], sg.grads[name], pos)
+            grid[l, heads.start : heads.stop] = _per_head(corrupt_cache[name] - sg.values[name], sg.grads[name], pos)
         raw[kind] = a.placement.sum_group(grid).float()  # each head from its owner, zeros elsewhere
     return raw, sg.scalar, m_corrupt
 

@@ -25,8 +25,19 @@ from headlab.models.tensor_parallel import by_heads
 from headlab.progress import Progress, reporter
 
 
-def patch(model, clean, corrupted, metric, *, sites: str | list[str] = "z", positions=None, layers=None,
-          max_rows: int = 256, backend: str | None = None, progress: bool | Progress = False) -> PatchResult:
+def patch(
+    model,
+    clean,
+    corrupted,
+    metric,
+    *,
+    sites: str | list[str] = "z",
+    positions=None,
+    layers=None,
+    max_rows: int = 256,
+    backend: str | None = None,
+    progress: bool | Progress = False,
+) -> PatchResult:
     """The effect of patching each head's activation from the corrupted run into the clean one.
 
     Args:
@@ -70,8 +81,13 @@ def patch(model, clean, corrupted, metric, *, sites: str | list[str] = "z", posi
     runs.check_gap(m_clean, m_corrupt)  # before the patched runs: no gap, every effect 0/0
     per_forward = runs.copies_per_forward(pair.n, max_rows)
     P = 1 if pos is None else len(pos)
-    configs = [(kind, l, h, p) for kind in kinds for l in chosen_layers
-               for h in range(runs.n_heads(kind, corrupt_cache[a.site_name(l, kind)])) for p in range(P)]
+    configs = [
+        (kind, l, h, p)
+        for kind in kinds
+        for l in chosen_layers
+        for h in range(runs.n_heads(kind, corrupt_cache[a.site_name(l, kind)]))
+        for p in range(P)
+    ]
     width = {k: max(runs.n_heads(k, corrupt_cache[a.site_name(l, k)]) for l in chosen_layers) for k in kinds}
     raw = {k: torch.full((a.n_layers, width[k], *(() if pos is None else (P,))), float("nan")) for k in kinds}
     done = 0
@@ -84,8 +100,9 @@ def patch(model, clean, corrupted, metric, *, sites: str | list[str] = "z", posi
                     for l in {c[1] for c in chunk if c[0] == kind}:
                         name = a.site_name(l, kind)
                         src = corrupt_cache[name]  # (B, heads, L, ...), or (B, L, E) for a residual site
-                        mask = torch.zeros(len(chunk), runs.n_heads(kind, src), pair.length,
-                                           dtype=torch.bool)  # (C, heads, L)
+                        mask = torch.zeros(
+                            len(chunk), runs.n_heads(kind, src), pair.length, dtype=torch.bool
+                        )  # (C, heads, L)
                         for i, (k2, l2, h, p) in enumerate(chunk):
                             if (k2, l2) == (kind, l):
                                 if pos is None:
@@ -101,15 +118,29 @@ def patch(model, clean, corrupted, metric, *, sites: str | list[str] = "z", posi
                 say("patching", done, len(configs))
     except KeyboardInterrupt:  # keep what was measured: the rest stays NaN, and the notes say so
         pass
-    notes = [] if done == len(configs) else [f"interrupted after {done} of {len(configs)} configurations; the "
-                                                   "others are NaN"]
+    notes = (
+        []
+        if done == len(configs)
+        else [f"interrupted after {done} of {len(configs)} configurations; the others are NaN"]
+    )
     if any(k in kinds for k in ("k", "v")) and a.n_kv_heads != a.n_heads:
-        notes.append(f"k and v are patched per kv head ({a.n_kv_heads} of them); each is read by "
-                     f"{a.n_heads // a.n_kv_heads} query heads")
-    return PatchResult(model=pair.model_name, method="exact", metric=getattr(metric, "__name__", "metric"),
-                       n_examples=pair.n, clean=m_clean, corrupted=m_corrupt,
-                       effects={k: normalise(v, m_clean, m_corrupt) for k, v in raw.items()}, raw=raw,
-                       positions=pos, seconds=time.perf_counter() - t0, notes=notes)
+        notes.append(
+            f"k and v are patched per kv head ({a.n_kv_heads} of them); each is read by "
+            f"{a.n_heads // a.n_kv_heads} query heads"
+        )
+    return PatchResult(
+        model=pair.model_name,
+        method="exact",
+        metric=getattr(metric, "__name__", "metric"),
+        n_examples=pair.n,
+        clean=m_clean,
+        corrupted=m_corrupt,
+        effects={k: normalise(v, m_clean, m_corrupt) for k, v in raw.items()},
+        raw=raw,
+        positions=pos,
+        seconds=time.perf_counter() - t0,
+        notes=notes,
+    )
 
 
 def _on_owners(kind: str, mask: torch.Tensor, n: int, source: torch.Tensor):
@@ -119,8 +150,11 @@ def _on_owners(kind: str, mask: torch.Tensor, n: int, source: torch.Tensor):
     is on every rank."""
     if kind in runs.RESID_KINDS:
         return runs.patch_edit(kind, mask, n, source)
-    return by_heads(lambda t, site, heads: runs.where_heads(mask[:, heads.start:heads.stop], n,
-                                                            source[:, heads.start:heads.stop])(t, site))
+    return by_heads(
+        lambda t, site, heads: runs.where_heads(
+            mask[:, heads.start : heads.stop], n, source[:, heads.start : heads.stop]
+        )(t, site)
+    )
 
 
 __all__ = ["patch"]

@@ -45,8 +45,9 @@ def check_ids(t: torch.Tensor, name: str, vocab: int | None = None) -> None:
     if low < 0 or (vocab is not None and high >= vocab):
         bad = low if low < 0 else high
         span = f"0..{vocab - 1} (the vocabulary)" if vocab is not None else "0 or more"
-        raise InputError(f"{name} {bad} is not a token id: ids lie in {span}; a negative id does not count from "
-                         "the end here")
+        raise InputError(
+            f"{name} {bad} is not a token id: ids lie in {span}; a negative id does not count from the end here"
+        )
 
 
 def check_position(position, length: int, batch: int, name: str = "position") -> torch.Tensor:
@@ -64,8 +65,10 @@ def check_position(position, length: int, batch: int, name: str = "position") ->
         raise ShapeError(f"{name} has {pos.numel()} entries for a batch of {batch}; give one int or one per example")
     bad = pos[(pos < -length) | (pos >= length)]
     if bad.numel():
-        raise InputError(f"{name} {int(bad[0])} is out of range for {length} positions (0..{length - 1}, or "
-                         f"-{length}..-1 from the end)")
+        raise InputError(
+            f"{name} {int(bad[0])} is out of range for {length} positions (0..{length - 1}, or "
+            f"-{length}..-1 from the end)"
+        )
     return pos.expand(batch) % length
 
 
@@ -78,8 +81,12 @@ def logit_rows(logits: torch.Tensor, position) -> torch.Tensor:
     return logits[torch.arange(B, device=logits.device), pos]
 
 
-def logit_diff(correct: int | Sequence[int] | torch.Tensor, wrong: int | Sequence[int] | torch.Tensor, *,
-               position: int | Sequence[int] | torch.Tensor = -1) -> Metric:
+def logit_diff(
+    correct: int | Sequence[int] | torch.Tensor,
+    wrong: int | Sequence[int] | torch.Tensor,
+    *,
+    position: int | Sequence[int] | torch.Tensor = -1,
+) -> Metric:
     """``metric(logits) = logits[b, pos_b, correct_b] - logits[b, pos_b, wrong_b]``, shape ``(B,)``.
 
     Args:
@@ -92,8 +99,10 @@ def logit_diff(correct: int | Sequence[int] | torch.Tensor, wrong: int | Sequenc
     if c.numel() in (1, n) and w.numel() in (1, n):
         same = (c.expand(n) == w.expand(n)).nonzero().flatten()
         if same.numel():
-            raise InputError(f"correct and wrong are the same token ({int(c.expand(n)[same[0]])}) for example "
-                             f"{int(same[0])}: their logit difference is 0 on every run, so it measures nothing")
+            raise InputError(
+                f"correct and wrong are the same token ({int(c.expand(n)[same[0]])}) for example "
+                f"{int(same[0])}: their logit difference is 0 on every run, so it measures nothing"
+            )
 
     def metric(logits: torch.Tensor) -> torch.Tensor:
         rows = logit_rows(logits, position)  # (B, V)
@@ -129,8 +138,10 @@ def logits_of(outputs) -> torch.Tensor:
     """The ``(B, L, V)`` logits of a model's outputs (``.logits``, or the tensor itself)."""
     got = outputs if isinstance(outputs, torch.Tensor) else getattr(outputs, "logits", None)
     if not isinstance(got, torch.Tensor):
-        raise InputError(f"patching needs a model that returns logits (a language-model or classification head); "
-                         f"{type(outputs).__name__} has no .logits")
+        raise InputError(
+            f"patching needs a model that returns logits (a language-model or classification head); "
+            f"{type(outputs).__name__} has no .logits"
+        )
     return got
 
 
@@ -139,10 +150,12 @@ def evaluate(metric: Metric, logits: torch.Tensor, n_examples: int) -> torch.Ten
     C = logits.shape[0] // n_examples
     out = []
     for c in range(C):
-        v = metric(logits[c * n_examples:(c + 1) * n_examples])
+        v = metric(logits[c * n_examples : (c + 1) * n_examples])
         if not isinstance(v, torch.Tensor) or v.numel() not in (1, n_examples):
-            raise ConfigError(f"metric(logits) must return a tensor of shape ({n_examples},) or a 0-dim tensor; "
-                              f"got {type(v).__name__}{tuple(v.shape) if isinstance(v, torch.Tensor) else ''}")
+            raise ConfigError(
+                f"metric(logits) must return a tensor of shape ({n_examples},) or a 0-dim tensor; "
+                f"got {type(v).__name__}{tuple(v.shape) if isinstance(v, torch.Tensor) else ''}"
+            )
         out.append(v.reshape(-1).expand(n_examples) if v.numel() == 1 else v.reshape(-1))
     return torch.stack(out)
 

@@ -46,17 +46,28 @@ def _heads(items, adapter, what: str) -> list[tuple[int, int]]:
         except (TypeError, ValueError):
             raise ConfigError(f"{what} must be (layer, head) pairs, got {item!r}") from None
         if not 0 <= l < adapter.n_layers or not 0 <= h < adapter.layer_heads[l]:
-            raise ConfigError(f"{what} head ({l}, {h}) is out of range: {adapter.n_layers} layers of "
-                              f"{adapter.n_heads} heads")
+            raise ConfigError(
+                f"{what} head ({l}, {h}) is out of range: {adapter.n_layers} layers of {adapter.n_heads} heads"
+            )
         out.append((l, h))
     if not out:
         raise ConfigError(f"{what} is empty; give (layer, head) pairs")
     return out
 
 
-def path_patch(model, clean, corrupted, metric, *, receivers: Sequence[tuple[int, int]] | None = None,
-               receiver_input: str | Sequence[str] = "q", senders: Sequence[tuple[int, int]] | None = None,
-               max_rows: int = 256, backend: str | None = None, progress: bool | Progress = False) -> PatchResult:
+def path_patch(
+    model,
+    clean,
+    corrupted,
+    metric,
+    *,
+    receivers: Sequence[tuple[int, int]] | None = None,
+    receiver_input: str | Sequence[str] = "q",
+    senders: Sequence[tuple[int, int]] | None = None,
+    max_rows: int = 256,
+    backend: str | None = None,
+    progress: bool | Progress = False,
+) -> PatchResult:
     """Path patching from each sender head into the receivers' ``receiver_input`` (or the logits).
 
     Args:
@@ -81,11 +92,16 @@ def path_patch(model, clean, corrupted, metric, *, receivers: Sequence[tuple[int
         raise ConfigError(f"receiver_input={receiver_input!r}: choose from {', '.join(RECEIVER_INPUTS)}")
     recv = None if receivers is None else _heads(receivers, a, "receivers")
     last = a.n_layers if recv is None else max(l for l, _ in recv)
-    send = ([(l, h) for l in range(last) for h in range(a.layer_heads[l])] if senders is None
-            else [s for s in _heads(senders, a, "senders") if s[0] < last])
+    send = (
+        [(l, h) for l in range(last) for h in range(a.layer_heads[l])]
+        if senders is None
+        else [s for s in _heads(senders, a, "senders") if s[0] < last]
+    )
     if not send:
-        raise ConfigError(f"no sender lies before the last receiver's layer {last}: a head reaches a receiver only "
-                          "from an earlier layer")
+        raise ConfigError(
+            f"no sender lies before the last receiver's layer {last}: a head reaches a receiver only "
+            "from an earlier layer"
+        )
     z_names = [a.site_name(l, "z") for l in range(a.n_layers)]
     clean_vals, clean_cache = runs.run_metric(pair, metric, pair.clean, 1, sites=z_names, backend=backend)
     corrupt_vals, corrupt_cache = runs.run_metric(pair, metric, pair.corrupted, 1, sites=z_names, backend=backend)
@@ -114,12 +130,22 @@ def path_patch(model, clean, corrupted, metric, *, receivers: Sequence[tuple[int
         notes.append(f"interrupted after {done} of {len(send)} senders; the others are NaN")
     if recv is not None and any(k in inputs for k in ("k", "v")) and group > 1:
         notes.append(f"k and v of a receiver are its kv head's, shared by {group} query heads")
-    return PatchResult(model=pair.model_name, method="path", metric=getattr(metric, "__name__", "metric"),
-                       n_examples=pair.n, clean=m_clean, corrupted=m_corrupt,
-                       effects={"z": normalise(raw, m_clean, m_corrupt)}, raw={"z": raw},
-                       receivers={"heads": None if recv is None else [list(r) for r in recv],
-                                  "input": "logits" if recv is None else inputs},
-                       seconds=time.perf_counter() - t0, notes=notes)
+    return PatchResult(
+        model=pair.model_name,
+        method="path",
+        metric=getattr(metric, "__name__", "metric"),
+        n_examples=pair.n,
+        clean=m_clean,
+        corrupted=m_corrupt,
+        effects={"z": normalise(raw, m_clean, m_corrupt)},
+        raw={"z": raw},
+        receivers={
+            "heads": None if recv is None else [list(r) for r in recv],
+            "input": "logits" if recv is None else inputs,
+        },
+        seconds=time.perf_counter() - t0,
+        notes=notes,
+    )
 
 
 def _sender_chunk(pair, metric, chunk, clean_cache, corrupt_cache, recv_sites, to_logits: bool, backend):

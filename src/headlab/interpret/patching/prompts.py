@@ -23,13 +23,20 @@ def single_token(tokenizer, word: str, what: str) -> int:
     ids = tokenizer(word, add_special_tokens=False)["input_ids"]
     if len(ids) != 1:
         pieces = tokenizer.convert_ids_to_tokens(ids)
-        raise InputError(f"{what} {word!r} is {len(ids)} tokens ({pieces}); the logit difference compares single "
-                         "tokens: choose a word the tokenizer keeps whole (often with a leading space)")
+        raise InputError(
+            f"{what} {word!r} is {len(ids)} tokens ({pieces}); the logit difference compares single "
+            "tokens: choose a word the tokenizer keeps whole (often with a leading space)"
+        )
     return int(ids[0])
 
 
-def prompt_pair(loaded, clean: str | Sequence[str], corrupted: str | Sequence[str],
-                answer: str | Sequence[str], wrong: str | Sequence[str]) -> tuple[dict, dict, Metric]:
+def prompt_pair(
+    loaded,
+    clean: str | Sequence[str],
+    corrupted: str | Sequence[str],
+    answer: str | Sequence[str],
+    wrong: str | Sequence[str],
+) -> tuple[dict, dict, Metric]:
     """``(clean inputs, corrupted inputs, logit_diff metric)`` for text prompts.
 
     Args:
@@ -39,8 +46,10 @@ def prompt_pair(loaded, clean: str | Sequence[str], corrupted: str | Sequence[st
     """
     tok = getattr(loaded, "tokenizer", None)
     if tok is None:
-        raise ModelError("text prompts need a model with a tokenizer (headlab.load(...)); pass token ids to "
-                         "headlab.patch for a bare model")
+        raise ModelError(
+            "text prompts need a model with a tokenizer (headlab.load(...)); pass token ids to "
+            "headlab.patch for a bare model"
+        )
     cl = [clean] if isinstance(clean, str) else list(clean)
     co = [corrupted] if isinstance(corrupted, str) else list(corrupted)
     if len(cl) != len(co) or not cl:
@@ -56,18 +65,24 @@ def prompt_pair(loaded, clean: str | Sequence[str], corrupted: str | Sequence[st
     same = [i for i, (r, w) in enumerate(zip(right, bad)) if r == w]
     if same:
         i = same[0]
-        raise InputError(f"--answer and --wrong are the same token ({tok.convert_ids_to_tokens([right[i]])[0]!r}, id "
-                         f"{right[i]}) for prompt {i}: their logit difference is 0 on every run, so every effect "
-                         "would be 0/0; give the right and a wrong next token")
+        raise InputError(
+            f"--answer and --wrong are the same token ({tok.convert_ids_to_tokens([right[i]])[0]!r}, id "
+            f"{right[i]}) for prompt {i}: their logit difference is 0 on every run, so every effect "
+            "would be 0/0; give the right and a wrong next token"
+        )
     a, b = loaded.encode(cl), loaded.encode(co)
     if a["input_ids"].shape != b["input_ids"].shape or not torch.equal(a["attention_mask"], b["attention_mask"]):
         la, lb = a["attention_mask"].sum(-1).tolist(), b["attention_mask"].sum(-1).tolist()
-        raise InputError(f"clean prompts are {la} tokens long and corrupted {lb}: patching pairs position i with "
-                         "position i, so each corrupted prompt must have as many tokens as its clean twin")
+        raise InputError(
+            f"clean prompts are {la} tokens long and corrupted {lb}: patching pairs position i with "
+            "position i, so each corrupted prompt must have as many tokens as its clean twin"
+        )
     twins = [i for i in range(len(cl)) if torch.equal(a["input_ids"][i], b["input_ids"][i])]
     if twins:
-        raise InputError(f"clean and corrupted prompt {twins[0]} tokenise to the same tokens: patching one into the "
-                         "other changes nothing (every effect would be 0/0); corrupt the prompt (other names)")
+        raise InputError(
+            f"clean and corrupted prompt {twins[0]} tokenise to the same tokens: patching one into the "
+            "other changes nothing (every effect would be 0/0); corrupt the prompt (other names)"
+        )
     last = a["attention_mask"].sum(-1) - 1  # (B,) the last real token of each right-padded prompt
     return a, b, logit_diff(right, bad, position=last)
 

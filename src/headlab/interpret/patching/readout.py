@@ -72,8 +72,15 @@ class LensResult:
         return torch.topk(self.logits[:, example], k, dim=-1).indices.tolist()
 
     def to_json(self, k: int = 5) -> dict:
-        return envelope("logit_lens", {"kind_of_result": "logit_lens", "depths": int(self.logits.shape[0]),
-                                       "top": [self.top(k, b) for b in range(self.logits.shape[1])]}, settings={"k": k})
+        return envelope(
+            "logit_lens",
+            {
+                "kind_of_result": "logit_lens",
+                "depths": int(self.logits.shape[0]),
+                "top": [self.top(k, b) for b in range(self.logits.shape[1])],
+            },
+            settings={"k": k},
+        )
 
 
 def logit_lens(model, inputs, *, position=-1, backend: str | None = None) -> LensResult:
@@ -89,9 +96,12 @@ def logit_lens(model, inputs, *, position=-1, backend: str | None = None) -> Len
     n = adapter.n_layers
     prepared = prepare_inputs(inputs, loaded)
     _check_position_before(prepared, position)
-    cache = capture(adapter, prepared,
-                    [adapter.site_name(0, "resid_pre"), *(adapter.site_name(l, "resid_post") for l in range(n))],
-                    backend=backend)
+    cache = capture(
+        adapter,
+        prepared,
+        [adapter.site_name(0, "resid_pre"), *(adapter.site_name(l, "resid_post") for l in range(n))],
+        backend=backend,
+    )
     states = [cache[adapter.site_name(0, "resid_pre")]] + [cache[adapter.site_name(l, "resid_post")] for l in range(n)]
     with torch.no_grad():
         logits = torch.stack([readout.logits(_at(s, position)) for s in states])  # (n + 1, B, V)
@@ -118,12 +128,19 @@ class DLAResult:
         return [(int(i) // H, int(i) % H, float(flat[i])) for i in torch.argsort(flat.abs(), descending=True)[:k]]
 
     def to_json(self) -> dict:
-        return envelope("direct_logit_attribution", {"kind_of_result": "direct_logit_attribution", "model": self.model,
+        return envelope(
+            "direct_logit_attribution",
+            {
+                "kind_of_result": "direct_logit_attribution",
+                "model": self.model,
                 "heads": np.round(self.heads.double().numpy(), 6).tolist(),
-                "rest": self.rest.tolist(), "logit_diff": self.logit_diff.tolist(),
+                "rest": self.rest.tolist(),
+                "logit_diff": self.logit_diff.tolist(),
                 "top": [list(t) for t in self.top()],
-                "note": "terms at the run's final-norm scale (frozen); heads + rest = the model's logit difference"},
-                        model=self.model)
+                "note": "terms at the run's final-norm scale (frozen); heads + rest = the model's logit difference",
+            },
+            model=self.model,
+        )
 
 
 def direct_logit_attribution(model, inputs, correct, wrong, *, position=-1, backend: str | None = None) -> DLAResult:
@@ -139,7 +156,8 @@ def direct_logit_attribution(model, inputs, correct, wrong, *, position=-1, back
     if layouts - {"pre", "parallel"}:
         raise UnsupportedArchitectureError(
             f"direct logit attribution needs blocks that add each head's output to the stream as it is; this model's "
-            f"blocks are {', '.join(sorted(layouts))} (a norm between the heads and the stream)")
+            f"blocks are {', '.join(sorted(layouts))} (a norm between the heads and the stream)"
+        )
     readout = readout_of(adapter)
     n = adapter.n_layers
     V = readout.W_U.shape[0]
@@ -157,8 +175,9 @@ def direct_logit_attribution(model, inputs, correct, wrong, *, position=-1, back
         c, w = c0.expand(B), w0.expand(B)
         direction = readout.W_U[c] - readout.W_U[w]  # (B, E)
         s = readout.scale(x)  # (B, 1)
-        outs = torch.stack([_at(cache[adapter.site_name(l, "head_out")].transpose(1, 2), position)
-                            for l in range(n)], 1)  # (B, n, H, E)
+        outs = torch.stack(
+            [_at(cache[adapter.site_name(l, "head_out")].transpose(1, 2), position) for l in range(n)], 1
+        )  # (B, n, H, E)
         per = (readout.linear(outs, s[:, None, None]) * direction[:, None, None]).sum(-1)  # (B, n, H)
         rest = ((readout.linear(x - outs.sum((1, 2)), s) + readout.bias) * direction).sum(-1)  # (B,)
         if readout.b_U is not None:

@@ -82,8 +82,10 @@ class PatchResult:
         e = self.head_effects(kind)
         H = e.shape[1]
         w = digits + 5
-        lines = [f"{self.method} patching of {kind}: effect {CONVENTION}",
-                 "layer " + "".join(f"{h:>{w}}" for h in range(H))]
+        lines = [
+            f"{self.method} patching of {kind}: effect {CONVENTION}",
+            "layer " + "".join(f"{h:>{w}}" for h in range(H)),
+        ]
         for l in range(e.shape[0]):
             cells = "".join(f"{'.':>{w}}" if np.isnan(v) else f"{v:>{w}.{digits}f}" for v in e[l].tolist())
             lines.append(f"{l:>5} " + cells)
@@ -94,28 +96,56 @@ class PatchResult:
             a = t.double().numpy()
             return np.where(np.isnan(a), None, np.round(a, 6)).tolist()
 
-        settings = {"method": self.method, "metric": self.metric, "positions": self.positions,
-                    "receivers": self.receivers}
-        return envelope("patching", {
-                "kind_of_result": "patching", "model": self.model, "method": self.method, "metric": self.metric,
-                "convention": CONVENTION, "n_examples": self.n_examples, "clean": self.clean,
-                "corrupted": self.corrupted, "positions": self.positions, "receivers": self.receivers,
+        settings = {
+            "method": self.method,
+            "metric": self.metric,
+            "positions": self.positions,
+            "receivers": self.receivers,
+        }
+        return envelope(
+            "patching",
+            {
+                "kind_of_result": "patching",
+                "model": self.model,
+                "method": self.method,
+                "metric": self.metric,
+                "convention": CONVENTION,
+                "n_examples": self.n_examples,
+                "clean": self.clean,
+                "corrupted": self.corrupted,
+                "positions": self.positions,
+                "receivers": self.receivers,
                 "effects": {k: arr(v) for k, v in self.effects.items()},
                 "raw": {k: arr(v) for k, v in self.raw.items()},
                 "top": {k: [list(t) for t in self.top(10, k)] for k in self.effects},
-                "seconds": self.seconds, "notes": self.notes}, model=self.model, settings=settings)
+                "seconds": self.seconds,
+                "notes": self.notes,
+            },
+            model=self.model,
+            settings=settings,
+        )
 
     @classmethod
     def from_json(cls, data: dict) -> PatchResult:
         """The result :meth:`to_json` wrote (grids to 6 decimals, None where a head was not measured, as NaN)."""
+
         def grid(rows) -> torch.Tensor:
             return torch.tensor(np.array(rows, dtype=float), dtype=torch.float64)
 
-        return cls(model=data["model"], method=data["method"], metric=data["metric"], n_examples=data["n_examples"],
-                   clean=data["clean"], corrupted=data["corrupted"],
-                   effects={k: grid(v) for k, v in data["effects"].items()},
-                   raw={k: grid(v) for k, v in data["raw"].items()}, positions=data.get("positions"),
-                   receivers=data.get("receivers"), seconds=data.get("seconds", 0.0), notes=list(data.get("notes", [])))
+        return cls(
+            model=data["model"],
+            method=data["method"],
+            metric=data["metric"],
+            n_examples=data["n_examples"],
+            clean=data["clean"],
+            corrupted=data["corrupted"],
+            effects={k: grid(v) for k, v in data["effects"].items()},
+            raw={k: grid(v) for k, v in data["raw"].items()},
+            positions=data.get("positions"),
+            receivers=data.get("receivers"),
+            seconds=data.get("seconds", 0.0),
+            notes=list(data.get("notes", [])),
+        )
 
     def html(self) -> str:
         """The page body: one heatmap table per site kind (blue = towards the corrupted run, red = away)."""
@@ -135,17 +165,27 @@ class PatchResult:
                     rgb = "49,99,206" if v > 0 else "206,60,49"
                     cells.append(f'<td style="background: rgba({rgb},{a:.2f})" title="{l}.{h}: {v:.4f}">{v:.2f}</td>')
                 rows.append(f"<tr><th>{l}</th>{''.join(cells)}</tr>")
-            parts.append(f"<h2>{html.escape(kind)}</h2><table class=\"grid\"><tr><th>layer</th>{head}</tr>"
-                         f"{''.join(rows)}</table>")
+            parts.append(
+                f"<h2>{html.escape(kind)}</h2><table class=\"grid\"><tr><th>layer</th>{head}</tr>"
+                f"{''.join(rows)}</table>"
+            )
         return "\n".join(parts)
 
     def page(self) -> str:
         from headlab.interpret import shell
 
-        lines = [f"{self.method} patching, metric {self.metric}, {self.n_examples} examples",
-                 f"clean {self.clean:.4f}, corrupted {self.corrupted:.4f}; effect = {CONVENTION}", *self.notes]
-        return shell.page(title=f"patching: {self.model}", body=self.html(), summary_lines=lines,
-                          data=self.to_json(), generator="headlab patch")
+        lines = [
+            f"{self.method} patching, metric {self.metric}, {self.n_examples} examples",
+            f"clean {self.clean:.4f}, corrupted {self.corrupted:.4f}; effect = {CONVENTION}",
+            *self.notes,
+        ]
+        return shell.page(
+            title=f"patching: {self.model}",
+            body=self.html(),
+            summary_lines=lines,
+            data=self.to_json(),
+            generator="headlab patch",
+        )
 
     def _repr_html_(self) -> str:
         """This result's page inline in a notebook (headlab's shell in a sandboxed frame; no network)."""
@@ -155,8 +195,9 @@ class PatchResult:
 
     def __repr__(self) -> str:
         kinds = ", ".join(f"{k} {tuple(v.shape)}" for k, v in self.effects.items())
-        return (f"PatchResult({self.method}, {self.model}, clean {self.clean:.4g}, corrupted {self.corrupted:.4g}; "
-                f"{kinds})")
+        return (
+            f"PatchResult({self.method}, {self.model}, clean {self.clean:.4g}, corrupted {self.corrupted:.4g}; {kinds})"
+        )
 
 
 def compare(exact: PatchResult, approx: PatchResult, kind: str = "z", k: int = 10) -> dict:
@@ -169,8 +210,7 @@ def compare(exact: PatchResult, approx: PatchResult, kind: str = "z", k: int = 1
     an, bn = a[ok].numpy(), b[ok].numpy()
     top_a = {(l, h) for l, h, _ in exact.top(k, kind)}
     top_b = {(l, h) for l, h, _ in approx.top(k, kind)}
-    out = {"kind": kind, "n": int(ok.sum()), "spearman": None, "pearson": None,
-           f"top{k}_overlap": len(top_a & top_b)}
+    out = {"kind": kind, "n": int(ok.sum()), "spearman": None, "pearson": None, f"top{k}_overlap": len(top_a & top_b)}
     if len(an) > 2 and np.std(an) > 0 and np.std(bn) > 0:
         out["spearman"] = float(spearmanr(an, bn).statistic)
         out["pearson"] = float(pearsonr(an, bn).statistic)

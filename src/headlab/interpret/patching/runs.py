@@ -62,23 +62,39 @@ def prepare(model, clean, corrupted) -> Pair:
             q = capture(adapter, a, [adapter.site_name(0, "q")])[adapter.site_name(0, "q")]
             length = int(q.shape[2])
     if length is None and (not isinstance(ta, torch.Tensor) or not isinstance(tb, torch.Tensor) or ta.dim() != 2):
-        raise InputError("patching needs the model's inputs: input_ids tensors (B, L), dicts with input_ids (or the "
-                         "model's pixel_values / input_values / input_features), or text with a LoadedModel")
+        raise InputError(
+            "patching needs the model's inputs: input_ids tensors (B, L), dicts with input_ids (or the "
+            "model's pixel_values / input_values / input_features), or text with a LoadedModel"
+        )
     if ta.shape != tb.shape:
-        raise ShapeError(f"clean inputs have shape {tuple(ta.shape)} and corrupted {tuple(tb.shape)}: patching "
-                         "replaces position i by position i, so both must tokenise to the same length (choose "
-                         "corrupted words with the same number of tokens)")
+        raise ShapeError(
+            f"clean inputs have shape {tuple(ta.shape)} and corrupted {tuple(tb.shape)}: patching "
+            "replaces position i by position i, so both must tokenise to the same length (choose "
+            "corrupted words with the same number of tokens)"
+        )
     if isinstance(a, dict) != isinstance(b, dict) or (isinstance(a, dict) and set(a) != set(b)):
         raise InputError("clean and corrupted must be given the same way (both tensors, or dicts with the same keys)")
-    if (isinstance(a, dict) and isinstance(b, dict) and "attention_mask" in a
-            and not torch.equal(a["attention_mask"], b["attention_mask"])):
-        raise InputError("clean and corrupted have different attention masks (padding); give prompts of equal "
-                         "token lengths so the same positions are real in both")
-    if torch.equal(ta, tb) and (not isinstance(a, dict) or all(
+    if (
+        isinstance(a, dict)
+        and isinstance(b, dict)
+        and "attention_mask" in a
+        and not torch.equal(a["attention_mask"], b["attention_mask"])
+    ):
+        raise InputError(
+            "clean and corrupted have different attention masks (padding); give prompts of equal "
+            "token lengths so the same positions are real in both"
+        )
+    if torch.equal(ta, tb) and (
+        not isinstance(a, dict)
+        or all(
             not isinstance(v, torch.Tensor) or (isinstance(b[k], torch.Tensor) and torch.equal(v, b[k]))
-            for k, v in a.items())):
-        raise InputError("clean and corrupted are the same input: patching one into the other changes nothing, "
-                         "and every effect would be 0/0; give a corrupted input that differs (other names, tokens)")
+            for k, v in a.items()
+        )
+    ):
+        raise InputError(
+            "clean and corrupted are the same input: patching one into the other changes nothing, "
+            "and every effect would be 0/0; give a corrupted input that differs (other names, tokens)"
+        )
     name = getattr(loaded, "name", None) or type(adapter.model).__name__
     return Pair(adapter, loaded, a, b, int(ta.shape[0]), int(ta.shape[1]) if length is None else length, name)
 
@@ -87,23 +103,28 @@ def check_gap(m_clean: float, m_corrupt: float) -> None:
     """Refuse, after the clean and corrupted runs and before the patched ones, a metric that is the same on
     both: every effect is normalised by their gap, so each would be 0/0."""
     if not (abs(m_corrupt - m_clean) >= 1e-9):  # NaN too
-        raise InputError(f"the metric is {m_clean:.6g} on the clean run and {m_corrupt:.6g} on the corrupted one: "
-                         "with no gap between them every effect would be 0/0; choose a corrupted input (or a "
-                         "metric) that changes the metric")
+        raise InputError(
+            f"the metric is {m_clean:.6g} on the clean run and {m_corrupt:.6g} on the corrupted one: "
+            "with no gap between them every effect would be 0/0; choose a corrupted input (or a "
+            "metric) that changes the metric"
+        )
 
 
 def repeat(inputs, copies: int):
     """``copies`` stacked copies of every tensor along the batch: ``(B, ...) -> (copies * B, ...)``."""
     if isinstance(inputs, dict):
-        return {k: (v.repeat(copies, *[1] * (v.dim() - 1)) if isinstance(v, torch.Tensor) and v.dim() > 0 else v)
-                for k, v in inputs.items()}
+        return {
+            k: (v.repeat(copies, *[1] * (v.dim() - 1)) if isinstance(v, torch.Tensor) and v.dim() > 0 else v)
+            for k, v in inputs.items()
+        }
     return inputs.repeat(copies, *[1] * (inputs.dim() - 1))
 
 
 def run_metric(pair: Pair, metric, inputs, copies: int, edits=None, sites=None, backend=None):
     """Run ``copies`` stacked copies of ``inputs`` with ``edits``; ``((copies, B) metric values, cache)``."""
-    cache = capture(pair.adapter, repeat(inputs, copies) if copies > 1 else inputs, sites or [],
-                    edits=edits or {}, backend=backend)
+    cache = capture(
+        pair.adapter, repeat(inputs, copies) if copies > 1 else inputs, sites or [], edits=edits or {}, backend=backend
+    )
     with torch.no_grad():
         values = evaluate(metric, logits_of(cache.outputs), pair.n)
     return values.detach().float(), cache
@@ -113,8 +134,11 @@ def check_kinds(sites, allowed: tuple[str, ...] = HEAD_KINDS + RESID_KINDS) -> l
     kinds = [sites] if isinstance(sites, str) else list(sites)
     bad = [k for k in kinds if k not in allowed]
     if bad or not kinds:
-        per = ("k and v per kv head; resid_pre, resid_post and mlp_out per layer" if set(RESID_KINDS) <= set(allowed)
-               else "attribution patching reads gradients at the head sites only")
+        per = (
+            "k and v per kv head; resid_pre, resid_post and mlp_out per layer"
+            if set(RESID_KINDS) <= set(allowed)
+            else "attribution patching reads gradients at the head sites only"
+        )
         raise ConfigError(f"sites={sites!r}: this method patches the kinds {', '.join(allowed)} ({per})")
     return kinds
 
@@ -140,8 +164,10 @@ def check_positions(positions, length: int) -> list[int] | None:
         if positions != "each":
             raise ConfigError(f"positions={positions!r}: give None (all at once), 'each', or a list of positions")
         return list(range(length))
-    out = [checks.index("position", p, length, message="position {value!r} is not an index into {length} positions")
-           for p in positions]
+    out = [
+        checks.index("position", p, length, message="position {value!r} is not an index into {length} positions")
+        for p in positions
+    ]
     if not out:
         raise ConfigError("positions is empty; give None (all positions at once), 'each', or a list")
     return out
@@ -163,7 +189,7 @@ def where_heads(mask: torch.Tensor, n: int, source: torch.Tensor) -> Callable:
 
 def chunks(items: Sequence, size: int):
     for i in range(0, len(items), size):
-        yield items[i:i + size]
+        yield items[i : i + size]
 
 
 def copies_per_forward(n: int, max_rows: int) -> int:

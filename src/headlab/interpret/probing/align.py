@@ -66,13 +66,16 @@ def check_fast(tokenizer, name: str = "the model") -> None:
     if tokenizer is None:
         raise ModelError(f"{name} has no tokenizer; probing aligns tokens to words with a fast tokenizer's offsets")
     if not getattr(tokenizer, "is_fast", False):
-        raise ModelError(f"{name}'s tokenizer ({type(tokenizer).__name__}) is not a fast tokenizer, and probing needs "
-                         "the character offsets of each token that only fast tokenizers report; save the model with "
-                         "a tokenizer.json (transformers: AutoTokenizer.from_pretrained(..., use_fast=True))")
+        raise ModelError(
+            f"{name}'s tokenizer ({type(tokenizer).__name__}) is not a fast tokenizer, and probing needs "
+            "the character offsets of each token that only fast tokenizers report; save the model with "
+            "a tokenizer.json (transformers: AutoTokenizer.from_pretrained(..., use_fast=True))"
+        )
 
 
-def token_word_matrix(text: str, offsets: Sequence[tuple[int, int]], special: Sequence[bool],
-                      spans: Sequence[tuple[int, int]]) -> np.ndarray:
+def token_word_matrix(
+    text: str, offsets: Sequence[tuple[int, int]], special: Sequence[bool], spans: Sequence[tuple[int, int]]
+) -> np.ndarray:
     """``(N, T)`` bool: token t (its characters trimmed of white space) overlaps word w's characters.
 
     >>> token_word_matrix("a cat", [(0, 0), (0, 1), (1, 3), (3, 5)], [True, False, False, False], [(0, 1), (2, 5)]).astype(int)
@@ -110,10 +113,17 @@ def align_sentences(tokenizer, sentences: Sequence[Sentence], *, max_positions: 
     """Tokenise and align every sentence; returns ``(aligned, skipped)`` with ``skipped`` a list of
     ``(sent_id, reason)`` (too long for the model, a word that gets no token)."""
     check_fast(tokenizer)
-    enc = tokenizer([s.text for s in sentences], return_offsets_mapping=True, return_special_tokens_mask=True,
-                    add_special_tokens=True, truncation=False, verbose=False)
-    sep_ids = {i for i in (getattr(tokenizer, "sep_token_id", None), getattr(tokenizer, "eos_token_id", None))
-               if i is not None}
+    enc = tokenizer(
+        [s.text for s in sentences],
+        return_offsets_mapping=True,
+        return_special_tokens_mask=True,
+        add_special_tokens=True,
+        truncation=False,
+        verbose=False,
+    )
+    sep_ids = {
+        i for i in (getattr(tokenizer, "sep_token_id", None), getattr(tokenizer, "eos_token_id", None)) if i is not None
+    }
     aligned, skipped = [], []
     blank_ids: dict[int, bool] = {}
     for k, s in enumerate(sentences):
@@ -231,5 +241,14 @@ def score(pred: torch.Tensor, batch: Batch, n_rel: int) -> torch.Tensor:
     return out[:, :, :n_rel]
 
 
-__all__ = ["Aligned", "Batch", "align_sentences", "check_fast", "make_batch", "predict", "score",
-           "token_word_matrix", "word_attention"]
+__all__ = [
+    "Aligned",
+    "Batch",
+    "align_sentences",
+    "check_fast",
+    "make_batch",
+    "predict",
+    "score",
+    "token_word_matrix",
+    "word_attention",
+]

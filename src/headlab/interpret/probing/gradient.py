@@ -50,24 +50,32 @@ def resolve_loss_model(loaded, loss_model) -> tuple[LoadedModel | None, str]:
             if loaded.name == "minilm" and (sst2 / "config.json").is_file():
                 chosen = load(sst2)
             else:
-                return None, (f"gradient test not run: {loaded.name} ({type(loaded.model).__name__}) has no head that "
-                              "defines a loss (no LM or classification head); pass loss_model= a model of the same "
-                              "shape that has one, e.g. the fine-tuned SST-2 classifier")
+                return None, (
+                    f"gradient test not run: {loaded.name} ({type(loaded.model).__name__}) has no head that "
+                    "defines a loss (no LM or classification head); pass loss_model= a model of the same "
+                    "shape that has one, e.g. the fine-tuned SST-2 classifier"
+                )
     elif isinstance(loss_model, LoadedModel):
         chosen = loss_model
     else:
         chosen = load(loss_model)
     kind = loss_kind(chosen.model)
     if kind is None:
-        raise ModelError(f"loss_model {chosen.name} ({type(chosen.model).__name__}) has no LM or classification head, "
-                         "so it defines no loss to differentiate")
+        raise ModelError(
+            f"loss_model {chosen.name} ({type(chosen.model).__name__}) has no LM or classification head, "
+            "so it defines no loss to differentiate"
+        )
     if chosen.adapter.layer_heads != loaded.adapter.layer_heads:
-        raise ModelError(f"loss_model {chosen.name} has heads per layer {chosen.adapter.layer_heads}, "
-                         f"the probed model {loaded.adapter.layer_heads}; they must match")
-    what = {"causal-lm": "next-token cross-entropy (the model's own LM loss)",
-            "masked-lm": "masked-LM cross-entropy of every token, no token masked",
-            "classifier": "cross-entropy of the classifier against its own predicted label (the treebank has no "
-                          "labels for its task)"}[kind]
+        raise ModelError(
+            f"loss_model {chosen.name} has heads per layer {chosen.adapter.layer_heads}, "
+            f"the probed model {loaded.adapter.layer_heads}; they must match"
+        )
+    what = {
+        "causal-lm": "next-token cross-entropy (the model's own LM loss)",
+        "masked-lm": "masked-LM cross-entropy of every token, no token masked",
+        "classifier": "cross-entropy of the classifier against its own predicted label (the treebank has no "
+        "labels for its task)",
+    }[kind]
     return chosen, f"d loss / d attention from {chosen.name}: {what}"
 
 
@@ -82,6 +90,7 @@ def _loss_fn(kind: str, ids: torch.Tensor, mask: torch.Tensor):
             target, m = ids, mask.float()
         ce = torch.nn.functional.cross_entropy(logits.transpose(1, 2), target, reduction="none")  # (B, T)
         return ((ce * m).sum(1) / m.sum(1).clamp(min=1)).sum()  # each sentence's mean, summed
+
     return scalar
 
 
@@ -97,9 +106,14 @@ def gradient_batch(chosen, group, causal: bool, backend) -> tuple[list[torch.Ten
     for p in params:  # no weight gradients (half the backward)
         p.requires_grad_(False)
     try:
-        cache = capture(chosen, {"input_ids": b.input_ids, "attention_mask": b.attention_mask},
-                        chosen.adapter.sites("pattern"), grads=True,
-                        scalar=_loss_fn(kind, b.input_ids, b.attention_mask), backend=backend)
+        cache = capture(
+            chosen,
+            {"input_ids": b.input_ids, "attention_mask": b.attention_mask},
+            chosen.adapter.sites("pattern"),
+            grads=True,
+            scalar=_loss_fn(kind, b.input_ids, b.attention_mask),
+            backend=backend,
+        )
     finally:
         for p in params:
             p.requires_grad_(True)

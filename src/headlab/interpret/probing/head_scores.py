@@ -88,7 +88,7 @@ def _on_grid(x: np.ndarray, counts: Sequence[int], axis: int = 0) -> np.ndarray:
     out = np.full((len(counts), max(counts), *x.shape[1:]), np.nan)
     start = 0
     for layer, n in enumerate(counts):
-        out[layer, :n] = x[start:start + n]
+        out[layer, :n] = x[start : start + n]
         start += n
     return np.moveaxis(out, (0, 1), (axis, axis + 1))
 
@@ -104,9 +104,11 @@ def choose_relations(treebank: Treebank, relations: Sequence[str] | str | None) 
         raise InputError("no relation given; name some, e.g. --relations det,nsubj,obj")
     missing = [r for r in wanted if r not in counts]
     if missing:
-        raise InputError(f"relation{'s' if len(missing) > 1 else ''} {', '.join(repr(m) for m in missing)} "
-                         f"{'do' if len(missing) > 1 else 'does'} not occur in {treebank.path}"
-                         f"{' (subtypes folded)' if treebank.fold_subtypes else ''}; it has: {', '.join(known)}")
+        raise InputError(
+            f"relation{'s' if len(missing) > 1 else ''} {', '.join(repr(m) for m in missing)} "
+            f"{'do' if len(missing) > 1 else 'does'} not occur in {treebank.path}"
+            f"{' (subtypes folded)' if treebank.fold_subtypes else ''}; it has: {', '.join(known)}"
+        )
     return [r for r in known if r in wanted]
 
 
@@ -118,32 +120,53 @@ class ProbeRun:
     the order of :meth:`units` into the :class:`ProbeResult`. The arguments are :func:`probe`'s, checked here.
     Every unit stands alone: under torchrun the study runner splits them over the ranks and gathers them."""
 
-    def __init__(self, loaded, treebank: str | os.PathLike | Treebank, *, limit: int | None = None,
-                 backend: str | None = "auto", relations: Sequence[str] | str | None = None,
-                 fold_subtypes: bool = False, head_map_sentences: int = HEAD_MAP_SENTENCES,
-                 head_map_budget: int = HEAD_MAP_BUDGET, grad_sentences: int = GRAD_SENTENCES, loss_model="auto",
-                 min_count: int = 10, batch_bytes: int = BATCH_BYTES) -> None:
+    def __init__(
+        self,
+        loaded,
+        treebank: str | os.PathLike | Treebank,
+        *,
+        limit: int | None = None,
+        backend: str | None = "auto",
+        relations: Sequence[str] | str | None = None,
+        fold_subtypes: bool = False,
+        head_map_sentences: int = HEAD_MAP_SENTENCES,
+        head_map_budget: int = HEAD_MAP_BUDGET,
+        grad_sentences: int = GRAD_SENTENCES,
+        loss_model="auto",
+        min_count: int = 10,
+        batch_bytes: int = BATCH_BYTES,
+    ) -> None:
         from headlab.models.loader import LoadedModel, load
 
         self.t0 = time.perf_counter()
         for name, v in (("head_map_sentences", head_map_sentences), ("grad_sentences", grad_sentences)):
             if v < 0:
                 raise InputError(f"{name} must be 0 or more, got {v}")
-        tb = (treebank if isinstance(treebank, Treebank) else  # already read (the probe instrument)
-              read_treebank(treebank, fold_subtypes=fold_subtypes, limit=limit))  # bad input first, then the model
+        tb = (
+            treebank
+            if isinstance(treebank, Treebank)
+            # already read (the probe instrument)
+            else read_treebank(treebank, fold_subtypes=fold_subtypes, limit=limit)
+        )  # bad input first, then the model
         names = choose_relations(tb, relations)
         if not isinstance(loaded, LoadedModel):
             loaded = load(loaded)
         al.check_fast(loaded.tokenizer, loaded.name)
-        chosen, grad_note = (resolve_loss_model(loaded, loss_model) if grad_sentences else
-                             (None, "gradient test not run (grad_sentences=0)"))
+        chosen, grad_note = (
+            resolve_loss_model(loaded, loss_model)
+            if grad_sentences
+            else (None, "gradient test not run (grad_sentences=0)")
+        )
         heads = loaded.adapter.layer_heads  # a pruned model's layers may differ
         K = sum(heads)
         items, align_skips = al.align_sentences(loaded.tokenizer, tb.sentences, max_positions=loaded.max_positions)
         skipped = list(tb.skipped) + [Skipped(i, why) for i, why in align_skips]
         if not items:
-            raise InputError(f"no sentence of {tb.path} can be probed with {loaded.name}: "
-                             f"{skipped[0].sent_id}: {skipped[0].reason}" if skipped else "no sentence")
+            raise InputError(
+                f"no sentence of {tb.path} can be probed with {loaded.name}: {skipped[0].sent_id}: {skipped[0].reason}"
+                if skipped
+                else "no sentence"
+            )
         mean_t = float(np.mean([a.n_tokens for a in items[:head_map_sentences]])) if head_map_sentences else 1.0
         self.rows_each = max(1, int(head_map_budget / (K * K * mean_t * max(1, min(head_map_sentences, len(items))))))
         self.map_ids = {id(a) for a in items[:head_map_sentences]}
@@ -158,15 +181,36 @@ class ProbeRun:
         self.items, self.skipped, self.backend, self.min_count = items, skipped, backend, min_count
         self.rel_index = {r: i for i, r in enumerate(names)}
         self.causal = _is_causal(loaded)
-        self.key = hashlib.sha256(json.dumps([  # what a unit's value depends on: a value kept for another is refused
-            loaded.name, heads, names, [(a.sentence.sent_id, a.sentence.text, a.sentence.heads.tolist(),
-                                         list(a.sentence.relations), a.n_tokens) for a in items], head_map_sentences,
-            self.rows_each, grad_sentences, chosen is not None and chosen.name, batch_bytes]).encode()).hexdigest()[:16]
+        self.key = hashlib.sha256(
+            json.dumps(
+                [  # what a unit's value depends on: a value kept for another is refused
+                    loaded.name,
+                    heads,
+                    names,
+                    [
+                        (
+                            a.sentence.sent_id,
+                            a.sentence.text,
+                            a.sentence.heads.tolist(),
+                            list(a.sentence.relations),
+                            a.n_tokens,
+                        )
+                        for a in items
+                    ],
+                    head_map_sentences,
+                    self.rows_each,
+                    grad_sentences,
+                    chosen is not None and chosen.name,
+                    batch_bytes,
+                ]
+            ).encode()
+        ).hexdigest()[:16]
 
     def units(self) -> list[str]:
         """The units' keys, in the order :meth:`finish` adds them."""
-        return [f"batch {i + 1}" for i in range(len(self.batches))] + \
-            [f"gradients {i + 1}" for i in range(len(self.grad_batches))]
+        return [f"batch {i + 1}" for i in range(len(self.batches))] + [
+            f"gradients {i + 1}" for i in range(len(self.grad_batches))
+        ]
 
     def unit(self, key: str) -> dict:
         """The sums of unit ``key`` as JSON-able lists."""
@@ -190,24 +234,36 @@ class ProbeRun:
                 if id(a) in self.map_ids:
                     t = a.n_tokens
                     # evenly spaced from the last row back (a decoder's first row is all on token 0)
-                    rows = np.unique(np.linspace(t - 1, 0, min(t, self.rows_each) + 1)[:min(t, self.rows_each)]
-                                     .round().astype(int))
+                    rows = np.unique(
+                        np.linspace(t - 1, 0, min(t, self.rows_each) + 1)[: min(t, self.rows_each)].round().astype(int)
+                    )
                     js = js_sums(att[k, :, rows, :t]) if js is None else js + js_sums(att[k, :, rows, :t])
                     js_rows += len(rows)
                     in_map += 1
-        return {"plan": self.key, "sentences": len(group), "tokens": int(valid.sum()), "correct": correct.tolist(),
-                "gold": [gold.count.tolist(), gold.visible.tolist(), gold.correct.tolist()],
-                "surface": {k: v.tolist() for k, v in surface.sums.items()}, "n_query": surface.n_query,
-                "n_pairs": surface.n_pairs, "any_sep": surface.any_sep, "js": None if js is None else js.tolist(),
-                "js_rows": js_rows, "in_map": in_map}
+        return {
+            "plan": self.key,
+            "sentences": len(group),
+            "tokens": int(valid.sum()),
+            "correct": correct.tolist(),
+            "gold": [gold.count.tolist(), gold.visible.tolist(), gold.correct.tolist()],
+            "surface": {k: v.tolist() for k, v in surface.sums.items()},
+            "n_query": surface.n_query,
+            "n_pairs": surface.n_pairs,
+            "any_sep": surface.any_sep,
+            "js": None if js is None else js.tolist(),
+            "js_rows": js_rows,
+            "in_map": in_map,
+        }
 
     def check(self, values: dict) -> None:
         """Units kept from an earlier run (``--resume``) must be this plan's: another treebank, model or batching
         under the same options is an :class:`InputError`."""
         stale = sorted(k for k, v in values.items() if not isinstance(v, dict) or v.get("plan") != self.key)
         if stale:
-            raise InputError(f"the kept units {', '.join(stale)} were computed for another treebank, model or "
-                             "batching; drop --resume to start again")
+            raise InputError(
+                f"the kept units {', '.join(stale)} were computed for another treebank, model or "
+                "batching; drop --resume to start again"
+            )
 
     def finish(self, values: dict) -> ProbeResult:
         """The :class:`ProbeResult` of the units in ``values`` (by key), added in order. Missing batches (an
@@ -236,8 +292,11 @@ class ProbeRun:
         if not batches:
             raise KeyboardInterrupt
         graded = self.chosen is not None and len(batches) == len(self.batches)  # not after an interrupt
-        notes = [] if len(batches) == len(self.batches) else [
-            f"interrupted after {done} of {len(self.items)} sentences: the figures cover those"]
+        notes = (
+            []
+            if len(batches) == len(self.batches)
+            else [f"interrupted after {done} of {len(self.items)} sentences: the figures cover those"]
+        )
         per_head = {k: np.full((L, H), np.nan) for k in MEASURES}
         for measure, grid in surface.means().items():
             per_head[measure] = _on_grid(grid, heads)
@@ -249,8 +308,9 @@ class ProbeRun:
                     for i in range(len(GRADS)):
                         sums[i] += torch.tensor(values[k]["sums"][i], dtype=torch.float64)
                         counts[i] += values[k]["counts"][i]
-            per_head.update({name: _on_grid((sums[i] / max(counts[i], 1.0)).numpy(), heads)
-                             for i, name in enumerate(GRADS)})
+            per_head.update(
+                {name: _on_grid((sums[i] / max(counts[i], 1.0)).numpy(), heads) for i, name in enumerate(GRADS)}
+            )
         head_map = None
         if in_map >= 1 and js_rows:
             head_map = _on_grid(classical_mds(np.sqrt((js / js_rows).numpy())), heads).reshape(L * H, 2)
@@ -261,16 +321,35 @@ class ProbeRun:
         offsets = np.asarray(OFFSETS)[best]
         base_acc = np.take_along_axis(base, best[:, None, :], 1)[:, 0]
         if self.causal:
-            notes.append("causal model: a word sees only earlier words, so dep->head can be right only when the head "
-                         "comes first and head->dep only when a dependent does (the 'visible' share of each relation)")
+            notes.append(
+                "causal model: a word sees only earlier words, so dep->head can be right only when the head "
+                "comes first and head->dep only when a dependent does (the 'visible' share of each relation)"
+            )
         return ProbeResult(
-            model=loaded.name, family=loaded.family, causal=self.causal, treebank=self.tb.path, n_layers=L, n_heads=H,
-            sentences=done, tokens=n_tokens, relation_names=self.names, accuracy=acc, count=count,
-            visible=gold.visible, baseline_accuracy=base_acc, baseline_offset=offsets, per_head=per_head,
-            skipped=self.skipped, head_map=head_map, head_map_sentences=in_map,
+            model=loaded.name,
+            family=loaded.family,
+            causal=self.causal,
+            treebank=self.tb.path,
+            n_layers=L,
+            n_heads=H,
+            sentences=done,
+            tokens=n_tokens,
+            relation_names=self.names,
+            accuracy=acc,
+            count=count,
+            visible=gold.visible,
+            baseline_accuracy=base_acc,
+            baseline_offset=offsets,
+            per_head=per_head,
+            skipped=self.skipped,
+            head_map=head_map,
+            head_map_sentences=in_map,
             grad_note=self.grad_note + (f" ({self.grad_count} sentences)" if graded else ""),
-            seconds=time.perf_counter() - self.t0, notes=notes, fold_subtypes=self.tb.fold_subtypes,
-            min_count=self.min_count)
+            seconds=time.perf_counter() - self.t0,
+            notes=notes,
+            fold_subtypes=self.tb.fold_subtypes,
+            min_count=self.min_count,
+        )
 
 
 def probe(
@@ -322,10 +401,20 @@ def probe(
         :class:`~headlab.interpret.probing.probe_result.ProbeResult`.
     """
     with reporter(progress if is_main() else False) as say:  # the one display (headlab.progress), on rank 0
-        run = ProbeRun(loaded, treebank_path, limit=limit, backend=backend, relations=relations,
-                       fold_subtypes=fold_subtypes, head_map_sentences=head_map_sentences,
-                       head_map_budget=head_map_budget, grad_sentences=grad_sentences, loss_model=loss_model,
-                       min_count=min_count, batch_bytes=batch_bytes)
+        run = ProbeRun(
+            loaded,
+            treebank_path,
+            limit=limit,
+            backend=backend,
+            relations=relations,
+            fold_subtypes=fold_subtypes,
+            head_map_sentences=head_map_sentences,
+            head_map_budget=head_map_budget,
+            grad_sentences=grad_sentences,
+            loss_model=loss_model,
+            min_count=min_count,
+            batch_bytes=batch_bytes,
+        )
         values: dict[str, dict] = {}
         done = 0
         say("sentences", 0, len(run.items))
@@ -338,7 +427,7 @@ def probe(
             pass
         if len(values) == len(run.batches):  # the gradient test, on every sentence or not at all
             done, total = 0, sum(len(g) for g in run.grad_batches)
-            for key, group in zip(run.units()[len(run.batches):], run.grad_batches):
+            for key, group in zip(run.units()[len(run.batches) :], run.grad_batches):
                 values[key] = run.unit(key)
                 done += len(group)
                 say("gradients", done, total)

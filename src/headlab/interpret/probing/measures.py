@@ -23,8 +23,10 @@ class SurfaceStats:
     """Running sums of the surface measurements for K heads."""
 
     def __init__(self, K: int) -> None:
-        self.sums = {k: torch.zeros(K, dtype=torch.float64) for k in
-                     ("to_first", "to_sep", "to_punct", "to_next", "to_prev", "to_self", "entropy")}
+        self.sums = {
+            k: torch.zeros(K, dtype=torch.float64)
+            for k in ("to_first", "to_sep", "to_punct", "to_next", "to_prev", "to_self", "entropy")
+        }
         self.n_query = 0.0
         self.n_pairs = 0.0
         self.any_sep = False
@@ -67,9 +69,9 @@ def js_sums(att: torch.Tensor, *, chunk: int = 16) -> torch.Tensor:
     h = -torch.special.xlogy(P, P).sum(-1)  # (K,) sum over rows of each row's entropy
     out = torch.empty(K, K, dtype=torch.float64)
     for i in range(0, K, chunk):
-        M = (P[i:i + chunk, None, :] + P[None, :, :]) * 0.5  # (c, K, t*t)
+        M = (P[i : i + chunk, None, :] + P[None, :, :]) * 0.5  # (c, K, t*t)
         hm = -torch.special.xlogy(M, M).sum(-1)
-        out[i:i + chunk] = (hm - (h[i:i + chunk, None] + h[None, :]) * 0.5).double()
+        out[i : i + chunk] = (hm - (h[i : i + chunk, None] + h[None, :]) * 0.5).double()
     return out.clamp_(min=0.0)
 
 
@@ -87,7 +89,7 @@ def classical_mds(dist: np.ndarray, dims: int = 2) -> np.ndarray:
     """
     n = dist.shape[0]
     J = np.eye(n) - np.full((n, n), 1.0 / n)
-    B = -0.5 * J @ (dist ** 2) @ J
+    B = -0.5 * J @ (dist**2) @ J
     vals, vecs = np.linalg.eigh((B + B.T) / 2)
     order = np.argsort(vals)[::-1][:dims]
     return vecs[:, order] * np.sqrt(np.clip(vals[order], 0.0, None))

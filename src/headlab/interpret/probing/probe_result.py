@@ -155,12 +155,14 @@ class ProbeResult:
         with tempfile.TemporaryDirectory() as tmp:  # the pictures are written, then embedded in the page
             page = render_html(self, heatmap_png(self, Path(tmp) / "h.png"), head_map_png(self, Path(tmp) / "m.png"))
         return shell.inline(page, height=900)
+
     def _rel(self, relation: str) -> int:
         try:
             return self.relation_names.index(relation)
         except ValueError:
-            raise InputError(f"relation {relation!r} is not in this result; it has: "
-                             f"{', '.join(self.relation_names)}") from None
+            raise InputError(
+                f"relation {relation!r} is not in this result; it has: {', '.join(self.relation_names)}"
+            ) from None
 
     @property
     def relations(self) -> list[RelationRow]:
@@ -168,21 +170,37 @@ class ProbeResult:
         rows = []
         for r, name in enumerate(self.relation_names):
             for d, direction in enumerate(DIRECTIONS):
-                off, base, cnt = int(self.baseline_offset[d, r]), float(self.baseline_accuracy[d, r]), int(self.count[d, r])
+                off, base, cnt = (
+                    int(self.baseline_offset[d, r]),
+                    float(self.baseline_accuracy[d, r]),
+                    int(self.count[d, r]),
+                )
                 vis = self._visible(d, r) if self.causal else 1.0
                 for layer in range(self.n_layers):
                     for h in range(self.n_heads):
                         if np.isnan(self.accuracy[d, layer, h, r]):
                             continue  # a head a pruned layer does not have
-                        rows.append(RelationRow(name, direction, layer, h, float(self.accuracy[d, layer, h, r]),
-                                                cnt, off, base, vis))
+                        rows.append(
+                            RelationRow(
+                                name, direction, layer, h, float(self.accuracy[d, layer, h, r]), cnt, off, base, vis
+                            )
+                        )
         return rows
 
     @property
     def baselines(self) -> list[Baseline]:
-        return [Baseline(name, direction, int(self.baseline_offset[d, r]), float(self.baseline_accuracy[d, r]),
-                         int(self.count[d, r]), self._visible(d, r))
-                for r, name in enumerate(self.relation_names) for d, direction in enumerate(DIRECTIONS)]
+        return [
+            Baseline(
+                name,
+                direction,
+                int(self.baseline_offset[d, r]),
+                float(self.baseline_accuracy[d, r]),
+                int(self.count[d, r]),
+                self._visible(d, r),
+            )
+            for r, name in enumerate(self.relation_names)
+            for d, direction in enumerate(DIRECTIONS)
+        ]
 
     def _visible(self, d: int, r: int) -> float:
         c = self.count[d, r]
@@ -198,9 +216,19 @@ class ProbeResult:
                     continue
                 acc = self.accuracy[d, :, :, r]
                 layer, h = np.unravel_index(int(np.nanargmax(acc)), acc.shape)  # NaN: a pruned head
-                out.append(BestHead(name, direction, int(layer), int(h), float(acc[layer, h]),
-                                    int(self.baseline_offset[d, r]), float(self.baseline_accuracy[d, r]),
-                                    int(self.count[d, r]), self._visible(d, r) if self.causal else 1.0))
+                out.append(
+                    BestHead(
+                        name,
+                        direction,
+                        int(layer),
+                        int(h),
+                        float(acc[layer, h]),
+                        int(self.baseline_offset[d, r]),
+                        float(self.baseline_accuracy[d, r]),
+                        int(self.count[d, r]),
+                        self._visible(d, r) if self.causal else 1.0,
+                    )
+                )
         return out
 
     def best_head(self, relation: str, direction: str = "dep->head") -> BestHead:
@@ -218,8 +246,9 @@ class ProbeResult:
             return DIRECTIONS[int(np.argmax([self._visible(d, r) for d in range(2)]))]
         return DIRECTIONS[int(np.argmax(np.nanmax(self.accuracy[:, :, :, r].reshape(2, -1), axis=1)))]
 
-    def heads_beating_baseline(self, *, min_margin: float = 0.0,
-                               min_count: int | None = None) -> dict[tuple[int, int], list[BestHead]]:
+    def heads_beating_baseline(
+        self, *, min_margin: float = 0.0, min_count: int | None = None
+    ) -> dict[tuple[int, int], list[BestHead]]:
         """Heads more accurate than the baseline (by more than ``min_margin``) on at least one relation
         with ``min_count`` cases (default :attr:`min_count`):
         ``{(layer, head): [one BestHead-shaped record per relation and direction it beats]}``.
@@ -234,10 +263,19 @@ class ProbeResult:
                     continue
                 base = self.baseline_accuracy[d, r]
                 for layer, h in zip(*np.nonzero(self.accuracy[d, :, :, r] > base + min_margin)):
-                    out.setdefault((int(layer), int(h)), []).append(BestHead(
-                        name, direction, int(layer), int(h), float(self.accuracy[d, layer, h, r]),
-                        int(self.baseline_offset[d, r]), float(base), int(self.count[d, r]),
-                        self._visible(d, r) if self.causal else 1.0))
+                    out.setdefault((int(layer), int(h)), []).append(
+                        BestHead(
+                            name,
+                            direction,
+                            int(layer),
+                            int(h),
+                            float(self.accuracy[d, layer, h, r]),
+                            int(self.baseline_offset[d, r]),
+                            float(base),
+                            int(self.count[d, r]),
+                            self._visible(d, r) if self.causal else 1.0,
+                        )
+                    )
         return dict(sorted(out.items()))
 
     @property
@@ -251,53 +289,105 @@ class ProbeResult:
     # ---- export -----------------------------------------------------------------------------------
     def summary(self) -> dict:
         """The ``headlab probe --json`` document: the best head of each relation and direction."""
-        return {"model": self.model, "sentences": self.sentences, "skipped": len(self.skipped),
-                "relations": [{"relation": b.relation, "direction": b.direction, "layer": b.layer, "head": b.head,
-                               "accuracy": round(b.accuracy, 6), "baseline_offset": b.baseline_offset,
-                               "baseline_accuracy": round(b.baseline_accuracy, 6), "count": b.count}
-                              for b in self.best_heads]}
+        return {
+            "model": self.model,
+            "sentences": self.sentences,
+            "skipped": len(self.skipped),
+            "relations": [
+                {
+                    "relation": b.relation,
+                    "direction": b.direction,
+                    "layer": b.layer,
+                    "head": b.head,
+                    "accuracy": round(b.accuracy, 6),
+                    "baseline_offset": b.baseline_offset,
+                    "baseline_accuracy": round(b.baseline_accuracy, 6),
+                    "count": b.count,
+                }
+                for b in self.best_heads
+            ],
+        }
 
     def to_json(self) -> dict:
         """Everything, JSON-ready, in the result envelope (:mod:`headlab.results`; ``ProbeResult.from_json``
         reads it back)."""
-        settings = {"treebank": self.treebank, "fold_subtypes": self.fold_subtypes, "min_count": self.min_count,
-                    "head_map_sentences": self.head_map_sentences}
-        return envelope("probe", {
-            "kind": "headlab.probe", "model": self.model, "family": self.family, "causal": self.causal,
-            "treebank": self.treebank, "n_layers": self.n_layers, "n_heads": self.n_heads,
-            "sentences": self.sentences, "tokens": self.tokens, "seconds": round(self.seconds, 3),
-            "fold_subtypes": self.fold_subtypes, "min_count": self.min_count, "directions": list(DIRECTIONS),
-            "relation_names": self.relation_names, "notes": self.notes, "grad_note": self.grad_note,
-            "skipped": [asdict(s) for s in self.skipped],
-            "best_heads": [{**asdict(b), "margin": round(b.margin, 6)} for b in self.best_heads],
-            "baselines": [asdict(b) for b in self.baselines],
-            "per_layer": [asdict(x) for x in self.per_layer],
-            "accuracy": _nan_to_none(np.round(self.accuracy, 6).tolist()), "count": self.count.tolist(),
-            "visible": self.visible.tolist(), "baseline_accuracy": np.round(self.baseline_accuracy, 6).tolist(),
-            "baseline_offset": self.baseline_offset.tolist(),
-            "per_head": {k: [[_f(x) for x in row] for row in v.tolist()] for k, v in self.per_head.items()},
-            "head_map": None if self.head_map is None else _nan_to_none(np.round(self.head_map, 6).tolist()),
+        settings = {
+            "treebank": self.treebank,
+            "fold_subtypes": self.fold_subtypes,
+            "min_count": self.min_count,
             "head_map_sentences": self.head_map_sentences,
-        }, model=self.model, settings=settings)
+        }
+        return envelope(
+            "probe",
+            {
+                "kind": "headlab.probe",
+                "model": self.model,
+                "family": self.family,
+                "causal": self.causal,
+                "treebank": self.treebank,
+                "n_layers": self.n_layers,
+                "n_heads": self.n_heads,
+                "sentences": self.sentences,
+                "tokens": self.tokens,
+                "seconds": round(self.seconds, 3),
+                "fold_subtypes": self.fold_subtypes,
+                "min_count": self.min_count,
+                "directions": list(DIRECTIONS),
+                "relation_names": self.relation_names,
+                "notes": self.notes,
+                "grad_note": self.grad_note,
+                "skipped": [asdict(s) for s in self.skipped],
+                "best_heads": [{**asdict(b), "margin": round(b.margin, 6)} for b in self.best_heads],
+                "baselines": [asdict(b) for b in self.baselines],
+                "per_layer": [asdict(x) for x in self.per_layer],
+                "accuracy": _nan_to_none(np.round(self.accuracy, 6).tolist()),
+                "count": self.count.tolist(),
+                "visible": self.visible.tolist(),
+                "baseline_accuracy": np.round(self.baseline_accuracy, 6).tolist(),
+                "baseline_offset": self.baseline_offset.tolist(),
+                "per_head": {k: [[_f(x) for x in row] for row in v.tolist()] for k, v in self.per_head.items()},
+                "head_map": None if self.head_map is None else _nan_to_none(np.round(self.head_map, 6).tolist()),
+                "head_map_sentences": self.head_map_sentences,
+            },
+            model=self.model,
+            settings=settings,
+        )
 
     @classmethod
     def from_json(cls, d: dict) -> ProbeResult:
         if d.get("kind") != "headlab.probe":
-            raise InputError("not a headlab probe result (no \"kind\": \"headlab.probe\"); give the relations.json "
-                             "that headlab probe wrote")
+            raise InputError(
+                "not a headlab probe result (no \"kind\": \"headlab.probe\"); give the relations.json "
+                "that headlab probe wrote"
+            )
         return cls(
-            model=d["model"], family=d["family"], causal=d["causal"], treebank=d["treebank"], n_layers=d["n_layers"],
-            n_heads=d["n_heads"], sentences=d["sentences"], tokens=d["tokens"], relation_names=d["relation_names"],
-            accuracy=np.asarray(d["accuracy"], dtype=float), count=np.asarray(d["count"], dtype=float),
+            model=d["model"],
+            family=d["family"],
+            causal=d["causal"],
+            treebank=d["treebank"],
+            n_layers=d["n_layers"],
+            n_heads=d["n_heads"],
+            sentences=d["sentences"],
+            tokens=d["tokens"],
+            relation_names=d["relation_names"],
+            accuracy=np.asarray(d["accuracy"], dtype=float),
+            count=np.asarray(d["count"], dtype=float),
             visible=np.asarray(d["visible"], dtype=float),
             baseline_accuracy=np.asarray(d["baseline_accuracy"], dtype=float),
             baseline_offset=np.asarray(d["baseline_offset"], dtype=int),
-            per_head={k: np.asarray([[np.nan if x is None else x for x in row] for row in v], dtype=float)
-                      for k, v in d["per_head"].items()},
+            per_head={
+                k: np.asarray([[np.nan if x is None else x for x in row] for row in v], dtype=float)
+                for k, v in d["per_head"].items()
+            },
             skipped=[Skipped(**s) for s in d["skipped"]],
             head_map=None if d["head_map"] is None else np.asarray(d["head_map"], dtype=float),
-            head_map_sentences=d["head_map_sentences"], grad_note=d["grad_note"], seconds=d["seconds"],
-            notes=d["notes"], fold_subtypes=d["fold_subtypes"], min_count=d["min_count"])
+            head_map_sentences=d["head_map_sentences"],
+            grad_note=d["grad_note"],
+            seconds=d["seconds"],
+            notes=d["notes"],
+            fold_subtypes=d["fold_subtypes"],
+            min_count=d["min_count"],
+        )
 
     def save_json(self, path: str | os.PathLike) -> Path:
         return write_json(path, self.to_json(), indent=None, ensure_ascii=False)
@@ -320,8 +410,9 @@ class ProbeResult:
         try:
             import pandas as pd
         except ModuleNotFoundError:
-            raise InputError("to_frame() needs pandas (`pip install pandas`); to_rows() gives the same table "
-                             "as a list of dicts") from None
+            raise InputError(
+                "to_frame() needs pandas (`pip install pandas`); to_rows() gives the same table as a list of dicts"
+            ) from None
         return pd.DataFrame(self.to_rows())
 
     def to_csv(self, path: str | os.PathLike) -> Path:
@@ -335,8 +426,9 @@ class ProbeResult:
         return path
 
 
-def head_annotations(result_or_path: ProbeResult | str | os.PathLike, *,
-                     min_margin: float = 0.01) -> dict[tuple[int, int], str]:
+def head_annotations(
+    result_or_path: ProbeResult | str | os.PathLike, *, min_margin: float = 0.01
+) -> dict[tuple[int, int], str]:
     """Labels for ``headlab analyze --probe``: ``{(layer, head): "det head: 78% vs offset baseline 41%"}``
     for the best head of each relation (``min_count`` cases or more) that beats its baseline by more
     than ``min_margin`` (default one point, so that no label reads "51% vs 51%"); a head that is best
@@ -349,7 +441,8 @@ def head_annotations(result_or_path: ProbeResult | str | os.PathLike, *,
             continue
         tag = "" if b.direction == "dep->head" else " (head->dep)"
         out.setdefault((b.layer, b.head), []).append(
-            f"{b.relation} head{tag}: {b.accuracy:.0%} vs offset baseline {b.baseline_accuracy:.0%}")
+            f"{b.relation} head{tag}: {b.accuracy:.0%} vs offset baseline {b.baseline_accuracy:.0%}"
+        )
     return {k: "; ".join(v) for k, v in sorted(out.items())}
 
 

@@ -181,8 +181,10 @@ def _sentence(path: str, block: list[tuple[int, str]], *, fold_subtypes: bool) -
         if isinstance(tid, tuple):  # empty node: enhanced graph only
             continue
         if tid != len(words) + 1:
-            raise TreebankError(f"{path}:{lineno}: not CoNLL-U: word id {tid} follows word {len(words)} "
-                                "(word ids count 1, 2, 3, ... in each sentence)")
+            raise TreebankError(
+                f"{path}:{lineno}: not CoNLL-U: word id {tid} follows word {len(words)} "
+                "(word ids count 1, 2, 3, ... in each sentence)"
+            )
         if tok["head"] is None:
             return Skipped(sent_id, f"word {tid} has no HEAD (the sentence has no basic tree)")
         inside = next((start for start, (end, _) in ranges.items() if start <= tid <= end), None)
@@ -230,8 +232,9 @@ def _word_spans(words, parents, surface, sspans) -> list[tuple[int, int]]:
     return spans  # type: ignore[return-value]  # every word's span is filled by the loop above
 
 
-def read_treebank(path: str | os.PathLike | Conllu, *, fold_subtypes: bool = False, limit: int | None = None,
-                  option: str = "") -> Treebank:
+def read_treebank(
+    path: str | os.PathLike | Conllu, *, fold_subtypes: bool = False, limit: int | None = None, option: str = ""
+) -> Treebank:
     """Read the sentences of a CoNLL-U file (see the module docstring).
 
     Args:
@@ -257,8 +260,10 @@ def read_treebank(path: str | os.PathLike | Conllu, *, fold_subtypes: bool = Fal
         else:
             skipped.append(got)
     if not sentences:
-        raise TreebankError(f"{where}: none of its {len(skipped)} sentences has a valid tree; first: "
-                            f"{skipped[0].sent_id}: {skipped[0].reason}")
+        raise TreebankError(
+            f"{where}: none of its {len(skipped)} sentences has a valid tree; first: "
+            f"{skipped[0].sent_id}: {skipped[0].reason}"
+        )
     return Treebank(where, sentences, skipped, fold_subtypes)
 
 

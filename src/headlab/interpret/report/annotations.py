@@ -9,8 +9,9 @@ from pathlib import Path
 from headlab.errors import InputError
 
 
-def study_annotations(*, probe: str | os.PathLike | None = None,
-                      heads: str | os.PathLike | None = None) -> dict[tuple[int, int], list[str]]:
+def study_annotations(
+    *, probe: str | os.PathLike | None = None, heads: str | os.PathLike | None = None
+) -> dict[tuple[int, int], list[str]]:
     """Per-head findings of other studies, for :func:`analyze` (``annotations=``):
 
     - ``probe``: a result of ``headlab probe`` (``relations.json`` or its ``--json`` output): the heads
@@ -60,5 +61,7 @@ def _check_kind(what: str, path) -> None:
         raise InputError(f"{flag} {path} is not a headlab {what} result: a JSON {type(data).__name__}, not an object")
     kind = data.get("headlab", {}).get("kind") if isinstance(data.get("headlab"), dict) else None
     if kind is not None and kind not in KINDS[what]:
-        raise InputError(f"{flag} {path} holds a {kind} result; give the {' or '.join(KINDS[what])} result a "
-                         f"`headlab {what}` run wrote")
+        raise InputError(
+            f"{flag} {path} holds a {kind} result; give the {' or '.join(KINDS[what])} result a "
+            f"`headlab {what}` run wrote"
+        )

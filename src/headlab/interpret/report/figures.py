@@ -75,8 +75,15 @@ class LayerGrid:
         self.fig.colorbar(self.images[0], ax=axes, fraction=0.015, pad=0.01, label="weight")
         self.suptitle = self.fig.suptitle("", fontsize=12)
 
-    def draw(self, maps, path: str | Path, *, layer: int, head_ids: Sequence[int] | None = None,
-             titles: Sequence[str] | None = None) -> Path:
+    def draw(
+        self,
+        maps,
+        path: str | Path,
+        *,
+        layer: int,
+        head_ids: Sequence[int] | None = None,
+        titles: Sequence[str] | None = None,
+    ) -> Path:
         """Draw ``maps`` ``(n_maps, n, n)`` (one layer) and save the PNG at ``path``.
 
         ``head_ids`` numbers the maps (default ``0..n_maps-1``); ``titles`` adds a line under each
@@ -85,8 +92,9 @@ class LayerGrid:
         P = np.asarray(maps.detach().cpu() if hasattr(maps, "detach") else maps, dtype=np.float32)
         n = len(self.tokens)
         if P.shape != (self.n_maps, n, n):
-            raise ShapeError(f"maps must be ({self.n_maps}, {n}, {n}) for {self.n_maps} maps over {n} tokens; "
-                             f"got shape {P.shape}.")
+            raise ShapeError(
+                f"maps must be ({self.n_maps}, {n}, {n}) for {self.n_maps} maps over {n} tokens; got shape {P.shape}."
+            )
         head_ids = list(head_ids) if head_ids is not None else list(range(self.n_maps))
         for idx, (im, ax) in enumerate(zip(self.images, self.axes)):
             im.set_data(P[idx])
@@ -100,9 +108,16 @@ class LayerGrid:
         return path
 
 
-def layer_grid_png(maps, tokens: Sequence[str], path: str | Path, *, layer: int,
-                   head_ids: Sequence[int] | None = None, titles: Sequence[str] | None = None,
-                   dpi: int = DPI) -> Path:
+def layer_grid_png(
+    maps,
+    tokens: Sequence[str],
+    path: str | Path,
+    *,
+    layer: int,
+    head_ids: Sequence[int] | None = None,
+    titles: Sequence[str] | None = None,
+    dpi: int = DPI,
+) -> Path:
     """Draw one layer's heads as a grid of heatmaps and save it as a PNG (a one-off :class:`LayerGrid`).
 
     Args:

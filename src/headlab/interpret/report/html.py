@@ -65,20 +65,33 @@ def _picker(records: Sequence[HeadRecord], counts: Sequence[int], drawn: set[tup
             if r.notes:
                 tip += "; " + "; ".join(r.notes)
             cls = "" if (layer, h) in drawn else ' class="undrawn"'
-            out.append(f'<td><button type="button"{cls} data-layer="{layer}" data-head="{h}" '
-                       f'title="{html.escape(tip)}">{layer}.{h}<span class="tags">{tags or "&nbsp;"}</span>'
-                       f"</button></td>")
-        out += ['<td class="removed" title="this layer has fewer heads (a pruned model)">&ndash;</td>'] * (max(counts) - n_l)
+            out.append(
+                f'<td><button type="button"{cls} data-layer="{layer}" data-head="{h}" '
+                f'title="{html.escape(tip)}">{layer}.{h}<span class="tags">{tags or "&nbsp;"}</span>'
+                f"</button></td>"
+            )
+        out += ['<td class="removed" title="this layer has fewer heads (a pruned model)">&ndash;</td>'] * (
+            max(counts) - n_l
+        )
         out.append("</tr>")
     out.append("</tbody></table>")
     return "".join(out)
 
 
 def _table(records: Sequence[HeadRecord], first_label: str) -> str:
-    cols = [("layer", "layer", 0), ("head", "head", 0), ("entropy", "entropy", 3), ("norm_entropy", "norm. entropy", 2),
-            ("mean_distance", "mean distance", 2), ("confidence", "confidence", 3), ("mass_first", first_label, 3),
-            ("mass_sep", "mass [SEP]", 3), ("top_token", "most attended", None),
-            ("top_content_token", "most attended word", None), ("labels", "pattern labels", None)]
+    cols = [
+        ("layer", "layer", 0),
+        ("head", "head", 0),
+        ("entropy", "entropy", 3),
+        ("norm_entropy", "norm. entropy", 2),
+        ("mean_distance", "mean distance", 2),
+        ("confidence", "confidence", 3),
+        ("mass_first", first_label, 3),
+        ("mass_sep", "mass [SEP]", 3),
+        ("top_token", "most attended", None),
+        ("top_content_token", "most attended word", None),
+        ("labels", "pattern labels", None),
+    ]
     if any(r.notes for r in records):
         cols.append(("notes", "other studies", None))
     out = ['<table class="stats"><thead><tr>']
@@ -107,16 +120,29 @@ def check_flow(flow: Mapping | None, n: int) -> dict | None:
     rows = [*flow.get("value_norms", {}).values(), *flow.get("rollout", {}).get("rows", {}).values()]
     for r in rows:
         if len(r) != n:
-            raise ShapeError(f"a norm or rollout row of the page has {len(r)} values for {n} tokens; pass one per token.")
+            raise ShapeError(
+                f"a norm or rollout row of the page has {len(r)} values for {n} tokens; pass one per token."
+            )
     return dict(flow)
 
 
-def render_html(*, title: str, tokens: Sequence[str], records: Sequence[HeadRecord], maps: Mapping[tuple[int, int], object],
-                n_layers: int, n_heads: int | Sequence[int], summary_lines: Sequence[str] = (), banner: str | None = None,
-                first_label: str = "mass [CLS]", undrawn_note: str = "",
-                initial: tuple[int, int] | None = None, flow: Mapping | None = None,
-                sections: Sequence[str] = (),
-                extra_data: Mapping[str, object] | None = None) -> str:
+def render_html(
+    *,
+    title: str,
+    tokens: Sequence[str],
+    records: Sequence[HeadRecord],
+    maps: Mapping[tuple[int, int], object],
+    n_layers: int,
+    n_heads: int | Sequence[int],
+    summary_lines: Sequence[str] = (),
+    banner: str | None = None,
+    first_label: str = "mass [CLS]",
+    undrawn_note: str = "",
+    initial: tuple[int, int] | None = None,
+    flow: Mapping | None = None,
+    sections: Sequence[str] = (),
+    extra_data: Mapping[str, object] | None = None,
+) -> str:
     """The whole page as one string.
 
     Args:
@@ -164,9 +190,16 @@ def render_html(*, title: str, tokens: Sequence[str], records: Sequence[HeadReco
     first = initial if initial in maps or not maps else min(maps)
     first = first or (records[0].layer, records[0].head)
     data = {
-        "tokens": list(tokens), "records": [r.as_dict() for r in records], "maps": encoded,
-        "n_layers": n_layers, "n_heads": max(counts), "layer_heads": counts, "initial": list(first), "first_label": first_label,
-        "undrawn_note": undrawn_note, "flow": check_flow(flow, n),
+        "tokens": list(tokens),
+        "records": [r.as_dict() for r in records],
+        "maps": encoded,
+        "n_layers": n_layers,
+        "n_heads": max(counts),
+        "layer_heads": counts,
+        "initial": list(first),
+        "first_label": first_label,
+        "undrawn_note": undrawn_note,
+        "flow": check_flow(flow, n),
     }
     data.update(extra_data or {})
     drawn = set(maps)
@@ -179,8 +212,15 @@ def render_html(*, title: str, tokens: Sequence[str], records: Sequence[HeadReco
     }
     # One pass over the template, so text that happens to contain a marker is never re-substituted.
     body = re.sub("|".join(re.escape(k) for k in parts), lambda m: parts[m.group(0)], _asset("report_body.html"))
-    return shell.page(title=title, body=body, summary_lines=summary_lines, banner=banner, data=data,
-                      script=_asset("report.js"), generator="headlab analyze")
+    return shell.page(
+        title=title,
+        body=body,
+        summary_lines=summary_lines,
+        banner=banner,
+        data=data,
+        script=_asset("report.js"),
+        generator="headlab analyze",
+    )
 
 
 __all__ = ["check_flow", "encode_map", "per_layer_counts", "render_html"]

@@ -35,6 +35,7 @@ from headlab.results import print_json
 
 def render_summary(r: ReportResult, console) -> None:
     """Where the files are, the mode, and the clearest head of each pattern (``console``: a rich console)."""
+
     def line(text: str) -> None:
         console.print(text, highlight=False, soft_wrap=True)
 
@@ -44,8 +45,10 @@ def render_summary(r: ReportResult, console) -> None:
     if r.pngs:
         span = r.pngs[0].name if len(r.pngs) == 1 else f"{r.pngs[0].name} .. {r.pngs[-1].name}"
         line(f"  {span:<24} attention maps, one picture per layer")
-    line(f"{r.model} ({r.family}): {len(r.tokens)} tokens, {r.n_layers} layers x {heads_text(r.layer_heads)} heads, "
-         f"mode {r.mode}")
+    line(
+        f"{r.model} ({r.family}): {len(r.tokens)} tokens, {r.n_layers} layers x {heads_text(r.layer_heads)} heads, "
+        f"mode {r.mode}"
+    )
     for note in r.notes:
         line(f"[yellow]note:[/] {note}")
     found = r.interesting()
@@ -60,9 +63,18 @@ def render_summary(r: ReportResult, console) -> None:
 
 def summary_json(r: ReportResult) -> dict:
     """The ``--json`` summary: where the files are, the mode, the drawn heads, the notes, the clearest heads."""
-    return {"out_dir": r.out_dir, "html": r.html, "csv": r.csv, "json": r.json, "pngs": r.pngs, "mode": r.mode,
-            "tokens": len(r.tokens), "drawn": [f"{a}.{b}" for a, b in r.drawn], "notes": r.notes,
-            "interesting": {lab: f"{x.layer}.{x.head}" for lab, x in r.interesting()}}
+    return {
+        "out_dir": r.out_dir,
+        "html": r.html,
+        "csv": r.csv,
+        "json": r.json,
+        "pngs": r.pngs,
+        "mode": r.mode,
+        "tokens": len(r.tokens),
+        "drawn": [f"{a}.{b}" for a, b in r.drawn],
+        "notes": r.notes,
+        "interesting": {lab: f"{x.layer}.{x.head}" for lab, x in r.interesting()},
+    }
 
 
 @register
@@ -79,21 +91,45 @@ TEXT must be valid UTF-8: other bytes (Latin-1 text, say) are refused with their
     options = (
         Option("text", None, str, REQUIRED, "the text to analyse (quote it)", metavar="TEXT"),
         Option("model", "--model", str, "minilm", "a known model name (minilm) or a local model folder", short="-m"),
-        Option("out", "--out", Path, Path("headlab-report"), "report folder (must be new or empty)", short="-o",
-               setting=False),
+        Option(
+            "out",
+            "--out",
+            Path,
+            Path("headlab-report"),
+            "report folder (must be new or empty)",
+            short="-o",
+            setting=False,
+        ),
         Option("backend", "--backend", str, None, "attention backend the model runs on (headlab backends)"),
-        Option("force", "--force", bool, False, "write into a non-empty folder, replacing a previous report",
-               setting=False),
+        Option(
+            "force", "--force", bool, False, "write into a non-empty folder, replacing a previous report", setting=False
+        ),
         Option("heads", "--heads", str, None, "heads to draw for long inputs, LAYER.HEAD,... e.g. 0.3,2.5"),
-        Option("max_full_tokens", "--max-full-tokens", int, MAX_FULL_TOKENS,
-               "longer inputs use streaming statistics and draw only chosen heads"),
+        Option(
+            "max_full_tokens",
+            "--max-full-tokens",
+            int,
+            MAX_FULL_TOKENS,
+            "longer inputs use streaming statistics and draw only chosen heads",
+        ),
         Option("truncate", "--truncate", bool, False, "cut text longer than the model's positions (warned)"),
         Option("probe", "--probe", Path, None, "label heads with a `headlab probe` result (relations.json)"),
-        Option("heads_result", "--heads-result", Path, None,
-               "show importance and verdicts from `headlab heads` (importance.json, ablation.json)"),
+        Option(
+            "heads_result",
+            "--heads-result",
+            Path,
+            None,
+            "show importance and verdicts from `headlab heads` (importance.json, ablation.json)",
+        ),
         Option("as_json", "--json", bool, False, "print the summary as JSON", setting=False),
-        Option("flow", "--flow", bool, False, "also write the norm maps and the rollout beside the page "
-                                              "(norms_layer_*.png, rollout.png, rollout.json); the page always shows them"),
+        Option(
+            "flow",
+            "--flow",
+            bool,
+            False,
+            "also write the norm maps and the rollout beside the page "
+            "(norms_layer_*.png, rollout.png, rollout.json); the page always shows them",
+        ),
     )
     # the report folder; checked first in the report's own words by check(), then by the runner
     output = Output("out", folder=True, file=None, force="force")
@@ -128,10 +164,18 @@ TEXT must be valid UTF-8: other bytes (Latin-1 text, say) are refused with their
         from headlab.interpret.report.analyze_job import mode_line, plan
 
         o = ctx.options
-        job, sections, notes = plan(ctx.loaded, o["text"], ctx.state["out"], backend=o["backend"],
-                                    max_full_tokens=o["max_full_tokens"], heads=o["heads"], truncate=o["truncate"],
-                                    annotations=ctx.state["annotations"], flow=o["flow"],
-                                    say=lambda message: ctx.progress(message, 0, 0))
+        job, sections, notes = plan(
+            ctx.loaded,
+            o["text"],
+            ctx.state["out"],
+            backend=o["backend"],
+            max_full_tokens=o["max_full_tokens"],
+            heads=o["heads"],
+            truncate=o["truncate"],
+            annotations=ctx.state["annotations"],
+            flow=o["flow"],
+            say=lambda message: ctx.progress(message, 0, 0),
+        )
         ctx.state.update(job=job, sections=sections, notes=notes)
         ctx.progress(mode_line(job), 0, 0)
 
@@ -172,8 +216,9 @@ TEXT must be valid UTF-8: other bytes (Latin-1 text, say) are refused with their
 
     def finish(self, ctx: Context, values: dict) -> InstrumentResult:
         """The result before the folder is written (:meth:`write` fills its figures from ``heads.json``)."""
-        return InstrumentResult(self.result_kind, model=ctx.loaded.name, settings=ctx.settings,
-                                native=values[self.name])
+        return InstrumentResult(
+            self.result_kind, model=ctx.loaded.name, settings=ctx.settings, native=values[self.name]
+        )
 
     def write(self, ctx: Context, result: InstrumentResult, path: Path) -> list[Path]:  # type: ignore[override]  # the runner passes this instrument's own result
         from headlab.interpret.report.analyze_job import prepare_out_dir, write_report

@@ -20,8 +20,10 @@ def interesting_heads(records: Sequence[HeadRecord]) -> list[tuple[str, HeadReco
     normalised entropy for broad.
     """
     strength = {
-        "previous-token": lambda r: r.prev_share, "next-token": lambda r: r.next_share,
-        "self": lambda r: r.self_share, "broad": lambda r: r.norm_entropy,
+        "previous-token": lambda r: r.prev_share,
+        "next-token": lambda r: r.next_share,
+        "self": lambda r: r.self_share,
+        "broad": lambda r: r.norm_entropy,
         "separator-sink": lambda r: r.mass_first + (r.mass_sep or 0.0),
     }
     out = []
@@ -56,5 +58,13 @@ def heads_text(counts: Sequence[int]) -> str:
     return f"{min(counts)}-{max(counts)} (per layer: {', '.join(map(str, counts))})"
 
 
-__all__ = ["DRAWN_HEADS", "MAX_EMBEDDED_BYTES", "check_head", "default_drawn_heads", "embeddable", "heads_text",
-           "interesting_heads", "parse_heads"]
+__all__ = [
+    "DRAWN_HEADS",
+    "MAX_EMBEDDED_BYTES",
+    "check_head",
+    "default_drawn_heads",
+    "embeddable",
+    "heads_text",
+    "interesting_heads",
+    "parse_heads",
+]

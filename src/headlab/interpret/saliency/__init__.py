@@ -10,4 +10,14 @@
 from headlab.interpret.saliency.corpus_study import StudyOptions, StudyResult, read_dataset, study
 from headlab.interpret.saliency.explanation import DEFAULT_METHODS, METHODS, CompletenessWarning, Explanation, explain
 
-__all__ = ["DEFAULT_METHODS", "METHODS", "CompletenessWarning", "Explanation", "StudyOptions", "StudyResult", "explain", "read_dataset", "study"]
+__all__ = [
+    "DEFAULT_METHODS",
+    "METHODS",
+    "CompletenessWarning",
+    "Explanation",
+    "StudyOptions",
+    "StudyResult",
+    "explain",
+    "read_dataset",
+    "study",
+]

@@ -31,8 +31,15 @@ class PairAgreement:
 
     def to_json(self) -> dict:
         clean = lambda v: None if v is None or (isinstance(v, float) and math.isnan(v)) else v
-        return {"a": self.a, "b": self.b, "kendall_tau": clean(self.kendall_tau), "kendall_p": clean(self.kendall_p),
-                "spearman": clean(self.spearman), "spearman_p": clean(self.spearman_p), "n": self.n}
+        return {
+            "a": self.a,
+            "b": self.b,
+            "kendall_tau": clean(self.kendall_tau),
+            "kendall_p": clean(self.kendall_p),
+            "spearman": clean(self.spearman),
+            "spearman_p": clean(self.spearman_p),
+            "n": self.n,
+        }
 
 
 @dataclass
@@ -53,8 +60,12 @@ class Agreement:
         return [[1.0 if a == b else getattr(self[a, b], stat) for b in self.methods] for a in self.methods]
 
     def to_json(self) -> dict:
-        return {"methods": self.methods, "magnitude": self.magnitude, "include_special": self.include_special,
-                "pairs": [p.to_json() for p in self.pairs.values()]}
+        return {
+            "methods": self.methods,
+            "magnitude": self.magnitude,
+            "include_special": self.include_special,
+            "pairs": [p.to_json() for p in self.pairs.values()],
+        }
 
 
 def rank_agreement(x, y) -> tuple[float, float, float, float]:
@@ -71,8 +82,9 @@ def rank_agreement(x, y) -> tuple[float, float, float, float]:
     return float(kt.statistic), float(kt.pvalue), float(sp.statistic), float(sp.pvalue)
 
 
-def agreement(scores: dict[str, list[float]], keep: list[bool], *, magnitude: bool = True,
-              include_special: bool = False) -> Agreement:
+def agreement(
+    scores: dict[str, list[float]], keep: list[bool], *, magnitude: bool = True, include_special: bool = False
+) -> Agreement:
     """Pairwise agreement of ``scores`` over the positions where ``keep`` is True (see the module docstring)."""
     methods = list(scores)
     out = Agreement(methods, magnitude=magnitude, include_special=include_special)

@@ -45,5 +45,7 @@ def head_annotations(result_or_path, reference: str = "integrated_gradients") ->
 
         result_or_path = read_json_file(p, what="the explanation.json headlab explain wrote")
     short = {"integrated_gradients": "IG", "leave_one_out": "LOO"}.get(reference, reference)
-    return {k: ("tau with " + short + " n/a" if tau != tau else f"tau with {short} {tau:+.2f} (p {p:.2g})")
-            for k, (tau, p) in head_taus(result_or_path, reference).items()}
+    return {
+        k: ("tau with " + short + " n/a" if tau != tau else f"tau with {short} {tau:+.2f} (p {p:.2g})")
+        for k, (tau, p) in head_taus(result_or_path, reference).items()
+    }

@@ -25,8 +25,9 @@ from headlab.interpret.capture import capture
 from headlab.interpret.saliency.objective import Objective
 
 
-def attention_rows(objective: Objective, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                   layers: str = "all") -> torch.Tensor | list[torch.Tensor]:
+def attention_rows(
+    objective: Objective, input_ids: torch.Tensor, attention_mask: torch.Tensor, layers: str = "all"
+) -> torch.Tensor | list[torch.Tensor]:
     """``(n_layers, H, L)`` (``layers="all"``) or ``(1, H, L)`` (``"last"``): attention from the classification position.
 
     A pruned model whose layers keep different numbers of heads gets a list of ``(H_l, L)`` instead

@@ -69,35 +69,68 @@ class StudyResult:
     files: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict:
-        return envelope("saliency_study", {"instances": self.instances, "out": str(self.out), "skipped": self.skipped,
-                                           "files": self.files, **self.tables},
-                        model=self.tables.get("model"), settings=self.tables.get("options"))
+        return envelope(
+            "saliency_study",
+            {
+                "instances": self.instances,
+                "out": str(self.out),
+                "skipped": self.skipped,
+                "files": self.files,
+                **self.tables,
+            },
+            model=self.tables.get("model"),
+            settings=self.tables.get("options"),
+        )
 
 
 def instance(loaded, row: Row, opts: StudyOptions) -> dict:
     """Everything measured on one row (a JSON-ready dict)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the gap is recorded per instance and summarised
-        ex = explain(loaded, row.text, methods=opts.methods, ig_steps=opts.ig_steps, backend=opts.backend,
-                     loo=opts.loo, warn=False)
+        ex = explain(
+            loaded,
+            row.text,
+            methods=opts.methods,
+            ig_steps=opts.ig_steps,
+            backend=opts.backend,
+            loo=opts.loo,
+            warn=False,
+        )
     agr = ex.agreement()
-    rec = {"key": row.key, "line": row.line, "label": row.label, "pred": ex.target, "probs": ex.probs,
-           "tokens": ex.tokens, "special": ex.special, "scores": ex.scores,
-           "completeness_gap": ex.completeness_gap,
-           "tau": {f"{p.a}|{p.b}": [p.kendall_tau, p.kendall_p] for p in agr.pairs.values()}}
+    rec = {
+        "key": row.key,
+        "line": row.line,
+        "label": row.label,
+        "pred": ex.target,
+        "probs": ex.probs,
+        "tokens": ex.tokens,
+        "special": ex.special,
+        "scores": ex.scores,
+        "completeness_gap": ex.completeness_gap,
+        "tau": {f"{p.a}|{p.b}": [p.kendall_tau, p.kendall_p] for p in agr.pairs.values()},
+    }
     enc = loaded.encode(row.text)
     ids, mask = enc["input_ids"], enc["attention_mask"]
     adapter = loaded.adapter
     with adapter.use_backend(opts.backend):
         obj, _ = make_objective(loaded, enc, ex.target, None)
-        rec["eraser"] = {m: f.to_json() for m, f in
-                         eraser(obj, ids, mask, ex.special, ex.scores, seed=opts.seed + row.line).items()}
+        rec["eraser"] = {
+            m: f.to_json() for m, f in eraser(obj, ids, mask, ex.special, ex.scores, seed=opts.seed + row.line).items()
+        }
         if opts.counterfactual and ex.attention_layers is not None:
             row_att = ex.attention_layers[-1].to(ids.device)  # (H, L)
             perm = permutation_test(obj, ids, mask, row_att, n=opts.permutations, seed=opts.seed + row.line)
             rec["permutation"] = {"median_tvd": perm.median_tvd, "max_attention": perm.max_attention}
-            adv = adversarial_attention(obj, ids, mask, row_att, budget=opts.tvd_budget, steps=opts.adversarial_steps,
-                                        restarts=opts.adversarial_restarts, seed=opts.seed + row.line)
+            adv = adversarial_attention(
+                obj,
+                ids,
+                mask,
+                row_att,
+                budget=opts.tvd_budget,
+                steps=opts.adversarial_steps,
+                restarts=opts.adversarial_restarts,
+                seed=opts.seed + row.line,
+            )
             rec["adversarial"] = {"max_jsd": adv.max_jsd, "tvd": adv.tvd}
     return _clean(rec)
 
@@ -121,8 +154,17 @@ def row_value(loaded, row: Row, opts: StudyOptions) -> dict:
         return {"key": row.key, "line": row.line, "skipped": f"line {row.line}: {e}"}
 
 
-def conclude(loaded, dataset, out: Path, values: list[dict], opts: StudyOptions, skipped: list[str] | None = None,
-             *, figures: bool = True, settings: dict | None = None) -> StudyResult:
+def conclude(
+    loaded,
+    dataset,
+    out: Path,
+    values: list[dict],
+    opts: StudyOptions,
+    skipped: list[str] | None = None,
+    *,
+    figures: bool = True,
+    settings: dict | None = None,
+) -> StudyResult:
     """The corpus tables from the rows' values (in the dataset's order), written to ``out``: the records to
     ``instances.json`` (the ``explain`` instrument's units file: a result envelope whose ``"units"`` hold each
     row's value by its key), ``study.json`` and the figures. ``skipped``: more lines for the result's
@@ -136,23 +178,35 @@ def conclude(loaded, dataset, out: Path, values: list[dict], opts: StudyOptions,
     tables["dataset"] = str(dataset)
     out.mkdir(parents=True, exist_ok=True)
     kept = [v for v in values if "not_run" not in v]  # a row the time budget left out is not kept: a resume runs it
-    Result("explain", model=loaded.name, settings=settings if settings is not None else
-           {**opts.to_json(), "dataset": str(dataset)}, figures={"units": {v["key"]: v for v in kept}}).save(
-        out / INSTANCES)
+    Result(
+        "explain",
+        model=loaded.name,
+        settings=settings if settings is not None else {**opts.to_json(), "dataset": str(dataset)},
+        figures={"units": {v["key"]: v for v in kept}},
+    ).save(out / INSTANCES)
     files = [INSTANCES, "study.json"]
     if figures and records:
         from headlab.interpret.saliency.figures import study_figures
 
         files += study_figures(records, tables, out)
-    result = StudyResult(tables, out, len(records), [v["skipped"] for v in values if "skipped" in v]
-                         + list(skipped or []), files)
+    result = StudyResult(
+        tables, out, len(records), [v["skipped"] for v in values if "skipped" in v] + list(skipped or []), files
+    )
     write_json(out / "study.json", result.to_json(), indent=2)
     return result
 
 
-def study(loaded_or_path, dataset: str | os.PathLike, out: str | os.PathLike, *, limit: int | None = None,
-          options: StudyOptions | None = None, progress: bool | Progress = True, figures: bool = True,
-          max_seconds: float | None = None) -> StudyResult | None:
+def study(
+    loaded_or_path,
+    dataset: str | os.PathLike,
+    out: str | os.PathLike,
+    *,
+    limit: int | None = None,
+    options: StudyOptions | None = None,
+    progress: bool | Progress = True,
+    figures: bool = True,
+    max_seconds: float | None = None,
+) -> StudyResult | None:
     """Run the study (see the module docstring) and return the corpus tables.
 
     Args:
@@ -193,8 +247,9 @@ def study(loaded_or_path, dataset: str | os.PathLike, out: str | os.PathLike, *,
         say("explain", 0, len(rows))
         for start in range(0, len(rows), size):
             if any_rank(max_seconds is not None and time.perf_counter() - t0 > max_seconds):
-                skipped.append(f"time budget of {max_seconds:.0f} s reached: {len(rows) - start} of {len(rows)} rows "
-                               "not run")
+                skipped.append(
+                    f"time budget of {max_seconds:.0f} s reached: {len(rows) - start} of {len(rows)} rows not run"
+                )
                 break
             value = row_value(loaded, rows[start + rank], opts) if start + rank < len(rows) else None
             for got in gather_objects(value)[::group]:
@@ -203,5 +258,13 @@ def study(loaded_or_path, dataset: str | os.PathLike, out: str | os.PathLike, *,
                     say("explain", len(found), len(rows))
     if not main:
         return None
-    return conclude(loaded, dataset, outdir, [found[r.key] for r in rows if r.key in found], opts, skipped,
-                    figures=figures, settings={**opts.to_json(), "dataset": str(dataset), "limit": limit})
+    return conclude(
+        loaded,
+        dataset,
+        outdir,
+        [found[r.key] for r in rows if r.key in found],
+        opts,
+        skipped,
+        figures=figures,
+        settings={**opts.to_json(), "dataset": str(dataset), "limit": limit},
+    )

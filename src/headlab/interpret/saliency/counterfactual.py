@@ -50,8 +50,16 @@ class PermutationResult:
     tvds: list[float]
 
 
-def permutation_test(objective: Objective, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                     row: torch.Tensor, *, n: int = 100, seed: int = 0, batch_size: int = 50) -> PermutationResult:
+def permutation_test(
+    objective: Objective,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    row: torch.Tensor,
+    *,
+    n: int = 100,
+    seed: int = 0,
+    batch_size: int = 50,
+) -> PermutationResult:
     """See the module docstring; ``row (H, L)`` is the last layer's attention from the classification position."""
     layer = objective.loaded.adapter.n_layers - 1
     c = objective.position(attention_mask)
@@ -93,9 +101,21 @@ def _gradient(objective: Objective, div: torch.Tensor, over: torch.Tensor, theta
     (g_div,) = torch.autograd.grad((-div).sum(), [theta], retain_graph=True)
     (g_over,) = torch.autograd.grad(over.sum(), [theta], allow_unused=True)
     return g_div + place.sum_group(torch.zeros_like(theta) if g_over is None else g_over)
-def adversarial_attention(objective: Objective, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                          row: torch.Tensor, *, budget: float = 0.01, steps: int = 30, restarts: int = 4,
-                          lr: float = 0.5, penalty: float = 100.0, seed: int = 0) -> AdversarialResult:
+
+
+def adversarial_attention(
+    objective: Objective,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    row: torch.Tensor,
+    *,
+    budget: float = 0.01,
+    steps: int = 30,
+    restarts: int = 4,
+    lr: float = 0.5,
+    penalty: float = 100.0,
+    seed: int = 0,
+) -> AdversarialResult:
     """See the module docstring; ``row (H, L)`` is the original last-layer row at the classification position."""
     layer = objective.loaded.adapter.n_layers - 1
     c = objective.position(attention_mask)

@@ -138,16 +138,35 @@ class Explanation:
 
     def to_json(self, *, heads: bool = False) -> dict:
         clean = lambda v: None if v is None or (isinstance(v, float) and not math.isfinite(v)) else v
-        out = {"text": self.text, "tokens": self.tokens, "special": self.special, "kind": self.kind,
-               "target": self.target, "target_label": self.target_label, "probs": self.probs, "y": self.y,
-               "scores": self.scores, "agreement": self.agreement().to_json() if len(self.scores) > 1 else None,
-               "completeness_gap": clean(self.completeness_gap), "y_baseline": self.y_baseline,
-               "backend": self.backend, "ig_steps": self.ig_steps, "loo": self.loo, "position": self.position,
-               "notes": self.notes}
+        out = {
+            "text": self.text,
+            "tokens": self.tokens,
+            "special": self.special,
+            "kind": self.kind,
+            "target": self.target,
+            "target_label": self.target_label,
+            "probs": self.probs,
+            "y": self.y,
+            "scores": self.scores,
+            "agreement": self.agreement().to_json() if len(self.scores) > 1 else None,
+            "completeness_gap": clean(self.completeness_gap),
+            "y_baseline": self.y_baseline,
+            "backend": self.backend,
+            "ig_steps": self.ig_steps,
+            "loo": self.loo,
+            "position": self.position,
+            "notes": self.notes,
+        }
         if heads and self.attention_layers is not None:
             out["attention_layers"] = [rows.tolist() for rows in self.attention_layers]
-        settings = {"methods": list(self.scores), "target": self.target, "backend": self.backend,
-                    "ig_steps": self.ig_steps, "loo": self.loo, "position": self.position}
+        settings = {
+            "methods": list(self.scores),
+            "target": self.target,
+            "backend": self.backend,
+            "ig_steps": self.ig_steps,
+            "loo": self.loo,
+            "position": self.position,
+        }
         return envelope("explanation", out, settings=settings)
 
 
@@ -173,7 +192,9 @@ def resolve_model(loaded_or_path) -> LoadedModel:
         return loaded_or_path
     if isinstance(loaded_or_path, (str, os.PathLike)):
         return load(loaded_or_path)
-    raise ConfigError(f"explain needs a LoadedModel (headlab.load) or a model name/path, got {type(loaded_or_path).__name__}")
+    raise ConfigError(
+        f"explain needs a LoadedModel (headlab.load) or a model name/path, got {type(loaded_or_path).__name__}"
+    )
 
 
 def check_options(methods, ig_steps: int, backend, loo: str) -> list[str]:
@@ -189,10 +210,22 @@ def check_options(methods, ig_steps: int, backend, loo: str) -> list[str]:
     return methods
 
 
-def explain(loaded_or_path, text: str, target: int | None = None, methods=DEFAULT_METHODS, ig_steps: int = 50,
-            backend: str = "auto", *, loo: str = "delete", compare_to: str | None = None,
-            truncate: bool = False, ig_method: str = "gausslegendre", ig_batch_size: int | None = None,
-            attention_layers: str = "auto", warn: bool = True) -> Explanation:
+def explain(
+    loaded_or_path,
+    text: str,
+    target: int | None = None,
+    methods=DEFAULT_METHODS,
+    ig_steps: int = 50,
+    backend: str = "auto",
+    *,
+    loo: str = "delete",
+    compare_to: str | None = None,
+    truncate: bool = False,
+    ig_method: str = "gausslegendre",
+    ig_batch_size: int | None = None,
+    attention_layers: str = "auto",
+    warn: bool = True,
+) -> Explanation:
     """Explain one prediction with each of ``methods``; see the module docstring for the definitions.
 
     Args:
@@ -228,10 +261,21 @@ def explain(loaded_or_path, text: str, target: int | None = None, methods=DEFAUL
         if p is not None and objective.kind == "classifier":
             probs = p[0].tolist()
         labels = info.get("labels")
-        ex = Explanation(text=text, tokens=tokens, special=special, kind=objective.kind, target=objective.target,
-                         target_label=labels[objective.target] if labels and objective.target is not None else None,
-                         probs=probs, y=float(y[0]), scores={}, backend=str(backend), ig_steps=ig_steps, loo=loo,
-                         position=objective.position(mask))
+        ex = Explanation(
+            text=text,
+            tokens=tokens,
+            special=special,
+            kind=objective.kind,
+            target=objective.target,
+            target_label=labels[objective.target] if labels and objective.target is not None else None,
+            probs=probs,
+            y=float(y[0]),
+            scores={},
+            backend=str(backend),
+            ig_steps=ig_steps,
+            loo=loo,
+            position=objective.position(mask),
+        )
         grads = None
         for m in methods:
             if m == "attention":
@@ -244,13 +288,16 @@ def explain(loaded_or_path, text: str, target: int | None = None, methods=DEFAUL
                 ex.scores[m] = grads[m].tolist()
             elif m == "integrated_gradients":
                 base = default_baseline(objective, ids, special, baseline_id(loaded))
-                ig = integrated_gradients(objective, ids, mask, base, steps=ig_steps, method=ig_method,
-                                          batch_size=ig_batch_size)
+                ig = integrated_gradients(
+                    objective, ids, mask, base, steps=ig_steps, method=ig_method, batch_size=ig_batch_size
+                )
                 ex.scores[m] = ig.scores.tolist()
                 ex.completeness_gap, ex.y_baseline = ig.completeness_gap, ig.y_baseline
                 if ig.completeness_gap > COMPLETENESS_TOLERANCE:
-                    note = (f"integrated gradients: completeness gap {100 * ig.completeness_gap:.2f}% > 1% at "
-                            f"{ig_steps} steps (y - y_baseline = {ig.y - ig.y_baseline:.4g}); use more ig_steps")
+                    note = (
+                        f"integrated gradients: completeness gap {100 * ig.completeness_gap:.2f}% > 1% at "
+                        f"{ig_steps} steps (y - y_baseline = {ig.y - ig.y_baseline:.4g}); use more ig_steps"
+                    )
                     ex.notes.append(note)
                     if warn:
                         warnings.warn(note, CompletenessWarning, stacklevel=2)

@@ -44,19 +44,30 @@ class Faithfulness:
         return sum(self.sufficiency[k] for k in AOPC_BINS) / len(AOPC_BINS)
 
     def to_json(self) -> dict:
-        return {"comprehensiveness": {str(k): v for k, v in self.comprehensiveness.items()},
-                "sufficiency": {str(k): v for k, v in self.sufficiency.items()},
-                "aopc_comprehensiveness": self.aopc_comprehensiveness, "aopc_sufficiency": self.aopc_sufficiency}
+        return {
+            "comprehensiveness": {str(k): v for k, v in self.comprehensiveness.items()},
+            "sufficiency": {str(k): v for k, v in self.sufficiency.items()},
+            "aopc_comprehensiveness": self.aopc_comprehensiveness,
+            "aopc_sufficiency": self.aopc_sufficiency,
+        }
 
 
 def top_k(ranking: list[int], n: int, k: int) -> list[int]:
     """The first ``ceil(k/100 * n)`` positions of ``ranking`` (at least one)."""
-    return ranking[:max(1, math.ceil(k / 100 * n))]
+    return ranking[: max(1, math.ceil(k / 100 * n))]
 
 
-def eraser(objective: Objective, input_ids: torch.Tensor, attention_mask: torch.Tensor, special: list[bool],
-           scores: dict[str, list[float]], *, seed: int = 0, random_baseline: bool = True,
-           batch_size: int = 64) -> dict[str, Faithfulness]:
+def eraser(
+    objective: Objective,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    special: list[bool],
+    scores: dict[str, list[float]],
+    *,
+    seed: int = 0,
+    random_baseline: bool = True,
+    batch_size: int = 64,
+) -> dict[str, Faithfulness]:
     """ERASER measures for every method in ``scores`` (and ``"random"``) on one input, all in one padded batch."""
     ids = input_ids[0].tolist()
     keep = [i for i, s in enumerate(special) if not s]
@@ -78,7 +89,9 @@ def eraser(objective: Objective, input_ids: torch.Tensor, attention_mask: torch.
         y0, p0 = objective.y_and_probs(input_ids, attention_mask)
         vals = []
         for s in range(0, len(x), batch_size):
-            y, p = objective.y_and_probs(x[s:s + batch_size].to(input_ids.device), mask[s:s + batch_size].to(input_ids.device))
+            y, p = objective.y_and_probs(
+                x[s : s + batch_size].to(input_ids.device), mask[s : s + batch_size].to(input_ids.device)
+            )
             vals.append(y if p is None else p[:, objective.target])
     ref = float(y0[0]) if p0 is None else float(p0[0, objective.target])
     v = torch.cat(vals).tolist()

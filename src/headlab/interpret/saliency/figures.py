@@ -75,8 +75,11 @@ def study_figures(records: list[dict], tables: dict, out: Path) -> list[str]:
         fig.tight_layout()
         fig.savefig(out / "tau_hist.png")
         names.append("tau_hist.png")
-    perm = [(r["permutation"]["max_attention"], r["permutation"]["median_tvd"], r["pred"])
-            for r in records if r.get("permutation")]
+    perm = [
+        (r["permutation"]["max_attention"], r["permutation"]["median_tvd"], r["pred"])
+        for r in records
+        if r.get("permutation")
+    ]
     if perm:
         fig = _figure(5, 3.5)
         ax = fig.add_subplot(1, 1, 1)

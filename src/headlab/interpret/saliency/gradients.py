@@ -23,8 +23,9 @@ def embeddings(objective: Objective, input_ids: torch.Tensor) -> torch.Tensor:
         return embedding_module(objective.model)(input_ids).detach()
 
 
-def embedding_gradient(objective: Objective, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                       embeds: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def embedding_gradient(
+    objective: Objective, input_ids: torch.Tensor, attention_mask: torch.Tensor, embeds: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(dy/de (B, L, E), y (B,))`` at ``embeds``: the rows' y are independent, so d(sum y)/de is per row."""
     e = embeds.detach().requires_grad_(True)
     with torch.enable_grad():
@@ -33,8 +34,9 @@ def embedding_gradient(objective: Objective, input_ids: torch.Tensor, attention_
     return g.detach(), y.detach()
 
 
-def gradient_scores(objective: Objective, input_ids: torch.Tensor, attention_mask: torch.Tensor
-                    ) -> dict[str, torch.Tensor]:
+def gradient_scores(
+    objective: Objective, input_ids: torch.Tensor, attention_mask: torch.Tensor
+) -> dict[str, torch.Tensor]:
     """``{"gradient": (L,), "grad_x_input": (L,)}`` for a single input (batch of one), and ``"y"``."""
     e = embeddings(objective, input_ids)
     g, y = embedding_gradient(objective, input_ids, attention_mask, e)

@@ -59,10 +59,14 @@ def explanation_fragment(ex) -> str:
         for i, (t, s) in enumerate(zip(ex.tokens, ex.special)):
             title = f"{t}: {ex.scores[m][i]:.4g}"
             if s:
-                toks.append(f'<span class="tok special" data-i="{i}" title="{html.escape(title)}">{html.escape(t)}</span>')
+                toks.append(
+                    f'<span class="tok special" data-i="{i}" title="{html.escape(title)}">{html.escape(t)}</span>'
+                )
             else:
-                toks.append(f'<span class="tok" data-i="{i}" style="background:{_colour(norm[i])}" '
-                            f'title="{html.escape(title)}">{html.escape(t)}</span>')
+                toks.append(
+                    f'<span class="tok" data-i="{i}" style="background:{_colour(norm[i])}" '
+                    f'title="{html.escape(title)}">{html.escape(t)}</span>'
+                )
         top = f' data-top="{ranked[0]}"' if ranked else ""
         panels.append(f'<div class="panel" data-method="{m}"{top}><h2>{m}</h2>{"".join(toks)}</div>')
     agr_html = ""
@@ -81,23 +85,37 @@ def explanation_fragment(ex) -> str:
                 pv = "" if p.kendall_p != p.kendall_p else f" (p {p.kendall_p:.2g})"
                 cells.append(f"<td>{tau}{pv}</td>")
             rows.append(f"<tr><th>{a}</th>{''.join(cells)}</tr>")
-        agr_html = (f"<h2>Agreement: Kendall tau (p) over |scores| of the {agr.pairs and next(iter(agr.pairs.values())).n} "
-                    f"non-special tokens</h2><table class='agreement'><tr><th></th>{head}</tr>{''.join(rows)}</table>")
+        agr_html = (
+            f"<h2>Agreement: Kendall tau (p) over |scores| of the {agr.pairs and next(iter(agr.pairs.values())).n} "
+            f"non-special tokens</h2><table class='agreement'><tr><th></th>{head}</tr>{''.join(rows)}</table>"
+        )
     return f"<div class='panels'>{''.join(panels)}</div>{agr_html}"
 
 
 def render_explanation_html(ex) -> str:
     """The page for an :class:`~headlab.interpret.saliency.explanation.Explanation` (a string)."""
-    what = (f"class {html.escape(str(ex.target_label or ex.target))} (logit {ex.y:.4g})" if ex.kind == "classifier"
-            else f"next token {ex.target} (logit {ex.y:.4g})" if ex.kind == "next_token"
-            else f"cosine similarity {ex.y:.4g}")
+    what = (
+        f"class {html.escape(str(ex.target_label or ex.target))} (logit {ex.y:.4g})"
+        if ex.kind == "classifier"
+        else f"next token {ex.target} (logit {ex.y:.4g})"
+        if ex.kind == "next_token"
+        else f"cosine similarity {ex.y:.4g}"
+    )
     probs = "" if ex.probs is None else " &middot; probabilities " + ", ".join(f"{p:.3f}" for p in ex.probs)
     gap = "" if ex.completeness_gap is None else f" &middot; IG completeness gap {100 * ex.completeness_gap:.3f}%"
     notes = "".join(f'<p class="note warn">{html.escape(n)}</p>' for n in ex.notes)
-    body = (f"<p class='hint'>explaining {what}{probs}{gap} &middot; backend {html.escape(ex.backend)}</p>{notes}"
-            f"{explanation_fragment(ex)}<pre id='selftest'></pre>")
-    return shell.page(title=ex.text, body=body, data={"tokens": ex.tokens, "scores": ex.scores}, data_id="data",
-                      script=_JS % {"n": len(ex.methods)}, generator="headlab explain")
+    body = (
+        f"<p class='hint'>explaining {what}{probs}{gap} &middot; backend {html.escape(ex.backend)}</p>{notes}"
+        f"{explanation_fragment(ex)}<pre id='selftest'></pre>"
+    )
+    return shell.page(
+        title=ex.text,
+        body=body,
+        data={"tokens": ex.tokens, "scores": ex.scores},
+        data_id="data",
+        script=_JS % {"n": len(ex.methods)},
+        generator="headlab explain",
+    )
 
 
 def write_explanation(ex, out_dir: str | Path) -> dict[str, Path]:

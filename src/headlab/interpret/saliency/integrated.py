@@ -55,8 +55,9 @@ def quadrature(steps: int, method: str = "gausslegendre") -> tuple[np.ndarray, n
     """``(alphas, weights)`` on [0, 1] for ``steps`` points; the weights sum to 1."""
     checks.positive_int("ig_steps", steps, what=" (50 is the usual choice)")
     if steps > MAX_STEPS:  # leggauss builds a steps x steps matrix: 10**6 steps asked for terabytes
-        raise ConfigError(f"ig_steps must be at most {MAX_STEPS:,} (Gauss-Legendre converges in tens of steps), "
-                          f"got {steps:,}")
+        raise ConfigError(
+            f"ig_steps must be at most {MAX_STEPS:,} (Gauss-Legendre converges in tens of steps), got {steps:,}"
+        )
     if method == "gausslegendre":
         x, w = np.polynomial.legendre.leggauss(steps)
         return 0.5 * (x + 1.0), 0.5 * w
@@ -65,8 +66,9 @@ def quadrature(steps: int, method: str = "gausslegendre") -> tuple[np.ndarray, n
     raise ConfigError(f"unknown IG method {method!r}; known: {', '.join(METHODS)}")
 
 
-def default_baseline(objective: Objective, input_ids: torch.Tensor, special: list[bool],
-                     baseline_token: int | None) -> torch.Tensor:
+def default_baseline(
+    objective: Objective, input_ids: torch.Tensor, special: list[bool], baseline_token: int | None
+) -> torch.Tensor:
     """``(1, L, E)``: the input's embeddings with every non-special token replaced by ``baseline_token``'s."""
     e = embeddings(objective, input_ids)
     b = e.clone()
@@ -80,9 +82,16 @@ def default_baseline(objective: Objective, input_ids: torch.Tensor, special: lis
     return b
 
 
-def integrated_gradients(objective: Objective, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                         baseline: torch.Tensor, *, steps: int = 50, method: str = "gausslegendre",
-                         batch_size: int | None = None) -> IGResult:
+def integrated_gradients(
+    objective: Objective,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    baseline: torch.Tensor,
+    *,
+    steps: int = 50,
+    method: str = "gausslegendre",
+    batch_size: int | None = None,
+) -> IGResult:
     """IG of a single input (``input_ids (1, L)``) from ``baseline (1, L, E)``; see the module docstring.
 
     Args:
@@ -97,8 +106,8 @@ def integrated_gradients(objective: Objective, input_ids: torch.Tensor, attentio
     bs = batch_size or max(1, min(steps, 4096 // max(L, 1)))
     total = torch.zeros_like(e[0], dtype=torch.float64)  # (L, E) sum_k w_k dy/de(x_k)
     for s in range(0, steps, bs):
-        a = torch.tensor(alphas[s:s + bs], dtype=e.dtype, device=e.device)  # (K,)
-        w = torch.tensor(weights[s:s + bs], dtype=torch.float64, device=e.device)
+        a = torch.tensor(alphas[s : s + bs], dtype=e.dtype, device=e.device)  # (K,)
+        w = torch.tensor(weights[s : s + bs], dtype=torch.float64, device=e.device)
         K = len(a)
         x = b + a.view(K, 1, 1) * delta  # (K, L, E)
         g, _ = embedding_gradient(objective, input_ids.expand(K, L), attention_mask.expand(K, L), x)

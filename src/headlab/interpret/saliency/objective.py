@@ -37,8 +37,10 @@ def embedding_module(model: nn.Module) -> nn.Embedding:
     get = getattr(model, "get_input_embeddings", None)
     emb = get() if callable(get) else getattr(model, "tok_emb", None)
     if not isinstance(emb, nn.Embedding):
-        raise ModelError(f"cannot find the word-embedding lookup of {type(model).__name__} "
-                         "(get_input_embeddings() or tok_emb); saliency needs one")
+        raise ModelError(
+            f"cannot find the word-embedding lookup of {type(model).__name__} "
+            "(get_input_embeddings() or tok_emb); saliency needs one"
+        )
     return emb
 
 
@@ -48,7 +50,9 @@ def embedding_override(model: nn.Module, embeds: torch.Tensor) -> Iterator[None]
 
     def hook(module, args, output):
         if output.shape != embeds.shape:
-            raise ConfigError(f"embedding override of shape {tuple(embeds.shape)} for a lookup of shape {tuple(output.shape)}")
+            raise ConfigError(
+                f"embedding override of shape {tuple(embeds.shape)} for a lookup of shape {tuple(output.shape)}"
+            )
         return embeds.to(output.dtype)
 
     handle = embedding_module(model).register_forward_hook(hook)
@@ -150,7 +154,9 @@ def has_head(outputs) -> bool:
     return getattr(outputs, "logits", None) is not None
 
 
-def make_objective(loaded: LoadedModel, enc: dict, target: int | None, compare_to: str | None) -> tuple[Objective, dict]:
+def make_objective(
+    loaded: LoadedModel, enc: dict, target: int | None, compare_to: str | None
+) -> tuple[Objective, dict]:
     """Choose the objective for ``loaded`` and resolve the target. Returns ``(objective, info)``.
 
     Raises :class:`~headlab.errors.ModelError` for a model with no head and no ``compare_to``, and
@@ -161,8 +167,10 @@ def make_objective(loaded: LoadedModel, enc: dict, target: int | None, compare_t
         outputs = loaded.adapter.forward(enc)
     if compare_to is not None:
         if getattr(outputs, "last_hidden_state", None) is None:
-            raise ModelError(f"{loaded.name}: compare_to needs a model that returns last_hidden_state "
-                             f"(a bare encoder such as headlab.load('minilm')); {type(loaded.model).__name__} does not")
+            raise ModelError(
+                f"{loaded.name}: compare_to needs a model that returns last_hidden_state "
+                f"(a bare encoder such as headlab.load('minilm')); {type(loaded.model).__name__} does not"
+            )
         if target is not None:
             raise InputError("target and compare_to exclude each other: a similarity has no classes")
         ref_enc = loaded.encode(compare_to)
@@ -174,7 +182,8 @@ def make_objective(loaded: LoadedModel, enc: dict, target: int | None, compare_t
             f"{loaded.name} ({type(loaded.model).__name__}) has no classification or language-model head, so there "
             "is no prediction to explain; load a classifier (e.g. the SST-2 MiniLM `headlab train-classifier` "
             "makes) or a decoder (--model smollm2), or explain the cosine similarity of its pooled "
-            "embedding to a second text with compare_to='...' (CLI: --compare-to TEXT)")
+            "embedding to a second text with compare_to='...' (CLI: --compare-to TEXT)"
+        )
     logits = outputs.logits
     if logits.dim() == 2:
         kind, n = "classifier", logits.shape[-1]
@@ -186,9 +195,11 @@ def make_objective(loaded: LoadedModel, enc: dict, target: int | None, compare_t
         kind, n, labels = "next_token", logits.shape[-1], None
         row = logits[0, int(enc["attention_mask"][0].sum()) - 1]
     else:
-        raise ModelError(f"{loaded.name} is an encoder with a per-token head ({type(loaded.model).__name__}); "
-                         "saliency explains a classifier's class logit or a decoder's next token: load a "
-                         "sequence classifier, or use compare_to='...' with the bare encoder")
+        raise ModelError(
+            f"{loaded.name} is an encoder with a per-token head ({type(loaded.model).__name__}); "
+            "saliency explains a classifier's class logit or a decoder's next token: load a "
+            "sequence classifier, or use compare_to='...' with the bare encoder"
+        )
     if target is None:
         target = int(row.argmax())
     elif not 0 <= checks.integer("target", target, what=" class (or token id)", error=InputError) < n:

@@ -35,13 +35,16 @@ def replacement_id(objective: Objective, mode: str) -> int | None:
     tok = objective.loaded.tokenizer
     v = getattr(tok, f"{mode}_token_id", None) if tok is not None else None
     if v is None:
-        raise ModelError(f"loo={mode!r} needs a {mode} token, which {objective.loaded.name}'s tokenizer does not have; "
-                         "use loo='delete'")
+        raise ModelError(
+            f"loo={mode!r} needs a {mode} token, which {objective.loaded.name}'s tokenizer does not have; "
+            "use loo='delete'"
+        )
     return int(v)
 
 
-def remove_tokens(ids: list[int], removed: list[set[int]], replace: int | None, pad_id: int
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
+def remove_tokens(
+    ids: list[int], removed: list[set[int]], replace: int | None, pad_id: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """One row per set in ``removed``: ``ids`` with those positions deleted (or replaced). Right-padded.
 
     Returns ``(input_ids (N, L'), attention_mask (N, L'))``.
@@ -56,8 +59,8 @@ def remove_tokens(ids: list[int], removed: list[set[int]], replace: int | None, 
     x = torch.full((len(rows), n), pad_id, dtype=torch.long)
     m = torch.zeros((len(rows), n), dtype=torch.long)
     for r, row in enumerate(rows):
-        x[r, :len(row)] = torch.tensor(row, dtype=torch.long)
-        m[r, :len(row)] = 1
+        x[r, : len(row)] = torch.tensor(row, dtype=torch.long)
+        m[r, : len(row)] = 1
     return x, m
 
 
@@ -67,14 +70,20 @@ def pad_id(objective: Objective) -> int:
     return 0 if v is None else int(v)
 
 
-def output_change(objective: Objective, ref_y: torch.Tensor, ref_p: torch.Tensor | None,
-                  input_ids: torch.Tensor, attention_mask: torch.Tensor, batch_size: int = 64) -> torch.Tensor:
+def output_change(
+    objective: Objective,
+    ref_y: torch.Tensor,
+    ref_p: torch.Tensor | None,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    batch_size: int = 64,
+) -> torch.Tensor:
     """``(N,)``: TVD of each row's distribution to ``ref_p`` (or ``|y - ref_y|`` without one)."""
     out = []
     dev = ref_y.device
     with torch.no_grad():
         for s in range(0, len(input_ids), batch_size):
-            ids, m = input_ids[s:s + batch_size].to(dev), attention_mask[s:s + batch_size].to(dev)
+            ids, m = input_ids[s : s + batch_size].to(dev), attention_mask[s : s + batch_size].to(dev)
             y, p = objective.y_and_probs(ids, m)
             if ref_p is None:
                 out.append((y - ref_y).abs())
@@ -84,8 +93,14 @@ def output_change(objective: Objective, ref_y: torch.Tensor, ref_p: torch.Tensor
     return torch.cat(out)
 
 
-def leave_one_out(objective: Objective, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                  special: list[bool], mode: str = "delete", batch_size: int = 64) -> torch.Tensor:
+def leave_one_out(
+    objective: Objective,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    special: list[bool],
+    mode: str = "delete",
+    batch_size: int = 64,
+) -> torch.Tensor:
     """``(L,)`` leave-one-out scores of one input (special tokens 0); see the module docstring."""
     replace = replacement_id(objective, mode)
     with torch.no_grad():

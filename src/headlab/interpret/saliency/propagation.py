@@ -36,9 +36,11 @@ def exact_backend(backend) -> tuple[str, str | None]:
         return "auto", None
     if _backends.is_exact(backend):
         return backend, None
-    return "auto", (f"rollout, flow and norms are defined on exact softmax attention, so they ran on the exact "
-                    f"model (backend 'auto'), not on the approximate {_backends.get(backend).name!r} the other "
-                    "methods used")
+    return "auto", (
+        f"rollout, flow and norms are defined on exact softmax attention, so they ran on the exact "
+        f"model (backend 'auto'), not on the approximate {_backends.get(backend).name!r} the other "
+        "methods used"
+    )
 
 
 def flow_score(loaded, enc: dict, position: int, method: str, backend) -> tuple[list[float], str | None]:
@@ -46,8 +48,9 @@ def flow_score(loaded, enc: dict, position: int, method: str, backend) -> tuple[
     (one sequence, as :meth:`LoadedModel.encode` gives it)."""
     note = None
     if method in ("rollout", "norm_rollout"):
-        rows = rollout(loaded, enc, method="mean" if method == "rollout" else "norm", rows=[position],
-                       backend=backend).rows
+        rows = rollout(
+            loaded, enc, method="mean" if method == "rollout" else "norm", rows=[position], backend=backend
+        ).rows
         assert rows is not None  # rows asked for
         row = rows[0]
     elif method == "attention_flow":

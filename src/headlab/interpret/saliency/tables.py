@@ -35,8 +35,12 @@ def describe(xs) -> dict:
     if len(a) == 0:
         return {"n": 0}
     q = np.quantile(a, QUANTILES)
-    return {"n": int(len(a)), "mean": float(a.mean()), "std": float(a.std(ddof=1)) if len(a) > 1 else 0.0,
-            **{f"q{int(100 * p)}": float(v) for p, v in zip(QUANTILES, q)}}
+    return {
+        "n": int(len(a)),
+        "mean": float(a.mean()),
+        "std": float(a.std(ddof=1)) if len(a) > 1 else 0.0,
+        **{f"q{int(100 * p)}": float(v) for p, v in zip(QUANTILES, q)},
+    }
 
 
 def bootstrap_mean(xs, n: int = 1000, seed: int = 0, level: float = 0.95) -> dict:
@@ -70,8 +74,9 @@ def summarize(records: list[dict], opts) -> dict:
             for c in sorted({v[2] for v in vals}):
                 sub = [v for v in vals if v[2] == c]
                 d = describe([v[0] for v in sub])
-                d["significant"] = (sum(v[1] is not None and v[1] < 0.05 for v in sub if v[0] is not None)
-                                    / max(1, sum(v[0] is not None for v in sub)))
+                d["significant"] = sum(v[1] is not None and v[1] < 0.05 for v in sub if v[0] is not None) / max(
+                    1, sum(v[0] is not None for v in sub)
+                )
                 by_class[str(c)] = d
             kt[m] = {**describe(taus), "significant": sum(sig) / max(1, len(sig)), "by_class": by_class}
         out["kendall"] = kt
@@ -86,16 +91,28 @@ def summarize(records: list[dict], opts) -> dict:
         bins = []
         for lo, hi in zip(MAX_ATTENTION_BINS[:-1], MAX_ATTENTION_BINS[1:]):
             sub = [p["median_tvd"] for p in perm if lo <= p["max_attention"] < hi]
-            bins.append({"max_attention": [lo, min(hi, 1.0)], "n": len(sub),
-                         "median_tvd": float(np.median(sub)) if sub else None})
-        out["permutation"] = {"median_tvd": describe([p["median_tvd"] for p in perm]),
-                              "max_attention": describe([p["max_attention"] for p in perm]), "bins": bins,
-                              "share_below_0.01": float(np.mean([p["median_tvd"] < 0.01 for p in perm]))}
+            bins.append(
+                {
+                    "max_attention": [lo, min(hi, 1.0)],
+                    "n": len(sub),
+                    "median_tvd": float(np.median(sub)) if sub else None,
+                }
+            )
+        out["permutation"] = {
+            "median_tvd": describe([p["median_tvd"] for p in perm]),
+            "max_attention": describe([p["max_attention"] for p in perm]),
+            "bins": bins,
+            "share_below_0.01": float(np.mean([p["median_tvd"] < 0.01 for p in perm])),
+        }
     adv = [r["adversarial"] for r in records if r.get("adversarial")]
     if adv:
         j = _finite([a["max_jsd"] for a in adv])
-        out["adversarial"] = {"max_jsd": describe(j), "share_above_0.5": float(np.mean(j > 0.5)),
-                              "share_above_0.69": float(np.mean(j > 0.69)), "tvd_budget": opts.tvd_budget}
+        out["adversarial"] = {
+            "max_jsd": describe(j),
+            "share_above_0.5": float(np.mean(j > 0.5)),
+            "share_above_0.69": float(np.mean(j > 0.69)),
+            "tvd_budget": opts.tvd_budget,
+        }
     # -- ERASER --------------------------------------------------------------------------------------------
     faith = {}
     names = [m for m in [*methods, "random"] if any(m in r.get("eraser", {}) for r in records)]
@@ -103,19 +120,25 @@ def summarize(records: list[dict], opts) -> dict:
         rows = [r["eraser"][m] for r in records if m in r.get("eraser", {})]
         entry = {}
         for k in REPORT_BINS:
-            entry[f"comprehensiveness@{k}"] = bootstrap_mean([x["comprehensiveness"][str(k)] for x in rows],
-                                                             opts.bootstrap, opts.seed + i)
-            entry[f"sufficiency@{k}"] = bootstrap_mean([x["sufficiency"][str(k)] for x in rows],
-                                                       opts.bootstrap, opts.seed + i)
-        entry["aopc_comprehensiveness"] = bootstrap_mean([x["aopc_comprehensiveness"] for x in rows],
-                                                         opts.bootstrap, opts.seed + i)
+            entry[f"comprehensiveness@{k}"] = bootstrap_mean(
+                [x["comprehensiveness"][str(k)] for x in rows], opts.bootstrap, opts.seed + i
+            )
+            entry[f"sufficiency@{k}"] = bootstrap_mean(
+                [x["sufficiency"][str(k)] for x in rows], opts.bootstrap, opts.seed + i
+            )
+        entry["aopc_comprehensiveness"] = bootstrap_mean(
+            [x["aopc_comprehensiveness"] for x in rows], opts.bootstrap, opts.seed + i
+        )
         entry["aopc_sufficiency"] = bootstrap_mean([x["aopc_sufficiency"] for x in rows], opts.bootstrap, opts.seed + i)
         faith[m] = entry
     out["faithfulness"] = faith
     gaps = _finite([r.get("completeness_gap") for r in records])
     if len(gaps):
-        out["completeness"] = {"median": float(np.median(gaps)), "max": float(gaps.max()),
-                               "share_above_1pct": float(np.mean(gaps > 0.01))}
+        out["completeness"] = {
+            "median": float(np.median(gaps)),
+            "max": float(gaps.max()),
+            "share_above_1pct": float(np.mean(gaps > 0.01)),
+        }
     return out
 
 

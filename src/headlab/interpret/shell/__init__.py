@@ -37,8 +37,17 @@ def inline_json(obj) -> str:
     return json.dumps(obj, ensure_ascii=False).replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
 
 
-def page(*, title: str, body: str, summary_lines: Sequence[str] = (), banner: str | None = None,
-         data: object = None, data_id: str = "headlab-data", script: str = "", generator: str = "headlab") -> str:
+def page(
+    *,
+    title: str,
+    body: str,
+    summary_lines: Sequence[str] = (),
+    banner: str | None = None,
+    data: object = None,
+    data_id: str = "headlab-data",
+    script: str = "",
+    generator: str = "headlab",
+) -> str:
     """One self-contained page.
 
     Args:
@@ -56,14 +65,18 @@ def page(*, title: str, body: str, summary_lines: Sequence[str] = (), banner: st
         summary += f'<p class="banner">{html.escape(banner)}</p>'
     payload = "" if data is None else f'<script type="application/json" id="{data_id}">{inline_json(data)}</script>\n'
     code = f"<script>\n{script}\n</script>\n" if script else ""
-    return (f'<!DOCTYPE html>\n<html lang="en">\n<head>\n<meta charset="utf-8">\n'
-            f'<meta name="viewport" content="width=device-width, initial-scale=1">\n'
-            f'<meta name="generator" content="{html.escape(generator)}">\n<title>{t}</title>\n'
-            f"<style>\n{stylesheet()}\n</style>\n</head>\n<body>\n<header>\n  <h1>{t}</h1>\n  {summary}\n</header>\n"
-            f"<main>\n{body}\n</main>\n{payload}{code}</body>\n</html>\n")
+    return (
+        f'<!DOCTYPE html>\n<html lang="en">\n<head>\n<meta charset="utf-8">\n'
+        f'<meta name="viewport" content="width=device-width, initial-scale=1">\n'
+        f'<meta name="generator" content="{html.escape(generator)}">\n<title>{t}</title>\n'
+        f"<style>\n{stylesheet()}\n</style>\n</head>\n<body>\n<header>\n  <h1>{t}</h1>\n  {summary}\n</header>\n"
+        f"<main>\n{body}\n</main>\n{payload}{code}</body>\n</html>\n"
+    )
 
 
 def inline(page_html: str, *, height: int = 720) -> str:
     """A page as notebook output: the page itself in a sandboxed iframe (scripts run, nothing leaves it)."""
-    return (f'<iframe class="headlab-page" sandbox="allow-scripts" style="width: 100%; height: {int(height)}px; '
-            f'border: 1px solid #c8cdd8;" srcdoc="{html.escape(page_html, quote=True)}"></iframe>')
+    return (
+        f'<iframe class="headlab-page" sandbox="allow-scripts" style="width: 100%; height: {int(height)}px; '
+        f'border: 1px solid #c8cdd8;" srcdoc="{html.escape(page_html, quote=True)}"></iframe>'
+    )

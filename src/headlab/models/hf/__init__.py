@@ -48,5 +48,13 @@ from headlab.models.hf.registry import (
     unsupported_message,
 )
 
-__all__ = ["FAMILIES", "HFAdapter", "REFUSED", "adapter_class", "adapter_for", "max_positions",
-           "supported_model_types", "unsupported_message"]
+__all__ = [
+    "FAMILIES",
+    "HFAdapter",
+    "REFUSED",
+    "adapter_class",
+    "adapter_for",
+    "max_positions",
+    "supported_model_types",
+    "unsupported_message",
+]

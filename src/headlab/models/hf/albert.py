@@ -29,5 +29,8 @@ class AlbertAdapter(HFAdapter):
     def _blocks(self, model):
         cfg, enc = model.config, model.base_model.encoder
         per_group = cfg.num_hidden_layers // cfg.num_hidden_groups
-        return [layer for i in range(cfg.num_hidden_layers)
-                for layer in enc.albert_layer_groups[i // per_group].albert_layers]
+        return [
+            layer
+            for i in range(cfg.num_hidden_layers)
+            for layer in enc.albert_layer_groups[i // per_group].albert_layers
+        ]

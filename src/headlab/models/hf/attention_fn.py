@@ -53,9 +53,15 @@ class SelfAttendingKeys(Protocol):
     (B, Lq, H, dv), None)``, as an attention function does. ``attention_mask``: the model's own mask (boolean or
     additive, ``(B, 1, Lq, Lk)``) or None for plain causal; ``softcap``: Gemma 2's tanh soft-capping of the scores."""
 
-    def headlab_attend(self, module: torch.nn.Module, query: torch.Tensor, attention_mask: torch.Tensor | None, *,
-                       scaling: float | None, softcap: float | None = None) -> tuple[torch.Tensor, None]:
-        ...
+    def headlab_attend(
+        self,
+        module: torch.nn.Module,
+        query: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        *,
+        scaling: float | None,
+        softcap: float | None = None,
+    ) -> tuple[torch.Tensor, None]: ...
 
 
 def hf_mask_to_bool(mask: torch.Tensor | None) -> torch.Tensor | None:
@@ -73,12 +79,15 @@ def hf_mask_to_bool(mask: torch.Tensor | None) -> torch.Tensor | None:
     if mask is None or mask.dtype == torch.bool:
         return mask
     if not mask.is_floating_point():
-        raise MaskError(f"attention mask of dtype {mask.dtype}: expected a boolean mask (True = may attend) or an additive float mask (0 or -inf)")
+        raise MaskError(
+            f"attention mask of dtype {mask.dtype}: expected a boolean mask (True = may attend) or an additive float mask (0 or -inf)"
+        )
     blocked = mask <= torch.finfo(mask.dtype).min / 2  # finfo.min and -inf
     if bool(((mask != 0) & ~blocked).any()):
         raise BackendUnsupportedError(
             "the attention mask carries an additive bias (values other than 0 and -inf); headlab backends take "
-            "boolean masks only: run this model with attn_implementation='eager' instead of a headlab backend")
+            "boolean masks only: run this model with attn_implementation='eager' instead of a headlab backend"
+        )
     return ~blocked
 
 
@@ -128,7 +137,8 @@ def headlab_attention_forward(
     if kwargs.get("s_aux") is not None:
         raise BackendUnsupportedError(
             f"{type(module).__name__} passes 's_aux' (attention sinks) to its attention function, which headlab "
-            "backends do not implement; run this model with attn_implementation='eager'")
+            "backends do not implement; run this model with attn_implementation='eager'"
+        )
     q_len = query.shape[2]
     mask, mask_bias = hf_mask_and_bias(attention_mask)
     is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
@@ -149,9 +159,18 @@ def headlab_attention_forward(
             mask_bias = mask_bias[:, kept]
         add = bias_tensor(mask_bias, "mask_bias")
         extra = {"score_mod": add if extra is None else _then(extra["score_mod"], add, "score_mod+mask_bias")}
-    out, weights = run_attention(module, query, key, value, mask, causal=causal, scale=scaling, dropout_p=dropout,
-                                 need_weights=bool(kwargs.get("output_attentions", False)),
-                                 score_kwargs=extra)  # out: (B, H, Lq, d)
+    out, weights = run_attention(
+        module,
+        query,
+        key,
+        value,
+        mask,
+        causal=causal,
+        scale=scaling,
+        dropout_p=dropout,
+        need_weights=bool(kwargs.get("output_attentions", False)),
+        score_kwargs=extra,
+    )  # out: (B, H, Lq, d)
     return out.transpose(1, 2).contiguous(), weights  # (B, Lq, H, d)
 
 

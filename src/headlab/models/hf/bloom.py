@@ -45,8 +45,18 @@ class BloomAdapter(OwnForwardAdapter):
         attn._headlab_alibi_heads = [before[h] for h in q_heads]
         attn.forward = bound_forward(self.attention_forward, attn)
 
-    def attention_forward(self, module, hidden_states, residual, alibi, attention_mask, layer_past=None,
-                          use_cache=False, output_attentions=False, **kwargs):
+    def attention_forward(
+        self,
+        module,
+        hidden_states,
+        residual,
+        alibi,
+        attention_mask,
+        layer_past=None,
+        use_cache=False,
+        output_attentions=False,
+        **kwargs,
+    ):
         B, L, _ = hidden_states.shape
         q, k, v = module._reshape(module.query_key_value(hidden_states))  # (B, H, L, d) each
         if layer_past is not None:
@@ -58,9 +68,17 @@ class BloomAdapter(OwnForwardAdapter):
             rows = rows[:, kept]
         mask = hf_mask_to_bool(attention_mask)
         out, weights = run_attention(
-            module, q, k, v, mask, causal=mask is None and L > 1, scale=module.inv_norm_factor,
-            dropout_p=module.attention_dropout.p if module.training else 0.0, need_weights=output_attentions,
-            score_kwargs={"score_mod": bias_tensor(rows, "alibi")})
+            module,
+            q,
+            k,
+            v,
+            mask,
+            causal=mask is None and L > 1,
+            scale=module.inv_norm_factor,
+            dropout_p=module.attention_dropout.p if module.training else 0.0,
+            need_weights=output_attentions,
+            score_kwargs={"score_mod": bias_tensor(rows, "alibi")},
+        )
         output = module.dense(merge_heads(out))
         output = residual + F.dropout(output, p=module.hidden_dropout, training=module.training)
         return output, weights

@@ -22,8 +22,11 @@ class FalconAdapter(OwnForwardAdapter):
     out = Out("self_attention.dense")
     head_attrs = {"num_heads": "H", "num_kv_heads": "Hkv"}
     score_mods = "ALiBi in the ALiBi variants"
-    limits = {"backends": "sdpa refused for ALiBi variants", "pruning": "rotary variants only",
-              "norms": "stream=False for ALiBi variants"}
+    limits = {
+        "backends": "sdpa refused for ALiBi variants",
+        "pruning": "rotary variants only",
+        "norms": "stream=False for ALiBi variants",
+    }
 
     @classmethod
     def shape(cls, cfg):
@@ -54,8 +57,10 @@ class FalconAdapter(OwnForwardAdapter):
         if self.model.config.alibi:
             from headlab.errors import PruneError
 
-            raise PruneError("Falcon with ALiBi builds its bias rows for every original head; pruning its heads is "
-                             "not supported (the rotary Falcon models prune)")
+            raise PruneError(
+                "Falcon with ALiBi builds its bias rows for every original head; pruning its heads is "
+                "not supported (the rotary Falcon models prune)"
+            )
         super().cut_heads(attn, out, q_heads, kv_heads, H, Hkv)
 
     def attention_forward(self, module, hidden_states, *args, **kwargs):
@@ -81,7 +86,7 @@ class FalconAdapter(OwnForwardAdapter):
             k, v = qkv[:, :, :, -2], qkv[:, :, :, -1]  # (B, L, Hkv, d)
         elif cfg.multi_query:
             q = fused[..., : H * d].view(B, L, H, d)
-            k, v = fused[..., H * d: (H + 1) * d].view(B, L, 1, d), fused[..., (H + 1) * d:].view(B, L, 1, d)
+            k, v = fused[..., H * d : (H + 1) * d].view(B, L, 1, d), fused[..., (H + 1) * d :].view(B, L, 1, d)
         else:
             qkv = fused.view(B, L, H, 3, d)
             q, k, v = qkv[..., 0, :], qkv[..., 1, :], qkv[..., 2, :]
@@ -93,7 +98,7 @@ class FalconAdapter(OwnForwardAdapter):
         if layer_past is not None:
             k, v = layer_past.update(k, v, module.layer_idx)
         if alibi is not None:  # Falcon scales the ALiBi rows together with the scores
-            rows = alibi.view(B, H, 1, -1)[..., -k.shape[2]:] * module.inv_norm_factor
+            rows = alibi.view(B, H, 1, -1)[..., -k.shape[2] :] * module.inv_norm_factor
             extra = {"score_mod": bias_tensor(rows, "alibi")}
         if alibi is None and cfg.alibi:  # transformers >= 5.25: the scaled ALiBi rows ride in the additive mask
             mask, bias = hf_mask_and_bias(attention_mask)
@@ -101,7 +106,15 @@ class FalconAdapter(OwnForwardAdapter):
         else:
             mask = hf_mask_to_bool(attention_mask)
         out, weights = run_attention(
-            module, q, k, v, mask, causal=mask is None and L > 1, scale=module.inv_norm_factor,
-            dropout_p=module.attention_dropout.p if module.training else 0.0, need_weights=output_attentions,
-            score_kwargs=extra)
+            module,
+            q,
+            k,
+            v,
+            mask,
+            causal=mask is None and L > 1,
+            scale=module.inv_norm_factor,
+            dropout_p=module.attention_dropout.p if module.training else 0.0,
+            need_weights=output_attentions,
+            score_kwargs=extra,
+        )
         return module.dense(merge_heads(out)), weights

@@ -49,10 +49,14 @@ class Norms:
     parallel: str | None = None
 
     def resolve(self, block: nn.Module) -> BlockNorms:
-        return BlockNorms(pre=get_module(block, self.pre) if self.pre else None,
-                          post=get_module(block, self.post) if self.post else None, post_reads=self.post_reads,
-                          kind=self.kind, offset=self.offset,
-                          parallel=get_module(block, self.parallel) if self.parallel else None)
+        return BlockNorms(
+            pre=get_module(block, self.pre) if self.pre else None,
+            post=get_module(block, self.post) if self.post else None,
+            post_reads=self.post_reads,
+            kind=self.kind,
+            offset=self.offset,
+            parallel=get_module(block, self.parallel) if self.parallel else None,
+        )
 
 
 def _first(cfg, names, default=None):
@@ -84,9 +88,16 @@ class HFAdapter(ModelAdapter):
         cfg = model.config
         self.blocks = list(self._blocks(model))
         H, Hkv, d, E = self.shape(cfg)
-        super().__init__(model, n_layers=len(self.blocks), n_heads=H, n_kv_heads=Hkv, head_dim=d, d_model=E,
-                         attn_modules=[get_module(b, self.attention) for b in self.blocks],
-                         out_projs=[get_module(b, self.out.path) for b in self.blocks])
+        super().__init__(
+            model,
+            n_layers=len(self.blocks),
+            n_heads=H,
+            n_kv_heads=Hkv,
+            head_dim=d,
+            d_model=E,
+            attn_modules=[get_module(b, self.attention) for b in self.blocks],
+            out_projs=[get_module(b, self.out.path) for b in self.blocks],
+        )
 
     def _blocks(self, model: nn.Module):
         return get_module(model.base_model, self.layers)
@@ -185,8 +196,10 @@ class OwnForwardAdapter(HFAdapter):
 
 def bound_forward(fn, module):
     """``fn(module, ...)`` as a forward to set on ``module`` (an instance attribute replaces the class's)."""
+
     def forward(*args, **kwargs):
         return fn(module, *args, **kwargs)
+
     return forward
 
 

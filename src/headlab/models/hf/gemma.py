@@ -14,8 +14,9 @@ class GemmaAdapter(HFAdapter):
     model_types = ("gemma2", "gemma3_text")
     description = "Gemma 2 and 3"
     is_decoder = True
-    norms = Norms(pre="input_layernorm", post="post_attention_layernorm", post_reads="branch", kind="rmsnorm",
-                  offset=1.0)
+    norms = Norms(
+        pre="input_layernorm", post="post_attention_layernorm", post_reads="branch", kind="rmsnorm", offset=1.0
+    )
     head_attrs = {"num_key_value_groups": "G"}
     stock_config = True
     score_mods = "soft-capping (Gemma 2), sliding window on alternate layers"

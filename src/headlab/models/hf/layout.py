@@ -60,8 +60,10 @@ def stack_layout(model, x, block: nn.Module, attn_path: str, call: Call, H, Hkv,
     B, _, Lk, _ = call.v.shape
     v_flat = call.v.transpose(1, 2).reshape(B, Lk, Hkv * d)
     attn_prefix = f"{attn_path}." if attn_path else ""
-    lin = {n[len(attn_prefix):]: m for n, m in named.items() if n.startswith(attn_prefix) and is_linear(m) and n in rec}
-    rec_rel = {n[len(attn_prefix):]: rec[n] for n in rec if n.startswith(attn_prefix)}
+    lin = {
+        n[len(attn_prefix) :]: m for n, m in named.items() if n.startswith(attn_prefix) and is_linear(m) and n in rec
+    }
+    rec_rel = {n[len(attn_prefix) :]: rec[n] for n in rec if n.startswith(attn_prefix)}
     projections: Separate | Fused | None = None
     for n, m in lin.items():
         out = rec_rel[n][1]
@@ -83,22 +85,43 @@ def stack_layout(model, x, block: nn.Module, attn_path: str, call: Call, H, Hkv,
             if projections is not None:
                 break
     if projections is None:
-        raise refuse(mt, f"no linear map in its {stack} attention module computes the values the attention reads "
-                          f"({Hkv} x {d} features); a transform between the projection and the call (a value norm?) "
-                          "needs a family class")
+        raise refuse(
+            mt,
+            f"no linear map in its {stack} attention module computes the values the attention reads "
+            f"({Hkv} x {d} features); a transform between the projection and the call (a value norm?) "
+            "needs a family class",
+        )
     # W^O: the linear map whose input is the attention output merged to (B, L, H*d)
     Bq, _, Lq, _ = call.out.shape
     merged = call.out.transpose(1, 2).reshape(Bq, Lq, H * d)
-    out_name = next((n for n, m in named.items() if is_linear(m) and n in rec and in_features(m) == H * d
-                     and close(rec[n][0], merged)), None)
+    out_name = next(
+        (
+            n
+            for n, m in named.items()
+            if is_linear(m) and n in rec and in_features(m) == H * d and close(rec[n][0], merged)
+        ),
+        None,
+    )
     if out_name is None:
-        raise refuse(mt, f"no linear map in its {stack} block reads the attention output ({H} x {d} features) as it "
-                          "is: an output projection behind another transform needs a family class")
+        raise refuse(
+            mt,
+            f"no linear map in its {stack} block reads the attention output ({H} x {d} features) as it "
+            "is: an output projection behind another transform needs a family class",
+        )
     out_mod = named[out_name]
     notes: list[str] = []
     norms, why = _norms(block, named, rec, attn_path, out_name, stack)
-    return _StackLayout(Layout(attention=attn_path, projections=projections, out=Out(out_name, conv1d=is_conv1d(out_mod)),
-                               norms=norms, norms_why=why, notes=notes), out_mod)
+    return _StackLayout(
+        Layout(
+            attention=attn_path,
+            projections=projections,
+            out=Out(out_name, conv1d=is_conv1d(out_mod)),
+            norms=norms,
+            norms_why=why,
+            notes=notes,
+        ),
+        out_mod,
+    )
 
 
 def _separate(v_name, lin, rec, H, Hkv, d, call: Call, mt) -> Separate:
@@ -110,8 +133,11 @@ def _separate(v_name, lin, rec, H, Hkv, d, call: Call, mt) -> Separate:
     conv = is_conv1d(lin[v_name])
 
     def pick(letter, width, target, exclude):
-        cands = [n for n, m in lin.items() if n not in exclude and out_features(m) == width
-                 and in_features(m) == in_features(lin[v_name])]
+        cands = [
+            n
+            for n, m in lin.items()
+            if n not in exclude and out_features(m) == width and in_features(m) == in_features(lin[v_name])
+        ]
         exact = [n for n in cands if close(rec[n][1], target)]
         if len(exact) == 1:
             return exact[0]
@@ -120,8 +146,12 @@ def _separate(v_name, lin, rec, H, Hkv, d, call: Call, mt) -> Separate:
             return by_name[0]
         if len(cands) == 1:
             return cands[0]
-        raise refuse(mt, f"cannot tell its {'query' if letter == 'q' else 'key'} projection among {cands or 'none'} "
-                          f"(beside the value projection {v_name!r})")
+        raise refuse(
+            mt,
+            f"cannot tell its {'query' if letter == 'q' else 'key'} projection among {cands or 'none'} "
+            f"(beside the value projection {v_name!r})",
+        )
+
     q = pick("q", H * d, q_flat, {v_name})
     k = pick("k", Hkv * d, k_flat, {v_name, q})
     return Separate(q, k, v_name, conv1d=conv)
@@ -131,8 +161,11 @@ def _named(letter: str, name: str) -> bool:
     """Is projection ``name`` (its last path component) named for ``letter`` (``q``, ``k``)?"""
     last = name.split(".")[-1].lower()
     word = {"q": "query", "k": "key"}[letter]
-    return last in (letter, word, f"w{letter}") or last.startswith((f"{letter}_", word)) or last.endswith(
-        (f"_{letter}", f"{letter}_proj", f"{letter}_lin"))
+    return (
+        last in (letter, word, f"w{letter}")
+        or last.startswith((f"{letter}_", word))
+        or last.endswith((f"_{letter}", f"{letter}_proj", f"{letter}_lin"))
+    )
 
 
 def _norm_kind(m: nn.Module, z: torch.Tensor, y: torch.Tensor) -> tuple[Literal["layernorm", "rmsnorm"], float] | None:
@@ -167,8 +200,11 @@ def _norms(block, named, rec, attn_path, out_name, stack) -> tuple[Norms | None,
     if stack == "cross":
         return None, "cross-attention has no residual decomposition over its keys"
     in_attn = lambda n: n == attn_path or n.startswith(f"{attn_path}.") or n == out_name
-    norms = {n: m for n, m in named.items() if n and is_norm(m) and n in rec and not in_attn(n)
-             and rec[n][0] is not None and rec[n][1] is not None}
+    norms = {
+        n: m
+        for n, m in named.items()
+        if n and is_norm(m) and n in rec and not in_attn(n) and rec[n][0] is not None and rec[n][1] is not None
+    }
     if close(attn_in, x):
         pre = None
     else:
@@ -186,7 +222,11 @@ def _norms(block, named, rec, attn_path, out_name, stack) -> tuple[Norms | None,
         return Norms(pre=pre, post=branch, post_reads="branch", kind=kind[0], offset=kind[1]), ""
     marked = mark_norms({n: v for n, v in rec.items() if not in_attn(n) or n == out_name}, norms)
     reads_sum = next((n for n in norms if n != pre and close(rec[n][0], h)), None)
-    if reads_sum is not None and pre is None and continues_from(rec[reads_sum][1], marked, skip=lambda n: n == out_name):
+    if (
+        reads_sum is not None
+        and pre is None
+        and continues_from(rec[reads_sum][1], marked, skip=lambda n: n == out_name)
+    ):
         kind = _norm_kind(named[reads_sum], rec[reads_sum][0], rec[reads_sum][1])
         if kind is None:
             return None, f"its post norm {reads_sum!r} is neither a LayerNorm nor an RMSNorm"
@@ -194,14 +234,25 @@ def _norms(block, named, rec, attn_path, out_name, stack) -> tuple[Norms | None,
     if reads_sum is not None and continues_from(h, marked, skip=lambda n: n == out_name):
         return Norms(pre=pre, kind="layernorm"), ""  # the next sublayer's pre norm reads x + Attn(x)
     block_out = rec.get("", (None, None))[1]
-    adders = [n for n, (_, out) in rec.items() if n and out is not None and n not in norms and not in_attn(n)
-              and block_out is not None and out.numel() == h.numel() and close(block_out, h + out.reshape(h.shape))]
+    adders = [
+        n
+        for n, (_, out) in rec.items()
+        if n
+        and out is not None
+        and n not in norms
+        and not in_attn(n)
+        and block_out is not None
+        and out.numel() == h.numel()
+        and close(block_out, h + out.reshape(h.shape))
+    ]
     if adders and reads_sum is None:
         return Norms(pre=pre, kind="layernorm", parallel=min(adders, key=lambda n: n.count("."))), ""
     if continues_from(h, marked, skip=lambda n: n == out_name):
         return Norms(pre=pre, kind="layernorm"), ""
-    return None, ("no norm or residual add after the attention reads x + Attn(x) or a norm of it (a scaled residual "
-                  "branch, such as LayerScale?)")
+    return None, (
+        "no norm or residual add after the attention reads x + Attn(x) or a norm of it (a scaled residual "
+        "branch, such as LayerScale?)"
+    )
 
 
 def head_attrs(attn: nn.Module, H: int, Hkv: int, d: int) -> dict[str, str]:

@@ -25,8 +25,13 @@ def _taken(cls, types: list[str]) -> ModelError:
 
 
 # registered HFAdapter subclasses, each under its config.model_types, in registration order
-_FAMILIES: Registry[type[HFAdapter]] = Registry("a model family", "transformers' config.model_type picks it",
-                                                instances=False, key=lambda cls: cls.model_types, taken=_taken)
+_FAMILIES: Registry[type[HFAdapter]] = Registry(
+    "a model family",
+    "transformers' config.model_type picks it",
+    instances=False,
+    key=lambda cls: cls.model_types,
+    taken=_taken,
+)
 FAMILIES: list[type[HFAdapter]] = _FAMILIES.items
 # what serves the types no family declares: headlab.models.hf.structure registers its adapt_by_structure,
 # max_positions and nearest_by_structure here when the package imports it (the registry imports no family)
@@ -37,13 +42,13 @@ ADDING_A_FAMILY = "docs/adding-a-family.md"
 # model types headlab knows and refuses, with the reason (checked before anything runs)
 REFUSED: dict[str, str] = {
     "deberta-v2": "DeBERTa-v2's disentangled attention adds content-to-position and position-to-content terms "
-                  "computed inside its own attention module (it does not call transformers' attention interface), "
-                  "which headlab's backends do not compute",
+    "computed inside its own attention module (it does not call transformers' attention interface), "
+    "which headlab's backends do not compute",
     "deepseek_v3": "DeepSeek-V3's multi-head latent attention computes keys and values from a shared low-rank latent "
-                   "(kv_a_proj, then kv_b_proj) and splits each query and key into a rotary and a non-rotary part "
-                   "of other widths than the value's, so its heads have no single W_Q, W_K, W_V of one head size",
+    "(kv_a_proj, then kv_b_proj) and splits each query and key into a rotary and a non-rotary part "
+    "of other widths than the value's, so its heads have no single W_Q, W_K, W_V of one head size",
     "mpt": "MPT computes attention, with ALiBi, inside its own modules and never calls transformers' attention "
-           "interface, so headlab's backends, gates and captures have no seam to serve",
+    "interface, so headlab's backends, gates and captures have no seam to serve",
 }
 
 
@@ -81,9 +86,11 @@ def unsupported_message(what: str) -> str:
     """One line: why ``what`` (a model type or class name) is refused, and what to do."""
     if what in REFUSED:
         return f"no headlab adapter for {what!r}: {REFUSED[what]}; supported families: {_families_text()}"
-    return (f"no headlab adapter for {what!r}: it is not a Hugging Face transformers model (no config.model_type) "
-            f"nor headlab's own Transformer; Hugging Face models of any type are adapted by structure (declared "
-            f"families: {_families_text()}); to add a family see {ADDING_A_FAMILY}")
+    return (
+        f"no headlab adapter for {what!r}: it is not a Hugging Face transformers model (no config.model_type) "
+        f"nor headlab's own Transformer; Hugging Face models of any type are adapted by structure (declared "
+        f"families: {_families_text()}); to add a family see {ADDING_A_FAMILY}"
+    )
 
 
 def max_positions(config) -> int:
@@ -98,5 +105,15 @@ def max_positions(config) -> int:
     return cls.max_positions(config)
 
 
-__all__ = ["ADDING_A_FAMILY", "FAMILIES", "REFUSED", "adapter_class", "adapter_for", "max_positions",
-           "BY_STRUCTURE", "register", "supported_model_types", "unsupported_message"]
+__all__ = [
+    "ADDING_A_FAMILY",
+    "FAMILIES",
+    "REFUSED",
+    "adapter_class",
+    "adapter_for",
+    "max_positions",
+    "BY_STRUCTURE",
+    "register",
+    "supported_model_types",
+    "unsupported_message",
+]

@@ -42,26 +42,44 @@ class EncoderDecoderAdapter(HFAdapter):
         self.decoder_blocks = list(get_module(root, self.decoder_layers))
         self._Le, self._Ld = len(self.encoder_blocks), len(self.decoder_blocks)
         H, Hkv, d, E = self.shape(model.config)
-        attn = ([get_module(b, self.attention) for b in self.encoder_blocks]
-                + [get_module(b, self.decoder_attention) for b in self.decoder_blocks]
-                + [get_module(b, self.cross) for b in self.decoder_blocks])
-        outs = ([get_module(b, self.out.path) for b in self.encoder_blocks]
-                + [get_module(b, self.decoder_out.path) for b in self.decoder_blocks]
-                + [get_module(b, self.cross_out.path) for b in self.decoder_blocks])
+        attn = (
+            [get_module(b, self.attention) for b in self.encoder_blocks]
+            + [get_module(b, self.decoder_attention) for b in self.decoder_blocks]
+            + [get_module(b, self.cross) for b in self.decoder_blocks]
+        )
+        outs = (
+            [get_module(b, self.out.path) for b in self.encoder_blocks]
+            + [get_module(b, self.decoder_out.path) for b in self.decoder_blocks]
+            + [get_module(b, self.cross_out.path) for b in self.decoder_blocks]
+        )
         self.blocks = self.encoder_blocks + self.decoder_blocks + self.decoder_blocks
-        super(HFAdapter, self).__init__(model, n_layers=len(attn), n_heads=H, n_kv_heads=Hkv, head_dim=d, d_model=E,
-                                        attn_modules=attn, out_projs=outs)
+        super(HFAdapter, self).__init__(
+            model,
+            n_layers=len(attn),
+            n_heads=H,
+            n_kv_heads=Hkv,
+            head_dim=d,
+            d_model=E,
+            attn_modules=attn,
+            out_projs=outs,
+        )
 
     def _site_prefixes(self) -> list[str]:
         Le, Ld = self._Le, self._Ld
-        return ([f"encoder.{l}.attn" for l in range(Le)] + [f"decoder.{l}.attn" for l in range(Ld)]
-                + [f"decoder.{l}.cross" for l in range(Ld)])
+        return (
+            [f"encoder.{l}.attn" for l in range(Le)]
+            + [f"decoder.{l}.attn" for l in range(Ld)]
+            + [f"decoder.{l}.cross" for l in range(Ld)]
+        )
 
     @property
     def stacks(self) -> dict[str, list[int]]:
         Le, Ld = self._Le, self._Ld
-        return {"encoder": list(range(Le)), "decoder": list(range(Le, Le + Ld)),
-                "cross": list(range(Le + Ld, Le + 2 * Ld))}
+        return {
+            "encoder": list(range(Le)),
+            "decoder": list(range(Le, Le + Ld)),
+            "cross": list(range(Le + Ld, Le + 2 * Ld)),
+        }
 
     def stack_of(self, layer: int) -> str:
         return next(s for s, ids in self.stacks.items() if layer in ids)
@@ -80,7 +98,8 @@ class EncoderDecoderAdapter(HFAdapter):
             raise ConfigError(
                 f"layer {layer} ({self.site_prefixes[layer]}) is cross-attention: its residual belongs to the decoder "
                 "token, not to any of the keys, so the residual-mode decomposition does not apply; use "
-                "mode='attention'")
+                "mode='attention'"
+            )
         norms = self.norms if stack == "encoder" else self.decoder_norms
         return norms.resolve(self.blocks[layer])
 
@@ -138,8 +157,10 @@ class T5Adapter(EncoderDecoderAdapter):
     head_attrs = {"n_heads": "H", "inner_dim": "H*d"}
     positions = "relative"
     score_mods = "relative position bias (bucketed, learned)"
-    limits = {"backends": "sdpa refused on layers with a relative bias",
-              "norms": "stream=False (map-free tiles add no relative bias)"}
+    limits = {
+        "backends": "sdpa refused on layers with a relative bias",
+        "norms": "stream=False (map-free tiles add no relative bias)",
+    }
 
     @classmethod
     def shape(cls, cfg):

@@ -65,15 +65,29 @@ class Found:
     def summary(self) -> dict:
         """JSON-ready description (what ``headlab models --check`` prints)."""
         H, Hkv, d, E = self.shape
-        out = {"model_type": self.model_type, "heads": H, "kv_heads": Hkv, "head_dim": d, "d_model": E,
-               "decoder": self.is_decoder, "input": self.input_kind, "layers": self.layers, "head_attrs": self.head_attrs}
+        out = {
+            "model_type": self.model_type,
+            "heads": H,
+            "kv_heads": Hkv,
+            "head_dim": d,
+            "d_model": E,
+            "decoder": self.is_decoder,
+            "input": self.input_kind,
+            "layers": self.layers,
+            "head_attrs": self.head_attrs,
+        }
         for stack, lay in self.layouts.items():
             p = lay.projections
             proj = (f"separate({p.q}, {p.k}, {p.v})" if isinstance(p, Separate) else f"fused({p.name}, {p.order})") + (
-                ", Conv1D" if p.conv1d else "")
-            out[stack] = {"attention": lay.attention, "projections": proj, "out": lay.out.path,
-                          "norms": _norms_text(lay.norms) if lay.norms else f"not identified ({lay.norms_why})",
-                          "notes": lay.notes}
+                ", Conv1D" if p.conv1d else ""
+            )
+            out[stack] = {
+                "attention": lay.attention,
+                "projections": proj,
+                "out": lay.out.path,
+                "norms": _norms_text(lay.norms) if lay.norms else f"not identified ({lay.norms_why})",
+                "notes": lay.notes,
+            }
         return out
 
 
@@ -92,7 +106,7 @@ def _split_block(path: str, model_type: str) -> tuple[str, str]:
     cut = next((i for i, p in enumerate(parts) if p.isdigit()), None)
     if cut is None or cut == 0:
         raise refuse(model_type, f"its attention module {path!r} is not inside a list of blocks")
-    return ".".join(parts[:cut]), ".".join(parts[cut + 1:])
+    return ".".join(parts[:cut]), ".".join(parts[cut + 1 :])
 
 
 def discover(model: Any) -> Found:  # a transformers model
@@ -112,33 +126,51 @@ def discover(model: Any) -> Found:  # a transformers model
     try:
         calls = trace(model, x)
     except Exception as e:  # noqa: BLE001  (any failure of the trial run: the type is refused, saying why)
-        raise refuse(mt, f"the model does not run through transformers' attention interface "
-                          f"({type(e).__name__}: {str(e).splitlines()[0][:160]})") from None
+        raise refuse(
+            mt,
+            f"the model does not run through transformers' attention interface "
+            f"({type(e).__name__}: {str(e).splitlines()[0][:160]})",
+        ) from None
     finally:
         model.train(was_training)
     if not calls:
-        raise refuse(mt, "none of its modules calls transformers' attention interface (it computes attention in "
-                          "its own modules, as MPT's ALiBi or RoFormer do), so headlab's backends, gates and captures "
-                          "have no seam to serve; a family class with its own attention forward is needed")
+        raise refuse(
+            mt,
+            "none of its modules calls transformers' attention interface (it computes attention in "
+            "its own modules, as MPT's ALiBi or RoFormer do), so headlab's backends, gates and captures "
+            "have no seam to serve; a family class with its own attention forward is needed",
+        )
     kwargs = sorted({k for c in calls for k in c.kwargs})
     if "s_aux" in kwargs:
-        raise refuse(mt, "its attention modules pass 's_aux' (learned attention sinks) to the attention function, "
-                          "which headlab's backends do not compute")
+        raise refuse(
+            mt,
+            "its attention modules pass 's_aux' (learned attention sinks) to the attention function, "
+            "which headlab's backends do not compute",
+        )
     order: list[nn.Module] = []
     for c in calls:
         if c.module not in order:
             order.append(c.module)
     if len(order) < len(calls):
-        raise refuse(mt, "one attention module serves several layers (shared weights); a family class must say "
-                          "which layers share it (see the ALBERT family)")
+        raise refuse(
+            mt,
+            "one attention module serves several layers (shared weights); a family class must say "
+            "which layers share it (see the ALBERT family)",
+        )
     shapes = {(c.q.shape[1], c.k.shape[1], c.q.shape[-1], c.v.shape[-1]) for c in calls}
     if len(shapes) > 1:
-        raise refuse(mt, f"its layers differ in heads or head size ({sorted(shapes)}: (H, Hkv, d_qk, d_v)), as in a "
-                          "hierarchical model such as Swin; headlab's view has one head count and width per model")
+        raise refuse(
+            mt,
+            f"its layers differ in heads or head size ({sorted(shapes)}: (H, Hkv, d_qk, d_v)), as in a "
+            "hierarchical model such as Swin; headlab's view has one head count and width per model",
+        )
     H, Hkv, dq, dv = shapes.pop()
     if dq != dv:
-        raise refuse(mt, f"its queries and keys have {dq} features per head but its values {dv}: latent or "
-                          "decoupled attention (DeepSeek's MLA), whose per-head W_Q, W_K, W_V are not single matrices")
+        raise refuse(
+            mt,
+            f"its queries and keys have {dq} features per head but its values {dv}: latent or "
+            "decoupled attention (DeepSeek's MLA), whose per-head W_Q, W_K, W_V are not single matrices",
+        )
     if H % Hkv:
         raise refuse(mt, f"{H} query heads do not share {Hkv} key/value heads evenly")
     d = dq
@@ -146,8 +178,11 @@ def discover(model: Any) -> Found:  # a transformers model
     if any(id(m) not in paths for m in order):
         raise refuse(mt, "its attention modules are not under model.base_model")
     if any(c.q.shape[0] != c.k.shape[0] or c.q.shape[0] != next(iter(x.values())).shape[0] for c in calls):
-        raise refuse(mt, "its attention runs over a batch axis that is not the input's (windows or chunks folded "
-                          "into the batch, as Swin's shifted windows do)")
+        raise refuse(
+            mt,
+            "its attention runs over a batch axis that is not the input's (windows or chunks folded "
+            "into the batch, as Swin's shifted windows do)",
+        )
 
     # stacks: one, or encoder / decoder / cross for an encoder-decoder
     stacks: dict[str, list[Call]] = {}
@@ -156,12 +191,18 @@ def discover(model: Any) -> Found:  # a transformers model
         enc_ids = {id(m) for m in enc.modules()} if enc is not None else set()
         L_enc = next((c.k.shape[2] for c in calls if id(c.module) in enc_ids), None)
         for c in calls:
-            stack = "encoder" if id(c.module) in enc_ids else (
-                "cross" if c.k.shape[2] == L_enc and c.q.shape[2] != L_enc else "decoder")
+            stack = (
+                "encoder"
+                if id(c.module) in enc_ids
+                else ("cross" if c.k.shape[2] == L_enc and c.q.shape[2] != L_enc else "decoder")
+            )
             stacks.setdefault(stack, []).append(c)
         if set(stacks) != {"encoder", "decoder", "cross"}:
-            raise refuse(mt, f"an encoder-decoder whose attention calls split into {sorted(stacks)}, not encoder, "
-                              "decoder and cross-attention")
+            raise refuse(
+                mt,
+                f"an encoder-decoder whose attention calls split into {sorted(stacks)}, not encoder, "
+                "decoder and cross-attention",
+            )
     else:
         stacks["blocks"] = calls
 
@@ -173,19 +214,23 @@ def discover(model: Any) -> Found:  # a transformers model
         lists = {s[0] for s in split}
         rels = {s[1] for s in split}
         if len(lists) != 1 or len(rels) != 1:
-            raise refuse(mt, f"its {stack} attention modules are not at one place in one list of blocks "
-                              f"({sorted(paths[id(c.module)] for c in cs)[:3]} ...)")
+            raise refuse(
+                mt,
+                f"its {stack} attention modules are not at one place in one list of blocks "
+                f"({sorted(paths[id(c.module)] for c in cs)[:3]} ...)",
+            )
         blist = root.get_submodule(lists.pop())
         n_blocks = len(blist) if hasattr(blist, "__len__") else -1
         if n_blocks != len(cs):
             raise refuse(mt, f"its {stack} has {n_blocks} blocks but {len(cs)} attention calls")
-        layers["encoder" if stack == "encoder" else ("decoder" if stack != "blocks" else "blocks")] = \
-            split[0][0]
+        layers["encoder" if stack == "encoder" else ("decoder" if stack != "blocks" else "blocks")] = split[0][0]
         attn_rel[stack] = rels.pop()
         blocks0[stack] = root.get_submodule(f"{split[0][0]}.0")
 
-    layouts = {stack: stack_layout(model, x, blocks0[stack], attn_rel[stack], cs[0], H, Hkv, d, mt, stack)
-               for stack, cs in stacks.items()}
+    layouts = {
+        stack: stack_layout(model, x, blocks0[stack], attn_rel[stack], cs[0], H, Hkv, d, mt, stack)
+        for stack, cs in stacks.items()
+    }
     E = out_features(layouts[next(iter(layouts))].out_module)
     attn0 = calls[0].module
     heads = head_attrs(attn0, H, Hkv, d)
@@ -194,9 +239,17 @@ def discover(model: Any) -> Found:  # a transformers model
     first_self = selves[0].module
     is_decoder = bool(getattr(first_self, "is_causal", False)) and not is_encoder_decoder(model)
     seen = max(c.k.shape[2] for c in calls)
-    return Found(model_type=mt, shape=(H, Hkv, d, E), is_decoder=is_decoder, input_kind=input_kind(model),
-                 positions_seen=int(seen), layers=layers, layouts={s: lay.layout for s, lay in layouts.items()},
-                 head_attrs=heads, kwargs=kwargs)
+    return Found(
+        model_type=mt,
+        shape=(H, Hkv, d, E),
+        is_decoder=is_decoder,
+        input_kind=input_kind(model),
+        positions_seen=int(seen),
+        layers=layers,
+        layouts={s: lay.layout for s, lay in layouts.items()},
+        head_attrs=heads,
+        kwargs=kwargs,
+    )
 
 
 # -- the adapter class structure gives -----------------------------------------------------------------------------
@@ -216,24 +269,47 @@ def adapter_class_for(model: nn.Module) -> tuple[type[HFAdapter], Found]:
     for stack, lay in found.layouts.items():
         if lay.norms is None and stack != "cross":
             limits["norms"] = f"attention mode only ({lay.norms_why})"
-    attrs = dict(family=found.model_type, model_types=(found.model_type,), by_structure=True, found=found,
-                 description=f"{found.model_type} (adapted by structure)", is_decoder=found.is_decoder,
-                 head_attrs=found.head_attrs, positions="by structure", limits=limits, stock_config=False,
-                 shape=classmethod(lambda cls, cfg: found.shape),
-                 max_positions=classmethod(lambda cls, cfg: _max_positions(cfg, found)))
+    attrs = dict(
+        family=found.model_type,
+        model_types=(found.model_type,),
+        by_structure=True,
+        found=found,
+        description=f"{found.model_type} (adapted by structure)",
+        is_decoder=found.is_decoder,
+        head_attrs=found.head_attrs,
+        positions="by structure",
+        limits=limits,
+        stock_config=False,
+        shape=classmethod(lambda cls, cfg: found.shape),
+        max_positions=classmethod(lambda cls, cfg: _max_positions(cfg, found)),
+    )
     if "blocks" in found.layouts:
         lay = found.layouts["blocks"]
-        attrs.update(layers=found.layers["blocks"], attention=lay.attention, projections=lay.projections,
-                     out=lay.out, norms=lay.norms or Norms())
+        attrs.update(
+            layers=found.layers["blocks"],
+            attention=lay.attention,
+            projections=lay.projections,
+            out=lay.out,
+            norms=lay.norms or Norms(),
+        )
         if lay.norms is None:
             attrs["attention_norm"] = _no_norms(lay.norms_why)
         attrs["cut_heads"] = _cut
         return type(name, (HFAdapter,), attrs), found
     enc, dec, cross = found.layouts["encoder"], found.layouts["decoder"], found.layouts["cross"]
-    attrs.update(encoder_layers=found.layers["encoder"], decoder_layers=found.layers["decoder"],
-                 attention=enc.attention, decoder_attention=dec.attention, cross=cross.attention,
-                 projections=enc.projections, out=enc.out, decoder_out=dec.out, cross_out=cross.out,
-                 norms=enc.norms or Norms(), decoder_norms=dec.norms or Norms())
+    attrs.update(
+        encoder_layers=found.layers["encoder"],
+        decoder_layers=found.layers["decoder"],
+        attention=enc.attention,
+        decoder_attention=dec.attention,
+        cross=cross.attention,
+        projections=enc.projections,
+        out=enc.out,
+        decoder_out=dec.out,
+        cross_out=cross.out,
+        norms=enc.norms or Norms(),
+        decoder_norms=dec.norms or Norms(),
+    )
     if enc.projections != dec.projections or enc.projections != cross.projections:
         raise refuse(found.model_type, "its encoder, decoder and cross-attention name their projections differently")
     attrs["cut_heads"] = _cut
@@ -254,10 +330,18 @@ def _cut(self, attn, out, q_heads, kv_heads, H, Hkv):
     d = self.head_dim
     for n, m in attn.named_modules():
         w = getattr(m, "weight", None)
-        if is_norm(m) and isinstance(w, torch.Tensor) and w.dim() == 1 and w.numel() in (H * d, Hkv * d) and w.numel() != d:
-            raise PruneError(f"the {self.family!r} attention normalises all heads' features together ({n}: "
-                             f"{w.numel()} features), so removing a head would change the others; gate heads "
-                             "instead (adapter.gates), or declare the layout in a family class as OLMo 2's does")
+        if (
+            is_norm(m)
+            and isinstance(w, torch.Tensor)
+            and w.dim() == 1
+            and w.numel() in (H * d, Hkv * d)
+            and w.numel() != d
+        ):
+            raise PruneError(
+                f"the {self.family!r} attention normalises all heads' features together ({n}: "
+                f"{w.numel()} features), so removing a head would change the others; gate heads "
+                "instead (adapter.gates), or declare the layout in a family class as OLMo 2's does"
+            )
     HFAdapter.cut_heads(self, attn, out, q_heads, kv_heads, H, Hkv)
     if "mask_bias" not in self.found.kwargs and "position_bias" not in self.found.kwargs:
         return
@@ -270,8 +354,10 @@ def _cut(self, attn, out, q_heads, kv_heads, H, Hkv):
 
 def _no_norms(why: str):
     def attention_norm(self, layer: int):
-        raise UnsupportedArchitectureError(f"residual-mode norms are not available for {self.family!r}: {why}; "
-                                           "use mode='attention'")
+        raise UnsupportedArchitectureError(
+            f"residual-mode norms are not available for {self.family!r}: {why}; use mode='attention'"
+        )
+
     return attention_norm
 
 
@@ -292,8 +378,13 @@ def _signature(fam) -> dict:
     p = fam.__dict__.get("projections", getattr(fam, "projections", None))
     proj = getattr(p, "order", "separate") if p is not None and not isinstance(p, property) else "?"
     conv = bool(getattr(p, "conv1d", False)) if p is not None and not isinstance(p, property) else False
-    return {"projections": proj, "conv1d": conv, "norms": norm_layout_of(fam), "stacks": issubclass(fam, EncoderDecoderAdapter),
-            "decoder": bool(fam.is_decoder)}
+    return {
+        "projections": proj,
+        "conv1d": conv,
+        "norms": norm_layout_of(fam),
+        "stacks": issubclass(fam, EncoderDecoderAdapter),
+        "decoder": bool(fam.is_decoder),
+    }
 
 
 def nearest_by_structure(model_type: str) -> str | None:
@@ -306,9 +397,13 @@ def nearest_by_structure(model_type: str) -> str | None:
         return None
     lay = next(iter(found.layouts.values()))
     p = lay.projections
-    mine = {"projections": getattr(p, "order", "separate"), "conv1d": bool(p.conv1d),
-            "norms": norm_layout_of(type("F", (), {"norms": lay.norms})) if lay.norms else "?",
-            "stacks": "encoder" in found.layouts, "decoder": found.is_decoder}
+    mine = {
+        "projections": getattr(p, "order", "separate"),
+        "conv1d": bool(p.conv1d),
+        "norms": norm_layout_of(type("F", (), {"norms": lay.norms})) if lay.norms else "?",
+        "stacks": "encoder" in found.layouts,
+        "decoder": found.is_decoder,
+    }
     best = max(FAMILIES, key=lambda fam: sum(_signature(fam)[k] == v for k, v in mine.items()), default=None)
     return None if best is None else best.family
 

@@ -17,15 +17,54 @@ STEPS = ("capture", "backends", "gates", "statistics", "importance", "pruning", 
 # model types no family declares that the test suite runs through every step (tests/test_architectures.py), each
 # adapted by structure and checked at load; a test keeps this list equal to the suite's
 VERIFIED_BY_STRUCTURE = (
-    "qwen2_moe", "qwen3_moe", "smollm3", "granite", "granitemoe", "olmoe", "glm4", "nemotron", "gpt_bigcode", "cohere2",
-    "olmo3", "arcee", "helium", "ernie4_5", "seed_oss", "hunyuan_v1_dense", "apertus", "ministral", "exaone4",
-    "biogpt", "camembert", "esm", "ernie", "data2vec-text", "xlm-roberta-xl", "deit", "beit", "dinov2",
-    "siglip_vision_model", "clip_vision_model", "vit_msn", "wav2vec2", "hubert", "unispeech", "sew", "mbart",
-    "pegasus", "marian", "m2m_100", "blenderbot", "blenderbot-small", "plbart", "mt5",
+    "qwen2_moe",
+    "qwen3_moe",
+    "smollm3",
+    "granite",
+    "granitemoe",
+    "olmoe",
+    "glm4",
+    "nemotron",
+    "gpt_bigcode",
+    "cohere2",
+    "olmo3",
+    "arcee",
+    "helium",
+    "ernie4_5",
+    "seed_oss",
+    "hunyuan_v1_dense",
+    "apertus",
+    "ministral",
+    "exaone4",
+    "biogpt",
+    "camembert",
+    "esm",
+    "ernie",
+    "data2vec-text",
+    "xlm-roberta-xl",
+    "deit",
+    "beit",
+    "dinov2",
+    "siglip_vision_model",
+    "clip_vision_model",
+    "vit_msn",
+    "wav2vec2",
+    "hubert",
+    "unispeech",
+    "sew",
+    "mbart",
+    "pegasus",
+    "marian",
+    "m2m_100",
+    "blenderbot",
+    "blenderbot-small",
+    "plbart",
+    "mt5",
 )
 # caveats the suite shows for some of them (physical removal, residual-mode norms)
 STRUCTURE_LIMITS = {
-    "olmoe": "pruning refused: its q/k norms span all heads", "olmo3": "pruning refused: its q/k norms span all heads",
+    "olmoe": "pruning refused: its q/k norms span all heads",
+    "olmo3": "pruning refused: its q/k norms span all heads",
     "beit": "residual-mode norms refused: LayerScale scales the attention branch",
 }
 
@@ -54,9 +93,14 @@ def support_rows() -> list[dict]:
     rows = []
     for fam in FAMILIES:
         limits = dict(getattr(fam, "limits", {}))
-        row = {"family": fam.family, "model_types": list(fam.model_types), "description": fam.description,
-               "positions": _declared(fam, "positions") or "by config", "score_mods": fam.score_mods or "-",
-               "norm_layout": norm_layout_of(fam)}
+        row = {
+            "family": fam.family,
+            "model_types": list(fam.model_types),
+            "description": fam.description,
+            "positions": _declared(fam, "positions") or "by config",
+            "score_mods": fam.score_mods or "-",
+            "norm_layout": norm_layout_of(fam),
+        }
         for step in STEPS:
             row[step] = "yes" + (f": {limits[step]}" if step in limits else "")
         rows.append(row)
@@ -74,15 +118,24 @@ def support_markdown() -> str:
         if r["family"] is None:
             refused.append(f"- `{r['model_types'][0]}`: refused ({r['refused']}).")
             continue
-        cells = [f"`{r['family']}`", ", ".join(r["model_types"]), r["positions"], r["norm_layout"], r["score_mods"],
-                 *(r[s] for s in STEPS)]
+        cells = [
+            f"`{r['family']}`",
+            ", ".join(r["model_types"]),
+            r["positions"],
+            r["norm_layout"],
+            r["score_mods"],
+            *(r[s] for s in STEPS),
+        ]
         lines.append("| " + " | ".join(cells) + " |")
     served = ", ".join(f"{t} ({STRUCTURE_LIMITS[t]})" if t in STRUCTURE_LIMITS else t for t in VERIFIED_BY_STRUCTURE)
-    return ("\n".join(lines) + "\n\nAdapted by structure (no declaration), checked at load, and run through every step "
-            f"by the test suite ({len(VERIFIED_BY_STRUCTURE)} types): {served}.\n\nAny other model type is adapted by "
-            "its structure and served only if the load-time check passes on its weights (`headlab models --check "
-            "PATH` prints each check).\n\nRefused with `UnsupportedArchitectureError`, before anything runs:\n\n"
-            + "\n".join(refused) + "\n")
+    return (
+        "\n".join(lines) + "\n\nAdapted by structure (no declaration), checked at load, and run through every step "
+        f"by the test suite ({len(VERIFIED_BY_STRUCTURE)} types): {served}.\n\nAny other model type is adapted by "
+        "its structure and served only if the load-time check passes on its weights (`headlab models --check "
+        "PATH` prints each check).\n\nRefused with `UnsupportedArchitectureError`, before anything runs:\n\n"
+        + "\n".join(refused)
+        + "\n"
+    )
 
 
 __all__ = ["STEPS", "STRUCTURE_LIMITS", "VERIFIED_BY_STRUCTURE", "support_markdown", "support_rows"]

@@ -47,10 +47,21 @@ def _trace_attention(module, query, key, value, attention_mask, dropout=0.0, sca
     p = torch.softmax(s, -1).nan_to_num(0.0).to(value.dtype)
     out = torch.matmul(p, v.to(p.dtype))  # (B, H, Lq, dv)
     if _RECORD is not None:
-        biased = attention_mask is not None and attention_mask.is_floating_point() and bool(
-            ((attention_mask != 0) & (attention_mask > torch.finfo(attention_mask.dtype).min / 2)).any())
-        _RECORD.append(Call(module, query.detach(), key.detach(), value.detach(), out.detach(),
-                             sorted(kwargs) + (["mask_bias"] if biased else [])))
+        biased = (
+            attention_mask is not None
+            and attention_mask.is_floating_point()
+            and bool(((attention_mask != 0) & (attention_mask > torch.finfo(attention_mask.dtype).min / 2)).any())
+        )
+        _RECORD.append(
+            Call(
+                module,
+                query.detach(),
+                key.detach(),
+                value.detach(),
+                out.detach(),
+                sorted(kwargs) + (["mask_bias"] if biased else []),
+            )
+        )
     return out.transpose(1, 2).contiguous(), p
 
 
@@ -118,11 +129,18 @@ def recording(modules: dict[str, nn.Module]):
     rec: dict[str, tuple] = {}
     handles = []
     for name, m in modules.items():
+
         def hook(mod, args, kwargs, out, name=name):
             x = args[0] if args and isinstance(args[0], torch.Tensor) else kwargs.get("hidden_states")
             y = _first_tensor(out)  # copies: a block may add into a module's output in place (Falcon's MLP)
-            rec.setdefault(name, (x.detach().clone() if isinstance(x, torch.Tensor) else None,
-                                  None if y is None else y.detach().clone()))
+            rec.setdefault(
+                name,
+                (
+                    x.detach().clone() if isinstance(x, torch.Tensor) else None,
+                    None if y is None else y.detach().clone(),
+                ),
+            )
+
         handles.append(m.register_forward_hook(hook, with_kwargs=True))
     try:
         yield rec
@@ -161,13 +179,12 @@ def is_norm(m: nn.Module) -> bool:
     return "norm" in type(m).__name__.lower() and not isinstance(m, nn.modules.batchnorm._BatchNorm)
 
 
-
 def refuse(model_type: str, why: str) -> UnsupportedArchitectureError:
     from headlab.models.hf.registry import ADDING_A_FAMILY
 
-    return UnsupportedArchitectureError(f"no headlab adapter for {model_type!r}: {why}; to declare what structure "
-                                        f"cannot show see {ADDING_A_FAMILY}")
-
+    return UnsupportedArchitectureError(
+        f"no headlab adapter for {model_type!r}: {why}; to declare what structure cannot show see {ADDING_A_FAMILY}"
+    )
 
 
 def continues_from(s: torch.Tensor, rec: dict, *, skip=lambda name: False, atol: float = ATOL) -> bool:
@@ -202,6 +219,15 @@ def mark_norms(rec: dict, named: dict) -> dict:
     return out
 
 
-
-__all__ = ["ATOL", "TRACE", "close", "continues_from", "implementation", "is_linear", "mark_norms", "recording", "refuse",
-           "trace"]
+__all__ = [
+    "ATOL",
+    "TRACE",
+    "close",
+    "continues_from",
+    "implementation",
+    "is_linear",
+    "mark_norms",
+    "recording",
+    "refuse",
+    "trace",
+]

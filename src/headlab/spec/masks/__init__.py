@@ -49,9 +49,29 @@ from headlab.spec.masks.patterns import dilated_window, fixed, sliding_window, s
 from headlab.spec.score_mods import ScoreMod, alibi, alibi_slopes, bias_tensor, relative_bias, softcap
 
 __all__ = [
-    "MaskFn", "as_mask", "causal", "causal_lower_right", "padding", "full",
-    "sliding_window", "dilated_window", "strided", "fixed", "global_tokens", "bigbird", "block_layout",
-    "documents", "from_string", "pattern", "pattern_names", "band_of",
+    "MaskFn",
+    "as_mask",
+    "causal",
+    "causal_lower_right",
+    "padding",
+    "full",
+    "sliding_window",
+    "dilated_window",
+    "strided",
+    "fixed",
+    "global_tokens",
+    "bigbird",
+    "block_layout",
+    "documents",
+    "from_string",
+    "pattern",
+    "pattern_names",
+    "band_of",
     # score modifications (FlexAttention's score_mod), see headlab.spec.score_mods
-    "ScoreMod", "alibi", "alibi_slopes", "bias_tensor", "relative_bias", "softcap",
+    "ScoreMod",
+    "alibi",
+    "alibi_slopes",
+    "bias_tensor",
+    "relative_bias",
+    "softcap",
 ]

@@ -111,11 +111,17 @@ class MaskFn:
     def check_sizes(self, batch: int, heads: int) -> None:
         # a mask that depends on the batch index is evaluated at every index of the call's batch: it must have been
         # built for that batch (padding([3]) for a batch of 2 has no length for the second element)
-        if self.batch_dependent and self.batch_size is not None and self.batch_size != batch \
-                and getattr(self, "lengths", None) is not None:
+        if (
+            self.batch_dependent
+            and self.batch_size is not None
+            and self.batch_size != batch
+            and getattr(self, "lengths", None) is not None
+        ):
             n = len(self.lengths)
-            raise MaskError(f"{self.name} has {n} length{'s' if n != 1 else ''} (it was built for batch size {n}) but "
-                            f"the call has a batch of {batch}; give one valid key length per batch element")
+            raise MaskError(
+                f"{self.name} has {n} length{'s' if n != 1 else ''} (it was built for batch size {n}) but "
+                f"the call has a batch of {batch}; give one valid key length per batch element"
+            )
         if self.batch_size is not None and self.batch_size not in ((batch,) if self.batch_dependent else (1, batch)):
             raise MaskError(
                 f"mask {self.name!r} was built for batch size {self.batch_size} but the call has batch {batch}; "
@@ -165,8 +171,9 @@ class MaskFn:
             out = out.expand(batch, heads, q.shape[2], kv_len)
         return out
 
-    def block_hint(self, q_len: int, kv_len: int, block_q: int, block_k: int, device,
-                   rows: Rows = None) -> torch.Tensor | None:
+    def block_hint(
+        self, q_len: int, kv_len: int, block_q: int, block_k: int, device, rows: Rows = None
+    ) -> torch.Tensor | None:
         """Block states ``(Bm, Hm, n_q_blocks, n_kv_blocks)`` from the closed-form classifier, or None
         when there is none (:func:`headlab.spec.blocks.block_map` then evaluates the mask).
         ``rows=(i0, i1)``: only tile rows ``[i0, i1)``, ``(Bm, Hm, i1 - i0, n_kv_blocks)``."""
@@ -181,18 +188,21 @@ class MaskFn:
             return self._blocks(lq, lk, bq, bk, device)
         if self._blocks_rows:
             return self._blocks(lq, lk, bq, bk, device, rows=rows)
-        return self._blocks(lq, lk, bq, bk, device)[:, :, rows[0]:rows[1]]  # a classifier without rows=
+        return self._blocks(lq, lk, bq, bk, device)[:, :, rows[0] : rows[1]]  # a classifier without rows=
 
     # -- composition ----------------------------------------------------------------------
     def _combine(self, other: MaskFn, op: str) -> MaskFn:
         other = as_mask(other)
         f, g = self._fn, other._fn
         if op == "&":
+
             def fn(b, h, q, kv, lq, lk):
                 return f(b, h, q, kv, lq, lk) & g(b, h, q, kv, lq, lk)
         else:
+
             def fn(b, h, q, kv, lq, lk):
                 return f(b, h, q, kv, lq, lk) | g(b, h, q, kv, lq, lk)
+
         blocks = None
         if self._blocks is not None and other._blocks is not None:
             a, c = self, other
@@ -200,6 +210,7 @@ class MaskFn:
 
             def blocks(lq, lk, bq, bk, device, rows=None):
                 return reduce(a._hint(lq, lk, bq, bk, device, rows), c._hint(lq, lk, bq, bk, device, rows))
+
         out = MaskFn(
             fn,
             f"({self.name} {op} {other.name})",
@@ -237,9 +248,15 @@ class MaskFn:
             def blocks(lq, lk, bq, bk, device, rows=None):
                 return FULL - a._hint(lq, lk, bq, bk, device, rows)  # FULL <-> EMPTY, PARTIAL stays
 
-        out = MaskFn(fn, f"~{self.name}", batch_dependent=self.batch_dependent,
-                     head_dependent=self.head_dependent, batch_size=self.batch_size,
-                     num_heads=self.num_heads, blocks=blocks)
+        out = MaskFn(
+            fn,
+            f"~{self.name}",
+            batch_dependent=self.batch_dependent,
+            head_dependent=self.head_dependent,
+            batch_size=self.batch_size,
+            num_heads=self.num_heads,
+            blocks=blocks,
+        )
         out.parts = ("~", self)
         return out
 
@@ -266,6 +283,7 @@ def as_mask(f) -> MaskFn:
 
 # -- block classifiers with closed forms ----------------------------------------------------
 
+
 def block_bounds(n: int, block: int, device, rows: Rows = None) -> tuple[torch.Tensor, torch.Tensor]:
     """First and last position of every tile (of the tiles ``[i0, i1)`` with ``rows``)."""
     i0, i1 = rows if rows is not None else (0, -(-n // block))
@@ -289,6 +307,7 @@ def _diagonal_blocks(offset: int):
 
 
 # -- the masks ------------------------------------------------------------------------------
+
 
 def full() -> MaskFn:
     """Every query sees every key (the identity of ``&``)."""
@@ -333,10 +352,15 @@ def padding(lengths: Sequence[int] | torch.Tensor) -> MaskFn:
     try:
         given = torch.as_tensor(lengths)
     except (TypeError, ValueError, RuntimeError):  # None, a string, a dict, a ragged list
-        raise ConfigError(f"padding(lengths) needs one length per batch element (a list or a 1-D tensor of "
-                          f"integers); got {type(lengths).__name__}") from None
-    if given.dtype == torch.bool or given.is_complex() or (given.is_floating_point() and not bool(
-            (torch.isfinite(given) & (given == given.round())).all())):  # 2.5 would be truncated to 2, True read as 1
+        raise ConfigError(
+            f"padding(lengths) needs one length per batch element (a list or a 1-D tensor of "
+            f"integers); got {type(lengths).__name__}"
+        ) from None
+    if (
+        given.dtype == torch.bool
+        or given.is_complex()
+        or (given.is_floating_point() and not bool((torch.isfinite(given) & (given == given.round())).all()))
+    ):  # 2.5 would be truncated to 2, True read as 1
         raise ConfigError(f"padding lengths must be whole numbers, one per batch element; got {given.tolist()}")
     lengths_t = given.to(torch.long).flatten()
     if lengths_t.numel() == 0:
@@ -355,8 +379,7 @@ def padding(lengths: Sequence[int] | torch.Tensor) -> MaskFn:
         state = torch.where(ke[None, :] < n, FULL, torch.where(ks[None, :] < n, PARTIAL, EMPTY)).to(torch.int8)
         return state[:, None, None, :].expand(-1, 1, n_qb, -1).contiguous()  # (B, 1, n_qb, n_kb)
 
-    m = MaskFn(fn, f"padding({lengths_t.tolist()})", batch_dependent=True, batch_size=lengths_t.numel(),
-               blocks=blocks)
+    m = MaskFn(fn, f"padding({lengths_t.tolist()})", batch_dependent=True, batch_size=lengths_t.numel(), blocks=blocks)
     m.lengths = lengths_t.tolist()  # the valid key length of each batch element (the cost model reads it)
     return m
 
@@ -364,5 +387,3 @@ def padding(lengths: Sequence[int] | torch.Tensor) -> MaskFn:
 def prefix_length(flags: torch.Tensor) -> torch.Tensor:
     """``out[i] = flags[:i].sum()`` (length ``len(flags) + 1``) for interval counts."""
     return torch.nn.functional.pad(torch.cumsum(flags.to(torch.long), 0), (1, 0))
-
-

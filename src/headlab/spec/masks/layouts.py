@@ -48,8 +48,10 @@ def global_tokens(indices: Sequence[int] | torch.Tensor) -> MaskFn:
     def check(lq, lk):
         if low >= max(lq, lk):
             shown = idx.tolist() if idx.numel() <= 8 else idx[:8].tolist() + ["..."]
-            raise MaskError(f"global_tokens {shown}: every index is outside the sequence (q_len={lq}, kv_len={lk}), "
-                            f"so no token would be global; indices must be < {max(lq, lk)}")
+            raise MaskError(
+                f"global_tokens {shown}: every index is outside the sequence (q_len={lq}, kv_len={lk}), "
+                f"so no token would be global; indices must be < {max(lq, lk)}"
+            )
 
     def flags(n, device):
         f = torch.zeros(n, dtype=torch.bool, device=device)
@@ -118,8 +120,9 @@ def _layout_mask(get_layout, bq_: int, bk_: int, name: str, *, heads: int | None
     return m
 
 
-def bigbird(block: int, window_blocks: int = 3, global_blocks: int = 2, random_blocks: int = 3,
-            seed: int = 0) -> MaskFn:
+def bigbird(
+    block: int, window_blocks: int = 3, global_blocks: int = 2, random_blocks: int = 3, seed: int = 0
+) -> MaskFn:
     """BigBird's block-sparse pattern (Zaheer et al. 2020, the ITC variant).
 
     The sequence is cut into blocks of ``block`` positions. Block row ``i`` sees: the
@@ -227,7 +230,8 @@ def block_layout(layout: torch.Tensor, block: int | tuple[int, int]) -> MaskFn:
     if lay.dim() not in (2, 3) or lay.numel() == 0:
         raise MaskError(
             f"block_layout needs a (n_q_blocks, n_kv_blocks) or (heads, n_q_blocks, n_kv_blocks) layout, "
-            f"got shape {tuple(lay.shape)}")
+            f"got shape {tuple(lay.shape)}"
+        )
     bq_, bk_ = (block, block) if not isinstance(block, tuple | list) else tuple(block)
     bq_ = checks.positive_int("block_layout block_q", bq_)
     bk_ = checks.positive_int("block_layout block_k", bk_)
@@ -238,7 +242,8 @@ def block_layout(layout: torch.Tensor, block: int | tuple[int, int]) -> MaskFn:
         if lay3.shape[1:] != (nq, nk):
             raise MaskError(
                 f"block_layout has {lay3.shape[1]} x {lay3.shape[2]} blocks of {bq_} x {bk_} but the call needs "
-                f"{nq} x {nk} (ceil(q_len / {bq_}) x ceil(kv_len / {bk_})); build the layout for this length")
+                f"{nq} x {nk} (ceil(q_len / {bq_}) x ceil(kv_len / {bk_})); build the layout for this length"
+            )
         return lay3[:, c0:c1].to(device)
 
     m = _layout_mask(get_layout, bq_, bk_, f"block_layout({tuple(lay.shape)}, {bq_}x{bk_})", heads=heads)
@@ -274,7 +279,8 @@ def documents(lengths: Sequence[int] | torch.Tensor) -> MaskFn:
         if lq != total or lk != total:
             raise MaskError(
                 f"documents({lens.tolist() if lens.numel() <= 8 else '...'}) covers {total} positions but the call "
-                f"has q_len={lq}, kv_len={lk}; the lengths must add up to the sequence length")
+                f"has q_len={lq}, kv_len={lk}; the lengths must add up to the sequence length"
+            )
         return torch.bucketize(torch.arange(n, device=device), ends.to(device), right=True)
 
     def fn(b, h, q, kv, lq, lk):
@@ -296,5 +302,3 @@ def documents(lengths: Sequence[int] | torch.Tensor) -> MaskFn:
     m = MaskFn(fn, f"documents({shown})", blocks=blocks)
     m.lengths = lens.tolist()  # every document length (the name shows at most 8; the cost model reads this)
     return m
-
-

@@ -36,15 +36,17 @@ def pattern_names() -> list[str]:
 def pattern(name: str) -> Callable[..., MaskFn]:
     """The constructor of the pattern called ``name`` (the one table the text form and the CLI read).
 
-        >>> from headlab import masks
-        >>> masks.pattern("sliding_window") is masks.sliding_window
-        True
+    >>> from headlab import masks
+    >>> masks.pattern("sliding_window") is masks.sliding_window
+    True
     """
     try:
         return _PATTERNS[name]
     except (KeyError, TypeError):
-        raise ConfigError(f"unknown mask pattern {name!r}; known patterns: {', '.join(_PATTERNS)} "
-                          "(or a spec such as 'sliding_window:4&causal')") from None
+        raise ConfigError(
+            f"unknown mask pattern {name!r}; known patterns: {', '.join(_PATTERNS)} "
+            "(or a spec such as 'sliding_window:4&causal')"
+        ) from None
 
 
 def _parse_arg(text: str, spec: str):
@@ -59,8 +61,10 @@ def _parse_arg(text: str, spec: str):
             return [int(x) for x in t.split(",") if x.strip() != ""]
         return int(t)
     except ValueError:
-        raise ConfigError(f"cannot read {text!r} in mask spec {spec!r}: arguments are integers, "
-                          "comma-separated integer lists, true/false or name=value") from None
+        raise ConfigError(
+            f"cannot read {text!r} in mask spec {spec!r}: arguments are integers, "
+            "comma-separated integer lists, true/false or name=value"
+        ) from None
 
 
 def _build_term(term: str, spec: str) -> MaskFn:
@@ -83,8 +87,9 @@ def _build_term(term: str, spec: str) -> MaskFn:
         inspect.signature(ctor).bind(*args, **kwargs)
     except TypeError as e:
         usage = ":".join([name, *params])
-        raise ConfigError(f"mask spec {term!r} does not fit {name}({', '.join(params)}): {e}; "
-                          f"write it as {usage}") from None
+        raise ConfigError(
+            f"mask spec {term!r} does not fit {name}({', '.join(params)}): {e}; write it as {usage}"
+        ) from None
     return ctor(*args, **kwargs)
 
 
@@ -174,4 +179,3 @@ def from_string(text: str) -> MaskFn:
     if pos != len(tokens):
         raise ConfigError(f"unexpected {tokens[pos]!r} in mask spec {spec!r}; combine patterns with & | ~")
     return m
-

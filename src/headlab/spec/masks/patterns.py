@@ -53,6 +53,7 @@ def _offset_blocks(visible_offset):
 
 def _offset_mask(visible_offset, name: str, band: tuple[int | None, int | None] | None = None) -> MaskFn:
     """A mask of the offset alone; ``band``: ``(lo, hi)`` when the visible offsets are exactly ``lo..hi``."""
+
     def fn(b, h, q, kv, lq, lk):
         return visible_offset(q - kv, lq, lk)
 
@@ -113,8 +114,9 @@ def dilated_window(window: int, dilation: int, causal: bool = False) -> MaskFn:
     reach = w * s
     band = ((0 if causal else -reach), reach) if s == 1 else None  # dilation 1: every offset of the reach
     if causal:
-        return _offset_mask(lambda d, lq, lk: (d >= 0) & (d <= reach) & (d % s == 0),
-                            f"dilated_window({w}, {s}, causal)", band)
+        return _offset_mask(
+            lambda d, lq, lk: (d >= 0) & (d <= reach) & (d % s == 0), f"dilated_window({w}, {s}, causal)", band
+        )
     return _offset_mask(lambda d, lq, lk: (d.abs() <= reach) & (d % s == 0), f"dilated_window({w}, {s})", band)
 
 
@@ -205,5 +207,3 @@ def fixed(stride: int, summary: int = 1, causal: bool = True) -> MaskFn:
         return state.view(1, 1, *state.shape)
 
     return MaskFn(fn, f"fixed({s}, {c}{'' if causal else ', non-causal'})", blocks=blocks)
-
-

@@ -81,8 +81,16 @@ from headlab.spec import feature_maps
 from headlab.spec.attention_spec import AttentionSpec, default_scale, validate
 from headlab.spec.memory_guard import check_fits
 
-__all__ = ["DEFAULT_CHUNK", "DEFAULT_FAVOR_FEATURES", "FEATURE_MAP_ALIASES", "LinearBackend", "LinearConfig",
-           "LinearState", "from_string", "working_set_bytes"]
+__all__ = [
+    "DEFAULT_CHUNK",
+    "DEFAULT_FAVOR_FEATURES",
+    "FEATURE_MAP_ALIASES",
+    "LinearBackend",
+    "LinearConfig",
+    "LinearState",
+    "from_string",
+    "working_set_bytes",
+]
 
 
 @register
@@ -102,14 +110,22 @@ class LinearBackend(Backend):
 
     name = "linear"
     summary = "linear attention phi(q)(phi(k)^T v): elu+1 (default), relu, FAVOR+; approximate"
-    capabilities = Capabilities(dropout=False, returns_weights=False, exact=False, materializes=False,
-                                additive_mask=False, returns_lse=False)
+    capabilities = Capabilities(
+        dropout=False, returns_weights=False, exact=False, materializes=False, additive_mask=False, returns_lse=False
+    )
     priority = 900
     alternative = "sdpa"
     cost = staticmethod(linear_cost_for)  # reads config and working_set_bytes of the (configured) instance
 
-    def __init__(self, feature_map: str = "elu", *, num_features: int | None = None, seed: int = 0,
-                 chunk_size: int = DEFAULT_CHUNK, redraw_every: int = 0) -> None:
+    def __init__(
+        self,
+        feature_map: str = "elu",
+        *,
+        num_features: int | None = None,
+        seed: int = 0,
+        chunk_size: int = DEFAULT_CHUNK,
+        redraw_every: int = 0,
+    ) -> None:
         self.config = LinearConfig(feature_map, num_features, seed, chunk_size, redraw_every)  # type: ignore[arg-type]  # feature_map: checked by LinearConfig
         self.training = False
         self._draw = 0  # how many redraws so far
@@ -128,8 +144,9 @@ class LinearBackend(Backend):
         return self.config.features(head_dim)
 
     # -- FAVOR+ projection ------------------------------------------------------------------
-    def projection(self, head_dim: int, device: torch.device | str = "cpu",
-                   dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    def projection(
+        self, head_dim: int, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float64
+    ) -> torch.Tensor:
         """The current FAVOR+ matrix ``W``: ``(num_features, head_dim)``. Same seed, same draw."""
         if self.config.feature_map != "favor":
             raise ConfigError(f"feature map {self.config.feature_map!r} has no random projection; use 'favor'")
@@ -148,8 +165,9 @@ class LinearBackend(Backend):
     def redraw(self) -> None:
         """Draw new FAVOR+ features (the next draw of this seed's sequence: reproducible)."""
         if self.config.feature_map != "favor":
-            raise ConfigError(f"redraw() applies to FAVOR+ random features; feature map {self.config.feature_map!r} "
-                              "is deterministic")
+            raise ConfigError(
+                f"redraw() applies to FAVOR+ random features; feature map {self.config.feature_map!r} is deterministic"
+            )
         self._draw += 1
         self._calls = 0
         self._proj.clear()
@@ -188,9 +206,12 @@ class LinearBackend(Backend):
         return working_set_bytes(spec, fm, self.config.chunk_size)
 
     def check_memory(self, spec: AttentionSpec) -> None:
-        check_fits(self.working_set_bytes(spec),
-                   what=f"backend 'linear' at {spec.q_len}x{spec.kv_len}", device=spec.device,
-                   alternative=None)
+        check_fits(
+            self.working_set_bytes(spec),
+            what=f"backend 'linear' at {spec.q_len}x{spec.kv_len}",
+            device=spec.device,
+            alternative=None,
+        )
 
     def forward(self, q, k, v, spec, *, mask, scale, score_mod=None):
         self._maybe_redraw()
@@ -210,8 +231,9 @@ class LinearBackend(Backend):
             out = noncausal_sum(fq, fk, v_, group)
         return out.to(q.dtype), None, None
 
-    def _features(self, q: torch.Tensor, k: torch.Tensor, scale: float,
-                  key_mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def _features(
+        self, q: torch.Tensor, k: torch.Tensor, scale: float, key_mask: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """``phi(q)`` ``(B, H, Lq, F)`` and ``phi(k)`` ``(B, Hk, Lk, F)``, masked keys zeroed.
 
         Each may be off by a positive factor per query row (queries) or per (batch, kv head)
@@ -226,7 +248,7 @@ class LinearBackend(Backend):
                 fk = fk.masked_fill(~km, 0.0)
             return fq, fk
         w = self.projection(q.shape[-1], q.device, q.dtype)  # (m, D)
-        s = scale ** 0.5  # exp(q.k * scale) = exp((q s).(k s))
+        s = scale**0.5  # exp(q.k * scale) = exp((q s).(k s))
         # queries: exp(W q - |q|^2/2) / sqrt(m) and exp(W q - max_l (W q)_l) differ by a factor per row
         lq = torch.matmul(q, w.T * s)  # (B, H, Lq, m)
         fq = exp_minus(lq, lq.detach().amax(-1, keepdim=True))
@@ -242,8 +264,16 @@ class LinearBackend(Backend):
         return fq, fk
 
     # -- diagnostics and decoding ----------------------------------------------------------
-    def implied_weights(self, q: torch.Tensor, k: torch.Tensor, rows=None, *, mask=None,
-                        causal: bool = False, scale: float | None = None) -> torch.Tensor:
+    def implied_weights(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        rows=None,
+        *,
+        mask=None,
+        causal: bool = False,
+        scale: float | None = None,
+    ) -> torch.Tensor:
         """The attention weights this backend implies for chosen query rows.
 
         ``A_ij = phi(q_i) . phi(k_j) / sum_j' phi(q_i) . phi(k_j')`` over the visible keys.
@@ -283,8 +313,15 @@ class LinearBackend(Backend):
         den = a.sum(-1, keepdim=True)
         return a / torch.where(den > 0, den, torch.ones_like(den))
 
-    def step(self, q_t: torch.Tensor, k_t: torch.Tensor, v_t: torch.Tensor, state: LinearState | None = None,
-             *, scale: float | None = None) -> tuple[torch.Tensor, LinearState]:
+    def step(
+        self,
+        q_t: torch.Tensor,
+        k_t: torch.Tensor,
+        v_t: torch.Tensor,
+        state: LinearState | None = None,
+        *,
+        scale: float | None = None,
+    ) -> tuple[torch.Tensor, LinearState]:
         """One decoding step of causal linear attention.
 
         Args:
@@ -299,24 +336,30 @@ class LinearBackend(Backend):
         four = q_t.dim() == 4
         if four:
             if q_t.shape[2] != 1 or k_t.dim() != 4 or v_t.dim() != 4 or k_t.shape[2] != 1 or v_t.shape[2] != 1:
-                raise ShapeError(f"step takes one token: got q_t {tuple(q_t.shape)}, k_t {tuple(k_t.shape)}, "
-                                 f"v_t {tuple(v_t.shape)}; slice with x[:, :, t]")
+                raise ShapeError(
+                    f"step takes one token: got q_t {tuple(q_t.shape)}, k_t {tuple(k_t.shape)}, "
+                    f"v_t {tuple(v_t.shape)}; slice with x[:, :, t]"
+                )
             q_t, k_t, v_t = q_t[:, :, 0], k_t[:, :, 0], v_t[:, :, 0]
         if q_t.dim() != 3 or k_t.dim() != 3 or v_t.dim() != 3:
-            raise ShapeError(f"step expects q_t (B, H, D), k_t (B, Hkv, D), v_t (B, Hkv, Dv); got "
-                             f"{tuple(q_t.shape)}, {tuple(k_t.shape)}, {tuple(v_t.shape)}")
+            raise ShapeError(
+                f"step expects q_t (B, H, D), k_t (B, Hkv, D), v_t (B, Hkv, Dv); got "
+                f"{tuple(q_t.shape)}, {tuple(k_t.shape)}, {tuple(v_t.shape)}"
+            )
         B, H, D = q_t.shape
         Hk = k_t.shape[1]
         if k_t.shape[0] != B or v_t.shape[:2] != k_t.shape[:2] or k_t.shape[2] != D or Hk == 0 or H % Hk:
-            raise ShapeError(f"step: q_t {tuple(q_t.shape)}, k_t {tuple(k_t.shape)}, v_t {tuple(v_t.shape)} do not "
-                             "fit: batch must agree, k_t must have q_t's head_dim, heads a multiple of kv heads")
+            raise ShapeError(
+                f"step: q_t {tuple(q_t.shape)}, k_t {tuple(k_t.shape)}, v_t {tuple(v_t.shape)} do not "
+                "fit: batch must agree, k_t must have q_t's head_dim, heads a multiple of kv heads"
+            )
         G = H // Hk
         scale = default_scale(D) if scale is None else float(scale)
         cdt = compute_dtype(q_t.dtype)
         q_, k_, v_ = q_t.to(cdt), k_t.to(cdt), v_t.to(cdt)
         if self.config.feature_map == "favor":
             w = self.projection(D, q_t.device, cdt)
-            root, s = math.sqrt(w.shape[0]), scale ** 0.5
+            root, s = math.sqrt(w.shape[0]), scale**0.5
             lk = feature_maps.favor_logits(k_ * s, w)  # (B, Hk, m)
             mk = lk.detach().amax(-1)  # (B, Hk)
             offset = mk if state is None else torch.maximum(state.offset, mk)
@@ -344,6 +387,7 @@ class LinearBackend(Backend):
 
 # -- the two computations --------------------------------------------------------------------
 
+
 def from_string(text: str) -> LinearBackend:
     """A configured backend from a short string: ``"elu"``, ``"relu"``, ``"favor"``, ``"favor:256"``.
 
@@ -364,8 +408,9 @@ def from_string(text: str) -> LinearBackend:
         try:
             nums.append(int(p))
         except ValueError:
-            raise ConfigError(f"in feature map {text!r}, {p!r} is not a whole number; "
-                              "e.g. favor:256 or favor:256:0") from None
+            raise ConfigError(
+                f"in feature map {text!r}, {p!r} is not a whole number; e.g. favor:256 or favor:256:0"
+            ) from None
     if fm == "favor":
         return LinearBackend("favor", num_features=nums[0] if nums else None, seed=nums[1] if len(nums) > 1 else 0)
     return LinearBackend(fm)

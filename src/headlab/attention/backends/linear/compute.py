@@ -97,5 +97,3 @@ def key_mask_of(spec: AttentionSpec, mask: torch.Tensor | MaskFn | None) -> torc
             "shape (batch, 1, 1, kv_len)) and causal=True; use backend='sdpa' for exact attention with this mask"
         )
     return torch.broadcast_to(out, (out.shape[0], out.shape[1], 1, spec.kv_len))[:, :, 0, :]
-
-

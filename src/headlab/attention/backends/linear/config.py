@@ -15,11 +15,17 @@ from headlab.spec.attention_spec import AttentionSpec
 FeatureMapName = Literal["elu", "relu", "favor"]
 
 # every name a feature map goes by (the text form, approximation diagnostics and the CLI read it)
-FEATURE_MAP_ALIASES = {"elu": "elu", "elu+1": "elu", "linear": "elu", "relu": "relu",
-            "favor": "favor", "favor+": "favor", "performer": "favor"}
+FEATURE_MAP_ALIASES = {
+    "elu": "elu",
+    "elu+1": "elu",
+    "linear": "elu",
+    "relu": "relu",
+    "favor": "favor",
+    "favor+": "favor",
+    "performer": "favor",
+}
 DEFAULT_FAVOR_FEATURES = 256
 DEFAULT_CHUNK = 64
-
 
 
 @dataclass(frozen=True)
@@ -39,9 +45,13 @@ class LinearConfig:
         object.__setattr__(self, "feature_map", fm)
         if fm == "favor":
             m = DEFAULT_FAVOR_FEATURES if self.num_features is None else self.num_features
-            m = checks.positive_int("num_features", m, message="FAVOR+ needs a positive whole number of random "
-                                    "features, got num_features={value!r}; try num_features="
-                                    f"{DEFAULT_FAVOR_FEATURES} (more features: smaller error, more time)")
+            m = checks.positive_int(
+                "num_features",
+                m,
+                message="FAVOR+ needs a positive whole number of random "
+                "features, got num_features={value!r}; try num_features="
+                f"{DEFAULT_FAVOR_FEATURES} (more features: smaller error, more time)",
+            )
             object.__setattr__(self, "num_features", m)
         elif self.num_features is not None:
             raise ConfigError(
@@ -49,8 +59,9 @@ class LinearConfig:
                 "favor only (e.g. LinearBackend('favor', num_features=256))"
             )
         object.__setattr__(self, "chunk_size", checks.positive_int("chunk_size", self.chunk_size))
-        object.__setattr__(self, "redraw_every", checks.non_negative_int("redraw_every", self.redraw_every,
-                                                                         what=" (0: never)"))
+        object.__setattr__(
+            self, "redraw_every", checks.non_negative_int("redraw_every", self.redraw_every, what=" (0: never)")
+        )
         object.__setattr__(self, "seed", checks.integer("seed", self.seed))
 
     def label(self) -> str:
@@ -99,8 +110,7 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
-def working_set_bytes(spec: AttentionSpec, num_features: int | None = None,
-                      chunk_size: int = DEFAULT_CHUNK) -> int:
+def working_set_bytes(spec: AttentionSpec, num_features: int | None = None, chunk_size: int = DEFAULT_CHUNK) -> int:
     """Peak extra bytes of one forward call (no grad), output included.
 
     Non-causal: the features of q and k, the ``F x d_v`` state and the output. Causal (chunk C,
@@ -123,5 +133,3 @@ def working_set_bytes(spec: AttentionSpec, num_features: int | None = None,
     states = B * Hk * N * Fn * E
     total += max(3 * states, states + B * H * L * C + 2 * B * H * L * E)
     return total * s
-
-

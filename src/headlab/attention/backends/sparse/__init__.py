@@ -66,8 +66,9 @@ from headlab.spec.masks import MaskFn
 from headlab.spec.memory_guard import check_fits
 
 
-def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: MaskFn, *,
-                     causal: bool = False, scale: float | None = None) -> torch.Tensor:
+def sparse_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: MaskFn, *, causal: bool = False, scale: float | None = None
+) -> torch.Tensor:
     """Block-sparse exact attention; same conventions as :func:`headlab.attention`.
 
     Args:
@@ -96,18 +97,31 @@ def tensor_mask(t: torch.Tensor) -> MaskFn:
         def at(idx, n):
             idx = torch.as_tensor(idx, device=t.device)
             return idx.clamp(0, n - 1) if n > 1 else torch.zeros_like(idx)
+
         return t[at(b, Bm), at(h, Hm), at(q_idx, Q), at(kv_idx, K)]
 
-    return MaskFn(read, f"tensor_mask{tuple(t.shape)}", batch_dependent=Bm > 1, head_dependent=Hm > 1,
-                  batch_size=Bm if Bm > 1 else None, num_heads=Hm if Hm > 1 else None)
+    return MaskFn(
+        read,
+        f"tensor_mask{tuple(t.shape)}",
+        batch_dependent=Bm > 1,
+        head_dependent=Hm > 1,
+        batch_size=Bm if Bm > 1 else None,
+        num_heads=Hm if Hm > 1 else None,
+    )
 
 
 def working_set_bytes(spec: AttentionSpec) -> int:
     """Peak extra bytes of one forward call: a few chunk buffers plus O(n d) flat copies."""
     acc = 8 if spec.dtype == torch.float64 else 4
     chunk = 3 * CHUNK_ELEMENTS * acc  # scores/probabilities, gathered K and V (bounded by the chunk)
-    flat = spec.batch * (spec.heads * (spec.q_len + BLOCK_Q) * (spec.head_dim + spec.v_dim + 1)
-                         + spec.kv_heads * (spec.kv_len + BLOCK_K) * (spec.head_dim + spec.v_dim)) * acc
+    flat = (
+        spec.batch
+        * (
+            spec.heads * (spec.q_len + BLOCK_Q) * (spec.head_dim + spec.v_dim + 1)
+            + spec.kv_heads * (spec.kv_len + BLOCK_K) * (spec.head_dim + spec.v_dim)
+        )
+        * acc
+    )
     return chunk + flat
 
 
@@ -115,8 +129,15 @@ def working_set_bytes(spec: AttentionSpec) -> int:
 class SparseBackend(Backend):
     name = "sparse"
     summary = "block-sparse exact attention: visits only non-empty tiles of the mask's block map"
-    capabilities = Capabilities(bool_mask=True, additive_mask=False, dropout=False, returns_weights=False,
-                                exact=True, materializes=False, score_mod=True)
+    capabilities = Capabilities(
+        bool_mask=True,
+        additive_mask=False,
+        dropout=False,
+        returns_weights=False,
+        exact=True,
+        materializes=False,
+        score_mod=True,
+    )
     priority = 50  # exact, but auto prefers sdpa for dense calls: ask for it by name
     alternative = "sdpa"
     cost = staticmethod(sparse_cost)  # reads block_q, block_k and working_set_bytes
@@ -127,16 +148,22 @@ class SparseBackend(Backend):
 
     def supports(self, spec: AttentionSpec) -> tuple[bool, str]:
         if spec.mask_kind == "additive":
-            return False, ("additive float tensor masks are not supported (their values would be added on every "
-                           "tile); use backend='tiled', or a score_mod for the bias with a mask function")
+            return False, (
+                "additive float tensor masks are not supported (their values would be added on every "
+                "tile); use backend='tiled', or a score_mod for the bias with a mask function"
+            )
         ok, why = super().supports(spec)
         if not ok:
             return ok, why
         return True, ""  # a call without a mask has every tile to visit: the dense tiled kernel serves it
 
     def check_memory(self, spec: AttentionSpec) -> None:
-        check_fits(working_set_bytes(spec), what=f"backend 'sparse' at {spec.q_len}x{spec.kv_len}",
-                   device=spec.device, alternative="sdpa")
+        check_fits(
+            working_set_bytes(spec),
+            what=f"backend 'sparse' at {spec.q_len}x{spec.kv_len}",
+            device=spec.device,
+            alternative="sdpa",
+        )
 
     def forward(self, q, k, v, spec, *, mask, scale, score_mod=None):
         if mask is None and not spec.causal:
@@ -153,10 +180,22 @@ class SparseBackend(Backend):
         if dtype in (torch.float16, torch.bfloat16):  # accumulate in float32
             q, k, v = q.float(), k.float(), v.float()
         params = score_mod.trainable() if hasattr(score_mod, "trainable") else ()
-        out, lse = SparseAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), plan, eff, scale, score_mod,
-                                         spec, *params)
+        out, lse = SparseAttention.apply(
+            q.contiguous(), k.contiguous(), v.contiguous(), plan, eff, scale, score_mod, spec, *params
+        )
         return out.to(dtype), None, lse.masked_fill(torch.isposinf(lse), float("-inf"))
 
 
-__all__ = ["BLOCK_K", "BLOCK_Q", "SparseBackend", "SparsePlan", "block_map", "effective_mask", "plan_for",
-           "sparse_attention", "tensor_mask", "visited_tiles", "working_set_bytes"]
+__all__ = [
+    "BLOCK_K",
+    "BLOCK_Q",
+    "SparseBackend",
+    "SparsePlan",
+    "block_map",
+    "effective_mask",
+    "plan_for",
+    "sparse_attention",
+    "tensor_mask",
+    "visited_tiles",
+    "working_set_bytes",
+]

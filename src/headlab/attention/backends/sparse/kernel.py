@@ -82,11 +82,15 @@ def _forward(plan: SparsePlan, mask: MaskFn, q, k, v, scale, score_mod=None):
         bufs = scratch.get(threading.get_ident())
         if bufs is None:
             bufs = scratch[threading.get_ident()] = (
-                q.new_empty(max_s * plan.rows * plan.block_k), q.new_empty(max_n * plan.rows * d),
-                q.new_empty(max_s * plan.block_k * d), q.new_empty(max_s * plan.block_k * dv),
-                q.new_empty(max_n * plan.rows * dv))
-        s, items, kv, _, _, hidden_rows = tile_scores(plan, grp, c0, c1, q_flat, k_flat, scale, mask, dev, r0, r1,
-                                                  bufs[:3], kg, score_mod=score_mod)
+                q.new_empty(max_s * plan.rows * plan.block_k),
+                q.new_empty(max_n * plan.rows * d),
+                q.new_empty(max_s * plan.block_k * d),
+                q.new_empty(max_s * plan.block_k * dv),
+                q.new_empty(max_n * plan.rows * dv),
+            )
+        s, items, kv, _, _, hidden_rows = tile_scores(
+            plan, grp, c0, c1, q_flat, k_flat, scale, mask, dev, r0, r1, bufs[:3], kg, score_mod=score_mod
+        )
         n = len(items)
         m = s.amax(-1, keepdim=True)  # (n, rows, 1)
         m.masked_fill_(torch.isneginf(m), 0.0)  # a row that sees no key: exp gives zeros, not NaN
@@ -126,8 +130,21 @@ def _backward(plan: SparsePlan, mask: MaskFn, q, k, v, out_flat, ml_flat, dout, 
     bk = plan.block_k
     for grp in plan.groups:
         for c0, c1 in group_chunks(plan, grp):
-            s, items, kv, qg, kg, _, back = tile_scores(plan, grp, c0, c1, q_flat, k_flat, scale, mask, dev,
-                                                    score_mod=score_mod, vjp=True, params=params, grads=pgrads)
+            s, items, kv, qg, kg, _, back = tile_scores(
+                plan,
+                grp,
+                c0,
+                c1,
+                q_flat,
+                k_flat,
+                scale,
+                mask,
+                dev,
+                score_mod=score_mod,
+                vjp=True,
+                params=params,
+                grads=pgrads,
+            )
             n = len(items)
             ml = ml_flat.index_select(0, items)  # (n, rows, 2)
             p = s.sub_(ml[..., :1]).sub_(ml[..., 1:]).exp_()  # (n, rows, k * bk)
@@ -175,11 +192,21 @@ class SparseAttention(torch.autograd.Function):
     def backward(ctx, dout, _dlse):
         if ctx.native:  # the compiled kernel's own backward, from the same m and log l
             q, k, v, out, m, log_l = ctx.saved_tensors
-            dq, dk, dv = native.backward(q, k, v, dout, m, log_l, ctx.mask, ctx.scale, causal=ctx.spec.causal,
-                                         out=out)
+            dq, dk, dv = native.backward(q, k, v, dout, m, log_l, ctx.mask, ctx.scale, causal=ctx.spec.causal, out=out)
             return (dq, dk, dv, None, None, None, None, None, *([None] * len(ctx.params)))
         q, k, v, ml_flat = ctx.saved_tensors
-        dq, dk, dv, pgrads = _backward(ctx.plan, ctx.mask, q, k, v, None, ml_flat,
-                                       dout.to(q.dtype).contiguous(), ctx.scale, ctx.score_mod, ctx.params)
+        dq, dk, dv, pgrads = _backward(
+            ctx.plan,
+            ctx.mask,
+            q,
+            k,
+            v,
+            None,
+            ml_flat,
+            dout.to(q.dtype).contiguous(),
+            ctx.scale,
+            ctx.score_mod,
+            ctx.params,
+        )
         pg = tuple(None if g is None else g.to(t.dtype) for g, t in zip(pgrads, ctx.params))
         return (dq, dk, dv, None, None, None, None, None, *pg)

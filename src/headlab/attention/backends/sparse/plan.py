@@ -38,8 +38,15 @@ def effective_mask(mask: MaskFn | None, is_causal: bool) -> MaskFn | None:
     return combined
 
 
-def block_map(mask: MaskFn, q_len: int, kv_len: int, batch: int, heads: int,
-              block_q: int | None = None, block_k: int | None = None) -> BlockMap:
+def block_map(
+    mask: MaskFn,
+    q_len: int,
+    kv_len: int,
+    batch: int,
+    heads: int,
+    block_q: int | None = None,
+    block_k: int | None = None,
+) -> BlockMap:
     """The block map the kernel walks for this mask and shape (tiles default to BLOCK_Q x BLOCK_K)."""
     return _compile(mask, q_len, kv_len, block_q or BLOCK_Q, block_k or BLOCK_K, batch=batch, heads=heads)
 
@@ -72,7 +79,7 @@ class PatternDensity:
     @property
     def pair_density(self) -> float:
         """Share of (query, key) pairs visible."""
-        return self.visible_pairs / self.seq_len ** 2
+        return self.visible_pairs / self.seq_len**2
 
     @property
     def tile_density(self) -> float:
@@ -94,12 +101,12 @@ def default_tile(seq_len: int) -> int:
 def pattern_density(mask: MaskFn, seq_len: int, *, tile: int | None = None, head: int = 0) -> PatternDensity:
     """Visible pairs and visited tiles of ``mask`` on query head ``head`` at ``seq_len`` positions.
 
-        >>> from headlab import masks
-        >>> d = pattern_density(masks.causal(), 8, tile=4)
-        >>> d.visible_pairs, d.visited_tiles, d.full_tiles, d.tiles
-        (36, 3, 1, 4)
-        >>> round(d.pair_density, 4), d.tile_density
-        (0.5625, 0.75)
+    >>> from headlab import masks
+    >>> d = pattern_density(masks.causal(), 8, tile=4)
+    >>> d.visible_pairs, d.visited_tiles, d.full_tiles, d.tiles
+    (36, 3, 1, 4)
+    >>> round(d.pair_density, 4), d.tile_density
+    (0.5625, 0.75)
     """
     if seq_len <= 0:
         raise ConfigError(f"seq_len must be positive, got {seq_len}")
@@ -113,8 +120,17 @@ def pattern_density(mask: MaskFn, seq_len: int, *, tile: int | None = None, head
     visible = dense[0, min(head, dense.shape[1] - 1)]
     bm = _compile(mask, seq_len, seq_len, tile, tile, heads=heads)
     state = bm.state[0, min(head, bm.state.shape[1] - 1)]  # (n_q_blocks, n_kv_blocks)
-    return PatternDensity(seq_len, head, visible, int(visible.sum()), tile, int(state.numel()),
-                          int((state != EMPTY).sum()), int((state == FULL).sum()), int((~visible.any(-1)).sum()))
+    return PatternDensity(
+        seq_len,
+        head,
+        visible,
+        int(visible.sum()),
+        tile,
+        int(state.numel()),
+        int((state != EMPTY).sum()),
+        int((state == FULL).sum()),
+        int((~visible.any(-1)).sum()),
+    )
 
 
 @dataclass
@@ -164,8 +180,16 @@ class SparsePlan:
         return self.block_q if self.head_dependent else self.group_size * self.block_q
 
 
-def plan_for(mask: MaskFn, batch: int, heads: int, kv_heads: int, q_len: int, kv_len: int,
-             block_q: int | None = None, block_k: int | None = None) -> SparsePlan:
+def plan_for(
+    mask: MaskFn,
+    batch: int,
+    heads: int,
+    kv_heads: int,
+    q_len: int,
+    kv_len: int,
+    block_q: int | None = None,
+    block_k: int | None = None,
+) -> SparsePlan:
     """Group the visited tiles of ``mask`` into batched work (cached on the mask object)."""
     key = (batch, heads, kv_heads, q_len, kv_len, block_q or BLOCK_Q, block_k or BLOCK_K)
     return cached_per_mask(_PLANS, mask, key, lambda: _build_plan(mask, *key), limit=8)
@@ -176,8 +200,9 @@ def _build_plan(mask, B, H, Hkv, Lq, Lk, bq, bk) -> SparsePlan:
     state = bm.state.cpu()
     Bm, Hm, nqb, nkb = state.shape
     if Bm not in (1, B) or Hm not in (1, H):
-        raise MaskError(f"mask {mask.name!r} has block states for batch {Bm} x heads {Hm}, "
-                        f"but the call has batch {B} x heads {H}")
+        raise MaskError(
+            f"mask {mask.name!r} has block states for batch {Bm} x heads {Hm}, but the call has batch {B} x heads {H}"
+        )
     head_dep = Hm > 1
     plan = SparsePlan(B, H, Hkv, Lq, Lk, bq, bk, head_dep, nqb, nkb)
     G = H // Hkv
@@ -225,5 +250,3 @@ def _build_plan(mask, B, H, Hkv, Lq, Lk, bq, bk) -> SparsePlan:
         plan.groups.append(grp)
         plan.tiles += items.numel() * k * (1 if head_dep else G)
     return plan
-
-

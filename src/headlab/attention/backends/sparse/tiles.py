@@ -35,15 +35,18 @@ def hidden_cells(plan: SparsePlan, grp: TileGroup, mask: MaskFn, device):
         step = max(1, CHUNK_ELEMENTS // (bq * bk))  # tiles evaluated at once: bounds the index temporaries
         for t0 in range(0, len(ci), step):
             sl = slice(t0, t0 + step)
-            m = pairs(mask, b[sl].to(device), h[sl].to(device), q[sl].to(device), kv[sl].to(device),
-                      plan.q_len, plan.kv_len)
+            m = pairs(
+                mask, b[sl].to(device), h[sl].to(device), q[sl].to(device), kv[sl].to(device), plan.q_len, plan.kv_len
+            )
             hidden[ci[sl].to(device), :, cs[sl].to(device), :] = ~torch.broadcast_to(m, (len(ci[sl]), bq, bk))
         dead = hidden.view(len(grp.qb), bq, grp.k * bk).all(-1)  # (n0, bq): rows that see no gathered key
         # additive biases (0 or -inf) of the slot columns that hold partial tiles: adding a float
         # tile is several times faster than masked_fill_ with a bool one
         zero = torch.zeros((), dtype=torch.float32, device=device)
-        biases = [(j0, j1, zero.masked_fill(hidden[:, :, j0:j1], float("-inf")))  # (n0, bq, j1 - j0, bk)
-                  for j0, j1 in grp.mask_runs]
+        biases = [
+            (j0, j1, zero.masked_fill(hidden[:, :, j0:j1], float("-inf")))  # (n0, bq, j1 - j0, bk)
+            for j0, j1 in grp.mask_runs
+        ]
         grp.tile_masks = (biases, dead if bool(dead.any()) else None, torch.device(device))
     return grp.tile_masks
 
@@ -74,8 +77,25 @@ def score_index(plan: SparsePlan, items: torch.Tensor, kv: torch.Tensor, k: int)
     return b.expand(n, plan.rows, 1), h, qi, kvi
 
 
-def tile_scores(plan, grp, c0, c1, q_flat, k_flat, scale, mask, device, r0=0, r1=None, bufs=None, kg=None,
-            score_mod=None, vjp=False, params=(), grads=None):
+def tile_scores(
+    plan,
+    grp,
+    c0,
+    c1,
+    q_flat,
+    k_flat,
+    scale,
+    mask,
+    device,
+    r0=0,
+    r1=None,
+    bufs=None,
+    kg=None,
+    score_mod=None,
+    vjp=False,
+    params=(),
+    grads=None,
+):
     """Masked scores of a chunk ``(r * c, rows, k * block_k)`` (reps ``[r0, r1)`` of compact items
     ``[c0, c1)``), the gathered (scaled) q and k, the index tensors, the dead-row mask
     ``(r * c, rows, 1)`` or None, and (with ``vjp``) a function ``ds -> ds * d score_mod / d s``.
@@ -144,5 +164,3 @@ def from_flat(t: torch.Tensor, plan: SparsePlan) -> torch.Tensor:
         return t.view(B, H, nqb * bq, D)[:, :, : plan.q_len]
     t = t.view(B, plan.kv_heads, nqb, plan.group_size, bq, D).permute(0, 1, 3, 2, 4, 5)  # (B, Hkv, G, nqb, bq, D)
     return t.reshape(B, H, nqb * bq, D)[:, :, : plan.q_len]
-
-

@@ -61,12 +61,18 @@ from headlab.costs.tiled import tiled_cost
 from headlab.spec.attention_spec import AttentionSpec, check_scale, validate
 from headlab.spec.memory_guard import check_fits
 
-__all__ = ["BLOCK_K", "BLOCK_Q", "TiledBackend", "flash_attention_textbook", "tile_states", "tiled_attention",
-           "working_set_bytes"]
+__all__ = [
+    "BLOCK_K",
+    "BLOCK_Q",
+    "TiledBackend",
+    "flash_attention_textbook",
+    "tile_states",
+    "tiled_attention",
+    "working_set_bytes",
+]
 
 
-def _run(q, k, v, spec: AttentionSpec, mask, scale: float, dropout_p: float, seed, block_q, block_k,
-         score_mod=None):
+def _run(q, k, v, spec: AttentionSpec, mask, scale: float, dropout_p: float, seed, block_q, block_k, score_mod=None):
     """``out (B, H, Lq, Dv)`` in q's dtype and ``lse (B, H, Lq)`` in the compute dtype (natural
     log, ``-inf`` on rows that see no key)."""
     plan = make_plan(spec, mask, scale, dropout_p, seed, block_q, block_k, score_mod)
@@ -128,8 +134,9 @@ def tiled_attention(
 class TiledBackend(Backend):
     name = "tiled"
     summary = "exact online-softmax attention over key tiles, O(n) memory, custom backward (FlashAttention on CPU)"
-    capabilities = Capabilities(returns_weights=False, materializes=False, additive_mask=True, score_mod=True,
-                                returns_lse=True)
+    capabilities = Capabilities(
+        returns_weights=False, materializes=False, additive_mask=True, score_mod=True, returns_lse=True
+    )
     priority = 10  # auto prefers torch's fused kernel whenever it serves the call
     alternative = "sdpa"
     cost = staticmethod(tiled_cost)  # reads block_q, block_k and working_set_bytes of the instance
@@ -144,8 +151,12 @@ class TiledBackend(Backend):
         return working_set_bytes(spec, self.block_q, self.block_k)
 
     def check_memory(self, spec: AttentionSpec) -> None:
-        check_fits(working_set_bytes(spec, self.block_q, self.block_k), what=f"backend 'tiled' at {spec.q_len}x{spec.kv_len}",
-                   device=spec.device, alternative=None)
+        check_fits(
+            working_set_bytes(spec, self.block_q, self.block_k),
+            what=f"backend 'tiled' at {spec.q_len}x{spec.kv_len}",
+            device=spec.device,
+            alternative=None,
+        )
 
     def forward(self, q, k, v, spec, *, mask, scale, score_mod=None):
         out, lse = _run(q, k, v, spec, mask, scale, spec.dropout_p, None, self.block_q, self.block_k, score_mod)

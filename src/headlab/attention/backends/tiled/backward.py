@@ -111,8 +111,14 @@ def backward(q, k, v, out, ml, dout, p: Plan, params=()):
 
 def native_declines(p: Plan) -> str | None:
     """Why the compiled kernel (:mod:`headlab.attention.backends.native`) does not take this call, or None."""
-    return native.declines(p.spec, p.mask, p.cdtype, dropout_p=p.dropout_p, score_mod=p.score_mod,
-                           own_tiles=(p.block_q, p.block_k) != (BLOCK_Q, BLOCK_K))
+    return native.declines(
+        p.spec,
+        p.mask,
+        p.cdtype,
+        dropout_p=p.dropout_p,
+        score_mod=p.score_mod,
+        own_tiles=(p.block_q, p.block_k) != (BLOCK_Q, BLOCK_K),
+    )
 
 
 class TiledAttention(torch.autograd.Function):

@@ -55,8 +55,11 @@ def forward_block_fast(qb_rows, kt, vaug, p: Plan, qb: int, out_rows, ml_rows, h
         if state == EMPTY:
             continue
         j0, j1 = p.k_cols(kb, i1)
-        s = torch.bmm(qb_rows, kt[:, :, j0:j1],  # (n, r, c) = scale q k^T - m (last q column)
-                      out=None if sbuf is None else sbuf[: BHkv * r * (j1 - j0)].view(BHkv, r, j1 - j0))
+        s = torch.bmm(
+            qb_rows,
+            kt[:, :, j0:j1],  # (n, r, c) = scale q k^T - m (last q column)
+            out=None if sbuf is None else sbuf[: BHkv * r * (j1 - j0)].view(BHkv, r, j1 - j0),
+        )
         if state == PARTIAL:
             mask_tile(s, p, i0, i1, j0, j1, h0)
         if negm is None:  # first visited tile: its exact row maximum becomes the shift m
@@ -143,8 +146,10 @@ def forward(q, k, v, p: Plan) -> tuple[torch.Tensor, torch.Tensor]:
         bufs = scratch.get(threading.get_ident())
         if bufs is None:
             rows = min(chunk, BHkv) * min(p.block_q, p.Lq) * p.G
-            bufs = (torch.empty(rows * min(p.block_k, p.Lk), dtype=p.cdtype, device=q.device),
-                    torch.empty(rows * (p.D + 1), dtype=p.cdtype, device=q.device))
+            bufs = (
+                torch.empty(rows * min(p.block_k, p.Lk), dtype=p.cdtype, device=q.device),
+                torch.empty(rows * (p.D + 1), dtype=p.cdtype, device=q.device),
+            )
             scratch[threading.get_ident()] = bufs
         sbuf, qbuf = bufs
         qb_rows = query_block(qg, p, qb, h0, h1, qbuf)  # its last column: the shift, per block

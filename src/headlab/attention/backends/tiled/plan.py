@@ -139,13 +139,31 @@ def make_plan(spec, mask, scale, dropout_p, seed, block_q, block_k, score_mod=No
     cdtype = torch.float64 if spec.dtype == torch.float64 else torch.float32
     if dropout_p > 0 and seed is None:
         seed = int(torch.randint(0, 1 << 62, (1,)).item())  # drawn from torch's RNG: manual_seed reproduces it
-    return Plan(spec=spec, B=spec.batch, H=spec.heads, Hkv=spec.kv_heads, G=spec.group, Lq=spec.q_len,
-                Lk=spec.kv_len, D=spec.head_dim, Dv=spec.v_dim, scale=scale, causal=spec.causal, mask=mask,
-                score_mod=score_mod, block_q=block_q, block_k=block_k, states=states,
-                dropout_p=float(dropout_p), seed=int(seed or 0), cdtype=cdtype)
+    return Plan(
+        spec=spec,
+        B=spec.batch,
+        H=spec.heads,
+        Hkv=spec.kv_heads,
+        G=spec.group,
+        Lq=spec.q_len,
+        Lk=spec.kv_len,
+        D=spec.head_dim,
+        Dv=spec.v_dim,
+        scale=scale,
+        causal=spec.causal,
+        mask=mask,
+        score_mod=score_mod,
+        block_q=block_q,
+        block_k=block_k,
+        states=states,
+        dropout_p=float(dropout_p),
+        seed=int(seed or 0),
+        cdtype=cdtype,
+    )
 
 
 # -- layout changes ---------------------------------------------------------------------------
+
 
 def to_rows(x: torch.Tensor, p: Plan) -> torch.Tensor:
     """``(B, H, Lq, E) -> (B*Hkv, Lq*G, E)``, rows ordered (position, group member)."""
@@ -207,13 +225,14 @@ def query_block(qg, p: Plan, qb: int, h0: int, h1: int, buf: torch.Tensor) -> to
 
 # -- the element-wise work of a partial tile ----------------------------------------------------
 
+
 def _slice_heads(t: torch.Tensor, p: Plan, n: int, h0: int) -> torch.Tensor:
     """A ``(Bm, Hm', rows, cols)`` tile tensor for the flattened (batch, kv head) slices ``[h0, h0+n)``:
     ``(1, rows, cols)`` when it is the same for all, else ``(n, rows, cols)``."""
     rows, cols = t.shape[-2:]
     if t.shape[0] == 1 and t.shape[1] == 1:
         return t[0]
-    return t.expand(p.B, p.Hkv, rows, cols).reshape(p.B * p.Hkv, rows, cols)[h0:h0 + n]
+    return t.expand(p.B, p.Hkv, rows, cols).reshape(p.B * p.Hkv, rows, cols)[h0 : h0 + n]
 
 
 def mask_tile(s: torch.Tensor, p: Plan, i0, i1, j0, j1, h0: int = 0) -> None:
@@ -244,7 +263,7 @@ def index_grid(p: Plan, i0, i1, j0, j1, h0: int, n: int, device):
     qi = torch.arange(i0, i1, device=device).view(1, -1, 1, 1)
     kv = torch.arange(j0, j1, device=device).view(1, 1, 1, -1)
     nq = i1 - i0
-    r = (lambda t: t.expand(n, nq, p.G, t.shape[-1]).reshape(n, nq * p.G, t.shape[-1]))
+    r = lambda t: t.expand(n, nq, p.G, t.shape[-1]).reshape(n, nq * p.G, t.shape[-1])
     return r(b), r(h), r(qi), kv.view(1, 1, -1)
 
 

@@ -28,7 +28,7 @@ def flash_attention_textbook(q, k, v, *, causal=False, scale=None, block_q=64, b
     out = torch.empty(B, H, Lq, v.shape[-1], dtype=q.dtype)  # (B, H, Lq, Dv)
     lse = torch.empty(B, H, Lq, dtype=q.dtype)  # (B, H, Lq)
     for i0 in range(0, Lq, block_q):
-        qi = q[:, :, i0:i0 + block_q] * scale  # (B, H, bq, D)
+        qi = q[:, :, i0 : i0 + block_q] * scale  # (B, H, bq, D)
         rows = torch.arange(i0, i0 + qi.shape[2]).view(-1, 1)  # (bq, 1) query positions
         m = torch.full(qi.shape[:3] + (1,), float("-inf"), dtype=q.dtype)  # (B, H, bq, 1) running max
         l = torch.zeros_like(m)  # (B, H, bq, 1) running sum of exp(s - m)
@@ -36,15 +36,15 @@ def flash_attention_textbook(q, k, v, *, causal=False, scale=None, block_q=64, b
         for j0 in range(0, Lk, block_k):
             if causal and j0 > rows[-1, 0]:
                 break  # every later key is after every query of the block
-            s = qi @ k[:, :, j0:j0 + block_k].transpose(-1, -2)  # (B, H, bq, bk) scores of the tile
+            s = qi @ k[:, :, j0 : j0 + block_k].transpose(-1, -2)  # (B, H, bq, bk) scores of the tile
             if causal:
                 s = s.masked_fill(torch.arange(j0, j0 + s.shape[-1]) > rows, float("-inf"))
             m_new = torch.maximum(m, s.amax(-1, keepdim=True))  # (B, H, bq, 1)
             p = torch.exp(s - m_new)  # (B, H, bq, bk) this tile's unnormalised probabilities
             alpha = torch.exp(m - m_new)  # rescales what was accumulated under the old maximum
             l = alpha * l + p.sum(-1, keepdim=True)
-            acc = alpha * acc + p @ v[:, :, j0:j0 + block_k]  # (B, H, bq, Dv)
+            acc = alpha * acc + p @ v[:, :, j0 : j0 + block_k]  # (B, H, bq, Dv)
             m = m_new
-        out[:, :, i0:i0 + block_q] = acc / l
-        lse[:, :, i0:i0 + block_q] = (m + torch.log(l)).squeeze(-1)
+        out[:, :, i0 : i0 + block_q] = acc / l
+        lse[:, :, i0 : i0 + block_q] = (m + torch.log(l)).squeeze(-1)
     return out, lse

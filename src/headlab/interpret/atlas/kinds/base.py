@@ -85,8 +85,9 @@ def _unknown(name: str, names: list[str]) -> ConfigError:
     return ConfigError(f"no atlas kind {name!r} is registered; the kinds: {', '.join(names)}")
 
 
-_KINDS: Registry[Kind] = Registry("an atlas kind", "its scores are keyed by it", instances=False, taken=_taken,
-                                  unknown=_unknown, strict=True)
+_KINDS: Registry[Kind] = Registry(
+    "an atlas kind", "its scores are keyed by it", instances=False, taken=_taken, unknown=_unknown, strict=True
+)
 KINDS: Mapping[str, Kind] = _KINDS.table  # every registered kind by name, in page order (live)
 
 

@@ -19,8 +19,17 @@ def score(run):
     return repeated_grid(run, lambda q, k, ca, lse: S.offset_mass(q, k, ca, half, lse)[:, :, rows].mean(-1))
 
 
-KIND = register(Kind(
-    name="duplicate_token", role="duplicate-token", threshold=0.3,  # mean weight on the earlier copy of the token
-    score=score, reads="repeated", task=REPEATED_LOSS, letter="D", colour="#9467bd",
-    definition="mean weight on the token's earlier copy, A[i, i-T], on the second copy of random tokens repeated "
-               "once (Olsson et al. 2022)"))
+KIND = register(
+    Kind(
+        name="duplicate_token",
+        role="duplicate-token",
+        threshold=0.3,  # mean weight on the earlier copy of the token
+        score=score,
+        reads="repeated",
+        task=REPEATED_LOSS,
+        letter="D",
+        colour="#9467bd",
+        definition="mean weight on the token's earlier copy, A[i, i-T], on the second copy of random tokens repeated "
+        "once (Olsson et al. 2022)",
+    )
+)

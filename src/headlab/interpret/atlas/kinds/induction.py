@@ -22,8 +22,17 @@ def score(run):
     return repeated_grid(run, lambda q, k, ca, lse: S.offset_mass(q, k, ca, half - 1, lse)[:, :, rows].mean(-1))
 
 
-KIND = register(Kind(
-    name="induction", role="induction", threshold=0.3,  # mean weight on the token after the earlier copy
-    score=score, reads="repeated", task=REPEATED_LOSS, letter="I", colour="#d62728",
-    definition="mean weight on the token after the earlier copy, A[i, i-T+1], on the second copy of random "
-               "tokens repeated once (Olsson et al. 2022)"))
+KIND = register(
+    Kind(
+        name="induction",
+        role="induction",
+        threshold=0.3,  # mean weight on the token after the earlier copy
+        score=score,
+        reads="repeated",
+        task=REPEATED_LOSS,
+        letter="I",
+        colour="#d62728",
+        definition="mean weight on the token after the earlier copy, A[i, i-T+1], on the second copy of random "
+        "tokens repeated once (Olsson et al. 2022)",
+    )
+)

@@ -17,7 +17,16 @@ def score(run):
     return text_grid(run, lambda q, k, ca, st: S.window_mass(q, k, ca, window, causal=causal, full=st.lse)[0].mean(-1))
 
 
-KIND = register(Kind(
-    name="local", role="local", threshold=0.7,  # mean weight within the last w keys
-    score=score, reads="text", task=TEXT_LOSS, letter="L", colour="#2ca02c",
-    definition="mean weight within the last w keys (16 by default), on real text (Xiao et al. 2024, DuoAttention)"))
+KIND = register(
+    Kind(
+        name="local",
+        role="local",
+        threshold=0.7,  # mean weight within the last w keys
+        score=score,
+        reads="text",
+        task=TEXT_LOSS,
+        letter="L",
+        colour="#2ca02c",
+        definition="mean weight within the last w keys (16 by default), on real text (Xiao et al. 2024, DuoAttention)",
+    )
+)

@@ -17,7 +17,16 @@ def score(run):
     return repeated_grid(run, lambda q, k, ca, lse: S.offset_mass(q, k, ca, 1, lse)[:, :, 1:stop].mean(-1))
 
 
-KIND = register(Kind(
-    name="previous_token", role="previous-token", threshold=0.4,  # mean weight one step back
-    score=score, reads="repeated", task=REPEATED_LOSS, letter="P", colour="#1f77b4",
-    definition="mean weight one token back, A[i, i-1], on random tokens repeated once (Olsson et al. 2022)"))
+KIND = register(
+    Kind(
+        name="previous_token",
+        role="previous-token",
+        threshold=0.4,  # mean weight one step back
+        score=score,
+        reads="repeated",
+        task=REPEATED_LOSS,
+        letter="P",
+        colour="#1f77b4",
+        definition="mean weight one token back, A[i, i-1], on random tokens repeated once (Olsson et al. 2022)",
+    )
+)

@@ -23,8 +23,14 @@ from headlab.interpret.atlas.retrieval import retrieval_trial
 def _trials(run) -> list:
     """The needle prompts, built from the seed: the same for the score and for the check (resumed or not)."""
     sz = run.sizes
-    return T.needles(run.tokenizer, texts=run.texts, n=sz["needle_trials"], haystack_tokens=sz["haystack_tokens"],
-                     seed=sz["seed"], vocab=run.vocab)
+    return T.needles(
+        run.tokenizer,
+        texts=run.texts,
+        n=sz["needle_trials"],
+        haystack_tokens=sz["haystack_tokens"],
+        seed=sz["seed"],
+        vocab=run.vocab,
+    )
 
 
 def score(run):
@@ -55,9 +61,13 @@ def _accuracy(run, result, k: int) -> Measure:
         for tr in _trials(run):
             ids = torch.cat([tr.ids, tr.answer])[None].to(run.device)
             inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
-            cols.append(sharded_gated(run.adapter, inputs, configs, CK.answer_accuracy(len(tr.ids), tr.answer),
-                                      max_rows=run.max_rows))
+            cols.append(
+                sharded_gated(
+                    run.adapter, inputs, configs, CK.answer_accuracy(len(tr.ids), tr.answer), max_rows=run.max_rows
+                )
+            )
         return torch.cat(cols, 1)
+
     return Measure(values, "needle accuracy (teacher-forced share of the answer's tokens predicted greedily)", -1)
 
 
@@ -68,8 +78,19 @@ def _two_trials(run) -> None:
 
 NEEDLE_ACCURACY = Task("needle", "needle accuracy (teacher-forced)", _accuracy, validate=_two_trials)
 
-KIND = register(Kind(
-    name="retrieval", role="retrieval", threshold=0.1,  # Wu et al.: "fewer than 5% of heads score above 0.1"
-    score=score, reads="needles", task=NEEDLE_ACCURACY, letter="R", colour="#ff7f0e",
-    unavailable=lambda run: None if run.has_logits else "needs a decoder with a language-model head (greedy decoding)",
-    definition="share of the needle's answer the head copies during greedy decoding (Wu et al. 2024)"))
+KIND = register(
+    Kind(
+        name="retrieval",
+        role="retrieval",
+        threshold=0.1,  # Wu et al.: "fewer than 5% of heads score above 0.1"
+        score=score,
+        reads="needles",
+        task=NEEDLE_ACCURACY,
+        letter="R",
+        colour="#ff7f0e",
+        unavailable=lambda run: (
+            None if run.has_logits else "needs a decoder with a language-model head (greedy decoding)"
+        ),
+        definition="share of the needle's answer the head copies during greedy decoding (Wu et al. 2024)",
+    )
+)

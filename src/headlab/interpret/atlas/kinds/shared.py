@@ -46,10 +46,10 @@ def _place(grid: torch.Tensor, cache, adapter, layer: int, v: torch.Tensor) -> N
     """Row ``layer`` of ``grid`` at the heads ``v`` ``(heads here,)`` scores: a rank's own heads under tensor
     parallelism, else the layer's first ``len(v)`` (all of them; fewer in a pruned layer)."""
     if not adapter.placement.sharded:
-        grid[layer, :v.shape[0]] = v
+        grid[layer, : v.shape[0]] = v
     else:
         heads = cache.heads(adapter.site_name(layer, "q"))
-        grid[layer, heads.start:heads.stop] = v
+        grid[layer, heads.start : heads.stop] = v
 
 
 def _added(adapter, grid: torch.Tensor) -> torch.Tensor:
@@ -60,8 +60,12 @@ def _added(adapter, grid: torch.Tensor) -> torch.Tensor:
 
 def _layer(cache, adapter, layer: int):
     """``(q, k, call_args, stats)`` of one layer: q ``(B, H, L, d)``, k ``(B, Hkv, L, d)`` as recorded."""
-    return (cache[adapter.site_name(layer, "q")], cache[adapter.site_name(layer, "k")], cache.call_args[layer],
-            cache[adapter.site_name(layer, "stats")])
+    return (
+        cache[adapter.site_name(layer, "q")],
+        cache[adapter.site_name(layer, "k")],
+        cache.call_args[layer],
+        cache[adapter.site_name(layer, "stats")],
+    )
 
 
 def repeated_grid(run: Run, per_layer: Callable) -> torch.Tensor:
@@ -88,12 +92,14 @@ def _sinks(tokenizer, ids: torch.Tensor, causal: bool) -> list[int]:
 
 def _text(run: Run) -> list[tuple[torch.Tensor, list[int], object]]:
     """``(ids, sinks, recording)`` of every natural-text piece, recorded once per run."""
+
     def build():
         out = []
         for ids in run.pieces:
             sinks = _sinks(run.tokenizer, ids, run.adapter.causal)
             out.append((ids, sinks, _capture_qk(run.adapter, ids[None], {"key_positions": sinks})))
         return out
+
     return run.memo("text", build)
 
 
@@ -122,8 +128,12 @@ def pattern_labels(run: Run) -> list[list[list[str]]]:
         stats = [got[n] for n in names]
     rows = [LB.row_stats_from_attention_stats(st, sink_positions=sinks, causal=adapter.causal) for st in stats]
     toks = tok.convert_ids_to_tokens(ids.tolist()) if tok is not None else [str(t) for t in ids.tolist()]
-    recs = LB.head_records(rows, toks, separator_positions=None if adapter.causal or len(sinks) == 1 else sinks[1:],
-                           thresholds=LB.LabelThresholds())
+    recs = LB.head_records(
+        rows,
+        toks,
+        separator_positions=None if adapter.causal or len(sinks) == 1 else sinks[1:],
+        thresholds=LB.LabelThresholds(),
+    )
     labels: list[list[list]] = [[[] for _ in range(adapter.n_heads)] for _ in range(adapter.n_layers)]
     for r in recs:
         labels[r.layer][r.head] = list(r.labels)
@@ -132,15 +142,24 @@ def pattern_labels(run: Run) -> list[list[list[str]]]:
 
 def _repeated_loss(run: Run, result, k: int) -> Measure:
     half, start, sz = run.sizes["half"], run.start, run.sizes
-    ids, _ = T.repeated(run.tokenizer, vocab=run.vocab, n=sz["n_repeated"], half=half, seed=sz["seed"] + 1)  # not the scored ones
+    ids, _ = T.repeated(
+        run.tokenizer, vocab=run.vocab, n=sz["n_repeated"], half=half, seed=sz["seed"] + 1
+    )  # not the scored ones
     inputs = {"input_ids": ids.to(run.device), "attention_mask": torch.ones_like(ids).to(run.device)}
     metric = CK.span_loss(start + half + 1, start + 2 * half)
-    return Measure(lambda configs: sharded_gated(run.adapter, inputs, configs, metric, max_rows=run.max_rows),
-                   "loss on the repeated half", +1)
+    return Measure(
+        lambda configs: sharded_gated(run.adapter, inputs, configs, metric, max_rows=run.max_rows),
+        "loss on the repeated half",
+        +1,
+    )
 
 
-REPEATED_LOSS = Task("repeated", "loss on the repeated half", _repeated_loss,
-                     no_lm="needs a decoder with a language-model head (loss on the repeated half)")
+REPEATED_LOSS = Task(
+    "repeated",
+    "loss on the repeated half",
+    _repeated_loss,
+    no_lm="needs a decoder with a language-model head (loss on the repeated half)",
+)
 
 
 def _pad(pieces: list[torch.Tensor], pad_id: int = 0) -> dict:
@@ -148,7 +167,7 @@ def _pad(pieces: list[torch.Tensor], pad_id: int = 0) -> dict:
     ids = torch.full((len(pieces), L), pad_id, dtype=torch.long)
     att = torch.zeros(len(pieces), L, dtype=torch.long)
     for i, p in enumerate(pieces):
-        ids[i, :len(p)], att[i, :len(p)] = p, 1
+        ids[i, : len(p)], att[i, : len(p)] = p, 1
     return {"input_ids": ids, "attention_mask": att}
 
 
@@ -160,6 +179,7 @@ def _cosine_metric(adapter, inputs) -> tuple:
     def metric(out, rep):
         e = CK.pooled(out, rep)
         return 1.0 - F.cosine_similarity(e, ref.repeat(e.shape[0] // ref.shape[0], 1), dim=-1)
+
     return metric, "1 - cos of the pooled embedding (an encoder: no perplexity)"
 
 
@@ -176,9 +196,11 @@ def _text_loss(run: Run, result, k: int) -> Measure:
 def _two_pieces(run: Run) -> None:
     if len(run.pieces) < 2:
         names = " and ".join(n for n, kd in KINDS.items() if kd.task is TEXT_LOSS)
-        raise InputError(f"the {names} checks need at least 2 pieces of text for their bootstrap; the texts give "
-                         f"{len(run.pieces)} of at most {run.sizes['max_tokens']} tokens: give more text, or a smaller "
-                         "max_tokens")
+        raise InputError(
+            f"the {names} checks need at least 2 pieces of text for their bootstrap; the texts give "
+            f"{len(run.pieces)} of at most {run.sizes['max_tokens']} tokens: give more text, or a smaller "
+            "max_tokens"
+        )
 
 
 TEXT_LOSS = Task("text", "log-perplexity of real text", _text_loss, validate=_two_pieces)

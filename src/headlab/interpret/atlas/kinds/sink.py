@@ -15,8 +15,17 @@ def score(run):
     return text_grid(run, lambda q, k, ca, st: st.key_mass[0].sum(-1).mean(-1))  # (H,): rows' mass on the sinks
 
 
-KIND = register(Kind(
-    name="sink", role="sink", threshold=0.5,  # mean weight on the first token ([CLS] and [SEP] for encoders)
-    score=score, reads="text", task=TEXT_LOSS, letter="S", colour="#7f7f7f",
-    definition="mean weight on the first token ([CLS] and every [SEP] for an encoder), on real text (Xiao et al. "
-               "2024, StreamingLLM)"))
+KIND = register(
+    Kind(
+        name="sink",
+        role="sink",
+        threshold=0.5,  # mean weight on the first token ([CLS] and [SEP] for encoders)
+        score=score,
+        reads="text",
+        task=TEXT_LOSS,
+        letter="S",
+        colour="#7f7f7f",
+        definition="mean weight on the first token ([CLS] and every [SEP] for an encoder), on real text (Xiao et al. "
+        "2024, StreamingLLM)",
+    )
+)

@@ -28,13 +28,19 @@ def _probe(loaded, treebank, limit, grid) -> tuple[dict[str, list[str]], list[st
     ok = torch.as_tensor(r.count >= r.min_count if hasattr(r, "min_count") else r.count > 0)
     margin = torch.where(ok[:, None, None, :] & ~torch.isnan(acc), acc, torch.tensor(-math.inf, dtype=acc.dtype))
     best = margin.amax(dim=(0, 3))
-    grid[:best.shape[0], :best.shape[1]] = torch.where(torch.isinf(best), torch.nan, best).double()
+    grid[: best.shape[0], : best.shape[1]] = torch.where(torch.isinf(best), torch.nan, best).double()
     rel: dict[str, list[str]] = {}
     for b in r.best_heads:
         if b.margin > 0 and b.count >= r.min_count:
             rel.setdefault(f"{b.layer}.{b.head}", []).append(
-                f"{b.relation} {b.direction} {b.accuracy:.0%} (baseline {b.baseline_accuracy:.0%})")
-    return rel, [f"syntactic: {r.sentences} sentences of {r.treebank}"], grid, D.head_relations(margin, r.relation_names)
+                f"{b.relation} {b.direction} {b.accuracy:.0%} (baseline {b.baseline_accuracy:.0%})"
+            )
+    return (
+        rel,
+        [f"syntactic: {r.sentences} sentences of {r.treebank}"],
+        grid,
+        D.head_relations(margin, r.relation_names),
+    )
 
 
 def score(run):
@@ -50,28 +56,68 @@ def score(run):
 def _dependents_loss(run, result, k: int) -> Measure | str:
     best = run.state["relations"]
     relations = sorted({best[f"{l}.{h}"] for l, h in result.top("syntactic", k) if f"{l}.{h}" in best})
-    found = D.examples(run.tokenizer, run.treebank, limit=run.sizes["treebank_limit"], relations=relations,
-                       max_positions=run.loaded.max_positions) if relations else []
+    found = (
+        D.examples(
+            run.tokenizer,
+            run.treebank,
+            limit=run.sizes["treebank_limit"],
+            relations=relations,
+            max_positions=run.loaded.max_positions,
+        )
+        if relations
+        else []
+    )
     if len(found) < 2:
-        return (f"not run: {len(found)} treebank sentence(s) hold a dependent of the top heads' relations "
-                f"({', '.join(relations) or 'none with enough cases'}) past the first token; the bootstrap "
-                "needs at least 2 (give more sentences: treebank_limit)")
+        return (
+            f"not run: {len(found)} treebank sentence(s) hold a dependent of the top heads' relations "
+            f"({', '.join(relations) or 'none with enough cases'}) past the first token; the bootstrap "
+            "needs at least 2 (give more sentences: treebank_limit)"
+        )
     pad = getattr(run.tokenizer, "pad_token_id", None) or 0
 
     def values(configs):  # the sentences a few at a time (a language model's logits are rows x L x vocab)
-        return torch.cat([sharded_gated(run.adapter, {key: v.to(run.device) for key, v in inputs.items()}, configs,
-                                        CK.target_loss(targets), max_rows=run.max_rows)
-                          for inputs, targets in D.batches(found, pad_id=pad, max_rows=run.max_rows)], 1)
-    return Measure(values, D.task_name(relations), +1, {"relations": relations, "sentences": [e.sent_id for e in found],
-                                                        "targets": sum(len(e.targets) for e in found)})
+        return torch.cat(
+            [
+                sharded_gated(
+                    run.adapter,
+                    {key: v.to(run.device) for key, v in inputs.items()},
+                    configs,
+                    CK.target_loss(targets),
+                    max_rows=run.max_rows,
+                )
+                for inputs, targets in D.batches(found, pad_id=pad, max_rows=run.max_rows)
+            ],
+            1,
+        )
+
+    return Measure(
+        values,
+        D.task_name(relations),
+        +1,
+        {
+            "relations": relations,
+            "sentences": [e.sent_id for e in found],
+            "targets": sum(len(e.targets) for e in found),
+        },
+    )
 
 
-DEPENDENTS_LOSS = Task("syntactic", "loss on the treebank words in the top heads' relations", _dependents_loss,
-                       no_lm=D.NO_LM)
+DEPENDENTS_LOSS = Task(
+    "syntactic", "loss on the treebank words in the top heads' relations", _dependents_loss, no_lm=D.NO_LM
+)
 
-KIND = register(Kind(
-    name="syntactic", role="syntactic", threshold=0.1,  # accuracy above the best fixed-offset baseline
-    score=score, reads="treebank", task=DEPENDENTS_LOSS, letter="Y", colour="#8c564b",
-    unavailable=lambda run: None if run.treebank is not None else "needs a treebank (treebank=FILE.conllu)",
-    definition="best accuracy margin over the fixed-offset baseline on a treebank relation (the probe, Clark et "
-               "al. 2019)"))
+KIND = register(
+    Kind(
+        name="syntactic",
+        role="syntactic",
+        threshold=0.1,  # accuracy above the best fixed-offset baseline
+        score=score,
+        reads="treebank",
+        task=DEPENDENTS_LOSS,
+        letter="Y",
+        colour="#8c564b",
+        unavailable=lambda run: None if run.treebank is not None else "needs a treebank (treebank=FILE.conllu)",
+        definition="best accuracy margin over the fixed-offset baseline on a treebank relation (the probe, Clark et "
+        "al. 2019)",
+    )
+)

@@ -33,6 +33,26 @@ from headlab.interpret.circuits.tasks.ioi import ABBA, BABA, NAMES, OBJECTS, PLA
 from headlab.interpret.circuits.tasks.registry import TASKS, task
 from headlab.interpret.circuits.tasks.retrieval import CITIES, SEPARATORS, retrieval
 
-__all__ = ["ABBA", "BABA", "CENTURY", "CITIES", "GREATER_THAN", "NAMES", "NOUNS", "OBJECTS", "PLACES", "SEPARATORS",
-           "TASKS", "PairMetric", "TaskPairs", "greater_than", "induction", "ioi", "ioi_prompts", "mean_logprob",
-           "retrieval", "signed_prob", "task"]
+__all__ = [
+    "ABBA",
+    "BABA",
+    "CENTURY",
+    "CITIES",
+    "GREATER_THAN",
+    "NAMES",
+    "NOUNS",
+    "OBJECTS",
+    "PLACES",
+    "SEPARATORS",
+    "TASKS",
+    "PairMetric",
+    "TaskPairs",
+    "greater_than",
+    "induction",
+    "ioi",
+    "ioi_prompts",
+    "mean_logprob",
+    "retrieval",
+    "signed_prob",
+    "task",
+]

@@ -50,16 +50,24 @@ class TaskPairs:
             raise ConfigError(f"subset takes a non-empty list of pair indices in 0..{n - 1}, got {idx!r}")
         sub = getattr(self.metric, "subset", None)
         if not callable(sub):
-            raise ConfigError(f"the metric {getattr(self.metric, '__name__', self.metric)!r} has no subset(idx), so "
-                              "it cannot be restricted to some pairs; build the pairs with a task builder "
-                              "(headlab.interpret.circuits.tasks.task) or give the metric a subset method")
+            raise ConfigError(
+                f"the metric {getattr(self.metric, '__name__', self.metric)!r} has no subset(idx), so "
+                "it cannot be restricted to some pairs; build the pairs with a task builder "
+                "(headlab.interpret.circuits.tasks.task) or give the metric a subset method"
+            )
         take = torch.tensor(rows, dtype=torch.long)
 
         def part(d: dict) -> dict:
             return {k: v[take.to(v.device)] if isinstance(v, torch.Tensor) else v for k, v in d.items()}
 
-        return TaskPairs(self.name, part(self.clean), part(self.corrupted), sub(rows),
-                         [self.template[i] for i in rows], self.description)
+        return TaskPairs(
+            self.name,
+            part(self.clean),
+            part(self.corrupted),
+            sub(rows),
+            [self.template[i] for i in rows],
+            self.description,
+        )
 
 
 class PairMetric:
@@ -96,11 +104,15 @@ class PairMetric:
 
 def check_logits(logits: torch.Tensor, batch: int, name: str) -> tuple[int, int, int]:
     if not isinstance(logits, torch.Tensor) or logits.dim() != 3:
-        raise ShapeError(f"{name} reads logits of shape (batch, seq, vocab); got "
-                         f"{tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__}")
+        raise ShapeError(
+            f"{name} reads logits of shape (batch, seq, vocab); got "
+            f"{tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__}"
+        )
     if logits.shape[0] != batch:
-        raise ShapeError(f"{name} was built for {batch} pairs but got logits for {logits.shape[0]}; use "
-                         "TaskPairs.subset(idx) for a subset of the pairs")
+        raise ShapeError(
+            f"{name} was built for {batch} pairs but got logits for {logits.shape[0]}; use "
+            "TaskPairs.subset(idx) for a subset of the pairs"
+        )
     B, L, V = logits.shape
     return B, L, V
 
@@ -166,8 +178,9 @@ MAX_PAIRS = 10_000  # every pair is a row of every forward: more would not fit a
 def check_n(n) -> int:
     checks.positive_int("n", n, what=" (the number of clean/corrupted pairs)", hint="; pass e.g. n=64")
     if n > MAX_PAIRS:
-        raise ConfigError(f"n={n:,} pairs: a task builds at most {MAX_PAIRS:,} (each pair is a row of every forward); "
-                          "pass e.g. n=64")
+        raise ConfigError(
+            f"n={n:,} pairs: a task builds at most {MAX_PAIRS:,} (each pair is a row of every forward); pass e.g. n=64"
+        )
     return n
 
 
@@ -180,14 +193,18 @@ def text_tokenizer(model, task: str):
     prediction at the last real token)."""
     tok = getattr(model, "tokenizer", None)
     if tok is None or not callable(getattr(model, "encode", None)):
-        raise ModelError(f"the {task} task builds text prompts: pass a model loaded with its tokenizer "
-                         f"(headlab.load(...)), not {type(model).__name__}")
+        raise ModelError(
+            f"the {task} task builds text prompts: pass a model loaded with its tokenizer "
+            f"(headlab.load(...)), not {type(model).__name__}"
+        )
     bare = list(tok("a", add_special_tokens=False)["input_ids"])
     full = list(tok("a")["input_ids"])
-    if full[len(full) - len(bare):] != bare:
-        after = tok.convert_ids_to_tokens(full[len(full) - 1:])
-        raise InputError(f"the tokenizer puts {after} after every text, so the last token is not where the next "
-                         f"word is predicted; the {task} task needs a causal language model's tokenizer")
+    if full[len(full) - len(bare) :] != bare:
+        after = tok.convert_ids_to_tokens(full[len(full) - 1 :])
+        raise InputError(
+            f"the tokenizer puts {after} after every text, so the last token is not where the next "
+            f"word is predicted; the {task} task needs a causal language model's tokenizer"
+        )
     return tok
 
 
@@ -209,5 +226,7 @@ def max_draws(n: int) -> int:
 
 
 def too_few(task: str, kept: int, n: int, tried: int, why: str) -> InputError:
-    return InputError(f"{task}: only {kept} of {n} pairs kept after {tried} draws ({why}); this tokenizer splits the "
-                      "task's words unevenly: use a model whose tokenizer keeps them whole, or ask for fewer pairs")
+    return InputError(
+        f"{task}: only {kept} of {n} pairs kept after {tried} draws ({why}); this tokenizer splits the "
+        "task's words unevenly: use a model whose tokenizer keeps them whole, or ask for fewer pairs"
+    )

@@ -21,9 +21,28 @@ from headlab.interpret.circuits.tasks.base import (
 GREATER_THAN = "The {noun} lasted from the year {century}{yy} to the year {century}"
 CENTURY = "17"
 # nouns of events that last a span of years, in the manner of Hanna et al.'s (their list is longer)
-NOUNS = ["war", "siege", "reign", "rebellion", "occupation", "expedition", "famine", "drought", "plague", "truce",
-         "alliance", "crusade", "voyage", "dynasty", "embargo", "revolt", "conflict", "dispute", "pilgrimage",
-         "construction"]
+NOUNS = [
+    "war",
+    "siege",
+    "reign",
+    "rebellion",
+    "occupation",
+    "expedition",
+    "famine",
+    "drought",
+    "plague",
+    "truce",
+    "alliance",
+    "crusade",
+    "voyage",
+    "dynasty",
+    "embargo",
+    "revolt",
+    "conflict",
+    "dispute",
+    "pilgrimage",
+    "construction",
+]
 
 
 def _year_tokens(tok, prompt: str) -> tuple[str, list[int]]:
@@ -36,31 +55,40 @@ def _year_tokens(tok, prompt: str) -> tuple[str, list[int]]:
     for y in range(100):
         c = f"{y:02d}"
         full = list(tok(prompt + c)["input_ids"])
-        pieces = tok.convert_ids_to_tokens(full[max(0, len(base) - 2):])
-        if full[:len(base)] != base:
-            raise InputError(f"greater-than: the tokenizer merges the century {CENTURY!r} with the digits after it "
-                             f"({CENTURY + c!r} ends as {pieces}), so the prompt cannot end at the century; it needs "
-                             "year digits that tokenise apart from the century, one token per two digits (GPT-2) or "
-                             "per digit (Llama, SmolLM2)")
-        if unk is not None and unk in full[len(base):]:
+        pieces = tok.convert_ids_to_tokens(full[max(0, len(base) - 2) :])
+        if full[: len(base)] != base:
+            raise InputError(
+                f"greater-than: the tokenizer merges the century {CENTURY!r} with the digits after it "
+                f"({CENTURY + c!r} ends as {pieces}), so the prompt cannot end at the century; it needs "
+                "year digits that tokenise apart from the century, one token per two digits (GPT-2) or "
+                "per digit (Llama, SmolLM2)"
+            )
+        if unk is not None and unk in full[len(base) :]:
             lack = [ch for ch in dict.fromkeys(c) if tok(ch, add_special_tokens=False)["input_ids"] in ([unk], [])]
-            raise InputError(f"greater-than: the tokenizer has no token {lack[0] if lack else c!r}: the year digits "
-                             f"{c!r} after {CENTURY!r} read as {pieces}, with the unknown token; it needs each of "
-                             "'00'..'99' or each of '0'..'9' as a token")
-        rest[c] = full[len(base):]
+            raise InputError(
+                f"greater-than: the tokenizer has no token {lack[0] if lack else c!r}: the year digits "
+                f"{c!r} after {CENTURY!r} read as {pieces}, with the unknown token; it needs each of "
+                "'00'..'99' or each of '0'..'9' as a token"
+            )
+        rest[c] = full[len(base) :]
     if all(len(r) == 1 for r in rest.values()) and len({r[0] for r in rest.values()}) == 100:
         return "pair", [rest[f"{y:02d}"][0] for y in range(100)]
     tens: dict = {}
     for c, r in rest.items():
         tens.setdefault(c[0], set()).add(r[0] if len(r) == 2 else None)
-    if all(len(r) == 2 for r in rest.values()) and all(len(v) == 1 for v in tens.values()) \
-            and len({next(iter(v)) for v in tens.values()}) == 10:
+    if (
+        all(len(r) == 2 for r in rest.values())
+        and all(len(v) == 1 for v in tens.values())
+        and len({next(iter(v)) for v in tens.values()}) == 10
+    ):
         return "digit", [next(iter(tens[str(d)])) for d in range(10)]
     odd = next((c for c, r in rest.items() if len(r) != len(rest["00"])), "32")
-    raise InputError(f"greater-than: after {prompt!r} the year's last two digits {odd!r} tokenise as "
-                     f"{tok.convert_ids_to_tokens(rest[odd])} and '00' as {tok.convert_ids_to_tokens(rest['00'])}; "
-                     "the probability difference needs every two-digit year as one token (GPT-2's '32') or every digit "
-                     "as one (SmolLM2's '3' '2')")
+    raise InputError(
+        f"greater-than: after {prompt!r} the year's last two digits {odd!r} tokenise as "
+        f"{tok.convert_ids_to_tokens(rest[odd])} and '00' as {tok.convert_ids_to_tokens(rest['00'])}; "
+        "the probability difference needs every two-digit year as one token (GPT-2's '32') or every digit "
+        "as one (SmolLM2's '3' '2')"
+    )
 
 
 def greater_than(model, n: int = 64, *, seed: int = 0) -> TaskPairs:
@@ -118,9 +146,17 @@ def greater_than(model, n: int = 64, *, seed: int = 0) -> TaskPairs:
         how = "p(year > YY) - p(year <= YY) over the two-digit year tokens"
     else:
         sign = torch.sign(torch.arange(10)[None, :] - years // 10).float()  # (B, 10): tens digit vs YY's
-        how = ("p(tens digit > YY's) - p(tens digit < YY's) over the next digit (digits are single tokens; YY's own "
-               "decade counts neither way)")
+        how = (
+            "p(tens digit > YY's) - p(tens digit < YY's) over the next digit (digits are single tokens; YY's own "
+            "decade counts neither way)"
+        )
     metric = PairMetric("prob_diff", signed_prob, {"sign": sign, "position": last}, ids=torch.tensor(ids))
-    return TaskPairs("greater-than", a, b, metric, ks,
-                     f"greater-than (Hanna et al. 2023): 'The war lasted from the year 17YY to the year 17', "
-                     f"corrupted YY=01; metric {how}")
+    return TaskPairs(
+        "greater-than",
+        a,
+        b,
+        metric,
+        ks,
+        f"greater-than (Hanna et al. 2023): 'The war lasted from the year 17YY to the year 17', "
+        f"corrupted YY=01; metric {how}",
+    )

@@ -45,33 +45,47 @@ def induction(model, n: int = 64, *, half: int = 16, seed: int = 0, vocab: int |
         rows = None
     if vocab is None:
         if rows is None:
-            raise ConfigError(f"cannot find the token embedding of {type(adapter.model).__name__}: pass vocab= (ids "
-                              "are drawn from 0..vocab - 1)")
+            raise ConfigError(
+                f"cannot find the token embedding of {type(adapter.model).__name__}: pass vocab= (ids "
+                "are drawn from 0..vocab - 1)"
+            )
         vocab = min(rows, len(tok)) if tok is not None else rows
     elif rows is not None and vocab > rows:
-        raise InputError(f"vocab={vocab} but the model embeds {rows} tokens: ids from {rows} up would be out of range; "
-                         f"pass vocab <= {rows}")
+        raise InputError(
+            f"vocab={vocab} but the model embeds {rows} tokens: ids from {rows} up would be out of range; "
+            f"pass vocab <= {rows}"
+        )
     ids, start = repeated(tok, vocab=vocab, n=n, half=half, seed=seed)  # (n, P + 2 half + S)
-    banned = set(getattr(tok, "all_special_ids", []) or []) | set(ids[:, :start].flatten().tolist()) \
-        | set(ids[:, start + 2 * half:].flatten().tolist())
+    banned = (
+        set(getattr(tok, "all_special_ids", []) or [])
+        | set(ids[:, :start].flatten().tolist())
+        | set(ids[:, start + 2 * half :].flatten().tolist())
+    )
     allowed = torch.ones(vocab, dtype=torch.bool)
     allowed[[t for t in banned if t < vocab]] = False
-    g = torch.Generator().manual_seed(seed + 2 ** 32)  # the corrupted halves: apart from repeated's own draw
+    g = torch.Generator().manual_seed(seed + 2**32)  # the corrupted halves: apart from repeated's own draw
     corrupt = ids.clone()
     for i in range(n):
         pool = allowed.clone()
-        pool[ids[i, start:start + half]] = False
+        pool[ids[i, start : start + half]] = False
         pool = pool.nonzero().flatten()
         if len(pool) == 0:
-            raise ConfigError(f"vocab={vocab} leaves no token outside the {half} of a clean half for the corrupted "
-                              "half; use a larger vocab or a smaller half")
-        corrupt[i, start:start + half] = pool[torch.randint(0, len(pool), (half,), generator=g)]
+            raise ConfigError(
+                f"vocab={vocab} leaves no token outside the {half} of a clean half for the corrupted "
+                "half; use a larger vocab or a smaller half"
+            )
+        corrupt[i, start : start + half] = pool[torch.randint(0, len(pool), (half,), generator=g)]
     positions = (start + half + torch.arange(half - 1)).expand(n, -1)  # (n, half - 1): x_1..x_{T-1}, second half
-    targets = ids[:, start + half + 1:start + 2 * half]  # (n, half - 1): x_2..x_T
+    targets = ids[:, start + half + 1 : start + 2 * half]  # (n, half - 1): x_2..x_T
     device = model_device(adapter)
     mask = torch.ones_like(ids)
     metric = PairMetric("induction_logprob", mean_logprob, {"targets": targets, "positions": positions.clone()})
-    return TaskPairs("induction", {"input_ids": ids.to(device), "attention_mask": mask.to(device)},
-                     {"input_ids": corrupt.to(device), "attention_mask": mask.clone().to(device)}, metric, [0] * n,
-                     f"induction (Olsson et al. 2022): {half} random tokens repeated, corrupted by another random "
-                     "first half; metric mean log-prob of the right next token over the second half")
+    return TaskPairs(
+        "induction",
+        {"input_ids": ids.to(device), "attention_mask": mask.to(device)},
+        {"input_ids": corrupt.to(device), "attention_mask": mask.clone().to(device)},
+        metric,
+        [0] * n,
+        f"induction (Olsson et al. 2022): {half} random tokens repeated, corrupted by another random "
+        "first half; metric mean log-prob of the right next token over the second half",
+    )

@@ -41,9 +41,38 @@ BABA = [
 ]
 # their ABBA twins: the first two names swapped, so IO comes first
 ABBA = [t.replace("[B] and [A]", "[A] and [B]", 1) for t in BABA]
-NAMES = ["Mary", "John", "Anne", "Paul", "Sarah", "James", "Lisa", "Mark", "Tom", "Kate", "David", "Laura", "Michael",
-         "Emma", "Daniel", "Rachel", "Peter", "Alice", "George", "Susan", "Robert", "Linda", "Steven", "Helen",
-         "Richard", "Karen", "Thomas", "Emily", "Andrew", "Jessica"]
+NAMES = [
+    "Mary",
+    "John",
+    "Anne",
+    "Paul",
+    "Sarah",
+    "James",
+    "Lisa",
+    "Mark",
+    "Tom",
+    "Kate",
+    "David",
+    "Laura",
+    "Michael",
+    "Emma",
+    "Daniel",
+    "Rachel",
+    "Peter",
+    "Alice",
+    "George",
+    "Susan",
+    "Robert",
+    "Linda",
+    "Steven",
+    "Helen",
+    "Richard",
+    "Karen",
+    "Thomas",
+    "Emily",
+    "Andrew",
+    "Jessica",
+]
 PLACES = ["store", "garden", "restaurant", "school", "hospital", "office", "house", "station"]
 OBJECTS = ["ring", "kiss", "bone", "basketball", "computer", "necklace", "drink", "snack"]
 
@@ -54,8 +83,10 @@ def _ioi_templates(templates) -> list[str]:
     if templates is None:
         return list(BABA)
     if isinstance(templates, (str, int)) or not isinstance(templates, Sequence) or not templates:
-        raise ConfigError(f"templates must be a non-empty list of indices into BABA (0..{len(BABA) - 1}) or BABA-form "
-                          f"strings, got {templates!r}")
+        raise ConfigError(
+            f"templates must be a non-empty list of indices into BABA (0..{len(BABA) - 1}) or BABA-form "
+            f"strings, got {templates!r}"
+        )
     out = []
     for t in templates:
         if isinstance(t, int) and not isinstance(t, bool) and 0 <= t < len(BABA):
@@ -63,9 +94,11 @@ def _ioi_templates(templates) -> list[str]:
         elif isinstance(t, str) and "[B] and [A]" in t and t.count("[A]") == 1 and t.count("[B]") == 2:
             out.append(t)
         else:
-            raise ConfigError(f"IOI template {t!r} is neither an index into BABA (0..{len(BABA) - 1}) nor a BABA-form "
-                              "string: write '[B] and [A]' once and '[B]' once more later, e.g. "
-                              f"{BABA[0]!r}")
+            raise ConfigError(
+                f"IOI template {t!r} is neither an index into BABA (0..{len(BABA) - 1}) nor a BABA-form "
+                "string: write '[B] and [A]' once and '[B]' once more later, e.g. "
+                f"{BABA[0]!r}"
+            )
     return out
 
 
@@ -82,13 +115,18 @@ def _ioi_stream(tokenizer, seed: int, templates=None) -> Iterator[tuple[str, str
     places = [w for w in PLACES if single_token(tokenizer, w)]
     objects = [w for w in OBJECTS if single_token(tokenizer, w)]
     uses = " ".join(baba)
-    for what, have, pool, need in (("names", names, NAMES, 5), ("places", places, PLACES, int("[PLACE]" in uses)),
-                                   ("objects", objects, OBJECTS, int("[OBJECT]" in uses))):
+    for what, have, pool, need in (
+        ("names", names, NAMES, 5),
+        ("places", places, PLACES, int("[PLACE]" in uses)),
+        ("objects", objects, OBJECTS, int("[OBJECT]" in uses)),
+    ):
         if len(have) < need:
             missing = [w for w in pool if w not in have]
-            raise InputError(f"IOI needs at least {need} {what} that the tokenizer keeps as one token after a space; "
-                             f"it keeps {len(have)} ({have}) and splits or lacks {missing[:8]}: use a model whose "
-                             "vocabulary has them")
+            raise InputError(
+                f"IOI needs at least {need} {what} that the tokenizer keeps as one token after a space; "
+                f"it keeps {len(have)} ({have}) and splits or lacks {missing[:8]}: use a model whose "
+                "vocabulary has them"
+            )
     rng = random.Random(seed)
     i = 0
     while True:
@@ -155,6 +193,12 @@ def ioi(model, n: int = 64, *, seed: int = 0, templates=None) -> TaskPairs:
     s_ids = torch.tensor([tok(" " + w, add_special_tokens=False)["input_ids"][0] for w in ss])
     last = a["attention_mask"].sum(-1).cpu() - 1  # (B,) the last real token of each right-padded prompt
     metric = PairMetric("logit_diff", pair_logit_diff, {"correct": io_ids, "wrong": s_ids, "position": last})
-    return TaskPairs("ioi", a, b, metric, ks,
-                     "IOI (Wang et al. 2022): BABA/ABBA templates, corrupted by ABC (three other all-different names); "
-                     "metric logit(IO) - logit(S) at the last token")
+    return TaskPairs(
+        "ioi",
+        a,
+        b,
+        metric,
+        ks,
+        "IOI (Wang et al. 2022): BABA/ABBA templates, corrupted by ABC (three other all-different names); "
+        "metric logit(IO) - logit(S) at the last token",
+    )

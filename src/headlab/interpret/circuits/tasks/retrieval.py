@@ -22,8 +22,24 @@ from headlab.interpret.circuits.tasks.base import (
 from headlab.interpret.circuits.tasks.ioi import NAMES
 from headlab.interpret.patching.prompts import prompt_pair
 
-CITIES = ["Paris", "Rome", "Berlin", "Tokyo", "London", "Madrid", "Vienna", "Dublin", "Oslo", "Cairo", "Boston",
-          "Chicago", "Sydney", "Moscow", "Athens", "Prague"]
+CITIES = [
+    "Paris",
+    "Rome",
+    "Berlin",
+    "Tokyo",
+    "London",
+    "Madrid",
+    "Vienna",
+    "Dublin",
+    "Oslo",
+    "Cairo",
+    "Boston",
+    "Chicago",
+    "Sydney",
+    "Moscow",
+    "Athens",
+    "Prague",
+]
 # the paraphrases: what joins the "key value" facts, and the facts to the query key
 SEPARATORS = [". ", ", ", " and "]
 FACTS = 3  # key-value facts per prompt: 12 tokens on SmolLM2, so 64 pairs run quickly
@@ -53,9 +69,11 @@ def retrieval(model, n: int = 64, *, seed: int = 0) -> TaskPairs:
     values_ok = [w for w in CITIES if single_token(tok, w)]
     for what, have, pool in (("names", keys_ok, NAMES), ("cities", values_ok, CITIES)):
         if len(have) < FACTS:
-            raise InputError(f"retrieval needs {FACTS} {what} that the tokenizer keeps as one token after a space; it "
-                             f"keeps {have} and splits or lacks {[w for w in pool if w not in have][:8]}: use a model "
-                             "whose vocabulary has them")
+            raise InputError(
+                f"retrieval needs {FACTS} {what} that the tokenizer keeps as one token after a space; it "
+                f"keeps {have} and splits or lacks {[w for w in pool if w not in have][:8]}: use a model "
+                "whose vocabulary has them"
+            )
     rng = random.Random(check_seed(seed))
     kept: list[tuple[str, str, str, str, int]] = []
     tried = 0
@@ -74,10 +92,22 @@ def retrieval(model, n: int = 64, *, seed: int = 0) -> TaskPairs:
     cleans, corrupts, right, wrong, ks = (list(x) for x in zip(*kept))
     a, b, _ = prompt_pair(model, cleans, corrupts, right, wrong)
     last = a["attention_mask"].sum(-1).cpu() - 1
-    metric = PairMetric("logit_diff", pair_logit_diff, {
-        "correct": torch.tensor([tok(w, add_special_tokens=False)["input_ids"][0] for w in right]),
-        "wrong": torch.tensor([tok(w, add_special_tokens=False)["input_ids"][0] for w in wrong]), "position": last})
-    return TaskPairs("retrieval", a, b, metric, ks,
-                     f"associative recall (Fu et al. 2023, Arora et al. 2023) in words: {FACTS} 'name city' facts then "
-                     "one name again, corrupted by querying another name of the context; metric logit(V) - logit(V') "
-                     "at the last token")
+    metric = PairMetric(
+        "logit_diff",
+        pair_logit_diff,
+        {
+            "correct": torch.tensor([tok(w, add_special_tokens=False)["input_ids"][0] for w in right]),
+            "wrong": torch.tensor([tok(w, add_special_tokens=False)["input_ids"][0] for w in wrong]),
+            "position": last,
+        },
+    )
+    return TaskPairs(
+        "retrieval",
+        a,
+        b,
+        metric,
+        ks,
+        f"associative recall (Fu et al. 2023, Arora et al. 2023) in words: {FACTS} 'name city' facts then "
+        "one name again, corrupted by querying another name of the context; metric logit(V) - logit(V') "
+        "at the last token",
+    )

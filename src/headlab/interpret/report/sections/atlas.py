@@ -35,8 +35,17 @@ class AtlasSection(Section):
     def compute(self, job: Job, cache, results):
         from headlab.interpret.atlas import atlas
 
-        return atlas(job.loaded, kinds=_kinds(job.loaded.tokenizer), checks=False, copying=False, evidence=False,
-                     half=16, n_repeated=2, n_texts=1, max_tokens=64)
+        return atlas(
+            job.loaded,
+            kinds=_kinds(job.loaded.tokenizer),
+            checks=False,
+            copying=False,
+            evidence=False,
+            half=16,
+            n_repeated=2,
+            n_texts=1,
+            max_tokens=64,
+        )
 
     def page(self, job: Job, result, results) -> PagePart:
         from headlab.interpret.atlas.kinds import KINDS, ROLE
@@ -45,20 +54,27 @@ class AtlasSection(Section):
         rows = []
         for kind, s in result.summary().items():
             heads = ", ".join(s["heads"][:12]) + (f" (+{s['count'] - 12})" if s["count"] > 12 else "")
-            rows.append(f"<tr><td>{html.escape(ROLE[kind])}</td><td>&ge; {s['threshold']}</td><td>{s['count']} "
-                        f"({100 * s['share']:.1f}%)</td><td>{html.escape(heads or '-')}</td></tr>")
+            rows.append(
+                f"<tr><td>{html.escape(ROLE[kind])}</td><td>&ge; {s['threshold']}</td><td>{s['count']} "
+                f"({100 * s['share']:.1f}%)</td><td>{html.escape(heads or '-')}</td></tr>"
+            )
         scored = "; ".join(f"{ROLE[k]}: {KINDS[k].definition}" for k in result.kinds)
         rest = [ROLE[k] for k in KINDS if k not in result.kinds]
-        caption = (f"Roles from the head atlas, scores only, on the atlas's own inputs (not this text): {scored}. "
-                   "A role is another measure than the pattern labels of the heads above (P, N, S, K, B), which are "
-                   "read on this text: previous-token there means at least "
-                   f"{LabelThresholds().positional:g} of this text's rows have their largest weight one step back; "
-                   "previous-token here, the mean weight one step back on random tokens at the threshold below. "
-                   "`headlab atlas` adds " + (", ".join(rest) + " and " if rest else "") +
-                   "the causal checks and writes every score.")
-        part = (f'<section id="atlas-section"><h2>Head roles (atlas)</h2><p class="hint">{html.escape(caption)}</p>'
-                f"<table><tr><th>role</th><th>threshold</th><th>heads</th><th>which (layer.head)</th></tr>"
-                f"{''.join(rows)}</table></section>")
+        caption = (
+            f"Roles from the head atlas, scores only, on the atlas's own inputs (not this text): {scored}. "
+            "A role is another measure than the pattern labels of the heads above (P, N, S, K, B), which are "
+            "read on this text: previous-token there means at least "
+            f"{LabelThresholds().positional:g} of this text's rows have their largest weight one step back; "
+            "previous-token here, the mean weight one step back on random tokens at the threshold below. "
+            "`headlab atlas` adds "
+            + (", ".join(rest) + " and " if rest else "")
+            + "the causal checks and writes every score."
+        )
+        part = (
+            f'<section id="atlas-section"><h2>Head roles (atlas)</h2><p class="hint">{html.escape(caption)}</p>'
+            f"<table><tr><th>role</th><th>threshold</th><th>heads</th><th>which (layer.head)</th></tr>"
+            f"{''.join(rows)}</table></section>"
+        )
         return PagePart(html=part)
 
 

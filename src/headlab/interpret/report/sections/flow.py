@@ -56,15 +56,25 @@ class FlowView:
         if self.skipped is not None:
             return None
         num = lambda a: [float(f"{v:.7g}") for v in np.asarray(a, dtype=np.float64)]
-        roll = {"layer": self.rollout_layer, "note": self.note,
-                "rows": {str(p): num(r) for p, r in self.rollout_rows.items()}}
+        roll = {
+            "layer": self.rollout_layer,
+            "note": self.note,
+            "rows": {str(p): num(r) for p, r in self.rollout_rows.items()},
+        }
         if self.rollout_map is not None:
             roll["map"] = encode_map(self.rollout_map)
         return {"value_norms": {f"{l}.{h}": num(v) for (l, h), v in self.value_norms.items()}, "rollout": roll}
 
 
-def flow_view(loaded, recording: Recording, *, mode: str, drawn: Sequence[tuple[int, int]],
-              max_full_tokens: int | None = None, say: Callable[[str], None] | None = None) -> FlowView:
+def flow_view(
+    loaded,
+    recording: Recording,
+    *,
+    mode: str,
+    drawn: Sequence[tuple[int, int]],
+    max_full_tokens: int | None = None,
+    say: Callable[[str], None] | None = None,
+) -> FlowView:
     """Value norms of the drawn heads and the rollout view for one input (see the module docstring), from a
     :class:`~headlab.interpret.flow.record.Recording` of every layer: its maps in full mode, its q, k and
     lse in streaming mode (no forward runs here)."""
@@ -86,8 +96,10 @@ def flow_view(loaded, recording: Recording, *, mode: str, drawn: Sequence[tuple[
             assert roll.row_positions is not None and roll.rows is not None  # rows asked for
             view.rollout_rows = {p: r.double().cpu().numpy() for p, r in zip(roll.row_positions, roll.rows)}
             limit = f" > {max_full_tokens}" if max_full_tokens is not None else ""
-            view.note = (f"rollout rows only: {n} tokens{limit} is past the full-map length, so only the rows of "
-                         "the first and the last token are computed (top-down, without any n x n map)")
+            view.note = (
+                f"rollout rows only: {n} tokens{limit} is past the full-map length, so only the rows of "
+                "the first and the last token are computed (top-down, without any n x n map)"
+            )
         view.rollout_layer = roll.layer
     except (HeadlabError, NotImplementedError) as e:  # e.g. an adapter that does not give W_V / W_O
         return FlowView(mode, skipped=f"norm maps and rollout are left out: {e}")
@@ -113,17 +125,25 @@ class FlowSection(Section):
         table = results["heads"]
         if not self._usable(job):
             if not is_exact(job.backend):  # streaming: the recording comes from the approximate model
-                return FlowView(job.mode, skipped=f"norm maps and rollout are left out: backend {job.backend!r} is "
-                                                  "approximate, and they are defined on exact softmax attention")
-            return FlowView(job.mode, skipped="norm maps and rollout are left out: the map-free rollout runs within "
-                                              "one stack, and this model has " + ", ".join(job.adapter.stacks))
+                return FlowView(
+                    job.mode,
+                    skipped=f"norm maps and rollout are left out: backend {job.backend!r} is "
+                    "approximate, and they are defined on exact softmax attention",
+                )
+            return FlowView(
+                job.mode,
+                skipped="norm maps and rollout are left out: the map-free rollout runs within "
+                "one stack, and this model has " + ", ".join(job.adapter.stacks),
+            )
         try:
-            rec = from_cache(job.adapter, cache, list(range(job.adapter.n_layers)), maps=job.mode == "full",
-                             tokens=job.tokens)
+            rec = from_cache(
+                job.adapter, cache, list(range(job.adapter.n_layers)), maps=job.mode == "full", tokens=job.tokens
+            )
         except HeadlabError as e:  # e.g. layers that modify their scores, which the map-free tiles do not apply
             return FlowView(job.mode, skipped=f"norm maps and rollout are left out: {e}")
-        return flow_view(job.loaded, rec, mode=job.mode, drawn=table.drawn, max_full_tokens=job.max_full_tokens,
-                         say=job.say)
+        return flow_view(
+            job.loaded, rec, mode=job.mode, drawn=table.drawn, max_full_tokens=job.max_full_tokens, say=job.say
+        )
 
     def write(self, job: Job, view: FlowView, results) -> list[str]:
         if view.skipped is not None:
@@ -135,8 +155,14 @@ class FlowSection(Section):
         return PagePart(data={"flow": check_flow(data, job.n)} if data is not None else {})
 
 
-def write_flow_files(view: FlowView, maps: Mapping[tuple[int, int], object], tokens: list[str], out: Path, *,
-                     say: Callable[[str], None] | None = None) -> list[str]:
+def write_flow_files(
+    view: FlowView,
+    maps: Mapping[tuple[int, int], object],
+    tokens: list[str],
+    out: Path,
+    *,
+    say: Callable[[str], None] | None = None,
+) -> list[str]:
     """``analyze --flow``: the norm maps and the rollout as PNGs and ``rollout.json`` in ``out``; returns notes."""
     say = say or (lambda _m: None)
     if view.skipped is not None:
@@ -150,19 +176,33 @@ def write_flow_files(view: FlowView, maps: Mapping[tuple[int, int], object], tok
         N = N / np.maximum(N.sum(-1, keepdims=True), 1e-30)
         if grid is None or grid.n_maps != len(hs):
             grid = LayerGrid(tokens, len(hs))
-        grid.draw(N, out / f"norms_layer_{layer:02d}.png", layer=layer, head_ids=hs,
-                  titles=["norm ||alpha f(x)||, rows normalised"] * len(hs))
+        grid.draw(
+            N,
+            out / f"norms_layer_{layer:02d}.png",
+            layer=layer,
+            head_ids=hs,
+            titles=["norm ||alpha f(x)||, rows normalised"] * len(hs),
+        )
     if view.rollout_map is not None:
-        LayerGrid(tokens, 1).draw(view.rollout_map[None], out / "rollout.png", layer=view.rollout_layer,
-                                  titles=["rollout through the last layer"])
+        LayerGrid(tokens, 1).draw(
+            view.rollout_map[None],
+            out / "rollout.png",
+            layer=view.rollout_layer,
+            titles=["rollout through the last layer"],
+        )
         notes = ["norm maps (norms_layer_*.png) beside the weight maps, and the rollout (rollout.png)"]
     else:
         n = len(tokens)
-        notes = [f"rollout: rows of the first and last token only ({n} tokens is past the full-map length; "
-                 "rollout.json), computed top-down without n x n maps; norm maps of the drawn heads in norms_layer_*.png"]
+        notes = [
+            f"rollout: rows of the first and last token only ({n} tokens is past the full-map length; "
+            "rollout.json), computed top-down without n x n maps; norm maps of the drawn heads in norms_layer_*.png"
+        ]
     rows = {str(p): r.tolist() for p, r in view.rollout_rows.items()}
-    write_json(out / "rollout.json", envelope("rollout", {"tokens": tokens, "rows": rows},
-                                              settings={"method": "mean", "layer": view.rollout_layer}), indent=None)
+    write_json(
+        out / "rollout.json",
+        envelope("rollout", {"tokens": tokens, "rows": rows}, settings={"method": "mean", "layer": view.rollout_layer}),
+        indent=None,
+    )
     return notes
 
 

@@ -51,8 +51,11 @@ def memory_hint(e: MemoryBudgetError, n: int) -> MemoryBudgetError:
     return MemoryBudgetError(
         f"{head}; the report's full mode holds every {n} x {n} map: raise HEADLAB_MEMORY_LIMIT, or use "
         f"streaming statistics with `headlab analyze TEXT --max-full-tokens {max(1, n - 1)}` "
-        "(max_full_tokens=), which hold no full map", estimate_bytes=e.estimate_bytes,
-        available_bytes=e.available_bytes, alternative=None)
+        "(max_full_tokens=), which hold no full map",
+        estimate_bytes=e.estimate_bytes,
+        available_bytes=e.available_bytes,
+        alternative=None,
+    )
 
 
 def _map_of(job: Job, cache, layer: int, h: int) -> np.ndarray:
@@ -60,12 +63,12 @@ def _map_of(job: Job, cache, layer: int, h: int) -> np.ndarray:
     score modification (soft-capping, ALiBi)."""
     adapter = job.adapter
     group = max(1, adapter.layer_heads[layer] // adapter.layer_kv_heads[layer])  # per layer: pruned layers differ
-    q = cache[adapter.site_name(layer, "q")][:, h:h + 1]  # (1, 1, L, d)
-    k = cache[adapter.site_name(layer, "k")][:, h // group:h // group + 1]  # (1, 1, L, d)
+    q = cache[adapter.site_name(layer, "q")][:, h : h + 1]  # (1, 1, L, d)
+    k = cache[adapter.site_name(layer, "k")][:, h // group : h // group + 1]  # (1, 1, L, d)
     call = cache.call_args[layer]
     mask = call["mask"]
     if isinstance(mask, torch.Tensor) and mask.dim() == 4 and mask.shape[1] > 1:
-        mask = mask[:, h:h + 1]  # (B, 1, Lq, Lk): a per-head mask, this head's slice
+        mask = mask[:, h : h + 1]  # (B, 1, Lq, Lk): a per-head mask, this head's slice
     mod = call.get("score_mod")
     extra = {"score_mod": (lambda s, b, hh, qi, kv, mod=mod, h=h: mod(s, b, hh + h, qi, kv))} if mod else {}
     w = attention_weights(q, k, mask=mask, causal=call["causal"], scale=call["scale"], **extra)  # (1, 1, L, L)
@@ -91,8 +94,10 @@ class HeadsSection(Section):
             maps = {(i, h): m[h] for i, m in enumerate(layer_maps) for h in range(m.shape[0])}
             notes = []
         else:
-            rows = [row_stats_from_attention_stats(st, sink_positions=job.sinks, causal=job.causal)
-                    for st in cache.layer("stats")]
+            rows = [
+                row_stats_from_attention_stats(st, sink_positions=job.sinks, causal=job.causal)
+                for st in cache.layer("stats")
+            ]
             maps = None
         records = head_records(rows, job.tokens, separator_positions=job.separators, thresholds=job.thresholds)
         if maps is None:
@@ -102,24 +107,36 @@ class HeadsSection(Section):
         if job.annotations:
             records = [replace(r, notes=_notes(job.annotations.get((r.layer, r.head)))) for r in records]
         drawn = list(maps)
-        embedded = drawn if job.mode == "full" else drawn[:embeddable(n, len(drawn))]
+        embedded = drawn if job.mode == "full" else drawn[: embeddable(n, len(drawn))]
         return HeadsTable(records, maps, drawn, embedded, notes)
 
     @staticmethod
     def _stream_notes(job: Job, drawn) -> list[str]:
         n = job.n
-        notes = [f"long input: {n} tokens > {job.max_full_tokens}, so the table comes from streaming statistics "
-                 f"(no {n} x {n} map held) and maps are drawn only for heads "
-                 f"{', '.join(f'{a}.{b}' for a, b in drawn)}" + ("" if job.chosen else " (chosen automatically: "
-                 "the heads whose rows most often point at a fixed offset; pick others with --heads)")]
+        notes = [
+            f"long input: {n} tokens > {job.max_full_tokens}, so the table comes from streaming statistics "
+            f"(no {n} x {n} map held) and maps are drawn only for heads "
+            f"{', '.join(f'{a}.{b}' for a, b in drawn)}"
+            + (
+                ""
+                if job.chosen
+                else " (chosen automatically: "
+                "the heads whose rows most often point at a fixed offset; pick others with --heads)"
+            )
+        ]
         fits = embeddable(n, len(drawn))
         if fits < len(drawn):
             one = 2 * n * n / 2**20
-            notes.append(f"at {n} tokens one map takes {one:.0f} MiB in the page, which holds at most "
-                         f"{MAX_EMBEDDED_BYTES >> 20} MiB of maps: " + (
-                             f"it embeds {', '.join(f'{a}.{b}' for a, b in drawn[:fits])}; " if fits else
-                             "it embeds none (the table and the statistics are all there); ") +
-                         "every drawn head is in the layer PNGs")
+            notes.append(
+                f"at {n} tokens one map takes {one:.0f} MiB in the page, which holds at most "
+                f"{MAX_EMBEDDED_BYTES >> 20} MiB of maps: "
+                + (
+                    f"it embeds {', '.join(f'{a}.{b}' for a, b in drawn[:fits])}; "
+                    if fits
+                    else "it embeds none (the table and the statistics are all there); "
+                )
+                + "every drawn head is in the layer PNGs"
+            )
         return notes
 
     def write(self, job: Job, result: HeadsTable, results) -> list[str]:
@@ -137,8 +154,15 @@ class HeadsSection(Section):
             if grid is None or grid.n_maps != len(hs):  # the same tokens on every layer: reuse the figure
                 grid = LayerGrid(job.tokens, len(hs))
             maps_l = np.stack([result.maps[(layer, h)] for h in hs])  # (len(hs), L, L)
-            result.pngs.append(grid.draw(maps_l, job.out / f"layer_{layer:02d}.png", layer=layer, head_ids=hs,
-                                         titles=[titles[(layer, h)] for h in hs]))
+            result.pngs.append(
+                grid.draw(
+                    maps_l,
+                    job.out / f"layer_{layer:02d}.png",
+                    layer=layer,
+                    head_ids=hs,
+                    titles=[titles[(layer, h)] for h in hs],
+                )
+            )
         return []
 
 

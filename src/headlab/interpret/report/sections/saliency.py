@@ -39,8 +39,12 @@ class SaliencySection(Section):
             return None
         table = results["heads"]
         notes = head_annotations(ex)
-        table.records = [dataclasses.replace(r, evidence=(*r.evidence, notes[(r.layer, r.head)]))
-                         if (r.layer, r.head) in notes else r for r in table.records]
+        table.records = [
+            dataclasses.replace(r, evidence=(*r.evidence, notes[(r.layer, r.head)]))
+            if (r.layer, r.head) in notes
+            else r
+            for r in table.records
+        ]
         return ex
 
     def write(self, job: Job, ex, results) -> list[str]:
@@ -62,14 +66,22 @@ class SaliencySection(Section):
             return PagePart()
         what = f"class {ex.target_label or ex.target}" if ex.kind == "classifier" else "the next token"
         gap = "" if ex.completeness_gap is None else f"; IG completeness gap {100 * ex.completeness_gap:.3f}%"
-        caption = (f"Explaining {what} (logit {ex.y:.4g}){gap}. Red: supports the output, blue: against; each panel "
-                   "scaled by its largest |score|; grey: special tokens, left out of the rankings (Jain and Wallace "
-                   "2019; Sundararajan et al. 2017). The same page alone: saliency.html.")
-        strip = (f'<section id="saliency-section"><h2>Saliency of the model\'s output</h2>'
-                 f'<p class="hint">{html.escape(caption)}</p>{explanation_fragment(ex)}</section>')
-        return PagePart(html=strip, notes=[
-            f"saliency of {what}: the strip below the maps, saliency.html and saliency.png (attention vs gradient, "
-            "IG, leave-one-out); each head's evidence ends with its Kendall tau with |IG|"])
+        caption = (
+            f"Explaining {what} (logit {ex.y:.4g}){gap}. Red: supports the output, blue: against; each panel "
+            "scaled by its largest |score|; grey: special tokens, left out of the rankings (Jain and Wallace "
+            "2019; Sundararajan et al. 2017). The same page alone: saliency.html."
+        )
+        strip = (
+            f'<section id="saliency-section"><h2>Saliency of the model\'s output</h2>'
+            f'<p class="hint">{html.escape(caption)}</p>{explanation_fragment(ex)}</section>'
+        )
+        return PagePart(
+            html=strip,
+            notes=[
+                f"saliency of {what}: the strip below the maps, saliency.html and saliency.png (attention vs gradient, "
+                "IG, leave-one-out); each head's evidence ends with its Kendall tau with |IG|"
+            ],
+        )
 
 
 __all__ = ["SaliencySection"]
