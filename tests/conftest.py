@@ -141,3 +141,56 @@ def require_browser() -> str:
     require(path is not None, f"no headless Chromium found (looked for {', '.join(BROWSERS)} on PATH and "
                               "$HEADLAB_CHROMIUM); install one, e.g. `apt-get install chromium`")
     return path
+
+
+# -- the architecture sweep's table: served / refused / by which check -------------------------------------------
+# tests/test_architectures.py and tests/test_structure.py record each swept type through the ``sweep`` fixture;
+# a type whose sweep test fails is recorded as failing, with the assertion. At the end of the run the table is
+# printed (only for the types that ran).
+_SWEEP: dict[str, tuple[str, str]] = {}
+_SWEEP_TESTS = ("test_every_step", "test_refused_architectures_say_why",
+                "test_unservable_structures_are_refused_with_what_was_found")
+
+
+def refusal_check(message: str) -> str:
+    """The check a refusal names (``check 'pattern'``), else its reason: the message's first clause after the
+    model type, at most 110 characters."""
+    import re
+
+    hit = re.search(r"failed the load-time check '(\w+)'", message)
+    if hit:
+        return f"check '{hit.group(1)}'"
+    why = message.split("': ", 1)[-1].split(";")[0]
+    return why if len(why) <= 110 else why[:107] + "..."
+
+
+@pytest.fixture
+def sweep():
+    """``sweep(name, verdict, why)``: record one swept architecture for the end-of-run table (``verdict`` is
+    ``"served"`` or ``"refused"``; ``why`` the check, or what a served type refuses, typed)."""
+    def record(name: str, verdict: str, why: str = "") -> None:
+        _SWEEP[name] = (verdict, why)
+    return record
+
+
+def pytest_runtest_logreport(report):
+    """A failing sweep test: its type is recorded as failing, with the last assertion line."""
+    if report.when != "call" or not report.failed or "[" not in report.nodeid:
+        return
+    test, name = report.nodeid.split("::")[-1].split("[", 1)
+    if test in _SWEEP_TESTS:
+        lines = [ln[1:].strip() for ln in str(report.longrepr).splitlines() if ln.startswith("E ")]
+        _SWEEP[name.rstrip("]")] = ("FAILED", (lines[-1] if lines else "")[:110])
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    if not _SWEEP:
+        return
+    counts = {v: sum(1 for verdict, _ in _SWEEP.values() if verdict == v) for v in ("served", "refused", "FAILED")}
+    tr = terminalreporter
+    tr.write_sep("-", "architectures: " + ", ".join(f"{n} {v}" for v, n in counts.items() if n)
+                 + " (served / refused / by which check)")
+    width = max(len(n) for n in _SWEEP)
+    for verdict in ("served", "refused", "FAILED"):
+        for name in sorted(n for n, (v, _) in _SWEEP.items() if v == verdict):
+            tr.write_line(f"{verdict:8s} {name:{width}s}  {_SWEEP[name][1]}".rstrip())

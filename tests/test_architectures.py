@@ -27,12 +27,21 @@ from headlab.attention import backends as hb
 from headlab.errors import BackendUnsupportedError, HeadlabError, UnsupportedArchitectureError
 from headlab.models import adapt
 from headlab.models.hf import REFUSED
+from headlab.models.hf.own_state import bridge_of
 
 import architectures as A
+from conftest import refusal_check
 
-SUPPORTED = [n for n in A.NAMES if n not in REFUSED]
+SUPPORTED = [pytest.param(n, marks=pytest.mark.slow) if n in A.SLOW else n for n in A.NAMES if n not in REFUSED]
 # types found by structure whose q/k norm spans every head (physical removal is refused; gates work)
-CROSS_HEAD_NORMS = {"olmoe", "olmo3"}
+CROSS_HEAD_NORMS = {"olmoe", "olmo3", "olmo_hybrid"}
+# types whose attention module reads its head count or holds per-head parameters headlab does not slice (MPT's own
+# math with ALiBi slopes, MPNet's relative bias; wav2vec2-conformer's relative-position pos_bias_u/v): physical
+# removal is refused, typed, with the reason; gates work
+OWN_HEAD_COUNT = {"mpt", "mpnet", "wav2vec2-conformer", "deberta-v2"}
+# types whose padding mask is a finite additive -10000 (not -inf): read as a bias, as eager adds it, so on a padded
+# batch torch's SDPA (no score_mod) is refused, typed
+FINITE_MASK = {"markuplm"}
 BACKENDS = ["reference", "sdpa", "tiled", "sparse"]
 
 
@@ -66,7 +75,8 @@ def _score_mod(model) -> bool:
     found = getattr(adapt(model), "found", None)  # a type found by structure: a bias passed in the mask, T5's bias
     if found is not None and ({"mask_bias", "position_bias"} & set(found.kwargs)):
         return True
-    return bool(getattr(cfg, "attn_logit_softcapping", None)) or cfg.model_type in ("bloom", "t5") or bool(
+    mods = ("bloom", "t5", *FINITE_MASK)
+    return bool(getattr(cfg, "attn_logit_softcapping", None)) or cfg.model_type in mods or bool(
         getattr(cfg, "alibi", False))
 
 
@@ -82,17 +92,19 @@ def built():
 
 
 @pytest.mark.parametrize("name", sorted(REFUSED))
-def test_refused_architectures_say_why(name, built, tmp_path):
+def test_refused_architectures_say_why(name, built, tmp_path, sweep):
     model = built(name)
-    with pytest.raises(UnsupportedArchitectureError, match=f"no headlab adapter for '{model.config.model_type}': "):
+    says = f"no headlab adapter for '{model.config.model_type}': "
+    with pytest.raises(UnsupportedArchitectureError, match=says) as e:
         adapt(model)
+    sweep(name, "refused", "declared: " + refusal_check(str(e.value)))
     model.save_pretrained(tmp_path)
     with pytest.raises(UnsupportedArchitectureError, match=REFUSED[name].split(";")[0][:40]):
         headlab.load(tmp_path)
 
 
 @pytest.mark.parametrize("name", SUPPORTED)
-def test_every_step(name, built, tmp_path):
+def test_every_step(name, built, tmp_path, sweep):
     model = built(name)
     x = A.inputs(name)
     with torch.no_grad():
@@ -100,6 +112,14 @@ def test_every_step(name, built, tmp_path):
     ref = _main(eager)
     a = adapt(model)
     L = a.n_layers
+    how = (("own math, " if bridge_of(model) is not None else "") + "by structure") if getattr(
+        a, "by_structure", False) else f"family '{a.family}'"
+    served = [f"{how}, {A.BUILDERS[name][1]} inputs"]
+
+    def caveat(what: str = "") -> None:  # what the table says for this type; a failure below replaces it
+        served.extend([what] if what else [])
+        sweep(name, "served", "; ".join(served))
+    caveat()
 
     # load from a folder
     model.save_pretrained(tmp_path)
@@ -123,6 +143,7 @@ def test_every_step(name, built, tmp_path):
         if backend == "sdpa" and _score_mod(model):
             with pytest.raises(BackendUnsupportedError), torch.no_grad(), a.use_backend(backend):
                 model(**x)
+            caveat("sdpa refused: a score modification")
             continue
         with torch.no_grad(), a.use_backend(backend):
             got = _main(model(**x))
@@ -174,6 +195,12 @@ def test_every_step(name, built, tmp_path):
         with pytest.raises(HeadlabError, match="normalises all heads"):
             headlab.prune_heads(model, drop)
         drop = {}
+        caveat("pruning refused: a q/k norm spans all heads")
+    if name in OWN_HEAD_COUNT:  # it reads the head count: removal refused, with the reason
+        with pytest.raises(HeadlabError, match="reads a head count or width headlab cannot change"):
+            headlab.prune_heads(model, drop)
+        drop = {}
+        caveat("pruning refused: it reads a head count headlab cannot change")
     p = headlab.prune_heads(model, drop) if drop else None
     if p is None:
         _check_norms_and_rollout(model, a, x)
@@ -199,6 +226,10 @@ def _check_norms_and_rollout(model, a, x):
     if "attention_mask" in seq:
         seq["attention_mask"] = torch.ones_like(seq["attention_mask"])
     _check_norms(model, a, seq)
+    if getattr(a, "chain_refusal", ""):  # a hybrid whose other blocks mix tokens: rollout refused, with the reason
+        with pytest.raises(UnsupportedArchitectureError, match="mix tokens without an attention map"):
+            headlab.rollout(model, seq)
+        return
     with torch.no_grad():
         maps = _eager_maps(a, model(**seq, output_attentions=True))
     for stack, layers in a.stacks.items():  # Abnar and Zuidema within each stack that chains
@@ -287,6 +318,7 @@ def _check_norms(model, a, seq):
         if l not in selfs:
             continue
         bn = a.attention_norm(l)
+        mix, bO, o = bn.branch(mix), bn.branch(bO), bn.branch(d["o"].double())  # a scaled branch (LayerScale)
         stream = d.get("stream", x).double()
         eye = torch.eye(n, dtype=torch.float64).unsqueeze(-1)
         if bn.post is not None:
@@ -310,7 +342,7 @@ def _check_norms(model, a, seq):
         else:
             r = stream + (d["par"].double() if bn.parallel is not None else 0)
             F = mix + eye * r.unsqueeze(0)
-            total = d["o"].double() + stream + (d["par"].double() if bn.parallel is not None else 0)
+            total = o + stream + (d["par"].double() if bn.parallel is not None else 0)
             torch.testing.assert_close(F.sum(1) + bO, total, atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(F.norm(dim=-1), res.layer[l].double(), atol=1e-5, rtol=1e-4)
 

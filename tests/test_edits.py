@@ -177,12 +177,12 @@ def test_registry_derives_types_messages_and_positions():
     assert {"bert", "gpt2", "llama", "gemma", "falcon"} <= {f.family for f in FAMILIES}
     assert {"bert", "roberta", "gpt2", "llama", "mistral", "qwen2", "gemma2", "qwen3", "phi3"} <= set(supported_model_types())
     assert len(supported_model_types()) == len(set(supported_model_types()))
-    msg = unsupported_message("deberta-v2")
-    assert "'deberta-v2'" in msg and all(t in msg for t in supported_model_types())
+    msg = unsupported_message("deepseek_v3")
+    assert "'deepseek_v3'" in msg and all(t in msg for t in supported_model_types())
     cfg = transformers.RobertaConfig(max_position_embeddings=66, pad_token_id=1)
     assert max_positions(cfg) == 64
-    with pytest.raises(UnsupportedArchitectureError, match="deberta-v2"):
-        max_positions(transformers.DebertaV2Config())
+    with pytest.raises(UnsupportedArchitectureError, match="deepseek_v3"):
+        max_positions(transformers.DeepseekV3Config())
 
 
 def test_integer_hf_mask_is_a_mask_error():

@@ -266,9 +266,11 @@ def test_gates_shape_and_layer_checked(models):
 
 
 def test_unsupported_architecture():
-    deberta = transformers.DebertaV2Model(transformers.DebertaV2Config(  # an architecture headlab refuses
-        vocab_size=V, hidden_size=E, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64))
-    for model in (deberta, torch.nn.Linear(3, 3)):
+    latent = transformers.DeepseekV3Model(transformers.DeepseekV3Config(  # an architecture headlab refuses
+        vocab_size=V, hidden_size=E, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64,
+        q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8, n_routed_experts=2,
+        num_experts_per_tok=1, moe_intermediate_size=16, first_k_dense_replace=1, n_group=1, topk_group=1))
+    for model in (latent, torch.nn.Linear(3, 3)):
         with pytest.raises(UnsupportedArchitectureError, match="bert.*gpt2.*llama"):
             adapt(model)
 
@@ -304,7 +306,7 @@ def test_load_errors(tmp_path):
         headlab.load("no-such-model")
     with pytest.raises(ModelError, match="not a Hugging Face model folder"):
         headlab.load(tmp_path)
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "deberta-v2"}))
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "deepseek_v3"}))
     with pytest.raises(UnsupportedArchitectureError, match="supported families"):
         headlab.load(tmp_path)
 

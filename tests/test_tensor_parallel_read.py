@@ -13,7 +13,8 @@ heads, would fail.
 
 Encoders: the installed transformers has tensor-parallel plans for EuroBERT (and UltraBERT, ESMC). EuroBERT is a
 declared family (a Llama-style encoder) and reads sharded like the decoders; a type read by structure (no family
-class) is refused before loading with the reason, since that discovery is not shard-aware (the last test).
+class) is read whole and cut after (tests/test_tp_structure.py); a world size that does not divide its heads is
+refused from the config, before loading (the last test).
 """
 
 from __future__ import annotations
@@ -192,11 +193,11 @@ def test_value_path_and_readout_of_an_unsharded_model_are_the_adapter_s_own(tmp_
 
 
 def test_an_encoder_read_by_structure_is_refused_before_loading(tmp_path, monkeypatch):
-    """A model type with a plan in transformers that no headlab family class declares is read by structure, and that
-    discovery would take a rank's 2 heads for the config's 4 (it failed with a bare IndexError): refused from the
-    config, before any weight is read, saying why and what to do. EuroBERT is declared now (it runs sharded above);
-    the refusal is shown by hiding its declaration."""
-    from headlab.errors import UnsupportedArchitectureError
+    """A model type no headlab family class declares is read by structure on the whole model and cut after
+    (tests/test_tp_structure.py); a world size that does not divide its heads is refused from the config, before
+    any weight is read, saying why and what to do. EuroBERT is declared (it runs sharded above); it is read by
+    structure here by hiding its declaration."""
+    from headlab.errors import ConfigError
     from headlab.models.hf import registry
 
     path = tiny_family(tmp_path / "eurobert", "eurobert", 4, 2)
@@ -205,7 +206,6 @@ def test_an_encoder_read_by_structure_is_refused_before_loading(tmp_path, monkey
     (path / "model.safetensors").write_bytes(b"not weights")  # never read: the refusal comes from the config
     real = registry.adapter_class
     monkeypatch.setattr(registry, "adapter_class", lambda mt: None if mt == "eurobert" else real(mt))
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    with pytest.raises(UnsupportedArchitectureError, match="'eurobert' has a tensor-parallel plan, but no headlab "
-                                                           "family class declares it.*without tensor_parallel"):
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    with pytest.raises(ConfigError, match="over 3 ranks: the .eurobert. model has 4 query heads, which 3 does not divide"):
         headlab.load(path, tensor_parallel=True)

@@ -75,8 +75,32 @@ def _check(path: str, as_json: bool) -> None:
     a = loaded.adapter
     verdict = verify(a, cache=False)
     found = getattr(a, "found", None)
+    from headlab.models.hf.own_state import bridge_of
+
+    own = bridge_of(a.model)
+    own_text = None
+    if own is not None:
+        said = {"math": "softmax(q k^T) v written out", "sdpa": "scaled_dot_product_attention called directly"}
+        kinds = sorted({said.get(k, k) for k in own.kinds.values()})
+        own_text = (
+            f"attention computed in {len(own.modules)} modules' own math ({'; '.join(kinds)}), read through "
+            "headlab's bridge"
+            + (
+                f"; keys and values repeated {max(own.repeats.values())}x by the module, read unrepeated"
+                if own.repeats
+                else ""
+            )
+        )
     if as_json:
-        print_json({"verdict": verdict.to_json(), "structure": found.summary() if found else None})
+        print_json(
+            {
+                "verdict": verdict.to_json(),
+                "structure": found.summary() if found else None,
+                "own_math": None
+                if own is None
+                else {"modules": own.modules, "kinds": own.kinds, "repeats": own.repeats},
+            }
+        )
     else:
         how = "adapted by structure" if found is not None else f"declared family {a.family!r}"
         console.print(
@@ -93,6 +117,8 @@ def _check(path: str, as_json: bool) -> None:
                         highlight=False,
                         markup=False,
                     )
+        if own_text:
+            console.print(f"  {own_text}", highlight=False, markup=False)
         for c in verdict.checks:
             mark = "pass" if c.passed else "FAIL"
             console.print(

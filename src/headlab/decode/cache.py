@@ -32,8 +32,8 @@ most (:func:`snap_scores`, :func:`snap_select`; Li et al. 2024, Feng et al. 2024
 
 This module holds :class:`HeadCache`, :class:`HeadLayer` and :class:`GroupedKV`; a store is a
 :class:`~headlab.decode.store.KVStore` registered in :data:`~headlab.decode.store.STORES` (re-exported here): the
-built-in ones are in :mod:`headlab.decode.groups` (``DroppedStore``, ``PlainStore``, ``QuantStore``) and
-:mod:`headlab.decode.snap_group` (``SnapStore``, :func:`snap_scores`, :func:`snap_select`).
+built-in ones are in :mod:`headlab.decode.groups` (``DroppedStore``, ``PlainStore``),
+:mod:`headlab.decode.quant_store` (``QuantStore``) and :mod:`headlab.decode.snap_group` (``SnapStore``, :func:`snap_scores`, :func:`snap_select`).
 """
 
 from __future__ import annotations
@@ -41,8 +41,10 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+import headlab.checks as checks
 from headlab.attention.core import attention as _attention
-from headlab.decode import groups, snap_group  # noqa: F401  (they register the built-in stores)
+from headlab.costs.model import parse_dtype
+from headlab.decode import groups, quant_store, snap_group  # noqa: F401  (they register the built-in stores)
 from headlab.decode.kv import (  # noqa: F401  (re-exported: importable from here as before)
     Drop,
     Full,
@@ -203,6 +205,12 @@ class HeadCache(Cache):
     Args:
         model: the Hugging Face causal LM (or a LoadedModel / adapter of one).
         policy: the policy (default: every head full, the ordinary cache).
+        dtype: the dtype the cache holds its keys and values in (and a quantized head its scales, zero points and
+            full-precision residual), when not the model's: ``torch.float16`` or ``"bfloat16"`` holds a 16-bit
+            cache under a float32 model on the CPU (each step computes in the model's dtype). Full, windowed,
+            dropped and quantized rules take it; SnapKV's are refused.
+        codes: a quantized head's decode step attends on its codes (:func:`headlab.decode.codes.attend_codes`,
+            the default); False reads the cache back (dequantizes) and then attends, as round two did.
 
     The model's attention implementation is switched to ``"headlab"`` (the same attention, through
     headlab's backends), which is what reads the grouped cache.
@@ -213,7 +221,7 @@ class HeadCache(Cache):
 
     layers: list[HeadLayer]  # type: ignore[assignment]  # transformers types them as any cache layer: here, ours
 
-    def __init__(self, model, policy: Policy | None = None):
+    def __init__(self, model, policy: Policy | None = None, *, dtype=None, codes: bool = True):
         from headlab.models.loaded_model import resolve
 
         adapter, _ = resolve(model)
@@ -230,6 +238,15 @@ class HeadCache(Cache):
             HeadLayer(*_rank_share(self.policy.layer_rules(l, g), h, self.placement), self, l)
             for l, (h, g) in enumerate(zip(heads, kvh))
         ]
+        _hold(layers, dtype, codes)
+        if any(g.name == "snap" for layer in layers for g in layer.groups):
+            from headlab.decode.expected import find_rotary
+
+            rotary = find_rotary(adapter.model)
+            for layer in layers:
+                for g in layer.groups:
+                    if g.name == "snap":
+                        g.rotary = rotary  # type: ignore[attr-defined]  # SnapStore's (Expected Attention reads it)
         super().__init__(layers=layers)  # type: ignore[arg-type]  # list is invariant: HeadLayer is a CacheLayerMixin
         self._bytes = [0] * len(layers)  # each layer's, after its last step
         self._total = 0
@@ -253,6 +270,26 @@ class HeadCache(Cache):
         self._total += held - self._bytes[layer]
         self._bytes[layer] = held
         self.peak_bytes = max(self.peak_bytes, self._total)
+
+
+def _hold(layers: list[HeadLayer], dtype, codes) -> None:
+    """Tell each store its storage dtype (None: the model's) and whether a quantized one attends on its codes."""
+    checks.boolean("codes", codes)
+    storage = None if dtype is None else parse_dtype(dtype)
+    if storage is not None and not storage.is_floating_point:
+        raise ConfigError(
+            f"dtype={dtype!r}: a cache holds its keys and values in a floating dtype (float16, bfloat16, float32)"
+        )
+    for layer in layers:
+        for g in layer.groups:
+            if storage is not None and g.name not in ("plain", "quant", "none"):
+                raise ConfigError(
+                    f"dtype={dtype!r} sets how full, windowed and quantized heads hold their keys; "
+                    f"{g.rule!r} is held by the store {g.name!r}, which keeps the model's dtype"
+                )
+            g.storage = storage
+            if hasattr(g, "codes"):
+                g.codes = codes
 
 
 def _rank_share(rules: list[Rule], n_heads: int, placement) -> tuple[list[Rule], int]:

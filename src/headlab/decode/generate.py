@@ -151,7 +151,7 @@ def _setup(model, policy):
     kvh = kv_layout(adapter)[1]
     policy.check(kvh)
     plain = all(r == full for l, g in enumerate(kvh) for r in policy.layer_rules(l, g))
-    if hasattr(adapter, "attention_forward") and not plain:
+    if _own_attention(adapter) and not plain:
         raise UnsupportedArchitectureError(
             f"{type(adapter.model).__name__} computes attention in its own modules (not through transformers' "
             "attention interface), so its cache cannot be shaped per head; decode it with policy=None (the full cache)"
@@ -159,10 +159,19 @@ def _setup(model, policy):
     return adapter, loaded, policy
 
 
+def _own_attention(adapter) -> bool:
+    """Does the model compute attention in its own modules: a family with its own attention forward (BLOOM, Falcon)
+    or modules read through their own math (:mod:`headlab.models.hf.own_bridge`), whose code reads the cache's keys
+    as tensors?"""
+    from headlab.models.hf.own_state import bridge_of
+
+    return hasattr(adapter, "attention_forward") or bridge_of(adapter.model) is not None
+
+
 def _new_cache(adapter, policy):
-    """A :class:`HeadCache`; for families that compute attention themselves (BLOOM, Falcon), whose
-    policy is then all full, transformers' own ``DynamicCache``."""
-    if hasattr(adapter, "attention_forward"):
+    """A :class:`HeadCache`; for models that compute attention themselves (BLOOM, Falcon, modules read through their
+    own math), whose policy is then all full, transformers' own ``DynamicCache``."""
+    if _own_attention(adapter):
         from transformers import DynamicCache
 
         return DynamicCache(config=adapter.model.config)

@@ -55,6 +55,7 @@ from pathlib import Path
 import torch
 
 import headlab.checks as checks
+from headlab.decode.expected import Expected, expected  # noqa: F401  (re-exported; registers expected:BUDGET)
 from headlab.decode.heads import check_decoder, kv_layout  # noqa: F401  (re-exported)
 from headlab.decode.rule_checks import check_policy_data
 from headlab.decode.rules import (  # noqa: F401  (re-exported)
@@ -81,7 +82,7 @@ from headlab.errors import ConfigError
 from headlab.results import envelope, write_json
 
 __all__ = ["Full", "Window", "Drop", "Snap", "Rule", "Layout", "full", "drop", "window", "snap", "adakv", "Policy",
-           "kv_layout", "as_rule", "RULES", "register_rule", "unregister_rule"]
+           "kv_layout", "as_rule", "RULES", "register_rule", "unregister_rule", "Expected", "expected"]
 
 
 def __getattr__(name: str):

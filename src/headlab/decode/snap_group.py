@@ -10,6 +10,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from headlab.decode.expected import Expected, expected_scores, expected_select
+from headlab.decode.quant_store import QuantStore
+from headlab.decode.rules import Full
 from headlab.decode.snap_rule import Snap
 from headlab.decode.store import KVStore, register_store
 from headlab.errors import InputError
@@ -83,7 +86,11 @@ class SnapStore(KVStore):
     The prefill runs causal over the whole prompt; then each head keeps the prompt tokens its observation window
     attends to most (:func:`snap_scores`, :func:`snap_select`) and the window, in its own tensors ``(B, 1, kept,
     d)``: an Ada-KV head's count is its own. Every later token is appended to every head; a decode step attends to
-    all a head holds."""
+    all a head holds.
+
+    A quantized rule (``bits`` 8, 4, 2) holds each head's tokens in a :class:`~headlab.decode.quant_store.QuantStore`
+    of its own under ``kv.full(bits)``, whose positions are the head's held tokens counted in order (``0, 1, ...``;
+    the real ones stay in ``pos``): KIVI's storage of that sequence, and a decode step on the codes."""
 
     name = "snap"
     rule: Snap
@@ -91,14 +98,20 @@ class SnapStore(KVStore):
     values: list[torch.Tensor] | None
     pos: list[torch.Tensor] | None
     prompt: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
+    quant: list[QuantStore] | None  # a quantized rule's heads, each in a store of its own
+    codes = True  # a quantized head's decode step attends on its codes (HeadCache(codes=...))
+    rotary = None  # the model's rotary embedding (Expected Attention un-rotates the queries with it): HeadCache sets it
 
     def reset(self) -> None:
         self.keys = self.values = self.pos = None  # per head: (B, 1, kept, d), (B, 1, kept, dv), (kept,)
         self.prompt = None  # (keys, values, positions) of the prefill, before selection
+        self.quant = None
 
     def _tensors(self):
         if self.prompt is not None:
             return list(self.prompt[:2])
+        if self.quant is not None:
+            return [t for qs in self.quant for t in qs._tensors() if t is not None]
         return [] if self.keys is None else self.keys + self.values
 
     def nbytes(self) -> int:
@@ -106,6 +119,8 @@ class SnapStore(KVStore):
 
     @property
     def v_dim(self) -> int | None:  # type: ignore[override]  # from what it holds: a property over the base's None
+        if self.quant is not None:
+            return self.quant[0].v_dim if self.quant else None
         ts = self._tensors()
         return ts[-1].shape[-1] if ts else None
 
@@ -120,6 +135,13 @@ class SnapStore(KVStore):
         return [torch.zeros(0, dtype=torch.long)] * len(self.kv) if self.pos is None else list(self.pos)
 
     def append(self, k: torch.Tensor, v: torch.Tensor, new_pos: torch.Tensor) -> None:
+        if self.quant is not None:
+            assert self.pos is not None  # selected at the prefill
+            for i, qs in enumerate(self.quant):
+                n = self.pos[i].numel()
+                qs.append(k[:, i : i + 1], v[:, i : i + 1], torch.arange(n, n + k.shape[2]))
+                self.pos[i] = torch.cat([self.pos[i], new_pos])
+            return
         if self.keys is None:
             if self.prompt is not None:
                 raise AssertionError("headlab: a SnapKV group took two chunks before its prefill's attention")
@@ -145,6 +167,14 @@ class SnapStore(KVStore):
             self._select(q, k, v, pos, vis, scaling, softcap)
             return o
         outs = []
+        if self.quant is not None:
+            assert self.pos is not None  # selected at the prefill
+            for i, (qs, pos) in enumerate(zip(self.quant, self.pos)):
+                n = pos.numel()  # the query chunk is the last m held: positions n - m .. n - 1 in the head's order
+                own_hf = None if hf is None else hf.index_select(-1, pos.to(hf.device))
+                qi = q[:, i * rep : (i + 1) * rep]
+                outs.append(qs.attend(attention, qi, torch.arange(n - m, n), own_hf, scaling, softcap, fresh=False))
+            return torch.cat(outs, 1)
         assert self.keys is not None and self.values is not None and self.pos is not None  # selected at the prefill
         for i, (k, v, pos) in enumerate(zip(self.keys, self.values, self.pos)):
             qi = q[:, i * rep : (i + 1) * rep]
@@ -162,6 +192,12 @@ class SnapStore(KVStore):
 
     def _select(self, q, k, v, pos, vis, scaling, softcap) -> None:
         r, n = self.rule, k.shape[2]
+        if isinstance(r, Expected):
+            if n <= r.sink:
+                raise InputError(f"{r!r}: the prompt has {n} tokens, no more than its {r.sink} sinks")
+            scores = expected_scores(q, k, v, pos, r, scale=scaling, rotary=self.rotary)[0].cpu()
+            self._keep(k, v, pos, expected_select(scores, r, n))
+            return
         if r.window > n:
             raise InputError(
                 f"{r!r}: the observation window is {r.window} tokens but the prompt has {n}: give a "
@@ -177,7 +213,21 @@ class SnapStore(KVStore):
                 q[:, :, n - r.window :], k, scale=scaling, softcap=softcap, mask=rows, pool=r.pool, pooling=r.pooling
             )[0].cpu()  # (heads, n - window): one sequence
             idx = snap_select(scores, r, n)
+        self._keep(k, v, pos, idx)
+
+    def _keep(self, k, v, pos, idx: list[torch.Tensor]) -> None:
+        """Hold the prompt tokens ``idx`` (per head) of the prefill's keys and values, as the rule stores them."""
+        r = self.rule
         self.keys = [k[:, i : i + 1].index_select(2, j.to(k.device)).contiguous() for i, j in enumerate(idx)]
         self.values = [v[:, i : i + 1].index_select(2, j.to(v.device)).contiguous() for i, j in enumerate(idx)]
         self.pos = [pos[j] for j in idx]
         self.prompt = None
+        if r.bits != 16:  # each head's kept tokens, in order, stored as KIVI stores a sequence
+            self.quant = []
+            for kk, vv in zip(self.keys, self.values):
+                qs = QuantStore(Full(r.bits, r.group, r.residual), [0], self.rep, 1)
+                qs.codes = self.codes
+                qs.append(kk, vv, torch.arange(kk.shape[2]))
+                qs.flush(kk.shape[2])
+                self.quant.append(qs)
+            self.keys = self.values = None

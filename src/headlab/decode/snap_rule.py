@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
-from headlab.decode.rule_checks import check_count
-from headlab.decode.rules import Layout, Rule, register_rule
+from headlab.decode.rule_checks import GROUP, RESIDUAL, check_count, check_precision, check_stored
+from headlab.decode.rules import Layout, Rule, _layout, _precision_items, register_rule
 from headlab.errors import ConfigError
 
 __all__ = ["POOLINGS", "Snap", "snap", "adakv"]
@@ -42,11 +42,23 @@ class Snap(Rule):
     adaptive: bool = False  # Ada-KV: the heads of a layer under this rule share their budgets
     total: int | None = None  # Ada-KV: the prompt tokens those heads keep together (else budget x heads)
     floor: int | None = None  # Ada-KV: the fewest prompt tokens a head keeps, window included
+    bits: int = 16  # 8, 4, 2: what a head keeps is stored as KIVI's codes (the selection runs in full precision)
+    group: int = GROUP
+    residual: int = RESIDUAL
 
     kind = "snap"
     names = ("snapkv", "snap", "adakv")
     usage = "snapkv:BUDGET or adakv:BUDGET"
     store = "snap"
+
+    def __post_init__(self) -> None:
+        check_stored(self.bits, self.group, self.residual)
+
+    def held_layout(self, n: int) -> Layout:
+        """What a head holding ``n`` tokens (kept prompt tokens, then later ones) stores: at 16 bits all of them in
+        the cache's dtype; quantized, the sequence of its held tokens stored as ``kv.full(bits)`` stores a
+        sequence (KIVI: keys quantized a ``residual`` at a time, values all but the last ``residual``)."""
+        return Layout(n, n) if self.bits == 16 else _layout(self, n, start=0, low=0)
 
     def group_total(self, heads: int) -> int:
         """The prompt tokens ``heads`` kv heads under this rule keep together (prompts longer than that)."""
@@ -84,10 +96,9 @@ class Snap(Rule):
         after = tokens - p
         if not self.adaptive:
             assert self.budget is not None  # SnapKV's fixed budget
-            n = min(p, self.budget) + after
-            return [Layout(n, n)] * heads
+            return [self.held_layout(min(p, self.budget) + after)] * heads
         q, r = divmod(min(self.group_total(heads), heads * p), heads) if heads else (0, 0)
-        return [Layout(q + (i < r) + after, q + (i < r) + after) for i in range(heads)]
+        return [self.held_layout(q + (i < r) + after) for i in range(heads)]
 
     def layout(self, tokens: int, prompt: int | None = None) -> Layout:
         if self.adaptive and self.total is not None:
@@ -110,6 +121,7 @@ class Snap(Rule):
     def text(self) -> str:
         """What :func:`as_rule` reads back: ``snapkv:256,window=32,pool=7``, ``adakv:total=768,floor=64,...``."""
         opts = [f"window={self.window}", f"pool={self.pool}"] + (["pooling=avg"] if self.pooling != "max" else [])
+        opts += _precision_items(self)
         if not self.adaptive:
             return ",".join([f"snapkv:{self.budget}"] + opts)
         size = f"total={self.total}" if self.total is not None else str(self.budget)
@@ -117,16 +129,19 @@ class Snap(Rule):
 
     def label(self) -> str:
         """What tables call a uniform policy of it: ``SnapKV 256``, ``Ada-KV 256/head``, ``Ada-KV 768/layer``."""
+        bits = f" {self.bits}-bit" if self.bits != 16 else ""
         if not self.adaptive:
-            return f"SnapKV {self.budget}"
-        return f"Ada-KV {self.budget}/head" if self.total is None else f"Ada-KV {self.total}/layer"
+            return f"SnapKV {self.budget}{bits}"
+        return (f"Ada-KV {self.budget}/head" if self.total is None else f"Ada-KV {self.total}/layer") + bits
 
     @classmethod
     def from_text(cls, text: str, name: str, parts: list[str] | None) -> Snap:
         """``snapkv:BUDGET[,window=W,pool=P,pooling=max|avg]``, ``adakv:BUDGET`` or ``adakv:total=T`` (and
         ``floor=F``)."""
         parts = parts or []
-        allowed = ("window", "pool", "pooling") + (("total", "floor") if name == "adakv" else ())
+        allowed = ("window", "pool", "pooling", "bits", "group", "residual") + (
+            ("total", "floor") if name == "adakv" else ()
+        )
         example = f"{name}:256,window=32,pool=7" + (" or adakv:total=768,floor=64" if name == "adakv" else "")
         opts: dict = {}
         budget = None
@@ -160,6 +175,8 @@ class Snap(Rule):
 
     def __repr__(self) -> str:
         opts = f"window={self.window}, pool={self.pool}" + (", pooling='avg'" if self.pooling != "max" else "")
+        if self.bits != 16:
+            opts += f", bits={self.bits}, group={self.group}, residual={self.residual}"
         if not self.adaptive:
             return f"snap({self.budget}, {opts})"
         size = f"total={self.total}" if self.total is not None else f"{self.budget}"
@@ -179,11 +196,23 @@ def _check_snap(window, pool, pooling) -> None:
         raise ConfigError(f"pooling={pooling!r}: use 'max' (SnapKV's) or 'avg' (kvpress's)")
 
 
-def snap(budget: int, window: int = 32, pool: int = 7, *, pooling: str = "max") -> Snap:
+def snap(
+    budget: int,
+    window: int = 32,
+    pool: int = 7,
+    *,
+    pooling: str = "max",
+    bits: int = 16,
+    group: int | None = None,
+    residual: int | None = None,
+) -> Snap:
     """SnapKV's rule for a kv head: after the prefill it keeps ``budget`` prompt tokens, the last ``window`` (the
     observation window) and the ``budget - window`` earlier ones the window attends to most, then every new token.
 
-    A prompt of at most ``budget`` tokens is kept whole. The prompt must be at least ``window`` tokens
+    ``bits`` 8, 4 or 2 stores what each head keeps as KIVI's codes (``group``, ``residual``: as :data:`~headlab.kv.
+    full`'s), its held tokens in order taken as the sequence quantized; the selection runs on the prompt's keys
+    in full precision, and a decode step attends on the codes. A prompt of at most ``budget`` tokens is kept
+    whole. The prompt must be at least ``window`` tokens
     (:class:`~headlab.errors.InputError` at the prefill). Raises :class:`~headlab.errors.ConfigError` for a
     budget or window below 1, a budget below the window, an even pool, or a pooling other than "max", "avg".
     """
@@ -194,7 +223,7 @@ def snap(budget: int, window: int = 32, pool: int = 7, *, pooling: str = "max") 
             f"snap(budget={budget}, window={window}): the budget counts the observation window it "
             f"always keeps; give budget >= window (e.g. snap({max(budget, 4 * window)}, window={window}))"
         )
-    return Snap(budget, window, pool, pooling)
+    return Snap(budget, window, pool, pooling, False, None, None, *check_precision(bits, group, residual))
 
 
 def adakv(
@@ -205,12 +234,15 @@ def adakv(
     window: int = 32,
     pool: int = 7,
     pooling: str = "max",
+    bits: int = 16,
+    group: int | None = None,
+    residual: int | None = None,
 ) -> Snap:
     """Ada-KV's rule (Feng et al. 2024) on SnapKV's scores: the kv heads of a layer that follow it keep ``total``
     prompt tokens together (or ``budget`` per head on average: ``budget x heads``), the highest scores over all
     of them jointly, each head at least ``floor`` (its window included; default: the window plus a fifth of the
     average share past it, Ada-KV's alpha = 0.2). A head whose window attends to a few tokens gives its share to
-    heads that spread their attention.
+    heads that spread their attention. ``bits``, ``group``, ``residual``: as :func:`snap`'s.
 
     Raises :class:`~headlab.errors.ConfigError` unless exactly one of ``budget``, ``total`` is given, for a
     floor below the window or above the budget, and (when the policy meets the model) for ``floor x heads >
@@ -242,4 +274,4 @@ def adakv(
                 f"floor={floor} is more than the {'budget' if budget is not None else 'total'} "
                 f"{size}: each head would keep more than the heads share"
             )
-    return Snap(budget, window, pool, pooling, True, total, floor)
+    return Snap(budget, window, pool, pooling, True, total, floor, *check_precision(bits, group, residual))

@@ -3,7 +3,7 @@ stores (:data:`STORES`, :func:`register_store`), in the manner of transformers' 
 
 A cache layer splits its kv heads into groups that share a rule, and each group is held by the store its rule names
 (``rule.store``, a name in :data:`STORES`). The built-in stores are in :mod:`headlab.decode.groups` (``"none"``,
-``"plain"``, ``"quant"``) and :mod:`headlab.decode.snap_group` (``"snap"``). A new store is one subclass of
+``"plain"``), :mod:`headlab.decode.quant_store` (``"quant"``) and :mod:`headlab.decode.snap_group` (``"snap"``). A new store is one subclass of
 :class:`KVStore` with a ``name``, decorated with :func:`register_store`; a rule whose ``store`` is that name is then
 held by it (``tests/test_kv_store_registry.py`` adds one).
 """
@@ -18,6 +18,15 @@ import torch
 from headlab.decode.rules import Rule
 from headlab.errors import ConfigError
 from headlab.registry import Registry
+
+SPARSE_PREFILL = 128  # below this many queries a window's tiles are too few for the sparse kernel to pay
+
+
+def own(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in memory of its own: a slice of a larger tensor would keep all of it alive, uncounted by ``nbytes``."""
+    if t.is_contiguous() and t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.nbytes:
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
 
 
 class KVStore:
@@ -41,14 +50,26 @@ class KVStore:
 
     name: ClassVar[str] = ""
     v_dim: int | None = None
+    storage: torch.dtype | None = None  # set by HeadCache(dtype=...): the dtype its keys and values are held in
 
     def __init__(self, rule: Rule, kv_heads: list[int], rep: int, n_kv: int):
         self.rule, self.rep = rule, rep
         self.whole = len(kv_heads) == n_kv  # the layer's only store: no gathering of heads
-        self.kv = torch.tensor(kv_heads, dtype=torch.long)
-        # query head h reads kv head h // rep: the store's query heads, in the order of its kv heads
-        self.q = torch.tensor([j * rep + r for j in kv_heads for r in range(rep)], dtype=torch.long)
+        # the store's kv heads and query heads (query head h reads kv head h // rep), in the order of its kv heads:
+        # integers, so that every tensor a store holds is what it caches (nbytes); kv and q give them as tensors
+        self.kv_heads = tuple(kv_heads)
+        self.q_heads = tuple(j * rep + r for j in kv_heads for r in range(rep))
         self.reset()
+
+    @property
+    def kv(self) -> torch.Tensor:
+        """The store's kv heads, ``(heads of store,)`` long."""
+        return torch.tensor(self.kv_heads, dtype=torch.long)
+
+    @property
+    def q(self) -> torch.Tensor:
+        """The store's query heads, ``(query heads of store,)`` long, in the order of its kv heads."""
+        return torch.tensor(self.q_heads, dtype=torch.long)
 
     def reset(self) -> None:  # pragma: no cover - every store has one
         raise NotImplementedError
@@ -67,7 +88,10 @@ class KVStore:
         raise NotImplementedError
 
     def take(self, k: torch.Tensor, v: torch.Tensor, new_pos: torch.Tensor) -> None:
-        """Store this store's heads of the layer's new keys and values ``(B, Hkv, m, d)`` at ``new_pos``."""
+        """Store this store's heads of the layer's new keys and values ``(B, Hkv, m, d)`` at ``new_pos`` (in the
+        ``storage`` dtype when one is set)."""
+        if self.storage is not None and k.dtype != self.storage:
+            k, v = k.to(self.storage), v.to(self.storage)
         if self.whole:
             self.append(k, v, new_pos)
         else:
@@ -137,4 +161,4 @@ def store_for(rule: Rule) -> type[KVStore]:
     return STORES[rule.store]
 
 
-__all__ = ["KVStore", "STORES", "register_store", "store_for", "unregister_store"]
+__all__ = ["KVStore", "SPARSE_PREFILL", "STORES", "own", "register_store", "store_for", "unregister_store"]

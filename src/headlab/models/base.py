@@ -435,8 +435,8 @@ class ModelAdapter:
                 raise InputError(f"token ids must be an integer tensor, got dtype {ids.dtype}; convert them with "
                                  ".long(), or encode text with the model's own tokenizer (loaded.encode(text))")
             return
-        emb = self.model.get_input_embeddings() if hasattr(self.model, "get_input_embeddings") else None  # type: ignore[operator]  # torch types module attributes Tensor | Module
-        if (n := getattr(emb, "num_embeddings", None)) is None:
+        from headlab.models.inputs import input_embeddings  # None for a model without one (audio)
+        if (n := getattr(input_embeddings(self.model), "num_embeddings", None)) is None:
             return
         lo, hi = int(ids.min()), int(ids.max())
         if lo < 0 or hi >= n:

@@ -6,6 +6,7 @@ loader itself uses, such as the pruned-model reader, can name these without a ci
 
 from __future__ import annotations
 
+import sys
 import warnings
 from dataclasses import dataclass
 from typing import Any
@@ -108,7 +109,16 @@ def adapt(model: nn.Module, *, check: bool = True) -> ModelAdapter:
     A Hugging Face model of a type no family declares is adapted by its structure and served only after the
     load-time check passes on its weights (:mod:`headlab.models.hf.verify`; ``check=False`` skips it, for
     inspection). Raises :class:`~headlab.errors.UnsupportedArchitectureError` naming what failed.
+
+    A PEFT LoRA model (a ``PeftModel`` or a model with LoRA layers in it) is read through its base model's
+    structure with the adapter's deltas in its weights (:mod:`headlab.models.hf.peft_lora`).
     """
+    if "peft" in sys.modules and isinstance(model, nn.Module):  # PEFT objects exist only once peft is imported
+        from headlab.models.hf.peft_lora import adapt_lora
+
+        lora = adapt_lora(model, check=check)
+        if lora is not None:
+            return lora
     cached = getattr(model, "_headlab_adapter", None)
     if isinstance(cached, ModelAdapter):
         return cached

@@ -11,8 +11,10 @@ Known names (no network, ever; see :mod:`headlab.models.named_models`):
 
 Any local folder also works: a Hugging Face model folder (``config.json`` + weights, tokenizer
 optional) of any architecture transformers reads (a declared family, or one adapted by its structure and
-checked on its weights at load: :mod:`headlab.models.hf.structure`), or a folder written by
-:meth:`headlab.models.transformer.Transformer.save`.
+checked on its weights at load: :mod:`headlab.models.hf.structure`), a folder written by
+:meth:`headlab.models.transformer.Transformer.save`, or a PEFT LoRA adapter folder (``adapter_config.json`` +
+adapter weights, its base model a local folder or a known name: :mod:`headlab.models.hf.peft_lora`; needs
+``headlab[peft]``).
 
 Text longer than the model's positions is an :class:`~headlab.errors.InputError` by default;
 ``encode(..., truncate=True)`` keeps the first positions and warns (:class:`TruncationWarning`).
@@ -73,6 +75,13 @@ def load(
     path, name = model_path(name_or_path)
     from headlab.models.transformer import CONFIG_FILE, Transformer
 
+    if (path / "adapter_config.json").is_file() and not (path / "config.json").is_file():  # a PEFT adapter folder
+        if request is not None:
+            raise UnsupportedArchitectureError(
+                f"{name}: a PEFT LoRA adapter is not sharded by headlab; merge it "
+                "(merge_and_unload()), save the merged model and load that folder"
+            )
+        return _load_adapter(path, name, device=device, dtype=dtype, check=check)
     if request is not None and ((path / "headlab_pruned.json").is_file() or not (path / "config.json").is_file()):
         raise UnsupportedArchitectureError(
             f"{name}: tensor_parallel=True shards Hugging Face models with "
@@ -188,7 +197,7 @@ def _load_hf(
 ) -> LoadedModel:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import transformers
-    from transformers import AutoConfig, AutoModel, AutoTokenizer
+    from transformers import AutoConfig, AutoModel
 
     from headlab.models.hf import REFUSED, unsupported_message
 
@@ -200,7 +209,7 @@ def _load_hf(
     if config.model_type in REFUSED:  # known and refused, with the reason, before the weights load
         raise UnsupportedArchitectureError(unsupported_message(config.model_type))
     sharding: dict[str, Any] = {}
-    world, size = 1, 1
+    world, size, structure = 1, 1, False
     if request is not None:  # refused from the config (no plan, heads the world does not divide), then sharded
         from transformers.distributed import DistributedConfig
 
@@ -209,8 +218,9 @@ def _load_hf(
 
         world = tp.world_size()
         size = request.group_size(world)  # ranks per tensor-parallel group (a 2-D mesh if < world)
-        check_before_load(config, size)
-        sharding = {"distributed_config": DistributedConfig(tp_plan="auto", tp_size=world)} if size == world > 1 else {}
+        structure = check_before_load(config, size) and size > 1  # read by structure whole, cut after (tp_structure)
+        if size == world > 1 and not structure:
+            sharding = {"distributed_config": DistributedConfig(tp_plan="auto", tp_size=world)}
     arch = (getattr(config, "architectures", None) or [None])[0]
     cls = getattr(transformers, arch, None) if arch else None
     if cls is None or not hasattr(cls, "from_pretrained"):
@@ -226,7 +236,7 @@ def _load_hf(
     transformers.logging.set_verbosity_error()  # unused pooler / LM-head keys are expected, not news
     transformers.logging.disable_progress_bar()
     try:
-        if 1 < size < world:  # data x tensor: groups of `size` ranks, each holding the model cut by heads
+        if 1 < size < world and not structure:  # data x tensor: groups of `size` ranks, each a copy cut by heads
             from headlab.models.tp_mesh import load_sharded
 
             model = load_sharded(cls, path, tp_size=size, dtype=dtype)
@@ -243,18 +253,49 @@ def _load_hf(
         transformers.logging.set_verbosity(level)
         if bar:
             transformers.logging.enable_progress_bar()
+    if structure:  # found and checked on the whole model, then cut by heads (headlab.models.tp_structure)
+        from headlab.models.tp_structure import shard_by_structure
+
+        shard_by_structure(model.eval(), tp_size=size, check=check)
+        sharding = {"mesh": "structure"}
     model = (model if sharding else model.to(device)).eval()  # a sharded model stays where transformers put it
-    tokenizer = None
-    if any((path / f).is_file() for f in TOKENIZER_FILES):
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-        except Exception as e:  # noqa: BLE001  (the tokenizer's loaders raise many kinds: said as a ModelError)
-            raise ModelError(f"{path} has tokenizer files that transformers cannot read: {e}") from None
-        if tokenizer.pad_token is None and tokenizer.eos_token is not None:
-            tokenizer.pad_token = tokenizer.eos_token  # GPT-2 style: pad with EOS (masked anyway)
-        tokenizer.padding_side = "right"
+    tokenizer = _tokenizer(path)
     adapter = adapt(model, check=check)  # a type no family declares: found by structure and checked on these weights
     return LoadedModel(model, tokenizer, adapter, name, adapter.family, type(adapter).max_positions(model.config))  # type: ignore[attr-defined]  # a transformers model's adapter: an HFAdapter
+
+
+def _tokenizer(path: Path):
+    """The tokenizer in ``path`` (padding on the right, with EOS when it has no pad token), or None when it has none."""
+    if not any((path / f).is_file() for f in TOKENIZER_FILES):
+        return None
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except Exception as e:  # noqa: BLE001  (the tokenizer's loaders raise many kinds: said as a ModelError)
+        raise ModelError(f"{path} has tokenizer files that transformers cannot read: {e}") from None
+    if tokenizer.pad_token is None and tokenizer.eos_token is not None:
+        tokenizer.pad_token = tokenizer.eos_token  # GPT-2 style: pad with EOS (masked anyway)
+    tokenizer.padding_side = "right"
+    return tokenizer
+
+
+def _load_adapter(path: Path, name: str, *, device, dtype, check: bool) -> LoadedModel:
+    """A PEFT LoRA adapter folder on its base model (a local folder or a known name), adapted with its deltas
+    (:mod:`headlab.models.hf.peft_lora`); the adapter folder's tokenizer if it has one, else the base model's."""
+    from headlab.models.hf import peft_lora
+
+    base_name, candidates = peft_lora.adapter_base(path)
+    base_path = next((c for c in candidates if (c / "config.json").is_file()), None)
+    if base_path is None:
+        try:
+            base_path = model_path(base_name)[0]
+        except ModelError:
+            raise ModelError(peft_lora.missing_base(path, base_name)) from None
+    base = load(base_path, device=device, dtype=dtype, check=False)  # checked below, with the LoRA in it
+    adapter = peft_lora.wrap_adapter(base.model, path, check=check)
+    tokenizer = _tokenizer(path) or base.tokenizer
+    return LoadedModel(adapter.model, tokenizer, adapter, name, adapter.family, base.max_positions)
 
 
 def _check_weights_fit(cls, config, name: str, *, dtype: torch.dtype, device, world: int) -> None:

@@ -15,11 +15,16 @@ parallel      ``x + Attn(pre(x)) + MLP(pre'(x))``              GPT-J, GPT-NeoX, 
 ``kind`` is the post norm's kind (``layernorm`` centres, ``rmsnorm`` does not); ``offset`` is added to
 its weight (Gemma's RMSNorm multiplies by ``1 + w``). A ``pre`` norm's parameters never matter to the
 decomposition: the attention reads its output, the residual is its input.
+
+A **scaled residual branch** multiplies the attention's output (W^O's, bias included) before the block reads
+it: by a number (Granite's ``residual_multiplier``: ``x + m * Attn(x)``) or channel by channel by a learned
+vector (LayerScale: DINOv2, BEiT, CaiT: ``x + lambda * Attn(x)``). ``branch_scale`` holds it, and every layout
+above reads ``branch(Attn(x))`` where it reads ``Attn(x)``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
@@ -39,6 +44,8 @@ class BlockNorms:
         offset: added to the post norm's weight (1.0 for Gemma's ``1 + w``).
         parallel: a module whose output the block adds beside the attention's, reading the same
             stream (the MLP of GPT-J, GPT-NeoX, Phi, Falcon); None for sequential blocks.
+        branch_scale: what the attention's output is multiplied by before the block reads it (a number, or a
+            ``(E,)`` LayerScale vector, the model's own parameter); None: not scaled.
     """
 
     pre: nn.Module | None = None
@@ -47,6 +54,15 @@ class BlockNorms:
     kind: Literal["layernorm", "rmsnorm"] = "layernorm"
     offset: float = 0.0
     parallel: nn.Module | None = None
+    branch_scale: torch.Tensor | float | None = field(default=None, compare=False)
+
+    def branch(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` (vectors of the residual width on the last axis) scaled as the block scales its attention
+        branch; ``t`` itself when the branch is not scaled."""
+        s = self.branch_scale
+        if s is None:
+            return t
+        return t * (s.detach().to(device=t.device, dtype=t.dtype) if isinstance(s, torch.Tensor) else float(s))
 
     @property
     def layout(self) -> str:

@@ -123,8 +123,8 @@ class Fused:
         if self.order == "blocks":
             start = (0, H * d, (H + Hkv) * d)[i]
             return _in_view(w, slice(start, start + heads * d), heads, d, self.conv1d)
-        if self.order == "per_head" and not self.conv1d:
-            return w.view(H, 3, d, w.shape[1])[:, i].transpose(1, 2)  # (H, E, d), a view
+        if not self.conv1d:  # per head: a view; grouped: a copy
+            return self._by_view(w, which, H, Hkv, d).transpose(1, 2)  # (heads, E, d)
         rows = torch.tensor(self._rows(which, range(heads), H, Hkv, d), device=w.device)
         return _in_view(w.index_select(1 if self.conv1d else 0, rows), None, heads, d, self.conv1d)  # a copy
 
@@ -132,8 +132,20 @@ class Fused:
         b = getattr(self.module(attn), "bias", None)
         if b is None:
             return None
+        if self.order != "blocks":
+            return self._by_view(b, which, H, Hkv, d)
         heads = H if which == "q" else Hkv
         return b[self._rows(which, range(heads), H, Hkv, d)].view(heads, d)
+
+    def _by_view(self, t, which: str, H: int, Hkv: int, d: int) -> torch.Tensor:
+        """``(heads, d, ...)``: the q, k or v rows of a per-head or grouped fused weight or bias, by reshaping alone
+        (no index list, which a weight sharded by tensor parallelism, a DTensor, would not take)."""
+        i, rest = "qkv".index(which), t.shape[1:]
+        if self.order == "per_head":
+            return t.view(H, 3, d, *rest)[:, i]
+        G = H // Hkv
+        g = t.view(Hkv, G + 2, d, *rest)
+        return g[:, :G].reshape(H, d, *rest) if which == "q" else g[:, G + i - 1]
 
     def cut(self, attn, q_heads, kv_heads, H, Hkv, d) -> None:
         if self.order == "blocks":

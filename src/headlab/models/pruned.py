@@ -129,6 +129,7 @@ def prune_heads(loaded, heads: dict, *, allow_empty_layers: bool = False, gqa: s
     """
     adapter, ld = resolve(loaded)
     r: PruneResult = prune(adapter, heads, allow_empty_layers=allow_empty_layers, gqa=gqa)  # type: ignore[arg-type]  # checked by prune
+    _check_own_math(adapter, r, heads)
     name = ld.name if ld is not None else type(adapter.model).__name__
     max_pos = ld.max_positions if ld is not None else _max_positions(r.model)
     tok = ld.tokenizer if ld is not None else None
@@ -144,6 +145,53 @@ def prune_heads(loaded, heads: dict, *, allow_empty_layers: bool = False, gqa: s
         notes=notes,
         original_heads=_original_heads(adapter, ld),
     )
+
+
+def _check_own_math(adapter, r: PruneResult, heads: dict) -> None:
+    """A model whose modules compute attention with their own math may read a width from somewhere headlab did not
+    change (nanoGPT's ``C // n_head`` from the input's width): the pruned copy must equal the gated original on a
+    few tokens, else the removal is refused (gates still serve). So must a model adapted by structure, whose attention
+    module may hold per-head parameters headlab does not slice (wav2vec2-conformer's ``pos_bias_u``/``linear_pos``)."""
+    from headlab.models.hf.own_state import bridge_of
+
+    own = bridge_of(adapter.model) is not None
+    if not own and not getattr(adapter, "by_structure", False):
+        return
+    from headlab.errors import PruneError
+    from headlab.models.inputs import example_inputs
+
+    x = example_inputs(adapter.model, tokens=6)
+    saved = adapter.gates.detach().clone()
+    try:
+        for layer, hs in heads.items():
+            adapter.gates[int(layer), list(hs)] = 0.0
+        with torch.no_grad():
+            want = _first(adapter.model(**x))
+        try:
+            with torch.no_grad():
+                got = _first(r.model(**x))
+            why = (
+                ""
+                if got.shape == want.shape and torch.allclose(got, want, atol=1e-4, rtol=1e-4)
+                else ("the pruned copy's output differs from the gated model's")
+            )
+        except Exception as e:  # noqa: BLE001  (the module's own forward fails on the new widths)
+            why = f"the pruned copy fails ({type(e).__name__}: {str(e).splitlines()[0][:120]})"
+    finally:
+        adapter.gates = saved
+    if why:
+        raise PruneError(
+            f"{type(adapter.attn_modules[0]).__name__} "
+            + ("computes attention with its own math and " if own else "(adapted by structure) ")
+            + f"reads a head count or width headlab cannot change: {why}; gate the heads instead (adapter.gates), or "
+            "declare the module's head attributes in a family class"
+        )
+
+
+def _first(out) -> torch.Tensor:
+    t = getattr(out, "logits", None)
+    t = t if t is not None else getattr(out, "last_hidden_state", None)
+    return t if t is not None else (out[0] if isinstance(out, tuple | list) else out)
 
 
 def _max_positions(model: Any) -> int:  # a transformers model or headlab's Transformer

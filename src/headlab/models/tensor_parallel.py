@@ -40,6 +40,7 @@ from torch import nn
 from headlab.distributed.comm import talking
 from headlab.distributed.placement import KV_KINDS, Q_KINDS, Placement, is_dtensor
 from headlab.errors import DistributedError, ShapeError, UnsupportedArchitectureError
+from headlab.models.projections import Fused
 from headlab.models.sites import LayerState, visit
 
 
@@ -83,6 +84,10 @@ def placement_of(model: nn.Module, adapter) -> Placement | None:
             f"{fam} has {H} query and {Hkv} kv heads per layer over {world} ranks: "
             "every layer's query and kv heads must split evenly across the ranks"
         )
+    widths: tuple[int, ...] = (H * d, Hkv * d)
+    proj = getattr(adapter, "projections", None)
+    if isinstance(proj, Fused) and proj.order != "blocks":  # (H, 3, d) or (Hkv, G+2, d): row blocks are whole heads
+        widths += ((H + 2 * Hkv) * d,)
     for layer, (am, op, w) in enumerate(zip(adapter.attn_modules, adapter.out_projs, weights)):
         if not is_dtensor(w) or _placement_dim(w) != w.ndim - 1 or w.shape[-1] != H * d:
             how = getattr(w, "placements", "not sharded")
@@ -96,11 +101,7 @@ def placement_of(model: nn.Module, adapter) -> Placement | None:
                 f"{_offset(w)}, not {rank * H * d // world}"
             )
         outs = {id(p) for p in op.parameters()}  # W^O may sit inside the attention module (o_proj)
-        cut = [
-            (n, p)
-            for n, p in am.named_parameters()
-            if id(p) not in outs and p.ndim == 2 and p.shape[0] in (H * d, Hkv * d)
-        ]
+        cut = [(n, p) for n, p in am.named_parameters() if id(p) not in outs and p.ndim == 2 and p.shape[0] in widths]
         if not cut:
             raise UnsupportedArchitectureError(
                 f"{fam}: layer {layer}'s attention has no query/key/value weights "

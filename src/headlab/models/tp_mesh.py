@@ -43,26 +43,29 @@ from headlab.errors import ConfigError, UnsupportedArchitectureError
 __all__ = ["check_before_load", "load_sharded", "reinstall_forwards", "rewrap", "sharded_memo", "unwrap"]
 
 
-def check_before_load(config, world: int) -> None:
-    """Refuse, from the config alone, a model transformers cannot shard by heads over ``world`` ranks."""
+def check_before_load(config, world: int) -> bool:
+    """Refuse, from the config alone, a model that cannot be sharded by heads over ``world`` ranks. Returns True
+    for a type no family declares: it is read by structure on the whole model and cut after
+    (:mod:`headlab.models.tp_structure`, which checks the heads found), so it needs no plan in transformers."""
     mt = getattr(config, "model_type", "?")
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    from headlab.models.hf.registry import adapter_class  # the families headlab declares (the loader imported them)
+
+    by_structure = adapter_class(mt) is None
     plan = getattr(text, "base_model_tp_plan", None) or getattr(config, "base_model_tp_plan", None)
-    if not plan:
+    if not plan and not by_structure:
         raise UnsupportedArchitectureError(
             f"model type {mt!r} has no tensor-parallel plan in transformers (its config's base_model_tp_plan is "
             "empty), so it cannot be sharded by heads; load it without tensor_parallel"
         )
-    from headlab.models.hf.registry import adapter_class  # the families headlab declares (the loader imported them)
-
-    if adapter_class(mt) is None:  # read by structure: discovery probes a rank's H/world heads as the config's H
-        raise UnsupportedArchitectureError(
-            f"model type {mt!r} has a tensor-parallel plan, but no headlab family class declares it: headlab reads it "
-            "by structure, and that discovery takes one rank's H/world heads for all H; load it without "
-            "tensor_parallel, or declare its family (headlab.models.hf)"
-        )
     H = getattr(text, "num_attention_heads", None)
     Hkv = getattr(text, "num_key_value_heads", None) or H
+    if by_structure:  # checked here when the config says the heads, and again on the heads found
+        from headlab.models.tp_structure import check_heads
+
+        if isinstance(H, int) and isinstance(Hkv, int):
+            check_heads(mt, H, Hkv, world)
+        return True
     if H is None:
         raise UnsupportedArchitectureError(f"cannot read the query heads of a {mt!r} config")
     if H % world:
@@ -77,6 +80,7 @@ def check_before_load(config, world: int) -> None:
             "divide; transformers' plan cuts k_proj and v_proj into equal row blocks, so a kv head would be split "
             f"across ranks (it does not replicate kv heads); use at most {Hkv} ranks, a divisor of {Hkv}"
         )
+    return by_structure
 
 
 def load_sharded(cls, path, *, tp_size: int, dtype: torch.dtype):

@@ -207,6 +207,11 @@ def check_stream(adapter) -> list[bool]:
                 "is not the sum of its heads' and MLPs' outputs, so edges between them are not defined; circuits "
                 "take pre-norm models (GPT-2, Llama, Qwen, Mistral, Gemma 1, OLMo, ...) and parallel blocks"
             )
+        if norms.branch_scale is not None:
+            raise UnsupportedArchitectureError(
+                f"the {family!r} model scales its attention branch before the residual add (LayerScale or a residual "
+                "multiplier): a head adds a scaled head_out to the stream, which the circuit graph does not model"
+            )
         adapter.mlp(l)  # UnsupportedArchitectureError: no MLP module on the stream alone
         parallel.append(norms.parallel is not None)
     return parallel

@@ -26,6 +26,10 @@ per input token j, ``F_i(x_j) = g_i(sum_h alpha^h_ij f_h(x_j) + [i = j] r_i)``, 
 * parallel blocks (GPT-J, GPT-NeoX, Phi, Falcon): ``x + Attn(pre(x)) + MLP(pre'(x))``; the MLP's
   output depends on token i alone, so it joins the residual: ``r_i = x_i + MLP_i`` and
   ``sum_j F_i(x_j) + b_O`` is the block's output.
+* a scaled residual branch (Granite's ``residual_multiplier`` m, LayerScale's vector lambda: DINOv2, BEiT):
+  the block reads ``lambda * Attn(x)`` where the layouts above read ``Attn(x)``, so each ``f_h(x_j)`` is
+  ``lambda * f_h(x_j)`` (and ``b_O`` is ``lambda * b_O``) in residual mode; attention mode stays the
+  attention's own output.
 
 Norms of ``g_i(v)`` use the metric ``M = C diag(gamma^2) C`` (C centres the vector): the Gram
 matrices, the cross terms ``c_i[h] = <f_h(x_i), r_i>_M`` and ``||r_i||_M^2`` carry it.
@@ -87,8 +91,10 @@ def gram(adapter, layer: int, rec, mode: str) -> NormGram:
     branch = residual and rec.norms.post is not None and rec.norms.post_reads == "branch"
     ws, Gs, cs, rrs = [], [], [], []
     weights = value_path(adapter, layer)  # once per layer (a gather under tensor parallelism)
+    # a scaled residual branch (LayerScale, a residual multiplier) scales each head's vector where the block reads it
+    scaled = rec.norms.branch if residual and rec.norms.branch_scale is not None else (lambda f: f)
     for a in range(0, n, _CHUNK):
-        f = g0(value_vectors(adapter, layer, x[a : a + _CHUNK], weights))  # (H, c, E)
+        f = g0(scaled(value_vectors(adapter, layer, x[a : a + _CHUNK], weights)))  # (H, c, E)
         Gs.append(torch.einsum("hne,kne->nhk", f, f))  # (c, H, H)
         ws.append(f.norm(dim=-1))  # (H, c)
         if residual:

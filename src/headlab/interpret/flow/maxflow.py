@@ -43,6 +43,7 @@ import headlab.checks as checks
 from headlab.errors import ConfigError, MemoryBudgetError
 from headlab.interpret.flow.record import prepare, record
 from headlab.interpret.flow.rollout import augment, layer_matrices
+from headlab.interpret.flow.stacks import PerStack
 from headlab.models.loader import resolve
 from headlab.progress import Progress, increments, reporter
 from headlab.results import envelope
@@ -76,6 +77,7 @@ class FlowResult:
     gap: float
     solver: str
     seconds: float
+    stack: str | None = None  # the stack it ran within, on a model of several (an encoder-decoder)
 
     def _repr_html_(self) -> str:
         """This result's page inline in a notebook (headlab's shell in a sandboxed frame; no network)."""
@@ -97,6 +99,7 @@ class FlowResult:
                 "gap": self.gap,
                 "solver": self.solver,
                 "seconds": self.seconds,
+                **({"stack": self.stack} if self.stack is not None else {}),
             },
             settings={"source": self.source, "layer": self.layer, "solver": self.solver},
         )
@@ -288,7 +291,7 @@ def attention_flow(
     progress: bool | Progress | None = None,
     memory_limit: int | None = None,
     stack: str | None = None,
-) -> FlowResult:
+) -> FlowResult | PerStack:
     """Normalised attention flow ``(n,)`` from token ``source`` at the output of layer ``layer`` to every
     input token (see the module docstring).
 
@@ -301,8 +304,36 @@ def attention_flow(
         progress: as for :func:`flow_values` (the input tokens solved; the CLI's bar).
         memory_limit: bytes the graph may take; the estimate is checked before anything is allocated (for
             patch or frame inputs, after the attention maps are recorded: the model alone says their number).
-        stack: for an encoder-decoder, ``"encoder"`` or ``"decoder"`` (self-attention), as for rollout.
+        stack: for an encoder-decoder, ``"encoder"`` or ``"decoder"`` (self-attention), as for rollout (the
+            result's ``stack`` names it). None on an encoder-decoder: a
+            :class:`~headlab.interpret.flow.stacks.PerStack` ``{"encoder": FlowResult, "decoder": FlowResult}``,
+            each what naming that stack gives (``source`` and ``layer`` taken within each stack), with notes
+            saying so; cross-attention does not chain and is left out.
     """
+    from headlab.interpret.flow.stacks import each_stack, several_stacks
+
+    again = dict(
+        source=source, layer=layer, solver=solver, backend=backend, progress=progress, memory_limit=memory_limit
+    )
+    if stack is None and several_stacks(resolve(loaded)[0]):
+        return each_stack(resolve(loaded)[0], lambda s: flow_one(loaded, text_or_inputs, **again, stack=s), "flow")  # type: ignore[arg-type]
+    return flow_one(loaded, text_or_inputs, **again, stack=stack)  # type: ignore[arg-type]
+
+
+def flow_one(
+    loaded,
+    text_or_inputs,
+    *,
+    source: int = 0,
+    layer: int = -1,
+    solver: str = "scipy",
+    backend="auto",
+    progress: bool | Progress | None = None,
+    memory_limit: int | None = None,
+    stack: str | None = None,
+) -> FlowResult:
+    """:func:`attention_flow` within one stack: the model's only one, or the one named (an encoder-decoder without
+    ``stack=`` is a :class:`~headlab.errors.ConfigError` asking for one)."""
     from headlab.interpret.flow.rollout import stack_layers
 
     adapter, loaded_model = resolve(loaded)
@@ -319,6 +350,8 @@ def attention_flow(
     )
     inputs, _ = prepare(loaded_model, adapter, text_or_inputs)
     ids = inputs.get("input_ids") if isinstance(inputs, dict) else inputs
+    if stack == "decoder" and isinstance(inputs, dict):  # the decoder's own tokens (its ids, else the input's shifted)
+        ids = inputs.get("decoder_input_ids", ids)
     rec = None
     if ids is None:  # patches or audio frames: the model says how many positions (its maps are small beside the graph)
         rec = record(loaded, text_or_inputs, chain[: top + 1], maps=True, backend=backend)
@@ -337,7 +370,8 @@ def attention_flow(
     vals = torch.from_numpy(fv.values)  # float64
     total = vals.sum()
     flow = vals / total if total > 0 else vals
-    return FlowResult(source % n, top, n, rec.tokens, flow, vals, fv.gap, fv.solver, fv.seconds)
+    named = stack if len(adapter.stacks) > 1 else None
+    return FlowResult(source % n, top, n, rec.tokens, flow, vals, fv.gap, fv.solver, fv.seconds, named)
 
 
-__all__ = ["FlowResult", "FlowValues", "attention_flow", "estimate_bytes", "flow_values", "networkx_graph"]
+__all__ = ["FlowResult", "FlowValues", "attention_flow", "estimate_bytes", "flow_one", "flow_values", "networkx_graph"]

@@ -37,7 +37,7 @@ import torch
 import headlab.checks as checks
 from headlab.errors import ConfigError
 from headlab.interpret.flow.gram import NormGram, gram, head_tile, layer_tile
-from headlab.interpret.flow.record import Recording, record
+from headlab.interpret.flow.record import Recording, check_layers, record
 from headlab.interpret.flow.tiles import prob_tiles
 from headlab.results import envelope
 
@@ -91,6 +91,7 @@ class NormsResult:
     summaries: dict[int, NormSummary] = field(default_factory=dict)
     weights: dict[int, torch.Tensor] = field(default_factory=dict)  # (H, n, n) the attention maps (maps mode)
     notes: list[str] = field(default_factory=list)  # what was left out and why (cross-attention in residual mode)
+    stacks: dict[str, list[int]] = field(default_factory=dict)  # an encoder-decoder's stacks: their layers answered
 
     def _repr_html_(self) -> str:
         """This result's page inline in a notebook (headlab's shell in a sandboxed frame; no network)."""
@@ -109,6 +110,8 @@ class NormsResult:
             d["summaries"] = {str(l): s.to_json() for l, s in self.summaries.items()}
         if self.notes:
             d["notes"] = list(self.notes)
+        if self.stacks:
+            d["stacks"] = {k: list(v) for k, v in self.stacks.items()}
         return envelope("norms", d, settings={"mode": self.mode, "layers": self.layers, "rows": self.rows})
 
 
@@ -205,6 +208,7 @@ def attention_norms(
     rows=None,
     stream: bool = False,
     key_positions=None,
+    stack: str | None = None,
 ) -> NormsResult:
     """Norm maps ``||alpha f(x)||`` of every head and of each layer, for one input.
 
@@ -218,6 +222,10 @@ def attention_norms(
         rows: query positions: exact rows of the maps without the maps.
         stream: compute :class:`NormSummary` per layer in O(n) memory instead of the maps.
         key_positions: the chosen keys of the summaries (default the first and the last token).
+        stack: for an encoder-decoder, ``"encoder"``, ``"decoder"`` or ``"cross"``: that stack's layers only.
+            None: every stack's (each map is its own stack's size: a decoder layer's ``n_dec x n_dec``, a
+            cross-attention layer's ``n_dec x n_enc``), and the result's ``stacks`` says which layers each
+            stack's are, with a note.
 
     Returns:
         :class:`NormsResult`.
@@ -226,6 +234,7 @@ def attention_norms(
         raise ConfigError(f"unknown mode {mode!r}; use 'attention' (Kobayashi et al. 2020) or 'residual' (2021)")
     streaming = bool(stream) or rows is not None
     notes: list[str] = []
+    layers = _stack_layers(loaded, stack, layers)
     if mode == "residual" and layers is None:
         from headlab.models.loaded_model import resolve
 
@@ -244,6 +253,7 @@ def attention_norms(
     row_pos = check_positions("rows", rows, n) if rows is not None else None
     kpos = check_positions("key_positions", key_positions if key_positions is not None else [0, n - 1], n)
     res = NormsResult(mode, sorted(rec.layers), n, rec.tokens, rows=row_pos, notes=notes)
+    _say_stacks(res, rec.adapter)
     with torch.no_grad():
         for l, lr in rec.layers.items():
             ng = gram(rec.adapter, l, lr, mode)
@@ -261,6 +271,37 @@ def attention_norms(
                     lr.q, lr.k, lr.lse, ng, scale=rec.scale[l], causal=rec.causal, key_positions=kpos
                 )
     return res
+
+
+def _stack_layers(loaded, stack: str | None, layers):
+    """``layers`` within ``stack`` (all of its layers when ``layers`` is None); ``layers`` as given without one."""
+    if stack is None:
+        return layers
+    from headlab.models.loaded_model import resolve
+
+    adapter = resolve(loaded)[0]
+    if stack not in adapter.stacks:
+        raise ConfigError(f"unknown stack {stack!r}; this model has {', '.join(adapter.stacks)}")
+    within = adapter.stacks[stack]
+    if layers is None:
+        return list(within)
+    chosen = [l for l in check_layers(adapter, layers) if l in within]
+    if not chosen:
+        raise ConfigError(f"none of layers {layers} is in the stack {stack!r} (layers {within[0]}..{within[-1]})")
+    return chosen
+
+
+def _say_stacks(res: NormsResult, adapter) -> None:
+    """On a model of several stacks: which of the answered layers each stack's are, in ``stacks`` and a note."""
+    if len(adapter.stacks) < 2:
+        return
+    res.stacks = {k: [l for l in v if l in res.layers] for k, v in adapter.stacks.items()}
+    res.stacks = {k: v for k, v in res.stacks.items() if v}
+    res.notes.append(
+        "an encoder-decoder: answered for the stacks "
+        + ", ".join(f"{k} (layers {v[0]}..{v[-1]})" for k, v in res.stacks.items())
+        + "; each map has its own stack's tokens (cross-attention: decoder queries x encoder keys)"
+    )
 
 
 def value_norms(loaded, text_or_inputs, *, layers=None, backend="auto") -> dict[int, torch.Tensor]:

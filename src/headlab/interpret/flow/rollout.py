@@ -34,10 +34,11 @@ from typing import Literal
 import torch
 
 import headlab.checks as checks
-from headlab.errors import ConfigError
+from headlab.errors import ConfigError, UnsupportedArchitectureError
 from headlab.interpret.flow.gram import gram, layer_tile
 from headlab.interpret.flow.norms import check_positions, maps_from_pattern
 from headlab.interpret.flow.record import record
+from headlab.interpret.flow.stacks import CHAINING, PerStack, each_stack, several_stacks
 from headlab.interpret.flow.tiles import prob_tiles, weighted_colsum
 from headlab.models.loader import resolve
 from headlab.results import envelope
@@ -57,6 +58,7 @@ class RolloutResult:
     maps: torch.Tensor | None = None
     rows: torch.Tensor | None = None
     row_positions: list[int] | None = None
+    stack: str | None = None  # the stack it ran within, on a model of several (an encoder-decoder)
 
     def _repr_html_(self) -> str:
         """This result's page inline in a notebook (headlab's shell in a sandboxed frame; no network)."""
@@ -77,6 +79,8 @@ class RolloutResult:
             d["maps"] = self.maps.tolist()
         if self.rows is not None:
             d["rows"] = self.rows.tolist()
+        if self.stack is not None:
+            d["stack"] = self.stack
         return envelope("rollout", d, settings={"method": self.method, "layer": self.layer, "rows": self.row_positions})
 
 
@@ -150,7 +154,10 @@ def _step_norm(adapter, l, lr, r, scale, causal, block=512):
 
 def stack_layers(adapter, stack: str | None) -> list[int]:
     """The layers rollout multiplies: the one stack of most models; an encoder-decoder's ``"encoder"`` or
-    ``"decoder"`` (self-attention), each by Abnar and Zuidema's definition within the stack."""
+    ``"decoder"`` (self-attention), each by Abnar and Zuidema's definition within the stack. A model with blocks
+    that mix tokens without attention (a hybrid's SSM or convolution blocks) is refused with the reason."""
+    if getattr(adapter, "chain_refusal", ""):  # headlab.models.hf.hybrid
+        raise UnsupportedArchitectureError(adapter.chain_refusal)
     stacks = adapter.stacks
     if stack is None:
         if len(stacks) == 1:
@@ -178,7 +185,7 @@ def rollout(
     layer: int = -1,
     backend="auto",
     stack: str | None = None,
-) -> RolloutResult:
+) -> RolloutResult | PerStack:
     """Attention rollout of one input.
 
     Args:
@@ -190,12 +197,41 @@ def rollout(
         layer: the top layer for ``rows`` (default the last).
         backend: the exact backend the model runs on (an approximate one is refused).
         stack: for an encoder-decoder, ``"encoder"`` or ``"decoder"``: the rollout within that stack
-            (``layer`` then indexes the model's attention layers, as gates do).
+            (``layer`` then indexes the model's attention layers, as gates do; the result's ``stack`` names it).
+            None on an encoder-decoder: a :class:`~headlab.interpret.flow.stacks.PerStack`, ``{"encoder":
+            RolloutResult, "decoder": RolloutResult}``, each what naming that stack gives, with notes saying
+            so (cross-attention does not chain and is left out); with ``layer`` given, the stack holding it.
     """
     if method not in ("mean", "norm"):
         raise ConfigError(f"unknown rollout method {method!r}; use 'mean' (mean of heads) or 'norm' (norm maps)")
     adapter, _ = resolve(loaded)
+    again = dict(method=method, rows=rows, layer=layer, backend=backend)
+    if stack is None and several_stacks(adapter):
+        if layer != -1:  # the stack holding that layer (cross-attention: refused below, with the reason)
+            at = _check_layer(adapter, layer)
+            stack = next((s for s in CHAINING if at in adapter.stacks.get(s, ())), "cross")
+            return rollout_one(loaded, text_or_inputs, **again, stack=stack)  # type: ignore[arg-type]
+        return each_stack(adapter, lambda s: rollout_one(loaded, text_or_inputs, **again, stack=s), "rollout")  # type: ignore[arg-type]
+    return rollout_one(loaded, text_or_inputs, **again, stack=stack)  # type: ignore[arg-type]
+
+
+def rollout_one(
+    loaded,
+    text_or_inputs,
+    *,
+    method: Method = "mean",
+    rows=None,
+    layer: int = -1,
+    backend="auto",
+    stack: str | None = None,
+) -> RolloutResult:
+    """:func:`rollout` within one stack: the model's only one, or the one named (an encoder-decoder without
+    ``stack=`` is a :class:`~headlab.errors.ConfigError` asking for one)."""
+    if method not in ("mean", "norm"):
+        raise ConfigError(f"unknown rollout method {method!r}; use 'mean' (mean of heads) or 'norm' (norm maps)")
+    adapter, _ = resolve(loaded)
     chain = stack_layers(adapter, stack)
+    named = stack if len(adapter.stacks) > 1 else None
     top = chain[-1] if layer == -1 else _check_layer(adapter, layer)
     if top not in chain:
         raise ConfigError(f"layer {layer} is not in the stack rollout runs through (layers {chain[0]}..{chain[-1]})")
@@ -203,7 +239,7 @@ def rollout(
         rec = record(loaded, text_or_inputs, chain, maps=True, backend=backend)
         with torch.no_grad():
             maps = rollout_maps(augment(layer_matrices(rec, method))).float()
-        return RolloutResult(method, rec.n, chain[-1], rec.tokens, maps=maps)
+        return RolloutResult(method, rec.n, chain[-1], rec.tokens, maps=maps, stack=named)
     rec = record(loaded, text_or_inputs, [l for l in chain if l <= top], maps=False, backend=backend)
     pos = check_positions("rows", rows, rec.n)
     with torch.no_grad():
@@ -218,7 +254,7 @@ def rollout(
                 r = _step_mean(lr, r, rec.scale[l], rec.causal)
             else:
                 r = _step_norm(adapter, l, lr, r, rec.scale[l], rec.causal)
-    return RolloutResult(method, rec.n, top, rec.tokens, rows=r.float(), row_positions=pos)
+    return RolloutResult(method, rec.n, top, rec.tokens, rows=r.float(), row_positions=pos, stack=named)
 
 
-__all__ = ["RolloutResult", "augment", "layer_matrices", "rollout", "rollout_maps"]
+__all__ = ["RolloutResult", "augment", "layer_matrices", "rollout", "rollout_maps", "rollout_one"]

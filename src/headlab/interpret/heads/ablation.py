@@ -316,7 +316,7 @@ class AblationPlan:
                                   for hd in pair_heads):
                 break  # every head has its tokens (the same on every rank of a group: the same data)
             clean = runner.clean(b, keep_z=True)
-            collect_z(store, pair_heads, runner.every_head(clean["z"]), b.mask, self.max_cka_tokens)
+            collect_z(store, pair_heads, runner.every_head(clean["z"]), runner.rows_of(b), self.max_cka_tokens)
         return store
 
     def cka_grid(self, pair_heads, pair_list, zs: dict) -> torch.Tensor:
@@ -326,7 +326,8 @@ class AblationPlan:
         full = self.adapter.placement.full  # a sharded W^O whole on every rank
         w_o = {l: full(self.adapter.W_O(l).detach()) for l in sorted({h[0] for h in pair_heads})}  # (H, d, E)
         for (a, b) in pair_list:
-            v = linear_cka(zs[a], zs[b], w_o[a[0]][a[1]], w_o[b[0]][b[1]])
+            v = linear_cka(zs[a], zs[b], w_o[a[0]][a[1]], w_o[b[0]][b[1]]) if C.same_tokens(self.adapter, a[0], b[0]) \
+                else float("nan")  # an encoder head and a decoder head share no rows: not measured
             cka_t[pos[a], pos[b]] = cka_t[pos[b], pos[a]] = v
         return cka_t
 
@@ -409,7 +410,7 @@ def _measure(runner: Runner, data, masks: torch.Tensor, N: int, progress: bool |
         for b in data:
             clean = runner.clean(b, keep_z=runner.kind == "resample" or cka_heads is not None)
             if cka_heads is not None:
-                collect_z(cka_store, cka_heads, runner.every_head(clean["z"]), b.mask, max_cka_tokens)
+                collect_z(cka_store, cka_heads, runner.every_head(clean["z"]), runner.rows_of(b), max_cka_tokens)
             lc = runner.run(b, clean, masks, advance)  # (C, B)
             idx = b.index.numpy()
             d[:, idx] = (lc - clean["loss"][None]).double().cpu().numpy()

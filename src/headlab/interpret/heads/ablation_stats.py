@@ -67,13 +67,15 @@ def linear_cka(zx: torch.Tensor, zy: torch.Tensor, wx: torch.Tensor, wy: torch.T
     return float(num / den) if float(den) > 0 else float("nan")
 
 
-def collect_z(store: dict, heads, zs: dict, mask: torch.Tensor | None, cap: int) -> None:
-    """Append z_h at real tokens ``(n, d)`` for the CKA, up to ``cap`` tokens per head."""
+def collect_z(store: dict, heads, zs: dict, mask, cap: int) -> None:
+    """Append z_h at real tokens ``(n, d)`` for the CKA, up to ``cap`` tokens per head. ``mask``: ``(B, L)`` real
+    tokens, or ``mask(layer, length)`` giving them per layer (an encoder-decoder's decoder tokens differ)."""
     for l, h in heads:
         have = store.get((l, h))
         if have is not None and have.shape[0] >= cap:
             continue
-        z = zs[l][:, h][mask]  # (n, d)
+        m = mask(l, zs[l].shape[2]) if callable(mask) else mask
+        z = zs[l][:, h][m]  # (n, d)
         new = z if have is None else torch.cat([have, z], 0)
         store[(l, h)] = new[:cap]
 

@@ -79,11 +79,21 @@ def mean_z(adapter, data, *, over: str, backend: str) -> dict:
     L = adapter.n_layers
     tok_sum: list = [None] * L  # a (H_l, d) sum per layer, once the layer has run
     pos_sum: list = [None] * L
-    pos_cnt: torch.Tensor | None = None
-    n_tok = 0.0
+    # real query rows per layer (an encoder-decoder's decoder layers count the decoder's tokens) and per position
+    n_tok = [0.0] * L
+    pos_cnts: list = [None] * L
 
     def fn(layer, z, heads):  # (B, H, Lq, d)
-        m = current["mask"].to(z.dtype)  # (B, Lq)
+        b = current["batch"]
+        real = b.query_mask(adapter, layer, z.shape[2])  # (B, Lq)
+        if layer not in current["counted"]:  # each layer's rows once per batch (on every rank of a sharded model)
+            current["counted"].add(layer)
+            n_tok[layer] += float(real.sum())
+            c = real.to(torch.float64).sum(0).cpu()  # (Lq,)
+            prev_c = pos_cnts[layer]
+            k = len(c) if prev_c is None else max(len(prev_c), len(c))
+            pos_cnts[layer] = _pad1(c, k) if prev_c is None else _pad1(prev_c, k) + _pad1(c, k)
+        m = real.to(z.dtype)
         s = (z * m[:, None, :, None]).sum((0, 2))  # (H, d)
         tok_sum[layer] = s if tok_sum[layer] is None else tok_sum[layer] + s
         if over == "position":
@@ -99,25 +109,21 @@ def mean_z(adapter, data, *, over: str, backend: str) -> dict:
     current: dict = {}
     with torch.no_grad(), adapter.use_backend(backend), head_hooks(adapter, fn):
         for b in data:
-            current["mask"] = b.mask
+            current["batch"], current["counted"] = b, set()
             adapter.forward(b.inputs)
-            n_tok += float(b.mask.sum())
-            c = b.mask.to(torch.float64).sum(0)  # (Lq,)
-            pos_cnt = (
-                c
-                if pos_cnt is None
-                else _pad1(pos_cnt, max(len(pos_cnt), len(c))) + _pad1(c, max(len(pos_cnt), len(c)))
-            )
     tp = adapter.placement
     if tp.sharded:  # each rank summed its heads: (H/world, ...) -> (H, ...) in global order
         tok_sum = [tp.gather(s[None], "z")[0] for s in tok_sum]
         pos_sum = [None if p is None else tp.gather(p[None], "z")[0] for p in pos_sum]
-    token = [s / max(n_tok, 1.0) for s in tok_sum]
+    token = [s / max(n, 1.0) for s, n in zip(tok_sum, n_tok)]
     out: dict[str, Any] = {"token": token}
     if over == "position":
-        assert pos_cnt is not None  # the data had a batch
-        out["position"] = [ps / pos_cnt.clamp_min(1.0).to(ps.dtype)[None, :, None] for ps in pos_sum]
-        out["position_count"] = pos_cnt
+        assert pos_cnts[0] is not None  # the data had a batch
+        out["position"] = [
+            ps / c.clamp_min(1.0).to(ps.device, ps.dtype)[None, :, None] for ps, c in zip(pos_sum, pos_cnts)
+        ]
+        out["position_count"] = pos_cnts[0]
+        out["position_counts"] = pos_cnts  # per layer
     return out
 
 
@@ -158,6 +164,18 @@ class Runner:
         loss0 = C.per_example(self.loss, out, b, ref)
         return {"ref": ref, "loss": loss0, "acc": C.accuracy(out, b), "z": zs}
 
+    def rows_of(self, b: C.Batch):
+        """``(layer, length) -> (B, length)`` real query rows of batch ``b`` at each layer."""
+        return lambda layer, length: b.query_mask(self.adapter, layer, length)
+
+    def causal_at(self, layer: int) -> bool:
+        """Does layer ``layer`` attend causally (an encoder-decoder's decoder self-attention; not its encoder's or
+        its cross-attention)?"""
+        stacks = self.adapter.stacks
+        if "encoder" in stacks:
+            return layer in stacks.get("decoder", ())
+        return self.causal
+
     def every_head(self, zs: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
         """:meth:`clean`'s z of every layer with every head, in global order (gathered on a sharded model)."""
         tp = self.adapter.placement
@@ -191,13 +209,11 @@ class Runner:
     def _run_chunk(self, b: C.Batch, clean: dict, masks: torch.Tensor, start: int = 0) -> torch.Tensor:
         c, B = masks.shape[0], b.size
         rep = {k: v.repeat(c, *([1] * (v.dim() - 1))) for k, v in b.inputs.items()}  # (c*B, L)
-        rb = C.Batch(rep, None if b.labels is None else b.labels.repeat(c), b.index.repeat(c))
+        rb = C.Batch(rep, None if b.labels is None else b.labels.repeat(c), b.index.repeat(c), b.model)
         # layers below `start`, where every configuration of the chunk makes the same edit, run once per
         # example (B rows) with that edit; from `start` on, c copies (c * B rows)
         shared = blocks(self.adapter) is not None
         values: dict[int, torch.Tensor] = {}
-        mask = b.mask  # (B, Lq); None for inputs without one (patches, audio frames: every position is real)
-        lens = None if mask is None else mask.sum(-1)  # (B,)
 
         def fn(layer, z, heads):  # z (c*B, H, Lq, d), or (B, H, Lq, d) below the fan-out; heads: their global indices
             H = z.shape[1]
@@ -206,8 +222,8 @@ class Runner:
             if not bool(m.any()):
                 return None
             z5 = z.view(n, B, H, *z.shape[2:])  # (n, B, H, Lq, d)
-            mk = mask if mask is not None else torch.ones(B, z.shape[2], dtype=torch.bool, device=z.device)
-            r = self._replacement(layer, z5, clean, values, mk, lens if lens is not None else mk.sum(-1), heads)
+            mk = b.query_mask(self.adapter, layer, z.shape[2])  # (B, Lq) real query rows of this layer
+            r = self._replacement(layer, z5, clean, values, mk, mk.sum(-1), heads, b)
             return torch.where(m[:, None, :, None, None].to(z.device), r, z5).reshape(z.shape)
 
         ctx = value_hooks(self.adapter, values) if self.kind == "uniform" else _null()
@@ -218,7 +234,7 @@ class Runner:
         ref = {k: v.repeat(c, *([1] * (v.dim() - 1))) for k, v in clean["ref"].items()}
         return C.per_example(self.loss, out, rb, ref).view(c, B)
 
-    def _replacement(self, layer, z5, clean, values, mask, lens, heads: range) -> torch.Tensor:
+    def _replacement(self, layer, z5, clean, values, mask, lens, heads: range, b: C.Batch) -> torch.Tensor:
         """What replaces z of the heads ``heads`` (global indices; ``z5`` holds them): ``(c or 1, B, H, Lq, d)``
         or broadcastable to it. Tables indexed by global head are sliced with ``heads``; the clean z and the
         values hold this rank's heads already."""
@@ -232,7 +248,7 @@ class Runner:
             if "position" not in self.means:
                 return tok[None, None, :, None, :]
             pos = self.means["position"][layer][sel].to(z5.dtype)  # (H, Lmax, d)
-            cnt = self.means["position_count"]
+            cnt = self.means.get("position_counts", [self.means["position_count"]] * (layer + 1))[layer]
             n = min(Lq, pos.shape[1])
             r = tok[:, None, :].expand(H, Lq, d).clone()
             seen = (cnt[:n] > 0).to(z5.device)
@@ -250,9 +266,10 @@ class Runner:
         v = values[layer]  # (c*B, Lk, Hkv*d)
         Hkv = v.shape[-1] // d
         v = v.view(c, B, v.shape[1], Hkv, d)
-        vis = mask[:, None, :].expand(B, Lq, mask.shape[1])  # (B, Lq, Lk) real keys
-        if self.causal:
-            vis = vis & torch.ones(Lq, mask.shape[1], dtype=torch.bool, device=mask.device).tril()[None]
+        keys = b.key_mask(self.adapter, layer, v.shape[2])  # (B, Lk): cross-attention reads the encoder's tokens
+        vis = keys[:, None, :].expand(B, Lq, keys.shape[1])  # (B, Lq, Lk) real keys
+        if self.causal_at(layer):
+            vis = vis & torch.ones(Lq, keys.shape[1], dtype=torch.bool, device=keys.device).tril()[None]
         w = vis.to(v.dtype)
         w = w / w.sum(-1, keepdim=True).clamp_min(1.0)
         u = torch.einsum("bij,cbjkd->cbkid", w, v)  # (c, B, Hkv, Lq, d)

@@ -9,12 +9,24 @@ Losses, per example (``loss=``):
 
 =========  ======================================================================================
 task       cross-entropy of a classifier's ``logits (B, C)`` against gold ``labels``
-lm         next-token NLL of a decoder's ``logits (B, L, V)``, mean over the real tokens
+lm         next-token NLL of a decoder's ``logits (B, L, V)``, mean over the real tokens; of an
+           encoder-decoder, the NLL of its decoder's own tokens: the examples' ``labels`` where they
+           give them (the model's own loss, per example), else ``decoder_input_ids`` teacher-forced
 kl         KL(p_0 || p) from the unpruned model's output distribution (a classifier's, or every
-           next-token distribution of a decoder, averaged over real tokens); no labels needed
+           next-token distribution of a decoder, averaged over real tokens; an encoder-decoder's over
+           its decoder's tokens, a CTC head's over the real audio frames); no labels needed
 cosine     1 - cos(e, e_0) of a sentence encoder's pooled embedding (mean of ``last_hidden_state``
-           over real tokens, as sentence-transformers pools MiniLM); no labels needed
+           over real tokens, as sentence-transformers pools MiniLM; over the real frames of an audio
+           encoder such as wav2vec2 or HuBERT); no labels needed
 =========  ======================================================================================
+
+``loss="auto"`` keeps what each model had: ``lm`` for a decoder with a language-model head, ``kl`` for
+any other head (classifiers, encoder-decoders, CTC and token-tagging heads), ``cosine`` for a bare
+encoder (audio encoders included).
+
+Examples given as dicts of tensors (``{"input_features": ..., "decoder_input_ids": ...}``) are batched by
+:func:`headlab.models.inputs.stack_examples`: token inputs of different lengths are padded with their
+masks; audio or images of different shapes are refused, typed (pad them with the feature extractor's mask).
 """
 
 from __future__ import annotations
@@ -29,8 +41,9 @@ from typing import Literal, cast
 import torch
 import torch.nn.functional as F
 
-from headlab.errors import ConfigError, InputError
+from headlab.errors import ConfigError, InputError, ShapeError
 from headlab.models.base import ModelAdapter
+from headlab.models.inputs import is_encoder_decoder, stack_examples
 
 Loss = Literal["auto", "task", "lm", "kl", "cosine"]
 LOSSES = ("task", "lm", "kl", "cosine")
@@ -39,6 +52,22 @@ LOSSES = ("task", "lm", "kl", "cosine")
 def is_causal(adapter: ModelAdapter) -> bool:
     """Decoder (each token sees only the past) or encoder."""
     return adapter.causal
+
+
+def _seq2seq(model) -> bool:
+    return model is not None and is_encoder_decoder(model)
+
+
+def _decoder_side(adapter) -> set[int]:
+    """The layers whose queries are an encoder-decoder's decoder tokens (its decoder and cross-attention layers)."""
+    stacks = getattr(adapter, "stacks", {}) or {}
+    return {l for name in ("decoder", "cross") for l in stacks.get(name, ())} if "encoder" in stacks else set()
+
+
+def same_tokens(adapter, a: int, b: int) -> bool:
+    """Do layers ``a`` and ``b`` have the same query tokens (both on an encoder-decoder's decoder side, or not)?"""
+    side = _decoder_side(adapter)
+    return (a in side) == (b in side)
 
 
 def read_texts(
@@ -75,6 +104,7 @@ class Batch:
     inputs: dict  # input_ids (B, L), attention_mask (B, L)
     labels: torch.Tensor | None  # (B,) or None
     index: torch.Tensor  # (B,) positions of these examples in the dataset
+    model: object = None  # the model (what maps an audio input's mask onto its frames)
 
     @property
     def size(self) -> int:
@@ -87,11 +117,45 @@ class Batch:
     def output_mask(self, length: int) -> torch.Tensor:
         """``(B, length)`` real positions of the model's output: the decoder's in an encoder-decoder (its
         ``decoder_attention_mask``, else all), the input's otherwise."""
-        if "decoder_input_ids" in self.inputs:
+        if "decoder_input_ids" in self.inputs or "labels" in self.inputs and _seq2seq(self.model):
             m = self.inputs.get("decoder_attention_mask")
+            if m is None and "decoder_input_ids" not in self.inputs:  # labels only: the model shifts them in
+                m = self.inputs["labels"] != -100
             return torch.ones(self.size, length, dtype=torch.bool, device=self.device) if m is None else m.bool()
+        return self.positions(length)
+
+    def query_mask(self, adapter, layer: int, length: int) -> torch.Tensor:
+        """``(B, length)`` real query rows of attention layer ``layer``: the decoder's tokens in an encoder-decoder's
+        decoder and cross-attention layers, the input's (mapped onto audio frames) elsewhere."""
+        if layer in _decoder_side(adapter):
+            return self.output_mask(length)
+        return self.positions(length)
+
+    def key_mask(self, adapter, layer: int, length: int) -> torch.Tensor:
+        """``(B, length)`` real keys of attention layer ``layer``: cross-attention reads the encoder's tokens."""
+        if layer in adapter.stacks.get("cross", ()):
+            return self.positions(length)
+        return self.query_mask(adapter, layer, length)
+
+    def positions(self, length: int) -> torch.Tensor:
+        """``(B, length)`` real positions of an output of ``length`` positions along the input: the attention
+        mask, mapped onto the frames where an audio front end subsamples the input (by the model's own rule:
+        ``_get_feature_vector_attention_mask`` of wav2vec2-style models, ``_get_output_attention_mask`` of
+        conformers such as Parakeet and LASR)."""
         m = self.mask
-        return torch.ones(self.size, length, dtype=torch.bool, device=self.device) if m is None else m
+        if m is None or m.all():
+            return torch.ones(self.size, length, dtype=torch.bool, device=self.device)
+        if m.shape[1] == length:
+            return m
+        model = self.model
+        if hasattr(model, "_get_feature_vector_attention_mask"):
+            return model._get_feature_vector_attention_mask(length, m.long()).bool()  # type: ignore[operator]
+        if hasattr(model, "_get_output_attention_mask"):
+            return model._get_output_attention_mask(m.long(), target_length=length).bool()  # type: ignore[operator]
+        raise ShapeError(
+            f"the model's output has {length} positions but the attention_mask {m.shape[1]}, and "
+            f"{type(model).__name__} says no rule between them; give unpadded examples (no attention_mask)"
+        )
 
     @property
     def mask(self) -> torch.Tensor | None:
@@ -142,8 +206,8 @@ def batches(
     out = []
     for s, e in spans:
         chunk = texts[s:e]
-        if all(isinstance(t, dict) for t in chunk):  # non-text examples (pixel_values ...), each a batch of one
-            enc = {k: torch.cat([torch.as_tensor(t[k]) for t in chunk]).to(device) for k in chunk[0]}
+        if all(isinstance(t, dict) for t in chunk):  # dicts of tensors (pixel_values, decoder ids ...), each a batch
+            enc = {k: v.to(device) for k, v in stack_examples(adapter.model, chunk).items()}
         elif all(isinstance(t, str) for t in chunk):
             if loaded is None or loaded.tokenizer is None:
                 raise InputError(
@@ -162,7 +226,7 @@ def batches(
                 ids[i, : len(q)], att[i, : len(q)] = q, 1
             enc = {"input_ids": ids.to(device), "attention_mask": att.to(device)}
         lab = None if labels is None else torch.as_tensor(list(labels[s:e]), dtype=torch.long, device=device)
-        out.append(Batch(enc, lab, torch.as_tensor(order[s:e], dtype=torch.long)))
+        out.append(Batch(enc, lab, torch.as_tensor(order[s:e], dtype=torch.long), adapter.model))
     return out
 
 
@@ -182,7 +246,7 @@ def choose_loss(adapter: ModelAdapter, loss: str, labels) -> Loss:
         return "kl" if _has_task_head(adapter) else "cosine"  # a bare encoder or decoder: the cosine surrogate
     if loss not in LOSSES:
         raise ConfigError(f"unknown loss {loss!r}; use one of {', '.join(LOSSES)} (or 'auto')")
-    if loss == "lm" and not is_causal(adapter):
+    if loss == "lm" and not is_causal(adapter) and not _seq2seq(adapter.model):
         raise ConfigError(
             "loss='lm' (next-token NLL) needs a decoder; this model is an encoder: use 'task', 'kl' or 'cosine'"
         )
@@ -193,8 +257,12 @@ def _is_classifier(adapter: ModelAdapter) -> bool:
     return type(adapter.model).__name__.endswith("ForSequenceClassification")
 
 
+# heads whose logits give a distribution per position (a CTC head over audio frames, a token tagger): loss='kl'
+_PER_POSITION_HEADS = ("ForCTC", "ForTokenClassification", "ForAudioFrameClassification")
+
+
 def _has_task_head(adapter: ModelAdapter) -> bool:
-    return adapter.has_task_head
+    return adapter.has_task_head or type(adapter.model).__name__.endswith(_PER_POSITION_HEADS)
 
 
 def logits_of(out) -> torch.Tensor:
@@ -206,7 +274,7 @@ def logits_of(out) -> torch.Tensor:
     return lg
 
 
-def pooled(out, mask: torch.Tensor | None) -> torch.Tensor:
+def pooled(out, mask: torch.Tensor | None, batch: Batch | None = None) -> torch.Tensor:
     """Mean of ``last_hidden_state (B, L, E)`` over real tokens: ``(B, E)``."""
     h = getattr(out, "last_hidden_state", None)
     if h is None:
@@ -216,6 +284,8 @@ def pooled(out, mask: torch.Tensor | None) -> torch.Tensor:
         )
     if mask is None:
         return h.mean(1)
+    if mask.shape[1] != h.shape[1] and batch is not None:  # audio: the mask runs over samples, h over frames
+        mask = batch.positions(h.shape[1])
     m = mask.to(h.dtype).unsqueeze(-1)  # (B, L, 1)
     return (h * m).sum(1) / m.sum(1).clamp_min(1.0)
 
@@ -230,7 +300,7 @@ def reference(loss: str, out, batch: Batch, *, generator: torch.Generator | None
             ref["sample"] = torch.multinomial(flat.cpu(), 1, generator=generator).view(lp.shape[:-1]).to(lp.device)
         return ref
     if loss == "cosine":
-        e = up(pooled(out, batch.mask)).detach()
+        e = up(pooled(out, batch.mask, batch)).detach()
         ref = {"emb": e}
         if generator is not None:  # a random unit direction orthogonal to e_0, per example
             u = torch.randn(e.shape, generator=generator).to(e)
@@ -251,6 +321,20 @@ def _token_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (x * m).sum(-1) / m.sum(-1).clamp_min(1.0)
 
 
+def _decoder_nll(lg: torch.Tensor, batch: Batch) -> torch.Tensor:
+    """``(B,)`` an encoder-decoder's NLL of its decoder's own tokens, mean over the real ones: of ``labels`` where
+    the examples give them (the model's own loss, example by example), else of ``decoder_input_ids`` teacher-forced
+    (position t predicts token t + 1)."""
+    if "labels" in batch.inputs:
+        target = batch.inputs["labels"]
+        nll = F.cross_entropy(lg.transpose(1, 2), target.clamp_min(0), reduction="none")  # (B, T)
+        return _token_mean(nll, target != -100)
+    ids = batch.inputs["decoder_input_ids"]
+    real = batch.output_mask(ids.shape[1])
+    nll = F.cross_entropy(lg[:, :-1].transpose(1, 2), ids[:, 1:], reduction="none")  # (B, T-1)
+    return _token_mean(nll, real[:, 1:] & real[:, :-1])
+
+
 def per_example(loss: str, out, batch: Batch, ref: dict, *, surrogate: bool = False) -> torch.Tensor:
     """``(B,)`` loss of every example. ``surrogate=True``: the first-order forms head_importance
     differentiates for the label-free losses (see :func:`headlab.head_importance`)."""
@@ -263,6 +347,8 @@ def per_example(loss: str, out, batch: Batch, ref: dict, *, surrogate: bool = Fa
         if int(batch.labels.max()) >= lg.shape[-1] or int(batch.labels.min()) < 0:
             raise InputError(f"labels must lie in 0..{lg.shape[-1] - 1} (the classifier's classes)")
         return F.cross_entropy(up(lg), batch.labels, reduction="none")
+    if loss == "lm" and _seq2seq(batch.model):  # an encoder-decoder: the decoder's own tokens
+        return _decoder_nll(up(logits_of(out)), batch)
     if loss == "lm":
         lg = up(logits_of(out))
         ids, mask = batch.inputs["input_ids"], batch.mask
@@ -280,7 +366,7 @@ def per_example(loss: str, out, batch: Batch, ref: dict, *, surrogate: bool = Fa
             return _token_mean(val, batch.output_mask(val.shape[1]))
         return val
     if loss == "cosine":
-        e = up(pooled(out, batch.mask))
+        e = up(pooled(out, batch.mask, batch))
         e0 = ref["emb"]
         if surrogate:  # u . e / |e_0| with u a unit direction orthogonal to e_0
             return (ref["dir"] * e).sum(-1) / e0.norm(dim=-1).clamp_min(1e-12)

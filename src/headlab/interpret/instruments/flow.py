@@ -157,6 +157,13 @@ Example: headlab flow "The cat sat on the mat." --method flow --rows cls"""
 
     def run_unit(self, ctx: Context, unit, recording=None):
         o, rows, text = ctx.options, ctx.state["rows"], ctx.data["text"]
+        from headlab.interpret.flow.stacks import several_stacks
+
+        if o["method"] != "norms" and several_stacks(ctx.loaded.adapter):  # the page shows one chain of layers
+            raise ConfigError(
+                f"--method {o['method']} on an encoder-decoder answers per stack: call headlab.rollout / "
+                "headlab.attention_flow from Python (a result per stack, or stack='encoder' / 'decoder')"
+            )
         if o["method"] in ("rollout", "norm-rollout"):
             from headlab.interpret.flow.rollout import rollout
 

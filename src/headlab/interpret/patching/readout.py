@@ -158,6 +158,11 @@ def direct_logit_attribution(model, inputs, correct, wrong, *, position=-1, back
             f"direct logit attribution needs blocks that add each head's output to the stream as it is; this model's "
             f"blocks are {', '.join(sorted(layouts))} (a norm between the heads and the stream)"
         )
+    if any(adapter.attention_norm(l).branch_scale is not None for l in range(adapter.n_layers)):
+        raise UnsupportedArchitectureError(
+            "direct logit attribution needs blocks that add each head's output to the stream as it is; this model "
+            "scales its attention branch first (LayerScale or a residual multiplier)"
+        )
     readout = readout_of(adapter)
     n = adapter.n_layers
     V = readout.W_U.shape[0]

@@ -21,9 +21,9 @@ the exact model and :func:`exact_backend` gives the note that says so.
 from __future__ import annotations
 
 from headlab.attention import backends as _backends
-from headlab.interpret.flow.maxflow import attention_flow
+from headlab.interpret.flow.maxflow import flow_one as attention_flow  # one stack, as rollout
 from headlab.interpret.flow.norms import attention_norms
-from headlab.interpret.flow.rollout import rollout
+from headlab.interpret.flow.rollout import rollout_one as rollout  # one stack: an encoder-decoder asks for stack=
 
 FLOW_METHODS = ("rollout", "norm_rollout", "attention_flow", "attention_norm")
 FLOW_GAP_NOTE = 1e-6  # a flow certificate looser than this is noted

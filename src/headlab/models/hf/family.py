@@ -30,7 +30,7 @@ from typing import Any, ClassVar, Literal
 import torch
 from torch import nn
 
-from headlab.errors import ModelError
+from headlab.errors import ModelError, UnsupportedArchitectureError
 from headlab.models.base import ModelAdapter
 from headlab.models.hf import attention_fn
 from headlab.models.norm_layout import BlockNorms
@@ -39,7 +39,9 @@ from headlab.models.projections import Fused, Out, Separate, get_module
 
 @dataclass(frozen=True)
 class Norms:
-    """A family's norm layout, as paths from a block (see :mod:`headlab.models.norm_layout`)."""
+    """A family's norm layout, as paths from a block (see :mod:`headlab.models.norm_layout`). ``branch_scale``:
+    the attribute path, from a block, of what scales the attention's output before the block reads it (a
+    LayerScale vector, ``"layer_scale1.lambda1"``; a number, ``"residual_multiplier"``)."""
 
     pre: str | None = None
     post: str | None = None
@@ -47,6 +49,7 @@ class Norms:
     kind: Literal["layernorm", "rmsnorm"] = "layernorm"
     offset: float = 0.0
     parallel: str | None = None
+    branch_scale: str | None = None
 
     def resolve(self, block: nn.Module) -> BlockNorms:
         return BlockNorms(
@@ -56,7 +59,22 @@ class Norms:
             kind=self.kind,
             offset=self.offset,
             parallel=get_module(block, self.parallel) if self.parallel else None,
+            branch_scale=_scale_at(block, self.branch_scale) if self.branch_scale else None,
         )
+
+
+def _scale_at(block: nn.Module, path: str) -> torch.Tensor | float:
+    """The branch scale at attribute ``path`` from ``block``: a tensor (the model's own, live) or a number."""
+    v: Any = block
+    for part in path.split("."):
+        v = getattr(v, part, None)
+    if isinstance(v, torch.Tensor):
+        return v
+    if isinstance(v, int | float) and not isinstance(v, bool):
+        return float(v)
+    raise ModelError(
+        f"the branch scale {path!r} of a {type(block).__name__} is {type(v).__name__}, not a tensor or a number"
+    )
 
 
 def _first(cfg, names, default=None):
@@ -83,6 +101,9 @@ class HFAdapter(ModelAdapter):
     score_mods: ClassVar[str] = ""  # what the family does to its scores beyond the scale, for the support table
     stock_config: ClassVar[bool] = False  # a uniformly pruned model is a stock config (the config has head_dim)
     limits: ClassVar[dict[str, str]] = {}  # step -> caveat, for the support table (headlab models)
+    # a norm the values pass through after W_V, acting on each head's d features (Gemma 3n's v_norm), as a path from
+    # the attention module: the values are then not x W_V, so W_V and b_V are refused (value_projection gives them)
+    value_norm: ClassVar[str | None] = None
 
     def __init__(self, model: nn.Module) -> None:
         cfg = model.config
@@ -128,13 +149,36 @@ class HFAdapter(ModelAdapter):
         H, Hkv, d = self.layer_heads[layer], self.layer_kv_heads[layer], self.head_dim
         if which == "o":
             return self.out.weight(self.out_projs[layer], H, d)
+        self._no_value_norm(which)
         return self.projections.weight(self.attn_modules[layer], which, H, Hkv, d)
 
     def _bias(self, layer, which):
         if which == "o":
             return getattr(self.out_projs[layer], "bias", None)
+        self._no_value_norm(which)
         H, Hkv, d = self.layer_heads[layer], self.layer_kv_heads[layer], self.head_dim
         return self.projections.bias(self.attn_modules[layer], which, H, Hkv, d)
+
+    def _no_value_norm(self, which: str) -> None:
+        if which == "v" and self.value_norm:
+            raise UnsupportedArchitectureError(
+                f"the {self.family!r} values pass through the value norm {self.value_norm!r} after W_V, so they are "
+                "not a linear map of the stream: W_V, b_V and what is built on them (value-aware norms, OV circuits, "
+                "the atlas's copying scores) are not defined; captures, gates, backends, statistics, rollout, "
+                "importance and pruning serve (adapter.value_projection(layer) gives the projection before the norm)"
+            )
+
+    def value_projection(self, layer: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(W, b)`` of the value projection, ``(Hkv, E, d)`` and ``(Hkv, d)`` or None, before any value norm
+        (the values are ``value_norm_module(layer)(x W + b)`` per head)."""
+        layer = self._check_layer(layer)
+        H, Hkv, d = self.layer_heads[layer], self.layer_kv_heads[layer], self.head_dim
+        am = self.attn_modules[layer]
+        return self.projections.weight(am, "v", H, Hkv, d), self.projections.bias(am, "v", H, Hkv, d)
+
+    def value_norm_module(self, layer: int) -> nn.Module | None:
+        """The value norm of layer ``layer`` (None without one)."""
+        return get_module(self.attn_modules[self._check_layer(layer)], self.value_norm) if self.value_norm else None
 
     # -- physical head removal (models.surgery calls these) --------------------------------------------------------
     def cut_heads(self, attn: nn.Module, out: nn.Module, q_heads, kv_heads, H: int, Hkv: int) -> None:
@@ -160,13 +204,32 @@ class HFAdapter(ModelAdapter):
 
     # -- the attention implementation -----------------------------------------------------------------------------
     def _enter_backend(self):
-        """Switch the model to headlab's attention implementation with transformers' public API."""
+        """Switch the model to headlab's attention implementation with transformers' public API (a model whose
+        modules compute attention with their own math: its bridge, :mod:`headlab.models.hf.own_bridge`)."""
+        from headlab.models.hf.own_state import bridge_of, set_implementation
+
+        if bridge_of(self.model) is not None:
+            return ("own", set_implementation(self.model, attention_fn.IMPLEMENTATION))
         saved = self.model.config._attn_implementation
         if saved != attention_fn.IMPLEMENTATION:
             self.model.set_attn_implementation(attention_fn.IMPLEMENTATION)
+            if self.model.config._attn_implementation != attention_fn.IMPLEMENTATION:  # transformers refused, logging
+                raise UnsupportedArchitectureError(
+                    f"transformers keeps {type(self.model).__name__} on its {saved!r} attention (the file defining "
+                    "the class has hand-written attention classes and never calls "
+                    "ALL_ATTENTION_FUNCTIONS.get_interface, so _can_set_attn_implementation() is False); headlab's "
+                    "backends, gates and captures would not run. Set "
+                    f"{type(self.model).__name__}._can_set_attn_implementation = classmethod(lambda cls: True) "
+                    "before adapting, or call the interface in the modelling file"
+                )
         return saved
 
     def _exit_backend(self, saved) -> None:
+        if isinstance(saved, tuple) and saved[:1] == ("own",):
+            from headlab.models.hf.own_state import set_implementation
+
+            set_implementation(self.model, saved[1] or "eager")
+            return
         if saved != self.model.config._attn_implementation:
             self.model.set_attn_implementation(saved)
 

@@ -6,7 +6,7 @@ stack of a decoder or encoder; an encoder-decoder's encoder, decoder and cross-a
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 import torch
@@ -41,6 +41,7 @@ class Layout:
     norms: Norms | None  # None: the residual layout was not identified (``norms_why`` says why)
     norms_why: str = ""
     notes: list[str] = field(default_factory=list)
+    value_norm: str | None = None  # a norm the values pass through after W_V (a path from the attention module)
 
 
 @dataclass
@@ -84,6 +85,26 @@ def stack_layout(model, x, block: nn.Module, attn_path: str, call: Call, H, Hkv,
                     break
             if projections is not None:
                 break
+    vnorm = (
+        None
+        if projections is not None
+        else next(
+            (
+                n
+                for n, (_, o) in rec_rel.items()
+                if n
+                and is_norm(named[attn_prefix + n])
+                and o is not None
+                and o.numel() == v_flat.numel()
+                and (close(o.reshape(v_flat.shape), v_flat) or close(o.reshape(call.v.shape), call.v))
+            ),
+            None,
+        )
+    )
+    value_norm = None
+    if vnorm is not None:
+        projections = _normed_values(vnorm, named[attn_prefix + vnorm], lin, rec_rel, H, Hkv, d, call, mt)
+        value_norm = vnorm
     if projections is None:
         raise refuse(
             mt,
@@ -103,11 +124,7 @@ def stack_layout(model, x, block: nn.Module, attn_path: str, call: Call, H, Hkv,
         None,
     )
     if out_name is None:
-        raise refuse(
-            mt,
-            f"no linear map in its {stack} block reads the attention output ({H} x {d} features) as it "
-            "is: an output projection behind another transform needs a family class",
-        )
+        raise refuse(mt, _behind_transform(named, rec, merged, H, d, stack))
     out_mod = named[out_name]
     notes: list[str] = []
     norms, why = _norms(block, named, rec, attn_path, out_name, stack)
@@ -119,9 +136,64 @@ def stack_layout(model, x, block: nn.Module, attn_path: str, call: Call, H, Hkv,
             norms=norms,
             norms_why=why,
             notes=notes,
+            value_norm=value_norm,
         ),
         out_mod,
     )
+
+
+def _normed_values(vnorm: str, norm: nn.Module, lin, rec, H, Hkv, d, call: Call, mt) -> Separate:
+    """The projections of values that pass through the value norm ``vnorm`` (Gemma 3n's and Gemma 4's ``v_norm``):
+    W_V is the linear map whose output is the norm's input; the norm must act on each head's ``d`` features alone
+    (what it reads has ``d`` on its last axis), so the values stay per head (pruning, gates and captures serve)."""
+    n_in = rec[vnorm][0]
+    if n_in is None or n_in.shape[-1] != d:
+        raise refuse(
+            mt,
+            f"its values pass through the value norm {vnorm!r} ({type(norm).__name__}) over "
+            f"{None if n_in is None else n_in.shape[-1]} features, not each head's {d}: it mixes "
+            "heads, so no head's values are its own; a family class must declare how",
+        )
+
+    def feeds(o):  # (B, L, Hkv * d) -> the norm's input, per head, before or after the heads' transpose
+        if o is None or o.numel() != n_in.numel() or o.dim() != 3:
+            return False
+        per_head = o.reshape(o.shape[0], o.shape[1], Hkv, d)
+        return close(per_head, n_in) or close(per_head.transpose(1, 2), n_in)
+
+    v_name = next((n for n, m in lin.items() if out_features(m) == Hkv * d and feeds(rec[n][1])), None)
+    if v_name is None:
+        raise refuse(mt, f"no linear map in its attention module makes the input of its value norm {vnorm!r}")
+    return _separate(v_name, lin, rec, H, Hkv, d, call, mt)
+
+
+def _behind_transform(named, rec, merged, H, d, stack) -> str:
+    """Why no linear map reads the attention output as it is, naming the transform between them where it shows: a
+    sub-norm (a norm reading the merged output), or an elementwise gate (W^O reads it multiplied by something)."""
+    sub = next((n for n, m in named.items() if is_norm(m) and n in rec and close(rec[n][0], merged)), None)
+    head = f"no linear map in its {stack} block reads the attention output ({H} x {d} features) as it is"
+    if sub is not None:
+        return (
+            f"{head}: the sub-norm {sub!r} ({type(named[sub]).__name__}) normalises it before the output "
+            "projection, which W^O per head cannot express; a family class must declare the sub-norm"
+        )
+
+    def gate_of(t):  # t = merged * g with 0 <= g <= 1 elementwise (a sigmoid gate)?
+        if t is None or t.numel() != merged.numel():
+            return False
+        r = t.double().reshape(merged.shape) / merged.double().where(merged != 0, torch.ones_like(merged).double())
+        return bool(((r >= -1e-6) & (r <= 1 + 1e-6)).all()) and not close(t, merged)
+
+    gated = next(
+        (n for n, m in named.items() if is_linear(m) and n in rec and in_features(m) == H * d and gate_of(rec[n][0])),
+        None,
+    )
+    if gated is not None:
+        return (
+            f"{head}: {gated!r} reads it multiplied elementwise by a gate in [0, 1] (gated attention, as Qwen3-Next's), so "
+            "its heads' contributions are not z_h W_O[h]; a family class must declare the gate"
+        )
+    return f"{head}: an output projection behind another transform needs a family class"
 
 
 def _separate(v_name, lin, rec, H, Hkv, d, call: Call, mt) -> Separate:
@@ -188,13 +260,52 @@ def _norm_kind(m: nn.Module, z: torch.Tensor, y: torch.Tensor) -> tuple[Literal[
     return None
 
 
+_NO_ADD = "no norm or residual add after the attention reads x + Attn(x) or a norm of it"
+
+
 def _norms(block, named, rec, attn_path, out_name, stack) -> tuple[Norms | None, str]:
-    """The norm layout around the attention of one block (see :mod:`headlab.models.norm_layout`): sandwich when
-    a norm reads the branch alone; otherwise the stream after the attention is ``x + Attn(x)`` (pre, parallel)
-    or a norm of it (post), whichever the next residual add continues from."""
+    """The norm layout around the attention of one block (see :mod:`headlab.models.norm_layout`), with the
+    attention's output as W^O writes it or, where no layout reads that, scaled as the block scales its branch
+    (:func:`_branch_scales`: LayerScale, a residual multiplier)."""
+    o = rec[out_name][1]
+    norms, why = _layout(block, named, rec, attn_path, out_name, stack, o)
+    if norms is not None or not why.startswith(_NO_ADD):
+        return norms, why
+    for path, scaled in _branch_scales(block, named, rec, attn_path, out_name, o):
+        got, _ = _layout(block, named, rec, attn_path, out_name, stack, scaled)
+        if got is not None:
+            return replace(got, branch_scale=path), ""
+    return None, why
+
+
+def _branch_scales(block, named, rec, attn_path, out_name, o):
+    """``(path, scaled output)`` of each way the block may scale the attention's output before reading it: a
+    module reading it that multiplies it by its own ``(E,)`` vector (DINOv2's LayerScale), an ``(E,)`` parameter
+    of the block itself (BEiT's ``lambda_1``), a number the block holds (Granite's ``residual_multiplier``)."""
+    E = o.shape[-1]
+    for n, m in named.items():
+        if not n or n == out_name or n == attn_path or n.startswith(f"{attn_path}.") or n not in rec:
+            continue
+        i, y = rec[n]
+        if i is None or y is None or not close(i, o):
+            continue
+        for pn, prm in m.named_parameters(recurse=False):
+            if prm.dim() == 1 and prm.numel() == E and close(o * prm.detach(), y):
+                yield f"{n}.{pn}", y
+    for pn, prm in block.named_parameters(recurse=False):
+        if prm.dim() == 1 and prm.numel() == E:
+            yield pn, o * prm.detach()
+    for an, v in vars(block).items():
+        if isinstance(v, float) and not an.startswith("_") and v not in (0.0, 1.0):
+            yield an, o * v
+
+
+def _layout(block, named, rec, attn_path, out_name, stack, o) -> tuple[Norms | None, str]:
+    """The layout for the attention branch ``o``: sandwich when a norm reads the branch alone; otherwise the
+    stream after the attention is ``x + o`` (pre, parallel) or a norm of it (post), whichever the next residual
+    add continues from."""
     x = rec.get("", (None, None))[0]  # the block's input stream
     attn_in = rec.get(attn_path, (None, None))[0]
-    o = rec[out_name][1]
     if x is None or attn_in is None or o is None:
         return None, "the block's input or its attention's input was not seen"
     if stack == "cross":
@@ -250,8 +361,8 @@ def _norms(block, named, rec, attn_path, out_name, stack) -> tuple[Norms | None,
     if continues_from(h, marked, skip=lambda n: n == out_name):
         return Norms(pre=pre, kind="layernorm"), ""
     return None, (
-        "no norm or residual add after the attention reads x + Attn(x) or a norm of it (a scaled residual "
-        "branch, such as LayerScale?)"
+        f"{_NO_ADD}, nor the attention's output scaled by a LayerScale vector or a number the block holds; a "
+        "family class can declare the scale (Norms(branch_scale=...))"
     )
 
 

@@ -41,14 +41,9 @@ ADDING_A_FAMILY = "docs/adding-a-family.md"
 
 # model types headlab knows and refuses, with the reason (checked before anything runs)
 REFUSED: dict[str, str] = {
-    "deberta-v2": "DeBERTa-v2's disentangled attention adds content-to-position and position-to-content terms "
-    "computed inside its own attention module (it does not call transformers' attention interface), "
-    "which headlab's backends do not compute",
     "deepseek_v3": "DeepSeek-V3's multi-head latent attention computes keys and values from a shared low-rank latent "
     "(kv_a_proj, then kv_b_proj) and splits each query and key into a rotary and a non-rotary part "
     "of other widths than the value's, so its heads have no single W_Q, W_K, W_V of one head size",
-    "mpt": "MPT computes attention, with ALiBi, inside its own modules and never calls transformers' attention "
-    "interface, so headlab's backends, gates and captures have no seam to serve",
 }
 
 

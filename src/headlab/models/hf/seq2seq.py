@@ -89,7 +89,10 @@ class EncoderDecoderAdapter(HFAdapter):
 
     def value_input(self, layer: int, args, kwargs):
         if self.is_cross(layer):  # cross-attention reads its keys and values from the encoder's output
-            return kwargs.get("key_value_states", args[1] if len(args) > 1 else None)
+            for name in ("key_value_states", "encoder_hidden_states"):  # T5's name, UMT5's
+                if kwargs.get(name) is not None:
+                    return kwargs[name]
+            return args[1] if len(args) > 1 else None
         return super().value_input(layer, args, kwargs)
 
     def attention_norm(self, layer: int) -> BlockNorms:

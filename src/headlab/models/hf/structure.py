@@ -31,18 +31,24 @@ it). Nothing found here is trusted before :mod:`headlab.models.hf.verify` checks
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 from torch import nn
 
 from headlab.errors import UnsupportedArchitectureError
 from headlab.models.hf.family import HFAdapter, Norms
+from headlab.models.hf.found_ops import cut_found as _cut
+from headlab.models.hf.found_ops import no_norms as _no_norms
+from headlab.models.hf.hybrid import describe, hybrid_attrs, token_mixers
 from headlab.models.hf.layout import Layout, head_attrs, stack_layout
+from headlab.models.hf.own_bridge import bridge
+from headlab.models.hf.own_state import computes_its_own
+from headlab.models.hf.pinned import no_calls_reason
 from headlab.models.hf.registry import BY_STRUCTURE, FAMILIES
 from headlab.models.hf.seq2seq import EncoderDecoderAdapter
-from headlab.models.hf.trace import TRACE, Call, is_norm, out_features, refuse, trace
+from headlab.models.hf.trace import TRACE, Call, out_features, refuse, trace
+from headlab.models.hf.variants import repeated_calls_reason, stacks_reason
 from headlab.models.hf.verify import config_key, verify
 from headlab.models.inputs import example_inputs, input_kind, is_encoder_decoder
 from headlab.models.projections import Separate
@@ -61,11 +67,14 @@ class Found:
     layouts: dict[str, Layout]  # "blocks", or "encoder", "decoder", "cross"
     head_attrs: dict[str, str]
     kwargs: list[str]
+    model_blocks: list[int] = field(default_factory=list)  # the model's index of each attention block (one stack)
+    n_blocks: int = 0  # blocks in the model's list, attention or not (one stack)
+    token_mixers: dict[int, str] = field(default_factory=dict)  # blocks mixing tokens beside attention (hybrid.py)
 
     def summary(self) -> dict:
         """JSON-ready description (what ``headlab models --check`` prints)."""
         H, Hkv, d, E = self.shape
-        out = {
+        out: dict[str, Any] = {
             "model_type": self.model_type,
             "heads": H,
             "kv_heads": Hkv,
@@ -76,6 +85,10 @@ class Found:
             "layers": self.layers,
             "head_attrs": self.head_attrs,
         }
+        if self.n_blocks > len(self.model_blocks) > 0:  # blocks without attention (hybrid.py)
+            out["attention_blocks"] = f"{self.model_blocks} of {self.n_blocks} (the others have no heads)"
+        if self.token_mixers:
+            out["token_mixers"] = describe(self.token_mixers, self.model_blocks)
         for stack, lay in self.layouts.items():
             p = lay.projections
             proj = (f"separate({p.q}, {p.k}, {p.v})" if isinstance(p, Separate) else f"fused({p.name}, {p.order})") + (
@@ -88,16 +101,19 @@ class Found:
                 "norms": _norms_text(lay.norms) if lay.norms else f"not identified ({lay.norms_why})",
                 "notes": lay.notes,
             }
+            if lay.value_norm:
+                out[stack]["value_norm"] = f"{lay.value_norm} (per head, after W_V: W_V-based statistics refused)"
         return out
 
 
 def _norms_text(n: Norms) -> str:
+    scaled = f", branch scaled by {n.branch_scale}" if n.branch_scale else ""
     if n.post is not None:
         kind = "sandwich" if n.post_reads == "branch" else "post"
-        return f"{kind} (pre={n.pre}, post={n.post}, {n.kind}{', 1 + w' if n.offset else ''})"
+        return f"{kind} (pre={n.pre}, post={n.post}, {n.kind}{', 1 + w' if n.offset else ''}{scaled})"
     if n.parallel:
-        return f"parallel (pre={n.pre}, beside {n.parallel})"
-    return f"pre ({n.pre})" if n.pre else "none around the attention"
+        return f"parallel (pre={n.pre}, beside {n.parallel}{scaled})"
+    return f"pre ({n.pre}{scaled})" if n.pre else f"none around the attention{scaled}"
 
 
 def _split_block(path: str, model_type: str) -> tuple[str, str]:
@@ -106,6 +122,12 @@ def _split_block(path: str, model_type: str) -> tuple[str, str]:
     cut = next((i for i, p in enumerate(parts) if p.isdigit()), None)
     if cut is None or cut == 0:
         raise refuse(model_type, f"its attention module {path!r} is not inside a list of blocks")
+    if cut == len(parts) - 1:
+        raise refuse(
+            model_type,
+            f"its attention modules form a list of their own ({'.'.join(parts[:cut])!r}, beside parallel lists of "
+            "norms and feed-forward modules, as XLM's), not a module inside each block",
+        )
     return ".".join(parts[:cut]), ".".join(parts[cut + 1 :])
 
 
@@ -125,6 +147,12 @@ def discover(model: Any) -> Found:  # a transformers model
     model.eval()
     try:
         calls = trace(model, x)
+        if not calls and bridge(model, x, mt) is not None:  # modules computing attention with their own math
+            calls = trace(model, x)
+    except UnsupportedArchitectureError as e:  # the bridge's, naming a module and an op
+        if str(e).startswith("no headlab adapter"):
+            raise
+        raise refuse(mt, str(e)) from None
     except Exception as e:  # noqa: BLE001  (any failure of the trial run: the type is refused, saying why)
         raise refuse(
             mt,
@@ -133,13 +161,8 @@ def discover(model: Any) -> Found:  # a transformers model
         ) from None
     finally:
         model.train(was_training)
-    if not calls:
-        raise refuse(
-            mt,
-            "none of its modules calls transformers' attention interface (it computes attention in "
-            "its own modules, as MPT's ALiBi or RoFormer do), so headlab's backends, gates and captures "
-            "have no seam to serve; a family class with its own attention forward is needed",
-        )
+    if not calls:  # transformers' pin to eager, or attention computed in the model's own modules
+        raise refuse(mt, no_calls_reason(model, x))
     kwargs = sorted({k for c in calls for k in c.kwargs})
     if "s_aux" in kwargs:
         raise refuse(
@@ -151,12 +174,9 @@ def discover(model: Any) -> Found:  # a transformers model
     for c in calls:
         if c.module not in order:
             order.append(c.module)
-    if len(order) < len(calls):
-        raise refuse(
-            mt,
-            "one attention module serves several layers (shared weights); a family class must say "
-            "which layers share it (see the ALBERT family)",
-        )
+    if len(order) < len(calls):  # shared across layers (ALBERT), or several maps per layer (differential)
+        named = {id(m): p for p, m in model.named_modules()}
+        raise refuse(mt, repeated_calls_reason(model, x, order, calls, named))
     shapes = {(c.q.shape[1], c.k.shape[1], c.q.shape[-1], c.v.shape[-1]) for c in calls}
     if len(shapes) > 1:
         raise refuse(
@@ -198,17 +218,14 @@ def discover(model: Any) -> Found:  # a transformers model
             )
             stacks.setdefault(stack, []).append(c)
         if set(stacks) != {"encoder", "decoder", "cross"}:
-            raise refuse(
-                mt,
-                f"an encoder-decoder whose attention calls split into {sorted(stacks)}, not encoder, "
-                "decoder and cross-attention",
-            )
+            raise refuse(mt, stacks_reason(model, stacks, enc))
     else:
         stacks["blocks"] = calls
 
     layers: dict[str, str] = {}
     blocks0: dict[str, nn.Module] = {}
     attn_rel: dict[str, str] = {}
+    hybrid: tuple[list[int], int, dict[int, str]] = ([], 0, {})
     for stack, cs in stacks.items():
         split = [_split_block(paths[id(c.module)], mt) for c in cs]
         lists = {s[0] for s in split}
@@ -221,11 +238,15 @@ def discover(model: Any) -> Found:  # a transformers model
             )
         blist = root.get_submodule(lists.pop())
         n_blocks = len(blist) if hasattr(blist, "__len__") else -1
-        if n_blocks != len(cs):
+        index = [int(paths[id(c.module)][len(split[0][0]) + 1 :].split(".")[0]) for c in cs]
+        if n_blocks != len(cs) and (stack != "blocks" or index != sorted(set(index)) or n_blocks < len(cs)):
             raise refuse(mt, f"its {stack} has {n_blocks} blocks but {len(cs)} attention calls")
         layers["encoder" if stack == "encoder" else ("decoder" if stack != "blocks" else "blocks")] = split[0][0]
         attn_rel[stack] = rels.pop()
-        blocks0[stack] = root.get_submodule(f"{split[0][0]}.0")
+        blocks0[stack] = root.get_submodule(f"{split[0][0]}.{index[0]}")
+        if stack == "blocks":  # blocks without attention have no heads; all are tested for mixing tokens
+            mixing = token_mixers(model, x, list(blist), {i: c.module for i, c in zip(index, cs)})
+            hybrid = (index, n_blocks, mixing)
 
     layouts = {
         stack: stack_layout(model, x, blocks0[stack], attn_rel[stack], cs[0], H, Hkv, d, mt, stack)
@@ -249,6 +270,9 @@ def discover(model: Any) -> Found:  # a transformers model
         layouts={s: lay.layout for s, lay in layouts.items()},
         head_attrs=heads,
         kwargs=kwargs,
+        model_blocks=hybrid[0],
+        n_blocks=hybrid[1],
+        token_mixers=hybrid[2],
     )
 
 
@@ -263,6 +287,8 @@ def adapter_class_for(model: nn.Module) -> tuple[type[HFAdapter], Found]:
     found = _FOUND.get(key)
     if found is None:
         found = _FOUND[key] = discover(model)
+    elif computes_its_own(model):  # another instance of a class whose modules compute attention with their own math
+        bridge(model, example_inputs(model, tokens=8), found.model_type)
     H, Hkv, d, E = found.shape
     name = "".join(p.capitalize() for p in found.model_type.replace("-", "_").split("_")) + "StructureAdapter"
     limits = {}
@@ -283,6 +309,10 @@ def adapter_class_for(model: nn.Module) -> tuple[type[HFAdapter], Found]:
         shape=classmethod(lambda cls, cfg: found.shape),
         max_positions=classmethod(lambda cls, cfg: _max_positions(cfg, found)),
     )
+    vnorms = {lay.value_norm for lay in found.layouts.values()}
+    if len(vnorms) > 1:
+        raise refuse(found.model_type, f"its stacks differ in their value norms ({sorted(map(str, vnorms))})")
+    attrs["value_norm"] = vnorms.pop()
     if "blocks" in found.layouts:
         lay = found.layouts["blocks"]
         attrs.update(
@@ -295,6 +325,7 @@ def adapter_class_for(model: nn.Module) -> tuple[type[HFAdapter], Found]:
         if lay.norms is None:
             attrs["attention_norm"] = _no_norms(lay.norms_why)
         attrs["cut_heads"] = _cut
+        attrs.update(hybrid_attrs(found))
         return type(name, (HFAdapter,), attrs), found
     enc, dec, cross = found.layouts["encoder"], found.layouts["decoder"], found.layouts["cross"]
     attrs.update(
@@ -316,49 +347,6 @@ def adapter_class_for(model: nn.Module) -> tuple[type[HFAdapter], Found]:
     if enc.norms is None or dec.norms is None:
         attrs["attention_norm"] = _no_norms((enc.norms_why if enc.norms is None else dec.norms_why))
     return type(name, (EncoderDecoderAdapter,), attrs), found
-
-
-def _cut(self, attn, out, q_heads, kv_heads, H, Hkv):
-    """Physical head removal for a layout found by structure: the family's projections and W^O are cut as a
-    declared family's are. A norm inside the attention that spans every head's features together (OLMoE's
-    q_norm) would renormalise the kept heads differently: refused, with the reason. A layer whose scores get
-    a per-head bias the model computes for all its original heads (a relative position bias) keeps the bias
-    rows of its kept heads, which headlab's attention function selects, so the pruned model runs on headlab's
-    attention implementation."""
-    from headlab.errors import PruneError
-
-    d = self.head_dim
-    for n, m in attn.named_modules():
-        w = getattr(m, "weight", None)
-        if (
-            is_norm(m)
-            and isinstance(w, torch.Tensor)
-            and w.dim() == 1
-            and w.numel() in (H * d, Hkv * d)
-            and w.numel() != d
-        ):
-            raise PruneError(
-                f"the {self.family!r} attention normalises all heads' features together ({n}: "
-                f"{w.numel()} features), so removing a head would change the others; gate heads "
-                "instead (adapter.gates), or declare the layout in a family class as OLMo 2's does"
-            )
-    HFAdapter.cut_heads(self, attn, out, q_heads, kv_heads, H, Hkv)
-    if "mask_bias" not in self.found.kwargs and "position_bias" not in self.found.kwargs:
-        return
-    before = getattr(attn, "_headlab_bias_heads", list(range(H)))
-    attn._headlab_bias_heads = [before[h] for h in q_heads]
-    cfg = getattr(attn, "config", None)  # the pruned copy's config (as T5's family does)
-    if cfg is not None:
-        cfg._attn_implementation = "headlab"
-
-
-def _no_norms(why: str):
-    def attention_norm(self, layer: int):
-        raise UnsupportedArchitectureError(
-            f"residual-mode norms are not available for {self.family!r}: {why}; use mode='attention'"
-        )
-
-    return attention_norm
 
 
 def _max_positions(cfg, found: Found) -> int:

@@ -60,12 +60,76 @@ VERIFIED_BY_STRUCTURE = (
     "blenderbot-small",
     "plbart",
     "mt5",
+    # hybrid stacks: blocks without attention between the attention blocks (headlab.models.hf.hybrid)
+    "jamba",
+    "bamba",
+    "lfm2",
+    "olmo_hybrid",
+    "granitemoehybrid",
+    "nemotron_h",
+    "falcon_h1",
+    # attention computed in the model's own modules, read through its own math (headlab.models.hf.own_bridge)
+    "gpt_neo",
+    "big_bird",
+    "roformer",
+    "mpt",
+    "mpnet",
+    "rembert",
+    "luke",
+    "tapas",
+    "imagegpt",
+    "visual_bert",
+    "megatron-bert",
+    "mvp",
+    "xglm",
+    "deberta-v2",
+    # further decoders, encoders, vision and audio encoders and encoder-decoders
+    "ctrl",
+    "persimmon",
+    "phimoe",
+    "roc_bert",
+    "roberta-prelayernorm",
+    "bert-generation",
+    "layoutlm",
+    "markuplm",
+    "data2vec-vision",
+    "ijepa",
+    "dpt",
+    "aimv2_vision_model",
+    "dinov2_with_registers",
+    "dinov3_vit",
+    "chinese_clip_vision_model",
+    "data2vec-audio",
+    "wav2vec2-conformer",
+    "unispeech-sat",
+    "sew-d",
+    "switch_transformers",
+    # variants: a scaled residual branch (residual multiplier, LayerScale); bucketed relative encoder-decoders
+    "granitemoeshared",
+    "internvl_vision",
+    "umt5",
+    "pop2piano",
 )
 # caveats the suite shows for some of them (physical removal, residual-mode norms)
 STRUCTURE_LIMITS = {
     "olmoe": "pruning refused: its q/k norms span all heads",
     "olmo3": "pruning refused: its q/k norms span all heads",
-    "beit": "residual-mode norms refused: LayerScale scales the attention branch",
+    "jamba": "Mamba blocks between its attention blocks; rollout and flow refused: they mix tokens without a map",
+    "bamba": "Mamba-2 blocks between its attention blocks; rollout and flow refused: they mix tokens without a map",
+    "lfm2": "convolution blocks between its attention blocks; rollout and flow refused: they mix tokens without a map",
+    "olmo_hybrid": "pruning refused: its q/k norms span all heads; gated delta-rule blocks between its attention "
+    "blocks: rollout and flow refused, they mix tokens without a map",
+    "granitemoehybrid": "Mamba-2 blocks between its attention blocks; rollout and flow refused: they mix tokens "
+    "without a map",
+    "nemotron_h": "MLP-only blocks between its attention blocks, which have no heads",
+    "falcon_h1": "a Mamba-2 mixer beside the attention in every block; rollout and flow refused: it mixes tokens "
+    "without a map",
+    "mpt": "pruning refused: its own math reads the head count (ALiBi slopes); torch's SDPA refused: ALiBi is a bias",
+    "mpnet": "pruning refused: its own math reads the head count (its relative position bias)",
+    "deberta-v2": "pruning refused: its own math reads the head count (its relative position projections)",
+    "wav2vec2-conformer": "pruning refused: its relative-position terms hold per-head parameters; residual-mode norms "
+    "refused: its conformer block's residual is not one a norm layout reads",
+    "markuplm": "torch's SDPA refused on padded batches: its padding mask is a finite -10000 bias",
 }
 
 

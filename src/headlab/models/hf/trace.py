@@ -98,10 +98,20 @@ def _first_tensor(x):
 
 @contextlib.contextmanager
 def implementation(model: Any, name: str):  # a transformers model
-    """The model on attention implementation ``name`` for the block (restored after)."""
+    """The model on attention implementation ``name`` for the block (restored after). A model whose modules compute
+    attention with their own math switches its bridge (:mod:`headlab.models.hf.own_bridge`) instead."""
+    from headlab.models.hf.own_state import bridge_of, set_implementation
+
+    if bridge_of(model) is not None:
+        before = set_implementation(model, name)
+        try:
+            yield
+        finally:
+            set_implementation(model, before or "eager")
+        return
     saved = model.config._attn_implementation
     if saved != name:
-        model.set_attn_implementation(name)
+        _quietly(model.set_attn_implementation, name)  # a pinned class only logs that it stays on eager
     try:
         yield
     finally:
@@ -109,8 +119,20 @@ def implementation(model: Any, name: str):  # a transformers model
             model.set_attn_implementation(saved)
 
 
+def _quietly(fn, *args) -> None:
+    from transformers.utils import logging
+
+    before = logging.get_verbosity()
+    logging.set_verbosity_error()
+    try:
+        fn(*args)
+    finally:
+        logging.set_verbosity(before)
+
+
 def trace(model: nn.Module, inputs: dict) -> list[Call]:
-    """The attention calls of one forward of ``model`` on ``inputs`` (no gradients)."""
+    """The attention calls of one forward of ``model`` on ``inputs`` (no gradients); a bridged model's modules that
+    compute attention with their own math call it through the bridge (:mod:`headlab.models.hf.own_bridge`)."""
     global _RECORD
     calls: list[Call] = []
     _RECORD = calls

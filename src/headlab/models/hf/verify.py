@@ -9,6 +9,7 @@ check         what must hold
 pattern       the pattern headlab captures equals the eager ``output_attentions`` maps
 output        the model's output through headlab's attention equals its eager output
 values        the values the attention reads equal ``x W_V[h] + b_V[h]`` from the adapter's per-head weights
+              (through the declared or found per-head value norm, where the values pass through one)
 heads         the per-head outputs ``z_h W_O[h]`` plus ``b_O`` add up to what W^O writes
 gate          a zero gate on a head equals zeroing that head's block of W^O (and changes the output)
 residual      the block's stream follows the norm layout found (pre, post, sandwich or parallel)
@@ -32,6 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from headlab.models.hf.own_bridge import bridge_of, rebuilt
 from headlab.models.hf.trace import close, continues_from, implementation, mark_norms, recording
 from headlab.models.inputs import example_inputs
 from headlab.results import envelope
@@ -112,7 +114,18 @@ def config_key(model: Any) -> str:  # a transformers model
     for k in ("_name_or_path", "transformers_version", "torch_dtype", "dtype", "_attn_implementation",
               "_attn_implementation_internal", "architectures"):
         cfg.pop(k, None)
-    blob = json.dumps([type(model).__name__, cfg, transformers.__version__, __version__], sort_keys=True, default=str)
+    # which vectors are exactly zero: a fresh config's zero-initialised extra bias (DeBERTa's v_bias) reads as a plain
+    # projection, a trained one does not, so the two must not share a discovery or a verdict
+    zeros = sorted(n for n, p in model.named_parameters() if p.dim() <= 1 and not bool(p.detach().any()))
+    # and which are exactly one: a fresh LayerScale (all ones) hides the scale a trained one shows
+    ones = sorted(n for n, p in model.named_parameters() if p.dim() == 1 and bool((p.detach() == 1).all()))
+    # and the module tree itself: the same config with another attention module (remote code, a patched model)
+    tree = hashlib.sha1(repr([(n, type(m).__name__) for n, m in model.named_modules()]
+                             + [(n, tuple(p.shape)) for n, p in model.named_parameters()]).encode()).hexdigest()
+    blob = json.dumps(
+        [type(model).__name__, cfg, transformers.__version__, __version__, zeros, ones, tree], sort_keys=True,
+        default=str,
+    )
     return hashlib.sha1(blob.encode()).hexdigest()[:16]
 
 
@@ -120,7 +133,8 @@ def config_key(model: Any) -> str:  # a transformers model
 def _source_hash() -> str:
     here = Path(__file__).resolve().parent
     h = hashlib.sha1()
-    for name in ("structure.py", "layout.py", "trace.py", "verify.py", "attention_fn.py"):
+    for name in ("structure.py", "layout.py", "trace.py", "verify.py", "attention_fn.py", "family.py", "own_math.py",
+                 "own_state.py", "own_bridge.py", "found_ops.py", "variants.py", "hybrid.py"):
         h.update((here / name).read_bytes())
     return h.hexdigest()[:12]
 
@@ -184,7 +198,9 @@ def verify(adapter, inputs: dict | None = None, *, cache: bool = True) -> Verdic
     try:
         with torch.no_grad():
             try:
-                _run_checks(adapter, x, verdict)
+                view = getattr(adapter, "checked_view", None)  # a LoRA model: checked on its effective weights
+                with view(x, verdict) if view is not None else contextlib.nullcontext():
+                    _run_checks(adapter, x, verdict)
             except Exception as e:  # noqa: BLE001  (a check that cannot even run has failed)
                 done = {c.name for c in verdict.checks}
                 name = next((c for c in CHECKS if c not in done), "run")
@@ -255,7 +271,9 @@ def _run_checks(adapter, x: dict, verdict: Verdict) -> None:
             h.remove()
 
     # pattern
-    if emaps is None or len(emaps) != L:
+    if emaps is None and bridge_of(model) is not None:  # a model without output_attentions: z rebuilt from P and v
+        add(Check("pattern", *rebuilt(adapter, x, got, tol)))
+    elif emaps is None or len(emaps) != L:
         add(Check("pattern", False, detail=f"the eager model returned {0 if emaps is None else len(emaps)} attention "
                                            f"maps for {L} attention layers"))
     else:
@@ -281,11 +299,13 @@ def _run_checks(adapter, x: dict, verdict: Verdict) -> None:
         if v is None or xin is None:
             worst, where = float("inf"), f"layer {l}: the values or their input were not seen"
             break
-        WV = adapter.W_V(l).detach().double()  # (Hkv, E, d)
-        mine = torch.einsum("ble,hed->bhld", xin.double(), WV)
-        b = adapter.b_V(l)
+        vnorm = adapter.value_norm_module(l) if getattr(adapter, "value_norm", None) else None
+        WV, b = adapter.value_projection(l) if vnorm is not None else (adapter.W_V(l), adapter.b_V(l))
+        mine = torch.einsum("ble,hed->bhld", xin.double(), WV.detach().double())  # WV: (Hkv, E, d)
         if b is not None:
             mine = mine + b.detach().double().unsqueeze(1)
+        if vnorm is not None:  # values through a per-head value norm: norm(x W_V + b_V), each head's d features
+            mine = vnorm(mine.to(v.dtype)).double()
         ww = _worst(mine, v) if mine.shape == v.shape else float("inf")
         if ww > worst:
             worst, where = ww, f"layer {l}: x W_V + b_V against the values the attention reads"
@@ -370,6 +390,7 @@ def _residual(adapter, plan, rec: dict, tol: float) -> Check:
         o = mine.get("@out", (None, None))[1]
         if xb is None or a_in is None or o is None:
             return Check("residual", False, float("inf"), tol, f"layer {l}: the block's stream was not seen")
+        o = bn.branch(o)  # a scaled residual branch (LayerScale, a residual multiplier): what the block reads
         names = {id(m): n[len(f"{l}/"):] for n, m in named.items() if n.startswith(f"{l}/") and "/@" not in n}
         attn_name = names.get(id(adapter.attn_modules[l]), "@attn")
         out_name = names.get(id(adapter.out_projs[l]), "@out")

@@ -28,7 +28,7 @@ from headlab.attention.backends import is_exact
 from headlab.errors import HeadlabError
 from headlab.interpret.flow.norms import value_norms
 from headlab.interpret.flow.record import Recording, from_cache
-from headlab.interpret.flow.rollout import rollout
+from headlab.interpret.flow.rollout import rollout_one as rollout  # one stack: an encoder-decoder asks for stack=
 from headlab.interpret.report.figures import LayerGrid
 from headlab.interpret.report.html import check_flow, encode_map
 from headlab.interpret.report.sections.base import Job, PagePart, Section, register

@@ -1,0 +1,270 @@
+"""Attention computed in a module's own math (issue: any model, round two), read through the bridge
+(:mod:`headlab.models.hf.own_bridge`): four remote-code-style decoders (``own_models``) through every step of
+``test_architectures.test_every_step``, the pattern checked against an independent computation from the module's
+weights, the model's own path untouched, and what the bridge cannot follow refused naming the op."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import headlab
+from headlab.errors import UnsupportedArchitectureError
+from headlab.models import adapt
+from headlab.models.hf.own_bridge import bridge_of
+from headlab.models.hf.own_math import Interceptor
+
+import architectures as A
+import own_models as O
+import test_architectures as TA
+
+MATH = ["packed_grouped", "w_pack", "nanogpt"]  # return their weights (output_attentions)
+
+
+@pytest.fixture
+def registered():
+    """The styles as sweep entries of ``architectures`` for the length of one test."""
+    names = {f"own_{s}": (lambda s=s: O.build(s), "text") for s in O.STYLES}
+    A.BUILDERS.update(names)
+    yield
+    for n in names:
+        A.BUILDERS.pop(n)
+
+
+@pytest.mark.parametrize("style", ["packed_grouped"])
+def test_every_step_on_remote_code_style(style, registered, tmp_path, sweep):
+    cache: dict = {}
+
+    def built(name):
+        if name not in cache:
+            cache[name] = A.build(name)
+        return cache[name]
+
+    TA.test_every_step(f"own_{style}", built, tmp_path, sweep)
+
+
+def _reference_pattern(model, style: str, x: dict) -> list[torch.Tensor]:
+    """Each layer's weights from its own projections, written here from the style's definition."""
+    seen: list[torch.Tensor] = []
+    hs = [b.attn.register_forward_pre_hook(lambda m, a: seen.append(a[0].detach())) for b in model.transformer.h]
+    with torch.no_grad():
+        model(**x)
+    for h in hs:
+        h.remove()
+    keep = torch.ones(x["input_ids"].shape[1], x["input_ids"].shape[1], dtype=torch.bool).tril()[None, None]
+    keep = keep & x["attention_mask"].bool()[:, None, None, :]
+    out = []
+    for block, h in zip(model.transformer.h, seen):
+        at = block.attn
+        B, L, E = h.shape
+        if style == "packed_grouped":
+            r = at.num_key_value_groups
+            w = at.wqkv.weight.view(at.num_key_value_heads, r + 2, O.D, E)
+            q = torch.einsum("ble,grde->bgrld", h, w[:, :r]).reshape(B, at.num_heads, L, O.D)
+            k = torch.einsum("ble,gde->bgld", h, w[:, r]).repeat_interleave(r, 1)
+            pos = torch.arange(L)
+            q, k = O._rotary(q, pos), O._rotary(k, pos)
+        else:
+            lin = at.W_pack if style == "w_pack" else at.c_attn
+            qkv = F.linear(h, lin.weight, lin.bias)
+            q, k = (t.view(B, L, O.H, O.D).transpose(1, 2) for t in qkv.split(E, -1)[:2])
+        s = (q.double() @ k.double().transpose(-1, -2)) / math.sqrt(O.D)
+        out.append(torch.softmax(s.masked_fill(~keep, float("-inf")), -1))
+    return out
+
+
+@pytest.mark.parametrize("style", MATH)
+def test_pattern_equals_its_definition(style):
+    model = O.build(style)
+    x = O.inputs()
+    a = adapt(model)
+    got = headlab.capture(model, x, a.sites("pattern"))
+    for layer, ref in enumerate(_reference_pattern(model, style, x)):
+        mine = got[a.site_name(layer, "pattern")].double()
+        real = x["attention_mask"].bool()
+        torch.testing.assert_close(mine.movedim(2, 1)[real], ref.movedim(2, 1)[real], atol=1e-6, rtol=1e-6)
+
+
+def test_grouped_heads_are_read_unrepeated():
+    model = O.build("packed_grouped")
+    a = adapt(model)
+    assert (a.n_heads, a.n_kv_heads) == (4, 2)
+    assert bridge_of(model).repeats == {f"transformer.h.{i}.attn": 2 for i in range(2)}
+    W = model.transformer.h[0].attn.wqkv.weight.view(2, 4, O.D, O.E)  # (group, r q heads + k + v, d, E)
+    torch.testing.assert_close(a.W_V(0).detach().reshape(2, O.D, O.E) if a.W_V(0).shape[-1] == O.E
+                               else a.W_V(0).detach().transpose(-1, -2).reshape(2, O.D, O.E), W[:, 3])
+
+
+def test_sdpa_called_directly_is_served_and_checked_without_weights(tmp_path):
+    model = O.build("sdpa_direct")
+    x = O.inputs()
+    with torch.no_grad():
+        ref = model(**x).logits
+    a = adapt(model)  # the load-time check rebuilds z = sum_k P v (no output_attentions) against W^O's input
+    assert bridge_of(model).kinds == {f"transformer.h.{i}.attn": "sdpa" for i in range(2)}
+    for backend in TA.BACKENDS:
+        with a.use_backend(backend), torch.no_grad():
+            out = model(**x).logits
+        torch.testing.assert_close(out[0], ref[0], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(out[1, :7], ref[1, :7], atol=1e-5, rtol=1e-5)
+    model.save_pretrained(tmp_path)
+    loaded = headlab.load(tmp_path)
+    assert bridge_of(loaded.model) is not None and loaded.adapter.n_layers == 2
+
+
+@pytest.mark.parametrize("style", ["w_pack", "nanogpt"])
+def test_served_and_pruning_refused(style):
+    """nanoGPT's forward takes its head size from the input's width (``C // n_head``) and Baichuan's splits ``W_pack``
+    by ``hidden_size``, which removing heads does not change: gates, captures and backends serve them; physical
+    removal is refused, found on the pruned copy (it must equal the gated original)."""
+    from headlab.errors import PruneError
+
+    model = O.build(style)
+    x = O.inputs()
+    with torch.no_grad():
+        eager = model(**x, output_attentions=True)
+    a = adapt(model)
+    got = headlab.capture(model, x, a.sites("pattern"))
+    real = x["attention_mask"].bool()
+    for layer in range(2):
+        torch.testing.assert_close(got[a.site_name(layer, "pattern")].movedim(2, 1)[real],
+                                   eager.attentions[layer].movedim(2, 1)[real], atol=1e-6, rtol=1e-6)
+    for backend in TA.BACKENDS:
+        with a.use_backend(backend), torch.no_grad():
+            torch.testing.assert_close(model(**x).logits[real], eager.logits[real], atol=1e-5, rtol=1e-5)
+    a.gates[1, 2] = 0.0
+    wo = a.W_O(1)
+    with torch.no_grad():
+        gated = model(**x).logits
+        a.reset_gates()
+        saved = wo[2].detach().clone()
+        wo[2] = 0.0
+        zeroed = model(**x).logits
+        wo[2] = saved
+    torch.testing.assert_close(gated, zeroed, atol=1e-6, rtol=1e-6)
+    with pytest.raises(PruneError, match="reads a head count or width headlab cannot change"):
+        headlab.prune_heads(model, {0: [1]})
+
+
+def test_the_models_own_path_is_untouched():
+    model = O.build("nanogpt")
+    x = O.inputs()
+    with torch.no_grad():
+        before = model(**x, output_attentions=True)
+    adapt(model)
+    with torch.no_grad():
+        after = model(**x, output_attentions=True)  # eager: the hooks do nothing
+    assert torch.equal(before.logits, after.logits)
+    assert all(torch.equal(p, q) for p, q in zip(before.attentions, after.attentions))
+
+
+def test_the_scores_are_never_computed_on_a_headlab_backend():
+    """Deferred: q k^T, the masked scores and the weights are zero-strided placeholders, never n x n tensors."""
+    model = O.build("nanogpt")
+    a = adapt(model)
+    sizes: list[int] = []
+    at = model.transformer.h[0].attn
+    orig = Interceptor._attention
+
+    def spy(self, func, args, c):
+        sizes.append(args[0].untyped_storage().nbytes())
+        return orig(self, func, args, c)
+
+    Interceptor._attention = spy
+    try:
+        with a.use_backend("tiled"), torch.no_grad():
+            model(**O.inputs())
+    finally:
+        Interceptor._attention = orig
+    assert sizes and max(sizes) <= 8, sizes  # one element, expanded
+    assert at.n_head == 4
+
+
+class _Capped(nn.Module):
+    """A module that soft-caps its scores (tanh), which one attention call cannot express."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.k, self.v, self.o = (nn.Linear(8, 8) for _ in range(4))
+
+    def forward(self, x):
+        B, L, _ = x.shape
+        q, k, v = (p(x).view(B, L, 2, 4).transpose(1, 2) for p in (self.q, self.k, self.v))
+        s = torch.tanh(q @ k.transpose(-1, -2) / 5.0) * 5.0
+        return self.o((s.softmax(-1) @ v).transpose(1, 2).reshape(B, L, 8))
+
+
+def test_an_op_it_cannot_follow_is_named():
+    from headlab.models.hf.own_bridge import bridge
+
+    model = nn.Sequential(_Capped())
+    with pytest.raises(UnsupportedArchitectureError, match="tanh"):
+        bridge(model, {"input": torch.randn(1, 5, 8)}, "capped")
+
+
+def test_interceptor_follows_a_batch_folded_softmax():
+    """(B * H, L, d) math (XGLM, DeBERTa-v2): the attention handed on is (B, H, L, d) and the output folds back."""
+    torch.manual_seed(0)
+    B, H, L, d = 2, 3, 5, 4
+    q, k, v = (torch.randn(B * H, L, d) for _ in range(3))
+    mask = torch.zeros(B, 1, L, L)
+    mask[1, ..., 3:] = torch.finfo(torch.float32).min
+    seen = {}
+
+    def attend(q4, k4, v4, m, *, scaling, dropout, is_causal):
+        seen.update(q=q4.shape, scale=scaling, mask=m)
+        p = torch.softmax(q4 @ k4.transpose(-1, -2) * scaling + m, -1)
+        return p @ v4, p
+
+    def own(q, k, v):
+        s = torch.bmm(q, k.transpose(1, 2)) * 0.5
+        s = s.view(B, H, L, L) + mask
+        s = torch.max(s, torch.full((), torch.finfo(s.dtype).min))
+        p = F.softmax(s.view(B * H, L, L), dim=-1)
+        return torch.bmm(p, v)
+
+    with Interceptor(attend, defer=True, heads=H):
+        out = own(q, k, v)
+    torch.testing.assert_close(out, own(q, k, v))
+    assert seen["q"] == (B, H, L, d) and seen["scale"] == 0.5 and bool(torch.isinf(seen["mask"][1, 0, 0, 3:]).all())
+
+
+def test_a_declared_family_pinned_to_eager_is_refused_not_silently_eager():
+    """transformers keeps a class whose file writes attention by hand on eager (``_can_set_attn_implementation``);
+    a backend swap that transformers ignores would leave headlab's backends, gates and captures unrun."""
+    import transformers as T
+
+    class PinnedLlama(T.LlamaForCausalLM):
+        @classmethod
+        def _can_set_attn_implementation(cls):
+            return False
+
+    cfg = T.LlamaConfig(vocab_size=97, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=2, intermediate_size=64, attn_implementation="eager")
+    a = adapt(PinnedLlama(cfg).eval())
+    with pytest.raises(UnsupportedArchitectureError, match="_can_set_attn_implementation = classmethod"):
+        with a.use_backend("tiled"):
+            pass
+    with pytest.raises(UnsupportedArchitectureError, match="keeps PinnedLlama on its 'eager' attention"):
+        headlab.capture(a.model, {"input_ids": torch.tensor([[1, 2, 3]])}, a.sites("pattern"))
+
+
+def test_models_check_says_the_attention_is_read_through_its_own_math(tmp_path):
+    import json
+
+    from typer.testing import CliRunner
+
+    from headlab.cli.main import app
+
+    O.build("packed_grouped").save_pretrained(tmp_path)
+    r = CliRunner().invoke(app, ["models", "--check", str(tmp_path)])
+    assert r.exit_code == 0, r.output
+    said = " ".join(r.output.split())  # the console wraps long lines at its width
+    assert "attention computed in 2 modules' own math (softmax(q k^T) v written out)" in said
+    assert "keys and values repeated 2x by the module, read unrepeated" in said
+    j = json.loads(CliRunner().invoke(app, ["models", "--check", str(tmp_path), "--json"]).output)
+    assert j["own_math"]["repeats"] == {f"transformer.h.{i}.attn": 2 for i in range(2)}
