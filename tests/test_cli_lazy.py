@@ -232,3 +232,16 @@ if __name__ == "__main__":  # the torchrun test: this file's toy, as the command
 
     register(Toy)
     headlab(sys.argv[1:])
+
+
+def test_subpackages_are_attributes_of_the_lazy_package():
+    """``import headlab; headlab.models.adapt(...)`` works in a fresh process (the docs write it so), and an unknown
+    name is still an AttributeError."""
+    code = (
+        "import headlab\n"
+        "assert callable(headlab.models.adapt) and headlab.distributed.placement.Placement\n"
+        "try:\n    headlab.no_such_thing\nexcept AttributeError as e:\n    print('refused', e)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "refused module 'headlab' has no attribute 'no_such_thing'" in done.stdout

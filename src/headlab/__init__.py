@@ -73,6 +73,11 @@ def __getattr__(name: str):
         obj = _import_module(target) if isinstance(target, str) else getattr(_import_module(target[0]), target[1])
         globals()[name] = obj
         return obj
+    if not name.startswith("_"):  # a subpackage or module reached as an attribute: headlab.models.adapt(...)
+        from importlib.util import find_spec
+
+        if find_spec(f"headlab.{name}") is not None:
+            return _import_module(f"headlab.{name}")
     raise AttributeError(f"module 'headlab' has no attribute {name!r}")
 
 
