@@ -268,3 +268,71 @@ def test_models_check_says_the_attention_is_read_through_its_own_math(tmp_path):
     assert "keys and values repeated 2x by the module, read unrepeated" in said
     j = json.loads(CliRunner().invoke(app, ["models", "--check", str(tmp_path), "--json"]).output)
     assert j["own_math"]["repeats"] == {f"transformer.h.{i}.attn": 2 for i in range(2)}
+
+
+def _twins():
+    """The same tiny Llama twice, equal weights: transformers' LlamaAttention (the interface) and an attention module
+    that computes ``softmax(q k^T c + mask) v`` itself (read through the bridge)."""
+    import transformers as T
+    from transformers.models.llama import modeling_llama as ML
+
+    class OwnAttention(ML.LlamaAttention):
+        def forward(self, hidden_states, position_embeddings, attention_mask=None, past_key_values=None, **kw):
+            B, n, _ = hidden_states.shape
+            shape = (B, n, -1, self.head_dim)
+            q = self.q_proj(hidden_states).view(shape).transpose(1, 2)
+            k = self.k_proj(hidden_states).view(shape).transpose(1, 2)
+            v = self.v_proj(hidden_states).view(shape).transpose(1, 2)
+            q, k = ML.apply_rotary_pos_emb(q, k, *position_embeddings)
+            k, v = ML.repeat_kv(k, self.num_key_value_groups), ML.repeat_kv(v, self.num_key_value_groups)
+            s = torch.matmul(q, k.transpose(2, 3)) * self.scaling
+            if attention_mask is not None:
+                s = s + attention_mask
+            p = F.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype)
+            return self.o_proj(torch.matmul(p, v).transpose(1, 2).reshape(B, n, -1)), p
+
+    class TwinConfig(T.LlamaConfig):
+        model_type = "own_llama_twin"
+
+    class TwinLlama(T.LlamaForCausalLM):
+        config_class = TwinConfig
+
+    kw = dict(vocab_size=97, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+              intermediate_size=64, max_position_embeddings=64, attn_implementation="eager")
+    torch.manual_seed(0)
+    ref = T.LlamaForCausalLM(T.LlamaConfig(**kw)).eval()
+    own = TwinLlama(TwinConfig(**kw)).eval()
+    own.load_state_dict(ref.state_dict())
+    for layer in own.model.layers:
+        layer.self_attn.__class__ = OwnAttention
+    return ref, own
+
+
+def test_through_the_bridge_the_numbers_are_the_interfaces():
+    """Flow, patching, importance, the atlas and ablation (beside what the sweep checks) give the same
+    numbers on a model read through its own math as on its twin that calls the interface."""
+    ref, own = _twins()
+    a_ref, a_own = adapt(ref), adapt(own)
+    assert bridge_of(own) is not None and bridge_of(ref) is None and a_own.n_kv_heads == 2
+    g = torch.Generator().manual_seed(5)
+    clean = {"input_ids": torch.randint(2, 97, (1, 9), generator=g)}
+    bad = {"input_ids": torch.randint(2, 97, (1, 9), generator=g)}
+
+    def metric(logits):
+        return logits[:, -1, 5] - logits[:, -1, 6]
+
+    for fn in (lambda m: headlab.attention_flow(m, clean, source=0).values,
+               lambda m: headlab.patch(m, clean, bad, metric, sites="z").raw["z"],
+               lambda m: headlab.head_importance(m, [clean["input_ids"][0], bad["input_ids"][0]], batch_size=2)):
+        torch.testing.assert_close(fn(own), fn(ref), atol=1e-5, rtol=1e-5)
+    texts = [clean["input_ids"][0], bad["input_ids"][0]]
+    at = [headlab.atlas(m, kinds=["previous_token", "induction"], copying=False, n_repeated=2, max_tokens=16,
+                        checks=False) for m in (own, ref)]
+    assert sorted(at[0].scores) == ["induction", "previous_token"]
+    for kind in at[0].scores:
+        torch.testing.assert_close(torch.as_tensor(at[0].scores[kind]), torch.as_tensor(at[1].scores[kind]),
+                                   atol=1e-5, rtol=1e-5)
+    ab = [headlab.ablate(m, texts, n_boot=20, k=2, batch_size=2, seed=0) for m in (own, ref)]
+    for field in ("baseline", "single", "keep_one", "pair_effect"):
+        torch.testing.assert_close(torch.as_tensor(getattr(ab[0], field)), torch.as_tensor(getattr(ab[1], field)),
+                                   atol=1e-5, rtol=1e-5, equal_nan=True)
