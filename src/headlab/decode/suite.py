@@ -34,29 +34,14 @@ from dataclasses import dataclass
 from importlib import resources
 
 import headlab.checks as checks
+from headlab.decode.passkey import LABELS
 from headlab.errors import ConfigError
 
 __all__ = ["KINDS", "Task", "continuation", "haystack", "make_suite", "task"]
 
 KINDS = ("niah_single", "niah_multikey", "niah_multivalue", "variable_tracking", "common_words", "qa")
 HELD_OUT = 10  # the haystack's last sentences, never in a context
-KEYS = (
-    "red door",
-    "blue box",
-    "green gate",
-    "old clock",
-    "north tower",
-    "small boat",
-    "stone bridge",
-    "iron key",
-    "white horse",
-    "silver coin",
-    "yellow kite",
-    "glass jar",
-    "copper bell",
-    "paper lamp",
-    "wooden chest",
-)
+KEYS = (*LABELS, "copper bell", "paper lamp", "wooden chest")  # passkey's multi-key labels, and three more
 FIRST = ("Mara", "Tobin", "Elsa", "Ravi", "Noor", "Hugo", "Ines", "Caleb", "Yuki", "Oskar", "Lena", "Tomas")
 LAST = ("Quill", "Barrow", "Fenwick", "Ashdown", "Morrow", "Pike", "Holloway", "Thorne", "Vance", "Wren")
 CITIES = (
