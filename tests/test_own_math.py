@@ -336,3 +336,20 @@ def test_through_the_bridge_the_numbers_are_the_interfaces():
     for field in ("baseline", "single", "keep_one", "pair_effect"):
         torch.testing.assert_close(torch.as_tensor(getattr(ab[0], field)), torch.as_tensor(getattr(ab[1], field)),
                                    atol=1e-5, rtol=1e-5, equal_nan=True)
+
+
+def test_a_second_instance_of_a_bridged_type_is_bridged_too():
+    """The view found for a config is cached: a later instance (a new class object of the same name, another dtype)
+    must get the bridge too, else the model's own math would run beside headlab's masks, silently wrong."""
+    for dtype in (torch.float32, torch.bfloat16):
+        ref, own = _twins()
+        ref, own = ref.to(dtype), own.to(dtype)
+        a_ref, a_own = adapt(ref), adapt(own)
+        assert bridge_of(own) is not None
+        x = {"input_ids": torch.randint(2, 97, (2, 13)), "attention_mask": torch.tensor([[1] * 13, [1] * 9 + [0] * 4])}
+        keep = x["attention_mask"].bool()
+        with torch.no_grad(), a_ref.use_backend("tiled"):
+            want = ref(**x).logits
+        with torch.no_grad(), a_own.use_backend("tiled"):
+            got = own(**x).logits
+        torch.testing.assert_close(got[keep], want[keep], atol=1e-5, rtol=1e-5)

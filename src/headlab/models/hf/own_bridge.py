@@ -25,7 +25,7 @@ from torch import nn
 
 from headlab.errors import UnsupportedArchitectureError
 from headlab.models.hf.own_math import Interceptor
-from headlab.models.hf.own_state import _CLASSES, SERVED, Bridge, bridge_of, set_implementation
+from headlab.models.hf.own_state import SERVED, Bridge, bridge_of, set_implementation
 from headlab.models.hf.trace import implementation, is_linear, refuse
 
 
@@ -196,7 +196,6 @@ def bridge(model: nn.Module, inputs: dict, model_type: str) -> Bridge | None:
         m.register_forward_pre_hook(_pre, with_kwargs=True)
         m.register_forward_hook(_post, with_kwargs=True, always_call=True)
     setattr(model, "_headlab_own", b)  # noqa: B010  (nn.Module types its attributes as tensors or modules)
-    _CLASSES.add(type(model))
     return b
 
 

@@ -27,12 +27,14 @@ def bridge_of(model: Any) -> Bridge | None:
     return b if isinstance(b, Bridge) else None
 
 
-_CLASSES: set[type] = set()  # model classes whose modules were bridged (a new instance is bridged too)
+BRIDGED: set[str] = set()  # config keys (headlab.models.hf.verify.config_key) whose view was read through the bridge
 
 
-def computes_its_own(model: Any) -> bool:
-    """Was an instance of ``model``'s class found to compute attention with its own math (and not bridged yet)?"""
-    return type(model) in _CLASSES and bridge_of(model) is None
+def computes_its_own(model: Any, key: str) -> bool:
+    """Was a model of config key ``key`` (its class, config and module tree) found to compute attention with its own
+    math, and is this instance not bridged yet? (Another instance of it, or a copy in another dtype, needs the bridge
+    too: the view cached for the key is the bridge's.)"""
+    return key in BRIDGED and bridge_of(model) is None
 
 
 def set_implementation(model: Any, name: str) -> str | None:
@@ -44,4 +46,4 @@ def set_implementation(model: Any, name: str) -> str | None:
     return saved
 
 
-__all__ = ["Bridge", "SERVED", "bridge_of", "computes_its_own", "set_implementation"]
+__all__ = ["BRIDGED", "Bridge", "SERVED", "bridge_of", "computes_its_own", "set_implementation"]

@@ -43,7 +43,7 @@ from headlab.models.hf.found_ops import no_norms as _no_norms
 from headlab.models.hf.hybrid import describe, hybrid_attrs, token_mixers
 from headlab.models.hf.layout import Layout, head_attrs, stack_layout
 from headlab.models.hf.own_bridge import bridge
-from headlab.models.hf.own_state import computes_its_own
+from headlab.models.hf.own_state import BRIDGED, bridge_of, computes_its_own
 from headlab.models.hf.pinned import no_calls_reason
 from headlab.models.hf.registry import BY_STRUCTURE, FAMILIES
 from headlab.models.hf.seq2seq import EncoderDecoderAdapter
@@ -287,7 +287,11 @@ def adapter_class_for(model: nn.Module) -> tuple[type[HFAdapter], Found]:
     found = _FOUND.get(key)
     if found is None:
         found = _FOUND[key] = discover(model)
-    elif computes_its_own(model):  # another instance of a class whose modules compute attention with their own math
+        if bridge_of(model) is not None:
+            BRIDGED.add(key)
+    elif computes_its_own(
+        model, key
+    ):  # another instance of a class whose modules compute attention with their own math
         bridge(model, example_inputs(model, tokens=8), found.model_type)
     H, Hkv, d, E = found.shape
     name = "".join(p.capitalize() for p in found.model_type.replace("-", "_").split("_")) + "StructureAdapter"
