@@ -36,7 +36,7 @@ def main(argv=None) -> None:
     ap.add_argument("--lr", type=float, default=0.05)
     ap.add_argument("--l1", type=float, default=0.05)
     ap.add_argument("--seconds", type=float, default=None, help="time budget")
-    ap.add_argument("--checkpoint", default=str(Path(__file__).resolve().parent / "results" / "kv_gates.ckpt"))
+    ap.add_argument("--checkpoint", default=str(Path(__file__).resolve().parent / "results" / "kv_gates_run.json"))
     args = ap.parse_args(argv)
     lm = headlab.load(args.model)
     t = train_gates(lm, rest=kv.window(*(int(x) for x in args.window.split(","))), tokens=args.tokens, contexts=args.contexts, keys=args.keys,

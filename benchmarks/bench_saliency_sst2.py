@@ -70,7 +70,7 @@ def main(argv=None) -> int:
 
     torch.set_num_threads(args.threads)
     from headlab.cli.app import console
-    from headlab.interpret.instruments.explain import render_study
+    from headlab.cli.views.explain import render_study
     from headlab.interpret.saliency import StudyOptions, study
 
     opts = StudyOptions(backend=args.backend, adversarial_steps=args.adversarial_steps,

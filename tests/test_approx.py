@@ -10,7 +10,8 @@ from headlab import masks
 from headlab.attention.backends.linear import LinearBackend
 from headlab.errors import ConfigError
 from headlab.interpret.fidelity import approx
-from headlab.interpret.fidelity.approx import compare, compare_model, feature_sweep
+from headlab.interpret.fidelity.approx import compare, feature_sweep
+from headlab.interpret.fidelity.model_shift import compare_model
 
 
 def _qkv(B, H, Hkv, Lq, Lk, D, seed=0, spread=1.0):
@@ -101,7 +102,7 @@ def test_linear_report_against_brute_force(case):
     B = 2 if mask is not None else 1
     q, k, v = _qkv(B, 4, 2, 30, 30, 8, spread=0.5)
     r = compare(q, k, v, backend=backend, mask=mask, causal=causal, sample_rows=7, seed=3)
-    be = approx._resolve(backend)
+    be = approx.resolve_backend(backend)
     rows = torch.tensor(r.sampled_rows)
     drawn = torch.randperm(30, generator=torch.Generator().manual_seed(3))[:7].sort().values
     assert len(rows) == 7 and torch.equal(rows, drawn)

@@ -119,8 +119,8 @@ def test_resume_takes_only_its_own_runs_phases(tmp_path, saved_decoder, capsys):
     # phases given to atlas(resume=...) for other settings is replaced, and the atlas says so
     import headlab
     from headlab.interpret.instruments import get
-    from headlab.interpret.instruments.base import Context
-    from headlab.interpret.instruments.runner import check_options
+    from headlab.interpret.study.base import Context
+    from headlab.interpret.study.runner import check_options
     from headlab.results import Result
 
     out = tmp_path / "out"

@@ -20,7 +20,8 @@ from headlab.interpret.circuits import nodes as nodes_mod
 from headlab.interpret.circuits.circuit import Circuit, on_paths
 from headlab.interpret.circuits.discovery import discover
 from headlab.interpret.circuits.eap import edge_scores
-from headlab.interpret.circuits.evaluation import MIB_FRACTIONS, Faithfulness, faithfulness, mib_areas
+from headlab.interpret.circuits.evaluation import MIB_FRACTIONS, faithfulness, mib_areas
+from headlab.interpret.circuits.faithfulness_result import Faithfulness
 from headlab.interpret.circuits.graph import graph
 from headlab.interpret.circuits.patching import ablated_outputs, patched_metric
 from headlab.interpret.patching import logit_diff, runs

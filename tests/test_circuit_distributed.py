@@ -12,7 +12,7 @@ import torch
 
 from conftest import run_cli
 from headlab.interpret.circuits.circuit import Circuit
-from headlab.interpret.circuits.evaluation import Faithfulness
+from headlab.interpret.circuits.faithfulness_result import Faithfulness
 from headlab.interpret.circuits.result import EdgeScores
 from headlab.models.transformer import Transformer, TransformerConfig
 from test_tensor_parallel import run_world

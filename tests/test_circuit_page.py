@@ -13,7 +13,7 @@ import pytest
 
 from conftest import require_browser
 from headlab.interpret.circuits.circuit import Circuit
-from headlab.interpret.circuits.evaluation import Faithfulness
+from headlab.interpret.circuits.faithfulness_result import Faithfulness
 from headlab.interpret.circuits.graph import graph
 from headlab.interpret.circuits.page import curve_points, head_labels, inline, render, write
 from headlab.models.transformer import Transformer, TransformerConfig

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from headlab.interpret.instruments.base import Instrument, InstrumentResult, Option, Output, Unit, at_least, register
+from headlab.interpret.study.base import Instrument, InstrumentResult, Option, Output, Unit, at_least, register
 
 STOP_AT = "HEADLAB_TOY_STOP_AT"  # the unit whose run raises KeyboardInterrupt (as Ctrl-C would)
 
@@ -70,7 +70,7 @@ def toy(monkeypatch):
     monkeypatch.delenv(STOP_AT, raising=False)
     monkeypatch.setenv("HEADLAB_PROGRESS", "plain")
     yield Toy
-    from headlab.interpret.instruments.base import unregister
+    from headlab.interpret.study.base import unregister
 
     unregister(Toy.name)
 
@@ -215,8 +215,10 @@ def test_the_table_read_from_the_sources_is_the_registry():
     import inspect
 
     from headlab.cli.table import HOMES, shipped
-    from headlab.interpret.instruments.base import registered
+    from headlab.interpret.study import base
+    from headlab.interpret.study.base import registered
 
+    assert HOMES == base.HOMES  # the table's list (read without torch) is the one the runner's lookup imports
     for home in HOMES:
         __import__(home)
     table = {e.name: e for e in shipped()}

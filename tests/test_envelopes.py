@@ -197,7 +197,7 @@ def test_trained_gates_have_the_envelope_and_the_benchmark_file_still_loads(tmp_
 
 
 def test_a_load_time_verdict_has_the_envelope_and_reads_back(tmp_path):
-    from headlab.models.hf.verify import Check, Verdict
+    from headlab.models.hf.verdict import Check, Verdict
 
     v = Verdict("glm4", "llama", True, [Check("pattern", True, 1e-7, 1e-4, "maps"), Check("output", False, 0.3, 1e-4)],
                 1.5, ["a note"])
@@ -232,8 +232,8 @@ def test_a_training_record_has_the_envelope_and_old_records_load(tmp_path):
 def test_every_result_class_here_calls_the_envelope():
     """The classes test_results.py lists as keeping their own JSON now write the envelope themselves."""
     where = {"interpret/heads/ablation.py": "AblationResult", "interpret/heads/importance.py": "ImportanceResult",
-             "decode/generate.py": "Generation", "decode/kv.py": "Policy", "decode/train.py": "GateTraining",
-             "models/finetune.py": "TrainingResult", "models/hf/verify.py": "Verdict"}
+             "decode/generate.py": "Generation", "decode/policy.py": "Policy", "decode/train.py": "GateTraining",
+             "models/finetune.py": "TrainingResult", "models/hf/verdict.py": "Verdict"}
     for rel, name in where.items():
         tree = ast.parse((ROOT / "src" / "headlab" / rel).read_text(encoding="utf-8"))
         cls = next(c for c in ast.walk(tree) if isinstance(c, ast.ClassDef) and c.name == name)

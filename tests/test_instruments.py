@@ -379,8 +379,9 @@ def test_the_heads_examples_read_as_their_suffix_says(tmp_path):
 
 
 def test_the_heads_studies_report_through_the_protocol():
-    """importance_study and ablate take progress(stage, done, total), so the heads rows draw on the runner's
-    display: each stage counts to its total, and the totals are the work (batches; configurations x batches)."""
+    """importance_study and ablate run their instruments through the runner (runner.call), so progress(stage, done,
+    total) sees the runner's units: the instrument's stage counts to its total, and the total is the work
+    (importance: one unit per batch; ablation: the single batches, then the pair batches)."""
     from headlab.interpret.heads.ablation import ablate
     from headlab.interpret.heads.importance import importance_study
     from headlab.interpret.instruments.heads import HeadAblation, HeadImportance
@@ -391,16 +392,10 @@ def test_the_heads_studies_report_through_the_protocol():
     batches = 3  # 5 examples, 2 per batch
     seen: list[tuple[str, int, int]] = []
     importance_study(m, texts, loss="lm", batch_size=2, progress=lambda *a: seen.append(a))
-    assert seen == [(s, d, batches) for s in ("importance (lm)", "confidence") for d in range(batches + 1)]
+    assert seen == [(HeadImportance.stage, d, batches) for d in range(1, batches + 1)]
     seen.clear()
     ablate(m, texts, loss="lm", k=2, keep_one=False, batch_size=2, n_boot=20, cka=False, max_rows=2,
            progress=lambda *a: seen.append(a))
-    stages = list(dict.fromkeys(s for s, _, _ in seen))
-    totals = {s: {t for x, _, t in seen if x == s} for s in stages}
     batches = 2  # ablation's batches hold at least 2 examples (min_size=2): the lone fifth joins the last
-    assert totals[stages[0]] == {4 * batches}  # 2 x 2 heads ablated singly, over every batch
-    assert len(stages) == 2 and totals[stages[1]] == {1 * batches}  # one pair among the 2 lowest
-    for s in stages:
-        done = [d for x, d, _ in seen if x == s]
-        assert done[0] == 0 and done[-1] == next(iter(totals[s])) and done == sorted(done)
+    assert seen == [(HeadAblation.stage, d, 2 * batches) for d in range(1, 2 * batches + 1)]  # singles, then pairs
     assert HeadImportance.display and HeadAblation.display  # the runner's display, no bars of their own

@@ -168,3 +168,15 @@ def test_registration_refuses_an_incomplete_rule_or_a_taken_name():
     with pytest.raises(ConfigError, match="no kv rule 'blind'"):
         kv.unregister_rule("blind")
     assert "blind" not in kv.RULES and kv.RULES["window"] is kv.Window
+
+
+def test_a_rules_usage_is_what_generate_help_shows():
+    """The unknown-rule message and `headlab generate --help`'s --policy list the same usages (every shipped rule,
+    expected:BUDGET included), from one function."""
+    from headlab.decode.instrument import Generate
+    from headlab.decode.rules import RULES, unknown_rule, usages
+
+    listed = usages()
+    assert all((c.usage or c.names[0]) in listed for c in RULES.values())
+    assert "expected:BUDGET" in listed and listed in str(unknown_rule("nope"))
+    assert Generate().option("policy").help.startswith(listed)

@@ -136,13 +136,13 @@ def test_a_checkpoint_resumes_to_the_same_gates_and_a_time_budget_stops_early(tm
     lm = _tiny(seed=1)
     data = [(torch.randint(0, 61, (1, 30)), torch.arange(20, 29)) for _ in range(3)]
     straight = train_gates(lm, data=data, rest=kv.window(1, 4), steps=6, progress=False)
-    ck = tmp_path / "gates.ckpt"
+    ck = tmp_path / "gates.json"  # the runner's checkpoint: the run's JSON file with its finished steps
     first = train_gates(lm, data=data, rest=kv.window(1, 4), steps=4, checkpoint=ck, save_every=2, progress=False)
     assert first.steps == 4 and ck.is_file()
     resumed = train_gates(lm, data=data, rest=kv.window(1, 4), steps=6, checkpoint=ck, progress=False)
     assert resumed.steps == 6 and resumed.losses[:4] == first.losses
     torch.testing.assert_close(resumed.gates, straight.gates, atol=1e-6, rtol=0)
-    with pytest.raises(ConfigError, match="other settings"):
+    with pytest.raises(InputError, match="other settings"):  # the runner's check of the kept units' settings
         train_gates(lm, data=data, rest=kv.window(1, 4), steps=6, lr=0.1, checkpoint=ck, progress=False)
     calls = []
     short = train_gates(lm, data=data, rest=kv.window(1, 4), steps=1000, seconds=0.05,

@@ -10,8 +10,9 @@ backends, the statistics, the functional core, the module and measurement. Backe
 declares its formula), so ``costs`` sits between the two folders and imports no engine. A module may import its own layer and the layers below it, never one above (function-level
 imports included: a lazy import is still a dependency). Inside ``interpret``, ``capture`` and ``shell``
 (the one HTML shell every page uses) are at the bottom and ``report`` at the top: nothing but ``report``
-itself and ``cli`` imports ``report``, and ``shell`` imports no other room of ``interpret``. ``errors``,
-``_version``, ``units``, ``progress``, ``tsv`` and ``results`` sit below everything; the package root may import
+itself and ``cli`` imports ``report``, ``shell`` imports no other room of ``interpret``, and ``study`` (the
+study runner and its contract, which the rooms' functions call) imports none but ``capture``. ``errors``,
+``_version``, ``units``, ``progress``, ``tsv``, ``results`` and ``outputs`` sit below everything; the package root may import
 anything (it is the public façade), and nothing in the package imports the root.
 """
 
@@ -24,7 +25,7 @@ import pytest
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "headlab"
 LAYERS = ["spec", "costs", "attention", "distributed", "models", "interpret", "decode", "cli"]
-BASE = {"errors", "_version", "units", "progress", "tsv", "results", "reading", "checks", "registry", "environment", "locks"}  # importable from every layer
+BASE = {"errors", "_version", "units", "progress", "tsv", "results", "outputs", "reading", "checks", "registry", "environment", "locks"}  # importable from every layer
 MAX_LINES = 460  # "no source file above about 450 lines"
 
 
@@ -113,6 +114,8 @@ def test_no_upward_import():
                 bad.append(f"{mod} imports {d}: capture sits at the bottom of interpret")
             elif lm == ld and room == "shell" and droom not in (None, "shell"):
                 bad.append(f"{mod} imports {d}: the shell sits at the bottom of interpret")
+            elif lm == ld and room == "study" and droom not in (None, "study", "capture"):
+                bad.append(f"{mod} imports {d}: the study runner sits below the rooms whose functions call it")
     assert not bad, "\n".join(sorted(bad))
 
 

@@ -114,3 +114,117 @@ def test_from_python_the_runner_takes_a_model_loaded_already(name, options, tiny
         return x == y
 
     assert same(a, b)
+
+
+class _Folder:
+    """A toy instrument whose output is a folder of its own files (as circuit and heads prune): one file per unit."""
+
+    @staticmethod
+    def make(stop_at: list[int]):
+        from headlab.interpret.study.base import Instrument, InstrumentResult, Option, Output, Unit
+
+        class Folder(Instrument):
+            name = "toy-folder"
+            command = None
+            resumable = True
+            needs_model = False
+            options = (Option("n", "--n", int, 4), Option("out", "--out", None, None, setting=False),
+                       Option("scale", None, int, 1, python=True))
+            output = Output("out", folder=True, file=None)
+
+            def units(self, ctx):
+                return [Unit(str(i), i) for i in range(ctx.options["n"])]
+
+            def run_unit(self, ctx, unit, recording=None):
+                if stop_at and unit.payload == stop_at[0]:
+                    stop_at.clear()
+                    raise KeyboardInterrupt
+                return unit.payload * 10 * ctx.options["scale"]
+
+            def write_kept(self, ctx, values, path):
+                return [self._one(path, k, v) for k, v in values.items()]
+
+            @staticmethod
+            def _one(path, k, v):
+                (path / f"u{k}.txt").write_text(str(v))
+                return path / f"u{k}.txt"
+
+            def finish(self, ctx, values):
+                return InstrumentResult(self.name, figures={"values": [values[k] for k in sorted(values, key=int)]},
+                                        native=sum(values.values()))
+
+            def write(self, ctx, result, path):
+                return [self._one(path, "all", result.figures["values"])]
+
+        return Folder()
+
+
+def test_a_folder_output_is_resumed_from_its_kept_units(tmp_path):
+    """An instrument writing a folder of its own files keeps its finished units in NAME.partial.json in that folder
+    on Ctrl-C, and --resume runs only the rest; the finished folder drops the partial file."""
+    from headlab.interpret.study import runner
+
+    stop = [2]
+    inst = _Folder.make(stop)
+    said: list[str] = []
+    out = runner.run(inst, {"out": tmp_path / "f"}, say=said.append, command="headlab toy-folder --out f")
+    assert out.interrupted and out.kept == 2 and out.total == 4
+    assert sorted(p.name for p in (tmp_path / "f").iterdir()) == ["toy-folder.partial.json", "u0.txt", "u1.txt"]
+    assert said == [f"interrupted: kept 2 of 4 units in {tmp_path / 'f' / 'u0.txt'}; run again with --resume to "
+                    "finish the rest: headlab toy-folder --out f --resume"]
+    ran: list[int] = []
+    inst.run_unit = lambda ctx, unit, recording=None: ran.append(unit.payload) or unit.payload * 10  # type: ignore
+    done = runner.run(inst, {"out": tmp_path / "f"}, resume=True)
+    assert ran == [2, 3] and done.result.figures["values"] == [0, 10, 20, 30]
+    assert not (tmp_path / "f" / "toy-folder.partial.json").exists() and (tmp_path / "f" / "uall.txt").is_file()
+    from headlab.errors import InputError
+
+    runner.run(_Folder.make([1]), {"out": tmp_path / "g", "n": 3}, say=lambda line: None)
+    with pytest.raises(InputError, match="other settings"):  # a different run is not resumed from those units
+        runner.run(inst, {"out": tmp_path / "g", "n": 5}, resume=True)
+
+
+def test_a_library_call_goes_through_the_runner(tmp_path):
+    """runner.call: the options by their Python names (messages too), Python-only options taken, the native
+    result returned, Ctrl-C raised; the command line refuses a Python-only option."""
+    import dataclasses
+
+    from headlab.errors import ConfigError, InputError
+    from headlab.interpret.study import runner
+    from headlab.interpret.study.base import at_least
+
+    inst = _Folder.make([])
+    assert runner.call(inst, {"scale": 2}) == sum(i * 20 for i in range(4))
+    inst.options = (dataclasses.replace(inst.options[0], check=at_least(1)), *inst.options[1:])
+    with pytest.raises(ConfigError, match=r"^n must be at least 1, got 0"):
+        runner.call(inst, {"n": 0})
+    with pytest.raises(ConfigError, match=r"^--n must be at least 1, got 0"):  # the command's words
+        runner.run(inst, {"n": 0})
+    with pytest.raises(InputError, match="takes no option scale"):
+        runner.run(inst, {"scale": 2})
+    with pytest.raises(KeyboardInterrupt):
+        runner.call(_Folder.make([1]), {})
+
+
+def test_a_view_shows_an_instrument_and_a_plugin_may_render_itself(capsys):
+    """headlab.cli.views: a registered view is used; else an instrument's own render; else the figures."""
+    from rich.console import Console
+
+    from headlab.cli import views
+    from headlab.interpret.study.base import Context, InstrumentResult, Outcome
+
+    inst = _Folder.make([])
+    out = Outcome(InstrumentResult(inst.name, figures={"values": [1]}))
+    ctx = Context(inst, {})
+    console, err = Console(), Console(stderr=True)
+    views.render(ctx, out, console, err)
+    assert capsys.readouterr().out.strip() == "{'values': [1]}"
+    inst.render = lambda ctx, outcome, console, err: console.print("own")  # type: ignore[attr-defined]
+    views.render(ctx, out, console, err)
+    assert capsys.readouterr().out.strip() == "own"
+    views.view(inst.name)(lambda ctx, outcome, console, err: console.print("view"))
+    try:
+        views.render(ctx, out, console, err)
+        assert capsys.readouterr().out.strip() == "view"
+    finally:
+        views._VIEWS.unregister(inst.name)

@@ -118,15 +118,16 @@ def test_every_result_of_interpret_writes_the_envelope():
 
 
 def test_one_output_check():
-    """The output checks live in headlab.results; the CLI's names are the same functions, and no other module
+    """The output checks live in headlab.outputs; the CLI's names are the same functions, and no other module
     words a refusal of a file in the folder's place itself."""
+    from headlab import outputs
     from headlab.cli import app
     from headlab.interpret.probing import render
 
-    assert app.check_output_dir is R.check_output_dir and app.check_output_file is R.check_output_file
-    assert render.check_output_dir is R.check_output_dir
+    assert app.check_output_dir is outputs.check_output_dir and app.check_output_file is outputs.check_output_file
+    assert render.check_output_dir is outputs.check_output_dir
     own = [str(p.relative_to(SRC)) for p in SRC.rglob("*.py")
-           if p.name != "results.py" and ("is a file; give a folder" in p.read_text(encoding="utf-8")
+           if p.name != "outputs.py" and ("is a file; give a folder" in p.read_text(encoding="utf-8")
                                           or "def check_output_dir" in p.read_text(encoding="utf-8"))]
     assert not own, own
 

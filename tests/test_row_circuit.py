@@ -17,7 +17,7 @@ import headlab.cli.main  # noqa: F401  (every command, so every instrument, regi
 from conftest import command_params, run_cli, save_word_level
 from headlab.errors import HeadlabError
 from headlab.interpret.circuits.circuit import Circuit
-from headlab.interpret.circuits.evaluation import Faithfulness
+from headlab.interpret.circuits.faithfulness_result import Faithfulness
 from headlab.interpret.circuits.result import EdgeScores
 from headlab.interpret.instruments import get, runner
 from headlab.interpret.instruments.circuit import FILES
@@ -47,7 +47,8 @@ def test_the_command_is_the_instruments_row(capsys):
     inst = get("circuit")
     assert type(inst).__name__ == "CircuitStudy" and inst.result_kind == "circuit_study"
     params = command_params("circuit")
-    assert set(params) == {o.name for o in inst.options}  # no --tensor-parallel: the graph splits pairs, not heads
+    # no --tensor-parallel: the graph splits pairs, not heads; --resume: the runner keeps the finished units
+    assert set(params) == {o.name for o in inst.options} | {"resume"}
     assert [o.name for o in inst.options] == [name for name, _, _ in OPTIONS]
     for name, flags, default in OPTIONS:
         assert set(params[name].opts) == flags and params[name].default == default, name
@@ -167,7 +168,8 @@ def test_ctrl_c_keeps_the_finished_units_and_scores_are_reused(tiny, tmp_path, c
     out = tmp_path / "o"
     code, _, err = run_cli(["circuit", "--model", tiny, *RUN, "--out", out], capsys)
     assert code == 130 and "interrupted: kept 2 of 3 units" in err, err
-    assert sorted(p.name for p in out.iterdir()) == ["circuit.html", "circuit.json", "scores.json"]
+    assert sorted(p.name for p in out.iterdir()) == ["circuit.html", "circuit.json", "circuit.partial.json",
+                                                     "scores.json"]  # the units themselves, for --resume
     kept = Circuit.load(out / "circuit.json")
 
     from headlab.interpret.atlas import Atlas

@@ -43,6 +43,7 @@ def test_prune_is_a_row_of_its_instrument():
         p = params.pop(o.name)
         assert set(p.opts) == {o.flag} | ({o.short} if o.short else set())
         assert p.required if o.default is REQUIRED else p.default == o.default
+    params.pop("resume")  # an interrupted prune goes on from its kept units (tests/test_heads_prune_resume.py)
     assert params == {}  # no --tensor-parallel: the pruned model is saved from one process
     assert "one process" in inst.sharded
 
@@ -77,7 +78,7 @@ def test_ctrl_c_in_the_curve_keeps_the_finished_pruning_unit(saved, ids, tmp_pat
                                      "curve": True}, say=said.append)
     assert out.interrupted and (out.kept, out.total) == (1, 2) and out.result is None
     assert len(said) == 1 and said[0].startswith(f"interrupted: kept 1 of 2 units in {tmp_path / 'o'}"), said
-    assert "--resume" not in said[0]  # prune has none
+    assert said[0].endswith("run again with --resume to finish the rest"), said  # the units in heads-prune.partial.json
     from headlab.interpret.heads.prune import prune_heads
 
     kept, direct = headlab.load(tmp_path / "o"), prune_heads(headlab.load(saved), {0: [1], 1: [2]})

@@ -20,7 +20,8 @@ from headlab.models import adapt
 from headlab.models.hf import FAMILIES, adapter_class
 from headlab.models.hf.structure import adapter_class_for, discover
 from headlab.models.hf.support import STRUCTURE_LIMITS
-from headlab.models.hf.verify import Verdict, verify
+from headlab.models.hf.verdict import Verdict
+from headlab.models.hf.verify import verify
 from headlab.models.inputs import complete_inputs, example_inputs, input_kind
 from headlab.models.projections import Separate
 

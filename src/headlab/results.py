@@ -1,4 +1,4 @@
-"""A result of any instrument: one envelope, one writer, one check of where it goes.
+"""A result of any instrument: one envelope, one writer, one reader.
 
 **The envelope.** Every result file headlab writes carries one header, under the key ``"headlab"``, beside
 the result's own keys (which stay where readers of earlier files look for them)::
@@ -24,9 +24,8 @@ lists and numbers; a path becomes its string; a set, or any other object JSON ha
 headlab result, a file of another kind than the caller asks for (``kind=``) or of a newer headlab than this
 one reads is refused (:class:`ResultFileError`), saying what was seen and what to do.
 
-**The output check.** :func:`check_output_file` and :func:`check_output_dir` refuse, before any work, a
-path that cannot take the results (a file in the way, ``FILE/sub``, a read-only place, ``/proc``, a folder
-with files in it unless ``--force``), in the option's own name. The CLI and the library's jobs both call them.
+**The output check** (before any work: a file in the way, ``FILE/sub``, a read-only place, ``/proc``, a
+folder with files in it unless ``--force``) is :mod:`headlab.outputs`'s.
 
     >>> import tempfile, pathlib
     >>> folder = pathlib.Path(tempfile.mkdtemp())
@@ -53,6 +52,7 @@ from pathlib import Path, PurePath
 
 from headlab._version import __version__
 from headlab.errors import ConfigError, HeadlabError, InputError
+from headlab.outputs import Unwritable
 
 HEADER = "headlab"  # the key the envelope's header sits under
 # results whose files named their kind in a bare "kind" before the envelope (others use "kind" for their own
@@ -104,9 +104,14 @@ class Result:
         figures = {k: v for k, v in data.items() if k != HEADER}
         if isinstance(head, dict) and "kind" in head:
             notes = head.get("notes")
-            return cls(head["kind"], model=head.get("model"), settings=dict(head.get("settings") or {}),
-                       figures=figures, version=head.get("version") or "unknown",
-                       notes=list(notes) if isinstance(notes, list) else [])
+            return cls(
+                head["kind"],
+                model=head.get("model"),
+                settings=dict(head.get("settings") or {}),
+                figures=figures,
+                version=head.get("version") or "unknown",
+                notes=list(notes) if isinstance(notes, list) else [],
+            )
         kind = data.get("kind_of_result")  # the earlier envelopes: "kind_of_result", "kind": "headlab.probe"
         own = data.get("kind")
         if kind is None and isinstance(own, str) and own.startswith("headlab."):
@@ -121,14 +126,16 @@ class Result:
         return write_json(path, self.to_json(), indent=indent)
 
     @classmethod
-    def load(cls, path: str | os.PathLike, *, what: str = "a result file headlab wrote",
-             kind: str | None = None) -> Result:
+    def load(
+        cls, path: str | os.PathLike, *, what: str = "a result file headlab wrote", kind: str | None = None
+    ) -> Result:
         """A result file read back (:func:`read_json`: the header's kind and version checked; ``kind``, if
         given, is the kind the file must hold)."""
         return cls.from_json(read_json(path, what=what, kind=kind))
 
     def _repr_html_(self) -> str:
         """A small table: the header, then one row per setting and per figure (long values cut short)."""
+
         def cell(v) -> str:
             text = json.dumps(v, default=str)
             return html.escape(text if len(text) <= 80 else text[:77] + "...")
@@ -136,8 +143,9 @@ class Result:
         rows = [("kind", self.kind), ("model", self.model or "-"), ("headlab", self.version)]
         rows += [(f"settings.{k}", cell(v)) for k, v in self.settings.items()]
         rows += [(k, cell(v)) for k, v in self.figures.items()]
-        body = "".join(f"<tr><th style='text-align:left'>{html.escape(str(k))}</th><td><code>{v}</code></td></tr>"
-                       for k, v in rows)
+        body = "".join(
+            f"<tr><th style='text-align:left'>{html.escape(str(k))}</th><td><code>{v}</code></td></tr>" for k, v in rows
+        )
         return f"<table>{body}</table>"
 
 
@@ -153,8 +161,10 @@ def write_text(path: str | os.PathLike, text: str) -> Path:
     try:
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=folder)
     except OSError as e:  # /proc, FILE/sub, a missing or read-only folder: one line, not the system's traceback
-        raise Unwritable(f"{str(path)!r} cannot be written: {e.strerror or e} in {str(folder)!r}; choose a "
-                         "writable place", reason=str(e.strerror or e)) from None
+        raise Unwritable(
+            f"{str(path)!r} cannot be written: {e.strerror or e} in {str(folder)!r}; choose a writable place",
+            reason=str(e.strerror or e),
+        ) from None
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
@@ -207,20 +217,25 @@ def _plain(obj, path: str, found: list, inside: set):
         return None
     if isinstance(obj, (dict, list, tuple)):
         if id(obj) in inside:
-            raise NotJSONError(f"{path or 'the document'} holds itself, which JSON cannot write; save a copy "
-                               "without the loop", path=path)
+            raise NotJSONError(
+                f"{path or 'the document'} holds itself, which JSON cannot write; save a copy without the loop",
+                path=path,
+            )
         inside.add(id(obj))
         try:
             if isinstance(obj, dict):
-                return {_key(k, path): _plain(v, f"{path}.{k}" if path else str(k), found, inside)
-                        for k, v in obj.items()}
+                return {
+                    _key(k, path): _plain(v, f"{path}.{k}" if path else str(k), found, inside) for k, v in obj.items()
+                }
             return [_plain(v, f"{path}[{i}]", found, inside) for i, v in enumerate(obj)]
         finally:
             inside.discard(id(obj))
     if isinstance(obj, (set, frozenset)):
-        raise NotJSONError(f"{path or 'the document'} is a {type(obj).__name__} ({len(obj)} items), which JSON has "
-                           "no form for and whose order is not fixed; pass a sorted list (sorted(...)) instead",
-                           path=path)
+        raise NotJSONError(
+            f"{path or 'the document'} is a {type(obj).__name__} ({len(obj)} items), which JSON has "
+            "no form for and whose order is not fixed; pass a sorted list (sorted(...)) instead",
+            path=path,
+        )
     if isinstance(obj, PurePath):
         return str(obj)
     torch = sys.modules.get("torch")  # a tensor can only exist where torch is imported: no import here
@@ -228,15 +243,21 @@ def _plain(obj, path: str, found: list, inside: set):
         try:
             values = obj.detach().cpu().tolist()
         except (RuntimeError, NotImplementedError) as e:
-            raise NotJSONError(f"{path or 'the document'} is a tensor whose values cannot be read ({e}); save a "
-                               "tensor with values (on any device)", path=path) from None
+            raise NotJSONError(
+                f"{path or 'the document'} is a tensor whose values cannot be read ({e}); save a "
+                "tensor with values (on any device)",
+                path=path,
+            ) from None
         return _plain(values, path, found, inside)
     np = sys.modules.get("numpy")
     if np is not None and isinstance(obj, (np.ndarray, np.generic)):
         return _plain(obj.tolist(), path, found, inside)  # a numpy scalar's tolist() is its Python number
     kind = type(obj)
-    raise NotJSONError(f"{path or 'the document'} is a {kind.__module__}.{kind.__qualname__}, which JSON has no form "
-                       "for; convert it to a dict, list, str or number before saving", path=path)
+    raise NotJSONError(
+        f"{path or 'the document'} is a {kind.__module__}.{kind.__qualname__}, which JSON has no form "
+        "for; convert it to a dict, list, str or number before saving",
+        path=path,
+    )
 
 
 def _key(k, path: str):
@@ -248,8 +269,11 @@ def _key(k, path: str):
     np = sys.modules.get("numpy")
     if np is not None and isinstance(k, np.generic):
         return _key(k.item(), path)
-    raise NotJSONError(f"{path or 'the document'} has a key {k!r} ({type(k).__name__}); JSON keys are strings, so "
-                       "use str keys (e.g. '0.1' for the head (0, 1))", path=path)
+    raise NotJSONError(
+        f"{path or 'the document'} has a key {k!r} ({type(k).__name__}); JSON keys are strings, so "
+        "use str keys (e.g. '0.1' for the head (0, 1))",
+        path=path,
+    )
 
 
 def _notes(found: list[tuple[str, str]]) -> list[str]:
@@ -261,8 +285,10 @@ def _notes(found: list[tuple[str, str]]) -> list[str]:
     for p, what in found:
         counts = groups.setdefault(re.sub(r"\[\d+\]", "[*]", p) or "the document", {})
         counts[what] = counts.get(what, 0) + 1
-    return [f"{p}: {', '.join(f'{n} {what}' for what, n in counts.items())}, written as null"
-            for p, counts in groups.items()]
+    return [
+        f"{p}: {', '.join(f'{n} {what}' for what, n in counts.items())}, written as null"
+        for p, counts in groups.items()
+    ]
 
 
 def dumps(obj, *, indent: int | None = 1, ensure_ascii: bool = True) -> str:
@@ -315,8 +341,9 @@ def read_json(path: str | os.PathLike, *, what: str = "a JSON file", kind: str |
     return data
 
 
-def check_header(data, *, kind: str | None = None, source: str = "the file", what: str = "a result file headlab "
-                 "wrote") -> str | None:
+def check_header(
+    data, *, kind: str | None = None, source: str = "the file", what: str = "a result file headlab wrote"
+) -> str | None:
     """The kind of result ``data`` holds, once its header is checked: a header (``"headlab": {...}``) must name a
     kind and a version this headlab reads (:func:`reads_version`); with ``kind`` the result must be of that kind
     (a file of an earlier version without the header, by its earlier kind field). None: no header, no ``kind``
@@ -325,25 +352,34 @@ def check_header(data, *, kind: str | None = None, source: str = "the file", wha
     if isinstance(head, dict):
         seen = head.get("kind")
         if not isinstance(seen, str) or not seen:
-            raise ResultFileError(f"{source} is not a headlab result: its {HEADER!r} header has no kind (it has "
-                                  f"{', '.join(map(repr, head)) or 'no keys'}); give {what}")
+            raise ResultFileError(
+                f"{source} is not a headlab result: its {HEADER!r} header has no kind (it has "
+                f"{', '.join(map(repr, head)) or 'no keys'}); give {what}"
+            )
         version = head.get("version")
         if version is not None and not isinstance(version, str):
-            raise ResultFileError(f"{source} is not a headlab result: its header's version {version!r} is not a "
-                                  f"version string; give {what}")
+            raise ResultFileError(
+                f"{source} is not a headlab result: its header's version {version!r} is not a "
+                f"version string; give {what}"
+            )
         if version and not reads_version(version):
-            raise ResultFileError(f"{source} was written by headlab {version}, newer than this headlab "
-                                  f"({__version__}) reads; upgrade headlab (pip install -U headlab) to read it")
+            raise ResultFileError(
+                f"{source} was written by headlab {version}, newer than this headlab "
+                f"({__version__}) reads; upgrade headlab (pip install -U headlab) to read it"
+            )
     elif kind is None:
         return None
     elif not isinstance(data, dict):
-        raise ResultFileError(f"{source} is not a headlab result: a JSON {type(data).__name__}, not an object; "
-                              f"give {what}")
+        raise ResultFileError(
+            f"{source} is not a headlab result: a JSON {type(data).__name__}, not an object; give {what}"
+        )
     else:
         seen = Result.from_json(data).kind
         if seen == "unknown":
-            raise ResultFileError(f"{source} is not a headlab result: it has no {HEADER!r} header (nor an earlier "
-                                  f"file's kind); give {what}")
+            raise ResultFileError(
+                f"{source} is not a headlab result: it has no {HEADER!r} header (nor an earlier "
+                f"file's kind); give {what}"
+            )
     if kind is not None and seen != kind:
         raise ResultFileError(f"{source} holds a {seen!r} result, not {kind!r}; give {what}")
     return seen
@@ -371,88 +407,22 @@ def _umask() -> int:
     return mask
 
 
-# ---- where results go -----------------------------------------------------------------------------
-
-
-def _writable(folder: Path, option: str, path: Path) -> None:
-    """Try a file in ``folder`` for real (permissions, read-only mounts, /proc): :class:`Unwritable` if it fails."""
-    try:
-        with tempfile.TemporaryFile(dir=folder):
-            pass
-    except OSError as e:
-        raise Unwritable(f"{option} {str(path)!r} cannot be written: {e.strerror or e} in {str(folder)!r}; choose "
-                         "a writable place (nothing has been computed yet)", reason=str(e.strerror or e)) from None
-
-
-class Unwritable(InputError):
-    """An output place where no file can be made; ``reason`` is the system's word for it ("Permission denied")."""
-
-    def __init__(self, message: str, *, reason: str) -> None:
-        super().__init__(message)
-        self.reason = reason
-
-
-def _existing_ancestor(path: Path) -> Path:
-    """The nearest part of ``path`` (itself or a parent) that exists."""
-    for p in (path, *path.parents):
-        if p.exists():
-            return p
-    return Path(".")
-
-
-def check_output_file(path: str | os.PathLike, option: str, *, force: bool = False) -> Path:
-    """Refuse, before any work, an output file that cannot be written: its folder must exist and
-    take a file (tried for real: permissions, read-only mounts, /proc); an existing file is kept
-    unless ``force`` (CLI: ``--force``). Folders: :func:`check_output_dir`."""
-    path = Path(path).expanduser()
-    parent = path.parent if str(path.parent) else Path(".")
-    if path.is_dir():
-        raise InputError(f"{option} {str(path)!r} is a folder; give a file name such as results.json")
-    if path.exists() and not force:
-        raise InputError(f"{option} {str(path)!r} exists; choose another name, or pass --force to replace it "
-                         "(nothing has been computed yet)")
-    if parent.exists() and not parent.is_dir():
-        raise InputError(f"{option} {str(path)!r}: {str(parent)!r} is a file, not a folder; give a path in a folder "
-                         "(nothing has been computed yet)")
-    if not parent.is_dir():
-        raise InputError(f"{option} {str(path)!r}: the folder {str(parent)!r} does not exist; create it first "
-                         "(nothing has been computed yet)")
-    _writable(parent, option, path)
-    if path.exists() and not os.access(path, os.W_OK):
-        raise Unwritable(f"{option} {str(path)!r} cannot be written: Permission denied "
-                         "(nothing has been computed yet)", reason="Permission denied")
-    return path
-
-
-def check_output_dir(path: str | os.PathLike, option: str, *, force: bool = False,
-                     allow_existing: bool = False) -> Path:
-    """Refuse, before any work, an output folder that cannot take files: a file in its place or above
-    it (``FILE/sub``: :class:`Unwritable`), a place where nothing can be written (permissions, read-only
-    mounts, /proc: :class:`Unwritable`), or a folder that already holds files (unless ``force``, or
-    ``allow_existing`` for commands that add their files beside others). Nothing is created: the folder
-    is made when the results are written."""
-    path = Path(path).expanduser()
-    if path.exists() and not path.is_dir():
-        raise InputError(f"{option} {str(path)!r} is a file; give a folder (it is created if missing)")
-    if path.is_dir():
-        if not (force or allow_existing) and any(path.iterdir()):
-            raise InputError(f"{option} {str(path)!r} exists and is not empty; choose another folder, or pass "
-                             "--force to write into it (nothing has been computed yet)")
-        _writable(path, option, path)
-        return path
-    base = _existing_ancestor(path)
-    if not base.is_dir():
-        raise Unwritable(f"{option} {str(path)!r}: {str(base)!r} is a file, so no folder can be made under it; "
-                         "give a folder path (nothing has been computed yet)", reason="Not a directory")
-    _writable(base, option, path)
-    return path
-
-
-
 def print_json(obj) -> None:
     """Machine-readable output (a command's ``--json``): one standard JSON document on stdout (:func:`dumps`)."""
     sys.stdout.write(dumps(obj, indent=2) + "\n")
 
-__all__ = ["NotJSONError", "Result", "ResultFileError", "Unwritable", "check_header", "check_output_dir",
-           "check_output_file", "dumps", "envelope", "print_json", "read_json", "reads_version", "to_json_value",
-           "write_json", "write_text"]
+
+__all__ = [
+    "NotJSONError",
+    "Result",
+    "ResultFileError",
+    "check_header",
+    "dumps",
+    "envelope",
+    "print_json",
+    "read_json",
+    "reads_version",
+    "to_json_value",
+    "write_json",
+    "write_text",
+]

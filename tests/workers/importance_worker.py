@@ -1,7 +1,9 @@
 """One rank of the data-parallel importance test: ``python importance_worker.py RANK WORLD PORT OUT_DIR``.
 
-Every rank builds the same tiny decoder and the same 7 texts; head_importance splits them across the
-ranks and adds the sums. Rank 0 saves the result to ``OUT_DIR/importance.pt``.
+Every rank builds the same tiny decoder and the same 7 texts; head_importance runs the instrument
+``heads-importance`` through the study runner, which splits the batches across the ranks and hands every
+rank every batch's sums: each rank checks that its grid equals rank 0's exactly (every rank returns the whole
+result), and rank 0 saves the result to ``OUT_DIR/importance.pt``.
 """
 
 from __future__ import annotations
@@ -34,6 +36,9 @@ def main() -> None:
     m, texts = setup()
     imp = head_importance(m, texts, loss="lm", batch_size=2)
     conf = head_confidence(m, texts, batch_size=2)
+    every = [None] * world
+    dist.all_gather_object(every, imp)
+    assert all(torch.equal(g, imp) for g in every), "a rank returned another importance than rank 0's"
     if rank == 0:
         torch.save({"importance": imp, "confidence": conf}, os.path.join(out, "importance.pt"))
     dist.destroy_process_group()

@@ -16,8 +16,9 @@ import typer
 import headlab.checks as checks
 from headlab.cli.table import CommandGroup
 from headlab.cli.terminal import INTERRUPTED_EXIT, console, err_console, invoked
+from headlab.outputs import check_output_dir, check_output_file
 from headlab.reading import read_file, read_text
-from headlab.results import check_output_dir, check_output_file, print_json
+from headlab.results import print_json
 from headlab.units import human_bytes, human_flops
 
 app = typer.Typer(

@@ -23,8 +23,8 @@ def demo(
 
     Runs `headlab analyze` with --force: a previous report in the folder is replaced (other files are kept).
     """
+    from headlab.cli.views.analyze import render_summary
     from headlab.interpret.report.analyze_job import analyze
-    from headlab.interpret.report.instrument import render_summary
     from headlab.models.loader import model_path
 
     model_path(model)  # an unknown name or folder: one line, before anything is said or written

@@ -1,10 +1,10 @@
 """CLI commands as rows: a typer command built from an instrument's declared options, calling the runner.
 
 ``row(app, "flow", "flow")`` adds ``headlab flow`` to ``app``: one typer parameter per
-:class:`~headlab.interpret.instruments.base.Option` (an argument when it has no flag; ``--x/--no-x`` for a
-bool with an off switch), plus ``--resume`` for a resumable instrument and ``--tensor-parallel`` / ``--tensor-size``
+:class:`~headlab.interpret.study.base.Option` (an argument when it has no flag; ``--x/--no-x`` for a
+bool with an off switch; none for a Python-only one), plus ``--resume`` for a resumable instrument and ``--tensor-parallel`` / ``--tensor-size``
 for one that runs on a model sharded by heads (under torchrun). The command hands the options to
-:func:`headlab.interpret.instruments.runner.run` (checks, reading, loading, progress, Ctrl-C, writing) and the
+:func:`headlab.interpret.study.runner.run` (checks, reading, loading, progress, Ctrl-C, writing) and the
 instrument renders the outcome. A run interrupted by Ctrl-C exits 130 after the runner's one line.
 
 Typer reads a command's parameters from its signature, so the command is one function taking ``**options``
@@ -19,7 +19,7 @@ import typer
 
 from headlab.cli.terminal import INTERRUPTED_BEFORE, INTERRUPTED_EXIT, console, err_console, invoked
 from headlab.distributed.placement import TensorParallel
-from headlab.interpret.instruments.base import ENVELOPE_JSON, REQUIRED, Instrument, Option, get
+from headlab.interpret.study.base import ENVELOPE_JSON, REQUIRED, Instrument, Option, get
 from headlab.results import print_json
 
 
@@ -36,7 +36,7 @@ def _parameter(o: Option) -> inspect.Parameter:
 def command(instrument: Instrument | str):
     """The typer callback of ``instrument``: its parameters are the declared options (and ``--resume``)."""
     inst = get(instrument) if isinstance(instrument, str) else instrument
-    params = [_parameter(o) for o in inst.options]
+    params = [_parameter(o) for o in inst.options if not o.python]  # Python-only options have no flag
     if inst.needs_model and inst.sharded is True:
         params += [
             inspect.Parameter(
@@ -75,7 +75,7 @@ def command(instrument: Instrument | str):
         )
 
     def run_row(**options) -> None:
-        from headlab.interpret.instruments.runner import run
+        from headlab.interpret.study.runner import run
 
         resume = bool(options.pop("resume", False))
         envelope = any(o is ENVELOPE_JSON for o in inst.options) and bool(options.get("as_json"))
@@ -99,8 +99,10 @@ def command(instrument: Instrument | str):
         if outcome.main and envelope and outcome.result is not None:  # --json of an instrument without its own
             print_json(outcome.result.to_json())
         elif outcome.main:
+            from headlab.cli.views import render
+
             assert outcome.ctx is not None  # the main rank's outcome carries its context
-            inst.render(outcome.ctx, outcome, console, err_console)
+            render(outcome.ctx, outcome, console, err_console)
 
     run_row.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]  # typer reads it: the row's options
     run_row.__name__ = f"{inst.name.replace('-', '_')}_cmd"

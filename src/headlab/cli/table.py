@@ -1,6 +1,6 @@
 """The command table: every instrument is a command, found in the registry, loaded when it runs.
 
-An instrument (``headlab.interpret.instruments.base.Instrument``) declares its command (``command``, default its
+An instrument (``headlab.interpret.study.base.Instrument``) declares its command (``command``, default its
 ``name``; ``"heads importance"`` puts it under the ``heads`` group). This module turns the registry into the
 CLI's rows without importing the instruments, so ``headlab --help`` and the plain commands (``memory``) start
 without torch or transformers:
@@ -29,10 +29,16 @@ from pathlib import Path
 
 from typer.core import TyperGroup
 
-#: where instruments live (a package: every module in it; a module: itself)
-HOMES = ("headlab.interpret.instruments", "headlab.interpret.report.instrument", "headlab.decode.instrument")
-_NOT_INSTRUMENTS = {"__init__", "base", "runner"}  # the contract and the runner, not instruments
-_BASE = "headlab.interpret.instruments.base"
+#: where instruments live (a package: every module in it; a module: itself); the same as
+#: ``headlab.interpret.study.base.HOMES`` (a test checks), written here so that ``--help`` imports no torch
+HOMES = (
+    "headlab.interpret.instruments",
+    "headlab.interpret.report.instrument",
+    "headlab.decode.instrument",
+    "headlab.decode.gates_instrument",
+)
+_NOT_INSTRUMENTS = {"__init__"}
+_BASE = "headlab.interpret.study.base"
 
 
 @dataclass(frozen=True)
@@ -211,7 +217,7 @@ def build(entry: Entry):
     if entry.module is not None:
         import_module(entry.module)
     from headlab.cli.rows import command
-    from headlab.interpret.instruments.base import get
+    from headlab.interpret.study.base import get
 
     inst = get(entry.name)
     one = typer.Typer(add_completion=False, pretty_exceptions_enable=False)

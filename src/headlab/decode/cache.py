@@ -48,7 +48,6 @@ from headlab.decode import groups, quant_store, snap_group  # noqa: F401  (they 
 from headlab.decode.kv import (  # noqa: F401  (re-exported: importable from here as before)
     Drop,
     Full,
-    Policy,
     Rule,
     Snap,
     Window,
@@ -56,8 +55,8 @@ from headlab.decode.kv import (  # noqa: F401  (re-exported: importable from her
     key_boundary,
     kv_layout,
     value_boundary,
-    visibility,
 )
+from headlab.decode.policy import Policy, visibility  # noqa: F401  (re-exported: importable from here as before)
 from headlab.decode.store import STORES, KVStore, store_for  # STORES, KVStore: re-exported
 from headlab.errors import ConfigError, ShapeError
 from headlab.models.hf.attention_fn import SelfAttendingKeys, hf_mask_to_bool

@@ -32,7 +32,8 @@ from collections.abc import Sequence
 import torch
 
 from headlab.attention.stats import attention_stats
-from headlab.decode.kv import as_rule, check_decoder
+from headlab.decode.kv import check_decoder
+from headlab.decode.policy import as_rule
 from headlab.errors import ConfigError, InputError
 from headlab.progress import Progress, reporter
 from headlab.spec import masks

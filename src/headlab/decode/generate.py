@@ -28,7 +28,8 @@ import headlab.checks as checks
 from headlab.costs.kv import kv_cache_bytes, policy_cache_bytes
 from headlab.costs.tensor_parallel import kv_cache_bytes_per_rank
 from headlab.decode.cache import HeadCache
-from headlab.decode.kv import Policy, check_decoder, full, kv_layout
+from headlab.decode.kv import check_decoder, full, kv_layout
+from headlab.decode.policy import Policy
 from headlab.errors import ConfigError, InputError, UnsupportedArchitectureError
 from headlab.progress import Progress, reporter
 from headlab.results import envelope, write_json
@@ -132,7 +133,7 @@ def prompt_ids(adapter, loaded, prompt) -> torch.Tensor:
     return ids.long().to(next(adapter.model.parameters()).device)
 
 
-def _setup(model, policy):
+def setup_decoding(model, policy):
     from headlab.models.loaded_model import resolve
 
     adapter, loaded = resolve(model)
@@ -168,7 +169,7 @@ def _own_attention(adapter) -> bool:
     return hasattr(adapter, "attention_forward") or bridge_of(adapter.model) is not None
 
 
-def _new_cache(adapter, policy):
+def new_cache(adapter, policy):
     """A :class:`HeadCache`; for models that compute attention themselves (BLOOM, Falcon, modules read through their
     own math), whose policy is then all full, transformers' own ``DynamicCache``."""
     if _own_attention(adapter):
@@ -238,7 +239,7 @@ def generate(
 
     The prompt runs as one forward (prefill; windowed heads on the sparse kernel), then one token per step.
     """
-    adapter, loaded, policy = _setup(model, policy)
+    adapter, loaded, policy = setup_decoding(model, policy)
     checks.positive_int("max_new_tokens", max_new_tokens)
     if sample and not temperature > 0:
         raise ConfigError(f"temperature must be > 0 for sampling, got {temperature}")
@@ -287,7 +288,7 @@ def generate(
     gen = torch.Generator().manual_seed(seed) if seed is not None else None
     out_ids, logits_seen = [], []
     with torch.no_grad(), adapter.use_backend("auto"):
-        cache = _new_cache(adapter, policy)
+        cache = new_cache(adapter, policy)
         t0 = time.perf_counter()
         logits = hf(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1).logits[0, -1]
         if nq:  # after the prefill (and SnapKV's selection): the question, as one more chunk
@@ -354,7 +355,7 @@ def perplexity(
     decoding does (a forward per token: slower). The same holds for SnapKV / Ada-KV rules, which select from
     the prefill once it has run: with ``prefill``, the tokens after it see only what each head kept.
     """
-    adapter, loaded, policy = _setup(model, policy)
+    adapter, loaded, policy = setup_decoding(model, policy)
     ids = prompt_ids(adapter, loaded, ids)
     if ids.shape[1] < 2:
         raise InputError("perplexity needs at least 2 tokens")
@@ -365,7 +366,7 @@ def perplexity(
     cap = getattr(hf.config, "final_logit_softcapping", None)
     nll, count = 0.0, 0
     with torch.no_grad(), adapter.use_backend("auto"):
-        cache = _new_cache(adapter, policy)
+        cache = new_cache(adapter, policy)
         if prefill is None:
             hidden = hf.base_model(input_ids=ids, cache=cache, use_cache=True).last_hidden_state[0]  # (n, E)
         else:

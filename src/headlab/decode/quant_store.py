@@ -18,7 +18,8 @@ import torch.nn.functional as F
 
 from headlab.decode import quant
 from headlab.decode.codes import attend_codes
-from headlab.decode.rules import Full, Rule, Window, key_boundary, value_boundary
+from headlab.decode.layout import key_boundary, value_boundary
+from headlab.decode.rules import Full, Rule, Window
 from headlab.decode.store import SPARSE_PREFILL, KVStore, own, register_store
 
 __all__ = ["QuantStore", "Span"]

@@ -1,6 +1,7 @@
 """What a KV rule is (:class:`Rule`, one object that answers all headlab asks of a rule), the registry of kinds
-(:data:`RULES`, :func:`register_rule`), the rules that depend on positions alone (:data:`full`, :data:`drop`,
-:func:`window`), with KIVI's precision, and what a head holds (:class:`Layout`); re-exported by :mod:`headlab.kv`.
+(:data:`RULES`, :func:`register_rule`) and the rules that depend on positions alone (:data:`full`, :data:`drop`,
+:func:`window`), with KIVI's precision; re-exported by :mod:`headlab.kv`. What a head holds (:class:`Layout`) is
+:mod:`headlab.decode.layout`'s.
 A new kind is one class, a frozen dataclass subclassing :class:`Rule`, decorated with :func:`register_rule`.
 """
 
@@ -11,33 +12,30 @@ from dataclasses import dataclass
 
 import torch
 
+from headlab.decode.layout import Layout, held_layout
 from headlab.decode.rule_checks import BITS, GROUP, RESIDUAL, check_precision, check_stored, check_window
 from headlab.errors import ConfigError
 from headlab.registry import Registry
 from headlab.spec import masks
 
-__all__ = ["BITS", "GROUP", "RESIDUAL", "RULES", "Layout", "Rule", "Full", "Drop", "Window", "full", "drop", "window",
-           "key_boundary", "value_boundary", "register_rule", "unregister_rule", "unknown_rule"]
-
-
-@dataclass(frozen=True)
-class Layout:
-    """What one kv head holds after ``tokens`` tokens (one batch row), as its rule says; :func:`headlab.costs.kv.
-    layout_bytes` turns it into bytes, and the cache's tensors come to the same (a test checks them).
-
-    ``full_keys``/``full_values``: vectors in the cache's dtype (sinks, the full-precision residual);
-    ``quant_keys``/``quant_values``: vectors stored as ``bits``-bit codes, packed ``8 // bits`` to a byte;
-    ``key_groups``: ``(scale, zero)`` pairs per key channel (one per ``group`` quantized tokens); each quantized
-    value has ``v_dim / group`` pairs; ``compensation``: 0 or 1 extra key/value pair (RazorAttention's mean)."""
-
-    full_keys: int
-    full_values: int
-    quant_keys: int = 0
-    quant_values: int = 0
-    key_groups: int = 0
-    bits: int = 16
-    group: int = 32
-    compensation: int = 0
+__all__ = [
+    "BITS",
+    "GROUP",
+    "RESIDUAL",
+    "RULES",
+    "Rule",
+    "Full",
+    "Drop",
+    "Window",
+    "full",
+    "drop",
+    "window",
+    "precision_items",
+    "register_rule",
+    "unregister_rule",
+    "unknown_rule",
+    "usages",
+]
 
 
 class Rule:
@@ -60,13 +58,13 @@ class Rule:
     """
 
     kind = "rule"
-    names: tuple[str, ...] = ()   # the names its text starts with: "window" in "window:4,256"
-    usage = ""                    # its text, as the unknown-rule message shows it
+    names: tuple[str, ...] = ()  # the names its text starts with: "window" in "window:4,256"
+    usage = ""  # its text, as the unknown-rule message shows it
     bits = 16
     sinks = 0
     ring: int | None = None
     compensate = False
-    evicts = True                 # False: it keeps every key it takes (no eviction to run)
+    evicts = True  # False: it keeps every key it takes (no eviction to run)
     store = "plain"
 
     def visible(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:  # pragma: no cover
@@ -112,13 +110,21 @@ class Rule:
 
 
 def _taken(cls: type[Rule], names: list[str]) -> ConfigError:
-    return ConfigError(f"a kv rule named {names[0]!r} is already registered ({RULES[names[0]].__name__}); "
-                       f"unregister_rule({names[0]!r}) first")
+    return ConfigError(
+        f"a kv rule named {names[0]!r} is already registered ({RULES[names[0]].__name__}); "
+        f"unregister_rule({names[0]!r}) first"
+    )
 
 
-_RULES: Registry[type[Rule]] = Registry("a kv rule", "its text starts with it", instances=False, key=lambda c: c.names,
-                                        strict=True, taken=_taken, unknown=lambda name, names: ConfigError(
-                                            f"no kv rule {name!r} is registered; the rules: {', '.join(names)}"))
+_RULES: Registry[type[Rule]] = Registry(
+    "a kv rule",
+    "its text starts with it",
+    instances=False,
+    key=lambda c: c.names,
+    strict=True,
+    taken=_taken,
+    unknown=lambda name, names: ConfigError(f"no kv rule {name!r} is registered; the rules: {', '.join(names)}"),
+)
 RULES: MutableMapping[str, type[Rule]] = _RULES.table  # a rule text's name -> its kind (as_rule reads "name:args")
 
 
@@ -127,16 +133,21 @@ def register_rule(cls: type[Rule]) -> type[Rule]:
     and files, ``--policy``) then reads. Refuses a class that is not a complete :class:`Rule`, or a name taken."""
     if not (isinstance(cls, type) and issubclass(cls, Rule)):
         raise ConfigError(f"register_rule takes a subclass of headlab.kv.Rule, got {cls!r}")
-    own = set().union(*(vars(c) for c in cls.__mro__[:cls.__mro__.index(Rule)]))
+    own = set().union(*(vars(c) for c in cls.__mro__[: cls.__mro__.index(Rule)]))
     missing = [m for m in ("visible", "from_text") if m not in own]
     missing += [] if own & {"kept", "layout", "layouts"} else ["kept"]
     if missing:
-        raise ConfigError(f"rule kind {cls.__name__} does not define {', '.join(missing)}: a rule answers its "
-                          "visibility, what it keeps, its text and how to read it back")
-    if not cls.names or not all(isinstance(n, str) and n and n == n.strip().lower() and not set(n) & set(":,")
-                                for n in cls.names):
-        raise ConfigError(f"rule kind {cls.__name__}: names={cls.names!r}; give its text names, lower case, without "
-                          "':' or ',' (e.g. names = ('strided',))")
+        raise ConfigError(
+            f"rule kind {cls.__name__} does not define {', '.join(missing)}: a rule answers its "
+            "visibility, what it keeps, its text and how to read it back"
+        )
+    if not cls.names or not all(
+        isinstance(n, str) and n and n == n.strip().lower() and not set(n) & set(":,") for n in cls.names
+    ):
+        raise ConfigError(
+            f"rule kind {cls.__name__}: names={cls.names!r}; give its text names, lower case, without "
+            "':' or ',' (e.g. names = ('strided',))"
+        )
     return cls if all(RULES.get(n) is cls for n in cls.names) else _RULES.register(cls)  # once is enough
 
 
@@ -147,10 +158,17 @@ def unregister_rule(name: str) -> type[Rule]:
     return cls
 
 
+def usages() -> str:
+    """Every registered rule as its usage text says it (``full, drop, streaming:SINK,RECENT (e.g. ...), ...``): the
+    words of the unknown-rule message and of ``headlab generate --help``'s ``--policy``."""
+    return ", ".join(dict.fromkeys(c.usage or c.names[0] for c in RULES.values()))
+
+
 def unknown_rule(text: str) -> ConfigError:
-    usages = ", ".join(dict.fromkeys(c.usage or c.names[0] for c in RULES.values()))
-    return ConfigError(f"unknown kv rule {text!r}: use {usages}, with options such as full:bits=4, "
-                       "streaming:4,256,bits=2,compensate or snapkv:256,window=32,pool=7")
+    return ConfigError(
+        f"unknown kv rule {text!r}: use {usages()}, with options such as full:bits=4, "
+        "streaming:4,256,bits=2,compensate or snapkv:256,window=32,pool=7"
+    )
 
 
 def _precision_text(r) -> str:
@@ -160,7 +178,8 @@ def _precision_text(r) -> str:
     return f"bits={r.bits}{extra}"
 
 
-def _precision_items(r) -> list[str]:
+def precision_items(r) -> list[str]:
+    """The precision options of a quantized rule's text (``bits=``, ``group=``, ``residual=``); none at 16 bits."""
     return [f"bits={r.bits}", f"group={r.group}", f"residual={r.residual}"] if r.bits != 16 else []
 
 
@@ -180,8 +199,10 @@ def _options(x, name: str, items: list[str]) -> dict:
             continue
         if key not in ("bits", "group", "residual") or not eq:
             allowed = "bits=, group=, residual=" + (", compensate" if name != "full" else "")
-            raise ConfigError(f"kv rule {x!r}: unknown option {item.strip()!r}; {name} takes {allowed} "
-                              f"(e.g. {name}:{'4,256,' if name != 'full' else ''}bits=4)")
+            raise ConfigError(
+                f"kv rule {x!r}: unknown option {item.strip()!r}; {name} takes {allowed} "
+                f"(e.g. {name}:{'4,256,' if name != 'full' else ''}bits=4)"
+            )
         try:
             opts[key] = int(val)
         except ValueError:
@@ -196,7 +217,7 @@ class Full(Rule):
     ``kv.full`` is the 16-bit rule; ``kv.full(bits=4)`` (a call of it) the same rule with 4-bit keys and values."""
 
     bits: int = 16
-    group: int = GROUP       # quantized rules: tokens per key scale (per channel), channels per value scale
+    group: int = GROUP  # quantized rules: tokens per key scale (per channel), channels per value scale
     residual: int = RESIDUAL  # quantized rules: the most recent tokens kept in full precision
 
     kind = "full"
@@ -218,7 +239,7 @@ class Full(Rule):
         return tokens
 
     def layout(self, tokens: int, prompt: int | None = None) -> Layout:
-        return _layout(self, tokens, start=0, low=0)
+        return held_layout(self, tokens, start=0, low=0)
 
     def visible(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
         return k_pos <= q_pos
@@ -227,7 +248,7 @@ class Full(Rule):
         return attention(q, k, v, causal=True, scale=scale, **({"return_lse": True} if return_lse else {}))
 
     def text(self) -> str:
-        return "full:" + ",".join(_precision_items(self)) if self.bits != 16 else "full"
+        return "full:" + ",".join(precision_items(self)) if self.bits != 16 else "full"
 
     def label(self) -> str:
         return "full" + (f" {self.bits}-bit" if self.bits != 16 else "")
@@ -278,8 +299,8 @@ class Window(Rule):
     key/value pair holding the mean of the evicted ones (RazorAttention). Query ``t`` sees key ``j`` when
     ``j <= t`` and ``(j < sink or t - j < recent)``: the arithmetic of the window, here only."""
 
-    sink: int     # the first keys every query keeps seeing (StreamingLLM uses 4)
-    recent: int   # how many of the latest keys, the query's own included, stay visible
+    sink: int  # the first keys every query keeps seeing (StreamingLLM uses 4)
+    recent: int  # how many of the latest keys, the query's own included, stay visible
     bits: int = 16
     group: int = GROUP
     residual: int = RESIDUAL
@@ -319,10 +340,11 @@ class Window(Rule):
         return int(self.compensate and tokens > self.ring)
 
     def layout(self, tokens: int, prompt: int | None = None) -> Layout:
-        lay = _layout(self, tokens, start=self.sink, low=max(self.sink, self.horizon(tokens - 1)))
+        lay = held_layout(self, tokens, start=self.sink, low=max(self.sink, self.horizon(tokens - 1)))
         comp = self.compensation(tokens)
-        return Layout(lay.full_keys, lay.full_values, lay.quant_keys, lay.quant_values, lay.key_groups,
-                      lay.bits, lay.group, comp)
+        return Layout(
+            lay.full_keys, lay.full_values, lay.quant_keys, lay.quant_values, lay.key_groups, lay.bits, lay.group, comp
+        )
 
     def prefill(self, attention, q, k, v, scale, *, backend: str = "auto", return_lse: bool = False):
         """The prefill ``(B, heads, n, d)`` without any ``n x n`` matrix: the keys query ``t`` sees are the band
@@ -332,11 +354,21 @@ class Window(Rule):
         n = q.shape[2]
         parts = []
         if self.recent >= 2:
-            parts.append(attention(q, k, v, mask=masks.sliding_window(self.recent - 1, causal=True), scale=scale,
-                                   backend=backend, return_lse=True))
+            parts.append(
+                attention(
+                    q,
+                    k,
+                    v,
+                    mask=masks.sliding_window(self.recent - 1, causal=True),
+                    scale=scale,
+                    backend=backend,
+                    return_lse=True,
+                )
+            )
         elif self.recent == 1:
-            parts.append(attention(q, k, v, mask=masks.as_mask(lambda b, h, i, j: i == j), scale=scale,
-                                   return_lse=True))
+            parts.append(
+                attention(q, k, v, mask=masks.as_mask(lambda b, h, i, j: i == j), scale=scale, return_lse=True)
+            )
         if self.sink:
             s = min(self.sink, n)
             t, j = torch.arange(n)[:, None], torch.arange(s)[None, :]
@@ -351,12 +383,18 @@ class Window(Rule):
         return (out, lse) if return_lse else out
 
     def text(self) -> str:
-        return ",".join([f"window:{self.sink}", str(self.recent)] + _precision_items(self)
-                        + (["compensate"] if self.compensate else []))
+        return ",".join(
+            [f"window:{self.sink}", str(self.recent)]
+            + precision_items(self)
+            + (["compensate"] if self.compensate else [])
+        )
 
     def label(self) -> str:
-        return (f"streaming {self.sink}+{self.recent}" + (f" {self.bits}-bit" if self.bits != 16 else "")
-                + (" compensated" if self.compensate else ""))
+        return (
+            f"streaming {self.sink}+{self.recent}"
+            + (f" {self.bits}-bit" if self.bits != 16 else "")
+            + (" compensated" if self.compensate else "")
+        )
 
     @classmethod
     def from_text(cls, text: str, name: str, parts: list[str] | None) -> Window:
@@ -367,8 +405,10 @@ class Window(Rule):
         except ValueError:
             nums = []
         if len(nums) != 2 or parts[:2] != nums_text:
-            raise ConfigError(f"kv rule {text!r}: write {name}:SINK,RECENT with two integers, then any options, e.g. "
-                              f"{name}:4,256 or {name}:4,256,bits=4,compensate")
+            raise ConfigError(
+                f"kv rule {text!r}: write {name}:SINK,RECENT with two integers, then any options, e.g. "
+                f"{name}:4,256 or {name}:4,256,bits=4,compensate"
+            )
         return window(*nums, **_options(text, name, parts[2:]))
 
     def __repr__(self) -> str:
@@ -381,40 +421,15 @@ full = Full()
 drop = Drop()
 
 
-def key_boundary(rule, tokens: int) -> int:
-    """KIVI's keys: positions below this are quantized (per channel, ``group`` tokens per scale), the rest wait in
-    the full-precision residual, which is quantized all at once when it reaches ``residual`` tokens. Counted from
-    the rule's first non-sink position (0 for full heads)."""
-    start = rule.sinks
-    if rule.bits == 16 or tokens <= start:
-        return min(tokens, start)
-    return start + (tokens - start) // rule.residual * rule.residual
-
-
-def value_boundary(rule, tokens: int) -> int:
-    """KIVI's values: positions below this are quantized (per token, ``group`` channels per scale); the last
-    ``residual`` tokens stay in full precision."""
-    start = rule.sinks
-    if rule.bits == 16 or tokens <= start:
-        return min(tokens, start)
-    return max(start, tokens - rule.residual)
-
-
-def _layout(rule, n: int, *, start: int, low: int) -> Layout:
-    """Held: positions ``[0, min(start, n))`` (sinks, full precision) and ``[low, n)``; quantized as KIVI below the
-    key and value boundaries."""
-    sinks = min(start, n)
-    held = max(0, n - low)
-    if rule.bits == 16:
-        return Layout(sinks + held, sinks + held)
-    bk, bv = key_boundary(rule, n), value_boundary(rule, n)
-    qk, qv = max(0, bk - low), max(0, bv - low)
-    groups = (bk - start) // rule.group - (low - start) // rule.group if qk else 0
-    return Layout(sinks + held - qk, sinks + held - qv, qk, qv, groups, rule.bits, rule.group)
-
-
-def window(sink: int = 4, recent: int = 256, *, bits: int = 16, group: int | None = None,
-           residual: int | None = None, compensate: bool = False) -> Window:
+def window(
+    sink: int = 4,
+    recent: int = 256,
+    *,
+    bits: int = 16,
+    group: int | None = None,
+    residual: int | None = None,
+    compensate: bool = False,
+) -> Window:
     """The rule that keeps the first ``sink`` and the last ``recent`` keys of a kv head.
 
     ``bits`` (8, 4, 2) quantizes what it holds past the sinks as KIVI does (``group``, ``residual``: see

@@ -11,8 +11,9 @@ from dataclasses import dataclass
 
 import torch
 
+from headlab.decode.layout import Layout, held_layout
 from headlab.decode.rule_checks import GROUP, RESIDUAL, check_count, check_precision, check_stored
-from headlab.decode.rules import Layout, Rule, _layout, _precision_items, register_rule
+from headlab.decode.rules import Rule, precision_items, register_rule
 from headlab.errors import ConfigError
 
 __all__ = ["POOLINGS", "Snap", "snap", "adakv"]
@@ -58,7 +59,7 @@ class Snap(Rule):
         """What a head holding ``n`` tokens (kept prompt tokens, then later ones) stores: at 16 bits all of them in
         the cache's dtype; quantized, the sequence of its held tokens stored as ``kv.full(bits)`` stores a
         sequence (KIVI: keys quantized a ``residual`` at a time, values all but the last ``residual``)."""
-        return Layout(n, n) if self.bits == 16 else _layout(self, n, start=0, low=0)
+        return Layout(n, n) if self.bits == 16 else held_layout(self, n, start=0, low=0)
 
     def group_total(self, heads: int) -> int:
         """The prompt tokens ``heads`` kv heads under this rule keep together (prompts longer than that)."""
@@ -121,7 +122,7 @@ class Snap(Rule):
     def text(self) -> str:
         """What :func:`as_rule` reads back: ``snapkv:256,window=32,pool=7``, ``adakv:total=768,floor=64,...``."""
         opts = [f"window={self.window}", f"pool={self.pool}"] + (["pooling=avg"] if self.pooling != "max" else [])
-        opts += _precision_items(self)
+        opts += precision_items(self)
         if not self.adaptive:
             return ",".join([f"snapkv:{self.budget}"] + opts)
         size = f"total={self.total}" if self.total is not None else str(self.budget)

@@ -103,9 +103,9 @@ def decoded_nll(model, context, continuation, *, policy=None, question=None) -> 
     time through a :class:`~headlab.decode.HeadCache`, as decoding runs: ``(m,)`` float64 (perplexity is
     ``exp(mean)``). Unlike :func:`~headlab.decode.perplexity`, only the decoded tokens are scored: a quantized
     head is read from its codes and an evicting head sees only what it kept."""
-    from headlab.decode.generate import _new_cache, _setup
+    from headlab.decode.generate import new_cache, setup_decoding
 
-    adapter, _, policy = _setup(model, policy)
+    adapter, _, policy = setup_decoding(model, policy)
     hf = adapter.model
     cont = torch.as_tensor(continuation).reshape(1, -1)
     if cont.shape[1] == 0:
@@ -114,7 +114,7 @@ def decoded_nll(model, context, continuation, *, policy=None, question=None) -> 
     head = hf.get_output_embeddings()
     out = []
     with torch.no_grad(), adapter.use_backend("auto"):
-        cache = _new_cache(adapter, policy)
+        cache = new_cache(adapter, policy)
         last = hf.base_model(input_ids=torch.as_tensor(context).reshape(1, -1), cache=cache, use_cache=True)
         if question is not None:
             last = hf.base_model(input_ids=torch.as_tensor(question).reshape(1, -1), cache=cache, use_cache=True)

@@ -16,9 +16,11 @@ A head whose window loses what the recital needs keeps a high gate; the others f
 kv heads (``kv.Policy.from_gates``, or ``kv.Policy.train`` for both steps), so a split at any share of full
 heads follows from one training run.
 
-Progress is a bar (``progress=True``), the run stops at ``seconds`` (a time budget) or ``steps``, and
-``checkpoint=PATH`` saves the gates, the optimiser and the step every ``save_every`` steps and at an
-interrupt, so a later call with the same path resumes where it stopped.
+:func:`train_gates` runs the ``train-gates`` instrument (:mod:`headlab.decode.gates_instrument`) through the study
+runner, one unit per step: progress is a bar (``progress=True``), the run stops at ``seconds`` (a time budget) or
+``steps``, and ``checkpoint=PATH.json`` is the runner's checkpoint: the finished steps (with the gates and Adam's
+state of the newest two), saved every ``save_every`` steps, at the end and at Ctrl-C (which then raises
+``KeyboardInterrupt``), so a later call with the same path resumes where it stopped.
 
     >>> import torch, random
     >>> from transformers import LlamaConfig, LlamaForCausalLM
@@ -39,7 +41,6 @@ from __future__ import annotations
 import contextlib
 import os
 import random
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -54,7 +55,7 @@ from headlab.attention.core import attention as _attention
 from headlab.decode.heads import check_decoder, kv_layout
 from headlab.decode.rules import Window
 from headlab.errors import ConfigError, InputError
-from headlab.progress import Progress, reporter
+from headlab.progress import Progress
 from headlab.results import envelope, write_json
 
 __all__ = ["GateTrainer", "GateTraining", "gated", "per_query_head", "train_gates"]
@@ -140,7 +141,7 @@ class GateTraining:
     losses: list[float] = field(default_factory=list)
     steps: int = 0
     seconds: float = 0.0
-    stopped: str = "steps"  # "steps", "seconds" (the time budget) or "interrupt"
+    stopped: str = "steps"  # "steps" or "seconds" (the time budget); "interrupt" in files of earlier versions
     settings: dict = field(default_factory=dict)
     model: str | None = None  # the model's name (a LoadedModel's, else its class)
 
@@ -202,9 +203,10 @@ def _recitals(tok, n: int, tokens: int, keys: int, seed: int, far: int):
 class GateTrainer:
     """One gate training, a step at a time: the gates, Adam's state, the losses so far and the contexts.
 
-    :func:`train_gates` runs it in a loop; ``headlab train-gates`` runs one step per unit of the study runner,
-    which keeps each finished step's :meth:`snapshot` (JSON) and continues from it (:meth:`restore`) with
-    ``--resume``. The arguments are :func:`train_gates`'s, checked the same way, before any step."""
+    The ``train-gates`` instrument (``headlab train-gates`` and :func:`train_gates`) runs one step per unit of the
+    study runner, which keeps each finished step's :meth:`snapshot` (JSON) and continues from it (:meth:`restore`)
+    with ``--resume`` (or ``checkpoint=``). The arguments are :func:`train_gates`'s, checked the same way, before
+    any step."""
 
     def __init__(
         self,
@@ -220,7 +222,6 @@ class GateTrainer:
         l1: float = 0.05,
         seconds: float | None = None,
         seed: int = 0,
-        save_every: int = 1,
     ) -> None:
         from headlab.models.loaded_model import resolve
 
@@ -229,7 +230,7 @@ class GateTrainer:
         rule = rest
         if getattr(rule, "kind", None) != "window" or rule.bits != 16 or rule.compensate:
             raise ConfigError(f"rest={rest!r}: gates are trained against a plain window, e.g. kv.window(4, 256)")
-        for name, v in (("steps", steps), ("contexts", contexts), ("keys", keys), ("save_every", save_every)):
+        for name, v in (("steps", steps), ("contexts", contexts), ("keys", keys)):
             checks.positive_int(name, v)
         if not (lr > 0 and l1 >= 0):
             raise ConfigError(f"lr={lr!r} must be > 0 and l1={l1!r} >= 0")
@@ -343,39 +344,6 @@ class GateTrainer:
         self.opt.load_state_dict(saved["optim"])
         state.losses, state.steps, state.seconds = saved["losses"], saved["steps"], saved["seconds"]
 
-    def save_checkpoint(self, path: str | os.PathLike) -> None:
-        """The state as :meth:`load_checkpoint` reads it (a temporary file, then a rename: a kill mid-save leaves
-        the previous checkpoint whole)."""
-        ck, st = Path(path), self.state
-        tmp = ck.with_suffix(ck.suffix + ".tmp")
-        torch.save(
-            {
-                "gates": self.param.detach().clone(),
-                "optim": self.opt.state_dict(),
-                "losses": st.losses,
-                "steps": st.steps,
-                "seconds": st.seconds,
-                "rest": [self.rule.sink, self.rule.recent],
-                "settings": st.settings,
-            },
-            tmp,
-        )
-        os.replace(tmp, ck)
-
-    def result(self, stopped: str = "steps") -> GateTraining:
-        """The gates so far (a copy) with the losses, steps and seconds."""
-        st = self.state
-        return GateTraining(
-            self.param.detach().clone(),
-            self.rule,
-            list(st.losses),
-            st.steps,
-            st.seconds,
-            stopped,
-            dict(st.settings),
-            st.model,
-        )
-
 
 def train_gates(
     model,
@@ -405,51 +373,37 @@ def train_gates(
             the run has taken that long.
         lr, l1: Adam's learning rate and the weight of the L1 term on the gates. (The defaults are those of
             the SmolLM2-135M run in ``benchmarks/bench_kv_train.py``, sized for a CPU: 50 steps took 32 minutes.)
-        checkpoint: a file to save the state to (every ``save_every`` steps, at the end and at Ctrl-C) and to
-            resume from when it exists. (``headlab train-gates`` keeps its steps in its ``--out`` file instead,
-            through the study runner, and continues with ``--resume``.)
+        checkpoint: a ``.json`` file that keeps the finished steps (every ``save_every`` steps, at the end and at
+            Ctrl-C), resumed from when it exists: ``headlab train-gates``' ``--out`` file, which the command
+            continues with ``--resume``; one written with other settings is refused (more ``steps`` go on from it).
         progress: a display (True), nothing (False), or ``progress(stage, done, total)`` (headlab's protocol;
             the losses are on the result).
+
+    Runs the ``train-gates`` instrument through the study runner (:func:`headlab.interpret.study.runner.call`):
+    Ctrl-C raises ``KeyboardInterrupt`` once the checkpoint, if any, keeps the finished steps.
     """
-    trainer = GateTrainer(
-        model,
-        rest=rest,
-        data=data,
-        contexts=contexts,
-        tokens=tokens,
-        keys=keys,
-        steps=steps,
-        lr=lr,
-        l1=l1,
-        seconds=seconds,
-        seed=seed,
-        save_every=save_every,
-    )
-    ck = Path(checkpoint) if checkpoint is not None else None
-    if ck is not None and ck.is_file():
-        trainer.load_checkpoint(ck)
-    state = trainer.state
+    from headlab.interpret.study import runner
 
-    def save():
-        if ck is not None:
-            trainer.save_checkpoint(ck)
-
-    start = time.perf_counter() - state.seconds
-    stopped = "steps"
-    try:
-        with reporter(progress) as say, trainer.frozen():
-            say("training gates", state.steps, steps)
-            while state.steps < steps:
-                if seconds is not None and time.perf_counter() - start >= seconds:
-                    stopped = "seconds"
-                    break
-                trainer.step()
-                state.seconds = time.perf_counter() - start
-                say("training gates", state.steps, steps)
-                if state.steps % save_every == 0:
-                    save()
-    except KeyboardInterrupt:
-        stopped = "interrupt"
-    state.seconds = time.perf_counter() - start
-    save()
-    return trainer.result(stopped)
+    ck = None if checkpoint is None else Path(checkpoint).expanduser()
+    if ck is not None and ck.suffix.lower() != ".json":
+        raise ConfigError(
+            f"checkpoint={str(checkpoint)!r}: the checkpoint is the run's JSON file (its finished steps, read back by "
+            "the next call with the same path); give a path ending in .json"
+        )
+    options = {
+        "model": model,
+        "rest": rest,
+        "window": f"{rest.sink},{rest.recent}" if isinstance(rest, Window) else "4,256",
+        "data": data,
+        "contexts": contexts,
+        "tokens": tokens,
+        "keys": keys,
+        "steps": steps,
+        "lr": lr,
+        "l1": l1,
+        "seconds": seconds,
+        "seed": seed,
+        "out": ck,
+        "save_every": save_every,
+    }
+    return runner.call("train-gates", options, progress=progress, resume=ck is not None and ck.is_file())

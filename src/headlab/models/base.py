@@ -14,7 +14,8 @@ adapter keeps a :class:`~headlab.models.sites.LayerState` on each attention modu
 the backend chosen with :meth:`ModelAdapter.use_backend`, the active edits and capture) and two
 hooks on each output projection (W^O): a pre-hook that applies the gates to the per-head outputs z,
 and a hook that reports the per-head contributions ``head_out[h] = z_h W_O[h]``. The sites and what
-each holds are listed in :mod:`headlab.models.sites`.
+each holds are listed in :mod:`headlab.models.sites`; setting the backend, edits and capture for a block is
+:class:`~headlab.models.controls.LayerControls`'s.
 
 Gates act on z, not on the attention probabilities, so they work on every backend, fused ones
 included (Hugging Face's old ``head_mask`` scaled probabilities and only worked on the eager path).
@@ -22,25 +23,21 @@ included (Hugging Face's old ``head_mask`` scaled probabilities and only worked 
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator, Mapping
 from typing import ClassVar
 
 import torch
 from torch import nn
 
-from headlab.attention import backends as _backends
 from headlab.distributed.placement import Placement
 from headlab.errors import ConfigError, InputError, PruneError, UnsupportedArchitectureError
 from headlab.models import tensor_parallel as _tp  # a model sharded by tensor parallelism: its heads per rank
+from headlab.models.controls import LayerControls
 from headlab.models.norm_layout import BlockNorms
 from headlab.models.projections import Out
-from headlab.models.sites import (EDITABLE_KINDS, SITE_KINDS, LayerState, default_prefixes, gate_hook, head_out_hook,
-                                  match_sites)
-from headlab.models.stream_sites import RESID_KINDS, stream_edit_hooks, stream_hooks
+from headlab.models.sites import SITE_KINDS, LayerState, default_prefixes, gate_hook, head_out_hook
 
 
-class ModelAdapter:
+class ModelAdapter(LayerControls):
     """The canonical view of one transformer (see the module docstring for the shapes).
 
     Subclasses (one per family) say where the attention modules and output projections are and how
@@ -64,16 +61,32 @@ class ModelAdapter:
     is_decoder: ClassVar[bool] = False  # families whose tokens see only earlier tokens say True
     own_model: ClassVar[bool] = False  # headlab's own Transformer: called with an ids tensor, saved in its format
     _placement: Placement | None = None  # sharded by heads: read from the weights in __init__ (models.tensor_parallel)
-    placement = property(lambda self: self._placement or Placement.here(self.n_heads, self.n_kv_heads),
-                         doc="Which rank holds which heads and runs which units (headlab.distributed.placement)")
-    tp = property(lambda self: self._placement.group_view() if self._placement else None,
-                  doc="The tensor-parallel group's placement (rank and world within it); None when not sharded")
+    placement = property(
+        lambda self: self._placement or Placement.here(self.n_heads, self.n_kv_heads),
+        doc="Which rank holds which heads and runs which units (headlab.distributed.placement)",
+    )
+    tp = property(
+        lambda self: self._placement.group_view() if self._placement else None,
+        doc="The tensor-parallel group's placement (rank and world within it); None when not sharded",
+    )
 
-    def __init__(self, model: nn.Module, *, n_layers: int, n_heads: int, n_kv_heads: int, head_dim: int,
-                 d_model: int, attn_modules: list[nn.Module], out_projs: list[nn.Module]) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        n_layers: int,
+        n_heads: int,
+        n_kv_heads: int,
+        head_dim: int,
+        d_model: int,
+        attn_modules: list[nn.Module],
+        out_projs: list[nn.Module],
+    ) -> None:
         if not (len(attn_modules) == len(out_projs) == n_layers):
-            raise ConfigError(f"adapter for {type(model).__name__}: found {len(attn_modules)} attention modules and "
-                              f"{len(out_projs)} output projections for {n_layers} layers")
+            raise ConfigError(
+                f"adapter for {type(model).__name__}: found {len(attn_modules)} attention modules and "
+                f"{len(out_projs)} output projections for {n_layers} layers"
+            )
         self.model, self.n_layers, self.n_heads, self.n_kv_heads = model, n_layers, n_heads, n_kv_heads
         self.head_dim, self.d_model = head_dim, d_model
         self.attn_modules, self.out_projs = list(attn_modules), list(out_projs)
@@ -84,8 +97,10 @@ class ModelAdapter:
         self.site_prefixes = self._site_prefixes()
         self._placement = _tp.placement_of(model, self)  # a Placement, or None (headlab.models.tensor_parallel)
         local = self._placement.local_heads if self._placement else n_heads  # sharded: W^O's input holds H/world heads
-        self.states = [LayerState(layer=i, n_heads=local, head_dim=head_dim, adapter=self, site=self.site_prefixes[i])
-                       for i in range(n_layers)]
+        self.states = [
+            LayerState(layer=i, n_heads=local, head_dim=head_dim, adapter=self, site=self.site_prefixes[i])
+            for i in range(n_layers)
+        ]
         self._attach_states()
 
     def _attach_states(self) -> None:
@@ -114,6 +129,7 @@ class ModelAdapter:
                 k = calls.get(id(am), 0)
                 calls[id(am)] = k + 1
                 am._headlab = op._headlab = self.states[layers[k % len(layers)]]
+
             return hook
 
         self._handles.append(self.model.register_forward_pre_hook(rewind))
@@ -139,6 +155,10 @@ class ModelAdapter:
         """Globs that match site ``kind`` in every layer of every stack (``["blocks.*.attn.pattern"]``)."""
         return sorted({".".join([p.split(".")[0], "*", p.split(".")[2], kind]) for p in self.site_prefixes})
 
+    def hook_sites(self) -> list[str]:
+        """Every site a capture can ask for, layer by layer: ``blocks.{l}.attn.{q,k,v,pattern,z,head_out,stats}``."""
+        return [self.site_name(i, kind) for i in range(self.n_layers) for kind in SITE_KINDS]
+
     @property
     def shared_layers(self) -> list[list[int]]:
         """Groups of layers computed by one shared module (ALBERT); empty when every layer has its own."""
@@ -163,9 +183,13 @@ class ModelAdapter:
         """Whether the model ends in a task head with logits (a classifier or a language-model head)."""
         from headlab.models.inputs import has_lm_head
 
-        return self.own_model or type(self.model).__name__.endswith(("ForSequenceClassification", "LMHeadModel",
-                                                                     "ForCausalLM", "ForConditionalGeneration")) \
+        return (
+            self.own_model
+            or type(self.model).__name__.endswith(
+                ("ForSequenceClassification", "LMHeadModel", "ForCausalLM", "ForConditionalGeneration")
+            )
             or has_lm_head(self.model)
+        )
 
     def value_input(self, layer: int, args: tuple, kwargs: dict) -> torch.Tensor:
         """The tensor layer ``layer``'s keys and values are computed from, out of its attention module's call
@@ -181,7 +205,8 @@ class ModelAdapter:
         """The normalisation around block ``layer``'s attention (:class:`~headlab.models.norm_layout.BlockNorms`:
         pre, post, sandwich or parallel; LayerNorm or RMSNorm)."""
         raise UnsupportedArchitectureError(
-            f"the {self.family!r} adapter does not say where its block's normalisation is (attention_norm)")
+            f"the {self.family!r} adapter does not say where its block's normalisation is (attention_norm)"
+        )
 
     def block(self, layer: int) -> nn.Module:
         """The block (transformer layer) holding attention layer ``layer``: the item of the model's layer list on
@@ -191,14 +216,17 @@ class ModelAdapter:
         if set(self.stacks) != {"blocks"} or self.shared_layers:
             raise UnsupportedArchitectureError(
                 f"residual-stream sites need one stack of unshared blocks; the {self.family!r} model has stacks "
-                f"{', '.join(self.stacks)}{' and shares blocks across layers' if self.shared_layers else ''}")
+                f"{', '.join(self.stacks)}{' and shares blocks across layers' if self.shared_layers else ''}"
+            )
         path = next((p for p, m in self.model.named_modules() if m is self.attn_modules[layer]), "")
         parts = path.split(".")
         cut = next((i for i, p in enumerate(parts) if p.isdigit()), None)
         if cut is None:
-            raise UnsupportedArchitectureError(f"the {self.family!r} model keeps attention at {path!r}, not in a "
-                                               "list of blocks: residual-stream sites cannot find the block")
-        return self.model.get_submodule(".".join(parts[:cut + 1]))
+            raise UnsupportedArchitectureError(
+                f"the {self.family!r} model keeps attention at {path!r}, not in a "
+                "list of blocks: residual-stream sites cannot find the block"
+            )
+        return self.model.get_submodule(".".join(parts[: cut + 1]))
 
     def mlp(self, layer: int) -> nn.Module:
         """Block ``layer``'s MLP: its child ``mlp``, ``ffn``, ``feed_forward`` (an MoE's ``block_sparse_moe``, ``moe``),
@@ -212,16 +240,20 @@ class ModelAdapter:
             if m is None:
                 continue
             params = inspect.signature(m.forward).parameters.values()
-            required = [p for p in params if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+            required = [
+                p for p in params if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+            ]
             if len(required) == 1:
                 return m
         raise UnsupportedArchitectureError(
             f"the {self.family!r} block has no MLP module called on the stream alone (children: "
-            f"{', '.join(block._modules)}): the site mlp_out is not available")
+            f"{', '.join(block._modules)}): the site mlp_out is not available"
+        )
 
     # -- physical head removal: each family says how (headlab.models.surgery asks) -----------------------------
-    def cut_heads(self, attn: nn.Module, out: nn.Module, q_heads: list[int], kv_heads: list[int], H: int,
-                  Hkv: int) -> None:
+    def cut_heads(
+        self, attn: nn.Module, out: nn.Module, q_heads: list[int], kv_heads: list[int], H: int, Hkv: int
+    ) -> None:
         """Keep query heads ``q_heads`` and kv heads ``kv_heads`` of one layer's modules (H, Hkv before), in place."""
         raise PruneError(f"the {self.family!r} adapter cannot remove heads physically (cut_heads)")
 
@@ -274,7 +306,9 @@ class ModelAdapter:
 
     def _check_layer(self, layer: int) -> int:
         if not isinstance(layer, int) or not 0 <= layer < self.n_layers:
-            raise ConfigError(f"layer {layer!r} out of range: the model has {self.n_layers} layers (0..{self.n_layers - 1})")
+            raise ConfigError(
+                f"layer {layer!r} out of range: the model has {self.n_layers} layers (0..{self.n_layers - 1})"
+            )
         return layer
 
     # -- gates ----------------------------------------------------------------------------------------
@@ -290,8 +324,9 @@ class ModelAdapter:
     def gates(self, value: torch.Tensor) -> None:
         value = torch.as_tensor(value)
         if tuple(value.shape) != (self.n_layers, self.n_heads):
-            raise ConfigError(f"gates must have shape (n_layers, n_heads) = {(self.n_layers, self.n_heads)}, "
-                              f"got {tuple(value.shape)}")
+            raise ConfigError(
+                f"gates must have shape (n_layers, n_heads) = {(self.n_layers, self.n_heads)}, got {tuple(value.shape)}"
+            )
         if not value.is_floating_point():
             value = value.float()
         self._gates = value.to(self._gates.device)
@@ -299,116 +334,6 @@ class ModelAdapter:
     def reset_gates(self) -> None:
         """All gates back to 1 (a fresh tensor, not requiring grad)."""
         self._gates = torch.ones_like(self._gates, requires_grad=False)
-
-    # -- backends ---------------------------------------------------------------------------------------
-    @property
-    def backend(self) -> str | _backends.Backend | None:
-        """The backend set by the innermost :meth:`use_backend`, or None outside one."""
-        return self.states[0].backend if self.states else None
-
-    @contextlib.contextmanager
-    def use_backend(self, backend: str | _backends.Backend) -> Iterator[ModelAdapter]:
-        """Inside the block every attention layer runs on ``backend`` (a registered name or a Backend).
-
-            >>> import torch
-            >>> from headlab.models import adapt
-            >>> from headlab.models.transformer import Transformer, TransformerConfig
-            >>> m = Transformer(TransformerConfig(vocab_size=50, d_model=32, n_layers=2, n_heads=4)).eval()
-            >>> ids = torch.randint(0, 50, (1, 9))
-            >>> with adapt(m).use_backend("reference"):
-            ...     a = m(ids).logits
-            >>> with adapt(m).use_backend("sdpa"):
-            ...     b = m(ids).logits
-            >>> torch.allclose(a, b, atol=1e-5)
-            True
-        """
-        if not (isinstance(backend, str) and backend == "auto"):
-            _backends.get(backend)  # UnknownBackendError naming the known ones
-        saved = [st.backend for st in self.states]
-        token = self._enter_backend()
-        try:
-            for st in self.states:
-                st.backend = backend
-            yield self
-        finally:
-            for st, b in zip(self.states, saved):
-                st.backend = b
-            self._exit_backend(token)
-
-    def _enter_backend(self):
-        """Route the model's attention through :func:`run_attention` (HF families switch the implementation)."""
-        return None
-
-    def _exit_backend(self, token) -> None:
-        """Undo :meth:`_enter_backend`."""
-
-    # -- capture and edits ---------------------------------------------------------------------------------
-    def hook_sites(self) -> list[str]:
-        """Every site a capture can ask for, layer by layer: ``blocks.{l}.attn.{q,k,v,pattern,z,head_out,stats}``."""
-        return [self.site_name(i, kind) for i in range(self.n_layers) for kind in SITE_KINDS]
-
-    @contextlib.contextmanager
-    def hooks(self, edits: Mapping[str, Callable[[torch.Tensor, str], torch.Tensor]]) -> Iterator[ModelAdapter]:
-        """Inside the block, ``fn(tensor, site) -> tensor`` replaces the activation at each site (globs allowed).
-
-        Sites and their shapes are listed in :mod:`headlab.models.sites`; ``stats`` is record-only. An
-        edit of ``z`` or ``head_out`` works on every backend; an edit of ``pattern`` runs that layer from
-        the edited map on the reference path. An edit must return the shape it was given (else
-        :class:`~headlab.errors.ShapeError` naming the site and both shapes). Hooks are removed in a
-        ``finally``; nested blocks apply their edits in the order they were entered.
-
-            >>> import torch
-            >>> from headlab.models import adapt
-            >>> from headlab.models.transformer import Transformer, TransformerConfig
-            >>> m = Transformer(TransformerConfig(vocab_size=50, d_model=32, n_layers=2, n_heads=4)).eval()
-            >>> ids = torch.randint(0, 50, (1, 9))
-            >>> def drop_head_1(z, site):
-            ...     z = z.clone(); z[:, 1] = 0; return z
-            >>> with adapt(m).hooks({"blocks.0.attn.z": drop_head_1}):
-            ...     edited = m(ids).logits
-            >>> adapt(m).gates[0, 1] = 0.0
-            >>> torch.allclose(edited, m(ids).logits, atol=1e-6)
-            True
-        """
-        if not isinstance(edits, Mapping):
-            raise ConfigError(f"hooks takes a mapping {{site: fn(tensor, site) -> tensor}}, got {type(edits).__name__}")
-        for site, fn in edits.items():
-            if not callable(fn):
-                raise ConfigError(f"the edit for {site!r} is {type(fn).__name__}, not a function fn(tensor, site) -> tensor")
-        chosen = match_sites(list(edits), self.n_layers, EDITABLE_KINDS + RESID_KINDS, self.site_prefixes)
-        stream = {layer: set(kinds) & set(RESID_KINDS) for layer, kinds in chosen.items() if set(kinds) & set(RESID_KINDS)}
-        added: list[tuple[LayerState, str, Callable]] = []
-        token = self._enter_backend() if self.backend is None else None
-        try:
-            for layer, kinds in chosen.items():
-                state: LayerState = self.states[layer]
-                for kind, patterns in kinds.items():
-                    for pat in patterns:
-                        fn = _tp.global_edit(self, edits[pat], kind)  # sharded: the edit sees every head
-                        state.edits.setdefault(kind, []).append(fn)
-                        added.append((state, kind, fn))
-            with stream_edit_hooks(self, stream):  # resid_pre, resid_post, mlp_out: hooks on blocks and MLPs
-                yield self
-        finally:
-            for state, kind, fn in reversed(added):
-                state.edits[kind].remove(fn)
-                if not state.edits[kind]:
-                    del state.edits[kind]
-            if token is not None:
-                self._exit_backend(token)
-
-    @contextlib.contextmanager
-    def probing(self, probe) -> Iterator[None]:
-        """Attach a capture probe (:mod:`headlab.interpret.capture`) to every layer for the block (always detached)."""
-        try:
-            for st in self.states:
-                st.probe = probe
-            with stream_hooks(self, probe):  # the residual-stream sites it asks for (input, resid_pre, ...)
-                yield
-        finally:
-            for st in self.states:
-                st.probe = None
-                st.z_gated = None
 
     def forward(self, inputs):
         """Run the wrapped model on ``inputs`` (a dict of keyword tensors, or an input-id tensor).
@@ -421,6 +346,7 @@ class ModelAdapter:
         self._check_ids(inputs.get("input_ids") if isinstance(inputs, dict) else inputs, isinstance(inputs, dict))
         if not self.own_model and hasattr(self.model, "config"):  # a Hugging Face model: the inputs it takes
             from headlab.models.inputs import complete_inputs
+
             inputs = complete_inputs(self.model, inputs if isinstance(inputs, dict) else {"input_ids": inputs})
         if isinstance(inputs, dict):
             return self.model(**inputs)
@@ -432,17 +358,22 @@ class ModelAdapter:
             return
         if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
             if named or self.own_model:
-                raise InputError(f"token ids must be an integer tensor, got dtype {ids.dtype}; convert them with "
-                                 ".long(), or encode text with the model's own tokenizer (loaded.encode(text))")
+                raise InputError(
+                    f"token ids must be an integer tensor, got dtype {ids.dtype}; convert them with "
+                    ".long(), or encode text with the model's own tokenizer (loaded.encode(text))"
+                )
             return
         from headlab.models.inputs import input_embeddings  # None for a model without one (audio)
+
         if (n := getattr(input_embeddings(self.model), "num_embeddings", None)) is None:
             return
         lo, hi = int(ids.min()), int(ids.max())
         if lo < 0 or hi >= n:
             bad = lo if lo < 0 else hi
-            raise InputError(f"token id {bad} is outside the vocabulary of {n} tokens (ids 0..{n - 1}); encode text "
-                             "with the model's own tokenizer (loaded.encode(text))")
+            raise InputError(
+                f"token id {bad} is outside the vocabulary of {n} tokens (ids 0..{n - 1}); encode text "
+                "with the model's own tokenizer (loaded.encode(text))"
+            )
 
     def close(self) -> None:
         """Remove the adapter's hooks and state from the model (the gates stop acting)."""
@@ -456,5 +387,7 @@ class ModelAdapter:
             del self.model._headlab_adapter
 
     def __repr__(self) -> str:
-        return (f"<{type(self).__name__} family={self.family!r} layers={self.n_layers} heads={self.n_heads} "
-                f"kv_heads={self.n_kv_heads} head_dim={self.head_dim} d_model={self.d_model}>")
+        return (
+            f"<{type(self).__name__} family={self.family!r} layers={self.n_layers} heads={self.n_heads} "
+            f"kv_heads={self.n_kv_heads} head_dim={self.head_dim} d_model={self.d_model}>"
+        )

@@ -36,7 +36,8 @@ from torch import nn
 from headlab.errors import InputError, ModelError
 from headlab.models.base import ModelAdapter
 from headlab.models.loaded_model import LoadedModel, adapt, resolve
-from headlab.models.surgery import LayerPlan, LocalPlan, PruneResult, apply_plan, prune, pruned_adapter
+from headlab.models.prune_plan import LayerPlan, LocalPlan
+from headlab.models.surgery import PruneResult, apply_plan, prune, pruned_adapter
 
 MANIFEST = "headlab_pruned.json"
 WEIGHTS = "model.safetensors"

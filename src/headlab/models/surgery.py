@@ -24,7 +24,7 @@ cuts its own DTensor shards (its query heads, its kv heads, its columns of W^O) 
 mesh, so the copy is sharded as transformers shards it and its logits equal the one-process pruned model's. That
 needs balanced shards: every rank must keep as many query and kv heads as the others, in every layer; a pruning
 that would not is refused with :class:`~headlab.errors.PruneError`, naming what each rank would keep and a
-balanced removal (:func:`check_balanced`).
+balanced removal (:func:`~headlab.models.prune_plan.check_balanced`).
 
     >>> import torch
     >>> from headlab.models import adapt
@@ -47,24 +47,10 @@ from typing import TYPE_CHECKING, Literal, cast
 
 from torch import nn
 
-import headlab.checks as checks
 from headlab.errors import ConfigError, PruneError
 from headlab.models import tp_mesh  # a sharded model's DTensors: copied, unwrapped to this rank's shard, rewrapped
 from headlab.models.base import ModelAdapter
-
-
-@dataclass(frozen=True)
-class LayerPlan:
-    """What one layer keeps, in original head indices (ascending)."""
-
-    q: tuple[int, ...]  # query heads kept, zero-output padding included
-    kv: tuple[int, ...]  # KV heads kept (== q without GQA)
-    zeroed: tuple[int, ...] = ()  # removed heads retained with W^O = 0 (GQA padding, or an emptied layer)
-
-    @property
-    def live(self) -> tuple[int, ...]:
-        """Query heads that still contribute."""
-        return tuple(h for h in self.q if h not in self.zeroed)
+from headlab.models.prune_plan import LayerPlan, LocalPlan, check_balanced, check_heads, plan_layer
 
 
 @dataclass
@@ -86,63 +72,9 @@ class PruneResult:
         return len({(len(p.q), len(p.kv)) for p in self.plans}) == 1
 
 
-def check_heads(adapter: ModelAdapter, heads: dict) -> dict[int, list[int]]:
-    """Validate ``{layer: [head, ...]}``: ints in range, no duplicates. Returns a clean copy."""
-    if not isinstance(heads, dict):
-        raise ConfigError(f"heads to prune must be a dict {{layer: [head, ...]}}, got {type(heads).__name__}")
-    clean: dict[int, list[int]] = {}
-    for layer, hs in heads.items():
-        checks.index("layer", layer, adapter.n_layers, negative=False,
-                     message="layer {value!r} out of range: the model has {length} layers (0..{high})")
-        hs = [hs] if isinstance(hs, int) else list(hs)
-        n = adapter.layer_heads[layer]
-        for h in hs:
-            checks.index("head", h, n, negative=False,
-                         message=f"head {{value!r}} of layer {layer} out of range: that layer has {{length}} heads "
-                                 "(0..{high})")
-        if len(set(hs)) != len(hs):
-            raise ConfigError(f"layer {layer}: head listed twice in {hs}")
-        clean[layer] = sorted(hs)
-    return clean
-
-
-def plan_layer(H: int, Hkv: int, removed: list[int], *, layer: int, allow_empty_layers: bool,
-               gqa: Literal["pad", "strict"]) -> tuple[LayerPlan, str | None]:
-    """The kept heads of one layer with ``H`` query and ``Hkv`` KV heads after removing ``removed``."""
-    G = H // Hkv
-    kept = [h for h in range(H) if h not in set(removed)]
-    if not kept:
-        if not allow_empty_layers:
-            raise PruneError(f"pruning every head of layer {layer} ({H} heads): the layer's attention would output "
-                             "only W^O's bias; pass allow_empty_layers=True (CLI --allow-empty-layers) if you mean it")
-        return LayerPlan(q=(0,), kv=(0,), zeroed=(0,)), (
-            f"layer {layer}: every head pruned; its attention now outputs only W^O's bias "
-            "(head 0 kept with W^O = 0 so that the module still runs)")
-    groups: dict[int, list[int]] = {}
-    for h in kept:
-        groups.setdefault(h // G, []).append(h)
-    sizes = {g: len(v) for g, v in groups.items()}
-    target = max(sizes.values())
-    zeroed: list[int] = []
-    note = None
-    if len(set(sizes.values())) > 1:
-        if gqa == "strict":
-            raise PruneError(
-                f"layer {layer}: grouped-query attention with {G} query heads per KV head; this pruning leaves "
-                f"groups of {[sizes[g] for g in sorted(sizes)]} query heads (KV heads {sorted(sizes)}), which the "
-                "kernels cannot run exactly; prune whole groups, or use gqa='pad' (keeps the removed heads a "
-                "group needs, with W^O = 0)")
-        for g, members in groups.items():
-            spare = [h for h in range(g * G, (g + 1) * G) if h not in members]
-            zeroed += spare[: target - len(members)]
-        note = (f"layer {layer}: uneven GQA groups {[sizes[g] for g in sorted(sizes)]}; kept {len(zeroed)} removed "
-                f"head(s) {sorted(zeroed)} as zero-output padding (W^O = 0) so that every group holds {target}")
-    q = tuple(sorted(kept + zeroed))
-    return LayerPlan(q=q, kv=tuple(sorted(groups)), zeroed=tuple(sorted(zeroed))), note
-
-
-def prune(adapter: ModelAdapter, heads: dict, *, allow_empty_layers: bool = False,
-          gqa: Literal["pad", "strict"] = "pad") -> PruneResult:
+def prune(
+    adapter: ModelAdapter, heads: dict, *, allow_empty_layers: bool = False, gqa: Literal["pad", "strict"] = "pad"
+) -> PruneResult:
     """A physically pruned deep copy of ``adapter.model`` (the input is left untouched).
 
     Args:
@@ -161,8 +93,14 @@ def prune(adapter: ModelAdapter, heads: dict, *, allow_empty_layers: bool = Fals
     for layer in range(adapter.n_layers):
         H, Hkv = adapter.layer_heads[layer], adapter.layer_kv_heads[layer]
         already_zero = list(base_plans[layer].zeroed_local) if base_plans else []
-        plan, note = plan_layer(H, Hkv, sorted(set(heads.get(layer, [])) | set(already_zero)), layer=layer,
-                                allow_empty_layers=allow_empty_layers, gqa=gqa)
+        plan, note = plan_layer(
+            H,
+            Hkv,
+            sorted(set(heads.get(layer, [])) | set(already_zero)),
+            layer=layer,
+            allow_empty_layers=allow_empty_layers,
+            gqa=gqa,
+        )
         plans.append(plan)
         if note:
             notes.append(note)
@@ -181,8 +119,12 @@ def prune(adapter: ModelAdapter, heads: dict, *, allow_empty_layers: bool = Fals
         # every layer alike: where the config can say it, the model saves as a stock Hugging Face folder
         adapter.prune_config(model.config, len(plans[0].q), len(plans[0].kv))
     if base_plans:  # express the plans in the original model's indices again
-        plans = [LayerPlan(q=tuple(b.q[i] for i in p.q), kv=tuple(b.kv[i] for i in p.kv),
-                           zeroed=tuple(b.q[i] for i in p.zeroed)) for b, p in zip(base_plans, plans)]
+        plans = [
+            LayerPlan(
+                q=tuple(b.q[i] for i in p.q), kv=tuple(b.kv[i] for i in p.kv), zeroed=tuple(b.q[i] for i in p.zeroed)
+            )
+            for b, p in zip(base_plans, plans)
+        ]
     pa = pruned_adapter(adapter, model, new, plans, attn, outs)
     for layer, lp in enumerate(new):
         g = gates[layer, list(lp.plan.q)]
@@ -192,15 +134,6 @@ def prune(adapter: ModelAdapter, heads: dict, *, allow_empty_layers: bool = Fals
 
 
 # -- the structural edit ---------------------------------------------------------------------------------------
-@dataclass
-class LocalPlan:
-    plan: LayerPlan  # in the indices of the model being cut
-
-    @property
-    def zeroed_local(self) -> list[int]:
-        return [i for i, h in enumerate(self.plan.q) if h in self.plan.zeroed]
-
-
 def same_modules(adapter: ModelAdapter, copy_of_model: nn.Module) -> tuple[list, list]:
     """The attention modules and output projections of a deep copy, found by their names in the original."""
     names = {id(m): n for n, m in adapter.model.named_modules()}
@@ -208,8 +141,9 @@ def same_modules(adapter: ModelAdapter, copy_of_model: nn.Module) -> tuple[list,
     return ([mods[names[id(m)]] for m in adapter.attn_modules], [mods[names[id(m)]] for m in adapter.out_projs])
 
 
-def apply_plan(adapter: ModelAdapter, plans: list[LocalPlan], attn_modules: list, out_projs: list,
-           counts: list[tuple[int, int]]) -> list[LocalPlan]:
+def apply_plan(
+    adapter: ModelAdapter, plans: list[LocalPlan], attn_modules: list, out_projs: list, counts: list[tuple[int, int]]
+) -> list[LocalPlan]:
     """Cut every layer's modules to its plan, in place, the family's way (``adapter.cut_heads``);
     ``counts[l]`` = (H_l, Hkv_l) before the cut."""
     done: dict[int, LayerPlan] = {}
@@ -219,8 +153,10 @@ def apply_plan(adapter: ModelAdapter, plans: list[LocalPlan], attn_modules: list
         key = id(attn_modules[layer])
         if key in done:  # a module shared by several layers (ALBERT) is cut once, for all of them
             if done[key] != p:
-                raise PruneError(f"layer {layer} shares its attention module with another layer (ALBERT shares one "
-                                 "block across layers); prune the same heads in every layer that shares it")
+                raise PruneError(
+                    f"layer {layer} shares its attention module with another layer (ALBERT shares one "
+                    "block across layers); prune the same heads in every layer that shares it"
+                )
             continue
         done[key] = p
         if len(p.q) == H and len(p.kv) == Hkv and not p.zeroed:
@@ -276,17 +212,40 @@ class _PrunedMixin(_MixinBase):
             am.head_gate = self._gates[i, : self._layer_heads[i]]
 
     def __repr__(self) -> str:
-        return (f"<Pruned {self.family} adapter: layers={self.n_layers} heads per layer={self.layer_heads} "
-                f"kv heads per layer={self.layer_kv_heads}>")
+        return (
+            f"<Pruned {self.family} adapter: layers={self.n_layers} heads per layer={self.layer_heads} "
+            f"kv heads per layer={self.layer_kv_heads}>"
+        )
 
 
 # what ModelAdapter.__init__ sets itself (and the pruned counts): never copied from the template
-_BASE_STATE = {"model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_model", "attn_modules", "out_projs",
-               "_gates", "_handles", "states", "site_prefixes", "_layer_heads", "_layer_kv_heads", "plans"}
+_BASE_STATE = {
+    "model",
+    "n_layers",
+    "n_heads",
+    "n_kv_heads",
+    "head_dim",
+    "d_model",
+    "attn_modules",
+    "out_projs",
+    "_gates",
+    "_handles",
+    "states",
+    "site_prefixes",
+    "_layer_heads",
+    "_layer_kv_heads",
+    "plans",
+}
 
 
-def pruned_adapter(template: ModelAdapter, model: nn.Module, plans: list[LocalPlan],
-                   original_plans: list[LayerPlan], attn: list, outs: list) -> ModelAdapter:
+def pruned_adapter(
+    template: ModelAdapter,
+    model: nn.Module,
+    plans: list[LocalPlan],
+    original_plans: list[LayerPlan],
+    attn: list,
+    outs: list,
+) -> ModelAdapter:
     """An adapter for the cut ``model``, of the template's family class with per-layer counts."""
     fam_cls: type = type(template)
     if isinstance(template, _PrunedMixin):
@@ -295,8 +254,11 @@ def pruned_adapter(template: ModelAdapter, model: nn.Module, plans: list[LocalPl
     q_counts = [len(p.plan.q) for p in plans]
     kv_counts = [len(p.plan.kv) for p in plans]
     pa = cls.__new__(cls)
-    pa._layer_heads, pa._layer_kv_heads, pa.plans = q_counts, kv_counts, [_Plan(p.plan, o) for p, o in
-                                                                         zip(plans, original_plans)]
+    pa._layer_heads, pa._layer_kv_heads, pa.plans = (
+        q_counts,
+        kv_counts,
+        [_Plan(p.plan, o) for p, o in zip(plans, original_plans)],
+    )
     # what the family's own __init__ set (its blocks, stack sizes), with modules found again in the cut model
     names = {id(m): n for n, m in template.model.named_modules()}
     mods = dict(model.named_modules())
@@ -312,8 +274,17 @@ def pruned_adapter(template: ModelAdapter, model: nn.Module, plans: list[LocalPl
                 setattr(pa, key, same(value))
             except AttributeError:  # a read-only property in the class: it computes itself
                 pass
-    ModelAdapter.__init__(pa, model, n_layers=template.n_layers, n_heads=max(q_counts), n_kv_heads=max(kv_counts),
-                          head_dim=template.head_dim, d_model=template.d_model, attn_modules=attn, out_projs=outs)
+    ModelAdapter.__init__(
+        pa,
+        model,
+        n_layers=template.n_layers,
+        n_heads=max(q_counts),
+        n_kv_heads=max(kv_counts),
+        head_dim=template.head_dim,
+        d_model=template.d_model,
+        attn_modules=attn,
+        out_projs=outs,
+    )
     for st, n in zip(pa.states, q_counts):  # the gate hook splits W^O's input by the layer's own count
         st.n_heads = n // pa.placement.tensor_size  # sharded: this rank's heads
     model._headlab_adapter = pa  # type: ignore[assignment]  # torch types module attributes Tensor | Module
@@ -341,57 +312,15 @@ class _Plan:
 
 
 # -- a model sharded by tensor parallelism: every rank cuts its own heads -------------------------------------------
-def _shares(plan: LayerPlan, tp) -> list[tuple[int, int]]:
-    """``(query heads, kv heads)`` each rank keeps of one layer's plan (global indices)."""
-    return [(sum(h in tp.heads(r) for h in plan.q), sum(g in tp.kv_heads(r) for g in plan.kv))
-            for r in range(tp.tensor_size)]
-
-
-def check_balanced(plans: list[LayerPlan], tp, asked: dict[int, list[int]]) -> None:
-    """Refuse a pruning of a sharded model that would leave the ranks (or the layers) holding unequal heads.
-
-    transformers' plan cuts each projection into equal row blocks, and headlab reads a sharded model whose every
-    layer holds ``H / world`` query and ``Hkv / world`` kv heads on each rank; so every rank must remove the same
-    number of its heads in every layer (kv heads go with their last query head, as in one process). The error
-    names what each rank would keep and a removal that would be balanced."""
-    shares = [_shares(p, tp) for p in plans]
-    if len({s for layer in shares for s in layer}) == 1:
-        return
-    where = "; ".join(f"layer {l}: " + ", ".join(f"rank {r} {q}q/{kv}kv" for r, (q, kv) in enumerate(s))
-                      for l, s in enumerate(shares))
-    found = balanced_removal(tp, asked, plans)
-    hint = (f"e.g. {found}" if found is not None else "whole kv groups of each rank") + " (gqa='pad')"
-    raise PruneError(
-        f"pruning this model, sharded over {tp.tensor_size} ranks, would leave unequal shards ({where}; query/kv "
-        f"heads kept): each rank holds {tp.local_heads} query heads of every layer (rank 0 {list(tp.heads(0))}, "
-        "...), and transformers' plan and headlab's reading of it need every rank of every layer to keep as many query and kv "
-        f"heads as the others; remove the same number of each rank's heads in every layer, {hint}, or prune in one "
-        "process (headlab.load without tensor_parallel)")
-
-
-def balanced_removal(tp, asked: dict[int, list[int]], plans: list[LayerPlan]) -> dict[int, list[int]] | None:
-    """A removal close to ``asked`` that keeps the shards even: in every layer, each rank removes ``k`` of its heads,
-    ``k`` the most any rank removes anywhere in ``asked`` (at most all but one), its asked heads first, then its
-    next ones. None when that is not balanced either (uneven GQA groups)."""
-    k = max((sum(h in tp.heads(r) for h in asked.get(l, [])) for l in range(len(plans))
-             for r in range(tp.tensor_size)), default=0)
-    k = min(k, tp.local_heads - 1)
-    out: dict[int, list[int]] = {}
-    for l in range(len(plans)):
-        chosen: list[int] = []
-        for r in range(tp.tensor_size):
-            mine = [h for h in asked.get(l, []) if h in tp.heads(r)][:k]
-            mine += [h for h in tp.heads(r) if h not in mine][: k - len(mine)]
-            chosen += sorted(mine)
-        if chosen:
-            out[l] = chosen
-    ok = [plan_layer(tp.n_heads, tp.n_kv_heads, out.get(l, []), layer=l, allow_empty_layers=False, gqa="pad")[0]
-          for l in range(len(plans))] if out else []
-    return out if ok and len({s for p in ok for s in _shares(p, tp)}) == 1 else None
-
-
-def apply_sharded(adapter: ModelAdapter, plans: list[LayerPlan], attn_modules: list, out_projs: list,
-                  counts: list[tuple[int, int]], original: nn.Module, copy_of_model: nn.Module) -> list[LocalPlan]:
+def apply_sharded(
+    adapter: ModelAdapter,
+    plans: list[LayerPlan],
+    attn_modules: list,
+    out_projs: list,
+    counts: list[tuple[int, int]],
+    original: nn.Module,
+    copy_of_model: nn.Module,
+) -> list[LocalPlan]:
     """Cut a deep copy of a sharded model, each rank its own slices: the DTensor weights of every layer's attention
     are unwrapped to this rank's local shard, cut by the family (``adapter.cut_heads`` in this rank's local head
     indices) and wrapped again as DTensors on the same mesh and placements, so the copy is sharded as

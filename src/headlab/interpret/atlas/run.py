@@ -16,8 +16,10 @@ this module only runs them, as an :class:`AtlasRun` of units (phases), each inpu
 A unit's value is JSON (:mod:`.codec`) and a unit reads only the values of the units before it, so a run
 resumed from any unit gives the numbers of a run in one go: every random choice is seeded from ``seed``
 where it is made (the repeated tokens, the needle trials, each task's sequences, its random draws and its
-bootstrap). ``headlab atlas`` runs these units through the study runner (its ``--resume`` and Ctrl-C);
-:func:`atlas` runs them here, and with ``resume=PATH`` keeps their values in ``PATH``.
+bootstrap). :func:`atlas` and ``headlab atlas`` alike run these units through the study runner (the ``atlas``
+instrument, :mod:`headlab.interpret.instruments.atlas`): its checks, progress and Ctrl-C, and its checkpoint (the
+finished units kept in ``--out/atlas.json``, or in ``resume=PATH`` from Python); :mod:`.assemble` puts the units'
+values together into the :class:`Atlas`.
 
 Under torchrun (``torchrun --nproc-per-node N -m headlab atlas ...``) every rank runs every unit, and inside a
 unit the needle trials and the checks' configurations are split over the ranks and gathered back, which gives
@@ -32,7 +34,6 @@ own heads.
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from collections.abc import Sequence
@@ -41,30 +42,39 @@ from pathlib import Path
 import torch
 
 from headlab.checks import int_at_least, int_in_range  # `checks` is atlas()'s own argument
-from headlab.distributed.data import is_main
 from headlab.errors import ConfigError, InputError
 from headlab.interpret.atlas import scores as S
 from headlab.interpret.atlas import tasks as T
+from headlab.interpret.atlas.assemble import finished, scored
 from headlab.interpret.atlas.checks import check_task, task_groups
-from headlab.interpret.atlas.codec import decode, encode, fingerprint
+from headlab.interpret.atlas.codec import encode, fingerprint
 from headlab.interpret.atlas.kinds import KINDS, Run
 from headlab.interpret.atlas.kinds.shared import INPUTS, pattern_labels
 from headlab.interpret.atlas.result import Atlas, Thresholds
+from headlab.interpret.study import runner
 from headlab.models.loader import load, resolve
-from headlab.progress import Progress, reporter
-from headlab.results import write_json
+from headlab.progress import Progress
+
+
+def asked_kinds(kinds) -> list[str] | None:
+    """``kinds=`` as a list (a name alone is one kind; None: every kind the model allows), an unknown kind refused
+    with the kinds there are (the model is not needed: the instrument checks this before the load)."""
+    if kinds is None:
+        return None
+    asked = [kinds] if isinstance(kinds, str) else list(kinds)
+    bad = [k for k in asked if k not in KINDS]
+    if bad:
+        raise ConfigError(f"unknown atlas kind(s) {', '.join(map(repr, bad))}; choose from {', '.join(KINDS)}")
+    return asked
 
 
 def _kinds(kinds, run: Run) -> tuple[list[str], dict[str, str]]:
     """The kinds to score and, for the default set, those left out with the reason; an explicit
     request the model cannot serve is refused before any work."""
     why = {name: r for name, kd in KINDS.items() if (r := kd.unavailable(run)) is not None}
-    if kinds is None:
+    asked = asked_kinds(kinds)
+    if asked is None:
         return [k for k in KINDS if k not in why], why
-    asked = [kinds] if isinstance(kinds, str) else list(kinds)
-    bad = [k for k in asked if k not in KINDS]
-    if bad:
-        raise ConfigError(f"unknown atlas kind(s) {', '.join(map(repr, bad))}; choose from {', '.join(KINDS)}")
     for k in asked:
         if k in why:
             raise ConfigError(f"kind {k!r} {why[k]}")
@@ -89,26 +99,65 @@ class AtlasRun:
     before any unit runs. ``key`` digests what a unit's value depends on (the model's name and heads, the kinds,
     the sizes, the texts, the treebank): each value carries it, so a value kept for another run is told apart."""
 
-    def __init__(self, model, *, kinds: Sequence[str] | str | None = None, texts=None, treebank=None,
-                 treebank_limit: int = 200, checks: bool = True, copying: bool = True, k: int | None = None,
-                 n_draws: int = 10, half: int = 50, n_repeated: int = 8, window: int = 16, max_tokens: int = 128,
-                 n_texts: int = 4, needle_trials: int = 4, haystack_tokens: int = 256, n_boot: int = 1000,
-                 seed: int = 0, max_rows: int = 32, thresholds: Thresholds = Thresholds(), evidence: bool = True,
-                 say: Progress = lambda stage, done, total: None) -> None:
+    def __init__(
+        self,
+        model,
+        *,
+        kinds: Sequence[str] | str | None = None,
+        texts=None,
+        treebank=None,
+        treebank_limit: int = 200,
+        checks: bool = True,
+        copying: bool = True,
+        k: int | None = None,
+        n_draws: int = 10,
+        half: int = 50,
+        n_repeated: int = 8,
+        window: int = 16,
+        max_tokens: int = 128,
+        n_texts: int = 4,
+        needle_trials: int = 4,
+        haystack_tokens: int = 256,
+        n_boot: int = 1000,
+        seed: int = 0,
+        max_rows: int = 32,
+        thresholds: Thresholds = Thresholds(),
+        evidence: bool = True,
+        say: Progress = lambda stage, done, total: None,
+    ) -> None:
         if isinstance(model, str | os.PathLike):  # a known name or a model folder, as the docstring promises
             model = load(model)
         adapter, loaded = resolve(model)
         tok = getattr(loaded, "tokenizer", None)
         get_out = getattr(adapter.model, "get_output_embeddings", None)
-        has_logits = adapter.causal and ((callable(get_out) and get_out() is not None)
-                                         or hasattr(adapter.model, "tok_emb"))
-        run = Run(adapter=adapter, loaded=loaded, tokenizer=tok, has_logits=has_logits, treebank=treebank, texts=texts,
-                  sizes={}, vocab=0, max_rows=max_rows, say=say)
+        has_logits = adapter.causal and (
+            (callable(get_out) and get_out() is not None) or hasattr(adapter.model, "tok_emb")
+        )
+        run = Run(
+            adapter=adapter,
+            loaded=loaded,
+            tokenizer=tok,
+            has_logits=has_logits,
+            treebank=treebank,
+            texts=texts,
+            sizes={},
+            vocab=0,
+            max_rows=max_rows,
+            say=say,
+        )
         todo, skipped = _kinds(kinds, run)
-        for name, v, lo in (("n_draws", n_draws, 1), ("half", half, 2), ("n_repeated", n_repeated, 2),
-                            ("n_texts", n_texts, 1), ("needle_trials", needle_trials, 1), ("n_boot", n_boot, 2),
-                            ("window", window, 2), ("max_tokens", max_tokens, 8),
-                            ("haystack_tokens", haystack_tokens, 8), ("max_rows", max_rows, 1)):
+        for name, v, lo in (
+            ("n_draws", n_draws, 1),
+            ("half", half, 2),
+            ("n_repeated", n_repeated, 2),
+            ("n_texts", n_texts, 1),
+            ("needle_trials", needle_trials, 1),
+            ("n_boot", n_boot, 2),
+            ("window", window, 2),
+            ("max_tokens", max_tokens, 8),
+            ("haystack_tokens", haystack_tokens, 8),
+            ("max_rows", max_rows, 1),
+        ):
             int_at_least(name, v, lo, message="{name} must be an integer of at least {low}, got {value!r}")
         total = sum(adapter.layer_heads)
         k = k if k is not None else max(1, min(10, round(0.05 * total)))
@@ -117,12 +166,25 @@ class AtlasRun:
             raise InputError("the syntactic kind needs a model with a tokenizer (headlab.load(...)) for the treebank")
         self.kinds = [KINDS[kd] for kd in todo]
         run.vocab = S.embeddings(adapter.model)[0].shape[0]
-        run.pieces = T.natural(tok, texts, max_tokens=max_tokens, n=n_texts) \
-            if any(kd.reads in ("text", "needles") for kd in self.kinds) else []
+        run.pieces = (
+            T.natural(tok, texts, max_tokens=max_tokens, n=n_texts)
+            if any(kd.reads in ("text", "needles") for kd in self.kinds)
+            else []
+        )
         run.sizes = sizes = {
-            "k": k, "n_draws": n_draws, "half": half, "n_repeated": n_repeated, "window": window,
-            "max_tokens": max_tokens, "n_texts": len(run.pieces), "needle_trials": needle_trials,
-            "haystack_tokens": haystack_tokens, "seed": seed, "n_boot": n_boot, "treebank_limit": treebank_limit}
+            "k": k,
+            "n_draws": n_draws,
+            "half": half,
+            "n_repeated": n_repeated,
+            "window": window,
+            "max_tokens": max_tokens,
+            "n_texts": len(run.pieces),
+            "needle_trials": needle_trials,
+            "haystack_tokens": haystack_tokens,
+            "seed": seed,
+            "n_boot": n_boot,
+            "treebank_limit": treebank_limit,
+        }
         if checks:  # the sizes each task needs, refused before any work
             for task in dict.fromkeys(kd.task for kd in self.kinds if kd.task is not None and kd.task.validate):
                 assert task.validate is not None  # chosen above
@@ -133,8 +195,18 @@ class AtlasRun:
         self.name = getattr(loaded, "name", None) or type(adapter.model).__name__
         self.tasks = {f"check {task.name}": (task, names) for task, names in task_groups(self.kinds)} if checks else {}
         self.checks = checks
-        self.key = fingerprint({"model": self.name, "heads": adapter.layer_heads, "kinds": todo, "checks": checks,
-                                "copying": copying, "texts": fingerprint(texts), "treebank": str(treebank), **sizes})
+        self.key = fingerprint(
+            {
+                "model": self.name,
+                "heads": adapter.layer_heads,
+                "kinds": todo,
+                "checks": checks,
+                "copying": copying,
+                "texts": fingerprint(texts),
+                "treebank": str(treebank),
+                **sizes,
+            }
+        )
 
     def units(self) -> list[str]:
         """The units' keys, in the order they run."""
@@ -148,21 +220,31 @@ class AtlasRun:
         key, as :meth:`unit` returned them or as a file kept them)."""
         run, t0 = self.run, time.perf_counter()
         if key == "repeated":
-            value = self._scoring("repeated tokens", lambda: _repeated_scores(
-                run, [kd for kd in self.kinds if kd.reads == "repeated"]))
+            value = self._scoring(
+                "repeated tokens", lambda: _repeated_scores(run, [kd for kd in self.kinds if kd.reads == "repeated"])
+            )
         elif key == "copying":
             value = self._scoring("copying (OV circuits)", lambda: {"copying": S.ov_copying(run.adapter).double()})
         elif key == "text":
-            value = self._scoring("natural text", lambda: _text_scores(
-                run, [kd for kd in self.kinds if kd.reads == "text"]))
+            value = self._scoring(
+                "natural text", lambda: _text_scores(run, [kd for kd in self.kinds if kd.reads == "text"])
+            )
             value["labels"] = value["scores"].pop("labels")
         elif key in self.tasks:
             task, names = self.tasks[key]
             sz = run.sizes
-            value = check_task(self._scored(kept), run, task, names, k=sz["k"], n_draws=sz["n_draws"],
-                               seed=sz["seed"], n_boot=sz["n_boot"])
+            value = check_task(
+                scored(self, kept),
+                run,
+                task,
+                names,
+                k=sz["k"],
+                n_draws=sz["n_draws"],
+                seed=sz["seed"],
+                n_boot=sz["n_boot"],
+            )
         elif key == "evidence":
-            value = {"evidence": self._evidence(self._scored(kept))}
+            value = {"evidence": self._evidence(scored(self, kept))}
         else:  # a kind of its own input: its score says its own progress
             value = self._scoring(None, lambda: {key: KINDS[key].score(run)})
         run.forget()  # the recordings of an input live as long as its unit
@@ -178,38 +260,13 @@ class AtlasRun:
         scores = compute()
         if stage:
             run.say(stage, 1, 1)
-        return {"scores": scores, "settings": run.settings, "notes": run.notes, "syntactic": run.syntactic,
-                "state": run.state}
-
-    def _scored(self, values: dict) -> Atlas:
-        """The atlas of the score units in ``values`` (no verdicts yet); ``run.state`` as their scores left it."""
-        run, adapter = self.run, self.run.adapter
-        grids, notes, settings, syntactic, state = {}, [], {}, {}, {}
-        labels: list = []
-        for key in self.units():
-            if key not in values or key in self.tasks or key == "evidence":
-                continue
-            v = decode(values[key])
-            grids.update(v["scores"])
-            notes += v["notes"]
-            settings.update(v["settings"])
-            syntactic.update(v["syntactic"])
-            state.update(v["state"])
-            labels = v.get("labels", labels)
-        run.state = state
-        scores = {kind: grids[kind] for kind in self.todo}
-        if self.copying:
-            scores["copying"] = grids["copying"]
-            notes.append("copying: sum(eigenvalues) / sum(|eigenvalues|) of W_E W_V W_O W_U (Olsson et al.), no layer "
-                         "norms; " + ("the unembedding is the embedding's transpose" if S.embeddings(adapter.model)[2]
-                                      else "the model's own unembedding"))
-        H, Hkv = adapter.n_heads, adapter.n_kv_heads
-        kv_group = torch.arange(H).div(H // Hkv, rounding_mode="floor").expand(adapter.n_layers, H).clone()
-        return Atlas(model=self.name, family=adapter.family, causal=adapter.causal, n_layers=adapter.n_layers,
-                     n_heads=H, n_kv_heads=Hkv, kv_group=kv_group, scores=scores, thresholds=self.thresholds.as_dict(),
-                     labels=labels, syntactic=syntactic, skipped=dict(self.skipped), notes=notes,
-                     settings={**run.sizes, "start": run.start,
-                               "texts": "given" if self.given_texts else "shipped passage", **settings})
+        return {
+            "scores": scores,
+            "settings": run.settings,
+            "notes": run.notes,
+            "syntactic": run.syntactic,
+            "state": run.state,
+        }
 
     def _evidence(self, result: Atlas) -> dict:
         from headlab.interpret.atlas.evidence import evidence_maps
@@ -219,8 +276,13 @@ class AtlasRun:
         tok = run.tokenizer
         short = T.repeated(tok, vocab=run.vocab, n=1, half=min(run.sizes["half"], 12), seed=run.sizes["seed"])[0][0]
         name = (lambda t: tok.convert_ids_to_tokens(t)) if tok is not None else str
-        maps = evidence_maps(run.adapter, {kd.name: result.top(kd.name, k) for kd in self.kinds if kd.reads in INPUTS},
-                             repeated_ids=short, text_ids=run.pieces[0][:24] if run.pieces else None, tokens=name)
+        maps = evidence_maps(
+            run.adapter,
+            {kd.name: result.top(kd.name, k) for kd in self.kinds if kd.reads in INPUTS},
+            repeated_ids=short,
+            text_ids=run.pieces[0][:24] if run.pieces else None,
+            tokens=name,
+        )
         run.say("evidence maps", 1, 1)
         return maps
 
@@ -229,52 +291,42 @@ class AtlasRun:
         return [key for key, v in values.items() if not isinstance(v, dict) or v.get("key") != self.key]
 
     def finish(self, values: dict, *, resumed: Sequence[str] = (), source=None) -> Atlas:
-        """The :class:`Atlas` from every unit's value; ``resumed``: the units read back from ``source``."""
-        result = self._scored(values)
-        seconds = {"repeated": 0.0, "natural_text": 0.0}
-        for key in self.units():
-            v = decode(values[key])
-            if key in self.tasks:
-                result.verdicts.update(v["verdicts"])
-                result.skipped.update(v["skipped"])
-            elif key == "evidence":
-                result.evidence = v["evidence"]
-            group = {"copying": "repeated", "text": "natural_text", "evidence": None}.get(key, key)
-            if key in self.tasks:
-                group = "checks"
-            if group is not None:
-                seconds[group] = seconds.get(group, 0.0) + v["seconds"]
-        if self.checks:
-            seconds.setdefault("checks", 0.0)
-        if resumed:
-            result.notes.append(f"resumed: {', '.join(resumed)} read back from {source}")
-        result.seconds = {n: round(s, 3) for n, s in seconds.items()}
-        return result
+        """The :class:`Atlas` from every unit's value; ``resumed``: the units read back from ``source``
+        (:mod:`.assemble`)."""
+        return finished(self, values, resumed=resumed, source=source)
 
 
-def _read_units(path: Path | None, run: AtlasRun) -> tuple[dict, bool]:
-    """The units ``path`` keeps for this run, and whether it held another run's."""
-    if path is None or not path.is_file():
-        return {}, False
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (ValueError, OSError):
-        return {}, True
-    units = data.get("units") if isinstance(data, dict) else None
-    if not isinstance(units, dict):
-        return {}, True
-    foreign = run.foreign(units)
-    return {k: v for k, v in units.items() if k not in foreign and k in run.units()}, bool(foreign)
-
-
-def atlas(model, *, kinds: Sequence[str] | str | None = None, texts=None, treebank=None, treebank_limit: int = 200,
-          checks: bool = True, copying: bool = True, k: int | None = None, n_draws: int = 10, half: int = 50,
-          n_repeated: int = 8,
-          window: int = 16, max_tokens: int = 128, n_texts: int = 4, needle_trials: int = 4,
-          haystack_tokens: int = 256, n_boot: int = 1000, seed: int = 0, max_rows: int = 32,
-          thresholds: Thresholds = Thresholds(), progress: bool | Progress | None = None, resume=None,
-          evidence: bool = True) -> Atlas:
+def atlas(
+    model,
+    *,
+    kinds: Sequence[str] | str | None = None,
+    texts=None,
+    treebank=None,
+    treebank_limit: int = 200,
+    checks: bool = True,
+    copying: bool = True,
+    k: int | None = None,
+    n_draws: int = 10,
+    half: int = 50,
+    n_repeated: int = 8,
+    window: int = 16,
+    max_tokens: int = 128,
+    n_texts: int = 4,
+    needle_trials: int = 4,
+    haystack_tokens: int = 256,
+    n_boot: int = 1000,
+    seed: int = 0,
+    max_rows: int = 32,
+    thresholds: Thresholds = Thresholds(),
+    progress: bool | Progress | None = None,
+    resume=None,
+    evidence: bool = True,
+) -> Atlas:
     """Score every head of ``model`` on every kind (:data:`KINDS`) and check each kind causally.
+
+    Runs the ``atlas`` instrument through the study runner (:func:`headlab.interpret.study.runner.call`), as
+    ``headlab atlas`` does: the same checks (named here by these arguments' names), units, progress and Ctrl-C
+    (``KeyboardInterrupt``); under torchrun every rank returns the whole atlas.
 
     Args:
         model: a model name or folder, a LoadedModel, an ``nn.Module`` of a supported family or an adapter.
@@ -285,7 +337,7 @@ def atlas(model, *, kinds: Sequence[str] | str | None = None, texts=None, treeba
         treebank: a CoNLL-U file for the syntactic kind (the probe, first ``treebank_limit`` sentences).
         checks: run the causal checks. copying: compute the OV copying score (one vocab-sized product).
         k: heads gated per check (default 5% of the heads, 1 to 10).
-        n_draws: random draws per check (at least 10 for a verdict the docs stand behind).
+        n_draws: random draws per check (at least 10 for a verdict the docs stand behind; at most 1,000).
         half, n_repeated: length of the repeated half and number of repeated sequences.
         window: keys counted as local. max_tokens, n_texts: size and number of natural-text pieces.
         needle_trials, haystack_tokens: needle prompts and their haystack length.
@@ -294,33 +346,44 @@ def atlas(model, *, kinds: Sequence[str] | str | None = None, texts=None, treeba
             (:mod:`headlab.progress`).
         evidence: keep the attention maps of each kind's top heads on one short input (:mod:`.evidence`).
         resume: a JSON file that keeps each finished unit of the run (:class:`AtlasRun`: the score phases, each
-            task's checks, the evidence maps); a rerun with the same settings after an interrupt reads them
-            back and runs only the rest (units kept for other settings are replaced). Removed when the atlas is
-            complete.
+            task's checks, the evidence maps), the runner's checkpoint (as ``--out/atlas.json`` of an interrupted
+            ``headlab atlas``; a name not ending in ``.json`` keeps them in ``STEM.partial.json``); a rerun with
+            the same settings after an interrupt reads them back and runs only the rest (units kept for other
+            settings or inputs are replaced, and the atlas says so). Removed when the atlas is complete.
 
     Returns:
         :class:`~headlab.interpret.atlas.result.Atlas`.
     """
-    with reporter(progress) as say:  # the one display (headlab.progress)
-        run = AtlasRun(model, kinds=kinds, texts=texts, treebank=treebank, treebank_limit=treebank_limit,
-                       checks=checks, copying=copying, k=k, n_draws=n_draws, half=half, n_repeated=n_repeated,
-                       window=window, max_tokens=max_tokens, n_texts=n_texts, needle_trials=needle_trials,
-                       haystack_tokens=haystack_tokens, n_boot=n_boot, seed=seed, max_rows=max_rows,
-                       thresholds=thresholds, evidence=evidence, say=say)
-        path = None if resume is None else Path(resume).expanduser()
-        values, stale = _read_units(path, run)  # under torchrun every rank reads the file, rank 0 writes it
-        resumed = list(values)
-        for key in run.units():
-            if key not in values:
-                values[key] = run.unit(key, values)
-                if path is not None and is_main():
-                    write_json(path, {"units": values}, indent=None)  # atomic: a kill keeps the last unit
-        result = run.finish(values, resumed=[k for k in run.units() if k in resumed], source=path)
-        if stale:
-            result.notes.append(f"{path} held another run's units (other settings); they were replaced")
-        if path is not None and path.is_file() and is_main():
-            path.unlink()
-        return result
+    # the atlas instrument's options (headlab.interpret.instruments.atlas): the command's, by their Python names,
+    # and the settings and in-memory inputs only Python gives
+    options = {
+        "model": model,
+        "kinds": [kinds] if isinstance(kinds, str) else None if kinds is None else list(kinds),
+        "texts_in_memory": texts,
+        "treebank": treebank,
+        "treebank_limit": treebank_limit,
+        "checks": checks,
+        "copying": copying,
+        "top_k": k,
+        "draws": n_draws,
+        "half": half,
+        "n_repeated": n_repeated,
+        "window": window,
+        "max_tokens": max_tokens,
+        "n_texts": n_texts,
+        "needles": needle_trials,
+        "haystack": haystack_tokens,
+        "n_boot": n_boot,
+        "seed": seed,
+        "max_rows": max_rows,
+        "thresholds": thresholds,
+        "evidence": evidence,
+        "out": None,  # the command's --out: a Python run writes no atlas.json, only its checkpoint (resume)
+    }
+    if resume is not None:  # the runner's checkpoint: PATH keeps the finished units, as --out/atlas.json does
+        path = Path(resume).expanduser().absolute()
+        options.update(out=path.parent, file=path.name, checkpoint=True)
+    return runner.call("atlas", options, progress=progress, resume=resume is not None)
 
 
-__all__ = ["AtlasRun", "atlas"]
+__all__ = ["AtlasRun", "asked_kinds", "atlas"]

@@ -15,7 +15,8 @@
 from headlab.interpret.circuits.circuit import Circuit
 from headlab.interpret.circuits.discovery import discover
 from headlab.interpret.circuits.eap import edge_scores
-from headlab.interpret.circuits.evaluation import Faithfulness, faithfulness
+from headlab.interpret.circuits.evaluation import faithfulness
+from headlab.interpret.circuits.faithfulness_result import Faithfulness
 from headlab.interpret.circuits.graph import Graph, Receiver, graph
 from headlab.interpret.circuits.patching import ABLATIONS, ablated_outputs, edge_patch, patched_metric
 from headlab.interpret.circuits.result import EdgeScores

@@ -42,12 +42,8 @@ and ``seed_sd`` their standard deviation; random circuits use the first pairing 
 
 from __future__ import annotations
 
-import html
-import os
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -56,12 +52,12 @@ import headlab.checks as checks
 from headlab.errors import ConfigError, InputError, ShapeError
 from headlab.interpret.circuits.circuit import Circuit, on_paths
 from headlab.interpret.circuits.discovery import check_ablation, check_int, check_progress, check_scores, record_runs
+from headlab.interpret.circuits.faithfulness_result import Faithfulness
 from headlab.interpret.circuits.graph import graph as build_graph
 from headlab.interpret.circuits.patching import ablated_outputs, patched_metric
 from headlab.interpret.circuits.result import EdgeScores
 from headlab.interpret.patching import runs
 from headlab.progress import Progress, reporter
-from headlab.results import Result
 
 MIB_FRACTIONS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
 
@@ -70,150 +66,16 @@ def mib_areas(fractions: Sequence[float], f: Sequence[float]) -> tuple[float, fl
     """``(CPR, CMD)`` of a faithfulness curve ``f`` at ``fractions`` (increasing): MIB's trapezoids (module
     docstring), on the fractions as given, ``f`` unclipped."""
     if len(fractions) != len(f) or len(f) < 2:
-        raise ConfigError(f"an area needs at least two points and one f per fraction; got {len(fractions)} fractions "
-                          f"and {len(f)} values")
+        raise ConfigError(
+            f"an area needs at least two points and one f per fraction; got {len(fractions)} fractions "
+            f"and {len(f)} values"
+        )
     cpr = cmd = 0.0
     for i in range(len(f) - 1):
         dx = fractions[i + 1] - fractions[i]
         cpr += dx * (f[i] + f[i + 1]) / 2
         cmd += dx * (abs(1.0 - f[i]) + abs(1.0 - f[i + 1])) / 2
     return cpr, cmd
-
-
-@dataclass
-class Faithfulness:
-    """The faithfulness curve of one ranking (or one circuit) and its baselines; lists run over :attr:`sizes`.
-
-    Attributes:
-        model, metric, n_examples: what was evaluated. source: ``"eap-ig scores"``, ``"acdc circuit"``, ...
-        ablation: what edges outside a circuit carry. n_graph_edges: edges of the whole graph.
-        sizes: edges asked for (``k``). fractions: the x axis of CPR and CMD. kept: edges left after pruning.
-        values: ``m(C)`` (mean over pairs; over seeds too). f: normalised faithfulness (module docstring).
-        random_mean, random_sd: ``f`` of ``random`` random circuits of each size (None entries with random=0).
-        full, empty: ``m(full)``, ``m(empty)``. clean, corrupted: the metric on the plain runs.
-        cpr, cmd: MIB's areas (None with fewer than two sizes). absolute: how edges were ranked.
-        by_template: ``{template: f per size}`` (None without templates). seed_sd: sd of ``f`` over resample seeds
-        (None with one seed). seeds: the seeds used. seconds, notes.
-    """
-
-    model: str
-    metric: str
-    source: str
-    ablation: str
-    n_examples: int
-    n_graph_edges: int
-    sizes: list[int]
-    fractions: list[float]
-    kept: list[int]
-    values: list[float]
-    f: list[float]
-    random: int
-    random_mean: list[float | None]
-    random_sd: list[float | None]
-    full: float
-    empty: float
-    clean: float
-    corrupted: float
-    cpr: float | None = None
-    cmd: float | None = None
-    absolute: bool = True
-    by_template: dict[str, list[float]] | None = None
-    seed_sd: list[float] | None = None
-    seeds: list[int] = field(default_factory=lambda: [0])
-    seconds: float = 0.0
-    notes: list[str] = field(default_factory=list)
-
-    kind = "circuit_faithfulness"
-
-    @property
-    def curve(self) -> list[tuple[float, float]]:
-        """``[(fraction, f)]``."""
-        return list(zip(self.fractions, self.f))
-
-    def table(self, digits: int = 3) -> str:
-        """A compact text table: one row per size, then CPR and CMD."""
-        d = digits
-        cols = ["fraction", "edges", "kept", "m(C)", "f", "random f"]
-        if self.seed_sd is not None:
-            cols.append("seed sd")
-        if self.by_template:
-            cols.append("f by template (min..max)")
-        rows = []
-        for i, k in enumerate(self.sizes):
-            rm, rs = self.random_mean[i], self.random_sd[i]
-            row = [f"{self.fractions[i]:.4g}", str(k), str(self.kept[i]), f"{self.values[i]:.{d}g}",
-                   f"{self.f[i]:.{d}f}", "-" if rm is None else f"{rm:.{d}f} ± {rs:.{d}f}"]
-            if self.seed_sd is not None:
-                row.append(f"{self.seed_sd[i]:.{d}f}")
-            if self.by_template:
-                per = [v[i] for v in self.by_template.values() if v[i] == v[i]]
-                row.append(f"{min(per):.{d}f}..{max(per):.{d}f}" if per else "-")
-            rows.append(row)
-        width = [max(len(c), *(len(r[j]) for r in rows)) for j, c in enumerate(cols)]
-        line = lambda r: "  ".join(v.rjust(w) for v, w in zip(r, width))
-        out = [f"circuit faithfulness of {self.source} on {self.model}: {self.n_graph_edges} edges, "
-               f"{self.n_examples} pairs, ablation {self.ablation}, metric {self.metric} "
-               f"(full {self.full:.4g}, all ablated {self.empty:.4g})", line(cols)] + [line(r) for r in rows]
-        if self.cpr is not None:
-            out.append(f"CPR {self.cpr:.{d}f} (area under f; higher is better)   "
-                       f"CMD {self.cmd:.{d}f} (area under |1 - f|; lower is better)")
-        return "\n".join(out)
-
-    def to_result(self) -> Result:
-        settings = {"source": self.source, "ablation": self.ablation, "metric": self.metric, "random": self.random,
-                    "absolute": self.absolute, "seeds": self.seeds}
-        figures = {"n_examples": self.n_examples, "n_graph_edges": self.n_graph_edges, "sizes": self.sizes,
-                   "fractions": self.fractions, "kept": self.kept, "values": _nums(self.values), "f": _nums(self.f),
-                   "random_mean": _nums(self.random_mean), "random_sd": _nums(self.random_sd), "full": self.full,
-                   "empty": self.empty, "clean": self.clean, "corrupted": self.corrupted, "cpr": self.cpr,
-                   "cmd": self.cmd,
-                   "by_template": None if self.by_template is None else {k: _nums(v) for k, v in
-                                                                         self.by_template.items()},
-                   "seed_sd": None if self.seed_sd is None else _nums(self.seed_sd), "seconds": self.seconds,
-                   "notes": self.notes}
-        return Result(self.kind, model=self.model, settings=settings, figures=figures)
-
-    def save(self, path: str | os.PathLike) -> Path:
-        return self.to_result().save(path)
-
-    @classmethod
-    def from_result(cls, r: Result) -> Faithfulness:
-        if r.kind != cls.kind:
-            raise InputError(f"this file holds a {r.kind!r} result, not circuit faithfulness")
-        f, s = r.figures, r.settings
-        back = lambda v: [float("nan") if x is None else x for x in v]
-        try:
-            return cls(model=r.model or "", metric=s.get("metric", "metric"), source=s.get("source", ""),
-                       ablation=s.get("ablation", "patch"), n_examples=int(f["n_examples"]),
-                       n_graph_edges=int(f["n_graph_edges"]), sizes=[int(k) for k in f["sizes"]],
-                       fractions=[float(x) for x in f["fractions"]], kept=[int(k) for k in f["kept"]],
-                       values=back(f["values"]), f=back(f["f"]), random=int(s.get("random", 0)),
-                       random_mean=list(f["random_mean"]), random_sd=list(f["random_sd"]), full=float(f["full"]),
-                       empty=float(f["empty"]), clean=float(f["clean"]), corrupted=float(f["corrupted"]),
-                       cpr=f.get("cpr"), cmd=f.get("cmd"), absolute=bool(s.get("absolute", True)),
-                       by_template=None if f.get("by_template") is None else {k: back(v) for k, v in
-                                                                              f["by_template"].items()},
-                       seed_sd=None if f.get("seed_sd") is None else back(f["seed_sd"]),
-                       seeds=[int(x) for x in s.get("seeds", [0])], seconds=float(f.get("seconds", 0.0)),
-                       notes=list(f.get("notes", [])))
-        except (KeyError, TypeError, ValueError) as e:
-            raise InputError(f"this faithfulness file lacks or garbles {e}; write it again with Faithfulness.save") \
-                from None
-
-    @classmethod
-    def load(cls, path: str | os.PathLike) -> Faithfulness:
-        return cls.from_result(Result.load(path, what="a circuit-faithfulness file headlab wrote"))
-
-    def _repr_html_(self) -> str:
-        return f"<pre>{html.escape(self.table())}</pre>"
-
-    def __repr__(self) -> str:
-        areas = "" if self.cpr is None else f", CPR {self.cpr:.3g}, CMD {self.cmd:.3g}"
-        return f"Faithfulness({self.model}, {self.source}, {len(self.sizes)} sizes{areas})"
-
-
-def _nums(v):
-    return [None if x is None or x != x else float(x) for x in v]
 
 
 def _sd(xs: list[float]) -> float:
@@ -223,10 +85,23 @@ def _sd(xs: list[float]) -> float:
     return float(torch.tensor(xs, dtype=torch.float64).std(unbiased=True))
 
 
-def faithfulness(model, circuit_or_scores: Circuit | EdgeScores, clean, corrupted, metric, *,
-                 sizes: Sequence[int] | None = None, ablation: str = "patch", random: int = 5, seed: int = 0,
-                 seeds: int = 1, absolute: bool = True, templates: Sequence | None = None,
-                 backend: str | None = None, progress: bool | Progress = False) -> Faithfulness:
+def faithfulness(
+    model,
+    circuit_or_scores: Circuit | EdgeScores,
+    clean,
+    corrupted,
+    metric,
+    *,
+    sizes: Sequence[int] | None = None,
+    ablation: str = "patch",
+    random: int = 5,
+    seed: int = 0,
+    seeds: int = 1,
+    absolute: bool = True,
+    templates: Sequence | None = None,
+    backend: str | None = None,
+    progress: bool | Progress = False,
+) -> Faithfulness:
     """The faithfulness of circuits of ``model`` (module docstring): a curve over sizes for :class:`EdgeScores`,
     one point for a :class:`~headlab.interpret.circuits.circuit.Circuit`.
 
@@ -260,12 +135,16 @@ def faithfulness(model, circuit_or_scores: Circuit | EdgeScores, clean, corrupte
     """
     t0 = time.perf_counter()
     if not isinstance(circuit_or_scores, Circuit | EdgeScores):
-        raise ConfigError(f"circuit_or_scores must be EdgeScores (edge_scores(...)) or a Circuit (discover(...)), got "
-                          f"{type(circuit_or_scores).__name__}")
+        raise ConfigError(
+            f"circuit_or_scores must be EdgeScores (edge_scores(...)) or a Circuit (discover(...)), got "
+            f"{type(circuit_or_scores).__name__}"
+        )
     is_circuit = isinstance(circuit_or_scores, Circuit)
     if is_circuit and sizes is not None:
-        raise ConfigError("sizes ranks edges by their scores; a Circuit is evaluated as it is: pass its EdgeScores "
-                          "for a curve over sizes")
+        raise ConfigError(
+            "sizes ranks edges by their scores; a Circuit is evaluated as it is: pass its EdgeScores "
+            "for a curve over sizes"
+        )
     if sizes is not None:
         if isinstance(sizes, str | bytes) or not isinstance(sizes, Sequence) or not sizes:
             raise ConfigError(f"sizes must be a list of edge counts such as [10, 100, 1000], got {sizes!r}")
@@ -278,8 +157,10 @@ def faithfulness(model, circuit_or_scores: Circuit | EdgeScores, clean, corrupte
     check_int("seed", seed, 0)
     check_int("seeds", seeds, 1)
     if seeds > 1 and ablation != "resample":
-        raise ConfigError(f"seeds={seeds}: only ablation='resample' depends on a seed; '{ablation}' gives the same "
-                          "circuit values every time")
+        raise ConfigError(
+            f"seeds={seeds}: only ablation='resample' depends on a seed; '{ablation}' gives the same "
+            "circuit values every time"
+        )
     checks.boolean("absolute", absolute)
     if isinstance(templates, torch.Tensor):
         templates = templates.tolist()
@@ -330,9 +211,11 @@ def faithfulness(model, circuit_or_scores: Circuit | EdgeScores, clean, corrupte
     empty = [run(none, s) for s in range(seeds)]
     for e in empty:
         if abs(float(full.mean()) - float(e.mean())) < 1e-9:
-            raise InputError(f"the metric is {float(full.mean()):.6g} with no edge ablated and {float(e.mean()):.6g} "
-                             f"with every edge ablated ('{ablation}'): f would be 0/0; choose another ablation or "
-                             "corrupted input")
+            raise InputError(
+                f"the metric is {float(full.mean()):.6g} with no edge ablated and {float(e.mean()):.6g} "
+                f"with every edge ablated ('{ablation}'): f would be 0/0; choose another ablation or "
+                "corrupted input"
+            )
 
     def f_of(vals: torch.Tensor, s: int, idx: torch.Tensor | None = None) -> float:
         v, e, fu = (vals, empty[s], full) if idx is None else (vals[idx], empty[s][idx], full[idx])
@@ -384,21 +267,45 @@ def faithfulness(model, circuit_or_scores: Circuit | EdgeScores, clean, corrupte
             notes.append(f"CPR and CMD cover fractions {fractions[0]:.4g} to {fractions[-1]:.4g} of the edges only")
     if fixed is None:
         rank = "|score|" if absolute else "signed score towards the corrupted run"
-        notes.append(f"circuits: the top k edges by {rank}, pruned to the edges on a path from the input to the "
-                     "logits (MIB's apply_topn)")
+        notes.append(
+            f"circuits: the top k edges by {rank}, pruned to the edges on a path from the input to the "
+            "logits (MIB's apply_topn)"
+        )
     else:
         notes.append("the circuit evaluated as given (not pruned again)")
     if random:
-        notes.append(f"random baseline: {random} circuits per size, k edges drawn uniformly (seed {seed}) and then "
-                     "pruned; sample sd" + (f"; under the first resample seed ({seed}) only" if seeds > 1 else ""))
-    return Faithfulness(model=pair.model_name, metric=getattr(metric, "__name__", "metric"), source=source,
-                        ablation=ablation, n_examples=pair.n, n_graph_edges=N, sizes=sizes_, fractions=fractions,
-                        kept=out["kept"], values=out["values"], f=out["f"], random=random, random_mean=out["rmean"],
-                        random_sd=out["rsd"], full=float(full.mean()),
-                        empty=sum(float(e.mean()) for e in empty) / seeds, clean=recorded.m_clean,
-                        corrupted=recorded.m_corrupt, cpr=cpr, cmd=cmd, absolute=absolute,
-                        by_template=out["tmpl"] if groups else None, seed_sd=out["sd"] if seeds > 1 else None,
-                        seeds=seed_list, seconds=time.perf_counter() - t0, notes=notes)
+        notes.append(
+            f"random baseline: {random} circuits per size, k edges drawn uniformly (seed {seed}) and then "
+            "pruned; sample sd" + (f"; under the first resample seed ({seed}) only" if seeds > 1 else "")
+        )
+    return Faithfulness(
+        model=pair.model_name,
+        metric=getattr(metric, "__name__", "metric"),
+        source=source,
+        ablation=ablation,
+        n_examples=pair.n,
+        n_graph_edges=N,
+        sizes=sizes_,
+        fractions=fractions,
+        kept=out["kept"],
+        values=out["values"],
+        f=out["f"],
+        random=random,
+        random_mean=out["rmean"],
+        random_sd=out["rsd"],
+        full=float(full.mean()),
+        empty=sum(float(e.mean()) for e in empty) / seeds,
+        clean=recorded.m_clean,
+        corrupted=recorded.m_corrupt,
+        cpr=cpr,
+        cmd=cmd,
+        absolute=absolute,
+        by_template=out["tmpl"] if groups else None,
+        seed_sd=out["sd"] if seeds > 1 else None,
+        seeds=seed_list,
+        seconds=time.perf_counter() - t0,
+        notes=notes,
+    )
 
 
-__all__ = ["Faithfulness", "MIB_FRACTIONS", "faithfulness", "mib_areas"]
+__all__ = ["MIB_FRACTIONS", "faithfulness", "mib_areas"]

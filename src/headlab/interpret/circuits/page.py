@@ -174,7 +174,7 @@ def render(circuit, faithfulness=None, labels=None, *, graph=None, top: int = 30
     Args:
         circuit: a :class:`~headlab.interpret.circuits.circuit.Circuit` (``model``, ``edges``, ``scores``,
             ``method``, ``n_graph_edges``, ``ablation``), or anything with those attributes.
-        faithfulness: its :class:`~headlab.interpret.circuits.evaluation.Faithfulness` (or that result's JSON
+        faithfulness: its :class:`~headlab.interpret.circuits.Faithfulness` (or that result's JSON
             dict), drawn as the curve; None leaves the curve out.
         labels: the heads' roles, ``{"a3.h2": "induction"}`` (``"3.2"`` and ``(3, 2)`` keys too; a value may be a
             list) or an :class:`~headlab.interpret.atlas.result.Atlas`.

@@ -2,7 +2,7 @@
 
 f against the fraction of the graph's edges kept (log x): the top-k circuits' curve over the band of the random
 circuits of the same sizes (mean -+ one sd), the page's circuit itself as a diamond, with CPR and CMD.
-:func:`curve_points` reads the numbers from a :class:`~headlab.interpret.circuits.evaluation.Faithfulness` (or its
+:func:`curve_points` reads the numbers from a :class:`~headlab.interpret.circuits.Faithfulness` (or its
 result's JSON dict); :func:`faithfulness_section` draws them under their heading and notes.
 """
 
@@ -37,7 +37,7 @@ def _listed(v) -> list:
 
 
 def curve_points(faith, n_graph_edges: int | None = None) -> dict:
-    """The numbers the curve draws, from a :class:`~headlab.interpret.circuits.evaluation.Faithfulness` (or its
+    """The numbers the curve draws, from a :class:`~headlab.interpret.circuits.Faithfulness` (or its
     ``to_result().to_json()`` dict), one entry per circuit size: ``fractions``, ``sizes``, ``kept``, ``f``, and the
     random circuits' band ``random_lo``, ``random_mean``, ``random_hi`` (mean -+ one sample sd); ``cpr``, ``cmd``.
 

@@ -100,4 +100,26 @@ class EdgeScores:
         )
 
 
-__all__ = ["EdgeScores"]
+def added_over_ranks(s: EdgeScores, n_pairs: int, placement) -> EdgeScores:
+    """One rank's :class:`EdgeScores` of its share of the pairs, made the scores of all ``n_pairs``: every figure
+    is a mean over pairs, so the ranks' figures are added weighted by their pairs (``placement.sum_over_data``; the
+    same result on every rank)."""
+    import dataclasses
+
+    part = torch.cat(
+        [
+            s.values * s.n_examples,
+            torch.tensor([s.clean, s.corrupted], dtype=torch.float64) * s.n_examples,
+            torch.tensor([s.seconds], dtype=torch.float64),
+        ]
+    )
+    total = placement.sum_over_data(part)
+    values, clean, corrupted = total[:-3] / n_pairs, float(total[-3]) / n_pairs, float(total[-2]) / n_pairs
+    notes = [
+        *s.notes,
+        f"pairs split across the ranks and their scores added (seconds: the ranks' sum, {float(total[-1]):.1f})",
+    ]
+    return dataclasses.replace(s, values=values, clean=clean, corrupted=corrupted, n_examples=n_pairs, notes=notes)
+
+
+__all__ = ["EdgeScores", "added_over_ranks"]

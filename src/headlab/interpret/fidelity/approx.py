@@ -14,8 +14,8 @@ reports:
   ``0.5 * sum_j |a_ij - p_ij|`` in [0, 1], and the largest absolute difference).
 
 :func:`feature_sweep` shows how the FAVOR+ error falls as the number of random features grows,
-over several seeds. :func:`compare_model` swaps a backend into every attention layer of a
-loaded model and reports how far the final hidden states move.
+over several seeds. :func:`~headlab.interpret.fidelity.model_shift.compare_model` swaps a backend into every
+attention layer of a loaded model and reports how far the final hidden states move.
 
 The exact baseline: with an exact backend, the variant's ``mask`` is the pattern and the
 baseline drops it (causal is kept); with an approximate backend, the ``mask`` (key padding) is
@@ -50,7 +50,7 @@ from headlab.errors import ConfigError
 from headlab.spec.attention_spec import default_scale, normalize_mask, validate
 from headlab.spec.visibility import visible
 
-__all__ = ["ApproxReport", "FeatureSweep", "ModelShift", "SweepPoint", "compare", "compare_model", "feature_sweep"]
+__all__ = ["ApproxReport", "FeatureSweep", "SweepPoint", "backend_label", "compare", "feature_sweep", "resolve_backend"]
 
 _SAME = "auto"
 _CHUNK_BUDGET = 64 << 20  # bytes of one (B, H, rows, Lk) score chunk
@@ -98,39 +98,58 @@ class ApproxReport:
 
     def as_dict(self) -> dict:
         return {
-            "backend": self.backend, "pattern": self.pattern, "causal": self.causal, "shape": list(self.shape),
-            "out_rel_error": self.out_rel_error, "out_rel_error_per_head": self.out_rel_error_per_head,
-            "out_cosine": self.out_cosine, "empty_rows": self.empty_rows,
-            "mass_outside_mean": self.mass_outside_mean, "mass_outside_max": self.mass_outside_max,
+            "backend": self.backend,
+            "pattern": self.pattern,
+            "causal": self.causal,
+            "shape": list(self.shape),
+            "out_rel_error": self.out_rel_error,
+            "out_rel_error_per_head": self.out_rel_error_per_head,
+            "out_cosine": self.out_cosine,
+            "empty_rows": self.empty_rows,
+            "mass_outside_mean": self.mass_outside_mean,
+            "mass_outside_max": self.mass_outside_max,
             "mass_outside_mean_per_head": self.mass_outside_mean_per_head,
-            "sampled_rows": self.sampled_rows, "weights_tvd_mean": self.weights_tvd_mean,
+            "sampled_rows": self.sampled_rows,
+            "weights_tvd_mean": self.weights_tvd_mean,
             "weights_tvd_per_head": self.weights_tvd_per_head,
-            "weights_max_abs_error": self.weights_max_abs_error, "notes": list(self.notes),
+            "weights_max_abs_error": self.weights_max_abs_error,
+            "notes": list(self.notes),
         }
 
     def summary(self) -> str:
-        lines = [f"{self.backend}{' with ' + self.pattern if self.pattern else ''}"
-                 f"{' (causal)' if self.causal else ''} vs exact softmax, shape {self.shape}:",
-                 f"  relative output error {self.out_rel_error:.4g} (cosine {self.out_cosine:.6f}); "
-                 f"per head {', '.join(f'{e:.3g}' for e in self.out_rel_error_per_head)}"]
+        lines = [
+            f"{self.backend}{' with ' + self.pattern if self.pattern else ''}"
+            f"{' (causal)' if self.causal else ''} vs exact softmax, shape {self.shape}:",
+            f"  relative output error {self.out_rel_error:.4g} (cosine {self.out_cosine:.6f}); "
+            f"per head {', '.join(f'{e:.3g}' for e in self.out_rel_error_per_head)}",
+        ]
         if self.mass_outside is not None:
-            lines.append(f"  softmax mass outside the pattern: mean {self.mass_outside_mean:.4g}, "
-                         f"max {self.mass_outside_max:.4g}")
+            lines.append(
+                f"  softmax mass outside the pattern: mean {self.mass_outside_mean:.4g}, "
+                f"max {self.mass_outside_max:.4g}"
+            )
         if self.weights_tvd is not None:
-            lines.append(f"  implied weights on {len(self.sampled_rows or [])} sampled rows: mean TVD "
-                         f"{self.weights_tvd_mean:.4g}, max |diff| {self.weights_max_abs_error:.4g}")
+            lines.append(
+                f"  implied weights on {len(self.sampled_rows or [])} sampled rows: mean TVD "
+                f"{self.weights_tvd_mean:.4g}, max |diff| {self.weights_max_abs_error:.4g}"
+            )
         lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)
 
 
-def _resolve(backend) -> _backends.Backend:
-    if (isinstance(backend, str) and backend not in _backends.names()
-            and backend.split(":")[0].lower() in FEATURE_MAP_ALIASES):
+def resolve_backend(backend) -> _backends.Backend:
+    """A backend from a registered name, a backend object or a feature-map string (``"favor:256"``)."""
+    if (
+        isinstance(backend, str)
+        and backend not in _backends.names()
+        and backend.split(":")[0].lower() in FEATURE_MAP_ALIASES
+    ):
         return linear_from_string(backend)
     return _backends.get(backend)
 
 
-def _label(be: _backends.Backend) -> str:
+def backend_label(be: _backends.Backend) -> str:
+    """The backend's name, with its feature map's label when it has one (``"linear favor:256 seed=0"``)."""
     cfg = getattr(be, "config", None)
     return f"{be.name} {cfg.label()}" if cfg is not None and hasattr(cfg, "label") else be.name
 
@@ -194,7 +213,7 @@ def compare(
         an :class:`ApproxReport`. ``mass_outside`` is set when the variant's mask hides keys
         the baseline sees; ``weights_tvd`` when the backend exposes ``implied_weights``.
     """
-    be = _resolve(backend)
+    be = resolve_backend(backend)
     spec, norm = validate(q, k, v, mask=mask, causal=causal)
     if isinstance(exact_mask, str):
         if exact_mask != _SAME:
@@ -213,9 +232,14 @@ def compare(
         cos = float(a @ b / (a.norm() * b.norm()).clamp_min(1e-300))
 
         report = ApproxReport(
-            backend=_label(be), pattern=getattr(mask, "name", None if mask is None else "bool mask"),
-            causal=bool(causal), shape=(B, H, Lq, Lk), out_rel_error=overall,
-            out_rel_error_per_head=per_head.tolist(), out_cosine=cos, empty_rows=0,
+            backend=backend_label(be),
+            pattern=getattr(mask, "name", None if mask is None else "bool mask"),
+            causal=bool(causal),
+            shape=(B, H, Lq, Lk),
+            out_rel_error=overall,
+            out_rel_error_per_head=per_head.tolist(),
+            out_cosine=cos,
+            empty_rows=0,
         )
         pattern = norm is not None and base is not norm
         if norm is not None:
@@ -223,7 +247,8 @@ def compare(
         if report.empty_rows:
             report.notes.append(
                 f"{report.empty_rows} of {B * H * Lq} (batch, head, query) rows see no key under the variant's mask: "
-                "their outputs are zeros (FlashAttention's rule), not an average of values")
+                "their outputs are zeros (FlashAttention's rule), not an average of values"
+            )
         if hasattr(be, "implied_weights"):
             n = min(int(sample_rows), Lq)
             if n < 1:
@@ -255,7 +280,7 @@ def _scan_rows(report, q, k, spec, norm, base, pattern: bool, scale: float) -> N
         if pattern:
             assert mass is not None  # allocated for a pattern
             p = _exact_rows(q, k, rows, _visibility(base, spec, rows), scale)  # (B, H, r, Lk)
-            mass[:, :, r0:r0 + len(rows)] = p.masked_fill(vis, 0.0).sum(-1).double().cpu()
+            mass[:, :, r0 : r0 + len(rows)] = p.masked_fill(vis, 0.0).sum(-1).double().cpu()
     report.empty_rows = empty
     if pattern:
         assert mass is not None  # allocated for a pattern
@@ -263,6 +288,7 @@ def _scan_rows(report, q, k, spec, norm, base, pattern: bool, scale: float) -> N
 
 
 # -- how the FAVOR+ error falls with the number of features -----------------------------------
+
 
 @dataclass(frozen=True)
 class SweepPoint:
@@ -284,8 +310,11 @@ class FeatureSweep:
 
     def summary(self) -> str:
         lines = ["features  out rel. error        weights TVD"]
-        lines += [f"{p.num_features:>8}  {p.out_rel_error:.4f} +- {p.out_rel_error_std:.4f}   "
-                  f"{p.weights_tvd:.4f} +- {p.weights_tvd_std:.4f}" for p in self.points]
+        lines += [
+            f"{p.num_features:>8}  {p.out_rel_error:.4f} +- {p.out_rel_error_std:.4f}   "
+            f"{p.weights_tvd:.4f} +- {p.weights_tvd_std:.4f}"
+            for p in self.points
+        ]
         lines.append(f"log-log slope {self.slope:.3f} (random features: about -0.5)")
         return "\n".join(lines)
 
@@ -323,12 +352,22 @@ def feature_sweep(
         errs, tvds = [], []
         for s in seeds:
             be = LinearBackend("favor", num_features=int(m), seed=int(s))
-            r = compare(q, k, v, backend=be, mask=mask, causal=causal, scale=scale, sample_rows=sample_rows,
-                        seed=int(s), _exact=exact)
+            r = compare(
+                q,
+                k,
+                v,
+                backend=be,
+                mask=mask,
+                causal=causal,
+                scale=scale,
+                sample_rows=sample_rows,
+                seed=int(s),
+                _exact=exact,
+            )
             errs.append(r.out_rel_error)
             tvds.append(r.weights_tvd_mean)
         e, t = torch.tensor(errs, dtype=torch.float64), torch.tensor(tvds, dtype=torch.float64)
-        sd = (lambda x: float(x.std()) if len(x) > 1 else 0.0)
+        sd = lambda x: float(x.std()) if len(x) > 1 else 0.0
         points.append(SweepPoint(int(m), float(e.mean()), sd(e), float(t.mean()), sd(t)))
     slope = float("nan")
     if len(points) > 1:
@@ -337,82 +376,3 @@ def feature_sweep(
         xc = x - x.mean()
         slope = float((xc * (y - y.mean())).sum() / (xc * xc).sum().clamp_min(1e-300))
     return FeatureSweep(points, [int(s) for s in seeds], slope)
-
-
-# -- on a real model ----------------------------------------------------------------------------
-
-@dataclass
-class ModelShift:
-    """How far a model's final hidden states move when every attention layer runs ``backend``."""
-
-    backend: str
-    tokens: int
-    rel_error: float  # ||h_variant - h_exact|| / ||h_exact|| over all positions
-    cosine_mean: float  # mean over positions of the cosine between the two hidden states
-    cosine_min: float
-    rel_error_per_position: list[float]
-
-    def as_dict(self) -> dict:
-        return dict(self.__dict__)
-
-
-def compare_model(loaded, text_or_inputs, backend) -> ModelShift:
-    """Swap ``backend`` into every attention layer of ``loaded`` and compare final hidden states.
-
-    Args:
-        loaded: a :class:`headlab.models.LoadedModel` (from :func:`headlab.load`).
-        text_or_inputs: a string (tokenised by ``loaded.encode``) or model inputs (the dict
-            ``loaded.encode`` returns, or an ``input_ids`` tensor ``(B, L)``).
-        backend: as for :func:`compare` (``"linear"``, ``"favor:256"``, a backend object ...).
-
-    Returns:
-        a :class:`ModelShift`: relative error and cosine of the last hidden states over the real
-        tokens. A padded batch (``attention_mask`` with zeros) is run one unpadded row at a time.
-    """
-    be = _resolve(backend)
-    inputs = loaded.encode(text_or_inputs) if isinstance(text_or_inputs, str) else text_or_inputs
-    exact, variant = [], []
-    with torch.no_grad():
-        for one in _unpadded(inputs):
-            exact.append(_flat(_last_hidden(loaded(one))))
-            with loaded.adapter.use_backend(be):
-                variant.append(_flat(_last_hidden(loaded(one))))
-    e, a = torch.cat(exact).double(), torch.cat(variant).double()  # (real tokens, E)
-    cos = (e * a).sum(-1) / (e.norm(dim=-1) * a.norm(dim=-1)).clamp_min(1e-300)
-    per_pos = (a - e).norm(dim=-1) / e.norm(dim=-1).clamp_min(1e-300)
-    return ModelShift(backend=_label(be), tokens=int(e.shape[0]), rel_error=float((a - e).norm() / e.norm()),
-                      cosine_mean=float(cos.mean()), cosine_min=float(cos.min()),
-                      rel_error_per_position=per_pos.tolist())
-
-
-def _flat(h: torch.Tensor) -> torch.Tensor:
-    return h.reshape(-1, h.shape[-1])  # (B * L, E)
-
-
-def _unpadded(inputs):
-    """A padded batch as one unpadded input per row: padding positions are not compared, and the
-    model needs no padding mask (which Hugging Face materialises per query, and linear attention
-    cannot take)."""
-    if isinstance(inputs, dict) and isinstance(inputs.get("attention_mask"), torch.Tensor) \
-            and inputs["attention_mask"].dim() == 2:
-        keep = inputs["attention_mask"].bool()
-        for b in range(keep.shape[0]):
-            n = int(keep[b].sum())
-            if not bool(keep[b, :n].all()):
-                raise ConfigError("compare_model expects right padding (real tokens first in every row)")
-            yield {name: t[b:b + 1, :n] for name, t in inputs.items()
-                   if isinstance(t, torch.Tensor) and t.dim() == 2 and t.shape == keep.shape}
-    else:
-        yield inputs
-
-
-def _last_hidden(output) -> torch.Tensor:
-    for name in ("last_hidden_state", "hidden"):
-        h = getattr(output, name, None)
-        if isinstance(h, torch.Tensor):
-            return h
-    if isinstance(output, torch.Tensor):
-        return output
-    if isinstance(output, dict) and isinstance(output.get("last_hidden_state"), torch.Tensor):
-        return output["last_hidden_state"]
-    raise ConfigError(f"cannot find final hidden states in the model output of type {type(output).__name__}")

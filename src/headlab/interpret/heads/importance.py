@@ -42,7 +42,7 @@ from pathlib import Path
 import torch
 
 from headlab.distributed.data import is_main
-from headlab.errors import ConfigError, InputError
+from headlab.errors import InputError
 from headlab.interpret.heads import examples as C
 from headlab.interpret.heads.edits import head_hooks
 from headlab.models.loader import resolve
@@ -91,12 +91,15 @@ def head_importance(
         backend: the attention backend (one with a backward: ``sdpa``, ``tiled``, ``reference``).
         seed: draws of the label-free surrogates.
 
-    The adapter's own gates stay as they are (a head gated to 0 scores 0). Under ``torchrun`` (a
-    process group from :func:`headlab.distributed.data.init_from_env`) each rank takes every W-th
-    example and the sums are added across ranks: the result equals one process's (exactly for the
-    ``task`` and ``lm`` losses; the ``kl``/``cosine`` surrogates draw per rank, so equal in expectation).
-    On a model sharded by tensor parallelism every rank runs every example, each head's derivative is taken on
-    the rank that holds it, and the grid is added over the group: one process's result, every loss included.
+    It runs as ``headlab heads importance`` does (:func:`headlab.interpret.study.runner.call`, the instrument
+    ``heads-importance``: one unit per batch, progress ``("batches", done, total)``), without the confidence; the
+    grid is the result's ``normalized`` with ``normalize``, else its ``importance``. The adapter's own gates stay
+    as they are (a head gated to 0 scores 0). Under ``torchrun`` (a process group from
+    :func:`headlab.distributed.data.init_from_env`) the runner gives each rank every W-th batch and every rank
+    gets every batch's sums: the result equals one process's (exactly for the ``task`` and ``lm`` losses; the
+    ``kl``/``cosine`` surrogates draw per rank, so equal in expectation). On a model sharded by tensor parallelism
+    a group runs its batches together, each head's derivative is taken on the rank that holds it, and the grid is
+    added over the group: one process's result, every loss included.
 
         >>> import torch
         >>> from headlab.models.transformer import Transformer, TransformerConfig
@@ -105,18 +108,29 @@ def head_importance(
         >>> head_importance(m, texts, loss="lm", batch_size=3).shape
         torch.Size([2, 4])
     """
-    return importance_scores(
+    r = _study(
         loaded,
         texts,
         labels,
         loss=loss,
         batch_size=batch_size,
-        normalize=normalize,
         backend=backend,
         seed=seed,
+        confidence=False,
         max_length=max_length,
         progress=progress,
-    )[0]
+    )
+    return r.normalized if normalize else r.importance
+
+
+def _study(loaded, texts, labels, *, progress, **settings) -> ImportanceResult:
+    """The instrument ``heads-importance`` run for a library function (its Python-only options: the texts and
+    labels in memory, the library's settings)."""
+    from headlab.interpret.study import runner
+
+    return runner.call(
+        "heads-importance", {"model": loaded, "texts": texts, "labels": labels, **settings}, progress=progress
+    )
 
 
 def importance_scores(
@@ -390,27 +404,24 @@ def importance_study(
     progress: bool | Progress = False,
 ) -> ImportanceResult:
     """Importance, normalised importance, confidence, and Spearman correlations between them and
-    ``single_effects`` (an ``(n_layers, H)`` grid from :func:`headlab.ablate`), when given."""
-    if single_effects is not None and not isinstance(single_effects, torch.Tensor):
-        raise ConfigError("single_effects must be an (n_layers, H) tensor, e.g. ablate(...).single")
-    imp, used, secs = importance_scores(
+    ``single_effects`` (an ``(n_layers, H)`` grid from :func:`headlab.ablate`), when given.
+
+    The run of ``headlab heads importance`` (the instrument ``heads-importance`` through
+    :func:`headlab.interpret.study.runner.call`): one unit per batch, each adding its importance and confidence
+    sums; under torchrun every rank returns the whole result (see :func:`head_importance`)."""
+    return _study(
         loaded,
         texts,
         labels,
         loss=loss,
         batch_size=batch_size,
-        normalize=False,
         backend=backend,
         seed=seed,
+        confidence=confidence,
+        single_effects=single_effects,
         max_length=max_length,
         progress=progress,
     )
-    conf = (
-        head_confidence(loaded, texts, batch_size=batch_size, max_length=max_length, progress=progress)
-        if confidence
-        else None
-    )
-    return study_result(loaded, imp, used, len(texts), secs, conf, single_effects)
 
 
 def study_result(

@@ -27,7 +27,8 @@ import numpy as np
 import torch
 
 from headlab.interpret.heads import examples as C
-from headlab.interpret.heads.ablation import AblationPlan, AblationResult
+from headlab.interpret.heads.ablation import AblationResult
+from headlab.interpret.heads.ablation_plan import AblationPlan
 from headlab.interpret.heads.ablation_stats import config_masks
 from headlab.interpret.heads.importance import (
     ImportanceResult,
@@ -119,8 +120,9 @@ class ImportanceUnits:
             total += v["importance"]
         return importance_grid(self.adapter, total, len(self.texts), normalize)
 
-    def finish(self, values: list[dict]) -> ImportanceResult:
-        """:func:`~headlab.interpret.heads.importance.importance_study`'s result from every batch's value."""
+    def finish(self, values: list[dict], single_effects: torch.Tensor | None = None) -> ImportanceResult:
+        """:func:`~headlab.interpret.heads.importance.importance_study`'s result from every batch's value (and the
+        rank correlations with ``single_effects``, an ablation's single effects, when given)."""
         conf = None
         if self.confidence:
             total = torch.zeros(self.adapter.n_layers, self.adapter.n_heads, dtype=torch.float64)
@@ -129,9 +131,8 @@ class ImportanceUnits:
                 total += v["confidence"]
                 rows += v["rows"]
             conf = confidence_grid(self.adapter, total, rows)
-        return study_result(
-            self.loaded, self.grid(values), self.loss, len(self.texts), sum(v["seconds"] for v in values), conf
-        )
+        seconds = sum(v["seconds"] for v in values)
+        return study_result(self.loaded, self.grid(values), self.loss, len(self.texts), seconds, conf, single_effects)
 
     @staticmethod
     def unit_to_json(value: dict) -> dict:
@@ -149,7 +150,7 @@ class ImportanceUnits:
 
 class AblationUnits:
     """:func:`~headlab.interpret.heads.ablation.ablate`'s measurements, one unit per batch and phase (see the
-    module docstring); keyword arguments as :class:`~headlab.interpret.heads.ablation.AblationPlan`."""
+    module docstring); keyword arguments as :class:`~headlab.interpret.heads.ablation_plan.AblationPlan`."""
 
     def __init__(self, loaded, texts, labels=None, **options) -> None:
         self.plan = AblationPlan(loaded, texts, labels, **options)

@@ -1,7 +1,7 @@
 """Instruments: one registered class per analysis, run by one study runner.
 
-The contract is :mod:`~headlab.interpret.instruments.base` (:class:`Instrument`, :class:`Option`,
-:class:`Output`, the registry), the lifecycle :mod:`~headlab.interpret.instruments.runner`. Adding an
+The contract is :mod:`~headlab.interpret.study.base` (:class:`Instrument`, :class:`Option`,
+:class:`Output`, the registry), the lifecycle :mod:`~headlab.interpret.study.runner`, both re-exported here. Adding an
 instrument is one file here (a subclass under ``@register``): this package imports every module in it, and the
 command table (:mod:`headlab.cli.table`) makes it a command. Two register from their own rooms, above this one: ``analyze`` from
 :mod:`headlab.interpret.report.instrument` (the report sits at the top of ``interpret``) and ``generate`` /
@@ -11,7 +11,8 @@ command table (:mod:`headlab.cli.table`) makes it a command. Two register from t
 import pkgutil as _pkgutil
 from importlib import import_module as _import_module
 
-from headlab.interpret.instruments.base import (
+from headlab.interpret.study import runner
+from headlab.interpret.study.base import (
     REQUIRED,
     Context,
     Instrument,
@@ -29,11 +30,10 @@ from headlab.interpret.instruments.base import (
     unregister,
 )
 
-# every module of this package but the contract and the runner is an instrument: importing it registers it (a new
-# instrument is one file here; the command table, headlab.cli.table, reads the same files for the CLI's rows)
+# every module of this package is imported, which registers its instruments (atlas_sizes, the atlas's checks, holds
+# none): a new instrument is one file here; the command table, headlab.cli.table, reads the same files for its rows
 for _m in _pkgutil.iter_modules(__path__):
-    if _m.name not in ("base", "runner"):
-        _import_module(f"{__name__}.{_m.name}")
+    _import_module(f"{__name__}.{_m.name}")
 
 __all__ = [
     "Context",
@@ -50,5 +50,6 @@ __all__ = [
     "get",
     "register",
     "registered",
+    "runner",
     "unregister",
 ]

@@ -1,10 +1,13 @@
 """``explain``: attention against saliency for one prediction, or the corpus study over a dataset, as an instrument.
 
-The computations are the saliency room's: :func:`~headlab.interpret.saliency.explain` for one text (attention,
-gradient, grad x input, integrated gradients, leave-one-out, rollout, norm-based rollout, attention flow, the
-norm map, and their agreement) and :func:`~headlab.interpret.saliency.study` for ``--dataset`` (Jain and
-Wallace's corpus tables and the ERASER measures). This file declares the options of ``headlab explain``,
-checks them before the model loads, and shows the result.
+The computations are the saliency room's: :func:`~headlab.interpret.saliency.explanation.explanation` for one
+text (attention, gradient, grad x input, integrated gradients, leave-one-out, rollout, norm-based rollout,
+attention flow, the norm map, and their agreement) and the corpus study's rows for ``--dataset`` (Jain and
+Wallace's corpus tables and the ERASER measures). This file declares the options of ``headlab explain`` and
+checks them before the model loads; its view (:mod:`headlab.cli.views.explain`) shows the result. The library's
+:func:`~headlab.interpret.saliency.explain` and :func:`~headlab.interpret.saliency.study` run this instrument
+through :func:`headlab.interpret.study.runner.call`, with settings of their own (``python`` options: IG's
+quadrature, the study's :class:`~headlab.interpret.saliency.StudyOptions`, its budget in seconds, its figures).
 
 **One text** is one unit; its page, PNG and JSON go to ``--out`` (a new or empty folder, or ``--force``).
 
@@ -20,12 +23,14 @@ finished rows kept in ``OUT/instances.json`` (the result file: the records under
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from pathlib import Path
 
 from headlab.errors import ConfigError, InputError
-from headlab.interpret.instruments.base import (
+from headlab.interpret.saliency.explanation import DEFAULT_METHODS, METHODS
+from headlab.interpret.study.base import (
     REQUIRED,
     Context,
     Instrument,
@@ -36,29 +41,24 @@ from headlab.interpret.instruments.base import (
     at_least,
     register,
 )
-from headlab.interpret.saliency.explanation import DEFAULT_METHODS, METHODS
-from headlab.results import print_json
 
-SHORT = {
-    "attention": "attention",
-    "gradient": "gradient",
-    "grad_x_input": "grad*input",
-    "integrated_gradients": "IG",
-    "leave_one_out": "LOO",
-    "rollout": "rollout",
-    "norm_rollout": "norm roll",
-    "attention_flow": "flow",
-    "attention_norm": "norm",
-}  # the column heads of the terminal tables
+
+def _budget(options: dict) -> float | None:
+    """The study's time budget in seconds: ``max_seconds`` (from Python), else ``--max-minutes``, else None."""
+    if options["max_seconds"] is not None:
+        return float(options["max_seconds"])
+    return None if options["max_minutes"] is None else 60 * options["max_minutes"]
+
+
 STUDY_ONLY = (("limit", "--limit"), ("max_minutes", "--max-minutes"), ("no_counterfactual", "--no-counterfactual"))
 
 
 def _ig_steps(value, option: Option, options: dict) -> None:
     from headlab.interpret.saliency.integrated import MAX_STEPS
 
-    if value > MAX_STEPS:  # below 1: the library's own check says so
+    if isinstance(value, int) and value > MAX_STEPS:  # below 1 (or not a number): the library's own check says so
         raise ConfigError(
-            f"--ig-steps must be at most {MAX_STEPS:,} (Gauss-Legendre converges in tens of steps; 50 "
+            f"{option.label} must be at most {MAX_STEPS:,} (Gauss-Legendre converges in tens of steps; 50 "
             f"is the usual choice), got {value:,}"
         )
 
@@ -144,6 +144,15 @@ Examples: headlab explain "a gripping , funny film" --model ~/.cache/headlab/min
             setting=False,
         ),
         Option("as_json", "--json", bool, False, "print the result as JSON", setting=False),
+        # from Python only: headlab.explain's settings of integrated gradients and the attention rows
+        Option("ig_method", None, str, "gausslegendre", "IG's quadrature", setting=False, python=True),
+        Option("ig_batch_size", None, int, None, "IG's points per forward pass", setting=False, python=True),
+        Option("attention_layers", None, str, "auto", "all, last or auto", setting=False, python=True),
+        Option("warn", None, bool, True, "a CompletenessWarning above a 1% gap", setting=False, python=True),
+        # from Python only: headlab.interpret.saliency.study's StudyOptions, its time budget and figures
+        Option("study_options", None, object, None, "the study's StudyOptions", setting=False, python=True),
+        Option("max_seconds", None, float, None, "stop starting rows after this long", setting=False, python=True),
+        Option("figures", None, bool, True, "the study's figures (PNG)", setting=False, python=True),
     )
     # the study's units are kept in OUT/instances.json (its records); one text writes its page beside
     output = Output("out", folder=True, file="instances.json", force="force")
@@ -155,9 +164,23 @@ Examples: headlab explain "a gripping , funny film" --model ~/.cache/headlab/min
         """Only the corpus study keeps units (its rows); one explanation has nothing to resume."""
         return ctx.options["dataset"] is not None
 
+    def load(self, ctx: Context):
+        """The model by name or folder, or (from Python) a :class:`~headlab.models.loader.LoadedModel` as is; any
+        other object is refused as :func:`~headlab.interpret.saliency.explain` has always refused it."""
+        from headlab.interpret.saliency.explanation import resolve_model
+
+        return (
+            super().load(ctx) if isinstance(ctx.options["model"], str | Path) else resolve_model(ctx.options["model"])
+        )
+
     def check(self, ctx: Context) -> None:
-        """The options alone, in the order the command has always checked them."""
+        """The options alone, in the order the command has always checked them (from Python: the library's checks,
+        in its words: a target out of range, a limit, are the library's to refuse)."""
         o = ctx.options
+        if ctx.python:
+            if o["dataset"] is None and not isinstance(o["text"], str):  # before the runner reads it
+                raise InputError(f"text must be a string, got {type(o['text']).__name__}")
+            return
         if o["target"] is not None:
             at_least(0, " (a class or token id)")(o["target"], self.option("target"), o)
         if o["dataset"] is None:  # the study's options would be ignored silently
@@ -186,7 +209,7 @@ Examples: headlab explain "a gripping , funny film" --model ~/.cache/headlab/min
         from headlab.interpret.saliency.explanation import check_options
 
         o = ctx.options
-        if o["dataset"] is not None and Path(o["dataset"]).is_file():
+        if o["dataset"] is not None and Path(o["dataset"]).is_file() and not ctx.python:
             from headlab.reading import read_file
 
             read_file(
@@ -198,12 +221,17 @@ Examples: headlab explain "a gripping , funny film" --model ~/.cache/headlab/min
             from headlab.tsv import read_dataset
 
             ctx.state["rows"] = read_dataset(o["dataset"], o["limit"])  # a missing column stops here
-            ctx.state["study"] = StudyOptions(
-                methods=tuple(methods),
-                ig_steps=o["ig_steps"],
-                backend=o["backend"],
-                loo=o["loo"],
-                counterfactual=not o["no_counterfactual"],
+            given = o["study_options"]  # from Python: the library's StudyOptions (their methods checked above)
+            ctx.state["study"] = (
+                dataclasses.replace(given, methods=tuple(methods))
+                if given is not None
+                else StudyOptions(
+                    methods=tuple(methods),
+                    ig_steps=o["ig_steps"],
+                    backend=o["backend"],
+                    loo=o["loo"],
+                    counterfactual=not o["no_counterfactual"],
+                )
             )
 
     def check_loaded(self, ctx: Context) -> None:
@@ -218,9 +246,9 @@ Examples: headlab explain "a gripping , funny film" --model ~/.cache/headlab/min
     def run_unit(self, ctx: Context, unit, recording=None):
         o = ctx.options
         if o["dataset"] is None:
-            from headlab.interpret.saliency import explain
+            from headlab.interpret.saliency.explanation import explanation
 
-            return explain(
+            return explanation(
                 ctx.loaded,
                 ctx.data["text"],
                 target=o["target"],
@@ -230,6 +258,10 @@ Examples: headlab explain "a gripping , funny film" --model ~/.cache/headlab/min
                 loo=o["loo"],
                 compare_to=ctx.data.get("compare_to"),
                 truncate=o["truncate"],
+                ig_method=o["ig_method"],
+                ig_batch_size=o["ig_batch_size"],
+                attention_layers=o["attention_layers"],
+                warn=o["warn"],
             )
         from headlab.interpret.saliency import corpus_study
 
@@ -243,8 +275,8 @@ Examples: headlab explain "a gripping , funny film" --model ~/.cache/headlab/min
     @staticmethod
     def _over_budget(ctx: Context) -> bool:
         """--max-minutes spent; the ranks of a tensor-parallel group agree (they run each row together)."""
-        budget = ctx.options["max_minutes"]
-        over = budget is not None and time.perf_counter() - ctx.state["t0"] > 60 * budget
+        budget = _budget(ctx.options)
+        over = budget is not None and time.perf_counter() - ctx.state["t0"] > budget
         place = ctx.loaded.adapter.placement
         if budget is not None and place.sharded:
             import torch
@@ -263,14 +295,13 @@ Examples: headlab explain "a gripping , funny film" --model ~/.cache/headlab/min
 
         rows = list(values.values())  # in the dataset's order
         left = sum("not_run" in v for v in rows)
+        again = "" if ctx.python else " yet (run again with --resume to explain them)"
         skipped = (
-            [
-                f"time budget of {60 * o['max_minutes']:.0f} s reached: {left} of {len(rows)} rows not run yet "
-                "(run again with --resume to explain them)"
-            ]
-            if left
-            else []
+            [f"time budget of {_budget(o):.0f} s reached: {left} of {len(rows)} rows not run{again}"] if left else []
         )
+        settings = ctx.settings
+        if ctx.python:  # the library's study records its StudyOptions (and the rows it took) as its settings
+            settings = {**ctx.state["study"].to_json(), "dataset": str(o["dataset"]), "limit": o["limit"]}
         study = conclude(
             ctx.loaded,
             o["dataset"],
@@ -278,7 +309,8 @@ Examples: headlab explain "a gripping , funny film" --model ~/.cache/headlab/min
             rows,
             ctx.state["study"],
             skipped,
-            settings=ctx.settings,
+            figures=o["figures"],
+            settings=settings,
         )
         return InstrumentResult.of(study)
 
@@ -290,144 +322,5 @@ Examples: headlab explain "a gripping , funny film" --model ~/.cache/headlab/min
         ctx.state["paths"] = paths = write_explanation(result.native, path.parent)  # path: OUT/instances.json
         return list(paths.values())
 
-    def render(self, ctx: Context, outcome, console, err) -> None:
-        r, o = outcome.result.native, ctx.options
-        if o["as_json"]:
-            if o["dataset"] is None:
-                j = r.to_json()
-                doc = {k: j[k] for k in ("tokens", "target", "probs", "scores", "agreement", "completeness_gap")} | {
-                    "special": j["special"],
-                    "kind": j["kind"],
-                    "notes": j["notes"],
-                    "files": {k: str(v) for k, v in ctx.state.get("paths", {}).items()},
-                }
-            else:
-                doc = r.to_json()
-            print_json(doc)
-            return
-        if o["dataset"] is not None:
-            render_study(r, console)
-            return
-        render_explanation(r, console)
-        paths = ctx.state.get("paths")
-        if paths:
-            err.print(f"wrote {paths['html']} and {paths['png'].name}", highlight=False, soft_wrap=True)
 
-
-def render_explanation(ex, console) -> None:
-    """One explanation on the terminal: the target, a token x method table, IG's gap, the agreement, notes."""
-    from rich.table import Table
-
-    from headlab.interpret.saliency.tables import fmt
-
-    what = {
-        "classifier": f"class {ex.target}" + (f" ({ex.target_label})" if ex.target_label else ""),
-        "next_token": f"next token id {ex.target}",
-        "similarity": "cosine similarity",
-    }[ex.kind]
-    console.print(
-        f"explaining {what}: y = {ex.y:.4g}"
-        + ("" if ex.probs is None else "  probs " + ", ".join(f"{p:.3f}" for p in ex.probs)),
-        highlight=False,
-        soft_wrap=True,
-    )
-    t = Table(show_edge=False)
-    t.add_column("#", justify="right")
-    t.add_column("token")
-    for m in ex.methods:
-        t.add_column(SHORT[m], justify="right")
-    for i, tok in enumerate(ex.tokens):
-        style = "dim" if ex.special[i] else None
-        t.add_row(str(i), tok, *(f"{ex.scores[m][i]:.4g}" for m in ex.methods), style=style)
-    console.print(t)
-    if ex.completeness_gap is not None:
-        console.print(
-            f"IG completeness gap: {100 * ex.completeness_gap:.3f}% of y(x) - y(baseline) = "
-            f"{ex.y - ex.y_baseline:.4g} ({ex.ig_steps} steps)",
-            highlight=False,
-        )
-    if len(ex.methods) > 1:
-        agr = ex.agreement()
-        a = Table(title="Kendall tau over |scores|, special tokens excluded (* p < 0.05)", show_edge=False)
-        a.add_column("")
-        for m in ex.methods:
-            a.add_column(SHORT[m], justify="right")
-        for x in ex.methods:
-            cells = []
-            for y in ex.methods:
-                p = agr[x, y] if x != y else None
-                star = "*" if p is not None and p.kendall_p == p.kendall_p and p.kendall_p < 0.05 else ""
-                cells.append("1" if p is None else f"{fmt(p.kendall_tau, 2)}{star}")
-            a.add_row(SHORT[x], *cells)
-        console.print(a)
-    for n in ex.notes:
-        console.print(f"[yellow]note:[/] {n}", highlight=False, soft_wrap=True)
-
-
-def render_study(r, console) -> None:
-    """The corpus tables on the terminal: Kendall tau per method, the permutation test, the adversarial search,
-    ERASER faithfulness, and what was skipped."""
-    from rich.table import Table
-
-    from headlab.interpret.saliency.tables import fmt, fmt_ci
-
-    tb = r.tables
-    console.print(
-        f"{tb['n']} instances -> {r.out}/ ({', '.join(r.files)})"
-        + (f"; accuracy {tb['accuracy']:.4f}" if "accuracy" in tb else ""),
-        highlight=False,
-        soft_wrap=True,
-    )
-    if tb.get("kendall"):
-        t = Table(title="Kendall tau of attention with each method (per instance)", show_edge=False)
-        for c in (
-            "method",
-            "mean",
-            "std",
-            "median",
-            "significant",
-            *[f"mean | pred {k}" for k in next(iter(tb["kendall"].values()))["by_class"]],
-        ):
-            t.add_column(c, justify="right")
-        for m, d in tb["kendall"].items():
-            t.add_row(
-                m,
-                fmt(d.get("mean")),
-                fmt(d.get("std")),
-                fmt(d.get("q50")),
-                fmt(d.get("significant")),
-                *(fmt(c.get("mean")) for c in d["by_class"].values()),
-            )
-        console.print(t)
-    if tb.get("permutation"):
-        p = tb["permutation"]
-        t = Table(title="permutation test: median output TVD over 100 permutations", show_edge=False)
-        for c in ("max attention", "instances", "median TVD"):
-            t.add_column(c, justify="right")
-        for b in p["bins"]:
-            t.add_row(f"{b['max_attention'][0]:.2f}-{b['max_attention'][1]:.2f}", str(b["n"]), fmt(b["median_tvd"], 4))
-        console.print(t)
-    if tb.get("adversarial"):
-        a = tb["adversarial"]
-        console.print(
-            f"adversarial attention (output TVD <= {a['tvd_budget']}): max JSD mean {fmt(a['max_jsd'].get('mean'))}, "
-            f"median {fmt(a['max_jsd'].get('q50'))}, share > 0.5: {fmt(a['share_above_0.5'])}",
-            highlight=False,
-        )
-    if tb.get("faithfulness"):
-        t = Table(
-            title="ERASER faithfulness: mean [95% bootstrap CI]; comprehensiveness up, sufficiency down",
-            show_edge=False,
-        )
-        cols = [c for c in next(iter(tb["faithfulness"].values()))]
-        t.add_column("method")
-        for c in cols:
-            t.add_column(c.replace("comprehensiveness", "comp").replace("sufficiency", "suff"), justify="right")
-        for m, d in tb["faithfulness"].items():
-            t.add_row(m, *(fmt_ci(d[c]) for c in cols))
-        console.print(t)
-    for s in r.skipped:
-        console.print(f"[yellow]skipped:[/] {s}", highlight=False, soft_wrap=True)
-
-
-__all__ = ["Explain", "SHORT", "render_explanation", "render_study"]
+__all__ = ["Explain"]

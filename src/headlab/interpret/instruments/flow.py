@@ -3,7 +3,8 @@
 The computation is the flow room's (:func:`~headlab.interpret.flow.rollout.rollout`,
 :func:`~headlab.interpret.flow.maxflow.attention_flow`, :func:`~headlab.interpret.flow.norms.attention_norms`);
 this file declares the options of ``headlab flow``, checks them (alone, then against the model and the
-text's tokens) and shows the result. One text is one unit; the result file is ``<method>.json`` in ``--out``.
+text's tokens); its view (:mod:`headlab.cli.views.flow`) shows the result. One text is one unit; the result
+file is ``<method>.json`` in ``--out``.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from headlab.errors import ConfigError, InputError
-from headlab.interpret.instruments.base import (
+from headlab.interpret.study.base import (
     REQUIRED,
     Context,
     Instrument,
@@ -21,7 +22,6 @@ from headlab.interpret.instruments.base import (
     at_least,
     register,
 )
-from headlab.results import print_json
 
 METHODS = ("rollout", "norm-rollout", "flow", "norms")
 MODES = ("attention", "residual")
@@ -206,62 +206,6 @@ Example: headlab flow "The cat sat on the mat." --method flow --rows cls"""
         from headlab.results import write_json
 
         return [write_json(path, result.native.to_json(), indent=None)]
-
-    def render(self, ctx: Context, outcome, console, err) -> None:
-        from rich.table import Table
-
-        from headlab.interpret.flow.views import key_shares, ranked
-
-        if outcome.files:
-            err.print(f"wrote {outcome.files[0]}", highlight=False)
-        o, res = ctx.options, outcome.result.native
-        if o["as_json"]:
-            print_json(res.to_json())
-            return
-        method, top = o["method"], o["top"]
-        if method in ("rollout", "norm-rollout"):
-            shown = res.rows if res.rows is not None else res.maps[-1][:1]
-            labels = res.row_positions if res.row_positions is not None else [0]
-            for p, v in zip(labels, shown):
-                console.print(
-                    _table(
-                        f"{method} through layer {res.layer}, row {p} ({res.tokens[p] if res.tokens else p})",
-                        ranked(v, res.tokens, top),
-                    )
-                )
-        elif method == "flow":
-            console.print(
-                _table(
-                    f"flow from token {res.source} at layer {res.layer} ({res.solver}, "
-                    f"{res.seconds:.2f} s, gap {res.gap:.1e})",
-                    ranked(res.flow, res.tokens, top),
-                )
-            )
-        else:
-            t = Table(
-                title=f"share on the first / last token per layer ({o['mode'] or MODES[0]} norms, mean of heads "
-                "and queries)",
-                title_justify="left",
-            )
-            for h in ("layer", "weight first", "norm first", "weight last", "norm last"):
-                t.add_column(h)
-            for l, s in res.summaries.items():
-                ks = key_shares(s)
-                t.add_row(
-                    str(l), *(f"{v:.3f}" for v in (ks["weight"][0], ks["norm"][0], ks["weight"][1], ks["norm"][1]))
-                )
-            console.print(t)
-
-
-def _table(title: str, rows, header=("pos", "token", "value")):
-    from rich.table import Table
-
-    t = Table(title=title, title_justify="left")
-    for h in header:
-        t.add_column(h)
-    for r in rows:
-        t.add_row(*(f"{x:.4f}" if isinstance(x, float) else str(x) for x in r))
-    return t
 
 
 __all__ = ["Flow", "METHODS", "MODES", "SOLVERS", "check_loaded", "parse_rows"]

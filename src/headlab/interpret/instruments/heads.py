@@ -9,7 +9,10 @@ unit per batch for the single and keep-one configurations, then one per batch fo
 with ``--resume``. ``--data`` is read by :mod:`headlab.reading` as its suffix says (``.tsv`` a dataset with a
 ``sentence`` or ``text`` column and an optional ``label``, ``.conllu`` the ``# text =`` of each sentence,
 anything else one text per line), before the model loads. Both report on the runner's display: its "loading
-model" step, then the batches done.
+model" step, then the batches done. The library's functions run them too (:func:`headlab.head_importance`,
+:func:`~headlab.interpret.heads.importance.importance_study`, :func:`headlab.ablate`, through
+:func:`~headlab.interpret.study.runner.call`): their texts in memory and their settings (``seed``, ``max_length``,
+``single_effects``, ``alpha``, ...) are Python-only options, which the command line has no flag for.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from headlab.errors import ConfigError, InputError
-from headlab.interpret.instruments.base import (
+from headlab.interpret.study.base import (
     REQUIRED,
     Context,
     Instrument,
@@ -30,7 +33,6 @@ from headlab.interpret.instruments.base import (
     at_least,
     register,
 )
-from headlab.results import print_json
 
 
 def read_examples(path, option: str = "--data", *, limit: int | None = None) -> tuple[list[str], list[int] | None]:
@@ -45,14 +47,23 @@ def _check_loss(value, option, options) -> None:
     from headlab.interpret.heads.examples import LOSSES
 
     if value not in (*LOSSES, "auto"):
-        raise ConfigError(f"--loss {value!r} is not a loss; use one of {' | '.join(LOSSES)} | auto")
+        raise ConfigError(f"{option.label} {value!r} is not a loss; use one of {' | '.join(LOSSES)} | auto")
 
 
 def _check_backend(value, option, options) -> None:
     from headlab.attention import backends
 
     if value != "auto" and value not in backends.names():
-        raise ConfigError(f"--backend {value!r} is not a backend; use auto or one of {', '.join(backends.names())}")
+        raise ConfigError(
+            f"{option.label} {value!r} is not a backend; use auto or one of {', '.join(backends.names())}"
+        )
+
+
+def _check_single_effects(value, option, options) -> None:
+    import torch
+
+    if not isinstance(value, torch.Tensor):
+        raise ConfigError("single_effects must be an (n_layers, H) tensor, e.g. ablate(...).single")
 
 
 MODEL = Option("model", "--model", str, REQUIRED, "a known model name or a local model folder", short="-m")
@@ -65,6 +76,11 @@ LIMIT = Option("limit", "--limit", int, None, "use only the first N examples", c
 BATCH = Option("batch_size", "--batch-size", int, 16, "examples per forward (and backward)", check=at_least(1))
 BACKEND = Option("backend", "--backend", str, "auto", check=_check_backend)
 JSON = Option("as_json", "--json", bool, False, "print the result as JSON", setting=False)
+# from Python only (headlab.head_importance, headlab.ablate, ...): the examples in memory, and the library's settings
+TEXTS = Option("texts", None, list, None, "the examples in memory: strings or token ids", python=True, setting=False)
+LABELS = Option("labels", None, list, None, "gold class ids of the texts (loss 'task')", python=True, setting=False)
+SEED = Option("seed", None, int, 0, "the draws (label-free surrogates; bootstrap)", python=True)
+MAX_LENGTH = Option("max_length", None, int, None, "tokens kept per text", python=True, check=at_least(1))
 
 
 class _HeadStudy(Instrument):
@@ -77,15 +93,24 @@ class _HeadStudy(Instrument):
     result: Callable[[Context, dict], Any]  # each study's own: its result from the units' values
 
     def check(self, ctx: Context) -> None:
-        if ctx.options["data"] is None:
+        o = ctx.options
+        if o["data"] is not None and (o["texts"] is not None or o["labels"] is not None):
+            raise ConfigError("give the examples as data (a file) or as texts (in memory), not both")
+        if o["data"] is None and not ctx.python:  # a library function hands its texts over (none: no examples)
             raise InputError("--data FILE is required: a .tsv, .conllu or .txt of examples")
 
     def prepare(self, ctx: Context) -> None:
-        ctx.data["texts"], ctx.data["labels"] = read_examples(ctx.options["data"], limit=ctx.options["limit"])
+        o = ctx.options
+        if o["data"] is None:  # from Python: the texts and labels in memory, as given
+            ctx.data["texts"], ctx.data["labels"] = o["texts"], o["labels"]
+        else:
+            ctx.data["texts"], ctx.data["labels"] = read_examples(o["data"], limit=o["limit"])
 
     def examples(self, ctx: Context) -> list:
         from headlab.interpret.heads.examples import token_ids_if_needed
 
+        if ctx.options["data"] is None:  # in memory: the library takes them as they are
+            return ctx.data["texts"]
         return token_ids_if_needed(ctx.loaded, ctx.data["texts"])
 
     def units(self, ctx: Context) -> list[Unit]:
@@ -94,12 +119,6 @@ class _HeadStudy(Instrument):
     def finish(self, ctx: Context, values: dict) -> InstrumentResult:
         r = self.result(ctx, values)
         return InstrumentResult.of(r, self.envelope(r))
-
-    def render_json(self, outcome) -> bool:
-        if outcome.ctx.options["as_json"]:
-            print_json(outcome.result.native.to_json())
-            return True
-        return False
 
 
 @register
@@ -130,6 +149,20 @@ batches across the processes and adds their sums; rank 0 shows the progress and 
             off="--no-confidence",
         ),
         JSON,
+        TEXTS,
+        LABELS,
+        SEED,
+        MAX_LENGTH,
+        Option(
+            "single_effects",
+            None,
+            object,
+            None,
+            "an ablation's single effects (n_layers, H): their rank correlations with importance and confidence",
+            check=_check_single_effects,
+            python=True,
+            setting=False,
+        ),
     )
     output = Output("out", folder=True, file="importance.json", allow_existing=True, replace=True)
 
@@ -144,7 +177,9 @@ batches across the processes and adds their sums; rank 0 shows the progress and 
             loss=o["loss"],
             batch_size=o["batch_size"],
             backend=o["backend"],
+            seed=o["seed"],
             confidence=o["confidence"],
+            max_length=o["max_length"],
         )
 
     def run_unit(self, ctx: Context, unit, recording=None):
@@ -165,7 +200,7 @@ batches across the processes and adds their sums; rank 0 shows the progress and 
         work = ctx.state["work"]
         for v in values.values():  # the generator's states are for resuming an unfinished run: a finished one
             v["rng"] = None  # keeps its sums alone
-        return work.finish([values[k] for k in work.keys()])
+        return work.finish([values[k] for k in work.keys()], single_effects=ctx.options["single_effects"])
 
     def envelope(self, r) -> dict:
         from headlab.results import envelope
@@ -181,37 +216,34 @@ batches across the processes and adds their sums; rank 0 shows the progress and 
         files[1].write_text(render_page(title=f"head importance: {r.model}", importance=r))
         return files
 
-    def render(self, ctx: Context, outcome, console, err) -> None:
-        if self.render_json(outcome):
-            return
-        r = outcome.result.native
-        rank = r.ranking()
-        console.print(
-            f"{r.model}: importance ({r.loss} loss) of {len(rank)} heads over {r.n_examples} examples, "
-            f"{r.seconds:.1f} s",
-            highlight=False,
-            soft_wrap=True,
-        )
-        console.print("least important: " + ", ".join(f"{l}.{h}" for l, h in rank[:8]), highlight=False)
-        console.print("most important:  " + ", ".join(f"{l}.{h}" for l, h in rank[::-1][:8]), highlight=False)
-        for k, v in r.correlations.items():
-            console.print(f"Spearman {k}: {'n/a' if v is None else f'{v:.3f}'}", highlight=False)
-        if outcome.files:
-            out = outcome.path.parent
-            console.print(f"wrote {out}/importance.json, {out}/heads.html", highlight=False, soft_wrap=True)
-
 
 def _check_kind(value, option, options) -> None:
     from headlab.interpret.heads.edits import KINDS
 
     if value not in KINDS:
+        if option.flag is None:  # from Python (headlab.ablate): the library's words
+            raise ConfigError(f"unknown ablation kind {value!r}; use one of {', '.join(KINDS)}")
         raise ConfigError(f"--kind {value!r} is not an ablation kind; use one of {', '.join(KINDS)}")
 
 
-def _check_boot(value, option, options) -> None:
-    from headlab.interpret.heads.ablation import check_bootstrap
+def _check_k(value, option, options) -> None:
+    from headlab.interpret.heads.ablation_plan import check_k
 
-    check_bootstrap(value, 0.05)
+    if option.flag is None:  # from Python (headlab.ablate): the library's check
+        check_k(value)
+    else:
+        at_least(0)(value, option, options)
+
+
+def _check_boot(value, option, options) -> None:
+    from headlab.interpret.heads.ablation_stats import check_bootstrap
+
+    check_bootstrap(value, options.get("alpha", 0.05))
+
+
+def _python(name: str, type_: type, default, help: str, **kw) -> Option:
+    """An option only :func:`headlab.ablate` gives (a library setting; the command line has no flag for it)."""
+    return Option(name, None, type_, default, help, python=True, **kw)
 
 
 @register
@@ -230,11 +262,23 @@ class HeadAblation(_HeadStudy):
         LIMIT,
         BATCH,
         Option("kind", "--kind", str, "zero", "zero | mean | resample | uniform", check=_check_kind),
-        Option("k", "--k", int, 16, "pairs among the k lowest single effects", check=at_least(0)),
+        Option("k", "--k", int, 16, "pairs among the k lowest single effects", check=_check_k),
         Option("boot", "--boot", int, 1000, "bootstrap resamples", check=_check_boot),
         Option("keep_one", "--keep-one", bool, True, "each layer reduced to one head", off="--no-keep-one"),
         BACKEND,
         JSON,
+        TEXTS,
+        LABELS,
+        _python("heads", list, None, "(layer, head) pairs ablated singly (default: every head)"),
+        _python("pairs", list, None, "((l, h), (l2, g)) pairs ablated jointly (default: among the k lowest)"),
+        _python("mean_over", str, "token", "kind 'mean': one mean per head ('token') or per position"),
+        _python("max_rows", int, 128, "rows per forward (configurations x examples)"),
+        _python("alpha", float, 0.05, "the intervals' level (0.05: 95%)"),
+        _python("rel_tol", float, 0.01, "the threshold's share of the scale (see headlab.ablate)"),
+        _python("cka", bool, True, "the linear CKA of the pair heads' outputs"),
+        _python("max_cka_tokens", int, 4096, "tokens per head the CKA reads at most"),
+        SEED,
+        MAX_LENGTH,
     )
     output = Output("out", folder=True, file="ablation.json", allow_existing=True, replace=True)
 
@@ -255,6 +299,8 @@ class HeadAblation(_HeadStudy):
             batch_size=o["batch_size"],
             n_boot=o["boot"],
             backend=o["backend"],
+            **{n: o[n] for n in ("heads", "pairs", "mean_over", "max_rows", "alpha", "rel_tol", "cka")},
+            **{n: o[n] for n in ("max_cka_tokens", "seed", "max_length")},
         )
 
     def run_unit(self, ctx: Context, unit, recording=None):
@@ -291,26 +337,6 @@ class HeadAblation(_HeadStudy):
         files = [write_json(path, result.to_json()), path.parent / "heads.html"]
         files[1].write_text(render_page(title=f"head ablation: {r.model}", ablation=r))
         return files
-
-    def render(self, ctx: Context, outcome, console, err) -> None:
-        if self.render_json(outcome):
-            return
-        r = outcome.result.native
-        console.print(
-            f"{r.model}: {r.kind} ablation, {r.loss} loss {r.baseline:.4g} unablated, {r.n_examples} "
-            f"examples; threshold {r.threshold:.3g} (noise floor {r.floor_text()})",
-            highlight=False,
-            soft_wrap=True,
-        )
-        console.print("verdicts: " + ", ".join(f"{n} {c}" for c, n in r.counts().items()), highlight=False)
-        for note in r.notes[1:]:  # the first says what the effects are; the others are cautions
-            console.print(f"[yellow]note:[/] {note}", highlight=False, soft_wrap=True)
-        for v in r.verdicts:
-            if v.verdict == "redundant":
-                console.print(f"  {v.layer}.{v.head} {v.label()}: {v.evidence}", highlight=False, soft_wrap=True)
-        if outcome.files:
-            out = outcome.path.parent
-            console.print(f"wrote {out}/ablation.json, {out}/heads.html", highlight=False, soft_wrap=True)
 
 
 __all__ = ["HeadAblation", "HeadImportance", "read_examples"]

@@ -1,9 +1,14 @@
 """``patch``: activation patching of every head for one clean/corrupted prompt pair, as an instrument.
 
-The computations are the patching room's (:func:`~headlab.interpret.patching.patch`, exact;
+The computations are the patching room's (:func:`~headlab.interpret.patching.exact.sweep`, exact;
 :func:`~headlab.interpret.patching.attribution_patch`, its first-order estimate;
 :func:`~headlab.interpret.patching.compare`, their agreement); this file declares the options of
-``headlab patch``, checks them, splits the work and shows the result.
+``headlab patch``, checks them and splits the work.
+
+**From Python.** :func:`headlab.patch` runs here too (the runner's
+:func:`~headlab.interpret.study.runner.call`): it hands over the inputs as they are (``inputs``: texts, ids or
+dicts) and their ``metric`` instead of the four texts, and its sweep is one unit, ``exact`` (every kind's
+configurations stacked, as one call always measured them; Ctrl-C in it keeps the measured ones, the rest NaN).
 
 **Checks.** The options alone (``--method``, ``--sites``, ``--positions``, ``--top``, the suffix of ``--out``),
 then the output file, then the four texts (read by :mod:`headlab.reading`: empty or not UTF-8), then the
@@ -19,7 +24,8 @@ forward per kind, against the ``layers x heads`` patched rows of its sweep); att
 exact sweep interrupted half-way is not one of them (the library keeps its measured configurations and marks
 the rest NaN, for a caller of :func:`~headlab.interpret.patching.patch`; the command stops with the runner's
 line instead of ranking heads from a partial grid). Each sweep reports its own stage through the runner's
-display: ``patching`` for one kind, as before, ``patching z``, ``patching v``, ... for several.
+display: ``patching`` for one kind, as before, ``patching z``, ``patching v``, ... for several. The command's
+view is :mod:`headlab.cli.views.patch`.
 """
 
 from __future__ import annotations
@@ -27,8 +33,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import headlab.checks as checks
 from headlab.errors import ConfigError, InputError
-from headlab.interpret.instruments.base import (
+from headlab.interpret.study.base import (
     REQUIRED,
     Context,
     Instrument,
@@ -39,9 +46,13 @@ from headlab.interpret.instruments.base import (
     at_least,
     register,
 )
-from headlab.results import print_json
 
 METHODS = ("exact", "attribution", "both")
+
+
+def _rows(value, option: Option, options: dict) -> None:
+    """``max_rows``, in the words of the sweep's own check (before any run)."""
+    checks.positive_int("max_rows (rows per forward)", value)
 
 
 def parse_positions(spec: str | None):
@@ -163,18 +174,45 @@ The metric is the logit difference answer - wrong at the last token; an effect i
         ),
         Option("force", "--force", bool, False, "replace an existing --out file", setting=False),
         Option("as_json", "--json", bool, False, "print the result as JSON", setting=False),
+        # headlab.patch's: the inputs as they are and their metric (in place of the four texts), and its settings
+        Option(
+            "inputs",
+            None,
+            object,
+            None,
+            "(clean, corrupted): texts with a loaded model, input_ids (B, L) or dicts, of the same shape",
+            python=True,
+            setting=False,
+        ),
+        Option("metric", None, object, None, "metric(logits (B, L, V)) -> (B,)", python=True, setting=False),
+        Option("layers", None, object, None, "the layers to patch (default all)", python=True),
+        Option("max_rows", None, int, 256, "rows per forward (configurations x examples)", python=True, check=_rows),
+        Option("backend", None, str, None, "the attention backend of every run", python=True),
     )
     output = Output("out", folder=False, force="force")
     resumable = True  # each site kind's sweep and attribution are units: --resume runs those not kept
     keeps_units = False  # a finished file is the result (every unit's grids are in it already)
 
     def check(self, ctx: Context) -> None:
-        """The options alone, in the order the command has always checked them (a load takes time)."""
+        """The options alone, in the order the command has always checked them (a load takes time); from
+        :func:`headlab.patch`, its sites and positions as the library takes them (a list, ``"each"``)."""
         o = ctx.options
         if o["method"] not in METHODS:
             raise ConfigError(f"--method {o['method']!r}: choose one of {', '.join(METHODS)}")
-        ctx.state["kinds"] = parse_sites(o["sites"], o["method"])
-        ctx.state["positions"] = parse_positions(o["positions"])
+        if o["metric"] is None:  # the command's four texts
+            texts = ("clean", "corrupted", "answer", "wrong")
+            missing = [n if ctx.python else self.option(n).label for n in texts if o[n] is None]
+            if missing:
+                raise InputError(f"{', '.join(missing)}: give the texts, or the inputs and their metric")
+            ctx.state["kinds"] = parse_sites(o["sites"], o["method"])
+            ctx.state["positions"] = parse_positions(o["positions"])
+        else:
+            from headlab.interpret.patching.runs import HEAD_KINDS, RESID_KINDS, check_kinds
+
+            if not isinstance(o["inputs"], tuple | list) or len(o["inputs"]) != 2:
+                raise InputError("inputs: give the pair (clean, corrupted) the metric is measured on")
+            ctx.state["kinds"] = check_kinds(o["sites"], HEAD_KINDS + (RESID_KINDS if o["method"] == "exact" else ()))
+            ctx.state["positions"] = o["positions"]
         at_least(1)(o["top"], self.option("top"), o)
         if o["out"] is not None and Path(o["out"]).suffix not in (".json", ".html"):
             raise InputError(f"--out {o['out']}: give a file ending in .json (the data) or .html (the page)")
@@ -182,6 +220,8 @@ The metric is the logit difference answer - wrong at the last token; an effect i
     def prepare(self, ctx: Context) -> None:
         """The degenerate pairs, refused before the load: every effect would be 0/0."""
         d = ctx.data
+        if ctx.options["metric"] is not None:  # inputs handed over: the library's checks, once loaded
+            return
         if d["answer"] == d["wrong"]:
             raise InputError(
                 f"--answer and --wrong are both {d['answer']!r}: their logit difference is 0 on every "
@@ -193,12 +233,28 @@ The metric is the logit difference answer - wrong at the last token; an effect i
                 "nothing (every effect would be 0/0); give a corrupted prompt with other names"
             )
 
+    def load(self, ctx: Context):
+        """The model by name; one handed over as it is, a module through its adapter (which knows the ranks that
+        hold its heads)."""
+        model = ctx.options["model"]
+        if isinstance(model, str | Path):
+            return super().load(ctx)
+        from headlab.models.loaded_model import resolve
+
+        adapter, loaded = resolve(model)
+        return loaded if loaded is not None else adapter
+
     def check_loaded(self, ctx: Context) -> None:
         """The prompts through the tokenizer (single tokens, equal lengths, not alike) and --positions against
-        their length, before any patched run."""
+        their length, before any patched run; inputs handed over, the library's checks of the pair."""
         from headlab.interpret.patching.prompts import prompt_pair
-        from headlab.interpret.patching.runs import check_positions
+        from headlab.interpret.patching.runs import check_positions, prepare
 
+        if ctx.options["metric"] is not None:
+            clean, corrupted = ctx.options["inputs"]
+            check_positions(ctx.state["positions"], prepare(ctx.loaded, clean, corrupted).length)
+            ctx.state["pair"] = (clean, corrupted, ctx.options["metric"])
+            return
         d = ctx.data
         a, b, metric = prompt_pair(ctx.loaded, d["clean"], d["corrupted"], d["answer"], d["wrong"])
         try:
@@ -209,26 +265,43 @@ The metric is the logit difference answer - wrong at the last token; an effect i
 
     def units(self, ctx: Context) -> list[Unit]:
         method, kinds = ctx.options["method"], ctx.state["kinds"]
-        exact = [Unit(f"exact {k}", k) for k in kinds] if method in ("exact", "both") else []
+        if ctx.options["metric"] is not None:  # headlab.patch: one sweep over every kind, as one call always was
+            exact = [Unit("exact", kinds)] if method in ("exact", "both") else []
+        else:
+            exact = [Unit(f"exact {k}", k) for k in kinds] if method in ("exact", "both") else []
         return exact + ([Unit("attribution", kinds)] if method in ("attribution", "both") else [])
 
     def run_unit(self, ctx: Context, unit: Unit, recording=None):
-        from headlab.interpret.patching import attribution_patch, patch
+        from headlab.interpret.patching import attribution_patch
+        from headlab.interpret.patching.exact import sweep
 
         a, b, metric = ctx.state["pair"]
-        pos = ctx.state["positions"]
+        pos, o = ctx.state["positions"], ctx.options
         if unit.key == "attribution":
             return attribution_patch(ctx.loaded, a, b, metric, sites=unit.payload, positions=pos)
         seen = {"done": 0, "total": 0}
-        alone = len(ctx.state["kinds"]) == 1  # one sweep: its stage is "patching", as it always was
+        whole = unit.key == "exact"  # headlab.patch's one sweep over every kind
+        alone = whole or len(ctx.state["kinds"]) == 1  # one sweep: its stage is "patching", as it always was
 
         def progress(stage, done, total):  # the runner's display (a bar per kind), and whether the sweep ended
             seen.update(done=done, total=total)
             ctx.progress(stage if alone else f"{stage} {unit.payload}", done, total)
 
-        r = patch(ctx.loaded, a, b, metric, sites=[unit.payload], positions=pos, progress=progress)
-        if seen["done"] < seen["total"]:  # the sweep caught Ctrl-C and kept a partial grid: not a finished unit
-            raise KeyboardInterrupt
+        kinds = unit.payload if whole else [unit.payload]
+        r = sweep(
+            ctx.loaded,
+            a,
+            b,
+            metric,
+            sites=kinds,
+            positions=pos,
+            layers=o["layers"],
+            max_rows=o["max_rows"],
+            backend=o["backend"],
+            progress=progress,
+        )
+        if seen["done"] < seen["total"] and not whole:  # the sweep caught Ctrl-C and kept a partial grid: not a
+            raise KeyboardInterrupt  # finished unit of the command (headlab.patch returns it, the rest NaN)
         return r
 
     def unit_to_json(self, value):
@@ -245,9 +318,9 @@ The metric is the logit difference answer - wrong at the last token; an effect i
 
         kinds = ctx.state["kinds"]
         results = {}
-        exact = [values[k] for k in values if k.startswith("exact ")]
+        exact = [values[k] for k in values if k.split(" ")[0] == "exact"]
         if exact:
-            results["exact"] = merge(exact)
+            results["exact"] = exact[0] if len(exact) == 1 else merge(exact)
         if "attribution" in values:
             results["attribution"] = values["attribution"]
         run = PatchRun(results, kinds, {name: r.to_json() for name, r in results.items()})
@@ -268,43 +341,6 @@ The metric is the logit difference answer - wrong at the last token; an effect i
         if path.suffix == ".html":
             return [write_text(path, result.native.main.page())]
         return [write_json(path, result.to_json())]
-
-    def render(self, ctx: Context, outcome, console, err) -> None:
-        from headlab.interpret.patching.runs import RESID_KINDS
-
-        run, o = outcome.result.native, ctx.options
-        if o["as_json"]:
-            print_json(run.doc)
-            return
-        main = run.main
-        console.print(
-            f"{main.model}: logit diff {o['answer']!r} - {o['wrong']!r}: clean {main.clean:.3f}, corrupted "
-            f"{main.corrupted:.3f}",
-            highlight=False,
-            soft_wrap=True,
-        )
-        for name, r in run.results.items():
-            for kind in run.kinds:
-                per_layer = kind in RESID_KINDS  # one value per layer
-                console.print(
-                    f"{name} patching, {kind}: top {'layers (layer' if per_layer else 'heads (layer.head'} effect)",
-                    highlight=False,
-                )
-                console.print(
-                    "  "
-                    + ", ".join(f"{l}{'' if per_layer else f'.{h}'} {e:+.3f}" for l, h, e in r.top(o["top"], kind)),
-                    highlight=False,
-                    soft_wrap=True,
-                )
-        for kind, c in run.doc.get("agreement", {}).items():
-            sp = "n/a" if c["spearman"] is None else f"{c['spearman']:.3f}"
-            console.print(
-                f"attribution vs exact ({kind}): Spearman {sp}, top-10 overlap "
-                f"{c['top10_overlap']}/{min(10, c['n'])}, {c.get('time_ratio', float('nan')):.1f}x faster",
-                highlight=False,
-            )
-        if outcome.files:
-            console.print(f"wrote {o['out']}", highlight=False)
 
 
 __all__ = ["METHODS", "Patch", "PatchRun", "merge", "parse_positions", "parse_sites"]

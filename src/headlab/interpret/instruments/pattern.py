@@ -4,7 +4,8 @@ The computation is the sparse backend's :func:`~headlab.attention.backends.spars
 mask that :func:`build` makes from the command's options (:func:`spec`: the :func:`headlab.masks.from_string`
 spec they stand for). The options and the mask are checked before any work (:meth:`Pattern.check`), ``--png``
 by the runner; one pattern is one unit. The result's figures are the densities ``--json`` prints; ``--png``
-gets the picture (:meth:`Pattern.write`), the terminal the drawing (:meth:`Pattern.render`).
+gets the picture (:meth:`Pattern.write`), the terminal the drawing (its view,
+:mod:`headlab.cli.views.pattern`).
 """
 
 from __future__ import annotations
@@ -13,11 +14,9 @@ import inspect
 import re
 from pathlib import Path
 
-from rich.text import Text
-
 from headlab.attention.backends.sparse.plan import pattern_density
 from headlab.errors import ConfigError
-from headlab.interpret.instruments.base import (
+from headlab.interpret.study.base import (
     REQUIRED,
     Context,
     Instrument,
@@ -27,12 +26,10 @@ from headlab.interpret.instruments.base import (
     at_least,
     register,
 )
-from headlab.results import print_json
 from headlab.spec import masks
 
 # largest sequence drawn densely (a PNG of n x n pixels; the terminal is downsampled anyway)
 MAX_DENSE = 8192
-_SHADES = " ░▒▓█"
 
 # CLI option of each constructor parameter (the constructors and their names: headlab.masks)
 _OPTION = {
@@ -134,26 +131,6 @@ def spec(
 def build(name: str, **options) -> masks.MaskFn:
     """The mask for ``name`` and the command's options: :func:`headlab.masks.from_string` of :func:`spec`."""
     return masks.from_string(spec(name, **options))
-
-
-def _render(dense, max_cells: int) -> Text:
-    """Block characters, one per position (or per cell of positions, shaded by density)."""
-    import torch
-
-    n_q, n_k = dense.shape
-    step = max(1, -(-max(n_q, n_k) // max_cells))
-    t = Text()
-    if step == 1:
-        for row in dense.tolist():
-            t.append("".join("█" if x else "·" for x in row) + "\n")
-        return t
-    pad_q, pad_k = (-n_q) % step, (-n_k) % step
-    d = torch.nn.functional.pad(dense.float(), (0, pad_k, 0, pad_q))
-    frac = d.view(d.shape[0] // step, step, d.shape[1] // step, step).mean((1, 3))
-    idx = (frac * (len(_SHADES) - 1)).ceil().long()
-    for row in idx.tolist():
-        t.append("".join(_SHADES[i] for i in row) + "\n")
-    return t
 
 
 def _check_png(value, option: Option, options: dict) -> None:
@@ -271,22 +248,6 @@ Example: headlab pattern sliding_window --window 4 --seq-len 32"""
             f"{f['pattern']}  n={d.seq_len}  pairs {d.pair_density:.1%}  tiles {d.tile_density:.1%}",
         )
         return [path]
-
-    def render(self, ctx: Context, outcome, console, err) -> None:
-        o, d, f = ctx.options, outcome.result.native, outcome.result.figures
-        if o["as_json"]:
-            print_json(f)
-            return
-        console.print(_render(d.visible, o["width"]), end="")
-        console.print(
-            f"{f['pattern']}: {d.seq_len}x{d.seq_len}, {d.pair_density:.1%} of pairs visible; "
-            f"{d.visited_tiles}/{d.tiles} tiles of {d.tile}x{d.tile} visited ({d.tile_density:.1%}, "
-            f"{d.full_tile_share:.1%} full)"
-            + (f"; {d.rows_without_keys} rows see no key (output zeros)" if d.rows_without_keys else ""),
-            highlight=False,
-        )
-        if o["png"]:
-            console.print(f"wrote {o['png']}", highlight=False)
 
 
 def _save_png(dense, path: str, title: str) -> None:

@@ -9,7 +9,11 @@ test; the runner splits them over the ranks under torchrun, gathers them on rank
 ``--treebank`` as CoNLL-U before the model loads (a missing file, a folder, bytes that are not UTF-8 or a line
 that is not CoNLL-U get one line); :meth:`Probe.prepare` then builds the trees from what was read and checks
 ``--relations`` against them, still before the load, so the file is read once. The result goes to ``--out`` as
-relations.csv/.json, two PNGs and probe.html.
+relations.csv/.json, two PNGs and probe.html; the command's view is :mod:`headlab.cli.views.probe`.
+
+:func:`headlab.probe` runs here too (the runner's :func:`~headlab.interpret.study.runner.call`), with the same
+units: it hands over a treebank already read (``trees``) or the file, and its settings (``backend``,
+``head_map_sentences``, ``grad_sentences``, ...), which the command line leaves at their defaults.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from headlab.errors import InputError
-from headlab.interpret.instruments.base import (
+from headlab.interpret.study.base import (
     REQUIRED,
     Context,
     Instrument,
@@ -28,24 +32,35 @@ from headlab.interpret.instruments.base import (
     at_least,
     register,
 )
-from headlab.results import print_json
+
+# headlab.probe's settings, handed to ProbeRun when given (None: ProbeRun's default, head_scores.HEAD_MAP_SENTENCES ...)
+SETTINGS = ("head_map_sentences", "head_map_budget", "grad_sentences", "min_count", "batch_bytes")
 
 
-def _loss_model(value: str, option: Option, options: dict) -> None:
-    """A --loss-model other than auto / none names a known model or an existing folder (checked before the load)."""
+def _loss_model(value, option: Option, options: dict) -> None:
+    """A --loss-model other than auto / none names a known model or an existing folder (checked before the load);
+    a model handed over from Python is taken as it is."""
     from headlab.models.named_models import ALIASES, KNOWN_MODELS
 
+    if not isinstance(value, str):
+        return
     key = value.strip().lower()
     if not key:  # '' reached the load and was refused there as "the model name is empty", after the main load
-        raise InputError("--loss-model is empty; give 'auto', 'none', a known model name or a model folder")
+        raise InputError(f"{option.label} is empty; give 'auto', 'none', a known model name or a model folder")
     if key in ("auto", "none") or ALIASES.get(key, key) in KNOWN_MODELS:
         return
     path = Path(value).expanduser()
     if not path.is_dir():
         raise InputError(
-            f"--loss-model {value!r}: {'is a file, not a model folder' if path.exists() else 'does not exist'}"
+            f"{option.label} {value!r}: {'is a file, not a model folder' if path.exists() else 'does not exist'}"
             "; give 'auto', 'none', a known model name or a model folder"
         )
+
+
+def _none_or_more(value, option: Option, options: dict) -> None:
+    """A count of sentences that may be 0 (the part is not run), in :class:`ProbeRun`'s words."""
+    if value < 0:
+        raise InputError(f"{option.label} must be 0 or more, got {value}")
 
 
 @register
@@ -102,21 +117,47 @@ output. Ctrl-C keeps the finished batches in OUT/relations.json; --resume finish
             check=_loss_model,
         ),
         Option("as_json", "--json", bool, False, "print the best head per relation as JSON", setting=False),
+        # headlab.probe's: a treebank already read, and the library's settings (the command keeps the defaults)
+        Option(
+            "trees", None, object, None, "a Treebank already read (in place of treebank)", python=True, setting=False
+        ),
+        Option("backend", None, str, "auto", "the backend of layers not captured", python=True),
+        Option(
+            "head_map_sentences",
+            None,
+            int,
+            None,
+            "sentences whose maps feed the head map",
+            python=True,
+            check=_none_or_more,
+        ),
+        Option("head_map_budget", None, int, None, "the head map's cost in elements", python=True),
+        Option("grad_sentences", None, int, None, "sentences of the gradient test", python=True, check=_none_or_more),
+        Option("min_count", None, int, None, "cases a relation needs before a head beats its baseline", python=True),
+        Option("batch_bytes", None, int, None, "the captured maps of one batch stay below this", python=True),
     )
     # relations.json is the result file: an interrupted run keeps its units there, and --resume reads them back
     output = Output("out", folder=True, file="relations.json", force="force")
     resumable = True
     stage = "batches"
 
+    def check(self, ctx: Context) -> None:
+        """A treebank, as a file or (from Python) already read."""
+        if ctx.options["treebank"] is None and ctx.options["trees"] is None:
+            tb = self.option("treebank")
+            raise InputError(f"{'treebank' if ctx.python else tb.label} is required: {tb.help}, or trees already read")
+
     def prepare(self, ctx: Context) -> None:
-        """The trees, built from the file the runner read (``ctx.data["treebank"]``, read once: neither this
-        nor :func:`probe` reads it again), and the relations asked for, before the load (a relation absent
-        from the file stops here)."""
+        """The trees, built from the file the runner read (``ctx.data["treebank"]``, read once: nothing else
+        reads it again) or handed over already read (``trees``: its limit and folding were applied then), and
+        the relations asked for, before the load (a relation absent from the file stops here)."""
         from headlab.interpret.probing.head_scores import choose_relations
         from headlab.interpret.probing.treebank import read_treebank
 
         o = ctx.options
-        tb = read_treebank(ctx.data["treebank"], fold_subtypes=o["fold_subtypes"], limit=o["limit"])
+        tb = o["trees"]
+        if tb is None:
+            tb = read_treebank(ctx.data["treebank"], fold_subtypes=o["fold_subtypes"], limit=o["limit"])
         choose_relations(tb, o["relations"])
         ctx.state["treebank"] = tb
 
@@ -126,13 +167,16 @@ output. Ctrl-C keeps the finished batches in OUT/relations.json; --resume finish
         from headlab.interpret.probing.head_scores import ProbeRun
 
         o = ctx.options
+        loss = o["loss_model"]
         run = ProbeRun(
             ctx.loaded,
             ctx.state["treebank"],
             limit=o["limit"],
+            backend=o["backend"],
             relations=o["relations"],
             fold_subtypes=o["fold_subtypes"],
-            loss_model=None if o["loss_model"].lower() == "none" else o["loss_model"],
+            loss_model=None if isinstance(loss, str) and loss.lower() == "none" else loss,
+            **{name: o[name] for name in SETTINGS if o[name] is not None},
         )
         ctx.state["run"] = run
         return [Unit(key) for key in run.units()]
@@ -151,37 +195,6 @@ output. Ctrl-C keeps the finished batches in OUT/relations.json; --resume finish
         from headlab.interpret.probing.render import write_outputs
 
         return write_outputs(result.native, path.parent)
-
-    def render(self, ctx: Context, outcome, console, err) -> None:
-        r = outcome.result.native
-        if ctx.options["as_json"]:
-            print_json(r.summary())
-            return
-        console.print(
-            f"{r.model} ({r.family}{', causal' if r.causal else ''}): {r.sentences} sentences, {r.tokens} "
-            f"tokens, {len(r.skipped)} skipped, {r.seconds:.1f} s",
-            highlight=False,
-            soft_wrap=True,
-        )
-        console.print(
-            f"{'relation':<14} {'direction':<10} {'head':>6} {'acc %':>6} {'offset':>6} {'base %':>6} {'count':>6}",
-            highlight=False,
-        )
-        for b in r.best_heads:
-            if b.count < r.min_count:
-                continue
-            mark = "*" if b.margin > 0 else " "
-            console.print(
-                f"{b.relation:<14} {b.direction:<10} {f'{b.layer}-{b.head}':>6} {100 * b.accuracy:6.1f} "
-                f"{b.baseline_offset:+6d} {100 * b.baseline_accuracy:6.1f} {b.count:6d} {mark}",
-                highlight=False,
-            )
-        for note in r.notes:
-            console.print(f"[yellow]note:[/] {note}", highlight=False, soft_wrap=True)
-        if outcome.files:
-            console.print(
-                f"[bold]wrote:[/] {', '.join(str(f) for f in outcome.files)}", highlight=False, soft_wrap=True
-            )
 
 
 __all__ = ["Probe"]

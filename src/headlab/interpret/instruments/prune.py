@@ -10,7 +10,9 @@ importance``'s own units, :class:`~headlab.interpret.heads.units.ImportanceUnits
 and the surgery) and, with ``--curve``, ``curve`` (ranked by the same importance; its steps on the runner's
 display). The units build on each other (``chained``): under torchrun the first rank runs them, as one process.
 ``--out`` must be a new or empty folder: it receives the pruned model (reloadable with ``headlab.load``) and,
-with ``--curve``, curve.json, curve.png and heads.html.
+with ``--curve``, curve.json, curve.png and heads.html. On Ctrl-C the runner keeps the finished units in
+``OUT/heads-prune.partial.json`` (and the pruned model, once made, is saved into the folder); ``--resume`` on that
+folder runs only the rest (the surgery is made again from the kept choice of heads: it is exact and quick).
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ from pathlib import Path
 
 from headlab.errors import ConfigError, InputError
 from headlab.interpret.heads.naming import check_heads_in_config
-from headlab.interpret.instruments.base import (
+from headlab.interpret.instruments.heads import BATCH, DATA, JSON, LIMIT, LOSS, MODEL, read_examples
+from headlab.interpret.study.base import (
     REQUIRED,
     Context,
     Instrument,
@@ -29,8 +32,6 @@ from headlab.interpret.instruments.base import (
     Unit,
     register,
 )
-from headlab.interpret.instruments.heads import BATCH, DATA, JSON, LIMIT, LOSS, MODEL, read_examples
-from headlab.results import print_json
 
 DATA_FILE = "a .tsv with a 'sentence' column, a .conllu or a .txt"
 
@@ -87,6 +88,7 @@ class Prune(Instrument):
     # a new or empty folder (checked in check(), in prune's words: it has no --force); the runner's check then
     # refuses a file in the way, FILE/sub and an unwritable place
     output = Output("out", folder=True, file=None, allow_existing=True)
+    resumable = True  # the units an interrupted run kept (OUT/heads-prune.partial.json): --resume runs the rest
     chained = True  # the surgery reads every importance unit, the curve the same ranking: in order, on one rank
     sharded = (
         "the pruned model is written by PrunedModel.save, which saves one process's whole model, not the "
@@ -100,8 +102,12 @@ class Prune(Instrument):
         if o["fraction"] is not None and not 0 < o["fraction"] < 1:
             raise ConfigError(f"--fraction must lie in (0, 1), got {o['fraction']}")
         out = Path(o["out"])
-        if out.is_dir() and any(out.iterdir()):  # prune has no --force: a new or empty folder only
-            raise InputError(f"--out {out} exists and is not an empty folder; choose a new one")
+        kept = out / f"{self.name}.partial.json"  # what an interrupted run kept (the runner's partial_path)
+        if ctx.resume and out.is_dir() and any(out.iterdir()) and not kept.is_file():
+            raise InputError(f"--resume: --out {out} holds no interrupted prune ({kept.name}); drop --resume")
+        if not ctx.resume and out.is_dir() and any(out.iterdir()):  # no --force: a new or empty folder only
+            again = "; or add --resume to finish the interrupted prune in it" if kept.is_file() else ""
+            raise InputError(f"--out {out} exists and is not an empty folder; choose a new one{again}")
         ctx.state["heads"] = parse_heads(o["heads"]) if o["heads"] is not None else None
         check_heads_in_config(o["model"], o["heads"])  # from the config files alone: no weights read
         if o["recompute"] and not o["curve"]:
@@ -199,8 +205,32 @@ class Prune(Instrument):
             return value if "removed" in value else ImportanceUnits.unit_to_json(value)
         return value.to_json()
 
+    def unit_from_json(self, data):
+        from headlab.interpret.heads.units import ImportanceUnits
+
+        if "removed" in data:  # the model unit's summary
+            return data
+        if "importance" in data:  # an importance batch's sums
+            return ImportanceUnits.unit_from_json(data)
+        from headlab.interpret.heads.prune import PruningCurve
+
+        return PruningCurve.from_json(data)
+
+    def _pruned(self, ctx: Context, summary: dict):
+        """The pruned model: this run's, or (a resumed run that kept the model unit) the same surgery made again
+        from the heads it removed, on the same model."""
+        if "pruned" not in ctx.state:
+            from headlab.interpret.heads.prune import prune_heads
+
+            spec = {int(l): hs for l, hs in summary["removed"].items()}
+            o = ctx.options
+            ctx.state["pruned"] = prune_heads(
+                ctx.loaded, spec, allow_empty_layers=o["allow_empty_layers"], gqa=o["gqa"]
+            )
+        return ctx.state["pruned"]
+
     def finish(self, ctx: Context, values: dict) -> InstrumentResult:
-        pruned = ctx.state["pruned"]  # rank 0 ran the chained units
+        pruned = self._pruned(ctx, values["model"])  # rank 0 ran the chained units
         summary = {"out": str(Path(ctx.options["out"])), **values["model"]}
         curve = values.get("curve")
         if curve is not None:
@@ -215,7 +245,7 @@ class Prune(Instrument):
 
     def write_kept(self, ctx: Context, values: dict, path: Path) -> list[Path]:
         """Interrupted in the curve: the pruned model is finished, so it is saved, as the command always did."""
-        return [ctx.state["pruned"].save(path)] if "model" in values else []
+        return [self._pruned(ctx, values["model"]).save(path, force=ctx.resume)] if "model" in values else []
 
     def write(self, ctx: Context, result, path: Path) -> list[Path]:
         """The pruned model into ``path`` (the --out folder); with a curve, curve.json, curve.png, heads.html."""
@@ -223,28 +253,13 @@ class Prune(Instrument):
         from headlab.results import write_json
 
         pruned, curve = result.native
-        files = [pruned.save(path)]
+        files = [pruned.save(path, force=ctx.resume)]  # resumed: over what the interrupted run kept
         if curve is not None:
             files.append(write_json(path / "curve.json", curve.to_json()))
             files.append(curve.plot(path / "curve.png"))
             files.append(path / "heads.html")
             files[-1].write_text(render_page(title=f"pruning: {curve.model}", curve=curve, curve_png=files[-2]))
         return files
-
-    def render(self, ctx: Context, outcome, console, err) -> None:
-        summary = outcome.result.figures
-        if ctx.options["as_json"]:
-            print_json(summary)
-            return
-        console.print(
-            f"saved the pruned model to {summary['out']}/ (heads per layer {summary['heads_per_layer']})",
-            highlight=False,
-            soft_wrap=True,
-        )
-        for n in summary["notes"]:
-            console.print(f"[yellow]note:[/] {n}", highlight=False, soft_wrap=True)
-        if "curve" in summary:
-            console.print(summary["curve"], highlight=False, soft_wrap=True)
 
 
 __all__ = ["Prune", "parse_heads"]

@@ -11,6 +11,9 @@ changes what every query head of its group reads) and ``pattern`` (the query row
 are patched the same way; everything downstream is recomputed. ``C`` configurations share one forward
 of ``C * B`` rows (``max_rows``). On a model sharded by tensor parallelism (every rank calling ``patch``
 alike) each head is patched on the rank that holds it, and the result equals one process's.
+
+:func:`patch` runs through the study runner as the ``patch`` instrument (its checks, its unit, progress and
+torchrun); :func:`sweep` is the work of one unit.
 """
 
 from __future__ import annotations
@@ -53,7 +56,13 @@ def patch(
         max_rows: rows per forward (``configurations * B``).
         backend: the attention backend of every run (default: the adapter's, else ``"auto"``).
         progress: a bar (True), nothing (False) or ``progress(stage, done, total)`` (:mod:`headlab.progress`).
-            Interrupted (Ctrl-C), the result keeps what was measured.
+            Interrupted (Ctrl-C) during the patched runs, the result keeps what was measured.
+
+    The ``patch`` instrument runs it (the study runner's :func:`~headlab.interpret.study.runner.call`): the
+    checks before any run, then one unit, the :func:`sweep` over every kind asked for (its configurations stacked
+    across kinds, as one call always measured them). Under torchrun every rank returns the whole result; on a
+    model sharded by tensor parallelism (every rank calling ``patch`` alike) each head is patched on the rank
+    that holds it.
 
     Returns:
         :class:`~headlab.interpret.patching.result.PatchResult` (``method="exact"``).
@@ -68,6 +77,41 @@ def patch(
         >>> r.effects["z"].shape
         torch.Size([2, 2])
     """
+    from headlab.interpret.study import runner
+
+    options = {
+        "model": model,
+        # the command's four texts give way to the inputs as they are (texts, ids or dicts) and their metric
+        **dict.fromkeys(("clean", "corrupted", "answer", "wrong")),
+        "inputs": (clean, corrupted),
+        "metric": metric,
+        "sites": sites,
+        "positions": positions,
+        "layers": layers,
+        "max_rows": max_rows,
+        "backend": backend,
+    }
+    return runner.call("patch", options, progress=progress).results["exact"]
+
+
+def sweep(
+    model,
+    clean,
+    corrupted,
+    metric,
+    *,
+    sites: str | list[str] = "z",
+    positions=None,
+    layers=None,
+    max_rows: int = 256,
+    backend: str | None = None,
+    progress: bool | Progress = False,
+) -> PatchResult:
+    """One exact sweep: :func:`patch`'s work (the arguments are its), run by the ``patch`` instrument's units.
+
+    Every configuration (kind, layer, head and position) of ``sites`` is measured, ``max_rows`` rows per forward;
+    interrupted (Ctrl-C) during the patched runs, the measured configurations are kept, the others NaN, and the
+    notes say so."""
     t0 = time.perf_counter()
     pair = runs.prepare(model, clean, corrupted)
     kinds = runs.check_kinds(sites)
@@ -157,4 +201,4 @@ def _on_owners(kind: str, mask: torch.Tensor, n: int, source: torch.Tensor):
     )
 
 
-__all__ = ["patch"]
+__all__ = ["patch", "sweep"]

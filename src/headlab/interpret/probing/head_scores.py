@@ -9,9 +9,9 @@ second pass with autograd on the loss model, :mod:`.gradient`).
 
 The work is :class:`ProbeRun`'s units, decided before any of it: each batch of the main pass and each batch
 of the gradient test is one unit whose value is its sums (hits, gold counts, surface measures, Jensen-Shannon
-sums of the head-map sentences it holds; gradient sums), as JSON; the result adds them in order. ``headlab
-probe`` runs them through the study runner (split over the ranks under torchrun, gathered on rank 0, kept on
-Ctrl-C, resumed with ``--resume``); :func:`probe` runs them all in order, on every rank.
+sums of the head-map sentences it holds; gradient sums), as JSON; the result adds them in order. The ``probe`` instrument
+runs them through the study runner, for ``headlab probe`` (split over the ranks under torchrun, gathered on rank
+0, kept on Ctrl-C, resumed with ``--resume``) and for :func:`probe` alike (split, and gathered on every rank).
 """
 
 from __future__ import annotations
@@ -22,11 +22,11 @@ import json
 import os
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 import numpy as np
 import torch
 
-from headlab.distributed.data import is_main
 from headlab.errors import InputError
 from headlab.interpret.capture import capture
 from headlab.interpret.probing import align as al
@@ -35,7 +35,7 @@ from headlab.interpret.probing.gradient import GRADS, gradient_batch, resolve_lo
 from headlab.interpret.probing.measures import SurfaceStats, classical_mds, js_sums
 from headlab.interpret.probing.probe_result import MEASURES, ProbeResult
 from headlab.interpret.probing.treebank import Skipped, Treebank, read_treebank
-from headlab.progress import Progress, reporter
+from headlab.progress import Progress
 
 BATCH_BYTES = 192 << 20  # the captured maps of one batch (float32, every layer and head)
 MAX_BATCH = 256
@@ -266,8 +266,8 @@ class ProbeRun:
             )
 
     def finish(self, values: dict) -> ProbeResult:
-        """The :class:`ProbeResult` of the units in ``values`` (by key), added in order. Missing batches (an
-        interrupted :func:`probe`) leave a note and no gradient test; no batch at all is a KeyboardInterrupt."""
+        """The :class:`ProbeResult` of the units in ``values`` (by key), added in order. Missing batches (a run
+        stopped part-way) leave a note and no gradient test; no batch at all is a KeyboardInterrupt."""
         self.check(values)
         loaded, heads, R = self.loaded, self.loaded.adapter.layer_heads, len(self.names)
         L, H, K = loaded.adapter.n_layers, loaded.adapter.n_heads, sum(heads)
@@ -392,46 +392,34 @@ def probe(
         progress: a bar on stderr (True), nothing (None, False) or ``progress(stage, done, total)``
             (:mod:`headlab.progress`); only rank 0 reports.
 
-    Every unit of :class:`ProbeRun` runs here, in order (Ctrl-C in the sentences keeps the batches done, with a
-    note, and skips the gradient test); under torchrun every rank runs all of them and returns the same result.
-    ``headlab probe`` runs the same units through the study runner, which splits them over the ranks, keeps
-    them on Ctrl-C and resumes them.
+    The ``probe`` instrument runs it, as it runs ``headlab probe`` (the study runner's
+    :func:`~headlab.interpret.study.runner.call`): the checks, the units of :class:`ProbeRun` (each batch of
+    sentences, then each batch of the gradient test), the progress (a stage per unit after the load) and, under
+    torchrun, the batches split over the ranks and every rank returning the whole result. Ctrl-C raises
+    ``KeyboardInterrupt``.
 
     Returns:
         :class:`~headlab.interpret.probing.probe_result.ProbeResult`.
     """
-    with reporter(progress if is_main() else False) as say:  # the one display (headlab.progress), on rank 0
-        run = ProbeRun(
-            loaded,
-            treebank_path,
-            limit=limit,
-            backend=backend,
-            relations=relations,
-            fold_subtypes=fold_subtypes,
-            head_map_sentences=head_map_sentences,
-            head_map_budget=head_map_budget,
-            grad_sentences=grad_sentences,
-            loss_model=loss_model,
-            min_count=min_count,
-            batch_bytes=batch_bytes,
-        )
-        values: dict[str, dict] = {}
-        done = 0
-        say("sentences", 0, len(run.items))
-        try:
-            for key, group in zip(run.units(), run.batches):
-                values[key] = run.unit(key)
-                done += len(group)
-                say("sentences", done, len(run.items))
-        except KeyboardInterrupt:
-            pass
-        if len(values) == len(run.batches):  # the gradient test, on every sentence or not at all
-            done, total = 0, sum(len(g) for g in run.grad_batches)
-            for key, group in zip(run.units()[len(run.batches) :], run.grad_batches):
-                values[key] = run.unit(key)
-                done += len(group)
-                say("gradients", done, total)
-        return run.finish(values)
+    from headlab.interpret.study import runner
+
+    read = isinstance(treebank_path, Treebank)
+    options = {
+        "model": loaded,
+        "treebank": None if isinstance(treebank_path, Treebank) else Path(os.fspath(treebank_path)),
+        "trees": treebank_path if read else None,
+        "limit": limit,
+        "backend": backend,
+        "relations": relations,
+        "fold_subtypes": fold_subtypes,
+        "head_map_sentences": head_map_sentences,
+        "head_map_budget": head_map_budget,
+        "grad_sentences": grad_sentences,
+        "loss_model": loss_model,
+        "min_count": min_count,
+        "batch_bytes": batch_bytes,
+    }
+    return runner.call("probe", options, progress=progress)
 
 
 __all__ = ["BATCH_BYTES", "ProbeRun", "choose_relations", "probe", "resolve_loss_model"]

@@ -26,7 +26,7 @@ import numpy as np
 
 from headlab.interpret import shell
 from headlab.interpret.probing.gold import DIRECTIONS
-from headlab.results import check_output_dir
+from headlab.outputs import check_output_dir
 
 # a ProbeResult: probe_result imports this module (for its page), so the class is named, not imported, here
 _ProbeResult = Any
@@ -56,7 +56,7 @@ CLARK_TABLE1 = {
 
 def prepare_out_dir(out_dir: str | os.PathLike, *, force: bool = False, option: str = "--out") -> Path:
     """Check before any work that ``out_dir`` can take the probe's files (new, empty, or ``force``: the one
-    check, :func:`headlab.results.check_output_dir`), then make it."""
+    check, :func:`headlab.outputs.check_output_dir`), then make it."""
     path = check_output_dir(out_dir, option, force=force)
     path.mkdir(parents=True, exist_ok=True)
     return path

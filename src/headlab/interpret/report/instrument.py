@@ -8,19 +8,21 @@ The computation is the report room's (:mod:`headlab.interpret.report.analyze_job
 job on the loaded model, the report's sections (:mod:`headlab.interpret.report.sections`) each declare the
 capture sites they read, :func:`compute` turns one recording into every section's result, and
 :func:`write_report` writes the folder (the sections' files, ``heads.csv``, ``heads.json``, ``report.html``).
-:func:`~headlab.interpret.report.analyze_job.analyze` runs the same phases for library users.
+:func:`~headlab.interpret.report.analyze_job.analyze` runs this instrument for library users, through
+:func:`headlab.interpret.study.runner.call` (with two settings of its own, ``python`` options: the labels'
+thresholds and the annotations in memory). Its view (:mod:`headlab.cli.views.analyze`) shows the summary.
 
 **Record once.** :meth:`Analyze.sites` and :meth:`Analyze.stats` are the union of the active sections' sites and
 statistics, so the study runner makes the one recording of the text and hands it to :meth:`Analyze.run_unit`;
 :meth:`Analyze.capture_options` adds the job's backend and, for streaming mode's map-free statistics (longer
-inputs), the sink positions (the first token and each [SEP]), as :func:`record_once` does for library users.
+inputs), the sink positions (the first token and each [SEP]), as :func:`record_once` does.
 A memory refusal of the full mode's recording says how to stream (:meth:`Analyze.recording_refused`).
 
 One text is one unit: an interrupted run has no finished unit to keep (the runner says so). The unit's value is
 the sections' results in memory. Under torchrun the runner gives the unit to the first data rank: with
-``--tensor-parallel`` that is every rank of the group (its sharded forwards are collectives), and rank 0 writes. ``heads.json`` is the result's envelope;
-its notes include what the sections said while writing their files, so :meth:`Analyze.write` completes the
-result's figures from the file it wrote.
+``--tensor-parallel`` that is every rank of the group (its sharded forwards are collectives), and rank 0 writes.
+``heads.json`` is the result's envelope; its notes include what the sections said while writing their files, so
+:meth:`Analyze.write` completes the result's figures from the file it wrote.
 """
 
 from __future__ import annotations
@@ -28,53 +30,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from headlab.errors import ConfigError
-from headlab.interpret.instruments.base import REQUIRED, Context, Instrument, InstrumentResult, Option, Output, register
-from headlab.interpret.report.analyze_job import MAX_FULL_TOKENS, ReportResult, heads_text
-from headlab.results import print_json
-
-
-def render_summary(r: ReportResult, console) -> None:
-    """Where the files are, the mode, and the clearest head of each pattern (``console``: a rich console)."""
-
-    def line(text: str) -> None:
-        console.print(text, highlight=False, soft_wrap=True)
-
-    line(f"[bold]report:[/] {r.out_dir}/")
-    line(f"  {r.html.name:<24} interactive page: pick a head, hover tokens (open in a browser)")
-    line(f"  {r.csv.name + ', ' + r.json.name:<24} per-head table ({len(r.records)} heads)")
-    if r.pngs:
-        span = r.pngs[0].name if len(r.pngs) == 1 else f"{r.pngs[0].name} .. {r.pngs[-1].name}"
-        line(f"  {span:<24} attention maps, one picture per layer")
-    line(
-        f"{r.model} ({r.family}): {len(r.tokens)} tokens, {r.n_layers} layers x {heads_text(r.layer_heads)} heads, "
-        f"mode {r.mode}"
-    )
-    for note in r.notes:
-        line(f"[yellow]note:[/] {note}")
-    found = r.interesting()
-    if found:
-        console.print("heads to look at first:", soft_wrap=True)
-        for label, rec in found:
-            ev = next((e for e in rec.evidence if e.startswith(label)), "")
-            line(f"  {rec.layer}.{rec.head:<3} {ev}")
-    else:
-        console.print("no head passes a pattern threshold on this text (see heads.csv for the numbers)", soft_wrap=True)
-
-
-def summary_json(r: ReportResult) -> dict:
-    """The ``--json`` summary: where the files are, the mode, the drawn heads, the notes, the clearest heads."""
-    return {
-        "out_dir": r.out_dir,
-        "html": r.html,
-        "csv": r.csv,
-        "json": r.json,
-        "pngs": r.pngs,
-        "mode": r.mode,
-        "tokens": len(r.tokens),
-        "drawn": [f"{a}.{b}" for a, b in r.drawn],
-        "notes": r.notes,
-        "interesting": {lab: f"{x.layer}.{x.head}" for lab, x in r.interesting()},
-    }
+from headlab.interpret.report.analyze_job import MAX_FULL_TOKENS
+from headlab.interpret.study.base import REQUIRED, Context, Instrument, InstrumentResult, Option, Output, register
 
 
 @register
@@ -130,6 +87,11 @@ TEXT must be valid UTF-8: other bytes (Latin-1 text, say) are refused with their
             "also write the norm maps and the rollout beside the page "
             "(norms_layer_*.png, rollout.png, rollout.json); the page always shows them",
         ),
+        # from Python only (headlab.analyze): the labels' thresholds and other studies' findings in memory
+        Option(
+            "thresholds", None, object, None, "LabelThresholds (default: the usual ones)", setting=False, python=True
+        ),
+        Option("annotations", None, dict, None, "{(layer, head): text} shown per head", setting=False, python=True),
     )
     # the report folder; checked first in the report's own words by check(), then by the runner
     output = Output("out", folder=True, file=None, force="force")
@@ -137,12 +99,15 @@ TEXT must be valid UTF-8: other bytes (Latin-1 text, say) are refused with their
     def check(self, ctx: Context) -> None:
         """The text, --heads (against the model's config files, no weights), the numbers, the backend and the
         folder, in the order and the words of the command before it was a row; nothing is read or made."""
-        from headlab.interpret.report.analyze_job import check_heads_in_config, check_out_dir, check_request
+        from headlab.interpret.heads.naming import check_heads_in_config
+        from headlab.interpret.report.analyze_job import check_request
+        from headlab.interpret.report.folder import check_out_dir
         from headlab.reading import check_utf8
 
         o = ctx.options
-        check_utf8(o["text"])
-        check_heads_in_config(o["model"], o["heads"])
+        if not ctx.python:  # from Python, a str is a str, and --heads is checked against the loaded model
+            check_utf8(o["text"])
+            check_heads_in_config(o["model"], o["heads"])
         check_request(o["text"], max_full_tokens=o["max_full_tokens"], backend=o["backend"])
         if o["out"] is None:
             raise ConfigError("--out is required: the report is a folder (it is created if missing)")
@@ -151,16 +116,20 @@ TEXT must be valid UTF-8: other bytes (Latin-1 text, say) are refused with their
     def prepare(self, ctx: Context) -> None:
         """The other studies' results (--probe, --heads-result) read, still before the load; the folder is checked,
         not made: a refusal after this (the load, the memory guard) leaves nothing behind (:meth:`write` makes it)."""
-        from headlab.interpret.report.analyze_job import check_out_dir
         from headlab.interpret.report.annotations import study_annotations
+        from headlab.interpret.report.folder import check_out_dir
 
         o = ctx.options
-        ctx.state["annotations"] = study_annotations(probe=o["probe"], heads=o["heads_result"]) or None
+        given = o["annotations"]  # from Python: the findings in memory
+        ctx.state["annotations"] = (
+            given if given is not None else study_annotations(probe=o["probe"], heads=o["heads_result"]) or None
+        )
         ctx.state["out"] = check_out_dir(o["out"], force=o["force"])
 
     def check_loaded(self, ctx: Context) -> None:
         """The job on the model (--heads and the annotations against its heads, the text against its positions),
         its sections, and the step that says what the recording holds."""
+        from headlab.interpret.heads.labels import LabelThresholds
         from headlab.interpret.report.analyze_job import mode_line, plan
 
         o = ctx.options
@@ -172,6 +141,7 @@ TEXT must be valid UTF-8: other bytes (Latin-1 text, say) are refused with their
             max_full_tokens=o["max_full_tokens"],
             heads=o["heads"],
             truncate=o["truncate"],
+            thresholds=o["thresholds"] or LabelThresholds(),
             annotations=ctx.state["annotations"],
             flow=o["flow"],
             say=lambda message: ctx.progress(message, 0, 0),
@@ -221,7 +191,7 @@ TEXT must be valid UTF-8: other bytes (Latin-1 text, say) are refused with their
         )
 
     def write(self, ctx: Context, result: InstrumentResult, path: Path) -> list[Path]:  # type: ignore[override]  # the runner passes this instrument's own result
-        from headlab.interpret.report.analyze_job import prepare_out_dir, write_report
+        from headlab.interpret.report.folder import prepare_out_dir, write_report
         from headlab.results import Result
 
         s = ctx.state
@@ -233,12 +203,5 @@ TEXT must be valid UTF-8: other bytes (Latin-1 text, say) are refused with their
         # every file of the report, the sections' own too (saliency.*, norms_layer_*.png, rollout.*)
         return sorted(p for p in path.iterdir() if p.is_file() and before.get(p) != p.stat().st_mtime_ns)
 
-    def render(self, ctx: Context, outcome, console, err) -> None:
-        r = outcome.result.native
-        if ctx.options["as_json"]:
-            print_json(summary_json(r))
-            return
-        render_summary(r, console)
 
-
-__all__ = ["Analyze", "render_summary", "summary_json"]
+__all__ = ["Analyze"]

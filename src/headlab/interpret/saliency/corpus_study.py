@@ -11,7 +11,8 @@ are computed from those records and written to ``out/study.json``, with figures 
 
 The rows are the units of the ``explain`` instrument (``headlab explain --dataset``): its runner splits them
 over torchrun's ranks, keeps the finished ones on Ctrl-C (in ``instances.json``, the same file) and resumes
-from them with ``--resume``; :func:`study` is the same computation in one call, without a resume.
+from them with ``--resume``. :func:`study` runs that instrument through the runner
+(:func:`headlab.interpret.study.runner.call`), with its :class:`StudyOptions`, without a resume.
 
 The dataset is a TSV file with a header: a text column (``sentence`` or ``text``) and a ``label``
 column (an integer class). It is checked completely before the first model call.
@@ -20,19 +21,17 @@ column (an integer class). It is checked completely before the first model call.
 from __future__ import annotations
 
 import os
-import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from headlab.distributed.data import any_rank, gather_objects
 from headlab.errors import InputError
 from headlab.interpret.saliency.counterfactual import adversarial_attention, permutation_test
-from headlab.interpret.saliency.explanation import DEFAULT_METHODS, check_options, explain, resolve_model
+from headlab.interpret.saliency.explanation import DEFAULT_METHODS, explanation
 from headlab.interpret.saliency.faithfulness import eraser
 from headlab.interpret.saliency.objective import make_objective
-from headlab.progress import Progress, reporter
-from headlab.results import Result, check_output_dir, envelope, write_json
+from headlab.progress import Progress
+from headlab.results import Result, envelope, write_json
 from headlab.tsv import TEXT_COLUMNS, Row, read_dataset  # noqa: F401  (public here too)
 
 INSTANCES = "instances.json"  # the records by row key: the explain instrument's units file
@@ -87,7 +86,7 @@ def instance(loaded, row: Row, opts: StudyOptions) -> dict:
     """Everything measured on one row (a JSON-ready dict)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the gap is recorded per instance and summarised
-        ex = explain(
+        ex = explanation(
             loaded,
             row.text,
             methods=opts.methods,
@@ -209,6 +208,10 @@ def study(
 ) -> StudyResult | None:
     """Run the study (see the module docstring) and return the corpus tables.
 
+    The rows are the ``explain`` instrument's units, run by the study runner
+    (:func:`headlab.interpret.study.runner.call`): its checks, load, progress (the ``explain`` stage, a row at a
+    time), rank split and recording, as ``headlab explain --dataset`` has them.
+
     Args:
         loaded_or_path: a LoadedModel or a model name/folder (a classifier; decoders explain their next token).
         dataset: TSV with columns ``sentence`` (or ``text``) and ``label``.
@@ -223,48 +226,32 @@ def study(
 
     A run to interrupt and resume is the ``explain`` instrument's, whose units are the rows:
     ``headlab explain --dataset ... --out DIR`` (Ctrl-C keeps the finished rows, ``--resume`` runs the rest), or
-    ``headlab.interpret.instruments.runner.run("explain", {...}, resume=True)`` from Python.
+    ``headlab.interpret.study.runner.run("explain", {...}, resume=True)`` from Python.
 
     Data-parallel under ``torchrun`` (a process group from :func:`headlab.distributed.data.init_from_env`):
     each rank explains every W-th row, rank 0 gathers the records, writes them and the tables and
     returns the result; the other ranks return None. On a model sharded by tensor parallelism the ranks of
     a tensor-parallel group explain the same rows together (a 2-D mesh: the groups split the rows).
     """
+    from headlab.interpret.study import runner
+
     opts = options or StudyOptions()
-    opts.methods = tuple(check_options(opts.methods, opts.ig_steps, opts.backend, opts.loo))
-    rows = read_dataset(dataset, limit)
-    outdir = check_output_dir(out, "--out", allow_existing=True)  # an earlier study's files are replaced
-    loaded = resolve_model(loaded_or_path)
-    found: dict[str, dict] = {}
-    skipped: list[str] = []
-    t0 = time.perf_counter()
-    # under torchrun each rank explains every W-th row of a round and rank 0 gathers the values; rows are
-    # seeded by their line, so the records are the ones one process makes
-    place = loaded.adapter.placement  # sharded by heads: a tensor-parallel group's ranks explain the same row
-    main, group = place.rank == 0, place.tensor_size  # and one of them (its tensor rank 0) reports it
-    rank, size = place.unit_share()
-    with reporter(progress if main else False) as say:
-        say("explain", 0, len(rows))
-        for start in range(0, len(rows), size):
-            if any_rank(max_seconds is not None and time.perf_counter() - t0 > max_seconds):
-                skipped.append(
-                    f"time budget of {max_seconds:.0f} s reached: {len(rows) - start} of {len(rows)} rows not run"
-                )
-                break
-            value = row_value(loaded, rows[start + rank], opts) if start + rank < len(rows) else None
-            for got in gather_objects(value)[::group]:
-                if main and got is not None:
-                    found[got["key"]] = got
-                    say("explain", len(found), len(rows))
-    if not main:
-        return None
-    return conclude(
-        loaded,
-        dataset,
-        outdir,
-        [found[r.key] for r in rows if r.key in found],
-        opts,
-        skipped,
-        figures=figures,
-        settings={**opts.to_json(), "dataset": str(dataset), "limit": limit},
-    )
+    study_options = {
+        "model": Path(loaded_or_path) if isinstance(loaded_or_path, os.PathLike) else loaded_or_path,
+        "dataset": dataset,
+        "out": out,
+        "force": True,  # the files of an earlier study in ``out`` are replaced
+        "limit": limit,
+        "methods": opts.methods,
+        "ig_steps": opts.ig_steps,
+        "backend": opts.backend,
+        "loo": opts.loo,
+        "no_counterfactual": not opts.counterfactual,
+        "study_options": opts,
+        "max_seconds": max_seconds,
+        "figures": figures,
+    }
+    from headlab.distributed.placement import Placement
+
+    result = runner.call("explain", study_options, progress=progress)
+    return result if Placement.here().rank == 0 else None  # rank 0 wrote the study: the others return None

@@ -228,6 +228,10 @@ def explain(
 ) -> Explanation:
     """Explain one prediction with each of ``methods``; see the module docstring for the definitions.
 
+    It runs the ``explain`` instrument (``headlab explain TEXT``) through the study runner
+    (:func:`headlab.interpret.study.runner.call`): the same checks, load and unit (:func:`explanation`, the one
+    text) as the command; under torchrun every rank returns the explanation.
+
     Args:
         loaded_or_path: a :class:`~headlab.models.loader.LoadedModel` or a name/folder for :func:`headlab.load`.
         text: the input (one text).
@@ -241,6 +245,46 @@ def explain(
         truncate: keep the first positions of a too-long text instead of raising InputError.
         attention_layers: ``"all"`` (every layer's rows), ``"last"``, or ``"auto"`` (all up to 512 tokens).
         warn: raise :class:`CompletenessWarning` when IG's gap exceeds 1%.
+    """
+    from headlab.interpret.study import runner
+
+    options = {
+        "model": loaded_or_path,
+        "text": text,
+        "target": target,
+        "methods": methods,
+        "ig_steps": ig_steps,
+        "backend": backend,
+        "loo": loo,
+        "compare_to": compare_to,
+        "truncate": truncate,
+        "ig_method": ig_method,
+        "ig_batch_size": ig_batch_size,
+        "attention_layers": attention_layers,
+        "warn": warn,
+    }
+    return runner.call("explain", options)
+
+
+def explanation(
+    loaded_or_path,
+    text: str,
+    target: int | None = None,
+    methods=DEFAULT_METHODS,
+    ig_steps: int = 50,
+    backend: str = "auto",
+    *,
+    loo: str = "delete",
+    compare_to: str | None = None,
+    truncate: bool = False,
+    ig_method: str = "gausslegendre",
+    ig_batch_size: int | None = None,
+    attention_layers: str = "auto",
+    warn: bool = True,
+) -> Explanation:
+    """The explanation of one text, computed here (the ``explain`` instrument's unit, what :func:`explain` runs;
+    the corpus study's rows and the report's saliency strip call it inside their own units). Arguments as
+    :func:`explain`'s.
     """
     methods = check_options(methods, ig_steps, backend, loo)
     if not isinstance(text, str):

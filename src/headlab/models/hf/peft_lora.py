@@ -214,7 +214,7 @@ class LoraMixin:
         """What :func:`~headlab.models.hf.verify.verify` checks a LoRA model on: first the ``lora`` check (PEFT's
         own forward against the effective weights), then the six checks with every LoRA layer merged as one
         linear map (so a zeroed W^O block zeroes its LoRA branch too)."""
-        from headlab.models.hf.verify import Check
+        from headlab.models.hf.verdict import Check
 
         every = [m for ms in self._lora_layers for m in ms]
         main = lambda out: out.logits if getattr(out, "logits", None) is not None else out[0]

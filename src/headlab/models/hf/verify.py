@@ -15,6 +15,7 @@ gate          a zero gate on a head equals zeroing that head's block of W^O (and
 residual      the block's stream follows the norm layout found (pre, post, sandwich or parallel)
 ============  ================================================================================================
 
+Each check is a :class:`~headlab.models.hf.verdict.Check`, all of them a :class:`~headlab.models.hf.verdict.Verdict`.
 A model adapted by structure is served only when every check passes
 (:func:`~headlab.models.hf.structure.adapt_by_structure`); the verdict is cached per config, in memory and
 under headlab's cache folder. ``headlab models --check PATH`` prints each check for any model.
@@ -26,7 +27,6 @@ import contextlib
 import hashlib
 import json
 import time
-from dataclasses import InitVar, asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -35,70 +35,10 @@ from torch import nn
 
 from headlab.models.hf.own_bridge import bridge_of, rebuilt
 from headlab.models.hf.trace import close, continues_from, implementation, mark_norms, recording
+from headlab.models.hf.verdict import Check, Verdict
 from headlab.models.inputs import example_inputs
-from headlab.results import envelope
 
 CHECKS = ("pattern", "output", "values", "heads", "gate", "residual")
-
-
-@dataclass
-class Check:
-    """One check: its name, whether it held, the worst difference seen against its tolerance, and a detail."""
-
-    name: str
-    passed: bool
-    worst: float = 0.0
-    tol: float = 0.0
-    detail: str = ""
-
-
-@dataclass
-class Verdict:
-    """The checks of one model (:func:`verify`).
-
-    ``headlab`` takes the envelope's header of a saved verdict (and drops it), so that
-    ``Verdict(**verdict.to_json())`` reads one back as it did before the header; :meth:`from_json` also
-    rebuilds the checks."""
-
-    model_type: str
-    family: str
-    by_structure: bool
-    checks: list[Check] = field(default_factory=list)
-    seconds: float = 0.0
-    notes: list[str] = field(default_factory=list)
-    cached: bool = False
-    headlab: InitVar[dict | None] = None  # a saved verdict's header: accepted, not kept (the fields say it all)
-
-    @property
-    def passed(self) -> bool:
-        return all(c.passed for c in self.checks)
-
-    @property
-    def failed(self) -> Check | None:
-        return next((c for c in self.checks if not c.passed), None)
-
-    def refusal(self) -> str:
-        """One line: which check failed, by how much, and what to declare."""
-        from headlab.models.hf.registry import ADDING_A_FAMILY, BY_STRUCTURE
-
-        c = self.failed
-        assert c is not None  # said only of a verdict that failed
-        near = BY_STRUCTURE["nearest"](self.model_type) if "nearest" in BY_STRUCTURE else None
-        hint = f"; its structure is nearest the {near!r} family, whose class shows what to declare" if near else ""
-        return (f"no headlab adapter for {self.model_type!r}: adapted by structure, it failed the load-time check "
-                f"{c.name!r} ({c.detail}; worst difference {c.worst:.3g}, tolerance {c.tol:.0e}), so headlab will not "
-                f"serve numbers it cannot vouch for{hint}; declare the layout in a family class ({ADDING_A_FAMILY})")
-
-    def to_json(self) -> dict:
-        """The verdict in headlab's envelope (kind ``load_check``, model: the model type) beside its fields."""
-        return envelope("load_check", asdict(self), model=self.model_type,
-                        settings={"family": self.family, "by_structure": self.by_structure})
-
-    @classmethod
-    def from_json(cls, d: dict) -> Verdict:
-        """A verdict from :meth:`to_json` (or a file of an earlier version, without the header), checks included."""
-        fields = {k: v for k, v in d.items() if k not in ("headlab", "checks")}
-        return cls(**fields, checks=[Check(**c) for c in d.get("checks", [])])
 
 
 _VERDICTS: dict[str, Verdict] = {}
@@ -111,8 +51,15 @@ def config_key(model: Any) -> str:  # a transformers model
     from headlab._version import __version__
 
     cfg = model.config.to_dict()
-    for k in ("_name_or_path", "transformers_version", "torch_dtype", "dtype", "_attn_implementation",
-              "_attn_implementation_internal", "architectures"):
+    for k in (
+        "_name_or_path",
+        "transformers_version",
+        "torch_dtype",
+        "dtype",
+        "_attn_implementation",
+        "_attn_implementation_internal",
+        "architectures",
+    ):
         cfg.pop(k, None)
     # which vectors are exactly zero: a fresh config's zero-initialised extra bias (DeBERTa's v_bias) reads as a plain
     # projection, a trained one does not, so the two must not share a discovery or a verdict
@@ -120,29 +67,61 @@ def config_key(model: Any) -> str:  # a transformers model
     # and which are exactly one: a fresh LayerScale (all ones) hides the scale a trained one shows
     ones = sorted(n for n, p in model.named_parameters() if p.dim() == 1 and bool((p.detach() == 1).all()))
     # and the module tree itself: the same config with another attention module (remote code, a patched model)
-    tree = hashlib.sha1(repr([(n, type(m).__name__) for n, m in model.named_modules()]
-                             + [(n, tuple(p.shape)) for n, p in model.named_parameters()]).encode()).hexdigest()
+    tree = hashlib.sha1(
+        repr(
+            [(n, type(m).__name__) for n, m in model.named_modules()]
+            + [(n, tuple(p.shape)) for n, p in model.named_parameters()]
+        ).encode()
+    ).hexdigest()
     blob = json.dumps(
-        [type(model).__name__, cfg, transformers.__version__, __version__, zeros, ones, tree], sort_keys=True,
+        [type(model).__name__, cfg, transformers.__version__, __version__, zeros, ones, tree],
+        sort_keys=True,
         default=str,
     )
     return hashlib.sha1(blob.encode()).hexdigest()[:16]
 
 
-
 def _source_hash() -> str:
     here = Path(__file__).resolve().parent
     h = hashlib.sha1()
-    for name in ("structure.py", "layout.py", "trace.py", "verify.py", "attention_fn.py", "family.py", "own_math.py",
-                 "own_state.py", "own_bridge.py", "found_ops.py", "variants.py", "hybrid.py"):
+    for name in (
+        "structure.py",
+        "layout.py",
+        "trace.py",
+        "verify.py",
+        "verdict.py",
+        "attention_fn.py",
+        "family.py",
+        "own_math.py",
+        "own_state.py",
+        "own_bridge.py",
+        "found_ops.py",
+        "variants.py",
+        "hybrid.py",
+    ):
         h.update((here / name).read_bytes())
     return h.hexdigest()[:12]
 
 
 def _key(adapter) -> str:
     """The verdict's cache key: the model's config and the view checked (its declared or found layout)."""
-    view = repr([type(adapter).__name__] + [getattr(adapter, n, None) for n in (
-        "projections", "out", "norms", "head_attrs", "layers", "attention", "decoder_out", "cross_out", "decoder_norms")])
+    view = repr(
+        [type(adapter).__name__]
+        + [
+            getattr(adapter, n, None)
+            for n in (
+                "projections",
+                "out",
+                "norms",
+                "head_attrs",
+                "layers",
+                "attention",
+                "decoder_out",
+                "cross_out",
+                "decoder_norms",
+            )
+        ]
+    )
     return config_key(adapter.model) + "-" + hashlib.sha1(view.encode()).hexdigest()[:8]
 
 
@@ -191,8 +170,11 @@ def verify(adapter, inputs: dict | None = None, *, cache: bool = True) -> Verdic
             return hit
     t0 = time.perf_counter()
     x = inputs if inputs is not None else example_inputs(model, tokens=8)
-    verdict = Verdict(model_type=str(getattr(model.config, "model_type", "?")), family=adapter.family,
-                      by_structure=bool(getattr(adapter, "by_structure", False)))
+    verdict = Verdict(
+        model_type=str(getattr(model.config, "model_type", "?")),
+        family=adapter.family,
+        by_structure=bool(getattr(adapter, "by_structure", False)),
+    )
     was_training = model.training
     model.eval()
     try:
@@ -204,8 +186,15 @@ def verify(adapter, inputs: dict | None = None, *, cache: bool = True) -> Verdic
             except Exception as e:  # noqa: BLE001  (a check that cannot even run has failed)
                 done = {c.name for c in verdict.checks}
                 name = next((c for c in CHECKS if c not in done), "run")
-                verdict.checks.append(Check(name, False, float("inf"), _tol(model),
-                                            f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"))
+                verdict.checks.append(
+                    Check(
+                        name,
+                        False,
+                        float("inf"),
+                        _tol(model),
+                        f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}",
+                    )
+                )
     finally:
         model.train(was_training)
         adapter.reset_gates()
@@ -247,20 +236,24 @@ def _run_checks(adapter, x: dict, verdict: Verdict) -> None:
     def keep(t, site):
         got[site] = t.detach()
         return t
+
     vin: dict[int, torch.Tensor] = {}
     wo_out: dict[int, torch.Tensor] = {}
     handles = []
     for l in range(L):
+
         def pre(m, args, kwargs, l=l):
             if getattr(m, "_headlab", None) is adapter.states[l]:
                 t = adapter.value_input(l, args, kwargs)
                 if isinstance(t, torch.Tensor):
                     vin[l] = t.detach()
+
         handles.append(adapter.attn_modules[l].register_forward_pre_hook(pre, with_kwargs=True))
 
         def post(m, args, out, l=l):
             if getattr(m, "_headlab", None) is adapter.states[l]:  # a W^O shared by layers (ALBERT): this layer's call
                 wo_out[l] = out.detach()
+
         handles.append(adapter.out_projs[l].register_forward_hook(post))
     sites = {f"{p}.{kind}": keep for p in adapter.site_prefixes for kind in ("pattern", "v", "head_out")}
     try:
@@ -274,15 +267,23 @@ def _run_checks(adapter, x: dict, verdict: Verdict) -> None:
     if emaps is None and bridge_of(model) is not None:  # a model without output_attentions: z rebuilt from P and v
         add(Check("pattern", *rebuilt(adapter, x, got, tol)))
     elif emaps is None or len(emaps) != L:
-        add(Check("pattern", False, detail=f"the eager model returned {0 if emaps is None else len(emaps)} attention "
-                                           f"maps for {L} attention layers"))
+        add(
+            Check(
+                "pattern",
+                False,
+                detail=f"the eager model returned {0 if emaps is None else len(emaps)} attention "
+                f"maps for {L} attention layers",
+            )
+        )
     else:
         worst, where = 0.0, ""
         for l in range(L):
             mine = got.get(adapter.site_name(l, "pattern"))
             if mine is None or mine.shape != emaps[l].shape:
-                worst, where = float("inf"), f"layer {l}: shape {None if mine is None else tuple(mine.shape)} vs " \
-                                             f"{tuple(emaps[l].shape)}"
+                worst, where = (
+                    float("inf"),
+                    f"layer {l}: shape {None if mine is None else tuple(mine.shape)} vs {tuple(emaps[l].shape)}",
+                )
                 break
             w = float((mine.double() - emaps[l].double()).abs().max())
             if w > worst:
@@ -343,8 +344,16 @@ def _run_checks(adapter, x: dict, verdict: Verdict) -> None:
     w = _worst(gated, zeroed)
     moved = _worst(gated, ref)
     ok = w <= tol and moved > 0
-    add(Check("gate", ok, w, tol, f"gate of head {h} in layer {l} against its zeroed W^O block"
-              + ("" if moved > 0 else "; the zero gate changed nothing")))
+    add(
+        Check(
+            "gate",
+            ok,
+            w,
+            tol,
+            f"gate of head {h} in layer {l} against its zeroed W^O block"
+            + ("" if moved > 0 else "; the zero gate changed nothing"),
+        )
+    )
     # residual: the block's stream follows the layout found
     add(_residual(adapter, plan, stream, tol))
 
@@ -384,14 +393,14 @@ def _residual(adapter, plan, rec: dict, tol: float) -> Check:
         return plan
     layouts, skipped, named = plan
     for l, bn in layouts.items():
-        mine = {k[len(f"{l}/"):]: v for k, v in rec.items() if k.startswith(f"{l}/")}
+        mine = {k[len(f"{l}/") :]: v for k, v in rec.items() if k.startswith(f"{l}/")}
         xb, out = mine.get("", (None, None))
         a_in = mine.get("@attn", (None, None))[0]
         o = mine.get("@out", (None, None))[1]
         if xb is None or a_in is None or o is None:
             return Check("residual", False, float("inf"), tol, f"layer {l}: the block's stream was not seen")
         o = bn.branch(o)  # a scaled residual branch (LayerScale, a residual multiplier): what the block reads
-        names = {id(m): n[len(f"{l}/"):] for n, m in named.items() if n.startswith(f"{l}/") and "/@" not in n}
+        names = {id(m): n[len(f"{l}/") :] for n, m in named.items() if n.startswith(f"{l}/") and "/@" not in n}
         attn_name = names.get(id(adapter.attn_modules[l]), "@attn")
         out_name = names.get(id(adapter.out_projs[l]), "@out")
 
@@ -400,9 +409,15 @@ def _residual(adapter, plan, rec: dict, tol: float) -> Check:
 
         def inside(n):
             return n in ("@attn", "@out", out_name) or n == attn_name or n.startswith(f"{attn_name}.")
-        marked = mark_norms({n: v for n, v in mine.items() if not inside(n) or n in (out_name, "@out")},
-                            {n: m for n, m in ((k[len(f"{l}/"):], v) for k, v in named.items() if k.startswith(f"{l}/"))
-                             if not inside(n)})
+
+        marked = mark_norms(
+            {n: v for n, v in mine.items() if not inside(n) or n in (out_name, "@out")},
+            {
+                n: m
+                for n, m in ((k[len(f"{l}/") :], v) for k, v in named.items() if k.startswith(f"{l}/"))
+                if not inside(n)
+            },
+        )
         skip = lambda n: n in (out_name, "@out")
         failures = []
         if bn.pre is not None:
@@ -414,9 +429,13 @@ def _residual(adapter, plan, rec: dict, tol: float) -> Check:
             want = o if bn.post_reads == "branch" else xb + o
             p_in, p_out = io(bn.post)
             if not close(p_in, want, tol):
-                failures.append(f"the post norm does not read {'Attn(x)' if bn.post_reads == 'branch' else 'x + Attn(x)'}")
+                failures.append(
+                    f"the post norm does not read {'Attn(x)' if bn.post_reads == 'branch' else 'x + Attn(x)'}"
+                )
             elif bn.post_reads == "sum" and not continues_from(p_out, marked, skip=skip, atol=tol):
-                failures.append("the stream does not go on from the post norm's output (a pre norm of the next sublayer?)")
+                failures.append(
+                    "the stream does not go on from the post norm's output (a pre norm of the next sublayer?)"
+                )
             elif bn.post_reads == "branch" and not continues_from(xb + p_out, marked, skip=skip, atol=tol):
                 failures.append("the stream does not go on from x + post(Attn(x))")
         elif bn.parallel is not None:
@@ -433,4 +452,4 @@ def _residual(adapter, plan, rec: dict, tol: float) -> Check:
     return Check("residual", True, 0.0, tol, detail)
 
 
-__all__ = ["CHECKS", "Check", "Verdict", "verify"]
+__all__ = ["CHECKS", "verify"]

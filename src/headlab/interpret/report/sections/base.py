@@ -7,7 +7,7 @@ its result from that recording (and from the results of the sections before it),
 beside the page, and gives its part of the page (:class:`PagePart`): HTML for the page's sections
 slot, data for the page's script, notes for the banner and ``heads.json``.
 
-A section is a :class:`~headlab.interpret.instruments.base.Part`, as every instrument is: a registered,
+A section is a :class:`~headlab.interpret.study.base.Part`, as every instrument is: a registered,
 named piece of analysis that declares its sites and statistics before the one recording. A section's
 context is the analyze :class:`Job`; an instrument's is the study runner's ``Context``.
 """
@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from headlab.interpret.heads.labels import LabelThresholds
-from headlab.interpret.instruments.base import Part
+from headlab.interpret.study.base import Part
 from headlab.registry import Registry
 
 
@@ -70,7 +70,7 @@ class PagePart:
 class Section(Part):
     """One part of the report. Subclasses set ``name`` and implement :meth:`compute`.
 
-    From :class:`~headlab.interpret.instruments.base.Part`: :meth:`active`, :meth:`sites` (capture sites the one
+    From :class:`~headlab.interpret.study.base.Part`: :meth:`active`, :meth:`sites` (capture sites the one
     recording must hold) and :meth:`stats` (map-free statistics read from the ``stats`` sites), each given the
     :class:`Job`."""
 

@@ -28,13 +28,13 @@ class SaliencySection(Section):
 
     def compute(self, job: Job, cache, results):
         """The explanation (or None for a model without a head); adds each head's tau to the heads' evidence."""
-        from headlab.interpret.saliency import explain
         from headlab.interpret.saliency.annotations import head_annotations
+        from headlab.interpret.saliency.explanation import explanation  # inside analyze's unit: not a run of its own
 
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                ex = explain(job.loaded, job.text, backend=job.backend or "auto", attention_layers="all")
+                ex = explanation(job.loaded, job.text, backend=job.backend or "auto", attention_layers="all")
         except ModelError:  # no classification or LM head: nothing to explain
             return None
         table = results["heads"]

@@ -7,7 +7,7 @@ the **capture sites** it needs; then it splits its work into keyed **units** (a 
 text), computes each (:meth:`Instrument.run_unit`), and puts them together in one
 :class:`headlab.results.Result` envelope (:meth:`Instrument.finish`). Everything around that (checking
 before the model loads, reading, loading, recording once, progress, Ctrl-C, resume, torchrun, writing) is
-the runner's (:mod:`headlab.interpret.instruments.runner`), so an instrument holds only its own idea.
+the runner's (:mod:`headlab.interpret.study.runner`), so an instrument holds only its own idea.
 
 The hooks are called in this order, each with the run's :class:`Context`::
 
@@ -19,7 +19,11 @@ The hooks are called in this order, each with the run's :class:`Context`::
     sites(ctx)           capture sites the one recording of a unit must hold (none: no recording)
     run_unit(ctx, unit, recording) -> a value (JSON-able through unit_to_json, so an interrupted run keeps it)
     finish(ctx, values)  -> a Result (InstrumentResult keeps the library's own object beside it)
-    write(ctx, result, path) -> files;  render(ctx, outcome, console, err)  for the terminal
+    write(ctx, result, path) -> files
+
+Showing a result on the terminal is not an instrument's: the command line's views (:mod:`headlab.cli.views`, one
+file per shipped instrument) draw it; an instrument of your own may define ``render(ctx, outcome, console, err)``,
+which the views use when no view is registered for it, else the envelope's figures are printed.
 
 :class:`Part` is what an instrument shares with a report section of ``headlab analyze``
 (:class:`headlab.interpret.report.sections.base.Section` derives from it): a name, whether it is active,
@@ -85,6 +89,10 @@ class Option:
     metavar: str | None = None  # the name an argument is called by in messages ("TEXT")
     reads: str | None = None  # a headlab.reading kind: this option names an input the runner reads
     setting: bool = True  # part of the result's settings (False: where the output goes, how it is shown)
+    # from Python only (in-memory inputs, library settings): the command line has no flag for it; the runner checks
+    # it as any other (named by its Python name) when a library function hands it over
+    python: bool = False
+    python_name: str | None = None  # the library function's name for it, where not ``name`` ("n_draws" for --draws)
 
     def __post_init__(self) -> None:
         if self.reads is not None and self.reads not in KINDS:
@@ -152,13 +160,21 @@ class Context:
     # the values of the units finished so far, by key: a resumed run's from the file, then each unit's as it ends
     # (units that build on the one before, such as training steps, read the last one here)
     kept: dict = field(default_factory=dict)
+    # run by a library function (:func:`~headlab.interpret.study.runner.call`), not by a command: options are
+    # named by their Python names, every rank gets the result, and nothing is said on the terminal
+    python: bool = False
+    resume: bool = False  # the run goes on from the units its output kept (--resume), known from check() on
 
     @property
     def settings(self) -> dict:
         """The options that are settings (JSON-able: paths as strings)."""
 
-        def plain(v):  # a path as its string, a model loaded already (from Python) as its name
-            return str(v) if isinstance(v, Path) else getattr(v, "name", v) if hasattr(v, "adapter") else v
+        def plain(v):  # a path as its string, a model handed over from Python as its name (else its class's)
+            if isinstance(v, Path):
+                return str(v)
+            if v is None or isinstance(v, str | int | float | bool | list | tuple | dict):
+                return v
+            return getattr(v, "name", None) or type(v).__name__
 
         return {o.name: plain(self.options.get(o.name)) for o in self.instrument.options if o.setting}
 
@@ -261,7 +277,7 @@ class Instrument(Part):
         heads over the ranks when the run asks for tensor parallelism (``ctx.tensor_parallel``)."""
         import headlab.models
 
-        if hasattr(ctx.options["model"], "adapter"):  # a model loaded already (runner.run from Python): used as is
+        if not isinstance(ctx.options["model"], str | Path):  # a model loaded already (from Python): used as is
             return ctx.options["model"]
         if ctx.tensor_parallel is not None:
             return headlab.models.load(ctx.options["model"], tensor_parallel=ctx.tensor_parallel)
@@ -317,11 +333,6 @@ class Instrument(Part):
         """Write the result (``path``: the result file, or the folder when ``output.file`` is None)."""
         return [result.save(path)]
 
-    def render(self, ctx: Context, outcome: Outcome, console, err) -> None:
-        """Show the result on the terminal (``console`` stdout, ``err`` stderr: rich consoles)."""
-        if outcome.result is not None:
-            console.print(outcome.result.figures, highlight=False, soft_wrap=True)
-
 
 _INSTRUMENTS: Registry[Instrument] = Registry("an instrument", "it is the registry key and the result kind")
 
@@ -335,7 +346,23 @@ def registered() -> list[Instrument]:
     return _INSTRUMENTS.registered()
 
 
+#: the modules that register the shipped instruments (a package: every module in it), imported by :func:`get` the
+#: first time a name is not registered yet: the rooms' named functions run their instrument by name
+HOMES = (
+    "headlab.interpret.instruments",
+    "headlab.interpret.report.instrument",
+    "headlab.decode.instrument",
+    "headlab.decode.gates_instrument",
+)
+
+
 def get(name: str) -> Instrument:
+    """The instrument registered as ``name`` (a shipped one is imported from :data:`HOMES` on first use)."""
+    if _INSTRUMENTS.find(name) is None:
+        from importlib import import_module
+
+        for home in HOMES:  # by name: the homes sit above the rooms whose functions call the runner
+            import_module(home)
     return _INSTRUMENTS.get(name)
 
 

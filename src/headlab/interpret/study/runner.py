@@ -3,10 +3,10 @@
 :func:`run` (one instrument) and :func:`run_together` (several on the same model and units, recorded once):
 
 1. **check**: every option (its choices and its own check, in the CLI's names), the instrument's checks of
-   options together, and the output path (:func:`headlab.results.check_output_dir` / ``check_output_file``),
+   options together, and the output path (:func:`headlab.outputs.check_output_dir` / ``check_output_file``),
    all before anything is read or loaded;
 2. **read**: every option that names an input goes through :func:`headlab.reading.read`, then
-   :meth:`~headlab.interpret.instruments.base.Instrument.prepare` checks the inputs against the options;
+   :meth:`~headlab.interpret.study.base.Instrument.prepare` checks the inputs against the options;
 3. **load** the model (under torchrun the process group is joined first), then ``check_loaded``;
 4. **units**: with ``resume``, the units already in the output file are skipped; under torchrun
    (``WORLD_SIZE > 1``) the rest are split across ranks (every W-th, from the rank) and gathered on rank 0,
@@ -22,21 +22,29 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from headlab.distributed.placement import Placement, TensorParallel
 from headlab.errors import HeadlabError, InputError
-from headlab.interpret.instruments.base import REQUIRED, Context, Instrument, Outcome, Unit
+from headlab.interpret.study.base import REQUIRED, Context, Instrument, Outcome, Unit
+from headlab.interpret.study.checkpoint import (
+    INTERRUPTED_KEY,
+    UNITS_KEY,
+    UNITS_SETTINGS_KEY,
+    earlier_units,
+    partial_path,
+    partial_result,
+    resume_line,
+    writes_folder,
+)
 from headlab.locks import output_lock
+from headlab.outputs import check_output_dir, check_output_file
 from headlab.progress import reporter
 from headlab.reading import read
-from headlab.results import Result, check_output_dir, check_output_file, to_json_value
-
-UNITS_KEY = "units"  # where a file keeps its units' values (interrupted files, and finished resumable ones)
-UNITS_SETTINGS_KEY = "units_settings"  # the run's settings beside them, when the result's own are other
-INTERRUPTED_KEY = "interrupted"
+from headlab.results import to_json_value
 
 
 def _stderr(line: str) -> None:
@@ -45,20 +53,25 @@ def _stderr(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
-def check_options(instrument: Instrument, options: dict) -> dict:
-    """The options completed with their defaults and checked one by one, then together (nothing read or loaded)."""
+def check_options(instrument: Instrument, options: dict, *, python: bool = False) -> dict:
+    """The options completed with their defaults and checked one by one, then together (nothing read or loaded).
+
+    ``python``: the options come from a library function, so messages name them as Python does (``batch_size``,
+    not ``--batch-size``); from the command line, the Python-only options (``Option.python``) are not taken."""
     given = dict(options)
-    unknown = set(given) - {o.name for o in instrument.options}
+    known = {o.name for o in instrument.options if python or not o.python}
+    unknown = set(given) - known
     if unknown:
         raise InputError(
             f"{instrument.name} takes no option {', '.join(sorted(unknown))}; its options are "
-            f"{', '.join(o.name for o in instrument.options)}"
+            f"{', '.join(o.name for o in instrument.options if o.name in known)}"
         )
     full = {**instrument.defaults(), **given}
     for o in instrument.options:
+        named = dataclasses.replace(o, flag=None, metavar=o.python_name or o.name) if python else o
         if full[o.name] is REQUIRED:
-            raise InputError(f"{o.label} is required: {o.help}")
-        o.validate(full[o.name], full)
+            raise InputError(f"{named.label} is required: {o.help}")
+        named.validate(full[o.name], full)
     return full
 
 
@@ -91,50 +104,7 @@ def _read_inputs(ctx: Context) -> None:
     for o in ctx.instrument.options:
         value = ctx.options.get(o.name)
         if o.reads is not None and value is not None:
-            ctx.data[o.name] = read(o.reads, value, o.label)
-
-
-def _earlier(ctx: Context, keys: Sequence[str]) -> dict:
-    """The units' values a resumed run keeps from the output file (none when there is no file yet)."""
-    if ctx.path is None:
-        return {}
-    partial = _partial_path(ctx)  # an interrupted run of a result that is not JSON kept its units beside it
-    source = partial if partial.is_file() else ctx.path
-    if not source.is_file() or source.suffix.lower() != ".json":  # a finished page keeps no units: all run again
-        return {}
-    assert ctx.instrument.output is not None  # a path comes from the instrument's output
-    flag = ctx.instrument.option(ctx.instrument.output.option).label
-    earlier = Result.load(source, what=f"a {ctx.instrument.result_kind} result to resume")
-    if earlier.kind != ctx.instrument.result_kind:
-        raise InputError(
-            f"{flag} {str(source)!r} holds a {earlier.kind} result, not {ctx.instrument.result_kind}; "
-            "drop --resume or choose another path"
-        )
-    units = earlier.figures.get(UNITS_KEY)
-    if not isinstance(units, dict):
-        raise InputError(f"--resume: {str(ctx.path)!r} keeps no units to resume from; drop --resume to start again")
-    now = to_json_value(ctx.settings)  # as the file holds them (NaN as null, paths as strings)
-    saved = earlier.figures.get(UNITS_SETTINGS_KEY, earlier.settings)
-    if saved != now:
-        diff = sorted(k for k in set(now) | set(saved) if now.get(k) != saved.get(k))
-        raise InputError(
-            f"--resume: {str(ctx.path)!r} was computed with other settings ({', '.join(diff)}); run "
-            "with the same options, or drop --resume to start again"
-        )
-    return {k: ctx.instrument.unit_from_json(units[k]) for k in keys if k in units}
-
-
-def _partial(ctx: Context, values: dict, total: int) -> Result:
-    inst = ctx.instrument
-    return Result(
-        inst.result_kind,
-        model=getattr(ctx.loaded, "name", None),
-        settings=ctx.settings,
-        figures={
-            INTERRUPTED_KEY: {"kept": len(values), "of": total},
-            UNITS_KEY: {k: inst.unit_to_json(v) for k, v in values.items()},
-        },
-    )
+            ctx.data[o.name] = read(o.reads, value, o.name if ctx.python else o.label)  # as the caller named it
 
 
 def run(
@@ -201,16 +171,18 @@ def run_together(
     say: Callable[[str], None] = _stderr,
     tensor_parallel: bool | int | TensorParallel | None = False,
     command: str | None = None,
+    python: bool = False,
 ) -> list[Outcome]:
     """Run several instruments on one model: one load, and per unit key one recording of the union of their
     sites (units of the same key must share their inputs). Each writes its own result. An output another run is
-    writing is refused (:func:`headlab.results.output_lock`, a lock file beside it, held until the run ends)."""
-    from headlab.interpret.instruments.base import get
+    writing is refused (:func:`headlab.results.output_lock`, a lock file beside it, held until the run ends).
+    ``python``: run by a library function (see :func:`call`)."""
+    from headlab.interpret.study.base import get
 
     ctxs = []
     for inst, opts in runs:  # 1. options and output paths, before anything else
         inst = get(inst) if isinstance(inst, str) else inst
-        ctx = Context(inst, check_options(inst, opts))
+        ctx = Context(inst, check_options(inst, opts, python=python), python=python, resume=resume)
         check_model_name(ctx)
         inst.check(ctx)
         ctxs.append(ctx)
@@ -221,7 +193,7 @@ def run_together(
         if resume and not ctx.instrument.resumes(ctx):  # before the output check lets --resume write into a folder
             raise InputError(f"--resume: {ctx.instrument.name} keeps no units with these options; drop --resume")
         ctx.path = output_path(ctx, resume=resume)
-        if resume and (ctx.path is None or ctx.instrument.output is None or ctx.instrument.output.file is None):
+        if resume and (ctx.path is None or ctx.instrument.output is None):
             what = (
                 f"give {ctx.instrument.option(ctx.instrument.output.option).label}"
                 if ctx.instrument.output is not None and ctx.path is None
@@ -231,7 +203,8 @@ def run_together(
                 f"--resume keeps the units of {ctx.instrument.name}'s result file, and this run writes none; {what}"
             )
     with contextlib.ExitStack() as held:
-        if os.environ.get("RANK", "0") == "0":  # torchrun's ranks share the output: rank 0 holds it
+        # torchrun's ranks share the output: rank 0 holds it (by RANK, or by a process group the caller started)
+        if os.environ.get("RANK", "0") == "0" and Placement.here().rank == 0:
             for ctx in ctxs:
                 if ctx.path is not None and ctx.instrument.output is not None:  # a path comes from the output
                     held.enter_context(
@@ -289,7 +262,8 @@ def _load_and_work(ctxs: list[Context], *, resume: bool, progress, transient: bo
         announce = any(c.instrument.announce for c in ctxs)
         loaded = None
         if any(c.instrument.needs_model for c in ctxs):  # 3. the model, once
-            if announce:  # quiet: a refusal by the load or by check_loaded stays the one line on stderr
+            if announce and isinstance(lead.options.get("model"), str | Path):  # a model by name (not handed over)
+                # quiet: a refusal by the load or by check_loaded stays the one line on stderr
                 loading = f"loading model {lead.options.get('model', '')}".rstrip()
                 show.quiet_step(loading) if hasattr(show, "quiet_step") else show(loading, 0, 0)
             loaded = lead.instrument.load(lead)
@@ -315,13 +289,13 @@ def _work(ctxs: list[Context], *, resume: bool, announce: bool, show, say, comma
             )
     if len(set(keys)) != len(keys):
         raise InputError(f"{lead.instrument.name}: two units share a key; every unit needs its own")
-    values = [_earlier(ctx, keys) if resume else {} for ctx in ctxs]
+    values = [earlier_units(ctx, keys) if resume else {} for ctx in ctxs]
     for ctx, v in zip(ctxs, values):
         ctx.kept = dict(v)
     todo = [i for i, k in enumerate(keys) if not all(k in v for v in values)]
     sharded = lead.world > 1 and all(c.instrument.parallel == "units" for c in ctxs)
     # the one answer to which rank runs which units: a tensor-parallel group runs its units together
-    place = Placement.of(lead.loaded) if lead.instrument.needs_model else Placement.here()
+    place = placement(lead.loaded) if lead.instrument.needs_model else Placement.here()
     share, shares = place.unit_share()
     if sharded and any(c.instrument.chained for c in ctxs):
         mine = todo if share == 0 else []  # chained units: the first data rank (its whole group) runs them in order
@@ -370,31 +344,32 @@ def _work(ctxs: list[Context], *, resume: bool, announce: bool, show, say, comma
     return outcomes
 
 
-def _partial_path(ctx: Context) -> Path:
-    """Where an interrupted run's units go: the result file when it is JSON (a resumed run reads it back), else a
-    ``.partial.json`` beside it (``--out report.html`` keeps its units as JSON, not in the page's name)."""
-    path = ctx.path
-    assert path is not None  # called for a run that writes
-    return path if path.suffix.lower() == ".json" else path.with_name(path.stem + ".partial.json")
+def placement(loaded) -> Placement:
+    """The placement of what the load hook gave: a loaded model's or an adapter's; a bare module handed over from
+    Python through its adapter (built once and kept on it), which knows the ranks that hold its heads."""
+    import torch.nn
 
+    if isinstance(loaded, torch.nn.Module) and not hasattr(loaded, "placement"):
+        from headlab.models.loaded_model import adapt
 
-def resume_line(command: str) -> str:
-    """The command line that resumes ``command``: itself with ``--resume`` (once)."""
-    return command if " --resume" in f" {command} " else f"{command} --resume"
+        return Placement.of(adapt(loaded))
+    return Placement.of(loaded)
 
 
 def _close(ctx: Context, kept: dict, total: int, interrupted: bool, say, command: str | None = None) -> Outcome:
     inst = ctx.instrument
-    if not ctx.main:
+    if not ctx.main and not (ctx.python and not interrupted):  # from Python every rank gets the result (rank 0 writes)
         return Outcome(None, ctx.path, interrupted=interrupted, kept=len(kept), total=total, main=False, ctx=ctx)
     if interrupted:
         files: list[Path] = []
-        if ctx.path is not None and kept and inst.output is not None and inst.output.file is not None:
+        if ctx.path is not None and kept and not writes_folder(ctx):
             ctx.path.parent.mkdir(parents=True, exist_ok=True)
-            files = [_partial(ctx, kept, total).save(_partial_path(ctx))]
+            files = [partial_result(ctx, kept, total).save(partial_path(ctx))]
         elif ctx.path is not None and kept:  # a folder of the instrument's own files: it writes what it can
             ctx.path.mkdir(parents=True, exist_ok=True)
             files = inst.write_kept(ctx, kept, ctx.path)
+            if inst.resumable:  # and the units, in the folder, for --resume
+                files.append(partial_result(ctx, kept, total).save(partial_path(ctx)))
         again = f": {resume_line(command)}" if command else ""
         where = (
             f"in {files[0]}" + (f"; run again with --resume to finish the rest{again}" if inst.resumable else "")
@@ -404,23 +379,49 @@ def _close(ctx: Context, kept: dict, total: int, interrupted: bool, say, command
         say(f"interrupted: kept {len(kept)} of {total} units {where}")
         return Outcome(None, files[0] if files else None, files, interrupted=True, kept=len(kept), total=total, ctx=ctx)
     result = inst.finish(ctx, kept)
-    if inst.resumable and inst.keeps_units:
+    if inst.resumable and inst.keeps_units and not writes_folder(ctx):
         result.figures[UNITS_KEY] = {k: inst.unit_to_json(v) for k, v in kept.items()}
         if to_json_value(result.settings) != to_json_value(ctx.settings):  # the result's own settings differ: the
             result.figures[UNITS_SETTINGS_KEY] = ctx.settings  # run's are kept beside its units, for --resume
     files = []
-    if ctx.path is not None:
+    if ctx.path is not None and ctx.main:
         assert inst.output is not None  # a path comes from the instrument's output
         (ctx.path if inst.output.folder and inst.output.file is None else ctx.path.parent).mkdir(
             parents=True, exist_ok=True
         )
         files = inst.write(ctx, result, ctx.path)
-    return Outcome(result, ctx.path, files, kept=len(kept), total=total, ctx=ctx)
+        if writes_folder(ctx):  # finished: the folder is the result, the units an interrupted run kept go
+            partial_path(ctx).unlink(missing_ok=True)
+    return Outcome(result, ctx.path, files, kept=len(kept), total=total, main=ctx.main, ctx=ctx)
+
+
+def call(instrument: Instrument | str, options: dict, *, progress=None, resume: bool = False):
+    """Run ``instrument`` for a library function and return what it computed: the library's own object
+    (:attr:`InstrumentResult.native <headlab.interpret.study.base.InstrumentResult.native>`), else the
+    result envelope.
+
+    This is how :func:`headlab.head_importance`, :func:`headlab.ablate`, :func:`headlab.probe` and the other named
+    functions run: the same checks, units, progress, rank split and recording as the command, with the options
+    named as Python names them, a model handed over already loaded (``options["model"]``: a name, a folder, a
+    loaded model, an adapter or a module), and inputs in memory (the instrument's ``python`` options). Under
+    torchrun every rank returns the whole result. Nothing is said on the terminal; Ctrl-C raises
+    ``KeyboardInterrupt`` as any Python call does (an output file, if one was asked for, keeps the finished units).
+    """
+    from headlab.interpret.study.base import InstrumentResult
+
+    # resume: the units its output file keeps are read back (a library function's checkpoint, as --resume)
+    quiet = lambda line: None  # nothing said on the terminal
+    (outcome,) = run_together([(instrument, options)], resume=resume, progress=progress, say=quiet, python=True)
+    if outcome.interrupted:
+        raise KeyboardInterrupt
+    result = outcome.result
+    return result.native if isinstance(result, InstrumentResult) and result.native is not None else result
 
 
 __all__ = [
     "INTERRUPTED_KEY",
     "UNITS_KEY",
+    "call",
     "check_options",
     "check_tensor_parallel",
     "output_path",
