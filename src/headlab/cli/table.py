@@ -36,6 +36,7 @@ HOMES = (
     "headlab.interpret.report.instrument",
     "headlab.decode.instrument",
     "headlab.decode.gates_instrument",
+    "headlab.decode.suite_instrument",
 )
 _NOT_INSTRUMENTS = {"__init__"}
 _BASE = "headlab.interpret.study.base"

@@ -353,6 +353,7 @@ HOMES = (
     "headlab.interpret.report.instrument",
     "headlab.decode.instrument",
     "headlab.decode.gates_instrument",
+    "headlab.decode.suite_instrument",
 )
 
 
