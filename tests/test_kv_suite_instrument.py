@@ -99,3 +99,11 @@ def test_bad_policies_are_refused_before_the_load(policies, words, tmp_path, no_
     code, _, err = run_cli(["kv", "suite", "--policies", policies, "--out", str(tmp_path / "s.json")], capsys)
     assert code == 2 and words in err and len(err.strip().splitlines()) == 1, err
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("argv, words", [(["--n", "1000000"], "at most 100,000 tasks"),
+                                         (["--tokens", "100000000"], "must fit in the 8,192 positions of smollm2")])
+def test_sizes_past_the_model_or_reason_are_refused_before_the_load(argv, words, tmp_path, no_load, capsys):
+    code, _, err = run_cli(["kv", "suite", *argv, "--out", str(tmp_path / "s.json")], capsys)
+    assert code == 2 and words in err and len(err.strip().splitlines()) == 1, err
+    assert list(tmp_path.iterdir()) == []

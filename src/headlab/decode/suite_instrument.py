@@ -38,6 +38,15 @@ def policy_texts(value: str) -> list[str]:
     return [p.strip() for p in value.split(";") if p.strip()]
 
 
+MAX_TASKS = 100_000  # the issue's evaluation is 500; more is a typo, refused before anything is generated
+
+
+def _tasks(value, option, options) -> None:
+    at_least(1)(value, option, options)
+    if value > MAX_TASKS:
+        raise ConfigError(f"{option.label} {value:,}: at most {MAX_TASKS:,} tasks (the suite builds them all first)")
+
+
 def _policies(value, option, options) -> None:
     from headlab.decode import kv
 
@@ -75,7 +84,7 @@ headlab kv suite --policies "full;full:bits=4;adakv:256,bits=4" --n 48 --tokens 
             "the policies, separated by ';' (the first is the baseline)",
             check=_policies,
         ),
-        Option("n", "--n", int, 48, "tasks (the six kinds in turn)", check=at_least(1)),
+        Option("n", "--n", int, 48, "tasks (the six kinds in turn)", check=_tasks),
         Option("tokens", "--tokens", int, 1024, "tokens per task's context", check=at_least(128)),
         Option("seed", "--seed", int, 0, "the tasks' seed", check=at_least(0)),
         Option("ppl", "--ppl", int, 12, "tasks whose held-out continuation is scored", check=at_least(0)),
@@ -85,10 +94,27 @@ headlab kv suite --policies "full;full:bits=4;adakv:256,bits=4" --n 48 --tokens 
     )
     output = Output("out", folder=False, force="force")
 
+    def check(self, ctx: Context) -> None:
+        """The context and its continuation must fit the model's positions (peeked before the load)."""
+        self.check_positions(ctx, None)
+
+    def check_positions(self, ctx: Context, limit: int | None) -> None:
+        if limit is None and isinstance(ctx.options["model"], str | Path):
+            from headlab.models.peek import peek_max_positions
+
+            limit = peek_max_positions(ctx.options["model"])
+        need = ctx.options["tokens"] + ctx.options["continuation"]
+        if limit is not None and need >= limit:
+            raise ConfigError(
+                f"--tokens {ctx.options['tokens']} with --continuation {ctx.options['continuation']}: a task and its "
+                f"question must fit in the {limit:,} positions of {ctx.options['model']}; give fewer --tokens"
+            )
+
     def check_loaded(self, ctx: Context) -> None:
         from headlab.decode import kv, suite
         from headlab.decode.heads import check_decoder
 
+        self.check_positions(ctx, getattr(ctx.loaded, "max_positions", None))
         adapter = getattr(ctx.loaded, "adapter", ctx.loaded)
         check_decoder(adapter, getattr(ctx.loaded, "name", None) or type(adapter.model).__name__)
         o = ctx.options
