@@ -102,7 +102,7 @@ headlab kv suite --policies "full;full:bits=4;adakv:256,bits=4" --n 48 --tokens 
         if limit is None and isinstance(ctx.options["model"], str | Path):
             from headlab.models.peek import peek_max_positions
 
-            limit = peek_max_positions(ctx.options["model"])
+            limit = peek_max_positions(str(ctx.options["model"]))
         need = ctx.options["tokens"] + ctx.options["continuation"]
         if limit is not None and need >= limit:
             raise ConfigError(
