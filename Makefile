@@ -17,7 +17,7 @@ $(PY):
 # Then headlab without build isolation: its setup.py compiles the native attention kernel against that
 # torch, here and now (about a minute on 2 cores; an isolated build would fetch a torch of its own). The
 # kernel's source and setup.py are prerequisites, so an edit of either rebuilds it at the next `make`.
-KERNEL := src/headlab/attention/backends/csrc/onepass.cpp
+KERNEL := src/headlab/attention/backends/csrc/onepass.cpp src/headlab/attention/backends/csrc/codes.cpp
 $(STAMP): $(PY) pyproject.toml setup.py $(KERNEL)
 	$(PY) -m pip install -q torch==2.13.0 'setuptools>=77' wheel 'ninja>=1.11'
 	@echo "installing headlab and compiling its attention kernel (about a minute)"

@@ -1,7 +1,7 @@
 """Builds headlab's compiled one-pass attention kernel at install time (docs/native.md, "Building it").
 
 Everything else about the package is in pyproject.toml; this file only adds the C++ extension
-``headlab.attention.backends._onepass`` from ``src/headlab/attention/backends/csrc/onepass.cpp``,
+``headlab.attention.backends._onepass`` from ``src/headlab/attention/backends/csrc/onepass.cpp`` and ``codes.cpp``,
 compiled by torch's own ``torch.utils.cpp_extension`` (``CppExtension`` / ``BuildExtension``)
 against the torch already installed, so headlab is installed without build isolation (an
 isolated build would fetch a torch of its own)::
@@ -12,7 +12,7 @@ isolated build would fetch a torch of its own)::
 The extension is optional: with no C++ compiler, or no torch in the build environment, the
 install still succeeds with a warning and headlab runs on its PyTorch paths
 (``headlab.attention.backends.native.error()`` says why). The extension carries the SHA-1 of the
-source it was compiled from; ``native.kernel()`` refuses one whose hash is not the source's.
+sources it was compiled from; ``native.kernel()`` refuses one whose hash is not the sources'.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from pathlib import Path
 from setuptools import setup
 
 NAME = "headlab.attention.backends._onepass"
-SOURCE = "src/headlab/attention/backends/csrc/onepass.cpp"
+SOURCES = ["src/headlab/attention/backends/csrc/onepass.cpp", "src/headlab/attention/backends/csrc/codes.cpp"]
 HERE = Path(__file__).resolve().parent
 
 
@@ -40,7 +40,7 @@ def _flags() -> list[str]:
     ATen's Vectorized), no debug information, and the source's hash (native.source_hash())."""
     import torch
 
-    digest = hashlib.sha1((HERE / SOURCE).read_bytes()).hexdigest()
+    digest = hashlib.sha1(b"".join((HERE / s).read_bytes() for s in SOURCES)).hexdigest()
     flags = ["-O3", "-march=native", "-fopenmp", "-g0", f"-DHEADLAB_SOURCE_SHA1=sha1_{digest}"]
     cap = torch.backends.cpu.get_cpu_capability()
     if cap in ("AVX2", "AVX512"):
@@ -81,7 +81,7 @@ def _extension() -> tuple[list, dict]:
                     os.unlink(tmp)
             return outfile, 1
 
-    ext = CppExtension(NAME, [SOURCE], extra_compile_args=_flags(), optional=True)
+    ext = CppExtension(NAME, SOURCES, extra_compile_args=_flags(), optional=True)
     return [ext], {"build_ext": OptionalBuildExtension}
 
 

@@ -9,6 +9,9 @@ its residual, then the new query attends to all that is held) is timed for:
 - ``full 16-bit``: ``kv.full``, held in float16, each step's attention in float32 (torch's SDPA);
 - ``4-bit codes`` / ``2-bit codes``: ``kv.full(bits=4)`` (KIVI: keys per channel, values per token, groups of
   ``--group``, a residual of 128), attention computed on the codes (:func:`headlab.decode.codes.attend_codes`);
+- ``4-bit codes, residual=0``: the same with no full-precision residual but a key group not yet whole;
+- ``4-bit codes, PyTorch``: the 4-bit cache on the codes with PyTorch's products, not the compiled kernel
+  (``csrc/codes.cpp``, which the ``codes`` variants use when it is built);
 - ``4-bit dequantize``: the same cache read back to float first, then attended (round two's path).
 
 The variants run interleaved (each repeat times one step of each, in turn), so a change of load hits all of them;
@@ -40,13 +43,16 @@ HEADS, KV_HEADS, DIM = 9, 3, 64  # SmolLM2-135M's attention
 
 
 def variants(group: int) -> dict[str, tuple]:
-    """name -> (rule, attends on the codes)."""
+    """name -> (rule, attends on the codes, with the compiled kernel)."""
     q4 = kv.full(bits=4, group=group, residual=128)
-    return {"full 16-bit": (kv.full, True), "4-bit codes": (q4, True), "4-bit dequantize": (q4, False),
-            "2-bit codes": (kv.full(bits=2, group=group, residual=128), True)}
+    q4r0 = kv.full(bits=4, group=group, residual=0)
+    return {"full 16-bit": (kv.full, True, True), "4-bit codes": (q4, True, True),
+            "4-bit codes, residual=0": (q4r0, True, True), "4-bit codes, PyTorch": (q4, True, False),
+            "4-bit dequantize": (q4, False, False), "2-bit codes": (kv.full(bits=2, group=group, residual=128), True,
+                                                                    True)}
 
 
-def build(rule, codes: bool, k: torch.Tensor, v: torch.Tensor) -> HeadLayer:
+def build(rule, codes: bool, native: bool, k: torch.Tensor, v: torch.Tensor) -> HeadLayer:
     """A layer holding ``k``, ``v`` ``(1, KV_HEADS, n, DIM)`` under ``rule`` in float16, as a prefill leaves it (the
     prompt's attention itself is not what is timed, so it is not run: the quantized stores flush as after it)."""
     layer = HeadLayer([rule] * KV_HEADS, HEADS)
@@ -54,6 +60,7 @@ def build(rule, codes: bool, k: torch.Tensor, v: torch.Tensor) -> HeadLayer:
     layer.update(k, v)
     for g in layer.groups:
         if hasattr(g, "flush"):
+            g.native = native  # the compiled kernel on the codes, or PyTorch's products
             g.flush(k.shape[2])  # KIVI: what has passed the boundaries is quantized
     return layer
 
@@ -79,7 +86,7 @@ def main(argv=None) -> int:
         for n in args.lengths:
             spread = torch.linspace(0.2, 4.0, DIM)
             k, v = torch.randn(1, KV_HEADS, n, DIM) * spread, torch.randn(1, KV_HEADS, n, DIM)
-            layers = {name: build(rule, codes, k, v) for name, (rule, codes) in variants(args.group).items()}
+            layers = {name: build(rule, codes, nat, k, v) for name, (rule, codes, nat) in variants(args.group).items()}
             times: dict[str, list[float]] = {name: [] for name in layers}
             for _ in range(args.repeats + 1):  # the first round warms up, not counted
                 k1, v1 = torch.randn(1, KV_HEADS, 1, DIM) * spread, torch.randn(1, KV_HEADS, 1, DIM)
@@ -95,9 +102,9 @@ def main(argv=None) -> int:
                              "steps_ms": [t * 1e3 for t in times[name][1:]]})
     print(f"one decode step, one layer ({HEADS} query heads on {KV_HEADS} kv heads, head dim {DIM}), float16 storage, "
           f"groups of {args.group}; median of {args.repeats} interleaved steps, {args.threads} torch thread(s)")
-    print(f"{'tokens':>7} {'variant':<18} {'step ms':>9} {'vs 16-bit':>10} {'bytes held':>12} {'bytes vs 16-bit':>16}")
+    print(f"{'tokens':>7} {'variant':<24} {'step ms':>9} {'vs 16-bit':>10} {'bytes held':>12} {'bytes vs 16-bit':>16}")
     for r in rows:
-        print(f"{r['tokens']:>7} {r['variant']:<18} {r['step_ms']:>9.3f} {r['vs_16bit']:>9.2f}x {r['bytes']:>12,} "
+        print(f"{r['tokens']:>7} {r['variant']:<24} {r['step_ms']:>9.3f} {r['vs_16bit']:>9.2f}x {r['bytes']:>12,} "
               f"{r['bytes_vs_16bit']:>15.1%}")
     path = write_json("kv_codes", {"args": vars(args), "shape": {"heads": HEADS, "kv_heads": KV_HEADS, "dim": DIM},
                                    "rows": rows})

@@ -50,6 +50,22 @@ def test_generate_prints_the_text_and_the_cache_against_the_full_one(tiny_folder
     assert code == 0 and out.startswith(PROMPT) and "KV cache" in err and "tokens/s" in err
 
 
+def test_kv_dtype_holds_the_cache_in_sixteen_bits_and_counts_it_so(tiny_folder, capsys):
+    """``--kv-dtype float16``: the cache held in float16 under the float32 model, as ``generate(kv_dtype=)``; the full
+    cache's bytes are a 16-bit one's."""
+    argv = ["generate", PROMPT, "--model", str(tiny_folder), "--policy", "full:bits=4,group=4,residual=0", "-n", "4",
+            "--json"]
+    code, out, err = run_cli([*argv, "--kv-dtype", "float16"], capsys)
+    assert code == 0, err
+    half = json.loads(out)
+    code, out, err = run_cli(argv, capsys)
+    full = json.loads(out)
+    g = headlab.generate(headlab.load(str(tiny_folder)), PROMPT, policy=kv.Policy.parse("full:bits=4,group=4,residual=0"),
+                         max_new_tokens=4, kv_dtype=torch.float16)
+    assert half["kv_bytes"] == g.kv_bytes and half["ids"] == g.ids[0].tolist()
+    assert half["kv_bytes_full"] * 2 == full["kv_bytes_full"] and half["kv_bytes"] < full["kv_bytes"]
+
+
 def test_kv_from_an_atlas_keeps_the_non_local_heads_full(tiny_folder, tmp_path, capsys):
     atlas = tmp_path / "atlas.json"
     atlas.write_text(json.dumps({"scores": {"sink": [[0.0] * 4] * 2, "local": [[1, 1, 0.1, 1], [1, 1, 1, 1]]}}))
@@ -67,6 +83,8 @@ def test_kv_from_an_atlas_keeps_the_non_local_heads_full(tiny_folder, tmp_path, 
     (["-n", "0"], "--max-new-tokens"),
     (["--keep", "2"], "--keep"),
     (["--kv-from", "/nonexistent/atlas.json"], "not a file"),
+    (["--kv-dtype", "int8"], "--kv-dtype: unknown dtype 'int8'"),
+    (["--kv-dtype", "float16", "--policy", "snapkv:64"], "keeps the model's dtype"),
 ])
 def test_bad_options_exit_2_with_one_line_before_loading(args, words, capsys):
     code, out, err = run_cli(["generate", "hello", "--model", "/nonexistent/model", *args], capsys)

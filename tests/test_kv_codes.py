@@ -85,7 +85,9 @@ CASES = [(kv.full(bits=4, group=32, residual=64), None), pytest.param(kv.full(bi
                                                                       marks=SLOW),
          pytest.param(kv.full(bits=8, group=128, residual=128), None, marks=SLOW),
          pytest.param(kv.window(3, 100, bits=4, group=32, residual=32), None, marks=SLOW),
-         (kv.window(0, 77, bits=2, group=32, residual=64), 20.0), (kv.window(2, 90, compensate=True), None)]
+         (kv.window(0, 77, bits=2, group=32, residual=64), 20.0), (kv.window(2, 90, compensate=True), None),
+         (kv.full(bits=4, group=64, residual=0), None), pytest.param(kv.window(3, 100, bits=4, group=32, residual=0),
+                                                                     None, marks=SLOW)]
 
 
 @pytest.mark.parametrize(("rule", "softcap"), CASES, ids=lambda x: x.text() if isinstance(x, kv.Rule) else str(x))
@@ -217,6 +219,23 @@ def test_the_group_size_is_an_option_and_the_bytes_follow_it(group):
     assert store.ks.shape[2] == 256 // group and store.vs.shape[-1] == 128 // group  # 256 keys quantized
 
 
+@pytest.mark.parametrize("group", [32, 64])
+def test_with_no_residual_only_a_partial_key_group_waits_in_full_precision(group):
+    """``residual=0``: every value quantized as it enters, keys once their group is whole (what optimum-quanto's
+    cache does to a prompt); the bytes are the cost model's and fewer than with the default residual."""
+    model = _llama(head_dim=128)
+    policy = kv.Policy.parse(f"full:bits=4,group={group},residual=0")
+    assert policy.default == kv.full(bits=4, group=group, residual=0)
+    _, cache, held = _decode(model, torch.randint(0, 61, (1, 270)), 250, policy=policy)
+    assert held == policy_cache_bytes(policy, kv_heads=[2, 2], tokens=270, head_dim=128)
+    store = cache.layers[0].groups[0]
+    assert store.vr is None and store.vq.shape[2] == 270  # every value quantized
+    assert store.kr.shape[2] == 270 % group and store.kq.shape[2] == 270 // group * group
+    default = kv.Policy.parse(f"full:bits=4,group={group}")
+    _, _, held_default = _decode(model, torch.randint(0, 61, (1, 270)), 250, policy=default)
+    assert held < held_default
+
+
 @pytest.mark.parametrize("bad", ["64", 64.0, 0, True])
 def test_a_group_that_is_not_a_positive_integer_is_refused(bad):
     with pytest.raises(ConfigError, match="group"):
@@ -256,12 +275,15 @@ def test_bad_storage_options_are_refused():
         HeadCache(model, codes="yes")
 
 
-def test_snapkv_holds_its_positions_beside_what_it_counts():
-    """What is not yet in ``nbytes``: a SnapKV head's kept positions (int64, one per key), which the walk sees."""
+@pytest.mark.parametrize("text", ["snapkv:16,window=4", "snapkv:16,window=4,bits=4,group=8,residual=0",
+                                  "adakv:16,window=4,bits=2,group=8,residual=8"])
+def test_snapkv_counts_its_positions_and_the_walk_and_the_cost_model_agree(text):
+    """A SnapKV / Ada-KV head's kept positions (int64, one per key) are held bytes: ``nbytes`` counts them, equal
+    to the walk of the cache's tensors and to the cost model, at every step of a decode."""
     model = _llama()
-    policy = kv.Policy.parse("snapkv:16,window=4")
-    cache = HeadCache(model, policy)
-    with torch.no_grad():
-        model(input_ids=torch.randint(0, 61, (1, 30)), cache=cache, use_cache=True)
+    policy = kv.Policy.parse(text)
+    _, cache, held = _decode(model, torch.randint(0, 61, (1, 40)), 30, policy=policy)  # the walk at every step
     kept = sum(p.numel() for layer in cache.layers for g in layer.groups for p in g.pos)
-    assert kept == 2 * 2 * 16 and walk_bytes(cache) == cache.nbytes() + 8 * kept
+    assert kept == 2 * 2 * (16 + 10) and held == walk_bytes(cache)
+    if not text.startswith("adakv"):  # Ada-KV's split among heads is the data's; the cost model's is even
+        assert held == policy_cache_bytes(policy, kv_heads=[2, 2], tokens=40, head_dim=32, prompt=30)

@@ -5,8 +5,9 @@ The oracles here are written from the published definitions, independently of he
 - KIVI (Liu et al. 2024): asymmetric min-max groups, ``scale = (max - min) / (2^b - 1)``, ``zero = min``,
   ``q = clamp(round((x - min) / scale))``, read back as ``q * scale + min``; keys per channel over groups
   of ``group`` tokens, quantized when the full-precision residual reaches ``residual`` tokens (so the
-  keys below ``floor(n / R) * R`` are quantized); values per token over groups of ``group`` channels,
-  all but the last ``residual`` quantized. A window quantizes what it holds past its sinks the same way,
+  keys below ``floor(n / R) * R`` are quantized; ``residual=0``, as optimum-quanto's cache holds a prompt:
+  each group once it is whole); values per token over groups of ``group`` channels, all but the last
+  ``residual`` quantized. A window quantizes what it holds past its sinks the same way,
   counted from the first non-sink position, and a key group takes its range from the tokens the window
   still held when the group was quantized.
 - RazorAttention (Tang et al. 2024): a windowed head sees, besides its sinks and recent keys, one
@@ -56,10 +57,11 @@ def held_state(rule, k: torch.Tensor, v: torch.Tensor, n: int, prefill: int):
     if rule.bits == 16:
         return k, v, held
     G, R, b = rule.group, rule.residual, rule.bits
-    key_end = sink + (n - sink) // R * R if n > sink else n
+    U = R or G  # keys leave the residual R at a time; with R = 0, each group once it is whole
+    key_end = sink + (n - sink) // U * U if n > sink else n
     for g0 in range(sink, key_end, G):  # key groups, aligned at the first non-sink position
         end = g0 + G
-        flushed = max(prefill, sink + math.ceil((end - sink) / R) * R)  # when this group left the residual
+        flushed = max(prefill, sink + math.ceil((end - sink) / U) * U)  # when this group left the residual
         first = max(g0, flushed - rule.recent) if isinstance(rule, kv.Window) else g0
         if first < end:
             k[first:end] = qdq(k[first:end], 0, b)  # per channel: the group's tokens
@@ -169,7 +171,8 @@ def _mixed(layers: int = 2):
 @pytest.mark.parametrize("rule", [kv.full(bits=4, group=4, residual=8), kv.full(bits=2, group=8, residual=8),
                                   kv.full(bits=8, group=4, residual=8), kv.window(3, 13, bits=4, group=4, residual=8),
                                   kv.window(2, 5, bits=2, group=4, residual=4),
-                                  kv.window(0, 9, bits=8, group=4, residual=4)])
+                                  kv.window(0, 9, bits=8, group=4, residual=4), kv.full(bits=4, group=4, residual=0),
+                                  kv.window(3, 13, bits=2, group=4, residual=0)])
 @pytest.mark.parametrize("prefill", [1, 11, 30])
 def test_held_keys_and_values_equal_kivis_quantize_dequantize(rule, prefill):
     """A layer fed random keys (with an outlier channel, as real keys have) holds, read back, KIVI's values."""

@@ -248,10 +248,11 @@ def test_bytes_held_equal_the_prediction_and_shrink_by_the_budget(policy):
     assert g.kv_bytes == policy_peak_bytes(policy, kv_heads=KVH, prompt=prompt, tokens=held, head_dim=8)
     assert g.kv_bytes == policy_cache_bytes(policy, kv_heads=KVH, tokens=held, head_dim=8, prompt=prompt)
     assert g.kv_bytes_full == full_cache_bytes(layers=2, kv_heads=2, tokens=held, head_dim=8)
+    per_token = 2 * 8 * 4 + 8  # a key and a value of 8 float32 numbers, and the int64 position of the kept token
     if policy.name in ("SnapKV 12", "Ada-KV 12/head"):  # every head: 12 prompt tokens + the new ones, of 40 + new
-        assert Fraction(g.kv_bytes, g.kv_bytes_full) == Fraction(12 + new - 1, held)
+        assert g.kv_bytes == 2 * 2 * (12 + new - 1) * per_token
     if policy.name == "Ada-KV 20/layer":
-        assert Fraction(g.kv_bytes, g.kv_bytes_full) == Fraction(20 + 2 * (new - 1), 2 * held)
+        assert g.kv_bytes == 2 * (20 + 2 * (new - 1)) * per_token
     assert g.kv_bytes < g.kv_bytes_full
     _, cache = _decoded(model, torch.randint(3, 97, (1, 50), generator=torch.Generator().manual_seed(5)), policy, 33)
 
@@ -259,11 +260,13 @@ def test_bytes_held_equal_the_prediction_and_shrink_by_the_budget(policy):
 def test_the_cost_model_counts_the_budget_on_smollm2s_shape():
     shape = dict(kv_heads=[3] * 30, tokens=8192, head_dim=64, dtype="float16")
     full16 = full_cache_bytes(layers=30, kv_heads=3, tokens=8192, head_dim=64, dtype="float16")
-    assert policy_cache_bytes(kv.Policy.parse("snapkv:1024"), **shape) * 8 == full16  # the context compressed whole
-    assert policy_cache_bytes(kv.Policy.parse("adakv:1024"), **shape) * 8 == full16
-    assert policy_cache_bytes(kv.Policy.parse("adakv:total=3072"), **shape) * 8 == full16
-    # 8,000 prompt tokens, 192 generated: 1,024 + 192 per head
-    assert policy_cache_bytes(kv.Policy.parse("snapkv:1024"), prompt=8000, **shape) == 90 * (1024 + 192) * 2 * 64 * 2
+    positions = 90 * 1024 * 8  # each of the 90 kv heads holds the int64 positions of its 1,024 kept tokens
+    assert policy_cache_bytes(kv.Policy.parse("snapkv:1024"), **shape) == full16 // 8 + positions  # compressed whole
+    assert policy_cache_bytes(kv.Policy.parse("adakv:1024"), **shape) == full16 // 8 + positions
+    assert policy_cache_bytes(kv.Policy.parse("adakv:total=3072"), **shape) == full16 // 8 + positions
+    # 8,000 prompt tokens, 192 generated: 1,024 + 192 per head, each with its position
+    assert policy_cache_bytes(kv.Policy.parse("snapkv:1024"), prompt=8000, **shape) == 90 * (1024 + 192) * (
+        2 * 64 * 2 + 8)
     assert kv.Policy.parse("adakv:total=10,window=2").kept(30, [3], prompt=20) == [[14, 13, 13]]  # split evenly, predicted
 
 

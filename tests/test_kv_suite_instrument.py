@@ -107,3 +107,38 @@ def test_sizes_past_the_model_or_reason_are_refused_before_the_load(argv, words,
     code, _, err = run_cli(["kv", "suite", *argv, "--out", str(tmp_path / "s.json")], capsys)
     assert code == 2 and words in err and len(err.strip().splitlines()) == 1, err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_sixteen_bit_storage_and_a_question_in_the_prompt_are_what_generate_does_with_them(tiny):
+    """``--kv-dtype float16``: every cache held in 16 bits, the bytes counted against a 16-bit full cache;
+    ``--query-aware``: the question ends the prompt (SnapKV's observation window sees it)."""
+    import headlab
+    from headlab import kv
+    from headlab.decode import suite
+    from headlab.interpret.study import runner
+
+    opts = {**OPTIONS, "n": 2, "ppl": 0, "kv_dtype": "float16", "query_aware": True}
+    out = runner.run("kv-suite", {"model": str(tiny), **opts})
+    lm = headlab.load(str(tiny))
+    tok = lm.tokenizer
+    policy = kv.Policy.parse("full:bits=4,group=8")
+    right = []
+    for t in suite.make_suite(tok, 2, tokens=128, seed=0, continuation_tokens=6):
+        prompt = torch.tensor([tok(t.context, add_special_tokens=False)["input_ids"]
+                               + tok(t.question, add_special_tokens=False)["input_ids"]])
+        g = headlab.generate(lm, prompt, policy=policy, max_new_tokens=t.max_new_tokens, kv_dtype=torch.float16)
+        g32 = headlab.generate(lm, prompt, policy=policy, max_new_tokens=t.max_new_tokens)
+        assert g.kv_bytes_full * 2 == g32.kv_bytes_full and g.kv_bytes < g32.kv_bytes  # held in 16 bits
+        right.append((int(t.correct(g.text)), g.kv_bytes / g.kv_bytes_full))
+    row = out.result.figures["rows"][1]
+    assert row["right"] == sum(r for r, _ in right)
+    assert row["kv_bytes_vs_full"] == pytest.approx(sum(b for _, b in right) / 2)
+
+
+@pytest.mark.parametrize("argv, words", [(["--kv-dtype", "int8"], "--kv-dtype: unknown dtype 'int8'; use one of float16"),
+                                         (["--kv-dtype", "float16", "--policies", "full;snapkv:64"],
+                                          "held by the store 'snap', which keeps the model's dtype")])
+def test_a_storage_dtype_the_caches_cannot_hold_is_refused_before_the_load(argv, words, tmp_path, no_load, capsys):
+    code, _, err = run_cli(["kv", "suite", *argv, "--out", str(tmp_path / "s.json")], capsys)
+    assert code == 2 and words in err and len(err.strip().splitlines()) == 1, err
+    assert list(tmp_path.iterdir()) == []

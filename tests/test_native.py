@@ -171,20 +171,20 @@ def test_a_new_process_loads_the_kernel_without_building_it(tmp_path):
 
 
 def test_a_stale_kernel_is_refused_before_it_is_loaded(fresh, tmp_path, capsys):
-    """An extension built from another version of onepass.cpp (the source edited after install) is
+    """An extension built from another version of its sources (codes.cpp edited after install) is
     not loaded: the PyTorch paths stand in and error() says how to rebuild."""
     if native.installed() is None:
         pytest.skip("no installed kernel to find stale")
-    edited = tmp_path / "onepass.cpp"
-    edited.write_bytes(native._SOURCE.read_bytes() + b"\n// edited after install\n")
-    fresh.setattr(native, "_SOURCE", edited)
+    edited = tmp_path / "codes.cpp"
+    edited.write_bytes(native._SOURCES[1].read_bytes() + b"\n// edited after install\n")
+    fresh.setattr(native, "_SOURCES", (native._SOURCES[0], edited))
     imported = []
     real = native.importlib.import_module
     fresh.setattr(native.importlib, "import_module", lambda name, *a: imported.append(name) or real(name, *a))
     assert native.kernel() is None
     assert imported == []  # refused from the file's tag, before loading it
     why = native.error()
-    assert "was built from another version of csrc/onepass.cpp" in why, why
+    assert "was built from another version of its sources, csrc/onepass.cpp and codes.cpp" in why, why
     assert "re-run `pip install -e . --no-build-isolation` (or `make venv`)" in why, why
     assert "not using the compiled attention kernel" in capsys.readouterr().err
     q, k, v = _qkv(lq=20, lk=20)

@@ -42,6 +42,8 @@ HEADLAB_METHODS = {  # name -> (policy text or None, storage dtype)
     "full 32-bit": (None, None),
     "full:bits=4": ("full:bits=4", torch.float16),
     "full:bits=4,group=64": ("full:bits=4,group=64", torch.float16),
+    "full:bits=4,residual=0": ("full:bits=4,residual=0", torch.float16),
+    "full:bits=4,group=64,residual=0": ("full:bits=4,group=64,residual=0", torch.float16),
     "full:bits=2": ("full:bits=2", torch.float16),
     "full:bits=2,group=64": ("full:bits=2,group=64", torch.float16),
     "snapkv:512,bits=4": ("snapkv:512,bits=4", None),

@@ -77,7 +77,8 @@ def full_cache_bytes(
 def layout_bytes(layout, *, head_dim: int, dtype="float32", v_dim: int | None = None, batch: int = 1) -> int:
     """Bytes one kv head holds, given what it holds (a :class:`headlab.kv.Layout`, or anything with its fields:
     ``full_keys``, ``full_values``, ``quant_keys``, ``quant_values``, ``key_groups``, ``bits``, ``group``,
-    ``compensation``): vectors in ``dtype``, packed codes, and a scale and a zero point per group in ``dtype``."""
+    ``compensation``, ``positions``): vectors in ``dtype``, packed codes, a scale and a zero point per group in
+    ``dtype``, and 8 bytes per int64 position held (one per head, whatever the batch)."""
     size = torch.empty((), dtype=parse_dtype(dtype)).element_size()
     v_dim = head_dim if v_dim is None else v_dim
     if head_dim <= 0 or v_dim <= 0 or batch <= 0:
@@ -100,7 +101,7 @@ def layout_bytes(layout, *, head_dim: int, dtype="float32", v_dim: int | None = 
             raise ConfigError(f"{bits}-bit codes in groups of {group} do not fit head_dim {head_dim}, v_dim {v_dim}")
         total += (layout.quant_keys * head_dim + layout.quant_values * v_dim) * bits // 8
         total += 2 * (layout.key_groups * head_dim + layout.quant_values * (v_dim // group)) * size
-    return batch * total
+    return batch * total + 8 * getattr(layout, "positions", 0)
 
 
 def policy_cache_bytes(

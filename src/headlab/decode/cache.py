@@ -271,17 +271,40 @@ class HeadCache(Cache):
         self.peak_bytes = max(self.peak_bytes, self._total)
 
 
+STORAGE_STORES = ("plain", "quant", "none")  # the stores that hold keys in a storage dtype of the cache's own
+
+
+def check_storage(dtype, policies=(), *, name: str = "dtype") -> torch.dtype | None:
+    """The storage dtype a :class:`HeadCache` takes (None: the model's): a floating dtype, and only if every rule of
+    ``policies`` is held by a store that takes one (SnapKV's keep the model's dtype). Raises :class:`ConfigError`
+    naming ``name``; called before a model is loaded by the commands that take ``--kv-dtype``."""
+    if dtype is None:
+        return None
+    try:
+        storage = parse_dtype(dtype)
+    except ConfigError as exc:
+        raise ConfigError(f"{name}: {exc}") from None
+    if not storage.is_floating_point:
+        raise ConfigError(
+            f"{name}={dtype!r}: a cache holds its keys and values in a floating dtype (float16, bfloat16, float32)"
+        )
+    for p in policies:
+        for rule in (p.default, *p.rules.values()):
+            if rule.store not in STORAGE_STORES:
+                raise ConfigError(
+                    f"{name}={dtype!r} sets how full, windowed and quantized heads hold their keys; "
+                    f"{rule!r} is held by the store {rule.store!r}, which keeps the model's dtype"
+                )
+    return storage
+
+
 def _hold(layers: list[HeadLayer], dtype, codes) -> None:
     """Tell each store its storage dtype (None: the model's) and whether a quantized one attends on its codes."""
     checks.boolean("codes", codes)
-    storage = None if dtype is None else parse_dtype(dtype)
-    if storage is not None and not storage.is_floating_point:
-        raise ConfigError(
-            f"dtype={dtype!r}: a cache holds its keys and values in a floating dtype (float16, bfloat16, float32)"
-        )
+    storage = check_storage(dtype)
     for layer in layers:
         for g in layer.groups:
-            if storage is not None and g.name not in ("plain", "quant", "none"):
+            if storage is not None and g.name not in STORAGE_STORES:
                 raise ConfigError(
                     f"dtype={dtype!r} sets how full, windowed and quantized heads hold their keys; "
                     f"{g.rule!r} is held by the store {g.name!r}, which keeps the model's dtype"

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import torch
 
+from headlab.attention.backends import native_codes
 from headlab.decode.quant import unpack
 from headlab.errors import ShapeError
 
@@ -77,20 +78,26 @@ def key_scores(
     bits: int,
     group: int,
     head: int | None = None,
+    native: bool = True,
 ) -> torch.Tensor:
     """``qf (B, h, r, d)`` float32 rows against quantized keys ``codes (B, h, t, d * bits / 8)`` whose scale and
     zero rows ``(B, h, G, d)`` cover ``head`` tokens (the first group, which a window may have cut short; default
-    a whole ``group``) then ``group`` tokens each: ``(B, h, r, t)`` float32 scores ``q . k``, unscaled."""
+    a whole ``group``) then ``group`` tokens each: ``(B, h, r, t)`` float32 scores ``q . k``, unscaled. The compiled
+    kernel computes them when it is built (:mod:`headlab.attention.backends.native_codes`; ``native=False``: this
+    PyTorch path, which the tests compare it with)."""
     B, h, t, _ = codes.shape
     head = min(group if head is None else head, t)
+    rest = t - head
+    if rest % group:
+        raise ShapeError(f"{rest} quantized keys past the first group are not whole groups of {group}")
+    fast = native_codes.key_scores(qf, codes, scale, zero, bits=bits, group=group, head=head) if native else None
+    if fast is not None:
+        return fast
     qs = plane_order(qf.unsqueeze(2) * scale.float().unsqueeze(3), bits)  # (B, h, G, r, d): q * s[g], plane order
     qz = (qf.unsqueeze(2) * zero.float().unsqueeze(3)).sum(-1)  # (B, h, G, r): q . z[g]
     out = qf.new_empty(B, h, qf.shape[2], t)
     if head:  # the first group
         out[..., :head] = qs[:, :, 0] @ planes(codes[:, :, :head], bits).transpose(-1, -2) + qz[:, :, 0, :, None]
-    rest = t - head
-    if rest % group:
-        raise ShapeError(f"{rest} quantized keys past the first group are not whole groups of {group}")
     step = max(1, CHUNK // group)  # groups per chunk
     for g0 in range(0, rest // group, step):
         n = min(step, rest // group - g0)
@@ -103,10 +110,14 @@ def key_scores(
 
 
 def value_output(
-    p: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, *, bits: int
+    p: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, *, bits: int, native: bool = True
 ) -> torch.Tensor:
     """Weights ``p (B, h, r, t)`` float32 on quantized values ``codes (B, h, t, dv * bits / 8)`` with scale and
-    zero ``(B, h, t, dv / group)``: ``(B, h, r, dv)`` float32, ``sum_t p_t v_t``."""
+    zero ``(B, h, t, dv / group)``: ``(B, h, r, dv)`` float32, ``sum_t p_t v_t`` (the compiled kernel's when it is
+    built, as :func:`key_scores`)."""
+    fast = native_codes.value_output(p, codes, scale, zero, bits=bits) if native else None
+    if fast is not None:
+        return fast
     B, h, t, packed = codes.shape
     per = 8 // bits
     dv = packed * per
@@ -157,6 +168,7 @@ def attend_codes(
     full_before: tuple[torch.Tensor, torch.Tensor] | None = None,
     keys_after: torch.Tensor | None = None,
     values_after: torch.Tensor | None = None,
+    native: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of ``q (B, H, m, d)`` (all of whose rows see every key held) on one kv group's held keys and
     values, in position order ``full_before`` (the sinks: ``(keys, values)`` ``(B, h, s, d)``), the quantized
@@ -165,7 +177,8 @@ def attend_codes(
 
     ``keys``: ``(codes, scale, zero)`` per channel, groups of ``key_group`` tokens, the first ``key_head`` long;
     ``values``: ``(codes, scale, zero)`` per token. ``scale``: the softmax scale (default ``d ** -0.5``);
-    ``softcap``: Gemma 2's ``tanh`` capping of the scaled scores. Returns ``(out (B, H, m, dv) in q's dtype,
+    ``softcap``: Gemma 2's ``tanh`` capping of the scaled scores; ``native=False``: the PyTorch products even when
+    the compiled kernel is built. Returns ``(out (B, H, m, dv) in q's dtype,
     lse (B, H, m) float32)``."""
     B, H, m, d = q.shape
     parts = [
@@ -179,7 +192,7 @@ def attend_codes(
     if full_before is not None:
         scores.append(qf @ full_before[0].float().transpose(-1, -2))
     if keys is not None:
-        scores.append(key_scores(qf, *keys, bits=bits, group=key_group, head=key_head))
+        scores.append(key_scores(qf, *keys, bits=bits, group=key_group, head=key_head, native=native))
     if keys_after is not None:
         scores.append(qf @ keys_after.float().transpose(-1, -2))
     s = torch.cat(scores, -1) if len(scores) > 1 else scores[0]
@@ -195,7 +208,7 @@ def attend_codes(
         at = n
     if values is not None:
         n = values[0].shape[2]
-        outs.append(value_output(p[..., at : at + n], *values, bits=bits))
+        outs.append(value_output(p[..., at : at + n], *values, bits=bits, native=native))
         at += n
     if values_after is not None:
         n = values_after.shape[2]

@@ -26,6 +26,7 @@ import torch
 
 import headlab.checks as checks
 from headlab.costs.kv import kv_cache_bytes, policy_cache_bytes
+from headlab.costs.model import parse_dtype
 from headlab.costs.tensor_parallel import kv_cache_bytes_per_rank
 from headlab.decode.cache import HeadCache
 from headlab.decode.kv import check_decoder, full, kv_layout
@@ -169,14 +170,20 @@ def _own_attention(adapter) -> bool:
     return hasattr(adapter, "attention_forward") or bridge_of(adapter.model) is not None
 
 
-def new_cache(adapter, policy):
-    """A :class:`HeadCache`; for models that compute attention themselves (BLOOM, Falcon, modules read through their
-    own math), whose policy is then all full, transformers' own ``DynamicCache``."""
+def new_cache(adapter, policy, dtype=None):
+    """A :class:`HeadCache` holding its keys and values in ``dtype`` (None: the model's); for models that compute
+    attention themselves (BLOOM, Falcon, modules read through their own math), whose policy is then all full,
+    transformers' own ``DynamicCache``."""
     if _own_attention(adapter):
+        if dtype is not None:
+            raise UnsupportedArchitectureError(
+                f"{type(adapter.model).__name__} computes attention in its own modules and keeps transformers' "
+                "own cache, in the model's dtype; leave kv_dtype unset"
+            )
         from transformers import DynamicCache
 
         return DynamicCache(config=adapter.model.config)
-    return HeadCache(adapter, policy)
+    return HeadCache(adapter, policy, dtype=dtype)
 
 
 def _held_bytes(cache) -> int:
@@ -219,6 +226,7 @@ def generate(
     stop_at_eos: bool = True,
     progress: bool | Progress | None = False,
     question=None,
+    kv_dtype=None,
 ) -> Generation:
     """Decode ``max_new_tokens`` tokens after ``prompt`` with a KV cache shaped by ``policy``.
 
@@ -236,6 +244,10 @@ def generate(
             SnapKV / Ada-KV rules select from the prefill, so with ``question`` the selection does not know the
             question (query-agnostic, as kvpress evaluates: compress the context, then ask); without it, a
             question at the end of ``prompt`` lies in the observation window (SnapKV's own setting).
+        kv_dtype: the dtype the cache holds keys and values in (and a quantized head its scales and zeros), when
+            not the model's: ``torch.float16`` or ``"bfloat16"`` holds a 16-bit cache under a float32 model
+            (:class:`~headlab.decode.HeadCache`'s ``dtype``); ``kv_bytes`` and ``kv_bytes_full`` are then counted
+            at it, so their ratio is against a 16-bit full cache really held.
 
     The prompt runs as one forward (prefill; windowed heads on the sparse kernel), then one token per step.
     """
@@ -260,7 +272,7 @@ def generate(
         )
     hf = adapter.model
     kvh = kv_layout(adapter)[1]
-    dtype = next(hf.parameters()).dtype
+    dtype = next(hf.parameters()).dtype if kv_dtype is None else parse_dtype(kv_dtype)
     policy.check_shape(kvh, adapter.head_dim)
     predicted = policy_cache_bytes(
         policy, kv_heads=kvh, tokens=n + nq + max_new_tokens, head_dim=adapter.head_dim, dtype=dtype, prompt=n
@@ -288,7 +300,7 @@ def generate(
     gen = torch.Generator().manual_seed(seed) if seed is not None else None
     out_ids, logits_seen = [], []
     with torch.no_grad(), adapter.use_backend("auto"):
-        cache = new_cache(adapter, policy)
+        cache = new_cache(adapter, policy, kv_dtype)
         t0 = time.perf_counter()
         logits = hf(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1).logits[0, -1]
         if nq:  # after the prefill (and SnapKV's selection): the question, as one more chunk

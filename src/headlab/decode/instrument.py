@@ -110,6 +110,17 @@ def _rule(value, option, options) -> None:
     kv.as_rule(value)
 
 
+def _kv_dtype(value, option, options) -> None:
+    """A floating storage dtype; with ``--policy`` alone, a rule whose store keeps the model's dtype (SnapKV's) is
+    refused here, before the load (a ``--kv-from`` policy is checked once it is built)."""
+    from headlab.decode.cache import check_storage
+    from headlab.decode.policy import Policy
+
+    text = options.get("policy")
+    policies = [Policy.parse(text)] if isinstance(text, str) and options.get("kv_from") is None else []
+    check_storage(value, policies, name=option.label)
+
+
 def _keep(value, option, options) -> None:
     if not 0.0 <= value <= 1.0:
         raise ConfigError(f"--keep {value}: give the fraction of kv heads kept full, in [0, 1]")
@@ -193,6 +204,14 @@ headlab generate "The capital of France is" --policy streaming:4,256 --max-new-t
             check=_keep,
         ),
         Option("max_new_tokens", "--max-new-tokens", int, 32, "tokens to generate", short="-n", check=at_least(1)),
+        Option(
+            "kv_dtype",
+            "--kv-dtype",
+            str,
+            None,
+            "hold the cache in this dtype, e.g. float16 (16 bits under a float32 model; default: the model's)",
+            check=_kv_dtype,
+        ),
         Option("sample", "--sample", bool, False, "sample instead of greedy decoding"),
         Option(
             "temperature",
@@ -246,6 +265,9 @@ headlab generate "The capital of France is" --policy streaming:4,256 --max-new-t
         self.check_positions(ctx)
         o, loaded = ctx.options, ctx.loaded
         ctx.state["policy"] = build_policy(loaded, o["policy"], o["kv_from"], o["keep"], ctx.state["policy_file"])
+        from headlab.decode.cache import check_storage
+
+        check_storage(o["kv_dtype"], [ctx.state["policy"]], name="--kv-dtype")
         adapter = getattr(loaded, "adapter", None)
         if adapter is not None:
             check_decoder(adapter, getattr(loaded, "name", None) or type(adapter.model).__name__)
@@ -259,6 +281,7 @@ headlab generate "The capital of France is" --policy streaming:4,256 --max-new-t
             o["prompt"],
             policy=ctx.state["policy"],
             max_new_tokens=o["max_new_tokens"],
+            kv_dtype=o["kv_dtype"],
             sample=o["sample"],
             temperature=1.0 if o["temperature"] is None else o["temperature"],
             top_k=o["top_k"],

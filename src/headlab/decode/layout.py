@@ -17,7 +17,9 @@ class Layout:
     ``full_keys``/``full_values``: vectors in the cache's dtype (sinks, the full-precision residual);
     ``quant_keys``/``quant_values``: vectors stored as ``bits``-bit codes, packed ``8 // bits`` to a byte;
     ``key_groups``: ``(scale, zero)`` pairs per key channel (one per ``group`` quantized tokens); each quantized
-    value has ``v_dim / group`` pairs; ``compensation``: 0 or 1 extra key/value pair (RazorAttention's mean)."""
+    value has ``v_dim / group`` pairs; ``compensation``: 0 or 1 extra key/value pair (RazorAttention's mean);
+    ``positions``: int64 positions held, one per key, by a head whose keys are a subset the data chose (SnapKV's:
+    a rule that keeps every key, or a window, needs none)."""
 
     full_keys: int
     full_values: int
@@ -27,21 +29,24 @@ class Layout:
     bits: int = 16
     group: int = 32
     compensation: int = 0
+    positions: int = 0
 
 
 def key_boundary(rule, tokens: int) -> int:
     """KIVI's keys: positions below this are quantized (per channel, ``group`` tokens per scale), the rest wait in
-    the full-precision residual, which is quantized all at once when it reaches ``residual`` tokens. Counted from
-    the rule's first non-sink position (0 for full heads)."""
+    the full-precision residual, which is quantized all at once when it reaches ``residual`` tokens (``residual=0``:
+    each group as soon as it is whole, so fewer than ``group`` keys wait). Counted from the rule's first non-sink
+    position (0 for full heads)."""
     start = rule.sinks
     if rule.bits == 16 or tokens <= start:
         return min(tokens, start)
-    return start + (tokens - start) // rule.residual * rule.residual
+    unit = rule.residual or rule.group
+    return start + (tokens - start) // unit * unit
 
 
 def value_boundary(rule, tokens: int) -> int:
     """KIVI's values: positions below this are quantized (per token, ``group`` channels per scale); the last
-    ``residual`` tokens stay in full precision."""
+    ``residual`` tokens stay in full precision (``residual=0``: none, every value is quantized as it enters)."""
     start = rule.sinks
     if rule.bits == 16 or tokens <= start:
         return min(tokens, start)

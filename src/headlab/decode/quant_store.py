@@ -75,6 +75,7 @@ class QuantStore(KVStore):
     name = "quant"
     rule: Full | Window  # a rule with a precision (bits, group, residual)
     codes = True  # a decode step attends on the codes; False: read them back (dequantize), then attend
+    native = True  # on the codes, with the compiled kernel when it is built; False: PyTorch's products
     # what reset() sets, None while nothing of the kind is held
     sink_k: torch.Tensor | None
     sink_v: torch.Tensor | None
@@ -324,6 +325,7 @@ class QuantStore(KVStore):
             full_before=(self.sink_k, self.sink_v) if s["sink"].n else None,  # type: ignore[arg-type]
             keys_after=self.kr,
             values_after=self.vr,
+            native=self.native,
         )
 
     def _step(self, last: int) -> None:

@@ -33,7 +33,7 @@ __all__ = [
 
 BITS = (16, 8, 4, 2)  # 16: the cache's own dtype; 8, 4, 2: quantized (KIVI)
 GROUP = 32  # numbers per scale: tokens per key group (per channel), channels per value group (per token)
-RESIDUAL = 128  # the most recent tokens kept in full precision (a multiple of the group)
+RESIDUAL = 128  # the most recent tokens kept in full precision (a multiple of the group; 0: none past a group)
 
 RULE_COUNT = "{name}={value!r} must be at least {low} (a whole number)"  # how a rule refuses a count
 POLICY_FORMAT = '{"default": ..., "heads": {"layer.kv_head": rule}}'  # what a policy file holds (Policy.save)
@@ -56,11 +56,12 @@ def check_count(name: str, value, *, low: int) -> int:
 
 def check_stored(bits, group, residual) -> tuple[int, int, int]:
     """What a full or windowed rule stores: ``bits`` one of :data:`BITS` (an int: 4.0 is refused), and for a
-    quantized rule a ``group`` and ``residual`` of at least 1, the residual a multiple of the group."""
+    quantized rule a ``group`` of at least 1 and a ``residual`` of at least 0, a multiple of the group (0: nothing
+    waits in full precision but the keys of a group not yet whole)."""
     bits = checks.one_of("bits", checks.integer("bits", bits, message=_BITS), BITS, message=_BITS)
     if bits != 16:
         check_count("group", group, low=1)
-        check_count("residual", residual, low=1)
+        check_count("residual", residual, low=0)
         if residual % group:
             raise ConfigError(
                 f"residual={residual} must be a multiple of group={group}: the keys leave the "

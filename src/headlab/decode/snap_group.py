@@ -108,11 +108,14 @@ class SnapStore(KVStore):
         self.quant = None
 
     def _tensors(self):
+        """Everything held: the prompt (keys, values, positions) until the selection; then each head's keys and
+        values (or its quantized store's tensors) and the int64 positions of what it kept."""
         if self.prompt is not None:
-            return list(self.prompt[:2])
+            return list(self.prompt)
+        pos = [] if self.pos is None else list(self.pos)
         if self.quant is not None:
-            return [t for qs in self.quant for t in qs._tensors() if t is not None]
-        return [] if self.keys is None else self.keys + self.values
+            return [t for qs in self.quant for t in qs._tensors() if t is not None] + pos
+        return [] if self.keys is None else self.keys + self.values + pos
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self._tensors())
@@ -121,8 +124,9 @@ class SnapStore(KVStore):
     def v_dim(self) -> int | None:  # type: ignore[override]  # from what it holds: a property over the base's None
         if self.quant is not None:
             return self.quant[0].v_dim if self.quant else None
-        ts = self._tensors()
-        return ts[-1].shape[-1] if ts else None
+        if self.prompt is not None:
+            return self.prompt[1].shape[-1]
+        return self.values[-1].shape[-1] if self.values else None
 
     @property
     def budgets(self) -> list[int] | None:

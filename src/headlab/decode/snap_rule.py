@@ -7,7 +7,7 @@ Public through :mod:`headlab.kv` (``headlab.decode.kv``), which re-exports all o
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -58,8 +58,10 @@ class Snap(Rule):
     def held_layout(self, n: int) -> Layout:
         """What a head holding ``n`` tokens (kept prompt tokens, then later ones) stores: at 16 bits all of them in
         the cache's dtype; quantized, the sequence of its held tokens stored as ``kv.full(bits)`` stores a
-        sequence (KIVI: keys quantized a ``residual`` at a time, values all but the last ``residual``)."""
-        return Layout(n, n) if self.bits == 16 else held_layout(self, n, start=0, low=0)
+        sequence (KIVI: keys quantized a ``residual`` at a time, values all but the last ``residual``); and the
+        int64 position of each."""
+        held = Layout(n, n) if self.bits == 16 else held_layout(self, n, start=0, low=0)
+        return replace(held, positions=n)
 
     def group_total(self, heads: int) -> int:
         """The prompt tokens ``heads`` kv heads under this rule keep together (prompts longer than that)."""

@@ -47,6 +47,15 @@ def _tasks(value, option, options) -> None:
         raise ConfigError(f"{option.label} {value:,}: at most {MAX_TASKS:,} tasks (the suite builds them all first)")
 
 
+def _kv_dtype(value, option, options) -> None:
+    """A floating storage dtype, which SnapKV-kind rules (held in the model's dtype) cannot take."""
+    from headlab.decode import kv
+    from headlab.decode.cache import check_storage
+
+    texts = policy_texts(options["policies"]) if isinstance(options.get("policies"), str) else []
+    check_storage(value, [kv.Policy.parse(t) for t in texts], name=option.label)
+
+
 def _policies(value, option, options) -> None:
     from headlab.decode import kv
 
@@ -88,6 +97,22 @@ headlab kv suite --policies "full;full:bits=4;adakv:256,bits=4" --n 48 --tokens 
         Option("tokens", "--tokens", int, 1024, "tokens per task's context", check=at_least(128)),
         Option("seed", "--seed", int, 0, "the tasks' seed", check=at_least(0)),
         Option("ppl", "--ppl", int, 12, "tasks whose held-out continuation is scored", check=at_least(0)),
+        Option(
+            "kv_dtype",
+            "--kv-dtype",
+            str,
+            None,
+            "the caches' storage dtype, e.g. float16 (a 16-bit cache held under a float32 model; default: the model's)",
+            check=_kv_dtype,
+        ),
+        Option(
+            "query_aware",
+            "--query-aware",
+            bool,
+            False,
+            "ask the question at the end of the context, inside SnapKV's observation window (the papers' setting); "
+            "default: compress the context, then ask (kvpress's)",
+        ),
         Option("continuation", "--continuation", int, 64, "tokens of held-out continuation", check=at_least(2)),
         Option("out", "--out", Path, None, "write the result (JSON) here", short="-o", setting=False),
         Option("force", "--force", bool, False, "replace an existing --out file", setting=False),
@@ -141,11 +166,17 @@ headlab kv suite --policies "full;full:bits=4;adakv:256,bits=4" --n 48 --tokens 
         def ids(text: str) -> torch.Tensor:
             return torch.tensor([tok(text, add_special_tokens=False)["input_ids"]])
 
-        context, question = ids(t.context), ids(t.question)
-        out: dict = {"kind": t.kind, "length": context.shape[1] + question.shape[1], "policies": {}}
+        context, asked = ids(t.context), ids(t.question)
+        out: dict = {"kind": t.kind, "length": context.shape[1] + asked.shape[1], "policies": {}}
+        question: torch.Tensor | None = asked
+        if ctx.options["query_aware"]:  # one prompt: the selection sees the question
+            context, question = torch.cat([context, asked], 1), None
+        dtype = ctx.options["kv_dtype"]
         for text, policy in ctx.state["policies"].items():
             t0 = time.perf_counter()
-            g = generate(loaded, context, question=question, policy=policy, max_new_tokens=t.max_new_tokens)
+            g = generate(
+                loaded, context, question=question, policy=policy, max_new_tokens=t.max_new_tokens, kv_dtype=dtype
+            )
             row = {
                 "right": int(t.correct(g.text)),
                 "score": t.score(g.text),
@@ -153,7 +184,9 @@ headlab kv suite --policies "full;full:bits=4;adakv:256,bits=4" --n 48 --tokens 
                 "seconds": time.perf_counter() - t0,
             }
             if unit.payload < ctx.options["ppl"]:
-                nll = decoded_nll(loaded, context, ids(t.continuation), policy=policy, question=question)
+                nll = decoded_nll(
+                    loaded, context, ids(t.continuation), policy=policy, question=question, kv_dtype=dtype
+                )
                 row["nll"] = float(nll.mean())
             out["policies"][text] = row
         return out

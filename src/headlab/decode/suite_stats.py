@@ -97,12 +97,13 @@ def mcnemar(a, b, *, level: float = 0.95) -> McNemar:
     return McNemar(n, n10, n01, d, d - z * se, d + z * se, p, level)
 
 
-def decoded_nll(model, context, continuation, *, policy=None, question=None) -> torch.Tensor:
+def decoded_nll(model, context, continuation, *, policy=None, question=None, kv_dtype=None) -> torch.Tensor:
     """The negative log-likelihood of each token of ``continuation`` (ids ``(1, m)``) after ``context`` (ids ``(1,
     n)``, the prefill a policy compresses; then ``question`` as one chunk when given), teacher-forced one token at a
     time through a :class:`~headlab.decode.HeadCache`, as decoding runs: ``(m,)`` float64 (perplexity is
     ``exp(mean)``). Unlike :func:`~headlab.decode.perplexity`, only the decoded tokens are scored: a quantized
-    head is read from its codes and an evicting head sees only what it kept."""
+    head is read from its codes and an evicting head sees only what it kept. ``kv_dtype``: the cache's storage
+    dtype, as :func:`~headlab.decode.generate`'s."""
     from headlab.decode.generate import new_cache, setup_decoding
 
     adapter, _, policy = setup_decoding(model, policy)
@@ -114,7 +115,7 @@ def decoded_nll(model, context, continuation, *, policy=None, question=None) -> 
     head = hf.get_output_embeddings()
     out = []
     with torch.no_grad(), adapter.use_backend("auto"):
-        cache = new_cache(adapter, policy)
+        cache = new_cache(adapter, policy, kv_dtype)
         last = hf.base_model(input_ids=torch.as_tensor(context).reshape(1, -1), cache=cache, use_cache=True)
         if question is not None:
             last = hf.base_model(input_ids=torch.as_tensor(question).reshape(1, -1), cache=cache, use_cache=True)

@@ -44,8 +44,9 @@ from headlab.environment import native_enabled
 from headlab.spec.attention_spec import AttentionSpec
 from headlab.spec.masks import MaskFn, band_of
 
-_SOURCE = Path(__file__).resolve().parent / "csrc" / "onepass.cpp"
-# the extension setup.py builds from _SOURCE at install time, and the tag it carries (onepass.cpp)
+_CSRC = Path(__file__).resolve().parent / "csrc"
+_SOURCES = (_CSRC / "onepass.cpp", _CSRC / "codes.cpp")
+# the extension setup.py builds from _SOURCES at install time, and the tag it carries (onepass.cpp)
 EXTENSION = "headlab.attention.backends._onepass"
 _TAG_PREFIX = "headlab-onepass-source:"
 _TAG = re.compile(re.escape(_TAG_PREFIX).encode() + rb"sha1_([0-9a-f]{40})")
@@ -67,9 +68,10 @@ def enabled() -> bool:
 
 
 def source_hash() -> str | None:
-    """The SHA-1 of ``csrc/onepass.cpp`` as it is now (None if the file is not there)."""
+    """The SHA-1 of the kernel's sources as they are now (``csrc/onepass.cpp`` then ``csrc/codes.cpp``, one string
+    of bytes, as ``setup.py`` hashes them; None if a file is not there)."""
     try:
-        return hashlib.sha1(_SOURCE.read_bytes()).hexdigest()
+        return hashlib.sha1(b"".join(p.read_bytes() for p in _SOURCES)).hexdigest()
     except OSError:
         return None
 
@@ -101,7 +103,7 @@ def _load():
         seen = (
             "carries no source hash (a build cut short?)"
             if have is None
-            else f"was built from another version of csrc/onepass.cpp (sha1 {have[:12]}, the source is now {want[:12]})"
+            else f"was built from another version of its sources, csrc/onepass.cpp and codes.cpp (sha1 {have[:12]}, the source is now {want[:12]})"
         )
         raise ImportError(f"the installed kernel {path.name} {seen}; refusing to load it: {REBUILD}")
     try:

@@ -459,9 +459,9 @@ void onepass_backward(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::
   }
 }
 
-// The SHA-1 of this file as setup.py compiled it (-DHEADLAB_SOURCE_SHA1=sha1_<hex>), kept in the
-// binary as one string: native.py reads it from the file before loading and refuses a kernel built
-// from another version of this source.
+// The SHA-1 of the sources as setup.py compiled them (this file, then codes.cpp, as one string of
+// bytes; -DHEADLAB_SOURCE_SHA1=sha1_<hex>), kept in the binary as one string: native.py reads it from
+// the file before loading and refuses a kernel built from another version of the sources.
 #ifndef HEADLAB_SOURCE_SHA1
 #define HEADLAB_SOURCE_SHA1 unknown
 #endif
@@ -469,8 +469,11 @@ void onepass_backward(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::
 #define HEADLAB_STR(x) HEADLAB_STR2(x)
 static const char kSourceTag[] = "headlab-onepass-source:" HEADLAB_STR(HEADLAB_SOURCE_SHA1);
 
+void register_codes(pybind11::module& m);  // codes.cpp: decode attention on KIVI's packed codes
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("source_tag") = kSourceTag;
+  register_codes(m);
   // the GIL is released while the kernel's OpenMP threads run
   m.def("onepass", &onepass, "one-pass attention statistics (CPU, float32), units [begin, end)",
         py::call_guard<py::gil_scoped_release>());

@@ -1,0 +1,117 @@
+"""The decode step of the whole model with a 4-bit KV cache against a 16-bit full cache really held (issue 42's
+"at most 1.1x the full cache's at 4k tokens, interleaved on an idle machine").
+
+SmolLM2-135M (the bundled GGUF weights, float32 compute), a prompt of ``n`` random token ids (the timing does not
+depend on what they say), prefilled once into each cache; then ``--repeats`` rounds in which every cache takes one
+decode step on the same new token, the caches in a rotated order each round, so a change of load hits them all.
+The table gives the median step, its ratio to the 16-bit full cache's within the run, and the bytes each cache
+holds after the prompt (``HeadCache.nbytes``, every tensor counted; a test checks it against a walk).
+
+- ``full 16-bit``: ``kv.full``, keys and values held in float16 (``HeadCache(dtype=torch.float16)``), each step's
+  attention in float32: the baseline;
+- ``full 32-bit``: the model's own dtype;
+- ``4-bit``: ``kv.full(bits=4, group=64, residual=0)`` held in float16 (scales, zeros, the partial key group),
+  decode attention on the codes with the compiled kernel (``csrc/codes.cpp``);
+- ``4-bit, PyTorch``: the same cache, attention on the codes with PyTorch's products (the kernel not used);
+- ``4-bit, residual 128``: ``kv.full(bits=4, group=64)`` (KIVI's 128-token full-precision residual).
+
+    python benchmarks/bench_kv_step.py                       # 1k, 4k and 8k tokens (about 5 minutes on 2 cores)
+    python benchmarks/bench_kv_step.py --lengths 4096 --repeats 41
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import write_json  # noqa: E402
+
+import headlab  # noqa: E402
+from headlab import kv  # noqa: E402
+from headlab.decode import HeadCache  # noqa: E402
+from headlab.models.loaded_model import resolve  # noqa: E402
+
+Q4 = "full:bits=4,group=64,residual=0"
+VARIANTS = {  # name -> (policy text or None, storage dtype, the compiled kernel on the codes)
+    "full 16-bit": (None, torch.float16, True),
+    "full 32-bit": (None, None, True),
+    "4-bit": (Q4, torch.float16, True),
+    "4-bit, PyTorch": (Q4, torch.float16, False),
+    "4-bit, residual 128": ("full:bits=4,group=64", torch.float16, True),
+}
+
+
+def prefill(adapter, model, name: str, ids: torch.Tensor) -> HeadCache:
+    text, dtype, native = VARIANTS[name]
+    cache = HeadCache(adapter, None if text is None else kv.Policy.parse(text), dtype=dtype)
+    for layer in cache.layers:
+        for g in layer.groups:
+            if hasattr(g, "native"):
+                g.native = native
+    model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
+    return cache
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 8192])
+    ap.add_argument("--repeats", type=int, default=21, help="decode steps timed per cache and length")
+    ap.add_argument("--threads", type=int, default=2, help="torch threads")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    gen = torch.Generator().manual_seed(args.seed)
+    lm = headlab.load("smollm2")
+    adapter, _ = resolve(lm)
+    model = adapter.model.eval()
+    vocab = model.config.vocab_size
+    limit = model.config.max_position_embeddings
+    if max(args.lengths) + args.repeats + 1 > limit:
+        raise SystemExit(f"--lengths up to {max(args.lengths)} plus {args.repeats + 1} steps pass the model's "
+                         f"{limit} positions")
+    from headlab.attention.backends import native
+
+    rows = []
+    names = list(VARIANTS)
+    with torch.no_grad(), adapter.use_backend("auto"):
+        for n in args.lengths:
+            ids = torch.randint(0, vocab, (1, n), generator=gen)
+            caches = {name: prefill(adapter, model, name, ids) for name in names}
+            held = {name: c.nbytes() for name, c in caches.items()}
+            times: dict[str, list[float]] = {name: [] for name in names}
+            for r in range(args.repeats + 1):  # the first round warms up, not counted
+                tok = torch.randint(0, vocab, (1, 1), generator=gen)
+                pos = torch.tensor([[n + r]])
+                for name in names[r % len(names):] + names[: r % len(names)]:
+                    t0 = time.perf_counter()
+                    model(input_ids=tok, cache=caches[name], use_cache=True, position_ids=pos, logits_to_keep=1)
+                    if r:
+                        times[name].append(time.perf_counter() - t0)
+            base = statistics.median(times["full 16-bit"])
+            for name in names:
+                med = statistics.median(times[name])
+                rows.append({"tokens": n, "variant": name, "step_ms": med * 1e3, "vs_16bit": med / base,
+                             "bytes": held[name], "bytes_vs_16bit": held[name] / held["full 16-bit"],
+                             "steps_ms": [t * 1e3 for t in times[name]]})
+            del caches
+    kernel = native.kernel() is not None
+    print(f"SmolLM2-135M, one decode step of the whole model; median of {args.repeats} interleaved steps, "
+          f"{args.threads} torch thread(s); compiled codes kernel {'built' if kernel else 'NOT built: ' + native.error()}")
+    print(f"{'tokens':>7} {'variant':<22} {'step ms':>9} {'vs 16-bit':>10} {'KV bytes':>13} {'bytes vs 16-bit':>16}")
+    for r in rows:
+        print(f"{r['tokens']:>7} {r['variant']:<22} {r['step_ms']:>9.2f} {r['vs_16bit']:>9.2f}x {r['bytes']:>13,} "
+              f"{r['bytes_vs_16bit']:>15.1%}")
+    path = write_json("kv_step", {"args": vars(args), "kernel_built": kernel, "variants": {
+        k: {"policy": v[0], "dtype": str(v[1]), "native": v[2]} for k, v in VARIANTS.items()}, "rows": rows})
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
