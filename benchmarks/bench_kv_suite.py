@@ -15,6 +15,10 @@ Being the runner's units, a long run keeps its finished tasks on Ctrl-C (or ``ki
 
     python benchmarks/bench_kv_suite.py --n 48 --tokens 1024 --ppl 12
     python benchmarks/bench_kv_suite.py --policies "full;full:bits=4;adakv:256,bits=4" --n 500 --out suite500.json
+    python benchmarks/bench_kv_suite.py --pool seed0.json seed1.json     # runs of other seeds: one paired table
+
+``--pool`` reads finished result files of ``headlab kv suite`` (the same policies, different ``--seed``s, so
+different tasks) and pairs their tasks together, as one run over all of them would (writes ``kv_suite_pooled.json``).
 """
 
 from __future__ import annotations
@@ -45,17 +49,47 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", type=Path, default=None, help="the runner's result file (keeps the tasks; --resume)")
     ap.add_argument("--resume", action="store_true")
+    ap.add_argument("--kv-dtype", default=None, help="the caches' storage dtype, e.g. float16 (default: the model's)")
+    ap.add_argument("--query-aware", action="store_true", help="the question ends the prompt (SnapKV's window sees it)")
+    ap.add_argument("--pool", type=Path, nargs="+", default=None, help="result files to pair together (no run)")
     args = ap.parse_args()
+    if args.pool:
+        return pool(args.pool)
     torch.set_num_threads(args.threads)
     signal.signal(signal.SIGTERM, _stop)  # `kill PID` keeps the finished tasks, as Ctrl-C does
     options = {"model": "smollm2", "policies": args.policies, "n": args.n, "tokens": args.tokens, "seed": args.seed,
-               "ppl": args.ppl, "continuation": args.continuation, "out": args.out, "force": not args.resume}
+               "ppl": args.ppl, "continuation": args.continuation, "out": args.out, "force": not args.resume,
+               "kv_dtype": args.kv_dtype, "query_aware": args.query_aware}
     outcome = runner.run("kv-suite", options, resume=args.resume, progress=True)
     if outcome.result is None:
         return  # interrupted: the runner said where the finished tasks are
     for line in table(outcome.result.figures):
         print(line)
     write_json("kv_suite", {"args": {k: str(v) for k, v in vars(args).items()}, **outcome.result.figures})
+
+
+def pool(paths: list[Path]) -> None:
+    """The tasks of several finished runs (the same policies and settings but the seed), paired as one run."""
+    import json
+
+    from headlab.decode.suite_instrument import policy_texts, suite_rows
+
+    docs = [json.loads(p.read_text()) for p in paths]
+    settings = [d["headlab"]["settings"] for d in docs]
+    for p, s in zip(paths[1:], settings[1:]):
+        differ = sorted(k for k in s if k != "seed" and s[k] != settings[0][k])
+        if differ:
+            raise SystemExit(f"{p}: settings {differ} differ from {paths[0]}'s; pool runs that differ by --seed only")
+    seeds = [s["seed"] for s in settings]
+    if len(set(seeds)) != len(seeds):
+        raise SystemExit(f"the runs share a seed ({seeds}): the same tasks would count twice")
+    units = [u for d in docs for _, u in sorted(d["units"].items(), key=lambda kv: int(kv[0].split()[-1]))]
+    rows = suite_rows(policy_texts(settings[0]["policies"]), units, seed=seeds[0])
+    lengths = [u["length"] for u in units]
+    figures = {"rows": rows, "tasks": len(units), "lengths": [min(lengths), max(lengths)]}
+    for line in table(figures):
+        print(line)
+    write_json("kv_suite_pooled", {"runs": [str(p) for p in paths], "seeds": seeds, "settings": settings[0], **figures})
 
 
 def _stop(*_) -> None:
