@@ -276,7 +276,7 @@ def test_bad_storage_options_are_refused():
 
 
 @pytest.mark.parametrize("text", ["snapkv:16,window=4", "snapkv:16,window=4,bits=4,group=8,residual=0",
-                                  "adakv:16,window=4,bits=2,group=8,residual=8"])
+                                  pytest.param("adakv:16,window=4,bits=2,group=8,residual=8", marks=SLOW)])
 def test_snapkv_counts_its_positions_and_the_walk_and_the_cost_model_agree(text):
     """A SnapKV / Ada-KV head's kept positions (int64, one per key) are held bytes: ``nbytes`` counts them, equal
     to the walk of the cache's tensors and to the cost model, at every step of a decode."""
