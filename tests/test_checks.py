@@ -255,7 +255,7 @@ def _kv():
     (lambda kv: kv.Full(bits=4, group=3, residual=5), r"^residual=5 must be a multiple of group=3"),
     (lambda kv: kv.Full(bits=8, group=2.0, residual=4), r"^group=2.0 must be at least 1"),
     (lambda kv: kv.Window(2, 8, bits=4, group=0), r"^group=0 must be at least 1"),
-    (lambda kv: kv.Window(2, 8, bits=4, residual=-32), r"^residual=-32 must be at least 1"),
+    (lambda kv: kv.Window(2, 8, bits=4, residual=-32), r"^residual=-32 must be at least 0"),
     (lambda kv: kv.Window(-1, 4), r"^window sink=-1 is negative; give a count of keys >= 0"),
     (lambda kv: kv.Window(2.5, 4), r"^window sink must be an integer, got 2.5$"),
     (lambda kv: kv.Window(0, 0), r"^window\(sink=0, recent=0\) keeps no key"),
