@@ -237,6 +237,7 @@ class HeadCache(Cache):
             HeadLayer(*_rank_share(self.policy.layer_rules(l, g), h, self.placement), self, l)
             for l, (h, g) in enumerate(zip(heads, kvh))
         ]
+        check_storage(dtype, [self.policy])
         _hold(layers, dtype, codes)
         if any(g.name == "snap" for layer in layers for g in layer.groups):
             from headlab.decode.expected import find_rotary
@@ -301,14 +302,9 @@ def check_storage(dtype, policies=(), *, name: str = "dtype") -> torch.dtype | N
 def _hold(layers: list[HeadLayer], dtype, codes) -> None:
     """Tell each store its storage dtype (None: the model's) and whether a quantized one attends on its codes."""
     checks.boolean("codes", codes)
-    storage = check_storage(dtype)
+    storage = check_storage(dtype)  # the policy's rules were checked against it by HeadCache (check_storage)
     for layer in layers:
         for g in layer.groups:
-            if storage is not None and g.name not in STORAGE_STORES:
-                raise ConfigError(
-                    f"dtype={dtype!r} sets how full, windowed and quantized heads hold their keys; "
-                    f"{g.rule!r} is held by the store {g.name!r}, which keeps the model's dtype"
-                )
             g.storage = storage
             if hasattr(g, "codes"):
                 g.codes = codes
