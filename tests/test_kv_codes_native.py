@@ -64,19 +64,23 @@ def test_the_kernels_key_scores_equal_the_definition_and_the_pytorch_path(bits, 
     torch.testing.assert_close(got, torch_path, rtol=1e-5, atol=1e-4)
 
 
-VALUE_CASES = [(4, 32, torch.float16), (4, 64, torch.bfloat16), (2, 2, torch.float32), (8, 16, torch.float16),
-               pytest.param(2, 8, torch.float16, marks=SLOW), pytest.param(4, 4, torch.float32, marks=SLOW)]
+# (bits, group, dtype, dv): the kernel sums whole vectors of 16 (AVX-512) or 8 channels in registers when a group's
+# bytes are whole vectors (dv 64 and 32: four and two at a time; 80: four, then one; 96: four, then two), and
+# token by token otherwise (a group of 2 or 4 channels at 2 and 4 bits)
+VALUE_CASES = [(4, 32, torch.float16, 64), (4, 64, torch.bfloat16, 64), (2, 2, torch.float32, 64),
+               (8, 16, torch.float16, 80), (4, 32, torch.float32, 32), (8, 32, torch.bfloat16, 96),
+               pytest.param(2, 8, torch.float16, 64, marks=SLOW), pytest.param(4, 4, torch.float32, 64, marks=SLOW)]
 
 
-@pytest.mark.parametrize(("bits", "group", "dtype"), VALUE_CASES)
-def test_the_kernels_value_output_equals_the_definition_and_the_pytorch_path(bits, group, dtype):
+@pytest.mark.parametrize(("bits", "group", "dtype", "dv"), VALUE_CASES)
+def test_the_kernels_value_output_equals_the_definition_and_the_pytorch_path(bits, group, dtype, dv):
     require_native()
-    torch.manual_seed(bits + group)
-    t = 2500  # three work units, the last partial
-    codes, scale, zero = quant.quantize_values(torch.randn(2, 3, t, 64).to(dtype), bits, group)
+    torch.manual_seed(bits + group + dv)
+    t = 2500  # three work units, the last partial (and a last block of 4 tokens)
+    codes, scale, zero = quant.quantize_values(torch.randn(2, 3, t, dv).to(dtype), bits, group)
     p = torch.softmax(torch.randn(2, 3, 3, t) * 3, -1)
     got = native_codes.value_output(p, codes, scale, zero, bits=bits)
-    assert got is not None and got.shape == (2, 3, 3, 64)
+    assert got is not None and got.shape == (2, 3, 3, dv)
     want = p.double() @ _oracle_values(codes, scale, zero, bits)
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got, value_output(p, codes, scale, zero, bits=bits, native=False), rtol=1e-5, atol=1e-5)
@@ -135,3 +139,29 @@ def test_the_kernel_declines_what_it_does_not_read(monkeypatch):
     want = q.double() @ _oracle_keys(codes, scale, zero, 4, 32, 32).transpose(-1, -2)
     torch.testing.assert_close(key_scores(q, codes, scale, zero, bits=4, group=32, head=32).double(), want, rtol=1e-5,
                                atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_the_kernels_value_quantizer_gives_kivis_codes_scales_and_zeros(dtype):
+    """The compiled quantizer a decode step stores its new value with is bit for bit ``quant.quantize_values`` (the
+    definition): 2, 4 and 8 bits, groups of 2 to 64 channels, a group whose numbers are all equal (scale 0)."""
+    require_native()
+    torch.manual_seed(7)
+    for bits in (2, 4, 8):
+        for group in (2, 8, 32, 64):
+            x = (torch.randn(2, 3, 50, 64) * torch.rand(2, 3, 50, 1) * 5).to(dtype)
+            x[0, 0, 3, :group] = 1.5
+            got = native_codes.quantize_values(x, bits, group)
+            assert got is not None
+            for g, w in zip(got, quant.quantize_values(x, bits, group)):
+                assert g.dtype == w.dtype and torch.equal(g, w), (bits, group)
+
+
+def test_the_kernels_value_quantizer_keeps_a_nan_group_nan():
+    require_native()
+    x = torch.randn(1, 1, 4, 64)
+    x[0, 0, 2, 40] = float("nan")
+    codes, scale, zero = native_codes.quantize_values(x, 4, 32)
+    back = quant.dequantize_values(codes, scale, zero, bits=4)
+    assert torch.isnan(back[0, 0, 2, 32:]).all() and not torch.isnan(back[0, 0, 2, :32]).any()
+    assert not torch.isnan(back[0, 0, [0, 1, 3]]).any()

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from headlab.attention.backends import native_codes
 from headlab.decode import quant
 from headlab.decode.codes import attend_codes
 from headlab.decode.layout import key_boundary, value_boundary
@@ -251,7 +252,9 @@ class QuantStore(KVStore):
             self.kr = _from(self.kr, m)
         m = vr.below(value_boundary(r, tokens))
         if self.vr is not None and m:
-            codes, sc, ze = quant.quantize_values(self.vr[:, :, :m], r.bits, r.group)
+            x = self.vr[:, :, :m]
+            q = native_codes.quantize_values(x, r.bits, r.group) if self.native else None
+            codes, sc, ze = q if q is not None else quant.quantize_values(x, r.bits, r.group)
             self.vq, self.vs, self.vz = _cat(self.vq, codes), _cat(self.vs, sc), _cat(self.vz, ze)
             self.span["vq"].take(vr.first, m)
             vr.drop(m)

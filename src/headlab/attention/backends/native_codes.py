@@ -8,6 +8,9 @@ tests compare the kernel with)::
 
     scores = native_codes.key_scores(qf, codes, scale, zero, bits=4, group=32, head=32)   # (B, h, r, t) or None
     out = native_codes.value_output(p, codes, scale, zero, bits=4)                       # (B, h, r, dv) or None
+
+and :func:`quantize_values`, KIVI's per-token quantizer (:func:`headlab.decode.quant.quantize_values`, the same
+numbers) in one call, for the value a decode step stores.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import torch
 
 from headlab.attention.backends import native
 
-__all__ = ["key_scores", "value_output"]
+__all__ = ["key_scores", "quantize_values", "value_output"]
 
 _READS = (torch.float32, torch.float16, torch.bfloat16)  # the storage dtypes of scales and zeros it reads
 
@@ -60,3 +63,13 @@ def value_output(p, codes, scale, zero, *, bits: int) -> torch.Tensor | None:
         bits,
     )
     return out.reshape(B, h, r, -1)
+
+
+def quantize_values(x: torch.Tensor, bits: int, group: int):
+    """``x (B, h, t, dv)`` in the storage dtype -> packed codes ``(B, h, t, dv * bits / 8)``, scale and zero ``(B, h,
+    t, dv / group)``, as :func:`headlab.decode.quant.quantize_values` computes them; None when declined."""
+    if x.device.type != "cpu" or x.dtype not in _READS or native.kernel() is None:
+        return None
+    B, h, t, dv = x.shape
+    codes, scale, zero = native.kernel().codes_quantize_values(x.reshape(-1, dv).contiguous(), bits, dv // group)
+    return codes.reshape(B, h, t, -1), scale.reshape(B, h, t, -1), zero.reshape(B, h, t, -1)
