@@ -17,7 +17,7 @@ holds after the prompt (``HeadCache.nbytes``, every tensor counted; a test check
 
     python benchmarks/bench_kv_step.py                       # 1k, 4k and 8k tokens (about 5 minutes on 2 cores)
     python benchmarks/bench_kv_step.py --lengths 4096 --repeats 41
-    python benchmarks/bench_kv_step.py --lengths 16384 --positions 16448   # past SmolLM2's 8,192 (below)
+    python benchmarks/bench_kv_step.py --lengths 16384 --positions 16448 --repeats 15 --variants "4-bit" "4-bit, PyTorch"
 
 The variants that differ only in the kernel share one cache (the kernel is chosen at each step), so a length costs
 one prefill per cache. ``--positions`` raises the model's position limit for the timing only: rotary embeddings are
@@ -31,6 +31,7 @@ import argparse
 import statistics
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -88,9 +89,11 @@ def main(argv=None) -> int:
     if args.positions is not None:
         model.config.max_position_embeddings = args.positions
     limit = model.config.max_position_embeddings
-    if max(args.lengths) + len(args.variants) * (args.repeats + 1) > limit:
-        raise SystemExit(f"--lengths up to {max(args.lengths)} plus {args.repeats + 1} steps pass the model's "
-                         f"{limit} positions")
+    sharing = Counter(VARIANTS[v][:2] for v in set(args.variants) | {"full 16-bit"})  # variants per cache
+    need = max(args.lengths) + (args.repeats + 1) * max(sharing.values())
+    if need > limit:
+        raise SystemExit(f"--lengths up to {max(args.lengths)} plus {args.repeats + 1} steps per variant of a cache "
+                         f"pass the model's {limit} positions; give --positions {need} (or shorter --lengths)")
     from headlab.attention.backends import native
 
     rows = []
