@@ -34,6 +34,7 @@ import headlab  # noqa: E402
 from headlab.decode import kv, suite  # noqa: E402
 from headlab.decode.generate import generate  # noqa: E402
 from headlab.decode.suite_instrument import policy_texts  # noqa: E402
+from headlab.errors import ConfigError  # noqa: E402
 from headlab.models.loaded_model import resolve  # noqa: E402
 
 
@@ -65,7 +66,20 @@ def main(argv=None) -> int:
     ap.add_argument("--name", default="kv_disagree", help="results/<name>.json")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    runs = [json.loads(Path(p).read_text()) for p in args.results]
+    runs = []
+    for p in args.results:  # refused before the model loads: a missing file, or one that is not a suite run
+        try:
+            r = json.loads(Path(p).read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise SystemExit(f"{p}: cannot read a headlab kv suite result ({exc})") from None
+        if not isinstance(r, dict) or r.get("headlab", {}).get("kind") != "kv_suite" or "units" not in r:
+            raise SystemExit(f"{p}: not a headlab kv suite result (write one with `headlab kv suite -o FILE`)")
+        runs.append(r)
+    for p in policy_texts(args.policies):
+        try:
+            kv.Policy.parse(p)  # an unknown rule or a bad item: its own message, before the load
+        except ConfigError as exc:
+            raise SystemExit(f"--policies: {exc}") from None
     settings = [r["headlab"]["settings"] for r in runs]
     if any(st != {**settings[0], "seed": st["seed"]} for st in settings):
         raise SystemExit("the result files differ in a setting other than the seed; give runs of one suite")
