@@ -9,6 +9,10 @@ holds after the prompt (``HeadCache.nbytes``, every tensor counted; a test check
 
 - ``full 16-bit``: ``kv.full``, keys and values held in float16 (``HeadCache(dtype=torch.float16)``), each step's
   attention in float32: the baseline;
+- ``full 16-bit, in place``: the same cache with room for the steps reserved after the prefill, each step's key and
+  value written in place (as transformers' ``StaticCache`` holds its tensors), where the baseline appends with
+  ``torch.cat`` as transformers' ``DynamicCache`` does: a step of the baseline copies its whole cache, this one
+  copies nothing (its bytes are the reserved buffers');
 - ``full 32-bit``: the model's own dtype;
 - ``4-bit``: ``kv.full(bits=4, group=64, residual=0)`` held in float16 (scales, zeros, the partial key group),
   decode attention on the codes with the compiled kernel (``csrc/codes.cpp``);
@@ -31,6 +35,7 @@ import argparse
 import statistics
 import sys
 import time
+import types
 from collections import Counter
 from pathlib import Path
 
@@ -45,13 +50,43 @@ from headlab.decode import HeadCache  # noqa: E402
 from headlab.models.loaded_model import resolve  # noqa: E402
 
 Q4 = "full:bits=4,group=64,residual=0"
-VARIANTS = {  # name -> (policy text or None, storage dtype, the compiled kernel on the codes)
-    "full 16-bit": (None, torch.float16, True),
-    "full 32-bit": (None, None, True),
-    "4-bit": (Q4, torch.float16, True),
-    "4-bit, PyTorch": (Q4, torch.float16, False),
-    "4-bit, residual 128": ("full:bits=4,group=64", torch.float16, True),
+VARIANTS = {  # name -> (policy text or None, storage dtype, the compiled kernel on the codes, written in place)
+    "full 16-bit": (None, torch.float16, True, False),
+    "full 16-bit, in place": (None, torch.float16, True, True),
+    "full 32-bit": (None, None, True, False),
+    "4-bit": (Q4, torch.float16, True, False),
+    "4-bit, PyTorch": (Q4, torch.float16, False, False),
+    "4-bit, residual 128": ("full:bits=4,group=64", torch.float16, True, False),
 }
+
+
+def _append_in_place(store, k: torch.Tensor, v: torch.Tensor, new_pos: torch.Tensor) -> None:
+    """A decode step's key and value written into the reserved buffers (the store's ``append``, one token)."""
+    kb, vb = store.reserved
+    t = store.n
+    if k.shape[2] != 1 or t >= kb.shape[2]:
+        raise SystemExit(f"the in-place cache has room for {kb.shape[2]} tokens; a step would pass it")
+    kb[:, :, t], vb[:, :, t] = k[:, :, 0], v[:, :, 0]
+    store.keys, store.values = kb[:, :, : t + 1], vb[:, :, : t + 1]
+    store.end, store.n = store.end + 1, store.n + 1
+
+
+def reserve(cache: HeadCache, room: int) -> None:
+    """Move each 16-bit store's keys and values into buffers with ``room`` more tokens, which its steps fill."""
+    for layer in cache.layers:
+        for g in layer.groups:
+            k, v = g.keys, g.values
+            kb = k.new_empty(*k.shape[:2], k.shape[2] + room, k.shape[3])
+            vb = v.new_empty(*v.shape[:2], v.shape[2] + room, v.shape[3])
+            kb[:, :, : k.shape[2]], vb[:, :, : v.shape[2]] = k, v
+            g.reserved, g.keys, g.values = (kb, vb), kb[:, :, : k.shape[2]], vb[:, :, : v.shape[2]]
+            g.append = types.MethodType(_append_in_place, g)
+
+
+def held_bytes(cache: HeadCache) -> int:
+    """``cache.nbytes()``, with an in-place store's reserved buffers counted whole."""
+    return sum(sum(t.nbytes for t in g.reserved) if hasattr(g, "reserved") else g.nbytes()
+               for layer in cache.layers for g in layer.groups)
 
 
 def prefill(adapter, model, text: str | None, dtype, ids: torch.Tensor) -> HeadCache:
@@ -66,6 +101,12 @@ def use_kernel(cache: HeadCache, native: bool) -> None:
         for g in layer.groups:
             if hasattr(g, "native"):
                 g.native = native
+
+
+def key(name: str) -> tuple:
+    """What a variant's cache is: variants that differ only in the kernel share one."""
+    text, dtype, _, in_place = VARIANTS[name]
+    return text, dtype, in_place
 
 
 def main(argv=None) -> int:
@@ -89,7 +130,7 @@ def main(argv=None) -> int:
     if args.positions is not None:
         model.config.max_position_embeddings = args.positions
     limit = model.config.max_position_embeddings
-    sharing = Counter(VARIANTS[v][:2] for v in set(args.variants) | {"full 16-bit"})  # variants per cache
+    sharing = Counter(key(v) for v in set(args.variants) | {"full 16-bit"})  # variants per cache
     need = max(args.lengths) + (args.repeats + 1) * max(sharing.values())
     if need > limit:
         raise SystemExit(f"--lengths up to {max(args.lengths)} plus {args.repeats + 1} steps per variant of a cache "
@@ -103,14 +144,16 @@ def main(argv=None) -> int:
             ids = torch.randint(0, vocab, (1, n), generator=gen)
             shared: dict = {}  # (policy, dtype) -> its cache, prefilled once
             for name in names:
-                text, dtype, _ = VARIANTS[name]
-                if (text, dtype) not in shared:
+                text, dtype, _, in_place = VARIANTS[name]
+                if key(name) not in shared:
                     t0 = time.perf_counter()
-                    shared[text, dtype] = prefill(adapter, model, text, dtype, ids)
+                    shared[key(name)] = prefill(adapter, model, text, dtype, ids)
+                    if in_place:
+                        reserve(shared[key(name)], args.repeats + 1)
                     print(f"{n} tokens: prefilled {text or 'full'} ({dtype}) in {time.perf_counter() - t0:.0f} s",
                           file=sys.stderr, flush=True)
-            caches = {name: shared[VARIANTS[name][:2]] for name in names}
-            held = {name: c.nbytes() for name, c in caches.items()}
+            caches = {name: shared[key(name)] for name in names}
+            held = {name: held_bytes(c) for name, c in caches.items()}
             times: dict[str, list[float]] = {name: [] for name in names}
             for r in range(args.repeats + 1):  # the first round warms up, not counted
                 tok = torch.randint(0, vocab, (1, 1), generator=gen)
@@ -122,21 +165,26 @@ def main(argv=None) -> int:
                     if r:
                         times[name].append(time.perf_counter() - t0)
             base = statistics.median(times["full 16-bit"])
+            in_place = statistics.median(times["full 16-bit, in place"]) if "full 16-bit, in place" in times else None
             for name in names:
                 med = statistics.median(times[name])
                 rows.append({"tokens": n, "variant": name, "step_ms": med * 1e3, "vs_16bit": med / base,
+                             "vs_16bit_in_place": None if in_place is None else med / in_place,
                              "bytes": held[name], "bytes_vs_16bit": held[name] / held["full 16-bit"],
                              "steps_ms": [t * 1e3 for t in times[name]]})
             del caches, shared
     kernel = native.kernel() is not None
     print(f"SmolLM2-135M, one decode step of the whole model; median of {args.repeats} interleaved steps, "
           f"{args.threads} torch thread(s); compiled codes kernel {'built' if kernel else 'NOT built: ' + native.error()}")
-    print(f"{'tokens':>7} {'variant':<22} {'step ms':>9} {'vs 16-bit':>10} {'KV bytes':>13} {'bytes vs 16-bit':>16}")
+    print(f"{'tokens':>7} {'variant':<22} {'step ms':>9} {'vs 16-bit':>10} {'vs in place':>12} {'KV bytes':>13} "
+          f"{'bytes vs 16-bit':>16}")
     for r in rows:
-        print(f"{r['tokens']:>7} {r['variant']:<22} {r['step_ms']:>9.2f} {r['vs_16bit']:>9.2f}x {r['bytes']:>13,} "
-              f"{r['bytes_vs_16bit']:>15.1%}")
+        ip = "" if r["vs_16bit_in_place"] is None else f"{r['vs_16bit_in_place']:.2f}x"
+        print(f"{r['tokens']:>7} {r['variant']:<22} {r['step_ms']:>9.2f} {r['vs_16bit']:>9.2f}x {ip:>12} "
+              f"{r['bytes']:>13,} {r['bytes_vs_16bit']:>15.1%}")
     path = write_json(args.name, {"args": vars(args), "kernel_built": kernel, "variants": {
-        k: {"policy": v[0], "dtype": str(v[1]), "native": v[2]} for k, v in VARIANTS.items()}, "rows": rows})
+        k: {"policy": v[0], "dtype": str(v[1]), "native": v[2], "in_place": v[3]} for k, v in VARIANTS.items()},
+        "rows": rows})
     print(f"wrote {path}")
     return 0
 

@@ -37,6 +37,8 @@ HOMES = (
     "headlab.decode.instrument",
     "headlab.decode.gates_instrument",
     "headlab.decode.suite_instrument",
+    "headlab.decode.disagree_instrument",
+    "headlab.decode.quant_error_instrument",
 )
 _NOT_INSTRUMENTS = {"__init__"}
 _BASE = "headlab.interpret.study.base"

@@ -15,6 +15,7 @@ Written here rather than taken from a library: optimum-quanto quantizes weights 
 8-bit only), and builds its C++ kernels at first use; HQQ's quantizer optimises its zero points
 (half-quadratic), so its values are not KIVI's min-max. Neither knows a cache that evicts tokens head by
 head or keeps a full-precision residual; the whole of KIVI's storage is the twenty lines below.
+:func:`hadamard` is the rotation QuaRot (Ashkboos et al. 2024) turns numbers by before quantizing them.
 
     >>> import torch
     >>> from headlab.decode.quant import quantize_keys, dequantize_keys
@@ -28,9 +29,21 @@ head or keeps a full-precision residual; the whole of KIVI's storage is the twen
 
 from __future__ import annotations
 
+import math
+
 import torch
 
-__all__ = ["pack", "unpack", "quantize_keys", "dequantize_keys", "quantize_values", "dequantize_values"]
+from headlab.errors import ConfigError
+
+__all__ = [
+    "dequantize_keys",
+    "dequantize_values",
+    "hadamard",
+    "pack",
+    "quantize_keys",
+    "quantize_values",
+    "unpack",
+]
 
 
 def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
@@ -105,3 +118,18 @@ def dequantize_values(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tens
     g = scale.shape[-1]
     out = c.reshape(B, h, t, g, d // g).float() * scale.float().unsqueeze(-1) + zero.float().unsqueeze(-1)
     return out.reshape(B, h, t, d).to(scale.dtype)
+
+
+def hadamard(n: int) -> torch.Tensor:
+    """The normalised Sylvester-Hadamard matrix of size ``n`` (a power of 2): symmetric and orthogonal.
+
+    >>> h = hadamard(4)
+    >>> bool((h @ h.T - torch.eye(4)).abs().max() < 1e-6), float(h[1, 1])
+    (True, -0.5)
+    """
+    if n < 1 or n & (n - 1):
+        raise ConfigError(f"head dim {n} is not a power of 2: no Hadamard rotation")
+    h = torch.ones(1, 1)
+    while h.shape[0] < n:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return h / math.sqrt(n)

@@ -41,7 +41,7 @@ def policy_texts(value: str) -> list[str]:
 MAX_TASKS = 100_000  # the issue's evaluation is 500; more is a typo, refused before anything is generated
 
 
-def _tasks(value, option, options) -> None:
+def check_tasks(value, option, options) -> None:
     at_least(1)(value, option, options)
     if value > MAX_TASKS:
         raise ConfigError(f"{option.label} {value:,}: at most {MAX_TASKS:,} tasks (the suite builds them all first)")
@@ -56,7 +56,7 @@ def _kv_dtype(value, option, options) -> None:
     check_storage(value, [kv.Policy.parse(t) for t in texts], name=option.label)
 
 
-def _policies(value, option, options) -> None:
+def check_policies(value, option, options) -> None:
     from headlab.decode import kv
 
     texts = policy_texts(value)
@@ -91,9 +91,9 @@ headlab kv suite --policies "full;full:bits=4;adakv:256,bits=4" --n 48 --tokens 
             str,
             DEFAULT_POLICIES,
             "the policies, separated by ';' (the first is the baseline)",
-            check=_policies,
+            check=check_policies,
         ),
-        Option("n", "--n", int, 48, "tasks (the six kinds in turn)", check=_tasks),
+        Option("n", "--n", int, 48, "tasks (the six kinds in turn)", check=check_tasks),
         Option("tokens", "--tokens", int, 1024, "tokens per task's context", check=at_least(128)),
         Option("seed", "--seed", int, 0, "the tasks' seed", check=at_least(0)),
         Option("ppl", "--ppl", int, 12, "tasks whose held-out continuation is scored", check=at_least(0)),

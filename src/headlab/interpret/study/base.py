@@ -354,6 +354,8 @@ HOMES = (
     "headlab.decode.instrument",
     "headlab.decode.gates_instrument",
     "headlab.decode.suite_instrument",
+    "headlab.decode.disagree_instrument",
+    "headlab.decode.quant_error_instrument",
 )
 
 
