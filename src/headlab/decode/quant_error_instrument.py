@@ -32,7 +32,7 @@ import statistics
 from pathlib import Path
 
 from headlab.decode.instrument import MODEL
-from headlab.decode.suite_instrument import check_tasks
+from headlab.decode.suite_instrument import check_fits, check_tasks
 from headlab.errors import ConfigError
 from headlab.interpret.study.base import Context, Instrument, InstrumentResult, Option, Output, Unit, at_least, register
 
@@ -125,15 +125,7 @@ headlab kv error --n 12 --tokens 1024 --seed 7 --bits 4 --group 64 --out error.j
         self.check_positions(ctx, None)
 
     def check_positions(self, ctx: Context, limit: int | None) -> None:
-        if limit is None and isinstance(ctx.options["model"], str | Path):
-            from headlab.models.peek import peek_max_positions
-
-            limit = peek_max_positions(str(ctx.options["model"]))
-        if limit is not None and ctx.options["tokens"] + QUESTION >= limit:
-            raise ConfigError(
-                f"--tokens {ctx.options['tokens']}: a task and its question must fit in the {limit:,} positions of "
-                f"{ctx.options['model']}; give fewer --tokens"
-            )
+        check_fits(ctx, limit, ctx.options["tokens"] + QUESTION, f"--tokens {ctx.options['tokens']}")
 
     def check_loaded(self, ctx: Context) -> None:
         from headlab.decode import suite

@@ -68,6 +68,20 @@ def check_policies(value, option, options) -> None:
         kv.Policy.parse(t)  # an unknown rule or a bad item: the rule's own message
 
 
+def check_fits(ctx: Context, limit: int | None, need: int, what: str) -> None:
+    """``need`` positions (a task and what follows it) must fit the model's ``limit`` (None: peeked from the model's
+    config before the load); refused in ``what``'s words."""
+    if limit is None and isinstance(ctx.options["model"], str | Path):
+        from headlab.models.peek import peek_max_positions
+
+        limit = peek_max_positions(str(ctx.options["model"]))
+    if limit is not None and need >= limit:
+        raise ConfigError(
+            f"{what}: a task and its question must fit in the {limit:,} positions of {ctx.options['model']}; "
+            "give fewer --tokens"
+        )
+
+
 @register
 class KVSuite(Instrument):
     """The RULER-style suite under KV policies, paired against the first."""
@@ -124,16 +138,13 @@ headlab kv suite --policies "full;full:bits=4;adakv:256,bits=4" --n 48 --tokens 
         self.check_positions(ctx, None)
 
     def check_positions(self, ctx: Context, limit: int | None) -> None:
-        if limit is None and isinstance(ctx.options["model"], str | Path):
-            from headlab.models.peek import peek_max_positions
-
-            limit = peek_max_positions(str(ctx.options["model"]))
-        need = ctx.options["tokens"] + ctx.options["continuation"]
-        if limit is not None and need >= limit:
-            raise ConfigError(
-                f"--tokens {ctx.options['tokens']} with --continuation {ctx.options['continuation']}: a task and its "
-                f"question must fit in the {limit:,} positions of {ctx.options['model']}; give fewer --tokens"
-            )
+        o = ctx.options
+        check_fits(
+            ctx,
+            limit,
+            o["tokens"] + o["continuation"],
+            f"--tokens {o['tokens']} with --continuation {o['continuation']}",
+        )
 
     def check_loaded(self, ctx: Context) -> None:
         from headlab.decode import kv, suite
@@ -256,4 +267,4 @@ def suite_rows(texts: list[str], tasks: list[dict], *, seed: int = 0) -> list[di
     return rows
 
 
-__all__ = ["DEFAULT_POLICIES", "KVSuite", "policy_texts", "suite_rows"]
+__all__ = ["DEFAULT_POLICIES", "KVSuite", "check_fits", "policy_texts", "suite_rows"]
