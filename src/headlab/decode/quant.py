@@ -127,9 +127,8 @@ def hadamard(n: int) -> torch.Tensor:
     >>> bool((h @ h.T - torch.eye(4)).abs().max() < 1e-6), float(h[1, 1])
     (True, -0.5)
     """
+    from scipy.linalg import hadamard as sylvester
+
     if n < 1 or n & (n - 1):
         raise ConfigError(f"head dim {n} is not a power of 2: no Hadamard rotation")
-    h = torch.ones(1, 1)
-    while h.shape[0] < n:
-        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-    return h / math.sqrt(n)
+    return torch.from_numpy(sylvester(n)).float() / math.sqrt(n)
