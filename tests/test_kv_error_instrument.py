@@ -56,7 +56,7 @@ def test_the_errors_are_the_definitions_computed_apart(tiny):
     assert f["tasks"] == 2 and f["pre_rope"] and "values rotated" in rows and "keys before RoPE" in rows
     lm = headlab.load(str(tiny))
     model, tok = resolve(lm)[0].model, lm.tokenizer
-    got: dict[str, list[float]] = {"kivi": [], "values only": [], "8 bits": [], "keys g*2": []}
+    got: dict[str, list[float]] = {"kivi": [], "values only": [], "8 bits": [], "keys g*2": [], "keys per token": []}
     for t in suite.make_suite(tok, 2, tokens=128, seed=0):
         c = tok(t.context, add_special_tokens=False)["input_ids"]
         ids = torch.tensor([c + tok(t.question, add_special_tokens=False)["input_ids"]])
@@ -86,7 +86,8 @@ def test_the_errors_are_the_definitions_computed_apart(tiny):
             for name, (kk, vv) in {"kivi": (keys(kc, 4, 8), values(vc, 4, 8)),
                                    "values only": (kc.float(), values(vc, 4, 8)),
                                    "8 bits": (keys(kc, 8, 8), values(vc, 8, 8)),
-                                   "keys g*2": (keys(kc, 4, 16), values(vc, 4, 8))}.items():
+                                   "keys g*2": (keys(kc, 4, 16), values(vc, 4, 8)),
+                                   "keys per token": (values(kc, 4, 8), values(vc, 4, 8))}.items():
                 o = out_(torch.cat([kk, kt], 2), torch.cat([vv, vt], 2))
                 got[name].append(float((o - ref).norm() / ref.norm()))
     for name, errs in got.items():

@@ -391,6 +391,8 @@ def side_table(args) -> None:
                                 "pct_held": pct, "step_ratio": ratio(tbase), "step_ms": ms,
                                 "by_kind": {k: sum(x for x, t in zip(right, tasks) if t.kind == k) for k in KINDS}})
     print("\n".join(lines))
+    if args.suite:
+        out["paired"] = paired_with_suite(args.suite, out["rows"], tasks)
     if ("headlab", "full 32-bit") in ids_of and ("peer", "DynamicCache") in ids_of:
         same = sum(a == b for a, b in zip(ids_of[("headlab", "full 32-bit")], ids_of[("peer", "DynamicCache")]))
         print(f"headlab full 32-bit and the peer's DynamicCache decode the same ids on {same}/{n} tasks")
@@ -399,6 +401,38 @@ def side_table(args) -> None:
         print(f"{r['side']:8s} {r['method']:44s} {r['by_kind']}")
     if args.out:
         Path(args.out).write_text(json.dumps(out, indent=1))
+
+
+def paired_with_suite(path, rows: list[dict], tasks) -> list[dict]:
+    """The peer's methods paired, task by task, with a ``headlab kv suite`` result on the same tasks (the same
+    ``--n``, ``--tokens`` and ``--seed``, checked by the kinds and lengths): each quantized method against its own
+    side's full cache (McNemar's exact test and the paired Wald interval of ``headlab.decode.suite_stats``), and the
+    peer's against headlab's at 4 bits."""
+    from headlab.decode.suite_stats import mcnemar
+
+    d = json.loads(Path(path).read_text())
+    n = len(tasks)
+    units = [d["units"][f"task {i}"] for i in range(n)]
+    if [u["kind"] for u in units] != [t.kind for t in tasks]:
+        raise SystemExit(f"{path}: not the prompts' tasks (the kinds differ); run kv suite with the export's seed")
+    suite = {p: [u["policies"][p]["right"] for u in units] for p in units[0]["policies"]}
+    peer = {r["method"]: r["right"] for r in rows if r["side"] == "peer"}
+    pairs = [(f"headlab {p}", suite[p], "headlab full", suite["full"]) for p in suite if p != "full"]
+    pairs += [(f"peer {m}", peer[m], "peer DynamicCache", peer["DynamicCache"]) for m in peer if m != "DynamicCache"]
+    four = [p for p in suite if "bits=4" in p]
+    if four and "quanto 4-bit" in peer:
+        pairs.append((f"headlab {four[0]}", suite[four[0]], "peer quanto 4-bit", peer["quanto 4-bit"]))
+    if "DynamicCache" in peer:
+        pairs.append(("headlab full", suite["full"], "peer DynamicCache", peer["DynamicCache"]))
+    print(f"\npaired on {n} tasks with {path} (McNemar; Wald interval, 95%)")
+    out = []
+    for a, x, b, y in pairs:
+        m = mcnemar(x, y)
+        print(f"{a:44s} vs {b:20s} {sum(x)} / {sum(y)}: {100 * m.diff:+.1f} points [{100 * m.low:+.1f}, "
+              f"{100 * m.high:+.1f}], p={m.p_value:.2f}; {m.n01}:{m.n10} lost:won")
+        out.append({"a": a, "b": b, "right": [sum(x), sum(y)], "diff": m.diff, "ci95": [m.low, m.high],
+                    "p": m.p_value, "lost": m.n01, "won": m.n10})
+    return out
 
 
 def _merge(files: list[dict]) -> list[dict]:
@@ -436,6 +470,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--check-generate", action="store_true")
     ap.add_argument("--check16", action="store_true")
+    ap.add_argument("--suite", default=None, help="--side table: a `headlab kv suite` result on the same tasks, paired")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     {"export": side_export, "headlab": side_headlab, "peer": side_peer, "table": side_table}[args.side](args)

@@ -12,6 +12,8 @@ layers. The variants, at ``--bits`` bits and groups of ``--group``:
   holds it with ``residual=0``), values per token in groups of channels (:mod:`headlab.decode.quant`);
 - ``keys only`` / ``values only``: one of the two quantized, the other exact;
 - ``keys g/2`` / ``keys g*2``: the key group halved / doubled;
+- ``keys per token``: keys quantized as the values are, per token in groups of ``group`` channels (the layout of
+  transformers' ``QuantizedCache`` at its defaults, ``axis_key=0``, with optimum-quanto or HQQ);
 - ``values rotated``: values turned by a normalised Hadamard matrix before quantizing and back after (QuaRot,
   Ashkboos et al. 2024), which spreads a token's outlier channels over all of them;
 - ``keys before RoPE``: keys quantized per channel before the rotary embedding and rotated after (KVQuant, Hooper
@@ -179,6 +181,7 @@ headlab kv error --n 12 --tokens 1024 --seed 7 --bits 4 --group 64 --out error.j
                 "values only": lambda: (kc.float(), values_held(vc, b, g)),
                 "keys g/2": lambda: (keys_held(kc, b, g // 2), values_held(vc, b, g)),
                 "keys g*2": lambda: (keys_held(kc, b, g * 2), values_held(vc, b, g)),
+                "keys per token": lambda: (values_held(kc, b, g), values_held(vc, b, g)),
                 "8 bits": lambda: (keys_held(kc, 8, g), values_held(vc, 8, g)),
             }
             if rot is not None:
