@@ -12,19 +12,12 @@ import pytest
 import torch
 import transformers
 
-from conftest import run_cli, save_word_level
-from test_kv_suite_instrument import WORDS
+from conftest import run_cli
+import test_kv_suite_instrument
+
+tiny = test_kv_suite_instrument.tiny  # the suite's tiny word-level Llama (a module-scoped fixture)
 
 POLICIES = "full;full:bits=4,group=8"
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        vocab_size=len(WORDS), hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        intermediate_size=64, max_position_embeddings=512, attn_implementation="eager")).eval()
-    return save_word_level(tmp_path_factory.mktemp("tiny-disagree"), model, WORDS)
 
 
 @pytest.fixture(scope="module")

@@ -392,7 +392,7 @@ def side_table(args) -> None:
                                 "by_kind": {k: sum(x for x, t in zip(right, tasks) if t.kind == k) for k in KINDS}})
     print("\n".join(lines))
     if args.suite:
-        out["paired"] = paired_with_suite(args.suite, out["rows"], tasks)
+        out["paired"], out["right_by_name"] = paired_with_suite(args.suite, out["rows"], tasks, lengths)
     if ("headlab", "full 32-bit") in ids_of and ("peer", "DynamicCache") in ids_of:
         same = sum(a == b for a, b in zip(ids_of[("headlab", "full 32-bit")], ids_of[("peer", "DynamicCache")]))
         print(f"headlab full 32-bit and the peer's DynamicCache decode the same ids on {same}/{n} tasks")
@@ -403,18 +403,17 @@ def side_table(args) -> None:
         Path(args.out).write_text(json.dumps(out, indent=1))
 
 
-def paired_with_suite(path, rows: list[dict], tasks) -> list[dict]:
+def paired_with_suite(path, rows: list[dict], tasks, lengths: list[int]) -> tuple[list[dict], dict]:
     """The peer's methods paired, task by task, with a ``headlab kv suite`` result on the same tasks (the same
-    ``--n``, ``--tokens`` and ``--seed``, checked by the kinds and lengths): each quantized method against its own
-    side's full cache (McNemar's exact test and the paired Wald interval of ``headlab.decode.suite_stats``), and the
-    peer's against headlab's at 4 bits."""
-    from headlab.decode.suite_stats import mcnemar
-
+    ``--n``, ``--tokens`` and ``--seed``, checked by the kinds and lengths): each quantized method against its own side's full
+    cache (McNemar's exact test and the paired Wald interval of ``headlab.decode.suite_stats``), and the peer's
+    against headlab's at 4 bits. Returns the comparisons and each name's right (0/1) per task, which ``--side pool``
+    joins over tables."""
     d = json.loads(Path(path).read_text())
     n = len(tasks)
     units = [d["units"][f"task {i}"] for i in range(n)]
-    if [u["kind"] for u in units] != [t.kind for t in tasks]:
-        raise SystemExit(f"{path}: not the prompts' tasks (the kinds differ); run kv suite with the export's seed")
+    if [(u["kind"], u["length"]) for u in units] != [(t.kind, m) for t, m in zip(tasks, lengths)]:
+        raise SystemExit(f"{path}: not the prompts' tasks (kinds or lengths differ); run kv suite with the export's seed")
     suite = {p: [u["policies"][p]["right"] for u in units] for p in units[0]["policies"]}
     peer = {r["method"]: r["right"] for r in rows if r["side"] == "peer"}
     pairs = [(f"headlab {p}", suite[p], "headlab full", suite["full"]) for p in suite if p != "full"]
@@ -424,15 +423,39 @@ def paired_with_suite(path, rows: list[dict], tasks) -> list[dict]:
         pairs.append((f"headlab {four[0]}", suite[four[0]], "peer quanto 4-bit", peer["quanto 4-bit"]))
     if "DynamicCache" in peer:
         pairs.append(("headlab full", suite["full"], "peer DynamicCache", peer["DynamicCache"]))
+    right = {name: list(v) for a, x, b, y in pairs for name, v in ((a, x), (b, y))}
     print(f"\npaired on {n} tasks with {path} (McNemar; Wald interval, 95%)")
+    return compare([(a, b) for a, _, b, _ in pairs], right), right
+
+
+def compare(pairs: list[tuple[str, str]], right: dict) -> list[dict]:
+    """Each ``(a, b)`` of ``pairs``: McNemar's test and the paired interval of ``right[a]`` against ``right[b]``."""
+    from headlab.decode.suite_stats import mcnemar
+
     out = []
-    for a, x, b, y in pairs:
+    for a, b in pairs:
+        x, y = right[a], right[b]
         m = mcnemar(x, y)
         print(f"{a:44s} vs {b:20s} {sum(x)} / {sum(y)}: {100 * m.diff:+.1f} points [{100 * m.low:+.1f}, "
               f"{100 * m.high:+.1f}], p={m.p_value:.2f}; {m.n01}:{m.n10} lost:won")
         out.append({"a": a, "b": b, "right": [sum(x), sum(y)], "diff": m.diff, "ci95": [m.low, m.high],
                     "p": m.p_value, "lost": m.n01, "won": m.n10})
     return out
+
+
+def side_pool(args) -> None:
+    """Tables written with ``--suite`` on disjoint task sets (other seeds), joined: every comparison on all tasks."""
+    if len({Path(f).resolve() for f in args.files}) != len(args.files):
+        raise SystemExit("--side pool: a table is named twice; pool tables of other seeds")
+    tables = [json.loads(Path(f).read_text()) for f in args.files]
+    if not all("right_by_name" in t for t in tables):
+        raise SystemExit("--side pool takes tables written by --side table --suite")
+    right = {k: [x for t in tables for x in t["right_by_name"][k]] for k in tables[0]["right_by_name"]}
+    pairs = [(p["a"], p["b"]) for p in tables[0]["paired"]]
+    print(f"pooled: {len(tables)} tables, {len(next(iter(right.values())))} tasks (McNemar; Wald interval, 95%)")
+    out = {"tables": list(args.files), "paired": compare(pairs, right)}
+    if args.out:
+        Path(args.out).write_text(json.dumps(out, indent=1))
 
 
 def _merge(files: list[dict]) -> list[dict]:
@@ -457,8 +480,8 @@ def _merge(files: list[dict]) -> list[dict]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--side", required=True, choices=("export", "headlab", "peer", "table"))
-    ap.add_argument("files", nargs="*", help="--side table: the result files")
+    ap.add_argument("--side", required=True, choices=("export", "headlab", "peer", "table", "pool"))
+    ap.add_argument("files", nargs="*", help="--side table: the result files; --side pool: tables made with --suite")
     ap.add_argument("--prompts", default="/work/peer-data/kv_prompts.json")
     ap.add_argument("--out", default=None)
     ap.add_argument("--n", type=int, default=24)
@@ -473,7 +496,7 @@ def main() -> None:
     ap.add_argument("--suite", default=None, help="--side table: a `headlab kv suite` result on the same tasks, paired")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    {"export": side_export, "headlab": side_headlab, "peer": side_peer, "table": side_table}[args.side](args)
+    {"export": side_export, "headlab": side_headlab, "peer": side_peer, "table": side_table, "pool": side_pool}[args.side](args)
 
 
 if __name__ == "__main__":
