@@ -405,27 +405,29 @@ def side_table(args) -> None:
 
 def paired_with_suite(path, rows: list[dict], tasks, lengths: list[int]) -> tuple[list[dict], dict]:
     """The peer's methods paired, task by task, with a ``headlab kv suite`` result on the same tasks (the same
-    ``--n``, ``--tokens`` and ``--seed``, checked by the kinds and lengths): each quantized method against its own side's full
-    cache (McNemar's exact test and the paired Wald interval of ``headlab.decode.suite_stats``), and the peer's
-    against headlab's at 4 bits. Returns the comparisons and each name's right (0/1) per task, which ``--side pool``
-    joins over tables."""
-    d = json.loads(Path(path).read_text())
-    n = len(tasks)
-    units = [d["units"][f"task {i}"] for i in range(n)]
+    ``--n``, ``--tokens`` and ``--seed``, checked by the kinds and lengths): each quantized method against its own
+    side's full cache (McNemar's exact test and the paired Wald interval of ``headlab.decode.suite_stats``), and the
+    peer's against headlab's at 4 bits. Returns the comparisons and each name's right (0/1) per task, which ``--side
+    pool`` joins over tables."""
+    try:
+        units = json.loads(Path(path).read_text())["units"]
+        units = [units[f"task {i}"] for i in range(len(tasks))]
+    except (OSError, ValueError, KeyError) as e:
+        raise SystemExit(f"--suite {path}: not a `headlab kv suite` result with {len(tasks)} tasks ({e!r})") from None
     if [(u["kind"], u["length"]) for u in units] != [(t.kind, m) for t, m in zip(tasks, lengths)]:
         raise SystemExit(f"{path}: not the prompts' tasks (kinds or lengths differ); run kv suite with the export's seed")
-    suite = {p: [u["policies"][p]["right"] for u in units] for p in units[0]["policies"]}
-    peer = {r["method"]: r["right"] for r in rows if r["side"] == "peer"}
-    pairs = [(f"headlab {p}", suite[p], "headlab full", suite["full"]) for p in suite if p != "full"]
-    pairs += [(f"peer {m}", peer[m], "peer DynamicCache", peer["DynamicCache"]) for m in peer if m != "DynamicCache"]
-    four = [p for p in suite if "bits=4" in p]
+    right = {f"headlab {p}": [u["policies"][p]["right"] for u in units] for p in units[0]["policies"]}
+    peer = [r["method"] for r in rows if r["side"] == "peer"]
+    right.update({f"peer {r['method']}": r["right"] for r in rows if r["side"] == "peer"})
+    pairs = [(h, "headlab full") for h in right if h.startswith("headlab ") and h != "headlab full"]
+    pairs += [(f"peer {m}", "peer DynamicCache") for m in peer if m != "DynamicCache"]
+    four = [h for h in right if h.startswith("headlab ") and "bits=4" in h]
     if four and "quanto 4-bit" in peer:
-        pairs.append((f"headlab {four[0]}", suite[four[0]], "peer quanto 4-bit", peer["quanto 4-bit"]))
+        pairs.append((four[0], "peer quanto 4-bit"))
     if "DynamicCache" in peer:
-        pairs.append(("headlab full", suite["full"], "peer DynamicCache", peer["DynamicCache"]))
-    right = {name: list(v) for a, x, b, y in pairs for name, v in ((a, x), (b, y))}
-    print(f"\npaired on {n} tasks with {path} (McNemar; Wald interval, 95%)")
-    return compare([(a, b) for a, _, b, _ in pairs], right), right
+        pairs.append(("headlab full", "peer DynamicCache"))
+    print(f"\npaired on {len(tasks)} tasks with {path} (McNemar; Wald interval, 95%)")
+    return compare(pairs, right), right
 
 
 def compare(pairs: list[tuple[str, str]], right: dict) -> list[dict]:
@@ -450,6 +452,8 @@ def side_pool(args) -> None:
     tables = [json.loads(Path(f).read_text()) for f in args.files]
     if not all("right_by_name" in t for t in tables):
         raise SystemExit("--side pool takes tables written by --side table --suite")
+    if any(t["right_by_name"].keys() != tables[0]["right_by_name"].keys() for t in tables):
+        raise SystemExit("--side pool: the tables compare different methods; pool tables made with the same ones")
     right = {k: [x for t in tables for x in t["right_by_name"][k]] for k in tables[0]["right_by_name"]}
     pairs = [(p["a"], p["b"]) for p in tables[0]["paired"]]
     print(f"pooled: {len(tables)} tables, {len(next(iter(right.values())))} tasks (McNemar; Wald interval, 95%)")
@@ -495,6 +499,8 @@ def main() -> None:
     ap.add_argument("--check16", action="store_true")
     ap.add_argument("--suite", default=None, help="--side table: a `headlab kv suite` result on the same tasks, paired")
     args = ap.parse_args()
+    if args.suite and args.side != "table":
+        ap.error("--suite goes with --side table")
     torch.set_num_threads(args.threads)
     {"export": side_export, "headlab": side_headlab, "peer": side_peer, "table": side_table, "pool": side_pool}[args.side](args)
 
