@@ -84,7 +84,6 @@ def test_kv_from_an_atlas_keeps_the_non_local_heads_full(tiny_folder, tmp_path, 
     (["--keep", "2"], "--keep"),
     (["--kv-from", "/nonexistent/atlas.json"], "not a file"),
     (["--kv-dtype", "int8"], "--kv-dtype: unknown dtype 'int8'"),
-    (["--kv-dtype", "float16", "--policy", "snapkv:64"], "keeps the model's dtype"),
 ])
 def test_bad_options_exit_2_with_one_line_before_loading(args, words, capsys):
     code, out, err = run_cli(["generate", "hello", "--model", "/nonexistent/model", *args], capsys)

@@ -43,21 +43,18 @@ def values(v, bits, group):  # per token, groups of channels
     return minmax(v.unflatten(3, (-1, group)), 4, bits).flatten(3)
 
 
-def test_the_errors_are_the_definitions_computed_apart(tiny):
+def layers(path, n_tasks: int, tokens: int):
+    """For each suite task (seed 0) and layer of the tiny model: ``q`` and the float16 ``k``, ``v`` of the context
+    and question (hooks on the projections, transformers' own RoPE), the context's length, and the attention output
+    at the question's queries for given keys and values (torch's SDPA, causal, ``attn_mask`` ANDed with it)."""
     import headlab
     from headlab.decode import suite
-    from headlab.interpret.study import runner
     from headlab.models.loaded_model import resolve
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-    out = runner.run("kv-error", {"model": str(tiny), "n": 2, "tokens": 128, "seed": 0, "bits": 4, "group": 8})
-    f = out.result.figures
-    rows = {r["variant"]: r for r in f["rows"]}
-    assert f["tasks"] == 2 and f["pre_rope"] and "values rotated" in rows and "keys before RoPE" in rows
-    lm = headlab.load(str(tiny))
+    lm = headlab.load(str(path))
     model, tok = resolve(lm)[0].model, lm.tokenizer
-    got: dict[str, list[float]] = {"kivi": [], "values only": [], "8 bits": [], "keys g*2": [], "keys per token": []}
-    for t in suite.make_suite(tok, 2, tokens=128, seed=0):
+    for t in suite.make_suite(tok, n_tasks, tokens=tokens, seed=0):
         c = tok(t.context, add_special_tokens=False)["input_ids"]
         ids = torch.tensor([c + tok(t.question, add_special_tokens=False)["input_ids"]])
         n, m = ids.shape[1], len(c)
@@ -73,23 +70,35 @@ def test_the_errors_are_the_definitions_computed_apart(tiny):
         for li in range(2):
             q, k, v = (seen[li, p].view(1, n, -1, 16).transpose(1, 2) for p in ("q_proj", "k_proj", "v_proj"))
             q, k = apply_rotary_pos_emb(q, k, cos, sin)
-            k16, v16 = k.half(), v.half()
 
-            def out_(kk, vv):
-                o = torch.nn.functional.scaled_dot_product_attention(
-                    q, kk, vv, is_causal=False, enable_gqa=True,
-                    attn_mask=torch.arange(n)[None] <= torch.arange(n)[:, None])
+            def out_(kk, vv, gone=None, q=q, n=n, m=m):  # gone (h_kv, n): keys evicted from a kv head
+                mask = (torch.arange(n)[None] <= torch.arange(n)[:, None])[None, None]
+                if gone is not None:
+                    mask = mask & ~gone.repeat_interleave(2, 0)[None, :, None, :]
+                o = torch.nn.functional.scaled_dot_product_attention(q, kk, vv, enable_gqa=True, attn_mask=mask)
                 return o[:, :, m:]
 
-            ref = out_(k16.float(), v16.float())
-            kc, vc, kt, vt = k16[:, :, :m], v16[:, :, :m], k16[:, :, m:].float(), v16[:, :, m:].float()
-            for name, (kk, vv) in {"kivi": (keys(kc, 4, 8), values(vc, 4, 8)),
-                                   "values only": (kc.float(), values(vc, 4, 8)),
-                                   "8 bits": (keys(kc, 8, 8), values(vc, 8, 8)),
-                                   "keys g*2": (keys(kc, 4, 16), values(vc, 4, 8)),
-                                   "keys per token": (values(kc, 4, 8), values(vc, 4, 8))}.items():
-                o = out_(torch.cat([kk, kt], 2), torch.cat([vv, vt], 2))
-                got[name].append(float((o - ref).norm() / ref.norm()))
+            yield q, k.half(), v.half(), m, out_
+
+
+def test_the_errors_are_the_definitions_computed_apart(tiny):
+    from headlab.interpret.study import runner
+
+    out = runner.run("kv-error", {"model": str(tiny), "n": 2, "tokens": 128, "seed": 0, "bits": 4, "group": 8})
+    f = out.result.figures
+    rows = {r["variant"]: r for r in f["rows"]}
+    assert f["tasks"] == 2 and f["pre_rope"] and "values rotated" in rows and "keys before RoPE" in rows
+    got: dict[str, list[float]] = {"kivi": [], "values only": [], "8 bits": [], "keys g*2": [], "keys per token": []}
+    for q, k16, v16, m, out_ in layers(tiny, 2, 128):
+        ref = out_(k16.float(), v16.float())
+        kc, vc, kt, vt = k16[:, :, :m], v16[:, :, :m], k16[:, :, m:].float(), v16[:, :, m:].float()
+        for name, (kk, vv) in {"kivi": (keys(kc, 4, 8), values(vc, 4, 8)),
+                               "values only": (kc.float(), values(vc, 4, 8)),
+                               "8 bits": (keys(kc, 8, 8), values(vc, 8, 8)),
+                               "keys g*2": (keys(kc, 4, 16), values(vc, 4, 8)),
+                               "keys per token": (values(kc, 4, 8), values(vc, 4, 8))}.items():
+            o = out_(torch.cat([kk, kt], 2), torch.cat([vv, vt], 2))
+            got[name].append(float((o - ref).norm() / ref.norm()))
     for name, errs in got.items():
         assert rows[name]["rel_error"] == pytest.approx(sum(errs) / len(errs), rel=1e-3), name
     assert rows["8 bits"]["rel_error"] < rows["kivi"]["rel_error"] / 5
@@ -114,3 +123,62 @@ def test_the_command_prints_the_table_and_writes_the_result(tiny, tmp_path, caps
     doc = json.loads((tmp_path / "e.json").read_text())
     assert code == 0 and doc["headlab"]["kind"] == "kv_error" and doc["tasks"] == 1, err
     assert "| kivi | " in out and "| 8 bits | " in out and "five worst of the 4 kv heads" in out, out
+
+
+def snapkv_top(q, k, first: int, last: int, count: int, pool: int) -> torch.Tensor:
+    """(h_kv, first) bool: per kv head, the ``count`` keys before ``first`` that the queries ``first..last-1``
+    attend to most (SnapKV's votes: softmax rows summed, max over ``pool`` neighbours, mean over the 2 query heads
+    of a kv head), ties to the earlier position; written with numpy's stable argsort."""
+    import numpy as np
+
+    a = torch.softmax((q[0, :, first:last] @ k[0, :, :last].float().repeat_interleave(2, 0).transpose(1, 2))
+                      / 4.0 + torch.triu(torch.full((last - first, last), float("-inf")), first + 1), -1)
+    votes = a[:, :, :first].sum(1)  # (H, first)
+    r = pool // 2
+    padded = torch.nn.functional.pad(votes, (r, r), value=float("-inf"))
+    votes = torch.stack([padded[:, j:j + first] for j in range(pool)]).amax(0).view(2, 2, first).mean(1)
+    sel = torch.zeros(2, first, dtype=torch.bool)
+    for h in range(2):
+        sel[h, np.argsort(-votes[h].numpy(), kind="stable")[:count]] = True
+    return sel
+
+
+def test_mixed_precision_at_4_bits_bytes_is_its_definition(tiny):
+    """A third of the context at 8 bits and the rest at 2, the third chosen by SnapKV's votes of the context's last
+    32 queries (the 32 among them) or by the question's own attention; and 8 bits on SnapKV's top two thirds (the
+    bytes of 4 bits at groups of 8: (4 + 4) / (8 + 4)), the rest evicted. Each kv head's chosen tokens are
+    quantized as one sequence, in order of position."""
+    from headlab.interpret.study import runner
+
+    out = runner.run("kv-error", {"model": str(tiny), "n": 2, "tokens": 256, "seed": 0, "bits": 4, "group": 8})
+    rows = {r["variant"]: r for r in out.result.figures["rows"]}
+    got: dict[str, list[float]] = {"8/2 bits by SnapKV's score": [], "8/2 bits by the question's attention": [],
+                                   "8 bits on SnapKV's top, rest evicted": []}
+
+    def held(kc, vc, parts):
+        kq, vq = torch.zeros(kc.shape), torch.zeros(vc.shape)
+        for h in range(2):
+            for sel, bits in parts:
+                i = sel[h].nonzero()[:, 0]
+                kq[:, h, i] = keys(kc[:, h:h + 1, i], bits, 8)[:, 0]
+                vq[:, h, i] = values(vc[:, h:h + 1, i], bits, 8)[:, 0]
+        return kq, vq
+
+    for q, k16, v16, m, out_ in layers(tiny, 2, 256):
+        assert m / 3 > 32  # the third holds more than the window
+        ref = out_(k16.float(), v16.float())
+        kc, vc, kt, vt = k16[:, :, :m], v16[:, :, :m], k16[:, :, m:].float(), v16[:, :, m:].float()
+        window = torch.ones(2, 32, dtype=torch.bool)
+        agnostic = torch.cat([snapkv_top(q, k16, m - 32, m, round(m / 3) - 32, 7), window], 1)
+        oracle = snapkv_top(q, k16, m, q.shape[2], round(m / 3), 1)
+        kept = torch.cat([snapkv_top(q, k16, m - 32, m, round(m * 8 / 12) - 32, 7), window], 1)
+        gone = torch.cat([~kept, torch.zeros(2, q.shape[2] - m, dtype=torch.bool)], 1)
+        for name, (kk, vv), g in (("8/2 bits by SnapKV's score", held(kc, vc, [(agnostic, 8), (~agnostic, 2)]), None),
+                                  ("8/2 bits by the question's attention", held(kc, vc, [(oracle, 8), (~oracle, 2)]),
+                                   None),
+                                  ("8 bits on SnapKV's top, rest evicted", held(kc, vc, [(kept, 8)]), gone)):
+            o = out_(torch.cat([kk, kt], 2), torch.cat([vv, vt], 2), g)
+            got[name].append(float((o - ref).norm() / ref.norm()))
+    for name, errs in got.items():
+        assert rows[name]["rel_error"] == pytest.approx(sum(errs) / len(errs), rel=1e-3), name
+    assert rows["8/2 bits by the question's attention"]["rel_error"] != rows["8/2 bits by SnapKV's score"]["rel_error"]

@@ -180,3 +180,17 @@ def test_a_rules_usage_is_what_generate_help_shows():
     assert all((c.usage or c.names[0]) in listed for c in RULES.values())
     assert "expected:BUDGET" in listed and listed in str(unknown_rule("nope"))
     assert Generate().option("policy").help.startswith(listed)
+
+
+def test_a_storage_dtype_is_refused_for_a_store_that_cannot_hold_one(strided):
+    """A rule held by a store of the user's own (not in ``STORAGE_STORES``) keeps the model's dtype: a storage dtype
+    is refused, naming the rule and its store; headlab's own stores (SnapKV's included) take one."""
+    from headlab.decode.cache import check_storage
+
+    @dataclass(frozen=True)
+    class Own(Strided):
+        store = "own"
+
+    with pytest.raises(ConfigError, match="held by the store 'own', which keeps the model's dtype"):
+        check_storage("float16", [kv.Policy.uniform(Own(2))])
+    assert check_storage("float16", [kv.Policy.parse("snapkv:64"), kv.Policy.parse("expected:64")]) == torch.float16

@@ -257,6 +257,31 @@ def test_bytes_held_equal_the_prediction_and_shrink_by_the_budget(policy):
     _, cache = _decoded(model, torch.randint(3, 97, (1, 50), generator=torch.Generator().manual_seed(5)), policy, 33)
 
 
+@pytest.mark.parametrize("text", ["adakv:12,window=4,pool=3", "snapkv:12,window=4,bits=4,group=4,residual=0",
+                                  "expected:12,sink=2,future=8"])
+def test_a_16_bit_storage_holds_what_a_head_keeps_in_16_bits(text):
+    """``kv_dtype="float16"`` under a float32 model: every floating tensor the cache holds is float16 (a quantized
+    head's scales and zero points too), the bytes are the prediction at 2 bytes a number, and the steps differ from
+    the float32 cache's only by that rounding."""
+    model = build("llama")
+    prompt, new = 40, 9
+    ids = torch.randint(3, 97, (1, prompt), generator=torch.Generator().manual_seed(4))
+    policy = kv.Policy.parse(text)
+    held = prompt + new - 1
+    g32 = headlab.generate(model, ids, policy=policy, max_new_tokens=new, stop_at_eos=False)
+    g16 = headlab.generate(model, ids, policy=policy, max_new_tokens=new, stop_at_eos=False, kv_dtype="float16")
+    assert g16.kv_bytes == policy_peak_bytes(policy, kv_heads=KVH, prompt=prompt, tokens=held, head_dim=8,
+                                             dtype="float16") < g32.kv_bytes
+    assert g16.kv_bytes_full * 2 == g32.kv_bytes_full
+    torch.testing.assert_close(g16.step_logits, g32.step_logits, rtol=0, atol=2e-2)
+    cache = HeadCache(model, policy, dtype=torch.float16)
+    with torch.no_grad():
+        model(input_ids=ids, past_key_values=cache, use_cache=True)
+        model(input_ids=ids[:, -1:], past_key_values=cache, use_cache=True)
+    floats = [t for layer in cache.layers for g in layer.groups for t in g._tensors() if t.is_floating_point()]
+    assert floats and {t.dtype for t in floats} == {torch.float16}
+
+
 def test_the_cost_model_counts_the_budget_on_smollm2s_shape():
     shape = dict(kv_heads=[3] * 30, tokens=8192, head_dim=64, dtype="float16")
     full16 = full_cache_bytes(layers=30, kv_heads=3, tokens=8192, head_dim=64, dtype="float16")

@@ -422,8 +422,7 @@ def paired_with_suite(path, rows: list[dict], tasks, lengths: list[int]) -> tupl
     pairs = [(h, "headlab full") for h in right if h.startswith("headlab ") and h != "headlab full"]
     pairs += [(f"peer {m}", "peer DynamicCache") for m in peer if m != "DynamicCache"]
     four = [h for h in right if h.startswith("headlab ") and "bits=4" in h]
-    if four and "quanto 4-bit" in peer:
-        pairs.append((four[0], "peer quanto 4-bit"))
+    pairs += [(four[0], f"peer {m}") for m in peer if four and m.endswith(" 4-bit")]
     if "DynamicCache" in peer:
         pairs.append(("headlab full", "peer DynamicCache"))
     print(f"\npaired on {len(tasks)} tasks with {path} (McNemar; Wald interval, 95%)")
@@ -463,9 +462,21 @@ def side_pool(args) -> None:
 
 
 def _merge(files: list[dict]) -> list[dict]:
-    """One result per side: a side's batches (``--start``) joined in task order, each list of a method extended."""
+    """One result per side: files of a side on the same tasks (the same ``--start`` and count, other ``--methods``)
+    joined method by method, then its batches (``--start``) joined in task order, each list of a method extended."""
+    same: dict[tuple[str, int], dict] = {}
+    for d in files:
+        key = (d["side"], d.get("start", 0))
+        if key not in same:
+            same[key] = d
+            continue
+        a = same[key]
+        new = {m: r for m, r in d["methods"].items() if not m.startswith("_")}
+        if d["tasks"] != a["tasks"] or new.keys() & a["methods"].keys():
+            raise SystemExit(f"{d['side']}: two files from task {key[1]} with other task counts or the same methods")
+        a["methods"].update(new)
     by: dict[str, dict] = {}
-    for d in sorted(files, key=lambda d: (d["side"], d.get("start", 0))):
+    for d in sorted(same.values(), key=lambda d: (d["side"], d.get("start", 0))):
         if d["side"] not in by:
             by[d["side"]] = d
             continue

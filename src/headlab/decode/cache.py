@@ -207,7 +207,8 @@ class HeadCache(Cache):
         dtype: the dtype the cache holds its keys and values in (and a quantized head its scales, zero points and
             full-precision residual), when not the model's: ``torch.float16`` or ``"bfloat16"`` holds a 16-bit
             cache under a float32 model on the CPU (each step computes in the model's dtype). Full, windowed,
-            dropped and quantized rules take it; SnapKV's are refused.
+            dropped, quantized and token-budget rules (SnapKV, Ada-KV, Expected Attention) take it; a rule whose store
+            the user registered is refused.
         codes: a quantized head's decode step attends on its codes (:func:`headlab.decode.codes.attend_codes`,
             the default); False reads the cache back (dequantizes) and then attends, as round two did.
 
@@ -272,12 +273,13 @@ class HeadCache(Cache):
         self.peak_bytes = max(self.peak_bytes, self._total)
 
 
-STORAGE_STORES = ("plain", "quant", "none")  # the stores that hold keys in a storage dtype of the cache's own
+STORAGE_STORES = ("plain", "quant", "none", "snap")  # the stores that hold keys in a storage dtype of the cache's own
 
 
 def check_storage(dtype, policies=(), *, name: str = "dtype") -> torch.dtype | None:
     """The storage dtype a :class:`HeadCache` takes (None: the model's): a floating dtype, and only if every rule of
-    ``policies`` is held by a store that takes one (SnapKV's keep the model's dtype). Raises :class:`ConfigError`
+    ``policies`` is held by a store that takes one (headlab's all do; a store registered by a user, not named in
+    ``STORAGE_STORES``, keeps the model's dtype). Raises :class:`ConfigError`
     naming ``name``; called before a model is loaded by the commands that take ``--kv-dtype``."""
     if dtype is None:
         return None

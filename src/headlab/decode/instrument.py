@@ -111,7 +111,7 @@ def _rule(value, option, options) -> None:
 
 
 def _kv_dtype(value, option, options) -> None:
-    """A floating storage dtype; with ``--policy`` alone, a rule whose store keeps the model's dtype (SnapKV's) is
+    """A floating storage dtype; with ``--policy`` alone, a rule whose store keeps the model's dtype (a user's store) is
     refused here, before the load (a ``--kv-from`` policy is checked once it is built)."""
     from headlab.decode.cache import check_storage
     from headlab.decode.policy import Policy

@@ -21,7 +21,19 @@ layers. The variants, at ``--bits`` bits and groups of ``--group``:
   turned with the model's own ``rotary_emb`` (half-rotation, as Llama), checked to give back the recorded keys,
   and the variant is left out for a model where they do not;
 - ``keys before RoPE, values rotated``: both;
-- ``8 bits``: KIVI at 8 bits, the reference that decodes as the full cache does.
+- ``8 bits``: KIVI at 8 bits, the reference that decodes as the full cache does;
+- at ``--bits 4``, three ways of spending the same bytes on some tokens more than others (scale and zero in float16,
+  so ``b + 32 / group`` bits a number): ``8/2 bits by SnapKV's score`` holds a third of the context's tokens at 8
+  bits and the rest at 2 (``(8 + s) / 3 + 2 (2 + s) / 3 = 4 + s``), the third being the last ``WINDOW`` context
+  tokens and the tokens before them that those queries attend to most (SnapKV's score, Li et al. 2024: softmax
+  over the keys each query sees, summed over the queries, max-pooled over 7 positions, averaged over a kv head's
+  query heads; ties to the earlier position), chosen per kv head from the context alone, as the suite compresses
+  it before the question by default (mixed precision by importance: MiKV, Yang et al. 2024; ZipCache, He et al.
+  2024); ``8/2 bits by the question's attention`` the same third chosen by the attention the question's own
+  queries give the context (summed, not pooled): an oracle, the error being measured at those same queries, which
+  bounds what any choice of the third could do; and ``8 bits on
+  SnapKV's top, rest evicted`` keeps ``(4 + s) / (8 + s)`` of the context (53% at groups of 64) at 8 bits, chosen
+  as the first, and drops the rest.
 
 Also reported: how much of KIVI's error the five worst kv heads carry (a mixed precision that spends bits on a few
 heads needs that share to be large).
@@ -41,6 +53,8 @@ from headlab.interpret.study.base import Context, Instrument, InstrumentResult, 
 KIND = "kv_error"
 PRE_ROPE = ("keys before RoPE", "keys before RoPE, values rotated")
 QUESTION = 64  # room for a task's question after its context (the suite's take up to about 50 tokens)
+WINDOW = 32  # SnapKV's observation window: the context's last queries, which score the tokens before them
+MIXED = ("8/2 bits by SnapKV's score", "8/2 bits by the question's attention", "8 bits on SnapKV's top, rest evicted")
 
 
 def keys_held(k, bits: int, group: int):
@@ -190,11 +204,14 @@ headlab kv error --n 12 --tokens 1024 --seed 7 --bits 4 --group 64 --out error.j
                 variants["keys before RoPE"] = lambda: (pre(b, g), values_held(vc, b, g))
                 if rot is not None:
                     variants["keys before RoPE, values rotated"] = lambda: (pre(b, g), values_held(vc, b, g, rot))
+            keep: dict[str, torch.Tensor] = {}
+            if b == 4 and ctx_len > WINDOW:
+                mixed(variants, keep, q, k16, v16, ctx_len, g)
             ref = attend(q, k16.float(), v16.float(), ctx_len)
             for name, make in variants.items():
                 kq, vq = make()
                 kk = torch.cat([kq, k16[:, :, ctx_len:].float()], 2)
-                o = attend(q, kk, torch.cat([vq, v16[:, :, ctx_len:].float()], 2), ctx_len)
+                o = attend(q, kk, torch.cat([vq, v16[:, :, ctx_len:].float()], 2), ctx_len, keep.get(name))
                 errors.setdefault(name, []).append(float((o - ref).norm() / ref.norm()))
                 if name == "kivi":
                     h = k.shape[1]
@@ -239,9 +256,10 @@ headlab kv error --n 12 --tokens 1024 --seed 7 --bits 4 --group 64 --out error.j
         return InstrumentResult(KIND, model=getattr(ctx.loaded, "name", None), settings=ctx.settings, figures=figures)
 
 
-def attend(q, k, v, ctx_len: int):
+def attend(q, k, v, ctx_len: int, keep=None):
     """Causal attention of the queries at positions ``ctx_len..n-1`` over ``k, v`` (kv heads shared by groups of
-    query heads), in float32: ``(B, H, n - ctx_len, d_v)``."""
+    query heads), in float32: ``(B, H, n - ctx_len, d_v)``; ``keep (h_kv, ctx_len)``: the context tokens each kv
+    head still holds (default: all)."""
     import torch
 
     rep = q.shape[1] // k.shape[1]
@@ -249,7 +267,69 @@ def attend(q, k, v, ctx_len: int):
     qq = q[:, :, ctx_len:]
     s = qq @ k.repeat_interleave(rep, 1).transpose(-1, -2) / math.sqrt(q.shape[-1])
     mask = torch.arange(n)[None, :] > torch.arange(ctx_len, n)[:, None]
+    if keep is not None:
+        gone = torch.cat([~keep, keep.new_zeros(keep.shape[0], n - ctx_len)], 1).repeat_interleave(rep, 0)
+        mask = mask | gone[:, None, :]
     return s.masked_fill(mask, float("-inf")).softmax(-1) @ v.repeat_interleave(rep, 1)
+
+
+def snap_votes(q, k, first: int, last: int, pool: int = 7):
+    """SnapKV's score of the keys ``k[:, :, :first]`` (``(B, h_kv, t, d)``) from the queries ``q[:, :, first:last]``:
+    each query's softmax over the keys it sees (causal, from position ``first`` on), summed over the queries,
+    max-pooled over ``pool`` positions (1: none) and averaged over a kv head's query heads: ``(h_kv, first)`` for
+    batch 0."""
+    import torch
+    import torch.nn.functional as F
+
+    rep = q.shape[1] // k.shape[1]
+    s = q[:, :, first:last] @ k[:, :, :last].float().repeat_interleave(rep, 1).transpose(-1, -2)
+    s = s / math.sqrt(q.shape[-1])
+    mask = torch.arange(last)[None, :] > torch.arange(first, last)[:, None]
+    votes = s.masked_fill(mask, float("-inf")).softmax(-1)[..., :first].sum(-2)
+    votes = F.max_pool1d(votes[0], kernel_size=pool, stride=1, padding=pool // 2)
+    return votes.unflatten(0, (k.shape[1], rep)).mean(1)
+
+
+def top(votes, count: int, extra: int = 0):
+    """``(h_kv, len + extra)`` bool: each kv head's ``count`` highest ``votes (h_kv, len)`` (ties to the earlier
+    position), and the ``extra`` positions after them."""
+    import torch
+
+    order = votes.sort(dim=-1, descending=True, stable=True).indices[:, :count]
+    sel = torch.zeros(votes.shape[0], votes.shape[1] + extra, dtype=torch.bool)
+    sel[:, votes.shape[1] :] = True
+    return sel.scatter(1, order, True)
+
+
+def split_held(kc, vc, parts):
+    """Keys and values ``(1, h_kv, t, d)`` read back from ``parts``, each ``(tokens (h_kv, t) bool, bits, group)``:
+    a kv head's tokens of a part, in order of position, held as :func:`keys_held` and :func:`values_held` hold a
+    sequence; tokens in no part are left at 0 (evicted: mask them in :func:`attend`)."""
+    import torch
+
+    kq, vq = torch.zeros(kc.shape), torch.zeros(vc.shape)
+    for h in range(kc.shape[1]):
+        for tokens, bits, group in parts:
+            i = tokens[h].nonzero()[:, 0]
+            if len(i):
+                kq[:, h, i] = keys_held(kc[:, h : h + 1, i], bits, group)[:, 0]
+                vq[:, h, i] = values_held(vc[:, h : h + 1, i], bits, group)[:, 0]
+    return kq, vq
+
+
+def mixed(variants: dict, keep: dict, q, k16, v16, ctx_len: int, group: int) -> None:
+    """Add the ``MIXED`` variants (at 4 bits' bytes) for a layer's queries ``q``, keys ``k16`` and values ``v16``
+    (``(1, h_kv, n, d)``, float16) whose first ``ctx_len`` are the context."""
+    t, third, s = ctx_len, round(ctx_len / 3), 32 / group
+    kc, vc = k16[:, :, :t], v16[:, :, :t]
+    votes = snap_votes(q, k16, t - WINDOW, t)
+    agnostic = top(votes, max(0, third - WINDOW), WINDOW)
+    oracle = top(snap_votes(q, k16, t, q.shape[2], pool=1), third)
+    kept = top(votes, max(0, round(t * (4 + s) / (8 + s)) - WINDOW), WINDOW)
+    variants[MIXED[0]] = lambda: split_held(kc, vc, [(agnostic, 8, group), (~agnostic, 2, group)])
+    variants[MIXED[1]] = lambda: split_held(kc, vc, [(oracle, 8, group), (~oracle, 2, group)])
+    variants[MIXED[2]] = lambda: split_held(kc, vc, [(kept, 8, group)])
+    keep[MIXED[2]] = kept
 
 
 def _ids(ctx: Context, i: int) -> tuple[list[int], list[int]]:
@@ -293,4 +373,4 @@ def _pre_rope(adapter, layer: int, recording, rotary, k, ctx_len: int):
     return make
 
 
-__all__ = ["KVError", "attend", "keys_held", "values_held"]
+__all__ = ["KVError", "attend", "keys_held", "split_held", "values_held"]

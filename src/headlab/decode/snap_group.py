@@ -161,7 +161,8 @@ class SnapStore(KVStore):
         """The group's query heads ``q (B, heads, m, d)``: the prefill (then the selection), or a later chunk."""
         m, rep = q.shape[2], self.rep
         if self.prompt is not None:
-            k, v, pos = self.prompt
+            k, v, pos = self.prompt  # in a storage dtype of its own (HeadCache(dtype=...)): computed in the query's
+            k, v = k.to(q.dtype), v.to(q.dtype)
             vis = None
             if hf is None:
                 o = attention(q, k, v, causal=True, scale=scaling)
@@ -182,6 +183,7 @@ class SnapStore(KVStore):
         assert self.keys is not None and self.values is not None and self.pos is not None  # selected at the prefill
         for i, (k, v, pos) in enumerate(zip(self.keys, self.values, self.pos)):
             qi = q[:, i * rep : (i + 1) * rep]
+            k, v = k.to(q.dtype), v.to(q.dtype)
             if m == 1 and hf is None:  # every held key is visible to the newest query
                 if softcap is None:
                     outs.append(F.scaled_dot_product_attention(qi, k, v, scale=scaling, enable_gqa=True))
@@ -220,8 +222,11 @@ class SnapStore(KVStore):
         self._keep(k, v, pos, idx)
 
     def _keep(self, k, v, pos, idx: list[torch.Tensor]) -> None:
-        """Hold the prompt tokens ``idx`` (per head) of the prefill's keys and values, as the rule stores them."""
+        """Hold the prompt tokens ``idx`` (per head) of the prefill's keys and values, as the rule stores them (in
+        the storage dtype when one is set: its scales and zero points too, when quantized)."""
         r = self.rule
+        if self.storage is not None:
+            k, v = k.to(self.storage), v.to(self.storage)
         self.keys = [k[:, i : i + 1].index_select(2, j.to(k.device)).contiguous() for i, j in enumerate(idx)]
         self.values = [v[:, i : i + 1].index_select(2, j.to(v.device)).contiguous() for i, j in enumerate(idx)]
         self.pos = [pos[j] for j in idx]
