@@ -269,8 +269,6 @@ def test_bad_storage_options_are_refused():
         HeadCache(model, dtype="int8")
     with pytest.raises(ConfigError, match="floating"):
         HeadCache(model, dtype=torch.int32)
-    with pytest.raises(ConfigError, match="snap"):
-        HeadCache(model, kv.Policy.parse("snapkv:16,window=4"), dtype=torch.float16)
     with pytest.raises(ConfigError, match="codes"):
         HeadCache(model, codes="yes")
 

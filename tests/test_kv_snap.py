@@ -276,8 +276,8 @@ def test_a_16_bit_storage_holds_what_a_head_keeps_in_16_bits(text):
     torch.testing.assert_close(g16.step_logits, g32.step_logits, rtol=0, atol=2e-2)
     cache = HeadCache(model, policy, dtype=torch.float16)
     with torch.no_grad():
-        model(input_ids=ids, past_key_values=cache, use_cache=True)
-        model(input_ids=ids[:, -1:], past_key_values=cache, use_cache=True)
+        model(input_ids=ids, cache=cache, use_cache=True)
+        model(input_ids=ids[:, -1:], cache=cache, use_cache=True)
     floats = [t for layer in cache.layers for g in layer.groups for t in g._tensors() if t.is_floating_point()]
     assert floats and {t.dtype for t in floats} == {torch.float16}
 
