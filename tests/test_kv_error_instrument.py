@@ -43,10 +43,12 @@ def values(v, bits, group):  # per token, groups of channels
     return minmax(v.unflatten(3, (-1, group)), 4, bits).flatten(3)
 
 
-def layers(path, n_tasks: int, tokens: int):
+def layers(path, n_tasks: int, tokens: int, answers=None):
     """For each suite task (seed 0) and layer of the tiny model: ``q`` and the float16 ``k``, ``v`` of the context
-    and question (hooks on the projections, transformers' own RoPE), the context's length, and the attention output
-    at the question's queries for given keys and values (torch's SDPA, causal, ``attn_mask`` ANDed with it)."""
+    and question (and ``answers[i]`` but its last token, when given; hooks on the projections, transformers' own
+    RoPE), the context's length, and the attention output at the question's queries (or, with ``answers``, at those
+    that decode the answer: from the question's last on) for given keys and values (torch's SDPA, causal,
+    ``attn_mask`` ANDed with it)."""
     import headlab
     from headlab.decode import suite
     from headlab.models.loaded_model import resolve
@@ -54,10 +56,11 @@ def layers(path, n_tasks: int, tokens: int):
 
     lm = headlab.load(str(path))
     model, tok = resolve(lm)[0].model, lm.tokenizer
-    for t in suite.make_suite(tok, n_tasks, tokens=tokens, seed=0):
-        c = tok(t.context, add_special_tokens=False)["input_ids"]
-        ids = torch.tensor([c + tok(t.question, add_special_tokens=False)["input_ids"]])
+    for i, t in enumerate(suite.make_suite(tok, n_tasks, tokens=tokens, seed=0)):
+        c, qn = (tok(x, add_special_tokens=False)["input_ids"] for x in (t.context, t.question))
+        ids = torch.tensor([c + qn + (answers[i][:-1] if answers else [])])
         n, m = ids.shape[1], len(c)
+        first = m + len(qn) - 1 if answers else m
         seen: dict = {}
         hooks = [getattr(layer.self_attn, p).register_forward_hook(
                  lambda mod, i, o, key=(li, p): seen.__setitem__(key, o.detach()))
@@ -71,12 +74,12 @@ def layers(path, n_tasks: int, tokens: int):
             q, k, v = (seen[li, p].view(1, n, -1, 16).transpose(1, 2) for p in ("q_proj", "k_proj", "v_proj"))
             q, k = apply_rotary_pos_emb(q, k, cos, sin)
 
-            def out_(kk, vv, gone=None, q=q, n=n, m=m):  # gone (h_kv, n): keys evicted from a kv head
+            def out_(kk, vv, gone=None, q=q, n=n, first=first):  # gone (h_kv, n): keys evicted from a kv head
                 mask = (torch.arange(n)[None] <= torch.arange(n)[:, None])[None, None]
                 if gone is not None:
                     mask = mask & ~gone.repeat_interleave(2, 0)[None, :, None, :]
                 o = torch.nn.functional.scaled_dot_product_attention(q, kk, vv, enable_gqa=True, attn_mask=mask)
-                return o[:, :, m:]
+                return o[:, :, first:]
 
             yield q, k.half(), v.half(), m, out_
 
@@ -107,6 +110,7 @@ def test_the_errors_are_the_definitions_computed_apart(tiny):
 
 @pytest.mark.parametrize("argv, words", [(["--bits", "3"], "--bits 3: give 2, 4 or 8"),
                                          (["--group", "48"], "--group 48: give a power of 2"),
+                                         (["--at", "context"], "--at 'context': give question or answer"),
                                          (["--tokens", "9000"], "must fit in the 8,192 positions of smollm2"),
                                          (["--n", "1000000"], "at most 100,000 tasks")])
 def test_bad_quantizers_are_refused_before_the_load(argv, words, tmp_path, no_load, capsys):
@@ -182,3 +186,43 @@ def test_mixed_precision_at_4_bits_bytes_is_its_definition(tiny):
     for name, errs in got.items():
         assert rows[name]["rel_error"] == pytest.approx(sum(errs) / len(errs), rel=1e-3), name
     assert rows["8/2 bits by the question's attention"]["rel_error"] != rows["8/2 bits by SnapKV's score"]["rel_error"]
+
+
+def test_at_the_answer_the_error_is_read_where_the_answer_is_decoded(tiny):
+    """``--at answer``: the answer is the model's greedy one (each token the argmax after the tokens before it, up
+    to the task's ``max_new_tokens``), and the errors are read at the queries that decode it, the third of the
+    oracle row still chosen by the question's own queries."""
+    import headlab
+    from headlab.decode import suite
+    from headlab.interpret.study import runner
+
+    out = runner.run("kv-error", {"model": str(tiny), "n": 2, "tokens": 256, "seed": 0, "bits": 4, "group": 8,
+                                  "at": "answer"})
+    rows = {r["variant"]: r for r in out.result.figures["rows"]}
+    answers = out.ctx.state["answers"]
+    lm = headlab.load(str(tiny))
+    tasks = suite.make_suite(lm.tokenizer, 2, tokens=256, seed=0)
+    for i, t in enumerate(tasks):
+        prompt = [tok for x in (t.context, t.question) for tok in lm.tokenizer(x, add_special_tokens=False)["input_ids"]]
+        a = answers[i]
+        assert 1 <= len(a) <= t.max_new_tokens
+        with torch.no_grad():
+            logits = lm.model(torch.tensor([prompt + a])).logits[0]
+        assert logits[len(prompt) - 1:len(prompt) + len(a) - 1].argmax(-1).tolist() == a
+    got: dict[str, list[float]] = {"kivi": [], "8/2 bits by the question's attention": []}
+    qlens = [len(lm.tokenizer(t.question, add_special_tokens=False)["input_ids"]) for t in tasks]
+    for j, (q, k16, v16, m, out_) in enumerate(layers(tiny, 2, 256, answers)):
+        ref = out_(k16.float(), v16.float())
+        kc, vc, kt, vt = k16[:, :, :m], v16[:, :, :m], k16[:, :, m:].float(), v16[:, :, m:].float()
+        oracle = snapkv_top(q, k16, m, m + qlens[j // 2], round(m / 3), 1)
+        kq, vq = torch.zeros(kc.shape), torch.zeros(vc.shape)
+        for h in range(2):
+            for sel, bits in ((oracle, 8), (~oracle, 2)):
+                i = sel[h].nonzero()[:, 0]
+                kq[:, h, i], vq[:, h, i] = keys(kc[:, h:h + 1, i], bits, 8)[:, 0], values(vc[:, h:h + 1, i], bits, 8)[:, 0]
+        for name, (kk, vv) in (("kivi", (keys(kc, 4, 8), values(vc, 4, 8))),
+                               ("8/2 bits by the question's attention", (kq, vq))):
+            o = out_(torch.cat([kk, kt], 2), torch.cat([vv, vt], 2))
+            got[name].append(float((o - ref).norm() / ref.norm()))
+    for name, errs in got.items():
+        assert rows[name]["rel_error"] == pytest.approx(sum(errs) / len(errs), rel=1e-3), name

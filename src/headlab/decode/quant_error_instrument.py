@@ -6,7 +6,10 @@ layer's queries, keys, values and attention input for the context followed by th
 output at the question's queries is computed with the context's keys and values held as a quantizer would hold
 them (the question's own exact), and compared with the same attention on keys and values rounded to float16 (a
 16-bit cache held): the relative error ``||o - o_16|| / ||o_16||``, per layer and variant, averaged over tasks and
-layers. The variants, at ``--bits`` bits and groups of ``--group``:
+layers. With ``--at answer`` the error is read instead at the queries that decode the answer (the question's last
+token and the answer the model gives with its full cache, greedy, up to the task's ``max_new_tokens``, all but its
+last token appended to the prompt), the question's and the answer's keys and values exact. The variants, at
+``--bits`` bits and groups of ``--group``:
 
 - ``kivi``: KIVI (Liu et al. 2024): keys per channel in groups of tokens (a last partial group exact, as the store
   holds it with ``residual=0``), values per token in groups of channels (:mod:`headlab.decode.quant`);
@@ -30,8 +33,9 @@ layers. The variants, at ``--bits`` bits and groups of ``--group``:
   query heads; ties to the earlier position), chosen per kv head from the context alone, as the suite compresses
   it before the question by default (mixed precision by importance: MiKV, Yang et al. 2024; ZipCache, He et al.
   2024); ``8/2 bits by the question's attention`` the same third chosen by the attention the question's own
-  queries give the context (summed, not pooled): an oracle, the error being measured at those same queries, which
-  bounds what any choice of the third could do; and ``8 bits on
+  queries give the context (summed, not pooled): at ``--at question`` an oracle, the error being measured at those
+  same queries, which bounds what any choice of the third could do; at ``--at answer`` what a cache that has seen
+  the question could do for the decoding steps; and ``8 bits on
   SnapKV's top, rest evicted`` keeps ``(4 + s) / (8 + s)`` of the context (53% at groups of 64) at 8 bits, chosen
   as the first, and drops the rest.
 
@@ -53,6 +57,8 @@ from headlab.interpret.study.base import Context, Instrument, InstrumentResult, 
 KIND = "kv_error"
 PRE_ROPE = ("keys before RoPE", "keys before RoPE, values rotated")
 QUESTION = 64  # room for a task's question after its context (the suite's take up to about 50 tokens)
+ANSWER = 64  # room for the answer after it (--at answer; the suite's tasks ask for at most this many tokens)
+AT = ("question", "answer")
 WINDOW = 32  # SnapKV's observation window: the context's last queries, which score the tokens before them
 MIXED = ("8/2 bits by SnapKV's score", "8/2 bits by the question's attention", "8 bits on SnapKV's top, rest evicted")
 
@@ -103,6 +109,11 @@ def _bits(value, option, options) -> None:
         raise ConfigError(f"{option.label} {value}: give 2, 4 or 8 (the cache's code widths)")
 
 
+def _at(value, option, options) -> None:
+    if value not in AT:
+        raise ConfigError(f"{option.label} {value!r}: give question or answer (whose queries the error is read at)")
+
+
 def _group(value, option, options) -> None:
     at_least(2)(value, option, options)
     if value & (value - 1):
@@ -131,6 +142,14 @@ headlab kv error --n 12 --tokens 1024 --seed 7 --bits 4 --group 64 --out error.j
         Option("seed", "--seed", int, 7, "the tasks' seed", check=at_least(0)),
         Option("bits", "--bits", int, 4, "bits per number: 2, 4 or 8", check=_bits),
         Option("group", "--group", int, 64, "tokens per key group, channels per value group", check=_group),
+        Option(
+            "at",
+            "--at",
+            str,
+            "question",
+            "read the error at the question's queries, or at those that decode the answer (greedy, full cache)",
+            check=_at,
+        ),
         Option("out", "--out", Path, None, "write the result (JSON) here", short="-o", setting=False),
         Option("force", "--force", bool, False, "replace an existing --out file", setting=False),
     )
@@ -141,7 +160,8 @@ headlab kv error --n 12 --tokens 1024 --seed 7 --bits 4 --group 64 --out error.j
         self.check_positions(ctx, None)
 
     def check_positions(self, ctx: Context, limit: int | None) -> None:
-        check_fits(ctx, limit, ctx.options["tokens"] + QUESTION, f"--tokens {ctx.options['tokens']}")
+        room = QUESTION + (ANSWER if ctx.options["at"] == "answer" else 0)
+        check_fits(ctx, limit, ctx.options["tokens"] + room, f"--tokens {ctx.options['tokens']}")
 
     def check_loaded(self, ctx: Context) -> None:
         from headlab.decode import suite
@@ -165,11 +185,12 @@ headlab kv error --n 12 --tokens 1024 --seed 7 --bits 4 --group 64 --out error.j
         return [f"blocks.*.attn.{k}" for k in ("q", "k", "v", "input")]
 
     def unit_inputs(self, ctx: Context, unit: Unit):
-        """The task's context followed by its question, as one prompt."""
+        """The task's context followed by its question, as one prompt (and with ``--at answer`` the answer but its
+        last token)."""
         import torch
 
         context, question = _ids(ctx, unit.payload)
-        return torch.tensor([context + question])
+        return torch.tensor([context + question + _answer(ctx, unit.payload)[:-1]])
 
     def run_unit(self, ctx: Context, unit: Unit, recording=None) -> dict:
         """``{"errors": {variant: [error per layer]}, "heads": [[KIVI's error per kv head] per layer]}``."""
@@ -178,7 +199,9 @@ headlab kv error --n 12 --tokens 1024 --seed 7 --bits 4 --group 64 --out error.j
         from headlab.decode.quant import hadamard
 
         adapter, b, g = ctx.state["adapter"], ctx.options["bits"], ctx.options["group"]
-        ctx_len = len(_ids(ctx, unit.payload)[0])
+        context, question = _ids(ctx, unit.payload)
+        ctx_len, q_len = len(context), len(question)
+        first = ctx_len if ctx.options["at"] == "question" else ctx_len + q_len - 1  # the queries read
         errors: dict[str, list[float]] = {}
         heads = []
         rotary = _rotary(adapter.model)
@@ -206,19 +229,21 @@ headlab kv error --n 12 --tokens 1024 --seed 7 --bits 4 --group 64 --out error.j
                     variants["keys before RoPE, values rotated"] = lambda: (pre(b, g), values_held(vc, b, g, rot))
             keep: dict[str, torch.Tensor] = {}
             if b == 4 and ctx_len > WINDOW:
-                mixed(variants, keep, q, k16, v16, ctx_len, g)
-            ref = attend(q, k16.float(), v16.float(), ctx_len)
+                mixed(variants, keep, q, k16, v16, ctx_len, q_len, g)
+            ref = attend(q, k16.float(), v16.float(), ctx_len, first=first)
             for name, make in variants.items():
                 kq, vq = make()
                 kk = torch.cat([kq, k16[:, :, ctx_len:].float()], 2)
-                o = attend(q, kk, torch.cat([vq, v16[:, :, ctx_len:].float()], 2), ctx_len, keep.get(name))
+                vv = torch.cat([vq, v16[:, :, ctx_len:].float()], 2)
+                o = attend(q, kk, vv, ctx_len, keep.get(name), first=first)
                 errors.setdefault(name, []).append(float((o - ref).norm() / ref.norm()))
                 if name == "kivi":
                     h = k.shape[1]
                     num = (o - ref).unflatten(1, (h, -1)).pow(2).sum((0, 2, 3, 4))
                     den = ref.unflatten(1, (h, -1)).pow(2).sum((0, 2, 3, 4))
                     heads.append((num / den).sqrt().tolist())
-        return {"errors": errors, "heads": heads}
+        answer = _answer(ctx, unit.payload)
+        return {"errors": errors, "heads": heads, **({"answer": answer} if answer else {})}
 
     def finish(self, ctx: Context, values: dict) -> InstrumentResult:
         import torch
@@ -256,17 +281,18 @@ headlab kv error --n 12 --tokens 1024 --seed 7 --bits 4 --group 64 --out error.j
         return InstrumentResult(KIND, model=getattr(ctx.loaded, "name", None), settings=ctx.settings, figures=figures)
 
 
-def attend(q, k, v, ctx_len: int, keep=None):
-    """Causal attention of the queries at positions ``ctx_len..n-1`` over ``k, v`` (kv heads shared by groups of
-    query heads), in float32: ``(B, H, n - ctx_len, d_v)``; ``keep (h_kv, ctx_len)``: the context tokens each kv
-    head still holds (default: all)."""
+def attend(q, k, v, ctx_len: int, keep=None, *, first: int | None = None):
+    """Causal attention of the queries at positions ``first..n-1`` (default: ``ctx_len``) over ``k, v`` (kv heads
+    shared by groups of query heads), in float32: ``(B, H, n - first, d_v)``; ``keep (h_kv, ctx_len)``: the context
+    tokens each kv head still holds (default: all)."""
     import torch
 
+    first = ctx_len if first is None else first
     rep = q.shape[1] // k.shape[1]
     n = k.shape[2]
-    qq = q[:, :, ctx_len:]
+    qq = q[:, :, first:]
     s = qq @ k.repeat_interleave(rep, 1).transpose(-1, -2) / math.sqrt(q.shape[-1])
-    mask = torch.arange(n)[None, :] > torch.arange(ctx_len, n)[:, None]
+    mask = torch.arange(n)[None, :] > torch.arange(first, n)[:, None]
     if keep is not None:
         gone = torch.cat([~keep, keep.new_zeros(keep.shape[0], n - ctx_len)], 1).repeat_interleave(rep, 0)
         mask = mask | gone[:, None, :]
@@ -317,14 +343,14 @@ def split_held(kc, vc, parts):
     return kq, vq
 
 
-def mixed(variants: dict, keep: dict, q, k16, v16, ctx_len: int, group: int) -> None:
+def mixed(variants: dict, keep: dict, q, k16, v16, ctx_len: int, q_len: int, group: int) -> None:
     """Add the ``MIXED`` variants (at 4 bits' bytes) for a layer's queries ``q``, keys ``k16`` and values ``v16``
-    (``(1, h_kv, n, d)``, float16) whose first ``ctx_len`` are the context."""
+    (``(1, h_kv, n, d)``, float16) whose first ``ctx_len`` are the context and the next ``q_len`` the question."""
     t, third, s = ctx_len, round(ctx_len / 3), 32 / group
     kc, vc = k16[:, :, :t], v16[:, :, :t]
     votes = snap_votes(q, k16, t - WINDOW, t)
     agnostic = top(votes, max(0, third - WINDOW), WINDOW)
-    oracle = top(snap_votes(q, k16, t, q.shape[2], pool=1), third)
+    oracle = top(snap_votes(q, k16, t, t + q_len, pool=1), third)
     kept = top(votes, max(0, round(t * (4 + s) / (8 + s)) - WINDOW), WINDOW)
     variants[MIXED[0]] = lambda: split_held(kc, vc, [(agnostic, 8, group), (~agnostic, 2, group)])
     variants[MIXED[1]] = lambda: split_held(kc, vc, [(oracle, 8, group), (~oracle, 2, group)])
@@ -335,6 +361,24 @@ def mixed(variants: dict, keep: dict, q, k16, v16, ctx_len: int, group: int) -> 
 def _ids(ctx: Context, i: int) -> tuple[list[int], list[int]]:
     t, tok = ctx.state["tasks"][i], ctx.loaded.tokenizer
     return tok(t.context, add_special_tokens=False)["input_ids"], tok(t.question, add_special_tokens=False)["input_ids"]
+
+
+def _answer(ctx: Context, i: int) -> list[int]:
+    """``--at answer``: the task's answer with the full cache (greedy, the task's ``max_new_tokens`` at most,
+    stopping at the model's end of sequence), decoded once and kept; ``[]`` with ``--at question``."""
+    import torch
+
+    from headlab.decode.generate import generate
+
+    if ctx.options["at"] != "answer":
+        return []
+    answers = ctx.state.setdefault("answers", {})
+    if i not in answers:
+        context, question = _ids(ctx, i)
+        n = min(ANSWER, ctx.state["tasks"][i].max_new_tokens)
+        g = generate(ctx.loaded, torch.tensor([context + question]), max_new_tokens=n)
+        answers[i] = g.ids[0].tolist()
+    return answers[i]
 
 
 def _rotary(model):

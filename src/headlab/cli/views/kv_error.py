@@ -13,9 +13,10 @@ def table(figures: dict, settings: dict) -> list[str]:
     >>> table(f, {"bits": 4, "group": 64})[-2]
     '| kivi | 0.0600 | 1.00x | 0.1000 (layer 3) |'
     """
+    at = "that decode the answer" if settings.get("at") == "answer" else "of the question"
     lines = [
         f"{figures['tasks']} tasks, {settings['bits']}-bit, groups of {settings['group']}: relative error of each "
-        "layer's attention output at the question's queries, against a 16-bit cache (mean over tasks and layers)",
+        f"layer's attention output at the queries {at}, against a 16-bit cache (mean over tasks and layers)",
         "| variant | relative error | vs KIVI | worst layer |",
         "|---|---|---|---|",
     ]
