@@ -209,20 +209,32 @@ def test_at_the_answer_the_error_is_read_where_the_answer_is_decoded(tiny):
         with torch.no_grad():
             logits = lm.model(torch.tensor([prompt + a])).logits[0]
         assert logits[len(prompt) - 1:len(prompt) + len(a) - 1].argmax(-1).tolist() == a
-    got: dict[str, list[float]] = {"kivi": [], "8/2 bits by the question's attention": []}
+    got: dict[str, list[float]] = {"kivi": [], "8/2 bits by SnapKV's score": [],
+                                   "8/2 bits by the question's attention": [], "8 bits on SnapKV's top, rest evicted": []}
     qlens = [len(lm.tokenizer(t.question, add_special_tokens=False)["input_ids"]) for t in tasks]
+
+    def held(kc, vc, parts):
+        kq, vq = torch.zeros(kc.shape), torch.zeros(vc.shape)
+        for h in range(2):
+            for sel, bits in parts:
+                i = sel[h].nonzero()[:, 0]
+                kq[:, h, i], vq[:, h, i] = keys(kc[:, h:h + 1, i], bits, 8)[:, 0], values(vc[:, h:h + 1, i], bits, 8)[:, 0]
+        return kq, vq
+
     for j, (q, k16, v16, m, out_) in enumerate(layers(tiny, 2, 256, answers)):
         ref = out_(k16.float(), v16.float())
         kc, vc, kt, vt = k16[:, :, :m], v16[:, :, :m], k16[:, :, m:].float(), v16[:, :, m:].float()
+        window = torch.ones(2, 32, dtype=torch.bool)
+        agnostic = torch.cat([snapkv_top(q, k16, m - 32, m, round(m / 3) - 32, 7), window], 1)
         oracle = snapkv_top(q, k16, m, m + qlens[j // 2], round(m / 3), 1)
-        kq, vq = torch.zeros(kc.shape), torch.zeros(vc.shape)
-        for h in range(2):
-            for sel, bits in ((oracle, 8), (~oracle, 2)):
-                i = sel[h].nonzero()[:, 0]
-                kq[:, h, i], vq[:, h, i] = keys(kc[:, h:h + 1, i], bits, 8)[:, 0], values(vc[:, h:h + 1, i], bits, 8)[:, 0]
-        for name, (kk, vv) in (("kivi", (keys(kc, 4, 8), values(vc, 4, 8))),
-                               ("8/2 bits by the question's attention", (kq, vq))):
-            o = out_(torch.cat([kk, kt], 2), torch.cat([vv, vt], 2))
+        kept = torch.cat([snapkv_top(q, k16, m - 32, m, round(m * 8 / 12) - 32, 7), window], 1)
+        gone = torch.cat([~kept, torch.zeros(2, k16.shape[2] - m, dtype=torch.bool)], 1)
+        for name, (kk, vv), g in (("kivi", (keys(kc, 4, 8), values(vc, 4, 8)), None),
+                                  ("8/2 bits by SnapKV's score", held(kc, vc, [(agnostic, 8), (~agnostic, 2)]), None),
+                                  ("8/2 bits by the question's attention", held(kc, vc, [(oracle, 8), (~oracle, 2)]),
+                                   None),
+                                  ("8 bits on SnapKV's top, rest evicted", held(kc, vc, [(kept, 8)]), gone)):
+            o = out_(torch.cat([kk, kt], 2), torch.cat([vv, vt], 2), g)
             got[name].append(float((o - ref).norm() / ref.norm()))
     for name, errs in got.items():
         assert rows[name]["rel_error"] == pytest.approx(sum(errs) / len(errs), rel=1e-3), name

@@ -464,33 +464,44 @@ def side_pool(args) -> None:
         Path(args.out).write_text(json.dumps(out, indent=1))
 
 
+BASE = {"peer": "DynamicCache", "headlab": "full 16-bit"}  # each side's full cache: the step ratios' baseline
+
+
 def _merge(files: list[dict]) -> list[dict]:
     """One result per side: files of a side on the same tasks (the same ``--start`` and count, other ``--methods``)
-    joined method by method, then its batches (``--start``) joined in task order, each list of a method extended."""
-    same: dict[tuple[str, int], dict] = {}
+    joined method by method, the one timed with the side's full cache first (the others' methods, timed in another
+    run, get no step ratio), then its batches (``--start``) joined in task order, each list of a method extended;
+    batches must hold the same methods."""
+
+    def names(d: dict) -> set[str]:
+        return {m for m in d["methods"] if not m.startswith("_")}
+
+    same: dict[tuple[str, int], list[dict]] = {}
     for d in files:
-        key = (d["side"], d.get("start", 0))
-        if key not in same:
-            same[key] = d
-            continue
-        a = same[key]
-        new = {m: r for m, r in d["methods"].items() if not m.startswith("_")}
-        if d["tasks"] != a["tasks"] or new.keys() & a["methods"].keys():
-            raise SystemExit(f"{d['side']}: two files from task {key[1]} with other task counts or the same methods")
-        a["methods"].update(new)
-        a["other_run"] = a.get("other_run", []) + list(new)  # timed in another run: no step ratio against its full
+        same.setdefault((d["side"], d.get("start", 0)), []).append(d)
+    joined = []
+    for (side, start), ds in same.items():
+        ds = sorted(ds, key=lambda d: BASE.get(side) not in d["methods"])
+        a = ds[0]
+        for d in ds[1:]:
+            if d["tasks"] != a["tasks"] or names(d) & names(a):
+                raise SystemExit(f"{side}: two files from task {start} with other task counts or the same methods")
+            a["methods"].update({m: d["methods"][m] for m in names(d)})
+            a["other_run"] = a.get("other_run", []) + sorted(names(d))
+        joined.append(a)
     by: dict[str, dict] = {}
-    for d in sorted(same.values(), key=lambda d: (d["side"], d.get("start", 0))):
+    for d in sorted(joined, key=lambda d: (d["side"], d.get("start", 0))):
         if d["side"] not in by:
             by[d["side"]] = d
             continue
         a = by[d["side"]]
         if d.get("start", 0) != a["tasks"]:
             raise SystemExit(f"{d['side']}: a batch starts at task {d.get('start', 0)}, the ones before end at {a['tasks']}")
-        for m, r in d["methods"].items():
-            if m.startswith("_") or m not in a["methods"]:
-                continue
-            for k, v in r.items():
+        if names(d) != names(a):
+            raise SystemExit(f"{d['side']}: the batch from task {d.get('start', 0)} holds {sorted(names(d))}, the ones "
+                             f"before {sorted(names(a))}; give every batch the same methods")
+        for m in names(d):
+            for k, v in d["methods"][m].items():
                 if isinstance(v, list):
                     a["methods"][m].setdefault(k, []).extend(v)
         a["tasks"] += d["tasks"]

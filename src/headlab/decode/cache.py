@@ -295,7 +295,7 @@ def check_storage(dtype, policies=(), *, name: str = "dtype") -> torch.dtype | N
         for rule in (p.default, *p.rules.values()):
             if rule.store not in STORAGE_STORES:
                 raise ConfigError(
-                    f"{name}={dtype!r} sets how full, windowed and quantized heads hold their keys; "
+                    f"{name}={dtype!r} sets how headlab's stores hold their keys; "
                     f"{rule!r} is held by the store {rule.store!r}, which keeps the model's dtype"
                 )
     return storage

@@ -25,17 +25,19 @@ last token appended to the prompt), the question's and the answer's keys and val
   and the variant is left out for a model where they do not;
 - ``keys before RoPE, values rotated``: both;
 - ``8 bits``: KIVI at 8 bits, the reference that decodes as the full cache does;
-- at ``--bits 4``, three ways of spending the same bytes on some tokens more than others (scale and zero in float16,
-  so ``b + 32 / group`` bits a number): ``8/2 bits by SnapKV's score`` holds a third of the context's tokens at 8
+- at ``--bits 4``, three ways of spending about the same bytes on some tokens more than others (scale and zero in
+  float16, so ``b + 32 / group`` bits a number; each part, quantized as its own sequence, holds its last partial key
+  group exact as the store does, and the positions a store of a chosen subset needs are not charged, both in the
+  split's favour): ``8/2 bits by SnapKV's score`` holds a third of the context's tokens at 8
   bits and the rest at 2 (``(8 + s) / 3 + 2 (2 + s) / 3 = 4 + s``), the third being the last ``WINDOW`` context
   tokens and the tokens before them that those queries attend to most (SnapKV's score, Li et al. 2024: softmax
   over the keys each query sees, summed over the queries, max-pooled over 7 positions, averaged over a kv head's
   query heads; ties to the earlier position), chosen per kv head from the context alone, as the suite compresses
   it before the question by default (mixed precision by importance: MiKV, Yang et al. 2024; ZipCache, He et al.
   2024); ``8/2 bits by the question's attention`` the same third chosen by the attention the question's own
-  queries give the context (summed, not pooled): at ``--at question`` an oracle, the error being measured at those
-  same queries, which bounds what any choice of the third could do; at ``--at answer`` what a cache that has seen
-  the question could do for the decoding steps; and ``8 bits on
+  queries give the context (summed, not pooled): at ``--at question`` an optimistic choice, the error being
+  measured at those same queries; at ``--at answer`` what a cache that has seen the question could do for the
+  decoding steps; and ``8 bits on
   SnapKV's top, rest evicted`` keeps ``(4 + s) / (8 + s)`` of the context (53% at groups of 64) at 8 bits, chosen
   as the first, and drops the rest.
 
@@ -160,8 +162,11 @@ headlab kv error --n 12 --tokens 1024 --seed 7 --bits 4 --group 64 --out error.j
         self.check_positions(ctx, None)
 
     def check_positions(self, ctx: Context, limit: int | None) -> None:
-        room = QUESTION + (ANSWER if ctx.options["at"] == "answer" else 0)
-        check_fits(ctx, limit, ctx.options["tokens"] + room, f"--tokens {ctx.options['tokens']}")
+        answer = ctx.options["at"] == "answer"
+        fit = "a task, its question and its answer (--at answer)" if answer else "a task and its question"
+        check_fits(
+            ctx, limit, ctx.options["tokens"] + QUESTION + ANSWER * answer, f"--tokens {ctx.options['tokens']}", fit
+        )
 
     def check_loaded(self, ctx: Context) -> None:
         from headlab.decode import suite

@@ -222,11 +222,11 @@ class SnapStore(KVStore):
         self._keep(k, v, pos, idx)
 
     def _keep(self, k, v, pos, idx: list[torch.Tensor]) -> None:
-        """Hold the prompt tokens ``idx`` (per head) of the prefill's keys and values, as the rule stores them (in
-        the storage dtype when one is set: its scales and zero points too, when quantized)."""
+        """Hold the prompt tokens ``idx`` (per head) of the prefill's keys and values, as the rule stores them (as
+        the prompt was held: in the storage dtype when one is set, a quantized head's scales and zero points too)."""
         r = self.rule
-        if self.storage is not None:
-            k, v = k.to(self.storage), v.to(self.storage)
+        if self.prompt is not None:  # the tensors held, not the copy in the query's dtype that scored them
+            k, v = self.prompt[0], self.prompt[1]
         self.keys = [k[:, i : i + 1].index_select(2, j.to(k.device)).contiguous() for i, j in enumerate(idx)]
         self.values = [v[:, i : i + 1].index_select(2, j.to(v.device)).contiguous() for i, j in enumerate(idx)]
         self.pos = [pos[j] for j in idx]

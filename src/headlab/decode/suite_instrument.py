@@ -48,7 +48,7 @@ def check_tasks(value, option, options) -> None:
 
 
 def _kv_dtype(value, option, options) -> None:
-    """A floating storage dtype, which SnapKV-kind rules (held in the model's dtype) cannot take."""
+    """A floating storage dtype, which every rule of the policies' stores can take (a user's store may not)."""
     from headlab.decode import kv
     from headlab.decode.cache import check_storage
 
@@ -68,17 +68,16 @@ def check_policies(value, option, options) -> None:
         kv.Policy.parse(t)  # an unknown rule or a bad item: the rule's own message
 
 
-def check_fits(ctx: Context, limit: int | None, need: int, what: str) -> None:
-    """``need`` positions (a task and what follows it) must fit the model's ``limit`` (None: peeked from the model's
-    config before the load); refused in ``what``'s words."""
+def check_fits(ctx: Context, limit: int | None, need: int, what: str, fit: str = "a task and its question") -> None:
+    """``need`` positions (``fit``: a task and what follows it) must fit the model's ``limit`` (None: peeked from
+    the model's config before the load); refused in ``what``'s words."""
     if limit is None and isinstance(ctx.options["model"], str | Path):
         from headlab.models.peek import peek_max_positions
 
         limit = peek_max_positions(str(ctx.options["model"]))
     if limit is not None and need >= limit:
         raise ConfigError(
-            f"{what}: a task and its question must fit in the {limit:,} positions of {ctx.options['model']}; "
-            "give fewer --tokens"
+            f"{what}: {fit} must fit in the {limit:,} positions of {ctx.options['model']}; give fewer --tokens"
         )
 
 
