@@ -10,6 +10,7 @@ output (:func:`is_main`). Outside torchrun everything here is the identity: one 
 
 from __future__ import annotations
 
+import atexit
 import os
 from datetime import timedelta
 
@@ -62,7 +63,19 @@ def init_from_env(*, timeout: timedelta = DEFAULT_TIMEOUT) -> tuple[int, int]:
             f"{os.environ['RANK']}, MASTER_ADDR={os.environ['MASTER_ADDR']}, MASTER_PORT="
             f"{os.environ['MASTER_PORT']}): {first}; {under}"
         ) from e
+    atexit.register(_leave)
     return world()
+
+
+def _leave() -> None:
+    """At exit, leave the group this module joined: its threads are joined before the interpreter tears down
+    (left to the destructors, a gloo rank can abort with "terminate called without an active exception" and fail
+    the whole torchrun after its work is done)."""
+    if dist.is_available() and dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except (RuntimeError, ValueError):  # pragma: no cover - already torn down by torch
+            pass
 
 
 def all_reduce_sum(t: torch.Tensor, group=None) -> torch.Tensor:
