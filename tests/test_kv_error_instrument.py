@@ -147,6 +147,33 @@ def snapkv_top(q, k, first: int, last: int, count: int, pool: int) -> torch.Tens
     return sel
 
 
+def held(kc, vc, parts):
+    """Keys and values ``(1, 2, t, d)`` with each kv head's tokens of a part ``(chosen (2, t), bits)``, in order of
+    position, quantized as one sequence (groups of 8); tokens in no part left at 0."""
+    kq, vq = torch.zeros(kc.shape), torch.zeros(vc.shape)
+    for h in range(2):
+        for sel, bits in parts:
+            i = sel[h].nonzero()[:, 0]
+            kq[:, h, i] = keys(kc[:, h:h + 1, i], bits, 8)[:, 0]
+            vq[:, h, i] = values(vc[:, h:h + 1, i], bits, 8)[:, 0]
+    return kq, vq
+
+
+def uneven(q, k16, v16, m: int, q_end: int):
+    """The three rows at 4 bits' bytes (groups of 8), as ``(name, (keys, values), evicted (2, n) or None)``: the
+    third at 8 bits chosen by SnapKV's votes of the context's last 32 queries (the 32 among them) or by the
+    question's queries ``m..q_end-1``, and SnapKV's top two thirds at 8 bits with the rest evicted."""
+    kc, vc = k16[:, :, :m], v16[:, :, :m]
+    window = torch.ones(2, 32, dtype=torch.bool)
+    agnostic = torch.cat([snapkv_top(q, k16, m - 32, m, round(m / 3) - 32, 7), window], 1)
+    oracle = snapkv_top(q, k16, m, q_end, round(m / 3), 1)
+    kept = torch.cat([snapkv_top(q, k16, m - 32, m, round(m * 8 / 12) - 32, 7), window], 1)
+    gone = torch.cat([~kept, torch.zeros(2, k16.shape[2] - m, dtype=torch.bool)], 1)
+    return [("8/2 bits by SnapKV's score", held(kc, vc, [(agnostic, 8), (~agnostic, 2)]), None),
+            ("8/2 bits by the question's attention", held(kc, vc, [(oracle, 8), (~oracle, 2)]), None),
+            ("8 bits on SnapKV's top, rest evicted", held(kc, vc, [(kept, 8)]), gone)]
+
+
 def test_mixed_precision_at_4_bits_bytes_is_its_definition(tiny):
     """A third of the context at 8 bits and the rest at 2, the third chosen by SnapKV's votes of the context's last
     32 queries (the 32 among them) or by the question's own attention; and 8 bits on SnapKV's top two thirds (the
@@ -159,28 +186,11 @@ def test_mixed_precision_at_4_bits_bytes_is_its_definition(tiny):
     got: dict[str, list[float]] = {"8/2 bits by SnapKV's score": [], "8/2 bits by the question's attention": [],
                                    "8 bits on SnapKV's top, rest evicted": []}
 
-    def held(kc, vc, parts):
-        kq, vq = torch.zeros(kc.shape), torch.zeros(vc.shape)
-        for h in range(2):
-            for sel, bits in parts:
-                i = sel[h].nonzero()[:, 0]
-                kq[:, h, i] = keys(kc[:, h:h + 1, i], bits, 8)[:, 0]
-                vq[:, h, i] = values(vc[:, h:h + 1, i], bits, 8)[:, 0]
-        return kq, vq
-
     for q, k16, v16, m, out_ in layers(tiny, 2, 256):
         assert m / 3 > 32  # the third holds more than the window
         ref = out_(k16.float(), v16.float())
-        kc, vc, kt, vt = k16[:, :, :m], v16[:, :, :m], k16[:, :, m:].float(), v16[:, :, m:].float()
-        window = torch.ones(2, 32, dtype=torch.bool)
-        agnostic = torch.cat([snapkv_top(q, k16, m - 32, m, round(m / 3) - 32, 7), window], 1)
-        oracle = snapkv_top(q, k16, m, q.shape[2], round(m / 3), 1)
-        kept = torch.cat([snapkv_top(q, k16, m - 32, m, round(m * 8 / 12) - 32, 7), window], 1)
-        gone = torch.cat([~kept, torch.zeros(2, q.shape[2] - m, dtype=torch.bool)], 1)
-        for name, (kk, vv), g in (("8/2 bits by SnapKV's score", held(kc, vc, [(agnostic, 8), (~agnostic, 2)]), None),
-                                  ("8/2 bits by the question's attention", held(kc, vc, [(oracle, 8), (~oracle, 2)]),
-                                   None),
-                                  ("8 bits on SnapKV's top, rest evicted", held(kc, vc, [(kept, 8)]), gone)):
+        kt, vt = k16[:, :, m:].float(), v16[:, :, m:].float()
+        for name, (kk, vv), g in uneven(q, k16, v16, m, q.shape[2]):
             o = out_(torch.cat([kk, kt], 2), torch.cat([vv, vt], 2), g)
             got[name].append(float((o - ref).norm() / ref.norm()))
     for name, errs in got.items():
@@ -213,27 +223,11 @@ def test_at_the_answer_the_error_is_read_where_the_answer_is_decoded(tiny):
                                    "8/2 bits by the question's attention": [], "8 bits on SnapKV's top, rest evicted": []}
     qlens = [len(lm.tokenizer(t.question, add_special_tokens=False)["input_ids"]) for t in tasks]
 
-    def held(kc, vc, parts):
-        kq, vq = torch.zeros(kc.shape), torch.zeros(vc.shape)
-        for h in range(2):
-            for sel, bits in parts:
-                i = sel[h].nonzero()[:, 0]
-                kq[:, h, i], vq[:, h, i] = keys(kc[:, h:h + 1, i], bits, 8)[:, 0], values(vc[:, h:h + 1, i], bits, 8)[:, 0]
-        return kq, vq
-
     for j, (q, k16, v16, m, out_) in enumerate(layers(tiny, 2, 256, answers)):
         ref = out_(k16.float(), v16.float())
         kc, vc, kt, vt = k16[:, :, :m], v16[:, :, :m], k16[:, :, m:].float(), v16[:, :, m:].float()
-        window = torch.ones(2, 32, dtype=torch.bool)
-        agnostic = torch.cat([snapkv_top(q, k16, m - 32, m, round(m / 3) - 32, 7), window], 1)
-        oracle = snapkv_top(q, k16, m, m + qlens[j // 2], round(m / 3), 1)
-        kept = torch.cat([snapkv_top(q, k16, m - 32, m, round(m * 8 / 12) - 32, 7), window], 1)
-        gone = torch.cat([~kept, torch.zeros(2, k16.shape[2] - m, dtype=torch.bool)], 1)
-        for name, (kk, vv), g in (("kivi", (keys(kc, 4, 8), values(vc, 4, 8)), None),
-                                  ("8/2 bits by SnapKV's score", held(kc, vc, [(agnostic, 8), (~agnostic, 2)]), None),
-                                  ("8/2 bits by the question's attention", held(kc, vc, [(oracle, 8), (~oracle, 2)]),
-                                   None),
-                                  ("8 bits on SnapKV's top, rest evicted", held(kc, vc, [(kept, 8)]), gone)):
+        kivi = ("kivi", (keys(kc, 4, 8), values(vc, 4, 8)), None)
+        for name, (kk, vv), g in [kivi, *uneven(q, k16, v16, m, m + qlens[j // 2])]:
             o = out_(torch.cat([kk, kt], 2), torch.cat([vv, vt], 2), g)
             got[name].append(float((o - ref).norm() / ref.norm()))
     for name, errs in got.items():

@@ -304,23 +304,6 @@ def attend(q, k, v, ctx_len: int, keep=None, *, first: int | None = None):
     return s.masked_fill(mask, float("-inf")).softmax(-1) @ v.repeat_interleave(rep, 1)
 
 
-def snap_votes(q, k, first: int, last: int, pool: int = 7):
-    """SnapKV's score of the keys ``k[:, :, :first]`` (``(B, h_kv, t, d)``) from the queries ``q[:, :, first:last]``:
-    each query's softmax over the keys it sees (causal, from position ``first`` on), summed over the queries,
-    max-pooled over ``pool`` positions (1: none) and averaged over a kv head's query heads: ``(h_kv, first)`` for
-    batch 0."""
-    import torch
-    import torch.nn.functional as F
-
-    rep = q.shape[1] // k.shape[1]
-    s = q[:, :, first:last] @ k[:, :, :last].float().repeat_interleave(rep, 1).transpose(-1, -2)
-    s = s / math.sqrt(q.shape[-1])
-    mask = torch.arange(last)[None, :] > torch.arange(first, last)[:, None]
-    votes = s.masked_fill(mask, float("-inf")).softmax(-1)[..., :first].sum(-2)
-    votes = F.max_pool1d(votes[0], kernel_size=pool, stride=1, padding=pool // 2)
-    return votes.unflatten(0, (k.shape[1], rep)).mean(1)
-
-
 def top(votes, count: int, extra: int = 0):
     """``(h_kv, len + extra)`` bool: each kv head's ``count`` highest ``votes (h_kv, len)`` (ties to the earlier
     position), and the ``extra`` positions after them."""
@@ -351,11 +334,13 @@ def split_held(kc, vc, parts):
 def mixed(variants: dict, keep: dict, q, k16, v16, ctx_len: int, q_len: int, group: int) -> None:
     """Add the ``MIXED`` variants (at 4 bits' bytes) for a layer's queries ``q``, keys ``k16`` and values ``v16``
     (``(1, h_kv, n, d)``, float16) whose first ``ctx_len`` are the context and the next ``q_len`` the question."""
+    from headlab.decode.snap_group import snap_scores
+
     t, third, s = ctx_len, round(ctx_len / 3), 32 / group
     kc, vc = k16[:, :, :t], v16[:, :, :t]
-    votes = snap_votes(q, k16, t - WINDOW, t)
+    votes = snap_scores(q[:, :, t - WINDOW : t], kc)[0]  # SnapKV's: max-pooled over 7, averaged over query heads
     agnostic = top(votes, max(0, third - WINDOW), WINDOW)
-    oracle = top(snap_votes(q, k16, t, t + q_len, pool=1), third)
+    oracle = top(snap_scores(q[:, :, t : t + q_len], k16[:, :, : t + q_len], pool=1)[0], third)
     kept = top(votes, max(0, round(t * (4 + s) / (8 + s)) - WINDOW), WINDOW)
     variants[MIXED[0]] = lambda: split_held(kc, vc, [(agnostic, 8, group), (~agnostic, 2, group)])
     variants[MIXED[1]] = lambda: split_held(kc, vc, [(oracle, 8, group), (~oracle, 2, group)])
