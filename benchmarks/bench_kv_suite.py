@@ -18,7 +18,8 @@ Being the runner's units, a long run keeps its finished tasks on Ctrl-C (or ``ki
     python benchmarks/bench_kv_suite.py --pool seed0.json seed1.json     # runs of other seeds: one paired table
 
 ``--pool`` reads finished result files of ``headlab kv suite`` (the same policies, different ``--seed``s, so
-different tasks) and pairs their tasks together, as one run over all of them would (writes ``kv_suite_pooled.json``).
+different tasks) and pairs their tasks together, as one run over all of them would (writes ``kv_suite_pooled.json``
+in ``benchmarks/results/``, or ``--out``'s name there).
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ def main() -> None:
     ap.add_argument("--pool", type=Path, nargs="+", default=None, help="result files to pair together (no run)")
     args = ap.parse_args()
     if args.pool:
-        return pool(args.pool)
+        return pool(args.pool, args.out.stem if args.out else "kv_suite_pooled")
     torch.set_num_threads(args.threads)
     signal.signal(signal.SIGTERM, _stop)  # `kill PID` keeps the finished tasks, as Ctrl-C does
     options = {"model": "smollm2", "policies": args.policies, "n": args.n, "tokens": args.tokens, "seed": args.seed,
@@ -68,8 +69,9 @@ def main() -> None:
     write_json("kv_suite", {"args": {k: str(v) for k, v in vars(args).items()}, **outcome.result.figures})
 
 
-def pool(paths: list[Path]) -> None:
-    """The tasks of several finished runs (the same policies and settings but the seed), paired as one run."""
+def pool(paths: list[Path], name: str) -> None:
+    """The tasks of several finished runs (the same policies and settings but the seed, and how many tasks each ran and
+    scored for perplexity), paired as one run."""
     import json
 
     from headlab.decode.suite_instrument import policy_texts, suite_rows
@@ -77,9 +79,11 @@ def pool(paths: list[Path]) -> None:
     docs = [json.loads(p.read_text()) for p in paths]
     settings = [d["headlab"]["settings"] for d in docs]
     for p, s in zip(paths[1:], settings[1:]):
-        differ = sorted(k for k in s if k != "seed" and s[k] != settings[0][k])
+        differ = sorted(k for k in s if k not in ("seed", "n", "ppl") and s[k] != settings[0][k])
         if differ:
-            raise SystemExit(f"{p}: settings {differ} differ from {paths[0]}'s; pool runs that differ by --seed only")
+            raise SystemExit(
+                f"{p}: settings {differ} differ from {paths[0]}'s; pool runs that differ by --seed, --n and --ppl only"
+            )
     seeds = [s["seed"] for s in settings]
     if len(set(seeds)) != len(seeds):
         raise SystemExit(f"the runs share a seed ({seeds}): the same tasks would count twice")
@@ -89,7 +93,7 @@ def pool(paths: list[Path]) -> None:
     figures = {"rows": rows, "tasks": len(units), "lengths": [min(lengths), max(lengths)]}
     for line in table(figures):
         print(line)
-    write_json("kv_suite_pooled", {"runs": [str(p) for p in paths], "seeds": seeds, "settings": settings[0], **figures})
+    write_json(name, {"runs": [str(p) for p in paths], "seeds": seeds, "settings": settings[0], **figures})
 
 
 def _stop(*_) -> None:
