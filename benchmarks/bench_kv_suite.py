@@ -58,9 +58,19 @@ def main() -> None:
         return pool(args.pool, args.out.stem if args.out else "kv_suite_pooled")
     torch.set_num_threads(args.threads)
     signal.signal(signal.SIGTERM, _stop)  # `kill PID` keeps the finished tasks, as Ctrl-C does
-    options = {"model": "smollm2", "policies": args.policies, "n": args.n, "tokens": args.tokens, "seed": args.seed,
-               "ppl": args.ppl, "continuation": args.continuation, "out": args.out, "force": not args.resume,
-               "kv_dtype": args.kv_dtype, "query_aware": args.query_aware}
+    options = {
+        "model": "smollm2",
+        "policies": args.policies,
+        "n": args.n,
+        "tokens": args.tokens,
+        "seed": args.seed,
+        "ppl": args.ppl,
+        "continuation": args.continuation,
+        "out": args.out,
+        "force": not args.resume,
+        "kv_dtype": args.kv_dtype,
+        "query_aware": args.query_aware,
+    }
     outcome = runner.run("kv-suite", options, resume=args.resume, progress=True)
     if outcome.result is None:
         return  # interrupted: the runner said where the finished tasks are
