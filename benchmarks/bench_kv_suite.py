@@ -18,8 +18,8 @@ Being the runner's units, a long run keeps its finished tasks on Ctrl-C (or ``ki
     python benchmarks/bench_kv_suite.py --pool seed0.json seed1.json     # runs of other seeds: one paired table
 
 ``--pool`` reads finished result files of ``headlab kv suite`` (the same policies, different ``--seed``s, so
-different tasks) and pairs their tasks together, as one run over all of them would (writes ``kv_suite_pooled.json``
-in ``benchmarks/results/``, or ``--out``'s name there).
+different tasks) and pairs their tasks together, as one run over all of them would (writes ``--out``, by default
+``benchmarks/results/kv_suite_pooled.json``).
 """
 
 from __future__ import annotations
@@ -28,11 +28,12 @@ import argparse
 import signal
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import write_json  # noqa: E402
+from _common import RESULTS, machine, write_json  # noqa: E402
 
 from headlab.cli.views.kv_suite import table  # noqa: E402
 from headlab.decode.suite_instrument import DEFAULT_POLICIES  # noqa: E402
@@ -55,7 +56,7 @@ def main() -> None:
     ap.add_argument("--pool", type=Path, nargs="+", default=None, help="result files to pair together (no run)")
     args = ap.parse_args()
     if args.pool:
-        return pool(args.pool, args.out.stem if args.out else "kv_suite_pooled")
+        return pool(args.pool, args.out or RESULTS / "kv_suite_pooled.json")
     torch.set_num_threads(args.threads)
     signal.signal(signal.SIGTERM, _stop)  # `kill PID` keeps the finished tasks, as Ctrl-C does
     options = {
@@ -79,31 +80,59 @@ def main() -> None:
     write_json("kv_suite", {"args": {k: str(v) for k, v in vars(args).items()}, **outcome.result.figures})
 
 
-def pool(paths: list[Path], name: str) -> None:
+def pool(paths: list[Path], out: Path) -> None:
     """The tasks of several finished runs (the same policies and settings but the seed, and how many tasks each ran and
     scored for perplexity), paired as one run."""
     import json
 
     from headlab.decode.suite_instrument import policy_texts, suite_rows
 
-    docs = [json.loads(p.read_text()) for p in paths]
-    settings = [d["headlab"]["settings"] for d in docs]
+    try:  # before any work: nothing pooled is lost to a bad --out
+        if out.is_dir() or not out.parent.is_dir():
+            raise OSError("not a file in a folder")
+        if not out.exists():
+            out.touch()
+            out.unlink()
+    except OSError as e:
+        _refuse(f"--out {out}: cannot be written ({e}); give a .json path in a writable folder")
+    units_of, settings = [], []
+    for p in paths:
+        try:
+            d = json.loads(p.read_text())
+            settings.append(d["headlab"]["settings"])
+            units_of.append(dict(d["units"]))
+        except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as e:
+            _refuse(f"{p}: not a finished `headlab kv suite` result ({type(e).__name__}: {e})")
     for p, s in zip(paths[1:], settings[1:]):
         differ = sorted(k for k in s if k not in ("seed", "n", "ppl") and s[k] != settings[0][k])
         if differ:
-            raise SystemExit(
+            _refuse(
                 f"{p}: settings {differ} differ from {paths[0]}'s; pool runs that differ by --seed, --n and --ppl only"
             )
     seeds = [s["seed"] for s in settings]
     if len(set(seeds)) != len(seeds):
-        raise SystemExit(f"the runs share a seed ({seeds}): the same tasks would count twice")
-    units = [u for d in docs for _, u in sorted(d["units"].items(), key=lambda kv: int(kv[0].split()[-1]))]
+        _refuse(f"the runs share a seed ({seeds}): the same tasks would count twice")
+    units = [u for us in units_of for _, u in sorted(us.items(), key=lambda kv: int(kv[0].split()[-1]))]
     rows = suite_rows(policy_texts(settings[0]["policies"]), units, seed=seeds[0])
     lengths = [u["length"] for u in units]
     figures = {"rows": rows, "tasks": len(units), "lengths": [min(lengths), max(lengths)]}
     for line in table(figures):
         print(line)
-    write_json(name, {"runs": [str(p) for p in paths], "seeds": seeds, "settings": settings[0], **figures})
+    payload = {
+        "machine": machine(),
+        "runs": [str(p) for p in paths],
+        "seeds": seeds,
+        "settings": settings[0],
+        **figures,
+    }
+    out.write_text(json.dumps(payload, indent=2, default=str) + "\n")
+    print(f"wrote {out}")
+
+
+def _refuse(message: str) -> NoReturn:
+    """One line on stderr and exit status 2, as the command line refuses bad input."""
+    print(message, file=sys.stderr)
+    raise SystemExit(2)
 
 
 def _stop(*_) -> None:

@@ -384,12 +384,11 @@ def side_table(args) -> None:
                 return statistics.median(rs) if rs else float("nan")
 
             ms = statistics.median([s for steps in r["steps"][:n] for s in steps]) * 1e3
+            other = m in d.get("other_run", ())  # timed in another run than the side's full cache: no ratio
             step = f"{ratio(tbase):.2f}x" + (f" ({ratio(tother):.2f}x vs 32-bit)" if tother else "")
-            if m in d.get("other_run", ()):
-                step = "another run"
+            step = "another run" if other else step
             held = f"{pct:.1%}" + (" (fp32 storage)" if r["bytes"][0] != r["bytes16"][0] else "")
             lines.append(f"| {side} | {m} | {sum(right)}/{n} | {score:.3f} | {pct16:.1%} | {held} | {step} | {ms:.0f} |")
-            other = m in d.get("other_run", ())
             out["rows"].append({"side": side, "method": m, "right": right, "score": score, "pct16": pct16,
                                 "pct_held": pct, "step_ratio": None if other else ratio(tbase), "step_ms": ms,
                                 "by_kind": {k: sum(x for x, t in zip(right, tasks) if t.kind == k) for k in KINDS}})
